@@ -1,0 +1,1 @@
+"""transport: move bytes and tensors inside a torch.distributed group (no InputMetadata here)."""
