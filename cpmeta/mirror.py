@@ -1,0 +1,366 @@
+"""Context-parallel zigzag mirror of prompt metadata (DESIGN section 8).
+
+Every sequence's ``sq`` query rows of this chunk are cut into ``2p`` chunks of ``ps = cdiv(sq, 2p)``
+rows (``p = cp_size``). Rank ``r`` holds chunk ``r`` and chunk ``2p-1-r``: one early and one late
+chunk, so the causal attention work is the same on every rank. Chunks are clipped to ``sq`` and
+padded with ``-1`` to ``ps`` rows, so every rank holds exactly ``cp_mirror_len = 2 * sum_s ps_s``
+rows (sequence-major: sequence 0's two chunks, then sequence 1's, ...).
+
+Worked example (one sequence, ``sq=10``, ``cp_size=2``, so ``ps = cdiv(10, 4) = 3``)::
+
+    chunk          0        1        2        3
+    local rows   0 1 2    3 4 5    6 7 8    9 - -
+    rank 0 holds chunks 0 and 3:  mirror_cp_index = [0, 1, 2, 9, -1, -1]
+    rank 1 holds chunks 1 and 2:  mirror_cp_index = [3, 4, 5, 6, 7, 8]
+    rank-major concatenation:     [0, 1, 2, 9, -1, -1, 3, 4, 5, 6, 7, 8]
+    mirror_cp_reverse_index     = [0, 1, 2, 6, 7, 8, 9, 10, 11, 3]   (row 9 sits at 3)
+
+Query-aligned fields are gathered by ``mirror_cp_index`` (pad rows 0); fields that describe whole
+sequences (``cu_seqlens_*``, the compressed-KV write and load plans, ``input_ids``) stay in the
+full layout. ``ks``/``ke`` are recomputed for each mirror row from the ORIGINAL ``cu_seqlens_k``
+because compressed-token boundaries depend on absolute positions, not on the mirror order.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional, Sequence, Union
+
+import torch
+
+from .metadata import InputMetadata
+
+__all__ = [
+    "prepare_cp_mirror",
+    "prepare_for_mirror_cp",
+    "unmirror",
+    "mirror_rows",
+    "cp_mirror_len",
+    "MIRROR_PAD_INDEX",
+    "NO_SPARSE_RATIOS_FALLBACK",
+]
+
+logger = logging.getLogger(__name__)
+
+#: ``mirror_cp_index`` value of a pad row (a chunk clipped at the end of its sequence).
+MIRROR_PAD_INDEX: int = -1
+
+#: Ratios given to :func:`prepare_cp_mirror` when the model has no sparse ratios; the resulting
+#: ``ks``/``ke`` are computed (so the kernel has a valid grid) and then dropped.
+NO_SPARSE_RATIOS_FALLBACK: tuple[int, ...] = (1,)
+
+#: Fill value of gathered index rows (``kv_ca_index``, ``kv_swa_full_index``) on pad rows.
+_PAD_INDEX_FILL: int = -1
+
+#: Expanded per-row fields (DESIGN 5) that ``prepare_for_mirror_cp`` gathers if already computed,
+#: with the value their pad rows get.
+_DERIVED_ROW_FILLS: dict[str, int] = {
+    "kv_ca_index": _PAD_INDEX_FILL,
+    "kv_ca_index_len": 0,
+    "kv_swa_full_index": _PAD_INDEX_FILL,
+}
+
+
+# ---- small helpers ---------------------------------------------------------------------------
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_cp(cp_size: object, cp_rank: object) -> None:
+    if not _is_int(cp_size) or cp_size < 1:  # type: ignore[operator]
+        raise ValueError(f"cp_size: expected an int >= 1, got {cp_size!r}")
+    if not _is_int(cp_rank) or not 0 <= cp_rank < cp_size:  # type: ignore[operator]
+        raise ValueError(f"cp_rank: expected an int in [0, {cp_size}), got {cp_rank!r}")
+
+
+def _check_cu(name: str, cu: object) -> torch.Tensor:
+    if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype.is_floating_point:
+        raise TypeError(f"{name}: expected a 1-D integer tensor, got {_describe(cu)}")
+    if cu.numel() < 1:
+        raise ValueError(f"{name}: expected at least one entry (n_seq+1), got an empty tensor")
+    return cu
+
+
+def _describe(x: object) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
+    return repr(x)
+
+
+def _loaded_compressed_len(seqlen_k: torch.Tensor, r: int) -> torch.Tensor:
+    """Compressed KV rows loaded per sequence: ``max(1, seqlen_k // r)`` (int64 in, int64 out)."""
+    return torch.clamp(seqlen_k // r, min=1)
+
+
+def _chunk_len(seqlens_q: torch.Tensor, cp_size: int) -> torch.Tensor:
+    """``ps = cdiv(sq, 2p)`` per sequence, e.g. ``sq=13, p=3 -> 3``; ``sq=1, p=3 -> 1``."""
+    two_p = 2 * cp_size
+    return (seqlens_q + (two_p - 1)) // two_p
+
+
+def cp_mirror_len(cu_seqlens_q: torch.Tensor, cp_size: int) -> int:
+    """Rows every rank holds after the mirror: ``2 * sum_s cdiv(seqlen_q[s], 2 * cp_size)``.
+
+    ``cu_seqlens_q``: [n_seq+1] integer tensor (exclusive prefix sums). Same value on every rank.
+    Example: sequences of 1, 5 and 13 rows at ``cp_size=3`` (chunks of 1, 1 and 3 rows):
+    ``2 * (1 + 1 + 3) = 10``.
+    """
+    _check_cu("cu_seqlens_q", cu_seqlens_q)
+    if not _is_int(cp_size) or cp_size < 1:
+        raise ValueError(f"cp_size: expected an int >= 1, got {cp_size!r}")
+    cu = cu_seqlens_q.to(torch.int64)
+    return int(2 * _chunk_len(cu[1:] - cu[:-1], cp_size).sum())
+
+
+# ---- the index kernel ------------------------------------------------------------------------
+
+
+def _validate_mirror_args(
+    cu_q: torch.Tensor, cu_k: torch.Tensor, ratios: Sequence[int], total_q: int, mirror_len: int,
+    cp_size: int,
+) -> None:
+    """Host-side checks of :func:`prepare_cp_mirror` (one tiny device-to-host copy on CUDA)."""
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(
+            f"cu_seqlens_k: expected the shape of cu_seqlens_q {tuple(cu_q.shape)}, "
+            f"got {tuple(cu_k.shape)}"
+        )
+    if isinstance(ratios, (str, bytes)) or not isinstance(ratios, Sequence) or not ratios:
+        raise ValueError(f"ratios: expected a non-empty sequence of positive ints, got {ratios!r}")
+    for r in ratios:
+        if not _is_int(r) or r < 1:
+            raise ValueError(f"ratios: expected positive ints, got {r!r} in {tuple(ratios)!r}")
+    q, k = cu_q.to("cpu", torch.int64), cu_k.to("cpu", torch.int64)
+    if int(q[0]) != 0 or int(k[0]) != 0:
+        raise ValueError("cu_seqlens_q/cu_seqlens_k: expected exclusive prefix sums starting at 0")
+    sq, sk = q[1:] - q[:-1], k[1:] - k[:-1]
+    if bool((sq < 0).any()):
+        raise ValueError(f"cu_seqlens_q: sequence {int((sq < 0).nonzero()[0])} has a negative length")
+    bad = (sq > sk).nonzero()
+    if bad.numel():
+        s = int(bad[0])
+        raise ValueError(
+            f"cu_seqlens_k: sequence {s} has seqlen_q {int(sq[s])} > seqlen_k {int(sk[s])}"
+        )
+    if not _is_int(total_q) or total_q != int(q[-1]):
+        raise ValueError(f"total_q: expected cu_seqlens_q[-1] = {int(q[-1])}, got {total_q!r}")
+    want = int(2 * _chunk_len(sq, cp_size).sum())
+    if not _is_int(mirror_len) or mirror_len != want:
+        raise ValueError(f"cp_mirror_len: expected 2 * sum(cdiv(seqlen_q, 2 * cp_size)) = {want}, "
+                         f"got {mirror_len!r}")
+
+
+def prepare_cp_mirror(
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    cp_size: int,
+    cp_rank: int,
+    ratios: Sequence[int],
+    total_q: int,
+    cp_mirror_len: int,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Zigzag mirror indices and per-row ``ks``/``ke`` of rank ``cp_rank``.
+
+    Inputs: ``cu_seqlens_q``/``cu_seqlens_k`` [n_seq+1] integer (exclusive prefix sums; ``k`` is
+    the ORIGINAL key layout, also when ``q`` is a compacted one), ``ratios`` the sparse ratios (pass
+    :data:`NO_SPARSE_RATIOS_FALLBACK` when there are none), ``total_q = cu_seqlens_q[-1]`` and
+    ``cp_mirror_len`` (see :func:`cp_mirror_len`); both are checked. Runs on the inputs' device.
+
+    Returns, all int32 on that device:
+
+    - ``mirror_cp_index`` [cp_mirror_len]: global row ``cu_seqlens_q[s] + local`` or -1 (pad).
+    - ``mirror_cp_reverse_index`` [total_q]: position of each global row in the rank-major
+      concatenation of every rank's mirror rows (identical on all ranks).
+    - ``ks_all``/``ke_all``: ``{str(r): [cp_mirror_len]}`` with, for a real row at absolute position
+      ``pos = (seqlen_k - seqlen_q) + local``, ``ks = base``, ``ke = base + (pos + 1) // r`` where
+      ``base = sum_{s' < s} max(1, seqlen_k[s'] // r)``; 0 on pad rows.
+
+    Row ``m`` of rank ``r`` (sequence ``s`` with chunk length ``ps``, first mirror row ``M_s``):
+    ``k = m - M_s``; ``block = r if k < ps else 2p-1-r``; ``local = block*ps + k % ps``.
+    A global row at ``local`` with ``block = local // ps`` lives on rank ``b' = min(block,
+    2p-1-block)`` at ``b' * cp_mirror_len + M_s + (block >= p) * ps + local % ps``.
+
+    Worked example: one sequence ``sq=10, seqlen_k=14`` (``q_start=4``), ``p=2``, ``r=4``:
+    ``ps=3``; rank 0: index ``[0,1,2,9,-1,-1]``, positions ``4,5,6,13``, ``ke = [1,1,1,3,0,0]``;
+    rank 1: index ``[3,4,5,6,7,8]``, positions ``7..12``, ``ke = [2,2,2,2,3,3]``; ``ks`` all 0.
+    Reverse index (both ranks): ``[0,1,2,6,7,8,9,10,11,3]``.
+    """
+    _check_cp(cp_size, cp_rank)
+    cu_q = _check_cu("cu_seqlens_q", cu_seqlens_q)
+    cu_k = _check_cu("cu_seqlens_k", cu_seqlens_k)
+    _validate_mirror_args(cu_q, cu_k, ratios, total_q, cp_mirror_len, cp_size)
+
+    dev = cu_q.device
+    i64 = dict(dtype=torch.int64, device=dev)
+    cu_q, cu_k = cu_q.to(torch.int64), cu_k.to(torch.int64)
+    sq, sk = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+    n_seq = sq.numel()
+    two_p = 2 * cp_size
+    ps = _chunk_len(sq, cp_size)  # [n_seq]
+    rows = 2 * ps
+    m_start = torch.cumsum(rows, 0) - rows  # [n_seq] first mirror row of each sequence
+
+    # ---- this rank's mirror rows ----
+    seq = torch.repeat_interleave(torch.arange(n_seq, **i64), rows, output_size=cp_mirror_len)
+    ps_row = ps[seq]
+    k = torch.arange(cp_mirror_len, **i64) - m_start[seq]
+    late = k >= ps_row  # second chunk (2p-1-r)
+    block = torch.where(late, two_p - 1 - cp_rank, cp_rank)
+    local = block * ps_row + (k - late * ps_row)
+    real = local < sq[seq]
+    mirror_index = torch.where(real, cu_q[seq] + local, MIRROR_PAD_INDEX).to(torch.int32)
+
+    # ---- reverse index over all global rows (same on every rank) ----
+    g_seq = torch.repeat_interleave(torch.arange(n_seq, **i64), sq, output_size=total_q)
+    g_local = torch.arange(total_q, **i64) - cu_q[g_seq]
+    g_ps = ps[g_seq]  # >= 1 for every existing row
+    g_block = g_local // g_ps
+    g_late = g_block >= cp_size
+    owner = torch.where(g_late, two_p - 1 - g_block, g_block)
+    reverse = owner * cp_mirror_len + m_start[g_seq] + g_late * g_ps + (g_local - g_block * g_ps)
+    reverse = reverse.to(torch.int32)
+
+    # ---- ks / ke on the original key layout ----
+    pos = (sk - sq)[seq] + local  # absolute position of each mirror row
+    ks_all: dict[str, torch.Tensor] = {}
+    ke_all: dict[str, torch.Tensor] = {}
+    for r in ratios:
+        loaded = _loaded_compressed_len(sk, r)
+        base = (torch.cumsum(loaded, 0) - loaded)[seq]
+        ks_all[str(r)] = torch.where(real, base, 0).to(torch.int32)
+        ke_all[str(r)] = torch.where(real, base + (pos + 1) // r, 0).to(torch.int32)
+    return mirror_index, reverse, ks_all, ke_all
+
+
+# ---- row helpers -----------------------------------------------------------------------------
+
+
+def mirror_rows(
+    full: torch.Tensor, mirror_index: torch.Tensor, pad_value: Union[int, float, bool] = 0
+) -> torch.Tensor:
+    """Gather rows of a full-layout tensor by a mirror index, ``pad_value`` where the index is -1.
+
+    ``full``: [total_q, ...] any dtype; ``mirror_index``: [L] integer, entries in ``[-1, total_q)``.
+    Returns a NEW tensor [L, ...] of ``full``'s dtype and device (``full`` is never aliased).
+    Example: ``full = [10, 11, 12, 13]``, ``mirror_index = [3, -1, 0]`` -> ``[13, 0, 10]``.
+    """
+    if not isinstance(full, torch.Tensor) or full.dim() < 1:
+        raise TypeError(f"full: expected a tensor with a row dimension, got {_describe(full)}")
+    if not isinstance(mirror_index, torch.Tensor) or mirror_index.dim() != 1 \
+            or mirror_index.dtype.is_floating_point:
+        raise TypeError(f"mirror_index: expected a 1-D integer tensor, got {_describe(mirror_index)}")
+    idx = mirror_index.to(device=full.device, dtype=torch.int64)
+    pad = idx < 0
+    if full.shape[0] == 0:
+        return torch.full((idx.numel(), *full.shape[1:]), pad_value, dtype=full.dtype, device=full.device)
+    out = full.index_select(0, idx.clamp(min=0))
+    return out.masked_fill_(pad.view(-1, *([1] * (full.dim() - 1))), pad_value)
+
+
+def unmirror(
+    rows_from_all_ranks: Union[torch.Tensor, Sequence[torch.Tensor]], reverse_index: torch.Tensor
+) -> torch.Tensor:
+    """Restore the full row order from every rank's mirror rows.
+
+    ``rows_from_all_ranks``: either the list of per-rank tensors ``[cp_mirror_len, ...]`` in rank
+    order (what ``all_gather`` fills) or their concatenation ``[cp_size * cp_mirror_len, ...]``;
+    ``reverse_index``: [total_q] integer (``mirror_cp_reverse_index``). Returns [total_q, ...].
+    Example (sq=10, p=2): ranks hold ``[0,1,2,9,P,P]`` and ``[3,4,5,6,7,8]`` (P = pad);
+    the concatenation indexed by ``[0,1,2,6,7,8,9,10,11,3]`` gives ``[0,1,...,9]``.
+    """
+    if isinstance(rows_from_all_ranks, torch.Tensor):
+        cat = rows_from_all_ranks
+    else:
+        parts = list(rows_from_all_ranks)
+        if not parts or not all(isinstance(t, torch.Tensor) for t in parts):
+            raise TypeError("rows_from_all_ranks: expected a tensor or a non-empty list of tensors")
+        for i, t in enumerate(parts):
+            if t.shape != parts[0].shape or t.dtype != parts[0].dtype:
+                raise ValueError(
+                    f"rows_from_all_ranks[{i}]: expected {tuple(parts[0].shape)} {parts[0].dtype} "
+                    f"like rank 0, got {tuple(t.shape)} {t.dtype}"
+                )
+        cat = torch.cat(parts, 0)
+    if not isinstance(reverse_index, torch.Tensor) or reverse_index.dim() != 1 \
+            or reverse_index.dtype.is_floating_point:
+        raise TypeError(f"reverse_index: expected a 1-D integer tensor, got {_describe(reverse_index)}")
+    return cat.index_select(0, reverse_index.to(device=cat.device, dtype=torch.int64))
+
+
+# ---- the metadata transform ------------------------------------------------------------------
+
+
+def _gather_dict(
+    d: Optional[dict[str, torch.Tensor]], index: torch.Tensor, fill: int
+) -> Optional[dict[str, torch.Tensor]]:
+    if d is None:
+        return None
+    return {k: mirror_rows(v, index, fill) for k, v in d.items()}
+
+
+def prepare_for_mirror_cp(md: InputMetadata, cp_rank: int, cp_size: int) -> InputMetadata:
+    """A NEW ``InputMetadata`` holding rank ``cp_rank``'s zigzag share of prompt metadata ``md``.
+
+    ``md`` is left untouched; fields the DESIGN 8 table does not name are the same objects.
+    Gathered by ``mirror_cp_index`` ([cp_mirror_len] rows, pad rows 0 / False):
+    ``positions`` (the original goes to ``positions_cp``, same object), ``ngram_token_ids``,
+    ``gate_force_random_cp`` (``gate_force_random`` itself is kept), ``valid_token_mask``
+    (the full mask gathered; ``mirror_cp_index != -1`` when ``md`` has none). ``ks``/``ke``
+    come from :func:`prepare_cp_mirror` with the sparse ratios = keys of ``md.ks`` (an empty or
+    missing ``ks`` runs ratio ``(1,)`` and drops the result). Added: ``mirror_cp_index``,
+    ``mirror_cp_reverse_index``, ``cp_mirror_len``, ``cp_rank``, ``cp_size``. Expanded indices
+    already computed on ``md`` (``kv_ca_index``, ``kv_ca_index_len``, ``kv_swa_full_index``)
+    are gathered too (pad rows -1 / 0), matching what ``compute_attn_info`` does on a mirrored
+    object. Example: ``sq=10, p=2`` -> rank 1 holds rows ``3..8`` with ``positions`` ``3..8``.
+    """
+    _check_cp(cp_size, cp_rank)
+    if not isinstance(md, InputMetadata):
+        raise TypeError(f"md: expected an InputMetadata, got {type(md).__name__}")
+    if md.is_prompt is not True:
+        raise ValueError(f"md.is_prompt: the CP mirror applies to prompt metadata only, got {md.is_prompt!r}")
+    if md.mirror_cp_index is not None:
+        raise ValueError(f"md.mirror_cp_index: metadata is already mirrored (cp_rank={md.cp_rank})")
+    for name in ("cu_seqlens_q", "cu_seqlens_k", "positions"):
+        if not isinstance(getattr(md, name), torch.Tensor):
+            raise ValueError(f"md.{name}: expected a tensor, got {getattr(md, name)!r}")
+
+    total_q = int(md.positions.shape[0])
+    has_ks = bool(md.ks)
+    ratios = tuple(int(r) for r in md.ks) if has_ks else NO_SPARSE_RATIOS_FALLBACK
+    length = cp_mirror_len(md.cu_seqlens_q, cp_size)
+    index, reverse, ks_all, ke_all = prepare_cp_mirror(
+        md.cu_seqlens_q, md.cu_seqlens_k, cp_size, cp_rank, ratios, total_q, length
+    )
+    index = index.to(md.positions.device)
+    reverse = reverse.to(md.positions.device)
+    if md.valid_token_mask is not None:
+        valid = mirror_rows(md.valid_token_mask, index, False)
+    else:
+        valid = index != MIRROR_PAD_INDEX
+    changes: dict[str, object] = dict(
+        positions=mirror_rows(md.positions, index, 0),
+        positions_cp=md.positions,
+        valid_token_mask=valid,
+        mirror_cp_index=index,
+        mirror_cp_reverse_index=reverse,
+        cp_mirror_len=length,
+        cp_rank=cp_rank,
+        cp_size=cp_size,
+    )
+    if md.ngram_token_ids is not None:
+        changes["ngram_token_ids"] = mirror_rows(md.ngram_token_ids, index, 0)
+    if md.gate_force_random is not None:
+        changes["gate_force_random_cp"] = mirror_rows(md.gate_force_random, index, False)
+    if has_ks:
+        changes["ks"] = {k: ks_all[k] for k in md.ks}
+        changes["ke"] = {k: ke_all[k] for k in md.ks}
+    for name, fill in _DERIVED_ROW_FILLS.items():
+        value = getattr(md, name)
+        if isinstance(value, dict):
+            changes[name] = _gather_dict(value, index, fill)
+        elif isinstance(value, torch.Tensor):
+            changes[name] = mirror_rows(value, index, fill)
+    logger.debug("mirrored %d rows to %d on cp rank %d/%d", total_q, length, cp_rank, cp_size)
+    return md.replace(**changes)
