@@ -1,0 +1,90 @@
+"""Literal per-row reference of the zigzag CP mirror (DESIGN section 8), the oracle for tests.
+
+Plain Python loops over sequences, chunks and rows, written to be read against the DESIGN text;
+no torch. The reverse index is found by building every rank's rows and searching them, not by
+the closed formula the library uses.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+__all__ = ["ref_prepare_cp_mirror", "ref_all_ranks", "ref_mirror_field"]
+
+PAD = -1
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _rank_rows(seqlens_q: Sequence[int], cp_size: int, cp_rank: int) -> list[tuple[int, int]]:
+    """``(sequence, local row)`` of each mirror row of one rank, ``(s, -1)`` for a pad row."""
+    out: list[tuple[int, int]] = []
+    for s, sq in enumerate(seqlens_q):
+        ps = _cdiv(sq, 2 * cp_size)
+        for block in (cp_rank, 2 * cp_size - 1 - cp_rank):
+            for j in range(ps):
+                local = ps * block + j
+                out.append((s, local if local < sq else PAD))
+    return out
+
+
+def ref_prepare_cp_mirror(
+    seqlens_q: Sequence[int], seqlens_k: Sequence[int], cp_size: int, cp_rank: int,
+    ratios: Sequence[int],
+) -> dict[str, Any]:
+    """Reference of ``prepare_cp_mirror`` for one rank, as Python lists.
+
+    Returns ``{"mirror_cp_index", "mirror_cp_reverse_index", "ks", "ke", "cp_mirror_len"}``;
+    ``ks``/``ke`` are dicts keyed by ``str(r)``.
+    """
+    cu_q = [0]
+    for sq in seqlens_q:
+        cu_q.append(cu_q[-1] + sq)
+    rows = _rank_rows(seqlens_q, cp_size, cp_rank)
+    index = [PAD if j == PAD else cu_q[s] + j for s, j in rows]
+
+    every_rank: list[int] = []
+    for r in range(cp_size):
+        every_rank += [PAD if j == PAD else cu_q[s] + j for s, j in _rank_rows(seqlens_q, cp_size, r)]
+    reverse = []
+    for g in range(cu_q[-1]):
+        hits = [m for m, x in enumerate(every_rank) if x == g]
+        assert len(hits) == 1, f"row {g} held {len(hits)} times"
+        reverse.append(hits[0])
+
+    ks: dict[str, list[int]] = {}
+    ke: dict[str, list[int]] = {}
+    for r in ratios:
+        ks[str(r)], ke[str(r)] = [], []
+        for s, j in rows:
+            if j == PAD:
+                ks[str(r)].append(0)
+                ke[str(r)].append(0)
+                continue
+            base = 0
+            for s2 in range(s):
+                base += max(1, seqlens_k[s2] // r)
+            pos = seqlens_k[s] - seqlens_q[s] + j
+            ks[str(r)].append(base)
+            ke[str(r)].append(base + (pos + 1) // r)
+    return {
+        "mirror_cp_index": index,
+        "mirror_cp_reverse_index": reverse,
+        "ks": ks,
+        "ke": ke,
+        "cp_mirror_len": len(rows),
+    }
+
+
+def ref_all_ranks(
+    seqlens_q: Sequence[int], seqlens_k: Sequence[int], cp_size: int, ratios: Sequence[int]
+) -> list[dict[str, Any]]:
+    """:func:`ref_prepare_cp_mirror` for every rank ``0..cp_size-1``."""
+    return [ref_prepare_cp_mirror(seqlens_q, seqlens_k, cp_size, r, ratios) for r in range(cp_size)]
+
+
+def ref_mirror_field(full_rows: Sequence[Any], mirror_index: Sequence[int], pad: Any) -> list[Any]:
+    """Rows of a full-layout list picked by a mirror index, ``pad`` on pad rows."""
+    return [pad if i == PAD else full_rows[i] for i in mirror_index]
