@@ -1,0 +1,147 @@
+"""MetadataBroadcaster equivalence on real gloo processes (2 and 4 ranks).
+
+Each test starts its ranks once and runs many checks inside them: every rank regenerates the
+driver's random batch from the shared seed, rebuilds it locally and compares the received
+metadata bit for bit (``metadata_diff``), aliasing and empty dicts included.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from multiproc import run_ranks
+
+N_RANDOM = 12  # random batches per path per run
+
+
+def _random_case(seed: int, i: int, is_prompt: bool):
+    import cpmeta
+    from strategies import random_config, random_decode_batch, random_prompt_batch
+
+    rng = random.Random(seed * 1000 + i)
+    cfg = random_config(rng)
+    if is_prompt:
+        seqs = random_prompt_batch(rng, cfg, max_total_q=600)
+        return cfg, cpmeta.prepare_prompt(seqs, cfg)
+    seqs = random_decode_batch(rng, cfg)
+    return cfg, cpmeta.prepare_decode(seqs, cfg)
+
+
+def _expect_same(local, got, cfg, what: str) -> None:
+    from cpmeta.metadata import metadata_diff
+
+    diffs = metadata_diff(local, got, cfg=cfg)
+    assert not diffs, f"{what}: {diffs}"
+
+
+def _equivalence(rank: int, world: int, seed: int, force_remote: bool) -> int:
+    import cpmeta
+
+    checked = 0
+    with cpmeta.MetadataBroadcaster(src=0, force_remote=force_remote, timeout=30) as bc:
+        for i in range(N_RANDOM):
+            for is_prompt in (True, False):
+                cfg, local = _random_case(seed, i, is_prompt)
+                got = bc.broadcast(local if rank == 0 else None)
+                _expect_same(local, got, cfg, f"case {i} prompt={is_prompt}")
+                # after expansion, too (a second metadata object: expand on the driver first)
+                cfg, local = _random_case(seed, i, is_prompt)
+                local.compute_attn_info(cfg)
+                got = bc.broadcast(local if rank == 0 else None)
+                _expect_same(local, got, cfg, f"case {i} prompt={is_prompt} + attn info")
+                checked += 2
+        # aliasing: one tensor reachable by two paths stays one tensor
+        cfg, local = _random_case(seed, 99, True)
+        mirrored = cpmeta.prepare_for_mirror_cp(local, 0, 2)
+        assert mirrored.positions_cp is local.positions
+        aliased = local.replace(positions_cp=local.positions)
+        got = bc.broadcast(aliased if rank == 0 else None)
+        assert got.positions_cp is got.positions, "aliasing lost"
+        assert torch.equal(got.positions, local.positions)
+        # empty dicts survive: a config with no sparse ratios has ks == {}
+        from strategies import random_prompt_batch
+
+        cfg0 = cpmeta.MetadataConfig(dense_compress_ratios=(4,), sparse_compress_ratios=())
+        seqs = random_prompt_batch(random.Random(seed), cfg0, max_total_q=300)
+        local = cpmeta.prepare_prompt(seqs, cfg0)
+        assert local.ks == {}
+        got = bc.broadcast(local if rank == 0 else None)
+        assert got.ks == {} and isinstance(got.ks, dict) and got.ke == {}
+        _expect_same(local, got, cfg0, "no sparse ratios")
+        checked += 2
+    return checked
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_followers_equal_driver(world: int) -> None:
+    counts = run_ranks(_equivalence, world, 1234, False, timeout=240)
+    assert counts == [counts[0]] * world and counts[0] == 4 * N_RANDOM + 2
+
+
+def test_forced_remote_path() -> None:
+    counts = run_ranks(_equivalence, 2, 77, True, timeout=240)
+    assert counts[0] == 4 * N_RANDOM + 2
+
+
+def _subgroup(rank: int, world: int, seed: int) -> int:
+    """Ranks 1..3 form a CP group whose driver is global rank 2; rank 0 stays outside."""
+    import torch.distributed as dist
+
+    import cpmeta
+
+    members = [1, 2, 3]
+    group = dist.new_group(members, backend="gloo")
+    if rank not in members:
+        return -1
+    n = 0
+    with cpmeta.MetadataBroadcaster(group=group, src=2, timeout=30) as bc:
+        for i in range(4):
+            cfg, local = _random_case(seed, i, i % 2 == 0)
+            got = bc.broadcast(local if rank == 2 else None)
+            _expect_same(local, got, cfg, f"subgroup case {i}")
+            n += 1
+    return n
+
+
+def test_subgroup_with_nonzero_src() -> None:
+    assert run_ranks(_subgroup, 4, 5, timeout=180) == [-1, 4, 4, 4]
+
+
+def _schema_mismatch(rank: int, world: int) -> str:
+    import cpmeta
+    import cpmeta.broadcast as cb
+
+    with cpmeta.MetadataBroadcaster(src=0, timeout=30) as bc:
+        if rank == 1:
+            cb.SCHEMA_FINGERPRINT = "0" * 16  # pretend this follower runs another cpmeta version
+        cfg, local = _random_case(3, 0, False)
+        try:
+            bc.broadcast(local if rank == 0 else None)
+        except RuntimeError as e:
+            return str(e)
+        return "ok"
+
+
+def test_schema_mismatch_is_an_error_on_the_follower() -> None:
+    out = run_ranks(_schema_mismatch, 2, timeout=120)
+    assert out[0] == "ok"
+    assert "schema fingerprint mismatch" in out[1] and "rank 1" in out[1]
+
+
+def _bad_calls(rank: int, world: int) -> list[str]:
+    import cpmeta
+
+    errs = []
+    with cpmeta.MetadataBroadcaster(src=0, timeout=30) as bc:
+        try:
+            bc.broadcast(None if rank == 0 else cpmeta.InputMetadata())
+        except (TypeError, ValueError) as e:
+            errs.append(type(e).__name__)
+    return errs
+
+
+def test_wrong_role_arguments_raise_before_sending() -> None:
+    assert run_ranks(_bad_calls, 2, timeout=120) == [["TypeError"], ["ValueError"]]
