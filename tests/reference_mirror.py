@@ -1,15 +1,24 @@
 """Literal per-row reference of the zigzag CP mirror (DESIGN section 8), the oracle for tests.
 
 Plain Python loops over sequences, chunks and rows, written to be read against the DESIGN text;
-no torch. The reverse index is found by building every rank's rows and searching them, not by
-the closed formula the library uses.
+no torch in the reference itself. The reverse index is found by building every rank's rows and
+searching them, not by the closed formula the library uses. :func:`check_unmirror_equivalence`
+(torch) is the one checker shared by the single-process and the multi-rank tests.
 """
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-__all__ = ["ref_prepare_cp_mirror", "ref_all_ranks", "ref_mirror_field"]
+import torch
+
+from cpmeta.metadata import InputMetadata
+from cpmeta.mirror import unmirror
+
+__all__ = [
+    "ref_prepare_cp_mirror", "ref_all_ranks", "ref_mirror_field", "check_unmirror_equivalence",
+    "ROW_FIELDS_PAD", "row_items",
+]
 
 PAD = -1
 
@@ -88,3 +97,59 @@ def ref_all_ranks(
 def ref_mirror_field(full_rows: Sequence[Any], mirror_index: Sequence[int], pad: Any) -> list[Any]:
     """Rows of a full-layout list picked by a mirror index, ``pad`` on pad rows."""
     return [pad if i == PAD else full_rows[i] for i in mirror_index]
+
+
+# ---- torch checker shared by test_mirror.py and test_mirror_multirank.py ----------------------
+
+#: Per-row fields compared after un-mirroring, with the value their pad rows must hold.
+ROW_FIELDS_PAD: dict[str, Any] = {
+    "positions": 0,
+    "valid_token_mask": False,
+    "gate_force_random_cp": False,
+    "ngram_token_ids": 0,
+    "ks": 0,
+    "ke": 0,
+    "kv_swa_full_index": -1,
+    "kv_ca_index": -1,
+    "kv_ca_index_len": 0,
+}
+
+#: Where the full-layout value of a mirrored field lives in the non-CP metadata.
+_FULL_NAME = {"gate_force_random_cp": "gate_force_random"}
+
+
+def row_items(md: InputMetadata, name: str) -> dict[str, torch.Tensor]:
+    """``{path: tensor}`` of one field: ``{name: t}`` or ``{"name.key": t}`` per dict entry."""
+    v = getattr(md, name)
+    if v is None:
+        return {}
+    return {f"{name}.{k}": x for k, x in v.items()} if isinstance(v, dict) else {name: v}
+
+
+def check_unmirror_equivalence(full: InputMetadata, parts: list[InputMetadata]) -> int:
+    """``cat(rank rows)[reverse] == full rows`` and pad-row values, for every row field; returns #checks.
+
+    ``full`` has had ``compute_attn_info``; ``parts[r]`` is rank r's mirrored, expanded metadata.
+    The multi-rank test passes objects rebuilt from all-gathered rows (only the row fields,
+    ``mirror_cp_index``, ``mirror_cp_reverse_index`` and ``cp_mirror_len`` are read).
+    """
+    checks = 0
+    reverse = parts[0].mirror_cp_reverse_index
+    for part in parts:
+        assert torch.equal(part.mirror_cp_reverse_index, reverse)
+    for name, pad in ROW_FIELDS_PAD.items():
+        full_name = _FULL_NAME.get(name, name)
+        want = {name + path[len(full_name):]: x for path, x in row_items(full, full_name).items()}
+        got_parts = [row_items(part, name) for part in parts]
+        for r, got in enumerate(got_parts):
+            assert set(got) == set(want), f"{name} rank {r}: paths {sorted(got)} vs {sorted(want)}"
+        for mpath, full_rows in want.items():
+            rows = [g[mpath] for g in got_parts]
+            for r, (x, part) in enumerate(zip(rows, parts)):
+                assert x.shape[0] == part.cp_mirror_len, f"{mpath} rank {r}: {tuple(x.shape)}"
+                assert x.dtype == full_rows.dtype, f"{mpath} rank {r}: {x.dtype}"
+                pads = x[part.mirror_cp_index < 0]
+                assert bool((pads == pad).all()), f"{mpath} rank {r}: pad rows hold {pads.tolist()}"
+            assert torch.equal(unmirror(rows, reverse), full_rows), f"{mpath}: un-mirrored rows differ"
+            checks += 1
+    return checks

@@ -25,7 +25,14 @@ from cpmeta.mirror import (
     prepare_for_mirror_cp,
     unmirror,
 )
-from reference_mirror import ref_all_ranks, ref_mirror_field, ref_prepare_cp_mirror
+from reference_mirror import (
+    check_unmirror_equivalence,
+    ref_all_ranks,
+    ref_mirror_field,
+    ref_prepare_cp_mirror,
+    row_items,
+)
+from strategies import prompt_cases
 
 I32 = torch.int32
 ROOT = Path(__file__).resolve().parents[1]
@@ -362,3 +369,59 @@ def test_public_exports() -> None:
     assert cpmeta.prepare_cp_mirror is prepare_cp_mirror
     assert cpmeta.prepare_for_mirror_cp is prepare_for_mirror_cp
     assert cpmeta.unmirror is unmirror and cpmeta.mirror_rows is mirror_rows
+
+
+# ---- with the real builders: un-mirror equivalence of every per-row field -------------------------
+
+def _mirror_all(full_fresh: InputMetadata, cfg: Any, p: int) -> list[InputMetadata]:
+    return [prepare_for_mirror_cp(full_fresh, r, p).compute_attn_info(cfg) for r in range(p)]
+
+
+@needs_builders
+@settings(max_examples=40, deadline=None)
+@given(case=prompt_cases(), p=st.integers(1, 8))
+def test_unmirror_equivalence_with_builders(case: Any, p: int) -> None:
+    from cpmeta.prompt import prepare_prompt
+
+    cfg, seqs = case
+    fresh = prepare_prompt(seqs, cfg)
+    parts = _mirror_all(fresh, cfg, p)  # attn_info's gather on mirrored objects
+    assert fresh.kv_swa_full_index is None and fresh.mirror_cp_index is None  # md untouched
+    full = prepare_prompt(seqs, cfg).compute_attn_info(cfg)
+    assert check_unmirror_equivalence(full, parts) >= 5
+    # expanding first and mirroring afterwards (prepare_for_mirror_cp's own gather) agrees
+    early = [prepare_for_mirror_cp(full, r, p) for r in range(p)]
+    for a, b in zip(parts, early):
+        for name in ("kv_swa_full_index", "kv_ca_index", "kv_ca_index_len"):
+            for path, x in row_items(a, name).items():
+                assert torch.equal(x, row_items(b, name)[path]), path
+    # mirrored ks/ke agree with the literal reference of the mirror
+    ratios = tuple(int(k) for k in full.ks) or NO_SPARSE_RATIOS_FALLBACK
+    sq = [s.seqlen_q for s in seqs]
+    sk = [s.seqlen_k for s in seqs]
+    for r, part in enumerate(parts):
+        ref = ref_prepare_cp_mirror(sq, sk, p, r, ratios)
+        for k in full.ks:
+            assert part.ks[k].tolist() == ref["ks"][k] and part.ke[k].tolist() == ref["ke"][k]
+
+
+@needs_builders
+def test_named_builder_case_cp2_sq10() -> None:
+    """cp=2 sq=10 through prepare_prompt: rank 0 sees positions 4,5,6,13 (+ two pad rows)."""
+    from cpmeta.config import MetadataConfig
+    from cpmeta.prompt import prepare_prompt
+    from cpmeta.sequence import SequenceMetadata
+
+    cfg = MetadataConfig(block_size=16, window_size=4, swa_block_size=4, dense_compress_ratios=(4,),
+                         sparse_compress_ratios=(4,), max_model_len=64)
+    seq = SequenceMetadata(seqlen_q=10, seqlen_k=14, block_table=[3], state_id=1, token_ids=list(range(14)))
+    full = prepare_prompt([seq], cfg)
+    r0 = prepare_for_mirror_cp(full, 0, 2).compute_attn_info(cfg)
+    assert r0.positions.tolist() == [4, 5, 6, 13, 0, 0]
+    assert r0.valid_token_mask.tolist() == [True] * 4 + [False] * 2
+    assert r0.ke["4"].tolist() == [1, 1, 1, 3, 0, 0]
+    # kv_ca_index of the row at pos 13: offset 0, len 14//4 = 3 -> [0, 1, 2, -1, ...]; pad rows all -1
+    assert r0.kv_ca_index["4"][3, :4].tolist() == [0, 1, 2, -1]
+    assert bool((r0.kv_ca_index["4"][4:] == -1).all())
+    assert r0.kv_ca_index_len["4"].tolist() == [1, 1, 1, 3, 0, 0]
+    assert bool((r0.kv_swa_full_index[4:] == -1).all())
