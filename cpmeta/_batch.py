@@ -1,0 +1,334 @@
+"""Per-sequence array extraction and the fields both builders share (DESIGN sections 3 and 4).
+
+The builders do ONE Python pass over the ``SequenceMetadata`` objects (a handful of
+``map(attrgetter)`` list extractions plus one ``np.fromiter`` over the chained token ids and block
+tables); everything after that is vectorized numpy over all sequences / rows at once. Results are
+written straight into the output tensors through their ``.numpy()`` views, so no intermediate torch
+tensors are created on the hot path.
+
+Row layout: rows are query rows in varlen order. For sequence ``s`` with ``seqlen_q = 3`` and
+``seqlen_k = 10`` the rows hold local index ``j = 0, 1, 2`` and absolute positions ``7, 8, 9``
+(``q_start = seqlen_k - seqlen_q = 7``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from itertools import chain
+from operator import attrgetter
+from typing import Any, Optional, Sequence, TypeVar
+
+import numpy as np
+import torch
+
+from .config import MetadataConfig
+from .constants import INT32_MAX, PAD_SLOT_ID, PLACEHOLDER_QUERY_INDEX
+from .metadata import get_or_create_tensor
+from .sequence import SequenceMetadata, validate_batch
+
+__all__ = [
+    "BatchArrays",
+    "extract_batch",
+    "loaded_compressed_len",
+    "cdiv",
+    "check_int32",
+    "alloc",
+    "fill_common",
+    "int_array",
+    "check_common_int32",
+    "compressed_slots",
+]
+
+logger = logging.getLogger(__name__)
+
+_SQ = attrgetter("seqlen_q")
+_SK = attrgetter("seqlen_k")
+_STATE = attrgetter("state_id")
+_SVS = attrgetter("swa_valid_start")
+_PH = attrgetter("is_placeholder")
+_TOK = attrgetter("token_ids")
+_DRAFT = attrgetter("draft_tokens")
+_BT = attrgetter("block_table")
+
+_LIST_TYPES = frozenset((list, tuple, range))
+
+IntLike = TypeVar("IntLike", int, np.ndarray, torch.Tensor)
+
+
+def loaded_compressed_len(seqlen_k: IntLike, r: int) -> IntLike:
+    """Compressed KV rows loaded for a sequence: ``max(1, seqlen_k // r)``.
+
+    The ONE helper behind ``cu_compressed_seqlens_k`` (loaded rows), the ``ks``/``ke`` base and
+    the prompt ``kv_ca_index_offset_len`` offset: a sequence shorter than ``r`` still occupies one
+    (zero-filled) row, so all three must step by the same amount. Works on ``int``, numpy arrays and
+    torch tensors (elementwise). Example: ``seqlen_k = [3, 8, 13]``, ``r = 4`` -> ``[1, 2, 3]``.
+    """
+    if isinstance(seqlen_k, torch.Tensor):
+        return torch.clamp(seqlen_k // r, min=1)
+    if isinstance(seqlen_k, np.ndarray):
+        return np.maximum(seqlen_k // r, 1)
+    return max(1, seqlen_k // r)
+
+
+def cdiv(a: IntLike, b: int) -> IntLike:
+    """Ceiling division ``-(-a // b)`` (elementwise for arrays). Example: ``cdiv(75, 32) == 3``."""
+    return -(-a // b)
+
+
+def check_int32(what: str, value: int, why: str) -> None:
+    """Raise ``ValueError`` if ``value`` (a bound computed BEFORE allocation) exceeds int32.
+
+    ``what`` names the field, ``why`` the config/batch quantities that produce the bound.
+    """
+    if int(value) > INT32_MAX:
+        raise ValueError(
+            f"{what}: int32 overflow, {why} = {int(value)} > 2**31 - 1; "
+            "reduce the batch, max_model_len or the ids, or raise the compress ratio"
+        )
+
+
+def alloc(
+    out: Optional[dict[str, torch.Tensor]], name: str, shape: Sequence[int], dtype: torch.dtype
+) -> tuple[torch.Tensor, np.ndarray]:
+    """``get_or_create_tensor`` plus the tensor's numpy view (same memory) for vectorized fills."""
+    t = get_or_create_tensor(out, name, tuple(shape), dtype)
+    return t, t.numpy()
+
+
+def int_array(parts: Sequence[Any], total: int) -> np.ndarray:
+    """Concatenate int sequences (lists, tuples, numpy arrays or tensors) into one int64 array.
+
+    One ``np.fromiter`` over ``itertools.chain`` for Python lists (the fastest way to read Python
+    ints), ``np.concatenate`` when every part already is an array.
+    """
+    kinds = set(map(type, parts))
+    if kinds <= _LIST_TYPES:
+        return np.fromiter(chain.from_iterable(parts), np.int64, total)
+    if kinds == {np.ndarray}:
+        return np.concatenate(parts).astype(np.int64, copy=False) if parts else np.zeros(0, np.int64)
+    if kinds == {torch.Tensor}:
+        return torch.cat([p.reshape(-1) for p in parts]).to(torch.int64).numpy()
+    return np.fromiter((int(x) for x in chain.from_iterable(parts)), np.int64, total)
+
+
+@dataclass(slots=True)
+class BatchArrays:
+    """Per-sequence ([n_seq]) and per-row ([total_q]) int64 numpy arrays of one batch.
+
+    ``bt_flat`` holds each sequence's first ``bt_need[s]`` block ids (``blocks_needed``) back to
+    back, starting at ``bt_start[s]``, plus ONE trailing 0 that masked lookups point at, so a
+    gather never needs a bounds branch.
+    """
+
+    n_seq: int
+    total_q: int
+    seqlen_q: np.ndarray  # [n_seq] int64
+    seqlen_k: np.ndarray  # [n_seq] int64
+    q_start: np.ndarray  # [n_seq] int64, seqlen_k - seqlen_q
+    state_id: np.ndarray  # [n_seq] int64
+    swa_valid_start: np.ndarray  # [n_seq] int64
+    is_placeholder: np.ndarray  # [n_seq] bool
+    cu_q: np.ndarray  # [n_seq+1] int64, exclusive prefix sums of seqlen_q
+    cu_k: np.ndarray  # [n_seq+1] int64, exclusive prefix sums of seqlen_k
+    bt_flat: np.ndarray  # [sum(bt_need) + 1] int64, needed block ids + a trailing 0
+    bt_start: np.ndarray  # [n_seq] int64, offset of each table in bt_flat
+    bt_need: np.ndarray  # [n_seq] int64, blocks_needed(seqlen_k)
+    input_ids: np.ndarray  # [total_q] int64
+    row_seq: np.ndarray  # [total_q] int64, sequence of each row
+    row_j: np.ndarray  # [total_q] int64, local index j
+    row_pos: np.ndarray  # [total_q] int64, absolute position q_start + j
+    seqs: Sequence[SequenceMetadata]  # the input (for Engram token windows)
+    is_prompt: bool
+
+
+def _fast_checks_ok(
+    cfg: MetadataConfig, is_prompt: bool, lists: dict[str, list], n_tok: np.ndarray,
+    n_draft: np.ndarray, n_bt: np.ndarray,
+) -> bool:
+    """Vectorized version of every check of ``validate_batch``; False sends us to the slow path."""
+    for vals in lists.values():
+        if set(map(type, vals)) != {int}:
+            return False
+    sq, sk = np.array(lists["seqlen_q"]), np.array(lists["seqlen_k"])
+    st, svs = np.array(lists["state_id"]), np.array(lists["swa_valid_start"])
+    ok = (sq >= 1) & (sq <= sk) & (sk <= cfg.max_model_len) & (st >= 0) & (svs >= 0)
+    if is_prompt:
+        ok &= (n_tok >= sk) & (n_draft == 0)
+    else:
+        ok &= (n_tok == sk - sq + 1) & (n_draft == sq - 1)
+    ok &= n_bt >= _blocks_needed(sk, cfg)
+    return bool(ok.all())
+
+
+def _blocks_needed(sk: np.ndarray, cfg: MetadataConfig) -> np.ndarray:
+    """Vectorized ``sequence.blocks_needed``: ``max_n cdiv(seqlen_k // n, block_size // n)``."""
+    need = np.zeros_like(sk)
+    for n in cfg.ca_ratios:
+        np.maximum(need, cdiv(sk // n, cfg.block_size // n), out=need)
+    return need
+
+
+def extract_batch(
+    seqs: Sequence[SequenceMetadata], cfg: MetadataConfig, *, is_prompt: bool
+) -> BatchArrays:
+    """Validate ``seqs`` (same errors as ``validate_batch``) and extract every array the builders use.
+
+    The checks of ``validate_batch`` run vectorized first; only when one fails (or an input is not
+    a plain ``int``) is ``validate_batch`` itself called, so the error message comes from the one
+    place that defines it. Example: 2 decode sequences ``(seqlen_q, seqlen_k) = (1, 5), (3, 9)``
+    give ``cu_q = [0, 1, 4]``, ``row_seq = [0, 1, 1, 1]``, ``row_j = [0, 0, 1, 2]``,
+    ``row_pos = [4, 6, 7, 8]``.
+    """
+    if (
+        isinstance(seqs, SequenceMetadata) or not isinstance(seqs, Sequence) or len(seqs) == 0
+        or set(map(type, seqs)) != {SequenceMetadata}
+    ):
+        validate_batch(seqs, cfg, is_prompt=is_prompt)
+    lists = {
+        "seqlen_q": list(map(_SQ, seqs)), "seqlen_k": list(map(_SK, seqs)),
+        "state_id": list(map(_STATE, seqs)), "swa_valid_start": list(map(_SVS, seqs)),
+    }
+    toks, drafts, tables = list(map(_TOK, seqs)), list(map(_DRAFT, seqs)), list(map(_BT, seqs))
+    n_tok = np.array(list(map(len, toks)), np.int64)
+    n_draft = np.array(list(map(len, drafts)), np.int64)
+    n_bt = np.array(list(map(len, tables)), np.int64)
+    if not _fast_checks_ok(cfg, is_prompt, lists, n_tok, n_draft, n_bt):
+        validate_batch(seqs, cfg, is_prompt=is_prompt)
+    sq = np.array(lists["seqlen_q"], np.int64)
+    sk = np.array(lists["seqlen_k"], np.int64)
+    n = len(seqs)
+    cu_q = np.zeros(n + 1, np.int64)
+    np.cumsum(sq, out=cu_q[1:])
+    cu_k = np.zeros(n + 1, np.int64)
+    np.cumsum(sk, out=cu_k[1:])
+    total_q = int(cu_q[-1])
+    q_start = sk - sq
+    bt_need = _blocks_needed(sk, cfg)
+    bt_flat, bt_start = _flat_tables(tables, n_bt, bt_need)
+    if is_prompt:
+        parts = list(map(_slice, toks, q_start.tolist(), lists["seqlen_k"]))
+        input_ids = int_array(parts, total_q)
+    elif total_q == n:
+        input_ids = int_array([[t[-1] for t in toks]], n)
+    else:
+        input_ids = int_array([x for t, d in zip(toks, drafts) for x in ((t[-1],), d)], total_q)
+    if total_q == n:
+        row_seq, row_j = np.arange(n, dtype=np.int64), np.zeros(n, np.int64)
+    else:
+        row_seq = np.repeat(np.arange(n, dtype=np.int64), sq)
+        row_j = np.arange(total_q, dtype=np.int64) - cu_q[row_seq]
+    return BatchArrays(
+        n_seq=n, total_q=total_q, seqlen_q=sq, seqlen_k=sk, q_start=q_start,
+        state_id=np.array(lists["state_id"], np.int64),
+        swa_valid_start=np.array(lists["swa_valid_start"], np.int64),
+        is_placeholder=np.array(list(map(_PH, seqs)), bool), cu_q=cu_q, cu_k=cu_k,
+        bt_flat=bt_flat, bt_start=bt_start, bt_need=bt_need, input_ids=input_ids,
+        row_seq=row_seq, row_j=row_j, row_pos=q_start[row_seq] + row_j, seqs=seqs,
+        is_prompt=is_prompt,
+    )
+
+
+def _slice(x: Sequence[int], a: int, b: int) -> Sequence[int]:
+    return x[a:b]
+
+
+def _flat_tables(
+    tables: list[Sequence[int]], n_bt: np.ndarray, need: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Concatenate the first ``need[s]`` block ids of every table, plus one trailing 0.
+
+    Example: tables ``[[7, 8, 9], [4]]``, need ``[2, 1]`` -> ``bt_flat = [7, 8, 4, 0]``,
+    ``bt_start = [0, 2]``.
+    """
+    start = np.zeros(len(tables) + 1, np.int64)
+    np.cumsum(need, out=start[1:])
+    total = int(start[-1])
+    if not np.array_equal(n_bt, need):
+        tables = list(map(_slice, tables, [0] * len(tables), need.tolist()))
+    flat = np.empty(total + 1, np.int64)
+    flat[:total] = int_array(tables, total)
+    flat[total] = 0
+    if total and flat[:total].min() < 0:
+        bad = int(np.searchsorted(start[1:], int(np.argmax(flat[:total] < 0)), side="right"))
+        raise ValueError(f"seqs[{bad}].block_table: expected block ids >= 0, got a negative id")
+    return flat, start[:-1]
+
+
+def fill_common(
+    b: BatchArrays, cfg: MetadataConfig, out: Optional[dict[str, torch.Tensor]]
+) -> dict[str, Any]:
+    """Fields shared by prompt and decode (DESIGN section 4, "Common"), as InputMetadata kwargs.
+
+    ``positions``, ``input_ids``, ``gate_force_random``, ``ngram_token_ids`` (None when
+    ``max_ngram_size == 0``), ``cu_seqlens_q``/``cu_seqlens_k`` [n_seq+1], ``valid_token_mask``,
+    ``query_indices`` (998244353 on placeholder rows), ``slot_mapping_store_swa`` and the scalars.
+    Example (S = 4, one sequence, state 2, seqlen_q = 6, seqlen_k = 9): positions 3..8; rows with
+    ``seqlen_q - j <= 4`` are j = 2..5 (positions 5..8) -> SWA slots ``[-1, -1, 9, 10, 11, 8]``.
+    """
+    T, n = b.total_q, b.n_seq
+    ph_row = b.is_placeholder[b.row_seq]
+    f: dict[str, Any] = {
+        "is_prompt": b.is_prompt, "num_seqs": n, "total_q": T,
+        "max_seqlen_q": int(b.seqlen_q.max()), "max_seqlen_k": int(b.seqlen_k.max()),
+    }
+    f["positions"], a = alloc(out, "positions", (T,), torch.int32)
+    a[:] = b.row_pos
+    f["input_ids"], a = alloc(out, "input_ids", (T,), torch.int32)
+    a[:] = b.input_ids
+    f["gate_force_random"], a = alloc(out, "gate_force_random", (T,), torch.bool)
+    a.fill(cfg.force_load_balance)
+    f["cu_seqlens_q"], a = alloc(out, "cu_seqlens_q", (n + 1,), torch.int32)
+    a[:] = b.cu_q
+    f["cu_seqlens_k"], a = alloc(out, "cu_seqlens_k", (n + 1,), torch.int32)
+    a[:] = b.cu_k
+    f["valid_token_mask"], a = alloc(out, "valid_token_mask", (T,), torch.bool)
+    np.logical_not(ph_row, out=a)
+    f["query_indices"], a = alloc(out, "query_indices", (T,), torch.int32)
+    a[:] = np.where(ph_row, PLACEHOLDER_QUERY_INDEX, b.row_seq)
+    S = cfg.swa_block_size
+    keep = ~ph_row & ((b.seqlen_q[b.row_seq] - b.row_j) <= S)
+    f["slot_mapping_store_swa"], a = alloc(out, "slot_mapping_store_swa", (T,), torch.int32)
+    a[:] = np.where(keep, b.state_id[b.row_seq] * S + b.row_pos % S, PAD_SLOT_ID)
+    f["ngram_token_ids"] = None
+    if cfg.max_ngram_size > 0:
+        from ._ngram import fill_ngram_token_ids
+
+        f["ngram_token_ids"] = fill_ngram_token_ids(b, cfg, out)
+    return f
+
+
+def check_common_int32(b: BatchArrays, cfg: MetadataConfig) -> None:
+    """Overflow checks shared by both paths (run before any allocation).
+
+    Bounds: ``sum(seqlen_k)`` (``cu_seqlens_k``), ``max(state_id) * S + S - 1`` (SWA slots),
+    ``max(block id) * b_c + b_c - 1`` with ``b_c = block_size // min_ratio`` (compressed slots),
+    and every token id.
+    """
+    check_int32("cu_seqlens_k", int(b.cu_k[-1]), "sum(seqlen_k)")
+    S = cfg.swa_block_size
+    check_int32(
+        "slot_mapping_store_swa", int(b.state_id.max()) * S + S - 1,
+        f"max(state_id) * swa_block_size + swa_block_size - 1 (swa_block_size={S})",
+    )
+    bc = cfg.block_size // cfg.min_ratio
+    check_int32(
+        "slot_mapping_store_ca", int(b.bt_flat.max()) * bc + bc - 1,
+        f"max(block id) * (block_size // min_ratio) + block_size // min_ratio - 1 (b_c={bc})",
+    )
+    if b.total_q and (b.input_ids.max() > INT32_MAX or b.input_ids.min() < -INT32_MAX - 1):
+        raise ValueError("input_ids: token id does not fit in int32")
+
+
+def compressed_slots(
+    b: BatchArrays, seq: np.ndarray, c: np.ndarray, write: np.ndarray, n: int, cfg: MetadataConfig
+) -> np.ndarray:
+    """Compressed-KV slot of compressed index ``c`` of sequence ``seq``, or -1 where not ``write``.
+
+    ``slot = block_table[c // b_c] * b_c + c % b_c`` with ``b_c = block_size // n``. Rows that do
+    not write read the trailing 0 of ``bt_flat`` instead of a possibly out-of-table block.
+    Example: block_size 128, n = 4 (b_c = 32), table ``[7, 3]``, c = 40 -> ``3 * 32 + 8 = 104``.
+    """
+    bc = cfg.block_size // n
+    idx = np.where(write, b.bt_start[seq] + c // bc, len(b.bt_flat) - 1)
+    return np.where(write, b.bt_flat[idx] * bc + c % bc, PAD_SLOT_ID)

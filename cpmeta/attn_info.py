@@ -1,0 +1,138 @@
+"""``compute_attn_info``: expand offsets and pivots into dense attention indices (DESIGN section 5).
+
+Runs on whatever device the metadata tensors live on (pure torch ops, no host synchronisation),
+fills only fields that are ``None`` (a second call does nothing and allocates nothing), and is
+generic over "rows": it expands whatever ``kv_ca_index_offset_len`` / ``kv_swa_full_index_pivots``
+/ ``kv_swa_index_offset_len`` hold (full layout, or a YoCo consumer layout). When the metadata is
+CP-mirrored (``mirror_cp_index`` set), the per-row parameters are gathered by ``mirror_cp_index``
+first and pad rows (index -1) get length 0, which is the same as expanding the full layout and
+gathering the expanded rows (pad rows: all -1, ``kv_ca_index_len`` 0) -- the expansion is
+row-wise -- but costs only ``cp_mirror_len`` rows of work.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from .config import MetadataConfig
+from .constants import PAD_SLOT_ID
+from .metadata import InputMetadata
+
+__all__ = ["compute_attn_info", "expand_offset_len", "expand_paged_offset_len", "expand_swa_pivots",
+           "expand_swa_ring"]
+
+logger = logging.getLogger(__name__)
+
+
+def _arange(width: int, like: torch.Tensor) -> torch.Tensor:
+    return torch.arange(width, dtype=torch.int32, device=like.device)
+
+
+def expand_offset_len(off: torch.Tensor, ln: torch.Tensor, width: int) -> torch.Tensor:
+    """``[rows, width]`` int32: ``off + arange(width)``, -1 from column ``ln`` on.
+
+    ``off``, ``ln``: [rows] int32. Example: off 5, len 3, width 6 -> ``[5, 6, 7, -1, -1, -1]``.
+    """
+    ar = _arange(width, off)
+    res = torch.empty((off.shape[0], width), dtype=torch.int32, device=off.device)
+    torch.add(ar, off[:, None], out=res)
+    return res.masked_fill_(ar >= ln[:, None], PAD_SLOT_ID)
+
+
+def expand_paged_offset_len(
+    off: torch.Tensor, ln: torch.Tensor, width: int, block_tables: torch.Tensor, tpb: int
+) -> torch.Tensor:
+    """Decode ``kv_ca_index``: ``[rows, width]`` int32 slot of each visible compressed key.
+
+    ``p = off + k`` (k < ln) indexes the flattened ``block_tables`` [T, max_num_blocks] in units of
+    ``tpb = block_size // n`` compressed tokens: slot ``block_tables.flatten()[p // tpb] * tpb +
+    p % tpb``; -1 from column ``ln`` on. Masked columns use ``k = min(k, ln - 1)`` (or 0) so they
+    never read outside the row's defined blocks. Example: tpb 32, row 1 of a 4-column table
+    ``[.., [9, 4, ..]]``: off = 1*4*32 = 128, ln 40 -> k 0..31 give 288..319, k 32..39 give
+    128..135, then -1.
+    """
+    ar = _arange(width, off)
+    last = (ln - 1).clamp_(min=0)
+    p = torch.minimum(ar, last[:, None]).add_(off[:, None]).long()
+    flat = block_tables.reshape(-1)
+    res = flat[torch.div(p, tpb, rounding_mode="floor")].mul_(tpb).add_(torch.remainder(p, tpb).int())
+    return res.masked_fill_(ar >= ln[:, None], PAD_SLOT_ID)
+
+
+def expand_swa_pivots(piv: torch.Tensor, width: int) -> torch.Tensor:
+    """Prompt ``kv_swa_full_index`` [rows, W] int32 from pivots ``(P0, P1, P2, P3)`` [rows, 4].
+
+    ``X[0:P1] = P0 + arange(P1)``, ``X[P1:P1+P3] = P2 + arange(P3)``, ``X[P1+P3:W] = -1``.
+    Example: W 6, pivots (10, 2, 40, 3) -> ``[10, 11, 40, 41, 42, -1]``.
+    """
+    ar = _arange(width, piv)[None, :]
+    p0, p1, p2, p3 = (piv[:, i : i + 1] for i in range(4))
+    res = torch.where(ar < p1, p0 + ar, p2 + (ar - p1))
+    return res.masked_fill_(ar >= p1 + p3, PAD_SLOT_ID)
+
+
+def expand_swa_ring(off_len: torch.Tensor, width: int, S: int) -> torch.Tensor:
+    """Decode ``kv_swa_index`` [rows, W] int32 from ``kv_swa_index_offset_len`` [rows, 2].
+
+    The offset is ``state*S + start``; entry k is ``state*S + (start + k) % S`` for ``k < w``,
+    -1 after. Example: S 8, offset 2*8 + 6 = 22, w 4 -> ``[22, 23, 16, 17, -1, ...]``.
+    """
+    off, w = off_len[:, 0:1], off_len[:, 1:2]
+    start = torch.remainder(off, S)
+    ar = _arange(width, off_len)[None, :]
+    res = torch.remainder(start + ar, S).add_(off - start)
+    return res.masked_fill_(ar >= w, PAD_SLOT_ID)
+
+
+def _gather_rows(x: torch.Tensor, mirror: Optional[torch.Tensor], zero_cols: slice) -> torch.Tensor:
+    """Rows of ``x`` picked by ``mirror`` (pad rows -1 -> the ``zero_cols`` columns set to 0)."""
+    if mirror is None:
+        return x
+    valid = (mirror >= 0)[:, None]
+    g = x[mirror.clamp(min=0).long()]
+    g[:, zero_cols] = torch.where(valid, g[:, zero_cols], torch.zeros_like(g[:, zero_cols]))
+    return g
+
+
+def compute_attn_info(md: InputMetadata, cfg: MetadataConfig) -> InputMetadata:
+    """Fill ``kv_ca_index``, ``kv_ca_index_len``, ``kv_swa_full_index`` (prompt) and
+    ``kv_swa_index`` (decode) where they are ``None``; returns ``md`` (modified in place).
+
+    Shapes (int32, on the device of the inputs): ``kv_ca_index[n]`` [rows, width_n] with
+    ``width_n = cdiv(max_model_len // n, 128) * 128``; ``kv_ca_index_len[n]`` [rows];
+    ``kv_swa_full_index`` [rows, W]; ``kv_swa_index`` [rows, W]. ``rows`` is the number of rows of
+    ``kv_ca_index_offset_len`` (decode / unmirrored prompt) or ``cp_mirror_len`` (mirrored).
+    Keys of the dicts are the keys of ``kv_ca_index_offset_len`` (an empty dict stays empty).
+    """
+    mirror = md.mirror_cp_index
+    ol = md.kv_ca_index_offset_len
+    if ol is not None and (md.kv_ca_index is None or md.kv_ca_index_len is None):
+        rows = {k: _gather_rows(v, mirror, slice(1, 2)) for k, v in ol.items()}
+        lens = {k: v[:, 1].contiguous() for k, v in rows.items()}
+        if md.kv_ca_index_len is None:
+            md.kv_ca_index_len = lens
+        if md.kv_ca_index is None:
+            md.kv_ca_index = {}
+            for k, v in rows.items():
+                width = cfg.attn_index_width(int(k))
+                if md.is_prompt:
+                    md.kv_ca_index[k] = expand_offset_len(v[:, 0], lens[k], width)
+                else:
+                    tpb = cfg.block_size // int(k)
+                    md.kv_ca_index[k] = expand_paged_offset_len(
+                        v[:, 0], lens[k], width, md.block_tables, tpb
+                    )
+    W = cfg.window_size
+    if md.is_prompt:
+        piv = md.kv_swa_full_index_pivots
+        if md.kv_swa_full_index is None and piv is not None:
+            md.kv_swa_full_index = expand_swa_pivots(_gather_rows(piv, mirror, slice(1, 4, 2)), W)
+    else:
+        sol = md.kv_swa_index_offset_len
+        if md.kv_swa_index is None and sol is not None:
+            g = _gather_rows(sol, mirror, slice(1, 2))
+            md.kv_swa_index = expand_swa_ring(g, W, cfg.swa_block_size)
+    return md

@@ -1,0 +1,146 @@
+"""``prepare_decode``: decode-step ``InputMetadata`` on the CPU, vectorized (DESIGN sections 3, 4).
+
+Every field is one row per query row (``total_q = sum(seqlen_q)``; ``seqlen_q = 1 + drafts``).
+Worked example (block_size 128, ratio 4, W = S = 128, one sequence ``seqlen_q = 2``,
+``seqlen_k = 8``, state 3, table ``[5]``): positions ``[6, 7]``, context_lens ``[7, 8]``,
+``klen["4"] = [1, 2]``, row 1 closes compressed token c = 1 -> ``positions_c["4"] = [0, 4]``,
+``slot_mapping_store_ca["4"] = [-1, 5 * 32 + 1 = 161]``, SWA window of row 1: ``w = 8``, start
+slot ``3 * 128 + 0`` -> ``kv_swa_index_offset_len[1] = (384, 8)``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+from ._batch import (
+    BatchArrays,
+    alloc,
+    check_common_int32,
+    check_int32,
+    compressed_slots,
+    extract_batch,
+    fill_common,
+)
+from .config import MetadataConfig
+from .metadata import InputMetadata
+from .sequence import SequenceMetadata
+
+__all__ = ["prepare_decode"]
+
+logger = logging.getLogger(__name__)
+
+Out = Optional[dict[str, torch.Tensor]]
+
+
+def _check_decode_int32(b: BatchArrays, cfg: MetadataConfig) -> None:
+    """Overflow checks before allocation; the decode offset bound is DESIGN section 3's."""
+    check_common_int32(b, cfg)
+    if cfg.dense_compress_ratios:
+        mnb, md = cfg.max_num_blocks, min(cfg.dense_compress_ratios)
+        check_int32(
+            "kv_ca_index_offset_len",
+            b.total_q * mnb * (cfg.block_size // md),
+            f"total_q ({b.total_q}) * max_num_blocks ({mnb}, from max_model_len="
+            f"{cfg.max_model_len}) * (block_size // min(dense_compress_ratios)) "
+            f"({cfg.block_size}//{md})",
+        )
+
+
+def _fill_block_tables(b: BatchArrays, cfg: MetadataConfig, out: Out) -> torch.Tensor:
+    """``block_tables`` [total_q, max_num_blocks] int32: each row holds its sequence's table.
+
+    Only the first ``blocks_needed(seqlen_k)`` columns are defined; the rest hold -1. Example:
+    tables ``[[7, 8], [4]]``, seqlen_q ``[1, 2]``, 3 columns -> rows ``[7, 8, -1]``,
+    ``[4, -1, -1]``, ``[4, -1, -1]``.
+    """
+    T, mnb = b.total_q, cfg.max_num_blocks
+    t, a = alloc(out, "block_tables", (T, mnb), torch.int32)
+    a.fill(-1)
+    if T == b.n_seq:
+        need, vals = b.bt_need, b.bt_flat[:-1]
+    else:
+        need = b.bt_need[b.row_seq]
+        cu = np.zeros(T + 1, np.int64)
+        np.cumsum(need, out=cu[1:])
+        e_row = np.repeat(np.arange(T), need)
+        vals = b.bt_flat[b.bt_start[b.row_seq][e_row] + np.arange(int(cu[-1])) - cu[e_row]]
+    a[np.arange(mnb)[None, :] < need[:, None]] = vals
+    return t
+
+
+def _fill_ratio_fields(b: BatchArrays, cfg: MetadataConfig, out: Out, f: dict[str, Any]) -> None:
+    """``klen``, ``positions_c``, ``slot_mapping_store_ca``, ``kv_ca_index_offset_len``.
+
+    A row writes compressed token ``c = pos // n`` only when ``(pos + 1) % n == 0`` (it closes
+    the group of n tokens); otherwise ``positions_c = 0`` and slot -1. Offsets of row i:
+    ``i * max_num_blocks * (block_size // n)`` (its row of ``block_tables``, flattened).
+    """
+    T, rs = b.total_q, b.row_seq
+    pos = b.row_pos
+    pos1 = pos + 1
+    writes = ~b.is_placeholder[rs]
+    f["klen"] = {}
+    for r in cfg.sparse_compress_ratios:
+        f["klen"][str(r)], a = alloc(out, f"klen.{r}", (T,), torch.int32)
+        np.floor_divide(pos1, r, out=a, casting="unsafe")
+    f["positions_c"], f["slot_mapping_store_ca"] = {}, {}
+    for n in cfg.ca_ratios:
+        k = str(n)
+        closes = pos1 % n == 0
+        c = pos // n
+        f["positions_c"][k], a = alloc(out, f"positions_c.{k}", (T,), torch.int32)
+        a[:] = np.where(closes, c * n, 0)
+        f["slot_mapping_store_ca"][k], a = alloc(out, f"slot_mapping_store_ca.{k}", (T,), torch.int32)
+        a[:] = compressed_slots(b, rs, c, closes & writes, n, cfg)
+    f["kv_ca_index_offset_len"] = {}
+    row_off = np.arange(T, dtype=np.int64) * cfg.max_num_blocks
+    for n in cfg.dense_compress_ratios:
+        k = str(n)
+        f["kv_ca_index_offset_len"][k], a = alloc(out, f"kv_ca_index_offset_len.{k}", (T, 2), torch.int32)
+        a[:, 0] = row_off * (cfg.block_size // n)
+        np.floor_divide(pos1, n, out=a[:, 1], casting="unsafe")
+
+
+def prepare_decode(
+    seqs: Sequence[SequenceMetadata], cfg: MetadataConfig, *, out: Out = None
+) -> InputMetadata:
+    """Build decode ``InputMetadata`` (CPU tensors; pinned when CUDA is available).
+
+    Args:
+        seqs: one ``SequenceMetadata`` per sequence; ``token_ids`` holds exactly
+            ``seqlen_k - seqlen_q + 1`` confirmed tokens and ``draft_tokens`` the ``seqlen_q - 1``
+            MTP drafts. Bad input raises ``ValueError`` naming ``seqs[i].field``.
+        cfg: the engine's ``MetadataConfig``.
+        out: optional dict of preallocated tensors keyed by flattened path (``"positions"``,
+            ``"klen.4"``, ...); matching tensors are filled in place, missing ones are allocated
+            and stored in it, a shape/dtype mismatch is a ``ValueError``.
+
+    Returns every decode field of DESIGN section 4 (int32 indices, bool masks, [total_q] rows):
+    common fields, ``state_block_idx`` / ``context_lens`` [total_q], ``klen[r]``,
+    ``kv_swa_index_offset_len`` [total_q, 2], ``block_tables`` [total_q, max_num_blocks],
+    ``kv_ca_index_offset_len[n]`` [total_q, 2]. Prompt-only fields are ``None``.
+    Raises ``ValueError`` before allocating when ``total_q * max_num_blocks *
+    (block_size // min(dense ratios))`` (or a slot value) exceeds int32.
+    """
+    b = extract_batch(seqs, cfg, is_prompt=False)
+    _check_decode_int32(b, cfg)
+    f = fill_common(b, cfg, out)
+    T, rs = b.total_q, b.row_seq
+    W, S = cfg.window_size, cfg.swa_block_size
+    state = b.state_id[rs]
+    f["state_block_idx"], a = alloc(out, "state_block_idx", (T,), torch.int32)
+    a[:] = state
+    pos1 = b.row_pos + 1
+    f["context_lens"], a = alloc(out, "context_lens", (T,), torch.int32)
+    a[:] = pos1
+    w = np.minimum(pos1, W)
+    f["kv_swa_index_offset_len"], a = alloc(out, "kv_swa_index_offset_len", (T, 2), torch.int32)
+    a[:, 0] = state * S + (pos1 - w) % S
+    a[:, 1] = w
+    f["block_tables"] = _fill_block_tables(b, cfg, out)
+    _fill_ratio_fields(b, cfg, out, f)
+    return InputMetadata(**f)

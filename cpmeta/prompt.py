@@ -1,0 +1,186 @@
+"""``prepare_prompt``: prefill / chunked-prefill ``InputMetadata`` on the CPU, vectorized.
+
+DESIGN sections 3 and 4. Rows are query rows in varlen order; per-ratio fields are dicts keyed by
+``str(ratio)``. The compressed KV of a sequence is loaded into one contiguous buffer per ratio with
+``loaded_compressed_len(seqlen_k, n) = max(1, seqlen_k // n)`` rows per sequence; ``ks``/``ke`` and
+``kv_ca_index_offset_len`` index that buffer, the SWA pivots index the buffer
+``[history: n_seq * W rows ; this chunk's new keys: total_q rows]``.
+
+Worked example (W = 4, ratio 4, one sequence ``seqlen_q = 3``, ``seqlen_k = 9``, so q_start 6):
+positions ``6, 7, 8``; loaded compressed rows ``max(1, 9 // 4) = 2`` so ``ks["4"] = [0, 0, 0]``,
+``ke["4"] = [1, 2, 2]``; compressed rows written this chunk: c in ``[6 // 4, 9 // 4) = [1, 2)``
+-> ``positions_c["4"] = [4]``; SWA pivots of row j = 0 (pos 6, sees 3..6): history part starts
+at slot 3 - (6 - 4) = 1 -> ``(P0, P1, P2, P3) = (1, 3, 4, 1)``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+from ._batch import (
+    BatchArrays,
+    alloc,
+    check_common_int32,
+    check_int32,
+    compressed_slots,
+    extract_batch,
+    fill_common,
+    loaded_compressed_len,
+)
+from ._load_plan import paged_load_segments, swa_load_segments
+from .config import MetadataConfig
+from .metadata import InputMetadata
+from .sequence import SequenceMetadata
+
+__all__ = ["prepare_prompt"]
+
+logger = logging.getLogger(__name__)
+
+Out = Optional[dict[str, torch.Tensor]]
+
+
+def _prefix(x: np.ndarray) -> np.ndarray:
+    """Exclusive prefix sums ``[0, x0, x0+x1, ...]`` ([len(x)+1] int64)."""
+    cu = np.zeros(len(x) + 1, np.int64)
+    np.cumsum(x, out=cu[1:])
+    return cu
+
+
+def _check_prompt_int32(b: BatchArrays, cfg: MetadataConfig, cu_ck: dict[int, np.ndarray]) -> None:
+    """Overflow checks before allocation: totals, buffer offsets and slot values."""
+    check_common_int32(b, cfg)
+    W = cfg.window_size
+    check_int32(
+        "kv_swa_full_index_pivots", b.n_seq * W + b.total_q,
+        f"n_seq ({b.n_seq}) * window_size ({W}) + total_q ({b.total_q})",
+    )
+    for n, cu in cu_ck.items():
+        check_int32(
+            f"cu_compressed_seqlens_k.{n}", int(cu[-1]),
+            f"sum over sequences of max(1, seqlen_k // {n})",
+        )
+
+
+def _fill_compressed_writes(b: BatchArrays, cfg: MetadataConfig, out: Out, f: dict[str, Any]) -> None:
+    """``positions_c``, ``slot_mapping_store_ca``, ``cu_compressed_seqlens_q`` for every ca ratio.
+
+    Sequence s writes compressed tokens ``c in [q_start // n, seqlen_k // n)``, at least one row
+    (``n_cq = max(1, seqlen_k//n - q_start//n)``); a sequence with none gets one row
+    ``(positions_c = 0, slot = -1)``. Example: n = 4, q_start 6, seqlen_k 9 -> one row c = 1
+    (position 4); q_start 5, seqlen_k 7 -> no token, one ``(0, -1)`` row.
+    """
+    writes = ~b.is_placeholder
+    f["positions_c"], f["slot_mapping_store_ca"], f["cu_compressed_seqlens_q"] = {}, {}, {}
+    for n in cfg.ca_ratios:
+        k = str(n)
+        c_lo, c_hi = b.q_start // n, b.seqlen_k // n
+        n_cq = np.maximum(c_hi - c_lo, 1)
+        cu = _prefix(n_cq)
+        R = int(cu[-1])
+        seq = np.repeat(np.arange(b.n_seq), n_cq)
+        c = c_lo[seq] + np.arange(R, dtype=np.int64) - cu[seq]
+        valid = c < c_hi[seq]
+        f["positions_c"][k], a = alloc(out, f"positions_c.{k}", (R,), torch.int32)
+        a[:] = np.where(valid, c * n, 0)
+        f["slot_mapping_store_ca"][k], a = alloc(out, f"slot_mapping_store_ca.{k}", (R,), torch.int32)
+        a[:] = compressed_slots(b, seq, c, valid & writes[seq], n, cfg)
+        f["cu_compressed_seqlens_q"][k], a = alloc(out, f"cu_compressed_seqlens_q.{k}", (b.n_seq + 1,), torch.int32)
+        a[:] = cu
+
+
+def _fill_compressed_reads(
+    b: BatchArrays, cfg: MetadataConfig, out: Out, f: dict[str, Any], cu_ck: dict[int, np.ndarray]
+) -> None:
+    """``cu_compressed_seqlens_k``, ``load_segments_ca``, ``total_k_compressed``, ``ks``/``ke``
+    (sparse ratios) and ``kv_ca_index_offset_len`` (dense ratios).
+
+    Row of sequence s at position pos sees loaded compressed rows
+    ``[base, base + (pos + 1) // n)`` with ``base = cu_compressed_seqlens_k[n][s]``.
+    """
+    T, rs = b.total_q, b.row_seq
+    pos1 = b.row_pos + 1
+    f["cu_compressed_seqlens_k"], f["load_segments_ca"], f["total_k_compressed"] = {}, {}, {}
+    for n in cfg.ca_ratios:
+        k = str(n)
+        f["cu_compressed_seqlens_k"][k], a = alloc(out, f"cu_compressed_seqlens_k.{k}", (b.n_seq + 1,), torch.int32)
+        a[:] = cu_ck[n]
+        f["load_segments_ca"][k] = paged_load_segments(b, cfg, n, cu_ck[n][:-1], out)
+        f["total_k_compressed"][k] = int(cu_ck[n][-1])
+    f["ks"], f["ke"] = {}, {}
+    for r in cfg.sparse_compress_ratios:
+        k = str(r)
+        base = cu_ck[r][rs]
+        f["ks"][k], a = alloc(out, f"ks.{k}", (T,), torch.int32)
+        a[:] = base
+        f["ke"][k], a = alloc(out, f"ke.{k}", (T,), torch.int32)
+        a[:] = base + pos1 // r
+    f["kv_ca_index_offset_len"] = {}
+    for n in cfg.dense_compress_ratios:
+        k = str(n)
+        f["kv_ca_index_offset_len"][k], a = alloc(out, f"kv_ca_index_offset_len.{k}", (T, 2), torch.int32)
+        a[:, 0] = cu_ck[n][rs]
+        np.floor_divide(pos1, n, out=a[:, 1], casting="unsafe")
+
+
+def _fill_swa_pivots(b: BatchArrays, cfg: MetadataConfig, out: Out) -> torch.Tensor:
+    """``kv_swa_full_index_pivots`` [total_q, 4] int32 ``(P0, P1, P2, P3)`` (DESIGN section 4).
+
+    Row j of sequence s (pos = q_start + j) sees ``[abs_lo, pos]`` with
+    ``abs_lo = clamp(max(pos - W + 1, swa_valid_start), 0, pos + 1)``: history part
+    ``P0 = s*W + start_slot``, ``P1 = W - start_slot`` with
+    ``start_slot = min(abs_lo, q_start) - (q_start - W)``; chunk part
+    ``P2 = n_seq*W + cu_seqlens_q[s] + k_lo``, ``P3 = j - k_lo + 1``, ``k_lo = max(0, abs_lo - q_start)``.
+    Example: W = 4, s = 0, q_start = 6, j = 2 (pos 8, sees 5..8): start_slot 3, ``P0 = 3``,
+    ``P1 = 1``, ``P2 = 4``, ``P3 = 3`` with n_seq = 1.
+    """
+    W, rs, pos = cfg.window_size, b.row_seq, b.row_pos
+    qs = b.q_start[rs]
+    abs_lo = np.minimum(np.maximum(np.maximum(pos - W + 1, b.swa_valid_start[rs]), 0), pos + 1)
+    start_slot = np.minimum(abs_lo, qs) - (qs - W)
+    k_lo = np.maximum(abs_lo - qs, 0)
+    t, a = alloc(out, "kv_swa_full_index_pivots", (b.total_q, 4), torch.int32)
+    a[:, 0] = rs * W + start_slot
+    a[:, 1] = W - start_slot
+    a[:, 2] = b.n_seq * W + b.cu_q[rs] + k_lo
+    a[:, 3] = b.row_j - k_lo + 1
+    return t
+
+
+def prepare_prompt(
+    seqs: Sequence[SequenceMetadata], cfg: MetadataConfig, *, out: Out = None
+) -> InputMetadata:
+    """Build prompt (prefill chunk) ``InputMetadata`` (CPU tensors; pinned when CUDA is available).
+
+    Args:
+        seqs: one ``SequenceMetadata`` per sequence; ``token_ids`` holds at least ``seqlen_k``
+            tokens, no drafts. Bad input raises ``ValueError`` naming ``seqs[i].field``.
+        cfg: the engine's ``MetadataConfig``.
+        out: optional dict of preallocated tensors keyed by flattened path (``"positions"``,
+            ``"ks.4"``, ``"load_segments_ca.4"``, ...), filled in place; missing ones are
+            allocated and stored; a shape/dtype mismatch is a ``ValueError``.
+
+    Returns every prompt field of DESIGN section 4: common fields ([total_q] rows),
+    ``positions_c[n]`` / ``slot_mapping_store_ca[n]`` [sum n_cq], ``cu_compressed_seqlens_q[n]`` /
+    ``cu_compressed_seqlens_k[n]`` [n_seq+1], ``state_block_idx`` [n_seq], ``total_k_swa``,
+    ``load_segments_swa`` / ``load_segments_ca[n]`` [num_segments, 4], ``total_k_compressed[n]``,
+    ``ks[r]`` / ``ke[r]`` [total_q], ``kv_ca_index_offset_len[n]`` [total_q, 2],
+    ``kv_swa_full_index_pivots`` [total_q, 4]. Decode-only fields are ``None``. Int32 overflow of
+    any total, offset or slot raises ``ValueError`` before allocation.
+    """
+    b = extract_batch(seqs, cfg, is_prompt=True)
+    cu_ck = {n: _prefix(loaded_compressed_len(b.seqlen_k, n)) for n in cfg.ca_ratios}
+    _check_prompt_int32(b, cfg, cu_ck)
+    f = fill_common(b, cfg, out)
+    _fill_compressed_writes(b, cfg, out, f)
+    f["state_block_idx"], a = alloc(out, "state_block_idx", (b.n_seq,), torch.int32)
+    a[:] = b.state_id
+    f["total_k_swa"] = b.n_seq * cfg.window_size
+    f["load_segments_swa"] = swa_load_segments(b, cfg, out)
+    _fill_compressed_reads(b, cfg, out, f, cu_ck)
+    f["kv_swa_full_index_pivots"] = _fill_swa_pivots(b, cfg, out)
+    return InputMetadata(**f)
+
