@@ -1,1 +1,18 @@
-"""transport: move bytes and tensors inside a torch.distributed group (no InputMetadata here)."""
+"""transport: move bytes and tensors inside a torch.distributed group (no InputMetadata here).
+
+- :func:`encode` / :func:`decode`: strict msgpack codec with a versioned, schema-stamped header.
+- :class:`ShmRing`: one writer, N readers, fixed slots in shared memory, futex wake-ups.
+- :class:`ObjectChannel`: broadcast a Python object (and CPU tensors) to a group, shared memory
+  for same-host followers, a gloo group for the others.
+- :class:`TensorChannel`: broadcast a list of tensors as one coalesced buffer in one collective.
+"""
+
+from .codec import CodecError, TensorDesc, decode, encode, schema_fingerprint
+
+__all__ = [
+    "CodecError",
+    "TensorDesc",
+    "encode",
+    "decode",
+    "schema_fingerprint",
+]

@@ -1,0 +1,327 @@
+"""Strict msgpack codec: ``encode(obj) -> bytes`` / ``decode(data) -> obj``. No pickle, ever.
+
+Wire format (all integers little-endian)::
+
+    offset 0      4        5        6            8             8+L
+           +------+--------+--------+------------+-------------+------------------+
+           |"CPMT"| version| flags=0| schema_len | schema (L B) | msgpack body ... |
+           +------+--------+--------+------------+-------------+------------------+
+
+Supported values: ``None``, ``bool``, ``int`` (int64/uint64 range), ``float``, ``str``, ``bytes``,
+``list``, ``tuple`` (extension ``EXT_TUPLE``, so it round-trips as a tuple), ``dict`` with ``str``
+keys, and :class:`TensorDesc` (extension ``EXT_TENSOR_DESC``: dtype name + shape). Types are
+checked exactly (``type(x) is int``): subclasses such as ``IntEnum`` or ``torch.Size`` are refused
+with a ``TypeError`` naming the path, e.g. ``$.klen[2]``.
+
+``decode`` treats its input as untrusted: every failure is a :class:`CodecError` (never another
+exception type), nothing is executed (no pickle, no object hooks that construct arbitrary types),
+input larger than ``max_bytes`` is refused before parsing and msgpack's container/string limits are
+bounded by the input length, so memory use stays proportional to the (bounded) input.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+import msgpack
+import torch
+
+from . import envs
+
+__all__ = [
+    "CodecError",
+    "TensorDesc",
+    "encode",
+    "decode",
+    "schema_fingerprint",
+    "MAGIC",
+    "PROTOCOL_VERSION",
+    "EXT_TUPLE",
+    "EXT_TENSOR_DESC",
+    "MAX_DEPTH",
+    "MAX_SCHEMA_LEN",
+    "DTYPES",
+]
+
+MAGIC = b"CPMT"
+PROTOCOL_VERSION = 1
+EXT_TUPLE = 1  # msgpack extension code: a tuple, payload = msgpack array
+EXT_TENSOR_DESC = 2  # msgpack extension code: TensorDesc, payload = msgpack [dtype_name, [dims]]
+MAX_DEPTH = 32  # deepest container nesting accepted by encode and decode
+MAX_SCHEMA_LEN = 255  # bytes of caller-supplied schema fingerprint
+MAX_DIMS = 16  # dimensions of a TensorDesc shape
+MAX_DIM = 1 << 48  # largest single dimension of a TensorDesc
+SCHEMA_FINGERPRINT_LEN = 16  # bytes returned by schema_fingerprint
+_HEADER = struct.Struct("<4sBBH")
+_INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
+_SCALARS = frozenset({type(None), bool, int, float, str, bytes})
+# msgpack decodes its timestamp extension (code -1) natively. Its headers are fixext4/fixext8
+# (0xd6/0xd7 then type byte 0xff) or ext8 (0xc7, length, 0xff); only when such bytes occur is the
+# decoded tree validated (so a timestamp is refused like any other unsupported type).
+_TIMESTAMP_HEADERS = (b"\xd6\xff", b"\xd7\xff")
+_EXT8 = 0xC7
+_EXT_TIMESTAMP_BYTE = 0xFF
+
+
+def _dtype_table() -> dict[str, torch.dtype]:
+    names = ["bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+             "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
+             "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"]
+    return {n: getattr(torch, n) for n in names if isinstance(getattr(torch, n, None), torch.dtype)}
+
+
+DTYPES: dict[str, torch.dtype] = _dtype_table()  # wire name -> dtype (every bool/int/float dtype)
+_DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+
+class CodecError(ValueError):
+    """Malformed, truncated, oversized, mismatched (version / schema) or otherwise bad message."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorDesc:
+    """Descriptor of a tensor travelling beside a message: ``dtype`` and ``shape`` (no data).
+
+    Example: ``TensorDesc(torch.int32, (3, 4)).nbytes == 48``.
+    """
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPE_NAMES:
+            raise TypeError(f"TensorDesc.dtype: unsupported dtype {self.dtype!r}")
+        if type(self.shape) is not tuple or len(self.shape) > MAX_DIMS or not all(
+                type(d) is int and 0 <= d <= MAX_DIM for d in self.shape):
+            raise ValueError(f"TensorDesc.shape: expected a tuple of at most {MAX_DIMS} ints in "
+                             f"[0, 2**48], got {self.shape!r}")
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "TensorDesc":
+        """Descriptor of tensor ``t``."""
+        return cls(t.dtype, tuple(int(d) for d in t.shape))
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+def schema_fingerprint(names: Iterable[str]) -> bytes:
+    """16-byte fingerprint of an ordered list of names (e.g. a dataclass's field names)."""
+    h = hashlib.sha256("\n".join(names).encode("utf-8"))
+    return h.digest()[:SCHEMA_FINGERPRINT_LEN]
+
+
+# ----------------------------------------------------------------------------- encode
+
+def _valid(obj: Any, depth: int = 0) -> bool:
+    """Fast path-free check that ``obj`` holds only supported values (see :func:`_check`)."""
+    t = type(obj)
+    if t is dict:
+        if depth >= MAX_DEPTH:
+            return False
+        for k, v in obj.items():
+            if type(k) is not str or (type(v) not in _SCALARS and not _valid(v, depth + 1)):
+                return False
+        return True
+    if t is list or t is tuple:
+        if _SCALARS.issuperset(map(type, obj)):
+            return depth < MAX_DEPTH
+        return depth < MAX_DEPTH and all(type(v) in _SCALARS or _valid(v, depth + 1) for v in obj)
+    return t in _SCALARS or t is TensorDesc
+
+
+def _check(obj: Any, path: str, depth: int) -> None:
+    """Raise TypeError/ValueError naming the path of the first unsupported value under ``obj``."""
+    t = type(obj)
+    if t in _SCALARS or t is TensorDesc:
+        return
+    if depth >= MAX_DEPTH:
+        raise ValueError(f"{path}: nesting deeper than {MAX_DEPTH} levels")
+    if t is dict:
+        for k, v in obj.items():
+            if type(k) is not str:
+                raise TypeError(f"{path}: dict key {k!r} has type {type(k).__name__}, expected str")
+            if type(v) not in _SCALARS:
+                _check(v, f"{path}.{k}", depth + 1)
+    elif t is list or t is tuple:
+        if not _SCALARS.issuperset(map(type, obj)):
+            for i, v in enumerate(obj):
+                if type(v) not in _SCALARS:
+                    _check(v, f"{path}[{i}]", depth + 1)
+    else:
+        raise TypeError(f"{path}: unsupported type {t.__module__}.{t.__qualname__} (supported: None, "
+                        "bool, int, float, str, bytes, list, tuple, dict[str, ...], TensorDesc)")
+
+
+def _locate_pack_failure(obj: Any, path: str) -> Optional[str]:
+    """Path of the leaf msgpack cannot pack (int out of range, unencodable str), else None."""
+    if type(obj) is dict:
+        items: Iterable[tuple[str, Any]] = ((f"{path}.{k}", v) for k, v in obj.items())
+    elif type(obj) in (list, tuple):
+        items = ((f"{path}[{i}]", v) for i, v in enumerate(obj))
+    else:
+        try:
+            _packb(obj)
+        except Exception as e:  # noqa: BLE001 - report any failure by path
+            return f"{path}: {e}"
+        return None
+    for p, v in items:
+        found = _locate_pack_failure(v, p)
+        if found:
+            return found
+    return None
+
+
+def _default(obj: Any) -> msgpack.ExtType:
+    if type(obj) is tuple:
+        return msgpack.ExtType(EXT_TUPLE, _packb(list(obj)))
+    if type(obj) is TensorDesc:
+        return msgpack.ExtType(EXT_TENSOR_DESC, _packb([_DTYPE_NAMES[obj.dtype], list(obj.shape)]))
+    if type(obj) is int:
+        raise OverflowError(f"int {obj} outside [-2**63, 2**64-1]")
+    raise TypeError(f"unsupported type {type(obj).__name__}")
+
+
+def _packb(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True, strict_types=True, default=_default)
+
+
+def encode(obj: Any, *, schema: bytes = b"") -> bytes:
+    """Serialize ``obj`` to bytes: header (magic, version, ``schema``) + msgpack body.
+
+    Raises ``TypeError`` naming the path of an unsupported value (``$`` is the root,
+    ``$.a[1].b`` a nested element) and ``ValueError`` for an int outside int64/uint64, an
+    unencodable string, nesting deeper than ``MAX_DEPTH`` or a schema longer than 255 bytes.
+    """
+    if type(schema) is not bytes or len(schema) > MAX_SCHEMA_LEN:
+        raise ValueError(f"schema: expected bytes of length <= {MAX_SCHEMA_LEN}, got {schema!r:.80}")
+    if not _valid(obj):
+        _check(obj, "$", 0)
+    try:
+        body = _packb(obj)
+    except (OverflowError, ValueError, UnicodeError, TypeError) as e:
+        raise ValueError(_locate_pack_failure(obj, "$") or f"$: cannot encode: {e}") from None
+    return b"".join((_HEADER.pack(MAGIC, PROTOCOL_VERSION, 0, len(schema)), schema, body))
+
+
+# ----------------------------------------------------------------------------- decode
+
+class _Decoder:
+    """One decode call: tracks extension nesting depth and the input-derived size limits."""
+
+    __slots__ = ("depth", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.depth = 0
+        self.limit = limit
+
+    def unpack(self, body: Any) -> Any:
+        n = self.limit
+        return msgpack.unpackb(
+            body, raw=False, use_list=True, strict_map_key=True, ext_hook=self.ext_hook,
+            object_hook=_check_keys, max_str_len=n, max_bin_len=n,
+            max_array_len=n, max_map_len=n, max_ext_len=n)
+
+    def ext_hook(self, code: int, data: bytes) -> Any:
+        self.depth += 1
+        try:
+            if self.depth >= MAX_DEPTH:
+                raise CodecError(f"extension nesting deeper than {MAX_DEPTH}")
+            if code == EXT_TUPLE:
+                items = self.unpack(data)
+                if type(items) is not list:
+                    raise CodecError("tuple extension does not hold an array")
+                return tuple(items)
+            if code == EXT_TENSOR_DESC:
+                return _tensor_desc(self.unpack(data))
+            raise CodecError(f"unknown msgpack extension code {code}")
+        finally:
+            self.depth -= 1
+
+
+def _check_keys(d: dict) -> dict:
+    for k in d:
+        if type(k) is not str:
+            raise CodecError(f"map key {k!r:.40} is not a str")
+    return d
+
+
+def _tensor_desc(v: Any) -> TensorDesc:
+    if type(v) is not list or len(v) != 2 or type(v[0]) is not str or type(v[1]) is not list:
+        raise CodecError("tensor descriptor: expected [dtype_name, [dims]]")
+    dtype = DTYPES.get(v[0])
+    if dtype is None:
+        raise CodecError(f"tensor descriptor: unknown dtype {v[0]!r:.40}")
+    try:
+        return TensorDesc(dtype, tuple(v[1]))
+    except (TypeError, ValueError) as e:
+        raise CodecError(f"tensor descriptor: {e}") from None
+
+
+def _may_hold_timestamp(buf: Any, start: int) -> bool:
+    """True when ``buf[start:]`` contains a byte pattern of a msgpack timestamp header."""
+    if not isinstance(buf, (bytes, bytearray)):
+        buf = bytes(buf)
+    if any(buf.find(h, start) >= 0 for h in _TIMESTAMP_HEADERS):
+        return True
+    i = buf.find(_EXT8, start)
+    while 0 <= i < len(buf) - 2:
+        if buf[i + 2] == _EXT_TIMESTAMP_BYTE:
+            return True
+        i = buf.find(_EXT8, i + 1)
+    return False
+
+
+def decode(data: Any, *, schema: bytes = b"", max_bytes: Optional[int] = None) -> Any:
+    """Parse bytes produced by :func:`encode` (any bytes-like object; parsed in place).
+
+    ``schema`` must equal the fingerprint the sender passed (else ``CodecError`` with
+    "schema fingerprint mismatch"); a different protocol version gives "protocol version
+    mismatch". ``max_bytes`` defaults to ``CPMETA_MAX_MESSAGE_BYTES``. Raises only CodecError.
+    """
+    try:
+        view = memoryview(data).cast("B")
+    except TypeError:
+        raise CodecError(f"expected a bytes-like object, got {type(data).__name__}") from None
+    limit = envs.max_message_bytes() if max_bytes is None else max_bytes
+    n = view.nbytes
+    if n > limit:
+        raise CodecError(f"message of {n} bytes exceeds the limit of {limit} bytes")
+    if n < _HEADER.size:
+        raise CodecError(f"truncated header: {n} bytes")
+    magic, version, flags, schema_len = _HEADER.unpack_from(view, 0)
+    if magic != MAGIC:
+        raise CodecError(f"bad magic {bytes(magic)!r} (not a cpmeta transport message)")
+    if version != PROTOCOL_VERSION:
+        raise CodecError(f"protocol version mismatch: message has v{version}, "
+                         f"this side speaks v{PROTOCOL_VERSION}")
+    if flags != 0:
+        raise CodecError(f"unknown header flags {flags:#x}")
+    body_at = _HEADER.size + schema_len
+    if body_at > n:
+        raise CodecError("truncated schema fingerprint")
+    if view[_HEADER.size:body_at] != schema:
+        raise CodecError(f"schema fingerprint mismatch: message has "
+                         f"{bytes(view[_HEADER.size:body_at]).hex()}, expected {bytes(schema).hex()}")
+    body = view[body_at:]
+    try:
+        obj = _Decoder(n).unpack(body)
+        if _may_hold_timestamp(data if isinstance(data, (bytes, bytearray)) else body, body_at
+                               if isinstance(data, (bytes, bytearray)) else 0):
+            _check(obj, "$", 0)
+    except CodecError:
+        raise
+    except Exception as e:  # noqa: BLE001 - untrusted input: every failure becomes CodecError
+        raise CodecError(f"malformed message body: {type(e).__name__}: {e}") from None
+    return obj
