@@ -143,30 +143,50 @@ class BatchArrays:
 
 
 def _fast_checks_ok(
-    cfg: MetadataConfig, is_prompt: bool, lists: dict[str, list], n_tok: np.ndarray,
-    n_draft: np.ndarray, n_bt: np.ndarray,
+    cfg: MetadataConfig, is_prompt: bool, ints: np.ndarray, n_tok: np.ndarray,
+    n_draft: Optional[np.ndarray], n_bt: np.ndarray, need: np.ndarray,
 ) -> bool:
-    """Vectorized version of every check of ``validate_batch``; False sends us to the slow path."""
-    for vals in lists.values():
-        if set(map(type, vals)) != {int}:
-            return False
-    sq, sk = np.array(lists["seqlen_q"]), np.array(lists["seqlen_k"])
-    st, svs = np.array(lists["state_id"]), np.array(lists["swa_valid_start"])
-    ok = (sq >= 1) & (sq <= sk) & (sk <= cfg.max_model_len) & (st >= 0) & (svs >= 0)
+    """Vectorized ``validate_batch`` checks on ``ints = [seqlen_q, seqlen_k, state_id,
+    swa_valid_start]`` ([4, n_seq]); ``n_draft=None`` means "every sequence has no drafts".
+    False sends the caller to ``validate_batch`` for the precise error."""
+    sq, sk = ints[0], ints[1]
+    ok = (sq >= 1) & (sq <= sk) & (sk <= cfg.max_model_len) & (n_bt >= need)
+    ok &= (ints[2:] >= 0).all(axis=0)
     if is_prompt:
-        ok &= (n_tok >= sk) & (n_draft == 0)
+        ok &= n_tok >= sk
+        ok &= n_draft is None
     else:
-        ok &= (n_tok == sk - sq + 1) & (n_draft == sq - 1)
-    ok &= n_bt >= _blocks_needed(sk, cfg)
+        ok &= n_tok == sk - sq + 1
+        ok &= (sq == 1) if n_draft is None else (n_draft == sq - 1)
     return bool(ok.all())
 
 
 def _blocks_needed(sk: np.ndarray, cfg: MetadataConfig) -> np.ndarray:
     """Vectorized ``sequence.blocks_needed``: ``max_n cdiv(seqlen_k // n, block_size // n)``."""
-    need = np.zeros_like(sk)
+    need = None
     for n in cfg.ca_ratios:
-        np.maximum(need, cdiv(sk // n, cfg.block_size // n), out=need)
+        x = cdiv(sk // n, cfg.block_size // n)
+        need = x if need is None else np.maximum(need, x)
     return need
+
+
+def _row_arrays(n: int, total_q: int, sq: np.ndarray, cu_q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``row_seq`` and ``row_j`` ([total_q] int64); one row per sequence is the common decode case."""
+    if total_q == n:
+        return np.arange(n, dtype=np.int64), np.zeros(n, np.int64)
+    row_seq = np.repeat(np.arange(n, dtype=np.int64), sq)
+    return row_seq, np.arange(total_q, dtype=np.int64) - cu_q[row_seq]
+
+
+def _input_ids(
+    is_prompt: bool, toks: list, drafts: list, q_start: np.ndarray, sk_l: list, n: int, total_q: int
+) -> np.ndarray:
+    """Prompt: ``token_ids[q_start:seqlen_k]``; decode: ``token_ids[-1]`` then ``draft_tokens``."""
+    if is_prompt:
+        return int_array(list(map(_slice, toks, q_start.tolist(), sk_l)), total_q)
+    if total_q == n:
+        return int_array([[t[-1] for t in toks]], n)
+    return int_array([x for t, d in zip(toks, drafts) for x in ((t[-1],), d)], total_q)
 
 
 def extract_batch(
@@ -185,45 +205,32 @@ def extract_batch(
         or set(map(type, seqs)) != {SequenceMetadata}
     ):
         validate_batch(seqs, cfg, is_prompt=is_prompt)
-    lists = {
-        "seqlen_q": list(map(_SQ, seqs)), "seqlen_k": list(map(_SK, seqs)),
-        "state_id": list(map(_STATE, seqs)), "swa_valid_start": list(map(_SVS, seqs)),
-    }
-    toks, drafts, tables = list(map(_TOK, seqs)), list(map(_DRAFT, seqs)), list(map(_BT, seqs))
-    n_tok = np.array(list(map(len, toks)), np.int64)
-    n_draft = np.array(list(map(len, drafts)), np.int64)
-    n_bt = np.array(list(map(len, tables)), np.int64)
-    if not _fast_checks_ok(cfg, is_prompt, lists, n_tok, n_draft, n_bt):
-        validate_batch(seqs, cfg, is_prompt=is_prompt)
-    sq = np.array(lists["seqlen_q"], np.int64)
-    sk = np.array(lists["seqlen_k"], np.int64)
     n = len(seqs)
-    cu_q = np.zeros(n + 1, np.int64)
-    np.cumsum(sq, out=cu_q[1:])
-    cu_k = np.zeros(n + 1, np.int64)
-    np.cumsum(sk, out=cu_k[1:])
-    total_q = int(cu_q[-1])
+    cols = [list(map(g, seqs)) for g in (_SQ, _SK, _STATE, _SVS)]
+    plain = {*map(type, cols[0]), *map(type, cols[1]), *map(type, cols[2]), *map(type, cols[3])}
+    toks, drafts, tables = list(map(_TOK, seqs)), list(map(_DRAFT, seqs)), list(map(_BT, seqs))
+    n_tok = np.fromiter(map(len, toks), np.int64, n)
+    n_draft = np.fromiter(map(len, drafts), np.int64, n) if any(drafts) else None
+    n_bt = np.fromiter(map(len, tables), np.int64, n)
+    ints = np.array(cols, np.int64) if plain == {int} else None
+    need = _blocks_needed(ints[1], cfg) if ints is not None else None
+    if ints is None or not _fast_checks_ok(cfg, is_prompt, ints, n_tok, n_draft, n_bt, need):
+        validate_batch(seqs, cfg, is_prompt=is_prompt)
+        ints = np.array([[int(x) for x in c] for c in cols], np.int64)
+        need = _blocks_needed(ints[1], cfg)
+    sq, sk = ints[0], ints[1]
+    cu = np.zeros((2, n + 1), np.int64)
+    np.cumsum(ints[:2], axis=1, out=cu[:, 1:])
+    total_q = int(cu[0, -1])
     q_start = sk - sq
-    bt_need = _blocks_needed(sk, cfg)
-    bt_flat, bt_start = _flat_tables(tables, n_bt, bt_need)
-    if is_prompt:
-        parts = list(map(_slice, toks, q_start.tolist(), lists["seqlen_k"]))
-        input_ids = int_array(parts, total_q)
-    elif total_q == n:
-        input_ids = int_array([[t[-1] for t in toks]], n)
-    else:
-        input_ids = int_array([x for t, d in zip(toks, drafts) for x in ((t[-1],), d)], total_q)
-    if total_q == n:
-        row_seq, row_j = np.arange(n, dtype=np.int64), np.zeros(n, np.int64)
-    else:
-        row_seq = np.repeat(np.arange(n, dtype=np.int64), sq)
-        row_j = np.arange(total_q, dtype=np.int64) - cu_q[row_seq]
+    bt_flat, bt_start = _flat_tables(tables, n_bt, need)
+    row_seq, row_j = _row_arrays(n, total_q, sq, cu[0])
     return BatchArrays(
         n_seq=n, total_q=total_q, seqlen_q=sq, seqlen_k=sk, q_start=q_start,
-        state_id=np.array(lists["state_id"], np.int64),
-        swa_valid_start=np.array(lists["swa_valid_start"], np.int64),
-        is_placeholder=np.array(list(map(_PH, seqs)), bool), cu_q=cu_q, cu_k=cu_k,
-        bt_flat=bt_flat, bt_start=bt_start, bt_need=bt_need, input_ids=input_ids,
+        state_id=ints[2], swa_valid_start=ints[3],
+        is_placeholder=np.fromiter(map(_PH, seqs), bool, n), cu_q=cu[0], cu_k=cu[1],
+        bt_flat=bt_flat, bt_start=bt_start, bt_need=need,
+        input_ids=_input_ids(is_prompt, toks, drafts, q_start, cols[1], n, total_q),
         row_seq=row_seq, row_j=row_j, row_pos=q_start[row_seq] + row_j, seqs=seqs,
         is_prompt=is_prompt,
     )
