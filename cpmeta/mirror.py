@@ -26,8 +26,11 @@ from __future__ import annotations
 import logging
 from typing import Optional, Sequence, Union
 
+import numpy as np
 import torch
 
+from ._batch import loaded_compressed_len
+from .constants import INT32_MAX
 from .metadata import InputMetadata
 
 __all__ = [
@@ -75,29 +78,31 @@ def _check_cp(cp_size: object, cp_rank: object) -> None:
         raise ValueError(f"cp_rank: expected an int in [0, {cp_size}), got {cp_rank!r}")
 
 
-def _check_cu(name: str, cu: object) -> torch.Tensor:
-    if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype.is_floating_point:
-        raise TypeError(f"{name}: expected a 1-D integer tensor, got {_describe(cu)}")
-    if cu.numel() < 1:
-        raise ValueError(f"{name}: expected at least one entry (n_seq+1), got an empty tensor")
-    return cu
-
-
 def _describe(x: object) -> str:
     if isinstance(x, torch.Tensor):
         return f"tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
     return repr(x)
 
 
-def _loaded_compressed_len(seqlen_k: torch.Tensor, r: int) -> torch.Tensor:
-    """Compressed KV rows loaded per sequence: ``max(1, seqlen_k // r)`` (int64 in, int64 out)."""
-    return torch.clamp(seqlen_k // r, min=1)
-
-
-def _chunk_len(seqlens_q: torch.Tensor, cp_size: int) -> torch.Tensor:
+def _chunk_len(seqlens_q: np.ndarray, cp_size: int) -> np.ndarray:
     """``ps = cdiv(sq, 2p)`` per sequence, e.g. ``sq=13, p=3 -> 3``; ``sq=1, p=3 -> 1``."""
-    two_p = 2 * cp_size
-    return (seqlens_q + (two_p - 1)) // two_p
+    return -(-seqlens_q // (2 * cp_size))
+
+
+def _host_cu(name: str, cu: object) -> np.ndarray:
+    """Validated int64 host copy of a cu_seqlens tensor (one tiny device-to-host copy on CUDA)."""
+    if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype.is_floating_point \
+            or cu.dtype == torch.bool:
+        raise TypeError(f"{name}: expected a 1-D integer tensor, got {_describe(cu)}")
+    host = cu.detach().to("cpu", torch.int64).numpy()
+    if host.size < 1 or host[0] != 0:
+        raise ValueError(f"{name}: expected exclusive prefix sums [n_seq+1] starting at 0, got {host[:4]}")
+    lens = np.diff(host)
+    if (lens < 0).any():
+        raise ValueError(f"{name}: sequence {int(np.flatnonzero(lens < 0)[0])} has a negative length")
+    if host[-1] > INT32_MAX:
+        raise ValueError(f"{name}: total {int(host[-1])} overflows int32")
+    return host
 
 
 def cp_mirror_len(cu_seqlens_q: torch.Tensor, cp_size: int) -> int:
@@ -107,49 +112,81 @@ def cp_mirror_len(cu_seqlens_q: torch.Tensor, cp_size: int) -> int:
     Example: sequences of 1, 5 and 13 rows at ``cp_size=3`` (chunks of 1, 1 and 3 rows):
     ``2 * (1 + 1 + 3) = 10``.
     """
-    _check_cu("cu_seqlens_q", cu_seqlens_q)
     if not _is_int(cp_size) or cp_size < 1:
         raise ValueError(f"cp_size: expected an int >= 1, got {cp_size!r}")
-    cu = cu_seqlens_q.to(torch.int64)
-    return int(2 * _chunk_len(cu[1:] - cu[:-1], cp_size).sum())
+    return int(2 * _chunk_len(np.diff(_host_cu("cu_seqlens_q", cu_seqlens_q)), cp_size).sum())
 
 
-# ---- the index kernel ------------------------------------------------------------------------
+# ---- the index kernel: host plan (O(n_seq * p)), device expansion (O(rows)) --------------------
 
 
 def _validate_mirror_args(
-    cu_q: torch.Tensor, cu_k: torch.Tensor, ratios: Sequence[int], total_q: int, mirror_len: int,
+    cu_q: np.ndarray, cu_k: np.ndarray, ratios: Sequence[int], total_q: int, mirror_len: int,
     cp_size: int,
 ) -> None:
-    """Host-side checks of :func:`prepare_cp_mirror` (one tiny device-to-host copy on CUDA)."""
     if cu_q.shape != cu_k.shape:
-        raise ValueError(
-            f"cu_seqlens_k: expected the shape of cu_seqlens_q {tuple(cu_q.shape)}, "
-            f"got {tuple(cu_k.shape)}"
-        )
+        raise ValueError(f"cu_seqlens_k: expected the shape of cu_seqlens_q {cu_q.shape}, got {cu_k.shape}")
     if isinstance(ratios, (str, bytes)) or not isinstance(ratios, Sequence) or not ratios:
         raise ValueError(f"ratios: expected a non-empty sequence of positive ints, got {ratios!r}")
     for r in ratios:
         if not _is_int(r) or r < 1:
             raise ValueError(f"ratios: expected positive ints, got {r!r} in {tuple(ratios)!r}")
-    q, k = cu_q.to("cpu", torch.int64), cu_k.to("cpu", torch.int64)
-    if int(q[0]) != 0 or int(k[0]) != 0:
-        raise ValueError("cu_seqlens_q/cu_seqlens_k: expected exclusive prefix sums starting at 0")
-    sq, sk = q[1:] - q[:-1], k[1:] - k[:-1]
-    if bool((sq < 0).any()):
-        raise ValueError(f"cu_seqlens_q: sequence {int((sq < 0).nonzero()[0])} has a negative length")
-    bad = (sq > sk).nonzero()
-    if bad.numel():
+    sq, sk = np.diff(cu_q), np.diff(cu_k)
+    bad = np.flatnonzero(sq > sk)
+    if bad.size:
         s = int(bad[0])
-        raise ValueError(
-            f"cu_seqlens_k: sequence {s} has seqlen_q {int(sq[s])} > seqlen_k {int(sk[s])}"
-        )
-    if not _is_int(total_q) or total_q != int(q[-1]):
-        raise ValueError(f"total_q: expected cu_seqlens_q[-1] = {int(q[-1])}, got {total_q!r}")
+        raise ValueError(f"cu_seqlens_k: sequence {s} has seqlen_q {int(sq[s])} > seqlen_k {int(sk[s])}")
+    if not _is_int(total_q) or total_q != int(cu_q[-1]):
+        raise ValueError(f"total_q: expected cu_seqlens_q[-1] = {int(cu_q[-1])}, got {total_q!r}")
     want = int(2 * _chunk_len(sq, cp_size).sum())
     if not _is_int(mirror_len) or mirror_len != want:
         raise ValueError(f"cp_mirror_len: expected 2 * sum(cdiv(seqlen_q, 2 * cp_size)) = {want}, "
                          f"got {mirror_len!r}")
+    if cp_size * mirror_len > INT32_MAX:
+        raise ValueError(f"cp_mirror_len: cp_size * cp_mirror_len = {cp_size * mirror_len} overflows int32")
+
+
+def _rank_plan(
+    cu_q: np.ndarray, cu_k: np.ndarray, cp_size: int, cp_rank: int, ratios: Sequence[int]
+) -> np.ndarray:
+    """Per-chunk table [4 + len(ratios), 2*n_seq] of this rank's 2 chunks per sequence.
+
+    Rows: ``repeats`` (= ps), ``off`` (global row = mirror row + off), ``lim`` (real while mirror
+    row < lim), ``shift`` (pos = global row + shift), then ``base`` per ratio. For chunk ``c`` of
+    sequence ``s`` (block ``b``, first mirror row ``M_c``): ``off = cu_q[s] + b*ps - M_c``,
+    ``lim = M_c + clamp(sq - b*ps, 0, ps)``, ``shift = seqlen_k - seqlen_q - cu_q[s]``.
+    Example (sq=10, seqlen_k=14, p=2, rank 0): blocks 0 and 3, ps 3, M = 0, 3:
+    off = 0, 9-3 = 6; lim = 3, 3+1 = 4; shift = 4 -> rows m=0..5 map to 0,1,2,9 then pad, pad.
+    """
+    sq, sk = np.diff(cu_q), np.diff(cu_k)
+    ps = _chunk_len(sq, cp_size)[:, None]  # [n_seq, 1]
+    m_seq = (np.cumsum(2 * ps) - 2 * ps[:, 0])[:, None]  # first mirror row of each sequence
+    local0 = np.array([cp_rank, 2 * cp_size - 1 - cp_rank])[None, :] * ps  # [n_seq, 2]
+    chunk_m = m_seq + np.array([0, 1])[None, :] * ps
+    vlen = np.minimum(np.maximum(sq[:, None] - local0, 0), ps)
+    rows = [np.broadcast_to(ps, local0.shape), cu_q[:-1, None] + local0 - chunk_m, chunk_m + vlen,
+            np.broadcast_to((sk - sq - cu_q[:-1])[:, None], local0.shape)]
+    for r in ratios:
+        loaded = loaded_compressed_len(sk, r)
+        rows.append(np.broadcast_to((np.cumsum(loaded) - loaded)[:, None], local0.shape))
+    return np.stack(rows).reshape(len(rows), -1)
+
+
+def _reverse_plan(cu_q: np.ndarray, cp_size: int, mirror_len: int) -> np.ndarray:
+    """Per-(sequence, block) table [2, n_seq*2p]: rows ``vlen`` and ``shift`` (reverse = row + shift).
+
+    Block ``b`` of sequence ``s`` (global rows ``cu_q[s] + b*ps + [0, vlen)``) lives on rank
+    ``min(b, 2p-1-b)`` at ``rank*mirror_len + M_s + (b >= p)*ps``. Example (sq=10, p=2, length 6):
+    block 3 (row 9) -> rank 0, second chunk: ``0*6 + 0 + 3 = 3``, shift ``3 - 9 = -6``.
+    """
+    sq = np.diff(cu_q)
+    two_p = 2 * cp_size
+    ps = _chunk_len(sq, cp_size)[:, None]
+    m_seq = (np.cumsum(2 * ps) - 2 * ps[:, 0])[:, None]
+    b = np.arange(two_p)[None, :]
+    vlen = np.minimum(np.maximum(sq[:, None] - b * ps, 0), ps)
+    dest = np.minimum(b, two_p - 1 - b) * mirror_len + m_seq + (b >= cp_size) * ps
+    return np.stack([vlen, dest - (cu_q[:-1, None] + b * ps)]).reshape(2, -1)
 
 
 def prepare_cp_mirror(
@@ -166,7 +203,8 @@ def prepare_cp_mirror(
     Inputs: ``cu_seqlens_q``/``cu_seqlens_k`` [n_seq+1] integer (exclusive prefix sums; ``k`` is
     the ORIGINAL key layout, also when ``q`` is a compacted one), ``ratios`` the sparse ratios (pass
     :data:`NO_SPARSE_RATIOS_FALLBACK` when there are none), ``total_q = cu_seqlens_q[-1]`` and
-    ``cp_mirror_len`` (see :func:`cp_mirror_len`); both are checked. Runs on the inputs' device.
+    ``cp_mirror_len`` (see :func:`cp_mirror_len`); both are checked. The per-sequence plan is made
+    on the host (one tiny copy of ``cu_seqlens_*``), the per-row expansion runs on their device.
 
     Returns, all int32 on that device:
 
@@ -177,61 +215,38 @@ def prepare_cp_mirror(
       ``pos = (seqlen_k - seqlen_q) + local``, ``ks = base``, ``ke = base + (pos + 1) // r`` where
       ``base = sum_{s' < s} max(1, seqlen_k[s'] // r)``; 0 on pad rows.
 
-    Row ``m`` of rank ``r`` (sequence ``s`` with chunk length ``ps``, first mirror row ``M_s``):
-    ``k = m - M_s``; ``block = r if k < ps else 2p-1-r``; ``local = block*ps + k % ps``.
-    A global row at ``local`` with ``block = local // ps`` lives on rank ``b' = min(block,
-    2p-1-block)`` at ``b' * cp_mirror_len + M_s + (block >= p) * ps + local % ps``.
-
     Worked example: one sequence ``sq=10, seqlen_k=14`` (``q_start=4``), ``p=2``, ``r=4``:
     ``ps=3``; rank 0: index ``[0,1,2,9,-1,-1]``, positions ``4,5,6,13``, ``ke = [1,1,1,3,0,0]``;
     rank 1: index ``[3,4,5,6,7,8]``, positions ``7..12``, ``ke = [2,2,2,2,3,3]``; ``ks`` all 0.
     Reverse index (both ranks): ``[0,1,2,6,7,8,9,10,11,3]``.
     """
     _check_cp(cp_size, cp_rank)
-    cu_q = _check_cu("cu_seqlens_q", cu_seqlens_q)
-    cu_k = _check_cu("cu_seqlens_k", cu_seqlens_k)
+    cu_q = _host_cu("cu_seqlens_q", cu_seqlens_q)
+    cu_k = _host_cu("cu_seqlens_k", cu_seqlens_k)
     _validate_mirror_args(cu_q, cu_k, ratios, total_q, cp_mirror_len, cp_size)
+    rank_plan = _rank_plan(cu_q, cu_k, cp_size, cp_rank, ratios)
+    rev_plan = _reverse_plan(cu_q, cp_size, cp_mirror_len)
+    plan = torch.from_numpy(np.concatenate([rank_plan.ravel(), rev_plan.ravel()]).astype(np.int32))
+    plan = plan.to(cu_seqlens_q.device, non_blocking=True)
+    rank_t = plan[: rank_plan.size].view(rank_plan.shape)
+    rev_t = plan[rank_plan.size:].view(rev_plan.shape)
 
-    dev = cu_q.device
-    i64 = dict(dtype=torch.int64, device=dev)
-    cu_q, cu_k = cu_q.to(torch.int64), cu_k.to(torch.int64)
-    sq, sk = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
-    n_seq = sq.numel()
-    two_p = 2 * cp_size
-    ps = _chunk_len(sq, cp_size)  # [n_seq]
-    rows = 2 * ps
-    m_start = torch.cumsum(rows, 0) - rows  # [n_seq] first mirror row of each sequence
+    def spread(column: torch.Tensor) -> torch.Tensor:  # per-chunk value -> per mirror row
+        return torch.repeat_interleave(column, rank_t[0], output_size=cp_mirror_len)
 
-    # ---- this rank's mirror rows ----
-    seq = torch.repeat_interleave(torch.arange(n_seq, **i64), rows, output_size=cp_mirror_len)
-    ps_row = ps[seq]
-    k = torch.arange(cp_mirror_len, **i64) - m_start[seq]
-    late = k >= ps_row  # second chunk (2p-1-r)
-    block = torch.where(late, two_p - 1 - cp_rank, cp_rank)
-    local = block * ps_row + (k - late * ps_row)
-    real = local < sq[seq]
-    mirror_index = torch.where(real, cu_q[seq] + local, MIRROR_PAD_INDEX).to(torch.int32)
-
-    # ---- reverse index over all global rows (same on every rank) ----
-    g_seq = torch.repeat_interleave(torch.arange(n_seq, **i64), sq, output_size=total_q)
-    g_local = torch.arange(total_q, **i64) - cu_q[g_seq]
-    g_ps = ps[g_seq]  # >= 1 for every existing row
-    g_block = g_local // g_ps
-    g_late = g_block >= cp_size
-    owner = torch.where(g_late, two_p - 1 - g_block, g_block)
-    reverse = owner * cp_mirror_len + m_start[g_seq] + g_late * g_ps + (g_local - g_block * g_ps)
-    reverse = reverse.to(torch.int32)
-
-    # ---- ks / ke on the original key layout ----
-    pos = (sk - sq)[seq] + local  # absolute position of each mirror row
+    m = torch.arange(cp_mirror_len, dtype=torch.int32, device=plan.device)
+    pad = m >= spread(rank_t[2])
+    glob = m + spread(rank_t[1])
+    pos = glob + spread(rank_t[3])
     ks_all: dict[str, torch.Tensor] = {}
     ke_all: dict[str, torch.Tensor] = {}
-    for r in ratios:
-        loaded = _loaded_compressed_len(sk, r)
-        base = (torch.cumsum(loaded, 0) - loaded)[seq]
-        ks_all[str(r)] = torch.where(real, base, 0).to(torch.int32)
-        ke_all[str(r)] = torch.where(real, base + (pos + 1) // r, 0).to(torch.int32)
-    return mirror_index, reverse, ks_all, ke_all
+    for i, r in enumerate(ratios):
+        ks = spread(rank_t[4 + i])
+        ke_all[str(r)] = ks.add(torch.div(pos + 1, r, rounding_mode="floor")).masked_fill_(pad, 0)
+        ks_all[str(r)] = ks.masked_fill_(pad, 0)
+    reverse = torch.arange(total_q, dtype=torch.int32, device=plan.device)
+    reverse += torch.repeat_interleave(rev_t[1], rev_t[0], output_size=total_q)
+    return glob.masked_fill_(pad, MIRROR_PAD_INDEX), reverse, ks_all, ke_all
 
 
 # ---- row helpers -----------------------------------------------------------------------------
