@@ -35,6 +35,7 @@ from ._load_plan import paged_load_segments, swa_load_segments
 from .config import MetadataConfig
 from .metadata import InputMetadata
 from .sequence import SequenceMetadata
+from .yoco import build_yoco_fields, swa_visibility_pivots  # YoCo (DESIGN 10) + the shared pivot rule
 
 __all__ = ["prepare_prompt"]
 
@@ -137,16 +138,12 @@ def _fill_swa_pivots(b: BatchArrays, cfg: MetadataConfig, out: Out) -> torch.Ten
     Example: W = 4, s = 0, q_start = 6, j = 2 (pos 8, sees 5..8): start_slot 3, ``P0 = 3``,
     ``P1 = 1``, ``P2 = 4``, ``P3 = 3`` with n_seq = 1.
     """
-    W, rs, pos = cfg.window_size, b.row_seq, b.row_pos
-    qs = b.q_start[rs]
-    abs_lo = np.minimum(np.maximum(np.maximum(pos - W + 1, b.swa_valid_start[rs]), 0), pos + 1)
-    start_slot = np.minimum(abs_lo, qs) - (qs - W)
-    k_lo = np.maximum(abs_lo - qs, 0)
+    W, rs = cfg.window_size, b.row_seq
     t, a = alloc(out, "kv_swa_full_index_pivots", (b.total_q, 4), torch.int32)
-    a[:, 0] = rs * W + start_slot
-    a[:, 1] = W - start_slot
-    a[:, 2] = b.n_seq * W + b.cu_q[rs] + k_lo
-    a[:, 3] = b.row_j - k_lo + 1
+    # the ONE pivot rule, shared with YoCo's visibility (cpmeta/yoco.py): lower bound = swa_valid_start
+    swa_visibility_pivots(
+        b.row_pos, b.row_j, b.q_start[rs], b.swa_valid_start[rs], rs * W, b.n_seq * W + b.cu_q[rs], W, out=a
+    )
     return t
 
 
@@ -182,5 +179,7 @@ def prepare_prompt(
     f["load_segments_swa"] = swa_load_segments(b, cfg, out)
     _fill_compressed_reads(b, cfg, out, f, cu_ck)
     f["kv_swa_full_index_pivots"] = _fill_swa_pivots(b, cfg, out)
+    if cfg.yoco_keep_tokens is not None:  # YoCo truncation fields (DESIGN 10), built in cpmeta/yoco.py
+        f.update(build_yoco_fields(f, seqs, cfg, out=out))
     return InputMetadata(**f)
 
