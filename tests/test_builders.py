@@ -310,7 +310,7 @@ def test_decode_kv_ca_offset_overflow_bound() -> None:
     assert re.search(r"max_model_len|dense_compress_ratios|block_size", str(err.value))
     seqs = _decode_rows(2047)
     md = cpmeta.prepare_decode(seqs, cfg)
-    assert md.kv_ca_index_offset_len["1"][-1].tolist() == [2046 * 2**20, 1]
+    assert md.kv_ca_index_offset_len["1"][-1].tolist() == [2046 * 2**20, 7]  # last row: pos 6 of a 7-row seq
 
 
 @pytest.mark.parametrize("is_prompt", [True, False], ids=["prompt", "decode"])
