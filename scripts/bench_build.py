@@ -1,0 +1,277 @@
+#!/usr/bin/env python
+"""CPU builders against the per-token reference (issue 3 item 7): prepare_decode, prepare_prompt,
+compute_attn_info.
+
+Every case is timed single-threaded (``torch.set_num_threads(1)``), p50/p90 over ``--repeat``
+calls after warm-up; the reference (``tests/reference.py``, the literal per-token oracle) is timed
+in the same run when it is importable, and the speed-up is ``ref p50 / builder p50``.
+
+Cases are a dict of named functions (``CASES``), so other sections (CP mirror, YoCo, in-place GPU
+decode) are added with ``@case("name")`` and a function ``(BenchContext) -> dict``:
+
+    python scripts/bench_build.py                       # all cases, writes docs/benchmarks/build.json
+    python scripts/bench_build.py --quick               # smoke run (fewer repeats, small reference)
+    python scripts/bench_build.py --only decode_256     # cases whose name contains the string
+    python scripts/bench_build.py --device cuda         # compute_attn_info cases on the GPU
+
+Batches (default ``MetadataConfig()``: block 128, W = S = 128, ratios dense (4,) sparse (4,),
+max_model_len 8192): decode ``seqlen_k`` uniform in ``[1 + d, 8192]`` with ``d`` drafts, block
+tables of exactly ``blocks_needed`` random ids; prompt chunks of ``seqlen_q`` rows at a random
+``q_start`` in ``[0, 8192 - seqlen_q]``, every 4th sequence a first chunk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import platform
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from cpmeta import MetadataConfig, SequenceMetadata  # noqa: E402
+from cpmeta.sequence import blocks_needed  # noqa: E402
+
+logger = logging.getLogger("bench_build")
+
+DEFAULT_OUT = ROOT / "docs" / "benchmarks" / "build.json"
+VOCAB = 128_000
+MAX_BLOCK_ID = 1_000_000
+
+
+@dataclass
+class BenchContext:
+    """What a case needs: repeat counts, the reference module (or None), a seeded rng, device."""
+
+    quick: bool
+    repeat: int
+    ref_repeat: int
+    ref: Any  # the tests/reference.py module, or None
+    rng: random.Random
+    device: str = "cpu"
+    notes: list[str] = field(default_factory=list)
+
+
+CaseFn = Callable[[BenchContext], dict[str, Any]]
+CASES: dict[str, CaseFn] = {}
+
+
+def case(name: str) -> Callable[[CaseFn], CaseFn]:
+    """Register a benchmark case under ``name`` (order of registration = order of the table)."""
+
+    def deco(fn: CaseFn) -> CaseFn:
+        CASES[name] = fn
+        return fn
+
+    return deco
+
+
+def time_us(
+    fn: Callable[[], Any], repeat: int, *, warmup: int = 3, setup: Optional[Callable[[], Any]] = None,
+    sync: bool = False,
+) -> dict[str, float]:
+    """p50 / p90 / min of ``fn()`` in microseconds (``setup()`` runs untimed before each call)."""
+    for _ in range(warmup):
+        if setup:
+            setup()
+        fn()
+    ts = []
+    for _ in range(repeat):
+        if setup:
+            setup()
+        if sync:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if sync:
+            torch.cuda.synchronize()
+        ts.append((time.perf_counter() - t0) * 1e6)
+    ts.sort()
+    return {"p50_us": ts[len(ts) // 2], "p90_us": ts[min(len(ts) - 1, int(len(ts) * 0.9))],
+            "min_us": ts[0], "n": repeat}
+
+
+# ---- batches --------------------------------------------------------------------------------
+
+
+def decode_batch(rng: random.Random, cfg: MetadataConfig, n: int, drafts: int) -> list[SequenceMetadata]:
+    """``n`` decode sequences with ``drafts`` MTP drafts each (seqlen_q = 1 + drafts)."""
+    seqs = []
+    for i in range(n):
+        q = 1 + drafts
+        k = rng.randint(q, cfg.max_model_len)
+        seqs.append(SequenceMetadata(
+            seqlen_q=q, seqlen_k=k, state_id=i,
+            block_table=rng.sample(range(MAX_BLOCK_ID), blocks_needed(k, cfg)),
+            token_ids=[rng.randrange(VOCAB) for _ in range(k - q + 1)],
+            draft_tokens=[rng.randrange(VOCAB) for _ in range(drafts)],
+        ))
+    return seqs
+
+
+def prompt_batch(rng: random.Random, cfg: MetadataConfig, n: int, q: int) -> list[SequenceMetadata]:
+    """``n`` prompt chunks of ``q`` rows each (every 4th a first chunk, others at a random q_start)."""
+    seqs = []
+    for i in range(n):
+        q_start = 0 if i % 4 == 0 else rng.randint(0, cfg.max_model_len - q)
+        k = q_start + q
+        seqs.append(SequenceMetadata(
+            seqlen_q=q, seqlen_k=k, state_id=i,
+            block_table=rng.sample(range(MAX_BLOCK_ID), blocks_needed(k, cfg)),
+            token_ids=[rng.randrange(VOCAB) for _ in range(k)],
+        ))
+    return seqs
+
+
+# ---- cases ----------------------------------------------------------------------------------
+
+
+def _builder_vs_ref(ctx: BenchContext, build: Callable, ref_build: Optional[Callable],
+                    seqs: list, cfg: MetadataConfig, target: str) -> dict[str, Any]:
+    res: dict[str, Any] = {"builder": time_us(lambda: build(seqs, cfg), ctx.repeat), "target": target}
+    res["total_q"] = sum(s.seqlen_q for s in seqs)
+    res["n_seqs"] = len(seqs)
+    if ref_build is not None:
+        res["reference"] = time_us(lambda: ref_build(seqs, cfg), ctx.ref_repeat, warmup=0)
+        res["speedup"] = res["reference"]["p50_us"] / res["builder"]["p50_us"]
+    return res
+
+
+def _decode_case(n: int, drafts: int) -> CaseFn:
+    def run(ctx: BenchContext) -> dict[str, Any]:
+        from cpmeta import prepare_decode
+
+        cfg = MetadataConfig()
+        seqs = decode_batch(ctx.rng, cfg, n, drafts)
+        ref = ctx.ref.ref_prepare_decode if ctx.ref else None
+        return _builder_vs_ref(ctx, prepare_decode, ref, seqs, cfg, "p50 < 1000 us (256 seqs)")
+
+    return run
+
+
+def _prompt_case(n: int, q: int) -> CaseFn:
+    def run(ctx: BenchContext) -> dict[str, Any]:
+        from cpmeta import prepare_prompt
+
+        cfg = MetadataConfig()
+        seqs = prompt_batch(ctx.rng, cfg, n, q)
+        ref = ctx.ref.ref_prepare_prompt if ctx.ref else None
+        return _builder_vs_ref(ctx, prepare_prompt, ref, seqs, cfg, ">= 50x reference (32768 rows)")
+
+    return run
+
+
+for _n in (64, 256):
+    for _d in (0, 2):
+        case(f"decode_{_n}_d{_d}")(_decode_case(_n, _d))
+case("prompt_8x4096")(_prompt_case(8, 4096))
+case("prompt_256x128")(_prompt_case(256, 128))
+
+
+def _attn_case(is_prompt: bool, n: int, q: int) -> CaseFn:
+    def run(ctx: BenchContext) -> dict[str, Any]:
+        from cpmeta import prepare_decode, prepare_prompt
+        from cpmeta.attn_info import compute_attn_info
+
+        cfg = MetadataConfig()
+        if is_prompt:
+            md = prepare_prompt(prompt_batch(ctx.rng, cfg, n, q), cfg)
+        else:
+            md = prepare_decode(decode_batch(ctx.rng, cfg, n, q), cfg)
+        md = md.to(ctx.device)
+        cuda = ctx.device.startswith("cuda")
+        rep = max(3, ctx.repeat // (20 if is_prompt and not cuda else 1))
+        t = time_us(lambda: compute_attn_info(md, cfg), rep, setup=md.clean_derived_, sync=cuda)
+        return {"builder": t, "total_q": md.total_q, "n_seqs": n, "device": ctx.device,
+                "target": "(information)"}
+
+    return run
+
+
+case("attn_info_decode_256")(_attn_case(False, 256, 0))
+case("attn_info_prompt_8x4096")(_attn_case(True, 8, 4096))
+
+
+# ---- driver ---------------------------------------------------------------------------------
+
+
+def _load_reference() -> Any:
+    tests = ROOT / "tests"
+    if not (tests / "reference.py").exists():
+        return None
+    sys.path.insert(0, str(tests))
+    import reference  # type: ignore[import-not-found]
+
+    return reference
+
+
+def _table(results: dict[str, dict[str, Any]]) -> str:
+    head = f"{'case':<26}{'rows':>7}{'p50 us':>11}{'p90 us':>11}{'ref p50 us':>13}{'speedup':>9}  target"
+    lines = [head, "-" * len(head)]
+    for name, r in results.items():
+        b = r["builder"]
+        ref = r.get("reference", {}).get("p50_us")
+        sp = r.get("speedup")
+        lines.append(
+            f"{name:<26}{r.get('total_q', 0):>7}{b['p50_us']:>11.1f}{b['p90_us']:>11.1f}"
+            f"{(f'{ref:.0f}' if ref else '-'):>13}{(f'{sp:.0f}x' if sp else '-'):>9}  {r.get('target', '')}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="few repeats, reference only on small cases")
+    ap.add_argument("--repeat", type=int, default=None, help="timed calls per case (default 200, quick 20)")
+    ap.add_argument("--only", default=None, help="run cases whose name contains this string")
+    ap.add_argument("--device", default="cpu", help="device for the compute_attn_info cases")
+    ap.add_argument("--no-ref", action="store_true", help="skip the per-token reference")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(DEFAULT_OUT), help="JSON output path ('' = none)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.set_num_threads(1)
+    repeat = args.repeat or (20 if args.quick else 200)
+    ctx = BenchContext(quick=args.quick, repeat=repeat, ref_repeat=1 if args.quick else 3,
+                       ref=None if args.no_ref else _load_reference(), rng=random.Random(args.seed),
+                       device=args.device)
+    results: dict[str, dict[str, Any]] = {}
+    for name, fn in CASES.items():
+        if args.only and args.only not in name:
+            continue
+        if args.quick and ctx.ref is not None and "prompt_8x4096" == name:
+            saved, ctx.ref = ctx.ref, None  # the per-token reference of 32768 rows takes seconds
+            results[name] = fn(ctx)
+            ctx.ref = saved
+        else:
+            results[name] = fn(ctx)
+        logger.info("%s: p50 %.1f us", name, results[name]["builder"]["p50_us"])
+    print(_table(results))
+    meta = {
+        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "cpu_count": os.cpu_count(), "python": platform.python_version(),
+                    "torch": torch.__version__, "threads": torch.get_num_threads()},
+        "reference": ctx.ref is not None, "repeat": repeat, "results": results,
+    }
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(meta, indent=2) + "\n")
+        logger.info("wrote %s", args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

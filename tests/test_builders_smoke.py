@@ -1,0 +1,249 @@
+"""Quick sanity tests of the vectorized builders' own pieces (the exhaustive oracle comparison is
+tests/test_builders.py): docstring worked examples, load-plan and expansion helpers, the fast
+validation path, int32 overflow, out= refills, the CP-mirror gather in compute_attn_info, CUDA."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from cpmeta import MetadataConfig, SequenceMetadata, prepare_decode, prepare_prompt
+from cpmeta._batch import extract_batch, loaded_compressed_len
+from cpmeta._load_plan import paged_load_segments, swa_load_segments
+from cpmeta.attn_info import (
+    compute_attn_info,
+    expand_offset_len,
+    expand_paged_offset_len,
+    expand_swa_pivots,
+    expand_swa_ring,
+)
+from cpmeta.sequence import blocks_needed, validate_batch
+
+CUDA = torch.cuda.is_available()
+
+
+def _seq(q: int, k: int, *, state: int = 0, table=None, cfg=None, prompt=True, **kw) -> SequenceMetadata:
+    cfg = cfg or MetadataConfig()
+    table = list(range(10, 10 + blocks_needed(k, cfg))) if table is None else table
+    toks = list(range(100, 100 + (k if prompt else k - q + 1)))
+    drafts = [] if prompt else list(range(900, 900 + q - 1))
+    return SequenceMetadata(seqlen_q=q, seqlen_k=k, block_table=table, state_id=state,
+                            token_ids=toks, draft_tokens=drafts, **kw)
+
+
+def test_loaded_compressed_len_one_helper_for_all_types() -> None:
+    assert [loaded_compressed_len(k, 4) for k in (3, 8, 13)] == [1, 2, 3]
+    assert loaded_compressed_len(np.array([3, 8, 13]), 4).tolist() == [1, 2, 3]
+    assert loaded_compressed_len(torch.tensor([3, 8, 13]), 4).tolist() == [1, 2, 3]
+
+
+def test_decode_docstring_example() -> None:
+    cfg = MetadataConfig()
+    md = prepare_decode([_seq(2, 8, state=3, table=[5], prompt=False)], cfg)
+    assert md.positions.tolist() == [6, 7] and md.context_lens.tolist() == [7, 8]
+    assert md.input_ids.tolist() == [106, 900]
+    assert md.klen["4"].tolist() == [1, 2]
+    assert md.positions_c["4"].tolist() == [0, 4]
+    assert md.slot_mapping_store_ca["4"].tolist() == [-1, 161]
+    assert md.kv_swa_index_offset_len.tolist() == [[384, 7], [384, 8]]
+    assert md.block_tables[:, 0].tolist() == [5, 5]
+    assert md.kv_ca_index_offset_len["4"].tolist() == [[0, 1], [64 * 32, 2]]
+    assert md.ks is None and md.load_segments_swa is None and md.ngram_token_ids is None
+
+
+def test_prompt_docstring_example() -> None:
+    cfg = MetadataConfig(window_size=4, swa_block_size=4, block_size=8)
+    md = prepare_prompt([_seq(3, 9, cfg=cfg)], cfg)
+    assert md.positions.tolist() == [6, 7, 8]
+    assert md.ks["4"].tolist() == [0, 0, 0] and md.ke["4"].tolist() == [1, 2, 2]
+    assert md.positions_c["4"].tolist() == [4]
+    assert md.kv_swa_full_index_pivots.tolist()[0] == [1, 3, 4, 1]
+    assert md.kv_swa_full_index_pivots.tolist()[2] == [3, 1, 4, 3]
+    assert md.total_k_swa == 4 and md.total_k_compressed == {"4": 2}
+    assert md.context_lens is None and md.klen is None and md.block_tables is None
+
+
+def test_swa_load_plan_examples() -> None:
+    cfg = MetadataConfig(window_size=8, swa_block_size=8, block_size=8)
+    seqs = [_seq(1, 1, cfg=cfg), _seq(1, 12, state=2, cfg=cfg), _seq(1, 6, state=2, cfg=cfg)]
+    b = extract_batch(seqs, cfg, is_prompt=True)
+    segs = swa_load_segments(b, cfg, None).tolist()
+    # seq 0: q_start 0 -> all 8 rows zero-filled; seq 1: q_start 11 -> ring wraps; seq 2: q_start 5
+    assert segs == [[-1, 0, 8, 0], [2, 3, 8, 8], [2, 0, 3, 13], [-1, 0, 3, 16], [2, 0, 5, 19]]
+
+
+def test_paged_load_plan_example() -> None:
+    cfg = MetadataConfig(block_size=128, dense_compress_ratios=(4,), sparse_compress_ratios=())
+    seqs = [_seq(1, 3, table=[1]), _seq(1, 280, table=[9, 4, 6])]
+    b = extract_batch(seqs, cfg, is_prompt=True)
+    segs = paged_load_segments(b, cfg, 4, np.array([0, 1]), None).tolist()
+    assert segs == [[-1, 0, 1, 0], [9, 0, 32, 1], [4, 0, 32, 33], [6, 0, 6, 65]]
+
+
+def test_ngram_docstring_example() -> None:
+    cfg = MetadataConfig(max_ngram_size=3, image_token_id=77, ngram_pad_token=-5)
+    s = SequenceMetadata(seqlen_q=4, seqlen_k=4, block_table=[0], state_id=0, token_ids=[5, 7, 77, 8])
+    assert prepare_prompt([s], cfg).ngram_token_ids.tolist() == [
+        [5, -5, -5], [7, 5, -5], [-5, -5, -5], [8, -5, -5]]
+
+
+def test_expansion_helpers_examples() -> None:
+    off, ln = torch.tensor([5], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    assert expand_offset_len(off, ln, 6).tolist() == [[5, 6, 7, -1, -1, -1]]
+    piv = torch.tensor([[10, 2, 40, 3]], dtype=torch.int32)
+    assert expand_swa_pivots(piv, 6).tolist() == [[10, 11, 40, 41, 42, -1]]
+    ol = torch.tensor([[22, 4]], dtype=torch.int32)
+    assert expand_swa_ring(ol, 6, 8).tolist() == [[22, 23, 16, 17, -1, -1]]
+    bt = torch.tensor([[1, 2, 3, 4], [9, 4, 0, 0]], dtype=torch.int32)
+    row = expand_paged_offset_len(torch.tensor([128], dtype=torch.int32), torch.tensor([40], dtype=torch.int32),
+                                  48, bt, 32)[0].tolist()
+    assert row[:32] == list(range(288, 320)) and row[32:40] == list(range(128, 136))
+    assert row[40:] == [-1] * 8
+
+
+BAD_CASES = {
+    "seqlen_q_zero": dict(seqlen_q=0),
+    "q_gt_k": dict(seqlen_q=9, seqlen_k=8),
+    "too_long": dict(seqlen_k=10**6),
+    "neg_state": dict(state_id=-1),
+    "neg_svs": dict(swa_valid_start=-2),
+    "float_q": dict(seqlen_q=1.0),
+    "bool_state": dict(state_id=True),
+    "short_table": dict(block_table=[]),
+    "drafts_on_prompt": dict(draft_tokens=[1]),
+    "few_tokens": dict(token_ids=[1]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_CASES))
+@pytest.mark.parametrize("prompt", [True, False])
+def test_fast_validation_raises_the_validate_batch_error(name: str, prompt: bool) -> None:
+    cfg = MetadataConfig(max_model_len=1024)
+    good = [_seq(1, 300, state=1, prompt=prompt), _seq(1, 200, state=2, prompt=prompt)]
+    fields = {f: getattr(good[1], f) for f in SequenceMetadata.__slots__}
+    fields.update(BAD_CASES[name])
+    seqs = [good[0], SequenceMetadata(**fields)]
+    with pytest.raises((ValueError, TypeError)) as expected:
+        validate_batch(seqs, cfg, is_prompt=prompt)
+    build = prepare_prompt if prompt else prepare_decode
+    with pytest.raises(type(expected.value), match=r"^seqs\[1\]\.") as got:
+        build(seqs, cfg)
+    assert str(got.value) == str(expected.value)
+
+
+def test_empty_batch_and_wrong_type() -> None:
+    with pytest.raises(ValueError, match="seqs"):
+        prepare_decode([], MetadataConfig())
+    with pytest.raises(TypeError, match=r"seqs\[0\]"):
+        prepare_prompt([object()], MetadataConfig())  # type: ignore[list-item]
+
+
+def test_negative_block_id_named() -> None:
+    with pytest.raises(ValueError, match=r"seqs\[1\]\.block_table"):
+        prepare_decode([_seq(1, 5, prompt=False), _seq(1, 5, table=[-3], prompt=False)], MetadataConfig())
+
+
+def test_decode_offset_overflow_checked_before_allocation() -> None:
+    cfg = MetadataConfig(block_size=2048, dense_compress_ratios=(1,), sparse_compress_ratios=(),
+                         max_model_len=131072)
+    # max_num_blocks = 64, block_size // 1 = 2048 -> 131072 per row; 16384 rows reach 2**31
+    seqs = [_seq(1, 2, state=i, cfg=cfg, prompt=False) for i in range(16384)]
+    out: dict[str, torch.Tensor] = {}
+    with pytest.raises(ValueError, match=r"kv_ca_index_offset_len.*total_q \(16384\).*max_num_blocks \(64"):
+        prepare_decode(seqs, cfg, out=out)
+    assert out == {}  # nothing was allocated
+    prepare_decode(seqs[:16383], cfg)  # one row less fits
+
+
+def test_prompt_slot_overflow() -> None:
+    cfg = MetadataConfig()
+    with pytest.raises(ValueError, match="slot_mapping_store_swa.*overflow"):
+        prepare_prompt([_seq(1, 5, state=2**24)], cfg)
+    with pytest.raises(ValueError, match="slot_mapping_store_ca.*overflow"):
+        prepare_prompt([_seq(1, 5, table=[2**27])], cfg)
+
+
+def test_out_refills_same_tensors_and_rejects_mismatch() -> None:
+    cfg = MetadataConfig(dense_compress_ratios=(4, 128), max_ngram_size=2)
+    rng = random.Random(1)
+    mk = lambda: [_seq(3, rng.randint(3, 900), state=i, prompt=False) for i in range(5)]  # noqa: E731
+    out: dict[str, torch.Tensor] = {}
+    md1 = prepare_decode(mk(), cfg, out=out)
+    ptrs = {k: v.data_ptr() for k, v in out.items()}
+    assert "klen.4" in out and "kv_ca_index_offset_len.128" in out and "block_tables" in out
+    seqs2 = mk()
+    md2 = prepare_decode(seqs2, cfg, out=out)
+    assert {k: v.data_ptr() for k, v in out.items()} == ptrs
+    assert md2.positions is md1.positions and md2.klen["4"] is out["klen.4"]
+    fresh = prepare_decode(seqs2, cfg)
+    assert torch.equal(md2.kv_ca_index_offset_len["128"], fresh.kv_ca_index_offset_len["128"])
+    with pytest.raises(ValueError, match="positions"):
+        prepare_decode(mk()[:4], cfg, out=out)
+
+
+def test_empty_ratio_sets_are_empty_dicts() -> None:
+    cfg = MetadataConfig(dense_compress_ratios=(), sparse_compress_ratios=(8,))
+    p = prepare_prompt([_seq(5, 20, cfg=cfg)], cfg)
+    assert p.kv_ca_index_offset_len == {} and set(p.ks) == {"8"}
+    compute_attn_info(p, cfg)
+    assert p.kv_ca_index == {} and p.kv_ca_index_len == {}
+    cfg2 = MetadataConfig(dense_compress_ratios=(8,), sparse_compress_ratios=())
+    d = prepare_decode([_seq(1, 20, cfg=cfg2, prompt=False)], cfg2)
+    assert d.klen == {} and set(d.kv_ca_index_offset_len) == {"8"}
+
+
+def test_dtypes() -> None:
+    cfg = MetadataConfig(max_ngram_size=1)
+    for md in (prepare_prompt([_seq(4, 40)], cfg), prepare_decode([_seq(2, 40, prompt=False)], cfg)):
+        compute_attn_info(md, cfg)
+        for path, t in md.tensors():
+            want = torch.bool if path in ("gate_force_random", "valid_token_mask") else torch.int32
+            assert t.dtype == want, path
+
+
+def test_attn_info_idempotent_and_clean() -> None:
+    cfg = MetadataConfig()
+    md = prepare_prompt([_seq(7, 300)], cfg)
+    compute_attn_info(md, cfg)
+    before = [id(md.kv_ca_index["4"]), id(md.kv_ca_index_len), id(md.kv_swa_full_index)]
+    md.compute_attn_info(cfg)
+    assert [id(md.kv_ca_index["4"]), id(md.kv_ca_index_len), id(md.kv_swa_full_index)] == before
+    assert md.kv_ca_index["4"].shape == (7, cfg.attn_index_width(4))
+    md.clean_derived_()
+    assert md.kv_ca_index is None and md.kv_swa_full_index is None
+
+
+def test_attn_info_mirror_gathers_full_rows() -> None:
+    cfg = MetadataConfig(window_size=8, swa_block_size=8, block_size=16)
+    md = prepare_prompt([_seq(5, 40, cfg=cfg), _seq(3, 3, state=1, cfg=cfg)], cfg)
+    full = compute_attn_info(md.replace(), cfg)
+    mirror = torch.tensor([4, -1, 0, 6, -1], dtype=torch.int32)
+    mm = compute_attn_info(md.replace(mirror_cp_index=mirror, cp_mirror_len=5), cfg)
+    g = mirror.clamp(min=0).long()
+    pad = (mirror < 0)[:, None]
+    assert torch.equal(mm.kv_swa_full_index, full.kv_swa_full_index[g].masked_fill(pad, -1))
+    assert torch.equal(mm.kv_ca_index["4"], full.kv_ca_index["4"][g].masked_fill(pad, -1))
+    assert mm.kv_ca_index_len["4"].tolist() == [full.kv_ca_index_len["4"][4].item(), 0,
+                                                full.kv_ca_index_len["4"][0].item(),
+                                                full.kv_ca_index_len["4"][6].item(), 0]
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("seed", range(5))
+def test_attn_info_cuda_equals_cpu(seed: int) -> None:
+    rng = random.Random(seed)
+    cfg = MetadataConfig(dense_compress_ratios=(4, 128), sparse_compress_ratios=(4,), max_model_len=4096)
+    pro = [_seq(rng.randint(1, 300), rng.randint(300, 4000), state=i) for i in range(4)]
+    dec = [_seq(1 + rng.randint(0, 2), rng.randint(3, 4000), state=i, prompt=False) for i in range(9)]
+    for md in (prepare_prompt(pro, cfg), prepare_decode(dec, cfg)):
+        gpu = compute_attn_info(md.to("cuda"), cfg)
+        cpu = compute_attn_info(md, cfg)
+        for name in ("kv_ca_index", "kv_ca_index_len"):
+            for k, v in getattr(cpu, name).items():
+                assert torch.equal(getattr(gpu, name)[k].cpu(), v), (name, k)
+        for name in ("kv_swa_full_index", "kv_swa_index"):
+            if getattr(cpu, name) is not None:
+                assert torch.equal(getattr(gpu, name).cpu(), getattr(cpu, name)), name
