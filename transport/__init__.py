@@ -8,6 +8,11 @@
 """
 
 from .codec import CodecError, TensorDesc, decode, encode, schema_fingerprint
+from .errors import PeerError, RingClosedError
+from .object_channel import ObjectChannel
+from .ring_group import ring_from_process_group
+from .shm_ring import ShmRing, ShmRingHandle
+from .tensor_channel import TensorChannel
 
 __all__ = [
     "CodecError",
@@ -15,4 +20,11 @@ __all__ = [
     "encode",
     "decode",
     "schema_fingerprint",
+    "PeerError",
+    "RingClosedError",
+    "ShmRing",
+    "ShmRingHandle",
+    "ring_from_process_group",
+    "ObjectChannel",
+    "TensorChannel",
 ]

@@ -1,0 +1,82 @@
+"""torch.distributed helpers of the transport package (CPU/gloo control traffic, no pickle)."""
+
+from __future__ import annotations
+
+import socket
+import struct
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import envs
+from .codec import CodecError
+from .coalesce import tensor_memoryview
+
+__all__ = ["group_ranks", "cpu_group", "host_keys", "bcast_frame", "REMOTE_INLINE_BYTES"]
+
+HOST_KEY_BYTES = 256  # fixed width of a gathered host key
+REMOTE_INLINE_BYTES = 8192  # first broadcast of a remote message: length + this many bytes
+_LEN = struct.Struct("<Q")
+_BOOT_ID = "/proc/sys/kernel/random/boot_id"
+
+
+def group_ranks(group: Any) -> list[int]:
+    """Global ranks of ``group`` in group-rank order."""
+    return list(dist.get_process_group_ranks(group))
+
+
+def cpu_group(group: Any) -> Any:
+    """``group`` itself when its backend moves CPU tensors (gloo), else a new gloo group over the
+    same ranks. Collective over ``group``'s members."""
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" in backend:
+        return group
+    return dist.new_group(group_ranks(group), backend="gloo", use_local_synchronization=True)
+
+
+def _host_key() -> bytes:
+    """Host identity: hostname + kernel boot id (two containers with one hostname still differ
+    when they are different machines)."""
+    try:
+        with open(_BOOT_ID, "rb") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = b""
+    return (socket.gethostname().encode("utf-8", "replace") + b"|" + boot)[:HOST_KEY_BYTES]
+
+
+def host_keys(group: Any) -> list[bytes]:
+    """Collective over the gloo ``group``: every member's host key, in group-rank order. Sent
+    as fixed-size byte tensors (nothing is unpickled)."""
+    mine = torch.zeros(HOST_KEY_BYTES, dtype=torch.uint8)
+    key = _host_key()
+    mine[:len(key)] = torch.frombuffer(bytearray(key), dtype=torch.uint8)
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, mine, group=group)
+    return [bytes(tensor_memoryview(t)).rstrip(b"\0") for t in out]
+
+
+def bcast_frame(frame: Optional[torch.Tensor], src: int, group: Any) -> torch.Tensor:
+    """Broadcast a 1-D uint8 CPU tensor of any length from global rank ``src`` over the gloo
+    ``group`` (every member calls; ``src`` passes ``frame``, the others None and get a fresh
+    tensor). One collective for frames up to ``REMOTE_INLINE_BYTES``, two above."""
+    head = torch.empty(REMOTE_INLINE_BYTES + _LEN.size, dtype=torch.uint8)  # [data | length]
+    if frame is not None:
+        n = frame.numel()
+        _LEN.pack_into(tensor_memoryview(head), REMOTE_INLINE_BYTES, n)
+        head[:min(n, REMOTE_INLINE_BYTES)] = frame[:REMOTE_INLINE_BYTES]
+    dist.broadcast(head, src=src, group=group)
+    if frame is not None:
+        if frame.numel() > REMOTE_INLINE_BYTES:
+            dist.broadcast(frame[REMOTE_INLINE_BYTES:], src=src, group=group)
+        return frame
+    (n,) = _LEN.unpack_from(tensor_memoryview(head), REMOTE_INLINE_BYTES)
+    if n > envs.max_message_bytes():
+        raise CodecError(f"remote frame of {n} bytes exceeds CPMETA_MAX_MESSAGE_BYTES")
+    if n <= REMOTE_INLINE_BYTES:
+        return head[:n]  # storage offset 0: 16-byte aligned views stay aligned
+    out = torch.empty(n, dtype=torch.uint8)
+    out[:REMOTE_INLINE_BYTES] = head[:REMOTE_INLINE_BYTES]
+    dist.broadcast(out[REMOTE_INLINE_BYTES:], src=src, group=group)
+    return out

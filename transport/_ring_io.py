@@ -1,0 +1,294 @@
+"""Data path of ``ShmRing`` (writer ``write``, reader ``read``), as a mixin over the mapped words.
+
+The attributes used here are created by ``ShmRing.__init__``: ``_buf`` (memoryview of the whole
+mapping), ``_head``, ``_tails``, ``_states``, ``_pids``, ``_waiting``, ``_writer_waiting``,
+``_closed`` (ctypes words in the mapping), ``_data_at``, ``_ring_bytes``, ``_spin_s``,
+``_watch`` (``PeerWatch`` per reader index, ``-1`` = writer), ``handle``, ``reader_index``,
+``timeout``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from typing import Any, Callable, Optional, Sequence, TypeVar, Union
+
+from . import envs
+from ._futex import HAVE_FENCE, NEEDS_RELEASE_FENCE, fence, futex_wait, futex_wake
+from ._ring_layout import (ABSENT, ATTACHED, CLOSED, KIND_DATA, KIND_PAD, LIVENESS_SLICE_S,
+                           MSG_HEADER, cdiv)
+from ._segment import PeerWatch
+from .errors import PeerError, RingClosedError
+
+T = TypeVar("T")
+Buffers = Union[bytes, bytearray, memoryview, Sequence[Any]]
+_HDR_LEN = MSG_HEADER.size
+
+
+class _Cursor:
+    """Walks a sequence of byte buffers as one stream: ``take(n)`` yields slices totalling n."""
+
+    def __init__(self, parts: Sequence[memoryview]) -> None:
+        self.parts, self.i, self.off = parts, 0, 0
+
+    def take(self, n: int) -> list[memoryview]:
+        out = []
+        while n > 0:
+            p = self.parts[self.i]
+            m = min(n, p.nbytes - self.off)
+            out.append(p[self.off:self.off + m])
+            self.off += m
+            n -= m
+            if self.off == p.nbytes:
+                self.i, self.off = self.i + 1, 0
+        return out
+
+
+class RingIO:
+    """Mixin: the message protocol on top of the mapped control words."""
+
+    # ------------------------------------------------------------------ writer
+
+    def write(self, data: Buffers, *, timeout: Optional[float] = None) -> None:
+        """Writer: publish one message (bytes-like, or a sequence of bytes-like parts gathered in
+        order). Blocks while the slowest reader holds the needed slots; ``TimeoutError`` names
+        the lagging reader(s), ``PeerError`` a dead or closed one."""
+        if self.reader_index is not None:
+            raise RuntimeError("ShmRing.write: this end is a reader")
+        raw = data if isinstance(data, (list, tuple)) else (data,)
+        parts = [memoryview(p).cast("B") for p in raw]
+        length = sum(p.nbytes for p in parts)
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        size, n = self.handle.slot_size, self.handle.num_slots
+        k = cdiv(_HDR_LEN + length, size)
+        head = self._w.head.value
+        if k > n:
+            self._stream_out(parts, length, k, head, deadline)
+            return
+        first = head % n
+        if first + k > n:  # keep the message contiguous: pad to the end of the ring
+            self._wait_space(head, n - first, deadline)
+            MSG_HEADER.pack_into(self._buf, self._data_at + first * size, 0, KIND_PAD, n - first)
+            head += n - first
+            self._publish(head)
+            first = 0
+        self._wait_space(head, k, deadline)
+        pos = self._data_at + first * size
+        MSG_HEADER.pack_into(self._buf, pos, length, KIND_DATA, 0)
+        pos += _HDR_LEN
+        for p in parts:
+            self._buf[pos:pos + p.nbytes] = p
+            pos += p.nbytes
+        self._publish(head + k)
+
+    def _stream_out(self, parts: list[memoryview], length: int, k: int, head: int,
+                    deadline: float) -> None:
+        """Message larger than the ring: publish batches of slots as readers free them."""
+        size = self.handle.slot_size
+        cur = _Cursor([memoryview(MSG_HEADER.pack(length, KIND_DATA, 0)), *parts])
+        start, total, done = head, _HDR_LEN + length, 0
+        while done < total:
+            free = self._wait_space(head, 1, deadline)
+            n = min(free, k - (head - start))
+            end = min(total, (head - start + n) * size)
+            pos = self._ring_pos(start, done)
+            for chunk in cur.take(end - done):
+                pos = self._copy_in(pos, chunk)
+            done, head = end, head + n
+            self._publish(head)
+
+    def _ring_pos(self, start_slot: int, msg_offset: int) -> int:
+        """Ring byte offset of byte ``msg_offset`` of the message starting at slot ``start_slot``.
+
+        Example: 4 slots of 64 B (ring 256 B), start slot 6 (index 2 = byte 128), offset 200:
+        (128 + 200) % 256 = 72.
+        """
+        return ((start_slot % self.handle.num_slots) * self.handle.slot_size + msg_offset) % self._ring_bytes
+
+    def _copy_in(self, pos: int, chunk: memoryview) -> int:
+        first = min(chunk.nbytes, self._ring_bytes - pos)
+        at = self._data_at + pos
+        self._buf[at:at + first] = chunk[:first]
+        if first < chunk.nbytes:
+            self._buf[self._data_at:self._data_at + chunk.nbytes - first] = chunk[first:]
+        return (pos + chunk.nbytes) % self._ring_bytes
+
+    def _publish(self, head: int) -> None:
+        if NEEDS_RELEASE_FENCE:
+            fence()  # payload stores before the head store
+        self._w.head.value = head
+        fence()  # head store before the loads of the readers' waiting flags (StoreLoad)
+        if not HAVE_FENCE or any(w.value for w in self._w.waiting):
+            futex_wake(ctypes.addressof(self._w.head))
+
+    def _wait_space(self, head: int, k: int, deadline: float) -> int:
+        """Block until ``k`` slots after ``head`` are free; return the number of free slots."""
+        n = self.handle.num_slots
+        while True:
+            lag, tail = self._slowest()
+            if lag is None or head + k - tail <= n:
+                return n if lag is None else n - (head - tail)
+            tail_word = self._w.tails[lag]
+            self._w.writer_waiting.value = 1
+            fence()  # flag store before re-reading the tail (pairs with the reader's fence)
+            if tail_word.value == tail:
+                futex_wait(ctypes.addressof(tail_word), tail, min(LIVENESS_SLICE_S, self._left(deadline)))
+            self._w.writer_waiting.value = 0
+            if tail_word.value == tail:
+                self._check_readers(head, k, deadline)
+
+    def _slowest(self) -> tuple[Optional[int], int]:
+        best, best_tail = None, 0
+        for i, (st, tw) in enumerate(zip(self._w.states, self._w.tails)):
+            if st.value != ABSENT:
+                t = tw.value
+                if best is None or t < best_tail:
+                    best, best_tail = i, t
+        return best, best_tail
+
+    def _check_readers(self, head: int, k: int, deadline: float) -> None:
+        n = self.handle.num_slots
+        lagging = [i for i, (st, tw) in enumerate(zip(self._w.states, self._w.tails))
+                   if st.value != ABSENT and head + k - tw.value > n]
+        for i in lagging:
+            behind = head - self._w.tails[i].value
+            if self._w.states[i].value == CLOSED:
+                raise PeerError(f"ShmRing writer: {self._label(i)} closed the ring "
+                                f"{behind} slot(s) behind")
+            if self._w.states[i].value == ATTACHED:
+                watch = self._watch.get(i)
+                if watch is None:
+                    watch = self._watch[i] = PeerWatch(self._w.pids[i].value)
+                if watch.dead():
+                    raise PeerError(f"ShmRing writer: {self._label(i)}, pid {watch.pid}, died "
+                                    f"{behind} slot(s) behind")
+        if time.monotonic() >= deadline:
+            detail = "; ".join(
+                f"{self._label(i)} is {head - self._w.tails[i].value} slot(s) behind"
+                + (" (never attached)" if self._w.states[i].value not in (ATTACHED, CLOSED) else "")
+                for i in lagging)
+            raise TimeoutError(f"ShmRing writer: timed out waiting for {k} free slot(s) of "
+                               f"{n}; lagging reader(s): {detail}")
+
+    @staticmethod
+    def _left(deadline: float) -> float:
+        return max(1e-4, deadline - time.monotonic())
+
+    # ------------------------------------------------------------------ reader
+
+    def read(self, consumer: Callable[[memoryview, bool], T], *, timeout: Optional[float] = None) -> T:
+        """Reader: wait for the next message and return ``consumer(view, owned)``.
+
+        ``owned`` False: ``view`` points into shared memory, valid only during the call (it is
+        released afterwards: copy what you keep). ``owned`` True: ``view`` is a private buffer
+        (a message larger than the ring) that the consumer may keep."""
+        i = self.reader_index
+        if i is None:
+            raise RuntimeError("ShmRing.read: this end is the writer")
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        size, n = self.handle.slot_size, self.handle.num_slots
+        tail = self._w.tails[i].value
+        while True:
+            self._wait_data(tail + 1, deadline)
+            pos = self._data_at + (tail % n) * size
+            length, kind, pad = MSG_HEADER.unpack_from(self._buf, pos)
+            if kind == KIND_PAD and 1 <= pad <= n:
+                tail += pad
+                self._release(tail)
+                continue
+            if kind != KIND_DATA:
+                raise RuntimeError(f"ShmRing reader: corrupt message header at slot {tail}")
+            break
+        limit = envs.max_message_bytes()
+        if length > limit:
+            raise ValueError(f"ShmRing reader: message of {length} bytes exceeds "
+                             f"CPMETA_MAX_MESSAGE_BYTES={limit}")
+        k = cdiv(_HDR_LEN + length, size)
+        if k > n:
+            return consumer(self._stream_in(tail, length, k, deadline), True)
+        self._wait_data(tail + k, deadline)
+        view = self._buf[pos + _HDR_LEN:pos + _HDR_LEN + length]
+        try:
+            return consumer(view, False)
+        finally:
+            try:
+                view.release()
+            except BufferError:
+                raise BufferError("ShmRing.read: the consumer kept a view of the shared slot "
+                                  "(copy the data instead)") from None
+            finally:
+                self._release(tail + k)
+
+    def read_bytes(self, *, timeout: Optional[float] = None) -> bytes:
+        """Reader: the next message as ``bytes`` (a private copy)."""
+        return self.read(lambda view, owned: bytes(view), timeout=timeout)
+
+    def _stream_in(self, start: int, length: int, k: int, deadline: float) -> memoryview:
+        size = self.handle.slot_size
+        out = memoryview(bytearray(length))
+        tail, done, total = start, _HDR_LEN, _HDR_LEN + length
+        while done < total:
+            head = self._wait_data(tail + 1, deadline)
+            n = min(head - tail, k - (tail - start))
+            end = min(total, (tail - start + n) * size)
+            pos = self._ring_pos(start, done)
+            first = min(end - done, self._ring_bytes - pos)
+            at = self._data_at + pos
+            out[done - _HDR_LEN:done - _HDR_LEN + first] = self._buf[at:at + first]
+            rest = end - done - first
+            if rest:
+                out[done - _HDR_LEN + first:end - _HDR_LEN] = self._buf[self._data_at:self._data_at + rest]
+            done, tail = end, tail + n
+            self._release(tail)
+        return out
+
+    def _release(self, tail: int) -> None:
+        if NEEDS_RELEASE_FENCE:
+            fence()  # finish reading the slots before handing them back
+        word = self._w.tails[self.reader_index]
+        word.value = tail
+        fence()  # tail store before loading writer_waiting (StoreLoad)
+        if not HAVE_FENCE or self._w.writer_waiting.value:
+            futex_wake(ctypes.addressof(word))
+
+    def _wait_data(self, target: int, deadline: float) -> int:
+        """Block until ``head >= target``; return head."""
+        head_word = self._w.head
+        h = head_word.value
+        if h >= target:
+            return self._acquired(h)
+        if self._spin_s:
+            end = time.perf_counter() + self._spin_s
+            while time.perf_counter() < end:
+                h = head_word.value
+                if h >= target:
+                    return self._acquired(h)
+        flag = self._w.waiting[self.reader_index]
+        while True:
+            flag.value = 1
+            fence()  # flag store before re-reading head (pairs with the writer's fence)
+            h = head_word.value
+            if h < target and not self._w.closed.value:
+                futex_wait(ctypes.addressof(head_word), h, min(LIVENESS_SLICE_S, self._left(deadline)))
+                h = head_word.value
+            flag.value = 0
+            if h >= target:
+                return self._acquired(h)
+            self._check_writer(target, deadline)
+
+    @staticmethod
+    def _acquired(h: int) -> int:
+        if NEEDS_RELEASE_FENCE:
+            fence()  # head load before the payload loads
+        return h
+
+    def _check_writer(self, target: int, deadline: float) -> None:
+        who = f"writer rank {self.handle.writer_rank}"
+        me = self._label(self.reader_index)
+        if self._w.closed.value:
+            raise RingClosedError(f"ShmRing reader {me}: {who} closed the ring")
+        if self._watch[-1].dead():
+            raise PeerError(f"ShmRing reader {me}: {who}, pid {self.handle.writer_pid}, died")
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"ShmRing reader {me}: timed out waiting for {who} "
+                               f"(slot {target - 1} not yet published)")

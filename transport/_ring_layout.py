@@ -1,0 +1,32 @@
+"""Byte layout constants of the shared-memory ring (see ``shm_ring`` for the drawing)."""
+
+from __future__ import annotations
+
+import struct
+
+MAGIC = b"CPMRING1"
+VERSION = 1
+HDR = struct.Struct("<8sIIQQ16sII")  # magic, version, num_readers, slot_size, num_slots, nonce, pid, closed
+OFF_CLOSED = struct.calcsize("<8sIIQQ16sI")
+OFF_HEAD = 64  # u64: slots published (futex on its low 32 bits)
+OFF_WRITER_WAITING = 128  # u32: writer blocked waiting for free slots
+READERS_AT = 256  # first reader block
+READER_STRIDE = 64  # bytes per reader block (one cache line)
+R_TAIL, R_STATE, R_PID, R_WAITING = 0, 8, 12, 16  # offsets inside a reader block
+PAGE = 4096
+MSG_HEADER = struct.Struct("<QII")  # payload length, kind, pad slot count (kind PAD)
+KIND_DATA, KIND_PAD = 0, 1
+EMPTY, ATTACHED, CLOSED, ABSENT = 0, 1, 2, 3  # reader block states
+LIVENESS_SLICE_S = 0.05  # longest single futex sleep; peers are checked between sleeps
+DEFAULT_SPIN_US = 50.0  # reader spin before blocking, when every ring process has a core
+MIN_SLOT_SIZE = 64
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: ``cdiv(17, 16) == 2``."""
+    return -(-a // b)
+
+
+def data_offset(num_readers: int) -> int:
+    """Byte offset of slot 0: after the reader blocks, page aligned (3 readers -> 4096)."""
+    return cdiv(READERS_AT + READER_STRIDE * num_readers, PAGE) * PAGE

@@ -1,0 +1,116 @@
+"""Shared-memory segments that cannot leak, and peer-process liveness checks.
+
+Segment kinds, in order of preference:
+
+1. ``memfd``: ``os.memfd_create`` gives an anonymous file; readers open it as
+   ``/proc/<writer pid>/fd/<fd>`` (same user only: the kernel applies a ptrace-read check).
+   There is no name at all, so a SIGKILLed writer or reader can never leak it.
+2. ``/dev/shm`` file (or the temp dir off Linux): created ``O_EXCL`` with mode 0600 under an
+   unguessable name (``cpmeta-`` + 32 hex digits) and unlinked by the writer as soon as every
+   reader has attached.
+
+Python's ``multiprocessing`` resource tracker is never involved (plain ``os.open`` + ``mmap``).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import select
+import tempfile
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["Segment", "create_segment", "open_segment", "PeerWatch", "SEGMENT_PREFIX"]
+
+SEGMENT_PREFIX = "cpmeta-"
+_SHM_DIR = "/dev/shm"
+_MODE = 0o600
+
+
+@dataclass
+class Segment:
+    """An open segment file: ``fd``, the ``path`` readers open, and ``unlink_path`` (or None)."""
+
+    fd: int
+    path: str
+    unlink_path: Optional[str]
+
+
+def _memfd_usable(fd: int) -> Optional[str]:
+    path = f"/proc/{os.getpid()}/fd/{fd}"
+    try:
+        os.close(os.open(path, os.O_RDWR))
+    except OSError:
+        return None
+    return path
+
+
+def create_segment(size: int, *, use_memfd: bool = True) -> Segment:
+    """Create a zero-filled segment of ``size`` bytes readable/writable by this user only."""
+    if use_memfd and hasattr(os, "memfd_create"):
+        fd = os.memfd_create(SEGMENT_PREFIX + "ring", os.MFD_CLOEXEC)
+        try:
+            os.fchmod(fd, _MODE)
+            os.ftruncate(fd, size)
+            path = _memfd_usable(fd)
+        except OSError:
+            os.close(fd)
+            raise
+        if path is not None:
+            return Segment(fd, path, None)
+        os.close(fd)
+    directory = _SHM_DIR if os.path.isdir(_SHM_DIR) else tempfile.gettempdir()
+    path = os.path.join(directory, SEGMENT_PREFIX + secrets.token_hex(16))
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), _MODE)
+    try:
+        os.ftruncate(fd, size)
+    except OSError:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    return Segment(fd, path, path)
+
+
+def open_segment(path: str) -> int:
+    """Open a segment created by :func:`create_segment` (by its ``path``) read-write."""
+    return os.open(path, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+
+
+class PeerWatch:
+    """Tells whether process ``pid`` is gone (exited, killed, or a zombie).
+
+    Uses a pidfd where available (immune to pid reuse, sees zombies as dead), else
+    ``os.kill(pid, 0)`` plus the ``/proc/<pid>/stat`` state.
+    """
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._pidfd: Optional[int] = None
+        if hasattr(os, "pidfd_open"):
+            try:
+                self._pidfd = os.pidfd_open(pid)
+            except OSError:
+                self._pidfd = None  # already gone, or another pid namespace: fall back
+
+    def dead(self) -> bool:
+        """True when the process no longer runs."""
+        if self._pidfd is not None:
+            readable, _, _ = select.select([self._pidfd], [], [], 0)
+            return bool(readable)
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        try:
+            with open(f"/proc/{self.pid}/stat", "rb") as f:
+                return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+        except (OSError, IndexError):
+            return False
+
+    def close(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None

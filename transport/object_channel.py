@@ -1,0 +1,182 @@
+"""``ObjectChannel``: broadcast a Python object (plus CPU tensors) from one rank to its group.
+
+Same-host followers read the codec bytes from a :class:`ShmRing` (no collective per message);
+followers on other hosts (or all, when forced) get them through a gloo process group.
+
+Packed frame of :meth:`ObjectChannel.broadcast_packed` (one ring message)::
+
+    0        8              8+H     align16                                     total
+    +--------+--------------+-------+---------+---+---------+---+-----------------+
+    | H (u64)| codec header | zeros | tensor 0|pad| tensor 1|pad| ...             |
+    |        | [obj, descs] |       | (16-aligned offsets from coalesce.plan)      |
+    +--------+--------------+-------+---------+---+---------+---+-----------------+
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import envs
+from ._dist import bcast_frame, cpu_group, group_ranks, host_keys
+from .coalesce import copy_into, plan, tensor_memoryview, views_of
+from .codec import CodecError, TensorDesc, decode, encode
+from .ring_group import ring_from_process_group
+
+__all__ = ["ObjectChannel"]
+
+logger = logging.getLogger(__name__)
+_LEN = struct.Struct("<Q")
+_ZEROS = bytes(16)
+
+
+class ObjectChannel:
+    """Broadcast objects from global rank ``src`` to every member of ``group``.
+
+    Collective constructor: every member of ``group`` (default WORLD) calls it with the same
+    ``src``. It gathers host keys (hostname + boot id, as byte tensors), sets up a shared-memory
+    ring for the followers on ``src``'s host and a gloo group for the others. ``group`` may be
+    NCCL (a gloo group over the same ranks is created for the control traffic) and ``src`` need
+    not be rank 0. ``force_remote`` (default ``CPMETA_FORCE_REMOTE``) sends every follower's
+    bytes over gloo. ``schema`` is stamped into / checked against every message header.
+
+    Per-rank example (group [0, 1, 2] on one host, src 0)::
+
+        ch = ObjectChannel(group, src=0)                  # ranks 0, 1, 2
+        out = ch.broadcast({"a": 1} if rank == 0 else None)   # every rank gets {"a": 1}
+    """
+
+    def __init__(self, group: Any = None, src: int = 0, *, force_remote: Optional[bool] = None,
+                 timeout: Optional[float] = None, schema: bytes = b"",
+                 slot_size: Optional[int] = None, num_slots: Optional[int] = None) -> None:
+        self.group = dist.group.WORLD if group is None else group
+        self.src = src
+        self.rank = dist.get_rank()
+        self.ranks = group_ranks(self.group)
+        if src not in self.ranks:
+            raise ValueError(f"src: global rank {src} is not in the group {self.ranks}")
+        self.schema = schema
+        self.timeout = envs.transport_timeout() if timeout is None else float(timeout)
+        self.ctrl = cpu_group(self.group)
+        force = envs.force_remote() if force_remote is None else bool(force_remote)
+        keys = host_keys(self.ctrl)
+        src_key = keys[self.ranks.index(src)]
+        local = [] if force else [r for r, k in zip(self.ranks, keys) if r != src and k == src_key]
+        self.ring, attached = ring_from_process_group(
+            self.ctrl, src, readers=local, slot_size=slot_size, num_slots=num_slots,
+            timeout=self.timeout)
+        self.remote_ranks = [r for r in self.ranks if r != src and r not in attached]
+        self.local_ranks = attached
+        self._remote_group = None
+        if self.remote_ranks and (self.rank == src or self.rank in self.remote_ranks):
+            members = sorted([src, *self.remote_ranks])
+            self._remote_group = (self.ctrl if len(members) == len(self.ranks) else dist.new_group(
+                members, backend="gloo", use_local_synchronization=True))
+        logger.debug("ObjectChannel src=%d: shm readers %s, remote %s", src, attached, self.remote_ranks)
+
+    # ------------------------------------------------------------------ objects
+
+    def broadcast(self, obj: Any = None) -> Any:
+        """Every member calls it; ``src`` passes ``obj`` (codec-encodable), the others None.
+        Returns the object on every rank (``src`` gets ``obj`` itself)."""
+        if self.rank == self.src:
+            data = encode(obj, schema=self.schema)
+            if self.ring is not None:
+                self.ring.write(data)
+            if self._remote_group is not None:
+                bcast_frame(torch.frombuffer(bytearray(data), dtype=torch.uint8), self.src,
+                            self._remote_group)
+            return obj
+        if self.ring is not None:
+            return self.ring.read(lambda view, owned: decode(view, schema=self.schema))
+        frame = bcast_frame(None, self.src, self._remote_group)
+        return decode(tensor_memoryview(frame), schema=self.schema)
+
+    # ------------------------------------------------------------------ object + tensors
+
+    def broadcast_packed(self, obj: Any = None, tensors: Optional[Sequence[torch.Tensor]] = None
+                         ) -> tuple[Any, list[torch.Tensor]]:
+        """Like :meth:`broadcast`, with CPU ``tensors`` riding in the same message.
+
+        ``src`` passes ``(obj, tensors)``; the others pass nothing. Followers get tensors with
+        the original dtypes and shapes (contiguous), all views of ONE private uint8 buffer
+        (never of shared memory); ``src`` gets its own ``obj`` and ``tensors`` back.
+        Same-host followers: one ring message, no collective.
+        """
+        if self.rank == self.src:
+            tensors = list(tensors or [])
+            self._send_packed(obj, tensors)
+            return obj, tensors
+        if self.ring is not None:
+            return self.ring.read(self._unpack)
+        frame = bcast_frame(None, self.src, self._remote_group)
+        return self._unpack(tensor_memoryview(frame), True, frame)
+
+    def _send_packed(self, obj: Any, tensors: list[torch.Tensor]) -> None:
+        for i, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+                raise TypeError(f"tensors[{i}]: expected a CPU tensor, got "
+                                f"{getattr(t, 'device', type(t).__name__)}")
+        descs = [TensorDesc.of(t) for t in tensors]
+        header = encode([obj, descs], schema=self.schema)
+        offsets, total = plan(descs, _LEN.size + len(header))
+        dense = [t.contiguous() for t in tensors]
+        if self.ring is not None:
+            parts: list[Any] = [_LEN.pack(len(header)), header]
+            pos = _LEN.size + len(header)
+            for t, off in zip(dense, offsets):
+                parts += [_ZEROS[:off - pos], tensor_memoryview(t)]
+                pos = off + t.numel() * t.element_size()
+            parts.append(_ZEROS[:total - pos])
+            self.ring.write(parts)
+        if self._remote_group is not None:
+            frame = torch.zeros(total, dtype=torch.uint8)
+            head = _LEN.pack(len(header)) + header
+            frame[:len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+            copy_into(frame, dense, offsets)
+            bcast_frame(frame, self.src, self._remote_group)
+
+    def _unpack(self, view: memoryview, owned: bool, base: Optional[torch.Tensor] = None
+                ) -> tuple[Any, list[torch.Tensor]]:
+        if view.nbytes < _LEN.size:
+            raise CodecError("packed frame: truncated length prefix")
+        (hlen,) = _LEN.unpack_from(view, 0)
+        if _LEN.size + hlen > view.nbytes:
+            raise CodecError("packed frame: header runs past the frame")
+        msg = decode(view[_LEN.size:_LEN.size + hlen], schema=self.schema)
+        if (type(msg) is not list or len(msg) != 2 or type(msg[1]) is not list
+                or not all(type(d) is TensorDesc for d in msg[1])):
+            raise CodecError("packed frame: expected [obj, [TensorDesc, ...]]")
+        obj, descs = msg
+        offsets, total = plan(descs, _LEN.size + hlen)
+        if total > view.nbytes:
+            raise CodecError(f"packed frame: tensors need {total} bytes, frame has {view.nbytes}")
+        start = offsets[0] if descs else total
+        if base is None and owned and total > start:
+            base = torch.frombuffer(view, dtype=torch.uint8)  # private buffer: keep, no copy
+        if base is None:
+            data = torch.empty(total - start, dtype=torch.uint8)
+            if total > start:
+                shm = torch.frombuffer(view[start:total], dtype=torch.uint8)
+                data.copy_(shm)
+                del shm  # drop the export of the shared slot before the ring releases it
+            return obj, views_of(data, descs, [o - start for o in offsets])
+        return obj, views_of(base, descs, offsets)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Release the shared-memory ring (the process groups belong to torch.distributed)."""
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
+
+    def __enter__(self) -> "ObjectChannel":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

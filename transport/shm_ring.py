@@ -1,0 +1,307 @@
+"""``ShmRing``: one writer, N readers, fixed-size slots in one shared-memory segment.
+
+Memory layout (byte offsets; every control word sits on its own 64-byte cache line)::
+
+    0                          64               128              256        256+64*R     data_at
+    +--------------------------+----------------+----------------+----------+-----------+------...
+    | magic "CPMRING1"         | head (u64)     | writer_waiting |          | reader 0  | ...
+    | version u32, readers u32 | = slots        | (u32)          |          | reader 1  |
+    | slot_size u64, slots u64 |   published    |                |          |  ...      |
+    | nonce[16], writer_pid u32|   (futex: low  |                |          |           |
+    | closed u32               |    32 bits)    |                |          |           |
+    +--------------------------+----------------+----------------+----------+-----------+------...
+    reader block (64 B): tail u64 (slots consumed; the writer's futex word), state u32
+                         (EMPTY/ATTACHED/CLOSED/ABSENT), pid u32, waiting u32
+    data (page aligned): num_slots * slot_size bytes, used as ONE circular byte stream
+
+    data:  | slot 0 | slot 1 | slot 2 | ... | slot N-1 |
+    message = 16-byte header (length u64, kind u32, pad u32) + payload, starting on a slot
+    boundary and running on through the next slots: k = cdiv(16 + length, slot_size) slots.
+
+Protocol (``head`` and every ``tail`` count slots since creation, they never wrap in practice):
+
+- writer, message of k slots: if it fits the ring (k <= N) but would run past the last slot,
+  first publish a PAD message over the remaining slots, so the reader can hand the consumer ONE
+  contiguous view. Wait until ``head + k - min(tail) <= N`` (never overwrite unread data), copy,
+  [release fence], ``head += k``, full fence, wake readers whose ``waiting`` flag is set.
+  A message larger than the ring is streamed: publish slots as readers free them.
+- reader: wait until ``head > tail`` (spin briefly, then: ``waiting = 1``, full fence, re-check,
+  ``FUTEX_WAIT(head, seen)``), [acquire fence], read the header, wait for the message's k slots,
+  call the consumer on a view of the slots, then ``tail += k`` (release), full fence, wake the
+  writer if ``writer_waiting``.
+- every wait is sliced (``LIVENESS_SLICE_S``); between slices the waiter checks the deadline and
+  the peers: a writer checks the lagging readers' pids, a reader the writer's pid, so a dead peer
+  is reported by rank well before the timeout.
+
+Flag state machine of a reader block: EMPTY --attach--> ATTACHED --close--> CLOSED; the writer
+may set EMPTY --mark_absent--> ABSENT (a reader that could not attach; never waited for).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import secrets
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from . import envs
+from ._futex import fence, futex_wake
+from ._ring_io import RingIO
+from ._ring_layout import (ABSENT, ATTACHED, CLOSED, DEFAULT_SPIN_US, EMPTY, HDR, MAGIC,
+                           MIN_SLOT_SIZE, OFF_CLOSED, OFF_HEAD, OFF_WRITER_WAITING, R_PID, R_STATE,
+                           R_TAIL, R_WAITING, READER_STRIDE, READERS_AT, VERSION, data_offset)
+from ._segment import PeerWatch, create_segment, open_segment
+from .codec import decode, encode
+from .errors import PeerError, RingClosedError  # noqa: F401 (re-exported)
+
+__all__ = ["ShmRing", "ShmRingHandle", "PeerError", "RingClosedError", "DEFAULT_SPIN_US",
+           "EMPTY", "ATTACHED", "CLOSED", "ABSENT"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ShmRingHandle:
+    """Everything a reader needs to attach; travels as codec bytes (never pickled).
+
+    ``reader_ranks[i]`` / ``writer_rank`` label processes in error messages (e.g. global ranks).
+    """
+
+    path: str  # /proc/<pid>/fd/<n> (memfd) or /dev/shm/cpmeta-<32 hex>
+    nonce: bytes  # 16 random bytes, also in the segment header: guards against stale paths
+    num_readers: int
+    slot_size: int
+    num_slots: int
+    writer_pid: int
+    writer_rank: int
+    reader_ranks: tuple[int, ...]
+
+    def to_bytes(self) -> bytes:
+        return encode([self.path, self.nonce, self.num_readers, self.slot_size, self.num_slots,
+                       self.writer_pid, self.writer_rank, list(self.reader_ranks)])
+
+    @classmethod
+    def from_bytes(cls, data: Any) -> "ShmRingHandle":
+        f = decode(data)
+        return cls(f[0], f[1], f[2], f[3], f[4], f[5], f[6], tuple(f[7]))
+
+
+class _Words:
+    """The ring's control words (ctypes views into the mapping). ``clear()`` drops them all, so
+    the mapping has no exports left and can be closed even while the ring object lives on."""
+
+    __slots__ = ("head", "writer_waiting", "closed", "tails", "states", "pids", "waiting")
+
+    def __init__(self, mm: mmap.mmap, num_readers: int) -> None:
+        def word(ctype: Any, offset: int) -> Any:
+            return ctype.from_buffer(mm, offset)
+
+        blocks = [READERS_AT + READER_STRIDE * i for i in range(num_readers)]
+        self.head = word(ctypes.c_uint64, OFF_HEAD)
+        self.writer_waiting = word(ctypes.c_uint32, OFF_WRITER_WAITING)
+        self.closed = word(ctypes.c_uint32, OFF_CLOSED)
+        self.tails = [word(ctypes.c_uint64, b + R_TAIL) for b in blocks]
+        self.states = [word(ctypes.c_uint32, b + R_STATE) for b in blocks]
+        self.pids = [word(ctypes.c_uint32, b + R_PID) for b in blocks]
+        self.waiting = [word(ctypes.c_uint32, b + R_WAITING) for b in blocks]
+
+    def clear(self) -> None:
+        for name in self.__slots__:
+            delattr(self, name)
+
+
+@dataclass
+class _Resources:
+    """What the ring must release, shared with its finalizer (the safety net)."""
+
+    mm: mmap.mmap
+    buf: memoryview
+    words: _Words
+    fd: Optional[int]
+    unlink_path: Optional[str]
+    watch: dict = field(default_factory=dict)
+
+    def close_fd(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def unlink(self) -> None:
+        if self.unlink_path:
+            try:
+                os.unlink(self.unlink_path)
+            except FileNotFoundError:
+                pass
+            self.unlink_path = None
+
+    def release(self) -> None:
+        self.words.clear()  # drop every from_buffer export before closing the mmap
+        self.buf.release()
+        try:
+            self.mm.close()
+        except BufferError:  # a caller still holds a view: leave the mapping to the GC
+            logger.warning("ShmRing: a view of the mapping is still alive; not unmapping now")
+        self.close_fd()
+        self.unlink()
+        for w in self.watch.values():
+            w.close()
+
+
+def _auto_spin_us(num_readers: int) -> float:
+    """Spin only when writer + readers can each own a core (else spinning steals the writer's)."""
+    configured = envs.shm_spin_us()
+    if configured is not None:
+        return configured
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return DEFAULT_SPIN_US if cores > num_readers + 1 else 0.0
+
+
+class ShmRing(RingIO):
+    """Single-writer / multi-reader message ring in shared memory (see the module docstring).
+
+    Writer: ``ring = ShmRing.create(num_readers=2)``; send ``ring.handle.to_bytes()`` to the
+    readers; ``ring.write(b"...")``. Reader i: ``ShmRing.attach(handle, i).read_bytes()``. Or,
+    collectively, :meth:`from_process_group`. Close with :meth:`close` or a ``with`` block.
+    """
+
+    def __init__(self, handle: ShmRingHandle, fd: int, *, reader_index: Optional[int],
+                 unlink_path: Optional[str], timeout: Optional[float]) -> None:
+        self.handle = handle
+        self.reader_index = reader_index
+        self.timeout = envs.transport_timeout() if timeout is None else float(timeout)
+        self._data_at = data_offset(handle.num_readers)
+        self._ring_bytes = handle.slot_size * handle.num_slots
+        mm = mmap.mmap(fd, self._data_at + self._ring_bytes)
+        self._w = _Words(mm, handle.num_readers)
+        self._res = _Resources(mm, memoryview(mm), self._w, fd, unlink_path)
+        self._finalizer = weakref.finalize(self, self._res.release)
+        self._buf = self._res.buf
+        self._watch: dict[int, PeerWatch] = self._res.watch
+        self._spin_s = _auto_spin_us(handle.num_readers) * 1e-6
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def create(cls, num_readers: int, *, slot_size: Optional[int] = None,
+               num_slots: Optional[int] = None, timeout: Optional[float] = None,
+               writer_rank: int = 0, reader_ranks: Optional[Sequence[int]] = None,
+               use_memfd: bool = True) -> "ShmRing":
+        """Create a ring as its writer. ``slot_size``/``num_slots`` default to the env values;
+        ``reader_ranks`` (default 1..num_readers) label the readers in error messages."""
+        slot_size = envs.shm_slot_size() if slot_size is None else slot_size
+        num_slots = envs.shm_num_slots() if num_slots is None else num_slots
+        ranks = tuple(range(1, num_readers + 1)) if reader_ranks is None else tuple(reader_ranks)
+        if num_readers < 1 or len(ranks) != num_readers:
+            raise ValueError(f"num_readers: expected >= 1 and one rank each, got {num_readers}, {ranks}")
+        if slot_size < MIN_SLOT_SIZE or slot_size % 8:
+            raise ValueError(f"slot_size: expected a multiple of 8 >= {MIN_SLOT_SIZE}, got {slot_size}")
+        if num_slots < 1:
+            raise ValueError(f"num_slots: expected >= 1, got {num_slots}")
+        seg = create_segment(data_offset(num_readers) + slot_size * num_slots, use_memfd=use_memfd)
+        handle = ShmRingHandle(seg.path, secrets.token_bytes(16), num_readers, slot_size, num_slots,
+                               os.getpid(), writer_rank, ranks)
+        ring = cls(handle, seg.fd, reader_index=None, unlink_path=seg.unlink_path, timeout=timeout)
+        HDR.pack_into(ring._res.mm, 0, MAGIC, VERSION, num_readers, slot_size, num_slots,
+                      handle.nonce, handle.writer_pid, 0)
+        return ring
+
+    @classmethod
+    def attach(cls, handle: ShmRingHandle, reader_index: int, *,
+               timeout: Optional[float] = None) -> "ShmRing":
+        """Attach as reader ``reader_index`` (0-based) of the ring described by ``handle``."""
+        if not 0 <= reader_index < handle.num_readers:
+            raise ValueError(f"reader_index: expected 0..{handle.num_readers - 1}, got {reader_index}")
+        ring = cls(handle, open_segment(handle.path), reader_index=reader_index, unlink_path=None,
+                   timeout=timeout)
+        found = HDR.unpack_from(ring._res.mm, 0)[:7]
+        want = (MAGIC, VERSION, handle.num_readers, handle.slot_size, handle.num_slots,
+                handle.nonce, handle.writer_pid)
+        if found != want:
+            ring.close()
+            raise ValueError(f"handle: segment {handle.path} does not match the handle (stale or foreign)")
+        if ring._w.states[reader_index].value != EMPTY:
+            ring.close()
+            raise ValueError(f"reader_index: reader {reader_index} is already attached or absent")
+        ring._watch[-1] = PeerWatch(handle.writer_pid)
+        ring._w.pids[reader_index].value = os.getpid()
+        ring._w.states[reader_index].value = ATTACHED
+        ring._res.close_fd()
+        return ring
+
+    @classmethod
+    def from_process_group(cls, group: Any, src: int, **kwargs: Any) -> "ShmRing":
+        """Collective over the gloo ``group``: ``src`` (a global rank) creates the ring and every
+        other rank attaches as a reader (in group-rank order). Returns this rank's end. See
+        :func:`transport.ring_group.ring_from_process_group` for the keyword arguments."""
+        from .ring_group import ring_from_process_group
+
+        ring, _ = ring_from_process_group(group, src, **kwargs)
+        if ring is None:
+            raise PeerError("ShmRing.from_process_group: this rank could not attach to the ring")
+        return ring
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def is_writer(self) -> bool:
+        return self.reader_index is None
+
+    def states(self) -> list[int]:
+        """Per reader: EMPTY=0, ATTACHED=1, CLOSED=2 or ABSENT=3."""
+        return [s.value for s in self._w.states]
+
+    def mark_absent(self, reader_index: int) -> None:
+        """Writer: reader ``reader_index`` will never attach; do not wait for it."""
+        if self._w.states[reader_index].value == EMPTY:
+            self._w.states[reader_index].value = ABSENT
+        self._drop_name()
+
+    def wait_attached(self, timeout: Optional[float] = None) -> None:
+        """Writer: block until every reader attached (or is absent), then drop the segment's
+        name / fd so that nothing can outlive the processes."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while EMPTY in self.states():
+            if time.monotonic() > deadline:
+                missing = [self._label(i) for i, s in enumerate(self.states()) if s == EMPTY]
+                raise TimeoutError(f"ShmRing: reader(s) {', '.join(missing)} never attached")
+            time.sleep(1e-3)
+        self._drop_name()
+
+    def _drop_name(self) -> None:
+        if EMPTY not in self.states():
+            self._res.unlink()
+            self._res.close_fd()
+
+    def close(self) -> None:
+        """Release the mapping (writer: mark the ring closed and wake the readers). Idempotent."""
+        if not self._finalizer.alive:
+            return
+        if self.is_writer:
+            self._w.closed.value = 1
+            fence()
+            futex_wake(ctypes.addressof(self._w.head))
+        else:
+            me = self.reader_index
+            self._w.states[me].value = CLOSED
+            fence()
+            futex_wake(ctypes.addressof(self._w.tails[me]))
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def __enter__(self) -> "ShmRing":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _label(self, i: Optional[int]) -> str:
+        return f"rank {self.handle.reader_ranks[i]} (reader {i})" if i is not None else \
+            f"rank {self.handle.writer_rank} (writer)"
