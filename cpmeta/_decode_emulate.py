@@ -1,0 +1,150 @@
+"""CPU fallback of the in-place decode kernels: vectorized torch over the SAME staging buffer.
+
+:func:`emulate_decode_kernels` writes exactly what ``_decode_triton``'s two kernels write, into
+the same :class:`~cpmeta._decode_staging.DecodeBuffers` (tail rows included), reading the same
+int32 staging layout. CI tests the kernel logic through it (and through the Triton interpreter).
+
+Per row ``i`` of sequence ``s`` (local index ``j``), everything derives from four staged
+per-sequence values: ``row0 = cu_seqlens_q_incl[s] - seqlen_q[s]``, ``j = i - row0``,
+``pos = seqlen_k[s] - seqlen_q[s] + j``. Example: ``seqlen_q = (1, 3)``, ``seqlen_k = (5, 9)``
+give ``cu_seqlens_q_incl = (1, 4)``, rows 0..3 belong to sequences (0, 1, 1, 1), ``j = (0, 0, 1, 2)``
+and ``pos = (4, 6, 7, 8)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._decode_staging import (
+    F_BT_OFFSET, F_CU_K_INCL, F_CU_Q_INCL, F_PLACEHOLDER, F_SEQLEN_K, F_SEQLEN_Q, F_STATE,
+    HEADER_FIXED, SEQ_FIELDS, DecodeBuffers,
+)
+from .config import MetadataConfig
+from .constants import PAD_SLOT_ID, PLACEHOLDER_QUERY_INDEX
+
+__all__ = ["emulate_decode_kernels"]
+
+
+def _ratios(stg: torch.Tensor, cfg: MetadataConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The ca / sparse / dense ratio lists from the header, each ``[n_ratio, 1]`` int64."""
+    n_ca, n_sp = len(cfg.ca_ratios), len(cfg.sparse_compress_ratios)
+    n_dn = len(cfg.dense_compress_ratios)
+    r = stg[HEADER_FIXED:HEADER_FIXED + n_ca + n_sp + n_dn].long()[:, None]
+    return r[:n_ca], r[n_ca:n_ca + n_sp], r[n_ca + n_sp:]
+
+
+def _write_tail(b: DecodeBuffers, cfg: MetadataConfig, n: int, tq: int, tk: int) -> None:
+    """Inert values for rows ``[tq, q_cap)`` and ``cu_seqlens_*[n+1:]`` (see DecodeBuffers)."""
+    t = slice(tq, b.q_cap)
+    for x in (b.positions, b.input_ids, b.state_block_idx, b.context_lens, b.kv_swa_index_offset_len):
+        x[t] = 0
+    b.gate_force_random[t] = cfg.force_load_balance
+    if b.ngram_token_ids is not None:
+        b.ngram_token_ids[t] = cfg.ngram_pad_token
+    b.valid_token_mask[t] = False
+    b.query_indices[t] = PLACEHOLDER_QUERY_INDEX
+    b.slot_mapping_store_swa[t] = PAD_SLOT_ID
+    b.positions_c[:, t] = 0
+    b.slot_mapping_store_ca[:, t] = PAD_SLOT_ID
+    b.klen[:, t] = 0
+    b.kv_ca_index_offset_len[:, t] = 0
+    b.cu_seqlens_q[n + 1:] = tq
+    b.cu_seqlens_k[n + 1:] = tk
+
+
+def _write_compressed(
+    b: DecodeBuffers, stg: torch.Tensor, cfg: MetadataConfig, tq: int, off_bt: int,
+    pos: torch.Tensor, ph: torch.Tensor, bto: torch.Tensor,
+) -> None:
+    """positions_c / slot_mapping_store_ca (ca ratios), klen (sparse), kv_ca_index_offset_len (dense).
+
+    Ratio n, row at ``pos``: ``(pos+1) % n == 0`` completes compressed token ``c = pos // n``,
+    slot ``table[c // b_c] * b_c + c % b_c`` with ``b_c = block_size // n``. Example: n=4,
+    block_size=16 (b_c=4), pos=23: c=5, slot = table[1]*4 + 1.
+    """
+    ca, sp, dn = _ratios(stg, cfg)
+    if ca.numel():
+        done = (pos + 1) % ca == 0
+        c = pos // ca
+        b_c = cfg.block_size // ca
+        idx = torch.where(done, off_bt + bto + c // b_c, 0)
+        blk = stg[idx].long()
+        b.positions_c[:, :tq] = torch.where(done, c * ca, 0)
+        b.slot_mapping_store_ca[:, :tq] = torch.where(done & ~ph, blk * b_c + c % b_c, PAD_SLOT_ID)
+    if sp.numel():
+        b.klen[:, :tq] = (pos + 1) // sp
+    if dn.numel():
+        rows = torch.arange(tq, device=pos.device)
+        b.kv_ca_index_offset_len[:, :tq, 0] = rows * cfg.max_num_blocks * (cfg.block_size // dn)
+        b.kv_ca_index_offset_len[:, :tq, 1] = (pos + 1) // dn
+
+
+def _write_ngram(
+    b: DecodeBuffers, stg: torch.Tensor, cfg: MetadataConfig, hdr: list[int],
+    s_of: torch.Tensor, row0_r: torch.Tensor, j: torch.Tensor,
+) -> None:
+    """Column c of row (s, j) reads window element ``w = row0 + s*(G-1) + G-1 + j - c``; pad if any
+    barrier lies in ``[w, w + c]``. Example: G=2, s=1, row0=1, j=0: c=0 reads 3, c=1 reads 2."""
+    g = cfg.max_ngram_size
+    if b.ngram_token_ids is None or g == 0:
+        return
+    tq, off_v, off_b = hdr[1], hdr[6], hdr[7]
+    here = row0_r + s_of * (g - 1) + (g - 1) + j
+    w = here[:, None] - torch.arange(g, device=here.device)[None, :]
+    barrier = (stg[off_b + w] != 0).int().cummax(dim=1).values.bool()
+    vals = stg[off_v + w]
+    b.ngram_token_ids[:tq] = torch.where(barrier, cfg.ngram_pad_token, vals)
+
+
+def _write_block_tables(
+    b: DecodeBuffers, stg: torch.Tensor, cfg: MetadataConfig, tq: int, off_bt: int,
+    k_r: torch.Tensor, bto_r: torch.Tensor,
+) -> None:
+    """Row i gets the ``cdiv(seqlen_k // m, block_size // m)`` defined blocks of its sequence."""
+    m = cfg.min_ratio
+    tpb = cfg.block_size // m
+    nb = (k_r // m + tpb - 1) // tpb
+    cols = torch.arange(b.block_tables.shape[1], device=k_r.device)
+    keep = cols[None, :] < nb[:, None]
+    src = off_bt + bto_r[:, None] + cols[None, :]
+    b.block_tables[:tq][keep] = stg[src[keep]]
+
+
+def emulate_decode_kernels(stg: torch.Tensor, cfg: MetadataConfig, b: DecodeBuffers) -> None:
+    """Fill ``b`` from the int32 staging buffer ``stg`` (same device as ``b``), like the kernels.
+
+    Writes every per-row decode field for rows ``[0, total_q)``, ``cu_seqlens_q/k``, the tail,
+    and the defined columns of ``block_tables``. Reads the header with ``tolist()`` (a host sync
+    on CUDA: this fallback is for CPU; the Triton path reads the header on the device).
+    """
+    hdr = stg[:HEADER_FIXED].tolist()
+    n, tq, tk, off_seq, off_ids, off_bt = hdr[:6]
+    seq = stg[off_seq:off_seq + SEQ_FIELDS * n].view(SEQ_FIELDS, n).long()
+    q, k = seq[F_SEQLEN_Q], seq[F_SEQLEN_K]
+    row0 = seq[F_CU_Q_INCL] - q
+    s_of = torch.repeat_interleave(torch.arange(n, device=stg.device), q, output_size=tq)
+    j = torch.arange(tq, device=stg.device) - row0[s_of]
+    q_r, k_r = q[s_of], k[s_of]
+    pos = k_r - q_r + j
+    ph = seq[F_PLACEHOLDER][s_of] != 0
+    state = seq[F_STATE][s_of]
+    S, W = cfg.swa_block_size, cfg.window_size
+    b.positions[:tq] = pos
+    b.input_ids[:tq] = stg[off_ids:off_ids + tq]
+    b.gate_force_random[:tq] = cfg.force_load_balance
+    b.valid_token_mask[:tq] = ~ph
+    b.query_indices[:tq] = torch.where(ph, PLACEHOLDER_QUERY_INDEX, s_of)
+    b.slot_mapping_store_swa[:tq] = torch.where(ph | (q_r - j > S), PAD_SLOT_ID, state * S + pos % S)
+    b.state_block_idx[:tq] = state
+    b.context_lens[:tq] = pos + 1
+    w = torch.clamp(pos + 1, max=W)
+    b.kv_swa_index_offset_len[:tq, 0] = state * S + (pos - w + 1) % S
+    b.kv_swa_index_offset_len[:tq, 1] = w
+    _write_compressed(b, stg, cfg, tq, off_bt, pos, ph, seq[F_BT_OFFSET][s_of])
+    _write_ngram(b, stg, cfg, hdr, s_of, row0[s_of], j)
+    b.cu_seqlens_q[0] = 0
+    b.cu_seqlens_k[0] = 0
+    b.cu_seqlens_q[1:n + 1] = seq[F_CU_Q_INCL]
+    b.cu_seqlens_k[1:n + 1] = seq[F_CU_K_INCL]
+    _write_tail(b, cfg, n, tq, tk)
+    _write_block_tables(b, stg, cfg, tq, off_bt, k_r, seq[F_BT_OFFSET][s_of])

@@ -1,0 +1,242 @@
+"""The two Triton kernels of the in-place decode path (imported lazily: needs ``triton``).
+
+``_decode_metadata_kernel`` -- grid ``seq_cap + n_tail``: program ``s < seq_cap`` handles
+sequence ``s`` (nothing if ``s >= n_seq``, read from the staging header on the device), writing
+every per-row field of its rows, all ratios in one launch (stacked ``[n_ratio, q_cap]`` outputs);
+programs ``>= seq_cap`` pad the tail (rows ``[total_q, q_cap)``, ``cu_seqlens[n_seq+1:]``) in
+blocks of ``BLOCK_T``. ``_decode_block_tables_kernel`` -- grid ``seq_cap``: copies each
+sequence's defined blocks into every one of its rows.
+
+No host scalar of the batch is a kernel argument (only capacities and config constants), so a
+CUDA graph captured at ``seq_cap`` / ``q_cap`` replays correctly for any smaller batch staged
+into the same device buffer. ``emulate_decode_kernels`` in ``_decode_emulate`` is the same logic
+in vectorized torch; the two are tested equal through ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import _decode_staging as L
+from ._decode_staging import DecodeBuffers
+from .config import MetadataConfig
+from .constants import PAD_SLOT_ID as _PAD, PLACEHOLDER_QUERY_INDEX as _PLACEHOLDER
+
+__all__ = ["launch_decode_kernels"]
+
+# Layout constants as constexpr globals (jit functions may only read constexpr globals).
+H_N_SEQ = tl.constexpr(L.H_N_SEQ)
+H_TOTAL_Q = tl.constexpr(L.H_TOTAL_Q)
+H_TOTAL_K = tl.constexpr(L.H_TOTAL_K)
+H_OFF_SEQ = tl.constexpr(L.H_OFF_SEQ)
+H_OFF_IDS = tl.constexpr(L.H_OFF_IDS)
+H_OFF_BT = tl.constexpr(L.H_OFF_BT)
+H_OFF_NGV = tl.constexpr(L.H_OFF_NGV)
+H_OFF_NGB = tl.constexpr(L.H_OFF_NGB)
+HEADER_FIXED = tl.constexpr(L.HEADER_FIXED)
+F_SEQLEN_Q = tl.constexpr(L.F_SEQLEN_Q)
+F_SEQLEN_K = tl.constexpr(L.F_SEQLEN_K)
+F_CU_Q_INCL = tl.constexpr(L.F_CU_Q_INCL)
+F_CU_K_INCL = tl.constexpr(L.F_CU_K_INCL)
+F_STATE = tl.constexpr(L.F_STATE)
+F_PLACEHOLDER = tl.constexpr(L.F_PLACEHOLDER)
+F_BT_OFFSET = tl.constexpr(L.F_BT_OFFSET)
+PAD_SLOT_ID = tl.constexpr(_PAD)
+PLACEHOLDER_QUERY_INDEX = tl.constexpr(_PLACEHOLDER)
+
+#: Rows of one sequence handled per loop iteration (decode: 1 + drafts, usually <= 4).
+BLOCK_Q = 16
+#: Rows (and cu_seqlens entries) padded per tail program.
+BLOCK_T = 256
+#: Block-table columns copied per loop iteration.
+BLOCK_C = 256
+
+
+@triton.jit
+def _seq_rows(
+    stg, s, n_seq, positions, input_ids, gate, ngram, cu_q, cu_k, valid, qidx, swa_slot, state_idx,
+    ctx_lens, swa_off_len, posc, slot_ca, klen, ca_off_len, stride_ca, stride_sp, stride_dn,
+    BS: tl.constexpr, S: tl.constexpr, W: tl.constexpr, G: tl.constexpr, MNB: tl.constexpr,
+    N_CA: tl.constexpr, N_SP: tl.constexpr, N_DN: tl.constexpr, GATE: tl.constexpr,
+    NGRAM_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+):
+    """Every per-row field of sequence ``s`` (rows ``row0 .. row0 + seqlen_q``)."""
+    active = s < n_seq
+    seq = stg + tl.load(stg + H_OFF_SEQ) + s
+    q = tl.load(seq + F_SEQLEN_Q * n_seq, mask=active, other=0)
+    k = tl.load(seq + F_SEQLEN_K * n_seq, mask=active, other=0)
+    cuq = tl.load(seq + F_CU_Q_INCL * n_seq, mask=active, other=0)
+    cuk = tl.load(seq + F_CU_K_INCL * n_seq, mask=active, other=0)
+    state = tl.load(seq + F_STATE * n_seq, mask=active, other=0)
+    ph = tl.load(seq + F_PLACEHOLDER * n_seq, mask=active, other=0)
+    bt = stg + tl.load(stg + H_OFF_BT) + tl.load(seq + F_BT_OFFSET * n_seq, mask=active, other=0)
+    ids = stg + tl.load(stg + H_OFF_IDS)
+    row0 = cuq - q
+    q_start = k - q
+    tl.store(cu_q + s + 1, cuq, mask=active)
+    tl.store(cu_k + s + 1, cuk, mask=active)
+    tl.store(cu_q + s, 0, mask=s == 0)
+    tl.store(cu_k + s, 0, mask=s == 0)
+    j0 = q * 0
+    while j0 < q:  # `while`, not range(): the interpreter cannot take a loaded bound (numpy 2)
+        j = j0 + tl.arange(0, BLOCK_Q)
+        m = j < q
+        row = row0 + j
+        pos = q_start + j
+        tl.store(positions + row, pos, mask=m)
+        tl.store(input_ids + row, tl.load(ids + row, mask=m, other=0), mask=m)
+        tl.store(gate + row, tl.full([BLOCK_Q], GATE, tl.int1), mask=m)
+        tl.store(valid + row, tl.full([BLOCK_Q], 0, tl.int32) == ph, mask=m)
+        tl.store(qidx + row, tl.where(ph != 0, PLACEHOLDER_QUERY_INDEX, s + 0 * j), mask=m)
+        no_swa = (ph != 0) | (q - j > S)
+        tl.store(swa_slot + row, tl.where(no_swa, PAD_SLOT_ID, state * S + pos % S), mask=m)
+        tl.store(state_idx + row, state + 0 * j, mask=m)
+        tl.store(ctx_lens + row, pos + 1, mask=m)
+        w = tl.minimum(pos + 1, W)
+        tl.store(swa_off_len + row * 2, state * S + (pos - w + 1) % S, mask=m)
+        tl.store(swa_off_len + row * 2 + 1, w, mask=m)
+        for ri in tl.static_range(N_CA):
+            n = tl.load(stg + HEADER_FIXED + ri)
+            b_c = BS // n
+            done = ((pos + 1) % n) == 0
+            c = pos // n
+            blk = tl.load(bt + c // b_c, mask=m & done, other=0)
+            tl.store(posc + ri * stride_ca + row, tl.where(done, c * n, 0), mask=m)
+            slot = tl.where(done & (ph == 0), blk * b_c + c % b_c, PAD_SLOT_ID)
+            tl.store(slot_ca + ri * stride_ca + row, slot, mask=m)
+        for ri in tl.static_range(N_SP):
+            r = tl.load(stg + HEADER_FIXED + N_CA + ri)
+            tl.store(klen + ri * stride_sp + row, (pos + 1) // r, mask=m)
+        for ri in tl.static_range(N_DN):
+            n = tl.load(stg + HEADER_FIXED + N_CA + N_SP + ri)
+            dst = ca_off_len + ri * stride_dn + row * 2
+            tl.store(dst, row * (MNB * (BS // n)), mask=m)
+            tl.store(dst + 1, (pos + 1) // n, mask=m)
+        if G > 0:
+            here = tl.load(stg + H_OFF_NGV) + row0 + s * (G - 1) + (G - 1) + j
+            bar_base = tl.load(stg + H_OFF_NGB) - tl.load(stg + H_OFF_NGV)
+            flag = tl.zeros([BLOCK_Q], tl.int32)
+            for c in tl.static_range(G):
+                flag = flag | tl.load(stg + bar_base + here - c, mask=m, other=1)
+                v = tl.load(stg + here - c, mask=m, other=0)
+                tl.store(ngram + row * G + c, tl.where(flag != 0, NGRAM_PAD, v), mask=m)
+        j0 += BLOCK_Q
+
+
+@triton.jit
+def _tail_rows(
+    t, n_seq, total_q, total_k, seq_cap, q_cap, positions, input_ids, gate, ngram, cu_q, cu_k, valid,
+    qidx, swa_slot, state_idx, ctx_lens, swa_off_len, posc, slot_ca, klen, ca_off_len,
+    stride_ca, stride_sp, stride_dn, G: tl.constexpr, N_CA: tl.constexpr, N_SP: tl.constexpr,
+    N_DN: tl.constexpr, GATE: tl.constexpr, NGRAM_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """Inert values for rows ``[total_q, q_cap)`` and ``cu_seqlens[n_seq+1 : seq_cap+1]``."""
+    idx = t * BLOCK_T + tl.arange(0, BLOCK_T)
+    m = (idx >= total_q) & (idx < q_cap)
+    zero = tl.zeros([BLOCK_T], tl.int32)
+    tl.store(positions + idx, zero, mask=m)
+    tl.store(input_ids + idx, zero, mask=m)
+    tl.store(gate + idx, tl.full([BLOCK_T], GATE, tl.int1), mask=m)
+    tl.store(valid + idx, zero != 0, mask=m)
+    tl.store(qidx + idx, zero + PLACEHOLDER_QUERY_INDEX, mask=m)
+    tl.store(swa_slot + idx, zero + PAD_SLOT_ID, mask=m)
+    tl.store(state_idx + idx, zero, mask=m)
+    tl.store(ctx_lens + idx, zero, mask=m)
+    tl.store(swa_off_len + idx * 2, zero, mask=m)
+    tl.store(swa_off_len + idx * 2 + 1, zero, mask=m)
+    for ri in tl.static_range(N_CA):
+        tl.store(posc + ri * stride_ca + idx, zero, mask=m)
+        tl.store(slot_ca + ri * stride_ca + idx, zero + PAD_SLOT_ID, mask=m)
+    for ri in tl.static_range(N_SP):
+        tl.store(klen + ri * stride_sp + idx, zero, mask=m)
+    for ri in tl.static_range(N_DN):
+        tl.store(ca_off_len + ri * stride_dn + idx * 2, zero, mask=m)
+        tl.store(ca_off_len + ri * stride_dn + idx * 2 + 1, zero, mask=m)
+    for c in tl.static_range(G):
+        tl.store(ngram + idx * G + c, zero + NGRAM_PAD, mask=m)
+    mc = (idx > n_seq) & (idx <= seq_cap)
+    tl.store(cu_q + idx, zero + total_q, mask=mc)
+    tl.store(cu_k + idx, zero + total_k, mask=mc)
+
+
+@triton.jit
+def _decode_metadata_kernel(
+    stg, positions, input_ids, gate, ngram, cu_q, cu_k, valid, qidx, swa_slot, state_idx, ctx_lens,
+    swa_off_len, posc, slot_ca, klen, ca_off_len, seq_cap, q_cap, stride_ca, stride_sp, stride_dn,
+    BS: tl.constexpr, S: tl.constexpr, W: tl.constexpr, G: tl.constexpr, MNB: tl.constexpr,
+    N_CA: tl.constexpr, N_SP: tl.constexpr, N_DN: tl.constexpr, GATE: tl.constexpr,
+    NGRAM_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    n_seq = tl.load(stg + H_N_SEQ)
+    if pid < seq_cap:
+        _seq_rows(
+            stg, pid, n_seq, positions, input_ids, gate, ngram, cu_q, cu_k, valid, qidx, swa_slot,
+            state_idx, ctx_lens, swa_off_len, posc, slot_ca, klen, ca_off_len, stride_ca, stride_sp,
+            stride_dn, BS, S, W, G, MNB, N_CA, N_SP, N_DN, GATE, NGRAM_PAD, BLOCK_Q,
+        )
+    else:
+        _tail_rows(
+            pid - seq_cap, n_seq, tl.load(stg + H_TOTAL_Q), tl.load(stg + H_TOTAL_K), seq_cap, q_cap,
+            positions, input_ids, gate, ngram, cu_q, cu_k, valid, qidx, swa_slot, state_idx, ctx_lens,
+            swa_off_len, posc, slot_ca, klen, ca_off_len, stride_ca, stride_sp, stride_dn,
+            G, N_CA, N_SP, N_DN, GATE, NGRAM_PAD, BLOCK_T,
+        )
+
+
+@triton.jit
+def _decode_block_tables_kernel(
+    stg, block_tables, bt_stride, BS: tl.constexpr, M: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Row ``row0 + j`` of sequence ``s`` gets its ``cdiv(seqlen_k // M, BS // M)`` defined blocks."""
+    s = tl.program_id(0)
+    n_seq = tl.load(stg + H_N_SEQ)
+    active = s < n_seq
+    seq = stg + tl.load(stg + H_OFF_SEQ) + s
+    q = tl.load(seq + F_SEQLEN_Q * n_seq, mask=active, other=0)
+    k = tl.load(seq + F_SEQLEN_K * n_seq, mask=active, other=0)
+    row0 = tl.load(seq + F_CU_Q_INCL * n_seq, mask=active, other=0) - q
+    src = stg + tl.load(stg + H_OFF_BT) + tl.load(seq + F_BT_OFFSET * n_seq, mask=active, other=0)
+    nb = (k // M + (BS // M) - 1) // (BS // M)
+    c0 = nb * 0
+    while c0 < nb:
+        cols = c0 + tl.arange(0, BLOCK_C)
+        mc = cols < nb
+        v = tl.load(src + cols, mask=mc, other=0)
+        j = q * 0
+        while j < q:
+            dst = block_tables + (row0 + j).to(tl.int64) * bt_stride
+            tl.store(dst + cols, v, mask=mc)
+            j += 1
+        c0 += BLOCK_C
+
+
+def launch_decode_kernels(stg: torch.Tensor, cfg: MetadataConfig, b: DecodeBuffers) -> None:
+    """Launch both kernels on ``stg`` (device int32 staging) writing ``b`` (same device).
+
+    Grid: ``seq_cap + cdiv(max(q_cap, seq_cap + 1), BLOCK_T)`` metadata programs, ``seq_cap``
+    block-table programs. Example: 256 sequences, 768 rows: 256 + 3 and 256 programs.
+    """
+    n_tail = triton.cdiv(max(b.q_cap, b.seq_cap + 1), BLOCK_T)
+    ngram = b.ngram_token_ids if b.ngram_token_ids is not None else b.positions
+    # an empty stacked buffer (no sparse / dense ratio) is never dereferenced: pass a real one
+    posc, slot_ca, klen, off_len = (
+        x if x.numel() else b.positions
+        for x in (b.positions_c, b.slot_mapping_store_ca, b.klen, b.kv_ca_index_offset_len)
+    )
+    _decode_metadata_kernel[(b.seq_cap + n_tail,)](
+        stg, b.positions, b.input_ids, b.gate_force_random, ngram, b.cu_seqlens_q, b.cu_seqlens_k,
+        b.valid_token_mask, b.query_indices, b.slot_mapping_store_swa, b.state_block_idx,
+        b.context_lens, b.kv_swa_index_offset_len, posc, slot_ca, klen, off_len, b.seq_cap, b.q_cap, b.positions_c.stride(0), b.klen.stride(0),
+        b.kv_ca_index_offset_len.stride(0),
+        BS=cfg.block_size, S=cfg.swa_block_size, W=cfg.window_size, G=cfg.max_ngram_size,
+        MNB=cfg.max_num_blocks, N_CA=len(cfg.ca_ratios), N_SP=len(cfg.sparse_compress_ratios),
+        N_DN=len(cfg.dense_compress_ratios), GATE=cfg.force_load_balance,
+        NGRAM_PAD=cfg.ngram_pad_token, BLOCK_Q=BLOCK_Q, BLOCK_T=BLOCK_T,
+    )
+    _decode_block_tables_kernel[(b.seq_cap,)](
+        stg, b.block_tables, b.block_tables.stride(0), BS=cfg.block_size, M=cfg.min_ratio,
+        BLOCK_C=BLOCK_C,
+    )

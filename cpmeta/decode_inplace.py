@@ -1,0 +1,241 @@
+"""``prepare_decode_inplace``: decode metadata built on the device, in place (DESIGN section 12).
+
+One step::
+
+    CPU   extract_batch (validation, O(n_seq) Python)  ->  ONE pinned int32 staging buffer
+    H2D   ONE copy_(non_blocking=True) of its used prefix (CUDA event guards the next refill)
+    GPU   _decode_metadata_kernel  (one program per sequence + tail programs; all ratios)
+          _decode_block_tables_kernel (one program per sequence)
+
+The result equals :func:`cpmeta.prepare_decode` field by field (``metadata_diff(..., cfg=cfg)``;
+undefined ``block_tables`` columns excepted). Per-ratio fields (``klen``, ``positions_c``,
+``slot_mapping_store_ca``, ``kv_ca_index_offset_len``) are row views of ONE stacked
+``[n_ratio, q_cap, ...]`` buffer each. With ``out`` holding buffers of a larger batch every write
+lands in their prefixes (no allocation, unchanged ``data_ptr``); rows past ``total_q`` get inert
+values (see :class:`~cpmeta._decode_staging.DecodeBuffers`), so a CUDA graph captured at the
+larger batch can be replayed::
+
+    st = DecodeStaging("cuda", staging_capacity(cfg, max_seqs, max_q), fixed=True)
+    out = {}
+    prepare_decode_inplace(max_batch, cfg, out=out, device="cuda", staging=st)   # allocate + warm up
+    with torch.cuda.graph(g):
+        md = launch_decode_inplace(st, cfg, out=out)   # kernels only, full-capacity views
+        md.compute_attn_info(cfg)
+    st.stage(batch, cfg); g.replay()                  # every step: refill + copy, then replay
+
+Backends: ``"triton"`` (the kernels; on CPU tensors only under ``TRITON_INTERPRET=1``),
+``"torch"`` (vectorized emulation of the kernels on the same staging buffer), ``"auto"``
+(triton on CUDA when importable, else torch).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional, Sequence
+
+import torch
+
+from ._decode_staging import DecodeBuffers, DecodeStaging, StagedDecode, staging_capacity
+from .config import MetadataConfig
+from .metadata import InputMetadata, get_or_create_stacked, get_or_create_tensor
+from .sequence import SequenceMetadata
+
+__all__ = [
+    "prepare_decode_inplace",
+    "launch_decode_inplace",
+    "DecodeStaging",
+    "StagedDecode",
+    "staging_capacity",
+    "BACKENDS",
+]
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "triton", "torch")
+Out = Optional[dict[str, torch.Tensor]]
+
+#: Default staging pair per device (used when ``staging=None``; not thread-safe).
+_DEFAULT_STAGING: dict[torch.device, DecodeStaging] = {}
+
+
+def _triton_usable(device: torch.device) -> bool:
+    """Triton can run here: CUDA device, or CPU tensors under the Triton interpreter."""
+    try:
+        import triton
+    except ImportError:
+        return False
+    return device.type == "cuda" or bool(triton.knobs.runtime.interpret)
+
+
+def _resolve_backend(backend: str, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and _triton_usable(device) else "torch"
+    if backend == "triton" and not _triton_usable(device):
+        raise ValueError(
+            f"backend: 'triton' needs a CUDA device or TRITON_INTERPRET=1 set before triton is "
+            f"imported (device {device})"
+        )
+    return backend
+
+
+def _resolve_device(device: Optional[torch.device | str], out: Out) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if out and "positions" in out:
+        return out["positions"].device
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def _ensure(out: dict[str, torch.Tensor], name: str, shape: tuple[int, ...], dtype: torch.dtype,
+            device: torch.device) -> torch.Tensor:
+    """``out[name]`` (allocated with ``shape`` on ``device`` if missing), device and layout checked."""
+    if name not in out:
+        out[name] = torch.empty(shape, dtype=dtype, device=device)
+    t = out[name]
+    if not _same_device(t.device, device):
+        raise ValueError(f"{name}: expected a tensor on {device}, got one on {t.device} in out")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor in out")
+    return t
+
+
+def _row_specs(cfg: MetadataConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype, Optional[tuple[str, ...]]]]:
+    """Per-row buffers: name -> (shape after the row dim, dtype, ratio keys if stacked else None)."""
+    i32, keys = torch.int32, lambda rs: tuple(str(r) for r in rs)
+    specs = {
+        "positions": ((), i32, None), "input_ids": ((), i32, None),
+        "gate_force_random": ((), torch.bool, None), "valid_token_mask": ((), torch.bool, None),
+        "query_indices": ((), i32, None), "slot_mapping_store_swa": ((), i32, None),
+        "state_block_idx": ((), i32, None), "context_lens": ((), i32, None),
+        "kv_swa_index_offset_len": ((2,), i32, None), "block_tables": ((cfg.max_num_blocks,), i32, None),
+        "positions_c": ((), i32, keys(cfg.ca_ratios)),
+        "slot_mapping_store_ca": ((), i32, keys(cfg.ca_ratios)),
+        "klen": ((), i32, keys(cfg.sparse_compress_ratios)),
+        "kv_ca_index_offset_len": ((2,), i32, keys(cfg.dense_compress_ratios)),
+    }
+    if cfg.max_ngram_size:
+        specs["ngram_token_ids"] = ((cfg.max_ngram_size,), i32, None)
+    return specs
+
+
+def _buffers(
+    out: dict[str, torch.Tensor], cfg: MetadataConfig, n_seq: int, total_q: int, device: torch.device
+) -> tuple[DecodeBuffers, dict]:
+    """Full-capacity buffers (allocated into ``out`` where missing) and the ``[total_q]`` views.
+
+    Every row buffer must have the same row capacity ``q_cap`` (the kernels take one), and
+    ``cu_seqlens_q/k`` the same ``seq_cap + 1``; a mismatch is a ``ValueError`` naming the field.
+    """
+    full: dict[str, torch.Tensor] = {}
+    views: dict = {}
+    q_cap: Optional[int] = None
+    for name, (rest, dtype, keys) in _row_specs(cfg).items():
+        if keys is None:
+            t = _ensure(out, name, (total_q, *rest), dtype, device)
+            views[name] = get_or_create_tensor(out, name, (total_q, *rest), dtype, allow_prefix=True)
+            cap = t.shape[0]
+        else:
+            t = _ensure(out, name, (len(keys), total_q, *rest), dtype, device)
+            _, views[name] = get_or_create_stacked(out, name, keys, (total_q, *rest), dtype, allow_prefix=True)
+            cap = t.shape[1]
+            for k, v in views[name].items():
+                assert v.untyped_storage().data_ptr() == t.untyped_storage().data_ptr(), f"{name}.{k}"
+                assert v.stride() == t.stride()[1:], f"{name}.{k}: row view strides differ"
+        if q_cap is None:
+            q_cap = cap
+        elif cap != q_cap:
+            raise ValueError(f"{name}: expected row capacity {q_cap} like positions, got {cap} in out")
+        full[name] = t
+    for name in ("cu_seqlens_q", "cu_seqlens_k"):
+        full[name] = _ensure(out, name, (n_seq + 1,), torch.int32, device)
+        views[name] = get_or_create_tensor(out, name, (n_seq + 1,), torch.int32, allow_prefix=True)
+    if full["cu_seqlens_q"].shape != full["cu_seqlens_k"].shape:
+        raise ValueError("cu_seqlens_k: expected the same capacity as cu_seqlens_q in out")
+    full.setdefault("ngram_token_ids", None)
+    views.setdefault("ngram_token_ids", None)
+    return DecodeBuffers(**full), views
+
+
+def _launch(stg: torch.Tensor, cfg: MetadataConfig, bufs: DecodeBuffers, backend: str) -> None:
+    if backend == "triton":
+        from ._decode_triton import launch_decode_kernels
+
+        launch_decode_kernels(stg, cfg, bufs)
+    else:
+        from ._decode_emulate import emulate_decode_kernels
+
+        emulate_decode_kernels(stg, cfg, bufs)
+
+
+def _default_staging(device: torch.device) -> DecodeStaging:
+    st = _DEFAULT_STAGING.get(device)
+    if st is None:
+        st = _DEFAULT_STAGING[device] = DecodeStaging(device)
+    return st
+
+
+def prepare_decode_inplace(
+    seqs: Sequence[SequenceMetadata],
+    cfg: MetadataConfig,
+    *,
+    out: Out = None,
+    device: Optional[torch.device | str] = None,
+    backend: str = "auto",
+    staging: Optional[DecodeStaging] = None,
+) -> InputMetadata:
+    """Decode ``InputMetadata`` on ``device``, equal to ``prepare_decode(seqs, cfg)`` moved there.
+
+    Args:
+        seqs, cfg: as for :func:`cpmeta.prepare_decode` (same validation and error messages).
+        out: dict of buffers keyed ``"positions"``, ..., stacked ones under ``"klen"``,
+            ``"positions_c"``, ``"slot_mapping_store_ca"``, ``"kv_ca_index_offset_len"``
+            ([n_ratio, q_cap, ...]). Missing ones are allocated on ``device`` and stored; larger
+            ones (a captured batch) are written in their prefixes.
+        device: where the metadata lives (default: ``out``'s device, else CUDA if available).
+        backend: ``"auto"``, ``"triton"`` or ``"torch"`` (see module docstring).
+        staging: the :class:`DecodeStaging` to reuse (default: one per device).
+
+    Returns fields of shape ``[total_q, ...]`` (row views of the buffers), ``cu_seqlens_q/k``
+    [n_seq+1] int32, dict fields ``{str(ratio): row view}``, scalars from the host arrays.
+    Work is enqueued on the current stream; nothing waits for the device.
+    """
+    dev = _resolve_device(device, out)
+    be = _resolve_backend(backend, dev)
+    st = staging if staging is not None else _default_staging(dev)
+    if not _same_device(st.device, dev):
+        raise ValueError(f"staging: expected a staging buffer for {dev}, got one for {st.device}")
+    staged = st.stage(seqs, cfg)
+    bufs, views = _buffers(out if out is not None else {}, cfg, staged.num_seqs, staged.total_q, dev)
+    _launch(st.device_buffer, cfg, bufs, be)
+    return InputMetadata(
+        is_prompt=False, num_seqs=staged.num_seqs, total_q=staged.total_q,
+        max_seqlen_q=staged.max_seqlen_q, max_seqlen_k=staged.max_seqlen_k, **views,
+    )
+
+
+def launch_decode_inplace(
+    staging: DecodeStaging, cfg: MetadataConfig, *, out: dict[str, torch.Tensor], backend: str = "auto"
+) -> InputMetadata:
+    """Only the kernels, on whatever batch ``staging`` last uploaded (for CUDA-graph capture).
+
+    ``out`` must hold every buffer already (e.g. from a :func:`prepare_decode_inplace` warm-up at
+    the capture batch); nothing is allocated. Returns ``InputMetadata`` whose tensors are the FULL
+    ``[q_cap, ...]`` buffers (rows past the staged ``total_q`` hold the inert tail) and whose
+    batch scalars are ``None`` (the host knows them from :meth:`DecodeStaging.stage`).
+    Example: capture with 256 sequences staged, replay after ``staging.stage(64 seqs)``: rows
+    ``[0, total_q)`` equal ``prepare_decode(64 seqs)``.
+    """
+    if "positions" not in out or "cu_seqlens_q" not in out:
+        raise ValueError("out: expected the buffers of a previous prepare_decode_inplace call")
+    dev = out["positions"].device
+    be = _resolve_backend(backend, dev)
+    q_cap, n_cap = out["positions"].shape[0], out["cu_seqlens_q"].shape[0] - 1
+    bufs, views = _buffers(out, cfg, n_cap, q_cap, dev)
+    _launch(staging.device_buffer, cfg, bufs, be)
+    return InputMetadata(is_prompt=False, **views)
