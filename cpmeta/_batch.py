@@ -13,6 +13,7 @@ Row layout: rows are query rows in varlen order. For sequence ``s`` with ``seqle
 
 from __future__ import annotations
 
+import array
 import logging
 from dataclasses import dataclass
 from itertools import chain
@@ -99,17 +100,27 @@ def alloc(
 def int_array(parts: Sequence[Any], total: int) -> np.ndarray:
     """Concatenate int sequences (lists, tuples, numpy arrays or tensors) into one int64 array.
 
-    One ``np.fromiter`` over ``itertools.chain`` for Python lists (the fastest way to read Python
-    ints), ``np.concatenate`` when every part already is an array.
+    Python lists go through ``array.array("q").fromlist`` (one C loop per list, about twice as
+    fast as ``np.fromiter`` over ``itertools.chain``); other sequences through ``np.fromiter``;
+    ``np.concatenate`` / ``torch.cat`` when every part already is an array / tensor.
+    ``total`` is the expected length (checked).
     """
     kinds = set(map(type, parts))
-    if kinds <= _LIST_TYPES:
-        return np.fromiter(chain.from_iterable(parts), np.int64, total)
-    if kinds == {np.ndarray}:
-        return np.concatenate(parts).astype(np.int64, copy=False) if parts else np.zeros(0, np.int64)
-    if kinds == {torch.Tensor}:
-        return torch.cat([p.reshape(-1) for p in parts]).to(torch.int64).numpy()
-    return np.fromiter((int(x) for x in chain.from_iterable(parts)), np.int64, total)
+    if kinds == {list}:
+        buf = array.array("q")
+        for _ in map(buf.fromlist, parts):  # per-sequence loop inside map, C per token
+            pass
+        res = np.frombuffer(buf, np.int64) if len(buf) else np.zeros(0, np.int64)
+    elif kinds <= _LIST_TYPES:
+        res = np.fromiter(chain.from_iterable(parts), np.int64, total)
+    elif kinds == {np.ndarray}:
+        res = np.concatenate(parts).astype(np.int64, copy=False) if parts else np.zeros(0, np.int64)
+    elif kinds == {torch.Tensor}:
+        res = torch.cat([p.reshape(-1) for p in parts]).to(torch.int64).numpy()
+    else:
+        res = np.fromiter((int(x) for x in chain.from_iterable(parts)), np.int64, total)
+    assert len(res) == total, f"int_array: expected {total} ids, got {len(res)}"
+    return res
 
 
 @dataclass(slots=True)
