@@ -24,7 +24,7 @@ because compressed-token boundaries depend on absolute positions, not on the mir
 from __future__ import annotations
 
 import logging
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -226,27 +226,78 @@ def prepare_cp_mirror(
     _validate_mirror_args(cu_q, cu_k, ratios, total_q, cp_mirror_len, cp_size)
     rank_plan = _rank_plan(cu_q, cu_k, cp_size, cp_rank, ratios)
     rev_plan = _reverse_plan(cu_q, cp_size, cp_mirror_len)
+    dev = cu_seqlens_q.device
+    if dev.type == "cpu":  # numpy: np.repeat is single-threaded (torch's CPU kernel forks per call)
+        rank_x, rev_x = rank_plan.astype(np.int32), rev_plan.astype(np.int32)
+        out = _expand(_NumpyOps(), rank_x, rev_x, ratios, cp_mirror_len, total_q)
+        return tuple(_to_torch(x) for x in out[:2]) + tuple(  # type: ignore[return-value]
+            {k: _to_torch(v) for k, v in d.items()} for d in out[2:])
     plan = torch.from_numpy(np.concatenate([rank_plan.ravel(), rev_plan.ravel()]).astype(np.int32))
-    plan = plan.to(cu_seqlens_q.device, non_blocking=True)
+    plan = plan.to(dev, non_blocking=True)  # the one host-to-device copy
     rank_t = plan[: rank_plan.size].view(rank_plan.shape)
     rev_t = plan[rank_plan.size:].view(rev_plan.shape)
+    return _expand(_TorchOps(dev), rank_t, rev_t, ratios, cp_mirror_len, total_q)  # type: ignore[return-value]
 
-    def spread(column: torch.Tensor) -> torch.Tensor:  # per-chunk value -> per mirror row
-        return torch.repeat_interleave(column, rank_t[0], output_size=cp_mirror_len)
 
-    m = torch.arange(cp_mirror_len, dtype=torch.int32, device=plan.device)
-    pad = m >= spread(rank_t[2])
-    glob = m + spread(rank_t[1])
-    pos = glob + spread(rank_t[3])
-    ks_all: dict[str, torch.Tensor] = {}
-    ke_all: dict[str, torch.Tensor] = {}
+def _to_torch(x: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(x)
+
+
+class _NumpyOps:
+    """Array ops of :func:`_expand` on host numpy arrays (int32)."""
+
+    @staticmethod
+    def arange(n: int) -> np.ndarray:
+        return np.arange(n, dtype=np.int32)
+
+    @staticmethod
+    def repeat(values: np.ndarray, repeats: np.ndarray, n: int) -> np.ndarray:
+        return np.repeat(values, repeats)
+
+    @staticmethod
+    def fill(x: np.ndarray, mask: np.ndarray, value: int) -> np.ndarray:
+        x[mask] = value
+        return x
+
+
+class _TorchOps:
+    """Array ops of :func:`_expand` on device tensors (int32), no host synchronisation."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def arange(self, n: int) -> torch.Tensor:
+        return torch.arange(n, dtype=torch.int32, device=self.device)
+
+    @staticmethod
+    def repeat(values: torch.Tensor, repeats: torch.Tensor, n: int) -> torch.Tensor:
+        return torch.repeat_interleave(values, repeats, output_size=n)
+
+    @staticmethod
+    def fill(x: torch.Tensor, mask: torch.Tensor, value: int) -> torch.Tensor:
+        return x.masked_fill_(mask, value)
+
+
+def _expand(ops: Any, rank_plan: Any, rev_plan: Any, ratios: Sequence[int], length: int, total_q: int) -> tuple[Any, ...]:
+    """Per-row expansion of the plans (numpy or torch, int32); see :func:`_rank_plan`.
+
+    Mirror row ``m`` of chunk ``c``: ``glob = m + off_c`` (pad if ``m >= lim_c``),
+    ``pos = glob + shift_c``, ``ks = base_c``, ``ke = base_c + (pos + 1) // r``; reverse of global
+    row ``g`` in block ``b``: ``g + shift_b``.
+    """
+    rep = rank_plan[0]
+    m = ops.arange(length)
+    pad = m >= ops.repeat(rank_plan[2], rep, length)
+    glob = m + ops.repeat(rank_plan[1], rep, length)
+    pos = glob + ops.repeat(rank_plan[3], rep, length)
+    ks_all: dict[str, Any] = {}
+    ke_all: dict[str, Any] = {}
     for i, r in enumerate(ratios):
-        ks = spread(rank_t[4 + i])
-        ke_all[str(r)] = ks.add(torch.div(pos + 1, r, rounding_mode="floor")).masked_fill_(pad, 0)
-        ks_all[str(r)] = ks.masked_fill_(pad, 0)
-    reverse = torch.arange(total_q, dtype=torch.int32, device=plan.device)
-    reverse += torch.repeat_interleave(rev_t[1], rev_t[0], output_size=total_q)
-    return glob.masked_fill_(pad, MIRROR_PAD_INDEX), reverse, ks_all, ke_all
+        ks = ops.repeat(rank_plan[4 + i], rep, length)
+        ke_all[str(r)] = ops.fill(ks + (pos + 1) // r, pad, 0)
+        ks_all[str(r)] = ops.fill(ks, pad, 0)
+    reverse = ops.arange(total_q) + ops.repeat(rev_plan[1], rev_plan[0], total_q)
+    return ops.fill(glob, pad, MIRROR_PAD_INDEX), reverse, ks_all, ke_all
 
 
 # ---- row helpers -----------------------------------------------------------------------------
@@ -378,4 +429,9 @@ def prepare_for_mirror_cp(md: InputMetadata, cp_rank: int, cp_size: int) -> Inpu
         elif isinstance(value, torch.Tensor):
             changes[name] = mirror_rows(value, index, fill)
     logger.debug("mirrored %d rows to %d on cp rank %d/%d", total_q, length, cp_rank, cp_size)
-    return md.replace(**changes)
+    mirrored = md.replace(**changes)
+    if md.yoco_consumer_cu_seqlens_q is not None:  # YoCo compact + CP fields (DESIGN 10), cpmeta/yoco.py
+        from .yoco import mirror_yoco  # lazy: yoco imports this module
+
+        mirrored = mirror_yoco(md, mirrored, cp_rank, cp_size)
+    return mirrored
