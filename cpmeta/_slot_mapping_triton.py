@@ -167,10 +167,11 @@ def _kernel() -> Callable[..., Any]:
                 m = idx < hi
                 pos = tl.load(pos_ptr + idx, mask=m, other=0).to(tl.int64)
                 # ---- logical position -> (block index, offset, owned by this rank)
-                if IS_CIRCULAR:
+                if IS_CIRCULAR:  # negative positions are padding, not errors
                     bi = tl.zeros([TILE], dtype=tl.int64)
                     off = pos % block_size
                     want = m & (pos >= 0)
+                    err = tl.zeros([TILE], dtype=tl.int32)
                 elif USE_CP:
                     vbi = pos // virtual_block_size
                     vbo = pos % virtual_block_size
@@ -179,13 +180,13 @@ def _kernel() -> Callable[..., Any]:
                     bi = vbi * blocks_per_kv_block + local // block_size
                     off = local % block_size
                     want = m & (pos >= 0) & is_local
+                    err = tl.where(m & (pos < 0), ERR_NEGATIVE, 0)
                 else:
                     bi = pos // block_size
                     off = pos % block_size
                     want = m & (pos >= 0)
-                err = tl.where(want & (bi >= bt_cols), ERR_BLOCK_INDEX, 0)
-                if not IS_CIRCULAR:
-                    err = err | tl.where(m & (pos < 0), ERR_NEGATIVE, 0)
+                    err = tl.where(m & (pos < 0), ERR_NEGATIVE, 0)
+                err = err | tl.where(want & (bi >= bt_cols), ERR_BLOCK_INDEX, 0)
                 read = want & (bi < bt_cols)
                 # ---- bounded window of the block-table row, gathered in registers
                 base = tl.min(tl.where(read, bi, bt_cols), axis=0)
