@@ -1,0 +1,136 @@
+"""``MetadataConfig``: defaults, derived properties and every bad input (DESIGN section 3)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+
+from cpmeta import INT32_MAX, PAD_SLOT_ID, PLACEHOLDER_QUERY_INDEX, MetadataConfig
+from strategies import configs
+
+
+def test_defaults_match_design_table() -> None:
+    cfg = MetadataConfig()
+    assert (cfg.block_size, cfg.window_size, cfg.swa_block_size) == (128, 128, 128)
+    assert cfg.dense_compress_ratios == (4,) and cfg.sparse_compress_ratios == (4,)
+    assert cfg.max_model_len == 8192
+    assert (cfg.max_ngram_size, cfg.ngram_pad_token, cfg.ngram_lookup, cfg.image_token_id) == (0, 0, None, None)
+    assert cfg.force_load_balance is False
+    assert cfg.yoco_keep_tokens is None and cfg.yoco_mode == "compact"
+
+
+def test_named_constants() -> None:
+    assert PAD_SLOT_ID == -1
+    assert PLACEHOLDER_QUERY_INDEX == 998244353
+    assert INT32_MAX == 2**31 - 1
+
+
+def test_ca_ratios_is_the_sorted_union() -> None:
+    cfg = MetadataConfig(dense_compress_ratios=[128, 4], sparse_compress_ratios=(8, 4))
+    assert cfg.dense_compress_ratios == (128, 4)  # lists become tuples, order kept
+    assert cfg.ca_ratios == (4, 8, 128)
+    assert cfg.min_ratio == 4
+    only_sparse = MetadataConfig(dense_compress_ratios=(), sparse_compress_ratios=(16,))
+    assert only_sparse.ca_ratios == (16,) and only_sparse.min_ratio == 16
+
+
+def test_derived_widths() -> None:
+    # defaults: max_num_blocks = cdiv(8192 // 4, 128 // 4) = 64; width_4 = cdiv(2048, 128) * 128.
+    cfg = MetadataConfig()
+    assert cfg.max_num_blocks == 64
+    assert cfg.attn_index_width(4) == 2048
+    # bs 16, min ratio 16, max_model_len 100: cdiv(100 // 16, 1) = 6 blocks; width cdiv(6, 128)*128.
+    small = MetadataConfig(block_size=16, max_model_len=100, dense_compress_ratios=(16,),
+                           sparse_compress_ratios=(), window_size=4, swa_block_size=4)
+    assert small.max_num_blocks == 6
+    assert small.attn_index_width(16) == 128
+    # ratio 1, 1000 tokens: width cdiv(1000, 128) * 128 = 1024.
+    assert MetadataConfig(dense_compress_ratios=(1,), max_model_len=1000).attn_index_width(1) == 1024
+
+
+def test_frozen() -> None:
+    cfg = MetadataConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.block_size = 64  # type: ignore[misc]
+
+
+def test_valid_edge_values() -> None:
+    MetadataConfig(window_size=128, swa_block_size=128)  # S == W is allowed
+    MetadataConfig(dense_compress_ratios=(4,), sparse_compress_ratios=())  # one side empty
+    MetadataConfig(dense_compress_ratios=(1, 128), sparse_compress_ratios=(4,))  # ratio == block_size
+    MetadataConfig(yoco_keep_tokens=1, yoco_mode="mask")
+    MetadataConfig(max_ngram_size=3, ngram_lookup=torch.arange(10), image_token_id=7)
+
+
+# (overrides, field the message must name); every one is a ValueError.
+BAD_VALUES: list[tuple[dict[str, Any], str]] = [
+    ({"block_size": 0}, "block_size"),
+    ({"block_size": -128}, "block_size"),
+    ({"window_size": 0}, "window_size"),
+    ({"swa_block_size": 0}, "swa_block_size"),
+    ({"window_size": 128, "swa_block_size": 64}, "swa_block_size"),  # S < W
+    ({"max_model_len": 0}, "max_model_len"),
+    ({"dense_compress_ratios": (3,)}, "dense_compress_ratios"),  # 3 does not divide 128
+    ({"sparse_compress_ratios": (256,)}, "sparse_compress_ratios"),  # larger than the block
+    ({"block_size": 96, "dense_compress_ratios": (4, 64), "sparse_compress_ratios": ()}, "dense_compress_ratios"),
+    ({"dense_compress_ratios": (), "sparse_compress_ratios": ()}, "ratios"),  # empty ca_ratios
+    ({"dense_compress_ratios": (4, 4)}, "dense_compress_ratios"),  # listed twice
+    ({"sparse_compress_ratios": (8, 4, 8)}, "sparse_compress_ratios"),
+    ({"dense_compress_ratios": (0,)}, "dense_compress_ratios"),
+    ({"sparse_compress_ratios": (-4,)}, "sparse_compress_ratios"),
+    ({"max_ngram_size": -1}, "max_ngram_size"),
+    ({"ngram_lookup": torch.zeros(3, 3, dtype=torch.int64)}, "ngram_lookup"),  # 2-D
+    ({"ngram_lookup": torch.zeros(3)}, "ngram_lookup"),  # float
+    ({"ngram_lookup": [1, 2, 3]}, "ngram_lookup"),  # not a tensor
+    ({"image_token_id": "5"}, "image_token_id"),
+    ({"force_load_balance": 1}, "force_load_balance"),
+    ({"yoco_keep_tokens": 0}, "yoco_keep_tokens"),
+    ({"yoco_keep_tokens": -3}, "yoco_keep_tokens"),
+    ({"yoco_keep_tokens": 2.5}, "yoco_keep_tokens"),
+    ({"yoco_keep_tokens": True}, "yoco_keep_tokens"),
+    ({"yoco_mode": "drop"}, "yoco_mode"),
+    ({"yoco_mode": None}, "yoco_mode"),
+]
+
+
+@pytest.mark.parametrize("overrides,field", BAD_VALUES, ids=[f"{f}-{i}" for i, (_, f) in enumerate(BAD_VALUES)])
+def test_bad_value_names_the_field(overrides: dict[str, Any], field: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(field)):
+        MetadataConfig(**overrides)
+
+
+# Wrong types: ValueError or TypeError, still naming the field.
+BAD_TYPES: list[tuple[dict[str, Any], str]] = [
+    ({"block_size": 12.0}, "block_size"),
+    ({"block_size": True}, "block_size"),
+    ({"window_size": "128"}, "window_size"),
+    ({"dense_compress_ratios": "4"}, "dense_compress_ratios"),
+    ({"sparse_compress_ratios": 4}, "sparse_compress_ratios"),
+    ({"dense_compress_ratios": (4.0,)}, "dense_compress_ratios"),
+    ({"ngram_pad_token": 1.5}, "ngram_pad_token"),
+]
+
+
+@pytest.mark.parametrize("overrides,field", BAD_TYPES, ids=[f"{f}-{i}" for i, (_, f) in enumerate(BAD_TYPES)])
+def test_bad_type_names_the_field(overrides: dict[str, Any], field: str) -> None:
+    with pytest.raises((ValueError, TypeError), match=re.escape(field)):
+        MetadataConfig(**overrides)
+
+
+@settings(max_examples=50, deadline=None)
+@given(cfg=configs())
+def test_random_configs_hold_their_invariants(cfg: MetadataConfig) -> None:
+    assert cfg.ca_ratios == tuple(sorted(set(cfg.ca_ratios)))
+    assert cfg.ca_ratios and cfg.min_ratio == cfg.ca_ratios[0]
+    assert all(cfg.block_size % n == 0 for n in cfg.ca_ratios)
+    assert cfg.swa_block_size >= cfg.window_size
+    m = cfg.min_ratio
+    assert cfg.max_num_blocks == -(-(cfg.max_model_len // m) // (cfg.block_size // m))
+    for n in cfg.ca_ratios:
+        w = cfg.attn_index_width(n)
+        assert w % 128 == 0 and w >= cfg.max_model_len // n > w - 128
