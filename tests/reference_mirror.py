@@ -57,9 +57,12 @@ def ref_prepare_cp_mirror(
     every_rank: list[int] = []
     for r in range(cp_size):
         every_rank += [PAD if j == PAD else cu_q[s] + j for s, j in _rank_rows(seqlens_q, cp_size, r)]
+    where: dict[int, list[int]] = {}
+    for m, x in enumerate(every_rank):
+        where.setdefault(x, []).append(m)
     reverse = []
     for g in range(cu_q[-1]):
-        hits = [m for m, x in enumerate(every_rank) if x == g]
+        hits = where.get(g, [])
         assert len(hits) == 1, f"row {g} held {len(hits)} times"
         reverse.append(hits[0])
 
