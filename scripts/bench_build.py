@@ -203,6 +203,43 @@ case("attn_info_decode_256")(_attn_case(False, 256, 0))
 case("attn_info_prompt_8x4096")(_attn_case(True, 8, 4096))
 
 
+def _mirror_case(n: int, q: int, cp: int) -> CaseFn:
+    """CP mirror (issue 6): ``prepare_for_mirror_cp`` of the last rank (and ``prepare_cp_mirror``
+    alone) on ``n`` prompt chunks of ``q`` rows; reference = tests/reference_mirror.py per row."""
+
+    def run(ctx: BenchContext) -> dict[str, Any]:
+        from cpmeta import prepare_prompt
+        from cpmeta.mirror import cp_mirror_len, prepare_cp_mirror, prepare_for_mirror_cp
+
+        cfg = MetadataConfig()
+        seqs = prompt_batch(ctx.rng, cfg, n, q)
+        md = prepare_prompt(seqs, cfg).to(ctx.device)
+        cuda = ctx.device.startswith("cuda")
+        ratios = tuple(int(k) for k in md.ks) or (1,)
+        length = cp_mirror_len(md.cu_seqlens_q, cp)
+        res: dict[str, Any] = {
+            "builder": time_us(lambda: prepare_for_mirror_cp(md, cp - 1, cp), ctx.repeat, sync=cuda),
+            "prepare_cp_mirror": time_us(lambda: prepare_cp_mirror(
+                md.cu_seqlens_q, md.cu_seqlens_k, cp, cp - 1, ratios, md.total_q, length), ctx.repeat, sync=cuda),
+            "total_q": md.total_q, "n_seqs": n, "cp_size": cp, "cp_mirror_len": length,
+            "device": ctx.device, "target": "(info) speedup = ref / prepare_cp_mirror",
+        }
+        if ctx.ref is not None:
+            import reference_mirror  # type: ignore[import-not-found]  # tests/ is on sys.path with ctx.ref
+
+            sq, sk = [s.seqlen_q for s in seqs], [s.seqlen_k for s in seqs]
+            res["reference"] = time_us(lambda: reference_mirror.ref_prepare_cp_mirror(sq, sk, cp, cp - 1, ratios),
+                                       ctx.ref_repeat, warmup=0)
+            res["speedup"] = res["reference"]["p50_us"] / res["prepare_cp_mirror"]["p50_us"]
+        return res
+
+    return run
+
+
+for _cp in (2, 4, 8):
+    case(f"mirror_8x4096_cp{_cp}")(_mirror_case(8, 4096, _cp))
+
+
 # ---- driver ---------------------------------------------------------------------------------
 
 
