@@ -377,9 +377,23 @@ def _ratio_set_cases() -> list[NamedCase]:
     ]
 
 
+def _tiny_max_model_len() -> NamedCase:
+    # max_model_len 64 < min ratio 128: max_num_blocks = cdiv(64 // 128, 1) = 0 and
+    # width_128 = 0. Every offset is i * 0 * 1 = 0 and every length (pos+1)//128 = 0, so
+    # block_tables is [2, 0] and the expanded kv_ca_index rows are empty.
+    cfg = MetadataConfig(block_size=128, window_size=4, swa_block_size=4, dense_compress_ratios=(128,),
+                         sparse_compress_ratios=(), max_model_len=64)
+    return NamedCase("max_model_len_below_ratio_decode", cfg, [_dec(2, 64, [], 0)], False, {
+        "kv_ca_index_offset_len.128": [[0, 0], [0, 0]],
+        "kv_ca_index.128": [[], []],
+        "block_tables": [[], []],
+        "positions_c.128": [0, 0],
+    })
+
+
 NAMED_CASES: list[NamedCase] = [
     _first_chunk(), _chunk_lt_w(), _chunk_gt_w(), _ring_wrap(), _seqlen_k_lt_r(), _swa_valid_start(),
     _placeholder_prompt(), _placeholder_decode(), _mtp_drafts(), _engram_prompt(), _engram_decode(),
     _dense1_prompt(), _dense1_decode(), _dense_4_128_prompt(), _dense_4_128_decode(),
-    *_ratio_set_cases(),
+    *_ratio_set_cases(), _tiny_max_model_len(),
 ]

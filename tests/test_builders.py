@@ -339,3 +339,23 @@ def test_prompt_swa_buffer_overflow() -> None:
         cpmeta.prepare_prompt(seqs, cfg)
     md = cpmeta.prepare_prompt(seqs[:7], cfg)
     assert md.kv_swa_full_index_pivots[-1].tolist() == ref_prepare_prompt(seqs[:7], cfg)["kv_swa_full_index_pivots"][-1]
+
+
+# ---- compute_attn_info on the tensors' device -----------------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("seed", range(6))
+def test_compute_attn_info_on_cuda_matches_reference(seed: int) -> None:
+    from strategies import random_config
+
+    rng = random.Random(seed)
+    cfg = random_config(rng)
+    for is_prompt in (True, False):
+        seqs = (random_prompt_batch if is_prompt else random_decode_batch)(rng, cfg)
+        md = _build(seqs, cfg, is_prompt).to("cuda")
+        md.compute_attn_info(cfg)
+        for path, t in md.tensors():
+            assert t.is_cuda, f"{path}: computed off the tensors' device"
+        expected = ref_compute_attn_info(_ref(seqs, cfg, is_prompt), cfg)
+        assert_matches_reference(md.to("cpu"), expected, cfg)
