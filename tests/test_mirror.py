@@ -276,6 +276,81 @@ def test_compact_layout_keeps_absolute_positions() -> None:
     assert ke["1"].tolist() == ref["ke"]["1"]
 
 
+def _expand_both(sq: list[int], sk: list[int], p: int, r: int, ratios: tuple[int, ...]) -> tuple[Any, Any]:
+    """The numpy (CPU) and the torch (device) expansion of the same plans, both run on the CPU."""
+    from cpmeta import mirror as M
+
+    cu_q, cu_k = _cu(sq).numpy().astype("int64"), _cu(sk).numpy().astype("int64")
+    length = cp_mirror_len(_cu(sq), p)
+    rank_plan = M._rank_plan(cu_q, cu_k, p, r, ratios).astype("int32")
+    rev_plan = M._reverse_plan(cu_q, p, length).astype("int32")
+    by_numpy = M._expand(M._NumpyOps(), rank_plan, rev_plan, ratios, length, sum(sq))
+    by_torch = M._expand(M._TorchOps(torch.device("cpu")), torch.from_numpy(rank_plan),
+                         torch.from_numpy(rev_plan), ratios, length, sum(sq))
+    return by_numpy, by_torch
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=_batches(), data=st.data())
+def test_torch_expansion_matches_numpy(case: tuple[list[int], list[int], int, tuple[int, ...]], data: Any) -> None:
+    # CUDA inputs take the torch path; force it on the CPU so CI checks it against the numpy path.
+    sq, sk, p, ratios = case
+    r = data.draw(st.integers(0, p - 1))
+    (ni, nr, nks, nke), (ti, tr, tks, tke) = _expand_both(sq, sk, p, r, ratios)
+    assert ti.dtype == tr.dtype == torch.int32
+    assert ti.tolist() == ni.tolist() and tr.tolist() == nr.tolist()
+    for k in nks:
+        assert tks[k].dtype == tke[k].dtype == torch.int32
+        assert tks[k].tolist() == nks[k].tolist() and tke[k].tolist() == nke[k].tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_cpu() -> None:
+    rng = random.Random(3)
+    for _ in range(30):
+        p = rng.randint(1, 8)
+        sq = [rng.randint(1, 70) for _ in range(rng.randint(1, 6))]
+        sk = [q + rng.choice([0, 5, 300]) for q in sq]
+        cu_q, cu_k = _cu(sq), _cu(sk)
+        length = cp_mirror_len(cu_q, p)
+        for r in range(p):
+            cpu = prepare_cp_mirror(cu_q, cu_k, p, r, (4, 1), sum(sq), length)
+            gpu = prepare_cp_mirror(cu_q.cuda(), cu_k.cuda(), p, r, (4, 1), sum(sq), length)
+            assert gpu[0].is_cuda and gpu[1].is_cuda
+            assert torch.equal(gpu[0].cpu(), cpu[0]) and torch.equal(gpu[1].cpu(), cpu[1])
+            for k in cpu[2]:
+                assert torch.equal(gpu[2][k].cpu(), cpu[2][k]) and torch.equal(gpu[3][k].cpu(), cpu[3][k])
+    md = _toy_md([10, 3], [14, 3])
+    cpu_md = prepare_for_mirror_cp(md, 1, 2)
+    gpu_md = prepare_for_mirror_cp(md.to("cuda"), 1, 2)
+    for name in ("positions", "valid_token_mask", "gate_force_random_cp", "ngram_token_ids", "mirror_cp_index",
+                 "mirror_cp_reverse_index"):
+        assert getattr(gpu_md, name).is_cuda, name
+        assert torch.equal(getattr(gpu_md, name).cpu(), getattr(cpu_md, name)), name
+
+
+@needs_builders
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_mirror_and_attn_info_match_cpu() -> None:
+    from cpmeta.prompt import prepare_prompt
+    from reference_mirror import ROW_FIELDS_PAD
+    from strategies import random_config, random_prompt_batch
+
+    rng = random.Random(11)
+    for _ in range(15):
+        cfg = random_config(rng)
+        md = prepare_prompt(random_prompt_batch(rng, cfg), cfg)
+        p = rng.randint(1, 8)
+        for r in range(p):
+            cpu = prepare_for_mirror_cp(md, r, p).compute_attn_info(cfg)
+            gpu = prepare_for_mirror_cp(md.to("cuda"), r, p).compute_attn_info(cfg)
+            for name in (*ROW_FIELDS_PAD, "mirror_cp_index", "mirror_cp_reverse_index"):
+                want, got = row_items(cpu, name), row_items(gpu, name)
+                assert set(want) == set(got), name
+                for path, x in want.items():
+                    assert got[path].is_cuda and torch.equal(got[path].cpu(), x), path
+
+
 # ---- prepare_for_mirror_cp on a hand-made metadata object --------------------------------------
 
 
