@@ -1,0 +1,169 @@
+"""CUDA-graph replay of decode metadata (DESIGN sections 6 and 12). GPU only: skips without CUDA.
+
+1. In-place path: capture ``launch_decode_inplace`` (the Triton metadata + block-table kernels),
+   ``compute_attn_info`` and a small consumer (a gather through ``kv_ca_index`` and
+   ``kv_swa_index``) at the maximum batch; then, per step, reset the ``get_clean_list()`` fields,
+   stage a smaller random batch (``DecodeStaging.stage``: refill + ONE H2D copy, outside the
+   graph) and replay. Every replay's rows ``[0, total_q)`` equal a fresh eager
+   ``prepare_decode`` + ``compute_attn_info`` + consumer; tail rows are inert.
+2. Copy path: capture ``compute_attn_info`` + consumer on static device metadata, then feed each
+   step's freshly built CPU metadata (padded to the captured shape with placeholder sequences)
+   through ``recursive_copy_`` and replay.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from cpmeta.config import MetadataConfig
+from cpmeta.constants import PAD_SLOT_ID
+from cpmeta.decode import prepare_decode
+from cpmeta.decode_inplace import DecodeStaging, launch_decode_inplace, prepare_decode_inplace, staging_capacity
+from cpmeta.metadata import InputMetadata, metadata_diff
+from cpmeta.sequence import SequenceMetadata, blocks_needed
+from strategies import random_decode_batch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU"),
+]
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+N_CAP = 24  # sequences the graph is captured for
+Q_CAP = 3 * N_CAP  # rows (up to 2 drafts per sequence)
+STEPS = 12
+KV_SLOTS = 1 << 16  # size of the fake KV cache the consumer gathers from
+
+CFG = MetadataConfig(
+    block_size=16, window_size=24, swa_block_size=27, dense_compress_ratios=(4, 16),
+    sparse_compress_ratios=(4,), max_model_len=512, max_ngram_size=2, image_token_id=5,
+)
+
+
+def _consumer(md: InputMetadata, kv: torch.Tensor) -> torch.Tensor:
+    """[rows] int64: sum over each row of ``kv[index]`` through kv_ca_index["4"] and kv_swa_index."""
+    idx = md.kv_ca_index["4"]
+    ca = torch.where(idx >= 0, kv[idx.clamp(min=0).long()], 0).sum(dim=1)
+    sw = md.kv_swa_index
+    return ca + torch.where(sw >= 0, kv[sw.clamp(min=0).long()], 0).sum(dim=1)
+
+
+def _capture(fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Warm ``fn`` up on a side stream, then capture it; returns the graph and fn's result."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        res = fn()
+    return g, res
+
+
+def _prefix(md: InputMetadata, n: int, tq: int) -> InputMetadata:
+    """``md`` cut to the first ``tq`` rows / ``n + 1`` cu entries (batch scalars from the cut)."""
+    changes: dict[str, Any] = {}
+    for name in InputMetadata.field_names():
+        v = getattr(md, name)
+        if isinstance(v, torch.Tensor):
+            changes[name] = v[: n + 1] if name.startswith("cu_seqlens") else v[:tq]
+        elif isinstance(v, dict):
+            changes[name] = {k: x[:tq] for k, x in v.items()}
+    cu_q, cu_k = md.cu_seqlens_q[: n + 1], md.cu_seqlens_k[: n + 1]
+    changes.update(num_seqs=n, total_q=tq, max_seqlen_q=int((cu_q[1:] - cu_q[:-1]).max()),
+                   max_seqlen_k=int((cu_k[1:] - cu_k[:-1]).max()))
+    return md.replace(**changes)
+
+
+def _fresh(seqs: list[SequenceMetadata], kv: torch.Tensor) -> tuple[InputMetadata, torch.Tensor]:
+    ref = prepare_decode(seqs, CFG).to("cuda").compute_attn_info(CFG)
+    return ref, _consumer(ref, kv)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_inplace_graph_replays_smaller_batches() -> None:
+    rng = random.Random(0)
+    kv = torch.randint(0, 1000, (KV_SLOTS,), device="cuda", dtype=torch.int64)
+    st = DecodeStaging("cuda", staging_capacity(CFG, N_CAP, Q_CAP), fixed=True)
+    out: dict[str, torch.Tensor] = {}
+    big = _pad_to_capture(random_decode_batch(rng, CFG, n_seqs=N_CAP // 2, max_drafts=2))
+    prepare_decode_inplace(big, CFG, out=out, device="cuda", staging=st)  # buffers: N_CAP / Q_CAP
+    q_cap = out["positions"].shape[0]
+    assert q_cap == Q_CAP and out["cu_seqlens_q"].shape[0] == N_CAP + 1
+    ptrs = {k: v.data_ptr() for k, v in out.items()}
+
+    def step() -> tuple[InputMetadata, torch.Tensor]:
+        md = launch_decode_inplace(st, CFG, out=out)
+        md.compute_attn_info(CFG)
+        return md, _consumer(md, kv)
+
+    graph, (md, y) = _capture(step)
+    captured = {name: getattr(md, name) for name in md.get_clean_list()}
+    assert all(v is not None for k, v in captured.items() if k != "kv_swa_full_index")
+    for i in range(STEPS):
+        seqs = random_decode_batch(rng, CFG, n_seqs=rng.randint(1, N_CAP), max_drafts=2)
+        for name in md.get_clean_list():  # the engine's protocol: derived fields are re-made by the graph
+            setattr(md, name, None)
+        staged = st.stage(seqs, CFG)
+        graph.replay()
+        for name, v in captured.items():
+            setattr(md, name, v)
+        torch.cuda.synchronize()
+        ref, y_ref = _fresh(seqs, kv)
+        n, tq = staged.num_seqs, staged.total_q
+        diff = metadata_diff(_prefix(md, n, tq), ref, cfg=CFG)
+        assert not diff, (i, diff)
+        assert torch.equal(y[:tq], y_ref), i
+        assert (md.slot_mapping_store_swa[tq:] == PAD_SLOT_ID).all()
+        assert (md.kv_ca_index["4"][tq:] == PAD_SLOT_ID).all() and (md.kv_swa_index[tq:] == PAD_SLOT_ID).all()
+        assert (y[tq:] == 0).all()
+    assert {k: v.data_ptr() for k, v in out.items()} == ptrs
+    assert out["positions"].shape[0] == q_cap
+
+
+def _pad_to_capture(seqs: list[SequenceMetadata]) -> list[SequenceMetadata]:
+    """Append placeholder sequences so the batch has exactly N_CAP sequences and Q_CAP rows."""
+    n, tq = len(seqs), sum(s.seqlen_q for s in seqs)
+    assert n < N_CAP and tq + (N_CAP - n) <= Q_CAP
+    pads = [SequenceMetadata(1, 1, [0] * blocks_needed(1, CFG), 0, [0], is_placeholder=True)
+            for _ in range(N_CAP - n - 1)]
+    rest = Q_CAP - tq - len(pads)
+    pads.append(SequenceMetadata(rest, rest, [0] * blocks_needed(rest, CFG), 0, [0], is_placeholder=True,
+                                 draft_tokens=[0] * (rest - 1)))
+    return list(seqs) + pads
+
+
+def test_recursive_copy_feeds_captured_graph() -> None:
+    rng = random.Random(1)
+    kv = torch.randint(0, 1000, (KV_SLOTS,), device="cuda", dtype=torch.int64)
+    first = _pad_to_capture(random_decode_batch(rng, CFG, n_seqs=N_CAP // 2, max_drafts=2))
+    static = prepare_decode(first, CFG).to("cuda")
+
+    def step() -> torch.Tensor:
+        static.clean_derived_()
+        static.compute_attn_info(CFG)
+        return _consumer(static, kv)
+
+    graph, y = _capture(step)
+    ptr = static.positions.data_ptr()
+    for i in range(STEPS):
+        seqs = _pad_to_capture(random_decode_batch(rng, CFG, n_seqs=rng.randint(1, N_CAP // 2), max_drafts=2))
+        fresh = prepare_decode(seqs, CFG).compute_attn_info(CFG)  # a CPU build that expanded too
+        for name in fresh.get_clean_list():  # derived fields are the graph's job: never copy them
+            setattr(fresh, name, None)
+        static.recursive_copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref, y_ref = _fresh(seqs, kv)
+        assert torch.equal(y, y_ref), i
+        for k, v in ref.kv_ca_index.items():
+            assert torch.equal(static.kv_ca_index[k], v), (i, k)
+        assert torch.equal(static.kv_swa_index, ref.kv_swa_index), i
+        assert static.positions.data_ptr() == ptr
