@@ -174,7 +174,8 @@ class MetadataBroadcaster:
             raise ValueError("tensor_path='collective' with CUDA tensors needs an NCCL group")
         self._packed_max = envs.packed_max_bytes()
         self._backend = backend
-        self._objects = ObjectChannel(self.group, src, timeout=timeout, force_remote=force_remote)
+        self._objects = ObjectChannel(self.group, src, timeout=timeout, force_remote=force_remote,
+                                      schema=SCHEMA_FINGERPRINT.encode())
         self._tensors: Any = None  # TensorChannel, created on first collective use
         self._closed = False
 
@@ -247,7 +248,12 @@ class MetadataBroadcaster:
         return _assemble(values, paths, out)
 
     def _receive(self) -> InputMetadata:
-        msg, payload = self._objects.broadcast_packed(None, None)
+        from transport import CodecError
+
+        try:
+            msg, payload = self._objects.broadcast_packed(None, None)
+        except CodecError as e:
+            raise RuntimeError(f"rank {self.rank}: metadata message from src={self.src} rejected: {e}") from e
         _check_message(msg, self.rank)
         specs = msg["tensors"]
         paths = [s[0] for s in specs]

@@ -105,17 +105,25 @@ def _verify_unmirror(full: InputMetadata, mine: InputMetadata, world: int, devic
     return out
 
 
-def _verify_slot_mapping(md: InputMetadata, args: Any, rank: int, world: int, cfg: Any,
-                         device: torch.device) -> list[str]:
-    """Each rank's interleaved slot mapping: every real token owned by exactly one rank."""
-    from cpmeta.slot_mapping import slot_mapping_from_metadata
+def _verify_slot_mapping(md: InputMetadata, seqs: list, args: Any, rank: int, world: int,
+                         cfg: Any, device: torch.device) -> list[str]:
+    """Each rank derives its CP-interleaved KV slots from the received metadata.
 
-    sm = slot_mapping_from_metadata(md, cfg, cp_world_size=world, cp_rank=rank,
-                                    cp_interleave=args.kv_interleave)
+    Decode uses the received ``block_tables``; prompt metadata carries no block table, so the
+    scheduler's tables (known to every rank) are stacked. Summed over ranks, every real token
+    must be owned exactly once and a placeholder's never.
+    """
+    from cpmeta.slot_mapping import compute_slot_mapping_from_metadata, stack_block_tables
+
+    table = None if md.block_tables is not None else stack_block_tables(
+        [s.block_table for s in seqs], device=md.positions.device)
+    sm = compute_slot_mapping_from_metadata(md, cfg.block_size, block_table=table,
+                                            cp_world_size=world, cp_rank=rank,
+                                            cp_interleave=args.kv_interleave)
     owned = (sm != cpmeta.PAD_SLOT_ID).to(torch.int32).to(device)
     dist.all_reduce(owned)
-    real = md.slot_mapping_store_swa is not None  # any field present: rows exist
-    bad = int((owned != 1).sum()) if real else 0
+    want = md.valid_token_mask.to(device=device, dtype=torch.int32)
+    bad = int((owned != want).sum())
     return [f"{bad} tokens are not owned by exactly one rank"] if bad else []
 
 
@@ -152,15 +160,21 @@ def run_steps(args: Any, rank: int, world: int, device: torch.device) -> dict[st
                 if args.attn_info:
                     local.compute_attn_info(cfg)
                 _check(rank, step, "broadcast metadata", metadata_diff(local.to(device), got, cfg=cfg))
+                if got.yoco_consumer_positions is not None:  # YoCo compact: the consumer view too
+                    _check(rank, step, "YoCo consumer view",
+                           metadata_diff(local.get_consumer_view().to(device), got.get_consumer_view(), cfg=cfg))
                 if mine is not None:
                     ref = cpmeta.prepare_for_mirror_cp(local, rank, world)
+                    if mine.yoco_consumer_positions is not None:
+                        _check(rank, step, "mirrored YoCo consumer view", metadata_diff(
+                            ref.get_consumer_view().to(device), mine.get_consumer_view(), cfg=cfg))
                     if args.attn_info:
                         ref.compute_attn_info(cfg)
                     _check(rank, step, "mirrored metadata", metadata_diff(ref.to(device), mine, cfg=cfg))
                     _check(rank, step, "un-mirror", _verify_unmirror(got, mine, world, device))
                 if args.kv_interleave:
                     _check(rank, step, "kv interleave",
-                           _verify_slot_mapping(got, args, rank, world, cfg, device))
+                           _verify_slot_mapping(got, seqs, args, rank, world, cfg, device))
     return {"build": t_build, "broadcast": t_bcast, "mirror": t_mirror, "bytes": nbytes}
 
 

@@ -1,0 +1,444 @@
+#!/usr/bin/env python
+"""End-to-end metadata broadcast: cpmeta against what engines use today, in one run.
+
+For each world size, payload and method, every step is timed as
+
+    latency = max over ranks (time the rank holds the whole metadata) - (time the driver called)
+
+Ranks agree on time through CLOCK_MONOTONIC, which is one clock for every process of a host
+(``time.monotonic()``); a barrier before each step makes every follower wait in its receive
+call before the driver starts, so the number is the driver-call-to-last-rank latency a step
+pays. Per-step samples are gathered as a float tensor (no pickle) after the run.
+
+Methods (same group, same payloads):
+  cpmeta      cpmeta.MetadataBroadcaster (shm ring; CPU tensors inside the ring message, or one
+              NCCL broadcast for CUDA)
+  bol         torch.distributed.broadcast_object_list([md]) -- the whole object pickled
+  tdict       vLLM's broadcast_tensor_dict scheme, re-implemented from its description: metadata
+              list with tensor descriptors via broadcast_object_list, then one async broadcast per
+              tensor (CPU tensors on the gloo group, CUDA tensors on the NCCL group)
+  mq          vLLM's shared-memory MessageQueue carrying the whole metadata pickled (only when
+              the ``vllm`` package is importable; never required)
+  floor       one broadcast of a preallocated buffer of the same total bytes + one 4 KiB message
+
+    python scripts/bench_broadcast.py                  # worlds 2 3 4, all payloads, CPU/gloo
+    python scripts/bench_broadcast.py --quick          # smoke run (CI)
+    python scripts/bench_broadcast.py --backend nccl --worlds 1   # on a GPU machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+FLOOR_MSG_BYTES = 4096
+METHODS = ("cpmeta", "bol", "tdict", "mq", "floor")
+
+
+# ---- payloads ---------------------------------------------------------------------------------
+
+
+def _prompt_seqs(total_q: int, n_seqs: int, cfg: Any) -> list:
+    from cpmeta import SequenceMetadata
+    from cpmeta.sequence import blocks_needed
+
+    per = total_q // n_seqs
+    seqs = []
+    for i in range(n_seqs):
+        q_start = (i % 3) * 256  # a mix of first chunks and continued chunks
+        k = q_start + per
+        seqs.append(SequenceMetadata(
+            seqlen_q=per, seqlen_k=k, block_table=list(range(i * 64, i * 64 + blocks_needed(k, cfg))),
+            state_id=i, token_ids=[(7 * t + i) % 30000 + 1 for t in range(k)],
+            swa_valid_start=0))
+    return seqs
+
+
+def make_payload(name: str, attn_info: bool) -> tuple[Any, Any]:
+    """``(cfg, InputMetadata)`` for a named payload (deterministic, identical on every rank)."""
+    import cpmeta
+    from launch.scheduler import SyntheticScheduler, default_config
+
+    cfg = default_config()
+    kind, n = name.split("-")
+    if kind == "decode":
+        sched = SyntheticScheduler(0, cfg, "decode", decode_seqs=int(n), placeholder_rate=0.0)
+        _, seqs = sched.next_batch()
+        md = cpmeta.prepare_decode(seqs, cfg)
+    else:
+        total_q = int(n.rstrip("k")) * 1024
+        md = cpmeta.prepare_prompt(_prompt_seqs(total_q, 8, cfg), cfg)
+    if attn_info:
+        md.compute_attn_info(cfg)
+    return cfg, md
+
+
+def payload_bytes(md: Any) -> int:
+    seen = {id(t): t.numel() * t.element_size() for _, t in md.tensors()}
+    return sum(seen.values())
+
+
+# ---- methods -----------------------------------------------------------------------------------
+
+
+class Method:
+    """One way to move metadata; ``step(md_or_None)`` runs on every rank, returns the metadata."""
+
+    def __init__(self, rank: int, device: torch.device, group: Any) -> None:
+        self.rank, self.device, self.group = rank, device, group
+
+    def prepare(self, md: Any) -> Any:  # driver-side object handed to step() (not timed)
+        return md
+
+    def step(self, md: Any) -> Any:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class CpmetaMethod(Method):
+    def __init__(self, rank: int, device: torch.device, group: Any) -> None:
+        super().__init__(rank, device, group)
+        import cpmeta
+
+        self.bc = cpmeta.MetadataBroadcaster(src=0, device=device, timeout=120)
+
+    def step(self, md: Any) -> Any:
+        return self.bc.broadcast(md if self.rank == 0 else None)
+
+    def close(self) -> None:
+        self.bc.close()
+
+
+class BolMethod(Method):
+    def step(self, md: Any) -> Any:
+        import torch.distributed as dist
+
+        box = [md if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
+        return box[0]
+
+
+class TensorDictMethod(Method):
+    """Metadata list via broadcast_object_list, then one async broadcast per tensor."""
+
+    def __init__(self, rank: int, device: torch.device, group: Any) -> None:
+        super().__init__(rank, device, group)
+        import torch.distributed as dist
+
+        self.cpu_group = dist.new_group(backend="gloo") if device.type == "cuda" else None
+
+    def step(self, md: Any) -> Any:
+        import torch.distributed as dist
+
+        from cpmeta.metadata import InputMetadata
+
+        if self.rank == 0:
+            flat = md.to_flatten_dict()
+            meta = [(k, ("T", str(v.dtype), tuple(v.shape), v.device.type)) if isinstance(v, torch.Tensor)
+                    else (k, v) for k, v in flat.items()]
+            tensors = [v for v in flat.values() if isinstance(v, torch.Tensor)]
+        else:
+            meta = None
+        box = [meta]
+        dist.broadcast_object_list(box, src=0, device=self.device if self.device.type == "cuda" else None)
+        meta = box[0]
+        out: dict[str, Any] = {}
+        handles = []
+        idx = 0
+        for k, v in meta:
+            if isinstance(v, tuple) and len(v) == 4 and v[0] == "T":
+                if self.rank == 0:
+                    t = tensors[idx]
+                    idx += 1
+                else:
+                    dt = getattr(torch, v[1].removeprefix("torch."))
+                    t = torch.empty(v[2], dtype=dt, device=v[3] if self.device.type == "cuda" else "cpu")
+                if t.numel():
+                    g = self.cpu_group if t.device.type == "cpu" and self.cpu_group is not None else None
+                    handles.append(dist.broadcast(t, src=0, group=g, async_op=True))
+                out[k] = t
+            else:
+                out[k] = v
+        for h in handles:
+            h.wait()
+        return InputMetadata.from_flatten_dict(out)
+
+
+class FloorMethod(Method):
+    """One broadcast of a preallocated buffer of the payload's bytes + one 4 KiB message."""
+
+    def prepare(self, md: Any) -> Any:
+        n = payload_bytes(md)
+        self.buf = torch.zeros(max(1, n), dtype=torch.uint8, device=self.device)
+        self.msg = torch.zeros(FLOOR_MSG_BYTES, dtype=torch.uint8, device=self.device)
+        return md
+
+    def step(self, md: Any) -> Any:
+        import torch.distributed as dist
+
+        dist.broadcast(self.msg, src=0)
+        dist.broadcast(self.buf, src=0)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        return md
+
+
+class MessageQueueMethod(Method):
+    """vLLM's shm MessageQueue carrying the whole metadata object (pickled), if vllm imports."""
+
+    def __init__(self, rank: int, device: torch.device, group: Any) -> None:
+        super().__init__(rank, device, group)
+        import torch.distributed as dist
+        from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
+
+        cpu_group = dist.new_group(backend="gloo")
+        self.mq = MessageQueue.create_from_process_group(cpu_group, 1 << 24, 6)
+
+    def step(self, md: Any) -> Any:
+        if self.rank == 0:
+            self.mq.enqueue(md)
+            return md
+        return self.mq.dequeue()
+
+
+def make_method(name: str, rank: int, device: torch.device) -> Optional[Method]:
+    import torch.distributed as dist
+
+    cls = {"cpmeta": CpmetaMethod, "bol": BolMethod, "tdict": TensorDictMethod,
+           "floor": FloorMethod, "mq": MessageQueueMethod}[name]
+    if name == "mq":
+        ok = torch.tensor([1])
+        try:
+            import vllm  # noqa: F401
+        except Exception:
+            ok[0] = 0
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)  # CPU tensor: the gloo side of the group
+        if not int(ok):
+            return None
+    return cls(rank, device, None)
+
+
+# ---- the per-rank run --------------------------------------------------------------------------
+
+
+def _sync_device(md: Any, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream().synchronize()
+
+
+def time_cell(method: Method, md: Any, steps: int, warmup: int, budget_s: float) -> list[float]:
+    """Per-step latencies (seconds), identical list on every rank (gathered max - driver start)."""
+    import torch.distributed as dist
+
+    starts, ends = [], []
+    t_begin = time.monotonic()
+    n_done = 0
+    for i in range(warmup + steps):
+        dist.barrier()
+        t0 = time.monotonic()
+        got = method.step(md if method.rank == 0 else None)
+        _sync_device(got, method.device)
+        t1 = time.monotonic()
+        if i >= warmup:
+            starts.append(t0)
+            ends.append(t1)
+            n_done += 1
+        # every rank must agree on stopping early: decide on the driver's clock, then share it
+        stop = torch.tensor([1 if (time.monotonic() - t_begin > budget_s and n_done >= 5) else 0])
+        dist.broadcast(stop, src=0)
+        if int(stop):
+            break
+    t = torch.tensor([starts, ends], dtype=torch.float64)
+    gathered = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, t)
+    start0 = gathered[0][0]
+    last = torch.stack([g[1] for g in gathered]).max(0).values
+    return (last - start0).tolist()
+
+
+def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if args.backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        device = torch.device("cpu")
+    # gloo carries the control collectives of the timing loop in both cases
+    dist.init_process_group("gloo" if args.backend == "gloo" else "cuda:nccl,cpu:gloo")
+    results = []
+    for payload in args.payloads:
+        for attn in args.attn_info:
+            cfg, md = make_payload(payload, attn)
+            if device.type == "cuda" and args.md_on_device:
+                md = md.to(device)
+            nbytes = payload_bytes(md)
+            big = nbytes > (8 << 20)
+            for mname in args.methods:
+                method = make_method(mname, rank, device)
+                if method is None:
+                    continue
+                drv = method.prepare(md)
+                steps = max(5, args.steps // (8 if big else 1))
+                lat = time_cell(method, drv, steps, 1 if big else args.warmup, args.budget)
+                method.close()
+                if rank == 0:
+                    s = sorted(lat)
+                    results.append({
+                        "world": world, "payload": payload, "attn_info": attn, "method": mname,
+                        "bytes": nbytes, "n": len(s), "p50_us": s[len(s) // 2] * 1e6,
+                        "p90_us": s[min(len(s) - 1, int(0.9 * len(s)))] * 1e6,
+                        "mean_us": sum(s) / len(s) * 1e6,
+                    })
+                    r = results[-1]
+                    print(f"  world={world} {payload:>10} attn={int(attn)} {mname:>7}: "
+                          f"p50 {r['p50_us']:10.1f} us  p90 {r['p90_us']:10.1f} us  ({nbytes} B)", flush=True)
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_world_procs(world: int, args: argparse.Namespace) -> list[dict]:
+    import multiprocessing as mp
+    import tempfile
+
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "r.json")
+        procs = [ctx.Process(target=rank_main, args=(r, world, _free_port_cached(), args, out))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(args.timeout)
+        bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        if bad:
+            raise SystemExit(f"world {world}: ranks {bad} failed")
+        return json.loads(Path(out).read_text())
+
+
+_PORT: dict[str, int] = {}
+
+
+def _free_port_cached() -> int:
+    if "p" not in _PORT:
+        _PORT["p"] = _free_port()
+    return _PORT["p"]
+
+
+def print_table(results: list[dict]) -> None:
+    cells: dict[tuple, dict[str, dict]] = {}
+    for r in results:
+        cells.setdefault((r["world"], r["payload"], r["attn_info"], r["bytes"]), {})[r["method"]] = r
+    hdr = f"{'world':>5} {'payload':>11} {'attn':>4} {'bytes':>11} {'cpmeta p50':>11}" + "".join(
+        f" {'/' + m:>9}" for m in METHODS if m != "cpmeta")
+    print(hdr)
+    for (w, p, a, b), ms in sorted(cells.items()):
+        ours = ms.get("cpmeta")
+        line = f"{w:>5} {p:>11} {int(a):>4} {b:>11} {ours['p50_us'] if ours else float('nan'):>9.0f}us"
+        for m in METHODS:
+            if m == "cpmeta":
+                continue
+            other = ms.get(m)
+            line += f" {ours['p50_us'] / other['p50_us']:>9.3f}" if ours and other else f" {'-':>9}"
+        print(line)
+    print("(ratios = cpmeta p50 / method p50; below 1 means cpmeta is faster)")
+
+
+def plot(results: list[dict], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return False
+    worlds = sorted({r["world"] for r in results})
+    fig, axes = plt.subplots(1, len(worlds), figsize=(5 * len(worlds), 4), squeeze=False)
+    for ax, w in zip(axes[0], worlds):
+        for m in METHODS:
+            pts = sorted((r["bytes"], r["p50_us"]) for r in results if r["world"] == w and r["method"] == m)
+            if pts:
+                ax.loglog([p[0] for p in pts], [p[1] for p in pts], "o-", label=m)
+        ax.set_title(f"world size {w}")
+        ax.set_xlabel("payload bytes")
+        ax.set_ylabel("p50 latency (us)")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--worlds", type=int, nargs="+", default=[2, 3, 4])
+    p.add_argument("--payloads", nargs="+", default=["decode-64", "decode-256", "prompt-8k", "prompt-32k"])
+    p.add_argument("--attn-info", type=int, nargs="+", default=[0, 1], help="0: before, 1: after compute_attn_info")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--budget", type=float, default=1.5, help="seconds per cell before stopping early")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    p.add_argument("--md-on-device", action="store_true", help="NCCL: metadata already on the GPU")
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--quick", action="store_true", help="smoke run: world 2, decode-64 only, few steps")
+    p.add_argument("--out", default=str(ROOT / "docs/benchmarks/broadcast.json"))
+    p.add_argument("--plot", default=None, help="PNG path (default: beside --out)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.worlds, args.payloads, args.attn_info = [2], ["decode-64"], [0]
+        args.steps, args.warmup, args.budget = 8, 2, 0.5
+    args.attn_info = [bool(a) for a in args.attn_info]
+    results = []
+    for w in args.worlds:
+        _PORT.clear()
+        print(f"world size {w} ({args.backend})", flush=True)
+        results += run_world_procs(w, args)
+    meta = {
+        "date": datetime.date.today().isoformat(), "host": socket.gethostname(),
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus", "torch": torch.__version__,
+        "command": "python scripts/bench_broadcast.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "backend": args.backend, "timed": "max over ranks of completion - driver start (CLOCK_MONOTONIC)",
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    print_table(results)
+    png = Path(args.plot) if args.plot else out.with_suffix(".png")
+    if not args.quick and plot(results, png):
+        print(f"plot: {png}")
+    print(f"json: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
