@@ -152,6 +152,11 @@ class BatchArrays:
     seqs: Sequence[SequenceMetadata]  # the input (for Engram token windows)
     is_prompt: bool
 
+    def per_row(self, x: np.ndarray) -> np.ndarray:
+        """``x[row_seq]`` for a per-sequence array; ``x`` itself (not a copy: do not modify it)
+        when every sequence has exactly one row, the common decode case."""
+        return x if self.total_q == self.n_seq else x[self.row_seq]
+
 
 def _fast_checks_ok(
     cfg: MetadataConfig, is_prompt: bool, ints: np.ndarray, n_tok: np.ndarray,
@@ -285,7 +290,8 @@ def fill_common(
     ``seqlen_q - j <= 4`` are j = 2..5 (positions 5..8) -> SWA slots ``[-1, -1, 9, 10, 11, 8]``.
     """
     T, n = b.total_q, b.n_seq
-    ph_row = b.is_placeholder[b.row_seq]
+    ph_row = b.per_row(b.is_placeholder)
+    any_ph = bool(b.is_placeholder.any())
     f: dict[str, Any] = {
         "is_prompt": b.is_prompt, "num_seqs": n, "total_q": T,
         "max_seqlen_q": int(b.seqlen_q.max()), "max_seqlen_k": int(b.seqlen_k.max()),
@@ -303,11 +309,17 @@ def fill_common(
     f["valid_token_mask"], a = alloc(out, "valid_token_mask", (T,), torch.bool)
     np.logical_not(ph_row, out=a)
     f["query_indices"], a = alloc(out, "query_indices", (T,), torch.int32)
-    a[:] = np.where(ph_row, PLACEHOLDER_QUERY_INDEX, b.row_seq)
+    a[:] = b.row_seq
+    if any_ph:
+        a[ph_row] = PLACEHOLDER_QUERY_INDEX
     S = cfg.swa_block_size
-    keep = ~ph_row & ((b.seqlen_q[b.row_seq] - b.row_j) <= S)
     f["slot_mapping_store_swa"], a = alloc(out, "slot_mapping_store_swa", (T,), torch.int32)
-    a[:] = np.where(keep, b.state_id[b.row_seq] * S + b.row_pos % S, PAD_SLOT_ID)
+    a[:] = b.per_row(b.state_id) * S + b.row_pos % S
+    if T != n:  # only the last S rows of a chunk stay in the ring
+        drop = (b.seqlen_q[b.row_seq] - b.row_j) > S
+        a[drop | ph_row if any_ph else drop] = PAD_SLOT_ID
+    elif any_ph:
+        a[ph_row] = PAD_SLOT_ID
     f["ngram_token_ids"] = None
     if cfg.max_ngram_size > 0:
         from ._ngram import fill_ngram_token_ids
@@ -339,14 +351,15 @@ def check_common_int32(b: BatchArrays, cfg: MetadataConfig) -> None:
 
 
 def compressed_slots(
-    b: BatchArrays, seq: np.ndarray, c: np.ndarray, write: np.ndarray, n: int, cfg: MetadataConfig
+    b: BatchArrays, seq: Optional[np.ndarray], c: np.ndarray, write: np.ndarray, n: int, cfg: MetadataConfig
 ) -> np.ndarray:
     """Compressed-KV slot of compressed index ``c`` of sequence ``seq``, or -1 where not ``write``.
 
+    ``seq=None`` means ``c`` has one entry per sequence, in order.
     ``slot = block_table[c // b_c] * b_c + c % b_c`` with ``b_c = block_size // n``. Rows that do
     not write read the trailing 0 of ``bt_flat`` instead of a possibly out-of-table block.
     Example: block_size 128, n = 4 (b_c = 32), table ``[7, 3]``, c = 40 -> ``3 * 32 + 8 = 104``.
     """
     bc = cfg.block_size // n
-    idx = np.where(write, b.bt_start[seq] + c // bc, len(b.bt_flat) - 1)
+    idx = np.where(write, (b.bt_start if seq is None else b.bt_start[seq]) + c // bc, len(b.bt_flat) - 1)
     return np.where(write, b.bt_flat[idx] * bc + c % bc, PAD_SLOT_ID)

@@ -57,18 +57,13 @@ def _fill_block_tables(b: BatchArrays, cfg: MetadataConfig, out: Out) -> torch.T
     tables ``[[7, 8], [4]]``, seqlen_q ``[1, 2]``, 3 columns -> rows ``[7, 8, -1]``,
     ``[4, -1, -1]``, ``[4, -1, -1]``.
     """
-    T, mnb = b.total_q, cfg.max_num_blocks
+    T, n, mnb = b.total_q, b.n_seq, cfg.max_num_blocks
     t, a = alloc(out, "block_tables", (T, mnb), torch.int32)
-    a.fill(-1)
-    if T == b.n_seq:
-        need, vals = b.bt_need, b.bt_flat[:-1]
-    else:
-        need = b.bt_need[b.row_seq]
-        cu = np.zeros(T + 1, np.int64)
-        np.cumsum(need, out=cu[1:])
-        e_row = np.repeat(np.arange(T), need)
-        vals = b.bt_flat[b.bt_start[b.row_seq][e_row] + np.arange(int(cu[-1])) - cu[e_row]]
-    a[np.arange(mnb)[None, :] < need[:, None]] = vals
+    per_seq = a if T == n else np.empty((n, mnb), np.int32)
+    per_seq.fill(-1)
+    per_seq[np.arange(mnb)[None, :] < b.bt_need[:, None]] = b.bt_flat[:-1]
+    if T != n:
+        np.take(per_seq, b.row_seq, axis=0, out=a)
     return t
 
 
@@ -79,10 +74,11 @@ def _fill_ratio_fields(b: BatchArrays, cfg: MetadataConfig, out: Out, f: dict[st
     the group of n tokens); otherwise ``positions_c = 0`` and slot -1. Offsets of row i:
     ``i * max_num_blocks * (block_size // n)`` (its row of ``block_tables``, flattened).
     """
-    T, rs = b.total_q, b.row_seq
+    T = b.total_q
+    seq = None if T == b.n_seq else b.row_seq
     pos = b.row_pos
     pos1 = pos + 1
-    writes = ~b.is_placeholder[rs]
+    writes = ~b.per_row(b.is_placeholder)
     f["klen"] = {}
     for r in cfg.sparse_compress_ratios:
         f["klen"][str(r)], a = alloc(out, f"klen.{r}", (T,), torch.int32)
@@ -93,15 +89,16 @@ def _fill_ratio_fields(b: BatchArrays, cfg: MetadataConfig, out: Out, f: dict[st
         closes = pos1 % n == 0
         c = pos // n
         f["positions_c"][k], a = alloc(out, f"positions_c.{k}", (T,), torch.int32)
-        a[:] = np.where(closes, c * n, 0)
+        np.multiply(c, n, out=a, casting="unsafe")
+        a[~closes] = 0
         f["slot_mapping_store_ca"][k], a = alloc(out, f"slot_mapping_store_ca.{k}", (T,), torch.int32)
-        a[:] = compressed_slots(b, rs, c, closes & writes, n, cfg)
+        a[:] = compressed_slots(b, seq, c, closes & writes, n, cfg)
     f["kv_ca_index_offset_len"] = {}
-    row_off = np.arange(T, dtype=np.int64) * cfg.max_num_blocks
+    row_off = np.arange(0, T * cfg.max_num_blocks, cfg.max_num_blocks, dtype=np.int64)
     for n in cfg.dense_compress_ratios:
         k = str(n)
         f["kv_ca_index_offset_len"][k], a = alloc(out, f"kv_ca_index_offset_len.{k}", (T, 2), torch.int32)
-        a[:, 0] = row_off * (cfg.block_size // n)
+        np.multiply(row_off, cfg.block_size // n, out=a[:, 0], casting="unsafe")
         np.floor_divide(pos1, n, out=a[:, 1], casting="unsafe")
 
 
@@ -129,9 +126,9 @@ def prepare_decode(
     b = extract_batch(seqs, cfg, is_prompt=False)
     _check_decode_int32(b, cfg)
     f = fill_common(b, cfg, out)
-    T, rs = b.total_q, b.row_seq
+    T = b.total_q
     W, S = cfg.window_size, cfg.swa_block_size
-    state = b.state_id[rs]
+    state = b.per_row(b.state_id)
     f["state_block_idx"], a = alloc(out, "state_block_idx", (T,), torch.int32)
     a[:] = state
     pos1 = b.row_pos + 1
