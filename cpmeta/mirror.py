@@ -224,23 +224,25 @@ def prepare_cp_mirror(
     cu_q = _host_cu("cu_seqlens_q", cu_seqlens_q)
     cu_k = _host_cu("cu_seqlens_k", cu_seqlens_k)
     _validate_mirror_args(cu_q, cu_k, ratios, total_q, cp_mirror_len, cp_size)
-    rank_plan = _rank_plan(cu_q, cu_k, cp_size, cp_rank, ratios)
-    rev_plan = _reverse_plan(cu_q, cp_size, cp_mirror_len)
-    dev = cu_seqlens_q.device
-    if dev.type == "cpu":  # numpy: np.repeat is single-threaded (torch's CPU kernel forks per call)
-        rank_x, rev_x = rank_plan.astype(np.int32), rev_plan.astype(np.int32)
-        out = _expand(_NumpyOps(), rank_x, rev_x, ratios, cp_mirror_len, total_q)
-        return tuple(_to_torch(x) for x in out[:2]) + tuple(  # type: ignore[return-value]
-            {k: _to_torch(v) for k, v in d.items()} for d in out[2:])
-    plan = torch.from_numpy(np.concatenate([rank_plan.ravel(), rev_plan.ravel()]).astype(np.int32))
-    plan = plan.to(dev, non_blocking=True)  # the one host-to-device copy
+    return _mirror_from_host(cu_q, cu_k, cu_seqlens_q.device, cp_size, cp_rank, ratios, total_q, cp_mirror_len)
+
+
+def _mirror_from_host(
+    cu_q: np.ndarray, cu_k: np.ndarray, device: torch.device, cp_size: int, cp_rank: int,
+    ratios: Sequence[int], total_q: int, length: int,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """:func:`prepare_cp_mirror` on validated host copies; results on ``device``."""
+    rank_plan = _rank_plan(cu_q, cu_k, cp_size, cp_rank, ratios).astype(np.int32)
+    rev_plan = _reverse_plan(cu_q, cp_size, length).astype(np.int32)
+    if device.type == "cpu":  # numpy: np.repeat is single-threaded (torch's CPU kernel forks per call)
+        index, reverse, ks, ke = _expand(_NumpyOps(), rank_plan, rev_plan, ratios, length, total_q)
+        return (torch.from_numpy(index), torch.from_numpy(reverse),
+                {k: torch.from_numpy(v) for k, v in ks.items()}, {k: torch.from_numpy(v) for k, v in ke.items()})
+    plan = torch.from_numpy(np.concatenate([rank_plan.ravel(), rev_plan.ravel()]))
+    plan = plan.to(device, non_blocking=True)  # the one host-to-device copy
     rank_t = plan[: rank_plan.size].view(rank_plan.shape)
     rev_t = plan[rank_plan.size:].view(rev_plan.shape)
-    return _expand(_TorchOps(dev), rank_t, rev_t, ratios, cp_mirror_len, total_q)  # type: ignore[return-value]
-
-
-def _to_torch(x: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(x)
+    return _expand(_TorchOps(device), rank_t, rev_t, ratios, length, total_q)  # type: ignore[return-value]
 
 
 class _NumpyOps:
@@ -252,7 +254,7 @@ class _NumpyOps:
 
     @staticmethod
     def repeat(values: np.ndarray, repeats: np.ndarray, n: int) -> np.ndarray:
-        return np.repeat(values, repeats)
+        return np.repeat(values, repeats, axis=-1)
 
     @staticmethod
     def fill(x: np.ndarray, mask: np.ndarray, value: int) -> np.ndarray:
@@ -271,7 +273,7 @@ class _TorchOps:
 
     @staticmethod
     def repeat(values: torch.Tensor, repeats: torch.Tensor, n: int) -> torch.Tensor:
-        return torch.repeat_interleave(values, repeats, output_size=n)
+        return torch.repeat_interleave(values, repeats, dim=-1, output_size=n)
 
     @staticmethod
     def fill(x: torch.Tensor, mask: torch.Tensor, value: int) -> torch.Tensor:
@@ -285,15 +287,15 @@ def _expand(ops: Any, rank_plan: Any, rev_plan: Any, ratios: Sequence[int], leng
     ``pos = glob + shift_c``, ``ks = base_c``, ``ke = base_c + (pos + 1) // r``; reverse of global
     row ``g`` in block ``b``: ``g + shift_b``.
     """
-    rep = rank_plan[0]
+    cols = ops.repeat(rank_plan[1:], rank_plan[0], length)  # [3 + n_ratio, length], one call
     m = ops.arange(length)
-    pad = m >= ops.repeat(rank_plan[2], rep, length)
-    glob = m + ops.repeat(rank_plan[1], rep, length)
-    pos = glob + ops.repeat(rank_plan[3], rep, length)
+    pad = m >= cols[1]
+    glob = m + cols[0]
+    pos = glob + cols[2]
     ks_all: dict[str, Any] = {}
     ke_all: dict[str, Any] = {}
     for i, r in enumerate(ratios):
-        ks = ops.repeat(rank_plan[4 + i], rep, length)
+        ks = cols[3 + i]  # a row of the fresh ``cols`` buffer: filled in place below
         ke_all[str(r)] = ops.fill(ks + (pos + 1) // r, pad, 0)
         ks_all[str(r)] = ops.fill(ks, pad, 0)
     reverse = ops.arange(total_q) + ops.repeat(rev_plan[1], rev_plan[0], total_q)
@@ -317,12 +319,24 @@ def mirror_rows(
     if not isinstance(mirror_index, torch.Tensor) or mirror_index.dim() != 1 \
             or mirror_index.dtype.is_floating_point:
         raise TypeError(f"mirror_index: expected a 1-D integer tensor, got {_describe(mirror_index)}")
-    idx = mirror_index.to(device=full.device, dtype=torch.int64)
-    pad = idx < 0
-    if full.shape[0] == 0:
-        return torch.full((idx.numel(), *full.shape[1:]), pad_value, dtype=full.dtype, device=full.device)
-    out = full.index_select(0, idx.clamp(min=0))
-    return out.masked_fill_(pad.view(-1, *([1] * (full.dim() - 1))), pad_value)
+    return _RowGather(mirror_index.to(full.device))(full, pad_value)
+
+
+class _RowGather:
+    """:func:`mirror_rows` for several fields by one index (clamped index and pad mask made once)."""
+
+    __slots__ = ("length", "safe", "pad")
+
+    def __init__(self, mirror_index: torch.Tensor) -> None:
+        self.length = int(mirror_index.shape[0])
+        self.pad = mirror_index < 0
+        self.safe = mirror_index.clamp(min=0).to(torch.int64)
+
+    def __call__(self, full: torch.Tensor, pad_value: Union[int, float, bool]) -> torch.Tensor:
+        if full.shape[0] == 0:  # nothing to read: every row is a pad row
+            return torch.full((self.length, *full.shape[1:]), pad_value, dtype=full.dtype, device=full.device)
+        out = full.index_select(0, self.safe)
+        return out.masked_fill_(self.pad.view(-1, *([1] * (full.dim() - 1))), pad_value)
 
 
 def unmirror(
@@ -359,11 +373,11 @@ def unmirror(
 
 
 def _gather_dict(
-    d: Optional[dict[str, torch.Tensor]], index: torch.Tensor, fill: int
+    d: Optional[dict[str, torch.Tensor]], gather: _RowGather, fill: int
 ) -> Optional[dict[str, torch.Tensor]]:
     if d is None:
         return None
-    return {k: mirror_rows(v, index, fill) for k, v in d.items()}
+    return {k: gather(v, fill) for k, v in d.items()}
 
 
 def prepare_for_mirror_cp(md: InputMetadata, cp_rank: int, cp_size: int) -> InputMetadata:
@@ -395,18 +409,20 @@ def prepare_for_mirror_cp(md: InputMetadata, cp_rank: int, cp_size: int) -> Inpu
     total_q = int(md.positions.shape[0])
     has_ks = bool(md.ks)
     ratios = tuple(int(r) for r in md.ks) if has_ks else NO_SPARSE_RATIOS_FALLBACK
-    length = cp_mirror_len(md.cu_seqlens_q, cp_size)
-    index, reverse, ks_all, ke_all = prepare_cp_mirror(
-        md.cu_seqlens_q, md.cu_seqlens_k, cp_size, cp_rank, ratios, total_q, length
+    cu_q = _host_cu("md.cu_seqlens_q", md.cu_seqlens_q)  # the only device-to-host copies
+    cu_k = _host_cu("md.cu_seqlens_k", md.cu_seqlens_k)
+    length = int(2 * _chunk_len(np.diff(cu_q), cp_size).sum())
+    _validate_mirror_args(cu_q, cu_k, ratios, total_q, length, cp_size)
+    index, reverse, ks_all, ke_all = _mirror_from_host(
+        cu_q, cu_k, md.positions.device, cp_size, cp_rank, ratios, total_q, length
     )
-    index = index.to(md.positions.device)
-    reverse = reverse.to(md.positions.device)
+    gather = _RowGather(index)
     if md.valid_token_mask is not None:
-        valid = mirror_rows(md.valid_token_mask, index, False)
+        valid = gather(md.valid_token_mask, False)
     else:
         valid = index != MIRROR_PAD_INDEX
     changes: dict[str, object] = dict(
-        positions=mirror_rows(md.positions, index, 0),
+        positions=gather(md.positions, 0),
         positions_cp=md.positions,
         valid_token_mask=valid,
         mirror_cp_index=index,
@@ -416,18 +432,18 @@ def prepare_for_mirror_cp(md: InputMetadata, cp_rank: int, cp_size: int) -> Inpu
         cp_size=cp_size,
     )
     if md.ngram_token_ids is not None:
-        changes["ngram_token_ids"] = mirror_rows(md.ngram_token_ids, index, 0)
+        changes["ngram_token_ids"] = gather(md.ngram_token_ids, 0)
     if md.gate_force_random is not None:
-        changes["gate_force_random_cp"] = mirror_rows(md.gate_force_random, index, False)
+        changes["gate_force_random_cp"] = gather(md.gate_force_random, False)
     if has_ks:
         changes["ks"] = {k: ks_all[k] for k in md.ks}
         changes["ke"] = {k: ke_all[k] for k in md.ks}
     for name, fill in _DERIVED_ROW_FILLS.items():
         value = getattr(md, name)
         if isinstance(value, dict):
-            changes[name] = _gather_dict(value, index, fill)
+            changes[name] = _gather_dict(value, gather, fill)
         elif isinstance(value, torch.Tensor):
-            changes[name] = mirror_rows(value, index, fill)
+            changes[name] = gather(value, fill)
     logger.debug("mirrored %d rows to %d on cp rank %d/%d", total_q, length, cp_rank, cp_size)
     mirrored = md.replace(**changes)
     if md.yoco_consumer_cu_seqlens_q is not None:  # YoCo compact + CP fields (DESIGN 10), cpmeta/yoco.py
