@@ -67,7 +67,7 @@ def collect(md: InputMetadata) -> tuple[dict[str, Any], list[list[str]], list[to
     """Split ``md`` by path into non-tensor values and deduplicated tensors.
 
     Returns ``(values, tensor_paths, tensors)``: ``values`` maps each non-tensor path to its
-    value (None, scalars, str, an empty dict); ``tensors[i]`` is reachable at every path in
+    value (scalars, str, an empty dict; ``None`` fields are left out, the receiver's default); ``tensors[i]`` is reachable at every path in
     ``tensor_paths[i]``. Example: with ``positions_cp is positions`` the result holds one
     tensor with paths ``["positions", "positions_cp"]``.
     """
@@ -84,7 +84,7 @@ def collect(md: InputMetadata) -> tuple[dict[str, Any], list[list[str]], list[to
                 paths.append([path])
             else:
                 paths[i].append(path)
-        else:
+        elif v is not None:  # None is every field's default: omitting it loses nothing
             values[path] = v
     return values, paths, tensors
 
