@@ -9,7 +9,6 @@ mapping), ``_head``, ``_tails``, ``_states``, ``_pids``, ``_waiting``, ``_writer
 
 from __future__ import annotations
 
-import ctypes
 import time
 from typing import Any, Callable, Optional, Sequence, TypeVar, Union
 
@@ -119,7 +118,7 @@ class RingIO:
         self._w.head.value = head
         fence()  # head store before the loads of the readers' waiting flags (StoreLoad)
         if not HAVE_FENCE or any(w.value for w in self._w.waiting):
-            futex_wake(ctypes.addressof(self._w.head))
+            futex_wake(self._head_addr)
 
     def _wait_space(self, head: int, k: int, deadline: float) -> int:
         """Block until ``k`` slots after ``head`` are free; return the number of free slots."""
@@ -128,13 +127,13 @@ class RingIO:
             lag, tail = self._slowest()
             if lag is None or head + k - tail <= n:
                 return n if lag is None else n - (head - tail)
-            tail_word = self._w.tails[lag]
+            # no local references to ctypes words: a traceback would pin the mapping
             self._w.writer_waiting.value = 1
             fence()  # flag store before re-reading the tail (pairs with the reader's fence)
-            if tail_word.value == tail:
-                futex_wait(ctypes.addressof(tail_word), tail, min(LIVENESS_SLICE_S, self._left(deadline)))
+            if self._w.tails[lag].value == tail:
+                futex_wait(self._tail_addrs[lag], tail, min(LIVENESS_SLICE_S, self._left(deadline)))
             self._w.writer_waiting.value = 0
-            if tail_word.value == tail:
+            if self._w.tails[lag].value == tail:
                 self._check_readers(head, k, deadline)
 
     def _slowest(self) -> tuple[Optional[int], int]:
@@ -245,33 +244,32 @@ class RingIO:
     def _release(self, tail: int) -> None:
         if NEEDS_RELEASE_FENCE:
             fence()  # finish reading the slots before handing them back
-        word = self._w.tails[self.reader_index]
-        word.value = tail
+        self._w.tails[self.reader_index].value = tail
         fence()  # tail store before loading writer_waiting (StoreLoad)
         if not HAVE_FENCE or self._w.writer_waiting.value:
-            futex_wake(ctypes.addressof(word))
+            futex_wake(self._tail_addrs[self.reader_index])
 
     def _wait_data(self, target: int, deadline: float) -> int:
         """Block until ``head >= target``; return head."""
-        head_word = self._w.head
-        h = head_word.value
+        w = self._w  # (no local ctypes words: a traceback would pin the mapping)
+        h = w.head.value
         if h >= target:
             return self._acquired(h)
         if self._spin_s:
             end = time.perf_counter() + self._spin_s
             while time.perf_counter() < end:
-                h = head_word.value
+                h = w.head.value
                 if h >= target:
                     return self._acquired(h)
-        flag = self._w.waiting[self.reader_index]
+        me = self.reader_index
         while True:
-            flag.value = 1
+            w.waiting[me].value = 1
             fence()  # flag store before re-reading head (pairs with the writer's fence)
-            h = head_word.value
-            if h < target and not self._w.closed.value:
-                futex_wait(ctypes.addressof(head_word), h, min(LIVENESS_SLICE_S, self._left(deadline)))
-                h = head_word.value
-            flag.value = 0
+            h = w.head.value
+            if h < target and not w.closed.value:
+                futex_wait(self._head_addr, h, min(LIVENESS_SLICE_S, self._left(deadline)))
+                h = w.head.value
+            w.waiting[me].value = 0
             if h >= target:
                 return self._acquired(h)
             self._check_writer(target, deadline)

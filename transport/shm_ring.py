@@ -178,6 +178,8 @@ class ShmRing(RingIO):
         self._ring_bytes = handle.slot_size * handle.num_slots
         mm = mmap.mmap(fd, self._data_at + self._ring_bytes)
         self._w = _Words(mm, handle.num_readers)
+        self._head_addr = ctypes.addressof(self._w.head)  # futex addresses as plain ints
+        self._tail_addrs = [ctypes.addressof(t) for t in self._w.tails]
         self._res = _Resources(mm, memoryview(mm), self._w, fd, unlink_path)
         self._finalizer = weakref.finalize(self, self._res.release)
         self._buf = self._res.buf
@@ -222,10 +224,10 @@ class ShmRing(RingIO):
         want = (MAGIC, VERSION, handle.num_readers, handle.slot_size, handle.num_slots,
                 handle.nonce, handle.writer_pid)
         if found != want:
-            ring.close()
+            ring._finalizer()  # unmap only: this end never attached, leave the block alone
             raise ValueError(f"handle: segment {handle.path} does not match the handle (stale or foreign)")
         if ring._w.states[reader_index].value != EMPTY:
-            ring.close()
+            ring._finalizer()
             raise ValueError(f"reader_index: reader {reader_index} is already attached or absent")
         ring._watch[-1] = PeerWatch(handle.writer_pid)
         ring._w.pids[reader_index].value = os.getpid()
@@ -284,12 +286,12 @@ class ShmRing(RingIO):
         if self.is_writer:
             self._w.closed.value = 1
             fence()
-            futex_wake(ctypes.addressof(self._w.head))
+            futex_wake(self._head_addr)
         else:
             me = self.reader_index
             self._w.states[me].value = CLOSED
             fence()
-            futex_wake(ctypes.addressof(self._w.tails[me]))
+            futex_wake(self._tail_addrs[me])
         self._finalizer()
 
     @property

@@ -1,0 +1,290 @@
+"""Tests of transport.ShmRing: in-process (threads) protocol checks and real multi-process runs."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from multiproc import spawn_ranks, run_ranks
+from transport import PeerError, RingClosedError, ShmRing, ShmRingHandle
+from transport.shm_ring import ABSENT, ATTACHED, CLOSED
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _shm_listing() -> set[str]:
+    """Entries of /dev/shm this package could create (other processes on the machine may add
+    unrelated ones while the test runs)."""
+    if not os.path.isdir("/dev/shm"):
+        return set()
+    return {n for n in os.listdir("/dev/shm") if n.startswith(("cpmeta", "psm_"))}
+
+
+def _ring(num_readers: int = 2, **kw: object) -> tuple[ShmRing, list[ShmRing]]:
+    w = ShmRing.create(num_readers, **{"slot_size": 64, "num_slots": 4, "timeout": 5.0, **kw})
+    h = ShmRingHandle.from_bytes(w.handle.to_bytes())
+    readers = [ShmRing.attach(h, i, timeout=w.timeout) for i in range(num_readers)]
+    w.wait_attached()
+    return w, readers
+
+
+def _pump(w: ShmRing, readers: list[ShmRing], msgs: list[bytes], slow: int = -1) -> list[list[bytes]]:
+    out: list[list[bytes]] = [[] for _ in readers]
+
+    def consume(i: int) -> None:
+        for k in range(len(msgs)):
+            if i == slow and k % 7 == 0:
+                time.sleep(0.002)
+            out[i].append(readers[i].read_bytes())
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(len(readers))]
+    for t in threads:
+        t.start()
+    for m in msgs:
+        w.write(m)
+    for t in threads:
+        t.join(30)
+    return out
+
+
+# ----------------------------------------------------------------------------- in-process
+
+@pytest.mark.parametrize("size", [0, 1, 47, 48, 49, 112, 200, 256 - 16, 256 - 15, 1000, 5000])
+def test_single_message_sizes(size: int) -> None:
+    w, readers = _ring()
+    msg = bytes(random.Random(size).randrange(256) for _ in range(size))
+    try:
+        out = _pump(w, readers, [msg, b"after"])
+        assert out == [[msg, b"after"], [msg, b"after"]]
+    finally:
+        for r in (w, *readers):
+            r.close()
+
+
+def test_wraparound_thousands_with_slow_reader() -> None:
+    rng = random.Random(7)
+    msgs = [rng.randbytes(rng.choice([0, 5, 48, 60, 100, 250, 600])) for _ in range(3000)]
+    w, readers = _ring(3)
+    try:
+        out = _pump(w, readers, msgs, slow=1)
+        assert all(o == msgs for o in out)
+        assert w._w.head.value > 3 * w.handle.num_slots  # wrapped many times
+    finally:
+        for r in (w, *readers):
+            r.close()
+
+
+def test_gather_write_and_in_place_consumer() -> None:
+    w, readers = _ring(1, slot_size=128, num_slots=8)
+    w.write([b"ab", memoryview(b"cd"), bytearray(b"ef")])
+    assert readers[0].read(lambda view, owned: (bytes(view), owned)) == (b"abcdef", False)
+    t = threading.Thread(target=lambda: (w.write(b"x" * 5000), w.write(b"y" * 3000)))
+    t.start()  # both are larger than the 1 KiB ring: streamed into a private buffer
+    assert readers[0].read(lambda view, owned: (bytes(view), owned)) == (b"x" * 5000, True)
+    assert readers[0].read_bytes() == b"y" * 3000
+    t.join()
+    for r in (w, *readers):
+        r.close()
+
+
+def test_writer_timeout_names_lagging_reader() -> None:
+    w, readers = _ring(2, timeout=0.3)
+    try:
+        w.write(b"a" * 100)  # 2 slots
+        assert readers[0].read_bytes() == b"a" * 100
+        w.write(b"b" * 100)  # reader 1 now 4 slots behind, reader 0 two
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"rank 2 \(reader 1\) is 4 slot\(s\) behind"):
+            w.write(b"c")
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        for r in (w, *readers):
+            r.close()
+
+
+def test_reader_timeout_and_writer_close() -> None:
+    w, readers = _ring(1, timeout=0.2)
+    with pytest.raises(TimeoutError, match="rank 0 .*not yet published"):
+        readers[0].read_bytes()
+    w.write(b"last")
+    w.close()
+    assert readers[0].read_bytes() == b"last"  # published data is still delivered
+    with pytest.raises(RingClosedError, match="closed the ring"):
+        readers[0].read_bytes()
+    readers[0].close()
+
+
+def test_closed_reader_reported() -> None:
+    w, readers = _ring(2, timeout=5.0)
+    readers[1].close()
+    assert w.states() == [ATTACHED, CLOSED]
+    with pytest.raises(PeerError, match=r"rank 2 \(reader 1\) closed"):
+        for _ in range(10):
+            w.write(b"z" * 100)
+    w.close()
+    readers[0].close()
+
+
+def test_absent_reader_not_waited_for() -> None:
+    w = ShmRing.create(2, slot_size=64, num_slots=2, timeout=1.0)
+    r0 = ShmRing.attach(ShmRingHandle.from_bytes(w.handle.to_bytes()), 0)
+    w.mark_absent(1)
+    assert w.states() == [ATTACHED, ABSENT]
+    for i in range(5):
+        w.write(b"%d" % i)
+        assert r0.read_bytes() == b"%d" % i
+    r0.close()
+    w.close()
+
+
+def test_named_segment_unlinked_after_attach_and_handle_checks() -> None:
+    before = _shm_listing()
+    w = ShmRing.create(1, slot_size=64, num_slots=2, use_memfd=False)
+    assert w.handle.path.startswith("/dev/shm/cpmeta-") and len(w.handle.path) == 16 + 32
+    assert os.stat(w.handle.path).st_mode & 0o777 == 0o600
+    bad = ShmRingHandle(w.handle.path, b"\0" * 16, 1, 64, 2, os.getpid(), 0, (1,))
+    with pytest.raises(ValueError, match="does not match"):
+        ShmRing.attach(bad, 0)
+    with pytest.raises(ValueError, match="reader_index"):
+        ShmRing.attach(w.handle, 1)
+    r = ShmRing.attach(w.handle, 0)
+    w.wait_attached()
+    assert not os.path.exists(w.handle.path)
+    r.close()
+    w.close()
+    assert _shm_listing() == before
+
+
+def test_memfd_leaves_no_name_and_close_is_idempotent() -> None:
+    before = _shm_listing()
+    w, readers = _ring(1)
+    assert w.handle.path.startswith("/proc/")
+    assert _shm_listing() == before
+    for r in (w, *readers):
+        r.close()
+        r.close()
+        assert r.closed
+    with pytest.raises(ValueError):
+        ShmRing.create(1, slot_size=60)
+
+
+# ----------------------------------------------------------------------------- multi-process
+
+def _payloads(seed: int) -> list[bytes]:
+    """The same random payload list on every rank (shared seed): 0 B .. 3 MiB plus many small."""
+    rng = random.Random(seed)
+    sizes = [0, 1, 4096, 65536 - 16, 65536, 1 << 20, 3 << 20, 5 << 20]
+    sizes += [rng.choice([0, 7, 100, 3000, 20000, 200000]) for _ in range(300)]
+    sizes += [rng.randrange(64) for _ in range(2500)]  # wrap-around: thousands of messages
+    return [rng.randbytes(n) for n in sizes]
+
+
+def _ring_ranks(rank: int, world_size: int, seed: int) -> list:
+    msgs = _payloads(seed)
+    with ShmRing.from_process_group(dist.group.WORLD, 0, slot_size=4096, num_slots=16,
+                                    timeout=60.0) as ring:
+        if rank == 0:
+            for m in msgs:
+                ring.write(m)
+            dist.barrier()
+            return []
+        digests = []
+        for k in range(len(msgs)):
+            if rank == 2 and k % 97 == 0:
+                time.sleep(0.003)  # a deliberately slow reader
+            digests.append(hashlib.sha1(ring.read_bytes()).hexdigest())
+        dist.barrier()
+        assert digests == [hashlib.sha1(m).hexdigest() for m in msgs]
+        return [len(digests)]
+
+
+def _idle_ranks(rank: int, world_size: int) -> list[float]:
+    with ShmRing.from_process_group(dist.group.WORLD, 0, timeout=30.0) as ring:
+        dist.barrier()
+        if rank == 0:
+            time.sleep(2.0)
+            ring.write(b"wake up")
+            dist.barrier()
+            return []
+        cpu0, wall0 = time.process_time(), time.monotonic()
+        assert ring.read_bytes() == b"wake up"
+        cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
+        dist.barrier()
+        return [cpu, wall]
+
+
+def test_multiprocess_random_payloads_wraparound_slow_reader() -> None:
+    before = _shm_listing()
+    seed = random.randrange(1 << 30)
+    out = run_ranks(_ring_ranks, 3, seed, timeout=150)
+    assert out[1] == out[2] == [len(_payloads(seed))]
+    assert _shm_listing() == before
+
+
+def test_idle_follower_uses_almost_no_cpu() -> None:
+    out = run_ranks(_idle_ranks, 2, timeout=90)
+    cpu, wall = out[1]
+    assert wall >= 1.5, "the follower did not actually wait"
+    assert cpu < 0.05 * wall, f"idle follower used {cpu:.3f} s CPU in {wall:.2f} s"
+
+
+def _kill_reader(rank: int, world_size: int) -> list:
+    ring = ShmRing.from_process_group(dist.group.WORLD, 0, slot_size=256, num_slots=4, timeout=60.0)
+    if rank == 2:
+        ring.read_bytes()
+        os.kill(os.getpid(), signal.SIGKILL)
+    if rank == 0:
+        t0 = time.monotonic()
+        try:
+            for _ in range(1000):
+                ring.write(b"m" * 200)
+                time.sleep(0.001)
+        except PeerError as e:
+            ring.close()
+            return [str(e), time.monotonic() - t0]
+        raise AssertionError("the writer never noticed the dead reader")
+    try:
+        while True:
+            ring.read_bytes()
+    except RingClosedError as e:
+        return [str(e), 0.0]
+
+
+def _kill_writer(rank: int, world_size: int) -> list:
+    ring = ShmRing.from_process_group(dist.group.WORLD, 0, timeout=60.0)
+    if rank == 0:
+        ring.write(b"one")
+        time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+    assert ring.read_bytes() == b"one"
+    t0 = time.monotonic()
+    with pytest.raises(PeerError, match="writer rank 0, pid .* died") as info:
+        ring.read_bytes()
+    return [str(info.value), time.monotonic() - t0]
+
+
+def test_sigkilled_reader_reported_by_rank_fast() -> None:
+    before = _shm_listing()
+    with spawn_ranks(_kill_reader, 3, timeout=120) as group:
+        out = group.results(allow_dead=[2])
+    msg, elapsed = out[0]
+    assert "rank 2 (reader 1)" in msg and "died" in msg
+    assert elapsed < 20.0  # the ring timeout is 60 s: detected from the pid, not the timeout
+    assert "closed the ring" in out[1][0]
+    assert _shm_listing() == before
+
+
+def test_sigkilled_writer_reported_fast() -> None:
+    before = _shm_listing()
+    with spawn_ranks(_kill_writer, 3, timeout=120) as group:
+        out = group.results(allow_dead=[0])
+    for msg, elapsed in out[1:]:
+        assert "writer rank 0" in msg and elapsed < 20.0
+    assert _shm_listing() == before
