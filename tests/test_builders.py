@@ -35,7 +35,7 @@ from reference import (
 from strategies import decode_cases, prompt_cases, random_decode_batch, random_prompt_batch
 
 BOOL_FIELDS = frozenset({"gate_force_random", "valid_token_mask"})
-SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 _PATH = re.compile(r"^(\w+)(?:\.(\w+))?(?:\[(\d+)\])?$")
 
 
