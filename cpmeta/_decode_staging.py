@@ -282,6 +282,7 @@ class DecodeStaging:
         self.device = torch.device(device)
         self.fixed = fixed
         self._event: Optional[torch.cuda.Event] = None
+        self.out_cache: object = None  # decode_inplace keeps the checked buffers of the last `out` here
         self.host_buffer = torch.empty(0, dtype=torch.int32)
         self.device_buffer = self.host_buffer
         self._alloc(capacity)

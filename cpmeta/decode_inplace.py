@@ -31,6 +31,7 @@ Backends: ``"triton"`` (the kernels; on CPU tensors only under ``TRITON_INTERPRE
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -52,6 +53,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "triton", "torch")
+_STACKED = ("positions_c", "slot_mapping_store_ca", "klen", "kv_ca_index_offset_len")
 Out = Optional[dict[str, torch.Tensor]]
 
 #: Default staging pair per device (used when ``staging=None``; not thread-safe).
@@ -162,6 +164,57 @@ def _buffers(
     return DecodeBuffers(**full), views
 
 
+@dataclass(slots=True)
+class _OutCache:
+    """The checked :class:`DecodeBuffers` of one ``out`` dict, kept on its :class:`DecodeStaging`.
+
+    Valid while ``out`` is the same dict holding the same tensor objects (``key`` = their ids;
+    the cache references them, so the ids cannot be reused) and ``cfg`` is the same object.
+    Saves re-checking ~20 buffers on every step.
+    """
+
+    out_id: int
+    key: tuple[int, ...]
+    cfg: MetadataConfig
+    device: torch.device
+    bufs: DecodeBuffers
+    keys: dict[str, tuple[str, ...]]  # stacked field -> ratio keys
+
+
+def _cut(bufs: DecodeBuffers, keys: dict[str, tuple[str, ...]], n_seq: int, total_q: int) -> dict:
+    """Prefix views ``[:total_q]`` (``cu_seqlens``: ``[:n_seq+1]``; stacked: ``{key: t[i, :total_q]}``)."""
+    views: dict = {}
+    for name in DecodeBuffers.__slots__:
+        t = getattr(bufs, name)
+        if name in keys:
+            views[name] = {k: t[i, :total_q] for i, k in enumerate(keys[name])}
+        elif t is None:
+            views[name] = None
+        elif name.startswith("cu_seqlens"):
+            views[name] = t[: n_seq + 1]
+        else:
+            views[name] = t[:total_q]
+    return views
+
+
+def _cached_buffers(
+    st: DecodeStaging, out: dict[str, torch.Tensor], cfg: MetadataConfig, n_seq: int, total_q: int,
+    device: torch.device,
+) -> tuple[DecodeBuffers, dict]:
+    """:func:`_buffers` through the staging object's one-entry cache (same results)."""
+    c = st.out_cache
+    if (
+        isinstance(c, _OutCache) and c.out_id == id(out) and c.cfg is cfg and c.device == device
+        and c.key == tuple(map(id, out.values()))
+        and total_q <= c.bufs.q_cap and n_seq <= c.bufs.seq_cap
+    ):
+        return c.bufs, _cut(c.bufs, c.keys, n_seq, total_q)
+    bufs, views = _buffers(out, cfg, n_seq, total_q, device)
+    keys = {name: tuple(views[name]) for name in _STACKED}
+    st.out_cache = _OutCache(id(out), tuple(map(id, out.values())), cfg, device, bufs, keys)
+    return bufs, views
+
+
 def _launch(stg: torch.Tensor, cfg: MetadataConfig, bufs: DecodeBuffers, backend: str) -> None:
     if backend == "triton":
         from ._decode_triton import launch_decode_kernels
@@ -211,7 +264,10 @@ def prepare_decode_inplace(
     if not _same_device(st.device, dev):
         raise ValueError(f"staging: expected a staging buffer for {dev}, got one for {st.device}")
     staged = st.stage(seqs, cfg)
-    bufs, views = _buffers(out if out is not None else {}, cfg, staged.num_seqs, staged.total_q, dev)
+    if out is None:
+        bufs, views = _buffers({}, cfg, staged.num_seqs, staged.total_q, dev)
+    else:
+        bufs, views = _cached_buffers(st, out, cfg, staged.num_seqs, staged.total_q, dev)
     _launch(st.device_buffer, cfg, bufs, be)
     return InputMetadata(
         is_prompt=False, num_seqs=staged.num_seqs, total_q=staged.total_q,
@@ -236,6 +292,6 @@ def launch_decode_inplace(
     dev = out["positions"].device
     be = _resolve_backend(backend, dev)
     q_cap, n_cap = out["positions"].shape[0], out["cu_seqlens_q"].shape[0] - 1
-    bufs, views = _buffers(out, cfg, n_cap, q_cap, dev)
+    bufs, views = _cached_buffers(staging, out, cfg, n_cap, q_cap, dev)
     _launch(staging.device_buffer, cfg, bufs, be)
     return InputMetadata(is_prompt=False, **views)

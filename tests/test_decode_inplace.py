@@ -210,6 +210,21 @@ def test_out_row_capacity_mismatch_is_an_error() -> None:
         prepare_decode_inplace(seqs, cfg, out=out, device="cpu")
 
 
+def test_changed_out_is_rechecked() -> None:
+    """The per-staging buffer cache must notice a replaced tensor (and a new out dict)."""
+    cfg, seqs = NAMED["drafts_mixed"]
+    st, out = DecodeStaging("cpu"), {}
+    prepare_decode_inplace(seqs, cfg, out=out, device="cpu", staging=st)
+    out["context_lens"] = torch.zeros(out["positions"].shape[0] + 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="context_lens"):
+        prepare_decode_inplace(seqs, cfg, out=out, device="cpu", staging=st)
+    out2: dict[str, torch.Tensor] = {}
+    md = prepare_decode_inplace(seqs, cfg, out=out2, device="cpu", staging=st)
+    assert md.positions.data_ptr() == out2["positions"].data_ptr()
+    with pytest.raises(ValueError, match="positions"):  # larger than the captured capacity
+        prepare_decode_inplace(seqs + seqs, cfg, out=out2, device="cpu", staging=st)
+
+
 def test_launch_only_replays_new_staging() -> None:
     """The capture API: kernels only, full-capacity views, reading whatever was staged last."""
     rng = random.Random(5)
