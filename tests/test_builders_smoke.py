@@ -104,6 +104,24 @@ def test_expansion_helpers_examples() -> None:
     assert row[40:] == [-1] * 8
 
 
+def test_paged_expansion_aligned_equals_generic() -> None:
+    from cpmeta.attn_info import _expand_paged_aligned, _expand_paged_generic
+
+    g = torch.Generator().manual_seed(0)
+    for tpb, mnb, width in ((32, 4, 128), (8, 3, 24), (256, 2, 384)):
+        bt = torch.randint(0, 1000, (5, mnb), generator=g, dtype=torch.int32)
+        off = torch.arange(5, dtype=torch.int32) * mnb * tpb
+        ln = torch.randint(0, min(width, mnb * tpb) + 1, (5,), generator=g, dtype=torch.int32)
+        a = _expand_paged_aligned(off, ln.clone(), width, bt, tpb)
+        assert torch.equal(a, _expand_paged_generic(off, ln.clone(), width, bt, tpb)), tpb
+        assert a.shape == (5, width) and a.is_contiguous()
+    # an unaligned offset takes the generic path: p = 130 + k, tpb 32 -> block 4 (=7) at 2.., block 5 (=8)
+    bt = torch.tensor([[0, 0, 0, 0, 7, 8]], dtype=torch.int32)
+    row = expand_paged_offset_len(torch.tensor([130], dtype=torch.int32), torch.tensor([32], dtype=torch.int32),
+                                  40, bt, 32)[0].tolist()
+    assert row[:30] == list(range(226, 256)) and row[30:32] == [256, 257] and row[32:] == [-1] * 8
+
+
 BAD_CASES = {
     "seqlen_q_zero": dict(seqlen_q=0),
     "q_gt_k": dict(seqlen_q=9, seqlen_k=8),
