@@ -240,6 +240,59 @@ for _cp in (2, 4, 8):
     case(f"mirror_8x4096_cp{_cp}")(_mirror_case(8, 4096, _cp))
 
 
+def _yoco_case(n: int, q: int, mode: str, cp: int, keep: int = 512) -> CaseFn:
+    """YoCo (issue 10, added by the YoCo helper): extra cost of the section-10 fields.
+
+    ``builder`` = ``prepare_prompt`` with ``yoco_keep_tokens=keep``; ``without_yoco`` = the same
+    batch without YoCo; ``build_yoco_fields`` alone; the view (``get_consumer_view`` /
+    ``get_mask_view``); compact also times ``prepare_for_mirror_cp`` with and without the YoCo CP
+    fields and the mirrored consumer view (compact ``prepare_cp_mirror``) on the last of ``cp``
+    ranks. Each chunk is the last of its prompt (``token_ids`` = ``seqlen_k`` tokens), so compact
+    keeps ``min(q, keep)`` rows per sequence. Reference: tests/reference_yoco.py (compact only).
+    """
+
+    def run(ctx: BenchContext) -> dict[str, Any]:
+        import dataclasses
+
+        from cpmeta import prepare_for_mirror_cp, prepare_prompt
+        from cpmeta.yoco import build_yoco_fields
+
+        plain = MetadataConfig()
+        cfg = dataclasses.replace(plain, yoco_keep_tokens=keep, yoco_mode=mode)
+        seqs = prompt_batch(ctx.rng, cfg, n, q)
+        md, md0 = prepare_prompt(seqs, cfg), prepare_prompt(seqs, plain)
+        view = md.get_consumer_view if mode == "compact" else md.get_mask_view
+        res: dict[str, Any] = {
+            "builder": time_us(lambda: prepare_prompt(seqs, cfg), ctx.repeat),
+            "without_yoco": time_us(lambda: prepare_prompt(seqs, plain), ctx.repeat),
+            "build_yoco_fields": time_us(lambda: build_yoco_fields(md0, seqs, cfg), ctx.repeat),
+            "view": time_us(view, ctx.repeat),
+            "total_q": md.total_q, "kept_rows": md.yoco_consumer_total_q, "n_seqs": n, "mode": mode,
+            "keep_tokens": keep, "target": "(info) extra = with - without YoCo",
+        }
+        res["extra_p50_us"] = res["builder"]["p50_us"] - res["without_yoco"]["p50_us"]
+        if mode == "compact":
+            mirrored = prepare_for_mirror_cp(md, cp - 1, cp)
+            res["cp_size"] = cp
+            res["mirror_with_yoco"] = time_us(lambda: prepare_for_mirror_cp(md, cp - 1, cp), ctx.repeat)
+            res["mirror_without_yoco"] = time_us(lambda: prepare_for_mirror_cp(md0, cp - 1, cp), ctx.repeat)
+            res["mirrored_consumer_view"] = time_us(mirrored.get_consumer_view, ctx.repeat)
+            if ctx.ref is not None:
+                import reference_yoco  # type: ignore[import-not-found]  # tests/ is on sys.path with ctx.ref
+
+                res["reference"] = time_us(lambda: reference_yoco.ref_yoco_fields(seqs, cfg),
+                                           ctx.ref_repeat, warmup=0)
+                res["speedup"] = res["reference"]["p50_us"] / res["build_yoco_fields"]["p50_us"]
+        return res
+
+    return run
+
+
+for _mode in ("compact", "mask"):
+    case(f"yoco_{_mode}_8x4096")(_yoco_case(8, 4096, _mode, cp=4))
+    case(f"yoco_{_mode}_256x128")(_yoco_case(256, 128, _mode, cp=4, keep=64))
+
+
 # ---- driver ---------------------------------------------------------------------------------
 
 
