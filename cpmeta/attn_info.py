@@ -54,6 +54,8 @@ def expand_paged_offset_len(
     ``[.., [9, 4, ..]]``: off = 1*4*32 = 128, ln 40 -> k 0..31 give 288..319, k 32..39 give
     128..135, then -1.
     """
+    if block_tables.numel() == 0:  # max_model_len < min ratio: nothing is ever visible
+        return torch.full((off.shape[0], width), PAD_SLOT_ID, dtype=torch.int32, device=off.device)
     if off.device.type == "cpu" and bool((off % tpb == 0).all()):  # a host check is free on CPU
         return _expand_paged_aligned(off, ln, width, block_tables, tpb)
     return _expand_paged_generic(off, ln, width, block_tables, tpb)

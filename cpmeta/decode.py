@@ -94,7 +94,7 @@ def _fill_ratio_fields(b: BatchArrays, cfg: MetadataConfig, out: Out, f: dict[st
         f["slot_mapping_store_ca"][k], a = alloc(out, f"slot_mapping_store_ca.{k}", (T,), torch.int32)
         a[:] = compressed_slots(b, seq, c, closes & writes, n, cfg)
     f["kv_ca_index_offset_len"] = {}
-    row_off = np.arange(0, T * cfg.max_num_blocks, cfg.max_num_blocks, dtype=np.int64)
+    row_off = np.arange(T, dtype=np.int64) * cfg.max_num_blocks
     for n in cfg.dense_compress_ratios:
         k = str(n)
         f["kv_ca_index_offset_len"][k], a = alloc(out, f"kv_ca_index_offset_len.{k}", (T, 2), torch.int32)
