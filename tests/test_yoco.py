@@ -505,3 +505,28 @@ def test_placeholder_rows_are_invalid_in_the_mirrored_view() -> None:
         ref = ref_yoco_cp(seqs, cfg, 2, r)["view"]
         assert view.valid_token_mask.tolist() == ref["valid_token_mask"]
         assert view.valid_token_mask[2:].tolist() == [False, False]  # sequence 1's two rows
+
+
+# ---- CUDA: the views and the CP fields on GPU tensors equal the CPU ones ----------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("seed", range(4))
+def test_cuda_views_and_cp_fields_match_cpu(seed: int) -> None:
+    from cpmeta.metadata import metadata_diff
+
+    for mode in ("compact", "mask"):
+        cfg, seqs = _case(2000 + seed, mode)
+        md = cpmeta.prepare_prompt(seqs, cfg)
+        gpu = md.to("cuda")
+        get_view = (lambda m: m.get_consumer_view()) if mode == "compact" else (lambda m: m.get_mask_view())
+        for p in (1, 2, 4):
+            for r in range(p):
+                want = get_view(cpmeta.prepare_for_mirror_cp(md, r, p)).compute_attn_info(cfg)
+                mirrored = cpmeta.prepare_for_mirror_cp(gpu, r, p)
+                got = get_view(mirrored).compute_attn_info(cfg)
+                for _path, t in got.tensors():
+                    assert t.is_cuda, _path
+                assert metadata_diff(want, got.to("cpu")) == [], (mode, p, r, metadata_diff(want, got.to("cpu")))
+                assert metadata_diff(cpmeta.prepare_for_mirror_cp(md, r, p), mirrored.to("cpu")) == []
