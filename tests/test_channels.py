@@ -1,0 +1,186 @@
+"""Tests of transport.ObjectChannel and transport.TensorChannel with real processes (gloo)."""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from multiproc import run_ranks
+from transport import CodecError, ObjectChannel, TensorChannel, TensorDesc
+from transport.codec import DTYPES
+
+pytestmark = pytest.mark.timeout(240)
+
+
+
+def _random_obj(rng: random.Random, big: bool) -> Any:
+    size = rng.choice([0, 1, 100, 4096, 70000] + ([3 << 20] if big else []))
+    return {"bytes": rng.randbytes(size), "ints": [rng.randrange(-(2**40), 2**40) for _ in range(rng.randrange(20))],
+            "tuple": (rng.random(), "s" * rng.randrange(5), None, True), "empty": {},
+            "nested": {"a": [1, (2, 3)], "desc": TensorDesc(torch.int32, (rng.randrange(9), 2))}}
+
+
+def _tensor(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    """Random bytes reinterpreted as ``name`` (NaN bit patterns included: compare bytes)."""
+    dtype = DTYPES[name]
+    raw = torch.randint(0, 256, (math.prod(shape) * dtype.itemsize,), dtype=torch.uint8, generator=g)
+    if dtype == torch.bool:
+        return (raw % 2 == 1).view(shape)
+    return raw.view(dtype).view(shape)
+
+
+def _tensor_list(seed: int) -> list[torch.Tensor]:
+    """Every dtype, zero-size, 0-d, and non-contiguous tensors (the same list on every rank)."""
+    g = torch.Generator().manual_seed(seed)
+    out = [_tensor(n, (3, 5), g) for n in sorted(DTYPES)]
+    out += [torch.zeros(0, 4, dtype=torch.int64), torch.empty(0, dtype=torch.bool),
+            _tensor("float32", (), g), _tensor("int32", (6, 8), g)[:, ::3],  # non-contiguous
+            _tensor("int64", (4, 5), g).t(), _tensor("bool", (7,), g)[1::2],
+            _tensor("float32", (75_000,), g)]  # ~300 KB
+    return out
+
+
+def _bytes_equal(x: torch.Tensor, y: torch.Tensor) -> bool:
+    return x.dtype == y.dtype and x.shape == y.shape and torch.equal(
+        x.contiguous().reshape(-1).view(torch.uint8), y.contiguous().reshape(-1).view(torch.uint8))
+
+
+def _exercise(rank: int, group: Any, src: int, seed: int, **kw: Any) -> dict:
+    """Objects, packed objects+tensors and the tensor channel from ``src``; returns a summary."""
+    ch = ObjectChannel(group, src, timeout=60.0, slot_size=4096, num_slots=8, **kw)
+    rng = random.Random(seed)
+    is_src = rank == src
+    for i in range(40):
+        obj = _random_obj(rng, big=i % 13 == 0)
+        assert ch.broadcast(obj if is_src else None) == obj
+    tensors = _tensor_list(seed)
+    for k in range(3):  # the ring slots are reused: earlier results must stay intact
+        obj, got = ch.broadcast_packed({"k": k} if is_src else None, tensors if is_src else None)
+        assert obj == {"k": k}
+        assert all(_bytes_equal(x, y) for x, y in zip(tensors, got)) and len(got) == len(tensors)
+        if not is_src:
+            assert len({t.untyped_storage().data_ptr() for t in got}) == 1  # ONE private buffer
+            assert all(t.is_contiguous() for t in got)
+            if k == 0:
+                first = [t.clone() for t in got], got
+    if not is_src:
+        assert all(_bytes_equal(a, b) for a, b in zip(*first))
+    assert ch.broadcast_packed(7 if is_src else None, [] if is_src else None) == (7, [])
+    tc = TensorChannel(group, src)
+    got = tc.broadcast(tensors if is_src else [(t.dtype, tuple(t.shape)) for t in tensors])
+    assert all(_bytes_equal(x, y) for x, y in zip(tensors, got))
+    assert tc.broadcast([] if is_src else []) == []
+    summary = {"local": ch.local_ranks, "remote": ch.remote_ranks}
+    ch.close()
+    return summary
+
+
+def _same_host(rank: int, world_size: int) -> dict:
+    return _exercise(rank, dist.group.WORLD, 1, 1234)
+
+
+def _forced(rank: int, world_size: int) -> dict:
+    return _exercise(rank, dist.group.WORLD, 2, 99)  # CPMETA_FORCE_REMOTE=1 in the env
+
+
+def _mixed(rank: int, world_size: int) -> dict:
+    from transport import _dist
+
+    if rank == 2:  # pretend rank 2 lives on another machine
+        _dist._host_key = lambda: b"elsewhere|boot"  # type: ignore[assignment]
+    return _exercise(rank, None, 0, 5, force_remote=False)
+
+
+def _subgroup(rank: int, world_size: int) -> dict:
+    sub = dist.new_group([1, 2, 3], backend="gloo")
+    if rank == 0:
+        return {}
+    out = _exercise(rank, sub, 2, 42)
+    out["flag_remote"] = _exercise(rank, sub, 3, 43, force_remote=True)["remote"]
+    return out
+
+
+def test_same_host_shared_memory() -> None:
+    out = run_ranks(_same_host, 3, timeout=200)
+    assert out == [{"local": [0, 2], "remote": []}] * 3
+
+
+def test_forced_remote_by_env() -> None:
+    out = run_ranks(_forced, 3, env={"CPMETA_FORCE_REMOTE": "1"}, timeout=200)
+    assert out == [{"local": [], "remote": [0, 1]}] * 3
+
+
+def test_mixed_local_and_remote_followers() -> None:
+    out = run_ranks(_mixed, 3, timeout=200)
+    assert out == [{"local": [1], "remote": [2]}] * 3
+
+
+def test_subgroup_with_nonzero_src() -> None:
+    out = run_ranks(_subgroup, 4, timeout=200)
+    assert out[0] == {}
+    assert out[1:] == [{"local": [1, 3], "remote": [], "flag_remote": [1, 2]}] * 3
+
+
+# ----------------------------------------------------------------------------- error paths
+
+def _errors(rank: int, world_size: int) -> list[str]:
+    seen = []
+    good = ObjectChannel(None, 0, schema=b"v1", timeout=30.0)
+    bad = ObjectChannel(None, 0, schema=b"v1" if rank == 0 else b"v2", timeout=30.0)
+    remote = ObjectChannel(None, 0, schema=b"v1" if rank == 0 else b"v2", force_remote=True, timeout=30.0)
+    for ch in (bad, remote):
+        try:
+            ch.broadcast({"x": 1} if rank == 0 else None)
+        except CodecError as e:
+            seen.append(str(e))
+    if rank == 0:
+        try:
+            good.broadcast({"x": {1, 2}})  # refused on the source before anything is sent
+        except TypeError as e:
+            seen.append(str(e))
+        try:
+            good.broadcast_packed(None, [torch.zeros(1, device="meta")])
+        except TypeError as e:
+            seen.append(str(e))
+    assert good.broadcast("still fine" if rank == 0 else None) == "still fine"
+    tc = TensorChannel(None, 0)
+    try:
+        tc.broadcast([torch.zeros(4)] if rank == 0 else [(torch.int32, (4,))])
+    except ValueError as e:
+        seen.append(str(e))
+    for ch in (good, bad, remote):
+        ch.close()
+    return seen
+
+
+def test_error_paths() -> None:
+    out = run_ranks(_errors, 2, timeout=120)
+    assert out[0][0].startswith("$.x: unsupported type builtins.set")
+    assert "tensors[0]: expected a CPU tensor" in out[0][1]
+    assert len(out[1]) == 3
+    assert all("schema fingerprint mismatch" in m for m in out[1][:2])
+    assert "do not match the source rank 0" in out[1][2]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs 2 CUDA devices")
+def test_tensor_channel_nccl() -> None:
+    out = run_ranks(_nccl, 2, backend="nccl", timeout=200)
+    assert out == [True, True]
+
+
+def _nccl(rank: int, world_size: int) -> bool:
+    torch.cuda.set_device(rank)
+    tensors = _tensor_list(3)
+    tc = TensorChannel(None, 0)  # device defaults to the current CUDA device for NCCL
+    for _ in range(3):  # the pinned staging buffer is reused
+        got = tc.broadcast(tensors if rank == 0 else [(t.dtype, tuple(t.shape)) for t in tensors])
+        assert all(g.device.type == "cuda" for g in got)
+        assert all(_bytes_equal(x, y.cpu()) for x, y in zip(tensors, got))
+    ch = ObjectChannel(None, 1)  # NCCL group: the channel makes its own gloo group
+    return ch.broadcast({"ok": True} if rank == 1 else None)["ok"]
