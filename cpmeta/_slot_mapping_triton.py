@@ -9,6 +9,11 @@ Grid ``(num_reqs + 1,)``::
     program num_reqs     : pads rows [query_start_loc[-1], max_num_tokens) with pad_id, and checks
                            query_start_loc[0] == 0 and query_start_loc[-1] == len(positions)
 
+Tiles: ``TILE`` rows per loop iteration, picked from the average request length
+(:func:`choose_tile`), 8 rows per thread. Block size, kvb, CP size and interleave are
+``tl.constexpr`` so the index divisions compile to shifts/multiplies (one variant per engine
+configuration); ``cp_rank`` and ``pad_id`` stay runtime arguments.
+
 Bounded block-table window: a tile of ``TILE`` consecutive positions reads at most
 ``cdiv(TILE, block_size) + 1`` consecutive block indices (also under CP: the local tokens of
 consecutive positions have consecutive rank-local offsets). Each tile loads only
@@ -42,16 +47,15 @@ __all__ = [
     "triton_available",
     "window_size",
     "launch_slot_mapping_kernel",
-    "DEFAULT_TILE",
-    "NUM_WARPS",
+    "TILE_TIERS",
+    "choose_tile",
 ]
 
 logger = logging.getLogger(__name__)
 
-#: Token rows per tile (one loop iteration of a request's program).
-DEFAULT_TILE: int = 1024
-#: Warps per program: 128 threads, 8 rows each at TILE=1024.
-NUM_WARPS: int = 4
+#: (tile rows, warps) tiers: the first tier whose tile covers the average request is used, the
+#: last one beyond. Every thread handles 8 rows; one long request loops over few large tiles.
+TILE_TIERS: tuple[tuple[int, int], ...] = ((256, 1), (1024, 4), (4096, 16))
 _INT32_MAX: int = 2**31 - 1
 _INT32_MIN: int = -(2**31)
 
@@ -121,6 +125,19 @@ def window_size(tile: int, block_size: int) -> int:
     return 1 << (need - 1).bit_length()
 
 
+def choose_tile(num_tokens: int, num_reqs: int) -> tuple[int, int]:
+    """(TILE, num_warps) from the average request length (host-known sizes only, no sync).
+
+    Examples: 8192 tokens / 256 requests = 32 -> (256, 1); 65536 / 64 = 1024 -> (1024, 4);
+    65536 / 1 -> (4096, 16), i.e. 16 loop iterations instead of 64 at TILE=1024.
+    """
+    avg = -(-num_tokens // max(num_reqs, 1))
+    for tile, warps in TILE_TIERS:
+        if avg <= tile:
+            return tile, warps
+    return TILE_TIERS[-1]
+
+
 @functools.cache
 def _kernel() -> Callable[..., Any]:
     """Build (once) the jitted kernel; importing triton here keeps CPU-only imports light."""
@@ -130,10 +147,9 @@ def _kernel() -> Callable[..., Any]:
     @triton.jit
     def _slot_mapping_kernel(
         qsl_ptr, pos_ptr, bt_ptr, out_ptr, err_ptr,
-        num_positions, max_num_tokens, bt_row_stride, bt_col_stride, bt_cols,
-        block_size, virtual_block_size, blocks_per_kv_block,
-        cp_world_size, cp_rank, cp_interleave, pad_id,
-        USE_CP: tl.constexpr, IS_CIRCULAR: tl.constexpr, TILE: tl.constexpr, WINDOW: tl.constexpr,
+        num_positions, max_num_tokens, bt_row_stride, bt_col_stride, bt_cols, cp_rank, pad_id,
+        BLOCK_SIZE: tl.constexpr, VIRTUAL_BLOCK_SIZE: tl.constexpr, BLOCKS_PER_KV_BLOCK: tl.constexpr,
+        CP_WORLD_SIZE: tl.constexpr, CP_INTERLEAVE: tl.constexpr, USE_CP: tl.constexpr, IS_CIRCULAR: tl.constexpr, TILE: tl.constexpr, WINDOW: tl.constexpr,
         SLOT_MIN: tl.constexpr, SLOT_MAX: tl.constexpr,
         ERR_QUERY_START: tl.constexpr, ERR_QUERY_ORDER: tl.constexpr, ERR_NUM_TOKENS: tl.constexpr,
         ERR_NEGATIVE: tl.constexpr, ERR_BLOCK_INDEX: tl.constexpr, ERR_OVERFLOW: tl.constexpr,
@@ -169,21 +185,21 @@ def _kernel() -> Callable[..., Any]:
                 # ---- logical position -> (block index, offset, owned by this rank)
                 if IS_CIRCULAR:  # negative positions are padding, not errors
                     bi = tl.zeros([TILE], dtype=tl.int64)
-                    off = pos % block_size
+                    off = pos % BLOCK_SIZE
                     want = m & (pos >= 0)
                     err = tl.zeros([TILE], dtype=tl.int32)
                 elif USE_CP:
-                    vbi = pos // virtual_block_size
-                    vbo = pos % virtual_block_size
-                    is_local = (vbo // cp_interleave) % cp_world_size == cp_rank
-                    local = (vbo // (cp_world_size * cp_interleave)) * cp_interleave + vbo % cp_interleave
-                    bi = vbi * blocks_per_kv_block + local // block_size
-                    off = local % block_size
+                    vbi = pos // VIRTUAL_BLOCK_SIZE
+                    vbo = pos % VIRTUAL_BLOCK_SIZE
+                    is_local = (vbo // CP_INTERLEAVE) % CP_WORLD_SIZE == cp_rank
+                    local = (vbo // (CP_WORLD_SIZE * CP_INTERLEAVE)) * CP_INTERLEAVE + vbo % CP_INTERLEAVE
+                    bi = vbi * BLOCKS_PER_KV_BLOCK + local // BLOCK_SIZE
+                    off = local % BLOCK_SIZE
                     want = m & (pos >= 0) & is_local
                     err = tl.where(m & (pos < 0), ERR_NEGATIVE, 0)
                 else:
-                    bi = pos // block_size
-                    off = pos % block_size
+                    bi = pos // BLOCK_SIZE
+                    off = pos % BLOCK_SIZE
                     want = m & (pos >= 0)
                     err = tl.where(m & (pos < 0), ERR_NEGATIVE, 0)
                 err = err | tl.where(want & (bi >= bt_cols), ERR_BLOCK_INDEX, 0)
@@ -198,7 +214,7 @@ def _kernel() -> Callable[..., Any]:
                 far = read & (rel >= WINDOW)
                 bn_far = tl.load(row_ptr + bi * bt_col_stride, mask=far, other=0)
                 bn = tl.where(near, bn_near, bn_far).to(tl.int64)
-                slot = bn * block_size + off
+                slot = bn * BLOCK_SIZE + off
                 err = err | tl.where(read & ((slot > SLOT_MAX) | (slot < SLOT_MIN)), ERR_OVERFLOW, 0)
                 res = tl.where(read, slot, pad_id).to(tl.int32)
                 tl.store(out_ptr + idx, res, mask=m)
@@ -209,14 +225,20 @@ def _kernel() -> Callable[..., Any]:
 
 def launch_slot_mapping_kernel(
     qsl: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor,
-    err: torch.Tensor, prm: "SlotMappingParams", *, tile: int = DEFAULT_TILE,
+    err: torch.Tensor, prm: "SlotMappingParams", *, tile: Optional[int] = None,
+    num_warps: Optional[int] = None,
 ) -> None:
     """Launch the kernel on validated arguments (no host sync; errors OR into ``err``).
 
     ``qsl`` [num_reqs+1] and ``positions`` [num_tokens] contiguous int32/int64; ``block_table``
     [rows, cols] int32/int64, any strides; ``out`` [max_num_tokens] int32; ``err`` [1] int32.
-    ``tile`` must be a power of two (``tl.arange``).
+    ``tile`` (a power of two, for ``tl.arange``) and ``num_warps`` default to :func:`choose_tile`.
+    Block size, CP sizes and interleave are compile-time constants (divisions by constants
+    become shifts or multiplies): one compiled variant per engine configuration.
     """
+    auto_tile, auto_warps = choose_tile(positions.shape[0], qsl.shape[0] - 1)
+    tile = auto_tile if tile is None else tile
+    num_warps = auto_warps if num_warps is None else num_warps
     if tile < 1 or tile & (tile - 1):
         raise ValueError(f"tile: expected a power of two, got {tile}")
     E = SlotMappingError
@@ -224,13 +246,13 @@ def launch_slot_mapping_kernel(
     _kernel()[grid](
         qsl, positions, block_table, out, err,
         positions.shape[0], prm.max_num_tokens, block_table.stride(0), block_table.stride(1),
-        block_table.shape[1], prm.block_size, prm.kv_block_size * prm.cp_world_size,
-        prm.blocks_per_kv_block,
-        prm.cp_world_size, prm.cp_rank, prm.cp_interleave, prm.pad_id,
-        USE_CP=prm.use_cp, IS_CIRCULAR=prm.circular, TILE=tile,
+        block_table.shape[1], prm.cp_rank, prm.pad_id,
+        BLOCK_SIZE=prm.block_size, VIRTUAL_BLOCK_SIZE=prm.kv_block_size * prm.cp_world_size,
+        BLOCKS_PER_KV_BLOCK=prm.blocks_per_kv_block, CP_WORLD_SIZE=prm.cp_world_size,
+        CP_INTERLEAVE=prm.cp_interleave, USE_CP=prm.use_cp, IS_CIRCULAR=prm.circular, TILE=tile,
         WINDOW=window_size(tile, prm.block_size), SLOT_MIN=_INT32_MIN, SLOT_MAX=_INT32_MAX,
         ERR_QUERY_START=int(E.QUERY_START), ERR_QUERY_ORDER=int(E.QUERY_ORDER),
         ERR_NUM_TOKENS=int(E.NUM_TOKENS), ERR_NEGATIVE=int(E.NEGATIVE_POSITION),
         ERR_BLOCK_INDEX=int(E.BLOCK_INDEX), ERR_OVERFLOW=int(E.SLOT_OVERFLOW),
-        num_warps=NUM_WARPS,
+        num_warps=num_warps,
     )

@@ -48,6 +48,13 @@ LAYOUTS: dict[str, dict[str, Any]] = {
 MAX_CONTEXT = 32768  # tokens already cached before a request's chunk
 MAX_BLOCK_ID = 1 << 20
 TAIL_PAD = 512  # max_num_tokens = num_tokens + TAIL_PAD
+#: (block_size, kv_cache_block_size, cp_world_size, cp_interleave, circular) of the random
+#: equality cases: every branch, a few compiled variants (sizes are compile-time constants).
+EQUALITY_CONFIGS: tuple[tuple[int, int, int, int, bool], ...] = (
+    (16, 16, 1, 1, False), (1, 1, 1, 1, False), (128, 128, 1, 1, False), (16, 16, 1, 1, True),
+    (128, 128, 2, 128, False), (16, 16, 2, 1, False), (16, 64, 4, 16, False), (64, 256, 3, 128, False),
+    (1, 4, 8, 2, False),
+)
 
 
 def make_batch(num_reqs: int, num_tokens: int, layout: dict[str, Any], rng: random.Random,
@@ -111,7 +118,8 @@ def graph_us(fn: Callable[[], Any], repeat: int) -> float:
 def bench_one(name: str, layout: dict[str, Any], num_reqs: int, num_tokens: int, args: argparse.Namespace,
               use_triton: bool, cuda: bool, rng: random.Random) -> dict[str, Any]:
     cpu_tensors, kw = make_batch(num_reqs, num_tokens, layout, rng, "cpu")
-    row: dict[str, Any] = dict(layout=name, num_reqs=num_reqs, num_tokens=num_tokens)
+    tile, warps = tri.choose_tile(num_tokens, num_reqs)
+    row: dict[str, Any] = dict(layout=name, num_reqs=num_reqs, num_tokens=num_tokens, tile=tile, num_warps=warps)
     expected = call(cpu_tensors, kw)
     row["cpu_torch_call_us"] = wall_us(lambda: call(cpu_tensors, kw), args.cpu_repeat, False)
     if not cuda:
@@ -133,13 +141,7 @@ def random_equality(cases: int, rng: random.Random) -> dict[str, Any]:
     """Triton vs the CPU torch path on small random layouts of every branch."""
     mismatches: list[dict[str, Any]] = []
     for i in range(cases):
-        bs = rng.choice([1, 4, 16, 64, 128])
-        world = rng.choice([1, 1, 2, 4])
-        inter = rng.choice([1, 2, 16, 128])
-        kvb = bs * rng.choice([1, 2, 4])
-        while kvb % inter:
-            kvb *= 2
-        circular = world == 1 and rng.random() < 0.2
+        bs, kvb, world, inter, circular = rng.choice(EQUALITY_CONFIGS)
         num_reqs = rng.randint(0, 8)
         lens = [rng.randint(0, 3000) for _ in range(num_reqs)]
         pos_parts = []
@@ -194,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         host=platform.node(), torch=torch.__version__, cuda=cuda,
         device=torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
         triton=__import__("triton").__version__ if use_triton else None,
-        cpu_threads=torch.get_num_threads(), tile=tri.DEFAULT_TILE, num_warps=tri.NUM_WARPS,
+        cpu_threads=torch.get_num_threads(), tile_tiers=tri.TILE_TIERS,
         results=rows,
     )
     if use_triton:

@@ -442,3 +442,15 @@ def test_cuda_out_buffer_in_place_and_strided_table() -> None:
     assert res is out
     ref = reference_slot_mapping(qsl.tolist(), pos.tolist(), bt.tolist(), 4, max_num_tokens=8)
     assert out.tolist() == ref
+
+
+def test_kernel_tiling_helpers() -> None:
+    """Window and tile sizing of the Triton kernel (pure host arithmetic, no triton needed)."""
+    from cpmeta._slot_mapping_triton import choose_tile, window_size
+
+    assert [window_size(1024, b) for b in (128, 16, 1, 4096)] == [16, 128, 2048, 2]
+    assert window_size(4096, 16) == 512
+    assert choose_tile(8192, 256) == (256, 1)
+    assert choose_tile(65536, 64) == (1024, 4)
+    assert choose_tile(65536, 1) == (4096, 16)
+    assert choose_tile(0, 0) == (256, 1)
