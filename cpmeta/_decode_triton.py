@@ -58,9 +58,8 @@ BLOCK_C = 256
 def _seq_rows(
     stg, s, n_seq, positions, input_ids, gate, ngram, cu_q, cu_k, valid, qidx, swa_slot, state_idx,
     ctx_lens, swa_off_len, posc, slot_ca, klen, ca_off_len, stride_ca, stride_sp, stride_dn,
-    BS: tl.constexpr, S: tl.constexpr, W: tl.constexpr, G: tl.constexpr, MNB: tl.constexpr,
-    N_CA: tl.constexpr, N_SP: tl.constexpr, N_DN: tl.constexpr, GATE: tl.constexpr,
-    NGRAM_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BS, S, W, MNB, NGRAM_PAD, G: tl.constexpr, N_CA: tl.constexpr, N_SP: tl.constexpr,
+    N_DN: tl.constexpr, GATE: tl.constexpr, BLOCK_Q: tl.constexpr,
 ):
     """Every per-row field of sequence ``s`` (rows ``row0 .. row0 + seqlen_q``)."""
     active = s < n_seq
@@ -129,8 +128,8 @@ def _seq_rows(
 def _tail_rows(
     t, n_seq, total_q, total_k, seq_cap, q_cap, positions, input_ids, gate, ngram, cu_q, cu_k, valid,
     qidx, swa_slot, state_idx, ctx_lens, swa_off_len, posc, slot_ca, klen, ca_off_len,
-    stride_ca, stride_sp, stride_dn, G: tl.constexpr, N_CA: tl.constexpr, N_SP: tl.constexpr,
-    N_DN: tl.constexpr, GATE: tl.constexpr, NGRAM_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    stride_ca, stride_sp, stride_dn, NGRAM_PAD, G: tl.constexpr, N_CA: tl.constexpr,
+    N_SP: tl.constexpr, N_DN: tl.constexpr, GATE: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """Inert values for rows ``[total_q, q_cap)`` and ``cu_seqlens[n_seq+1 : seq_cap+1]``."""
     idx = t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -165,31 +164,30 @@ def _tail_rows(
 def _decode_metadata_kernel(
     stg, positions, input_ids, gate, ngram, cu_q, cu_k, valid, qidx, swa_slot, state_idx, ctx_lens,
     swa_off_len, posc, slot_ca, klen, ca_off_len, seq_cap, q_cap, stride_ca, stride_sp, stride_dn,
-    BS: tl.constexpr, S: tl.constexpr, W: tl.constexpr, G: tl.constexpr, MNB: tl.constexpr,
-    N_CA: tl.constexpr, N_SP: tl.constexpr, N_DN: tl.constexpr, GATE: tl.constexpr,
-    NGRAM_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_T: tl.constexpr,
+    BS, S, W, MNB, NGRAM_PAD, G: tl.constexpr, N_CA: tl.constexpr, N_SP: tl.constexpr,
+    N_DN: tl.constexpr, GATE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
+    """Config sizes (BS, S, W, MNB, NGRAM_PAD) are runtime ints so a new config does not recompile;
+    only the loop structure (G, ratio counts, GATE, block sizes) is specialised."""
     pid = tl.program_id(0)
     n_seq = tl.load(stg + H_N_SEQ)
     if pid < seq_cap:
         _seq_rows(
             stg, pid, n_seq, positions, input_ids, gate, ngram, cu_q, cu_k, valid, qidx, swa_slot,
             state_idx, ctx_lens, swa_off_len, posc, slot_ca, klen, ca_off_len, stride_ca, stride_sp,
-            stride_dn, BS, S, W, G, MNB, N_CA, N_SP, N_DN, GATE, NGRAM_PAD, BLOCK_Q,
+            stride_dn, BS, S, W, MNB, NGRAM_PAD, G, N_CA, N_SP, N_DN, GATE, BLOCK_Q,
         )
     else:
         _tail_rows(
             pid - seq_cap, n_seq, tl.load(stg + H_TOTAL_Q), tl.load(stg + H_TOTAL_K), seq_cap, q_cap,
             positions, input_ids, gate, ngram, cu_q, cu_k, valid, qidx, swa_slot, state_idx, ctx_lens,
             swa_off_len, posc, slot_ca, klen, ca_off_len, stride_ca, stride_sp, stride_dn,
-            G, N_CA, N_SP, N_DN, GATE, NGRAM_PAD, BLOCK_T,
+            NGRAM_PAD, G, N_CA, N_SP, N_DN, GATE, BLOCK_T,
         )
 
 
 @triton.jit
-def _decode_block_tables_kernel(
-    stg, block_tables, bt_stride, BS: tl.constexpr, M: tl.constexpr, BLOCK_C: tl.constexpr,
-):
+def _decode_block_tables_kernel(stg, block_tables, bt_stride, BS, M, BLOCK_C: tl.constexpr):
     """Row ``row0 + j`` of sequence ``s`` gets its ``cdiv(seqlen_k // M, BS // M)`` defined blocks."""
     s = tl.program_id(0)
     n_seq = tl.load(stg + H_N_SEQ)
@@ -231,12 +229,11 @@ def launch_decode_kernels(stg: torch.Tensor, cfg: MetadataConfig, b: DecodeBuffe
         b.valid_token_mask, b.query_indices, b.slot_mapping_store_swa, b.state_block_idx,
         b.context_lens, b.kv_swa_index_offset_len, posc, slot_ca, klen, off_len, b.seq_cap, b.q_cap, b.positions_c.stride(0), b.klen.stride(0),
         b.kv_ca_index_offset_len.stride(0),
-        BS=cfg.block_size, S=cfg.swa_block_size, W=cfg.window_size, G=cfg.max_ngram_size,
-        MNB=cfg.max_num_blocks, N_CA=len(cfg.ca_ratios), N_SP=len(cfg.sparse_compress_ratios),
-        N_DN=len(cfg.dense_compress_ratios), GATE=cfg.force_load_balance,
-        NGRAM_PAD=cfg.ngram_pad_token, BLOCK_Q=BLOCK_Q, BLOCK_T=BLOCK_T,
+        cfg.block_size, cfg.swa_block_size, cfg.window_size, cfg.max_num_blocks, cfg.ngram_pad_token,
+        G=cfg.max_ngram_size, N_CA=len(cfg.ca_ratios), N_SP=len(cfg.sparse_compress_ratios),
+        N_DN=len(cfg.dense_compress_ratios), GATE=cfg.force_load_balance, BLOCK_Q=BLOCK_Q,
+        BLOCK_T=BLOCK_T,
     )
     _decode_block_tables_kernel[(b.seq_cap,)](
-        stg, b.block_tables, b.block_tables.stride(0), BS=cfg.block_size, M=cfg.min_ratio,
-        BLOCK_C=BLOCK_C,
+        stg, b.block_tables, b.block_tables.stride(0), cfg.block_size, cfg.min_ratio, BLOCK_C=BLOCK_C,
     )
