@@ -59,8 +59,8 @@ def _expand_segments(plan: np.ndarray, total: int, device: torch.device) -> torc
     return (p[1][seg] + p[2][seg] * (torch.arange(total, device=device) - p[3][seg])).to(_I32)
 
 
-def _boundary_value(l: np.ndarray, s: np.ndarray, a: dict[str, Any], cp_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Boundary entry of kept full-local row ``l`` of sequence ``s`` and the end of its full block.
+def _boundary_value(l: np.ndarray, a: dict[str, Any], cp_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Boundary entry of kept full-local rows ``l`` [n_seq, 2] and the end of their full block.
 
     The row lives in block ``blk = l // ps`` on rank ``owner = min(blk, 2p-1-blk)``, which sends
     its kept rows in full-mirror order: earlier sequences (``off``), then its early chunk, then its
@@ -68,18 +68,23 @@ def _boundary_value(l: np.ndarray, s: np.ndarray, a: dict[str, Any], cp_size: in
     max(ps*blk, clip)``; consecutive rows of one block have consecutive entries.
     """
     two_p = 2 * cp_size
-    ps = a["ps"][s]
+    ps = a["ps"][:, None]
     blk = np.minimum(l // ps, two_p - 1)  # clamped: only reached by empty segments
     late = blk >= cp_size
     owner = np.where(late, two_p - 1 - blk, blk)
-    value = (owner * a["pad_len"] + a["off"][s, owner] + np.where(late, a["kept"][s, owner], 0)
-             + l - np.maximum(ps * blk, a["clip"][s]))
+    value = (owner * a["pad_len"] + np.take_along_axis(a["off"], owner, 1)
+             + np.where(late, np.take_along_axis(a["kept"], owner, 1), 0)
+             + l - np.maximum(ps * blk, a["clip"][:, None]))
     return value, (blk + 1) * ps
 
 
 def _cp_plans(cu_q: np.ndarray, cu_c: np.ndarray, cp_rank: int, cp_size: int) -> dict[str, Any]:
     """Host plans of :func:`mirror_yoco`: ``pad_len``, ``mirror_len_c`` and the contrib / boundary
-    segment tables ([3, n_seg] rows ``(length, start, slope)``) of rank ``cp_rank``."""
+    segment tables ([3, n_seg] rows ``(length, start, slope)``) of rank ``cp_rank``.
+
+    Per-sequence arrays are ``[n_seq, 2]``: column 0 this rank's early chunk (block ``r``),
+    column 1 its late chunk (block ``2p-1-r``), in sequence-major order like the mirror rows.
+    """
     q_len, keep_len = np.diff(cu_q), np.diff(cu_c)
     clip = q_len - keep_len
     two_p, n_seq = 2 * cp_size, q_len.shape[0]
@@ -88,29 +93,27 @@ def _cp_plans(cu_q: np.ndarray, cu_c: np.ndarray, cp_rank: int, cp_size: int) ->
     per_rank_seq = kept[:, ranks] + kept[:, two_p - 1 - ranks]  # [n_seq, p]
     a = dict(ps=ps, kept=kept, clip=clip, pad_len=int(per_rank_seq.sum(0).max()),
              off=np.cumsum(per_rank_seq, 0) - per_rank_seq)
-    blocks = np.array([cp_rank, two_p - 1 - cp_rank])  # this rank's early and late chunk
-    s2 = np.repeat(np.arange(n_seq), 2)  # [n_seq * 2], sequence-major
-    b2 = np.tile(blocks, n_seq)
-    slot = np.tile(np.arange(2), n_seq)
-    m_seq = np.cumsum(2 * ps) - 2 * ps  # first full-mirror row of each sequence
-    lo = np.maximum(ps[s2] * b2, clip[s2])
-    contrib = np.stack([kept[s2, b2], m_seq[s2] + slot * ps[s2] + lo - ps[s2] * b2, np.ones_like(s2)])
+    blocks = np.array([cp_rank, two_p - 1 - cp_rank])  # [2]
+    ps2, clip2 = ps[:, None], clip[:, None]
+    m_seq = (np.cumsum(2 * ps) - 2 * ps)[:, None]  # first full-mirror row of each sequence
+    contrib = np.empty((3, n_seq, 2), np.int64)
+    contrib[0] = kept[:, blocks]
+    contrib[1] = m_seq + np.arange(2) * ps2 + np.maximum(ps2 * blocks, clip2) - ps2 * blocks
+    contrib[2] = 1
     # compact mirror rows: chunk (s, slot) holds compact locals ps_c*b + [0, ps_c), real below keep_len;
     # their full locals l0 + i may cross one full block boundary -> pieces A, B, then pad rows
-    ps_c = (keep_len + two_p - 1) // two_p
-    vlen = np.clip(keep_len[s2] - ps_c[s2] * b2, 0, ps_c[s2])
-    l0 = clip[s2] + ps_c[s2] * b2
-    val_a, end_a = _boundary_value(l0, s2, a, cp_size)
+    ps_c = ((keep_len + two_p - 1) // two_p)[:, None]
+    vlen = np.clip(keep_len[:, None] - ps_c * blocks, 0, ps_c)
+    l0 = clip2 + ps_c * blocks
+    boundary = np.empty((3, n_seq, 2, 3), np.int64)  # (length, start, slope) x (A, B, pad)
+    val_a, end_a = _boundary_value(l0, a, cp_size)
     len_a = np.minimum(vlen, np.maximum(end_a - l0, 0))
-    val_b, _ = _boundary_value(l0 + len_a, s2, a, cp_size)
-    zeros, ones = np.zeros_like(s2), np.ones_like(s2)
-    boundary = np.stack([
-        np.stack([len_a, vlen - len_a, ps_c[s2] - vlen], 1).reshape(-1),
-        np.stack([val_a, val_b, -ones], 1).reshape(-1),
-        np.stack([ones, ones, zeros], 1).reshape(-1),
-    ])
-    return dict(pad_len=a["pad_len"], mirror_len_c=int(2 * ps_c.sum()), contrib=contrib,
-                contrib_len=int(per_rank_seq[:, cp_rank].sum()), boundary=boundary)
+    boundary[1, :, :, 1], _ = _boundary_value(l0 + len_a, a, cp_size)
+    boundary[0, :, :, 0], boundary[0, :, :, 1], boundary[0, :, :, 2] = len_a, vlen - len_a, ps_c - vlen
+    boundary[1, :, :, 0], boundary[1, :, :, 2] = val_a, -1
+    boundary[2, :, :, :2], boundary[2, :, :, 2] = 1, 0
+    return dict(pad_len=a["pad_len"], mirror_len_c=int(2 * ps_c.sum()), contrib=contrib.reshape(3, -1),
+                contrib_len=int(per_rank_seq[:, cp_rank].sum()), boundary=boundary.reshape(3, -1))
 
 
 def mirror_yoco(md_full: InputMetadata, md_mirrored: InputMetadata, cp_rank: int, cp_size: int) -> InputMetadata:
