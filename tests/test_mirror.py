@@ -278,7 +278,7 @@ def test_compact_layout_keeps_absolute_positions() -> None:
 
 def _expand_both(sq: list[int], sk: list[int], p: int, r: int, ratios: tuple[int, ...]) -> tuple[Any, Any]:
     """The numpy (CPU) and the torch (device) expansion of the same plans, both run on the CPU."""
-    from cpmeta import mirror as M
+    from cpmeta import _mirror_plan as M
 
     cu_q, cu_k = _cu(sq).numpy().astype("int64"), _cu(sk).numpy().astype("int64")
     length = cp_mirror_len(_cu(sq), p)
