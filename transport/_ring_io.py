@@ -3,8 +3,8 @@
 The attributes used here are created by ``ShmRing.__init__``: ``_buf`` (memoryview of the whole
 mapping), ``_head``, ``_tails``, ``_states``, ``_pids``, ``_waiting``, ``_writer_waiting``,
 ``_closed`` (ctypes words in the mapping), ``_data_at``, ``_ring_bytes``, ``_spin_s``,
-``_watch`` (``PeerWatch`` per reader index, ``-1`` = writer), ``handle``, ``reader_index``,
-``timeout``.
+``_watch`` (``PeerWatch`` per reader index, ``-1`` = writer), ``_max_bytes``, ``handle``,
+``reader_index``, ``timeout``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Optional, Sequence, TypeVar, Union
 
-from . import envs
 from ._futex import HAVE_FENCE, NEEDS_RELEASE_FENCE, fence, futex_wait, futex_wake
 from ._ring_layout import (ABSENT, ATTACHED, CLOSED, KIND_DATA, KIND_PAD, LIVENESS_SLICE_S,
                            MSG_HEADER, cdiv)
@@ -198,7 +197,7 @@ class RingIO:
             if kind != KIND_DATA:
                 raise RuntimeError(f"ShmRing reader: corrupt message header at slot {tail}")
             break
-        limit = envs.max_message_bytes()
+        limit = self._max_bytes
         if length > limit:
             raise ValueError(f"ShmRing reader: message of {length} bytes exceeds "
                              f"CPMETA_MAX_MESSAGE_BYTES={limit}")

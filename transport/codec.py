@@ -56,14 +56,7 @@ MAX_DIMS = 16  # dimensions of a TensorDesc shape
 MAX_DIM = 1 << 48  # largest single dimension of a TensorDesc
 SCHEMA_FINGERPRINT_LEN = 16  # bytes returned by schema_fingerprint
 _HEADER = struct.Struct("<4sBBH")
-_INT_MIN, _INT_MAX = -(1 << 63), (1 << 64) - 1
 _SCALARS = frozenset({type(None), bool, int, float, str, bytes})
-# msgpack decodes its timestamp extension (code -1) natively. Its headers are fixext4/fixext8
-# (0xd6/0xd7 then type byte 0xff) or ext8 (0xc7, length, 0xff); only when such bytes occur is the
-# decoded tree validated (so a timestamp is refused like any other unsupported type).
-_TIMESTAMP_HEADERS = (b"\xd6\xff", b"\xd7\xff")
-_EXT8 = 0xC7
-_EXT_TIMESTAMP_BYTE = 0xFF
 
 
 def _dtype_table() -> dict[str, torch.dtype]:
@@ -269,20 +262,6 @@ def _tensor_desc(v: Any) -> TensorDesc:
         raise CodecError(f"tensor descriptor: {e}") from None
 
 
-def _may_hold_timestamp(buf: Any, start: int) -> bool:
-    """True when ``buf[start:]`` contains a byte pattern of a msgpack timestamp header."""
-    if not isinstance(buf, (bytes, bytearray)):
-        buf = bytes(buf)
-    if any(buf.find(h, start) >= 0 for h in _TIMESTAMP_HEADERS):
-        return True
-    i = buf.find(_EXT8, start)
-    while 0 <= i < len(buf) - 2:
-        if buf[i + 2] == _EXT_TIMESTAMP_BYTE:
-            return True
-        i = buf.find(_EXT8, i + 1)
-    return False
-
-
 def decode(data: Any, *, schema: bytes = b"", max_bytes: Optional[int] = None) -> Any:
     """Parse bytes produced by :func:`encode` (any bytes-like object; parsed in place).
 
@@ -317,8 +296,7 @@ def decode(data: Any, *, schema: bytes = b"", max_bytes: Optional[int] = None) -
     body = view[body_at:]
     try:
         obj = _Decoder(n).unpack(body)
-        if _may_hold_timestamp(data if isinstance(data, (bytes, bytearray)) else body, body_at
-                               if isinstance(data, (bytes, bytearray)) else 0):
+        if not _valid(obj):  # e.g. msgpack's native timestamp (code -1): ext_hook never sees it
             _check(obj, "$", 0)
     except CodecError:
         raise

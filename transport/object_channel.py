@@ -61,6 +61,7 @@ class ObjectChannel:
             raise ValueError(f"src: global rank {src} is not in the group {self.ranks}")
         self.schema = schema
         self.timeout = envs.transport_timeout() if timeout is None else float(timeout)
+        self._max_bytes = envs.max_message_bytes()
         self.ctrl = cpu_group(self.group)
         force = envs.force_remote() if force_remote is None else bool(force_remote)
         keys = host_keys(self.ctrl)
@@ -92,9 +93,12 @@ class ObjectChannel:
                             self._remote_group)
             return obj
         if self.ring is not None:
-            return self.ring.read(lambda view, owned: decode(view, schema=self.schema))
+            return self.ring.read(lambda view, owned: self._decode(view))
         frame = bcast_frame(None, self.src, self._remote_group)
-        return decode(tensor_memoryview(frame), schema=self.schema)
+        return self._decode(tensor_memoryview(frame))
+
+    def _decode(self, view: memoryview) -> Any:
+        return decode(view, schema=self.schema, max_bytes=self._max_bytes)
 
     # ------------------------------------------------------------------ object + tensors
 
@@ -147,7 +151,7 @@ class ObjectChannel:
         (hlen,) = _LEN.unpack_from(view, 0)
         if _LEN.size + hlen > view.nbytes:
             raise CodecError("packed frame: header runs past the frame")
-        msg = decode(view[_LEN.size:_LEN.size + hlen], schema=self.schema)
+        msg = self._decode(view[_LEN.size:_LEN.size + hlen])
         if (type(msg) is not list or len(msg) != 2 or type(msg[1]) is not list
                 or not all(type(d) is TensorDesc for d in msg[1])):
             raise CodecError("packed frame: expected [obj, [TensorDesc, ...]]")

@@ -185,6 +185,7 @@ class ShmRing(RingIO):
         self._buf = self._res.buf
         self._watch: dict[int, PeerWatch] = self._res.watch
         self._spin_s = _auto_spin_us(handle.num_readers) * 1e-6
+        self._max_bytes = envs.max_message_bytes()
 
     # ------------------------------------------------------------------ construction
 
