@@ -23,7 +23,9 @@ from ._batch import (
     check_int32,
     compressed_slots,
     extract_batch,
+    fdiv,
     fill_common,
+    fmod,
 )
 from .config import MetadataConfig
 from .metadata import InputMetadata
@@ -70,7 +72,7 @@ def _fill_block_tables(b: BatchArrays, cfg: MetadataConfig, out: Out) -> torch.T
 def _fill_ratio_fields(b: BatchArrays, cfg: MetadataConfig, out: Out, f: dict[str, Any]) -> None:
     """``klen``, ``positions_c``, ``slot_mapping_store_ca``, ``kv_ca_index_offset_len``.
 
-    A row writes compressed token ``c = pos // n`` only when ``(pos + 1) % n == 0`` (it closes
+    A row writes compressed token ``c = fdiv(pos, n)`` only when ``(pos + 1) % n == 0`` (it closes
     the group of n tokens); otherwise ``positions_c = 0`` and slot -1. Offsets of row i:
     ``i * max_num_blocks * (block_size // n)`` (its row of ``block_tables``, flattened).
     """
@@ -82,12 +84,12 @@ def _fill_ratio_fields(b: BatchArrays, cfg: MetadataConfig, out: Out, f: dict[st
     f["klen"] = {}
     for r in cfg.sparse_compress_ratios:
         f["klen"][str(r)], a = alloc(out, f"klen.{r}", (T,), torch.int32)
-        np.floor_divide(pos1, r, out=a, casting="unsafe")
+        fdiv(pos1, r, out=a)
     f["positions_c"], f["slot_mapping_store_ca"] = {}, {}
     for n in cfg.ca_ratios:
         k = str(n)
-        closes = pos1 % n == 0
-        c = pos // n
+        closes = fmod(pos1, n) == 0
+        c = fdiv(pos, n)
         f["positions_c"][k], a = alloc(out, f"positions_c.{k}", (T,), torch.int32)
         np.multiply(c, n, out=a, casting="unsafe")
         a[~closes] = 0
@@ -99,7 +101,7 @@ def _fill_ratio_fields(b: BatchArrays, cfg: MetadataConfig, out: Out, f: dict[st
         k = str(n)
         f["kv_ca_index_offset_len"][k], a = alloc(out, f"kv_ca_index_offset_len.{k}", (T, 2), torch.int32)
         np.multiply(row_off, cfg.block_size // n, out=a[:, 0], casting="unsafe")
-        np.floor_divide(pos1, n, out=a[:, 1], casting="unsafe")
+        fdiv(pos1, n, out=a[:, 1])
 
 
 def prepare_decode(
@@ -136,7 +138,7 @@ def prepare_decode(
     a[:] = pos1
     w = np.minimum(pos1, W)
     f["kv_swa_index_offset_len"], a = alloc(out, "kv_swa_index_offset_len", (T, 2), torch.int32)
-    a[:, 0] = state * S + (pos1 - w) % S
+    a[:, 0] = state * S + fmod(pos1 - w, S)
     a[:, 1] = w
     f["block_tables"] = _fill_block_tables(b, cfg, out)
     _fill_ratio_fields(b, cfg, out, f)

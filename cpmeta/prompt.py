@@ -28,6 +28,7 @@ from ._batch import (
     check_int32,
     compressed_slots,
     extract_batch,
+    fdiv,
     fill_common,
     loaded_compressed_len,
 )
@@ -118,13 +119,13 @@ def _fill_compressed_reads(
         f["ks"][k], a = alloc(out, f"ks.{k}", (T,), torch.int32)
         a[:] = base
         f["ke"][k], a = alloc(out, f"ke.{k}", (T,), torch.int32)
-        a[:] = base + pos1 // r
+        a[:] = base + fdiv(pos1, r)
     f["kv_ca_index_offset_len"] = {}
     for n in cfg.dense_compress_ratios:
         k = str(n)
         f["kv_ca_index_offset_len"][k], a = alloc(out, f"kv_ca_index_offset_len.{k}", (T, 2), torch.int32)
         a[:, 0] = cu_ck[n][rs]
-        np.floor_divide(pos1, n, out=a[:, 1], casting="unsafe")
+        fdiv(pos1, n, out=a[:, 1])
 
 
 def _fill_swa_pivots(b: BatchArrays, cfg: MetadataConfig, out: Out) -> torch.Tensor:

@@ -332,6 +332,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.set_num_threads(1)
+    load0 = os.getloadavg()[0]  # the machine is shared: record how busy it was
     repeat = args.repeat or (20 if args.quick else 200)
     ctx = BenchContext(quick=args.quick, repeat=repeat, ref_repeat=1 if args.quick else 3,
                        ref=None if args.no_ref else _load_reference(), rng=random.Random(args.seed),
@@ -352,7 +353,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpu_count": os.cpu_count(), "python": platform.python_version(),
+                    "cpu_count": os.cpu_count(), "loadavg_1m_start_end": [load0, os.getloadavg()[0]],
+                    "python": platform.python_version(),
                     "torch": torch.__version__, "threads": torch.get_num_threads()},
         "reference": ctx.ref is not None, "repeat": repeat, "results": results,
     }

@@ -265,3 +265,34 @@ def test_attn_info_cuda_equals_cpu(seed: int) -> None:
         for name in ("kv_swa_full_index", "kv_swa_index"):
             if getattr(cpu, name) is not None:
                 assert torch.equal(getattr(gpu, name).cpu(), getattr(cpu, name)), name
+
+
+def _as_lists(v):  # tensors -> nested lists, dicts kept
+    if isinstance(v, torch.Tensor):
+        return v.tolist()
+    if isinstance(v, dict):
+        return {k: _as_lists(x) for k, x in v.items()}
+    return v
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_non_power_of_two_sizes_match_reference(seed: int) -> None:
+    """The builders use shifts/masks for power-of-two divisors; cover the divide path too."""
+    from reference import ALL_REF_FIELDS, ref_compute_attn_info, ref_prepare_decode, ref_prepare_prompt
+    from strategies import random_config, random_decode_batch, random_prompt_batch
+
+    rng = random.Random(seed)
+    bs = rng.choice([12, 24, 60])
+    divs = [d for d in range(1, bs + 1) if bs % d == 0]
+    cfg = random_config(rng, block_size=bs, dense_compress_ratios=tuple(sorted(set(rng.sample(divs, 2)))),
+                        sparse_compress_ratios=(rng.choice(divs),), window_size=rng.choice([5, 30]),
+                        swa_block_size=37)
+    for prompt in (True, False):
+        seqs = (random_prompt_batch if prompt else random_decode_batch)(rng, cfg)
+        md = compute_attn_info((prepare_prompt if prompt else prepare_decode)(seqs, cfg), cfg)
+        ref = ref_compute_attn_info((ref_prepare_prompt if prompt else ref_prepare_decode)(seqs, cfg), cfg)
+        for name in ALL_REF_FIELDS:
+            got = _as_lists(getattr(md, name))
+            if name == "block_tables":
+                got = [row[: len(e)] for row, e in zip(got, ref[name])]
+            assert got == ref[name], name
