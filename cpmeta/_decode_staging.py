@@ -59,6 +59,7 @@ __all__ = [
     "DecodeStaging",
     "staging_capacity",
     "fill_staging",
+    "write_staging",
 ]
 
 logger = logging.getLogger(__name__)
@@ -239,6 +240,15 @@ def fill_staging(
     """
     b = extract_batch(seqs, cfg, is_prompt=False)
     _check_int32(b, cfg)
+    return write_staging(view, b, cfg)
+
+
+def write_staging(view: np.ndarray, b: BatchArrays, cfg: MetadataConfig) -> StagedDecode:
+    """Write already extracted and validated per-sequence arrays ``b`` into ``view`` (numpy only).
+
+    Split from :func:`fill_staging` so the cost of reading ``SequenceMetadata`` objects (which
+    dominates the host time) and the cost of the staging itself can be measured apart.
+    """
     n, total_q = b.n_seq, b.total_q
     total_b = len(b.bt_flat) - 1
     g = cfg.max_ngram_size
@@ -307,10 +317,16 @@ class DecodeStaging:
             self._event.synchronize()
 
     def fill(self, seqs: Sequence[SequenceMetadata], cfg: MetadataConfig) -> StagedDecode:
-        """Write ``seqs`` into the host buffer only (no copy); grows it unless ``fixed``."""
+        """Validate ``seqs`` and write them into the host buffer only (no copy); grows it unless ``fixed``."""
+        b = extract_batch(seqs, cfg, is_prompt=False)
+        _check_int32(b, cfg)
+        return self.fill_arrays(b, cfg)
+
+    def fill_arrays(self, b: BatchArrays, cfg: MetadataConfig) -> StagedDecode:
+        """:meth:`fill` from already extracted and validated arrays (``extract_batch``'s)."""
         self.wait()
         try:
-            return fill_staging(self._view, seqs, cfg)
+            return write_staging(self._view, b, cfg)
         except BufferError as e:
             need = int(e.args[0])
             if self.fixed:
@@ -319,7 +335,7 @@ class DecodeStaging:
                 ) from None
             logger.debug("growing decode staging buffer %d -> %d", self.capacity, need)
             self._alloc(int(need * _GROWTH))
-            return fill_staging(self._view, seqs, cfg)
+            return write_staging(self._view, b, cfg)
 
     def upload(self, staged: StagedDecode) -> None:
         """ONE non-blocking host-to-device copy of the used prefix, then record the event."""

@@ -11,9 +11,12 @@ Per case (64 / 256 sequences, 0 / 2 MTP drafts, default ``MetadataConfig``: bloc
 - ``inplace``: ``prepare_decode_inplace(seqs, cfg, out=out, device=dev, staging=st)`` and a sync
   (validation + staging + ONE H2D copy + the two kernels), i.e. the per-step latency;
 - ``inplace_cpu``: the same call without the sync (host time per step; the GPU work overlaps);
-- breakdown: ``stage`` (validate + fill + copy enqueue), ``kernels`` (launch + run, synced),
-  ``kernels_cpu`` (the two launches alone, host time) and ``graph_replay`` (the kernels captured
-  in a CUDA graph, replayed, synced).
+- breakdown: ``stage`` (validate + fill + copy enqueue), ``extract`` (the builders'
+  ``extract_batch`` alone: reading the ``SequenceMetadata`` objects), ``kernels``
+  (``launch_decode_inplace``: cached graph replay of the two kernels, synced), ``kernels_cpu``
+  (the same, host time only) and ``graph_replay`` (a bare ``CUDAGraph.replay`` of the kernels);
+- ``from_arrays``: staging from already extracted arrays + copy + kernels + sync, i.e. a step
+  when the scheduler hands over per-sequence arrays instead of Python objects.
 
 ``decode_256_d0_np`` repeats the 256-sequence case with block tables held as int32 numpy arrays
 (reading ~8k Python ints out of lists dominates the host time otherwise).
@@ -47,6 +50,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_build import decode_batch, time_us  # noqa: E402  (same batches and timer as the builders)
 from cpmeta import MetadataConfig  # noqa: E402
+from cpmeta._batch import extract_batch  # noqa: E402
 from cpmeta.decode import prepare_decode  # noqa: E402
 from cpmeta.decode_inplace import (  # noqa: E402
     DecodeStaging, launch_decode_inplace, prepare_decode_inplace, staging_capacity,
@@ -140,6 +144,15 @@ def run_case(n: int, drafts: int, dev: torch.device, repeat: int, rng: random.Ra
     res["kernels"] = time_us(lambda: launch_decode_inplace(st, cfg, out=out), repeat, sync=cuda)
     res["kernels_cpu"] = time_us(lambda: launch_decode_inplace(st, cfg, out=out), repeat)
     sync()
+    b = extract_batch(seqs, cfg, is_prompt=False)
+
+    def from_arrays() -> None:  # what a step costs when the scheduler hands over arrays
+        st.upload(st.fill_arrays(b, cfg))
+        launch_decode_inplace(st, cfg, out=out)
+        sync()
+
+    res["from_arrays"] = time_us(from_arrays, repeat)
+    res["extract"] = time_us(lambda: extract_batch(seqs, cfg, is_prompt=False), repeat)
     replay = _graph_fn(st, cfg, out)
     if replay is not None:
         res["graph_replay"] = time_us(replay, repeat)
@@ -148,7 +161,8 @@ def run_case(n: int, drafts: int, dev: torch.device, repeat: int, rng: random.Ra
 
 
 def _table(results: dict[str, dict[str, Any]]) -> str:
-    cols = ("eager_copy", "inplace", "inplace_cpu", "stage", "kernels", "kernels_cpu", "graph_replay")
+    cols = ("eager_copy", "inplace", "inplace_cpu", "stage", "extract", "kernels", "kernels_cpu",
+            "graph_replay", "from_arrays")
     head = f"{'case':<17}{'rows':>6}" + "".join(f"{c:>13}" for c in cols) + f"{'speedup':>9}"
     lines = [head, "-" * len(head)]
     for name, r in results.items():
