@@ -55,6 +55,49 @@ BLOCK_C = 256
 
 
 @triton.jit
+def _ratio_rows(
+    stg, bt, ph, row, pos, m, posc, slot_ca, klen, ca_off_len, stride_ca, stride_sp, stride_dn,
+    BS, MNB, N_CA: tl.constexpr, N_SP: tl.constexpr, N_DN: tl.constexpr,
+):
+    """All ratios in one pass: positions_c / slot_mapping_store_ca (ca), klen (sparse),
+    kv_ca_index_offset_len (dense). Ratio n, row at pos: ``(pos+1) % n == 0`` closes compressed
+    token ``c = pos // n`` -> slot ``bt[c // b_c] * b_c + c % b_c`` (b_c = BS // n); e.g. n=4,
+    BS=16, pos=23: c=5, slot = bt[1]*4 + 1. Dense offset of row i: ``i * MNB * (BS // n)``."""
+    for ri in tl.static_range(N_CA):
+        n = tl.load(stg + HEADER_FIXED + ri)
+        b_c = BS // n
+        done = ((pos + 1) % n) == 0
+        c = pos // n
+        blk = tl.load(bt + c // b_c, mask=m & done, other=0)
+        tl.store(posc + ri * stride_ca + row, tl.where(done, c * n, 0), mask=m)
+        slot = tl.where(done & (ph == 0), blk * b_c + c % b_c, PAD_SLOT_ID)
+        tl.store(slot_ca + ri * stride_ca + row, slot, mask=m)
+    for ri in tl.static_range(N_SP):
+        r = tl.load(stg + HEADER_FIXED + N_CA + ri)
+        tl.store(klen + ri * stride_sp + row, (pos + 1) // r, mask=m)
+    for ri in tl.static_range(N_DN):
+        n = tl.load(stg + HEADER_FIXED + N_CA + N_SP + ri)
+        dst = ca_off_len + ri * stride_dn + row * 2
+        tl.store(dst, row * (MNB * (BS // n)), mask=m)
+        tl.store(dst + 1, (pos + 1) // n, mask=m)
+
+
+@triton.jit
+def _ngram_rows(stg, ngram, here, row, m, NGRAM_PAD, G: tl.constexpr, BLOCK_Q: tl.constexpr):
+    """Engram row from the staged window: ``here`` is the window element of the row's own position;
+    column c reads ``here - c`` and is the pad id once any barrier was met at ``here - c .. here``
+    (running OR). E.g. G=3, barrier flags (0, 1, 0) at here-2, here-1, here: columns 0, 1, 2 =
+    (v[here], pad, pad)."""
+    here = tl.load(stg + H_OFF_NGV) + here
+    bar_base = tl.load(stg + H_OFF_NGB) - tl.load(stg + H_OFF_NGV)
+    flag = tl.zeros([BLOCK_Q], tl.int32)
+    for c in tl.static_range(G):
+        flag = flag | tl.load(stg + bar_base + here - c, mask=m, other=1)
+        v = tl.load(stg + here - c, mask=m, other=0)
+        tl.store(ngram + row * G + c, tl.where(flag != 0, NGRAM_PAD, v), mask=m)
+
+
+@triton.jit
 def _seq_rows(
     stg, s, n_seq, positions, input_ids, gate, ngram, cu_q, cu_k, valid, qidx, swa_slot, state_idx,
     ctx_lens, swa_off_len, posc, slot_ca, klen, ca_off_len, stride_ca, stride_sp, stride_dn,
@@ -96,31 +139,10 @@ def _seq_rows(
         w = tl.minimum(pos + 1, W)
         tl.store(swa_off_len + row * 2, state * S + (pos - w + 1) % S, mask=m)
         tl.store(swa_off_len + row * 2 + 1, w, mask=m)
-        for ri in tl.static_range(N_CA):
-            n = tl.load(stg + HEADER_FIXED + ri)
-            b_c = BS // n
-            done = ((pos + 1) % n) == 0
-            c = pos // n
-            blk = tl.load(bt + c // b_c, mask=m & done, other=0)
-            tl.store(posc + ri * stride_ca + row, tl.where(done, c * n, 0), mask=m)
-            slot = tl.where(done & (ph == 0), blk * b_c + c % b_c, PAD_SLOT_ID)
-            tl.store(slot_ca + ri * stride_ca + row, slot, mask=m)
-        for ri in tl.static_range(N_SP):
-            r = tl.load(stg + HEADER_FIXED + N_CA + ri)
-            tl.store(klen + ri * stride_sp + row, (pos + 1) // r, mask=m)
-        for ri in tl.static_range(N_DN):
-            n = tl.load(stg + HEADER_FIXED + N_CA + N_SP + ri)
-            dst = ca_off_len + ri * stride_dn + row * 2
-            tl.store(dst, row * (MNB * (BS // n)), mask=m)
-            tl.store(dst + 1, (pos + 1) // n, mask=m)
+        _ratio_rows(stg, bt, ph, row, pos, m, posc, slot_ca, klen, ca_off_len, stride_ca, stride_sp,
+                    stride_dn, BS, MNB, N_CA, N_SP, N_DN)
         if G > 0:
-            here = tl.load(stg + H_OFF_NGV) + row0 + s * (G - 1) + (G - 1) + j
-            bar_base = tl.load(stg + H_OFF_NGB) - tl.load(stg + H_OFF_NGV)
-            flag = tl.zeros([BLOCK_Q], tl.int32)
-            for c in tl.static_range(G):
-                flag = flag | tl.load(stg + bar_base + here - c, mask=m, other=1)
-                v = tl.load(stg + here - c, mask=m, other=0)
-                tl.store(ngram + row * G + c, tl.where(flag != 0, NGRAM_PAD, v), mask=m)
+            _ngram_rows(stg, ngram, row0 + s * (G - 1) + (G - 1) + j, row, m, NGRAM_PAD, G, BLOCK_Q)
         j0 += BLOCK_Q
 
 
