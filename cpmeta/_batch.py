@@ -267,7 +267,9 @@ def extract_batch(
         is_placeholder=np.fromiter(map(_PH, seqs), bool, n), cu_q=cu[0], cu_k=cu[1],
         bt_flat=bt_flat, bt_start=bt_start, bt_need=need,
         input_ids=_input_ids(is_prompt, toks, drafts, q_start, cols[1], n, total_q),
-        row_seq=row_seq, row_j=row_j, row_pos=q_start[row_seq] + row_j, seqs=seqs,
+        row_seq=row_seq, row_j=row_j,
+        row_pos=q_start if total_q == n else q_start[row_seq] + row_j,  # one row each: pos = q_start
+        seqs=seqs,
         is_prompt=is_prompt,
     )
 
