@@ -90,7 +90,8 @@ def _fill_compressed_writes(b: BatchArrays, cfg: MetadataConfig, out: Out, f: di
         a[:] = np.where(valid, c * n, 0)
         f["slot_mapping_store_ca"][k], a = alloc(out, f"slot_mapping_store_ca.{k}", (R,), torch.int32)
         a[:] = compressed_slots(b, seq, c, valid & writes[seq], n, cfg)
-        f["cu_compressed_seqlens_q"][k], a = alloc(out, f"cu_compressed_seqlens_q.{k}", (b.n_seq + 1,), torch.int32)
+        name = f"cu_compressed_seqlens_q.{k}"
+        f["cu_compressed_seqlens_q"][k], a = alloc(out, name, (b.n_seq + 1,), torch.int32)
         a[:] = cu
 
 
@@ -108,7 +109,8 @@ def _fill_compressed_reads(
     f["cu_compressed_seqlens_k"], f["load_segments_ca"], f["total_k_compressed"] = {}, {}, {}
     for n in cfg.ca_ratios:
         k = str(n)
-        f["cu_compressed_seqlens_k"][k], a = alloc(out, f"cu_compressed_seqlens_k.{k}", (b.n_seq + 1,), torch.int32)
+        name = f"cu_compressed_seqlens_k.{k}"
+        f["cu_compressed_seqlens_k"][k], a = alloc(out, name, (b.n_seq + 1,), torch.int32)
         a[:] = cu_ck[n]
         f["load_segments_ca"][k] = paged_load_segments(b, cfg, n, cu_ck[n][:-1], out)
         f["total_k_compressed"][k] = int(cu_ck[n][-1])

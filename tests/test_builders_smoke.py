@@ -98,8 +98,8 @@ def test_expansion_helpers_examples() -> None:
     ol = torch.tensor([[22, 4]], dtype=torch.int32)
     assert expand_swa_ring(ol, 6, 8).tolist() == [[22, 23, 16, 17, -1, -1]]
     bt = torch.tensor([[1, 2, 3, 4], [9, 4, 0, 0]], dtype=torch.int32)
-    row = expand_paged_offset_len(torch.tensor([128], dtype=torch.int32), torch.tensor([40], dtype=torch.int32),
-                                  48, bt, 32)[0].tolist()
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    row = expand_paged_offset_len(i32(128), i32(40), 48, bt, 32)[0].tolist()
     assert row[:32] == list(range(288, 320)) and row[32:40] == list(range(128, 136))
     assert row[40:] == [-1] * 8
 
@@ -117,8 +117,8 @@ def test_paged_expansion_aligned_equals_generic() -> None:
         assert a.shape == (5, width) and a.is_contiguous()
     # an unaligned offset takes the generic path: p = 130 + k, tpb 32 -> block 4 (=7) at 2.., block 5 (=8)
     bt = torch.tensor([[0, 0, 0, 0, 7, 8]], dtype=torch.int32)
-    row = expand_paged_offset_len(torch.tensor([130], dtype=torch.int32), torch.tensor([32], dtype=torch.int32),
-                                  40, bt, 32)[0].tolist()
+    i32 = lambda *v: torch.tensor(v, dtype=torch.int32)  # noqa: E731
+    row = expand_paged_offset_len(i32(130), i32(32), 40, bt, 32)[0].tolist()
     assert row[:30] == list(range(226, 256)) and row[30:32] == [256, 257] and row[32:] == [-1] * 8
 
 
