@@ -14,8 +14,9 @@ Measured in one run, on real processes (gloo, one host):
 
 Latency = time from the source starting the call until the LAST follower holds the result
 (``time.perf_counter_ns`` is CLOCK_MONOTONIC, shared by the processes of one host); every
-iteration starts after a barrier and a 300 µs pause of the source, so messages never queue
-and followers are measured waking from their wait. p50/p90 over iterations.
+iteration starts after a barrier and a 2 ms busy pause of the source (it stays warm, like a
+driver building metadata), so messages never queue and followers are measured waking from their
+wait. p50/p90 over iterations.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from transport import ObjectChannel, TensorChannel
 SIZES = [256, 4096, 65536, 1 << 20, 4 << 20]
 QUICK_SIZES = [256, 4096, 65536, 1 << 20]
 THRESHOLD_SIZES = [1 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
-SETTLE_S = 300e-6  # source pause after each barrier, so followers are already waiting
+SETTLE_S = 2e-3  # source pause after each barrier: followers have left it and are waiting
 DECODE_ROWS = 512  # rows of the decode-like payload
 DECODE_BLOCKS = 128  # block-table columns (int32): 512 * 128 * 4 B = 256 KiB
 
@@ -60,8 +61,10 @@ def _latency(rank: int, iters: int, step: Callable[[int], int]) -> tuple[float, 
     lat = torch.zeros(iters, dtype=torch.float64)
     for i in range(iters + 3):
         dist.barrier()
-        if rank == 0:
-            time.sleep(SETTLE_S)  # let the followers block in their receive first
+        if rank == 0:  # busy, like a driver building metadata (a sleep would cool its caches)
+            end = time.perf_counter() + SETTLE_S
+            while time.perf_counter() < end:
+                pass
         t0 = time.perf_counter_ns()
         seen = step(t0)
         if i >= 3 and rank != 0:

@@ -184,3 +184,19 @@ def _nccl(rank: int, world_size: int) -> bool:
         assert all(_bytes_equal(x, y.cpu()) for x, y in zip(tensors, got))
     ch = ObjectChannel(None, 1)  # NCCL group: the channel makes its own gloo group
     return ch.broadcast({"ok": True} if rank == 1 else None)["ok"]
+
+
+def _cuda_gloo(rank: int, world_size: int) -> bool:
+    tensors = _tensor_list(4)
+    on_gpu = [t.cuda() if i % 3 == 0 else t for i, t in enumerate(tensors)]  # mixed host/device
+    tc = TensorChannel(None, 0, device="cuda", verify=True)
+    for _ in range(3):  # the pinned staging buffer is reused across calls
+        got = tc.broadcast(on_gpu if rank == 0 else [(t.dtype, tuple(t.shape)) for t in tensors])
+        assert all(g.device.type == "cuda" for g in got)
+        assert all(_bytes_equal(x, y.cpu()) for x, y in zip(tensors, got))
+    return True
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tensor_channel_cuda_staging_over_gloo() -> None:
+    assert run_ranks(_cuda_gloo, 2, timeout=200) == [True, True]

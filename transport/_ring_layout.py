@@ -18,7 +18,7 @@ MSG_HEADER = struct.Struct("<QII")  # payload length, kind, pad slot count (kind
 KIND_DATA, KIND_PAD = 0, 1
 EMPTY, ATTACHED, CLOSED, ABSENT = 0, 1, 2, 3  # reader block states
 LIVENESS_SLICE_S = 0.05  # longest single futex sleep; peers are checked between sleeps
-DEFAULT_SPIN_US = 50.0  # reader spin before blocking, when every ring process has a core
+DEFAULT_SPIN_US = 1000.0  # reader spin before blocking, only when every ring process has a core
 MIN_SLOT_SIZE = 64
 
 

@@ -77,6 +77,9 @@ class TensorChannel:
         self.device = torch.device(device)
         self.verify = self.device.type == "cpu" if verify is None else verify
         self.reuse_buffers = reuse_buffers
+        # gloo moves CUDA tensors on its own streams: sync around its broadcast
+        self._sync_before_send = (self.device.type == "cuda"
+                                  and "nccl" not in str(dist.get_backend(self.group)).lower())
         self._pinned: Optional[torch.Tensor] = None
         self._pinned_free: Optional[Any] = None  # CUDA event: last H2D copy out of _pinned done
         self._out: Optional[torch.Tensor] = None
@@ -100,7 +103,11 @@ class TensorChannel:
         buf = self._buffer(total)
         if is_src:
             self._fill(buf, tensors, offsets, _HEADER.pack(crc, len(descs), total))
+            if self._sync_before_send:
+                torch.cuda.current_stream(self.device).synchronize()
         dist.broadcast(buf, src=self.src, group=self.group)
+        if self._sync_before_send and not is_src:
+            torch.cuda.synchronize(self.device)  # gloo's CUDA receive is not stream-ordered here
         if not is_src and self.verify:
             self._check(buf, crc, len(descs), total)
         return views_of(buf, descs, offsets)
@@ -142,7 +149,8 @@ class TensorChannel:
         return self._pinned[:n]
 
     def _check(self, buf: torch.Tensor, crc: int, count: int, total: int) -> None:
-        got = _HEADER.unpack(bytes(tensor_memoryview(buf[:_HEADER.size].cpu())))
+        head = buf[:_HEADER.size].cpu()  # keep the host copy alive while its bytes are read
+        got = _HEADER.unpack(bytes(tensor_memoryview(head)))
         if got != (crc, count, total):
             raise ValueError(f"specs: rank {self.rank}'s specs ({count} tensors, {total} bytes) do "
                              f"not match the source rank {self.src}'s tensors ({got[1]} tensors, "
