@@ -20,6 +20,7 @@ same tensor object on the receiver.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 from dataclasses import fields
@@ -36,15 +37,19 @@ __all__ = ["MetadataBroadcaster", "SCHEMA_FINGERPRINT", "MESSAGE_VERSION"]
 logger = logging.getLogger(__name__)
 
 #: Version of the broadcaster's message layout (on top of the codec's own protocol version).
-MESSAGE_VERSION = 1
+MESSAGE_VERSION = 2
 
-_DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-        torch.float16, torch.bfloat16, torch.float32, torch.float64,
-    )
-}
+#: Wire code of a dtype = its index here (append only: the codes are part of the message layout).
+WIRE_DTYPES: tuple[torch.dtype, ...] = (
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.bfloat16, torch.float32, torch.float64,
+)
+_DTYPE_CODE: dict[torch.dtype, int] = {d: i for i, d in enumerate(WIRE_DTYPES)}
+#: Packed tensors start at multiples of this many bytes inside the coalesced buffer.
+PACK_ALIGN = 16
+#: Separators of the tensor-path string: ``"positions,positions_cp;klen.4"`` (no field or ratio
+#: key contains them).
+_TENSOR_SEP, _ALIAS_SEP = ";", ","
 
 
 def _schema_fingerprint() -> str:
@@ -56,26 +61,21 @@ def _schema_fingerprint() -> str:
 SCHEMA_FINGERPRINT: str = _schema_fingerprint()
 
 
-def _dtype_name(t: torch.Tensor, path: str) -> str:
-    name = str(t.dtype).removeprefix("torch.")
-    if name not in _DTYPES:
-        raise TypeError(f"{path}: dtype {t.dtype} cannot be broadcast")
-    return name
-
-
 def collect(md: InputMetadata) -> tuple[dict[str, Any], list[list[str]], list[torch.Tensor]]:
     """Split ``md`` by path into non-tensor values and deduplicated tensors.
 
     Returns ``(values, tensor_paths, tensors)``: ``values`` maps each non-tensor path to its
-    value (scalars, str, an empty dict; ``None`` fields are left out, the receiver's default); ``tensors[i]`` is reachable at every path in
-    ``tensor_paths[i]``. Example: with ``positions_cp is positions`` the result holds one
-    tensor with paths ``["positions", "positions_cp"]``.
+    value (scalars, str, an empty dict; ``None`` fields are left out, the receiver's default);
+    ``tensors[i]`` is reachable at every path in ``tensor_paths[i]``. Example: with
+    ``positions_cp is positions`` the result holds one tensor with paths
+    ``["positions", "positions_cp"]``.
     """
     values: dict[str, Any] = {}
     paths: list[list[str]] = []
     tensors: list[torch.Tensor] = []
     index: dict[int, int] = {}
-    for path, v in md.to_flatten_dict().items():
+
+    def put(path: str, v: Any) -> None:
         if isinstance(v, torch.Tensor):
             i = index.get(id(v))
             if i is None:
@@ -86,11 +86,41 @@ def collect(md: InputMetadata) -> tuple[dict[str, Any], list[list[str]], list[to
                 paths[i].append(path)
         elif v is not None:  # None is every field's default: omitting it loses nothing
             values[path] = v
+
+    for name in InputMetadata.field_names():
+        v = getattr(md, name)
+        if v is None:
+            continue
+        if type(v) is dict:
+            if not v:
+                values[name] = {}
+            for k, x in v.items():
+                if type(x) is dict:
+                    raise TypeError(f"{name}.{k}: nested dicts are not supported (one level only)")
+                put(f"{name}.{k}", x)
+        else:
+            put(name, v)
     return values, paths, tensors
 
 
-def _specs(paths: list[list[str]], tensors: list[torch.Tensor]) -> list[list[Any]]:
-    return [[p, _dtype_name(t, p[0]), list(t.shape)] for p, t in zip(paths, tensors)]
+def _layout(tensors: list[torch.Tensor]) -> tuple[list[int], list[int], list[int], list[int], int]:
+    """Wire description of ``tensors``: dtype codes, flat shapes, ndims, packed byte offsets, total.
+
+    Example: an int32 [3] and a bool [2, 2] tensor give codes ``[4, 0]``, shapes
+    ``[3, 2, 2]``, ndims ``[1, 2]``, offsets ``[0, 16]`` (12 bytes rounded up to 16), total 32.
+    """
+    codes, shapes, ndims, offsets = [], [], [], []
+    pos = 0
+    for t in tensors:
+        code = _DTYPE_CODE.get(t.dtype)
+        if code is None:
+            raise TypeError(f"dtype {t.dtype} cannot be broadcast (supported: {WIRE_DTYPES})")
+        codes.append(code)
+        shapes.extend(t.shape)
+        ndims.append(t.dim())
+        offsets.append(pos)
+        pos += -(-(t.numel() * t.element_size()) // PACK_ALIGN) * PACK_ALIGN
+    return codes, shapes, ndims, offsets, pos
 
 
 def _check_message(msg: Any, rank: int) -> None:
@@ -108,22 +138,63 @@ def _check_message(msg: Any, rank: int) -> None:
         )
 
 
-def _move_views(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """Move views of ONE CPU storage to ``device`` with one copy, keeping offsets and shapes."""
-    if not tensors or device.type == "cpu":
-        return tensors
-    storages = {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
-    if len(storages) > 1:
-        return [t.to(device, non_blocking=True) for t in tensors]
-    src = tensors[0].untyped_storage()
-    flat = torch.empty(0, dtype=torch.uint8).set_(src, 0, (src.nbytes(),))
-    dev = flat.to(device, non_blocking=True).untyped_storage()
+def _pack(tensors: list[torch.Tensor], offsets: list[int], total: int, buf: Optional[torch.Tensor]
+          ) -> torch.Tensor:
+    """Copy CPU ``tensors`` into one uint8 buffer at ``offsets`` (``buf`` reused when big enough)."""
+    if buf is None or buf.numel() < total:
+        buf = torch.empty(max(total, 4096), dtype=torch.uint8)
+    base = buf.data_ptr()
+    for t, off in zip(tensors, offsets):
+        n = t.numel() * t.element_size()
+        if n:
+            t = t if t.is_contiguous() else t.contiguous()
+            ctypes.memmove(base + off, t.data_ptr(), n)
+    return buf
+
+
+def _unpack(buf: torch.Tensor, codes: list[int], shapes: list[int], ndims: list[int],
+            offsets: list[int]) -> list[torch.Tensor]:
+    """Views of ``buf`` (uint8, 16-byte aligned start) with the original dtypes and shapes."""
+    typed: dict[int, torch.Tensor] = {}
     out = []
-    for t in tensors:
-        v = torch.empty(0, dtype=t.dtype, device=device)
-        v.set_(dev, t.storage_offset(), t.shape, t.stride())
-        out.append(v)
+    at = 0
+    aligned = buf.data_ptr() % PACK_ALIGN == 0 and buf.numel() % PACK_ALIGN == 0
+    for code, nd, off in zip(codes, ndims, offsets):
+        dtype = WIRE_DTYPES[code]
+        shape = shapes[at:at + nd]
+        at += nd
+        numel = 1
+        for d in shape:
+            numel *= d
+        if aligned:
+            base = typed.get(code)
+            if base is None:
+                base = typed[code] = buf.view(dtype)
+            # as_strided's offset is absolute in the storage: add the view's own offset
+            start = base.storage_offset() + off // base.element_size()
+            out.append(base.as_strided(shape, _contiguous_strides(shape), start))
+        else:  # unaligned payload: one small copy per tensor instead of views
+            esz = torch.empty(0, dtype=dtype).element_size()
+            out.append(buf[off:off + numel * esz].clone().view(dtype).view(shape))
     return out
+
+
+def _contiguous_strides(shape: list[int]) -> list[int]:
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * max(shape[i + 1], 1)
+    return strides
+
+
+def _to_device(tensors: list[torch.Tensor], buf: Optional[torch.Tensor], offsets: list[int],
+               device: torch.device) -> list[torch.Tensor]:
+    """Move packed tensors to ``device`` with ONE copy of the coalesced buffer (views kept)."""
+    if device.type == "cpu" or not tensors:
+        return tensors
+    assert buf is not None
+    dev = buf.to(device, non_blocking=True)
+    return [dev[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            for t, off in zip(tensors, offsets)]
 
 
 class MetadataBroadcaster:
@@ -177,6 +248,7 @@ class MetadataBroadcaster:
         self._objects = ObjectChannel(self.group, src, timeout=timeout, force_remote=force_remote,
                                       schema=SCHEMA_FINGERPRINT.encode())
         self._tensors: Any = None  # TensorChannel, created on first collective use
+        self._pack_buf: Optional[torch.Tensor] = None  # driver's reusable coalescing buffer
         self._closed = False
 
     # ---- public ---------------------------------------------------------------------------
@@ -230,18 +302,24 @@ class MetadataBroadcaster:
 
     def _send(self, md: InputMetadata) -> InputMetadata:
         values, paths, tensors = collect(md)
+        codes, shapes, ndims, offsets, total = _layout(tensors)
         packed = self._use_packed(tensors)
         msg = {
             "version": MESSAGE_VERSION,
             "schema": SCHEMA_FINGERPRINT,
             "values": values,
-            "tensors": _specs(paths, tensors),
+            "paths": _TENSOR_SEP.join(_ALIAS_SEP.join(p) for p in paths),
+            "dtypes": codes,
+            "shapes": shapes,
+            "ndims": ndims,
+            "offsets": offsets,
             "packed": packed,
         }
         if packed:
             cpu = [t if t.device.type == "cpu" else t.cpu() for t in tensors]
-            self._objects.broadcast_packed(msg, cpu)
-            out = _move_views_each(cpu, self.device)
+            self._pack_buf = _pack(cpu, offsets, total, self._pack_buf)
+            self._objects.broadcast_packed(msg, [self._pack_buf[:total]])
+            out = _to_device(cpu, self._pack_buf[:total], offsets, self.device)
         else:
             self._objects.broadcast_packed(msg, [])
             out = self._tensor_channel().broadcast(tensors)
@@ -255,33 +333,46 @@ class MetadataBroadcaster:
         except CodecError as e:
             raise RuntimeError(f"rank {self.rank}: metadata message from src={self.src} rejected: {e}") from e
         _check_message(msg, self.rank)
-        specs = msg["tensors"]
-        paths = [s[0] for s in specs]
+        try:
+            paths = [p.split(_ALIAS_SEP) for p in msg["paths"].split(_TENSOR_SEP)] if msg["paths"] else []
+            codes, shapes, ndims, offsets = msg["dtypes"], msg["shapes"], msg["ndims"], msg["offsets"]
+            if not (len(paths) == len(codes) == len(ndims) == len(offsets)) or sum(ndims) != len(shapes):
+                raise ValueError("tensor layout lists disagree in length")
+            if any(type(c) is not int or not 0 <= c < len(WIRE_DTYPES) for c in codes):
+                raise ValueError(f"unknown dtype code in {codes}")
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise RuntimeError(f"rank {self.rank}: malformed metadata message: {e}") from None
         if msg["packed"]:
-            out = _move_views(list(payload), self.device)
+            buf = payload[0] if payload else torch.empty(0, dtype=torch.uint8)
+            out = _unpack(buf, codes, shapes, ndims, offsets)
+            out = _to_device(out, buf, offsets, self.device)
         else:
-            out = self._tensor_channel().broadcast([(_parse_dtype(s[1], s[0]), tuple(s[2])) for s in specs])
+            specs, at = [], 0
+            for c, nd in zip(codes, ndims):
+                specs.append((WIRE_DTYPES[c], tuple(shapes[at:at + nd])))
+                at += nd
+            out = self._tensor_channel().broadcast(specs)
         if len(out) != len(paths):
             raise RuntimeError(f"rank {self.rank}: expected {len(paths)} tensors, received {len(out)}")
         return _assemble(msg["values"], paths, out)
 
 
-def _move_views_each(tensors: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    if device.type == "cpu":
-        return tensors
-    return [t.to(device, non_blocking=True) for t in tensors]
-
-
-def _parse_dtype(name: Any, path: Any) -> torch.dtype:
-    d = _DTYPES.get(name) if isinstance(name, str) else None
-    if d is None:
-        raise RuntimeError(f"{path}: unknown dtype {name!r} in metadata message")
-    return d
-
-
 def _assemble(values: dict[str, Any], paths: list[list[str]], tensors: list[torch.Tensor]) -> InputMetadata:
-    flat = dict(values)
+    kwargs: dict[str, Any] = {}
+    for key, v in values.items():
+        name, dot, sub = key.partition(".")
+        if dot:
+            kwargs.setdefault(name, {})[sub] = v
+        else:
+            kwargs[name] = v
     for ps, t in zip(paths, tensors):
-        for p in ps:
-            flat[p] = t
-    return InputMetadata.from_flatten_dict(flat)
+        for key in ps:
+            name, dot, sub = key.partition(".")
+            if dot:
+                kwargs.setdefault(name, {})[sub] = t
+            else:
+                kwargs[name] = t
+    try:
+        return InputMetadata(**kwargs)
+    except TypeError as e:
+        raise RuntimeError(f"metadata message names an unknown field: {e}") from None
