@@ -1,0 +1,197 @@
+"""Checksummed random metadata and process probes for the reliability tests and ``scripts/soak.py``.
+
+A payload is an ``InputMetadata`` whose fields hold random data (the broadcaster does not look at
+meanings, only at paths, dtypes and shapes) plus two carriers that make every message
+self-checking:
+
+- ``num_seqs`` = the step number (a lost or duplicated message shows up as a wrong step);
+- ``total_k_compressed`` = ``{path with '.' -> ':': crc32}`` over EVERY tensor path of the
+  message (dtype, shape and bytes), so a missing, extra, truncated or corrupted field is caught
+  without regenerating the payload.
+
+Sizes are drawn per step from four classes relative to ``ring_bytes`` (the shared-memory ring of
+the test): tiny (< 1 KiB), small (1-16 KiB), ring-sized (up to the ring) and larger than the ring
+(1x-3x, streamed slot by slot). Every rank can regenerate step ``i`` from ``(seed, i)`` with
+:func:`make_payload` for an exact comparison.
+
+Example (one process)::
+
+    md = make_payload(seed=7, step=3, ring_bytes=65536)
+    assert verify_payload(md, step=3) > 0      # bytes checked
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import zlib
+from typing import Any, Optional
+
+import torch
+
+from cpmeta.metadata import InputMetadata
+
+__all__ = [
+    "CHECKSUM_FIELD",
+    "STEP_FIELD",
+    "SIZE_CLASSES",
+    "make_payload",
+    "verify_payload",
+    "payload_equal",
+    "field_checksum",
+    "rss_bytes",
+    "project_shm_entries",
+    "project_fds",
+    "project_mappings",
+]
+
+STEP_FIELD = "num_seqs"  # int carrier of the step number
+CHECKSUM_FIELD = "total_k_compressed"  # dict[str, int] carrier of the per-path crc32 map
+# (name, probability, low bytes, high bytes as a multiple of ring_bytes or absolute)
+SIZE_CLASSES = (("tiny", 0.40), ("small", 0.35), ("ring", 0.17), ("over_ring", 0.08))
+_ROW_FIELDS = ("positions", "input_ids", "slot_mapping_store_swa", "query_indices", "context_lens")
+_DICT_FIELDS = ("klen", "kv_ca_index_len", "positions_c", "slot_mapping_store_ca")
+_INT32_MAX = 2**31 - 1
+
+
+def field_checksum(t: torch.Tensor) -> int:
+    """crc32 of ``t``'s dtype, shape and bytes (a contiguous CPU copy is hashed).
+
+    Example: two tensors with the same bytes but shapes [4] and [2, 2] differ.
+    """
+    c = t.detach().cpu().contiguous()
+    head = f"{c.dtype}|{tuple(c.shape)}".encode()
+    data = c.view(torch.uint8).numpy() if c.numel() else b""
+    return zlib.crc32(data, zlib.crc32(head))
+
+
+def _target_bytes(rng: random.Random, ring_bytes: int) -> int:
+    r, acc = rng.random(), 0.0
+    for name, p in SIZE_CLASSES:
+        acc += p
+        if r < acc:
+            break
+    if name == "tiny":
+        return rng.randint(0, 1024)
+    if name == "small":
+        return rng.randint(1024, 16 * 1024)
+    if name == "ring":
+        return rng.randint(16 * 1024, max(16 * 1024, ring_bytes))
+    return rng.randint(ring_bytes + 1, 3 * ring_bytes)
+
+
+def _rand(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen, dtype=torch.int8).bool()
+    if dtype == torch.float32:
+        return torch.randn(shape, generator=gen)
+    return torch.randint(-1, _INT32_MAX, shape, generator=gen, dtype=dtype)
+
+
+def make_payload(seed: int, step: int, ring_bytes: int = 64 * 1024) -> InputMetadata:
+    """Random checksummed metadata for ``step`` (deterministic in ``(seed, step)``).
+
+    Total tensor bytes follow :data:`SIZE_CLASSES`; the rows ``q`` of the per-row fields are
+    ``target // 4 // (number of row fields)``. Example: target 40 KiB with 5 int32 row fields
+    gives ``q = 2048`` rows per field. Aliasing (``positions_cp is positions``) and empty dicts
+    (``ks == {}``) appear on some steps.
+    """
+    rng = random.Random(seed * 1_000_003 + step)
+    gen = torch.Generator().manual_seed(rng.randrange(2**62))
+    target = _target_bytes(rng, ring_bytes)
+    rows = rng.sample(_ROW_FIELDS, rng.randint(1, len(_ROW_FIELDS)))
+    dicts = rng.sample(_DICT_FIELDS, rng.randint(0, 2))
+    n_parts = len(rows) + 2 * len(dicts) + 1
+    q = max(0, target // 4 // n_parts)
+    kw: dict[str, Any] = {name: _rand(gen, (q,), torch.int32) for name in rows}
+    for name in dicts:
+        kw[name] = {str(r): _rand(gen, (q,), torch.int32) for r in rng.sample((1, 4, 16, 128), 2)}
+    kw["valid_token_mask"] = _rand(gen, (q,), torch.bool)
+    w = rng.choice((1, 4))
+    kw["block_tables"] = _rand(gen, (q // w, w), torch.int32)
+    if rng.random() < 0.3:
+        kw["mirror_cp_index"] = _rand(gen, (rng.randint(0, 64),), torch.float32).view(torch.int32)
+    if "positions" in kw and rng.random() < 0.3:
+        kw["positions_cp"] = kw["positions"]  # aliasing: sent once, re-created on the receiver
+    if rng.random() < 0.3:
+        kw["ks"] = {}
+    kw.update(is_prompt=rng.random() < 0.5, total_q=q, max_seqlen_q=rng.randint(0, 1 << 20))
+    md = InputMetadata(**kw)
+    md.num_seqs = step
+    md.total_k_compressed = _checksums(md)
+    return md
+
+
+def _checksums(md: InputMetadata) -> dict[str, int]:
+    return {path.replace(".", ":"): field_checksum(v)
+            for path, v in md.to_flatten_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def verify_payload(md: InputMetadata, step: int) -> int:
+    """Raise ``AssertionError`` unless ``md`` is step ``step`` with every checksum matching;
+    return the number of tensor bytes checked."""
+    got_step = getattr(md, STEP_FIELD)
+    assert got_step == step, f"expected step {step}, received step {got_step} (lost or duplicated)"
+    want = getattr(md, CHECKSUM_FIELD)
+    assert isinstance(want, dict), f"step {step}: checksum map missing ({want!r})"
+    have = _checksums(md)
+    assert set(have) == set(want), f"step {step}: paths differ: {sorted(set(have) ^ set(want))}"
+    bad = [p for p in want if have[p] != want[p]]
+    assert not bad, f"step {step}: checksum mismatch in {bad}"
+    return sum(v.numel() * v.element_size() for v in md.to_flatten_dict().values()
+               if isinstance(v, torch.Tensor))
+
+
+def payload_equal(a: InputMetadata, b: InputMetadata) -> Optional[str]:
+    """None when every path of ``a`` and ``b`` holds an identical value (tensors: dtype, shape,
+    bytes via ``torch.equal`` on the raw bytes, so NaN patterns compare too), else the first path."""
+    fa, fb = a.to_flatten_dict(), b.to_flatten_dict()
+    if fa.keys() != fb.keys():
+        return f"paths {sorted(fa.keys() ^ fb.keys())}"
+    for p, x in fa.items():
+        y = fb[p]
+        if isinstance(x, torch.Tensor):
+            if not isinstance(y, torch.Tensor) or x.dtype != y.dtype or x.shape != y.shape or \
+                    not torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)):
+                return p
+        elif x != y or type(x) is not type(y):
+            return p
+    if (a.positions_cp is a.positions) != (b.positions_cp is b.positions):
+        return "positions_cp aliasing"
+    return None
+
+
+# ----------------------------------------------------------------------------- process probes
+
+def rss_bytes(pid: Optional[int] = None) -> int:
+    """Resident set size of ``pid`` (default: this process) from /proc/<pid>/statm."""
+    with open(f"/proc/{pid or 'self'}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def project_shm_entries() -> set[str]:
+    """Names in /dev/shm this project could create (prefix ``cpmeta``). Other processes on the
+    machine create unrelated entries concurrently, so only the prefix is compared."""
+    if not os.path.isdir("/dev/shm"):
+        return set()
+    return {n for n in os.listdir("/dev/shm") if n.startswith("cpmeta")}
+
+
+def project_fds(pid: Optional[int] = None) -> list[str]:
+    """Open descriptors of ``pid`` that point at a project segment (memfd or /dev/shm file)."""
+    base = f"/proc/{pid or 'self'}/fd"
+    out = []
+    for fd in os.listdir(base):
+        try:
+            target = os.readlink(f"{base}/{fd}")
+        except OSError:
+            continue
+        if "cpmeta" in target:
+            out.append(target)
+    return out
+
+
+def project_mappings(pid: Optional[int] = None) -> list[str]:
+    """Lines of /proc/<pid>/maps that map a project segment (a ring not unmapped)."""
+    with open(f"/proc/{pid or 'self'}/maps") as f:
+        return [line.strip() for line in f if "cpmeta" in line]
