@@ -195,3 +195,66 @@ def project_mappings(pid: Optional[int] = None) -> list[str]:
     """Lines of /proc/<pid>/maps that map a project segment (a ring not unmapped)."""
     with open(f"/proc/{pid or 'self'}/maps") as f:
         return [line.strip() for line in f if "cpmeta" in line]
+
+
+# ----------------------------------------------------------------------------- soak (one rank)
+
+SOAK_WARMUP_STEPS = 200  # RSS is measured from here on (allocator arenas settle first)
+SOAK_RSS_SAMPLES = 10  # RSS samples over the run (start .. end)
+
+
+def soak_rank(rank: int, world: int, seed: int, steps: int, ring_bytes: int, check_every: int,
+              timeout: float = 120.0, force_remote: bool = False) -> dict:
+    """One rank of a soak: ``steps`` broadcasts of :func:`make_payload` from rank 0.
+
+    Every follower checks the step number and every field's crc32 of every message, and every
+    ``check_every``-th message field by field against a local regeneration (exact bytes).
+    Mismatches are counted (the first few kept), not raised, so one run reports them all.
+    Returns plain numbers: ``mismatches``, ``bytes``, ``seconds``, ``rss`` samples (bytes, the
+    first after :data:`SOAK_WARMUP_STEPS`), ``rss_peak`` (VmHWM), ``over_ring`` (messages larger
+    than ``ring_bytes``) and the smallest / largest message.
+    """
+    import time
+
+    import cpmeta
+
+    sample_at = {SOAK_WARMUP_STEPS + i * max(1, (steps - 1 - SOAK_WARMUP_STEPS)) // (SOAK_RSS_SAMPLES - 1)
+                 for i in range(SOAK_RSS_SAMPLES)} if steps > SOAK_WARMUP_STEPS else {0, steps - 1}
+    out: dict = {"rank": rank, "mismatches": 0, "errors": [], "bytes": 0, "over_ring": 0,
+                 "min_bytes": None, "max_bytes": 0, "rss": [], "exact_checks": 0}
+    with cpmeta.MetadataBroadcaster(src=0, timeout=timeout, force_remote=force_remote) as bc:
+        out["rss_construct"] = rss_bytes()
+        t0 = time.perf_counter()
+        for step in range(steps):
+            md = make_payload(seed, step, ring_bytes) if rank == 0 else None
+            got = bc.broadcast(md)
+            try:
+                n = verify_payload(got, step)
+                if rank != 0 and step % check_every == 0:
+                    bad = payload_equal(make_payload(seed, step, ring_bytes), got)
+                    out["exact_checks"] += 1
+                    assert bad is None, f"step {step}: {bad} differs from the regenerated payload"
+            except AssertionError as e:
+                out["mismatches"] += 1
+                if len(out["errors"]) < 5:
+                    out["errors"].append(str(e)[:300])
+                continue
+            out["bytes"] += n
+            out["over_ring"] += n > ring_bytes
+            out["min_bytes"] = n if out["min_bytes"] is None else min(out["min_bytes"], n)
+            out["max_bytes"] = max(out["max_bytes"], n)
+            del got, md
+            if step in sample_at:
+                out["rss"].append(rss_bytes())
+        out["seconds"] = time.perf_counter() - t0
+    out["rss_peak"] = _vm_hwm()
+    out["steps"] = steps
+    return out
+
+
+def _vm_hwm() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
