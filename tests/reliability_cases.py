@@ -247,7 +247,7 @@ def soak_rank(rank: int, world: int, seed: int, steps: int, ring_bytes: int, che
             if step in sample_at:
                 out["rss"].append(rss_bytes())
         out["seconds"] = time.perf_counter() - t0
-    out["rss_peak"] = _vm_hwm()
+    out["rss_peak"] = max(_vm_hwm(), *out["rss"])  # VmHWM is updated lazily by the kernel
     out["steps"] = steps
     return out
 
