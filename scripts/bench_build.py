@@ -148,12 +148,20 @@ def _builder_vs_ref(ctx: BenchContext, build: Callable, ref_build: Optional[Call
     return res
 
 
-def _decode_case(n: int, drafts: int) -> CaseFn:
+def _decode_case(n: int, drafts: int, numpy_tables: bool = False) -> CaseFn:
+    """``numpy_tables``: block tables as int32 numpy arrays (as engines usually keep them), which
+    skips reading one Python int per block id."""
+
     def run(ctx: BenchContext) -> dict[str, Any]:
+        import numpy as np
+
         from cpmeta import prepare_decode
 
         cfg = MetadataConfig()
         seqs = decode_batch(ctx.rng, cfg, n, drafts)
+        if numpy_tables:
+            for s in seqs:
+                s.block_table = np.asarray(s.block_table, dtype=np.int32)
         ref = ctx.ref.ref_prepare_decode if ctx.ref else None
         return _builder_vs_ref(ctx, prepare_decode, ref, seqs, cfg, "p50 < 1000 us (256 seqs)")
 
@@ -175,6 +183,8 @@ def _prompt_case(n: int, q: int) -> CaseFn:
 for _n in (64, 256):
     for _d in (0, 2):
         case(f"decode_{_n}_d{_d}")(_decode_case(_n, _d))
+for _d in (0, 2):
+    case(f"decode_256_d{_d}_np_tables")(_decode_case(256, _d, numpy_tables=True))
 case("prompt_8x4096")(_prompt_case(8, 4096))
 case("prompt_256x128")(_prompt_case(256, 128))
 
