@@ -1,8 +1,9 @@
 """Per-sequence array extraction and the fields both builders share (DESIGN sections 3 and 4).
 
 The builders do ONE Python pass over the ``SequenceMetadata`` objects (a handful of
-``map(attrgetter)`` list extractions plus one ``np.fromiter`` over the chained token ids and block
-tables); everything after that is vectorized numpy over all sequences / rows at once. Results are
+``map(attrgetter)`` list extractions; token ids and block tables are read list by list with
+``array.array("q").fromlist``, a C loop); everything after that is vectorized numpy over all
+sequences / rows at once, with no loop over rows, segments or tokens. Results are
 written straight into the output tensors through their ``.numpy()`` views, so no intermediate torch
 tensors are created on the hot path.
 
@@ -248,11 +249,13 @@ def extract_batch(
     n_tok = np.fromiter(map(len, toks), np.int64, n)
     n_draft = np.fromiter(map(len, drafts), np.int64, n) if any(drafts) else None
     n_bt = np.fromiter(map(len, tables), np.int64, n)
-    ints = np.array(cols, np.int64) if plain == {int} else None
+    ints = _int_columns(cols) if plain == {int} else None
     need = _blocks_needed(ints[1], cfg) if ints is not None else None
     if ints is None or not _fast_checks_ok(cfg, is_prompt, ints, n_tok, n_draft, n_bt, need):
         validate_batch(seqs, cfg, is_prompt=is_prompt)
-        ints = np.array([[int(x) for x in c] for c in cols], np.int64)
+        ints = _int_columns([[int(x) for x in c] for c in cols])
+        if ints is None:
+            raise ValueError("seqs: seqlen_q/seqlen_k/state_id/swa_valid_start must fit in int64")
         need = _blocks_needed(ints[1], cfg)
     sq, sk = ints[0], ints[1]
     cu = np.zeros((2, n + 1), np.int64)
@@ -272,6 +275,14 @@ def extract_batch(
         seqs=seqs,
         is_prompt=is_prompt,
     )
+
+
+def _int_columns(cols: list[list[int]]) -> Optional[np.ndarray]:
+    """``[4, n_seq]`` int64 array of the int columns, or None if a value does not fit in int64."""
+    try:
+        return np.array(cols, np.int64)
+    except OverflowError:
+        return None
 
 
 def _slice(x: Sequence[int], a: int, b: int) -> Sequence[int]:
