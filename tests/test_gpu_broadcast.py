@@ -49,7 +49,8 @@ def _world() -> int:
     return min(2, torch.cuda.device_count())
 
 
-@pytest.mark.parametrize("tensor_path,on_device", [("auto", False), ("auto", True), ("packed", False)])
+@pytest.mark.parametrize("tensor_path,on_device",
+                         [("auto", False), ("auto", True), ("packed", False), ("collective", False)])
 def test_nccl_followers_equal_driver(tensor_path: str, on_device: bool) -> None:
     w = _world()
     assert run_ranks(_nccl_equivalence, w, tensor_path, on_device, backend="nccl",
