@@ -8,6 +8,7 @@ Dict-valued fields are keyed by the ratio's decimal string (``"4"``, ``"128"``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, fields
 from typing import Any, Iterable, Optional
 
@@ -263,7 +264,9 @@ def _copy_into(path: str, dst: Any, src: torch.Tensor) -> None:
     dst.copy_(src, non_blocking=True)
 
 
+@functools.lru_cache(maxsize=1)
 def _pin() -> bool:
+    """Allocate pinned host memory when a GPU exists (cached: checked once per process)."""
     return torch.cuda.is_available()
 
 
