@@ -1,0 +1,508 @@
+"""Bad input: garbage scheduler input, mutated and crafted wire messages, version/schema skew.
+
+Contracts checked (issue 8, point 3):
+
+- ``MetadataConfig``, ``SequenceMetadata`` + ``validate_batch``, ``prepare_prompt`` and
+  ``prepare_decode`` given garbage in any field raise only ``ValueError``/``TypeError`` (or accept
+  a value that happens to be valid). Escapes that are known and still open are matched exactly
+  (:data:`KNOWN_ESCAPES`) and pinned by strict xfail tests, so a NEW escape fails the fuzz test and
+  a fixed one fails its xfail test.
+- ``transport.decode`` on real metadata message headers (captured from a live broadcaster),
+  mutated, and on structured msgpack garbage behind a valid header: only ``CodecError``; declared
+  lengths far beyond the input allocate nothing (``tracemalloc``).
+- Through a live ring (3 gloo ranks): mutated and crafted frames written into the driver's ring
+  end never crash, hang or hand out views beyond the received buffer on the follower, and the next
+  valid broadcast arrives intact; a follower whose protocol version or schema fingerprint differs
+  gets an error naming its rank and the mismatch.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import re
+import struct
+import tracemalloc
+from dataclasses import fields
+from typing import Any, Optional
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cpmeta import MetadataConfig, SequenceMetadata, prepare_decode, prepare_prompt
+from cpmeta.sequence import validate_batch
+from multiproc import run_ranks
+from reliability_cases import make_payload, verify_payload
+from strategies import random_config, random_decode_batch, random_prompt_batch
+from transport import CodecError, decode, encode
+
+pytestmark = pytest.mark.timeout(240)
+
+SETTINGS = settings(max_examples=80, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+INT64_MAX = 2**63 - 1
+ALLOC_LIMIT = 1 << 20  # bytes decode may allocate for a tiny input declaring gigabytes
+
+# ----------------------------------------------------------------------------- garbage values
+
+_SCALAR_GARBAGE = [
+    None, True, False, -1, 0, 1, 2**31, 2**63, 2**70, -2**70, 1.5, math.nan, math.inf, "12", "",
+    b"", b"\x00", {}, {"4": 1}, object(), range(3), np.int64(7), np.float32(1.0),
+    torch.tensor(3), torch.tensor([1, 2]), torch.tensor([1.5]), torch.zeros(2, 2, dtype=torch.long),
+]
+_ELEMENT_GARBAGE = [None, -1, 2**31, 2**63, 2**70, 1.5, math.nan, "a", b"x", [1], True, object()]
+
+
+def garbage() -> st.SearchStrategy[Any]:
+    """Anything a careless caller could pass: odd scalars, huge ints, containers of garbage."""
+    scalar = st.one_of(st.sampled_from(_SCALAR_GARBAGE), st.integers(-2**80, 2**80),
+                       st.floats(allow_nan=True), st.text(max_size=5))
+    return st.one_of(scalar, st.lists(st.one_of(st.integers(-2**70, 2**70), scalar), max_size=6),
+                     st.tuples(scalar, scalar))
+
+
+# (exception type name, substring of its message): escapes found by this fuzzing that are still
+# open (docs/reliability.md); matched exactly so anything else fails.
+KNOWN_ESCAPES = (
+    ("OverflowError", "int too big to convert"),  # id list entry beyond int64 (array('q'))
+    ("OverflowError", "too large to convert to C long"),  # same, through np.fromiter
+    ("RuntimeError", "Boolean value of Tensor with more than one value is ambiguous"),
+)
+
+
+def _known(e: BaseException) -> bool:
+    return any(type(e).__name__ == n and s in str(e) for n, s in KNOWN_ESCAPES)
+
+
+def _call(fn: Any, *args: Any, **kw: Any) -> Optional[BaseException]:
+    """Run ``fn``; return the ValueError/TypeError/known escape it raised, re-raise anything else."""
+    try:
+        fn(*args, **kw)
+    except (ValueError, TypeError) as e:
+        return e
+    except Exception as e:  # noqa: BLE001 - judged below
+        if _known(e):
+            return e
+        raise AssertionError(f"{type(e).__name__} escaped {getattr(fn, '__name__', fn)}: {e}") from e
+    return None
+
+
+# ----------------------------------------------------------------------------- config / sequences
+
+_CONFIG_FIELDS = [f.name for f in fields(MetadataConfig)]
+
+
+@SETTINGS
+@given(data=st.data())
+def test_config_garbage_fields(data: st.DataObject) -> None:
+    names = data.draw(st.lists(st.sampled_from(_CONFIG_FIELDS), min_size=1, max_size=3, unique=True))
+    kw = {n: data.draw(garbage(), label=n) for n in names}
+    try:
+        cfg = MetadataConfig(**kw)
+    except (ValueError, TypeError):
+        return
+    # accepted: the derived values hold and a one-token batch either builds or is refused cleanly
+    assert cfg.ca_ratios and all(cfg.block_size % n == 0 for n in cfg.ca_ratios)
+    seq = SequenceMetadata(seqlen_q=1, seqlen_k=1, block_table=[0], state_id=0, token_ids=[5])
+    _call(prepare_prompt, [seq], cfg)
+    _call(prepare_decode, [seq], cfg)
+
+
+_SEQ_FIELDS = [f.name for f in fields(SequenceMetadata)]
+
+
+def _corrupt(seq: SequenceMetadata, name: str, value: Any, element: bool, rng: random.Random) -> None:
+    """Replace field ``name`` by ``value``, or (``element``) one entry of a list field by it."""
+    cur = getattr(seq, name)
+    if element and isinstance(cur, (list, tuple)) and len(cur):
+        cur = list(cur)
+        cur[rng.randrange(len(cur))] = value
+        value = cur
+    setattr(seq, name, value)
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**32 - 1), is_prompt=st.booleans(), data=st.data())
+def test_sequence_garbage_fields_through_validation_and_builders(seed: int, is_prompt: bool,
+                                                                 data: st.DataObject) -> None:
+    rng = random.Random(seed)
+    cfg = random_config(rng)
+    seqs = random_prompt_batch(rng, cfg, max_total_q=300) if is_prompt else random_decode_batch(rng, cfg)
+    for _ in range(data.draw(st.integers(1, 3))):
+        s = seqs[data.draw(st.integers(0, len(seqs) - 1))]
+        element = data.draw(st.booleans())
+        value = data.draw(st.sampled_from(_ELEMENT_GARBAGE) if element else garbage())
+        _corrupt(s, data.draw(st.sampled_from(_SEQ_FIELDS)), value, element, rng)
+    _call(validate_batch, seqs, cfg, is_prompt=is_prompt)
+    err = _call(prepare_prompt if is_prompt else prepare_decode, seqs, cfg)
+    if isinstance(err, ValueError) and str(err).startswith("seqs["):
+        assert re.match(r"seqs\[\d+\](\.\w+)?: ", str(err)), err  # names the sequence and field
+
+
+@pytest.mark.parametrize("seqs", [None, "abc", {"a": 1}, 5, torch.zeros(3), (x for x in ()), [None],
+                                  [1, 2], [[]], []], ids=lambda v: type(v).__name__)
+def test_garbage_batch_containers(seqs: Any) -> None:
+    cfg = MetadataConfig()
+    for fn in (prepare_prompt, prepare_decode):
+        assert isinstance(_call(fn, seqs, cfg), (ValueError, TypeError))
+
+
+def _seq(**kw: Any) -> SequenceMetadata:
+    base = dict(seqlen_q=4, seqlen_k=4, block_table=[0], state_id=0, token_ids=[1, 2, 3, 4])
+    return SequenceMetadata(**{**base, **kw})
+
+
+@pytest.mark.xfail(strict=True, raises=OverflowError,
+                   reason="open: ids beyond int64 in token/block/draft lists raise OverflowError")
+@pytest.mark.parametrize("field", ["token_ids", "block_table"])
+def test_id_beyond_int64_is_a_value_error(field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        prepare_prompt([_seq(**{field: [2**70] * 4})], MetadataConfig())
+
+
+@pytest.mark.xfail(strict=True, raises=RuntimeError,
+                   reason="open: a multi-element tensor as is_placeholder raises torch's RuntimeError")
+def test_tensor_flag_is_a_type_error() -> None:
+    with pytest.raises((TypeError, ValueError), match="is_placeholder"):
+        prepare_prompt([_seq(is_placeholder=torch.tensor([1, 0]))], MetadataConfig())
+
+
+@pytest.mark.xfail(strict=True, reason="open: is_placeholder is read by truthiness ('no' is True)")
+def test_non_bool_placeholder_flag_is_refused() -> None:
+    with pytest.raises((TypeError, ValueError), match="is_placeholder"):
+        prepare_prompt([_seq(is_placeholder="no")], MetadataConfig())
+
+
+# ----------------------------------------------------------------------------- codec: allocation
+
+def _header(schema: bytes = b"") -> bytes:
+    return encode(None, schema=schema)[:-1]  # magic, version, flags, schema (body stripped)
+
+
+@pytest.mark.parametrize("body, what", [
+    (b"\xdb\xff\xff\xff\xff" + b"a" * 16, "str32 of 4 GiB"),
+    (b"\xc6\xff\xff\xff\xff" + b"a" * 16, "bin32 of 4 GiB"),
+    (b"\xdd\xff\xff\xff\xff" + b"\xc0" * 16, "array32 of 4G elements"),
+    (b"\xdf\xff\xff\xff\xff" + b"\xa1k\xc0" * 8, "map32 of 4G pairs"),
+    (b"\xc9\xff\xff\xff\xff\x01" + b"\x00" * 16, "ext32 of 4 GiB"),
+    (b"\xdd\x00\x0f\xff\xff" * 30 + b"\xc0", "30 nested arrays of 1M elements each"),
+    (b"\xc9\x7f\xff\xff\xff\x02" + msgpack.packb(["int64", [2**47, 2**47]]), "descriptor of 2**97 B"),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_huge_declared_lengths_allocate_nothing(body: bytes, what: str) -> None:
+    data = _header() + body
+    tracemalloc.start()
+    try:
+        with pytest.raises(CodecError):
+            decode(data)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < ALLOC_LIMIT, f"{what}: decode allocated {peak} bytes for a {len(data)}-byte input"
+
+
+def test_oversized_message_refused_before_parsing() -> None:
+    data = encode({"x": b"\x00" * (4 << 20)})
+    tracemalloc.start()
+    try:
+        with pytest.raises(CodecError, match="exceeds the limit"):
+            decode(data, max_bytes=1 << 20)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 1024
+
+
+# ----------------------------------------------------------------------------- codec: structured garbage
+
+def _msgpack_values() -> st.SearchStrategy[Any]:
+    leaf = st.one_of(
+        st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(), st.text(max_size=8),
+        st.binary(max_size=8),
+        st.builds(msgpack.ExtType, st.integers(0, 127), st.binary(max_size=12)),
+        st.builds(msgpack.Timestamp, st.integers(0, 2**32 - 1), st.integers(0, 999_999_999)))
+    return st.recursive(leaf, lambda inner: st.one_of(
+        st.lists(inner, max_size=4),
+        st.dictionaries(st.one_of(st.text(max_size=4), st.integers(), st.binary(max_size=3)),
+                        inner, max_size=4)), max_leaves=20)
+
+
+@SETTINGS
+@given(value=_msgpack_values(), schema=st.sampled_from([b"", b"\x01" * 16]))
+def test_structured_garbage_behind_a_valid_header(value: Any, schema: bytes) -> None:
+    try:
+        body = msgpack.packb(value, use_bin_type=True, strict_map_key=False)
+    except (TypeError, ValueError, OverflowError):
+        return
+    try:
+        out = decode(_header(schema) + body, schema=schema)
+    except CodecError:
+        return
+    encode(out)  # anything decode returns is a tree of supported types (encode would raise)
+
+
+# ----------------------------------------------------------------------------- live ring (3 ranks)
+
+RING_ENV = {"CPMETA_SHM_SLOT_SIZE": "4096", "CPMETA_SHM_NUM_SLOTS": "16"}
+RING_BYTES = 4096 * 16
+CAPTURE_STEPS = 24  # valid broadcasts whose frames are captured (rank 0) for the decode fuzz
+MUTATED_FRAMES = 160  # random mutations written through the ring
+N_CRAFTED = 14  # hand-made hostile frames (see _crafted)
+KEEP_FRAME_BYTES = 32 * 1024  # frames returned to the parent (the header fuzz needs few bytes)
+_LEN = struct.Struct("<Q")
+
+
+def _capture(ring: Any, store: list) -> None:
+    """Record every frame the driver's ring end writes (joined bytes)."""
+    write = ring.write
+
+    def recording(parts: Any, **kw: Any) -> None:
+        raw = parts if isinstance(parts, (list, tuple)) else [parts]
+        store.append(b"".join(bytes(memoryview(p).cast("B")) for p in raw))
+        write(parts, **kw)
+
+    ring.write = recording
+
+
+def _mutate(frame: bytes, rng: random.Random) -> bytes:
+    """A random corruption, biased to the length prefix and the codec header of the frame."""
+    b = bytearray(frame)
+    (hlen,) = _LEN.unpack_from(b, 0)
+    head_end = min(len(b), _LEN.size + hlen)
+    op = rng.randrange(6)
+    if op == 0:  # flip bytes inside the codec header
+        for _ in range(rng.randint(1, 4)):
+            b[rng.randrange(head_end)] = rng.randrange(256)
+    elif op == 1:  # flip bytes anywhere
+        for _ in range(rng.randint(1, 8)):
+            b[rng.randrange(len(b))] = rng.randrange(256)
+    elif op == 2:  # truncate
+        del b[rng.randrange(len(b)):]
+    elif op == 3:  # a different length prefix (small, off by a little, or huge)
+        _LEN.pack_into(b, 0, rng.choice([0, 1, hlen - 1, hlen + 1, len(b), 2**63, 2**64 - 1]))
+    elif op == 4:  # insert junk inside the header
+        at = rng.randrange(_LEN.size, head_end + 1)
+        b[at:at] = rng.randbytes(rng.randint(1, 16))
+    else:  # header of one frame, payload of a shorter/longer one
+        b.extend(rng.randbytes(rng.randint(1, 64)))
+    return bytes(b)
+
+
+def _crafted(frame: bytes, schema: bytes) -> list[tuple[str, bytes]]:
+    """Hand-made hostile frames derived from one valid frame (see the module docstring)."""
+    from cpmeta.broadcast import MESSAGE_VERSION
+    from transport import TensorDesc
+
+    (hlen,) = _LEN.unpack_from(frame, 0)
+    msg, descs = decode(frame[_LEN.size:_LEN.size + hlen], schema=schema)
+    payload = frame[_align16(_LEN.size + hlen):]  # tensors start 16-byte aligned after the header
+
+    def frame_of(m: Any, d: Any, body: bytes = payload, sch: bytes = schema) -> bytes:
+        head = _LEN.pack(len(encode([m, d], schema=sch))) + encode([m, d], schema=sch)
+        return head + bytes(_align16(len(head)) - len(head)) + body
+
+    def with_(**kw: Any) -> dict:
+        return {**msg, **kw}
+
+    n = len(msg["dtypes"])
+    out = [
+        ("payload of 1 TiB declared", frame_of(msg, [TensorDesc(torch.uint8, (1 << 40,))])),
+        ("shapes far beyond the buffer", frame_of(with_(shapes=[s * (1 << 20) + 1 for s in msg["shapes"]]), descs)),
+        ("negative offsets", frame_of(with_(offsets=[-4096] * n), descs)),
+        ("offsets past the buffer", frame_of(with_(offsets=[1 << 40] * n), descs)),
+        ("unknown dtype code", frame_of(with_(dtypes=[99] * n), descs)),
+        ("unknown field path", frame_of(with_(paths=";".join(["__class__"] * n)), descs)),
+        ("values not a dict", frame_of(with_(values=[1, 2]), descs)),
+        ("value and dict entries on one field", frame_of(with_(values={**msg["values"], "klen": 3, "klen.4": 1}), descs)),
+        ("message is a list", frame_of([1, 2, 3], descs)),
+        ("layout lists of different lengths", frame_of(with_(ndims=msg["ndims"] + [1]), descs)),
+        ("message version skew", frame_of(with_(version=MESSAGE_VERSION + 1), descs)),
+        ("schema field skew", frame_of(with_(schema="0" * 16), descs)),
+        ("codec schema skew", frame_of(msg, descs, sch=b"\xff" * len(schema))),
+    ]
+    bad_version = bytearray(frame)
+    bad_version[_LEN.size + 4] += 1  # codec header: protocol version byte
+    out.append(("codec protocol version skew", bytes(bad_version)))
+    return out
+
+
+def _align16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+def _guard_collective(bc: Any) -> None:
+    """A corrupted ``packed`` flag would send the follower into a gloo collective the driver
+    never enters (it would wait for the process-group timeout): make that an error here."""
+    def refuse() -> Any:
+        raise _CollectiveEntered("follower would enter the tensor collective")
+
+    bc._tensor_channel = refuse
+
+
+class _CollectiveEntered(RuntimeError):
+    pass
+
+
+def _wire_rank(rank: int, world: int, seed: int) -> dict:
+    import cpmeta
+    from cpmeta.broadcast import SCHEMA_FINGERPRINT
+
+    rng = random.Random(seed)
+    out: dict = {"frames": [], "names": [], "hostile": [], "recovered": 0, "skew": {}}
+    step = 0
+
+    def valid() -> None:
+        nonlocal step
+        got = bc.broadcast(make_payload(seed, step, RING_BYTES) if rank == 0 else None)
+        verify_payload(got, step)
+        step += 1
+
+    with cpmeta.MetadataBroadcaster(src=0, timeout=30.0) as bc:
+        ring = bc._objects.ring
+        captured: list[bytes] = []
+        if rank == 0:
+            _capture(ring, captured)
+        else:
+            _guard_collective(bc)
+        for _ in range(CAPTURE_STEPS):
+            valid()
+        if rank == 0:
+            del ring.write  # the instance patch: back to ShmRing.write
+            out["frames"] = [f for f in captured if len(f) <= KEEP_FRAME_BYTES]
+            hostile = _crafted(out["frames"][0], SCHEMA_FINGERPRINT.encode())
+            assert len(hostile) == N_CRAFTED
+            hostile += [("mutated", _mutate(rng.choice(captured), rng)) for _ in range(MUTATED_FRAMES)]
+            out["names"] = [name for name, _ in hostile]
+        for i in range(N_CRAFTED + MUTATED_FRAMES):
+            if rank == 0:
+                ring.write(hostile[i][1])
+            else:
+                out["hostile"].append(_receive_hostile(bc, rank))
+            valid()  # the ring stays in step: the next real message arrives intact
+            out["recovered"] += 1
+        _skew_phase(bc, rank, seed, out, valid)
+    return out
+
+
+def _receive_hostile(bc: Any, rank: int) -> tuple[str, bool, str]:
+    """(outcome, error names this rank, message) of one hostile frame on a follower."""
+    try:
+        bc.broadcast(None)
+    except Exception as e:  # noqa: BLE001 - classified by the parent
+        return type(e).__name__, f"rank {rank}" in str(e), str(e)[:200]
+    return "accepted", False, ""
+
+
+def _skew_phase(bc: Any, rank: int, seed: int, out: dict, valid: Any) -> None:
+    """Rank 2 runs with another protocol version / schema; rank 1 must be unaffected."""
+    import cpmeta.broadcast as cb
+    import transport.codec as codec
+
+    patches = [
+        ("protocol version", codec, "PROTOCOL_VERSION", codec.PROTOCOL_VERSION + 1),
+        ("codec schema", bc._objects, "schema", b"\x00" * 16),
+        ("message version", cb, "MESSAGE_VERSION", cb.MESSAGE_VERSION + 1),
+        ("schema fingerprint", cb, "SCHEMA_FINGERPRINT", "f" * 16),
+    ]
+    for what, obj, attr, value in patches:
+        old = getattr(obj, attr)
+        if rank == 2:
+            setattr(obj, attr, value)
+        try:
+            valid()
+            out["skew"][what] = "accepted"
+        except RuntimeError as e:
+            out["skew"][what] = str(e)
+            # the skewed rank skipped that message; everyone else consumed it
+        finally:
+            setattr(obj, attr, old)
+
+
+@pytest.fixture(scope="module")
+def wire() -> list[dict]:
+    return run_ranks(_wire_rank, 3, random.randrange(1 << 30), env=RING_ENV, timeout=200)
+
+
+ALLOWED_FOLLOWER_ERRORS = {"RuntimeError", "CodecError", "ValueError", "TypeError"}
+# still open (docs/reliability.md): a malformed message body can surface as a bare KeyError or
+# AttributeError from MetadataBroadcaster._receive instead of a RuntimeError naming the rank
+KNOWN_WIRE_ESCAPES = {"KeyError", "AttributeError"}
+
+
+def test_hostile_frames_through_the_ring(wire: list[dict]) -> None:
+    driver, *followers = wire
+    names = driver["names"]
+    for f in followers:
+        assert f["recovered"] == N_CRAFTED + MUTATED_FRAMES  # valid messages after each one
+        for name, (kind, named, msg) in zip(names, f["hostile"]):
+            assert kind in ALLOWED_FOLLOWER_ERRORS | KNOWN_WIRE_ESCAPES | {"accepted"}, (name, kind, msg)
+            if name != "mutated":  # every hand-made hostile frame is refused
+                assert kind != "accepted", name
+    kinds = [k for f in followers for k, _, _ in f["hostile"]]
+    named = [n for f in followers for k, n, _ in f["hostile"] if k != "accepted"]
+    print(f"hostile frames: {len(kinds)} outcomes {dict((k, kinds.count(k)) for k in set(kinds))}, "
+          f"{sum(named)}/{len(named)} errors name the rank")
+
+
+@pytest.mark.xfail(strict=True, reason="open: layout/field errors of a malformed message are bare "
+                                        "torch/KeyError/AttributeError errors without the rank")
+def test_malformed_message_errors_name_the_rank(wire: list[dict]) -> None:
+    driver, *followers = wire
+    for f in followers:
+        for name, (kind, named, msg) in zip(driver["names"][:N_CRAFTED], f["hostile"]):
+            assert kind in ALLOWED_FOLLOWER_ERRORS and named, (name, kind, msg)
+
+
+def test_version_and_schema_skew_named_on_the_follower(wire: list[dict]) -> None:
+    _, ok, skewed = wire
+    assert ok["skew"] == {k: "accepted" for k in skewed["skew"]}
+    expect = {"protocol version": "protocol version mismatch",
+              "codec schema": "schema fingerprint mismatch",
+              "message version": "version mismatch",
+              "schema fingerprint": "schema fingerprint mismatch"}
+    for what, phrase in expect.items():
+        msg = skewed["skew"][what]
+        assert "rank 2" in msg and phrase in msg, (what, msg)
+
+
+def _mutate_header(frame: bytes, data: st.DataObject) -> bytes:
+    (hlen,) = _LEN.unpack_from(frame, 0)
+    head = bytearray(frame[_LEN.size:_LEN.size + hlen])
+    for _ in range(data.draw(st.integers(1, 6))):
+        op = data.draw(st.integers(0, 3))
+        i = data.draw(st.integers(0, max(0, len(head) - 1)))
+        if op == 0 and head:
+            head[i] = data.draw(st.integers(0, 255))
+        elif op == 1:
+            head[i:i] = data.draw(st.binary(min_size=1, max_size=9))
+        elif op == 2:
+            del head[i:i + data.draw(st.integers(1, 9))]
+        else:  # msgpack length-carrying prefixes with big lengths
+            head[i:i] = data.draw(st.sampled_from([b"\xdd\x7f\xff\xff\xff", b"\xdb\xff\xff\xff\x00",
+                                                   b"\xc9\xff\xff\xff\xff\x01", b"\xdf\x00\xff\xff\xff"]))
+    return bytes(head)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_decode_mutated_real_metadata_headers(wire: list[dict], data: st.DataObject) -> None:
+    from cpmeta.broadcast import SCHEMA_FINGERPRINT
+
+    frames = wire[0]["frames"]
+    frame = frames[data.draw(st.integers(0, len(frames) - 1))]
+    head = _mutate_header(frame, data)
+    tracemalloc.start()
+    try:
+        try:
+            out = decode(head, schema=SCHEMA_FINGERPRINT.encode())
+        except CodecError:
+            out = None
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < ALLOC_LIMIT + 8 * len(head)
+    if out is not None:
+        encode(out)  # a tree of supported types only
