@@ -75,6 +75,12 @@ def _exercise(rank: int, group: Any, src: int, seed: int, **kw: Any) -> dict:
     got = tc.broadcast(tensors if is_src else [(t.dtype, tuple(t.shape)) for t in tensors])
     assert all(_bytes_equal(x, y) for x, y in zip(tensors, got))
     assert tc.broadcast([] if is_src else []) == []
+    reuse = TensorChannel(group, src, reuse_buffers=True)
+    specs = [(t.dtype, tuple(t.shape)) for t in tensors]
+    a = reuse.broadcast(tensors if is_src else specs)
+    b = reuse.broadcast(tensors[::-1] if is_src else specs[::-1])
+    assert a[0].untyped_storage().data_ptr() == b[0].untyped_storage().data_ptr()  # reused
+    assert all(_bytes_equal(x, y) for x, y in zip(tensors[::-1], b))
     summary = {"local": ch.local_ranks, "remote": ch.remote_ranks}
     ch.close()
     return summary

@@ -244,3 +244,21 @@ def test_mutated_messages_raise_only_codec_error(obj: object, data: st.DataObjec
         decode(bytes(msg[:cut]))
     except CodecError:
         pass
+
+
+def test_env_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    from transport import envs
+
+    monkeypatch.setenv(envs.FORCE_REMOTE, "yes")
+    monkeypatch.setenv(envs.SHM_SLOT_SIZE, "4096")
+    monkeypatch.setenv(envs.SHM_SPIN_US, "0")
+    assert envs.force_remote() and envs.shm_slot_size() == 4096 and envs.shm_spin_us() == 0.0
+    monkeypatch.delenv(envs.SHM_SPIN_US)
+    assert envs.shm_spin_us() is None and envs.transport_timeout() == envs.DEFAULT_TIMEOUT_S
+    for name, fn, bad in [(envs.FORCE_REMOTE, envs.force_remote, "maybe"),
+                          (envs.SHM_NUM_SLOTS, envs.shm_num_slots, "-3"),
+                          (envs.TRANSPORT_TIMEOUT, envs.transport_timeout, "soon"),
+                          (envs.MAX_MESSAGE_BYTES, envs.max_message_bytes, "1.5")]:
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=name):
+            fn()

@@ -81,6 +81,24 @@ def test_wraparound_thousands_with_slow_reader() -> None:
             r.close()
 
 
+def test_portable_fallback_without_futex_or_fence(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off Linux (no futex: sleep-polling) and without libatomic (always wake) it still works."""
+    import transport._futex as futex
+    import transport._ring_io as ring_io
+
+    monkeypatch.setattr(futex, "_WAIT", None)
+    monkeypatch.setattr(futex, "_WAKE", None)
+    monkeypatch.setattr(ring_io, "HAVE_FENCE", False)
+    rng = random.Random(3)
+    msgs = [rng.randbytes(rng.choice([0, 30, 100, 700])) for _ in range(300)]
+    w, readers = _ring(2)
+    try:
+        assert all(o == msgs for o in _pump(w, readers, msgs, slow=0))
+    finally:
+        for r in (w, *readers):
+            r.close()
+
+
 def test_gather_write_and_in_place_consumer() -> None:
     w, readers = _ring(1, slot_size=128, num_slots=8)
     w.write([b"ab", memoryview(b"cd"), bytearray(b"ef")])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import struct
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
@@ -13,7 +14,7 @@ from . import envs
 from .codec import CodecError
 from .coalesce import tensor_memoryview
 
-__all__ = ["group_ranks", "cpu_group", "host_keys", "bcast_frame", "REMOTE_INLINE_BYTES"]
+__all__ = ["group_ranks", "gloo_group", "cpu_group", "host_keys", "bcast_frame", "REMOTE_INLINE_BYTES"]
 
 HOST_KEY_BYTES = 256  # fixed width of a gathered host key
 REMOTE_INLINE_BYTES = 8192  # first broadcast of a remote message: length + this many bytes
@@ -26,13 +27,20 @@ def group_ranks(group: Any) -> list[int]:
     return list(dist.get_process_group_ranks(group))
 
 
-def cpu_group(group: Any) -> Any:
+def gloo_group(ranks: list[int], timeout_s: float) -> Any:
+    """A new gloo group over global ``ranks`` whose collectives time out after ``timeout_s``.
+    Only the members call it (local synchronization)."""
+    return dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=timeout_s),
+                          use_local_synchronization=True)
+
+
+def cpu_group(group: Any, timeout_s: float) -> Any:
     """``group`` itself when its backend moves CPU tensors (gloo), else a new gloo group over the
-    same ranks. Collective over ``group``'s members."""
+    same ranks (collective over ``group``'s members)."""
     backend = str(dist.get_backend(group)).lower()
     if "gloo" in backend:
         return group
-    return dist.new_group(group_ranks(group), backend="gloo", use_local_synchronization=True)
+    return gloo_group(group_ranks(group), timeout_s)
 
 
 def _host_key() -> bytes:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import envs
-from ._dist import bcast_frame, cpu_group, group_ranks, host_keys
+from ._dist import bcast_frame, cpu_group, gloo_group, group_ranks, host_keys
 from .coalesce import copy_into, plan, tensor_memoryview, views_of
 from .codec import CodecError, TensorDesc, decode, encode
 from .ring_group import ring_from_process_group
@@ -57,12 +57,13 @@ class ObjectChannel:
         self.src = src
         self.rank = dist.get_rank()
         self.ranks = group_ranks(self.group)
-        if src not in self.ranks:
-            raise ValueError(f"src: global rank {src} is not in the group {self.ranks}")
+        if src not in self.ranks or self.rank not in self.ranks:
+            raise ValueError(f"src: global ranks {src} (src) and {self.rank} (caller) must both be "
+                             f"in the group {self.ranks}")
         self.schema = schema
         self.timeout = envs.transport_timeout() if timeout is None else float(timeout)
         self._max_bytes = envs.max_message_bytes()
-        self.ctrl = cpu_group(self.group)
+        self.ctrl = cpu_group(self.group, self.timeout)
         force = envs.force_remote() if force_remote is None else bool(force_remote)
         keys = host_keys(self.ctrl)
         src_key = keys[self.ranks.index(src)]
@@ -75,8 +76,8 @@ class ObjectChannel:
         self._remote_group = None
         if self.remote_ranks and (self.rank == src or self.rank in self.remote_ranks):
             members = sorted([src, *self.remote_ranks])
-            self._remote_group = (self.ctrl if len(members) == len(self.ranks) else dist.new_group(
-                members, backend="gloo", use_local_synchronization=True))
+            self._remote_group = (self.ctrl if len(members) == len(self.ranks)
+                                  else gloo_group(members, self.timeout))
         logger.debug("ObjectChannel src=%d: shm readers %s, remote %s", src, attached, self.remote_ranks)
 
     # ------------------------------------------------------------------ objects
