@@ -287,6 +287,8 @@ def test_named_segments_are_private_random_and_exclusive(monkeypatch: pytest.Mon
                                                          tmp_path: Path) -> None:
     from transport import _segment
 
+    # the same code path in a private directory: other tests compare /dev/shm listings
+    monkeypatch.setattr(_segment, "_SHM_DIR", str(tmp_path))
     segs = [_segment.create_segment(4096, use_memfd=False) for _ in range(64)]
     try:
         names = [os.path.basename(s.path) for s in segs]
@@ -306,7 +308,7 @@ def test_named_segments_are_private_random_and_exclusive(monkeypatch: pytest.Mon
             os.unlink(s.path)
     # a planted file or symlink at the next name is refused, never opened or followed
     monkeypatch.setattr(_segment.secrets, "token_hex", lambda n: "ab" * n)
-    planted = Path("/dev/shm") / ("cpmeta-" + "ab" * 16)
+    planted = tmp_path / ("cpmeta-" + "ab" * 16)
     target = tmp_path / "victim"
     target.write_text("keep")
     planted.symlink_to(target)
