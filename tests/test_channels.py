@@ -10,8 +10,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from multiproc import run_ranks
-from transport import CodecError, ObjectChannel, TensorChannel, TensorDesc
+import os
+import signal
+import time
+
+from multiproc import run_ranks, spawn_ranks
+from transport import CodecError, ObjectChannel, PeerError, TensorChannel, TensorDesc
 from transport.codec import DTYPES
 
 pytestmark = pytest.mark.timeout(240)
@@ -206,3 +210,23 @@ def _cuda_gloo(rank: int, world_size: int) -> bool:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_tensor_channel_cuda_staging_over_gloo() -> None:
     assert run_ranks(_cuda_gloo, 2, timeout=200) == [True, True]
+
+
+def _remote_follower_killed(rank: int, world_size: int) -> str:
+    ch = ObjectChannel(None, 0, force_remote=True, timeout=60.0)
+    assert ch.broadcast("hello" if rank == 0 else None) == "hello"
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        for _ in range(2000):
+            ch.broadcast(b"x" * 100 if rank == 0 else None)
+            time.sleep(0.001)
+    except PeerError as e:
+        return str(e)
+    raise AssertionError("the dead follower was never noticed")
+
+
+def test_process_group_path_names_the_dead_rank() -> None:
+    with spawn_ranks(_remote_follower_killed, 3, timeout=120) as group:
+        out = group.results(allow_dead=[2])
+    assert "rank 2 (pid" in out[0] and "died" in out[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 from datetime import timedelta
@@ -14,11 +15,12 @@ from . import envs
 from .codec import CodecError
 from .coalesce import tensor_memoryview
 
-__all__ = ["group_ranks", "gloo_group", "cpu_group", "host_keys", "bcast_frame", "REMOTE_INLINE_BYTES"]
+__all__ = ["group_ranks", "gloo_group", "cpu_group", "peer_info", "bcast_frame", "REMOTE_INLINE_BYTES"]
 
 HOST_KEY_BYTES = 256  # fixed width of a gathered host key
 REMOTE_INLINE_BYTES = 8192  # first broadcast of a remote message: length + this many bytes
 _LEN = struct.Struct("<Q")
+_PID = struct.Struct("<Q")
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 
 
@@ -54,15 +56,21 @@ def _host_key() -> bytes:
     return (socket.gethostname().encode("utf-8", "replace") + b"|" + boot)[:HOST_KEY_BYTES]
 
 
-def host_keys(group: Any) -> list[bytes]:
-    """Collective over the gloo ``group``: every member's host key, in group-rank order. Sent
-    as fixed-size byte tensors (nothing is unpickled)."""
-    mine = torch.zeros(HOST_KEY_BYTES, dtype=torch.uint8)
+def peer_info(group: Any) -> list[tuple[bytes, int]]:
+    """Collective over the gloo ``group``: every member's (host key, pid), in group-rank order.
+    Sent as fixed-size byte tensors (nothing is unpickled)."""
+    mine = torch.zeros(HOST_KEY_BYTES + _PID.size, dtype=torch.uint8)
     key = _host_key()
-    mine[:len(key)] = torch.frombuffer(bytearray(key), dtype=torch.uint8)
+    view = tensor_memoryview(mine)
+    view[:len(key)] = key
+    _PID.pack_into(view, HOST_KEY_BYTES, os.getpid())
     out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, mine, group=group)
-    return [bytes(tensor_memoryview(t)).rstrip(b"\0") for t in out]
+    info = []
+    for t in out:
+        raw = bytes(tensor_memoryview(t))
+        info.append((raw[:HOST_KEY_BYTES].rstrip(b"\0"), _PID.unpack_from(raw, HOST_KEY_BYTES)[0]))
+    return info
 
 
 def bcast_frame(frame: Optional[torch.Tensor], src: int, group: Any) -> torch.Tensor:

@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import logging
 import struct
+import time
 from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from . import envs
-from ._dist import bcast_frame, cpu_group, gloo_group, group_ranks, host_keys
+from ._dist import bcast_frame, cpu_group, gloo_group, group_ranks, peer_info
+from ._segment import PeerWatch
 from .coalesce import copy_into, plan, tensor_memoryview, views_of
 from .codec import CodecError, TensorDesc, decode, encode
+from .errors import PeerError
 from .ring_group import ring_from_process_group
 
 __all__ = ["ObjectChannel"]
@@ -32,6 +35,7 @@ __all__ = ["ObjectChannel"]
 logger = logging.getLogger(__name__)
 _LEN = struct.Struct("<Q")
 _ZEROS = bytes(16)
+DEAD_PEER_GRACE_S = 0.2  # after a gloo error, how long to look for the dead same-host peer
 
 
 class ObjectChannel:
@@ -65,7 +69,8 @@ class ObjectChannel:
         self._max_bytes = envs.max_message_bytes()
         self.ctrl = cpu_group(self.group, self.timeout)
         force = envs.force_remote() if force_remote is None else bool(force_remote)
-        keys = host_keys(self.ctrl)
+        info = peer_info(self.ctrl)
+        keys = [k for k, _ in info]
         src_key = keys[self.ranks.index(src)]
         local = [] if force else [r for r, k in zip(self.ranks, keys) if r != src and k == src_key]
         self.ring, attached = ring_from_process_group(
@@ -74,10 +79,14 @@ class ObjectChannel:
         self.remote_ranks = [r for r in self.ranks if r != src and r not in attached]
         self.local_ranks = attached
         self._remote_group = None
+        self._watch: dict[int, PeerWatch] = {}  # same-host peers of the gloo path, for errors
         if self.remote_ranks and (self.rank == src or self.rank in self.remote_ranks):
             members = sorted([src, *self.remote_ranks])
             self._remote_group = (self.ctrl if len(members) == len(self.ranks)
                                   else gloo_group(members, self.timeout))
+            me = keys[self.ranks.index(self.rank)]
+            self._watch = {r: PeerWatch(info[self.ranks.index(r)][1]) for r in members
+                           if r != self.rank and keys[self.ranks.index(r)] == me}
         logger.debug("ObjectChannel src=%d: shm readers %s, remote %s", src, attached, self.remote_ranks)
 
     # ------------------------------------------------------------------ objects
@@ -90,13 +99,33 @@ class ObjectChannel:
             if self.ring is not None:
                 self.ring.write(data)
             if self._remote_group is not None:
-                bcast_frame(torch.frombuffer(bytearray(data), dtype=torch.uint8), self.src,
-                            self._remote_group)
+                self._remote(torch.frombuffer(bytearray(data), dtype=torch.uint8))
             return obj
         if self.ring is not None:
             return self.ring.read(lambda view, owned: self._decode(view))
-        frame = bcast_frame(None, self.src, self._remote_group)
+        frame = self._remote(None)
         return self._decode(tensor_memoryview(frame))
+
+    def _remote(self, frame: Optional[torch.Tensor]) -> torch.Tensor:
+        """``bcast_frame`` over the gloo path; a failure becomes a PeerError naming the rank
+        (gloo itself only names a socket address)."""
+        try:
+            return bcast_frame(frame, self.src, self._remote_group)
+        except RuntimeError as e:
+            raise self._peer_failure(e) from e
+
+    def _peer_failure(self, e: Exception) -> PeerError:
+        deadline = time.monotonic() + DEAD_PEER_GRACE_S  # a peer's sockets close before it is reaped
+        dead: list[int] = []
+        while not dead and time.monotonic() < deadline:
+            dead = [r for r, w in self._watch.items() if w.dead()]
+            if not dead:
+                time.sleep(1e-3)
+        members = sorted([self.src, *self.remote_ranks])
+        who = (", ".join(f"rank {r} (pid {self._watch[r].pid}) died" for r in dead) if dead else
+               f"a peer among ranks {members} failed or is unreachable")
+        return PeerError(f"ObjectChannel rank {self.rank} (src {self.src}): process-group "
+                         f"broadcast failed: {who}: {e}")
 
     def _decode(self, view: memoryview) -> Any:
         return decode(view, schema=self.schema, max_bytes=self._max_bytes)
@@ -118,7 +147,7 @@ class ObjectChannel:
             return obj, tensors
         if self.ring is not None:
             return self.ring.read(self._unpack)
-        frame = bcast_frame(None, self.src, self._remote_group)
+        frame = self._remote(None)
         return self._unpack(tensor_memoryview(frame), True, frame)
 
     def _send_packed(self, obj: Any, tensors: list[torch.Tensor]) -> None:
@@ -143,7 +172,7 @@ class ObjectChannel:
             head = _LEN.pack(len(header)) + header
             frame[:len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
             copy_into(frame, dense, offsets)
-            bcast_frame(frame, self.src, self._remote_group)
+            self._remote(frame)
 
     def _unpack(self, view: memoryview, owned: bool, base: Optional[torch.Tensor] = None
                 ) -> tuple[Any, list[torch.Tensor]]:
@@ -179,6 +208,9 @@ class ObjectChannel:
         if self.ring is not None:
             self.ring.close()
             self.ring = None
+        for w in self._watch.values():
+            w.close()
+        self._watch = {}
 
     def __enter__(self) -> "ObjectChannel":
         return self

@@ -176,7 +176,11 @@ class ShmRing(RingIO):
         self.timeout = envs.transport_timeout() if timeout is None else float(timeout)
         self._data_at = data_offset(handle.num_readers)
         self._ring_bytes = handle.slot_size * handle.num_slots
-        mm = mmap.mmap(fd, self._data_at + self._ring_bytes)
+        try:
+            mm = mmap.mmap(fd, self._data_at + self._ring_bytes)
+        except (OSError, ValueError):
+            os.close(fd)  # a short or foreign file: do not leak the descriptor
+            raise
         self._w = _Words(mm, handle.num_readers)
         self._head_addr = ctypes.addressof(self._w.head)  # futex addresses as plain ints
         self._tail_addrs = [ctypes.addressof(t) for t in self._w.tails]
