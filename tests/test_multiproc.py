@@ -45,7 +45,7 @@ def _sleep_forever(rank: int, world_size: int) -> None:
 
 def test_deadline_kills_stragglers() -> None:
     with pytest.raises(RankFailure, match="deadline"):
-        run_ranks(_sleep_forever, 2, init=False, timeout=8)
+        run_ranks(_sleep_forever, 2, init=False, timeout=4)
 
 
 def _wait_or_die(rank: int, world_size: int) -> int:
