@@ -245,6 +245,9 @@ def extract_batch(
     n = len(seqs)
     cols = [list(map(g, seqs)) for g in (_SQ, _SK, _STATE, _SVS)]
     plain = {*map(type, cols[0]), *map(type, cols[1]), *map(type, cols[2]), *map(type, cols[3])}
+    flags = list(map(_PH, seqs))
+    if set(map(type, flags)) != {bool}:
+        validate_batch(seqs, cfg, is_prompt=is_prompt)  # names the sequence with a non-bool flag
     toks, drafts, tables = list(map(_TOK, seqs)), list(map(_DRAFT, seqs)), list(map(_BT, seqs))
     n_tok = np.fromiter(map(len, toks), np.int64, n)
     n_draft = np.fromiter(map(len, drafts), np.int64, n) if any(drafts) else None
@@ -267,7 +270,7 @@ def extract_batch(
     return BatchArrays(
         n_seq=n, total_q=total_q, seqlen_q=sq, seqlen_k=sk, q_start=q_start,
         state_id=ints[2], swa_valid_start=ints[3],
-        is_placeholder=np.fromiter(map(_PH, seqs), bool, n), cu_q=cu[0], cu_k=cu[1],
+        is_placeholder=np.fromiter(flags, bool, n), cu_q=cu[0], cu_k=cu[1],
         bt_flat=bt_flat, bt_start=bt_start, bt_need=need,
         input_ids=_input_ids(is_prompt, toks, drafts, q_start, cols[1], n, total_q),
         row_seq=row_seq, row_j=row_j,

@@ -45,6 +45,7 @@ WIRE_DTYPES: tuple[torch.dtype, ...] = (
     torch.float16, torch.bfloat16, torch.float32, torch.float64,
 )
 _DTYPE_CODE: dict[torch.dtype, int] = {d: i for i, d in enumerate(WIRE_DTYPES)}
+_ELEMENT_SIZE: tuple[int, ...] = tuple(torch.empty(0, dtype=d).element_size() for d in WIRE_DTYPES)
 #: Packed tensors start at multiples of this many bytes inside the coalesced buffer.
 PACK_ALIGN = 16
 #: Separators of the tensor-path string: ``"positions,positions_cp;klen.4"`` (no field or ratio
@@ -174,7 +175,7 @@ def _unpack(buf: torch.Tensor, codes: list[int], shapes: list[int], ndims: list[
             start = base.storage_offset() + off // base.element_size()
             out.append(base.as_strided(shape, _contiguous_strides(shape), start))
         else:  # unaligned payload: one small copy per tensor instead of views
-            esz = torch.empty(0, dtype=dtype).element_size()
+            esz = _ELEMENT_SIZE[code]
             out.append(buf[off:off + numel * esz].clone().view(dtype).view(shape))
     return out
 
@@ -334,17 +335,15 @@ class MetadataBroadcaster:
             raise RuntimeError(f"rank {self.rank}: metadata message from src={self.src} rejected: {e}") from e
         _check_message(msg, self.rank)
         try:
-            paths = [p.split(_ALIAS_SEP) for p in msg["paths"].split(_TENSOR_SEP)] if msg["paths"] else []
-            codes, shapes, ndims, offsets = msg["dtypes"], msg["shapes"], msg["ndims"], msg["offsets"]
-            if not (len(paths) == len(codes) == len(ndims) == len(offsets)) or sum(ndims) != len(shapes):
-                raise ValueError("tensor layout lists disagree in length")
-            if any(type(c) is not int or not 0 <= c < len(WIRE_DTYPES) for c in codes):
-                raise ValueError(f"unknown dtype code in {codes}")
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise RuntimeError(f"rank {self.rank}: malformed metadata message: {e}") from None
+            paths, codes, shapes, ndims, offsets = _parse_layout(msg)
+            if msg["packed"]:
+                buf = payload[0] if payload else torch.empty(0, dtype=torch.uint8)
+                _check_packed_bounds(buf, codes, shapes, ndims, offsets)
+                out = _unpack(buf, codes, shapes, ndims, offsets)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as e:
+            raise RuntimeError(f"rank {self.rank}: malformed metadata message from src={self.src}: "
+                               f"{type(e).__name__}: {e}") from None
         if msg["packed"]:
-            buf = payload[0] if payload else torch.empty(0, dtype=torch.uint8)
-            out = _unpack(buf, codes, shapes, ndims, offsets)
             out = _to_device(out, buf, offsets, self.device)
         else:
             specs, at = [], 0
@@ -354,7 +353,43 @@ class MetadataBroadcaster:
             out = self._tensor_channel().broadcast(specs)
         if len(out) != len(paths):
             raise RuntimeError(f"rank {self.rank}: expected {len(paths)} tensors, received {len(out)}")
-        return _assemble(msg["values"], paths, out)
+        try:
+            return _assemble(msg["values"], paths, out)
+        except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
+            raise RuntimeError(f"rank {self.rank}: malformed metadata message from src={self.src}: "
+                               f"{type(e).__name__}: {e}") from None
+
+
+def _parse_layout(msg: dict) -> tuple[list[list[str]], list[int], list[int], list[int], list[int]]:
+    """Type-check the tensor layout lists of a received message (untrusted input)."""
+    p, codes, shapes, ndims, offsets = (msg["paths"], msg["dtypes"], msg["shapes"], msg["ndims"],
+                                        msg["offsets"])
+    if type(p) is not str or type(msg["packed"]) is not bool or type(msg["values"]) is not dict:
+        raise TypeError("paths/packed/values have the wrong types")
+    for name, xs in (("dtypes", codes), ("shapes", shapes), ("ndims", ndims), ("offsets", offsets)):
+        if type(xs) is not list or any(type(x) is not int or x < 0 for x in xs):
+            raise TypeError(f"{name}: expected a list of non-negative ints")
+    paths = [q.split(_ALIAS_SEP) for q in p.split(_TENSOR_SEP)] if p else []
+    if not (len(paths) == len(codes) == len(ndims) == len(offsets)) or sum(ndims) != len(shapes):
+        raise ValueError("tensor layout lists disagree in length")
+    if any(c >= len(WIRE_DTYPES) for c in codes):
+        raise ValueError(f"unknown dtype code in {codes}")
+    return paths, codes, shapes, ndims, offsets
+
+
+def _check_packed_bounds(buf: torch.Tensor, codes: list[int], shapes: list[int], ndims: list[int],
+                         offsets: list[int]) -> None:
+    """Every packed tensor must lie inside the received buffer at an aligned offset."""
+    at = 0
+    for c, nd, off in zip(codes, ndims, offsets):
+        numel = 1
+        for d in shapes[at:at + nd]:
+            numel *= d
+        at += nd
+        esz = _ELEMENT_SIZE[c]
+        if off % PACK_ALIGN or off + numel * esz > buf.numel():
+            raise ValueError(f"packed tensor at offset {off} ({numel} x {WIRE_DTYPES[c]}) "
+                             f"outside the {buf.numel()}-byte payload")
 
 
 def _assemble(values: dict[str, Any], paths: list[list[str]], tensors: list[torch.Tensor]) -> InputMetadata:

@@ -73,6 +73,8 @@ def validate_batch(seqs: Sequence[SequenceMetadata], cfg: MetadataConfig, *, is_
         _check_int(i, "seqlen_k", k)
         _check_int(i, "state_id", s.state_id)
         _check_int(i, "swa_valid_start", s.swa_valid_start)
+        if type(s.is_placeholder) is not bool:
+            raise _bad(i, "is_placeholder", "a bool", s.is_placeholder)
         if q < 1:
             raise _bad(i, "seqlen_q", ">= 1", q)
         if q > k:
