@@ -8,7 +8,8 @@ never mistaken for the injected fault. Faults:
 - a follower SIGKILLed between steps (by the parent, ``RankGroup.kill``) and in the middle of a
   message larger than the ring (a hook on its ring end kills it after the first slots);
 - the driver SIGKILLed in the middle of a streamed message (hook) and at a random moment (parent);
-- a follower that stalls shorter than the timeout (just slower) and longer (an error naming it);
+- a follower that stalls shorter than the timeout (just slower) and longer (an error naming it),
+  asleep or frozen by SIGSTOP;
 - the driver killed while the ring is being set up (construction);
 - the same follower kill on the forced process-group (gloo) path.
 
@@ -214,17 +215,22 @@ def _driver_killed_at_random(rank: int, world: int, tmp: str, seed: int) -> dict
     return _run(rank, body)
 
 
-def _stalls(rank: int, world: int, tmp: str, seed: int) -> dict:
+def _stalls(rank: int, world: int, tmp: str, seed: int, frozen: bool) -> dict:
     """Phase 1: rank 2 sleeps STALL_SHORT_S before steps 10 and 20 (no error, nothing lost).
-    Phase 2: it sleeps STALL_LONG_S before step 40 (the driver must name it), then drains."""
+    Phase 2: before step 40 it sleeps STALL_LONG_S, or (``frozen``) stops itself with SIGSTOP
+    until the parent sends SIGCONT STALL_LONG_S later (a process frozen from outside: debugger,
+    cgroup freezer, swap storm); the driver must name it; then it drains."""
 
     def body(bc: Any, rec: dict) -> None:
         for step in range(MAX_STEPS):
-            if rank == 2 and step in (10, 20):
+            if rank == 2 and step in (10, 20) and not frozen:  # phase 1 once, in the sleep case
                 time.sleep(STALL_SHORT_S)
             if rank == 2 and step == 40:
                 _mark(tmp, "stalled")
-                time.sleep(STALL_LONG_S)
+                if frozen:
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                else:
+                    time.sleep(STALL_LONG_S)
             _step(bc, rank, seed, step, rec)
             if step == 30:
                 rec["phase1_done"] = True
@@ -376,29 +382,36 @@ def test_driver_killed_at_random_moment(tmp_path: Path) -> None:
     _assert_clean(before, followers)
 
 
-def test_follower_stalls_shorter_then_longer_than_timeout(tmp_path: Path) -> None:
+@pytest.mark.parametrize("frozen", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["sleep", "sigstop"])  # SIGSTOP: same detection path, kept out of the default run
+def test_follower_stalls_shorter_then_longer_than_timeout(tmp_path: Path, frozen: bool) -> None:
     before = project_shm_entries()
-    with _spawn(_stalls, str(tmp_path), _seed()) as group:
+    with _spawn(_stalls, str(tmp_path), _seed(), frozen) as group:
+        if frozen:
+            _wait_file(group, tmp_path, "stalled")
+            time.sleep(STALL_LONG_S)
+            group.kill(2, signal.SIGCONT)
         driver, other, slow = group.results()
     t_stall = float((tmp_path / "stalled").read_text())
     for rec in (driver, other, slow):  # short stalls: every step 0..30 arrived once, in order
         assert rec.get("phase1_done") and rec["last"] >= 39, rec
     assert driver["etype"] == "TimeoutError" and "rank 2" in driver["error"], driver
-    ttd = _ttd("follower-stalls-longer-than-timeout", driver, t_stall)
+    scenario = f"follower-{'frozen' if frozen else 'stalls'}-longer-than-timeout"
+    ttd = _ttd(scenario, driver, t_stall)
     assert ttd < STALL_LONG_S  # raised while the follower was still asleep
     # the healthy follower sees the driver stop: ring closed, or its own timeout naming the
     # writer when that fires first (it cannot know the driver waits for rank 2)
     assert other["etype"] in ("RingClosedError", "TimeoutError"), other
-    _ttd("follower-stalls-longer-than-timeout/healthy-follower", other, t_stall)
+    _ttd(f"{scenario}/healthy-follower", other, t_stall)
     # the sleeper drains the complete messages published before the close, then raises
     assert slow["etype"] == "RingClosedError" and slow["last"] <= driver["last"], slow
     _assert_clean(before, [driver, other, slow])
 
 
 @pytest.mark.parametrize("named", [
-    False, pytest.param(True, marks=pytest.mark.xfail(
+    False, pytest.param(True, marks=[pytest.mark.slow, pytest.mark.xfail(
         strict=True, reason="known gap: a /dev/shm name cannot be unlinked by a writer killed "
-                            "before its readers attached (memfd, the default, has no name)"))],
+                            "before its readers attached (memfd, the default, has no name)")])],
     ids=["memfd", "devshm"])
 def test_driver_killed_during_setup(tmp_path: Path, named: bool) -> None:
     before = project_shm_entries()
@@ -417,15 +430,13 @@ def test_driver_killed_during_setup(tmp_path: Path, named: bool) -> None:
 
 
 def test_follower_killed_on_process_group_path(tmp_path: Path) -> None:
-    """Forced remote path (gloo bytes instead of the ring): the kill is detected at once by the
-    TCP connection, but gloo's message names an address, not a rank (documented gap)."""
+    """Forced remote path (gloo bytes instead of the ring): the kill is seen at once through the
+    TCP connection; ObjectChannel names the dead rank (same-host pids exchanged at setup)."""
     with _spawn(_killed_between_steps, str(tmp_path), _seed(), False, True) as group:
         _wait_file(group, tmp_path, "ready")
         t_kill = _kill(group, tmp_path, 2)
         driver, survivor, _ = group.results(allow_dead=[2])
     assert driver["segment"] is None  # no ring at all on this path
     for name, rec in (("driver", driver), ("survivor", survivor)):
-        assert rec["etype"] is not None, rec
-        assert _ttd(f"follower-killed-process-group-path/{name}", rec, t_kill) < SPAWN_TIMEOUT_S
-    if "rank 2" not in driver["error"]:
-        pytest.xfail(f"process-group path names no rank: {driver['error'][:120]}")
+        assert rec["etype"] == "PeerError" and "rank 2" in rec["error"] and "died" in rec["error"], rec
+        assert _ttd(f"follower-killed-process-group-path/{name}", rec, t_kill) < TIMEOUT_S

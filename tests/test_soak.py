@@ -27,7 +27,7 @@ SLOT_SIZE, NUM_SLOTS = 4096, 16
 RING_BYTES = SLOT_SIZE * NUM_SLOTS
 RING_ENV = {"CPMETA_SHM_SLOT_SIZE": str(SLOT_SIZE), "CPMETA_SHM_NUM_SLOTS": str(NUM_SLOTS)}
 CHECK_EVERY = 10  # every 10th message is also compared with a regenerated payload, byte for byte
-SHORT_STEPS = 1000
+SHORT_STEPS = 500
 FULL_STEPS = 20_000
 RSS_GROWTH_LIMIT = 16 << 20  # bytes an RSS may grow between step 200 and the end
 
