@@ -18,6 +18,8 @@ from ._ring_layout import (ABSENT, ATTACHED, CLOSED, KIND_DATA, KIND_PAD, LIVENE
 from ._segment import PeerWatch
 from .errors import PeerError, RingClosedError
 
+__all__ = ["RingIO"]
+
 T = TypeVar("T")
 Buffers = Union[bytes, bytearray, memoryview, Sequence[Any]]
 _HDR_LEN = MSG_HEADER.size

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import struct
 
+__all__ = ["MAGIC", "VERSION", "HDR", "MSG_HEADER", "cdiv", "data_offset", "EMPTY", "ATTACHED", "CLOSED",
+           "ABSENT", "LIVENESS_SLICE_S", "DEFAULT_SPIN_US"]
+
 MAGIC = b"CPMRING1"
 VERSION = 1
 HDR = struct.Struct("<8sIIQQ16sII")  # magic, version, num_readers, slot_size, num_slots, nonce, pid, closed
