@@ -118,14 +118,42 @@ def alloc(
     return t, t.numpy()
 
 
-def int_array(parts: Sequence[Any], total: int) -> np.ndarray:
+def int_array(parts: Sequence[Any], total: int, field: Any = "seqs[i] ids") -> np.ndarray:
     """Concatenate int sequences (lists, tuples, numpy arrays or tensors) into one int64 array.
 
     Python lists go through ``array.array("q").fromlist`` (one C loop per list, about twice as
     fast as ``np.fromiter`` over ``itertools.chain``); other sequences through ``np.fromiter``;
     ``np.concatenate`` / ``torch.cat`` when every part already is an array / tensor.
-    ``total`` is the expected length (checked).
+    ``total`` is the expected length (checked). An id that is not an int within int64 is a
+    ``ValueError`` naming ``field`` (``"seqs[i].token_ids"``: ``i`` becomes the offending part's
+    index; or a callable mapping that index to the name).
     """
+    try:
+        return _int_array(parts, total)
+    except (OverflowError, TypeError, ValueError) as e:
+        bad = _first_bad(parts)
+        if callable(field):
+            where = field(bad) if bad is not None else "seqs"
+        else:
+            where = field.replace("[i]", f"[{bad}]") if bad is not None else field
+        raise ValueError(f"{where}: expected ints within int64 ({type(e).__name__}: {e})") from None
+
+
+def _first_bad(parts: Sequence[Any]) -> Optional[int]:
+    """Index of the first part that does not convert on its own (error paths only)."""
+    return next((i for i, p in enumerate(parts) if not _fits_int64(p)), None)
+
+
+def _fits_int64(part: Any) -> bool:
+    """Whether ``part`` alone converts (the same conversion that just failed for the batch)."""
+    try:
+        _int_array([part], len(part))
+        return True
+    except (OverflowError, TypeError, ValueError, AssertionError):
+        return False
+
+
+def _int_array(parts: Sequence[Any], total: int) -> np.ndarray:
     kinds = set(map(type, parts))
     if kinds == {list}:
         buf = array.array("q")
@@ -220,10 +248,12 @@ def _input_ids(
 ) -> np.ndarray:
     """Prompt: ``token_ids[q_start:seqlen_k]``; decode: ``token_ids[-1]`` then ``draft_tokens``."""
     if is_prompt:
-        return int_array(list(map(_slice, toks, q_start.tolist(), sk_l)), total_q)
+        return int_array(list(map(_slice, toks, q_start.tolist(), sk_l)), total_q, "seqs[i].token_ids")
     if total_q == n:
-        return int_array([[t[-1] for t in toks]], n)
-    return int_array([x for t, d in zip(toks, drafts) for x in ((t[-1],), d)], total_q)
+        return int_array([[t[-1] for t in toks]], n,  # one part: one C loop for the batch
+                         lambda _: f"seqs[{_first_bad([[t[-1]] for t in toks])}].token_ids")
+    return int_array([x for t, d in zip(toks, drafts) for x in ((t[-1],), d)], total_q,
+                     lambda k: f"seqs[{k // 2}].{'draft_tokens' if k % 2 else 'token_ids'}")
 
 
 def extract_batch(
@@ -250,7 +280,7 @@ def extract_batch(
         validate_batch(seqs, cfg, is_prompt=is_prompt)  # names the sequence with a non-bool flag
     toks, drafts, tables = list(map(_TOK, seqs)), list(map(_DRAFT, seqs)), list(map(_BT, seqs))
     n_tok = np.fromiter(map(len, toks), np.int64, n)
-    n_draft = np.fromiter(map(len, drafts), np.int64, n) if any(drafts) else None
+    n_draft = np.fromiter(map(len, drafts), np.int64, n) if any(map(len, drafts)) else None
     n_bt = np.fromiter(map(len, tables), np.int64, n)
     ints = _int_columns(cols) if plain == {int} else None
     need = _blocks_needed(ints[1], cfg) if ints is not None else None
@@ -306,7 +336,7 @@ def _flat_tables(
     if not np.array_equal(n_bt, need):
         tables = list(map(_slice, tables, [0] * len(tables), need.tolist()))
     flat = np.empty(total + 1, np.int64)
-    flat[:total] = int_array(tables, total)
+    flat[:total] = int_array(tables, total, "seqs[i].block_table")
     flat[total] = 0
     if total and flat[:total].min() < 0:
         bad = int(np.searchsorted(start[1:], int(np.argmax(flat[:total] < 0)), side="right"))

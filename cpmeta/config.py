@@ -7,6 +7,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from .constants import INT32_MAX
+
 __all__ = ["MetadataConfig", "YOCO_MODES"]
 
 YOCO_MODES = ("mask", "compact")
@@ -21,8 +23,8 @@ def _ratio_tuple(name: str, value: object) -> tuple[int, ...]:
         raise TypeError(f"{name}: expected a tuple of positive ints, got {value!r}")
     out = tuple(value)
     for r in out:
-        if not _is_int(r) or r < 1:
-            raise ValueError(f"{name}: expected positive ints, got {r!r} in {out!r}")
+        if not _is_int(r) or not 1 <= r <= INT32_MAX:
+            raise ValueError(f"{name}: expected ints in [1, 2**31 - 1], got {r!r} in {out!r}")
     if len(set(out)) != len(out):
         raise ValueError(f"{name}: ratio listed twice in {out!r}")
     return out
@@ -56,8 +58,8 @@ class MetadataConfig:
     def __post_init__(self) -> None:
         for name in ("block_size", "window_size", "swa_block_size", "max_model_len"):
             v = getattr(self, name)
-            if not _is_int(v) or v < 1:
-                raise ValueError(f"{name}: expected a positive int, got {v!r}")
+            if not _is_int(v) or not 1 <= v <= INT32_MAX:
+                raise ValueError(f"{name}: expected an int in [1, 2**31 - 1], got {v!r}")
         if self.swa_block_size < self.window_size:
             raise ValueError(
                 f"swa_block_size: expected >= window_size ({self.window_size}), "
@@ -73,15 +75,17 @@ class MetadataConfig:
             if self.block_size % n:
                 which = "dense_compress_ratios" if n in dense else "sparse_compress_ratios"
                 raise ValueError(f"{which}: ratio {n} does not divide block_size {self.block_size}")
-        if not _is_int(self.max_ngram_size) or self.max_ngram_size < 0:
+        if not _is_int(self.max_ngram_size) or not 0 <= self.max_ngram_size <= INT32_MAX:
             raise ValueError(f"max_ngram_size: expected an int >= 0, got {self.max_ngram_size!r}")
-        if not _is_int(self.ngram_pad_token):
-            raise ValueError(f"ngram_pad_token: expected an int, got {self.ngram_pad_token!r}")
+        if not _is_int(self.ngram_pad_token) or abs(self.ngram_pad_token) > INT32_MAX:
+            raise ValueError(f"ngram_pad_token: expected an int32 value, got {self.ngram_pad_token!r}")
         if self.ngram_lookup is not None:
             t = self.ngram_lookup
             if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype.is_floating_point:
                 raise ValueError("ngram_lookup: expected a 1-D integer tensor or None")
-        if self.image_token_id is not None and not _is_int(self.image_token_id):
+        if self.image_token_id is not None and (
+            not _is_int(self.image_token_id) or abs(self.image_token_id) > INT32_MAX
+        ):
             raise ValueError(f"image_token_id: expected an int or None, got {self.image_token_id!r}")
         if not isinstance(self.force_load_balance, bool):
             raise ValueError(f"force_load_balance: expected a bool, got {self.force_load_balance!r}")
