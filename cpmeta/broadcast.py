@@ -37,7 +37,7 @@ __all__ = ["MetadataBroadcaster", "SCHEMA_FINGERPRINT", "MESSAGE_VERSION"]
 logger = logging.getLogger(__name__)
 
 #: Version of the broadcaster's message layout (on top of the codec's own protocol version).
-MESSAGE_VERSION = 2
+MESSAGE_VERSION = 3
 
 #: Wire code of a dtype = its index here (append only: the codes are part of the message layout).
 WIRE_DTYPES: tuple[torch.dtype, ...] = (
@@ -107,21 +107,27 @@ def collect(md: InputMetadata) -> tuple[dict[str, Any], list[list[str]], list[to
 def _layout(tensors: list[torch.Tensor]) -> tuple[list[int], list[int], list[int], list[int], int]:
     """Wire description of ``tensors``: dtype codes, flat shapes, ndims, packed byte offsets, total.
 
-    Example: an int32 [3] and a bool [2, 2] tensor give codes ``[4, 0]``, shapes
-    ``[3, 2, 2]``, ndims ``[1, 2]``, offsets ``[0, 16]`` (12 bytes rounded up to 16), total 32.
+    Tensors of one dtype that follow each other are packed back to back (so a receiver can
+    split the run with one call); each run starts at a multiple of ``PACK_ALIGN``. Example: an
+    int32 [3], an int32 [2, 2] and a bool [2] give codes ``[4, 4, 0]``, shapes ``[3, 2, 2, 2]``,
+    ndims ``[1, 2, 1]``, offsets ``[0, 12, 32]`` (the bool run starts at 28 rounded up to 32),
+    total 48.
     """
     codes, shapes, ndims, offsets = [], [], [], []
-    pos = 0
+    pos, prev = 0, -1
     for t in tensors:
         code = _DTYPE_CODE.get(t.dtype)
         if code is None:
             raise TypeError(f"dtype {t.dtype} cannot be broadcast (supported: {WIRE_DTYPES})")
+        if code != prev:
+            pos = -(-pos // PACK_ALIGN) * PACK_ALIGN
+            prev = code
         codes.append(code)
         shapes.extend(t.shape)
         ndims.append(t.dim())
         offsets.append(pos)
-        pos += -(-(t.numel() * t.element_size()) // PACK_ALIGN) * PACK_ALIGN
-    return codes, shapes, ndims, offsets, pos
+        pos += t.nbytes
+    return codes, shapes, ndims, offsets, -(-pos // PACK_ALIGN) * PACK_ALIGN
 
 
 def _check_message(msg: Any, rank: int) -> None:
@@ -146,7 +152,7 @@ def _pack(tensors: list[torch.Tensor], offsets: list[int], total: int, buf: Opti
         buf = torch.empty(max(total, 4096), dtype=torch.uint8)
     base = buf.data_ptr()
     for t, off in zip(tensors, offsets):
-        n = t.numel() * t.element_size()
+        n = t.nbytes
         if n:
             t = t if t.is_contiguous() else t.contiguous()
             ctypes.memmove(base + off, t.data_ptr(), n)
@@ -155,36 +161,42 @@ def _pack(tensors: list[torch.Tensor], offsets: list[int], total: int, buf: Opti
 
 def _unpack(buf: torch.Tensor, codes: list[int], shapes: list[int], ndims: list[int],
             offsets: list[int]) -> list[torch.Tensor]:
-    """Views of ``buf`` (uint8, 16-byte aligned start) with the original dtypes and shapes."""
-    typed: dict[int, torch.Tensor] = {}
-    out = []
-    at = 0
-    aligned = buf.data_ptr() % PACK_ALIGN == 0 and buf.numel() % PACK_ALIGN == 0
-    for code, nd, off in zip(codes, ndims, offsets):
-        dtype = WIRE_DTYPES[code]
-        shape = shapes[at:at + nd]
+    """Views of ``buf`` (uint8, 16-byte aligned start) with the original dtypes and shapes.
+
+    A run of same-dtype tensors packed back to back becomes views with ONE ``view(dtype)`` and
+    ONE ``split`` (a C++ loop; a Python-level view per tensor costs several microseconds); only
+    tensors that are not 1-D need one more ``view(shape)``. Example: int32 [3] at 0 and int32
+    [2, 2] at 12 give ``buf[0:28].view(int32).split([3, 4])``, the second chunk viewed [2, 2].
+    """
+    dims, numels, at = [], [], 0
+    for nd in ndims:
+        d = shapes[at:at + nd]
         at += nd
-        numel = 1
-        for d in shape:
-            numel *= d
-        if aligned:
-            base = typed.get(code)
-            if base is None:
-                base = typed[code] = buf.view(dtype)
-            # as_strided's offset is absolute in the storage: add the view's own offset
-            start = base.storage_offset() + off // base.element_size()
-            out.append(base.as_strided(shape, _contiguous_strides(shape), start))
-        else:  # unaligned payload: one small copy per tensor instead of views
-            esz = _ELEMENT_SIZE[code]
-            out.append(buf[off:off + numel * esz].clone().view(dtype).view(shape))
+        dims.append(d)
+        numels.append(_numel(d))
+    if buf.data_ptr() % PACK_ALIGN or buf.numel() % PACK_ALIGN:  # unaligned: small copies
+        return [buf[off:off + k * _ELEMENT_SIZE[c]].clone().view(WIRE_DTYPES[c]).view(d)
+                for c, off, k, d in zip(codes, offsets, numels, dims)]
+    out: list[torch.Tensor] = []
+    i, n = 0, len(codes)
+    while i < n:
+        esz = _ELEMENT_SIZE[codes[i]]
+        j, end = i, offsets[i] + numels[i] * esz
+        while j + 1 < n and codes[j + 1] == codes[i] and offsets[j + 1] == end:
+            j += 1
+            end += numels[j] * esz
+        chunks = buf[offsets[i]:end].view(WIRE_DTYPES[codes[i]]).split(numels[i:j + 1])
+        for k, t in zip(range(i, j + 1), chunks):
+            out.append(t if len(dims[k]) == 1 else t.view(dims[k]))
+        i = j + 1
     return out
 
 
-def _contiguous_strides(shape: list[int]) -> list[int]:
-    strides = [1] * len(shape)
-    for i in range(len(shape) - 2, -1, -1):
-        strides[i] = strides[i + 1] * max(shape[i + 1], 1)
-    return strides
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _to_device(tensors: list[torch.Tensor], buf: Optional[torch.Tensor], offsets: list[int],
@@ -303,6 +315,8 @@ class MetadataBroadcaster:
 
     def _send(self, md: InputMetadata) -> InputMetadata:
         values, paths, tensors = collect(md)
+        order = sorted(range(len(tensors)), key=lambda i: _DTYPE_CODE.get(tensors[i].dtype, -1))
+        paths, tensors = [paths[i] for i in order], [tensors[i] for i in order]  # dtype runs
         codes, shapes, ndims, offsets, total = _layout(tensors)
         packed = self._use_packed(tensors)
         msg = {
@@ -387,7 +401,7 @@ def _check_packed_bounds(buf: torch.Tensor, codes: list[int], shapes: list[int],
             numel *= d
         at += nd
         esz = _ELEMENT_SIZE[c]
-        if off % PACK_ALIGN or off + numel * esz > buf.numel():
+        if off % esz or off + numel * esz > buf.numel():
             raise ValueError(f"packed tensor at offset {off} ({numel} x {WIRE_DTYPES[c]}) "
                              f"outside the {buf.numel()}-byte payload")
 
