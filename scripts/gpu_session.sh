@@ -17,14 +17,15 @@ nvidia-smi -L; python3 -c 'import torch, triton; print(torch.__version__, triton
 echo "GPUs: $NGPU"
 TAILN=4 step gpu_tests 200 python3 -m pytest -q -p no:cacheprovider -x -k "cuda or gpu or triton or graph or nccl" \
   tests/test_builders.py tests/test_builders_smoke.py tests/test_decode_inplace.py tests/test_cuda_graph.py \
-  tests/test_slot_mapping.py tests/test_yoco.py tests/test_mirror.py tests/test_gpu_broadcast.py
+  tests/test_slot_mapping.py tests/test_yoco.py tests/test_mirror.py tests/test_gpu_broadcast.py \
+  tests/test_mirror_multirank.py tests/test_broadcast_multirank.py
 step launch_nccl1 60 python3 -m launch --backend nccl --nproc-per-node 1 --workload mixed --cp-mirror --attn-info --steps 100 --verify --json "$OUT/launch_nccl1.json"
 if [ "$NGPU" -ge 2 ]; then
-  TAILN=8 step launch_nccl2 90 python3 -m launch --backend nccl --nproc-per-node 2 --workload mixed --cp-mirror --attn-info --kv-interleave 16 --steps 200 --verify --json "$OUT/launch_nccl2.json"
-  TAILN=8 step launch_nccl2_decode 60 python3 -m launch --backend nccl --nproc-per-node 2 --workload decode --steps 200 --json "$OUT/launch_nccl2_decode.json"
+  TAILN=8 step launch_nccl$NGPU 120 python3 -m launch --backend nccl --nproc-per-node "$NGPU" --workload mixed --cp-mirror --attn-info --kv-interleave 16 --steps 200 --verify --json "$OUT/launch_nccl$NGPU.json"
+  TAILN=8 step launch_nccl${NGPU}_decode 60 python3 -m launch --backend nccl --nproc-per-node "$NGPU" --workload decode --steps 200 --json "$OUT/launch_nccl${NGPU}_decode.json"
 fi
 TAILN=12 step bench_inplace 90 python3 scripts/bench_decode_inplace.py --out "$OUT/inplace.json"
 TAILN=12 step bench_attn 60 python3 scripts/bench_build.py --device cuda --only attn --no-ref --out "$OUT/build_cuda.json"
-W="1"; [ "$NGPU" -ge 2 ] && W="1 2"
+W="1"; for w in 2 4 8; do [ "$NGPU" -ge "$w" ] && W="$W $w"; done
 TAILN=20 step bench_bcast_nccl 150 python3 scripts/bench_broadcast.py --backend nccl --worlds $W --attn-info 0 --out "$OUT/bcast_nccl.json"
 ls -la "$OUT"
