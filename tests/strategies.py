@@ -36,6 +36,7 @@ from typing import Any, Optional, Protocol, Sequence, TypeVar
 import torch
 
 from cpmeta.config import MetadataConfig
+from cpmeta.metadata import InputMetadata
 from cpmeta.sequence import SequenceMetadata, blocks_needed
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "configs",
     "prompt_cases",
     "decode_cases",
+    "metadata_prefix",
     "DEFAULT_VOCAB",
 ]
 
@@ -326,3 +328,21 @@ def decode_cases(config_overrides: Optional[dict[str, Any]] = None, **batch_kw: 
         return cfg, random_decode_batch(rng, cfg, **batch_kw)
 
     return _case()
+
+
+def metadata_prefix(md: InputMetadata, n: int, tq: int) -> InputMetadata:
+    """``md`` cut to the first ``tq`` rows / ``n + 1`` cu entries, with the batch scalars set.
+
+    Reads the live prefix of metadata written into buffers captured for a larger batch.
+    """
+    changes: dict[str, Any] = {}
+    for name in InputMetadata.field_names():
+        v = getattr(md, name)
+        if isinstance(v, torch.Tensor):
+            changes[name] = v[: n + 1] if name.startswith("cu_seqlens") else v[:tq]
+        elif isinstance(v, dict):
+            changes[name] = {k: x[:tq] for k, x in v.items()}
+    cu_q, cu_k = md.cu_seqlens_q[: n + 1], md.cu_seqlens_k[: n + 1]
+    changes.update(num_seqs=n, total_q=tq, max_seqlen_q=int((cu_q[1:] - cu_q[:-1]).max()),
+                   max_seqlen_k=int((cu_k[1:] - cu_k[:-1]).max()))
+    return md.replace(**changes)

@@ -26,7 +26,7 @@ from cpmeta.decode import prepare_decode
 from cpmeta.decode_inplace import DecodeStaging, launch_decode_inplace, prepare_decode_inplace, staging_capacity
 from cpmeta.metadata import InputMetadata, metadata_diff
 from cpmeta.sequence import SequenceMetadata, blocks_needed
-from strategies import random_decode_batch
+from strategies import metadata_prefix, random_decode_batch
 
 pytestmark = [
     pytest.mark.gpu,
@@ -67,19 +67,6 @@ def _capture(fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
     return g, res
 
 
-def _prefix(md: InputMetadata, n: int, tq: int) -> InputMetadata:
-    """``md`` cut to the first ``tq`` rows / ``n + 1`` cu entries (batch scalars from the cut)."""
-    changes: dict[str, Any] = {}
-    for name in InputMetadata.field_names():
-        v = getattr(md, name)
-        if isinstance(v, torch.Tensor):
-            changes[name] = v[: n + 1] if name.startswith("cu_seqlens") else v[:tq]
-        elif isinstance(v, dict):
-            changes[name] = {k: x[:tq] for k, x in v.items()}
-    cu_q, cu_k = md.cu_seqlens_q[: n + 1], md.cu_seqlens_k[: n + 1]
-    changes.update(num_seqs=n, total_q=tq, max_seqlen_q=int((cu_q[1:] - cu_q[:-1]).max()),
-                   max_seqlen_k=int((cu_k[1:] - cu_k[:-1]).max()))
-    return md.replace(**changes)
 
 
 def _fresh(seqs: list[SequenceMetadata], kv: torch.Tensor) -> tuple[InputMetadata, torch.Tensor]:
@@ -118,7 +105,7 @@ def test_inplace_graph_replays_smaller_batches() -> None:
         torch.cuda.synchronize()
         ref, y_ref = _fresh(seqs, kv)
         n, tq = staged.num_seqs, staged.total_q
-        diff = metadata_diff(_prefix(md, n, tq), ref, cfg=CFG)
+        diff = metadata_diff(metadata_prefix(md, n, tq), ref, cfg=CFG)
         assert not diff, (i, diff)
         assert torch.equal(y[:tq], y_ref), i
         assert (md.slot_mapping_store_swa[tq:] == PAD_SLOT_ID).all()

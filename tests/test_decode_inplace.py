@@ -36,7 +36,7 @@ from cpmeta.decode_inplace import (
 from cpmeta.metadata import InputMetadata, metadata_diff
 from cpmeta.constants import PAD_SLOT_ID, PLACEHOLDER_QUERY_INDEX
 from cpmeta.sequence import SequenceMetadata
-from strategies import decode_cases, random_config, random_decode_batch
+from strategies import decode_cases, metadata_prefix, random_config, random_decode_batch
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 HAS_CUDA = torch.cuda.is_available()
@@ -240,23 +240,10 @@ def test_launch_only_replays_new_staging() -> None:
         assert md.positions.data_ptr() == out["positions"].data_ptr()
         assert md.positions.shape[0] == out["positions"].shape[0]
         ref = prepare_decode(small, cfg)
-        cut = _prefix(md, staged.num_seqs, staged.total_q)
+        cut = metadata_prefix(md, staged.num_seqs, staged.total_q)
         assert not metadata_diff(cut, ref, cfg=cfg)
 
 
-def _prefix(md: InputMetadata, n: int, tq: int) -> InputMetadata:
-    """``md`` cut to the first ``tq`` rows / ``n + 1`` cu entries, with the batch scalars set."""
-    changes: dict[str, Any] = {}
-    for name in InputMetadata.field_names():
-        v = getattr(md, name)
-        if isinstance(v, torch.Tensor):
-            changes[name] = v[: n + 1] if name.startswith("cu_seqlens") else v[:tq]
-        elif isinstance(v, dict):
-            changes[name] = {k: x[:tq] for k, x in v.items()}
-    cu_q, cu_k = md.cu_seqlens_q[: n + 1], md.cu_seqlens_k[: n + 1]
-    changes.update(num_seqs=n, total_q=tq, max_seqlen_q=int((cu_q[1:] - cu_q[:-1]).max()),
-                   max_seqlen_k=int((cu_k[1:] - cu_k[:-1]).max()))
-    return md.replace(**changes)
 
 
 # ---- staging -------------------------------------------------------------------------------------
