@@ -306,3 +306,38 @@ def test_sigkilled_writer_reported_fast() -> None:
     for msg, elapsed in out[1:]:
         assert "writer rank 0" in msg and elapsed < 20.0
     assert _shm_listing() == before
+
+
+def _kill_reader_between_messages(rank: int, world_size: int) -> list:
+    """Reader 2 dies while the ring has plenty of room: the next write must name it at once."""
+    ring = ShmRing.from_process_group(dist.group.WORLD, 0, slot_size=4096, num_slots=64, timeout=60.0)
+    if rank == 0:
+        ring.write(b"first")
+        time.sleep(1.5)  # reader 2 has read and died by now; 63 free slots remain
+        writes = 0
+        try:
+            for _ in range(10):
+                ring.write(b"next")
+                writes += 1
+        except PeerError as e:
+            ring.close()
+            return [str(e), writes]
+        raise AssertionError("the writer kept writing to a ring with a dead reader")
+    assert ring.read_bytes() == b"first"
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        while True:
+            ring.read_bytes()
+    except (RingClosedError, PeerError) as e:
+        return [str(e), -1]
+
+
+def test_dead_reader_named_at_the_next_write() -> None:
+    before = _shm_listing()
+    with spawn_ranks(_kill_reader_between_messages, 3, timeout=120) as group:
+        out = group.results(allow_dead=[2])
+    msg, writes = out[0]
+    assert "rank 2 (reader 1)" in msg and "died" in msg, msg
+    assert writes == 0, f"{writes} writes went to a ring whose reader was already dead"
+    assert _shm_listing() == before

@@ -59,6 +59,7 @@ class RingIO:
         parts = [memoryview(p).cast("B") for p in raw]
         length = sum(p.nbytes for p in parts)
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        self._check_alive_readers()
         size, n = self.handle.slot_size, self.handle.num_slots
         k = cdiv(_HDR_LEN + length, size)
         head = self._w.head.value
@@ -145,6 +146,22 @@ class RingIO:
                 if best is None or t < best_tail:
                     best, best_tail = i, t
         return best, best_tail
+
+    def _check_alive_readers(self) -> None:
+        """Raise ``PeerError`` if an attached reader's process has died (one poll per reader).
+
+        Checked on every write, so a follower killed between steps is named at the driver's
+        next broadcast instead of once the ring has filled up ``num_slots`` messages later.
+        """
+        for i, st in enumerate(self._w.states):
+            if st.value == ATTACHED:
+                watch = self._watch.get(i)
+                if watch is None:
+                    watch = self._watch[i] = PeerWatch(self._w.pids[i].value)
+                if watch.dead():
+                    behind = self._w.head.value - self._w.tails[i].value
+                    raise PeerError(f"ShmRing writer: {self._label(i)}, pid {watch.pid}, died "
+                                    f"{behind} slot(s) behind")
 
     def _check_readers(self, head: int, k: int, deadline: float) -> None:
         n = self.handle.num_slots
