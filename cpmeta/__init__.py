@@ -1,30 +1,58 @@
 """cpmeta: build, broadcast and mirror attention ``InputMetadata`` in a context-parallel group.
 
-Public names resolve lazily from their modules (see ``_EXPORTS``), so importing ``cpmeta`` does
-not import the broadcast/transport stack until it is used.
+The package reads like one engine step (DESIGN sections 1-2)::
+
+    cpmeta/             config, sequence input, InputMetadata and its container operations
+    cpmeta/build/       scheduler input -> InputMetadata on the host (prepare_prompt, prepare_decode,
+                        compute_attn_info)
+    cpmeta/broadcast/   MetadataBroadcaster: driver -> every rank of the CP group
+    cpmeta/cp/          per-rank context parallelism: zigzag mirror, YoCo views, slot mapping
+    cpmeta/gpu/         device-side builders: in-place decode, Triton kernels
+
+The container, config and sequence types import eagerly; the stages import on first use (module
+``__getattr__`` below), so ``import cpmeta`` does not pull in torch.distributed or Triton. The
+``TYPE_CHECKING`` block gives type checkers the same names with their real types.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from .buffers import get_or_create_stacked, get_or_create_tensor
 from .config import MetadataConfig
 from .constants import INT32_MAX, PAD_SLOT_ID, PLACEHOLDER_QUERY_INDEX
-from .metadata import InputMetadata, get_or_create_stacked, get_or_create_tensor
+from .metadata import InputMetadata
 from .sequence import SequenceMetadata
 
-_EXPORTS: dict[str, str] = {
-    "prepare_prompt": "cpmeta.prompt",
-    "prepare_decode": "cpmeta.decode",
-    "compute_attn_info": "cpmeta.attn_info",
-    "prepare_cp_mirror": "cpmeta.mirror",
-    "prepare_for_mirror_cp": "cpmeta.mirror",
-    "unmirror": "cpmeta.mirror",
-    "mirror_rows": "cpmeta.mirror",
-    "compute_slot_mapping": "cpmeta.slot_mapping",
-    "MetadataBroadcaster": "cpmeta.broadcast",
-    "prepare_decode_inplace": "cpmeta.decode_inplace",
+if TYPE_CHECKING:
+    from .broadcast import MetadataBroadcaster
+    from .build import compute_attn_info, prepare_decode, prepare_prompt
+    from .cp import (
+        compute_slot_mapping,
+        compute_slot_mapping_from_metadata,
+        mirror_rows,
+        prepare_cp_mirror,
+        prepare_for_mirror_cp,
+        unmirror,
+    )
+    from .diff import metadata_diff
+    from .gpu import prepare_decode_inplace
+
+#: Public name -> the module that defines it (imported on first attribute access).
+_LAZY: dict[str, str] = {
+    "prepare_prompt": "cpmeta.build.prompt",
+    "prepare_decode": "cpmeta.build.decode",
+    "compute_attn_info": "cpmeta.build.attn_info",
+    "prepare_cp_mirror": "cpmeta.cp.zigzag",
+    "prepare_for_mirror_cp": "cpmeta.cp.mirror",
+    "unmirror": "cpmeta.cp.zigzag",
+    "mirror_rows": "cpmeta.cp.zigzag",
+    "compute_slot_mapping": "cpmeta.cp.slot_mapping",
+    "compute_slot_mapping_from_metadata": "cpmeta.cp.slot_mapping",
+    "MetadataBroadcaster": "cpmeta.broadcast.broadcaster",
+    "prepare_decode_inplace": "cpmeta.gpu.decode_inplace",
+    "metadata_diff": "cpmeta.diff",
 }
 
 __all__ = [
@@ -36,12 +64,24 @@ __all__ = [
     "PAD_SLOT_ID",
     "PLACEHOLDER_QUERY_INDEX",
     "INT32_MAX",
-    *_EXPORTS,
+    "prepare_prompt",
+    "prepare_decode",
+    "compute_attn_info",
+    "prepare_cp_mirror",
+    "prepare_for_mirror_cp",
+    "unmirror",
+    "mirror_rows",
+    "compute_slot_mapping",
+    "compute_slot_mapping_from_metadata",
+    "MetadataBroadcaster",
+    "prepare_decode_inplace",
+    "metadata_diff",
 ]
+assert set(__all__) >= set(_LAZY), "every lazy name is exported"
 
 
 def __getattr__(name: str) -> Any:
-    mod = _EXPORTS.get(name)
+    mod = _LAZY.get(name)
     if mod is None:
         raise AttributeError(f"module 'cpmeta' has no attribute {name!r}")
     value = getattr(importlib.import_module(mod), name)

@@ -8,7 +8,6 @@ Dict-valued fields are keyed by the ratio's decimal string (``"4"``, ``"128"``).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass, fields
 from typing import Any, Iterable, Optional
 
@@ -16,11 +15,8 @@ import torch
 
 __all__ = [
     "InputMetadata",
-    "get_or_create_tensor",
-    "get_or_create_stacked",
     "DERIVED_FIELDS",
     "SCALAR_FIELDS",
-    "metadata_diff",
 ]
 
 Tensor = torch.Tensor
@@ -198,20 +194,20 @@ class InputMetadata:
 
     def compute_attn_info(self, cfg: Any) -> "InputMetadata":
         """Expand offsets and pivots into dense indices (DESIGN section 5); idempotent."""
-        from .attn_info import compute_attn_info
+        from .build.attn_info import compute_attn_info
 
         compute_attn_info(self, cfg)
         return self
 
     def get_mask_view(self) -> "InputMetadata":
         """YoCo mask mode: shallow copy using ``yoco_mask_swa_index_pivots`` (section 10)."""
-        from .yoco import get_mask_view
+        from .cp.yoco_views import get_mask_view
 
         return get_mask_view(self)
 
     def get_consumer_view(self) -> "InputMetadata":
         """YoCo compact mode: shallow copy in the consumer row layout (section 10)."""
-        from .yoco import get_consumer_view
+        from .cp.yoco_views import get_consumer_view
 
         return get_consumer_view(self)
 
@@ -262,159 +258,3 @@ def _copy_into(path: str, dst: Any, src: torch.Tensor) -> None:
             f"got {tuple(src.shape)} {src.dtype}"
         )
     dst.copy_(src, non_blocking=True)
-
-
-@functools.lru_cache(maxsize=1)
-def _pin() -> bool:
-    """Allocate pinned host memory when a GPU exists (cached: checked once per process)."""
-    return torch.cuda.is_available()
-
-
-def get_or_create_tensor(
-    out: Optional[dict[str, torch.Tensor]],
-    name: str,
-    shape: tuple[int, ...] | list[int],
-    dtype: torch.dtype,
-    *,
-    allow_prefix: bool = False,
-) -> torch.Tensor:
-    """Return ``out[name]`` (shape and dtype checked) or allocate a new tensor.
-
-    With ``out`` given and holding ``name``, the stored tensor is returned after checking
-    ``shape`` and ``dtype`` (``ValueError`` naming ``name`` on a mismatch). With
-    ``allow_prefix=True`` a stored tensor whose first dim is LARGER (a buffer captured for a
-    bigger batch) is accepted and its prefix view ``out[name][:shape[0]]`` returned (same
-    storage, so a captured CUDA graph sees the writes). Otherwise a tensor is allocated
-    (pinned when CUDA is available) and, if ``out`` is a dict, stored under ``name``.
-    """
-    shape = tuple(int(s) for s in shape)
-    if out is not None and name in out:
-        t = out[name]
-        if t.dtype != dtype:
-            raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype} in out")
-        if tuple(t.shape) == shape:
-            return t
-        if (
-            allow_prefix
-            and t.dim() == len(shape)
-            and len(shape) > 0
-            and t.shape[0] >= shape[0]
-            and tuple(t.shape[1:]) == shape[1:]
-        ):
-            return t[: shape[0]]
-        raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)} in out")
-    t = torch.empty(shape, dtype=dtype, pin_memory=_pin())
-    if out is not None:
-        out[name] = t
-    return t
-
-
-def get_or_create_stacked(
-    out: Optional[dict[str, torch.Tensor]],
-    name: str,
-    keys: Iterable[str],
-    shape: tuple[int, ...] | list[int],
-    dtype: torch.dtype,
-    *,
-    allow_prefix: bool = False,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One ``[len(keys), *shape]`` tensor and ``{key: row view}`` sharing its storage.
-
-    Example: keys ``("4", "128")``, shape ``(5,)`` gives a ``[2, 5]`` tensor ``t`` and
-    ``{"4": t[0], "128": t[1]}``. With ``allow_prefix`` a stored ``[2, Q, ...]`` buffer with
-    ``Q >= shape[0]`` yields views ``t[i, :shape[0]]`` (no allocation, same addresses).
-    """
-    keys = list(keys)
-    shape = tuple(int(s) for s in shape)
-    full = (len(keys), *shape)
-    if out is not None and name in out:
-        t = out[name]
-        if t.dtype != dtype:
-            raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype} in out")
-        ok_exact = tuple(t.shape) == full
-        ok_prefix = (
-            allow_prefix
-            and len(shape) > 0
-            and t.dim() == len(full)
-            and t.shape[0] == len(keys)
-            and t.shape[1] >= shape[0]
-            and tuple(t.shape[2:]) == shape[1:]
-        )
-        if not (ok_exact or ok_prefix):
-            raise ValueError(f"{name}: expected shape {full}, got {tuple(t.shape)} in out")
-        stacked = t
-    else:
-        stacked = torch.empty(full, dtype=dtype, pin_memory=_pin())
-        if out is not None:
-            out[name] = stacked
-    views = {}
-    for i, k in enumerate(keys):
-        v = stacked[i]
-        if shape and v.shape[0] != shape[0]:
-            v = v[: shape[0]]
-        views[k] = v
-    base = stacked.untyped_storage().data_ptr()
-    for k, v in views.items():
-        assert v.untyped_storage().data_ptr() == base, f"{name}.{k}: row view lost the shared storage"
-    return stacked, views
-
-
-def metadata_diff(
-    a: InputMetadata, b: InputMetadata, *, cfg: Any = None, limit: int = 10
-) -> list[str]:
-    """Paths where ``a`` and ``b`` differ (bitwise for tensors), at most ``limit`` of them.
-
-    Tensors compare dtype, shape and values exactly (on ``a``'s device); aliasing (the same
-    tensor object at two paths) must match too. Decode ``block_tables`` define only the first
-    ``cdiv(seqlen_k // m, block_size // m)`` columns of a row (``m = cfg.min_ratio``); with
-    ``cfg`` given, only those columns are compared, so two independent builds compare equal.
-    """
-    fa, fb = a.to_flatten_dict(), b.to_flatten_dict()
-    out: list[str] = []
-    for path in sorted(set(fa) | set(fb)):
-        if len(out) >= limit:
-            break
-        if path not in fa or path not in fb:
-            out.append(f"{path}: present on one side only")
-            continue
-        x, y = fa[path], fb[path]
-        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
-            if x.dtype != y.dtype or x.shape != y.shape:
-                out.append(f"{path}: {x.dtype}{tuple(x.shape)} vs {y.dtype}{tuple(y.shape)}")
-                continue
-            y = y.to(x.device)
-            if path == "block_tables" and cfg is not None:
-                x, y = _defined_block_columns(a, x, cfg), _defined_block_columns(a, y, cfg)
-            if not torch.equal(x, y):
-                bad = (x != y).nonzero()
-                out.append(f"{path}: {bad.shape[0]} elements differ, first at {bad[0].tolist()}")
-        elif isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-            out.append(f"{path}: tensor on one side, {type(x).__name__}/{type(y).__name__}")
-        elif x != y:
-            out.append(f"{path}: {x!r} vs {y!r}")
-    alias_a, alias_b = _alias_groups(fa), _alias_groups(fb)
-    if alias_a != alias_b and len(out) < limit:
-        out.append(f"aliasing differs: {sorted(alias_a)} vs {sorted(alias_b)}")
-    return out
-
-
-def _alias_groups(flat: dict[str, Any]) -> set[tuple[str, ...]]:
-    groups: dict[int, list[str]] = {}
-    for p, v in flat.items():
-        if isinstance(v, torch.Tensor):
-            groups.setdefault(id(v), []).append(p)
-    return {tuple(g) for g in groups.values() if len(g) > 1}
-
-
-def _defined_block_columns(md: InputMetadata, bt: torch.Tensor, cfg: Any) -> torch.Tensor:
-    """``bt`` with every column past its row's defined blocks set to -1 (a copy)."""
-    if md.cu_seqlens_k is None or md.cu_seqlens_q is None:
-        return bt
-    m = cfg.min_ratio
-    seqlen_k = (md.cu_seqlens_k[1:] - md.cu_seqlens_k[:-1]).to(bt.device, torch.int64)
-    seqlen_q = (md.cu_seqlens_q[1:] - md.cu_seqlens_q[:-1]).to(bt.device, torch.int64)
-    tpb = cfg.block_size // m
-    need = torch.div(seqlen_k // m + tpb - 1, tpb, rounding_mode="floor")
-    need_rows = torch.repeat_interleave(need, seqlen_q)
-    cols = torch.arange(bt.shape[1], device=bt.device)
-    return torch.where(cols[None, :] < need_rows[:, None], bt, torch.full_like(bt, -1))

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 import cpmeta
-from cpmeta.metadata import InputMetadata, metadata_diff
+from cpmeta.diff import metadata_diff
+from cpmeta.metadata import InputMetadata
 
 from .scheduler import WORKLOADS, SyntheticScheduler, default_config
 
@@ -113,7 +114,7 @@ def _verify_slot_mapping(md: InputMetadata, seqs: list, args: Any, rank: int, wo
     scheduler's tables (known to every rank) are stacked. Summed over ranks, every real token
     must be owned exactly once and a placeholder's never.
     """
-    from cpmeta.slot_mapping import compute_slot_mapping_from_metadata, stack_block_tables
+    from cpmeta.cp.slot_mapping import compute_slot_mapping_from_metadata, stack_block_tables
 
     table = None if md.block_tables is not None else stack_block_tables(
         [s.block_table for s in seqs], device=md.positions.device)

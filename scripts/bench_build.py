@@ -192,7 +192,7 @@ case("prompt_256x128")(_prompt_case(256, 128))
 def _attn_case(is_prompt: bool, n: int, q: int) -> CaseFn:
     def run(ctx: BenchContext) -> dict[str, Any]:
         from cpmeta import prepare_decode, prepare_prompt
-        from cpmeta.attn_info import compute_attn_info
+        from cpmeta.build.attn_info import compute_attn_info
 
         cfg = MetadataConfig()
         if is_prompt:
@@ -219,7 +219,8 @@ def _mirror_case(n: int, q: int, cp: int) -> CaseFn:
 
     def run(ctx: BenchContext) -> dict[str, Any]:
         from cpmeta import prepare_prompt
-        from cpmeta.mirror import cp_mirror_len, prepare_cp_mirror, prepare_for_mirror_cp
+        from cpmeta.cp.mirror import prepare_for_mirror_cp
+        from cpmeta.cp.zigzag import cp_mirror_len, prepare_cp_mirror
 
         cfg = MetadataConfig()
         seqs = prompt_batch(ctx.rng, cfg, n, q)
@@ -265,7 +266,7 @@ def _yoco_case(n: int, q: int, mode: str, cp: int, keep: int = 512) -> CaseFn:
         import dataclasses
 
         from cpmeta import prepare_for_mirror_cp, prepare_prompt
-        from cpmeta.yoco import build_yoco_fields
+        from cpmeta.build.yoco import build_yoco_fields
 
         plain = MetadataConfig()
         cfg = dataclasses.replace(plain, yoco_keep_tokens=keep, yoco_mode=mode)

@@ -50,12 +50,13 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_build import decode_batch, time_us  # noqa: E402  (same batches and timer as the builders)
 from cpmeta import MetadataConfig  # noqa: E402
-from cpmeta._batch import extract_batch  # noqa: E402
-from cpmeta.decode import prepare_decode  # noqa: E402
-from cpmeta.decode_inplace import (  # noqa: E402
+from cpmeta.build.extract import extract_batch  # noqa: E402
+from cpmeta.build.decode import prepare_decode  # noqa: E402
+from cpmeta.gpu.decode_inplace import (  # noqa: E402
     DecodeStaging, launch_decode_inplace, prepare_decode_inplace, staging_capacity,
 )
-from cpmeta.metadata import InputMetadata, metadata_diff  # noqa: E402
+from cpmeta.diff import metadata_diff
+from cpmeta.metadata import InputMetadata  # noqa: E402
 
 logger = logging.getLogger("bench_decode_inplace")
 

@@ -36,8 +36,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cpmeta.slot_mapping import compute_slot_mapping  # noqa: E402
-from cpmeta import _slot_mapping_triton as tri  # noqa: E402
+from cpmeta.cp.slot_mapping import compute_slot_mapping  # noqa: E402
+from cpmeta.gpu import slot_mapping_triton as tri  # noqa: E402
 
 REQUESTS = (1, 64, 256)
 TOKENS = (8192, 65536)

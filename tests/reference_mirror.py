@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import torch
 
 from cpmeta.metadata import InputMetadata
-from cpmeta.mirror import unmirror
+from cpmeta.cp.zigzag import unmirror
 
 __all__ = [
     "ref_prepare_cp_mirror", "ref_all_ranks", "ref_mirror_field", "check_unmirror_equivalence",

@@ -31,7 +31,7 @@ def _random_case(seed: int, i: int, is_prompt: bool):
 
 
 def _expect_same(local, got, cfg, what: str) -> None:
-    from cpmeta.metadata import metadata_diff
+    from cpmeta.diff import metadata_diff
 
     diffs = metadata_diff(local, got, cfg=cfg)
     assert not diffs, f"{what}: {diffs}"

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from cpmeta import MetadataConfig, SequenceMetadata, prepare_decode, prepare_prompt
-from cpmeta._batch import extract_batch, loaded_compressed_len
-from cpmeta._load_plan import paged_load_segments, swa_load_segments
-from cpmeta.attn_info import (
+from cpmeta.build.arrays import loaded_compressed_len
+from cpmeta.build.extract import extract_batch
+from cpmeta.build.load_plan import paged_load_segments, swa_load_segments
+from cpmeta.build.attn_info import (
     compute_attn_info,
     expand_offset_len,
     expand_paged_offset_len,
@@ -105,7 +106,7 @@ def test_expansion_helpers_examples() -> None:
 
 
 def test_paged_expansion_aligned_equals_generic() -> None:
-    from cpmeta.attn_info import _expand_paged_aligned, _expand_paged_generic
+    from cpmeta.build.attn_info import _expand_paged_aligned, _expand_paged_generic
 
     g = torch.Generator().manual_seed(0)
     for tpb, mnb, width in ((32, 4, 128), (8, 3, 24), (256, 2, 384)):
@@ -191,15 +192,33 @@ def test_out_refills_same_tensors_and_rejects_mismatch() -> None:
     out: dict[str, torch.Tensor] = {}
     md1 = prepare_decode(mk(), cfg, out=out)
     ptrs = {k: v.data_ptr() for k, v in out.items()}
-    assert "klen.4" in out and "kv_ca_index_offset_len.128" in out and "block_tables" in out
+    assert "klen" in out and "kv_ca_index_offset_len" in out and "block_tables" in out
+    assert out["kv_ca_index_offset_len"].shape == (2, 15, 2)  # stacked: [n_ratio, total_q, 2]
     seqs2 = mk()
     md2 = prepare_decode(seqs2, cfg, out=out)
     assert {k: v.data_ptr() for k, v in out.items()} == ptrs
-    assert md2.positions is md1.positions and md2.klen["4"] is out["klen.4"]
+    assert md2.positions is md1.positions
+    assert md2.klen["4"].data_ptr() == out["klen"].data_ptr() and torch.equal(md2.klen["4"], out["klen"][0])
     fresh = prepare_decode(seqs2, cfg)
     assert torch.equal(md2.kv_ca_index_offset_len["128"], fresh.kv_ca_index_offset_len["128"])
     with pytest.raises(ValueError, match="positions"):
         prepare_decode(mk()[:4], cfg, out=out)
+
+
+def test_decode_out_schema_is_stacked_on_both_paths() -> None:
+    """One out= schema: per-ratio keys ("klen.4") are refused by the eager and in-place paths."""
+    from cpmeta.gpu.decode_inplace import prepare_decode_inplace
+
+    cfg = MetadataConfig(dense_compress_ratios=(4, 128))
+    seqs = [_seq(1, 40 + i, state=i, prompt=False) for i in range(3)]
+    out: dict[str, torch.Tensor] = {}
+    prepare_decode(seqs, cfg, out=out)
+    inplace_out = {k: v.clone() for k, v in out.items()}  # the eager buffers serve the in-place path
+    md = prepare_decode_inplace(seqs, cfg, out=inplace_out, device="cpu", backend="torch")
+    assert md.klen["4"].data_ptr() == inplace_out["klen"].data_ptr()
+    for fn in (prepare_decode, lambda s, c, out: prepare_decode_inplace(s, c, out=out, device="cpu", backend="torch")):
+        with pytest.raises(ValueError, match=r"out\['klen\.4'\].*stacked under 'klen'"):
+            fn(seqs, cfg, out={"klen.4": torch.zeros(3, dtype=torch.int32)})
 
 
 def test_empty_ratio_sets_are_empty_dicts() -> None:

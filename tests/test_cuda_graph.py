@@ -22,9 +22,10 @@ import torch
 
 from cpmeta.config import MetadataConfig
 from cpmeta.constants import PAD_SLOT_ID
-from cpmeta.decode import prepare_decode
-from cpmeta.decode_inplace import DecodeStaging, launch_decode_inplace, prepare_decode_inplace, staging_capacity
-from cpmeta.metadata import InputMetadata, metadata_diff
+from cpmeta.build.decode import prepare_decode
+from cpmeta.gpu.decode_inplace import DecodeStaging, launch_decode_inplace, prepare_decode_inplace, staging_capacity
+from cpmeta.diff import metadata_diff
+from cpmeta.metadata import InputMetadata
 from cpmeta.sequence import SequenceMetadata, blocks_needed
 from strategies import metadata_prefix, random_decode_batch
 

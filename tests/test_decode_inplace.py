@@ -26,14 +26,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from cpmeta.config import MetadataConfig
-from cpmeta.decode import prepare_decode
-from cpmeta.decode_inplace import (
+from cpmeta.build.decode import prepare_decode
+from cpmeta.gpu.decode_inplace import (
     DecodeStaging,
     launch_decode_inplace,
     prepare_decode_inplace,
     staging_capacity,
 )
-from cpmeta.metadata import InputMetadata, metadata_diff
+from cpmeta.diff import metadata_diff
+from cpmeta.metadata import InputMetadata
 from cpmeta.constants import PAD_SLOT_ID, PLACEHOLDER_QUERY_INDEX
 from cpmeta.sequence import SequenceMetadata
 from strategies import decode_cases, metadata_prefix, random_config, random_decode_batch

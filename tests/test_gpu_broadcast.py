@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.gpu,
 
 def _nccl_equivalence(rank: int, world: int, tensor_path: str, on_device: bool) -> int:
     import cpmeta
-    from cpmeta.metadata import metadata_diff
+    from cpmeta.diff import metadata_diff
     from strategies import random_config, random_decode_batch, random_prompt_batch
 
     torch.cuda.set_device(rank)

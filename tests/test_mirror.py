@@ -7,7 +7,6 @@ rank order, which is what ``all_gather`` produces on a real group (see test_mirr
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,12 +16,12 @@ from hypothesis import strategies as st
 
 import cpmeta
 from cpmeta.metadata import InputMetadata
-from cpmeta.mirror import (
+from cpmeta.cp.mirror import prepare_for_mirror_cp
+from cpmeta.cp.zigzag import (
     NO_SPARSE_RATIOS_FALLBACK,
     cp_mirror_len,
     mirror_rows,
     prepare_cp_mirror,
-    prepare_for_mirror_cp,
     unmirror,
 )
 from reference_mirror import (
@@ -35,9 +34,6 @@ from reference_mirror import (
 from strategies import prompt_cases
 
 I32 = torch.int32
-ROOT = Path(__file__).resolve().parents[1]
-HAVE_BUILDERS = (ROOT / "cpmeta" / "prompt.py").exists() and (ROOT / "cpmeta" / "attn_info.py").exists()
-needs_builders = pytest.mark.skipif(not HAVE_BUILDERS, reason="cpmeta.prompt / cpmeta.attn_info not written yet")
 
 
 def _cu(lens: list[int]) -> torch.Tensor:
@@ -278,7 +274,7 @@ def test_compact_layout_keeps_absolute_positions() -> None:
 
 def _expand_both(sq: list[int], sk: list[int], p: int, r: int, ratios: tuple[int, ...]) -> tuple[Any, Any]:
     """The numpy (CPU) and the torch (device) expansion of the same plans, both run on the CPU."""
-    from cpmeta import _mirror_plan as M
+    from cpmeta.cp import mirror_plan as M
 
     cu_q, cu_k = _cu(sq).numpy().astype("int64"), _cu(sk).numpy().astype("int64")
     length = cp_mirror_len(_cu(sq), p)
@@ -329,10 +325,9 @@ def test_cuda_matches_cpu() -> None:
         assert torch.equal(getattr(gpu_md, name).cpu(), getattr(cpu_md, name)), name
 
 
-@needs_builders
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_mirror_and_attn_info_match_cpu() -> None:
-    from cpmeta.prompt import prepare_prompt
+    from cpmeta.build.prompt import prepare_prompt
     from reference_mirror import ROW_FIELDS_PAD
     from strategies import random_config, random_prompt_batch
 
@@ -452,11 +447,10 @@ def _mirror_all(full_fresh: InputMetadata, cfg: Any, p: int) -> list[InputMetada
     return [prepare_for_mirror_cp(full_fresh, r, p).compute_attn_info(cfg) for r in range(p)]
 
 
-@needs_builders
 @settings(max_examples=40, deadline=None)
 @given(case=prompt_cases(), p=st.integers(1, 8))
 def test_unmirror_equivalence_with_builders(case: Any, p: int) -> None:
-    from cpmeta.prompt import prepare_prompt
+    from cpmeta.build.prompt import prepare_prompt
 
     cfg, seqs = case
     fresh = prepare_prompt(seqs, cfg)
@@ -480,11 +474,10 @@ def test_unmirror_equivalence_with_builders(case: Any, p: int) -> None:
             assert part.ks[k].tolist() == ref["ks"][k] and part.ke[k].tolist() == ref["ke"][k]
 
 
-@needs_builders
 def test_named_builder_case_cp2_sq10() -> None:
     """cp=2 sq=10 through prepare_prompt: rank 0 sees positions 4,5,6,13 (+ two pad rows)."""
     from cpmeta.config import MetadataConfig
-    from cpmeta.prompt import prepare_prompt
+    from cpmeta.build.prompt import prepare_prompt
     from cpmeta.sequence import SequenceMetadata
 
     cfg = MetadataConfig(block_size=16, window_size=4, swa_block_size=4, dense_compress_ratios=(4,),

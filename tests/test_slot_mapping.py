@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import cpmeta
 from cpmeta import InputMetadata, compute_slot_mapping
 from cpmeta.constants import PLACEHOLDER_QUERY_INDEX
-from cpmeta.slot_mapping import (
+from cpmeta.cp.slot_mapping import (
     SlotMappingError,
     compute_slot_mapping_from_metadata,
     describe_slot_mapping_error,
@@ -446,7 +446,7 @@ def test_cuda_out_buffer_in_place_and_strided_table() -> None:
 
 def test_kernel_tiling_helpers() -> None:
     """Window and tile sizing of the Triton kernel (pure host arithmetic, no triton needed)."""
-    from cpmeta._slot_mapping_triton import choose_tile, window_size
+    from cpmeta.gpu.slot_mapping_triton import choose_tile, window_size
 
     assert [window_size(1024, b) for b in (128, 16, 1, 4096)] == [16, 128, 2048, 2]
     assert window_size(4096, 16) == 512

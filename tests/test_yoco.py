@@ -19,15 +19,10 @@ from hypothesis import strategies as st
 
 import cpmeta
 from cpmeta import MetadataConfig, SequenceMetadata
-from cpmeta.mirror import NO_SPARSE_RATIOS_FALLBACK, mirror_rows, prepare_cp_mirror, unmirror
-from cpmeta.yoco import (
-    CONSUMER_CLEARED_FIELDS,
-    YOCO_COMPACT_FIELDS,
-    YOCO_CP_FIELDS,
-    build_yoco_fields,
-    get_consumer_view,
-    swa_visibility_pivots,
-)
+from cpmeta.cp.zigzag import NO_SPARSE_RATIOS_FALLBACK, mirror_rows, prepare_cp_mirror, unmirror
+from cpmeta.build.swa_pivots import swa_visibility_pivots
+from cpmeta.build.yoco import YOCO_COMPACT_FIELDS, YOCO_CP_FIELDS, build_yoco_fields
+from cpmeta.cp.yoco_views import CONSUMER_CLEARED_FIELDS, get_consumer_view
 from reference_yoco import ref_consumer_rows, ref_yoco_cp, ref_yoco_fields
 from strategies import prompt_cases, random_config, random_prompt_batch
 
@@ -514,7 +509,7 @@ def test_placeholder_rows_are_invalid_in_the_mirrored_view() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("seed", range(4))
 def test_cuda_views_and_cp_fields_match_cpu(seed: int) -> None:
-    from cpmeta.metadata import metadata_diff
+    from cpmeta.diff import metadata_diff
 
     for mode in ("compact", "mask"):
         cfg, seqs = _case(2000 + seed, mode)

@@ -50,7 +50,7 @@ def _row_tensors(md: Any) -> dict[str, torch.Tensor]:
 
 def _check_unmirrored(flat_view: Any, mirrored_view: Any, world_size: int, what: str) -> int:
     """all_gather(rows of every rank)[reverse] == rows of the non-CP view, per row field."""
-    from cpmeta.mirror import unmirror
+    from cpmeta.cp.zigzag import unmirror
 
     want = _row_tensors(flat_view)
     got = _row_tensors(mirrored_view)
@@ -63,7 +63,7 @@ def _check_unmirrored(flat_view: Any, mirrored_view: Any, world_size: int, what:
 
 def _check_redistribution(md: Any, mine: Any, view: Any, world_size: int, what: str) -> int:
     """The boundary all_gather moves this rank's kept full-mirror rows to the compact-mirror rows."""
-    from cpmeta.mirror import mirror_rows
+    from cpmeta.cp.zigzag import mirror_rows
 
     real = view.mirror_cp_index >= 0
     assert torch.equal(mine.yoco_cp_boundary_index >= 0, real), what
@@ -84,7 +84,7 @@ def _check_redistribution(md: Any, mine: Any, view: Any, world_size: int, what: 
 
 def _worker(rank: int, world_size: int, n_cases: int, seed_base: int) -> dict[str, int]:
     import cpmeta
-    from cpmeta.metadata import metadata_diff
+    from cpmeta.diff import metadata_diff
     from reference_yoco import ref_yoco_cp
     from strategies import random_config, random_prompt_batch
 

@@ -10,8 +10,7 @@
 from .codec import CodecError, TensorDesc, decode, encode, schema_fingerprint
 from .errors import PeerError, RingClosedError
 from .object_channel import ObjectChannel
-from .ring_group import ring_from_process_group
-from .shm_ring import ShmRing, ShmRingHandle
+from .shm_ring import ShmRing, ShmRingHandle, ring_from_process_group
 from .tensor_channel import TensorChannel
 
 __all__ = [

@@ -28,7 +28,7 @@ from ._segment import PeerWatch
 from .coalesce import copy_into, plan, tensor_memoryview, views_of
 from .codec import CodecError, TensorDesc, decode, encode
 from .errors import PeerError
-from .ring_group import ring_from_process_group
+from .shm_ring import ring_from_process_group
 
 __all__ = ["ObjectChannel"]
 

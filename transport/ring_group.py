@@ -1,33 +1,46 @@
-"""Set up a ``ShmRing`` collectively over a gloo process group (handle travels as bytes)."""
+"""Set up a shared-memory ring collectively over a gloo process group (handle travels as bytes).
+
+The ring type stays torch-free (:mod:`transport.shm_ring`) and this module knows nothing of it:
+:func:`exchange_ring` takes two callbacks, one that creates the writer end and one that attaches
+a reader end from the handle bytes. ``ShmRing.from_process_group`` / ``ring_from_process_group``
+(in ``shm_ring``) pass them.
+"""
 
 from __future__ import annotations
 
 import logging
 import struct
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ._dist import group_ranks
 from .coalesce import tensor_memoryview
-from .shm_ring import ShmRing, ShmRingHandle
 
-__all__ = ["ring_from_process_group", "HANDLE_BYTES"]
+__all__ = ["exchange_ring", "HANDLE_BYTES", "RingEnd"]
 
 logger = logging.getLogger(__name__)
 HANDLE_BYTES = 1024  # fixed size of the broadcast handle buffer
 _LEN = struct.Struct("<I")
 
 
-def ring_from_process_group(group: Any, src: int, *, readers: Optional[Sequence[int]] = None,
-                            slot_size: Optional[int] = None, num_slots: Optional[int] = None,
-                            timeout: Optional[float] = None,
-                            use_memfd: bool = True) -> tuple[Optional[ShmRing], list[int]]:
+class RingEnd(Protocol):
+    """What :func:`exchange_ring` needs of the writer end it creates."""
+
+    def handle_bytes(self) -> bytes: ...
+    def mark_absent(self, reader_index: int) -> None: ...
+    def wait_attached(self) -> None: ...
+    def close(self) -> None: ...
+
+
+def exchange_ring(group: Any, src: int, readers: Optional[Sequence[int]],
+                  create: Callable[[list[int]], RingEnd],
+                  attach: Callable[[bytes, int], Any]) -> tuple[Optional[Any], list[int]]:
     """Collective over the gloo ``group`` (EVERY member calls it with the same arguments).
 
-    ``src`` (a global rank) creates the ring; ``readers`` (global ranks, default: every other
-    member) attach in that order. Returns ``(this rank's end or None, attached reader ranks)``:
+    ``src`` (a global rank) creates the ring with ``create(readers)``; ``readers`` (global ranks, default: every other
+    member) attach in that order with ``attach(handle_bytes, reader_index)``. Returns ``(this rank's end or None, attached reader ranks)``:
     a reader that cannot open the segment (another container, no /proc access) is left out
     and marked absent, so the writer never waits for it; every member learns the same list.
     Two collectives: a broadcast of the handle and an all_reduce of the attach flags.
@@ -43,13 +56,11 @@ def ring_from_process_group(group: Any, src: int, *, readers: Optional[Sequence[
     if not readers:
         return None, []
     buf = torch.zeros(HANDLE_BYTES, dtype=torch.uint8)
-    ring: Optional[ShmRing] = None
+    ring: Optional[Any] = None
     if me == src:
         try:
-            ring = ShmRing.create(len(readers), slot_size=slot_size, num_slots=num_slots,
-                                  timeout=timeout, writer_rank=src, reader_ranks=readers,
-                                  use_memfd=use_memfd)
-            blob = ring.handle.to_bytes()
+            ring = create(readers)
+            blob = ring.handle_bytes()
             view = tensor_memoryview(buf)
             _LEN.pack_into(view, 0, len(blob))
             view[_LEN.size:_LEN.size + len(blob)] = blob
@@ -59,7 +70,7 @@ def ring_from_process_group(group: Any, src: int, *, readers: Optional[Sequence[
     dist.broadcast(buf, src=src, group=group)
     flags = torch.zeros(len(ranks), dtype=torch.int32)
     if me in readers:
-        ring = _try_attach(buf, readers.index(me), timeout)
+        ring = _try_attach(buf, readers.index(me), attach)
         flags[ranks.index(me)] = int(ring is not None)
     dist.all_reduce(flags, group=group)
     attached = [r for r in readers if flags[ranks.index(r)].item()]
@@ -74,14 +85,13 @@ def ring_from_process_group(group: Any, src: int, *, readers: Optional[Sequence[
     return ring, attached
 
 
-def _try_attach(buf: torch.Tensor, index: int, timeout: Optional[float]) -> Optional[ShmRing]:
+def _try_attach(buf: torch.Tensor, index: int, attach: Callable[[bytes, int], Any]) -> Optional[Any]:
     view = tensor_memoryview(buf)
     (n,) = _LEN.unpack_from(view, 0)
     if n == 0 or n > HANDLE_BYTES - _LEN.size:
         return None
     try:
-        handle = ShmRingHandle.from_bytes(bytes(view[_LEN.size:_LEN.size + n]))
-        return ShmRing.attach(handle, index, timeout=timeout)
+        return attach(bytes(view[_LEN.size:_LEN.size + n]), index)
     except (OSError, ValueError) as e:
         logger.warning("ShmRing: reader %d cannot attach (%s); it will use the process group",
                        index, e)

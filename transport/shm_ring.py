@@ -59,7 +59,7 @@ from ._segment import PeerWatch, create_segment, open_segment
 from .codec import decode, encode
 from .errors import PeerError, RingClosedError  # noqa: F401 (re-exported)
 
-__all__ = ["ShmRing", "ShmRingHandle", "PeerError", "RingClosedError", "DEFAULT_SPIN_US",
+__all__ = ["ShmRing", "ShmRingHandle", "ring_from_process_group", "PeerError", "RingClosedError", "DEFAULT_SPIN_US",
            "EMPTY", "ATTACHED", "CLOSED", "ABSENT"]
 
 logger = logging.getLogger(__name__)
@@ -244,13 +244,15 @@ class ShmRing(RingIO):
     def from_process_group(cls, group: Any, src: int, **kwargs: Any) -> "ShmRing":
         """Collective over the gloo ``group``: ``src`` (a global rank) creates the ring and every
         other rank attaches as a reader (in group-rank order). Returns this rank's end. See
-        :func:`transport.ring_group.ring_from_process_group` for the keyword arguments."""
-        from .ring_group import ring_from_process_group
-
+        :func:`ring_from_process_group` for the keyword arguments."""
         ring, _ = ring_from_process_group(group, src, **kwargs)
         if ring is None:
             raise PeerError("ShmRing.from_process_group: this rank could not attach to the ring")
         return ring
+
+    def handle_bytes(self) -> bytes:
+        """The handle readers attach with, as bytes (writer end)."""
+        return self.handle.to_bytes()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -312,3 +314,29 @@ class ShmRing(RingIO):
     def _label(self, i: Optional[int]) -> str:
         return f"rank {self.handle.reader_ranks[i]} (reader {i})" if i is not None else \
             f"rank {self.handle.writer_rank} (writer)"
+
+
+def ring_from_process_group(group: Any, src: int, *, readers: Optional[Sequence[int]] = None,
+                            slot_size: Optional[int] = None, num_slots: Optional[int] = None,
+                            timeout: Optional[float] = None,
+                            use_memfd: bool = True) -> tuple[Optional[ShmRing], list[int]]:
+    """Collective over the gloo ``group`` (EVERY member calls it with the same arguments).
+
+    ``src`` (a global rank) creates the ring; ``readers`` (global ranks, default: every other
+    member) attach in that order. Returns ``(this rank's end or None, attached reader ranks)``;
+    a reader that cannot open the segment is left out and marked absent (see
+    :func:`transport.ring_group.exchange_ring`). Example, group of global ranks [0, 1, 2],
+    src=0: rank 0 gets the writer end, ranks 1 and 2 reader ends 0 and 1, and all three get
+    ``[1, 2]``.
+    """
+    from .ring_group import exchange_ring  # torch.distributed: imported only by this collective
+
+    def create(reader_ranks: list[int]) -> ShmRing:
+        return ShmRing.create(len(reader_ranks), slot_size=slot_size, num_slots=num_slots,
+                              timeout=timeout, writer_rank=src, reader_ranks=reader_ranks,
+                              use_memfd=use_memfd)
+
+    def attach(blob: bytes, index: int) -> ShmRing:
+        return ShmRing.attach(ShmRingHandle.from_bytes(blob), index, timeout=timeout)
+
+    return exchange_ring(group, src, readers, create, attach)

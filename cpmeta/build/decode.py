@@ -16,22 +16,23 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from ._batch import (
-    BatchArrays,
-    alloc,
-    check_common_int32,
-    check_int32,
-    compressed_slots,
-    extract_batch,
-    fdiv,
-    fill_common,
-    fmod,
-)
-from .config import MetadataConfig
-from .metadata import InputMetadata
-from .sequence import SequenceMetadata
+from ..config import MetadataConfig
+from ..metadata import InputMetadata
+from ..sequence import SequenceMetadata
+from .arrays import BatchArrays, alloc, alloc_stacked, check_int32, fdiv, fmod
+from .common import check_common_int32, compressed_slots, fill_common
+from .extract import extract_batch
 
-__all__ = ["prepare_decode"]
+__all__ = ["prepare_decode", "DECODE_STACKED_FIELDS", "check_decode_out"]
+
+#: The decode ``out=`` schema, shared by ``prepare_decode`` and ``prepare_decode_inplace``: these
+#: per-ratio fields live in ONE stacked buffer each, ``out["klen"]`` = ``[n_ratio, total_q]``
+#: (``kv_ca_index_offset_len``: ``[n_ratio, total_q, 2]``), rows in config ratio order
+#: (``sparse_compress_ratios`` for ``klen``, ``ca_ratios`` for ``positions_c`` and
+#: ``slot_mapping_store_ca``, ``dense_compress_ratios`` for ``kv_ca_index_offset_len``); the
+#: metadata's dict values are row views of it (``md.klen["4"]`` is ``out["klen"][0]``).
+#: Every other field is stored under its own name.
+DECODE_STACKED_FIELDS: tuple[str, ...] = ("positions_c", "slot_mapping_store_ca", "klen", "kv_ca_index_offset_len")
 
 logger = logging.getLogger(__name__)
 
@@ -81,27 +82,36 @@ def _fill_ratio_fields(b: BatchArrays, cfg: MetadataConfig, out: Out, f: dict[st
     pos = b.row_pos
     pos1 = pos + 1
     writes = ~b.per_row(b.is_placeholder)
-    f["klen"] = {}
-    for r in cfg.sparse_compress_ratios:
-        f["klen"][str(r)], a = alloc(out, f"klen.{r}", (T,), torch.int32)
-        fdiv(pos1, r, out=a)
-    f["positions_c"], f["slot_mapping_store_ca"] = {}, {}
-    for n in cfg.ca_ratios:
-        k = str(n)
+    f["klen"], k_all = alloc_stacked(out, "klen", cfg.sparse_compress_ratios, (T,))
+    for i, r in enumerate(cfg.sparse_compress_ratios):
+        fdiv(pos1, r, out=k_all[i])
+    f["positions_c"], pc_all = alloc_stacked(out, "positions_c", cfg.ca_ratios, (T,))
+    f["slot_mapping_store_ca"], sl_all = alloc_stacked(out, "slot_mapping_store_ca", cfg.ca_ratios, (T,))
+    for i, n in enumerate(cfg.ca_ratios):
         closes = fmod(pos1, n) == 0
         c = fdiv(pos, n)
-        f["positions_c"][k], a = alloc(out, f"positions_c.{k}", (T,), torch.int32)
-        np.multiply(c, n, out=a, casting="unsafe")
-        a[~closes] = 0
-        f["slot_mapping_store_ca"][k], a = alloc(out, f"slot_mapping_store_ca.{k}", (T,), torch.int32)
-        a[:] = compressed_slots(b, seq, c, closes & writes, n, cfg)
-    f["kv_ca_index_offset_len"] = {}
+        np.multiply(c, n, out=pc_all[i], casting="unsafe")
+        pc_all[i][~closes] = 0
+        sl_all[i] = compressed_slots(b, seq, c, closes & writes, n, cfg)
+    f["kv_ca_index_offset_len"], ol_all = alloc_stacked(
+        out, "kv_ca_index_offset_len", cfg.dense_compress_ratios, (T, 2))
     row_off = np.arange(T, dtype=np.int64) * cfg.max_num_blocks
-    for n in cfg.dense_compress_ratios:
-        k = str(n)
-        f["kv_ca_index_offset_len"][k], a = alloc(out, f"kv_ca_index_offset_len.{k}", (T, 2), torch.int32)
-        np.multiply(row_off, cfg.block_size // n, out=a[:, 0], casting="unsafe")
-        fdiv(pos1, n, out=a[:, 1])
+    for i, n in enumerate(cfg.dense_compress_ratios):
+        np.multiply(row_off, cfg.block_size // n, out=ol_all[i, :, 0], casting="unsafe")
+        fdiv(pos1, n, out=ol_all[i, :, 1])
+
+
+def check_decode_out(out: Out) -> None:
+    """Refuse the per-ratio key form (``"klen.4"``) in a decode ``out`` dict (see the module doc)."""
+    if not out:
+        return
+    for key in out:
+        name, dot, ratio = key.partition(".")
+        if dot and name in DECODE_STACKED_FIELDS:
+            raise ValueError(
+                f"out[{key!r}]: decode out buffers hold per-ratio fields stacked under {name!r} "
+                f"(one [n_ratio, total_q, ...] tensor, ratios in config order), not per-ratio keys"
+            )
 
 
 def prepare_decode(
@@ -114,9 +124,10 @@ def prepare_decode(
             ``seqlen_k - seqlen_q + 1`` confirmed tokens and ``draft_tokens`` the ``seqlen_q - 1``
             MTP drafts. Bad input raises ``ValueError`` naming ``seqs[i].field``.
         cfg: the engine's ``MetadataConfig``.
-        out: optional dict of preallocated tensors keyed by flattened path (``"positions"``,
-            ``"klen.4"``, ...); matching tensors are filled in place, missing ones are allocated
-            and stored in it, a shape/dtype mismatch is a ``ValueError``.
+        out: optional dict of preallocated tensors keyed by field name (``"positions"``, ...;
+            per-ratio fields stacked, see :data:`DECODE_STACKED_FIELDS`); matching tensors are
+            filled in place, missing ones are allocated and stored in it, a shape/dtype mismatch
+            (or a per-ratio key such as ``"klen.4"``) is a ``ValueError``.
 
     Returns every decode field of DESIGN section 4 (int32 indices, bool masks, [total_q] rows):
     common fields, ``state_block_idx`` / ``context_lens`` [total_q], ``klen[r]``,
@@ -125,6 +136,7 @@ def prepare_decode(
     Raises ``ValueError`` before allocating when ``total_q * max_num_blocks *
     (block_size // min(dense ratios))`` (or a slot value) exceeds int32.
     """
+    check_decode_out(out)
     b = extract_batch(seqs, cfg, is_prompt=False)
     _check_decode_int32(b, cfg)
     f = fill_common(b, cfg, out)

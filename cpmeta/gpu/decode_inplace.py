@@ -12,7 +12,7 @@ undefined ``block_tables`` columns excepted). Per-ratio fields (``klen``, ``posi
 ``slot_mapping_store_ca``, ``kv_ca_index_offset_len``) are row views of ONE stacked
 ``[n_ratio, q_cap, ...]`` buffer each. With ``out`` holding buffers of a larger batch every write
 lands in their prefixes (no allocation, unchanged ``data_ptr``); rows past ``total_q`` get inert
-values (see :class:`~cpmeta._decode_staging.DecodeBuffers`), so a CUDA graph captured at the
+values (see :class:`~cpmeta.gpu.decode_staging.DecodeBuffers`), so a CUDA graph captured at the
 larger batch can be replayed::
 
     st = DecodeStaging("cuda", staging_capacity(cfg, max_seqs, max_q), fixed=True)
@@ -36,10 +36,12 @@ from typing import Optional, Sequence
 
 import torch
 
-from ._decode_staging import DecodeBuffers, DecodeStaging, StagedDecode, staging_capacity
-from .config import MetadataConfig
-from .metadata import InputMetadata, get_or_create_stacked, get_or_create_tensor
-from .sequence import SequenceMetadata
+from .decode_staging import DecodeBuffers, DecodeStaging, StagedDecode, staging_capacity
+from ..config import MetadataConfig
+from ..build.decode import DECODE_STACKED_FIELDS, check_decode_out
+from ..buffers import get_or_create_stacked, get_or_create_tensor
+from ..metadata import InputMetadata
+from ..sequence import SequenceMetadata
 
 __all__ = [
     "prepare_decode_inplace",
@@ -53,7 +55,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "triton", "torch")
-_STACKED = ("positions_c", "slot_mapping_store_ca", "klen", "kv_ca_index_offset_len")
+_STACKED = DECODE_STACKED_FIELDS
 #: Prefix-view sets kept per ``out`` (one per distinct (n_seq, total_q); slicing ~25 views each
 #: step costs ~20 us of host time).
 _MAX_CACHED_VIEWS = 256
@@ -228,11 +230,11 @@ def _cached_buffers(
 
 def _launch(stg: torch.Tensor, cfg: MetadataConfig, bufs: DecodeBuffers, backend: str) -> None:
     if backend == "triton":
-        from ._decode_triton import launch_decode_kernels
+        from .decode_triton import launch_decode_kernels
 
         launch_decode_kernels(stg, cfg, bufs)
     else:
-        from ._decode_emulate import emulate_decode_kernels
+        from .decode_emulate import emulate_decode_kernels
 
         emulate_decode_kernels(stg, cfg, bufs)
 
@@ -296,9 +298,10 @@ def prepare_decode_inplace(
 
     Args:
         seqs, cfg: as for :func:`cpmeta.prepare_decode` (same validation and error messages).
-        out: dict of buffers keyed ``"positions"``, ..., stacked ones under ``"klen"``,
-            ``"positions_c"``, ``"slot_mapping_store_ca"``, ``"kv_ca_index_offset_len"``
-            ([n_ratio, q_cap, ...]). Missing ones are allocated on ``device`` and stored; larger
+        out: dict of buffers in the decode ``out=`` schema shared with ``prepare_decode``
+            (:data:`cpmeta.build.decode.DECODE_STACKED_FIELDS`): keyed ``"positions"``, ...,
+            stacked ones under ``"klen"``, ``"positions_c"``, ``"slot_mapping_store_ca"``,
+            ``"kv_ca_index_offset_len"`` ([n_ratio, q_cap, ...]). Missing ones are allocated on ``device`` and stored; larger
             ones (a captured batch) are written in their prefixes.
         device: where the metadata lives (default: ``out``'s device, else CUDA if available).
         backend: ``"auto"``, ``"triton"`` or ``"torch"`` (see module docstring).
@@ -311,6 +314,7 @@ def prepare_decode_inplace(
     [n_seq+1] int32, dict fields ``{str(ratio): row view}``, scalars from the host arrays.
     Work is enqueued on the current stream; nothing waits for the device.
     """
+    check_decode_out(out)
     dev = _resolve_device(device, out)
     be = _resolve_backend(backend, dev)
     st = staging if staging is not None else _default_staging(dev)

@@ -24,12 +24,12 @@ because compressed-token boundaries depend on absolute positions, not on the mir
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence, Union
+from typing import Sequence, Union
 
 import numpy as np
 import torch
 
-from ._mirror_plan import (
+from .mirror_plan import (
     MIRROR_PAD_INDEX,
     check_cp,
     chunk_len,
@@ -39,14 +39,13 @@ from ._mirror_plan import (
     mirror_from_host,
     validate_mirror_args,
 )
-from .metadata import InputMetadata
 
 __all__ = [
     "prepare_cp_mirror",
-    "prepare_for_mirror_cp",
     "unmirror",
     "mirror_rows",
     "cp_mirror_len",
+    "RowGather",
     "MIRROR_PAD_INDEX",
     "NO_SPARSE_RATIOS_FALLBACK",
 ]
@@ -56,17 +55,6 @@ logger = logging.getLogger(__name__)
 #: Ratios given to :func:`prepare_cp_mirror` when the model has no sparse ratios; the resulting
 #: ``ks``/``ke`` are computed (so the kernel has a valid grid) and then dropped.
 NO_SPARSE_RATIOS_FALLBACK: tuple[int, ...] = (1,)
-
-#: Fill value of gathered index rows (``kv_ca_index``, ``kv_swa_full_index``) on pad rows.
-_PAD_INDEX_FILL: int = -1
-
-#: Expanded per-row fields (DESIGN 5) that ``prepare_for_mirror_cp`` gathers if already computed,
-#: with the value their pad rows get.
-_DERIVED_ROW_FILLS: dict[str, int] = {
-    "kv_ca_index": _PAD_INDEX_FILL,
-    "kv_ca_index_len": 0,
-    "kv_swa_full_index": _PAD_INDEX_FILL,
-}
 
 
 def cp_mirror_len(cu_seqlens_q: torch.Tensor, cp_size: int) -> int:
@@ -136,10 +124,10 @@ def mirror_rows(
     if not isinstance(mirror_index, torch.Tensor) or mirror_index.dim() != 1 \
             or mirror_index.dtype.is_floating_point:
         raise TypeError(f"mirror_index: expected a 1-D integer tensor, got {describe(mirror_index)}")
-    return _RowGather(mirror_index.to(full.device))(full, pad_value)
+    return RowGather(mirror_index.to(full.device))(full, pad_value)
 
 
-class _RowGather:
+class RowGather:
     """:func:`mirror_rows` for several fields by one index (clamped index and pad mask made once)."""
 
     __slots__ = ("length", "safe", "pad")
@@ -184,85 +172,3 @@ def unmirror(
             or reverse_index.dtype.is_floating_point:
         raise TypeError(f"reverse_index: expected a 1-D integer tensor, got {describe(reverse_index)}")
     return cat.index_select(0, reverse_index.to(device=cat.device, dtype=torch.int64))
-
-
-# ---- the metadata transform ------------------------------------------------------------------
-
-
-def prepare_for_mirror_cp(md: InputMetadata, cp_rank: int, cp_size: int) -> InputMetadata:
-    """A NEW ``InputMetadata`` holding rank ``cp_rank``'s zigzag share of prompt metadata ``md``.
-
-    ``md`` is left untouched; fields the DESIGN 8 table does not name are the same objects.
-    Gathered by ``mirror_cp_index`` ([cp_mirror_len] rows, pad rows 0 / False):
-    ``positions`` (the original goes to ``positions_cp``, same object), ``ngram_token_ids``,
-    ``gate_force_random_cp`` (``gate_force_random`` itself is kept), ``valid_token_mask``
-    (the full mask gathered; ``mirror_cp_index != -1`` when ``md`` has none). ``ks``/``ke``
-    come from :func:`prepare_cp_mirror` with the sparse ratios = keys of ``md.ks`` (an empty or
-    missing ``ks`` runs ratio ``(1,)`` and drops the result). Added: ``mirror_cp_index``,
-    ``mirror_cp_reverse_index``, ``cp_mirror_len``, ``cp_rank``, ``cp_size``. Expanded indices
-    already computed on ``md`` (``kv_ca_index``, ``kv_ca_index_len``, ``kv_swa_full_index``)
-    are gathered too (pad rows -1 / 0), matching what ``compute_attn_info`` does on a mirrored
-    object. Example: ``sq=10, p=2`` -> rank 1 holds rows ``3..8`` with ``positions`` ``3..8``.
-    """
-    _check_prompt_md(md, cp_rank, cp_size)
-    total_q = int(md.positions.shape[0])
-    ratios = tuple(int(r) for r in md.ks) if md.ks else NO_SPARSE_RATIOS_FALLBACK
-    cu_q = host_cu("md.cu_seqlens_q", md.cu_seqlens_q)  # the only device-to-host copies
-    cu_k = host_cu("md.cu_seqlens_k", md.cu_seqlens_k)
-    length = int(2 * chunk_len(np.diff(cu_q), cp_size).sum())
-    validate_mirror_args(cu_q, cu_k, ratios, total_q, length, cp_size)
-    index, reverse, ks_all, ke_all = mirror_from_host(
-        cu_q, cu_k, md.positions.device, cp_size, cp_rank, ratios, total_q, length
-    )
-    changes = _gathered_fields(md, _RowGather(index))
-    changes.update(
-        positions_cp=md.positions,
-        mirror_cp_index=index,
-        mirror_cp_reverse_index=reverse,
-        cp_mirror_len=length,
-        cp_rank=cp_rank,
-        cp_size=cp_size,
-    )
-    if md.ks:  # else the (1,) fallback ran and its ks/ke are dropped
-        changes["ks"] = {k: ks_all[str(int(k))] for k in md.ks}
-        changes["ke"] = {k: ke_all[str(int(k))] for k in md.ks}
-    logger.debug("mirrored %d rows to %d on cp rank %d/%d", total_q, length, cp_rank, cp_size)
-    mirrored = md.replace(**changes)
-    if md.yoco_consumer_cu_seqlens_q is not None:  # YoCo compact + CP fields (DESIGN 10), cpmeta/yoco.py
-        from .yoco import mirror_yoco  # lazy: yoco imports this module
-
-        mirrored = mirror_yoco(md, mirrored, cp_rank, cp_size)
-    return mirrored
-
-
-def _check_prompt_md(md: InputMetadata, cp_rank: int, cp_size: int) -> None:
-    check_cp(cp_size, cp_rank)
-    if not isinstance(md, InputMetadata):
-        raise TypeError(f"md: expected an InputMetadata, got {type(md).__name__}")
-    if md.is_prompt is not True:
-        raise ValueError(f"md.is_prompt: the CP mirror applies to prompt metadata only, got {md.is_prompt!r}")
-    if md.mirror_cp_index is not None:
-        raise ValueError(f"md.mirror_cp_index: metadata is already mirrored (cp_rank={md.cp_rank})")
-    for name in ("cu_seqlens_q", "cu_seqlens_k", "positions"):
-        if not isinstance(getattr(md, name), torch.Tensor):
-            raise ValueError(f"md.{name}: expected a tensor, got {getattr(md, name)!r}")
-
-
-def _gathered_fields(md: InputMetadata, gather: _RowGather) -> dict[str, Any]:
-    """The row fields of ``md`` gathered into the mirror layout (pad rows 0 / False / -1)."""
-    out: dict[str, Any] = {"positions": gather(md.positions, 0)}
-    if md.valid_token_mask is not None:
-        out["valid_token_mask"] = gather(md.valid_token_mask, False)
-    else:
-        out["valid_token_mask"] = ~gather.pad
-    if md.ngram_token_ids is not None:
-        out["ngram_token_ids"] = gather(md.ngram_token_ids, 0)
-    if md.gate_force_random is not None:
-        out["gate_force_random_cp"] = gather(md.gate_force_random, False)
-    for name, fill in _DERIVED_ROW_FILLS.items():  # expanded before the mirror: same as after
-        value = getattr(md, name)
-        if isinstance(value, dict):
-            out[name] = {k: gather(v, fill) for k, v in value.items()}
-        elif isinstance(value, torch.Tensor):
-            out[name] = gather(value, fill)
-    return out

@@ -14,7 +14,7 @@ Three layouts:
 * circular: one ring block (block index 0), ``offset = pos % block_size``; ``pos < 0`` is padding.
 
 CPU tensors take a vectorized torch path; CUDA tensors take ONE Triton kernel
-(:mod:`cpmeta._slot_mapping_triton`) unless ``backend="torch"``. Both give identical results.
+(:mod:`cpmeta.gpu.slot_mapping_triton`) unless ``backend="torch"``. Both give identical results.
 
 Validation cost: argument checks are host-only. Checks that need tensor *data* (the
 ``query_start_loc`` layout, negative positions, block indices inside the row, int32 slots) are
@@ -32,8 +32,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .constants import INT32_MAX, PAD_SLOT_ID, PLACEHOLDER_QUERY_INDEX
-from ._slot_mapping_triton import SlotMappingError, describe_slot_mapping_error
+from ..constants import INT32_MAX, PAD_SLOT_ID, PLACEHOLDER_QUERY_INDEX
+from .slot_mapping_errors import SlotMappingError, describe_slot_mapping_error
 
 __all__ = [
     "compute_slot_mapping",
@@ -277,7 +277,7 @@ def _use_triton(device: torch.device, backend: str) -> bool:
         if backend == "triton":
             raise ValueError(f"backend: 'triton' needs CUDA tensors, got tensors on {device}")
         return False
-    from . import _slot_mapping_triton as tri
+    from ..gpu import slot_mapping_triton as tri
 
     if tri.triton_available():
         return True
@@ -343,7 +343,7 @@ def compute_slot_mapping(
         out = torch.empty(prm.max_num_tokens, dtype=torch.int32, device=device)
     qsl, pos = query_start_loc.contiguous(), positions.contiguous()
     if _use_triton(device, backend):
-        from . import _slot_mapping_triton as tri
+        from ..gpu import slot_mapping_triton as tri
 
         err = error_out if error_out is not None else torch.zeros(1, dtype=torch.int32, device=device)
         tri.launch_slot_mapping_kernel(qsl, pos, block_table, out, err, prm)

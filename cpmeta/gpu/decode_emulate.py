@@ -1,7 +1,7 @@
 """CPU fallback of the in-place decode kernels: vectorized torch over the SAME staging buffer.
 
 :func:`emulate_decode_kernels` writes exactly what ``_decode_triton``'s two kernels write, into
-the same :class:`~cpmeta._decode_staging.DecodeBuffers` (tail rows included), reading the same
+the same :class:`~cpmeta.gpu.decode_staging.DecodeBuffers` (tail rows included), reading the same
 int32 staging layout. CI tests the kernel logic through it (and through the Triton interpreter).
 
 Per row ``i`` of sequence ``s`` (local index ``j``), everything derives from four staged
@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import torch
 
-from ._decode_staging import (
+from .decode_staging import (
     F_BT_OFFSET, F_CU_K_INCL, F_CU_Q_INCL, F_PLACEHOLDER, F_SEQLEN_K, F_SEQLEN_Q, F_STATE,
     HEADER_FIXED, SEQ_FIELDS, DecodeBuffers,
 )
-from .config import MetadataConfig
-from .constants import PAD_SLOT_ID, PLACEHOLDER_QUERY_INDEX
+from ..config import MetadataConfig
+from ..constants import PAD_SLOT_ID, PLACEHOLDER_QUERY_INDEX
 
 __all__ = ["emulate_decode_kernels"]
 

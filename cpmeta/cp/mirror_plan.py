@@ -5,7 +5,7 @@ the expansion is O(rows): one 2-D repeat of the per-chunk table plus a few eleme
 numpy on the CPU (``np.repeat`` is single-threaded; torch's CPU ``repeat_interleave`` forks a
 parallel region on every call, which costs milliseconds when cores are contended) or in torch on
 a device (one host-to-device copy of the plan, no synchronisation). Public entry points live in
-:mod:`cpmeta.mirror`; this module is private.
+:mod:`cpmeta.cp.zigzag` and :mod:`cpmeta.cp.mirror`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ._batch import loaded_compressed_len
-from .constants import INT32_MAX
+from ..build.arrays import loaded_compressed_len
+from ..constants import INT32_MAX
 
 __all__ = [
     "MIRROR_PAD_INDEX", "is_int", "check_cp", "describe", "chunk_len", "host_cu", "validate_mirror_args",
@@ -138,7 +138,7 @@ def mirror_from_host(
     cu_q: np.ndarray, cu_k: np.ndarray, device: torch.device, cp_size: int, cp_rank: int,
     ratios: Sequence[int], total_q: int, length: int,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """``cpmeta.mirror.prepare_cp_mirror`` on validated host copies; results on ``device``."""
+    """``cpmeta.cp.zigzag.prepare_cp_mirror`` on validated host copies; results on ``device``."""
     rank_plan = _rank_plan(cu_q, cu_k, cp_size, cp_rank, ratios).astype(np.int32)
     rev_plan = _reverse_plan(cu_q, cp_size, length).astype(np.int32)
     if device.type == "cpu":  # numpy: np.repeat is single-threaded (torch's CPU kernel forks per call)

@@ -13,13 +13,15 @@ row-wise -- but costs only ``cp_mirror_len`` rows of work.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from .config import MetadataConfig
-from .constants import PAD_SLOT_ID
-from .metadata import InputMetadata
+from ..config import MetadataConfig
+from ..constants import PAD_SLOT_ID
+
+if TYPE_CHECKING:
+    from ..metadata import InputMetadata
 
 __all__ = ["compute_attn_info", "expand_offset_len", "expand_paged_offset_len", "expand_swa_pivots",
            "expand_swa_ring"]

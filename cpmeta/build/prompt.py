@@ -21,22 +21,15 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from ._batch import (
-    BatchArrays,
-    alloc,
-    check_common_int32,
-    check_int32,
-    compressed_slots,
-    extract_batch,
-    fdiv,
-    fill_common,
-    loaded_compressed_len,
-)
-from ._load_plan import paged_load_segments, swa_load_segments
-from .config import MetadataConfig
-from .metadata import InputMetadata
-from .sequence import SequenceMetadata
-from .yoco import build_yoco_fields, swa_visibility_pivots  # YoCo (DESIGN 10) + the shared pivot rule
+from ..config import MetadataConfig
+from ..metadata import InputMetadata
+from ..sequence import SequenceMetadata
+from .arrays import BatchArrays, alloc, check_int32, fdiv, loaded_compressed_len
+from .common import check_common_int32, compressed_slots, fill_common
+from .extract import extract_batch
+from .load_plan import paged_load_segments, swa_load_segments
+from .swa_pivots import swa_visibility_pivots
+from .yoco import build_yoco_fields
 
 __all__ = ["prepare_prompt"]
 
@@ -143,7 +136,7 @@ def _fill_swa_pivots(b: BatchArrays, cfg: MetadataConfig, out: Out) -> torch.Ten
     """
     W, rs = cfg.window_size, b.row_seq
     t, a = alloc(out, "kv_swa_full_index_pivots", (b.total_q, 4), torch.int32)
-    # the ONE pivot rule, shared with YoCo's visibility (cpmeta/yoco.py): lower bound = swa_valid_start
+    # the ONE pivot rule, shared with YoCo's visibility (build/swa_pivots.py): lower bound = swa_valid_start
     swa_visibility_pivots(
         b.row_pos, b.row_j, b.q_start[rs], b.swa_valid_start[rs], rs * W, b.n_seq * W + b.cu_q[rs], W, out=a
     )
@@ -182,7 +175,7 @@ def prepare_prompt(
     f["load_segments_swa"] = swa_load_segments(b, cfg, out)
     _fill_compressed_reads(b, cfg, out, f, cu_ck)
     f["kv_swa_full_index_pivots"] = _fill_swa_pivots(b, cfg, out)
-    if cfg.yoco_keep_tokens is not None:  # YoCo truncation fields (DESIGN 10), built in cpmeta/yoco.py
+    if cfg.yoco_keep_tokens is not None:  # YoCo truncation fields (DESIGN 10), built in build/yoco.py
         f.update(build_yoco_fields(f, seqs, cfg, out=out))
     return InputMetadata(**f)
 

@@ -19,10 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-from . import _decode_staging as L
-from ._decode_staging import DecodeBuffers
-from .config import MetadataConfig
-from .constants import PAD_SLOT_ID as _PAD, PLACEHOLDER_QUERY_INDEX as _PLACEHOLDER
+from . import decode_staging as L
+from .decode_staging import DecodeBuffers
+from ..config import MetadataConfig
+from ..constants import PAD_SLOT_ID as _PAD, PLACEHOLDER_QUERY_INDEX as _PLACEHOLDER
 
 __all__ = ["launch_decode_kernels"]
 

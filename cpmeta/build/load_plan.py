@@ -14,9 +14,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ._batch import BatchArrays, alloc, cdiv
-from .config import MetadataConfig
-from .constants import NO_SOURCE_BLOCK
+from .arrays import BatchArrays, alloc, cdiv
+from ..config import MetadataConfig
+from ..constants import NO_SOURCE_BLOCK
 
 __all__ = ["swa_load_segments", "paged_load_segments"]
 

@@ -29,8 +29,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from . import envs
-from .metadata import InputMetadata
+from .. import envs
+from ..metadata import InputMetadata
 
 __all__ = ["MetadataBroadcaster", "SCHEMA_FINGERPRINT", "MESSAGE_VERSION"]
 

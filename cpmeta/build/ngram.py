@@ -20,9 +20,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ._batch import BatchArrays, alloc, int_array
-from .config import MetadataConfig
-from .constants import INT32_MAX
+from .arrays import BatchArrays, alloc, int_array
+from ..config import MetadataConfig
+from ..constants import INT32_MAX
 
 __all__ = ["fill_ngram_token_ids"]
 

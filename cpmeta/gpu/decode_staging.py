@@ -44,10 +44,12 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from ._batch import BatchArrays, check_common_int32, check_int32, extract_batch, int_array
-from .config import MetadataConfig
-from .constants import INT32_MAX
-from .sequence import SequenceMetadata
+from ..build.arrays import BatchArrays, check_int32, int_array
+from ..build.common import check_common_int32
+from ..build.extract import extract_batch
+from ..config import MetadataConfig
+from ..constants import INT32_MAX
+from ..sequence import SequenceMetadata
 
 __all__ = [
     "HEADER_FIXED",

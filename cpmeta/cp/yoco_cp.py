@@ -14,12 +14,14 @@ rows)``, independent of the full ``total_q``.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from .metadata import InputMetadata
+
+if TYPE_CHECKING:
+    from ..metadata import InputMetadata
 
 __all__ = ["mirror_yoco"]
 

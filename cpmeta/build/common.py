@@ -1,0 +1,107 @@
+"""The fields both host builders share (DESIGN section 4, "Common") and their int32 checks."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from ..config import MetadataConfig
+from ..constants import INT32_MAX, PAD_SLOT_ID, PLACEHOLDER_QUERY_INDEX
+from .arrays import BatchArrays, alloc, check_int32, fdiv, fmod
+from .ngram import fill_ngram_token_ids
+
+__all__ = ["fill_common", "check_common_int32", "compressed_slots"]
+
+
+def fill_common(
+    b: BatchArrays, cfg: MetadataConfig, out: Optional[dict[str, torch.Tensor]]
+) -> dict[str, Any]:
+    """Fields shared by prompt and decode (DESIGN section 4, "Common"), as InputMetadata kwargs.
+
+    ``positions``, ``input_ids``, ``gate_force_random``, ``ngram_token_ids`` (None when
+    ``max_ngram_size == 0``), ``cu_seqlens_q``/``cu_seqlens_k`` [n_seq+1], ``valid_token_mask``,
+    ``query_indices`` (998244353 on placeholder rows), ``slot_mapping_store_swa`` and the scalars.
+    Example (S = 4, one sequence, state 2, seqlen_q = 6, seqlen_k = 9): positions 3..8; rows with
+    ``seqlen_q - j <= 4`` are j = 2..5 (positions 5..8) -> SWA slots ``[-1, -1, 9, 10, 11, 8]``.
+    """
+    T, n = b.total_q, b.n_seq
+    ph_row = b.per_row(b.is_placeholder)
+    any_ph = bool(b.is_placeholder.any())
+    f: dict[str, Any] = {
+        "is_prompt": b.is_prompt, "num_seqs": n, "total_q": T,
+        "max_seqlen_q": int(b.seqlen_q.max()), "max_seqlen_k": int(b.seqlen_k.max()),
+    }
+    f["positions"], a = alloc(out, "positions", (T,), torch.int32)
+    a[:] = b.row_pos
+    f["input_ids"], a = alloc(out, "input_ids", (T,), torch.int32)
+    a[:] = b.input_ids
+    f["gate_force_random"], a = alloc(out, "gate_force_random", (T,), torch.bool)
+    a.fill(cfg.force_load_balance)
+    f["cu_seqlens_q"], a = alloc(out, "cu_seqlens_q", (n + 1,), torch.int32)
+    a[:] = b.cu_q
+    f["cu_seqlens_k"], a = alloc(out, "cu_seqlens_k", (n + 1,), torch.int32)
+    a[:] = b.cu_k
+    f["valid_token_mask"], a = alloc(out, "valid_token_mask", (T,), torch.bool)
+    np.logical_not(ph_row, out=a)
+    f["query_indices"], a = alloc(out, "query_indices", (T,), torch.int32)
+    a[:] = b.row_seq
+    if any_ph:
+        a[ph_row] = PLACEHOLDER_QUERY_INDEX
+    S = cfg.swa_block_size
+    f["slot_mapping_store_swa"], a = alloc(out, "slot_mapping_store_swa", (T,), torch.int32)
+    a[:] = b.per_row(b.state_id) * S + fmod(b.row_pos, S)
+    if T != n:  # only the last S rows of a chunk stay in the ring
+        drop = (b.seqlen_q[b.row_seq] - b.row_j) > S
+        a[drop | ph_row if any_ph else drop] = PAD_SLOT_ID
+    elif any_ph:
+        a[ph_row] = PAD_SLOT_ID
+    f["ngram_token_ids"] = None
+    if cfg.max_ngram_size > 0:
+        f["ngram_token_ids"] = fill_ngram_token_ids(b, cfg, out)
+    return f
+
+
+def check_common_int32(b: BatchArrays, cfg: MetadataConfig) -> None:
+    """Overflow checks shared by both paths (run before any allocation).
+
+    Bounds: ``sum(seqlen_k)`` (``cu_seqlens_k``), ``max(state_id) * S + S - 1`` (SWA slots),
+    ``max(block id) * b_c + b_c - 1`` with ``b_c = block_size // min_ratio`` (compressed slots),
+    and every token id.
+    """
+    check_int32("cu_seqlens_k", int(b.cu_k[-1]), "sum(seqlen_k)")
+    S = cfg.swa_block_size
+    check_int32(
+        "slot_mapping_store_swa", int(b.state_id.max()) * S + S - 1,
+        f"max(state_id) * swa_block_size + swa_block_size - 1 (swa_block_size={S})",
+    )
+    bc = cfg.block_size // cfg.min_ratio
+    check_int32(
+        "slot_mapping_store_ca", int(b.bt_flat.max()) * bc + bc - 1,
+        f"max(block id) * (block_size // min_ratio) + block_size // min_ratio - 1 (b_c={bc})",
+    )
+    if b.total_q and (b.input_ids.max() > INT32_MAX or b.input_ids.min() < -INT32_MAX - 1):
+        raise ValueError("input_ids: token id does not fit in int32")
+
+
+def compressed_slots(
+    b: BatchArrays, seq: Optional[np.ndarray], c: np.ndarray, write: np.ndarray, n: int, cfg: MetadataConfig
+) -> np.ndarray:
+    """Compressed-KV slot of compressed index ``c`` of sequence ``seq``, or -1 where not ``write``.
+
+    ``seq=None`` means ``c`` has one entry per sequence, in order.
+    ``slot = block_table[c // b_c] * b_c + c % b_c`` with ``b_c = block_size // n``. Rows that do
+    not write read the trailing 0 of ``bt_flat`` instead of a possibly out-of-table block.
+    Example: block_size 128, n = 4 (b_c = 32), table ``[7, 3]``, c = 40 -> ``3 * 32 + 8 = 104``.
+    """
+    bc = cfg.block_size // n
+    idx = fdiv(c, bc)
+    idx += b.bt_start if seq is None else b.bt_start[seq]
+    skip = ~write
+    idx[skip] = len(b.bt_flat) - 1
+    slot = b.bt_flat[idx]
+    slot *= bc
+    slot += fmod(c, bc)
+    slot[skip] = PAD_SLOT_ID
+    return slot

@@ -1,0 +1,29 @@
+"""Per-rank context parallelism (DESIGN sections 8, 10, 11).
+
+=======================  =========================================================================
+module                   holds
+=======================  =========================================================================
+``zigzag``               :func:`prepare_cp_mirror`, :func:`mirror_rows`, :func:`unmirror`: the index plan
+``mirror_plan``          its vectorized host computation and argument checks
+``mirror``               :func:`prepare_for_mirror_cp`: a rank's share of prompt ``InputMetadata``
+``yoco_cp``              YoCo compact + CP indices (contrib / boundary)
+``yoco_views``           ``md.get_mask_view()`` / ``md.get_consumer_view()``
+``slot_mapping``         :func:`compute_slot_mapping` with CP-interleaved KV (CPU path + dispatch)
+``slot_mapping_errors``  the error bits both slot-mapping paths report
+=======================  =========================================================================
+"""
+
+from __future__ import annotations
+
+from .mirror import prepare_for_mirror_cp
+from .slot_mapping import compute_slot_mapping, compute_slot_mapping_from_metadata
+from .zigzag import mirror_rows, prepare_cp_mirror, unmirror
+
+__all__ = [
+    "prepare_cp_mirror",
+    "prepare_for_mirror_cp",
+    "mirror_rows",
+    "unmirror",
+    "compute_slot_mapping",
+    "compute_slot_mapping_from_metadata",
+]

@@ -1,0 +1,21 @@
+"""Device-side builders (DESIGN sections 11, 12).
+
+======================  ==========================================================================
+module                  holds
+======================  ==========================================================================
+``decode_inplace``      :func:`prepare_decode_inplace`, :func:`launch_decode_inplace` (CUDA-graph ready)
+``decode_staging``      the pinned int32 staging buffer the host fills each step
+``decode_triton``       the two decode metadata kernels (Triton)
+``decode_emulate``      the same kernels as vectorized torch (CPU fallback, CI)
+``slot_mapping_triton`` the slot-mapping kernel
+======================  ==========================================================================
+
+Importing this package does not import Triton; the kernel modules are imported when first used.
+"""
+
+from __future__ import annotations
+
+from .decode_inplace import launch_decode_inplace, prepare_decode_inplace
+from .decode_staging import DecodeStaging, staging_capacity
+
+__all__ = ["prepare_decode_inplace", "launch_decode_inplace", "DecodeStaging", "staging_capacity"]
