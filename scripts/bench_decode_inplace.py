@@ -55,8 +55,7 @@ from cpmeta.build.decode import prepare_decode  # noqa: E402
 from cpmeta.gpu.decode_inplace import (  # noqa: E402
     DecodeStaging, launch_decode_inplace, prepare_decode_inplace, staging_capacity,
 )
-from cpmeta.diff import metadata_diff
-from cpmeta.metadata import InputMetadata  # noqa: E402
+from cpmeta.diff import metadata_diff  # noqa: E402
 
 logger = logging.getLogger("bench_decode_inplace")
 
@@ -65,9 +64,10 @@ TARGET_US = 50.0  # per step at 256 sequences, incl. staging (H200)
 TARGET_SPEEDUP = 3.0  # against eager + copy
 
 
-def _arena(md: InputMetadata, pin: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One uint8 host arena and an ``out`` dict of views into it shaped like ``md``'s tensors."""
-    flat = {k: v for k, v in md.to_flatten_dict().items() if isinstance(v, torch.Tensor)}
+def _arena(schema: dict[str, torch.Tensor], pin: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One uint8 host arena and an ``out`` dict of views into it shaped like ``schema``'s buffers
+    (the decode ``out=`` schema: per-ratio fields stacked)."""
+    flat = schema
     align = 16
     sizes = {k: -(-v.numel() * v.element_size() // align) * align for k, v in flat.items()}
     arena = torch.empty(sum(sizes.values()), dtype=torch.uint8, pin_memory=pin)
@@ -81,7 +81,9 @@ def _arena(md: InputMetadata, pin: bool) -> tuple[torch.Tensor, dict[str, torch.
 
 def _eager_copy_fn(seqs: list, cfg: MetadataConfig, dev: torch.device) -> Callable[[], Any]:
     cuda = dev.type == "cuda"
-    arena, out = _arena(prepare_decode(seqs, cfg), pin=cuda)
+    schema: dict[str, torch.Tensor] = {}
+    prepare_decode(seqs, cfg, out=schema)
+    arena, out = _arena(schema, pin=cuda)
     dev_arena = torch.empty_like(arena, device=dev) if cuda else None
 
     def step() -> None:

@@ -177,7 +177,7 @@ def _receive_hostile(bc: Any, rank: int) -> tuple[str, bool, str]:
 
 def _skew_phase(bc: Any, rank: int, seed: int, out: dict, valid: Any) -> None:
     """Rank 2 runs with another protocol version / schema; rank 1 must be unaffected."""
-    import cpmeta.broadcast as cb
+    import cpmeta.broadcast.broadcaster as cb
     import transport.codec as codec
 
     patches = [
