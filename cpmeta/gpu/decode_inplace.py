@@ -338,17 +338,27 @@ def prepare_decode_inplace(
     if not _same_device(st.device, dev):
         raise ValueError(f"staging: expected a staging buffer for {dev}, got one for {st.device}")
     staged = st.fill(seqs, cfg)  # host only: nothing reaches the device before the checks
+    return finish_staged(st, staged, cfg, out=out, device=dev, backend=be, use_graph=use_graph)
+
+
+def finish_staged(
+    st: DecodeStaging, staged: StagedDecode, cfg: MetadataConfig, *, out: Out, device: torch.device,
+    backend: str, use_graph: bool = True,
+) -> InputMetadata:
+    """The device half of :func:`prepare_decode_inplace` for a batch already in ``st``'s host buffer:
+    capacity check against ``out`` (``ValueError`` before anything reaches the device), buffers,
+    ONE upload, the kernels (or their cached graph). Shared with the CP path (``decode_cp``)."""
     cache = None
     if out is None:
-        bufs, views = _buffers({}, cfg, staged.num_seqs, staged.total_q, dev)
+        bufs, views = _buffers({}, cfg, staged.num_seqs, staged.total_q, device)
     else:
         cap = _capacity_of(out)  # this out's limits (the staging may remember another out's)
         if cap is not None:
             cap.check(staged)
-        bufs, views = _cached_buffers(st, out, cfg, staged.num_seqs, staged.total_q, dev)
+        bufs, views = _cached_buffers(st, out, cfg, staged.num_seqs, staged.total_q, device)
         cache = st.out_cache
     st.upload(staged)
-    _launch_cached(st, cfg, cache, be, bufs, use_graph)
+    _launch_cached(st, cfg, cache, backend, bufs, use_graph)
     return InputMetadata(
         is_prompt=False, num_seqs=staged.num_seqs, total_q=staged.total_q,
         max_seqlen_q=staged.max_seqlen_q, max_seqlen_k=staged.max_seqlen_k, **views,

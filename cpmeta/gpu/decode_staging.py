@@ -387,6 +387,18 @@ class DecodeStaging:
             self._alloc(int(need * _GROWTH))
             return write_staging(self._view, b, cfg)
 
+    def load(self, data: torch.Tensor) -> None:
+        """Copy a staged buffer received from another rank (CPU int32, already validated) into the
+        host buffer, growing it unless ``fixed`` (then a ``ValueError``). No upload."""
+        self.wait()
+        need = data.shape[0]
+        if need > self.capacity:
+            if self.fixed:
+                raise ValueError(
+                    f"staging: the batch needs {need} staging elements, the fixed staging buffer holds {self.capacity}")
+            self._alloc(int(need * _GROWTH))
+        self.host_buffer[:need].copy_(data)
+
     def upload(self, staged: StagedDecode) -> None:
         """ONE non-blocking host-to-device copy of the used prefix on the current stream, then
         record ``upload_event``. The copy first waits (device side) for the last
