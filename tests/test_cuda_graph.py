@@ -9,6 +9,11 @@
 2. Copy path: capture ``compute_attn_info`` + consumer on static device metadata, then feed each
    step's freshly built CPU metadata (padded to the captured shape with placeholder sequences)
    through ``recursive_copy_`` and replay.
+3. Capacity: a graph captured for 4 sequences x 2 rows fed by a staging buffer for 64: batches one
+   row / one sequence / one block-table column too large are refused by ``stage()`` before the
+   copy and the buffers stay untouched across replays. Streams: ``DecodeStaging.replay(g, side)``
+   orders a replay on another stream after the upload and before the next one (delays injected
+   with ``torch.cuda._sleep`` on each side).
 """
 
 from __future__ import annotations
@@ -155,3 +160,83 @@ def test_recursive_copy_feeds_captured_graph() -> None:
             assert torch.equal(static.kv_ca_index[k], v), (i, k)
         assert torch.equal(static.kv_swa_index, ref.kv_swa_index), i
         assert static.positions.data_ptr() == ptr
+
+
+# ---- capacity and streams (issue 16 item 3) ------------------------------------------------------
+
+CAP_SEQS = 4  # the graph below is captured for 4 sequences x 2 rows; the staging holds 64 sequences
+
+
+def _cap_seq(q: int, k: int, state: int, cfg: MetadataConfig = CFG) -> SequenceMetadata:
+    toks = [(5 * i + 2) % 40 for i in range(k)]
+    return SequenceMetadata(q, k, list(range(blocks_needed(k, cfg))), state, toks[: k - q + 1],
+                            draft_tokens=toks[k - q + 1:])
+
+
+def _small_graph() -> tuple[DecodeStaging, dict[str, torch.Tensor], torch.cuda.CUDAGraph]:
+    st = DecodeStaging("cuda", staging_capacity(CFG, 64, 192), fixed=True)
+    out: dict[str, torch.Tensor] = {}
+    prepare_decode_inplace([_cap_seq(2, 30 + i, i) for i in range(CAP_SEQS)], CFG, out=out, device="cuda",
+                           staging=st)
+    assert out["positions"].shape[0] == 2 * CAP_SEQS and out["cu_seqlens_q"].shape[0] == CAP_SEQS + 1
+    graph, _ = _capture(lambda: launch_decode_inplace(st, CFG, out=out))
+    return st, out, graph
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_graph_refuses_batches_beyond_its_buffers() -> None:
+    """stage() of a batch one row / one sequence / one block-table column too large (and the
+    issue's 8 sequences into buffers of 4) raises before the copy; the graph keeps replaying the
+    last accepted batch and the buffers' neighbours are never written."""
+    st, out, graph = _small_graph()
+    long_cfg = MetadataConfig(  # CFG with twice the model length: more block-table columns
+        block_size=16, window_size=24, swa_block_size=27, dense_compress_ratios=(4, 16),
+        sparse_compress_ratios=(4,), max_model_len=2 * CFG.max_model_len, max_ngram_size=2, image_token_id=5,
+    )
+    cases = [
+        (CFG, [_cap_seq(1, 20 + i, i) for i in range(2 * CAP_SEQS)], "num_seqs: 8 sequences"),  # the issue
+        (CFG, [_cap_seq(2, 30, 0), _cap_seq(2, 31, 1), _cap_seq(2, 32, 2), _cap_seq(3, 33, 3)],
+         "total_q: 9 rows exceed the captured buffers' q_cap=8"),
+        (CFG, [_cap_seq(1, 20 + i, i) for i in range(CAP_SEQS + 1)], "seq_cap=4"),
+        (long_cfg, [_cap_seq(1, CFG.max_model_len + CFG.block_size, 0, long_cfg)], "bt_cols="),
+    ]
+    good = [_cap_seq(1, 40, 0), _cap_seq(2, 41, 1)]
+    staged = st.stage(good, CFG)
+    st.replay(graph)
+    torch.cuda.synchronize()
+    before = {k: v.clone() for k, v in out.items()}
+    for cfg, seqs, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            st.stage(seqs, cfg)
+        st.replay(graph)
+        torch.cuda.synchronize()
+        assert all(torch.equal(before[k], out[k]) for k in out), msg
+    md = launch_decode_inplace(st, CFG, out=out)
+    torch.cuda.synchronize()
+    diff = metadata_diff(metadata_prefix(md, staged.num_seqs, staged.total_q), prepare_decode(good, CFG), cfg=CFG)
+    assert not diff, diff
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_replay_on_another_stream_is_ordered_with_uploads() -> None:
+    """st.replay(g, side): the replay waits for an upload delayed on the current stream, and the
+    next upload waits for a replay delayed on the side stream (a bare g.replay() on `side`
+    would race both ways)."""
+    st, out, graph = _small_graph()
+    side = torch.cuda.Stream()
+    rng = random.Random(4)
+    for i in range(4):
+        seqs = [_cap_seq(rng.randint(1, 2), rng.randint(2, 300), s) for s in range(rng.randint(1, CAP_SEQS))]
+        torch.cuda._sleep(20_000_000)  # the copy below lands late on the current stream
+        staged = st.stage(seqs, CFG)
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(20_000_000)  # and the replay runs late on the side stream
+        st.replay(graph, side)
+        st.stage([_cap_seq(1, 7, 0)], CFG)  # must not overwrite the staging before the replay read it
+        torch.cuda.synchronize()
+        got = {k: v.clone() for k, v in out.items()}
+        ref = prepare_decode(seqs, CFG)
+        tq, n = staged.total_q, staged.num_seqs
+        assert torch.equal(got["positions"][:tq].cpu(), ref.positions), i
+        assert torch.equal(got["slot_mapping_store_swa"][:tq].cpu(), ref.slot_mapping_store_swa), i
+        assert torch.equal(got["cu_seqlens_k"][: n + 1].cpu(), ref.cu_seqlens_k), i

@@ -222,7 +222,7 @@ def test_changed_out_is_rechecked() -> None:
     out2: dict[str, torch.Tensor] = {}
     md = prepare_decode_inplace(seqs, cfg, out=out2, device="cpu", staging=st)
     assert md.positions.data_ptr() == out2["positions"].data_ptr()
-    with pytest.raises(ValueError, match="positions"):  # larger than the captured capacity
+    with pytest.raises(ValueError, match="q_cap="):  # larger than the captured capacity
         prepare_decode_inplace(seqs + seqs, cfg, out=out2, device="cpu", staging=st)
 
 

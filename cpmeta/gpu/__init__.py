@@ -4,7 +4,8 @@
 module                  holds
 ======================  ==========================================================================
 ``decode_inplace``      :func:`prepare_decode_inplace`, :func:`launch_decode_inplace` (CUDA-graph ready)
-``decode_staging``      the pinned int32 staging buffer the host fills each step
+``decode_staging``      the pinned int32 staging buffer the host fills each step, its capacity limits
+``decode_cp``           :class:`StagedDecodeBroadcaster`: one staging broadcast, kernels on every CP rank
 ``decode_triton``       the two decode metadata kernels (Triton)
 ``decode_emulate``      the same kernels as vectorized torch (CPU fallback, CI)
 ``slot_mapping_triton`` the slot-mapping kernel
@@ -15,7 +16,11 @@ Importing this package does not import Triton; the kernel modules are imported w
 
 from __future__ import annotations
 
+from .decode_cp import StagedDecodeBroadcaster
 from .decode_inplace import launch_decode_inplace, prepare_decode_inplace
-from .decode_staging import DecodeStaging, staging_capacity
+from .decode_staging import DecodeStaging, OutCapacity, staging_capacity
 
-__all__ = ["prepare_decode_inplace", "launch_decode_inplace", "DecodeStaging", "staging_capacity"]
+__all__ = [
+    "prepare_decode_inplace", "launch_decode_inplace", "DecodeStaging", "OutCapacity", "staging_capacity",
+    "StagedDecodeBroadcaster",
+]

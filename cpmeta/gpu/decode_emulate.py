@@ -81,19 +81,19 @@ def _write_compressed(
 
 def _write_ngram(
     b: DecodeBuffers, stg: torch.Tensor, cfg: MetadataConfig, hdr: list[int],
-    s_of: torch.Tensor, row0_r: torch.Tensor, j: torch.Tensor,
+    s_of: torch.Tensor, row0_r: torch.Tensor, j: torch.Tensor, lim: int,
 ) -> None:
     """Column c of row (s, j) reads window element ``w = row0 + s*(G-1) + G-1 + j - c``; pad if any
     barrier lies in ``[w, w + c]``. Example: G=2, s=1, row0=1, j=0: c=0 reads 3, c=1 reads 2."""
     g = cfg.max_ngram_size
     if b.ngram_token_ids is None or g == 0:
         return
-    tq, off_v, off_b = hdr[1], hdr[6], hdr[7]
+    off_v, off_b = hdr[6], hdr[7]
     here = row0_r + s_of * (g - 1) + (g - 1) + j
     w = here[:, None] - torch.arange(g, device=here.device)[None, :]
     barrier = (stg[off_b + w] != 0).int().cummax(dim=1).values.bool()
     vals = stg[off_v + w]
-    b.ngram_token_ids[:tq] = torch.where(barrier, cfg.ngram_pad_token, vals)
+    b.ngram_token_ids[:lim] = torch.where(barrier, cfg.ngram_pad_token, vals)
 
 
 def _write_block_tables(
@@ -110,41 +110,52 @@ def _write_block_tables(
     b.block_tables[:tq][keep] = stg[src[keep]]
 
 
+def _rows_written(b: DecodeBuffers, seq: torch.Tensor, n: int, tq: int) -> int:
+    """Rows the kernels write: ``min(q_cap, rows of the first seq_cap sequences)`` (the grid has
+    ``seq_cap`` sequence programs, every store is masked to ``row < q_cap``). Example: q_cap 4,
+    seq_cap 4, eight one-row sequences: 4 rows; q_cap 8, seq_cap 2, ``seqlen_q = (3, 3, 1)``: 6."""
+    lim = tq if n <= b.seq_cap else int(seq[F_CU_Q_INCL, b.seq_cap - 1]) if b.seq_cap else 0
+    return max(0, min(lim, b.q_cap))
+
+
 def emulate_decode_kernels(stg: torch.Tensor, cfg: MetadataConfig, b: DecodeBuffers) -> None:
     """Fill ``b`` from the int32 staging buffer ``stg`` (same device as ``b``), like the kernels.
 
     Writes every per-row decode field for rows ``[0, total_q)``, ``cu_seqlens_q/k``, the tail,
     and the defined columns of ``block_tables``. Reads the header with ``tolist()`` (a host sync
-    on CUDA: this fallback is for CPU; the Triton path reads the header on the device).
+    on CUDA: this fallback is for CPU; the Triton path reads the header on the device). Like the
+    kernels, it never writes outside ``b`` (see :func:`_rows_written`).
     """
     hdr = stg[:HEADER_FIXED].tolist()
     n, tq, tk, off_seq, off_ids, off_bt = hdr[:6]
     seq = stg[off_seq:off_seq + SEQ_FIELDS * n].view(SEQ_FIELDS, n).long()
     q, k = seq[F_SEQLEN_Q], seq[F_SEQLEN_K]
     row0 = seq[F_CU_Q_INCL] - q
-    s_of = torch.repeat_interleave(torch.arange(n, device=stg.device), q, output_size=tq)
-    j = torch.arange(tq, device=stg.device) - row0[s_of]
+    lim = _rows_written(b, seq, n, tq)
+    s_of = torch.repeat_interleave(torch.arange(n, device=stg.device), q, output_size=tq)[:lim]
+    j = torch.arange(lim, device=stg.device) - row0[s_of]
     q_r, k_r = q[s_of], k[s_of]
     pos = k_r - q_r + j
     ph = seq[F_PLACEHOLDER][s_of] != 0
     state = seq[F_STATE][s_of]
     S, W = cfg.swa_block_size, cfg.window_size
-    b.positions[:tq] = pos
-    b.input_ids[:tq] = stg[off_ids:off_ids + tq]
-    b.gate_force_random[:tq] = cfg.force_load_balance
-    b.valid_token_mask[:tq] = ~ph
-    b.query_indices[:tq] = torch.where(ph, PLACEHOLDER_QUERY_INDEX, s_of)
-    b.slot_mapping_store_swa[:tq] = torch.where(ph | (q_r - j > S), PAD_SLOT_ID, state * S + pos % S)
-    b.state_block_idx[:tq] = state
-    b.context_lens[:tq] = pos + 1
+    b.positions[:lim] = pos
+    b.input_ids[:lim] = stg[off_ids:off_ids + lim]
+    b.gate_force_random[:lim] = cfg.force_load_balance
+    b.valid_token_mask[:lim] = ~ph
+    b.query_indices[:lim] = torch.where(ph, PLACEHOLDER_QUERY_INDEX, s_of)
+    b.slot_mapping_store_swa[:lim] = torch.where(ph | (q_r - j > S), PAD_SLOT_ID, state * S + pos % S)
+    b.state_block_idx[:lim] = state
+    b.context_lens[:lim] = pos + 1
     w = torch.clamp(pos + 1, max=W)
-    b.kv_swa_index_offset_len[:tq, 0] = state * S + (pos - w + 1) % S
-    b.kv_swa_index_offset_len[:tq, 1] = w
-    _write_compressed(b, stg, cfg, tq, off_bt, pos, ph, seq[F_BT_OFFSET][s_of])
-    _write_ngram(b, stg, cfg, hdr, s_of, row0[s_of], j)
+    b.kv_swa_index_offset_len[:lim, 0] = state * S + (pos - w + 1) % S
+    b.kv_swa_index_offset_len[:lim, 1] = w
+    _write_compressed(b, stg, cfg, lim, off_bt, pos, ph, seq[F_BT_OFFSET][s_of])
+    _write_ngram(b, stg, cfg, hdr, s_of, row0[s_of], j, lim)
+    ns = min(n, b.seq_cap)
     b.cu_seqlens_q[0] = 0
     b.cu_seqlens_k[0] = 0
-    b.cu_seqlens_q[1:n + 1] = seq[F_CU_Q_INCL]
-    b.cu_seqlens_k[1:n + 1] = seq[F_CU_K_INCL]
+    b.cu_seqlens_q[1:ns + 1] = seq[F_CU_Q_INCL, :ns]
+    b.cu_seqlens_k[1:ns + 1] = seq[F_CU_K_INCL, :ns]
     _write_tail(b, cfg, n, tq, tk)
-    _write_block_tables(b, stg, cfg, tq, off_bt, k_r, seq[F_BT_OFFSET][s_of])
+    _write_block_tables(b, stg, cfg, lim, off_bt, k_r, seq[F_BT_OFFSET][s_of])

@@ -36,7 +36,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .decode_staging import DecodeBuffers, DecodeStaging, StagedDecode, staging_capacity
+from .decode_staging import DecodeBuffers, DecodeStaging, OutCapacity, StagedDecode, staging_capacity
 from ..config import MetadataConfig
 from ..build.decode import DECODE_STACKED_FIELDS, check_decode_out
 from ..buffers import get_or_create_stacked, get_or_create_tensor
@@ -48,6 +48,7 @@ __all__ = [
     "launch_decode_inplace",
     "DecodeStaging",
     "StagedDecode",
+    "OutCapacity",
     "staging_capacity",
     "BACKENDS",
 ]
@@ -225,7 +226,22 @@ def _cached_buffers(
     bufs, views = _buffers(out, cfg, n_seq, total_q, device)
     keys = {name: tuple(views[name]) for name in _STACKED}
     st.out_cache = _OutCache(id(out), tuple(map(id, out.values())), cfg, device, bufs, keys)
+    st.out_capacity = _capacity(bufs)
     return bufs, views
+
+
+def _capacity(bufs: DecodeBuffers) -> OutCapacity:
+    return OutCapacity(bufs.q_cap, bufs.seq_cap, bufs.block_tables.shape[1])
+
+
+def _capacity_of(out: Out) -> Optional[OutCapacity]:
+    """Limits of the buffers already in ``out`` (None while it lacks one the kernels index by:
+    missing buffers are allocated at the batch's own size)."""
+    if not out or not all(k in out for k in ("positions", "cu_seqlens_q", "block_tables")):
+        return None
+    bt = out["block_tables"]
+    return OutCapacity(out["positions"].shape[0], out["cu_seqlens_q"].shape[0] - 1,
+                       bt.shape[1] if bt.dim() == 2 else 0)
 
 
 def _launch(stg: torch.Tensor, cfg: MetadataConfig, bufs: DecodeBuffers, backend: str) -> None:
@@ -265,16 +281,17 @@ def _launch_cached(st: DecodeStaging, cfg: MetadataConfig, cache: Optional[_OutC
     the kernels are launched directly (graphs do not nest).
     """
     stg = st.device_buffer
+    st.ready_on()  # the upload may have been enqueued on another stream
     if (cache is None or not use_graph or backend != "triton" or stg.device.type != "cuda"
             or torch.cuda.is_current_stream_capturing()):
         _launch(stg, cfg, bufs, backend)
-        return
-    key = (stg.data_ptr(), stg.shape[0], backend)
-    if cache.graph is not None and cache.graph_key == key:
+    elif cache.graph is not None and cache.graph_key == (stg.data_ptr(), stg.shape[0], backend):
         cache.graph.replay()
-        return
-    _launch(stg, cfg, bufs, backend)
-    cache.graph, cache.graph_key = _capture_kernels(stg, cfg, cache.bufs), key
+    else:
+        _launch(stg, cfg, bufs, backend)
+        cache.graph = _capture_kernels(stg, cfg, cache.bufs)
+        cache.graph_key = (stg.data_ptr(), stg.shape[0], backend)
+    st.consumed_on()  # the next upload waits for these reads
 
 
 def _default_staging(device: torch.device) -> DecodeStaging:
@@ -320,14 +337,28 @@ def prepare_decode_inplace(
     st = staging if staging is not None else _default_staging(dev)
     if not _same_device(st.device, dev):
         raise ValueError(f"staging: expected a staging buffer for {dev}, got one for {st.device}")
-    staged = st.stage(seqs, cfg)
+    staged = st.fill(seqs, cfg)  # host only: nothing reaches the device before the checks
+    return finish_staged(st, staged, cfg, out=out, device=dev, backend=be, use_graph=use_graph)
+
+
+def finish_staged(
+    st: DecodeStaging, staged: StagedDecode, cfg: MetadataConfig, *, out: Out, device: torch.device,
+    backend: str, use_graph: bool = True,
+) -> InputMetadata:
+    """The device half of :func:`prepare_decode_inplace` for a batch already in ``st``'s host buffer:
+    capacity check against ``out`` (``ValueError`` before anything reaches the device), buffers,
+    ONE upload, the kernels (or their cached graph). Shared with the CP path (``decode_cp``)."""
     cache = None
     if out is None:
-        bufs, views = _buffers({}, cfg, staged.num_seqs, staged.total_q, dev)
+        bufs, views = _buffers({}, cfg, staged.num_seqs, staged.total_q, device)
     else:
-        bufs, views = _cached_buffers(st, out, cfg, staged.num_seqs, staged.total_q, dev)
+        cap = _capacity_of(out)  # this out's limits (the staging may remember another out's)
+        if cap is not None:
+            cap.check(staged)
+        bufs, views = _cached_buffers(st, out, cfg, staged.num_seqs, staged.total_q, device)
         cache = st.out_cache
-    _launch_cached(st, cfg, cache, be, bufs, use_graph)
+    st.upload(staged)
+    _launch_cached(st, cfg, cache, backend, bufs, use_graph)
     return InputMetadata(
         is_prompt=False, num_seqs=staged.num_seqs, total_q=staged.total_q,
         max_seqlen_q=staged.max_seqlen_q, max_seqlen_k=staged.max_seqlen_k, **views,
@@ -345,6 +376,10 @@ def launch_decode_inplace(
     batch scalars are ``None`` (the host knows them from :meth:`DecodeStaging.stage`).
     Example: capture with 256 sequences staged, replay after ``staging.stage(64 seqs)``: rows
     ``[0, total_q)`` equal ``prepare_decode(64 seqs)``.
+
+    Capacity: these buffers' limits are recorded on ``staging`` (``out_capacity``), so a later
+    ``staging.stage(batch)`` needing more rows, sequences or block-table columns is refused
+    before its copy; a batch staged earlier that does not fit is refused here, before the kernels.
     """
     if "positions" not in out or "cu_seqlens_q" not in out:
         raise ValueError("out: expected the buffers of a previous prepare_decode_inplace call")
@@ -352,5 +387,7 @@ def launch_decode_inplace(
     be = _resolve_backend(backend, dev)
     q_cap, n_cap = out["positions"].shape[0], out["cu_seqlens_q"].shape[0] - 1
     bufs, views = _cached_buffers(staging, out, cfg, n_cap, q_cap, dev)
+    if staging.last_staged is not None:  # staged before these buffers were known to it
+        staging.check_capacity(staging.last_staged, _capacity(bufs))
     _launch_cached(staging, cfg, staging.out_cache, be, bufs, use_graph=True)
     return InputMetadata(is_prompt=False, **views)

@@ -57,6 +57,7 @@ __all__ = [
     "H_N_SEQ", "H_TOTAL_Q", "H_TOTAL_K", "H_OFF_SEQ", "H_OFF_IDS", "H_OFF_BT", "H_OFF_NGV", "H_OFF_NGB",
     "F_SEQLEN_Q", "F_SEQLEN_K", "F_CU_Q_INCL", "F_CU_K_INCL", "F_STATE", "F_PLACEHOLDER", "F_BT_OFFSET",
     "StagedDecode",
+    "OutCapacity",
     "DecodeBuffers",
     "DecodeStaging",
     "staging_capacity",
@@ -94,6 +95,35 @@ class StagedDecode:
     max_seqlen_q: int
     max_seqlen_k: int
     used: int
+    max_blocks: int = 0  # block-table columns the widest sequence defines (max nb_s)
+
+
+@dataclass(frozen=True, slots=True)
+class OutCapacity:
+    """What the device buffers fed from one staging buffer can hold (DESIGN section 12, capacity).
+
+    ``q_cap`` rows, ``seq_cap`` sequences (``cu_seqlens_*`` hold ``seq_cap + 1``) and
+    ``bt_cols`` block-table columns. A batch needing more of any is refused with a ``ValueError``
+    naming the limit before anything reaches the device. Example: buffers captured for 4
+    single-row sequences give ``OutCapacity(4, 4, 64)``; staging 8 sequences fails with
+    ``"num_seqs: 8 sequences exceed the captured buffers' seq_cap=4"``.
+    """
+
+    q_cap: int
+    seq_cap: int
+    bt_cols: int
+
+    def check(self, staged: StagedDecode) -> None:
+        """``ValueError`` naming the first limit ``staged`` exceeds (rows, sequences, columns)."""
+        if staged.total_q > self.q_cap:
+            raise ValueError(f"total_q: {staged.total_q} rows exceed the captured buffers' q_cap={self.q_cap}")
+        if staged.num_seqs > self.seq_cap:
+            raise ValueError(
+                f"num_seqs: {staged.num_seqs} sequences exceed the captured buffers' seq_cap={self.seq_cap}")
+        if staged.max_blocks > self.bt_cols:
+            raise ValueError(
+                f"block_tables: {staged.max_blocks} columns exceed the captured buffers' "
+                f"bt_cols={self.bt_cols} (a different max_model_len?)")
 
 
 @dataclass(slots=True)
@@ -274,7 +304,9 @@ def write_staging(view: np.ndarray, b: BatchArrays, cfg: MetadataConfig) -> Stag
     view[off_bt:off_ngv] = b.bt_flat[:total_b]
     if ng is not None:
         view[off_ngv:off_ngb], view[off_ngb:used] = ng
-    return StagedDecode(n, total_q, int(b.cu_k[-1]), int(b.seqlen_q.max()), int(b.seqlen_k.max()), used)
+    max_blocks = int(b.bt_need.max()) if n else 0
+    return StagedDecode(n, total_q, int(b.cu_k[-1]), int(b.seqlen_q.max()), int(b.seqlen_k.max()), used,
+                        max_blocks)
 
 
 class DecodeStaging:
@@ -288,13 +320,29 @@ class DecodeStaging:
 
     On a CPU ``device`` the host buffer is also the device buffer (no copy).
     Example: ``st = DecodeStaging("cuda"); staged = st.stage(seqs, cfg)``.
+
+    Capacity: ``out_capacity`` (an :class:`OutCapacity`, set by ``prepare_decode_inplace`` /
+    ``launch_decode_inplace`` from the ``out`` buffers they last wrote) bounds what
+    :meth:`stage` accepts: a batch needing more rows, sequences or block-table columns is a
+    ``ValueError`` raised after the host fill and before the copy, so a captured graph never
+    sees it. (On a CPU staging host and device buffer are one: the refused batch stays in it;
+    the kernels are masked to their buffers either way.)
+
+    Streams: :meth:`upload` copies on the current stream and records ``upload_event``; work that
+    reads ``device_buffer`` on ANOTHER stream must wait for it: :meth:`replay` (``g.replay()``
+    ordered both ways) or :meth:`ready_on` before and :meth:`consumed_on` after. The next
+    :meth:`upload` waits (on the device) for the last ``consumed_on`` event, so it never
+    overwrites bytes a replay on another stream has not read yet.
     """
 
     def __init__(self, device: torch.device | str, capacity: int = 4096, *, fixed: bool = False) -> None:
         self.device = torch.device(device)
         self.fixed = fixed
-        self._event: Optional[torch.cuda.Event] = None
+        self._event: Optional[torch.cuda.Event] = None  # last upload done (host buffer free again)
+        self._read_event: Optional[torch.cuda.Event] = None  # last consumer of device_buffer done
         self.out_cache: object = None  # decode_inplace keeps the checked buffers of the last `out` here
+        self.out_capacity: Optional[OutCapacity] = None  # limits of the buffers this staging feeds
+        self.last_staged: Optional[StagedDecode] = None  # scalars of the batch in device_buffer
         self.host_buffer = torch.empty(0, dtype=torch.int32)
         self.device_buffer = self.host_buffer
         self._alloc(capacity)
@@ -339,17 +387,79 @@ class DecodeStaging:
             self._alloc(int(need * _GROWTH))
             return write_staging(self._view, b, cfg)
 
+    def load(self, data: torch.Tensor) -> None:
+        """Copy a staged buffer received from another rank (CPU int32, already validated) into the
+        host buffer, growing it unless ``fixed`` (then a ``ValueError``). No upload."""
+        self.wait()
+        need = data.shape[0]
+        if need > self.capacity:
+            if self.fixed:
+                raise ValueError(
+                    f"staging: the batch needs {need} staging elements, the fixed staging buffer holds {self.capacity}")
+            self._alloc(int(need * _GROWTH))
+        self.host_buffer[:need].copy_(data)
+
     def upload(self, staged: StagedDecode) -> None:
-        """ONE non-blocking host-to-device copy of the used prefix, then record the event."""
+        """ONE non-blocking host-to-device copy of the used prefix on the current stream, then
+        record ``upload_event``. The copy first waits (device side) for the last
+        :meth:`consumed_on` event, so a kernel or replay on another stream still reading the
+        previous batch is not overwritten under it."""
+        self.last_staged = staged
         if self.device.type != "cuda":
             return
+        stream = torch.cuda.current_stream(self.device)
+        if self._read_event is not None:
+            stream.wait_event(self._read_event)
         self.device_buffer[: staged.used].copy_(self.host_buffer[: staged.used], non_blocking=True)
         if self._event is None:
             self._event = torch.cuda.Event()
-        self._event.record(torch.cuda.current_stream(self.device))
+        self._event.record(stream)
+
+    @property
+    def upload_event(self) -> Optional["torch.cuda.Event"]:
+        """CUDA event recorded after the last :meth:`upload` (None on CPU or before any)."""
+        return self._event
+
+    def ready_on(self, stream: Optional["torch.cuda.Stream"] = None) -> None:
+        """Make ``stream`` (default: current) wait for the last upload. No-op on CPU and while
+        the stream is capturing (an event recorded outside a capture cannot be waited on inside)."""
+        if self._event is None or torch.cuda.is_current_stream_capturing():
+            return
+        (stream or torch.cuda.current_stream(self.device)).wait_event(self._event)
+
+    def consumed_on(self, stream: Optional["torch.cuda.Stream"] = None) -> None:
+        """Record that work enqueued on ``stream`` (default: current) reads ``device_buffer``;
+        the next :meth:`upload` waits for it on the device. No-op on CPU and while capturing."""
+        if self.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return
+        if self._read_event is None:
+            self._read_event = torch.cuda.Event()
+        self._read_event.record(stream or torch.cuda.current_stream(self.device))
+
+    def replay(self, graph: "torch.cuda.CUDAGraph", stream: Optional["torch.cuda.Stream"] = None) -> None:
+        """``graph.replay()`` on ``stream`` (default: current), ordered after the last upload and
+        before the next one. Example: ``st.stage(batch, cfg)`` on the default stream, then
+        ``st.replay(g, side)`` replays on ``side`` without racing the copy."""
+        if stream is None or self.device.type != "cuda":
+            self.ready_on()
+            graph.replay()
+            self.consumed_on()
+            return
+        with torch.cuda.stream(stream):
+            self.ready_on(stream)
+            graph.replay()
+            self.consumed_on(stream)
+
+    def check_capacity(self, staged: StagedDecode, capacity: Optional[OutCapacity] = None) -> None:
+        """``ValueError`` if ``staged`` does not fit ``capacity`` (default :attr:`out_capacity`)."""
+        cap = capacity if capacity is not None else self.out_capacity
+        if cap is not None:
+            cap.check(staged)
 
     def stage(self, seqs: Sequence[SequenceMetadata], cfg: MetadataConfig) -> StagedDecode:
-        """:meth:`fill` then :meth:`upload`; returns the batch's host-side scalars."""
+        """:meth:`fill`, the capacity check (:attr:`out_capacity`), then :meth:`upload`;
+        returns the batch's host-side scalars."""
         staged = self.fill(seqs, cfg)
+        self.check_capacity(staged)
         self.upload(staged)
         return staged

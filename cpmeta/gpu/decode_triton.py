@@ -9,7 +9,10 @@ sequence's defined blocks into every one of its rows.
 
 No host scalar of the batch is a kernel argument (only capacities and config constants), so a
 CUDA graph captured at ``seq_cap`` / ``q_cap`` replays correctly for any smaller batch staged
-into the same device buffer. ``emulate_decode_kernels`` in ``_decode_emulate`` is the same logic
+into the same device buffer. Every store is masked to the buffers' shapes (``row < q_cap``,
+programs ``s < seq_cap``, block-table ``col < n_cols``): a batch too large for them (refused on
+the host by ``OutCapacity``; this is the second line of defence) is truncated, never written
+past the end. ``emulate_decode_kernels`` in ``_decode_emulate`` is the same logic
 in vectorized torch; the two are tested equal through ``TRITON_INTERPRET=1``.
 """
 
@@ -99,12 +102,13 @@ def _ngram_rows(stg, ngram, here, row, m, NGRAM_PAD, G: tl.constexpr, BLOCK_Q: t
 
 @triton.jit
 def _seq_rows(
-    stg, s, n_seq, positions, input_ids, gate, ngram, cu_q, cu_k, valid, qidx, swa_slot, state_idx,
+    stg, s, n_seq, q_cap, positions, input_ids, gate, ngram, cu_q, cu_k, valid, qidx, swa_slot, state_idx,
     ctx_lens, swa_off_len, posc, slot_ca, klen, ca_off_len, stride_ca, stride_sp, stride_dn,
     BS, S, W, MNB, NGRAM_PAD, G: tl.constexpr, N_CA: tl.constexpr, N_SP: tl.constexpr,
     N_DN: tl.constexpr, GATE: tl.constexpr, BLOCK_Q: tl.constexpr,
 ):
-    """Every per-row field of sequence ``s`` (rows ``row0 .. row0 + seqlen_q``)."""
+    """Every per-row field of sequence ``s`` (rows ``row0 .. row0 + seqlen_q``), masked to
+    ``row < q_cap`` so a staged batch larger than the buffers can never write past them."""
     active = s < n_seq
     seq = stg + tl.load(stg + H_OFF_SEQ) + s
     q = tl.load(seq + F_SEQLEN_Q * n_seq, mask=active, other=0)
@@ -124,8 +128,8 @@ def _seq_rows(
     j0 = q * 0
     while j0 < q:  # `while`, not range(): the interpreter cannot take a loaded bound (numpy 2)
         j = j0 + tl.arange(0, BLOCK_Q)
-        m = j < q
         row = row0 + j
+        m = (j < q) & (row < q_cap)
         pos = q_start + j
         tl.store(positions + row, pos, mask=m)
         tl.store(input_ids + row, tl.load(ids + row, mask=m, other=0), mask=m)
@@ -195,7 +199,7 @@ def _decode_metadata_kernel(
     n_seq = tl.load(stg + H_N_SEQ)
     if pid < seq_cap:
         _seq_rows(
-            stg, pid, n_seq, positions, input_ids, gate, ngram, cu_q, cu_k, valid, qidx, swa_slot,
+            stg, pid, n_seq, q_cap, positions, input_ids, gate, ngram, cu_q, cu_k, valid, qidx, swa_slot,
             state_idx, ctx_lens, swa_off_len, posc, slot_ca, klen, ca_off_len, stride_ca, stride_sp,
             stride_dn, BS, S, W, MNB, NGRAM_PAD, G, N_CA, N_SP, N_DN, GATE, BLOCK_Q,
         )
@@ -209,8 +213,9 @@ def _decode_metadata_kernel(
 
 
 @triton.jit
-def _decode_block_tables_kernel(stg, block_tables, bt_stride, BS, M, BLOCK_C: tl.constexpr):
-    """Row ``row0 + j`` of sequence ``s`` gets its ``cdiv(seqlen_k // M, BS // M)`` defined blocks."""
+def _decode_block_tables_kernel(stg, block_tables, bt_stride, q_cap, n_cols, BS, M, BLOCK_C: tl.constexpr):
+    """Row ``row0 + j`` of sequence ``s`` gets its ``cdiv(seqlen_k // M, BS // M)`` defined blocks;
+    writes are masked to ``row < q_cap`` and ``col < n_cols`` (the buffer's shape)."""
     s = tl.program_id(0)
     n_seq = tl.load(stg + H_N_SEQ)
     active = s < n_seq
@@ -220,13 +225,14 @@ def _decode_block_tables_kernel(stg, block_tables, bt_stride, BS, M, BLOCK_C: tl
     row0 = tl.load(seq + F_CU_Q_INCL * n_seq, mask=active, other=0) - q
     src = stg + tl.load(stg + H_OFF_BT) + tl.load(seq + F_BT_OFFSET * n_seq, mask=active, other=0)
     nb = (k // M + (BS // M) - 1) // (BS // M)
+    q_rows = tl.minimum(q, q_cap - row0)  # rows of this sequence inside the buffer
     c0 = nb * 0
     while c0 < nb:
         cols = c0 + tl.arange(0, BLOCK_C)
-        mc = cols < nb
+        mc = (cols < nb) & (cols < n_cols)
         v = tl.load(src + cols, mask=mc, other=0)
         j = q * 0
-        while j < q:
+        while j < q_rows:
             dst = block_tables + (row0 + j).to(tl.int64) * bt_stride
             tl.store(dst + cols, v, mask=mc)
             j += 1
@@ -257,5 +263,6 @@ def launch_decode_kernels(stg: torch.Tensor, cfg: MetadataConfig, b: DecodeBuffe
         BLOCK_T=BLOCK_T,
     )
     _decode_block_tables_kernel[(b.seq_cap,)](
-        stg, b.block_tables, b.block_tables.stride(0), cfg.block_size, cfg.min_ratio, BLOCK_C=BLOCK_C,
+        stg, b.block_tables, b.block_tables.stride(0), b.q_cap, b.block_tables.shape[1], cfg.block_size,
+        cfg.min_ratio, BLOCK_C=BLOCK_C,
     )

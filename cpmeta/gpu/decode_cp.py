@@ -1,0 +1,232 @@
+"""In-place decode across a CP group (DESIGN section 12): broadcast the STAGING buffer, not the metadata.
+
+The driver validates and stages the batch (``DecodeStaging.fill``: a few KB of int32), sends that
+buffer and its host scalars as ONE message through ``transport.ObjectChannel`` (shared-memory
+ring for same-host followers, gloo otherwise), and every rank -- driver included -- uploads it
+and runs the two kernels (or replays its graph) into ITS OWN buffers. Every rank's result equals
+broadcasting ``prepare_decode``'s output (``metadata_diff(..., cfg=cfg)``), but followers get
+CUDA-graph-ready buffers (fixed addresses, inert tail) instead of ~20 freshly received tensors.
+
+Message (``ObjectChannel.broadcast_packed``)::
+
+    obj     [VERSION, n_seq, total_q, total_k, max_seqlen_q, max_seqlen_k, used, max_blocks]
+            or {"error": "..."} when the driver refused the batch (followers raise too)
+    tensor  the staging buffer's used prefix: [used] int32 (layout: decode_staging)
+
+A follower checks the message against ITS ``cfg`` before any write (:func:`check_staged_layout`:
+header offsets, ratios, prefix sums, block-table offsets inside the buffer); anything else is a
+``RuntimeError`` naming the rank, never a kernel reading or writing out of bounds.
+Every rank must construct the broadcaster with the same ``cfg`` (same ratios, block size,
+``max_model_len``, Engram settings); the ratios are checked, the rest is the caller's contract.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .decode_inplace import (
+    Out, _capacity_of, _resolve_backend, _same_device, finish_staged,
+)
+from .decode_staging import (
+    F_BT_OFFSET, F_CU_K_INCL, F_CU_Q_INCL, F_PLACEHOLDER, F_SEQLEN_K, F_SEQLEN_Q, F_STATE, HEADER_FIXED,
+    SEQ_FIELDS, DecodeStaging, StagedDecode, _header_len,
+)
+from ..build.decode import check_decode_out
+from ..config import MetadataConfig
+from ..metadata import InputMetadata
+from ..sequence import SequenceMetadata
+
+__all__ = ["StagedDecodeBroadcaster", "check_staged_layout", "STAGED_DECODE_VERSION"]
+
+#: Version of the staged-decode message (first element of its scalar list).
+STAGED_DECODE_VERSION = 1
+_SCHEMA = b"cpmeta.staged_decode.v1"
+_N_SCALARS = 8
+
+
+def check_staged_layout(a: np.ndarray, staged: StagedDecode, cfg: MetadataConfig) -> Optional[str]:
+    """Why the int32 staging prefix ``a`` does not describe a well-formed batch for ``cfg``
+    (None when it does). Every address the kernels derive is checked; values are not.
+
+    Example (ratios (4,), no Engram, two sequences ``seqlen_q = (1, 3)``, ``seqlen_k = (5, 9)``,
+    ``block_size 4``): header length 9, ``off_seq = 9``, ``off_ids = 9 + 7*2 = 23``,
+    ``off_bt = 23 + 4 = 27``, ``nb = (1, 2)`` so ``off_ngv = off_ngb = used = 30``.
+    """
+    n, tq, g = staged.num_seqs, staged.total_q, cfg.max_ngram_size
+    hl = _header_len(cfg)
+    if staged.used != a.shape[0] or staged.used < hl:
+        return f"buffer of {a.shape[0]} elements, header says {staged.used} (header alone {hl})"
+    hdr = a[:HEADER_FIXED].astype(np.int64)
+    ratios = list(cfg.ca_ratios) + list(cfg.sparse_compress_ratios) + list(cfg.dense_compress_ratios)
+    if a[HEADER_FIXED:hl].tolist() != ratios:
+        return f"ratios {a[HEADER_FIXED:hl].tolist()} differ from this rank's config {ratios}"
+    n_win = (tq + n * (g - 1)) if g else 0
+    off_ids = hl + SEQ_FIELDS * n
+    want = (n, tq, staged.total_k, hl, off_ids, off_ids + tq)
+    if n < 0 or tq < n or tuple(hdr[:6].tolist()) != want:
+        return f"header {hdr[:6].tolist()} does not match the scalars (expected {list(want)})"
+    off_ngv, off_ngb = int(hdr[6]), int(hdr[7])
+    if not (off_ids + tq <= off_ngv and off_ngb == off_ngv + n_win and staged.used == off_ngb + n_win):
+        return f"section offsets {hdr[5:8].tolist()} inconsistent with used={staged.used}"
+    if n == 0:
+        return None if tq == 0 else "total_q > 0 without sequences"
+    blk = a[hl:off_ids].reshape(SEQ_FIELDS, n).astype(np.int64)
+    q, k = blk[F_SEQLEN_Q], blk[F_SEQLEN_K]
+    if (q < 1).any() or (k < q).any():
+        return "a sequence has seqlen_q < 1 or seqlen_k < seqlen_q"
+    if (np.cumsum(q) != blk[F_CU_Q_INCL]).any() or (np.cumsum(k) != blk[F_CU_K_INCL]).any():
+        return "cu_seqlens_q/k_incl are not the prefix sums of seqlen_q/k"
+    if blk[F_CU_Q_INCL, -1] != tq or blk[F_CU_K_INCL, -1] != staged.total_k:
+        return "prefix sums do not end at total_q / total_k"
+    if int(q.max()) != staged.max_seqlen_q or int(k.max()) != staged.max_seqlen_k:
+        return "max_seqlen_q/k differ from the staged sequences"
+    if (blk[F_STATE] < 0).any() or not np.isin(blk[F_PLACEHOLDER], (0, 1)).all():
+        return "negative state id or placeholder flag not 0/1"
+    m = cfg.min_ratio
+    per_block = cfg.block_size // m
+    nb = (k // m + per_block - 1) // per_block
+    bto = blk[F_BT_OFFSET]
+    if (bto < 0).any() or (bto + nb > off_ngv - (off_ids + tq)).any():
+        return "a block-table offset points outside the block-table section"
+    if int(nb.max()) != staged.max_blocks or staged.max_blocks > cfg.max_num_blocks:
+        return f"max_blocks {staged.max_blocks} differs from the tables ({int(nb.max())}) or the config"
+    return None
+
+
+class StagedDecodeBroadcaster:
+    """Decode metadata for every rank of a CP group from ONE broadcast of the staging buffer.
+
+    Collective: every rank of ``group`` constructs it (same ``cfg``, same ``src``) and calls
+    :meth:`broadcast` (or :meth:`stage`) the same number of times; the driver passes the batch,
+    the others ``None``. Each rank owns a :class:`DecodeStaging` (``staging``; pass a ``fixed``
+    one when a CUDA graph reads its device buffer) and its own ``out`` buffers.
+
+    Per-rank example (group [0, 1, 2] on one host, src 0, each rank on its own GPU or all on one)::
+
+        bc = StagedDecodeBroadcaster(cfg, group, src=0, device=dev)            # ranks 0, 1, 2
+        md = bc.broadcast(seqs if rank == 0 else None, out=out)                # ranks 0, 1, 2
+        # every rank: md == prepare_decode(seqs, cfg) on dev, written into ITS out buffers
+
+        staged = bc.stage(seqs if rank == 0 else None)   # with a captured graph instead:
+        bc.staging.replay(graph)                         # each rank replays its own graph
+
+    Args:
+        cfg: the decode config (every rank the same).
+        group: process group (default WORLD); gloo or NCCL (control traffic goes over gloo).
+        src: GLOBAL rank of the driver.
+        device: where this rank's metadata lives (default: current CUDA device for NCCL, else CPU).
+        staging: this rank's :class:`DecodeStaging` (default: a new growable one on ``device``).
+        backend: kernel backend as for ``prepare_decode_inplace``.
+        timeout, force_remote: as for ``transport.ObjectChannel``.
+    """
+
+    def __init__(self, cfg: MetadataConfig, group: Any = None, src: int = 0, *,
+                 device: Optional[torch.device | str] = None, staging: Optional[DecodeStaging] = None,
+                 backend: str = "auto", timeout: Optional[float] = None,
+                 force_remote: Optional[bool] = None) -> None:
+        from transport import ObjectChannel  # cpmeta -> transport, never the reverse
+
+        self.cfg = cfg
+        self.group = group if group is not None else dist.group.WORLD
+        self.src = src
+        self.rank = dist.get_rank()
+        self.is_src = self.rank == src
+        if device is None:
+            nccl = "nccl" in str(dist.get_backend(self.group)).lower()
+            device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
+        self.device = torch.device(device)
+        self.backend = _resolve_backend(backend, self.device)
+        self.staging = staging if staging is not None else DecodeStaging(self.device)
+        if not _same_device(self.staging.device, self.device):
+            raise ValueError(f"staging: expected a staging buffer for {self.device}, got one for "
+                             f"{self.staging.device}")
+        self._ch = ObjectChannel(self.group, src, timeout=timeout, force_remote=force_remote, schema=_SCHEMA)
+
+    # ---- public -------------------------------------------------------------------------------
+    def broadcast(self, seqs: Optional[Sequence[SequenceMetadata]] = None, *, out: Out = None,
+                  use_graph: bool = True) -> InputMetadata:
+        """This rank's decode ``InputMetadata`` (tensors on ``device``, written into ``out``).
+
+        Driver: ``seqs``; followers: ``None``. Same result and buffer rules as
+        ``prepare_decode_inplace(seqs, cfg, out=out)`` on every rank. A batch that does not fit
+        the driver's ``out`` is refused on every rank (the followers get a ``RuntimeError``
+        naming the driver's reason); one that does not fit a follower's ``out`` is a
+        ``ValueError`` on that follower, before its upload.
+        """
+        check_decode_out(out)
+        staged = self._exchange(seqs, _capacity_of(out))
+        return finish_staged(self.staging, staged, self.cfg, out=out, device=self.device,
+                             backend=self.backend, use_graph=use_graph)
+
+    def stage(self, seqs: Optional[Sequence[SequenceMetadata]] = None) -> StagedDecode:
+        """Broadcast + upload only (``DecodeStaging.stage`` for the group): each rank then replays
+        its own captured graph (``staging.replay(g)``). Capacity: the staging's ``out_capacity``."""
+        staged = self._exchange(seqs, self.staging.out_capacity)
+        self.staging.upload(staged)
+        return staged
+
+    def close(self) -> None:
+        """Release the channel's shared memory (idempotent)."""
+        self._ch.close()
+
+    def __enter__(self) -> "StagedDecodeBroadcaster":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _exchange(self, seqs: Optional[Sequence[SequenceMetadata]], cap: Any) -> StagedDecode:
+        """Fill (driver) or receive + validate (followers) the host staging buffer; no upload."""
+        st = self.staging
+        if not self.is_src:
+            if seqs is not None:
+                raise ValueError(f"rank {self.rank}: only src={self.src} passes seqs; followers pass None")
+            staged = self._receive()
+        else:
+            if seqs is None:
+                raise ValueError(f"rank {self.rank} (src): expected the batch, got None")
+            try:
+                staged = st.fill(seqs, self.cfg)
+                if cap is not None:
+                    cap.check(staged)
+            except ValueError as e:
+                self._ch.broadcast_packed({"error": str(e)}, [])
+                raise
+            self._ch.broadcast_packed(
+                [STAGED_DECODE_VERSION, staged.num_seqs, staged.total_q, staged.total_k, staged.max_seqlen_q,
+                 staged.max_seqlen_k, staged.used, staged.max_blocks],
+                [st.host_buffer[: staged.used]])
+            return staged
+        if cap is not None:
+            try:
+                cap.check(staged)
+            except ValueError as e:
+                raise ValueError(f"rank {self.rank}: {e}") from None
+        return staged
+
+    def _receive(self) -> StagedDecode:
+        from transport import CodecError
+
+        where = f"rank {self.rank}: staged decode message from src={self.src}"
+        try:
+            obj, tensors = self._ch.broadcast_packed()
+        except CodecError as e:
+            raise RuntimeError(f"{where} rejected: {e}") from e
+        if type(obj) is dict and set(obj) == {"error"}:
+            raise RuntimeError(f"{where}: the driver refused the batch: {obj['error']}")
+        if (type(obj) is not list or len(obj) != _N_SCALARS or not all(type(x) is int for x in obj)
+                or obj[0] != STAGED_DECODE_VERSION):
+            raise RuntimeError(f"{where} is malformed: expected [{STAGED_DECODE_VERSION}, 7 ints], got {obj!r:.120}")
+        if len(tensors) != 1 or tensors[0].dtype != torch.int32 or tensors[0].dim() != 1:
+            raise RuntimeError(f"{where} is malformed: expected ONE 1-D int32 tensor")
+        staged = StagedDecode(*obj[1:])
+        why = check_staged_layout(tensors[0].numpy(), staged, self.cfg)
+        if why is not None:
+            raise RuntimeError(f"{where} is malformed: {why}")
+        self.staging.load(tensors[0])
+        return staged

@@ -1,0 +1,179 @@
+#!/usr/bin/env python
+"""CP decode step: one staging broadcast + kernels on every rank, against broadcasting built metadata.
+
+Per world size, a decode batch of ``--n-seqs`` sequences (``scripts/bench_build.py``'s batches:
+default config, ``seqlen_k`` uniform in ``[1, 8192]``), every step timed as
+
+    latency = max over ranks (time the rank holds its metadata, device synced) - (driver call)
+
+(the clock and barrier protocol of ``scripts/bench_broadcast.py``'s ``time_cell``). Methods:
+
+  staged     ``StagedDecodeBroadcaster.broadcast(seqs, out=out)``: the driver validates and stages
+             (a few KB of int32), ONE ring message, every rank uploads it and runs the kernels (or
+             the cached graph of them on CUDA) into its own preallocated buffers
+  bcast      ``MetadataBroadcaster.broadcast(prepare_decode(seqs, cfg))``: the driver builds on
+             the CPU, ~20 tensors travel (in the ring message; on CUDA + NCCL one collective)
+
+Both include the driver's reading of the ``SequenceMetadata`` objects (``--np-tables`` holds the
+block tables as int32 numpy arrays, the cheaper input). Goal (issue 18 item 3): ``staged`` <= 150 us
+at 256 sequences, world 1 NCCL and 2-3 gloo ranks (16-core host).
+
+    python scripts/bench_decode_cp.py --worlds 1 2 3                      # CPU / gloo
+    python scripts/bench_decode_cp.py --backend nccl --worlds 1           # one GPU, NCCL
+    python scripts/bench_decode_cp.py --device cuda --worlds 2 3          # gloo ranks sharing cuda:0
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_broadcast import Method, _free_port, time_cell  # noqa: E402  (same timing protocol)
+from bench_build import decode_batch  # noqa: E402  (same batches as the builders' bench)
+
+TARGET_US = 150.0
+METHODS = ("staged", "bcast")
+
+
+class StagedMethod(Method):
+    def __init__(self, rank: int, device: torch.device, cfg: Any, seqs: list) -> None:
+        super().__init__(rank, device, None)
+        from cpmeta.gpu import DecodeStaging, StagedDecodeBroadcaster, staging_capacity
+
+        n, tq = len(seqs), sum(s.seqlen_q for s in seqs)
+        self.cfg, self.out = cfg, {}
+        st = DecodeStaging(device, staging_capacity(cfg, n, tq), fixed=True)
+        self.sb = StagedDecodeBroadcaster(cfg, src=0, device=device, staging=st)
+        self.sb.broadcast(seqs if rank == 0 else None, out=self.out)  # allocate + compile + capture
+
+    def step(self, seqs: Any) -> Any:
+        return self.sb.broadcast(seqs, out=self.out)
+
+    def close(self) -> None:
+        self.sb.close()
+
+
+class BcastMethod(Method):
+    def __init__(self, rank: int, device: torch.device, cfg: Any) -> None:
+        super().__init__(rank, device, None)
+        import cpmeta
+
+        self.cfg, self.prepare_decode = cfg, cpmeta.prepare_decode
+        self.mb = cpmeta.MetadataBroadcaster(src=0, device=device)
+
+    def step(self, seqs: Any) -> Any:
+        return self.mb.broadcast(self.prepare_decode(seqs, self.cfg) if seqs is not None else None)
+
+    def close(self) -> None:
+        self.mb.close()
+
+
+def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    import torch.distributed as dist
+    from cpmeta import MetadataConfig
+
+    torch.set_num_threads(1)
+    if args.backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    dist.init_process_group("gloo" if args.backend == "gloo" else "cuda:nccl,cpu:gloo")
+    cfg = MetadataConfig()
+    seqs = decode_batch(random.Random(args.seed), cfg, args.n_seqs, args.drafts)
+    if args.np_tables:
+        for s in seqs:
+            s.block_table = np.asarray(s.block_table, dtype=np.int32)
+    results = []
+    for name in args.methods:
+        method = StagedMethod(rank, device, cfg, seqs) if name == "staged" else BcastMethod(rank, device, cfg)
+        lat = sorted(time_cell(method, seqs, args.steps, args.warmup, args.budget))
+        method.close()
+        if rank == 0:
+            r = {"world": world, "backend": args.backend, "device": str(device), "method": name,
+                 "n_seqs": args.n_seqs, "drafts": args.drafts, "np_tables": args.np_tables, "n": len(lat),
+                 "p50_us": lat[len(lat) // 2] * 1e6, "p90_us": lat[min(len(lat) - 1, int(0.9 * len(lat)))] * 1e6}
+            results.append(r)
+            print(f"  world={world} {args.backend}/{device.type} {name:>6}: p50 {r['p50_us']:8.1f} us  "
+                  f"p90 {r['p90_us']:8.1f} us", flush=True)
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_world(world: int, args: argparse.Namespace) -> list[dict]:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "r.json")
+        port = _free_port()
+        procs = [ctx.Process(target=rank_main, args=(r, world, port, args, out)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(args.timeout)
+        bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        if bad:
+            raise SystemExit(f"world {world}: ranks {bad} failed")
+        return json.loads(Path(out).read_text())
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 3])
+    ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="gloo ranks: cpu, or all on cuda:0")
+    ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    ap.add_argument("--n-seqs", type=int, default=256)
+    ap.add_argument("--drafts", type=int, default=0)
+    ap.add_argument("--np-tables", action="store_true", help="block tables as int32 numpy arrays")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--budget", type=float, default=20.0, help="seconds per (world, method) cell")
+    ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quick", action="store_true", help="smoke run: 16 sequences, 10 steps")
+    ap.add_argument("--out", default="", help="JSON output path ('' = none)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.n_seqs, args.steps, args.warmup, args.budget = 16, 10, 2, 5.0
+    results: list[dict] = []
+    for w in args.worlds:
+        results += run_world(w, args)
+    print(f"\n{'world':>5} {'backend':>8} {'device':>7} " + " ".join(f"{m + ' p50':>12}" for m in args.methods)
+          + f"   (us, {args.n_seqs} seqs, goal staged <= {TARGET_US:.0f})")
+    for w in args.worlds:
+        cells = {r["method"]: r for r in results if r["world"] == w}
+        print(f"{w:>5} {args.backend:>8} {args.device:>7} "
+              + " ".join(f"{cells[m]['p50_us']:12.1f}" for m in args.methods if m in cells))
+    if args.out:
+        Path(args.out).write_text(json.dumps({
+            "date": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
+            "cpus": os.cpu_count(), "torch": torch.__version__, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
