@@ -116,6 +116,11 @@ class SequenceBatch:
         """``seqlen_k - seqlen_q`` ([n_seq] int64)."""
         return self.seqlen_k - self.seqlen_q
 
+    def block_table_rows(self) -> list[np.ndarray]:
+        """Each sequence's whole block table (views into ``block_tables``), e.g. for
+        ``stack_block_tables``. Example: offsets ``[0, 1, 3]`` -> ``[tables[0:1], tables[1:3]]``."""
+        return np.split(self.block_tables, self.block_table_offsets[1:-1])
+
     # ---- conversion from the list API --------------------------------------------------------
     @classmethod
     def from_sequences(
