@@ -276,8 +276,9 @@ class BatchState:
             tokens[conf] = self.token_ids[row_slot[conf], pos[conf]]
             tokens[~conf] = drafts
         nb = self.num_blocks[slots]
-        bt_off, bseq, bk = _ragged_index(nb)
-        tables = self.block_table[slots[bseq], bk]
+        bt_off = _prefix(nb)
+        # whole rows then a mask: a contiguous row copy beats a per-element gather here
+        tables = self.block_table[slots][np.arange(self.max_blocks) < nb[:, None]]
         ce = np.minimum(self.num_compressed[slots], sk)
         cl = np.maximum(ce - lo, 0)
         c_off, cseq, ck = _ragged_index(cl)
