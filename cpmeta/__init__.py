@@ -27,7 +27,7 @@ from .sequence import SequenceMetadata
 
 if TYPE_CHECKING:
     from .broadcast import MetadataBroadcaster
-    from .build import compute_attn_info, prepare_decode, prepare_prompt
+    from .build import BatchState, SequenceBatch, compute_attn_info, prepare_decode, prepare_prompt
     from .cp import (
         compute_slot_mapping,
         compute_slot_mapping_from_metadata,
@@ -44,6 +44,8 @@ _LAZY: dict[str, str] = {
     "prepare_prompt": "cpmeta.build.prompt",
     "prepare_decode": "cpmeta.build.decode",
     "compute_attn_info": "cpmeta.build.attn_info",
+    "SequenceBatch": "cpmeta.build.batch",
+    "BatchState": "cpmeta.build.batch_state",
     "prepare_cp_mirror": "cpmeta.cp.zigzag",
     "prepare_for_mirror_cp": "cpmeta.cp.mirror",
     "unmirror": "cpmeta.cp.zigzag",
@@ -67,6 +69,8 @@ __all__ = [
     "prepare_prompt",
     "prepare_decode",
     "compute_attn_info",
+    "SequenceBatch",
+    "BatchState",
     "prepare_cp_mirror",
     "prepare_for_mirror_cp",
     "unmirror",

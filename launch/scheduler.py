@@ -2,6 +2,8 @@
 
 Every rank constructs the same ``SyntheticScheduler(seed, ...)`` and so produces the same batch
 sequence; that is what ``--verify`` relies on (each rank rebuilds the driver's batch locally).
+The scheduler keeps its requests in a :class:`cpmeta.BatchState` and hands out
+:class:`cpmeta.SequenceBatch` steps (array input: no per-step Python over token histories).
 
 Requests go through chunked prefill (prompt steps), then decode with 0-2 MTP draft tokens
 (decode steps). Batches carry placeholders now and then, Engram look-back is on (an image
@@ -11,11 +13,13 @@ sentinel sits inside some prompts), and some requests have ``swa_valid_start > 0
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any, Optional
 
+import numpy as np
 import torch
 
-from cpmeta import MetadataConfig, SequenceMetadata
+from cpmeta import BatchState, MetadataConfig, SequenceBatch, SequenceMetadata
 from cpmeta.sequence import blocks_needed
 
 __all__ = ["SyntheticScheduler", "default_config", "WORKLOADS", "IMAGE_TOKEN_ID", "VOCAB_SIZE"]
@@ -48,26 +52,23 @@ def default_config(*, yoco: bool = False, max_model_len: int = 8192) -> Metadata
 
 @dataclass
 class _Request:
-    slot: int  # request slot: owns state_id == slot and a fixed block range
-    prompt: list[int]
+    slot: int  # BatchState slot; the request also owns state_id == its first slot and a block range
+    home: int  # state id / block range owner (stable for the request's life)
+    prompt_len: int
     chunk: int  # prefill chunk size
     done: int = 0  # prompt tokens already prefilled
-    generated: list[int] = field(default_factory=list)
-    swa_valid_start: int = 0
-
-    @property
-    def in_prefill(self) -> bool:
-        return self.done < len(self.prompt)
-
-    def confirmed(self) -> list[int]:
-        return self.prompt + self.generated
 
 
 class SyntheticScheduler:
     """Deterministic batches for ``workload`` in {decode, prompt, mixed, yoco}.
 
-    ``next_batch()`` returns ``(is_prompt, seqs)``. ``decode_seqs`` / ``prompt_seqs`` size the
-    batches; ``max_prompt`` bounds prompt lengths (chunked by 256..2048 tokens).
+    ``next_batch()`` returns ``(is_prompt, batch)`` with ``batch`` a :class:`cpmeta.SequenceBatch`
+    taken from a :class:`cpmeta.BatchState`: requests are added once (prompt tokens, block
+    table, state id, swa_valid_start), then each step applies deltas only -- prefill chunks,
+    accepted MTP drafts + bonus token, new blocks, finished requests. ``decode_seqs`` /
+    ``prompt_seqs`` size the batches; ``max_prompt`` bounds prompt lengths (chunked by
+    256..2048 tokens). ``next_batch_list()`` gives the same step as a list of
+    ``SequenceMetadata`` (tests; the builders accept either).
     """
 
     def __init__(
@@ -92,19 +93,21 @@ class SyntheticScheduler:
         self.placeholder_rate = placeholder_rate
         self.blocks_per_slot = blocks_needed(cfg.max_model_len, cfg)
         self.step = 0
-        self._next_slot = 0
-        self._free_slots: list[int] = []
+        self._next_id = 0
+        self._next_home = 0
+        self._free_homes: list[int] = []
+        self.state = BatchState(cfg, max_seqs=decode_seqs + 2 * prompt_seqs + 1)
         self.prefill: list[_Request] = []
         self.decoding: list[_Request] = []
 
     # ---- request lifecycle ---------------------------------------------------------------
-    def _slot(self) -> int:
-        if self._free_slots:
-            return self._free_slots.pop()
-        self._next_slot += 1
-        return self._next_slot - 1
+    def _home(self) -> int:
+        if self._free_homes:
+            return self._free_homes.pop()
+        self._next_home += 1
+        return self._next_home - 1
 
-    def _new_request(self) -> _Request:
+    def _new_request(self, prefilled: bool = False) -> _Request:
         r = self.rng
         n = r.randint(16, self.max_prompt)
         prompt = [r.randrange(1, VOCAB_SIZE - 1) for _ in range(n)]
@@ -112,92 +115,143 @@ class SyntheticScheduler:
             at = r.randrange(n)
             for i in range(at, min(n, at + r.randint(1, 8))):
                 prompt[i] = IMAGE_TOKEN_ID
-        req = _Request(self._slot(), prompt, chunk=r.choice((256, 512, 1024, 2048)))
-        if r.random() < 0.2:
-            req.swa_valid_start = r.randrange(n)
-        return req
+        chunk = r.choice((256, 512, 1024, 2048))
+        valid_start = r.randrange(n) if r.random() < 0.2 else 0
+        home = self._home()
+        self._next_id += 1
+        # blocks for the prompt now, more as the request grows (append_blocks)
+        slot = self.state.add_request(
+            self._next_id, prompt, self._blocks(home, 0, blocks_needed(n, self.cfg)), home,
+            swa_valid_start=valid_start, num_computed=n if prefilled else 0)
+        return _Request(slot, home, n, chunk, done=n if prefilled else 0)
 
-    def _block_table(self, req: _Request, seqlen_k: int) -> list[int]:
-        base = req.slot * self.blocks_per_slot
-        need = blocks_needed(seqlen_k, self.cfg)
-        # a scattered but deterministic physical layout: reverse order inside the slot's range
-        return [base + self.blocks_per_slot - 1 - b for b in range(need)]
+    def _blocks(self, home: int, start: int, stop: int) -> list[int]:
+        """Blocks ``[start, stop)`` of a request's table: a scattered but deterministic physical
+        layout, reverse order inside the home's range."""
+        base = home * self.blocks_per_slot
+        return [base + self.blocks_per_slot - 1 - b for b in range(start, stop)]
 
-    def _placeholder(self, is_prompt: bool) -> SequenceMetadata:
-        k = 1
-        return SequenceMetadata(
-            seqlen_q=1, seqlen_k=k, block_table=[0] * blocks_needed(k, self.cfg), state_id=0,
-            token_ids=[0] * (k if is_prompt else 1), is_placeholder=True,
-        )
+    def _grow(self, req: _Request, seqlen_k: int) -> None:
+        have, need = int(self.state.num_blocks[req.slot]), blocks_needed(seqlen_k, self.cfg)
+        if need > have:
+            self.state.append_blocks(req.slot, self._blocks(req.home, have, need))
 
     # ---- batches ---------------------------------------------------------------------------
-    def next_batch(self) -> tuple[bool, list[SequenceMetadata]]:
+    def next_batch(self) -> tuple[bool, SequenceBatch]:
         self.step += 1
         w = self.workload
         is_prompt = w in ("prompt", "yoco") or (w == "mixed" and self.step % 4 == 1)
-        seqs = self._prompt_batch() if is_prompt else self._decode_batch()
-        if self.rng.random() < self.placeholder_rate:
-            seqs.append(self._placeholder(is_prompt))
-        return is_prompt, seqs
+        n_ph = 0
+        batch = self._prompt_batch() if is_prompt else self._decode_batch()
+        if batch is None or self.rng.random() < self.placeholder_rate:
+            n_ph = 1
+        return is_prompt, self._finish_batch(is_prompt, batch, n_ph)
 
-    def _prompt_batch(self) -> list[SequenceMetadata]:
-        while len(self.prefill) < self.prompt_seqs:
-            self.prefill.append(self._new_request())
-        seqs = []
-        for req in list(self.prefill):
-            q_start = req.done
-            q = min(req.chunk, len(req.prompt) - q_start)
-            k = q_start + q
+    def next_batch_list(self) -> tuple[bool, list[SequenceMetadata]]:
+        """:meth:`next_batch` as a list of ``SequenceMetadata`` (same step, same rng draws)."""
+        is_prompt, batch = self.next_batch()
+        return is_prompt, self._last_list
+
+    def _finish_batch(self, is_prompt: bool, pending: Any, n_ph: int) -> SequenceBatch:
+        slots, lens, drafts, nd = pending if pending is not None else (np.zeros(0, np.int64),) * 4
+        st = self.state
+        self._last_list = self._as_list(is_prompt, slots, lens, drafts, nd, n_ph)
+        if is_prompt:
+            batch = st.prompt_batch(slots, lens, num_placeholders=n_ph)
+        else:
+            batch = st.decode_batch(slots, drafts, nd, num_placeholders=n_ph)
+        self._after_step(is_prompt)
+        return batch
+
+    def _as_list(self, is_prompt: bool, slots: np.ndarray, lens: np.ndarray, drafts: np.ndarray,
+                 nd: np.ndarray, n_ph: int) -> list[SequenceMetadata]:
+        """The step as ``SequenceMetadata`` (reads whole histories: for tests and ``--verify``)."""
+        st, seqs, d0 = self.state, [], 0
+        for i, s in enumerate(slots.tolist()):
+            nt = int(st.num_tokens[s])
+            if is_prompt:
+                q, k = int(lens[i]), int(st.num_computed[s]) + int(lens[i])
+                d = []
+            else:
+                q, d = 1 + int(nd[i]), drafts[d0:d0 + int(nd[i])].tolist()
+                d0 += len(d)
+                k = nt - 1 + q
             seqs.append(SequenceMetadata(
-                seqlen_q=q, seqlen_k=k, block_table=self._block_table(req, k), state_id=req.slot,
-                token_ids=req.prompt, swa_valid_start=req.swa_valid_start,
-                compressed_token_ids=(),
-            ))
-            req.done = k
-            if not req.in_prefill:
-                self.prefill.remove(req)
-                req.generated.append(self.rng.randrange(1, VOCAB_SIZE - 1))
-                self.decoding.append(req)
-        while len(self.decoding) > self.decode_seqs:
-            self._finish(self.decoding.pop(0))
+                seqlen_q=q, seqlen_k=k, block_table=st.block_table[s, :st.num_blocks[s]].tolist(),
+                state_id=int(st.state_id[s]), token_ids=st.token_ids[s, :nt].tolist(), draft_tokens=d,
+                swa_valid_start=int(st.swa_valid_start[s]),
+                compressed_token_ids=st.compressed[s, :st.num_compressed[s]].tolist()))
+        for _ in range(n_ph):
+            seqs.append(SequenceMetadata(seqlen_q=1, seqlen_k=1, block_table=[0] * blocks_needed(1, self.cfg),
+                                         state_id=0, token_ids=[0], is_placeholder=True))
         return seqs
 
-    def _decode_batch(self) -> list[SequenceMetadata]:
+    def _prompt_batch(self) -> Optional[tuple]:
+        while len(self.prefill) < self.prompt_seqs:
+            self.prefill.append(self._new_request())
+        slots, lens = [], []
+        for req in self.prefill:
+            q = min(req.chunk, req.prompt_len - req.done)
+            slots.append(req.slot)
+            lens.append(q)
+        self._pending_prompt = list(zip(list(self.prefill), lens))
+        return np.array(slots, np.int64), np.array(lens, np.int64), None, None
+
+    def _decode_batch(self) -> Optional[tuple]:
         while len(self.decoding) < self.decode_seqs:
-            req = self._new_request()  # pretend its prompt was prefilled earlier
-            req.done = len(req.prompt)
-            req.generated.append(self.rng.randrange(1, VOCAB_SIZE - 1))
+            req = self._new_request(prefilled=True)  # pretend its prompt was prefilled earlier
+            self.state.append_tokens(req.slot, [self.rng.randrange(1, VOCAB_SIZE - 1)])
             self.decoding.append(req)
-        seqs = []
-        r = self.rng
+        r, st = self.rng, self.state
+        slots, nd, drafts, self._pending_decode = [], [], [], []
         for req in list(self.decoding):
-            toks = req.confirmed()
-            drafts = [r.randrange(1, VOCAB_SIZE - 1) for _ in range(r.choice((0, 1, 2)))]
-            q = 1 + len(drafts)
-            k = len(toks) - 1 + q
+            d = [r.randrange(1, VOCAB_SIZE - 1) for _ in range(r.choice((0, 1, 2)))]
+            k = int(st.num_tokens[req.slot]) + len(d)
             if k > self.cfg.max_model_len:
                 self.decoding.remove(req)
                 self._finish(req)
                 continue
-            seqs.append(SequenceMetadata(
-                seqlen_q=q, seqlen_k=k, block_table=self._block_table(req, k), state_id=req.slot,
-                token_ids=toks, draft_tokens=drafts, swa_valid_start=req.swa_valid_start,
-            ))
-            req.generated.extend(drafts[: r.randint(0, len(drafts))])  # accepted drafts
-            req.generated.append(r.randrange(1, VOCAB_SIZE - 1))  # the bonus token
-        if not seqs:
-            seqs.append(self._placeholder(False))
-        return seqs
+            self._grow(req, k)
+            slots.append(req.slot)
+            nd.append(len(d))
+            drafts += d
+            accepted = d[: r.randint(0, len(d))] + [r.randrange(1, VOCAB_SIZE - 1)]  # + the bonus token
+            self._pending_decode.append((req, accepted))
+        if not slots:
+            return None
+        return np.array(slots, np.int64), None, np.array(drafts, np.int64), np.array(nd, np.int64)
+
+    def _after_step(self, is_prompt: bool) -> None:
+        """The deltas the step's results bring: prefill progress, first / accepted tokens, finishes."""
+        r, st = self.rng, self.state
+        if is_prompt:
+            for req, q in getattr(self, "_pending_prompt", []):
+                req.done += q
+                if req.done >= req.prompt_len:
+                    self.prefill.remove(req)
+                    st.append_tokens(req.slot, [r.randrange(1, VOCAB_SIZE - 1)])
+                    self.decoding.append(req)
+            self._pending_prompt = []
+            while len(self.decoding) > self.decode_seqs:
+                self._finish(self.decoding.pop(0))
+        else:
+            pend = getattr(self, "_pending_decode", [])
+            if pend:
+                slots = np.array([req.slot for req, _ in pend], np.int64)
+                counts = np.array([len(a) for _, a in pend], np.int64)
+                st.append_tokens_batch(slots, np.array([t for _, a in pend for t in a], np.int64), counts)
+            self._pending_decode = []
 
     def _finish(self, req: _Request) -> None:
-        self._free_slots.append(req.slot)
+        self.state.finish(req.slot)
+        self._free_homes.append(req.home)
 
 
-def batch_summary(is_prompt: bool, seqs: list[SequenceMetadata]) -> dict[str, int]:
+def batch_summary(is_prompt: bool, batch: SequenceBatch) -> dict[str, int]:
     """Small dict describing a batch (for logs)."""
     return {
         "is_prompt": int(is_prompt),
-        "num_seqs": len(seqs),
-        "total_q": sum(s.seqlen_q for s in seqs),
-        "placeholders": sum(1 for s in seqs if s.is_placeholder),
+        "num_seqs": len(batch),
+        "total_q": int(batch.seqlen_q.sum()),
+        "placeholders": int(batch.is_placeholder.sum()),
     }

@@ -106,7 +106,7 @@ def _verify_unmirror(full: InputMetadata, mine: InputMetadata, world: int, devic
     return out
 
 
-def _verify_slot_mapping(md: InputMetadata, seqs: list, args: Any, rank: int, world: int,
+def _verify_slot_mapping(md: InputMetadata, seqs: Any, args: Any, rank: int, world: int,
                          cfg: Any, device: torch.device) -> list[str]:
     """Each rank derives its CP-interleaved KV slots from the received metadata.
 
@@ -117,7 +117,7 @@ def _verify_slot_mapping(md: InputMetadata, seqs: list, args: Any, rank: int, wo
     from cpmeta.cp.slot_mapping import compute_slot_mapping_from_metadata, stack_block_tables
 
     table = None if md.block_tables is not None else stack_block_tables(
-        [s.block_table for s in seqs], device=md.positions.device)
+        seqs.block_table_rows(), device=md.positions.device)
     sm = compute_slot_mapping_from_metadata(md, cfg.block_size, block_table=table,
                                             cp_world_size=world, cp_rank=rank,
                                             cp_interleave=args.kv_interleave)

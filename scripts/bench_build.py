@@ -13,6 +13,8 @@ decode) are added with ``@case("name")`` and a function ``(BenchContext) -> dict
     python scripts/bench_build.py --quick               # smoke run (fewer repeats, small reference)
     python scripts/bench_build.py --only decode_256     # cases whose name contains the string
     python scripts/bench_build.py --device cuda         # compute_attn_info cases on the GPU
+    python scripts/bench_build.py --only state_ --out docs/benchmarks/build_array_input.json
+                                                        # array input: BatchState vs list, same run
 
 Batches (default ``MetadataConfig()``: block 128, W = S = 128, ratios dense (4,) sparse (4,),
 max_model_len 8192): decode ``seqlen_k`` uniform in ``[1 + d, 8192]`` with ``d`` drafts, block
@@ -189,6 +191,68 @@ case("prompt_8x4096")(_prompt_case(8, 4096))
 case("prompt_256x128")(_prompt_case(256, 128))
 
 
+def _state_from(seqs: list, cfg: MetadataConfig, is_prompt: bool) -> tuple[Any, Any, Any]:
+    """A ``BatchState`` holding ``seqs``' requests (added once, untimed) and the step's arguments."""
+    import numpy as np
+
+    from cpmeta import BatchState
+
+    st = BatchState(cfg, max_seqs=len(seqs))
+    slots, lens, drafts, nd = [], [], [], []
+    for s in seqs:
+        q_start = s.seqlen_k - s.seqlen_q
+        done = q_start if is_prompt else len(s.token_ids)
+        slots.append(st.add_request(len(slots), s.token_ids, s.block_table, s.state_id, num_computed=done,
+                                    swa_valid_start=s.swa_valid_start))
+        lens.append(s.seqlen_q)
+        drafts += list(s.draft_tokens)
+        nd.append(len(s.draft_tokens))
+    return st, np.array(slots), (np.array(lens), np.array(drafts, np.int64), np.array(nd))
+
+
+def _array_case(is_prompt: bool, n: int, q: int) -> CaseFn:
+    """Array input (issue 18): the same batch from a list of ``SequenceMetadata`` (``list``) and
+    from a ``BatchState`` (``builder`` = ``state.decode_batch`` / ``prompt_batch`` + the builder,
+    the whole per-step cost), in the same run; also both with ``out=`` buffers reused (steady
+    state) and the batch step alone. Target: decode 256 <= 150 us and >= 4x list; prompt >= 1.5x."""
+
+    def run(ctx: BenchContext) -> dict[str, Any]:
+        from cpmeta import prepare_decode, prepare_prompt
+
+        cfg = MetadataConfig()
+        seqs = prompt_batch(ctx.rng, cfg, n, q) if is_prompt else decode_batch(ctx.rng, cfg, n, q)
+        st, slots, (lens, drafts, nd) = _state_from(seqs, cfg, is_prompt)
+        if is_prompt:
+            step = lambda: st.prompt_batch(slots, lens, advance=False)  # noqa: E731
+            build = prepare_prompt
+        else:
+            step = lambda: st.decode_batch(slots, drafts, nd)  # noqa: E731
+            build = prepare_decode
+        rep = ctx.repeat // (4 if is_prompt else 1)
+        out_l: dict = {}
+        out_s: dict = {}
+        build(seqs, cfg, out=out_l)
+        build(step(), cfg, out=out_s)
+        res: dict[str, Any] = {"total_q": sum(s.seqlen_q for s in seqs), "n_seqs": n}
+        for _ in range(2):  # interleave list / array twice, keep the second round (warm, same load)
+            res["list"] = time_us(lambda: build(seqs, cfg), rep)
+            res["builder"] = time_us(lambda: build(step(), cfg), rep)
+        res["list_out"] = time_us(lambda: build(seqs, cfg, out=out_l), rep)
+        res["state_out"] = time_us(lambda: build(step(), cfg, out=out_s), rep)
+        res["batch_step"] = time_us(step, rep)
+        res["speedup_vs_list"] = res["list"]["p50_us"] / res["builder"]["p50_us"]
+        res["speedup_vs_list_out"] = res["list_out"]["p50_us"] / res["state_out"]["p50_us"]
+        res["target"] = ">= 1.5x list" if is_prompt else "<= 150 us, >= 4x list"
+        return res
+
+    return run
+
+
+for _d in (0, 2):
+    case(f"state_decode_256_d{_d}")(_array_case(False, 256, _d))
+case("state_prompt_8x4096")(_array_case(True, 8, 4096))
+
+
 def _attn_case(is_prompt: bool, n: int, q: int) -> CaseFn:
     def run(ctx: BenchContext) -> dict[str, Any]:
         from cpmeta import prepare_decode, prepare_prompt
@@ -318,12 +382,12 @@ def _load_reference() -> Any:
 
 
 def _table(results: dict[str, dict[str, Any]]) -> str:
-    head = f"{'case':<26}{'rows':>7}{'p50 us':>11}{'p90 us':>11}{'ref p50 us':>13}{'speedup':>9}  target"
+    head = f"{'case':<26}{'rows':>7}{'p50 us':>11}{'p90 us':>11}{'ref/list p50':>13}{'speedup':>9}  target"
     lines = [head, "-" * len(head)]
     for name, r in results.items():
         b = r["builder"]
-        ref = r.get("reference", {}).get("p50_us")
-        sp = r.get("speedup")
+        ref = r.get("reference", r.get("list", {})).get("p50_us")
+        sp = r.get("speedup", r.get("speedup_vs_list"))
         lines.append(
             f"{name:<26}{r.get('total_q', 0):>7}{b['p50_us']:>11.1f}{b['p90_us']:>11.1f}"
             f"{(f'{ref:.0f}' if ref else '-'):>13}{(f'{sp:.0f}x' if sp else '-'):>9}  {r.get('target', '')}"

@@ -5,7 +5,9 @@ module               holds
 ===================  ===========================================================================
 ``prompt``           :func:`prepare_prompt` (chunked prefill metadata)
 ``decode``           :func:`prepare_decode` (decode metadata, MTP drafts)
-``extract``          validation + one pass from ``SequenceMetadata`` lists to ``BatchArrays``
+``batch``            ``SequenceBatch``: one step's sequences as arrays (lists convert to it)
+``batch_state``      ``BatchState``: persistent per-request arrays, per-step deltas -> ``SequenceBatch``
+``extract``          ``SequenceBatch`` (or a list, through it) -> ``BatchArrays``
 ``arrays``           ``BatchArrays`` and the integer helpers every builder uses
 ``common``           the fields prompt and decode share, int32 checks, compressed-KV slots
 ``ngram``            Engram look-back ids (``ngram_token_ids``)
@@ -19,7 +21,9 @@ module               holds
 from __future__ import annotations
 
 from .attn_info import compute_attn_info
+from .batch import SequenceBatch
+from .batch_state import BatchState
 from .decode import prepare_decode
 from .prompt import prepare_prompt
 
-__all__ = ["prepare_prompt", "prepare_decode", "compute_attn_info"]
+__all__ = ["prepare_prompt", "prepare_decode", "compute_attn_info", "SequenceBatch", "BatchState"]

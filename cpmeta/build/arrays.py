@@ -23,7 +23,6 @@ import torch
 
 from ..buffers import get_or_create_stacked, get_or_create_tensor
 from ..constants import INT32_MAX
-from ..sequence import SequenceMetadata
 
 __all__ = [
     "BatchArrays",
@@ -168,6 +167,9 @@ def _int_array(parts: Sequence[Any], total: int) -> np.ndarray:
 class BatchArrays:
     """Per-sequence ([n_seq]) and per-row ([total_q]) int64 numpy arrays of one batch.
 
+    Derived from a :class:`~cpmeta.build.batch.SequenceBatch` (whose token / compressed windows
+    it shares without a copy) by :func:`~cpmeta.build.extract.extract_batch`.
+
     ``bt_flat`` holds each sequence's first ``bt_need[s]`` block ids (``blocks_needed``) back to
     back, starting at ``bt_start[s]``, plus ONE trailing 0 that masked lookups point at, so a
     gather never needs a bounds branch.
@@ -190,7 +192,12 @@ class BatchArrays:
     row_seq: np.ndarray  # [total_q] int64, sequence of each row
     row_j: np.ndarray  # [total_q] int64, local index j
     row_pos: np.ndarray  # [total_q] int64, absolute position q_start + j
-    seqs: Sequence[SequenceMetadata]  # the input (for Engram token windows)
+    tok_flat: np.ndarray  # [sum window] int64, token window [tok_lo, seqlen_k) of each sequence
+    tok_off: np.ndarray  # [n_seq+1] int64, offsets of the windows in tok_flat
+    tok_lo: np.ndarray  # [n_seq] int64, first position of each window, max(0, q_start - lookback)
+    comp_flat: np.ndarray  # [sum comp_len] int64, Engram compressed ids of positions [tok_lo, tok_lo + comp_len)
+    comp_len: np.ndarray  # [n_seq] int64
+    data_len: np.ndarray  # [n_seq] int64, len(token_ids) (YoCo: the whole prompt)
     is_prompt: bool
 
     def per_row(self, x: np.ndarray) -> np.ndarray:

@@ -11,17 +11,16 @@ slot ``3 * 128 + 0`` -> ``kv_swa_index_offset_len[1] = (384, 8)``.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
 from ..config import MetadataConfig
 from ..metadata import InputMetadata
-from ..sequence import SequenceMetadata
 from .arrays import BatchArrays, alloc, alloc_stacked, check_int32, fdiv, fmod
 from .common import check_common_int32, compressed_slots, fill_common
-from .extract import extract_batch
+from .extract import BatchInput, extract_batch
 
 __all__ = ["prepare_decode", "DECODE_STACKED_FIELDS", "check_decode_out"]
 
@@ -115,14 +114,15 @@ def check_decode_out(out: Out) -> None:
 
 
 def prepare_decode(
-    seqs: Sequence[SequenceMetadata], cfg: MetadataConfig, *, out: Out = None
+    seqs: BatchInput, cfg: MetadataConfig, *, out: Out = None
 ) -> InputMetadata:
     """Build decode ``InputMetadata`` (CPU tensors; pinned when CUDA is available).
 
     Args:
         seqs: one ``SequenceMetadata`` per sequence; ``token_ids`` holds exactly
             ``seqlen_k - seqlen_q + 1`` confirmed tokens and ``draft_tokens`` the ``seqlen_q - 1``
-            MTP drafts. Bad input raises ``ValueError`` naming ``seqs[i].field``.
+            MTP drafts; or the same as a decode ``SequenceBatch`` (bit-identical result). Bad
+            input raises ``ValueError`` naming ``seqs[i].field``.
         cfg: the engine's ``MetadataConfig``.
         out: optional dict of preallocated tensors keyed by field name (``"positions"``, ...;
             per-ratio fields stacked, see :data:`DECODE_STACKED_FIELDS`); matching tensors are

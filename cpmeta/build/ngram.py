@@ -6,77 +6,55 @@ pad if ``t < 0`` or any token at positions ``t..pos`` is the image sentinel; els
 (identity without a table). ``token_at`` reads ``token_ids`` then (decode) ``draft_tokens``.
 
 Method: per sequence, the positions any row can look at form one window ``[lo, seqlen_k)`` with
-``lo = max(0, q_start - (N - 1))``. All windows are concatenated into one flat array of raw
-tokens ``R`` and one of values ``V`` (compressed id or looked-up id). A running maximum of "index
+``lo = max(0, q_start - (N - 1))``: exactly the token window of the ``SequenceBatch`` layout, so
+its flat ``tokens`` array IS the flat array of raw tokens ``R`` (decode windows end with the
+drafts), and its ``compressed`` ids fill the first positions of each window in the values ``V``
+(compressed id or looked-up id). A running maximum of "index
 of the last image token" over ``R`` answers "is there an image token in ``t..pos``" for every
 (row, column) with one comparison, so no loop over rows or columns remains.
 """
 
 from __future__ import annotations
 
-from operator import attrgetter
 from typing import Optional
 
 import numpy as np
 import torch
 
-from .arrays import BatchArrays, alloc, int_array
+from .arrays import BatchArrays, alloc
 from ..config import MetadataConfig
 from ..constants import INT32_MAX
 
 __all__ = ["fill_ngram_token_ids"]
 
-_TOK = attrgetter("token_ids")
-_DRAFT = attrgetter("draft_tokens")
-_COMP = attrgetter("compressed_token_ids")
 
-
-def _raw_windows(b: BatchArrays, lo: list[int], hi: list[int], total: int) -> np.ndarray:
-    """Raw token ids of every window ``[lo[s], hi[s])`` back to back ([total] int64).
-
-    Decode: ``token_ids`` covers positions ``0..q_start`` and the drafts ``q_start+1..``, so the
-    window is ``token_ids[lo:] + draft_tokens``.
-    """
-    toks = list(map(_TOK, b.seqs))
-    if b.is_prompt:
-        parts = [t[a:e] for t, a, e in zip(toks, lo, hi)]
-    else:
-        drafts = map(_DRAFT, b.seqs)
-        parts = [x for t, d, a in zip(toks, drafts, lo) for x in (t[a:], d)]
-    return int_array(parts, total)
-
-
-def _window_values(
-    b: BatchArrays, cfg: MetadataConfig, R: np.ndarray, lo: np.ndarray, wcu: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
+def _window_values(b: BatchArrays, cfg: MetadataConfig, R: np.ndarray, wcu: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Value of every window position and whether it is readable ([total] int64, [total] bool).
 
     Position ``t`` of sequence ``s`` takes ``compressed_token_ids[t]`` when ``t < Lc``: those are
-    exactly the first ``cl[s] = max(0, min(Lc, seqlen_k) - lo)`` entries of the window, so a
-    boolean-mask assignment of the concatenated compressed slices fills them in order.
-    Example: ``lo = 2``, ``seqlen_k = 6``, ``compressed = [9, 9, 5, 6]`` -> window positions
-    2, 3, 4, 5 take ``5, 6, lookup[R[4]], lookup[R[5]]``.
+    exactly the first ``comp_len[s]`` entries of the window (the batch stores them as
+    ``comp_flat``), so a boolean-mask assignment of ``comp_flat`` fills them in order.
+    Example: ``lo = 2``, ``seqlen_k = 6``, ``compressed = [9, 9, 5, 6]`` -> ``comp_flat`` holds
+    ``[5, 6]`` and window positions 2, 3, 4, 5 take ``5, 6, lookup[R[4]], lookup[R[5]]``.
     """
-    n, total = b.n_seq, len(R)
-    comps = list(map(_COMP, b.seqs))
-    ce = np.minimum(np.array(list(map(len, comps)), np.int64), b.seqlen_k)
-    cl = np.maximum(ce - lo, 0)
-    w_seq = np.repeat(np.arange(n), wcu[1:] - wcu[:-1])
-    use_c = (np.arange(total) - wcu[w_seq]) < cl[w_seq]
+    total = len(R)
     V = R.copy()
     ok = np.ones(total, bool)
+    n_c = len(b.comp_flat)
+    use_c = None
+    if n_c:
+        w_seq = np.repeat(np.arange(b.n_seq), wcu[1:] - wcu[:-1])
+        use_c = (np.arange(total) - wcu[w_seq]) < b.comp_len[w_seq]
     table = cfg.ngram_lookup
     if table is not None:
         tab = table.detach().cpu().to(torch.int64).numpy()
-        need = ~use_c
+        need = ~use_c if use_c is not None else slice(None)
         raw = R[need]
         in_range = (raw >= 0) & (raw < len(tab))
         ok[need] = in_range
         V[need] = tab[np.where(in_range, raw, 0)] if len(tab) else 0
-    n_c = int(cl.sum())
-    if n_c:
-        parts = [c[a:e] for c, a, e in zip(comps, lo.tolist(), ce.tolist())]
-        V[use_c] = int_array(parts, n_c)
+    if use_c is not None:
+        V[use_c] = b.comp_flat
     return V, ok
 
 
@@ -91,13 +69,9 @@ def fill_ngram_token_ids(
     t = -1 -> pad.
     """
     N = cfg.max_ngram_size
-    lo = np.maximum(b.q_start - (N - 1), 0)
-    wl = b.seqlen_k - lo
-    wcu = np.zeros(b.n_seq + 1, np.int64)
-    np.cumsum(wl, out=wcu[1:])
-    total = int(wcu[-1])
-    R = _raw_windows(b, lo.tolist(), b.seqlen_k.tolist(), total)
-    V, ok = _window_values(b, cfg, R, lo, wcu)
+    lo, wcu, R = b.tok_lo, b.tok_off, b.tok_flat  # windows [lo, seqlen_k), the batch's token layout
+    total = len(R)
+    V, ok = _window_values(b, cfg, R, wcu)
     pos = b.row_pos
     fpos = wcu[b.row_seq] + pos - lo[b.row_seq]  # flat window index of each row's own position
     cols = np.arange(N, dtype=np.int64)

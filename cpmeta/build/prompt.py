@@ -16,17 +16,16 @@ at slot 3 - (6 - 4) = 1 -> ``(P0, P1, P2, P3) = (1, 3, 4, 1)``.
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
 from ..config import MetadataConfig
 from ..metadata import InputMetadata
-from ..sequence import SequenceMetadata
 from .arrays import BatchArrays, alloc, check_int32, fdiv, loaded_compressed_len
 from .common import check_common_int32, compressed_slots, fill_common
-from .extract import extract_batch
+from .extract import BatchInput, extract_batch
 from .load_plan import paged_load_segments, swa_load_segments
 from .swa_pivots import swa_visibility_pivots
 from .yoco import build_yoco_fields
@@ -144,13 +143,14 @@ def _fill_swa_pivots(b: BatchArrays, cfg: MetadataConfig, out: Out) -> torch.Ten
 
 
 def prepare_prompt(
-    seqs: Sequence[SequenceMetadata], cfg: MetadataConfig, *, out: Out = None
+    seqs: BatchInput, cfg: MetadataConfig, *, out: Out = None
 ) -> InputMetadata:
     """Build prompt (prefill chunk) ``InputMetadata`` (CPU tensors; pinned when CUDA is available).
 
     Args:
-        seqs: one ``SequenceMetadata`` per sequence; ``token_ids`` holds at least ``seqlen_k``
-            tokens, no drafts. Bad input raises ``ValueError`` naming ``seqs[i].field``.
+        seqs: one ``SequenceMetadata`` per sequence (``token_ids`` holds at least ``seqlen_k``
+            tokens, no drafts), or the same as a prompt ``SequenceBatch`` (bit-identical
+            result). Bad input raises ``ValueError`` naming ``seqs[i].field``.
         cfg: the engine's ``MetadataConfig``.
         out: optional dict of preallocated tensors keyed by flattened path (``"positions"``,
             ``"ks.4"``, ``"load_segments_ca.4"``, ...), filled in place; missing ones are
@@ -176,6 +176,6 @@ def prepare_prompt(
     _fill_compressed_reads(b, cfg, out, f, cu_ck)
     f["kv_swa_full_index_pivots"] = _fill_swa_pivots(b, cfg, out)
     if cfg.yoco_keep_tokens is not None:  # YoCo truncation fields (DESIGN 10), built in build/yoco.py
-        f.update(build_yoco_fields(f, seqs, cfg, out=out))
+        f.update(build_yoco_fields(f, b, cfg, out=out))
     return InputMetadata(**f)
 

@@ -55,7 +55,12 @@ from ..buffers import get_or_create_tensor
 from ..config import MetadataConfig
 from ..constants import PAD_SLOT_ID
 from ..sequence import SequenceMetadata
+from .arrays import BatchArrays
+from .batch import SequenceBatch
 from .swa_pivots import NUM_PIVOTS, Arr, swa_visibility_pivots
+
+#: What YoCo reads its per-sequence prompt lengths from.
+YocoInput = Union[Sequence[SequenceMetadata], SequenceBatch, BatchArrays]
 
 if TYPE_CHECKING:
     from ..metadata import InputMetadata
@@ -125,16 +130,30 @@ def _get(md: Fields, name: str) -> Any:
     return md[name] if isinstance(md, Mapping) else getattr(md, name)
 
 
-def _seq_arrays(md: Fields, seqs: Sequence[SequenceMetadata], keep: int) -> dict[str, Any]:
-    """Per-sequence int64 numpy arrays the YoCo fields need (one pass over ``seqs``)."""
+def _seq_inputs(seqs: YocoInput) -> tuple[np.ndarray, np.ndarray]:
+    """``(data_len, swa_valid_start)`` ([n_seq] int64 each): ``len(token_ids)`` is the whole prompt.
+
+    Read from the arrays of a ``SequenceBatch`` (``num_tokens``) or ``BatchArrays``
+    (``data_len``); a list of ``SequenceMetadata`` is read once."""
+    if isinstance(seqs, BatchArrays):
+        return seqs.data_len, seqs.swa_valid_start
+    if isinstance(seqs, SequenceBatch):
+        return seqs.num_tokens, seqs.swa_valid_start
     n_seq = len(seqs)
+    return (np.fromiter(map(len, map(_TOKENS, seqs)), np.int64, n_seq),
+            np.fromiter(map(_VALID_START, seqs), np.int64, n_seq))
+
+
+def _seq_arrays(md: Fields, seqs: YocoInput, keep: int) -> dict[str, Any]:
+    """Per-sequence int64 numpy arrays the YoCo fields need (no loop over sequences)."""
+    data_len, valid_start = _seq_inputs(seqs)
+    n_seq = len(data_len)
     cu_q = _get(md, "cu_seqlens_q").numpy().astype(np.int64)
     cu_k = _get(md, "cu_seqlens_k").numpy().astype(np.int64)
     if cu_q.shape[0] != n_seq + 1:
         raise ValueError(f"seqs: expected {cu_q.shape[0] - 1} sequences like md.cu_seqlens_q, got {n_seq}")
     q_len = np.diff(cu_q)
     q_start = np.diff(cu_k) - q_len
-    data_len = np.fromiter(map(len, map(_TOKENS, seqs)), np.int64, n_seq)
     short = np.flatnonzero(data_len < q_start + q_len)
     if short.size:
         i = int(short[0])
@@ -142,7 +161,6 @@ def _seq_arrays(md: Fields, seqs: Sequence[SequenceMetadata], keep: int) -> dict
             f"seqs[{i}].token_ids: YoCo needs the whole prompt (at least seqlen_k = "
             f"{int(q_start[i] + q_len[i])} tokens), got {int(data_len[i])}"
         )
-    valid_start = np.fromiter(map(_VALID_START, seqs), np.int64, n_seq)
     rect_lo = np.maximum(data_len - keep, 0)
     return dict(
         n_seq=n_seq, cu_q=cu_q, q_len=q_len, q_start=q_start, rect_lo=rect_lo,
@@ -163,12 +181,16 @@ def _pivots_for_rows(a: dict[str, Any], row_seq: np.ndarray, local: np.ndarray, 
 
 def build_yoco_fields(
     md: Fields,
-    seqs: Sequence[SequenceMetadata],
+    seqs: YocoInput,
     cfg: MetadataConfig,
     *,
     out: Optional[dict[str, torch.Tensor]] = None,
 ) -> dict[str, Any]:
     """The section-10 fields of ``cfg.yoco_mode`` for prompt metadata built from ``seqs``.
+
+    ``seqs``: the batch ``md`` was built from -- a list of ``SequenceMetadata``, a
+    ``SequenceBatch`` or the builders' ``BatchArrays``; YoCo reads only its per-sequence
+    ``len(token_ids)`` (``num_tokens``, the whole prompt) and ``swa_valid_start``.
 
     ``md``: the prompt ``InputMetadata`` -- or the dict of its constructor arguments -- with the
     section-4 CPU fields (``cu_seqlens_q/k``, ``positions``, ``slot_mapping_store_swa``, ``ks``,

@@ -37,14 +37,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from itertools import repeat
-from operator import attrgetter, getitem
 from typing import Optional, Sequence
 
 import numpy as np
 import torch
 
-from ..build.arrays import BatchArrays, check_int32, int_array
+from ..build.arrays import BatchArrays, check_int32
 from ..build.common import check_common_int32
 from ..build.extract import extract_batch
 from ..config import MetadataConfig
@@ -76,11 +74,6 @@ SEQ_FIELDS = 7
 
 #: Extra elements reserved when the staging buffer grows (amortises regrowth).
 _GROWTH = 1.5
-
-_get_tokens = attrgetter("token_ids")
-_get_drafts = attrgetter("draft_tokens")
-_get_compressed = attrgetter("compressed_token_ids")
-
 
 @dataclass(frozen=True, slots=True)
 class StagedDecode:
@@ -214,27 +207,19 @@ def _ngram_windows(b: BatchArrays, cfg: MetadataConfig) -> tuple[np.ndarray, np.
     seq_of = np.repeat(np.arange(n), win)
     starts = np.cumsum(win) - win
     t = b.q_start[seq_of] - (g - 1) + (np.arange(n_win) - starts[seq_of])
-    lo = np.maximum(b.q_start - (g - 1), 0).tolist()
     toks = np.zeros(n_win, dtype=np.int64)
-    tok_lists = list(map(_get_tokens, b.seqs))
-    conf = (t >= 0) & (t <= b.q_start[seq_of])
-    toks[conf] = int_array(list(map(getitem, tok_lists, map(slice, lo, repeat(None)))), int(conf.sum()))
-    later = t > b.q_start[seq_of]
-    toks[later] = int_array(list(map(_get_drafts, b.seqs)), int(later.sum()))
+    toks[t >= 0] = b.tok_flat  # the batch's token windows cover exactly positions [max(t, 0), seqlen_k)
     barrier = t < 0
     if cfg.image_token_id is not None:
         barrier |= toks == cfg.image_token_id
     vals, ok = toks, np.ones(n_win, dtype=bool)
-    comp = list(map(_get_compressed, b.seqs))
-    n_comp = np.fromiter(map(len, comp), dtype=np.int64, count=n)
-    use_c = (t >= 0) & (t < n_comp[seq_of])
+    use_c = (t >= 0) & (t - b.tok_lo[seq_of] < b.comp_len[seq_of])
     if cfg.ngram_lookup is not None:
         tab = cfg.ngram_lookup.detach().cpu().to(torch.int64).numpy()
         ok = use_c | ((toks >= 0) & (toks < len(tab)))
         vals = tab[np.where(ok & ~use_c, toks, 0)] if len(tab) else np.zeros_like(toks)
     if use_c.any():
-        stop = np.minimum(n_comp, b.seqlen_k).tolist()
-        vals[use_c] = int_array(list(map(getitem, comp, map(slice, lo, stop))), int(use_c.sum()))
+        vals[use_c] = b.comp_flat
     _check_ngram_reads(b, cfg, win, t, barrier, ok, vals)
     return vals, barrier
 

@@ -1,0 +1,304 @@
+"""``BatchState``: persistent per-request state in preallocated numpy arrays (DESIGN section 13).
+
+A request is added once; each step only applies deltas and asks for the step's
+:class:`~cpmeta.build.batch.SequenceBatch`. No step does work proportional to a sequence's
+length: the token history stays here, a step gathers only its token windows (prompt: the chunk
+plus the Engram look-back; decode: look-back + the last confirmed token + drafts) and block tables.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable, Optional, Sequence
+
+import numpy as np
+
+from ..config import MetadataConfig
+from ..sequence import blocks_needed
+from .batch import SequenceBatch, window_lookback
+
+__all__ = ["BatchState"]
+
+#: A placeholder sequence (``num_placeholders``): one row at position 0, token 0, state 0, block 0.
+PLACEHOLDER_TOKEN = 0
+
+
+def _prefix(lengths: np.ndarray) -> np.ndarray:
+    cu = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=cu[1:])
+    return cu
+
+
+def _ragged_index(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(offsets [n+1], seq [total], k [total])``: entry i of the flat layout is element ``k[i]``
+    of sequence ``seq[i]``. Example: lengths ``[2, 1]`` -> offsets ``[0, 2, 3]``, seq
+    ``[0, 0, 1]``, k ``[0, 1, 0]``."""
+    off = _prefix(lengths)
+    seq = np.repeat(np.arange(len(lengths)), lengths)
+    return off, seq, np.arange(int(off[-1])) - off[:-1][seq]
+
+
+class BatchState:
+    """Requests of a running engine as preallocated arrays; each step's ``SequenceBatch`` from them.
+
+    Capacity: ``max_seqs`` request slots (a finished request's slot is reused), per request
+    ``max_tokens`` confirmed tokens (default ``cfg.max_model_len``), ``max_blocks`` block ids
+    (default ``blocks_needed(max_model_len)``) and ``max_compressed`` Engram history ids (default
+    ``max_tokens`` with Engram on, else 0). Exceeding any is a ``ValueError`` naming the request
+    and the limit, raised before anything changes: the state stays usable.
+
+    Per-step loop (the engine's scheduler output drives the deltas)::
+
+        st = BatchState(cfg, max_seqs=256)
+        a = st.add_request("a", prompt_ids, block_table=[7, 3], state_id=0)   # once per request
+        md = prepare_prompt(st.prompt_batch([a], [512]), cfg)      # chunked prefill: 512 tokens
+        st.append_tokens(a, [first_token])                         # after the last chunk
+        while running:
+            slots = np.array([a, ...])                              # this step's requests
+            batch = st.decode_batch(slots, drafts, num_drafts)      # MTP drafts, flat + counts
+            md = prepare_decode(batch, cfg)                         # or prepare_decode_inplace
+            st.append_tokens_batch(slots, accepted, num_accepted)   # accepted drafts + bonus
+            st.append_blocks(a, [new_block])                        # when a table grows
+            st.finish(a)                                            # slot is free again
+
+    Slots are small ints (``add_request``'s return value, ``slot_of(req_id)``); the batch methods
+    take arrays of them so a step needs no per-request Python.
+    """
+
+    def __init__(self, cfg: MetadataConfig, max_seqs: int, *, max_tokens: Optional[int] = None,
+                 max_blocks: Optional[int] = None, max_compressed: Optional[int] = None) -> None:
+        if max_seqs < 1:
+            raise ValueError(f"max_seqs: expected >= 1, got {max_seqs}")
+        self.cfg = cfg
+        self.max_seqs = int(max_seqs)
+        self.max_tokens = int(max_tokens if max_tokens is not None else cfg.max_model_len)
+        self.max_blocks = int(max_blocks if max_blocks is not None else blocks_needed(cfg.max_model_len, cfg))
+        if max_compressed is None:
+            max_compressed = self.max_tokens if cfg.max_ngram_size > 0 else 0
+        self.max_compressed = int(max_compressed)
+        self.lookback = window_lookback(cfg)
+        n = self.max_seqs
+        self.token_ids = np.zeros((n, self.max_tokens), np.int64)  # [max_seqs, max_tokens] confirmed tokens
+        self.num_tokens = np.zeros(n, np.int64)  # [max_seqs] confirmed tokens per slot
+        self.num_computed = np.zeros(n, np.int64)  # [max_seqs] prompt tokens prefilled so far
+        self.prompt_len = np.zeros(n, np.int64)  # [max_seqs]
+        self.block_table = np.zeros((n, self.max_blocks), np.int64)  # [max_seqs, max_blocks]
+        self.num_blocks = np.zeros(n, np.int64)  # [max_seqs]
+        self.compressed = np.zeros((n, self.max_compressed), np.int64)  # [max_seqs, max_compressed]
+        self.num_compressed = np.zeros(n, np.int64)  # [max_seqs]
+        self.state_id = np.zeros(n, np.int64)  # [max_seqs]
+        self.swa_valid_start = np.zeros(n, np.int64)  # [max_seqs]
+        self.active = np.zeros(n, bool)  # [max_seqs]
+        self._req: list[Any] = [None] * n  # request id of each slot
+        self._slot: dict[Hashable, int] = {}
+        self._free = list(range(n - 1, -1, -1))  # pop() gives the lowest free slot
+        self._ph_blocks = blocks_needed(1, cfg)
+
+    # ---- requests ---------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._slot)
+
+    def slot_of(self, req_id: Hashable) -> int:
+        """The slot of a live request (``ValueError`` for an unknown id)."""
+        try:
+            return self._slot[req_id]
+        except KeyError:
+            raise ValueError(f"request {req_id!r}: not in the batch state") from None
+
+    def _live(self, slot: int) -> Any:
+        if not (0 <= slot < self.max_seqs) or not self.active[slot]:
+            raise ValueError(f"slot {slot}: no live request there")
+        return self._req[slot]
+
+    def add_request(self, req_id: Hashable, prompt_token_ids: Sequence[int], block_table: Sequence[int],
+                    state_id: int, *, compressed_token_ids: Sequence[int] = (), swa_valid_start: int = 0,
+                    num_computed: int = 0) -> int:
+        """Add a request (once); returns its slot. ``num_computed``: prompt tokens already in the
+        KV cache (e.g. a prefix-cache hit). Nothing changes when a limit is exceeded."""
+        if req_id in self._slot:
+            raise ValueError(f"request {req_id!r}: already in the batch state (slot {self._slot[req_id]})")
+        if not self._free:
+            raise ValueError(f"request {req_id!r}: all max_seqs={self.max_seqs} slots are in use")
+        toks = np.asarray(prompt_token_ids, np.int64).reshape(-1)
+        bt = np.asarray(block_table, np.int64).reshape(-1)
+        comp = np.asarray(compressed_token_ids, np.int64).reshape(-1)
+        self._fits(req_id, "tokens", len(toks), self.max_tokens, "max_tokens")
+        self._fits(req_id, "block ids", len(bt), self.max_blocks, "max_blocks")
+        self._fits(req_id, "compressed ids", len(comp), self.max_compressed, "max_compressed")
+        if len(toks) == 0:
+            raise ValueError(f"request {req_id!r}: expected a non-empty prompt")
+        if not 0 <= num_computed <= len(toks):
+            raise ValueError(f"request {req_id!r}: num_computed {num_computed} outside [0, {len(toks)}]")
+        s = self._free.pop()
+        self._slot[req_id], self._req[s], self.active[s] = s, req_id, True
+        self.token_ids[s, :len(toks)] = toks
+        self.num_tokens[s] = self.prompt_len[s] = len(toks)
+        self.num_computed[s] = num_computed
+        self.block_table[s, :len(bt)] = bt
+        self.num_blocks[s] = len(bt)
+        self.compressed[s, :len(comp)] = comp
+        self.num_compressed[s] = len(comp)
+        self.state_id[s], self.swa_valid_start[s] = state_id, swa_valid_start
+        return s
+
+    def _fits(self, req_id: Any, what: str, n: int, cap: int, name: str) -> None:
+        if n > cap:
+            raise ValueError(f"request {req_id!r}: {n} {what} exceed {name}={cap}")
+
+    def finish(self, slot: int) -> None:
+        """Remove the request in ``slot``; the slot is reused by a later ``add_request``."""
+        req = self._live(slot)
+        del self._slot[req]
+        self._req[slot], self.active[slot] = None, False
+        self.num_tokens[slot] = self.num_blocks[slot] = self.num_compressed[slot] = 0
+        self._free.append(slot)
+
+    # ---- per-step deltas --------------------------------------------------------------------
+    def append_tokens(self, slot: int, tokens: Sequence[int]) -> None:
+        """Confirmed tokens (sampled / accepted drafts + bonus) of one request."""
+        req = self._live(slot)
+        t = np.asarray(tokens, np.int64).reshape(-1)
+        n0 = int(self.num_tokens[slot])
+        self._fits(req, "tokens", n0 + len(t), self.max_tokens, "max_tokens")
+        self.token_ids[slot, n0:n0 + len(t)] = t
+        self.num_tokens[slot] = n0 + len(t)
+
+    def append_tokens_batch(self, slots: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> None:
+        """Vectorized :meth:`append_tokens`: request ``slots[i]`` gets the next ``counts[i]`` ids
+        of the flat ``tokens``. Example: slots ``[4, 0]``, counts ``[2, 1]``, tokens ``[8, 9, 5]``
+        -> slot 4 gets ``[8, 9]``, slot 0 gets ``[5]``."""
+        slots, counts = np.asarray(slots, np.int64), np.asarray(counts, np.int64)
+        tokens = np.asarray(tokens, np.int64)
+        self._check_slots(slots)
+        if len(np.unique(slots)) != len(slots):
+            raise ValueError("slots: a request appears twice")
+        if counts.shape != slots.shape or (counts < 0).any() or counts.sum() != len(tokens):
+            raise ValueError(f"counts: expected {len(slots)} counts >= 0 summing to {len(tokens)} tokens")
+        new = self.num_tokens[slots] + counts
+        over = np.flatnonzero(new > self.max_tokens)
+        if over.size:
+            i = int(over[0])
+            self._fits(self._req[int(slots[i])], "tokens", int(new[i]), self.max_tokens, "max_tokens")
+        _, seq, k = _ragged_index(counts)
+        self.token_ids[slots[seq], self.num_tokens[slots][seq] + k] = tokens
+        self.num_tokens[slots] = new
+
+    def append_blocks(self, slot: int, blocks: Sequence[int]) -> None:
+        """Block ids newly allocated to the request, appended to its table."""
+        req = self._live(slot)
+        b = np.asarray(blocks, np.int64).reshape(-1)
+        n0 = int(self.num_blocks[slot])
+        self._fits(req, "block ids", n0 + len(b), self.max_blocks, "max_blocks")
+        self.block_table[slot, n0:n0 + len(b)] = b
+        self.num_blocks[slot] = n0 + len(b)
+
+    def append_compressed(self, slot: int, ids: Sequence[int]) -> None:
+        """Engram history ids (``compressed_token_ids``) appended for the request."""
+        req = self._live(slot)
+        c = np.asarray(ids, np.int64).reshape(-1)
+        n0 = int(self.num_compressed[slot])
+        self._fits(req, "compressed ids", n0 + len(c), self.max_compressed, "max_compressed")
+        self.compressed[slot, n0:n0 + len(c)] = c
+        self.num_compressed[slot] = n0 + len(c)
+
+    def set_state_id(self, slot: int, state_id: int) -> None:
+        """The request's SWA / state slot moved."""
+        self._live(slot)
+        self.state_id[slot] = state_id
+
+    def set_swa_valid_start(self, slot: int, swa_valid_start: int) -> None:
+        self._live(slot)
+        self.swa_valid_start[slot] = swa_valid_start
+
+    def _check_slots(self, slots: np.ndarray) -> None:
+        if slots.ndim != 1 or ((slots < 0) | (slots >= self.max_seqs)).any() or not self.active[slots].all():
+            bad = [int(s) for s in slots.reshape(-1) if not (0 <= s < self.max_seqs and self.active[s])]
+            raise ValueError(f"slots: expected slots of live requests, got {bad[:4]} without one")
+
+    # ---- the step's batch -------------------------------------------------------------------
+    def prompt_batch(self, slots: np.ndarray, chunk_lens: np.ndarray, *, num_placeholders: int = 0,
+                     advance: bool = True) -> SequenceBatch:
+        """A prompt ``SequenceBatch``: request ``slots[i]`` prefills its next ``chunk_lens[i]``
+        tokens (``q_start = num_computed``). ``advance``: count them as computed (default).
+        Example: a 10-token prompt, chunks ``[4]`` then ``[6]`` -> seqlen (q, k) = (4, 4), (6, 10)."""
+        slots, q = np.asarray(slots, np.int64), np.asarray(chunk_lens, np.int64)
+        self._check_slots(slots)
+        if q.shape != slots.shape or (q < 1).any():
+            raise ValueError(f"chunk_lens: expected {len(slots)} chunk lengths >= 1, got {q.tolist()[:8]}")
+        q_start = self.num_computed[slots]
+        k = q_start + q
+        over = np.flatnonzero(k > self.num_tokens[slots])
+        if over.size:
+            i = int(over[0])
+            raise ValueError(f"request {self._req[int(slots[i])]!r}: chunk of {int(q[i])} tokens from "
+                             f"{int(q_start[i])} passes its {int(self.num_tokens[slots[i]])} tokens")
+        batch = self._batch(True, slots, q, k, None, num_placeholders)
+        if advance:
+            self.num_computed[slots] = k
+        return batch
+
+    def decode_batch(self, slots: np.ndarray, draft_tokens: Optional[np.ndarray] = None,
+                     num_drafts: Optional[np.ndarray] = None, *, num_placeholders: int = 0) -> SequenceBatch:
+        """A decode ``SequenceBatch``: request ``slots[i]`` decodes its last confirmed token plus
+        ``num_drafts[i]`` MTP drafts (the next ids of the flat ``draft_tokens``), so
+        ``seqlen_q = 1 + num_drafts`` and ``seqlen_k = num_tokens + num_drafts``."""
+        slots = np.asarray(slots, np.int64)
+        self._check_slots(slots)
+        nd = np.zeros(len(slots), np.int64) if num_drafts is None else np.asarray(num_drafts, np.int64)
+        drafts = np.zeros(0, np.int64) if draft_tokens is None else np.asarray(draft_tokens, np.int64)
+        if nd.shape != slots.shape or (nd < 0).any() or int(nd.sum()) != len(drafts):
+            raise ValueError(f"num_drafts: expected {len(slots)} counts >= 0 summing to {len(drafts)} drafts")
+        pre = np.flatnonzero(self.num_computed[slots] < self.prompt_len[slots])
+        if pre.size:
+            s = int(slots[pre[0]])
+            raise ValueError(f"request {self._req[s]!r}: still in prefill ({int(self.num_computed[s])} of "
+                             f"{int(self.prompt_len[s])} prompt tokens computed)")
+        k = self.num_tokens[slots] + nd
+        return self._batch(False, slots, 1 + nd, k, drafts, num_placeholders)
+
+    def _batch(self, is_prompt: bool, slots: np.ndarray, sq: np.ndarray, sk: np.ndarray,
+               drafts: Optional[np.ndarray], n_ph: int) -> SequenceBatch:
+        """Gather the step's arrays; placeholders are appended after the requests."""
+        n_real = len(slots)
+        n = n_real + n_ph
+        one = np.ones(n_ph, np.int64)
+        q_start = sk - sq
+        lo = np.maximum(q_start - self.lookback, 0)
+        # token windows [lo, seqlen_k): confirmed tokens up to num_tokens, then (decode) drafts
+        win = sk - lo
+        off, seq, kk = _ragged_index(win)
+        pos = lo[seq] + kk
+        row_slot = slots[seq]
+        if drafts is None:
+            tokens = self.token_ids[row_slot, pos]
+        else:
+            conf = pos <= q_start[seq]
+            tokens = np.empty(len(pos), np.int64)
+            tokens[conf] = self.token_ids[row_slot[conf], pos[conf]]
+            tokens[~conf] = drafts
+        nb = self.num_blocks[slots]
+        bt_off = _prefix(nb)
+        # whole rows then a mask: a contiguous row copy beats a per-element gather here
+        tables = self.block_table[slots][np.arange(self.max_blocks) < nb[:, None]]
+        ce = np.minimum(self.num_compressed[slots], sk)
+        cl = np.maximum(ce - lo, 0)
+        c_off, cseq, ck = _ragged_index(cl)
+        comp = self.compressed[slots[cseq], lo[cseq] + ck]
+        num_tokens = self.num_tokens[slots]
+        if n_ph:  # one row at position 0: token 0, blocks_needed(1) zero blocks, state 0
+            tokens = np.concatenate([tokens, np.full(n_ph, PLACEHOLDER_TOKEN, np.int64)])
+            off = np.concatenate([off, off[-1] + np.arange(1, n_ph + 1)])
+            tables = np.concatenate([tables, np.zeros(n_ph * self._ph_blocks, np.int64)])
+            bt_off = np.concatenate([bt_off, bt_off[-1] + self._ph_blocks * np.arange(1, n_ph + 1)])
+            c_off = np.concatenate([c_off, np.full(n_ph, c_off[-1])])
+        return SequenceBatch(
+            is_prompt=is_prompt,
+            seqlen_q=np.concatenate([sq, one]) if n_ph else sq,
+            seqlen_k=np.concatenate([sk, one]) if n_ph else sk,
+            state_id=np.concatenate([self.state_id[slots], 0 * one]) if n_ph else self.state_id[slots],
+            swa_valid_start=np.concatenate([self.swa_valid_start[slots], 0 * one]) if n_ph
+            else self.swa_valid_start[slots],
+            is_placeholder=np.arange(n) >= n_real,
+            num_tokens=np.concatenate([num_tokens, one]) if n_ph else num_tokens,
+            block_tables=tables, block_table_offsets=bt_off, tokens=tokens, token_offsets=off,
+            compressed=comp, compressed_offsets=c_off, lookback=self.lookback,
+        )

@@ -1,0 +1,170 @@
+"""``BatchState`` (DESIGN 13): a seeded random engine drives it for hundreds of steps; every step's
+``SequenceBatch`` must build the same metadata as a list of ``SequenceMetadata`` rebuilt from a
+plain Python mirror of the requests. Capacity errors name the request and leave the state usable.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from cpmeta import BatchState, MetadataConfig, SequenceMetadata, metadata_diff, prepare_decode, prepare_prompt
+from cpmeta.sequence import blocks_needed
+
+CFG = MetadataConfig(block_size=16, window_size=4, swa_block_size=6, dense_compress_ratios=(4,),
+                     sparse_compress_ratios=(4, 8), max_model_len=96, max_ngram_size=3, image_token_id=5)
+YOCO = MetadataConfig(block_size=16, window_size=4, swa_block_size=8, dense_compress_ratios=(4,),
+                      sparse_compress_ratios=(4,), max_model_len=96, yoco_keep_tokens=6)
+
+
+@dataclass
+class _Req:
+    """The plain mirror of one request."""
+
+    slot: int
+    tokens: list[int]
+    prompt_len: int
+    blocks: list[int]
+    state: int
+    valid_start: int
+    comp: list[int]
+    done: int = 0
+    drafts: list[int] = field(default_factory=list)
+
+
+def _grow(st: BatchState, r: _Req, k: int, cfg: MetadataConfig, rng: random.Random) -> None:
+    need = blocks_needed(k, cfg)
+    if need > len(r.blocks):
+        new = [rng.randrange(1000) for _ in range(need - len(r.blocks) + rng.choice((0, 1)))]
+        new = new[: st.max_blocks - len(r.blocks)]
+        st.append_blocks(r.slot, new)
+        r.blocks += new
+
+
+def _run(cfg: MetadataConfig, seed: int, steps: int) -> dict[str, int]:
+    rng = random.Random(seed)
+    st = BatchState(cfg, max_seqs=6, max_tokens=cfg.max_model_len)
+    reqs: dict[int, _Req] = {}
+    seen = {"prompt": 0, "decode": 0, "errors": 0, "finished": 0}
+    next_id = 0
+    for _ in range(steps):
+        if rng.random() < 0.4:  # joins (some beyond max_seqs: refused, state unchanged)
+            n = rng.randint(1, 60)
+            toks = [rng.randrange(8) for _ in range(n)]
+            comp = [rng.randrange(100, 200) for _ in range(rng.randint(0, n))] if cfg.max_ngram_size else []
+            blocks = [rng.randrange(1000) for _ in range(blocks_needed(n, cfg))]
+            next_id += 1
+            kw = dict(compressed_token_ids=comp, swa_valid_start=rng.choice((0, 0, rng.randrange(n))))
+            if len(reqs) == st.max_seqs:
+                with pytest.raises(ValueError, match=f"request {next_id}: all max_seqs=6 slots"):
+                    st.add_request(next_id, toks, blocks, 0, **kw)
+                seen["errors"] += 1
+            else:
+                state = rng.randrange(50)
+                s = st.add_request(next_id, toks, blocks, state, **kw)
+                reqs[s] = _Req(s, toks, n, blocks, state, kw["swa_valid_start"], comp)
+        if rng.random() < 0.15 and reqs:  # a finish, or a moved state id
+            r = reqs[rng.choice(sorted(reqs))]
+            if rng.random() < 0.5:
+                st.finish(r.slot)
+                del reqs[r.slot]
+                seen["finished"] += 1
+            else:
+                r.state = rng.randrange(50)
+                st.set_state_id(r.slot, r.state)
+        pre = [r for r in reqs.values() if r.done < r.prompt_len]
+        dec = [r for r in reqs.values() if r.done >= r.prompt_len and len(r.tokens) < cfg.max_model_len - 2]
+        n_ph = rng.choice((0, 0, 0, 1, 2))
+        if pre and (rng.random() < 0.5 or not dec):
+            sel = rng.sample(pre, rng.randint(1, len(pre)))
+            lens = [rng.randint(1, r.prompt_len - r.done) for r in sel]
+            seqs = [SequenceMetadata(q, r.done + q, list(r.blocks), r.state, list(r.tokens),
+                                     swa_valid_start=r.valid_start, compressed_token_ids=list(r.comp))
+                    for r, q in zip(sel, lens)]
+            seqs += [SequenceMetadata(1, 1, [0] * blocks_needed(1, cfg), 0, [0], is_placeholder=True)] * n_ph
+            batch = st.prompt_batch(np.array([r.slot for r in sel]), np.array(lens), num_placeholders=n_ph)
+            assert metadata_diff(prepare_prompt(batch, cfg), prepare_prompt(seqs, cfg), cfg=cfg) == []
+            for r, q in zip(sel, lens):
+                r.done += q
+                if r.done == r.prompt_len:
+                    tok = rng.randrange(8)
+                    st.append_tokens(r.slot, [tok])
+                    r.tokens.append(tok)
+            seen["prompt"] += 1
+        elif dec and cfg.yoco_keep_tokens is None:
+            sel = rng.sample(dec, rng.randint(1, len(dec)))
+            for r in sel:
+                r.drafts = [rng.randrange(8) for _ in range(rng.choice((0, 1, 2)))]
+                _grow(st, r, len(r.tokens) + len(r.drafts), cfg, rng)
+            seqs = [SequenceMetadata(1 + len(r.drafts), len(r.tokens) + len(r.drafts), list(r.blocks), r.state,
+                                     list(r.tokens), swa_valid_start=r.valid_start, draft_tokens=list(r.drafts),
+                                     compressed_token_ids=list(r.comp)) for r in sel]
+            seqs += [SequenceMetadata(1, 1, [0] * blocks_needed(1, cfg), 0, [0], is_placeholder=True)] * n_ph
+            batch = st.decode_batch(np.array([r.slot for r in sel]), np.array([t for r in sel for t in r.drafts]),
+                                    np.array([len(r.drafts) for r in sel]), num_placeholders=n_ph)
+            assert metadata_diff(prepare_decode(batch, cfg), prepare_decode(seqs, cfg), cfg=cfg) == []
+            acc = [r.drafts[: rng.randint(0, len(r.drafts))] + [rng.randrange(8)] for r in sel]
+            st.append_tokens_batch(np.array([r.slot for r in sel]), np.array([t for a in acc for t in a]),
+                                   np.array([len(a) for a in acc]))
+            for r, a in zip(sel, acc):
+                r.tokens += a
+            seen["decode"] += 1
+    return seen
+
+
+@pytest.mark.parametrize("seed", [0])
+def test_random_engine_matches_lists(seed: int) -> None:
+    seen = _run(CFG, seed, 250)
+    assert seen["prompt"] > 30 and seen["decode"] > 30 and seen["finished"] > 5 and seen["errors"] > 0, seen
+
+
+def test_random_engine_yoco_prompts() -> None:
+    seen = _run(YOCO, 7, 80)
+    assert seen["prompt"] > 15, seen
+
+
+def test_capacity_errors_leave_the_state_usable() -> None:
+    st = BatchState(CFG, max_seqs=2, max_tokens=20, max_blocks=2)
+    a = st.add_request("a", [1] * 10, [3], 0)
+    with pytest.raises(ValueError, match=r"request 'b': 21 tokens exceed max_tokens=20"):
+        st.add_request("b", [1] * 21, [3], 1)
+    with pytest.raises(ValueError, match=r"request 'b': 3 block ids exceed max_blocks=2"):
+        st.add_request("b", [1] * 5, [1, 2, 3], 1)
+    with pytest.raises(ValueError, match=r"request 'a': already in the batch state"):
+        st.add_request("a", [1], [3], 1)
+    b = st.add_request("b", [2] * 4, [4], 1)
+    with pytest.raises(ValueError, match=r"request 'c': all max_seqs=2 slots are in use"):
+        st.add_request("c", [1], [3], 1)
+    with pytest.raises(ValueError, match=r"request 'a': 21 tokens exceed max_tokens=20"):
+        st.append_tokens(a, [5] * 11)
+    with pytest.raises(ValueError, match=r"request 'a': 3 block ids exceed max_blocks=2"):
+        st.append_blocks(a, [8, 9])
+    with pytest.raises(ValueError, match=r"request 'b': 21 tokens exceed max_tokens=20"):
+        st.append_tokens_batch(np.array([a, b]), np.array([7] * 18), np.array([1, 17]))
+    with pytest.raises(ValueError, match=r"request 'a': chunk of 11 tokens"):
+        st.prompt_batch(np.array([a]), np.array([11]))
+    with pytest.raises(ValueError, match=r"request 'a': still in prefill"):
+        st.decode_batch(np.array([a]))
+    # nothing above changed the state: the same steps still work and match a list
+    seqs = [SequenceMetadata(10, 10, [3], 0, [1] * 10)]
+    assert metadata_diff(prepare_prompt(st.prompt_batch(np.array([a]), np.array([10])), CFG),
+                         prepare_prompt(seqs, CFG), cfg=CFG) == []
+    st.append_tokens(a, [6])
+    got = prepare_decode(st.decode_batch(np.array([a]), np.array([4]), np.array([1])), CFG)
+    want = prepare_decode([SequenceMetadata(2, 12, [3], 0, [1] * 10 + [6], draft_tokens=[4])], CFG)
+    assert metadata_diff(got, want, cfg=CFG) == []
+    st.finish(b)
+    assert st.add_request("c", [1], [3], 1) == b  # slot reused
+    with pytest.raises(ValueError, match="not in the batch state"):
+        st.slot_of("b")
+
+
+def test_decode_window_is_short() -> None:
+    """A decode step reads look-back + last token + drafts, not the history."""
+    st = BatchState(CFG, max_seqs=1)
+    s = st.add_request(0, list(range(80)), list(range(blocks_needed(80, CFG))), 0, num_computed=80)
+    batch = st.decode_batch(np.array([s]), np.array([7, 7]), np.array([2]))
+    assert batch.tokens.tolist() == [77, 78, 79, 7, 7]
