@@ -297,3 +297,27 @@ def test_ring_unsupported_reason(monkeypatch: pytest.MonkeyPatch) -> None:
     assert futex.ring_unsupported_reason() is None
     monkeypatch.setattr(futex, "BIG_ENDIAN", True)
     assert "big-endian" in futex.ring_unsupported_reason()
+
+
+def _tensor_channel_stall(rank: int, world_size: int, sleeper: int) -> tuple[str, float]:
+    """``sleeper`` sleeps 4 s before the second broadcast; the others must give up after the
+    channel's 1 s timeout (not the group's 200 s) with an error naming whom they awaited."""
+    ch = TensorChannel(None, 0, timeout=1.0)
+    x = torch.arange(1000, dtype=torch.int32)
+    ch.broadcast([x] if rank == 0 else [(torch.int32, (1000,))])
+    if rank == sleeper:
+        time.sleep(4.0)
+        return "slept", 0.0
+    t0 = time.monotonic()
+    try:
+        ch.broadcast([x] if rank == 0 else [(torch.int32, (1000,))])
+    except TimeoutError as e:
+        return str(e), time.monotonic() - t0
+    return "no error", time.monotonic() - t0
+
+
+@pytest.mark.parametrize("sleeper", [0, 1])
+def test_tensor_channel_stall_is_bounded_by_its_timeout(sleeper: int) -> None:
+    out = run_ranks(_tensor_channel_stall, 2, sleeper, timeout=200)
+    err, dt = out[1 - sleeper]
+    assert f"awaited rank(s) [{sleeper}]" in err and dt < 3.0, out

@@ -409,6 +409,43 @@ def test_follower_stalls_shorter_then_longer_than_timeout(tmp_path: Path, frozen
     _assert_clean(before, [driver, other, slow])
 
 
+@pytest.mark.parametrize("sleeper", [0, 2], ids=["driver", "follower"])
+def test_stall_on_process_group_path(tmp_path: Path, sleeper: int) -> None:
+    """Forced remote path: the transport timeout (3 s), not the process group's (90 s here,
+    30 min by default), bounds every wait, and the error names the rank(s) awaited. A follower
+    waits for the driver (named exactly); the driver names its followers (gloo does not say
+    which one lags)."""
+    with _spawn(_remote_stall, str(tmp_path), _seed(), sleeper) as group:
+        recs = group.results()
+    t_stall = float((tmp_path / "stalled").read_text())
+    waiting = [r for r in recs if r["rank"] != sleeper and r["etype"] is not None]
+    assert recs[0]["segment"] is None  # no ring on this path
+    assert waiting, recs
+    for rec in waiting:
+        assert rec["etype"] in ("TimeoutError", "PeerError"), rec
+        want = "rank 0 (src) sent no message" if rec["rank"] else "rank 2"
+        if rec["etype"] == "TimeoutError":
+            assert want in rec["error"], rec
+        ttd = _ttd(f"stall-process-group-path[{'driver' if sleeper == 0 else 'follower'}]", rec,
+                   t_stall)
+        assert ttd < STALL_LONG_S  # raised while the sleeper was still asleep
+    first = min(waiting, key=lambda r: r["t_err"])
+    assert first["etype"] == "TimeoutError", first  # the first error is the stall itself
+
+
+def _remote_stall(rank: int, world: int, tmp: str, seed: int, sleeper: int) -> dict:
+    """Forced remote path: rank ``sleeper`` sleeps STALL_LONG_S before step HEALTHY_STEPS."""
+
+    def body(bc: Any, rec: dict) -> None:
+        for step in range(MAX_STEPS):
+            if rank == sleeper and step == HEALTHY_STEPS:
+                _mark(tmp, "stalled")
+                time.sleep(STALL_LONG_S)
+            _step(bc, rank, seed, step, rec)
+
+    return _run(rank, body, force_remote=True)
+
+
 @pytest.mark.parametrize("named", [
     False, pytest.param(True, marks=[pytest.mark.slow, pytest.mark.xfail(
         strict=True, reason="known gap: a /dev/shm name cannot be unlinked by a writer killed "
