@@ -32,11 +32,14 @@ from cpmeta.metadata import InputMetadata
 
 from .scheduler import WORKLOADS, SyntheticScheduler, default_config
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "check_args"]
 
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "gloo", "nccl")
+DEFAULT_WARMUP = 5
+MIN_PROMPT = 16  # SyntheticScheduler draws prompt lengths from [16, --max-prompt]
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # set by torchrun: where a rank records its exception
 
 
 class VerifyError(RuntimeError):
@@ -47,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="launch.worker", description=__doc__.split("\n")[0])
     p.add_argument("--workload", choices=WORKLOADS, default="mixed")
     p.add_argument("--steps", type=int, default=50)
-    p.add_argument("--warmup", type=int, default=5, help="steps excluded from the timing table")
+    p.add_argument("--warmup", type=int, default=None,
+                   help=f"steps excluded from the timing table (default {DEFAULT_WARMUP}, at most --steps - 1)")
     p.add_argument("--cp-mirror", action="store_true", help="each rank keeps its zigzag share")
     p.add_argument("--backend", choices=BACKENDS, default="auto")
     p.add_argument("--verify", action="store_true", help="rebuild locally and compare bitwise")
@@ -61,6 +65,40 @@ def build_parser() -> argparse.ArgumentParser:
                    help="derive each rank's CP-interleaved KV slot mapping (0 = off)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before a stuck peer is an error")
     return p
+
+
+def check_args(args: Any, nproc: int) -> Optional[str]:
+    """The first problem with the parsed ``args`` for ``nproc`` ranks on this node, or None.
+
+    Checked before anything is spawned (``python -m launch``) and again in every rank: ranges,
+    ``--kv-interleave`` dividing the KV block size the slot mapping uses (``block_size`` of
+    :func:`~launch.scheduler.default_config`, 128: 0 = off, 1, 2, 4, ..., 128 pass; 3 fails),
+    ``--backend nccl`` needing one CUDA device per rank, and ``--json``'s directory.
+    Fills an unset ``--warmup`` with ``min(DEFAULT_WARMUP, steps - 1)`` (``--steps 3`` -> 2).
+    """
+    if args.warmup is None and args.steps >= 1:
+        args.warmup = min(DEFAULT_WARMUP, args.steps - 1)
+    for name, value, low in (("--steps", args.steps, 1), ("--warmup", args.warmup or 0, 0),
+                             ("--decode-seqs", args.decode_seqs, 1),
+                             ("--prompt-seqs", args.prompt_seqs, 1),
+                             ("--max-prompt", args.max_prompt, MIN_PROMPT),
+                             ("--kv-interleave", args.kv_interleave, 0)):
+        if value < low:
+            return f"{name}: expected >= {low}, got {value}"
+    if args.warmup >= args.steps:
+        return f"--warmup: expected < --steps ({args.steps}), got {args.warmup}"
+    if not args.timeout > 0 or args.timeout == float("inf"):
+        return f"--timeout: expected a finite number of seconds > 0, got {args.timeout}"
+    block = default_config(yoco=args.workload == "yoco").block_size
+    if args.kv_interleave and block % args.kv_interleave:
+        return f"--kv-interleave: expected 0 (off) or a divisor of the KV block size {block}, got {args.kv_interleave}"
+    if args.backend == "nccl":
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if have < nproc:
+            return f"--backend nccl: needs one CUDA device per rank ({nproc}), found {have}"
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        return f"--json: directory of {args.json!r} does not exist"
+    return None
 
 
 def resolve_backend(name: str) -> str:
@@ -218,8 +256,37 @@ def _print_table(summary: dict[str, Any], args: Any, backend: str, world: int) -
     print("\n".join(out), flush=True)
 
 
+def _record_failure(e: BaseException) -> bool:
+    """Under torchrun: write ``e`` (message + traceback) to this rank's error file, which the
+    launcher prints once, first, above torchrun's report. False when there is no such file."""
+    if not os.environ.get(ERROR_FILE_ENV):
+        return False
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    ErrorHandler().record_exception(e)
+    return True
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Entry of one rank; exit code 0, 1 (an error), 2 (bad arguments) or 3 (verify failed)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    problem = check_args(args, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if problem:
+        parser.error(problem)
+    try:
+        return _run(args)
+    except Exception as e:  # noqa: BLE001 - recorded for the launcher, else re-raised
+        code = 3 if isinstance(e, VerifyError) else 1
+        if _record_failure(e):
+            return code
+        if isinstance(e, VerifyError):
+            print(f"VERIFY FAILED: {e}", file=sys.stderr, flush=True)
+            return code
+        raise
+
+
+def _run(args: Any) -> int:
     logging.basicConfig(level=logging.WARNING)
     backend = resolve_backend(args.backend)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(args.timeout, 30)))
@@ -241,9 +308,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 with open(args.json, "w") as f:
                     json.dump(summary, f, indent=1)
         return 0
-    except VerifyError as e:
-        print(f"VERIFY FAILED: {e}", file=sys.stderr, flush=True)
-        return 3
     finally:
         dist.destroy_process_group()
 

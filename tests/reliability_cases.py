@@ -30,6 +30,7 @@ from typing import Any, Optional
 import torch
 
 from cpmeta.metadata import InputMetadata
+from transport._segment import SEGMENT_PREFIX, is_segment_path
 
 __all__ = [
     "CHECKSUM_FIELD",
@@ -43,6 +44,7 @@ __all__ = [
     "project_shm_entries",
     "project_fds",
     "project_mappings",
+    "maps_path",
 ]
 
 STEP_FIELD = "num_seqs"  # int carrier of the step number
@@ -170,15 +172,16 @@ def rss_bytes(pid: Optional[int] = None) -> int:
 
 
 def project_shm_entries() -> set[str]:
-    """Names in /dev/shm this project could create (prefix ``cpmeta``). Other processes on the
+    """Names in /dev/shm this project could create (``SEGMENT_PREFIX``). Other processes on the
     machine create unrelated entries concurrently, so only the prefix is compared."""
     if not os.path.isdir("/dev/shm"):
         return set()
-    return {n for n in os.listdir("/dev/shm") if n.startswith("cpmeta")}
+    return {n for n in os.listdir("/dev/shm") if n.startswith(SEGMENT_PREFIX)}
 
 
 def project_fds(pid: Optional[int] = None) -> list[str]:
-    """Open descriptors of ``pid`` that point at a project segment (memfd or /dev/shm file)."""
+    """Open descriptors of ``pid`` that point at a project segment (memfd or /dev/shm file),
+    matched exactly by ``is_segment_path`` (never a substring of a path)."""
     base = f"/proc/{pid or 'self'}/fd"
     out = []
     for fd in os.listdir(base):
@@ -186,15 +189,28 @@ def project_fds(pid: Optional[int] = None) -> list[str]:
             target = os.readlink(f"{base}/{fd}")
         except OSError:
             continue
-        if "cpmeta" in target:
+        if is_segment_path(target):
             out.append(target)
     return out
 
 
-def project_mappings(pid: Optional[int] = None) -> list[str]:
-    """Lines of /proc/<pid>/maps that map a project segment (a ring not unmapped)."""
-    with open(f"/proc/{pid or 'self'}/maps") as f:
-        return [line.strip() for line in f if "cpmeta" in line]
+def maps_path(line: str) -> str:
+    """The path column of one ``/proc/<pid>/maps`` line ('' for an anonymous mapping).
+
+    Example: ``7f..-7f.. rw-s 00000000 00:01 42   /memfd:cpmeta-ring (deleted)`` ->
+    ``/memfd:cpmeta-ring (deleted)`` (the path may hold spaces: split at most 5 times).
+    """
+    fields = line.rstrip("\n").split(maxsplit=5)
+    return fields[5] if len(fields) == 6 else ""
+
+
+def project_mappings(pid: Optional[int] = None, lines: Optional[list[str]] = None) -> list[str]:
+    """Lines of /proc/<pid>/maps (or the given ``lines``) that map a project segment (a ring not
+    unmapped). Exact: the venv of a clone in a directory named ``cpmeta`` does not count."""
+    if lines is None:
+        with open(f"/proc/{pid or 'self'}/maps") as f:
+            lines = f.readlines()
+    return [line.strip() for line in lines if is_segment_path(maps_path(line))]
 
 
 # ----------------------------------------------------------------------------- soak (one rank)

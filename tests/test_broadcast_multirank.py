@@ -145,3 +145,49 @@ def _bad_calls(rank: int, world: int) -> list[str]:
 
 def test_wrong_role_arguments_raise_before_sending() -> None:
     assert run_ranks(_bad_calls, 2, timeout=120) == [["TypeError"], ["ValueError"]]
+
+
+HIGH_FD_FLOOR = 1024  # select.select() refuses descriptors >= FD_SETSIZE (1024 on Linux)
+HIGH_FD_PADDING = 1100  # descriptors opened before the broadcaster, so its own land above 1024
+
+
+def _many_fds(rank: int, world: int, seed: int, steps: int) -> list[int]:
+    """Open HIGH_FD_PADDING descriptors first, so the ring's pidfds are numbered above 1024,
+    then broadcast checksummed payloads; every follower compares them bit for bit with a local
+    regeneration. Returns the pidfds the ring's liveness checks used."""
+    import os
+    import resource
+
+    import cpmeta
+    from reliability_cases import make_payload, payload_equal, verify_payload
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = HIGH_FD_PADDING + 256
+    if soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, hard), hard))
+    padding = [os.open(os.devnull, os.O_RDONLY) for _ in range(HIGH_FD_PADDING)]
+    try:
+        with cpmeta.MetadataBroadcaster(src=0, timeout=30) as bc:
+            for step in range(steps):
+                md = make_payload(seed, step) if rank == 0 else None
+                got = bc.broadcast(md)
+                verify_payload(got, step)
+                bad = payload_equal(make_payload(seed, step), got)
+                assert bad is None, f"step {step}: {bad} differs"
+            ring = bc._objects.ring
+            return sorted(w._pidfd for w in ring._watch.values() if w._pidfd is not None)
+    finally:
+        for fd in padding:
+            os.close(fd)
+
+
+def test_ring_works_with_pidfds_above_1024() -> None:
+    """A process holding > 1024 descriptors: every ring write polls pidfds numbered above
+    FD_SETSIZE (``select.select`` raised ``ValueError: filedescriptor out of range``)."""
+    import resource
+
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < HIGH_FD_PADDING + 256:
+        pytest.skip("hard RLIMIT_NOFILE too low to open > 1024 descriptors")
+    fds = run_ranks(_many_fds, 3, 11, 8, timeout=180)
+    assert len(fds[0]) == 2 and len(fds[1]) == len(fds[2]) == 1, fds  # 2 readers; the writer
+    assert all(fd >= HIGH_FD_FLOOR for per_rank in fds for fd in per_rank), fds

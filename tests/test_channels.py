@@ -230,3 +230,94 @@ def test_process_group_path_names_the_dead_rank() -> None:
     with spawn_ranks(_remote_follower_killed, 3, timeout=120) as group:
         out = group.results(allow_dead=[2])
     assert "rank 2 (pid" in out[0] and "died" in out[0]
+
+
+# (patched platform facts, ring expected) -- the facts _futex derives from the CPU at import
+PLATFORM_CASES = {
+    "aarch64-no-libatomic": ({"NEEDS_RELEASE_FENCE": True, "HAVE_FENCE": False, "BIG_ENDIAN": False}, False),
+    "aarch64-libatomic": ({"NEEDS_RELEASE_FENCE": True, "HAVE_FENCE": True, "BIG_ENDIAN": False}, True),
+    "x86-no-libatomic": ({"NEEDS_RELEASE_FENCE": False, "HAVE_FENCE": False, "BIG_ENDIAN": False}, True),
+    "s390x": ({"NEEDS_RELEASE_FENCE": True, "HAVE_FENCE": True, "BIG_ENDIAN": True}, False),
+}
+
+
+def _platforms(rank: int, world_size: int) -> dict:
+    """Per case: does ObjectChannel keep the ring, which ranks go remote, does the object
+    arrive, and how many 'ShmRing refused' warnings this process logged (two channels/case)."""
+    import logging
+
+    import transport._futex as futex
+
+    records: list[str] = []
+
+    class _Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "refused" in record.getMessage():
+                records.append(record.getMessage())
+
+    logging.getLogger("transport").addHandler(_Catch())
+    saved = {k: getattr(futex, k) for k in PLATFORM_CASES["s390x"][0]}
+    out = {}
+    for name, (facts, _) in PLATFORM_CASES.items():
+        for k, v in facts.items():
+            setattr(futex, k, v)
+        before = len(records)
+        seen = []
+        for _ in range(2):  # a second channel on the same platform warns no more
+            with ObjectChannel(None, 0, timeout=30) as ch:
+                got = ch.broadcast({"case": name} if rank == 0 else None)
+                seen.append((ch.ring is not None, ch.remote_ranks, got == {"case": name}))
+        out[name] = (seen, len(records) - before)
+        for k, v in saved.items():
+            setattr(futex, k, v)
+    return out
+
+
+def test_ring_refused_on_unsupported_platforms() -> None:
+    """Weakly ordered CPU without a fence, or big-endian: process-group path, ONE warning on
+    the source; a working fence or x86 keeps the ring."""
+    driver, follower = run_ranks(_platforms, 2, timeout=200)
+    for name, (_, ring) in PLATFORM_CASES.items():
+        for rank, (seen, warnings) in ((0, driver[name]), (1, follower[name])):
+            assert seen == [(ring, [] if ring else [1], True)] * 2, (name, rank, seen)
+            assert warnings == (1 if rank == 0 and not ring else 0), (name, rank, warnings)
+
+
+def test_ring_unsupported_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    import transport._futex as futex
+    from transport import ShmRing
+
+    monkeypatch.setattr(futex, "BIG_ENDIAN", False)
+    monkeypatch.setattr(futex, "NEEDS_RELEASE_FENCE", True)
+    monkeypatch.setattr(futex, "HAVE_FENCE", False)
+    assert "libatomic" in futex.ring_unsupported_reason()
+    with pytest.raises(OSError, match="libatomic"):
+        ShmRing.create(1, slot_size=64, num_slots=4)
+    monkeypatch.setattr(futex, "HAVE_FENCE", True)
+    assert futex.ring_unsupported_reason() is None
+    monkeypatch.setattr(futex, "BIG_ENDIAN", True)
+    assert "big-endian" in futex.ring_unsupported_reason()
+
+
+def _tensor_channel_stall(rank: int, world_size: int, sleeper: int) -> tuple[str, float]:
+    """``sleeper`` sleeps 4 s before the second broadcast; the others must give up after the
+    channel's 1 s timeout (not the group's 200 s) with an error naming whom they awaited."""
+    ch = TensorChannel(None, 0, timeout=1.0)
+    x = torch.arange(1000, dtype=torch.int32)
+    ch.broadcast([x] if rank == 0 else [(torch.int32, (1000,))])
+    if rank == sleeper:
+        time.sleep(4.0)
+        return "slept", 0.0
+    t0 = time.monotonic()
+    try:
+        ch.broadcast([x] if rank == 0 else [(torch.int32, (1000,))])
+    except TimeoutError as e:
+        return str(e), time.monotonic() - t0
+    return "no error", time.monotonic() - t0
+
+
+@pytest.mark.parametrize("sleeper", [0, 1])
+def test_tensor_channel_stall_is_bounded_by_its_timeout(sleeper: int) -> None:
+    out = run_ranks(_tensor_channel_stall, 2, sleeper, timeout=200)
+    err, dt = out[1 - sleeper]
+    assert f"awaited rank(s) [{sleeper}]" in err and dt < 3.0, out

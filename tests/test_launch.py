@@ -49,4 +49,66 @@ def test_launch_workloads_with_attn_info(workload: str) -> None:
 
 def test_launch_rejects_bad_arguments() -> None:
     res = _launch("--nproc-per-node", "0")
-    assert res.returncode != 0
+    assert res.returncode == 2 and "--nproc-per-node: expected >= 1" in res.stderr
+
+
+BAD_INPUTS = {  # argv -> what the one-line error must say (validated before anything spawns)
+    "workload": (["--workload", "bogus"], "argument --workload: invalid choice: 'bogus'"),
+    "backend": (["--backend", "mpi"], "argument --backend: invalid choice: 'mpi'"),
+    "unknown-option": (["--stepz", "3"], "unrecognized arguments: --stepz"),
+    "steps": (["--steps", "0"], "--steps: expected >= 1, got 0"),
+    "nproc": (["--nproc-per-node", "0"], "--nproc-per-node: expected >= 1, got 0"),
+    "warmup-negative": (["--warmup", "-1"], "--warmup: expected >= 0, got -1"),
+    "warmup-vs-steps": (["--steps", "4", "--warmup", "4"], "--warmup: expected < --steps (4), got 4"),
+    "decode-seqs": (["--decode-seqs", "0"], "--decode-seqs: expected >= 1, got 0"),
+    "prompt-seqs": (["--prompt-seqs", "0"], "--prompt-seqs: expected >= 1, got 0"),
+    "max-prompt": (["--max-prompt", "8"], "--max-prompt: expected >= 16, got 8"),
+    "timeout": (["--timeout", "0"], "--timeout: expected a finite number of seconds > 0"),
+    "kv-interleave-negative": (["--kv-interleave", "-2"], "--kv-interleave: expected >= 0, got -2"),
+    "kv-interleave-divisor": (["--kv-interleave", "3"],
+                              "--kv-interleave: expected 0 (off) or a divisor of the KV block size 128, got 3"),
+    "nccl-without-gpus": (["--backend", "nccl"], "--backend nccl: needs one CUDA device per rank (2), found 0"),
+    "json-dir": (["--json", "/nonexistent-dir/x.json"], "--json: directory of"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_exits_2_before_spawning(case: str, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+    import torch.distributed.run as trun
+
+    from launch.__main__ import main
+
+    argv, want = BAD_INPUTS[case]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(trun, "run", lambda *a, **k: pytest.fail("spawned despite bad input"))
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and want in err, err
+    assert err.strip().splitlines()[-1].startswith("python -m launch: error: "), err
+
+
+def test_good_input_passes_validation(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed.run as trun
+
+    from launch.__main__ import main
+
+    called = []
+    monkeypatch.setattr(trun, "run", lambda targs: called.append(targs))
+    assert main(["--steps", "3", "--kv-interleave", "16", "--backend", "gloo"]) == 0
+    assert called, "torchrun was not started"
+
+
+def test_failing_rank_error_shown_once_first() -> None:
+    """A rank that raises (here: a malformed transport variable) is summarized on the first
+    line, above torchrun's report, and its traceback appears once (in the report)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "CPMETA_FORCE_REMOTE": "maybe"}
+    res = subprocess.run([sys.executable, "-m", "launch", "--nproc-per-node", "1", "--steps", "2"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 1, res.stderr
+    summary = "launch: rank 0 failed first: ValueError: CPMETA_FORCE_REMOTE: expected 0/1/true/false"
+    assert summary in res.stderr, res.stderr
+    assert res.stderr.index(summary) < res.stderr.index("Root Cause"), res.stderr
+    assert res.stderr.count("Traceback (most recent call last)") == 1, res.stderr

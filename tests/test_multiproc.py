@@ -59,3 +59,24 @@ def test_spawn_ranks_kill() -> None:
         time.sleep(0.5)
         group.kill(1)
         assert group.results(allow_dead=[1]) == [0, None]
+
+
+def test_default_run_is_reproducible(request: pytest.FixtureRequest) -> None:
+    """conftest: hypothesis draws the same examples every run (unless the explore profile is
+    chosen), and ``random``/torch start from a seed fixed by the test's id, so the seed
+    multiproc draws for its ranks repeats too."""
+    import random
+
+    from hypothesis import settings
+
+    from conftest import EXPLORE, PROFILE, seed_for
+
+    assert settings.get_profile("default").derandomize is True
+    assert settings.get_profile("default").deadline is None
+    assert settings.get_profile("default").print_blob is True
+    assert settings.get_profile(EXPLORE).derandomize is False
+    if PROFILE != EXPLORE:
+        assert settings.default.derandomize is True
+    seed = seed_for(request.node.nodeid)
+    assert random.random() == random.Random(seed).random()
+    assert seed_for(request.node.nodeid) == seed

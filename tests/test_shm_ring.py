@@ -341,3 +341,35 @@ def test_dead_reader_named_at_the_next_write() -> None:
     assert "rank 2 (reader 1)" in msg and "died" in msg, msg
     assert writes == 0, f"{writes} writes went to a ring whose reader was already dead"
     assert _shm_listing() == before
+
+
+def test_peer_watch_with_a_pidfd_above_1024() -> None:
+    """``PeerWatch.dead()`` works when its pidfd is numbered above FD_SETSIZE (1024)."""
+    import resource
+    import subprocess
+    import sys
+
+    from transport._segment import PeerWatch
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < 1400:
+        pytest.skip("hard RLIMIT_NOFILE too low")
+    if soft < 1400:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1400, hard))
+    padding = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        watch = PeerWatch(child.pid)
+        if watch._pidfd is None:
+            pytest.skip("no pidfd on this kernel")
+        assert watch._pidfd >= 1024 and not watch.dead()
+        child.kill()
+        child.wait()
+        assert watch.dead()
+        watch.close()
+    finally:
+        child.kill()
+        child.wait()
+        for fd in padding:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

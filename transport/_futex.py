@@ -9,6 +9,10 @@
   Without libatomic, ``HAVE_FENCE`` is False and callers must wake unconditionally.
 - Off Linux (or on an unknown architecture) ``HAVE_FUTEX`` is False and ``futex_wait`` degrades
   to a short sleep (callers loop with a backoff), so the ring stays correct, only slower.
+- :func:`ring_unsupported_reason` names the platforms the shared-memory ring refuses (callers
+  then use the process group): a weakly ordered CPU (``NEEDS_RELEASE_FENCE``) without libatomic,
+  whose ``fence`` would do nothing, and a big-endian CPU (``BIG_ENDIAN``), where the futex word
+  at a 64-bit counter's address is the counter's HIGH half.
 
 The words are 32-bit, naturally aligned, in a ``MAP_SHARED`` mapping (so the futexes are shared,
 not ``FUTEX_PRIVATE_FLAG``).
@@ -22,9 +26,10 @@ import logging
 import platform
 import sys
 import time
+from typing import Optional
 
-__all__ = ["HAVE_FUTEX", "HAVE_FENCE", "NEEDS_RELEASE_FENCE", "futex_wait", "futex_wake", "fence",
-           "FALLBACK_SLEEP_S"]
+__all__ = ["HAVE_FUTEX", "HAVE_FENCE", "NEEDS_RELEASE_FENCE", "BIG_ENDIAN", "futex_wait",
+           "futex_wake", "fence", "ring_unsupported_reason", "FALLBACK_SLEEP_S"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +43,10 @@ FALLBACK_SLEEP_S = 200e-6  # sleep of the portable (no futex) wait
 # x86 (TSO) keeps store->store and load->load order; weaker architectures need release/acquire
 # fences around the sequence words.
 NEEDS_RELEASE_FENCE = platform.machine().lower() not in ("x86_64", "amd64", "i686", "i386")
+# The ring's futex words are the low 32 bits of u64 counters, addressed at the counter itself:
+# right on little-endian only (on s390x the address holds the high half, which changes once per
+# 2**32 slots, so a waiter would sleep through every publish until its timeout slice).
+BIG_ENDIAN = sys.byteorder == "big"
 
 
 class _Timespec(ctypes.Structure):
@@ -82,6 +91,22 @@ _NR, _WAIT, _WAKE = _load_futex()
 _FENCE = _load_fence()
 HAVE_FUTEX = _WAIT is not None
 HAVE_FENCE = _FENCE is not None
+
+
+def ring_unsupported_reason() -> Optional[str]:
+    """Why this platform cannot run the shared-memory ring correctly, or None when it can.
+
+    Reads the module's facts at call time (tests patch them). Example: aarch64 with no
+    loadable libatomic returns "aarch64 orders memory weakly and ..."; x86-64 returns None.
+    """
+    machine = platform.machine() or "this CPU"
+    if BIG_ENDIAN:
+        return (f"{machine} is big-endian: the ring's futex waits on the low half of 64-bit "
+                f"counters, which is not the word at their address here (unsupported, untested)")
+    if NEEDS_RELEASE_FENCE and not HAVE_FENCE:
+        return (f"{machine} orders memory weakly and libatomic (atomic_thread_fence) cannot be "
+                f"loaded, so the ring has no release/acquire fence (install libatomic1 to use it)")
+    return None
 
 
 def futex_wait(addr: int, expected: int, timeout_s: float) -> None:

@@ -15,15 +15,21 @@ Python's ``multiprocessing`` resource tracker is never involved (plain ``os.open
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import select
 import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["Segment", "create_segment", "open_segment", "PeerWatch", "SEGMENT_PREFIX"]
+__all__ = ["Segment", "create_segment", "open_segment", "PeerWatch", "SEGMENT_PREFIX",
+           "MEMFD_NAME", "is_segment_path"]
 
 SEGMENT_PREFIX = "cpmeta-"
+MEMFD_NAME = SEGMENT_PREFIX + "ring"  # /proc shows it as "/memfd:cpmeta-ring (deleted)"
+NAME_TOKEN_BYTES = 16  # random bytes of a /dev/shm name (32 hex digits)
+_NAME_RE = re.compile(re.escape(SEGMENT_PREFIX) + f"[0-9a-f]{{{2 * NAME_TOKEN_BYTES}}}")
+_DELETED = " (deleted)"
 _SHM_DIR = "/dev/shm"
 _MODE = 0o600
 
@@ -49,7 +55,7 @@ def _memfd_usable(fd: int) -> Optional[str]:
 def create_segment(size: int, *, use_memfd: bool = True) -> Segment:
     """Create a zero-filled segment of ``size`` bytes readable/writable by this user only."""
     if use_memfd and hasattr(os, "memfd_create"):
-        fd = os.memfd_create(SEGMENT_PREFIX + "ring", os.MFD_CLOEXEC)
+        fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
         try:
             os.fchmod(fd, _MODE)
             os.ftruncate(fd, size)
@@ -61,7 +67,7 @@ def create_segment(size: int, *, use_memfd: bool = True) -> Segment:
             return Segment(fd, path, None)
         os.close(fd)
     directory = _SHM_DIR if os.path.isdir(_SHM_DIR) else tempfile.gettempdir()
-    path = os.path.join(directory, SEGMENT_PREFIX + secrets.token_hex(16))
+    path = os.path.join(directory, SEGMENT_PREFIX + secrets.token_hex(NAME_TOKEN_BYTES))
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), _MODE)
     try:
         os.ftruncate(fd, size)
@@ -70,6 +76,21 @@ def create_segment(size: int, *, use_memfd: bool = True) -> Segment:
         os.unlink(path)
         raise
     return Segment(fd, path, path)
+
+
+def is_segment_path(path: str) -> bool:
+    """True when ``path`` -- a ``/proc/<pid>/fd`` link target or the path column of
+    ``/proc/<pid>/maps`` -- names a segment made by :func:`create_segment`, exactly:
+    ``/memfd:cpmeta-ring`` or ``<shm dir>/cpmeta-<32 hex>``, with or without the kernel's
+    `` (deleted)`` suffix. A library under a directory called ``cpmeta`` is not one
+    (``/src/cpmeta/.venv/.../libtorch.so`` -> False; ``/dev/shm/cpmeta-`` + 32 hex -> True).
+    """
+    if path.endswith(_DELETED):
+        path = path[:-len(_DELETED)]
+    if path == "/memfd:" + MEMFD_NAME:
+        return True
+    directory, name = os.path.split(path)
+    return directory in (_SHM_DIR, tempfile.gettempdir()) and _NAME_RE.fullmatch(name) is not None
 
 
 def open_segment(path: str) -> int:
@@ -81,23 +102,28 @@ class PeerWatch:
     """Tells whether process ``pid`` is gone (exited, killed, or a zombie).
 
     Uses a pidfd where available (immune to pid reuse, sees zombies as dead), else
-    ``os.kill(pid, 0)`` plus the ``/proc/<pid>/stat`` state.
+    ``os.kill(pid, 0)`` plus the ``/proc/<pid>/stat`` state. The pidfd is polled with a
+    ``select.poll`` object registered once (``select.select`` refuses descriptors >= 1024,
+    which a process with many open files hands out); one check costs ~1 µs.
     """
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self._pidfd: Optional[int] = None
-        if hasattr(os, "pidfd_open"):
+        self._poll: Optional[select.poll] = None
+        if hasattr(os, "pidfd_open") and hasattr(select, "poll"):
             try:
                 self._pidfd = os.pidfd_open(pid)
             except OSError:
                 self._pidfd = None  # already gone, or another pid namespace: fall back
+            else:
+                self._poll = select.poll()
+                self._poll.register(self._pidfd, select.POLLIN)
 
     def dead(self) -> bool:
         """True when the process no longer runs."""
-        if self._pidfd is not None:
-            readable, _, _ = select.select([self._pidfd], [], [], 0)
-            return bool(readable)
+        if self._poll is not None:
+            return bool(self._poll.poll(0))  # a pidfd turns readable when the process exits
         try:
             os.kill(self.pid, 0)
         except ProcessLookupError:
@@ -112,5 +138,6 @@ class PeerWatch:
 
     def close(self) -> None:
         if self._pidfd is not None:
+            self._poll = None
             os.close(self._pidfd)
             self._pidfd = None

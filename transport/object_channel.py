@@ -107,10 +107,13 @@ class ObjectChannel:
         return self._decode(tensor_memoryview(frame))
 
     def _remote(self, frame: Optional[torch.Tensor]) -> torch.Tensor:
-        """``bcast_frame`` over the gloo path; a failure becomes a PeerError naming the rank
-        (gloo itself only names a socket address)."""
+        """``bcast_frame`` over the gloo path, every wait bounded by ``self.timeout``; a failure
+        becomes a PeerError naming the rank (gloo itself only names a socket address), a stall
+        a TimeoutError naming the rank(s) awaited."""
         try:
-            return bcast_frame(frame, self.src, self._remote_group)
+            return bcast_frame(frame, self.src, self._remote_group, self.timeout)
+        except TimeoutError as e:
+            raise TimeoutError(f"ObjectChannel rank {self.rank} (src {self.src}): {e}") from None
         except RuntimeError as e:
             raise self._peer_failure(e) from e
 

@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
+from . import _futex
 from ._dist import group_ranks
 from .coalesce import tensor_memoryview
 
@@ -23,6 +24,7 @@ __all__ = ["exchange_ring", "HANDLE_BYTES", "RingEnd"]
 logger = logging.getLogger(__name__)
 HANDLE_BYTES = 1024  # fixed size of the broadcast handle buffer
 _LEN = struct.Struct("<I")
+_warned_platform: set[str] = set()  # reasons already logged: one warning per process each
 
 
 class RingEnd(Protocol):
@@ -44,6 +46,8 @@ def exchange_ring(group: Any, src: int, readers: Optional[Sequence[int]],
     a reader that cannot open the segment (another container, no /proc access) is left out
     and marked absent, so the writer never waits for it; every member learns the same list.
     Two collectives: a broadcast of the handle and an all_reduce of the attach flags.
+    On a platform the ring refuses (``_futex.ring_unsupported_reason``) ``src`` sends an empty
+    handle, so every reader is left out, and logs ONE warning per process.
 
     Example, group of global ranks [0, 1, 2], src=0: rank 0 gets the writer end, ranks 1 and 2
     reader ends 0 and 1, and all three get ``[1, 2]``.
@@ -57,7 +61,11 @@ def exchange_ring(group: Any, src: int, readers: Optional[Sequence[int]],
         return None, []
     buf = torch.zeros(HANDLE_BYTES, dtype=torch.uint8)
     ring: Optional[Any] = None
-    if me == src:
+    unsupported = _futex.ring_unsupported_reason() if me == src else None
+    if unsupported is not None and unsupported not in _warned_platform:
+        _warned_platform.add(unsupported)
+        logger.warning("ShmRing refused: %s; every follower uses the process group", unsupported)
+    if me == src and unsupported is None:
         try:
             ring = create(readers)
             blob = ring.handle_bytes()

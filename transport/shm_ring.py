@@ -40,6 +40,7 @@ may set EMPTY --mark_absent--> ABSENT (a reader that could not attach; never wai
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import mmap
 import os
@@ -50,7 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 from . import envs
-from ._futex import fence, futex_wake
+from ._futex import fence, futex_wake, ring_unsupported_reason
 from ._ring_io import RingIO
 from ._ring_layout import (ABSENT, ATTACHED, CLOSED, DEFAULT_SPIN_US, EMPTY, HDR, MAGIC,
                            MIN_SLOT_SIZE, OFF_CLOSED, OFF_HEAD, OFF_WRITER_WAITING, R_PID, R_STATE,
@@ -199,7 +200,8 @@ class ShmRing(RingIO):
                writer_rank: int = 0, reader_ranks: Optional[Sequence[int]] = None,
                use_memfd: bool = True) -> "ShmRing":
         """Create a ring as its writer. ``slot_size``/``num_slots`` default to the env values;
-        ``reader_ranks`` (default 1..num_readers) label the readers in error messages."""
+        ``reader_ranks`` (default 1..num_readers) label the readers in error messages.
+        ``OSError(ENOTSUP)`` on a platform the ring refuses (``_futex.ring_unsupported_reason``)."""
         slot_size = envs.shm_slot_size() if slot_size is None else slot_size
         num_slots = envs.shm_num_slots() if num_slots is None else num_slots
         ranks = tuple(range(1, num_readers + 1)) if reader_ranks is None else tuple(reader_ranks)
@@ -209,6 +211,9 @@ class ShmRing(RingIO):
             raise ValueError(f"slot_size: expected a multiple of 8 >= {MIN_SLOT_SIZE}, got {slot_size}")
         if num_slots < 1:
             raise ValueError(f"num_slots: expected >= 1, got {num_slots}")
+        unsupported = ring_unsupported_reason()
+        if unsupported is not None:
+            raise OSError(errno.ENOTSUP, f"ShmRing: {unsupported}")
         seg = create_segment(data_offset(num_readers) + slot_size * num_slots, use_memfd=use_memfd)
         handle = ShmRingHandle(seg.path, secrets.token_bytes(16), num_readers, slot_size, num_slots,
                                os.getpid(), writer_rank, ranks)

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import struct
 import zlib
+from datetime import timedelta
 from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
+from . import envs
 from ._dist import group_ranks
 from .coalesce import copy_into, plan, tensor_memoryview, views_of
 from .codec import TensorDesc
@@ -55,7 +57,8 @@ class TensorChannel:
     shapes. ``device`` defaults to the current CUDA device for an NCCL group, else CPU. CPU
     tensors bound for CUDA are staged through one reused pinned buffer and copied with one
     host-to-device copy. ``reuse_buffers=True`` also reuses the device buffer (the views returned
-    by one call are then overwritten by the next).
+    by one call are then overwritten by the next). ``timeout`` (default
+    ``CPMETA_TRANSPORT_TIMEOUT``) bounds each broadcast on a non-NCCL group.
 
     Per-rank example (ranks 0 and 1, src 0)::
 
@@ -64,13 +67,16 @@ class TensorChannel:
     """
 
     def __init__(self, group: Any = None, src: int = 0, device: Optional[Union[str, torch.device]] = None,
-                 *, verify: Optional[bool] = None, reuse_buffers: bool = False) -> None:
+                 *, verify: Optional[bool] = None, reuse_buffers: bool = False,
+                 timeout: Optional[float] = None) -> None:
         self.group = dist.group.WORLD if group is None else group
         self.src = src
         self.rank = dist.get_rank()
         ranks = group_ranks(self.group)
         if src not in ranks:
             raise ValueError(f"src: global rank {src} is not in the group {ranks}")
+        self.ranks = ranks
+        self.timeout = envs.transport_timeout() if timeout is None else float(timeout)
         if device is None:
             nccl = "nccl" in str(dist.get_backend(self.group)).lower()
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
@@ -105,12 +111,31 @@ class TensorChannel:
             self._fill(buf, tensors, offsets, _HEADER.pack(crc, len(descs), total))
             if self._sync_before_send:
                 torch.cuda.current_stream(self.device).synchronize()
-        dist.broadcast(buf, src=self.src, group=self.group)
+        self._collective(buf)
         if self._sync_before_send and not is_src:
             torch.cuda.synchronize(self.device)  # gloo's CUDA receive is not stream-ordered here
         if not is_src and self.verify:
             self._check(buf, crc, len(descs), total)
         return views_of(buf, descs, offsets)
+
+    def _collective(self, buf: torch.Tensor) -> None:
+        """The broadcast itself. NCCL: enqueued on the stream (its watchdog and the group's
+        timeout apply). Other backends (gloo): waited for at most ``self.timeout``; a stall is a
+        ``TimeoutError`` naming the ranks awaited (gloo does not say which one lags)."""
+        if "nccl" in str(dist.get_backend(self.group)).lower():
+            dist.broadcast(buf, src=self.src, group=self.group)
+            return
+        work = dist.broadcast(buf, src=self.src, group=self.group, async_op=True)
+        try:
+            work.wait(timedelta(seconds=self.timeout))
+        except RuntimeError as e:
+            if "timed out" not in str(e).lower():
+                raise
+            awaited = ([r for r in self.ranks if r != self.src] if self.rank == self.src
+                       else [self.src])
+            raise TimeoutError(f"TensorChannel rank {self.rank} (src {self.src}): broadcast not "
+                               f"completed within {self.timeout:g} s; awaited rank(s) {awaited} "
+                               f"(CPMETA_TRANSPORT_TIMEOUT / timeout=)") from None
 
     def _buffer(self, total: int) -> torch.Tensor:
         if not self.reuse_buffers:

@@ -310,7 +310,8 @@ class MetadataBroadcaster:
         if self._tensors is None:
             from transport import TensorChannel
 
-            self._tensors = TensorChannel(self.group, self.src, self.device)
+            self._tensors = TensorChannel(self.group, self.src, self.device,
+                                          timeout=self._objects.timeout)
         return self._tensors
 
     def _send(self, md: InputMetadata) -> InputMetadata:
