@@ -18,7 +18,16 @@ echo "GPUs: $NGPU"
 TAILN=4 step gpu_tests 200 python3 -m pytest -q -p no:cacheprovider -x -k "cuda or gpu or triton or graph or nccl" \
   tests/test_builders.py tests/test_builders_smoke.py tests/test_decode_inplace.py tests/test_cuda_graph.py \
   tests/test_slot_mapping.py tests/test_yoco.py tests/test_mirror.py tests/test_gpu_broadcast.py \
-  tests/test_mirror_multirank.py tests/test_broadcast_multirank.py
+  tests/test_mirror_multirank.py tests/test_broadcast_multirank.py tests/test_slot_mapping_groups.py
+# attention check on CUDA (bf16 SDPA prefill, bf16 KV-cache decode; tolerance 2e-2, launch/attention_check.py)
+step attn_nccl1 120 python3 -m launch --backend nccl --nproc-per-node 1 --workload mixed --attention-check --kv-interleave 128 --steps 12 --decode-seqs 16
+if [ "$NGPU" -ge 2 ]; then
+  for I in 1 128; do
+    TAILN=3 step attn_nccl${NGPU}_i$I 150 python3 -m launch --backend nccl --nproc-per-node "$NGPU" --workload mixed --cp-mirror --verify --attention-check --kv-interleave $I --steps 12 --decode-seqs 16
+  done
+fi
+# several KV-cache groups: one fused Triton launch vs one launch per group
+TAILN=10 step bench_slot_groups 150 python3 scripts/bench_slot_mapping.py --groups --out "$OUT/slot_groups.json"
 step launch_nccl1 60 python3 -m launch --backend nccl --nproc-per-node 1 --workload mixed --cp-mirror --attn-info --steps 100 --verify --json "$OUT/launch_nccl1.json"
 if [ "$NGPU" -ge 2 ]; then
   TAILN=8 step launch_nccl$NGPU 120 python3 -m launch --backend nccl --nproc-per-node "$NGPU" --workload mixed --cp-mirror --attn-info --kv-interleave 16 --steps 200 --verify --json "$OUT/launch_nccl$NGPU.json"

@@ -6,7 +6,9 @@ Grid ``(num_reqs + 1, n_groups)``: program ``(q, g)`` maps request ``q``'s rows 
 :mod:`cpmeta.gpu.slot_mapping_triton` (tiles, bounded block-table window, masked reads, error
 bits: see there).
 
-Per-group geometry is a small int64 parameter table ``[n_groups, 8]`` (uploaded with the launch)::
+Per-group geometry is a small int64 parameter table ``[n_groups, 8]`` on the device, uploaded
+once per distinct set of tables and kept in a small cache (so replays and CUDA-graph captures
+issue no host-to-device copy)::
 
     col: 0 table offset | 1 row stride | 2 col stride | 3 cols | 4 block_size | 5 kvb * W
          6 kvb // block_size | 7 circular
@@ -21,6 +23,7 @@ compile-time constants. The window is sized for the smallest block size of the c
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
@@ -37,6 +40,9 @@ __all__ = ["launch_slot_mapping_groups_kernel", "group_param_table", "NUM_GROUP_
 NUM_GROUP_PARAMS: int = 8
 _INT32_MAX: int = 2**31 - 1
 _INT32_MIN: int = -(2**31)
+#: Parameter tables kept on the device, keyed by the tables' addresses/strides and the params.
+_TABLE_CACHE: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+_TABLE_CACHE_SIZE: int = 64
 
 
 @functools.cache
@@ -136,10 +142,19 @@ def group_param_table(
     for t, prm in zip(tables, params):
         delta = t.data_ptr() - base.data_ptr()
         assert delta % base.element_size() == 0, "tables of one dtype are element-aligned"
-        rows.append([delta // base.element_size(), t.stride(0), t.stride(1), t.shape[1],
+        rows.append((delta // base.element_size(), t.stride(0), t.stride(1), t.shape[1],
                      prm.block_size, prm.kv_block_size * prm.cp_world_size, prm.blocks_per_kv_block,
-                     int(prm.circular)])
-    return base, torch.tensor(rows, dtype=torch.int64).to(base.device, non_blocking=True)
+                     int(prm.circular)))
+    key = (base.device, base.data_ptr(), tuple(rows))
+    table = _TABLE_CACHE.get(key)
+    if table is None:
+        table = torch.tensor(rows, dtype=torch.int64).to(base.device)
+        _TABLE_CACHE[key] = table
+        while len(_TABLE_CACHE) > _TABLE_CACHE_SIZE:
+            _TABLE_CACHE.popitem(last=False)
+    else:
+        _TABLE_CACHE.move_to_end(key)
+    return base, table
 
 
 def launch_slot_mapping_groups_kernel(
