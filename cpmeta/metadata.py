@@ -65,6 +65,7 @@ class InputMetadata:
     ke: TDict = None  # {r: [total_q] int32} one past the last visible compressed key (sparse r)
     kv_ca_index_offset_len: TDict = None  # {n: [total_q, 2] int32} (offset, len) per dense n
     kv_swa_full_index_pivots: Optional[Tensor] = None  # [total_q, 4] int32 (P0, P1, P2, P3)
+    seq_block_tables: Optional[Tensor] = None  # [n_seq, max len(block_table)] int32, whole tables, -1 pad
 
     # ---- decode only ----------------------------------------------------------------------
     context_lens: Optional[Tensor] = None  # [total_q] int32, pos + 1

@@ -4,11 +4,13 @@ Run under torchrun (or ``python -m launch``, which calls torchrun's machinery)::
 
     torchrun --nproc-per-node 2 -m launch.worker --workload mixed --steps 50 --verify
 
-Each step every rank advances the same seeded :class:`~launch.scheduler.SyntheticScheduler`;
-rank 0 builds ``InputMetadata`` and broadcasts it; with ``--cp-mirror`` every rank keeps its
-zigzag share of prompt rows; with ``--verify`` every rank rebuilds the batch locally and checks
-bit-equality of every field (and, mirrored, that the all-gathered rows restore the full ones).
-Rank 0 prints a table at the end; ``--json`` writes it.
+Rank 0 (the driver) alone runs the seeded :class:`~launch.scheduler.SyntheticScheduler`,
+builds ``InputMetadata`` and broadcasts it; the followers never see a scheduler object and
+derive everything from the broadcast. With ``--cp-mirror`` every rank keeps its zigzag share
+of prompt rows; ``--verify`` checks every field of every rank bit-for-bit against the driver's
+independent rebuild through all-gathered per-field digests (:mod:`launch.verify`), plus the
+un-mirror and, with ``--kv-interleave``, KV ownership; ``--attention-check`` runs
+:mod:`launch.attention_check`. Rank 0 prints a table at the end; ``--json`` writes it.
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ import torch
 import torch.distributed as dist
 
 import cpmeta
-from cpmeta.diff import metadata_diff
 from cpmeta.metadata import InputMetadata
 
 from .scheduler import WORKLOADS, SyntheticScheduler, default_config
+from .verify import VerifyError, expected_table, verify_step
 
 __all__ = ["main", "build_parser", "check_args"]
 
@@ -40,10 +42,6 @@ BACKENDS = ("auto", "gloo", "nccl")
 DEFAULT_WARMUP = 5
 MIN_PROMPT = 16  # SyntheticScheduler draws prompt lengths from [16, --max-prompt]
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # set by torchrun: where a rank records its exception
-
-
-class VerifyError(RuntimeError):
-    """A received or mirrored field differs from the local rebuild."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attn-info", action="store_true", help="also run compute_attn_info each step")
     p.add_argument("--kv-interleave", type=int, default=0,
                    help="derive each rank's CP-interleaved KV slot mapping (0 = off)")
+    p.add_argument("--attention-check", action="store_true",
+                   help="every rank attends over its rows (prefill zigzag; decode over its interleaved "
+                        "KV shard, --kv-interleave or 1) and the gathered result must equal one rank's")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before a stuck peer is an error")
     return p
 
@@ -144,21 +145,16 @@ def _verify_unmirror(full: InputMetadata, mine: InputMetadata, world: int, devic
     return out
 
 
-def _verify_slot_mapping(md: InputMetadata, seqs: Any, args: Any, rank: int, world: int,
-                         cfg: Any, device: torch.device) -> list[str]:
-    """Each rank derives its CP-interleaved KV slots from the received metadata.
+def _verify_slot_mapping(md: InputMetadata, args: Any, rank: int, world: int, cfg: Any,
+                         device: torch.device) -> list[str]:
+    """Each rank derives its CP-interleaved KV slots from the received metadata alone.
 
-    Decode uses the received ``block_tables``; prompt metadata carries no block table, so the
-    scheduler's tables (known to every rank) are stacked. Summed over ranks, every real token
-    must be owned exactly once and a placeholder's never.
+    Prompt metadata carries ``seq_block_tables``, decode ``block_tables``: no scheduler object
+    is read. Summed over ranks, every real token must be owned exactly once and a
+    placeholder's never.
     """
-    from cpmeta.cp.slot_mapping import compute_slot_mapping_from_metadata, stack_block_tables
-
-    table = None if md.block_tables is not None else stack_block_tables(
-        seqs.block_table_rows(), device=md.positions.device)
-    sm = compute_slot_mapping_from_metadata(md, cfg.block_size, block_table=table,
-                                            cp_world_size=world, cp_rank=rank,
-                                            cp_interleave=args.kv_interleave)
+    sm = cpmeta.compute_slot_mapping_from_metadata(md, cfg.block_size, cp_world_size=world, cp_rank=rank,
+                                                   cp_interleave=args.kv_interleave)
     owned = (sm != cpmeta.PAD_SLOT_ID).to(torch.int32).to(device)
     dist.all_reduce(owned)
     want = md.valid_token_mask.to(device=device, dtype=torch.int32)
@@ -167,17 +163,23 @@ def _verify_slot_mapping(md: InputMetadata, seqs: Any, args: Any, rank: int, wor
 
 
 def run_steps(args: Any, rank: int, world: int, device: torch.device) -> dict[str, Any]:
+    """The per-step loop. Only rank 0 (the driver) owns the scheduler and its sequences; the
+    followers work from the broadcast alone: mirror, slot mapping, attention check, verify."""
     cfg = default_config(yoco=args.workload == "yoco")
     sched = SyntheticScheduler(args.seed, cfg, args.workload, decode_seqs=args.decode_seqs,
-                               prompt_seqs=args.prompt_seqs, max_prompt=args.max_prompt)
+                               prompt_seqs=args.prompt_seqs, max_prompt=args.max_prompt) if rank == 0 else None
+    attn_cfg = cfg if args.attn_info else None
     t_build, t_bcast, t_mirror, nbytes = [], [], [], []
+    attn_err = {"prefill": 0.0, "decode": 0.0}  # max |CP - single rank| seen (--attention-check)
     with cpmeta.MetadataBroadcaster(device=device, timeout=args.timeout) as bc:
         for step in range(args.steps):
-            is_prompt, seqs = sched.next_batch()
             t0 = time.perf_counter()
-            md = _build(is_prompt, seqs, cfg) if rank == 0 else None
-            if md is not None and args.attn_info:
-                md.compute_attn_info(cfg)
+            md, expected = None, None
+            if sched is not None:  # the driver
+                is_prompt, seqs = sched.next_batch()
+                md = _build(is_prompt, seqs, cfg)
+                if args.attn_info:
+                    md.compute_attn_info(cfg)
             t1 = time.perf_counter()
             got = bc.broadcast(md)
             t2 = time.perf_counter()
@@ -195,26 +197,24 @@ def run_steps(args: Any, rank: int, world: int, device: torch.device) -> dict[st
                     t_mirror.append(t3 - t2)
                 nbytes.append(_nbytes(got))
             if args.verify:
-                local = _build(is_prompt, seqs, cfg)
-                if args.attn_info:
-                    local.compute_attn_info(cfg)
-                _check(rank, step, "broadcast metadata", metadata_diff(local.to(device), got, cfg=cfg))
-                if got.yoco_consumer_positions is not None:  # YoCo compact: the consumer view too
-                    _check(rank, step, "YoCo consumer view",
-                           metadata_diff(local.get_consumer_view().to(device), got.get_consumer_view(), cfg=cfg))
-                if mine is not None:
-                    ref = cpmeta.prepare_for_mirror_cp(local, rank, world)
-                    if mine.yoco_consumer_positions is not None:
-                        _check(rank, step, "mirrored YoCo consumer view", metadata_diff(
-                            ref.get_consumer_view().to(device), mine.get_consumer_view(), cfg=cfg))
+                if sched is not None:  # an independent rebuild on the driver is the reference
+                    local = _build(is_prompt, seqs, cfg)
                     if args.attn_info:
-                        ref.compute_attn_info(cfg)
-                    _check(rank, step, "mirrored metadata", metadata_diff(ref.to(device), mine, cfg=cfg))
+                        local.compute_attn_info(cfg)
+                    expected = expected_table(local, world, args.cp_mirror, attn_cfg)
+                verify_step(step, rank, world, device, got, mine, expected)
+                if mine is not None:
                     _check(rank, step, "un-mirror", _verify_unmirror(got, mine, world, device))
                 if args.kv_interleave:
-                    _check(rank, step, "kv interleave",
-                           _verify_slot_mapping(got, seqs, args, rank, world, cfg, device))
-    return {"build": t_build, "broadcast": t_bcast, "mirror": t_mirror, "bytes": nbytes}
+                    _check(rank, step, "kv interleave", _verify_slot_mapping(got, args, rank, world, cfg, device))
+            if args.attention_check:
+                from .attention_check import check_step
+
+                kind = "prefill" if got.is_prompt else "decode"
+                attn_err[kind] = max(attn_err[kind], check_step(
+                    got, mine, rank, world, device, cfg.block_size, args.kv_interleave or 1, step))
+    return {"build": t_build, "broadcast": t_bcast, "mirror": t_mirror, "bytes": nbytes,
+            "attn_err": attn_err}
 
 
 def _pct(xs: Sequence[float], q: float) -> float:
@@ -252,7 +252,12 @@ def _print_table(summary: dict[str, Any], args: Any, backend: str, world: int) -
     for r, v in enumerate(rows):
         out.append(f"{r:>4} " + " ".join(f"{x:>10.1f}" for x in v[:6]))
     if args.verify:
-        out.append(f"verify: every rank bit-identical to its local rebuild on all {args.steps} steps")
+        out.append(f"verify: every rank bit-identical to the driver's rebuild on all {args.steps} steps")
+    if args.attention_check:
+        err = summary.get("attn_err", {})
+        out.append(f"attention check: CP result equals single-rank attention on all {args.steps} steps "
+                   f"(max |diff| prefill {err.get('prefill', 0):.3g}, decode {err.get('decode', 0):.3g}, "
+                   f"kv interleave {args.kv_interleave or 1})")
     print("\n".join(out), flush=True)
 
 
@@ -301,6 +306,7 @@ def _run(args: Any) -> int:
         stats = run_steps(args, rank, world, device)
         summary = summarize(stats, world, device)
         if summary is not None:
+            summary["attn_err"] = stats["attn_err"]
             summary.update(workload=args.workload, steps=args.steps, world=world, backend=backend,
                            host=socket.gethostname(), date=datetime.date.today().isoformat())
             _print_table(summary, args, backend, world)

@@ -13,6 +13,11 @@ For 1, 64 and 256 requests x 8192 and 65536 tokens, in two layouts (``plain``: b
   readback that turns a failed check into a ValueError), p50 of wall time;
 * on CPU tensors only ``call_us`` of the torch path.
 
+``--groups``: several KV-cache groups (full attention, block 16; sliding window, block 64;
+a third with block 128 in a 256-token KV block) in ONE ``compute_slot_mapping_groups`` call
+(one Triton launch on CUDA) against one ``compute_slot_mapping`` call per group, same timings;
+rows ``layout=groups3``.
+
 It also checks the Triton output against the CPU torch path (itself tested against the per-token
 reference in tests/) on ``--cases`` random layouts and on every benchmarked batch. JSON goes to
 ``--out``; a short table is printed. Without CUDA or triton only the torch path runs.
@@ -37,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from cpmeta.cp.slot_mapping import compute_slot_mapping  # noqa: E402
+from cpmeta.cp.slot_mapping_groups import KVCacheGroup, compute_slot_mapping_groups  # noqa: E402
 from cpmeta.gpu import slot_mapping_triton as tri  # noqa: E402
 
 REQUESTS = (1, 64, 256)
@@ -137,6 +143,48 @@ def bench_one(name: str, layout: dict[str, Any], num_reqs: int, num_tokens: int,
     return row
 
 
+GROUPS: tuple[tuple[int, int], ...] = ((16, 16), (64, 64), (128, 256))  # (block_size, kv block)
+
+
+def bench_groups(num_reqs: int, num_tokens: int, args: argparse.Namespace, use_triton: bool, cuda: bool,
+                 rng: random.Random) -> dict[str, Any]:
+    """Fused groups call vs one call per group (same requests, one table per group)."""
+    (qsl, pos, _), _ = make_batch(num_reqs, num_tokens, dict(block_size=16), rng, "cpu")
+    g = torch.Generator().manual_seed(rng.randrange(2**31))
+    groups = [KVCacheGroup(torch.randint(0, MAX_BLOCK_ID, (num_reqs, -(-(MAX_CONTEXT + num_tokens) // bs)),
+                                         dtype=torch.int32, generator=g), bs, kvb) for bs, kvb in GROUPS]
+    mnt = num_tokens + TAIL_PAD
+    row: dict[str, Any] = dict(layout=f"groups{len(groups)}", num_reqs=num_reqs, num_tokens=num_tokens)
+
+    def fused(q: torch.Tensor, p: torch.Tensor, gs: list, **kw: Any) -> torch.Tensor:
+        return compute_slot_mapping_groups(q, p, gs, max_num_tokens=mnt, **kw)
+
+    def split(q: torch.Tensor, p: torch.Tensor, gs: list, **kw: Any) -> list:
+        return [compute_slot_mapping(q, p, x.block_table, x.block_size, max_num_tokens=mnt,
+                                     kv_cache_block_size=x.kv_cache_block_size, **kw) for x in gs]
+
+    expected = torch.stack(split(qsl, pos, groups))
+    row["fused_equal_cpu"] = bool(torch.equal(fused(qsl, pos, groups), expected))
+    row["cpu_torch_call_us"] = wall_us(lambda: fused(qsl, pos, groups), args.cpu_repeat, False)
+    row["cpu_torch_split_call_us"] = wall_us(lambda: split(qsl, pos, groups), args.cpu_repeat, False)
+    if not (cuda and use_triton):
+        return row
+    q, p = qsl.cuda(), pos.cuda()
+    gg = [KVCacheGroup(x.block_table.cuda(), x.block_size, x.kv_cache_block_size) for x in groups]
+    out = torch.empty(len(gg), mnt, dtype=torch.int32, device="cuda")
+    outs = [out[i] for i in range(len(gg))]
+    err = torch.zeros(1, dtype=torch.int32, device="cuda")
+    row["triton_equal"] = bool(torch.equal(fused(q, p, gg).cpu(), expected))
+    row["triton_gpu_us"] = graph_us(lambda: fused(q, p, gg, out=out, error_out=err), args.repeat)
+    row["triton_split_gpu_us"] = graph_us(lambda: [compute_slot_mapping(
+        q, p, x.block_table, x.block_size, max_num_tokens=mnt, kv_cache_block_size=x.kv_cache_block_size,
+        out=o, error_out=err) for x, o in zip(gg, outs)], args.repeat)
+    row["triton_call_us"] = wall_us(lambda: fused(q, p, gg), args.repeat, True)
+    row["triton_split_call_us"] = wall_us(lambda: split(q, p, gg), args.repeat, True)
+    row["triton_errors"] = int(err.item())
+    return row
+
+
 def random_equality(cases: int, rng: random.Random) -> dict[str, Any]:
     """Triton vs the CPU torch path on small random layouts of every branch."""
     mismatches: list[dict[str, Any]] = []
@@ -168,6 +216,9 @@ def random_equality(cases: int, rng: random.Random) -> dict[str, Any]:
 def print_table(rows: list[dict[str, Any]]) -> None:
     cols = ["layout", "num_reqs", "num_tokens", "triton_gpu_us", "torch_gpu_us", "triton_call_us",
             "torch_call_us", "cpu_torch_call_us"]
+    if rows and rows[0]["layout"].startswith("groups"):
+        cols = ["layout", "num_reqs", "num_tokens", "triton_gpu_us", "triton_split_gpu_us", "triton_call_us",
+                "triton_split_call_us", "cpu_torch_call_us", "cpu_torch_split_call_us"]
     print(" | ".join(f"{c:>17}" for c in cols))
     for r in rows:
         cells = [r.get(c, "-") for c in cols]
@@ -182,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", type=int, default=200, help="random equality cases (GPU only)")
     ap.add_argument("--quick", action="store_true", help="few repeats (smoke test)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--groups", action="store_true", help="fused KV-cache groups vs one call per group")
     args = ap.parse_args(argv)
     if args.quick:
         args.repeat, args.cpu_repeat, args.cases = 10, 3, 20
@@ -189,8 +241,11 @@ def main(argv: list[str] | None = None) -> int:
     use_triton = cuda and tri.triton_available()
     rng = random.Random(args.seed)
     torch.manual_seed(args.seed)
-    rows = [bench_one(name, layout, r, t, args, use_triton, cuda, rng)
-            for name, layout in LAYOUTS.items() for r in REQUESTS for t in TOKENS]
+    if args.groups:
+        rows = [bench_groups(r, t, args, use_triton, cuda, rng) for r in REQUESTS for t in TOKENS]
+    else:
+        rows = [bench_one(name, layout, r, t, args, use_triton, cuda, rng)
+                for name, layout in LAYOUTS.items() for r in REQUESTS for t in TOKENS]
     report: dict[str, Any] = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         host=platform.node(), torch=torch.__version__, cuda=cuda,
@@ -199,11 +254,16 @@ def main(argv: list[str] | None = None) -> int:
         cpu_threads=torch.get_num_threads(), tile_tiers=tri.TILE_TIERS,
         results=rows,
     )
-    if use_triton:
+    if use_triton and not args.groups:
         report["random_equality"] = random_equality(args.cases, rng)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print_table(rows)
+    if args.groups:
+        ok = all(r["fused_equal_cpu"] and r.get("triton_equal", True) and not r.get("triton_errors")
+                 for r in rows)
+        print(f"fused groups equal to per-group calls on every batch: {ok}")
+        return 0 if ok else 1
     if use_triton:
         eq = report["random_equality"]
         bench_ok = all(r.get("triton_equal", True) and r.get("torch_equal", True) for r in rows)

@@ -18,7 +18,7 @@ echo "GPUs: $NGPU"
 TAILN=4 step gpu_tests 320 python3 -m pytest -q -p no:cacheprovider -x -k "cuda or gpu or triton or graph or nccl" \
   tests/test_builders.py tests/test_builders_smoke.py tests/test_decode_inplace.py tests/test_cuda_graph.py \
   tests/test_slot_mapping.py tests/test_yoco.py tests/test_mirror.py tests/test_gpu_broadcast.py \
-  tests/test_mirror_multirank.py tests/test_broadcast_multirank.py
+  tests/test_mirror_multirank.py tests/test_broadcast_multirank.py tests/test_slot_mapping_groups.py
 # issue 16 items 3-4, issue 18 item 3. gpu_tests above also runs (by keyword) the captured-graph
 # capacity / stream-order tests (test_cuda_graph.py) and MetadataBroadcaster followers on cuda:0
 # over gloo, 2-3 ranks (test_gpu_broadcast.py). Below: CP staged decode (world 1 NCCL; 2-3 gloo
@@ -26,6 +26,15 @@ TAILN=4 step gpu_tests 320 python3 -m pytest -q -p no:cacheprovider -x -k "cuda 
 TAILN=6 step gpu_decode_cp 150 python3 -m pytest -q -p no:cacheprovider tests/test_decode_cp.py tests/test_decode_capacity.py
 TAILN=8 step bench_cp_nccl1 45 python3 scripts/bench_decode_cp.py --backend nccl --worlds 1 --steps 200 --budget 5 --out "$OUT/decode_cp_nccl1.json"
 TAILN=8 step bench_cp_gloo_cuda0 75 python3 scripts/bench_decode_cp.py --device cuda --worlds 2 3 --steps 200 --budget 5 --out "$OUT/decode_cp_gloo_cuda0.json"
+# attention check on CUDA (bf16 SDPA prefill, bf16 KV-cache decode; tolerance 2e-2, launch/attention_check.py)
+step attn_nccl1 120 python3 -m launch --backend nccl --nproc-per-node 1 --workload mixed --attention-check --kv-interleave 128 --steps 12 --decode-seqs 16
+if [ "$NGPU" -ge 2 ]; then
+  for I in 1 128; do
+    TAILN=3 step attn_nccl${NGPU}_i$I 150 python3 -m launch --backend nccl --nproc-per-node "$NGPU" --workload mixed --cp-mirror --verify --attention-check --kv-interleave $I --steps 12 --decode-seqs 16
+  done
+fi
+# several KV-cache groups: one fused Triton launch vs one launch per group
+TAILN=10 step bench_slot_groups 150 python3 scripts/bench_slot_mapping.py --groups --out "$OUT/slot_groups.json"
 step launch_nccl1 60 python3 -m launch --backend nccl --nproc-per-node 1 --workload mixed --cp-mirror --attn-info --steps 100 --verify --json "$OUT/launch_nccl1.json"
 if [ "$NGPU" -ge 2 ]; then
   TAILN=8 step launch_nccl$NGPU 120 python3 -m launch --backend nccl --nproc-per-node "$NGPU" --workload mixed --cp-mirror --attn-info --kv-interleave 16 --steps 200 --verify --json "$OUT/launch_nccl$NGPU.json"

@@ -54,6 +54,7 @@ def _first_chunk() -> NamedCase:
     # pivots row 5 (pos 5): abs_lo = max(5-4+1, 0) = 2, sec1_lo = min(2, 0) = 0,
     #   start_slot = 0 - (0 - 4) = 4 -> P0 = 4, P1 = 0; k_lo = 2 -> P2 = 1*4 + 0 + 2 = 6, P3 = 4.
     return NamedCase("first_chunk", C1, [_seq(10, 10, [7, 3], 2)], True, {
+        "seq_block_tables": [[7, 3]],  # the whole table, one sequence: no padding
         "positions": list(range(10)),
         "input_ids": list(range(100, 110)),
         "positions_c.4": [0, 4],
@@ -181,6 +182,7 @@ def _placeholder_prompt() -> NamedCase:
     # seq0 q_start 3: ratio 4 c in [0, 1) -> slot 10*4 = 40; seq2 k=1: dummy (0, -1).
     seqs = [_seq(1, 4, [10], 4), _seq(2, 8, [12], 5, is_placeholder=True), _seq(1, 1, [13], 6)]
     return NamedCase("placeholder_prompt", C1, seqs, True, {
+        "seq_block_tables": [[10], [12], [13]],  # a placeholder's table is carried like any other
         "query_indices": [0, PH, PH, 2],
         "valid_token_mask": [True, False, False, True],
         "slot_mapping_store_swa": [27, -1, -1, 36],
@@ -312,6 +314,7 @@ def _dense_4_128_prompt() -> NamedCase:
     #   j >= 10 - 8 = 2.
     seqs = [_seq(2, 2, [30], 0), _seq(10, 260, [21, 22, 23], 1)]
     return NamedCase("dense_4_128_sparse_4_prompt", R4_128, seqs, True, {
+        "seq_block_tables": [[30, -1, -1], [21, 22, 23]],  # width 3 = longest table, -1 padded
         "cu_compressed_seqlens_k.4": [0, 1, 66],
         "cu_compressed_seqlens_k.128": [0, 1, 3],
         "load_segments_ca.4": [[-1, 0, 1, 0], [21, 0, 32, 1], [22, 0, 32, 33], [23, 0, 1, 65]],

@@ -49,6 +49,7 @@ COMMON_FIELDS = (
 PROMPT_FIELDS = (
     "cu_compressed_seqlens_q", "total_k_swa", "load_segments_swa", "cu_compressed_seqlens_k",
     "load_segments_ca", "total_k_compressed", "ks", "ke", "kv_swa_full_index_pivots",
+    "seq_block_tables",
 )
 DECODE_FIELDS = ("context_lens", "klen", "kv_swa_index_offset_len", "block_tables")
 DERIVED = ("kv_ca_index", "kv_ca_index_len", "kv_swa_full_index", "kv_swa_index")
@@ -280,6 +281,10 @@ def ref_prepare_prompt(seqs: Sequence[SequenceMetadata], cfg: MetadataConfig) ->
         d["kv_ca_index_offset_len"][str(n)] = [[base_of[s], (pos + 1) // n] for _i, s, _j, pos in _rows(seqs)]
     d["kv_swa_full_index_pivots"] = [
         _swa_pivots(seqs[s], s, j, n_seq, cu_q[s], W) for _i, s, j, _pos in _rows(seqs)
+    ]
+    width = max(len(seq.block_table) for seq in seqs)  # whole tables, padded with -1
+    d["seq_block_tables"] = [
+        [int(b) for b in seq.block_table] + [PAD] * (width - len(seq.block_table)) for seq in seqs
     ]
     return d
 

@@ -21,7 +21,7 @@ max_seqlen_k is_prompt cu_compressed_seqlens_q state_block_idx total_k_swa load_
 cu_compressed_seqlens_k load_segments_ca total_k_compressed ks ke kv_ca_index_offset_len
 kv_swa_full_index_pivots context_lens klen kv_swa_index_offset_len block_tables kv_ca_index
 kv_ca_index_len kv_swa_full_index kv_swa_index mirror_cp_index mirror_cp_reverse_index cp_mirror_len
-cp_rank cp_size positions_cp gate_force_random_cp
+cp_rank cp_size positions_cp gate_force_random_cp seq_block_tables
 """.split()
 DICT_FIELDS = frozenset("""
 positions_c slot_mapping_store_ca cu_compressed_seqlens_q cu_compressed_seqlens_k load_segments_ca

@@ -375,6 +375,28 @@ def test_from_metadata_prompt_with_placeholder_and_cp() -> None:
     assert got.tolist() == [-1, 14, -1, -1, -1, -1]  # sequence 1 is a placeholder
     with pytest.raises(ValueError, match="block_table"):
         compute_slot_mapping_from_metadata(md, 4)
+    # the broadcast carries the tables itself (seq_block_tables): no block_table= needed
+    md.seq_block_tables = bt
+    assert compute_slot_mapping_from_metadata(md, 4, cp_world_size=2, cp_rank=1,
+                                              max_num_tokens=6).tolist() == got.tolist()
+
+
+def test_from_metadata_prompt_built_and_mirrored_needs_no_scheduler() -> None:
+    """prepare_prompt -> mirror -> slot mapping from the metadata alone = the explicit tables."""
+    cfg = cpmeta.MetadataConfig(block_size=16, window_size=4, swa_block_size=8,
+                                dense_compress_ratios=(4,), sparse_compress_ratios=(4,), max_model_len=128)
+    seqs = [cpmeta.SequenceMetadata(5, 40, [9, 3, 6, 11], 0, list(range(40))),
+            cpmeta.SequenceMetadata(7, 7, [2], 1, list(range(7)))]
+    md = cpmeta.prepare_prompt(seqs, cfg)
+    assert md.seq_block_tables.tolist() == [[9, 3, 6, 11], [2, -1, -1, -1]]
+    bt = stack_block_tables([s.block_table for s in seqs])
+    for rank in range(2):
+        mine = cpmeta.prepare_for_mirror_cp(md, rank, 2)
+        assert mine.seq_block_tables is md.seq_block_tables  # whole-sequence field: carried over
+        got = compute_slot_mapping_from_metadata(mine, 16, cp_world_size=2, cp_rank=rank, cp_interleave=4)
+        want = compute_slot_mapping_from_metadata(mine, 16, block_table=bt, cp_world_size=2,
+                                                  cp_rank=rank, cp_interleave=4)
+        assert torch.equal(got, want)
 
 
 def test_from_metadata_decode_uses_block_tables() -> None:

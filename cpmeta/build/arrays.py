@@ -198,6 +198,8 @@ class BatchArrays:
     comp_flat: np.ndarray  # [sum comp_len] int64, Engram compressed ids of positions [tok_lo, tok_lo + comp_len)
     comp_len: np.ndarray  # [n_seq] int64
     data_len: np.ndarray  # [n_seq] int64, len(token_ids) (YoCo: the whole prompt)
+    bt_whole: np.ndarray  # [sum len(block_table)] int64, every WHOLE table back to back (seq_block_tables)
+    bt_whole_off: np.ndarray  # [n_seq+1] int64, offsets of the whole tables in bt_whole
     is_prompt: bool
 
     def per_row(self, x: np.ndarray) -> np.ndarray:

@@ -83,7 +83,7 @@ def extract_batch(seqs: BatchInput, cfg: MetadataConfig, *, is_prompt: bool) -> 
         row_seq=row_seq, row_j=row_j, row_pos=row_pos,
         tok_flat=toks, tok_off=tok_off, tok_lo=tok_lo,
         comp_flat=sb.compressed, comp_len=np.diff(sb.compressed_offsets), data_len=sb.num_tokens,
-        is_prompt=is_prompt,
+        bt_whole=sb.block_tables, bt_whole_off=sb.block_table_offsets, is_prompt=is_prompt,
     )
 
 

@@ -23,6 +23,7 @@ import torch
 
 from ..config import MetadataConfig
 from ..metadata import InputMetadata
+from ..constants import INT32_MAX
 from .arrays import BatchArrays, alloc, check_int32, fdiv, loaded_compressed_len
 from .common import check_common_int32, compressed_slots, fill_common
 from .extract import BatchInput, extract_batch
@@ -142,6 +143,29 @@ def _fill_swa_pivots(b: BatchArrays, cfg: MetadataConfig, out: Out) -> torch.Ten
     return t
 
 
+#: Fill value of ``seq_block_tables`` past a sequence's own blocks (never a real block id).
+SEQ_BLOCK_TABLE_PAD: int = -1
+
+
+def _fill_seq_block_tables(b: BatchArrays, out: Out) -> torch.Tensor:
+    """``seq_block_tables`` [n_seq, width] int32: each sequence's WHOLE ``block_table``, -1 padded.
+
+    ``width = max len(block_table)`` (not only the ``blocks_needed`` prefix the compressed fields
+    read): a follower rank derives its own KV slot mapping from it (DESIGN 4 and 11), with no
+    access to the scheduler. Example: tables ``[[7, 3, 9], [4]]`` -> ``[[7, 3, 9], [4, -1, -1]]``.
+    """
+    flat, lengths = b.bt_whole, np.diff(b.bt_whole_off)
+    width = int(lengths.max()) if b.n_seq else 0
+    if flat.size and (flat.min() < 0 or flat.max() > INT32_MAX):
+        bad = int(np.searchsorted(b.bt_whole_off[1:], int(np.argmax((flat < 0) | (flat > INT32_MAX))),
+                                  side="right"))
+        raise ValueError(f"seqs[{bad}].block_table: expected block ids in [0, 2**31 - 1]")
+    t, a = alloc(out, "seq_block_tables", (b.n_seq, width), torch.int32)
+    a.fill(SEQ_BLOCK_TABLE_PAD)
+    a[np.arange(width)[None, :] < lengths[:, None]] = flat
+    return t
+
+
 def prepare_prompt(
     seqs: BatchInput, cfg: MetadataConfig, *, out: Out = None
 ) -> InputMetadata:
@@ -161,7 +185,8 @@ def prepare_prompt(
     ``cu_compressed_seqlens_k[n]`` [n_seq+1], ``state_block_idx`` [n_seq], ``total_k_swa``,
     ``load_segments_swa`` / ``load_segments_ca[n]`` [num_segments, 4], ``total_k_compressed[n]``,
     ``ks[r]`` / ``ke[r]`` [total_q], ``kv_ca_index_offset_len[n]`` [total_q, 2],
-    ``kv_swa_full_index_pivots`` [total_q, 4]. Decode-only fields are ``None``. Int32 overflow of
+    ``kv_swa_full_index_pivots`` [total_q, 4], ``seq_block_tables`` [n_seq, max len(block_table)]
+    (whole tables, -1 padded). Decode-only fields are ``None``. Int32 overflow of
     any total, offset or slot raises ``ValueError`` before allocation.
     """
     b = extract_batch(seqs, cfg, is_prompt=True)
@@ -175,6 +200,7 @@ def prepare_prompt(
     f["load_segments_swa"] = swa_load_segments(b, cfg, out)
     _fill_compressed_reads(b, cfg, out, f, cu_ck)
     f["kv_swa_full_index_pivots"] = _fill_swa_pivots(b, cfg, out)
+    f["seq_block_tables"] = _fill_seq_block_tables(b, out)
     if cfg.yoco_keep_tokens is not None:  # YoCo truncation fields (DESIGN 10), built in build/yoco.py
         f.update(build_yoco_fields(f, b, cfg, out=out))
     return InputMetadata(**f)

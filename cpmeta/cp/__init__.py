@@ -10,13 +10,17 @@ module                   holds
 ``yoco_views``           ``md.get_mask_view()`` / ``md.get_consumer_view()``
 ``slot_mapping``         :func:`compute_slot_mapping` with CP-interleaved KV (CPU path + dispatch)
 ``slot_mapping_errors``  the error bits both slot-mapping paths report
+``slot_mapping_groups``  :func:`compute_slot_mapping_groups`: several KV-cache groups, one call
+``kv_shard``             :func:`cp_local_seqlens`: a rank's share of CP-interleaved KV (decode)
 =======================  =========================================================================
 """
 
 from __future__ import annotations
 
+from .kv_shard import cp_local_seqlens
 from .mirror import prepare_for_mirror_cp
 from .slot_mapping import compute_slot_mapping, compute_slot_mapping_from_metadata
+from .slot_mapping_groups import KVCacheGroup, compute_slot_mapping_groups
 from .zigzag import mirror_rows, prepare_cp_mirror, unmirror
 
 __all__ = [
@@ -26,4 +30,7 @@ __all__ = [
     "unmirror",
     "compute_slot_mapping",
     "compute_slot_mapping_from_metadata",
+    "compute_slot_mapping_groups",
+    "KVCacheGroup",
+    "cp_local_seqlens",
 ]

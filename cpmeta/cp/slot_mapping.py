@@ -386,8 +386,9 @@ def compute_slot_mapping_from_metadata(
     Uses ``md.cu_seqlens_q`` as ``query_start_loc`` and the FULL-layout positions
     (``md.positions_cp`` after the CP mirror, else ``md.positions``), so the result has one row
     per full-layout query row. ``block_table`` is [n_seq, max_blocks] (see
-    :func:`stack_block_tables`); for decode metadata it defaults to each sequence's first row
-    of ``md.block_tables``. Rows of placeholder sequences (``query_indices == 998244353``) get
+    :func:`stack_block_tables`); it defaults to the broadcast metadata's own tables, so every
+    rank needs nothing but ``md``: prompt ``md.seq_block_tables`` (whole tables, DESIGN 4),
+    decode each sequence's first row of ``md.block_tables``. Rows of placeholder sequences (``query_indices == 998244353``) get
     ``pad_id``; a YoCo consumer view's ``query_indices`` holds row numbers, so there nothing is
     masked. ``max_num_tokens`` defaults to the row count; other keywords go to
     :func:`compute_slot_mapping` (``kv_cache_block_size``, ``cp_world_size``, ``cp_rank``,
@@ -398,9 +399,13 @@ def compute_slot_mapping_from_metadata(
     if qsl is None or positions is None:
         raise ValueError("md: expected cu_seqlens_q and positions to be set")
     if block_table is None:
-        if md.block_tables is None:
-            raise ValueError("block_table: required for prompt metadata (md.block_tables is None)")
-        block_table = md.block_tables.index_select(0, qsl[:-1].to(torch.int64))
+        if md.seq_block_tables is not None:
+            block_table = md.seq_block_tables
+        elif md.block_tables is not None:
+            block_table = md.block_tables.index_select(0, qsl[:-1].to(torch.int64))
+        else:
+            raise ValueError("block_table: required when md has neither seq_block_tables (prompt) "
+                             "nor block_tables (decode)")
     rows = positions.shape[0]
     slots = compute_slot_mapping(qsl, positions, block_table, block_size,
                                  max_num_tokens=rows if max_num_tokens is None else max_num_tokens,
