@@ -2,7 +2,8 @@
 
 The package reads like one engine step (DESIGN sections 1-2)::
 
-    cpmeta/             config, sequence input, InputMetadata and its container operations
+    cpmeta/             config, sequence input (SequenceMetadata lists, SequenceBatch arrays,
+                        BatchState), InputMetadata and its container operations
     cpmeta/build/       scheduler input -> InputMetadata on the host (prepare_prompt, prepare_decode,
                         compute_attn_info)
     cpmeta/broadcast/   MetadataBroadcaster: driver -> every rank of the CP group
@@ -19,6 +20,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from .batch import SequenceBatch
+from .batch_state import BatchState
 from .buffers import get_or_create_stacked, get_or_create_tensor
 from .config import MetadataConfig
 from .constants import INT32_MAX, PAD_SLOT_ID, PLACEHOLDER_QUERY_INDEX
@@ -27,7 +30,7 @@ from .sequence import SequenceMetadata
 
 if TYPE_CHECKING:
     from .broadcast import MetadataBroadcaster
-    from .build import BatchState, SequenceBatch, compute_attn_info, prepare_decode, prepare_prompt
+    from .build import compute_attn_info, prepare_decode, prepare_prompt
     from .cp import (
         compute_slot_mapping,
         compute_slot_mapping_from_metadata,
@@ -47,8 +50,6 @@ _LAZY: dict[str, str] = {
     "prepare_prompt": "cpmeta.build.prompt",
     "prepare_decode": "cpmeta.build.decode",
     "compute_attn_info": "cpmeta.build.attn_info",
-    "SequenceBatch": "cpmeta.build.batch",
-    "BatchState": "cpmeta.build.batch_state",
     "prepare_cp_mirror": "cpmeta.cp.zigzag",
     "prepare_for_mirror_cp": "cpmeta.cp.mirror",
     "unmirror": "cpmeta.cp.zigzag",

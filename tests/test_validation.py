@@ -11,6 +11,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+import cpmeta
 from cpmeta import MetadataConfig, SequenceMetadata
 from cpmeta.sequence import blocks_needed, validate_batch
 from strategies import decode_cases, prompt_cases, random_config, random_decode_batch, random_prompt_batch
@@ -161,3 +162,15 @@ def test_random_corruption_names_the_sequence(seed: int, is_prompt: bool, kind: 
     seqs[i] = dataclasses.replace(seqs[i], **corrupt(seqs[i], cfg))
     with pytest.raises(ValueError, match=re.escape(f"seqs[{i}].{field}")):
         validate_batch(seqs, cfg, is_prompt=is_prompt)
+
+
+@pytest.mark.parametrize("field", ["compressed_token_ids", "token_ids", "block_table"])
+def test_non_int_ids_name_their_field(field: str) -> None:
+    """A None among the ids is a ValueError naming seqs[i].<field> (the Engram history once said
+    only 'seqs[0] ids')."""
+    cfg = MetadataConfig(max_ngram_size=3)
+    kw = dict(seqlen_q=4, seqlen_k=4, block_table=[1], state_id=0, token_ids=[1, 2, 3, 4])
+    kw[field] = [None, None] if field != "token_ids" else [1, 2, None, 4]
+    good = SequenceMetadata(seqlen_q=1, seqlen_k=1, block_table=[0], state_id=1, token_ids=[5])
+    with pytest.raises(ValueError, match=rf"seqs\[1\]\.{field}"):
+        cpmeta.prepare_prompt([good, SequenceMetadata(**kw)], cfg)

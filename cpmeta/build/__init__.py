@@ -5,9 +5,7 @@ module               holds
 ===================  ===========================================================================
 ``prompt``           :func:`prepare_prompt` (chunked prefill metadata)
 ``decode``           :func:`prepare_decode` (decode metadata, MTP drafts)
-``batch``            ``SequenceBatch``: one step's sequences as arrays (lists convert to it)
-``batch_state``      ``BatchState``: persistent per-request arrays, per-step deltas -> ``SequenceBatch``
-``extract``          ``SequenceBatch`` (or a list, through it) -> ``BatchArrays``
+``extract``          ``SequenceBatch`` (``cpmeta/batch.py``; a list converts to it) -> ``BatchArrays``
 ``arrays``           ``BatchArrays`` and the integer helpers every builder uses
 ``common``           the fields prompt and decode share, int32 checks, compressed-KV slots
 ``ngram``            Engram look-back ids (``ngram_token_ids``)
@@ -21,9 +19,7 @@ module               holds
 from __future__ import annotations
 
 from .attn_info import compute_attn_info
-from .batch import SequenceBatch
-from .batch_state import BatchState
 from .decode import prepare_decode
 from .prompt import prepare_prompt
 
-__all__ = ["prepare_prompt", "prepare_decode", "compute_attn_info", "SequenceBatch", "BatchState"]
+__all__ = ["prepare_prompt", "prepare_decode", "compute_attn_info"]

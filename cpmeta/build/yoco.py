@@ -56,7 +56,7 @@ from ..config import MetadataConfig
 from ..constants import PAD_SLOT_ID
 from ..sequence import SequenceMetadata
 from .arrays import BatchArrays
-from .batch import SequenceBatch
+from ..batch import SequenceBatch
 from .swa_pivots import NUM_PIVOTS, Arr, swa_visibility_pivots
 
 #: What YoCo reads its per-sequence prompt lengths from.

@@ -1,7 +1,7 @@
 """``BatchState``: persistent per-request state in preallocated numpy arrays (DESIGN section 13).
 
 A request is added once; each step only applies deltas and asks for the step's
-:class:`~cpmeta.build.batch.SequenceBatch`. No step does work proportional to a sequence's
+:class:`~cpmeta.batch.SequenceBatch`. No step does work proportional to a sequence's
 length: the token history stays here, a step gathers only its token windows (prompt: the chunk
 plus the Engram look-back; decode: look-back + the last confirmed token + drafts) and block tables.
 """
@@ -12,9 +12,9 @@ from typing import Any, Hashable, Optional, Sequence
 
 import numpy as np
 
-from ..config import MetadataConfig
-from ..sequence import blocks_needed
 from .batch import SequenceBatch, window_lookback
+from .config import MetadataConfig
+from .sequence import blocks_needed
 
 __all__ = ["BatchState"]
 

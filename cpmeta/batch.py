@@ -2,7 +2,7 @@
 
 The builders' input in array form. A list of ``SequenceMetadata`` converts with
 :meth:`SequenceBatch.from_sequences` (validated with ``validate_batch``'s rules and messages);
-:class:`~cpmeta.build.batch_state.BatchState` produces one per step without touching Python
+:class:`~cpmeta.batch_state.BatchState` produces one per step without touching Python
 objects. ``prepare_prompt`` / ``prepare_decode`` / ``prepare_decode_inplace`` accept either form
 with bit-identical results; the list path IS ``from_sequences`` followed by the array path.
 """
@@ -15,9 +15,9 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ..config import MetadataConfig
-from ..sequence import SequenceMetadata, validate_batch
-from .arrays import cdiv, first_bad, int_array
+from .config import MetadataConfig
+from .int_lists import first_bad, int_array
+from .sequence import SequenceMetadata, validate_batch
 
 __all__ = ["SequenceBatch", "window_lookback", "blocks_needed_array"]
 
@@ -41,7 +41,7 @@ def blocks_needed_array(sk: np.ndarray, cfg: MetadataConfig) -> np.ndarray:
     """Vectorized ``sequence.blocks_needed``: ``max_n cdiv(seqlen_k // n, block_size // n)``."""
     need = None
     for n in cfg.ca_ratios:
-        x = cdiv(sk // n, cfg.block_size // n)
+        x = -(-(sk // n) // (cfg.block_size // n))
         need = x if need is None else np.maximum(need, x)
     return need
 
