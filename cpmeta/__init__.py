@@ -43,7 +43,7 @@ if TYPE_CHECKING:
         unmirror,
     )
     from .diff import metadata_diff
-    from .gpu import prepare_decode_inplace
+    from .gpu import StagedDecodeBroadcaster, prepare_decode_inplace
 
 #: Public name -> the module that defines it (imported on first attribute access).
 _LAZY: dict[str, str] = {
@@ -61,6 +61,7 @@ _LAZY: dict[str, str] = {
     "cp_local_seqlens": "cpmeta.cp.kv_shard",
     "MetadataBroadcaster": "cpmeta.broadcast.broadcaster",
     "prepare_decode_inplace": "cpmeta.gpu.decode_inplace",
+    "StagedDecodeBroadcaster": "cpmeta.gpu.decode_cp",
     "metadata_diff": "cpmeta.diff",
 }
 
@@ -89,6 +90,7 @@ __all__ = [
     "cp_local_seqlens",
     "MetadataBroadcaster",
     "prepare_decode_inplace",
+    "StagedDecodeBroadcaster",
     "metadata_diff",
 ]
 assert set(__all__) >= set(_LAZY), "every lazy name is exported"

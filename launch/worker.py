@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"steps excluded from the timing table (default {DEFAULT_WARMUP}, at most --steps - 1)")
     p.add_argument("--cp-mirror", action="store_true", help="each rank keeps its zigzag share")
     p.add_argument("--backend", choices=BACKENDS, default="auto")
-    p.add_argument("--verify", action="store_true", help="rebuild locally and compare bitwise")
+    p.add_argument("--verify", action="store_true",
+                   help="the driver rebuilds each step; every rank checks what it holds against digests of it")
     p.add_argument("--json", default=None, help="write the summary table here (rank 0)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--decode-seqs", type=int, default=64)
