@@ -106,7 +106,10 @@ class SequenceBatch:
     compressed: np.ndarray  # [sum c] int64, compressed ids of positions [lo, lo + c)
     compressed_offsets: np.ndarray  # [n_seq+1] int64
     lookback: int  # window reaches lookback positions before q_start (max_ngram_size - 1)
-    _checked: Any = field(default=None, repr=False)  # the config this batch passed validate() for
+    # the config this batch passed validate() for; NOT a constructor argument, so a batch built
+    # from user arrays always starts unchecked (only from_sequences, validate() and BatchState,
+    # which checks what its own invariants leave open, set it)
+    _checked: Any = field(default=None, init=False, repr=False)
 
     def __len__(self) -> int:
         return int(self.seqlen_q.shape[0])

@@ -12,7 +12,7 @@ from typing import Any, Hashable, Optional, Sequence
 
 import numpy as np
 
-from .batch import SequenceBatch, window_lookback
+from .batch import SequenceBatch, blocks_needed_array, window_lookback
 from .config import MetadataConfig
 from .sequence import blocks_needed
 
@@ -210,7 +210,8 @@ class BatchState:
         self.swa_valid_start[slot] = swa_valid_start
 
     def _check_slots(self, slots: np.ndarray) -> None:
-        if slots.ndim != 1 or ((slots < 0) | (slots >= self.max_seqs)).any() or not self.active[slots].all():
+        # one unsigned comparison catches negative slots (huge as uint64) and slots >= max_seqs
+        if slots.ndim != 1 or (slots.view(np.uint64) >= self.max_seqs).any() or not self.active[slots].all():
             bad = [int(s) for s in slots.reshape(-1) if not (0 <= s < self.max_seqs and self.active[s])]
             raise ValueError(f"slots: expected slots of live requests, got {bad[:4]} without one")
 
@@ -243,13 +244,18 @@ class BatchState:
         ``seqlen_q = 1 + num_drafts`` and ``seqlen_k = num_tokens + num_drafts``."""
         slots = np.asarray(slots, np.int64)
         self._check_slots(slots)
-        nd = np.zeros(len(slots), np.int64) if num_drafts is None else np.asarray(num_drafts, np.int64)
         drafts = np.zeros(0, np.int64) if draft_tokens is None else np.asarray(draft_tokens, np.int64)
-        if nd.shape != slots.shape or (nd < 0).any() or int(nd.sum()) != len(drafts):
-            raise ValueError(f"num_drafts: expected {len(slots)} counts >= 0 summing to {len(drafts)} drafts")
-        pre = np.flatnonzero(self.num_computed[slots] < self.prompt_len[slots])
-        if pre.size:
-            s = int(slots[pre[0]])
+        if num_drafts is None:
+            if len(drafts):
+                raise ValueError(f"num_drafts: expected {len(slots)} counts >= 0 summing to {len(drafts)} drafts")
+            nd = np.zeros(len(slots), np.int64)
+        else:
+            nd = np.asarray(num_drafts, np.int64)
+            if nd.shape != slots.shape or (nd < 0).any() or int(nd.sum()) != len(drafts):
+                raise ValueError(f"num_drafts: expected {len(slots)} counts >= 0 summing to {len(drafts)} drafts")
+        in_prefill = self.num_computed[slots] < self.prompt_len[slots]
+        if in_prefill.any():
+            s = int(slots[np.argmax(in_prefill)])
             raise ValueError(f"request {self._req[s]!r}: still in prefill ({int(self.num_computed[s])} of "
                              f"{int(self.prompt_len[s])} prompt tokens computed)")
         k = self.num_tokens[slots] + nd
@@ -257,48 +263,76 @@ class BatchState:
 
     def _batch(self, is_prompt: bool, slots: np.ndarray, sq: np.ndarray, sk: np.ndarray,
                drafts: Optional[np.ndarray], n_ph: int) -> SequenceBatch:
-        """Gather the step's arrays; placeholders are appended after the requests."""
+        """Gather the step's arrays; placeholders are appended after the requests.
+
+        Every ragged gather is ONE flat ``np.take`` from a row-major matrix, index
+        ``slot * row_length + column``. Example: ``max_tokens = 8``, slots ``[2, 0]``, windows
+        ``[5, 7)`` and ``[0, 1)`` -> flat indices ``[21, 22, 0]``. A decode without look-back reads
+        one confirmed token per sequence (``token_ids[slot, q_start]``) and places the drafts
+        after it, with no per-token index at all.
+        """
         n_real = len(slots)
-        n = n_real + n_ph
-        one = np.ones(n_ph, np.int64)
         q_start = sk - sq
-        lo = np.maximum(q_start - self.lookback, 0)
-        # token windows [lo, seqlen_k): confirmed tokens up to num_tokens, then (decode) drafts
-        win = sk - lo
-        off, seq, kk = _ragged_index(win)
-        pos = lo[seq] + kk
-        row_slot = slots[seq]
-        if drafts is None:
-            tokens = self.token_ids[row_slot, pos]
+        lb = self.lookback
+        if drafts is not None and lb == 0:  # decode window: the last confirmed token, then the drafts
+            last = np.take(self.token_ids, slots * self.max_tokens + q_start)
+            if len(drafts) == 0:
+                tokens, off = last, np.arange(n_real + 1, dtype=np.int64)
+            else:
+                off = _prefix(sq)
+                tokens = np.empty(int(off[-1]), np.int64)
+                is_draft = np.ones(len(tokens), bool)
+                is_draft[off[:-1]] = False
+                tokens[off[:-1]] = last
+                tokens[is_draft] = drafts
+            lo = q_start
         else:
-            conf = pos <= q_start[seq]
-            tokens = np.empty(len(pos), np.int64)
-            tokens[conf] = self.token_ids[row_slot[conf], pos[conf]]
-            tokens[~conf] = drafts
+            lo = np.maximum(q_start - lb, 0) if lb else q_start
+            win = sk - lo
+            off = _prefix(win)
+            idx = np.repeat(slots * self.max_tokens + lo - off[:-1], win)
+            idx += np.arange(int(off[-1]))
+            if drafts is None or len(drafts) == 0:
+                tokens = np.take(self.token_ids, idx)
+            else:  # window index >= q_start + 1 - lo: a draft (clip: its slot may pass max_tokens)
+                tokens = np.take(self.token_ids, idx, mode="clip")
+                tokens[np.repeat(q_start + 1 - lo + off[:-1], win) <= np.arange(int(off[-1]))] = drafts
         nb = self.num_blocks[slots]
         bt_off = _prefix(nb)
-        # whole rows then a mask: a contiguous row copy beats a per-element gather here
-        tables = self.block_table[slots][np.arange(self.max_blocks) < nb[:, None]]
-        ce = np.minimum(self.num_compressed[slots], sk)
-        cl = np.maximum(ce - lo, 0)
-        c_off, cseq, ck = _ragged_index(cl)
-        comp = self.compressed[slots[cseq], lo[cseq] + ck]
-        num_tokens = self.num_tokens[slots]
+        tables = np.take(self.block_table, np.repeat(slots * self.max_blocks - bt_off[:-1], nb)
+                         + np.arange(int(bt_off[-1])))
+        if self.max_compressed:
+            cl = np.maximum(np.minimum(self.num_compressed[slots], sk) - lo, 0)
+            c_off = _prefix(cl)
+            comp = np.take(self.compressed, np.repeat(slots * self.max_compressed + lo - c_off[:-1], cl)
+                           + np.arange(int(c_off[-1])))
+        else:
+            comp, c_off = np.zeros(0, np.int64), np.zeros(n_real + 1, np.int64)
+        state, svs, num_tokens = self.state_id[slots], self.swa_valid_start[slots], self.num_tokens[slots]
+        ok = n_real == 0 or self._valid(sk, nb, state, svs)
         if n_ph:  # one row at position 0: token 0, blocks_needed(1) zero blocks, state 0
+            one = np.ones(n_ph, np.int64)
             tokens = np.concatenate([tokens, np.full(n_ph, PLACEHOLDER_TOKEN, np.int64)])
             off = np.concatenate([off, off[-1] + np.arange(1, n_ph + 1)])
             tables = np.concatenate([tables, np.zeros(n_ph * self._ph_blocks, np.int64)])
             bt_off = np.concatenate([bt_off, bt_off[-1] + self._ph_blocks * np.arange(1, n_ph + 1)])
             c_off = np.concatenate([c_off, np.full(n_ph, c_off[-1])])
-        return SequenceBatch(
-            is_prompt=is_prompt,
-            seqlen_q=np.concatenate([sq, one]) if n_ph else sq,
-            seqlen_k=np.concatenate([sk, one]) if n_ph else sk,
-            state_id=np.concatenate([self.state_id[slots], 0 * one]) if n_ph else self.state_id[slots],
-            swa_valid_start=np.concatenate([self.swa_valid_start[slots], 0 * one]) if n_ph
-            else self.swa_valid_start[slots],
-            is_placeholder=np.arange(n) >= n_real,
-            num_tokens=np.concatenate([num_tokens, one]) if n_ph else num_tokens,
+            sq, sk, num_tokens = (np.concatenate([x, one]) for x in (sq, sk, num_tokens))
+            state, svs = (np.concatenate([x, 0 * one]) for x in (state, svs))
+        batch = SequenceBatch(
+            is_prompt=is_prompt, seqlen_q=sq, seqlen_k=sk, state_id=state, swa_valid_start=svs,
+            is_placeholder=np.arange(n_real + n_ph) >= n_real, num_tokens=num_tokens,
             block_tables=tables, block_table_offsets=bt_off, tokens=tokens, token_offsets=off,
-            compressed=comp, compressed_offsets=c_off, lookback=self.lookback,
+            compressed=comp, compressed_offsets=c_off, lookback=lb,
         )
+        if ok and n_real + n_ph:
+            batch._checked = self.cfg
+        return batch
+
+    def _valid(self, sk: np.ndarray, nb: np.ndarray, state: np.ndarray, svs: np.ndarray) -> bool:
+        """What ``SequenceBatch.validate`` checks that this state's own invariants leave open
+        (counts of tokens, windows and drafts hold by construction; placeholders are valid).
+        True: the batch is marked validated for ``self.cfg`` and the builders skip ``validate``;
+        False: they run it and raise its ``seqs[i].field`` message."""
+        return bool(int(sk.max()) <= self.cfg.max_model_len and int(state.min()) >= 0 and int(svs.min()) >= 0
+                    and (nb >= blocks_needed_array(sk, self.cfg)).all())

@@ -9,11 +9,15 @@ separate host-to-device step can copy them with ``non_blocking=True``.
 from __future__ import annotations
 
 import functools
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
+import numpy as np
 import torch
 
-__all__ = ["get_or_create_tensor", "get_or_create_stacked"]
+__all__ = ["get_or_create_tensor", "get_or_create_stacked", "ArenaLayout", "HostArena", "ARENA_ALIGN"]
+
+#: Byte alignment of every tensor carved out of a :class:`HostArena`.
+ARENA_ALIGN = 64
 
 
 @functools.lru_cache(maxsize=1)
@@ -109,3 +113,61 @@ def get_or_create_stacked(
     for k, v in views.items():
         assert v.untyped_storage().data_ptr() == base, f"{name}.{k}: row view lost the shared storage"
     return stacked, views
+
+
+class ArenaLayout:
+    """Where each field of a :class:`HostArena` lives: compiled once per batch shape (builders
+    cache it), so carving an arena costs one allocation plus one view per field.
+
+    ``layout`` lists ``(name, shape, dtype)``; each field starts at a multiple of
+    :data:`ARENA_ALIGN` bytes. Example: ``[("positions", (256,), int32), ("valid_token_mask",
+    (256,), bool)]`` -> positions at byte 0 (1,024 bytes), the mask at byte 1,024: ``nbytes`` 1,280.
+    """
+
+    __slots__ = ("fields", "nbytes", "dtypes")
+
+    def __init__(self, layout: Sequence[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
+        fields, pos = {}, 0
+        for name, shape, dtype in layout:
+            size, strides = 1, []
+            for d in reversed(shape):
+                strides.append(size)
+                size *= int(d)
+            fields[name] = (pos // dtype.itemsize, size, tuple(shape), tuple(reversed(strides)), dtype)
+            pos += -(-size * dtype.itemsize // ARENA_ALIGN) * ARENA_ALIGN
+        self.fields: dict[str, tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]] = fields
+        self.nbytes = max(pos, ARENA_ALIGN)
+        self.dtypes = tuple({f[4] for f in fields.values()})
+
+
+class HostArena:
+    """ONE host allocation (pinned when CUDA is available) carved into a builder call's outputs.
+
+    A builder called without ``out`` knows every output shape once the batch is read; instead of
+    one ``torch.empty`` (a pinned allocation each, plus a ``.numpy()``) per field it allocates
+    ``layout.nbytes`` once and hands out contiguous views: a torch view (``as_strided`` of the
+    arena, so it shares the arena's storage and a non-blocking copy keeps that storage alive) and
+    the numpy view of the same bytes.
+
+    ``take(name)`` returns ``(tensor, ndarray)``, or ``None`` for a name not in the layout (the
+    caller then allocates on its own). Each call's arena is new: results of an earlier call are
+    never overwritten.
+    """
+
+    __slots__ = ("_fields", "_views")
+
+    _NP = {torch.int32: np.int32, torch.bool: np.bool_, torch.int64: np.int64}
+
+    def __init__(self, layout: ArenaLayout) -> None:
+        raw = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=_pin())
+        raw_np = raw.numpy()
+        self._fields = layout.fields
+        self._views = {dt: (raw.view(dt), raw_np.view(self._NP[dt])) for dt in layout.dtypes}
+
+    def take(self, name: str) -> Optional[tuple[torch.Tensor, np.ndarray]]:
+        spec = self._fields.get(name)
+        if spec is None:
+            return None
+        start, size, shape, strides, dtype = spec
+        t_all, a_all = self._views[dtype]
+        return t_all.as_strided(shape, strides, start), a_all[start:start + size].reshape(shape)

@@ -16,7 +16,10 @@ Per case (64 / 256 sequences, 0 / 2 MTP drafts, default ``MetadataConfig``: bloc
   (``launch_decode_inplace``: cached graph replay of the two kernels, synced), ``kernels_cpu``
   (the same, host time only) and ``graph_replay`` (a bare ``CUDAGraph.replay`` of the kernels);
 - ``from_arrays``: staging from already extracted arrays + copy + kernels + sync, i.e. a step
-  when the scheduler hands over per-sequence arrays instead of Python objects.
+  when the scheduler hands over per-sequence arrays instead of Python objects;
+- ``from_state`` / ``from_state_cpu``: the batch from a ``BatchState`` (issue 18) then
+  ``prepare_decode_inplace``, synced / host time only (goal: <= 50 us host time at 256
+  sequences); ``state_staging_fill``: ``BatchState.decode_batch`` + the staging fill alone.
 
 ``decode_256_d0_np`` repeats the 256-sequence case with block tables held as int32 numpy arrays
 (reading ~8k Python ints out of lists dominates the host time otherwise).
@@ -48,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_build import decode_batch, time_us  # noqa: E402  (same batches and timer as the builders)
+from bench_build import _state_from, decode_batch, time_us  # noqa: E402  (same batches and timer as the builders)
 from cpmeta import MetadataConfig  # noqa: E402
 from cpmeta.build.extract import extract_batch  # noqa: E402
 from cpmeta.build.decode import prepare_decode  # noqa: E402
@@ -155,6 +158,18 @@ def run_case(n: int, drafts: int, dev: torch.device, repeat: int, rng: random.Ra
         sync()
 
     res["from_arrays"] = time_us(from_arrays, repeat)
+    bs, slots, (_, drafts_, nd) = _state_from(seqs, cfg, False)  # issue 18: the batch from a BatchState
+
+    def from_state() -> None:  # the whole step of an engine keeping a BatchState
+        prepare_decode_inplace(bs.decode_batch(slots, drafts_, nd), cfg, out=out, device=dev, staging=st)
+        sync()
+
+    res["from_state"] = time_us(from_state, repeat)
+    res["from_state_cpu"] = time_us(  # host time: batch + staging fill + copy enqueue + replay launch
+        lambda: prepare_decode_inplace(bs.decode_batch(slots, drafts_, nd), cfg, out=out, device=dev, staging=st),
+        repeat)
+    sync()
+    res["state_staging_fill"] = time_us(lambda: st.fill(bs.decode_batch(slots, drafts_, nd), cfg), repeat)
     res["extract"] = time_us(lambda: extract_batch(seqs, cfg, is_prompt=False), repeat)
     replay = _graph_fn(st, cfg, out)
     if replay is not None:
@@ -165,11 +180,11 @@ def run_case(n: int, drafts: int, dev: torch.device, repeat: int, rng: random.Ra
 
 def _table(results: dict[str, dict[str, Any]]) -> str:
     cols = ("eager_copy", "inplace", "inplace_cpu", "stage", "extract", "kernels", "kernels_cpu",
-            "graph_replay", "from_arrays")
-    head = f"{'case':<17}{'rows':>6}" + "".join(f"{c:>13}" for c in cols) + f"{'speedup':>9}"
+            "graph_replay", "from_arrays", "from_state", "from_state_cpu", "state_staging_fill")
+    head = f"{'case':<17}{'rows':>6}" + "".join(f"{c:>19}" for c in cols) + f"{'speedup':>9}"
     lines = [head, "-" * len(head)]
     for name, r in results.items():
-        vals = "".join(f"{r[c]['p50_us']:>13.1f}" if c in r else f"{'-':>13}" for c in cols)
+        vals = "".join(f"{r[c]['p50_us']:>19.1f}" if c in r else f"{'-':>19}" for c in cols)
         lines.append(f"{name:<17}{r['total_q']:>6}{vals}{r['speedup']:>8.2f}x")
     lines.append(f"(p50 us; goal on the H200: inplace p50 < {TARGET_US:.0f} us at 256 seqs and "
                  f">= {TARGET_SPEEDUP:.0f}x eager_copy)")

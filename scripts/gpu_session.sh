@@ -40,7 +40,10 @@ if [ "$NGPU" -ge 2 ]; then
   TAILN=8 step launch_nccl$NGPU 120 python3 -m launch --backend nccl --nproc-per-node "$NGPU" --workload mixed --cp-mirror --attn-info --kv-interleave 16 --steps 200 --verify --json "$OUT/launch_nccl$NGPU.json"
   TAILN=8 step launch_nccl${NGPU}_decode 60 python3 -m launch --backend nccl --nproc-per-node "$NGPU" --workload decode --steps 200 --json "$OUT/launch_nccl${NGPU}_decode.json"
 fi
-TAILN=12 step bench_inplace 90 python3 scripts/bench_decode_inplace.py --out "$OUT/inplace.json"
+TAILN=12 step bench_inplace 120 python3 scripts/bench_decode_inplace.py --out "$OUT/inplace.json"
+# issue 18 speed goals on the idle host: BatchState vs list in the same run, then where the time goes
+TAILN=6 step bench_state 120 python3 scripts/bench_build.py --only state_ --no-ref --out "$OUT/build_state.json"
+TAILN=30 step profile_array 120 python3 scripts/profile_array_input.py --repeat 1000 --out "$OUT/array_phases.json"
 TAILN=12 step bench_attn 60 python3 scripts/bench_build.py --device cuda --only attn --no-ref --out "$OUT/build_cuda.json"
 W="1"; for w in 2 4 8; do [ "$NGPU" -ge "$w" ] && W="$W $w"; done
 TAILN=20 step bench_bcast_nccl 150 python3 scripts/bench_broadcast.py --backend nccl --worlds $W --attn-info 0 --out "$OUT/bcast_nccl.json"

@@ -158,3 +158,11 @@ def test_docstring_example() -> None:
     assert bp.tokens.tolist() == [11, 12, 13, 14, 15] and bp.compressed.tolist() == [90, 91]
     assert bd.tokens.tolist() == [25, 26, 27, 50] and bd.compressed.tolist() == []
     assert bd.block_tables.tolist() == [4, 6] and bp.num_tokens.tolist() == [6]
+
+
+def test_validated_marker_is_not_a_constructor_argument() -> None:
+    """A user-built batch cannot claim it was validated (issue 18: the builders skip validate
+    only for batches from_sequences / validate() / BatchState marked for that config)."""
+    import dataclasses
+
+    assert not next(f for f in dataclasses.fields(SequenceBatch) if f.name == "_checked").init

@@ -19,7 +19,7 @@ from typing import Optional, Sequence, TypeVar
 import numpy as np
 import torch
 
-from ..buffers import get_or_create_stacked, get_or_create_tensor
+from ..buffers import HostArena, get_or_create_stacked, get_or_create_tensor
 from ..constants import INT32_MAX
 from ..int_lists import int_array  # re-exported: the builders read ids with them
 
@@ -89,19 +89,31 @@ def check_int32(what: str, value: int, why: str) -> None:
 
 
 def alloc(
-    out: Optional[dict[str, torch.Tensor]], name: str, shape: Sequence[int], dtype: torch.dtype
+    out: Optional[dict[str, torch.Tensor]] | HostArena, name: str, shape: Sequence[int], dtype: torch.dtype
 ) -> tuple[torch.Tensor, np.ndarray]:
-    """``get_or_create_tensor`` plus the tensor's numpy view (same memory) for vectorized fills."""
+    """``get_or_create_tensor`` plus the tensor's numpy view (same memory) for vectorized fills;
+    with a :class:`~cpmeta.buffers.HostArena` as ``out``, the arena's view of that field."""
+    if type(out) is HostArena:
+        got = out.take(name)
+        if got is not None:
+            return got
+        out = None
     t = get_or_create_tensor(out, name, tuple(shape), dtype)
     return t, t.numpy()
 
 
 def alloc_stacked(
-    out: Optional[dict[str, torch.Tensor]], name: str, ratios: Sequence[int], shape: Sequence[int],
+    out: Optional[dict[str, torch.Tensor]] | HostArena, name: str, ratios: Sequence[int], shape: Sequence[int],
 ) -> tuple[dict[str, torch.Tensor], np.ndarray]:
     """``get_or_create_stacked`` for int32 per-ratio rows: ``({"4": row view, ...}, numpy view
     of the whole [len(ratios), *shape] buffer)``. Example: ratios ``(4, 128)``, shape ``(5,)``
     -> a ``[2, 5]`` buffer whose rows are ``md.<name>["4"]`` and ``md.<name>["128"]``."""
+    if type(out) is HostArena:
+        got = out.take(name)
+        if got is not None:
+            t, a = got
+            return {str(r): t[i] for i, r in enumerate(ratios)}, a
+        out = None
     t, views = get_or_create_stacked(out, name, [str(r) for r in ratios], tuple(shape), torch.int32)
     return views, t.numpy()
 

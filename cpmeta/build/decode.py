@@ -10,6 +10,7 @@ slot ``3 * 128 + 0`` -> ``kv_swa_index_offset_len[1] = (384, 8)``.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Optional
 
@@ -18,6 +19,7 @@ import torch
 
 from ..config import MetadataConfig
 from ..metadata import InputMetadata
+from ..buffers import ArenaLayout, HostArena
 from .arrays import BatchArrays, alloc, alloc_stacked, check_int32, fdiv, fmod
 from .common import check_common_int32, compressed_slots, fill_common
 from .extract import BatchInput, extract_batch
@@ -100,6 +102,25 @@ def _fill_ratio_fields(b: BatchArrays, cfg: MetadataConfig, out: Out, f: dict[st
         fdiv(pos1, n, out=ol_all[i, :, 1])
 
 
+@functools.lru_cache(maxsize=64)
+def _decode_layout(cfg: MetadataConfig, T: int, n: int) -> ArenaLayout:
+    """Every decode output (name, shape, dtype): ONE :class:`HostArena` holds them all when the
+    caller passes no ``out`` (cached per batch shape). Example: 256 rows, 256 sequences, default
+    config -> 18 fields, ~86 KiB (block_tables [256, 64] int32 is 64 KiB of it)."""
+    i32 = torch.int32
+    lay = [(name, (T,), i32) for name in ("positions", "input_ids", "query_indices", "slot_mapping_store_swa",
+                                          "state_block_idx", "context_lens")]
+    lay += [("cu_seqlens_q", (n + 1,), i32), ("cu_seqlens_k", (n + 1,), i32),
+            ("kv_swa_index_offset_len", (T, 2), i32), ("block_tables", (T, cfg.max_num_blocks), i32),
+            ("klen", (len(cfg.sparse_compress_ratios), T), i32), ("positions_c", (len(cfg.ca_ratios), T), i32),
+            ("slot_mapping_store_ca", (len(cfg.ca_ratios), T), i32),
+            ("kv_ca_index_offset_len", (len(cfg.dense_compress_ratios), T, 2), i32),
+            ("gate_force_random", (T,), torch.bool), ("valid_token_mask", (T,), torch.bool)]
+    if cfg.max_ngram_size > 0:
+        lay.append(("ngram_token_ids", (T, cfg.max_ngram_size), i32))
+    return ArenaLayout(lay)
+
+
 def check_decode_out(out: Out) -> None:
     """Refuse the per-ratio key form (``"klen.4"``) in a decode ``out`` dict (see the module doc)."""
     if not out:
@@ -139,6 +160,8 @@ def prepare_decode(
     check_decode_out(out)
     b = extract_batch(seqs, cfg, is_prompt=False)
     _check_decode_int32(b, cfg)
+    if out is None:  # one host allocation for every field (all shapes are known now)
+        out = HostArena(_decode_layout(cfg, b.total_q, b.n_seq))
     f = fill_common(b, cfg, out)
     T = b.total_q
     W, S = cfg.window_size, cfg.swa_block_size
