@@ -241,7 +241,8 @@ class ObjectChannel:
         call (shared memory or a transient buffer: copy what you keep)."""
         if self.ring is not None:
             return self.ring.read(lambda view, owned: consumer(view))
-        return consumer(tensor_memoryview(self._remote(None)))
+        frame = self._remote(None)  # keep the tensor alive while its memoryview is read
+        return consumer(tensor_memoryview(frame))
 
     def announce(self) -> None:
         """``src``: a frame follows soon; same-host followers parked in their receive call wake

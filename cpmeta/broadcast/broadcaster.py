@@ -30,8 +30,8 @@ import torch.distributed as dist
 from .. import envs
 from ..metadata import InputMetadata
 from . import wire
-from .wire import (FLAG_CRC, FLAG_LAYOUT, FLAG_PACKED, FLAG_RESET, FRAME_MAGIC, HEADER,
-                   MAX_LAYOUTS, Plan, WireError, collect, frame_crc, pack_tensors)
+from .wire import (FLAG_CRC, FLAG_LAYOUT, FLAG_PACKED, FRAME_MAGIC, HEADER, MAX_LAYOUTS, Plan,
+                   WireError, collect, frame_crc, layout_id, pack_tensors)
 
 __all__ = ["MetadataBroadcaster", "SCHEMA_FINGERPRINT", "MESSAGE_VERSION"]
 
@@ -108,10 +108,8 @@ class MetadataBroadcaster:
         self._backend = backend
         self._objects = ObjectChannel(self.group, self.src, timeout=timeout, force_remote=force_remote)
         self._tensors: Any = None  # TensorChannel, created on first collective use
-        self._layouts: dict[tuple, tuple[int, Plan]] = {}  # driver: layout key -> (id, plan)
-        self._next_id = 0
-        self._reset = False  # driver: the next new layout tells followers to forget old ids
-        self._plans: dict[int, Plan] = {}  # follower: layout id -> plan
+        self._layouts: dict[tuple, tuple[int, Plan, bytes]] = {}  # driver: key -> (id, plan, block)
+        self._plans: dict[int, tuple[bytes, Plan]] = {}  # follower: layout id -> (block, plan)
         self._pin = self.device.type == "cuda"
         self._closed = False
 
@@ -183,34 +181,37 @@ class MetadataBroadcaster:
             self._tensors = TensorChannel(self.group, self.src, self.device)
         return self._tensors
 
-    def _layout(self, key: tuple) -> tuple[int, Plan, bytes, int]:
-        """``(id, plan, layout block to send or b"", reset flag)`` of a layout key."""
+    def _layout(self, key: tuple) -> tuple[int, Plan, bytes]:
+        """``(id, plan, layout block to send or b"")`` of a layout key (block only when new)."""
         hit = self._layouts.get(key)
         if hit is not None:
-            return hit[0], hit[1], b"", 0
+            return hit[0], hit[1], (hit[2] if hit[0] < 0 else b"")
         from transport import encode_body
 
         if len(self._layouts) >= MAX_LAYOUTS:
-            self._layouts.clear()
-            self._reset = True
-        plan = Plan(key[0], list(key[1]), list(key[2]), key[3])
-        lid, self._next_id = self._next_id, (self._next_id + 1) & 0xFFFFFFFF
-        self._layouts[key] = (lid, plan)
-        reset, self._reset = (FLAG_RESET if self._reset else 0), False
-        return lid, plan, encode_body([key[0], list(key[1]), list(key[2]), key[3]]), reset
+            self._layouts.clear()  # followers drop theirs oldest first: resend from now on
+        block = encode_body([key[0], list(key[1]), list(key[2]), key[3]])
+        plan, lid = Plan(key[0], list(key[1]), list(key[2]), key[3]), layout_id(block)
+        if any(h[0] == lid for h in self._layouts.values()):  # crc32 collision: never cached
+            self._layouts[key] = (-1, plan, block)
+            return lid, plan, block
+        self._layouts[key] = (lid, plan, block)
+        return lid, plan, block
 
     def _send(self, md: InputMetadata, out: Optional[InputMetadata]) -> InputMetadata:
         from transport import encode_body
 
         key, tensors, values = collect(md)
-        lid, plan, lblock, flags = self._layout(key)
+        lid, plan, lblock = self._layout(key)
+        if lid < 0:
+            lid = layout_id(lblock)
         dims = [d for t in tensors for d in t.shape]
         numels, starts, tbytes = plan.split(dims)
         packed = self._use_packed(tensors, tbytes)
         vblock = encode_body(values)
         shapes_at = _align(HEADER.size + len(lblock) + len(vblock), 8)
         data_at = _align(shapes_at + 8 * plan.n_dims, 16)
-        flags |= (FLAG_LAYOUT if lblock else 0) | (FLAG_PACKED if packed else 0) | (
+        flags = (FLAG_LAYOUT if lblock else 0) | (FLAG_PACKED if packed else 0) | (
             FLAG_CRC if self.checksum else 0)
         staged = None
         if packed and (self.device.type != "cpu" or any(t.device.type != "cpu" for t in tensors)):
@@ -244,7 +245,7 @@ class MetadataBroadcaster:
         else:
             got = tensors
         if out is not None:
-            got = _copy_to_out(out, plan, got)
+            return plan.assemble(got, values, _copy_to_out(out, plan, got))
         return plan.assemble(got, values)
 
     # ---- follower -------------------------------------------------------------------------
@@ -267,10 +268,9 @@ class MetadataBroadcaster:
             if self.device.type != "cpu":
                 buf = buf.to(self.device, non_blocking=True)
             got = plan.views(buf, dims, numels, starts)
-        if out is not None:
-            got = _copy_to_out(out, plan, got)
+        per_path = _copy_to_out(out, plan, got) if out is not None else None
         try:
-            return plan.assemble(got, values)
+            return plan.assemble(got, values, per_path)
         except (TypeError, ValueError, AttributeError) as e:
             raise RuntimeError(f"rank {self.rank}: malformed metadata message from src={self.src}: "
                                f"{type(e).__name__}: {e}") from None
@@ -303,15 +303,24 @@ class MetadataBroadcaster:
         data_at = _align(shapes_at + 8 * n_dims, 16)
         if data_at + tbytes > n or (flags & FLAG_LAYOUT) == 0 and llen:
             raise WireError(f"frame of {n} bytes is shorter than its blocks declare")
-        if flags & FLAG_RESET:
-            self._plans.clear()
+        plan = None
         if flags & FLAG_LAYOUT:
-            lay = decode_body(view[HEADER.size:HEADER.size + llen], max_bytes=n)
-            if (type(lay) is not list or len(lay) != 4 or type(lay[0]) is not str
-                    or type(lay[1]) is not list or type(lay[2]) is not list or type(lay[3]) is not str):
-                raise WireError("layout block: expected [paths, codes, ndims, value paths]")
-            self._plans[lid] = Plan(*lay)
-        plan = self._plans.get(lid)
+            block = bytes(view[HEADER.size:HEADER.size + llen])
+            cached = self._plans.get(lid)
+            if cached is not None and cached[0] == block:
+                plan = cached[1]
+            else:
+                if layout_id(block) != lid:
+                    raise WireError(f"layout block does not match its id {lid}")
+                lay = decode_body(block, max_bytes=n)
+                if (type(lay) is not list or len(lay) != 4 or type(lay[0]) is not str
+                        or type(lay[1]) is not list or type(lay[2]) is not list
+                        or type(lay[3]) is not str):
+                    raise WireError("layout block: expected [paths, codes, ndims, value paths]")
+                plan = Plan(*lay)
+        else:
+            cached = self._plans.get(lid)
+            block, plan = cached if cached is not None else (b"", None)
         if plan is None:
             raise RuntimeError(
                 f"rank {self.rank}: metadata frame from src={self.src} refers to layout id {lid}, "
@@ -329,13 +338,21 @@ class MetadataBroadcaster:
         if not flags & FLAG_PACKED:
             if tbytes:
                 raise WireError("tensor bytes in a frame without FLAG_PACKED")
+            self._keep_plan(lid, block, plan)
             return plan, values, dims, numels, starts, None
         if total != tbytes:
             raise WireError(f"tensors need {total} bytes, the frame declares {tbytes}")
         buf = torch.empty(total, dtype=torch.uint8, pin_memory=self._pin)
         if total:
             _bytes_of(buf)[:] = view[data_at:data_at + total]
+        self._keep_plan(lid, block, plan)
         return plan, values, dims, numels, starts, buf
+
+    def _keep_plan(self, lid: int, block: bytes, plan: Plan) -> None:
+        """Cache a plan once its frame passed every check (oldest dropped past MAX_LAYOUTS)."""
+        if self._plans.pop(lid, None) is None and len(self._plans) >= MAX_LAYOUTS:
+            del self._plans[next(iter(self._plans))]
+        self._plans[lid] = (block, plan)  # most recently used last
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -362,16 +379,19 @@ def _resolve_src(group: Any, src: Optional[int], group_src: Optional[int]) -> in
     return src
 
 
-def _copy_to_out(out: InputMetadata, plan: Plan, got: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Write each received tensor into ``out``'s buffer at its (first) path; return the views.
+def _copy_to_out(out: InputMetadata, plan: Plan, got: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Write each received tensor into ``out``'s buffer at every path it has; return, per
+    tensor, the view at each path (same addresses as ``out``'s buffers).
 
     Worked example: ``out.positions`` is an int32 [256] buffer, the step's ``positions`` is
-    int32 [64]: it is copied into ``out.positions[:64]`` and that view (same address) is
-    returned for every path of that tensor.
+    int32 [64]: it is copied into ``out.positions[:64]`` and that view is the result's
+    ``positions``. Two paths of one received tensor keep their own buffers (one copy each,
+    one copy in all when ``out`` holds the same buffer object at both).
     """
     res = []
     for ts, t in zip(plan.targets, got):
-        view = None
+        views: list[torch.Tensor] = []
+        done: dict[int, torch.Tensor] = {}
         for name, sub in ts:
             buf = getattr(out, name)
             if sub is not None:
@@ -379,12 +399,15 @@ def _copy_to_out(out: InputMetadata, plan: Plan, got: list[torch.Tensor]) -> lis
             path = name if sub is None else f"{name}.{sub}"
             if not isinstance(buf, torch.Tensor):
                 raise ValueError(f"out: no buffer at {path} for a received {tuple(t.shape)} {t.dtype}")
-            if (buf.dtype != t.dtype or buf.dim() != t.dim() or tuple(buf.shape[1:]) != tuple(t.shape[1:])
-                    or (t.dim() and buf.shape[0] < t.shape[0])):
-                raise ValueError(f"out: {path}: buffer {tuple(buf.shape)} {buf.dtype} cannot hold "
-                                 f"{tuple(t.shape)} {t.dtype}")
-            dst = buf[:t.shape[0]] if t.dim() else buf
-            dst.copy_(t, non_blocking=True)
-            view = dst if view is None else view
-        res.append(view)
+            if id(buf) not in done:
+                if (buf.dtype != t.dtype or buf.dim() != t.dim()
+                        or tuple(buf.shape[1:]) != tuple(t.shape[1:])
+                        or (t.dim() and buf.shape[0] < t.shape[0])):
+                    raise ValueError(f"out: {path}: buffer {tuple(buf.shape)} {buf.dtype} cannot hold "
+                                     f"{tuple(t.shape)} {t.dtype}")
+                dst = buf[:t.shape[0]] if t.dim() else buf
+                dst.copy_(t, non_blocking=True)
+                done[id(buf)] = dst
+            views.append(done[id(buf)])
+        res.append(views)
     return res

@@ -13,11 +13,14 @@ process-group buffer)::
         shapes: n_dims int64 (8-aligned), every tensor's dims in layout order
         tensors (16-aligned, only with FLAG_PACKED): dtype runs, each run 16-aligned
 
-What repeats every step (paths, dtype codes, ranks, which fields hold values) is the LAYOUT: the
-driver numbers each distinct layout and sends it once, with the first frame that uses it; later
-frames carry only its id. A follower keeps one :class:`Plan` per id (split runs, field targets);
-a frame naming an id the follower never saw (it joined late, or lost that frame) is refused with
-a clear error. ``FLAG_RESET`` (driver's layout table full) tells followers to forget old ids.
+What repeats every step (paths, dtype codes, ranks, which fields hold values) is the LAYOUT: its
+id is the crc32 of its encoded block, so an id always names one layout and a frame that defines
+an id with other content is refused. The driver sends a layout once, with the first frame that
+uses it; later frames carry only its id. A follower keeps one :class:`Plan` per id (split runs,
+field targets; at most ``MAX_LAYOUTS``, oldest dropped first, the driver starting over at the
+same count); a frame naming an id the follower does not hold (it joined late, or lost that frame)
+is refused with a clear error, never misread. A plan is cached only once its frame passed every
+check.
 
 Worked example (decode, 2 tensors): ``positions`` int32 [3] and ``block_table`` int32 [3, 2]
 form ONE run (same dtype), dims ``[3, 3, 2]``: run start 0, numels ``[3, 6]``, 36 bytes, total
@@ -42,7 +45,7 @@ import torch
 from ..metadata import InputMetadata
 
 __all__ = ["MESSAGE_VERSION", "SCHEMA_FINGERPRINT", "FRAME_MAGIC", "HEADER", "WIRE_DTYPES",
-           "FLAG_LAYOUT", "FLAG_CRC", "FLAG_PACKED", "FLAG_RESET", "Plan", "WireError",
+           "FLAG_LAYOUT", "FLAG_CRC", "FLAG_PACKED", "Plan", "WireError", "layout_id",
            "collect", "frame_crc", "MAX_LAYOUTS"]
 
 #: Version of the broadcast frame (4: one frame with a cached layout; 3 was the three-layer one).
@@ -50,10 +53,10 @@ MESSAGE_VERSION = 4
 FRAME_MAGIC = b"CPMB"
 HEADER = struct.Struct("<4sHH16sIIIIIIQ")
 CRC_AT = 28  # byte offset of the crc32 word in HEADER
-FLAG_LAYOUT, FLAG_CRC, FLAG_PACKED, FLAG_RESET = 1, 2, 4, 8
-_FLAGS = FLAG_LAYOUT | FLAG_CRC | FLAG_PACKED | FLAG_RESET
+FLAG_LAYOUT, FLAG_CRC, FLAG_PACKED = 1, 2, 4
+_FLAGS = FLAG_LAYOUT | FLAG_CRC | FLAG_PACKED
 PACK_ALIGN = 16  # every dtype run starts at a multiple of this many bytes
-MAX_LAYOUTS = 256  # distinct layouts the driver numbers before it starts over (FLAG_RESET)
+MAX_LAYOUTS = 256  # layouts a follower keeps (and the driver assumes it keeps)
 MAX_DIM = 1 << 48
 _SHAPE = struct.Struct("<q")
 
@@ -205,20 +208,23 @@ class Plan:
                 at += nd
         return out
 
-    def assemble(self, tensors: list[torch.Tensor], values: list[Any]) -> InputMetadata:
-        """The InputMetadata holding ``tensors`` and ``values`` at the layout's paths."""
+    def assemble(self, tensors: list[torch.Tensor], values: list[Any],
+                 per_path: Optional[list[list[torch.Tensor]]] = None) -> InputMetadata:
+        """The InputMetadata holding ``tensors`` and ``values`` at the layout's paths
+        (``per_path[i][j]``, when given, is tensor i's object at its j-th path)."""
         kw: dict[str, Any] = {}
         for (name, sub), v in zip(self.value_targets, values):
             if sub is None:
                 kw[name] = v
             else:
                 kw.setdefault(name, {})[sub] = v
-        for ts, t in zip(self.targets, tensors):
-            for name, sub in ts:
+        for i, (ts, t) in enumerate(zip(self.targets, tensors)):
+            for j, (name, sub) in enumerate(ts):
+                x = t if per_path is None else per_path[i][j]
                 if sub is None:
-                    kw[name] = t
+                    kw[name] = x
                 else:
-                    kw.setdefault(name, {})[sub] = t
+                    kw.setdefault(name, {})[sub] = x
         return InputMetadata(**kw)
 
 
@@ -244,6 +250,11 @@ def pack_tensors(base: int, tensors: list[torch.Tensor], plan: Plan, numels: lis
                     t = t.contiguous()
                 ctypes.memmove(at, t.data_ptr(), n * esz)
                 at += n * esz
+
+
+def layout_id(block: bytes | memoryview) -> int:
+    """The id of a layout: crc32 of its encoded block."""
+    return zlib.crc32(block)
 
 
 def frame_crc(view: memoryview) -> int:
