@@ -64,12 +64,15 @@ def _out_buffers(rank: int, world: int) -> int:
         for i in range(4):
             cfg, local = _random_case(7, i, i % 2 == 0)
             aliased = local.replace(positions_cp=local.positions)
-            bufs = {}
+            bufs: dict = {}
+            memo: dict = {}  # the buffers alias where the metadata does (positions_cp)
             for name in local.field_names():
                 v = getattr(aliased, name)
                 if isinstance(v, torch.Tensor):
-                    bufs[name] = torch.full((v.shape[0] + 5, *v.shape[1:]) if v.dim() else (),
-                                            7, dtype=v.dtype)
+                    if id(v) not in memo:
+                        memo[id(v)] = torch.full((v.shape[0] + 5, *v.shape[1:]) if v.dim() else (),
+                                                 7, dtype=v.dtype)
+                    bufs[name] = memo[id(v)]
                 elif isinstance(v, dict) and any(isinstance(x, torch.Tensor) for x in v.values()):
                     bufs[name] = {k: torch.zeros((x.shape[0] + 3, *x.shape[1:]), dtype=x.dtype)
                                   for k, x in v.items() if isinstance(x, torch.Tensor)}
