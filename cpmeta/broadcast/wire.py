@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import operator
 import struct
 import zlib
 from dataclasses import fields
@@ -100,8 +101,7 @@ def collect(md: InputMetadata) -> tuple[tuple, list[torch.Tensor], list[Any]]:
     values: list[Any] = []
     found: list[list] = []  # [code, tensor, [paths]]
     index: dict[int, list] = {}
-    for name in InputMetadata.field_names():
-        v = getattr(md, name)
+    for name, v in zip(_FIELD_NAMES, _GET_ALL(md)):
         if v is None:
             continue
         if type(v) is dict:
@@ -161,6 +161,8 @@ class Plan:
         self.key = (paths, tuple(codes), tuple(ndims), vpaths)
         self.shapes = struct.Struct(f"<{self.n_dims}q")
         self.all_1d = all(d == 1 for d in ndims)
+        starts = [sum(ndims[:i]) for i in range(len(ndims))]
+        self.reshape = [(i, at, nd) for i, (at, nd) in enumerate(zip(starts, ndims)) if nd != 1]
         self.runs: list[tuple[int, int, int]] = []
         i = 0
         while i < len(codes):
@@ -199,13 +201,9 @@ class Plan:
         out: list[torch.Tensor] = []
         for (code, a, b), s in zip(self.runs, starts):
             n = sum(numels[a:b]) * _ELEMENT_SIZE[code]
-            out.extend(buf[s:s + n].view(WIRE_DTYPES[code]).split(numels[a:b]))
-        if not self.all_1d:
-            at = 0
-            for i, nd in enumerate(self.ndims):
-                if nd != 1:
-                    out[i] = out[i].view(tuple(dims[at:at + nd]))
-                at += nd
+            out.extend(buf[s:s + n].view(WIRE_DTYPES[code]).split_with_sizes(numels[a:b]))
+        for i, at, nd in self.reshape:
+            out[i] = out[i].view(*dims[at:at + nd])
         return out
 
     def assemble(self, tensors: list[torch.Tensor], values: list[Any],
@@ -236,6 +234,8 @@ def _target(path: str) -> tuple[str, Optional[str]]:
 
 
 _FIELDS = frozenset(InputMetadata.field_names())
+_FIELD_NAMES = InputMetadata.field_names()
+_GET_ALL = operator.attrgetter(*_FIELD_NAMES)  # every field in one C call
 
 
 def pack_tensors(base: int, tensors: list[torch.Tensor], plan: Plan, numels: list[int],
