@@ -140,7 +140,9 @@ class CpmetaBeginStepMethod(CpmetaMethod):
     """cpmeta with ``begin_step()`` announced before the driver's idle (build) time."""
 
     def announce(self) -> None:
-        self.bc.begin_step()
+        begin = getattr(self.bc, "begin_step", None)  # absent before issue 17: plain cpmeta
+        if begin is not None:
+            begin()
 
 
 class BolMethod(Method):

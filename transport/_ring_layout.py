@@ -22,7 +22,10 @@ MSG_HEADER = struct.Struct("<QII")  # payload length, kind, pad slot count (kind
 KIND_DATA, KIND_PAD = 0, 1
 EMPTY, ATTACHED, CLOSED, ABSENT = 0, 1, 2, 3  # reader block states
 LIVENESS_SLICE_S = 0.05  # longest single futex sleep; peers are checked between sleeps
-DEFAULT_SPIN_US = 1000.0  # reader spin before blocking, only when every ring process has a core
+#: Reader spin before blocking, only when every ring process has a core. 10 ms covers the
+#: driver's scheduling gap between engine steps (a few ms), so the step's frame meets a running
+#: reader instead of paying a FUTEX_WAKE + OS wake-up (issue 17: that was most of a step).
+DEFAULT_SPIN_US = 10_000.0
 MIN_SLOT_SIZE = 64
 #: Longest a reader spins after an ``announce`` (the driver builds the step's metadata meanwhile);
 #: past it the reader parks in FUTEX_WAIT again.
