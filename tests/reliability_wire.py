@@ -17,7 +17,6 @@ import random
 import struct
 from typing import Any
 
-import torch
 
 from reliability_cases import make_payload, verify_payload
 from transport import decode_body, encode_body
@@ -151,7 +150,8 @@ def _crafted(frame: bytes, schema: bytes) -> list[tuple[str, bytes]]:
         ("layout lists of different lengths", _frame(h, layout_obj=[lay[0], lay[1], lay[2] + [1], lay[3]])),
         ("message version skew", _frame(h, version=MESSAGE_VERSION + 1)),
         ("schema field skew", _frame(h, schema=b"0" * 16)),
-        ("layout block that does not match its id", _frame(h, layout_obj=[lay[0], lay[1], lay[2], lay[3]], lid=h["lid"] ^ 1)),
+        ("layout block that does not match its id",
+         _frame(h, layout_obj=[lay[0], lay[1], lay[2], lay[3]], lid=h["lid"] ^ 1)),
         ("crc32 flag with a wrong crc", _frame(h, flags=h["flags"] | 2, crc=12345)),
     ]
     return out

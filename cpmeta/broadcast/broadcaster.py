@@ -40,7 +40,6 @@ logger = logging.getLogger(__name__)
 MESSAGE_VERSION = wire.MESSAGE_VERSION
 SCHEMA_FINGERPRINT = wire.SCHEMA_FINGERPRINT
 _U32 = struct.Struct("<I")
-_MAX_RANK = 16  # most dims of one tensor on the wire
 
 
 def _align(n: int, a: int) -> int:
@@ -294,7 +293,7 @@ class MetadataBroadcaster:
                 f"rank {self.rank}: InputMetadata schema fingerprint mismatch: driver "
                 f"{bytes(schema).decode('ascii', 'replace')!r}, this rank {wire.SCHEMA_FINGERPRINT!r} "
                 "(driver and follower run different cpmeta versions)")
-        if flags & ~wire._FLAGS:
+        if flags & ~wire.KNOWN_FLAGS:
             raise WireError(f"unknown flags {flags:#x}")
         if flags & FLAG_CRC and frame_crc(view) != crc:
             raise RuntimeError(f"rank {self.rank}: metadata frame from src={self.src} fails its "

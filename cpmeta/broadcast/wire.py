@@ -46,7 +46,7 @@ import torch
 from ..metadata import InputMetadata
 
 __all__ = ["MESSAGE_VERSION", "SCHEMA_FINGERPRINT", "FRAME_MAGIC", "HEADER", "WIRE_DTYPES",
-           "FLAG_LAYOUT", "FLAG_CRC", "FLAG_PACKED", "Plan", "WireError", "layout_id",
+           "FLAG_LAYOUT", "FLAG_CRC", "FLAG_PACKED", "KNOWN_FLAGS", "Plan", "WireError", "layout_id",
            "collect", "frame_crc", "MAX_LAYOUTS"]
 
 #: Version of the broadcast frame (4: one frame with a cached layout; 3 was the three-layer one).
@@ -55,7 +55,7 @@ FRAME_MAGIC = b"CPMB"
 HEADER = struct.Struct("<4sHH16sIIIIIIQ")
 CRC_AT = 28  # byte offset of the crc32 word in HEADER
 FLAG_LAYOUT, FLAG_CRC, FLAG_PACKED = 1, 2, 4
-_FLAGS = FLAG_LAYOUT | FLAG_CRC | FLAG_PACKED
+KNOWN_FLAGS = FLAG_LAYOUT | FLAG_CRC | FLAG_PACKED
 PACK_ALIGN = 16  # every dtype run starts at a multiple of this many bytes
 MAX_LAYOUTS = 256  # layouts a follower keeps (and the driver assumes it keeps)
 MAX_DIM = 1 << 48
