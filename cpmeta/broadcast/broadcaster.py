@@ -27,6 +27,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from transport.codec import CodecError, decode_body, encode_body  # cpmeta -> transport only
+
 from .. import envs
 from ..metadata import InputMetadata
 from . import wire
@@ -185,8 +187,6 @@ class MetadataBroadcaster:
         hit = self._layouts.get(key)
         if hit is not None:
             return hit[0], hit[1], (hit[2] if hit[0] < 0 else b"")
-        from transport import encode_body
-
         if len(self._layouts) >= MAX_LAYOUTS:
             self._layouts.clear()  # followers drop theirs oldest first: resend from now on
         block = encode_body([key[0], list(key[1]), list(key[2]), key[3]])
@@ -198,8 +198,6 @@ class MetadataBroadcaster:
         return lid, plan, block
 
     def _send(self, md: InputMetadata, out: Optional[InputMetadata]) -> InputMetadata:
-        from transport import encode_body
-
         key, tensors, values = collect(md)
         lid, plan, lblock = self._layout(key)
         if lid < 0:
@@ -249,8 +247,6 @@ class MetadataBroadcaster:
 
     # ---- follower -------------------------------------------------------------------------
     def _receive(self, out: Optional[InputMetadata]) -> InputMetadata:
-        from transport import CodecError
-
         try:
             plan, values, dims, numels, starts, buf = self._objects.recv_frame(self._consume)
         except (CodecError, WireError, KeyError, TypeError, ValueError, IndexError,
@@ -276,8 +272,6 @@ class MetadataBroadcaster:
 
     def _consume(self, view: memoryview) -> tuple:
         """Check and parse one frame (untrusted bytes, valid only during this call)."""
-        from transport import decode_body
-
         n = view.nbytes
         if n < HEADER.size:
             raise WireError(f"truncated frame: {n} bytes")
@@ -331,7 +325,7 @@ class MetadataBroadcaster:
         if n_dims != plan.n_dims:
             raise WireError(f"{n_dims} dims declared, the layout has {plan.n_dims}")
         dims = plan.shapes.unpack_from(view, shapes_at)
-        if any(d < 0 or d > wire.MAX_DIM for d in dims):
+        if dims and (min(dims) < 0 or max(dims) > wire.MAX_DIM):
             raise WireError("tensor dims out of range")
         numels, starts, total = plan.split(dims)
         if not flags & FLAG_PACKED:
