@@ -6,9 +6,13 @@ For each world size, payload and method, every step is timed as
     latency = max over ranks (time the rank holds the whole metadata) - (time the driver called)
 
 Ranks agree on time through CLOCK_MONOTONIC, which is one clock for every process of a host
-(``time.monotonic()``); a barrier before each step makes every follower wait in its receive
-call before the driver starts, so the number is the driver-call-to-last-rank latency a step
-pays. Per-step samples are gathered as a float tensor (no pickle) after the run.
+(``time.monotonic()``). Two timing modes (``--modes``):
+  barrier  a barrier right before each step: followers are still running when the driver starts
+  engine   after the barrier the driver idles ``--park-ms`` (scheduling) while the followers sit
+           in their receive call and park, as in an inference engine; the clock starts at the
+           driver's call. ``cpmeta+bs`` is cpmeta with ``begin_step()`` called before that idle
+           time (the driver announces the step before it builds).
+Per-step samples are gathered as a float tensor (no pickle) after the run.
 
 Methods (same group, same payloads):
   cpmeta      cpmeta.MetadataBroadcaster (shm ring; CPU tensors inside the ring message, or one
@@ -20,6 +24,9 @@ Methods (same group, same payloads):
   mq          vLLM's shared-memory MessageQueue carrying the whole metadata pickled (only when
               the ``vllm`` package is importable; never required)
   floor       one broadcast of a preallocated buffer of the same total bytes + one 4 KiB message
+
+mq without vllm installed: ``bash /work/shared/tools/mq_bundle.sh mq_bundle 3.12`` builds a
+carryable bundle; run with ``PYTHONPATH=.:mq_bundle`` (``VLLM_TARGET_DEVICE=cpu`` is set here).
 
     python scripts/bench_broadcast.py                  # worlds 2 3 4, all payloads, CPU/gloo
     python scripts/bench_broadcast.py --quick          # smoke run (CI)
@@ -45,7 +52,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 FLOOR_MSG_BYTES = 4096
-METHODS = ("cpmeta", "bol", "tdict", "mq", "floor")
+METHODS = ("cpmeta", "cpmeta+bs", "bol", "tdict", "mq", "floor")
+MODES = ("barrier", "engine")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # mq: the vllm bundle imports without CUDA
 
 
 # ---- payloads ---------------------------------------------------------------------------------
@@ -103,6 +112,9 @@ class Method:
     def prepare(self, md: Any) -> Any:  # driver-side object handed to step() (not timed)
         return md
 
+    def announce(self) -> None:  # driver, engine mode: before its idle time (not timed)
+        pass
+
     def step(self, md: Any) -> Any:
         raise NotImplementedError
 
@@ -122,6 +134,15 @@ class CpmetaMethod(Method):
 
     def close(self) -> None:
         self.bc.close()
+
+
+class CpmetaBeginStepMethod(CpmetaMethod):
+    """cpmeta with ``begin_step()`` announced before the driver's idle (build) time."""
+
+    def announce(self) -> None:
+        begin = getattr(self.bc, "begin_step", None)  # absent before issue 17: plain cpmeta
+        if begin is not None:
+            begin()
 
 
 class BolMethod(Method):
@@ -219,7 +240,7 @@ class MessageQueueMethod(Method):
 def make_method(name: str, rank: int, device: torch.device) -> Optional[Method]:
     import torch.distributed as dist
 
-    cls = {"cpmeta": CpmetaMethod, "bol": BolMethod, "tdict": TensorDictMethod,
+    cls = {"cpmeta": CpmetaMethod, "cpmeta+bs": CpmetaBeginStepMethod, "bol": BolMethod, "tdict": TensorDictMethod,
            "floor": FloorMethod, "mq": MessageQueueMethod}[name]
     if name == "mq":
         ok = torch.tensor([1])
@@ -241,8 +262,10 @@ def _sync_device(md: Any, device: torch.device) -> None:
         torch.cuda.current_stream().synchronize()
 
 
-def time_cell(method: Method, md: Any, steps: int, warmup: int, budget_s: float) -> list[float]:
-    """Per-step latencies (seconds), identical list on every rank (gathered max - driver start)."""
+def time_cell(method: Method, md: Any, steps: int, warmup: int, budget_s: float,
+              park_s: float = 0.0) -> list[float]:
+    """Per-step latencies (seconds), identical list on every rank (gathered max - driver start).
+    ``park_s`` > 0: engine mode (the driver idles that long after the barrier)."""
     import torch.distributed as dist
 
     starts, ends = [], []
@@ -250,6 +273,9 @@ def time_cell(method: Method, md: Any, steps: int, warmup: int, budget_s: float)
     n_done = 0
     for i in range(warmup + steps):
         dist.barrier()
+        if park_s and method.rank == 0:
+            method.announce()
+            time.sleep(park_s)
         t0 = time.monotonic()
         got = method.step(md if method.rank == 0 else None)
         _sync_device(got, method.device)
@@ -285,32 +311,36 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_pa
     # gloo carries the control collectives of the timing loop in both cases
     dist.init_process_group("gloo" if args.backend == "gloo" else "cuda:nccl,cpu:gloo")
     results = []
-    for payload in args.payloads:
-        for attn in args.attn_info:
-            cfg, md = make_payload(payload, attn)
-            if device.type == "cuda" and args.md_on_device:
-                md = md.to(device)
-            nbytes = payload_bytes(md)
-            big = nbytes > (8 << 20)
-            for mname in args.methods:
-                method = make_method(mname, rank, device)
-                if method is None:
-                    continue
-                drv = method.prepare(md)
-                steps = max(5, args.steps // (8 if big else 1))
-                lat = time_cell(method, drv, steps, 1 if big else args.warmup, args.budget)
-                method.close()
-                if rank == 0:
-                    s = sorted(lat)
-                    results.append({
-                        "world": world, "payload": payload, "attn_info": attn, "method": mname,
-                        "bytes": nbytes, "n": len(s), "p50_us": s[len(s) // 2] * 1e6,
-                        "p90_us": s[min(len(s) - 1, int(0.9 * len(s)))] * 1e6,
-                        "mean_us": sum(s) / len(s) * 1e6,
-                    })
-                    r = results[-1]
-                    print(f"  world={world} {payload:>10} attn={int(attn)} {mname:>7}: "
-                          f"p50 {r['p50_us']:10.1f} us  p90 {r['p90_us']:10.1f} us  ({nbytes} B)", flush=True)
+    for payload, attn, mode in [(p, a, m) for p in args.payloads for a in args.attn_info
+                                for m in args.modes]:
+        cfg, md = make_payload(payload, attn)
+        if device.type == "cuda" and args.md_on_device:
+            md = md.to(device)
+        nbytes = payload_bytes(md)
+        big = nbytes > (8 << 20)
+        for mname in args.methods:
+            if mname == "cpmeta+bs" and mode != "engine":
+                continue
+            method = make_method(mname, rank, device)
+            if method is None:
+                continue
+            drv = method.prepare(md)
+            steps = max(5, args.steps // (8 if big else 1))
+            park = args.park_ms * 1e-3 if mode == "engine" else 0.0
+            lat = time_cell(method, drv, steps, 1 if big else args.warmup, args.budget, park)
+            method.close()
+            if rank == 0:
+                s = sorted(lat)
+                results.append({
+                    "world": world, "payload": payload, "attn_info": attn, "method": mname,
+                    "mode": mode,
+                    "bytes": nbytes, "n": len(s), "p50_us": s[len(s) // 2] * 1e6,
+                    "p90_us": s[min(len(s) - 1, int(0.9 * len(s)))] * 1e6,
+                    "mean_us": sum(s) / len(s) * 1e6,
+                })
+                r = results[-1]
+                print(f"  world={world} {payload:>10} attn={int(attn)} {mode:>7} {mname:>9}: "
+                      f"p50 {r['p50_us']:10.1f} us  p90 {r['p90_us']:10.1f} us  ({nbytes} B)", flush=True)
     if rank == 0:
         Path(out_path).write_text(json.dumps(results))
     dist.barrier()
@@ -357,20 +387,22 @@ def _free_port_cached() -> int:
 def print_table(results: list[dict]) -> None:
     cells: dict[tuple, dict[str, dict]] = {}
     for r in results:
-        cells.setdefault((r["world"], r["payload"], r["attn_info"], r["bytes"]), {})[r["method"]] = r
-    hdr = f"{'world':>5} {'payload':>11} {'attn':>4} {'bytes':>11} {'cpmeta p50':>11}" + "".join(
-        f" {'/' + m:>9}" for m in METHODS if m != "cpmeta")
+        cells.setdefault((r["world"], r["payload"], r["attn_info"], r["bytes"], r.get("mode", "barrier")),
+                         {})[r["method"]] = r
+    hdr = f"{'world':>5} {'payload':>11} {'attn':>4} {'bytes':>11} {'mode':>7} {'cpmeta p50':>11}" + "".join(
+        f" {'/' + m:>10}" for m in METHODS if m != "cpmeta")
     print(hdr)
-    for (w, p, a, b), ms in sorted(cells.items()):
+    for (w, p, a, b, mode), ms in sorted(cells.items()):
         ours = ms.get("cpmeta")
-        line = f"{w:>5} {p:>11} {int(a):>4} {b:>11} {ours['p50_us'] if ours else float('nan'):>9.0f}us"
+        line = f"{w:>5} {p:>11} {int(a):>4} {b:>11} {mode:>7} {ours['p50_us'] if ours else float('nan'):>9.0f}us"
         for m in METHODS:
             if m == "cpmeta":
                 continue
             other = ms.get(m)
-            line += f" {ours['p50_us'] / other['p50_us']:>9.3f}" if ours and other else f" {'-':>9}"
+            line += f" {ours['p50_us'] / other['p50_us']:>10.3f}" if ours and other else f" {'-':>10}"
         print(line)
-    print("(ratios = cpmeta p50 / method p50; below 1 means cpmeta is faster)")
+    print("(ratios = cpmeta p50 / method p50; below 1 means cpmeta is faster; /cpmeta+bs below 1"
+          " means begin_step made no gain)")
 
 
 def plot(results: list[dict], path: Path) -> bool:
@@ -385,9 +417,11 @@ def plot(results: list[dict], path: Path) -> bool:
     fig, axes = plt.subplots(1, len(worlds), figsize=(5 * len(worlds), 4), squeeze=False)
     for ax, w in zip(axes[0], worlds):
         for m in METHODS:
-            pts = sorted((r["bytes"], r["p50_us"]) for r in results if r["world"] == w and r["method"] == m)
-            if pts:
-                ax.loglog([p[0] for p in pts], [p[1] for p in pts], "o-", label=m)
+            for mode, style in (("barrier", "o-"), ("engine", "s--")):
+                pts = sorted((r["bytes"], r["p50_us"]) for r in results if r["world"] == w
+                             and r["method"] == m and r.get("mode", "barrier") == mode)
+                if pts:
+                    ax.loglog([p[0] for p in pts], [p[1] for p in pts], style, label=f"{m} ({mode})")
         ax.set_title(f"world size {w}")
         ax.set_xlabel("payload bytes")
         ax.set_ylabel("p50 latency (us)")
@@ -404,6 +438,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--payloads", nargs="+", default=["decode-64", "decode-256", "prompt-8k", "prompt-32k"])
     p.add_argument("--attn-info", type=int, nargs="+", default=[0, 1], help="0: before, 1: after compute_attn_info")
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
+                   help="barrier: followers running at the start; engine: followers parked")
+    p.add_argument("--park-ms", type=float, default=3.0, help="engine mode: driver idle before a step")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--budget", type=float, default=1.5, help="seconds per cell before stopping early")
@@ -415,7 +452,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--plot", default=None, help="PNG path (default: beside --out)")
     args = p.parse_args(argv)
     if args.quick:
-        args.worlds, args.payloads, args.attn_info = [2], ["decode-64"], [0]
+        args.worlds, args.payloads, args.attn_info, args.modes = [2], ["decode-64"], [0], ["barrier"]
         args.steps, args.warmup, args.budget = 8, 2, 0.5
     args.attn_info = [bool(a) for a in args.attn_info]
     results = []
@@ -428,6 +465,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         "machine": f"{platform.machine()} {os.cpu_count()} cpus", "torch": torch.__version__,
         "command": "python scripts/bench_broadcast.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "backend": args.backend, "timed": "max over ranks of completion - driver start (CLOCK_MONOTONIC)",
+        "modes": {"barrier": "barrier right before each step",
+                  "engine": f"driver idles {args.park_ms} ms after the barrier; followers parked"},
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

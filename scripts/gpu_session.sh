@@ -46,5 +46,14 @@ TAILN=6 step bench_state 120 python3 scripts/bench_build.py --only state_ --no-r
 TAILN=30 step profile_array 120 python3 scripts/profile_array_input.py --repeat 1000 --out "$OUT/array_phases.json"
 TAILN=12 step bench_attn 60 python3 scripts/bench_build.py --device cuda --only attn --no-ref --out "$OUT/build_cuda.json"
 W="1"; for w in 2 4 8; do [ "$NGPU" -ge "$w" ] && W="$W $w"; done
-TAILN=20 step bench_bcast_nccl 150 python3 scripts/bench_broadcast.py --backend nccl --worlds $W --attn-info 0 --out "$OUT/bcast_nccl.json"
+TAILN=20 step bench_bcast_nccl 150 python3 scripts/bench_broadcast.py --backend nccl --worlds $W --attn-info 0 --modes barrier --out "$OUT/bcast_nccl.json"
+# CPU/gloo broadcast on this host's cores (issue 17 goals), mq from the carried bundle when present:
+#   bash /work/shared/tools/mq_bundle.sh mq_bundle 3.12   (on the dev machine; carry mq_bundle)
+MQ=""; [ -d mq_bundle ] && MQ=":$PWD/mq_bundle"
+TAILN=40 step bench_bcast_cpu 420 env PYTHONPATH="$PWD$MQ" python3 scripts/bench_broadcast.py --worlds 2 4 8 \
+  --payloads decode-64 decode-256 prompt-32k --attn-info 0 --methods cpmeta cpmeta+bs mq floor \
+  --steps 100 --budget 2 --out "$OUT/bcast_cpu.json"
+for w in 2 4 8; do
+  TAILN=24 step profile_bcast_w$w 60 python3 scripts/profile_broadcast.py --world $w --mode engine --steps 300 --json "$OUT/profile_w$w.json"
+done
 ls -la "$OUT"

@@ -42,6 +42,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--check-every", type=int, default=10, help="exact comparison period")
     p.add_argument("--remote", action="store_true", help="force the process-group path")
     p.add_argument("--tensor-path", choices=("auto", "packed", "collective"), default="auto")
+    p.add_argument("--no-checksum", action="store_true",
+                   help="do not set CPMETA_CHECKSUM=1 (by default every frame carries a crc32 "
+                        "that the followers verify)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--rss-limit-mib", type=float, default=16.0)
     p.add_argument("--out", type=Path, default=None, help="JSON output file")
@@ -63,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     ring_bytes = args.slot_size * args.num_slots
     env = {"CPMETA_SHM_SLOT_SIZE": str(args.slot_size), "CPMETA_SHM_NUM_SLOTS": str(args.num_slots),
-           "CPMETA_TENSOR_PATH": args.tensor_path}
+           "CPMETA_TENSOR_PATH": args.tensor_path, "CPMETA_CHECKSUM": "0" if args.no_checksum else "1"}
     before = project_shm_entries()
     t0 = time.monotonic()
     out = run_ranks(soak_rank, args.world, seed, args.steps, ring_bytes, args.check_every, 120.0,
@@ -71,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.monotonic() - t0
     leaked = sorted(project_shm_entries() - before)
     print(f"soak: {args.steps} broadcasts, {args.world} ranks, ring {args.num_slots} x "
-          f"{args.slot_size} B, remote={args.remote}, tensor_path={args.tensor_path}, seed={seed}, "
+          f"{args.slot_size} B, remote={args.remote}, tensor_path={args.tensor_path}, "
+          f"frame crc32={not args.no_checksum}, seed={seed}, "
           f"wall {wall:.1f} s")
     print("rank mismatches exact  MiB_sent over_ring    min      max  seconds "
           "rss_start   rss_end  growth rss_peak")

@@ -5,9 +5,10 @@ Rank 0 (the driver) captures the frames of ``CAPTURE_STEPS`` real broadcasts, th
 (:func:`_mutate`) straight into its ring end, each followed by a valid broadcast; the followers
 classify what ``broadcast(None)`` does with every hostile frame (:func:`_receive_hostile`) and
 verify the valid one after it. Last, rank 2 runs with a skewed protocol version / schema
-(:func:`_skew_phase`). Frame layout (``ObjectChannel.broadcast_packed``)::
+(:func:`_skew_phase`). Frame layout (``cpmeta.broadcast.wire``)::
 
-    | header length u64 | codec header [msg, descs] | zeros to 16 | packed tensor bytes |
+    | header (56 B: magic, version, flags, schema, layout id, crc, block lengths) | layout? |
+    | values | shapes (int64) | packed tensor bytes (16-aligned) |
 """
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ import random
 import struct
 from typing import Any
 
-import torch
 
 from reliability_cases import make_payload, verify_payload
-from transport import decode, encode
+from transport import decode_body, encode_body
 
 __all__ = ["RING_ENV", "RING_BYTES", "CAPTURE_STEPS", "MUTATED_FRAMES", "N_CRAFTED",
            "wire_rank", "FRAME_LEN"]
@@ -30,29 +30,83 @@ CAPTURE_STEPS = 24  # valid broadcasts whose frames are captured (rank 0) for th
 MUTATED_FRAMES = 160  # random mutations written through the ring
 N_CRAFTED = 14  # hand-made hostile frames (see _crafted)
 KEEP_FRAME_BYTES = 32 * 1024  # frames returned to the parent (the header fuzz needs few bytes)
-FRAME_LEN = struct.Struct("<Q")  # header-length prefix of a packed frame
-_LEN = FRAME_LEN
+FRAME_HEADER = struct.Struct("<4sHH16sIIIIIIQ")  # cpmeta.broadcast.wire.HEADER
+FRAME_LEN = FRAME_HEADER  # (old name, kept for importers)
 
 
 def _capture(ring: Any, store: list) -> None:
-    """Record every frame the driver's ring end writes (joined bytes)."""
-    write = ring.write
+    """Record every frame the driver's ring end publishes (``reserve``/``commit`` or ``write``)."""
+    import ctypes
 
-    def recording(parts: Any, **kw: Any) -> None:
+    reserve, commit, write = ring.reserve, ring.commit, ring.write
+    spot: list = []
+
+    def reserving(length: int, **kw: Any) -> Any:
+        view, addr = reserve(length, **kw)
+        spot[:] = [addr, length]
+        return view, addr
+
+    def committing() -> None:
+        store.append(ctypes.string_at(*spot))
+        commit()
+
+    def writing(parts: Any, **kw: Any) -> None:
         raw = parts if isinstance(parts, (list, tuple)) else [parts]
-        store.append(b"".join(bytes(memoryview(p).cast("B")) for p in raw))
+        data = b"".join(bytes(memoryview(p).cast("B")) for p in raw)
+        if not ring.fits(len(data)):
+            store.append(data)
         write(parts, **kw)
 
-    ring.write = recording
+    ring.reserve, ring.commit, ring.write = reserving, committing, writing
+
+
+def _uncapture(ring: Any) -> None:
+    for name in ("reserve", "commit", "write"):
+        delattr(ring, name)  # the instance patches: back to ShmRing's methods
+
+
+def _blocks(frame: bytes) -> dict:
+    f = FRAME_HEADER.unpack(frame[:FRAME_HEADER.size])
+    keys = ("magic", "version", "flags", "schema", "lid", "crc", "llen", "vlen", "ndims", "pad",
+            "tbytes")
+    h = dict(zip(keys, f))
+    at = FRAME_HEADER.size
+    h["layout"] = frame[at:at + h["llen"]]
+    h["values"] = frame[at + h["llen"]:at + h["llen"] + h["vlen"]]
+    shapes_at = _align(at + h["llen"] + h["vlen"], 8)
+    h["dims"] = list(struct.unpack_from(f"<{h['ndims']}q", frame, shapes_at))
+    h["data"] = frame[_align(shapes_at + 8 * h["ndims"], 16):]
+    return h
+
+
+def _frame(h: dict, **kw: Any) -> bytes:
+    """Re-assemble a frame from (changed) blocks; ``crc`` is left as given."""
+    import zlib
+
+    h = {**h, **kw}
+    layout, values = h["layout"], h["values"]
+    if "layout_obj" in kw:
+        layout = encode_body(kw["layout_obj"])
+        h["lid"] = zlib.crc32(layout) if "lid" not in kw else h["lid"]
+        h["flags"] |= 1
+    if "values_obj" in kw:
+        values = encode_body(kw["values_obj"])
+    head = FRAME_HEADER.pack(h["magic"], h["version"], h["flags"], h["schema"], h["lid"], h["crc"],
+                             len(layout), len(values), len(h["dims"]), 0, h["tbytes"])
+    out = bytearray(head + layout + values)
+    out += bytes(_align(len(out), 8) - len(out))
+    out += struct.pack(f"<{len(h['dims'])}q", *h["dims"])
+    out += bytes(_align(len(out), 16) - len(out))
+    return bytes(out + h["data"])
 
 
 def _mutate(frame: bytes, rng: random.Random) -> bytes:
-    """A random corruption, biased to the length prefix and the codec header of the frame."""
+    """A random corruption, biased to the header and the layout / values blocks of the frame."""
     b = bytearray(frame)
-    (hlen,) = _LEN.unpack_from(b, 0)
-    head_end = min(len(b), _LEN.size + hlen)
+    h = _blocks(frame)
+    head_end = min(len(b), FRAME_HEADER.size + h["llen"] + h["vlen"])
     op = rng.randrange(6)
-    if op == 0:  # flip bytes inside the codec header
+    if op == 0:  # flip bytes inside the header and the msgpack blocks
         for _ in range(rng.randint(1, 4)):
             b[rng.randrange(head_end)] = rng.randrange(256)
     elif op == 1:  # flip bytes anywhere
@@ -60,10 +114,14 @@ def _mutate(frame: bytes, rng: random.Random) -> bytes:
             b[rng.randrange(len(b))] = rng.randrange(256)
     elif op == 2:  # truncate
         del b[rng.randrange(len(b)):]
-    elif op == 3:  # a different length prefix (small, off by a little, or huge)
-        _LEN.pack_into(b, 0, rng.choice([0, 1, hlen - 1, hlen + 1, len(b), 2**63, 2**64 - 1]))
-    elif op == 4:  # insert junk inside the header
-        at = rng.randrange(_LEN.size, head_end + 1)
+    elif op == 3:  # a different block length or tensor byte count (small, off by one, huge)
+        at = rng.choice([32, 36, 40, 48])
+        fmt = "<Q" if at == 48 else "<I"
+        (old,) = struct.unpack_from(fmt, b, at)
+        new = rng.choice([0, 1, old - 1, old + 1, len(b), 2**31, 2**32 - 1])
+        struct.pack_into(fmt, b, at, new % (2**64 if at == 48 else 2**32))
+    elif op == 4:  # insert junk inside the header or the blocks
+        at = rng.randrange(0, head_end + 1)
         b[at:at] = rng.randbytes(rng.randint(1, 16))
     else:  # header of one frame, payload of a shorter/longer one
         b.extend(rng.randbytes(rng.randint(1, 64)))
@@ -71,45 +129,36 @@ def _mutate(frame: bytes, rng: random.Random) -> bytes:
 
 
 def _crafted(frame: bytes, schema: bytes) -> list[tuple[str, bytes]]:
-    """Hand-made hostile frames derived from one valid frame (see the module docstring)."""
-    from cpmeta.broadcast import MESSAGE_VERSION
-    from transport import TensorDesc
+    """Hand-made hostile frames derived from one valid frame (one that defines its layout)."""
+    from cpmeta.broadcast.wire import MESSAGE_VERSION
 
-    (hlen,) = _LEN.unpack_from(frame, 0)
-    msg, descs = decode(frame[_LEN.size:_LEN.size + hlen], schema=schema)
-    payload = frame[_align16(_LEN.size + hlen):]  # tensors start 16-byte aligned after the header
-
-    def frame_of(m: Any, d: Any, body: bytes = payload, sch: bytes = schema) -> bytes:
-        head = _LEN.pack(len(encode([m, d], schema=sch))) + encode([m, d], schema=sch)
-        return head + bytes(_align16(len(head)) - len(head)) + body
-
-    def with_(**kw: Any) -> dict:
-        return {**msg, **kw}
-
-    n = len(msg["dtypes"])
+    h = _blocks(frame)
+    lay = decode_body(h["layout"])
+    vals = decode_body(h["values"])
+    n = len(lay[1])
     out = [
-        ("payload of 1 TiB declared", frame_of(msg, [TensorDesc(torch.uint8, (1 << 40,))])),
-        ("shapes far beyond the buffer", frame_of(with_(shapes=[s * (1 << 20) + 1 for s in msg["shapes"]]), descs)),
-        ("negative offsets", frame_of(with_(offsets=[-4096] * n), descs)),
-        ("offsets past the buffer", frame_of(with_(offsets=[1 << 40] * n), descs)),
-        ("unknown dtype code", frame_of(with_(dtypes=[99] * n), descs)),
-        ("unknown field path", frame_of(with_(paths=";".join(["__class__"] * n)), descs)),
-        ("values not a dict", frame_of(with_(values=[1, 2]), descs)),
-        ("value and dict entries on one field", frame_of(with_(values={**msg["values"], "klen": 3, "klen.4": 1}), descs)),
-        ("message is a list", frame_of([1, 2, 3], descs)),
-        ("layout lists of different lengths", frame_of(with_(ndims=msg["ndims"] + [1]), descs)),
-        ("message version skew", frame_of(with_(version=MESSAGE_VERSION + 1), descs)),
-        ("schema field skew", frame_of(with_(schema="0" * 16), descs)),
-        ("codec schema skew", frame_of(msg, descs, sch=b"\xff" * len(schema))),
+        ("payload of 1 TiB declared", _frame(h, tbytes=1 << 40)),
+        ("shapes far beyond the buffer", _frame(h, dims=[d * (1 << 20) + 1 for d in h["dims"]])),
+        ("negative dims", _frame(h, dims=[-4096] * len(h["dims"]))),
+        ("dims past 2**48", _frame(h, dims=[1 << 60] * len(h["dims"]))),
+        ("unknown dtype code", _frame(h, layout_obj=[lay[0], [99] * n, lay[2], lay[3]])),
+        ("unknown field path", _frame(h, layout_obj=[";".join(["__class__"] * n), lay[1], lay[2], lay[3]])),
+        ("values not a list", _frame(h, values_obj={"x": 1})),
+        ("value and dict entries on one field",
+         _frame(h, layout_obj=[lay[0], lay[1], lay[2], lay[3] + ";klen;klen.4"], values_obj=vals + [3, 1])),
+        ("layout id that was never sent", _frame(h, lid=h["lid"] ^ 0x5A5A5A5A, flags=h["flags"] & ~1, layout=b"")),
+        ("layout lists of different lengths", _frame(h, layout_obj=[lay[0], lay[1], lay[2] + [1], lay[3]])),
+        ("message version skew", _frame(h, version=MESSAGE_VERSION + 1)),
+        ("schema field skew", _frame(h, schema=b"0" * 16)),
+        ("layout block that does not match its id",
+         _frame(h, layout_obj=[lay[0], lay[1], lay[2], lay[3]], lid=h["lid"] ^ 1)),
+        ("crc32 flag with a wrong crc", _frame(h, flags=h["flags"] | 2, crc=12345)),
     ]
-    bad_version = bytearray(frame)
-    bad_version[_LEN.size + 4] += 1  # codec header: protocol version byte
-    out.append(("codec protocol version skew", bytes(bad_version)))
     return out
 
 
-def _align16(n: int) -> int:
-    return -(-n // 16) * 16
+def _align(n: int, a: int) -> int:
+    return -(-n // a) * a
 
 
 def _guard_collective(bc: Any) -> None:
@@ -149,7 +198,7 @@ def wire_rank(rank: int, world: int, seed: int) -> dict:
         for _ in range(CAPTURE_STEPS):
             valid()
         if rank == 0:
-            del ring.write  # the instance patch: back to ShmRing.write
+            _uncapture(ring)
             out["frames"] = [f for f in captured if len(f) <= KEEP_FRAME_BYTES]
             hostile = _crafted(out["frames"][0], SCHEMA_FINGERPRINT.encode())
             assert len(hostile) == N_CRAFTED
@@ -177,12 +226,9 @@ def _receive_hostile(bc: Any, rank: int) -> tuple[str, bool, str]:
 
 def _skew_phase(bc: Any, rank: int, seed: int, out: dict, valid: Any) -> None:
     """Rank 2 runs with another protocol version / schema; rank 1 must be unaffected."""
-    import cpmeta.broadcast.broadcaster as cb
-    import transport.codec as codec
+    import cpmeta.broadcast.wire as cb  # the one frame: its version and schema, checked once
 
     patches = [
-        ("protocol version", codec, "PROTOCOL_VERSION", codec.PROTOCOL_VERSION + 1),
-        ("codec schema", bc._objects, "schema", b"\x00" * 16),
         ("message version", cb, "MESSAGE_VERSION", cb.MESSAGE_VERSION + 1),
         ("schema fingerprint", cb, "SCHEMA_FINGERPRINT", "f" * 16),
     ]

@@ -112,7 +112,7 @@ def test_subgroup_with_nonzero_src() -> None:
 
 def _schema_mismatch(rank: int, world: int) -> str:
     import cpmeta
-    import cpmeta.broadcast.broadcaster as cb
+    import cpmeta.broadcast.wire as cb  # the one frame format: version and schema live here
 
     if rank == 1:
         cb.SCHEMA_FINGERPRINT = "0" * 16  # pretend this follower runs another cpmeta version

@@ -35,9 +35,9 @@ from hypothesis import strategies as st
 from cpmeta import MetadataConfig, SequenceMetadata, prepare_decode, prepare_prompt
 from cpmeta.sequence import validate_batch
 from multiproc import run_ranks
-from reliability_wire import FRAME_LEN, MUTATED_FRAMES, N_CRAFTED, RING_ENV, wire_rank
+from reliability_wire import FRAME_HEADER, MUTATED_FRAMES, N_CRAFTED, RING_ENV, wire_rank
 from strategies import random_config, random_decode_batch, random_prompt_batch
-from transport import CodecError, decode, encode
+from transport import CodecError, decode, decode_body, encode
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -240,7 +240,6 @@ def test_structured_garbage_behind_a_valid_header(value: Any, schema: bytes) -> 
 
 # ----------------------------------------------------------------------------- live ring (3 ranks)
 
-_LEN = FRAME_LEN
 
 @pytest.fixture(scope="module")
 def wire() -> list[dict]:
@@ -275,9 +274,7 @@ def test_malformed_message_errors_name_the_rank(wire: list[dict]) -> None:
 def test_version_and_schema_skew_named_on_the_follower(wire: list[dict]) -> None:
     _, ok, skewed = wire
     assert ok["skew"] == {k: "accepted" for k in skewed["skew"]}
-    expect = {"protocol version": "protocol version mismatch",
-              "codec schema": "schema fingerprint mismatch",
-              "message version": "version mismatch",
+    expect = {"message version": "version mismatch",
               "schema fingerprint": "schema fingerprint mismatch"}
     for what, phrase in expect.items():
         msg = skewed["skew"][what]
@@ -285,8 +282,11 @@ def test_version_and_schema_skew_named_on_the_follower(wire: list[dict]) -> None
 
 
 def _mutate_header(frame: bytes, data: st.DataObject) -> bytes:
-    (hlen,) = _LEN.unpack_from(frame, 0)
-    head = bytearray(frame[_LEN.size:_LEN.size + hlen])
+    """A mutated msgpack block (layout or values) of a real frame."""
+    f = FRAME_HEADER.unpack_from(frame, 0)
+    at, llen, vlen = FRAME_HEADER.size, f[6], f[7]
+    start, end = (at, at + llen) if llen and data.draw(st.booleans()) else (at + llen, at + llen + vlen)
+    head = bytearray(frame[start:end])
     for _ in range(data.draw(st.integers(1, 6))):
         op = data.draw(st.integers(0, 3))
         i = data.draw(st.integers(0, max(0, len(head) - 1)))
@@ -305,15 +305,13 @@ def _mutate_header(frame: bytes, data: st.DataObject) -> bytes:
 @settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_decode_mutated_real_metadata_headers(wire: list[dict], data: st.DataObject) -> None:
-    from cpmeta.broadcast import SCHEMA_FINGERPRINT
-
     frames = wire[0]["frames"]
     frame = frames[data.draw(st.integers(0, len(frames) - 1))]
     head = _mutate_header(frame, data)
     tracemalloc.start()
     try:
         try:
-            out = decode(head, schema=SCHEMA_FINGERPRINT.encode())
+            out = decode_body(head)
         except CodecError:
             out = None
         _, peak = tracemalloc.get_traced_memory()

@@ -26,6 +26,7 @@ import os
 import pickle
 import re
 import struct
+import zlib
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -173,8 +174,15 @@ def _hostile_frames(marker: str, schema: bytes) -> list[bytes]:
     raw = pickle.dumps(_Evil(marker))  # made BEFORE the tripwires go up
     head = encode(None, schema=schema)[:-1]  # valid codec header, body stripped
     valid = encode([{"x": raw}, []], schema=schema)
+    # the broadcast frame's own header (cpmeta.broadcast.wire.HEADER) around a pickle as its
+    # layout block and as its values block
+    frame_head = struct.Struct("<4sHH16sIIIIIIQ")
+    as_layout = frame_head.pack(b"CPMB", 4, 1, schema[:16].ljust(16, b"0"), zlib.crc32(raw), 0,
+                                len(raw), 0, 0, 0, 0) + raw
+    as_values = frame_head.pack(b"CPMB", 4, 0, schema[:16].ljust(16, b"0"), 0, 0, 0, len(raw), 0,
+                                0, 0) + raw
     return [raw, _LEN.pack(len(raw)) + raw, _LEN.pack(len(head) + len(raw)) + head + raw,
-            _LEN.pack(len(valid)) + valid, raw * 50]
+            _LEN.pack(len(valid)) + valid, raw * 50, as_layout, as_values]
 
 
 def _security_rank(rank: int, world: int, marker: str, seed: int) -> dict:
@@ -250,8 +258,8 @@ def test_pickle_payload_never_executes(security_run: tuple[list[dict], Path]) ->
     assert not marker.exists()
     for r in out[1:]:
         assert not r["marker"]
-        # 5 wrappings x 3 paths, every one refused (the follower then reads the next message)
-        assert len(r["outcomes"]) == 15 and set(r["outcomes"]) <= {"RuntimeError", "ValueError"}, r
+        # 7 wrappings x 3 paths, every one refused (the follower then reads the next message)
+        assert len(r["outcomes"]) == 21 and set(r["outcomes"]) <= {"RuntimeError", "ValueError"}, r
     # the control: the payload really is live (unpickling it in THIS process creates the file)
     pickle.loads(pickle.dumps(_Evil(str(marker))))
     assert marker.exists()

@@ -36,7 +36,7 @@ def _soak(steps: int, force_remote: bool, timeout: float) -> list[dict]:
     seed = random.randrange(1 << 30)
     before = project_shm_entries()
     out = run_ranks(soak_rank, WORLD, seed, steps, RING_BYTES, CHECK_EVERY, 60.0, force_remote,
-                    env=RING_ENV, timeout=timeout)
+                    env={**RING_ENV, "CPMETA_CHECKSUM": "1"}, timeout=timeout)
     assert project_shm_entries() <= before, "the soak left /dev/shm entries behind"
     for r in out:
         growth = r["rss"][-1] - r["rss"][0]

@@ -7,7 +7,7 @@
 - :class:`TensorChannel`: broadcast a list of tensors as one coalesced buffer in one collective.
 """
 
-from .codec import CodecError, TensorDesc, decode, encode, schema_fingerprint
+from .codec import CodecError, TensorDesc, decode, decode_body, encode, encode_body, schema_fingerprint
 from .errors import PeerError, RingClosedError
 from .object_channel import ObjectChannel
 from .shm_ring import ShmRing, ShmRingHandle, ring_from_process_group
@@ -18,6 +18,8 @@ __all__ = [
     "TensorDesc",
     "encode",
     "decode",
+    "encode_body",
+    "decode_body",
     "schema_fingerprint",
     "PeerError",
     "RingClosedError",

@@ -9,12 +9,13 @@ mapping), ``_head``, ``_tails``, ``_states``, ``_pids``, ``_waiting``, ``_writer
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Callable, Optional, Sequence, TypeVar, Union
 
 from ._futex import HAVE_FENCE, NEEDS_RELEASE_FENCE, fence, futex_wait, futex_wake
-from ._ring_layout import (ABSENT, ATTACHED, CLOSED, KIND_DATA, KIND_PAD, LIVENESS_SLICE_S,
-                           MSG_HEADER, cdiv)
+from ._ring_layout import (ABSENT, ANNOUNCE_SPIN_S, ATTACHED, CLOSED, KIND_DATA, KIND_PAD,
+                           LIVENESS_SLICE_S, MSG_HEADER, cdiv)
 from ._segment import PeerWatch
 from .errors import PeerError, RingClosedError
 
@@ -58,14 +59,43 @@ class RingIO:
         raw = data if isinstance(data, (list, tuple)) else (data,)
         parts = [memoryview(p).cast("B") for p in raw]
         length = sum(p.nbytes for p in parts)
+        if cdiv(_HDR_LEN + length, self.handle.slot_size) > self.handle.num_slots:
+            deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+            self._check_alive_readers()
+            self._stream_out(parts, length, cdiv(_HDR_LEN + length, self.handle.slot_size),
+                             self._w.head.value, deadline)
+            return
+        view, _ = self.reserve(length, timeout=timeout)
+        pos = 0
+        for p in parts:
+            view[pos:pos + p.nbytes] = p
+            pos += p.nbytes
+        view.release()
+        self.commit()
+
+    def fits(self, length: int) -> bool:
+        """Whether a message of ``length`` bytes fits the ring in one piece (``reserve`` works)."""
+        return cdiv(_HDR_LEN + length, self.handle.slot_size) <= self.handle.num_slots
+
+    def reserve(self, length: int, *, timeout: Optional[float] = None) -> tuple[memoryview, int]:
+        """Writer: wait for room and return ``(view, address)`` of the next message's ``length``
+        payload bytes, in the ring itself, for the caller to fill in place; then :meth:`commit`.
+
+        The caller releases ``view`` (or drops it) before :meth:`close`. Only for messages that
+        :meth:`fits`; larger ones go through :meth:`write` (streamed). Example::
+
+            view, addr = ring.reserve(len(data)); view[:] = data; view.release(); ring.commit()
+        """
+        if self.reader_index is not None:
+            raise RuntimeError("ShmRing.reserve: this end is a reader")
+        if self._pending is not None:
+            raise RuntimeError("ShmRing.reserve: the previous reserve() was not committed")
+        if not self.fits(length):
+            raise ValueError(f"ShmRing.reserve: {length} bytes do not fit the ring; use write()")
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        self._check_alive_readers()
         size, n = self.handle.slot_size, self.handle.num_slots
         k = cdiv(_HDR_LEN + length, size)
         head = self._w.head.value
-        if k > n:
-            self._stream_out(parts, length, k, head, deadline)
-            return
         first = head % n
         if first + k > n:  # keep the message contiguous: pad to the end of the ring
             self._wait_space(head, n - first, deadline)
@@ -77,10 +107,31 @@ class RingIO:
         pos = self._data_at + first * size
         MSG_HEADER.pack_into(self._buf, pos, length, KIND_DATA, 0)
         pos += _HDR_LEN
-        for p in parts:
-            self._buf[pos:pos + p.nbytes] = p
-            pos += p.nbytes
-        self._publish(head + k)
+        self._pending = head + k
+        return self._buf[pos:pos + length], self._base_addr + pos
+
+    def commit(self) -> None:
+        """Writer: publish the message filled since :meth:`reserve`, wake parked readers, then
+        poll the readers' liveness (after the publish: off the readers' critical path)."""
+        head, self._pending = self._pending, None
+        if head is None:
+            raise RuntimeError("ShmRing.commit: nothing reserved")
+        self._publish(head)
+        self._check_alive_readers()
+
+    def cancel(self) -> None:
+        """Writer: drop the message reserved by :meth:`reserve` (nothing is published)."""
+        self._pending = None
+
+    def announce(self) -> None:
+        """Writer: a message is coming soon. Parked readers wake now and spin (for at most
+        ``ANNOUNCE_SPIN_S``) so that the message meets a running reader; cheap when none waits."""
+        if self.reader_index is not None:
+            raise RuntimeError("ShmRing.announce: this end is a reader")
+        self._w.announce.value = (self._w.announce.value + 1) & 0xFFFFFFFF
+        fence()  # announce store before the loads of the readers' waiting flags
+        if not HAVE_FENCE or any(w.value for w in self._w.waiting):
+            futex_wake(self._head_addr)
 
     def _stream_out(self, parts: list[memoryview], length: int, k: int, head: int,
                     deadline: float) -> None:
@@ -150,7 +201,7 @@ class RingIO:
     def _check_alive_readers(self) -> None:
         """Raise ``PeerError`` if an attached reader's process has died (one poll per reader).
 
-        Checked on every write, so a follower killed between steps is named at the driver's
+        Checked after every publish, so a follower killed between steps is named at the driver's
         next broadcast instead of once the ring has filled up ``num_slots`` messages later.
         """
         for i, st in enumerate(self._w.states):
@@ -268,7 +319,8 @@ class RingIO:
             futex_wake(self._tail_addrs[self.reader_index])
 
     def _wait_data(self, target: int, deadline: float) -> int:
-        """Block until ``head >= target``; return head."""
+        """Block until ``head >= target``; return head. After an ``announce`` the reader spins
+        (yielding its core on an oversubscribed host) instead of parking, for a while."""
         w = self._w  # (no local ctypes words: a traceback would pin the mapping)
         h = w.head.value
         if h >= target:
@@ -281,16 +333,33 @@ class RingIO:
                     return self._acquired(h)
         me = self.reader_index
         while True:
+            if w.announce.value != self._announce_seen:
+                self._announce_seen = w.announce.value
+                h = self._spin_announced(target)
+                if h >= target:
+                    return self._acquired(h)
             w.waiting[me].value = 1
             fence()  # flag store before re-reading head (pairs with the writer's fence)
             h = w.head.value
-            if h < target and not w.closed.value:
+            if h < target and not w.closed.value and w.announce.value == self._announce_seen:
                 futex_wait(self._head_addr, h, min(LIVENESS_SLICE_S, self._left(deadline)))
                 h = w.head.value
             w.waiting[me].value = 0
             if h >= target:
                 return self._acquired(h)
-            self._check_writer(target, deadline)
+            if w.announce.value == self._announce_seen:
+                self._check_writer(target, deadline)
+
+    def _spin_announced(self, target: int) -> int:
+        """Spin on ``head`` for up to ``ANNOUNCE_SPIN_S`` (a step was announced); return head."""
+        w, yield_core = self._w, self._yield_spin
+        end = time.perf_counter() + ANNOUNCE_SPIN_S
+        h = w.head.value
+        while h < target and not w.closed.value and time.perf_counter() < end:
+            if yield_core:
+                os.sched_yield()
+            h = w.head.value
+        return h
 
     @staticmethod
     def _acquired(h: int) -> int:

@@ -5,14 +5,15 @@ from __future__ import annotations
 import struct
 
 __all__ = ["MAGIC", "VERSION", "HDR", "MSG_HEADER", "cdiv", "data_offset", "EMPTY", "ATTACHED", "CLOSED",
-           "ABSENT", "LIVENESS_SLICE_S", "DEFAULT_SPIN_US"]
+           "ABSENT", "LIVENESS_SLICE_S", "DEFAULT_SPIN_US", "ANNOUNCE_SPIN_S", "OFF_ANNOUNCE"]
 
 MAGIC = b"CPMRING1"
-VERSION = 1
+VERSION = 2  # 2: announce word at OFF_ANNOUNCE
 HDR = struct.Struct("<8sIIQQ16sII")  # magic, version, num_readers, slot_size, num_slots, nonce, pid, closed
 OFF_CLOSED = struct.calcsize("<8sIIQQ16sI")
 OFF_HEAD = 64  # u64: slots published (futex on its low 32 bits)
 OFF_WRITER_WAITING = 128  # u32: writer blocked waiting for free slots
+OFF_ANNOUNCE = 192  # u32: steps announced by the writer (``announce``): readers spin, not park
 READERS_AT = 256  # first reader block
 READER_STRIDE = 64  # bytes per reader block (one cache line)
 R_TAIL, R_STATE, R_PID, R_WAITING = 0, 8, 12, 16  # offsets inside a reader block
@@ -21,8 +22,14 @@ MSG_HEADER = struct.Struct("<QII")  # payload length, kind, pad slot count (kind
 KIND_DATA, KIND_PAD = 0, 1
 EMPTY, ATTACHED, CLOSED, ABSENT = 0, 1, 2, 3  # reader block states
 LIVENESS_SLICE_S = 0.05  # longest single futex sleep; peers are checked between sleeps
-DEFAULT_SPIN_US = 1000.0  # reader spin before blocking, only when every ring process has a core
+#: Reader spin before blocking, only when every ring process has a core. 10 ms covers the
+#: driver's scheduling gap between engine steps (a few ms), so the step's frame meets a running
+#: reader instead of paying a FUTEX_WAKE + OS wake-up (issue 17: that was most of a step).
+DEFAULT_SPIN_US = 10_000.0
 MIN_SLOT_SIZE = 64
+#: Longest a reader spins after an ``announce`` (the driver builds the step's metadata meanwhile);
+#: past it the reader parks in FUTEX_WAIT again.
+ANNOUNCE_SPIN_S = 0.02
 
 
 def cdiv(a: int, b: int) -> int:

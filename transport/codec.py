@@ -36,6 +36,8 @@ __all__ = [
     "TensorDesc",
     "encode",
     "decode",
+    "encode_body",
+    "decode_body",
     "schema_fingerprint",
     "MAGIC",
     "PROTOCOL_VERSION",
@@ -190,6 +192,17 @@ def _packb(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True, strict_types=True, default=_default)
 
 
+def encode_body(obj: Any) -> bytes:
+    """The msgpack body of :func:`encode` without the header, for callers that frame messages
+    themselves (one header per message, e.g. the metadata broadcast frame). Same checks."""
+    if not _valid(obj):
+        _check(obj, "$", 0)
+    try:
+        return _packb(obj)
+    except (OverflowError, ValueError, UnicodeError, TypeError) as e:
+        raise ValueError(_locate_pack_failure(obj, "$") or f"$: cannot encode: {e}") from None
+
+
 def encode(obj: Any, *, schema: bytes = b"") -> bytes:
     """Serialize ``obj`` to bytes: header (magic, version, ``schema``) + msgpack body.
 
@@ -293,7 +306,20 @@ def decode(data: Any, *, schema: bytes = b"", max_bytes: Optional[int] = None) -
     if view[_HEADER.size:body_at] != schema:
         raise CodecError(f"schema fingerprint mismatch: message has "
                          f"{bytes(view[_HEADER.size:body_at]).hex()}, expected {bytes(schema).hex()}")
-    body = view[body_at:]
+    return decode_body(view[body_at:], max_bytes=limit)
+
+
+def decode_body(data: Any, *, max_bytes: Optional[int] = None) -> Any:
+    """Strictly parse a bare msgpack body made by :func:`encode_body` (untrusted input: the same
+    rules as :func:`decode`, without the header). Raises only CodecError."""
+    try:
+        body = memoryview(data).cast("B")
+    except TypeError:
+        raise CodecError(f"expected a bytes-like object, got {type(data).__name__}") from None
+    n = body.nbytes
+    limit = envs.max_message_bytes() if max_bytes is None else max_bytes
+    if n > limit:
+        raise CodecError(f"message of {n} bytes exceeds the limit of {limit} bytes")
     try:
         obj = _Decoder(n).unpack(body)
         if not _valid(obj):  # e.g. msgpack's native timestamp (code -1): ext_hook never sees it

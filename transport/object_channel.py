@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import struct
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,8 @@ from .errors import PeerError
 from .shm_ring import ring_from_process_group
 
 __all__ = ["ObjectChannel"]
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 _LEN = struct.Struct("<Q")
@@ -80,6 +82,7 @@ class ObjectChannel:
         self.local_ranks = attached
         self._remote_group = None
         self._watch: dict[int, PeerWatch] = {}  # same-host peers of the gloo path, for errors
+        self._frame_buf: Optional[torch.Tensor] = None  # src: reused buffer of send_frame
         if self.remote_ranks and (self.rank == src or self.rank in self.remote_ranks):
             members = sorted([src, *self.remote_ranks])
             self._remote_group = (self.ctrl if len(members) == len(self.ranks)
@@ -203,6 +206,52 @@ class ObjectChannel:
                 del shm  # drop the export of the shared slot before the ring releases it
             return obj, views_of(data, descs, [o - start for o in offsets])
         return obj, views_of(base, descs, offsets)
+
+    # ------------------------------------------------------------------ raw frames
+
+    def send_frame(self, nbytes: int, fill: Callable[[memoryview, int], None]) -> None:
+        """``src`` only: one message of ``nbytes`` bytes that ``fill(view, address)`` writes.
+
+        With only same-host followers and a message that fits the ring, ``fill`` writes straight
+        into the ring slot (``reserve``/``commit``: no second copy); otherwise into a private
+        buffer that goes to the ring and/or the process group. The frame is the caller's format
+        (it carries its own header); the channel adds none.
+        """
+        ring = self.ring
+        if ring is not None and self._remote_group is None and ring.fits(nbytes):
+            view, addr = ring.reserve(nbytes)
+            try:
+                fill(view, addr)
+            except BaseException:
+                view.release()
+                ring.cancel()
+                raise
+            view.release()
+            ring.commit()
+            return
+        buf = self._frame_buf
+        if buf is None or buf.numel() < nbytes:
+            buf = self._frame_buf = torch.empty(max(nbytes, 4096), dtype=torch.uint8)
+        frame = buf[:nbytes]
+        fill(tensor_memoryview(frame), frame.data_ptr())
+        if ring is not None:
+            ring.write(tensor_memoryview(frame))
+        if self._remote_group is not None:
+            self._remote(frame)
+
+    def recv_frame(self, consumer: Callable[[memoryview], T]) -> T:
+        """Followers: ``consumer(view)`` of the next frame; ``view`` is valid only during the
+        call (shared memory or a transient buffer: copy what you keep)."""
+        if self.ring is not None:
+            return self.ring.read(lambda view, owned: consumer(view))
+        frame = self._remote(None)  # keep the tensor alive while its memoryview is read
+        return consumer(tensor_memoryview(frame))
+
+    def announce(self) -> None:
+        """``src``: a frame follows soon; same-host followers parked in their receive call wake
+        now and spin, so the frame does not pay their OS wake-up (see ``ShmRing.announce``)."""
+        if self.ring is not None and self.rank == self.src:
+            self.ring.announce()
 
     # ------------------------------------------------------------------ lifecycle
 

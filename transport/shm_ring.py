@@ -2,14 +2,14 @@
 
 Memory layout (byte offsets; every control word sits on its own 64-byte cache line)::
 
-    0                          64               128              256        256+64*R     data_at
-    +--------------------------+----------------+----------------+----------+-----------+------...
-    | magic "CPMRING1"         | head (u64)     | writer_waiting |          | reader 0  | ...
-    | version u32, readers u32 | = slots        | (u32)          |          | reader 1  |
-    | slot_size u64, slots u64 |   published    |                |          |  ...      |
-    | nonce[16], writer_pid u32|   (futex: low  |                |          |           |
-    | closed u32               |    32 bits)    |                |          |           |
-    +--------------------------+----------------+----------------+----------+-----------+------...
+    0                          64               128              192        256        256+64*R  data_at
+    +--------------------------+----------------+----------------+----------+----------+------...
+    | magic "CPMRING1"         | head (u64)     | writer_waiting | announce | reader 0 | ...
+    | version u32, readers u32 | = slots        | (u32)          | (u32):   | reader 1 |
+    | slot_size u64, slots u64 |   published    |                | steps    |  ...     |
+    | nonce[16], writer_pid u32|   (futex: low  |                | announced|          |
+    | closed u32               |    32 bits)    |                |          |          |
+    +--------------------------+----------------+----------------+----------+----------+------...
     reader block (64 B): tail u64 (slots consumed; the writer's futex word), state u32
                          (EMPTY/ATTACHED/CLOSED/ABSENT), pid u32, waiting u32
     data (page aligned): num_slots * slot_size bytes, used as ONE circular byte stream
@@ -20,6 +20,12 @@ Memory layout (byte offsets; every control word sits on its own 64-byte cache li
 
 Protocol (``head`` and every ``tail`` count slots since creation, they never wrap in practice):
 
+- writer, ``announce()`` (optional, before it prepares a message): ``announce += 1``, full fence,
+  wake the parked readers; a reader that sees ``announce`` move spins (yielding its core when the
+  host has fewer cores than ring processes) for up to ``ANNOUNCE_SPIN_S`` instead of parking, so
+  the message that follows meets a running reader instead of paying an OS wake-up.
+- writer, zero-copy: ``reserve(n)`` waits for the slots and returns a writable view of the
+  payload (plus its address); the caller fills it in place; ``commit()`` publishes it.
 - writer, message of k slots: if it fits the ring (k <= N) but would run past the last slot,
   first publish a PAD message over the remaining slots, so the reader can hand the consumer ONE
   contiguous view. Wait until ``head + k - min(tail) <= N`` (never overwrite unread data), copy,
@@ -54,7 +60,7 @@ from . import envs
 from ._futex import fence, futex_wake, ring_unsupported_reason
 from ._ring_io import RingIO
 from ._ring_layout import (ABSENT, ATTACHED, CLOSED, DEFAULT_SPIN_US, EMPTY, HDR, MAGIC,
-                           MIN_SLOT_SIZE, OFF_CLOSED, OFF_HEAD, OFF_WRITER_WAITING, R_PID, R_STATE,
+                           MIN_SLOT_SIZE, OFF_ANNOUNCE, OFF_CLOSED, OFF_HEAD, OFF_WRITER_WAITING, R_PID, R_STATE,
                            R_TAIL, R_WAITING, READER_STRIDE, READERS_AT, VERSION, data_offset)
 from ._segment import PeerWatch, create_segment, open_segment
 from .codec import decode, encode
@@ -96,14 +102,17 @@ class _Words:
     """The ring's control words (ctypes views into the mapping). ``clear()`` drops them all, so
     the mapping has no exports left and can be closed even while the ring object lives on."""
 
-    __slots__ = ("head", "writer_waiting", "closed", "tails", "states", "pids", "waiting")
+    __slots__ = ("base", "head", "writer_waiting", "announce", "closed", "tails", "states", "pids",
+                 "waiting")
 
     def __init__(self, mm: mmap.mmap, num_readers: int) -> None:
         def word(ctype: Any, offset: int) -> Any:
             return ctype.from_buffer(mm, offset)
 
         blocks = [READERS_AT + READER_STRIDE * i for i in range(num_readers)]
+        self.base = word(ctypes.c_char, 0)  # its address = the mapping's, for ctypes.memmove
         self.head = word(ctypes.c_uint64, OFF_HEAD)
+        self.announce = word(ctypes.c_uint32, OFF_ANNOUNCE)
         self.writer_waiting = word(ctypes.c_uint32, OFF_WRITER_WAITING)
         self.closed = word(ctypes.c_uint32, OFF_CLOSED)
         self.tails = [word(ctypes.c_uint64, b + R_TAIL) for b in blocks]
@@ -153,13 +162,16 @@ class _Resources:
             w.close()
 
 
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def _auto_spin_us(num_readers: int) -> float:
     """Spin only when writer + readers can each own a core (else spinning steals the writer's)."""
     configured = envs.shm_spin_us()
     if configured is not None:
         return configured
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return DEFAULT_SPIN_US if cores > num_readers + 1 else 0.0
+    return DEFAULT_SPIN_US if _cores() > num_readers + 1 else 0.0
 
 
 class ShmRing(RingIO):
@@ -183,6 +195,7 @@ class ShmRing(RingIO):
             os.close(fd)  # a short or foreign file: do not leak the descriptor
             raise
         self._w = _Words(mm, handle.num_readers)
+        self._base_addr = ctypes.addressof(self._w.base)
         self._head_addr = ctypes.addressof(self._w.head)  # futex addresses as plain ints
         self._tail_addrs = [ctypes.addressof(t) for t in self._w.tails]
         self._res = _Resources(mm, memoryview(mm), self._w, fd, unlink_path)
@@ -190,6 +203,9 @@ class ShmRing(RingIO):
         self._buf = self._res.buf
         self._watch: dict[int, PeerWatch] = self._res.watch
         self._spin_s = _auto_spin_us(handle.num_readers) * 1e-6
+        self._yield_spin = _cores() <= handle.num_readers  # fewer cores than ring processes
+        self._announce_seen = 0  # reader: announce count already acted on
+        self._pending: Optional[int] = None  # writer: head after the reserved message
         self._max_bytes = envs.max_message_bytes()
 
     # ------------------------------------------------------------------ construction

@@ -2,251 +2,99 @@
 
 One step, on every rank of ``group``::
 
-    driver (src)                                   follower
-    md.to_flatten_dict()  (one level: "klen.4")
-    walk by path: tensors -> list (dedupe by id)
-                  others  -> values map
-    message = {schema, values, tensor specs}
-        ── ObjectChannel: msgpack over the shm ring (same host) / gloo bytes (other hosts) ──▶
-    tensors ── packed inside the same message (CPU) ─────────────────────────────────────▶ views
-            └─ or ONE coalesced TensorChannel broadcast (NCCL for CUDA) ──────────────────▶ views
-                                                   InputMetadata.from_flatten_dict(values + tensors)
-
-The message carries a schema fingerprint of ``InputMetadata``'s fields; a follower whose
-``InputMetadata`` differs raises instead of misreading. Aliasing is kept: two paths holding the
-same tensor object (``positions_cp`` is ``positions`` before a mirror) are sent once and are the
-same tensor object on the receiver.
+    driver (src)                                    follower (parked in broadcast(None))
+    [begin_step(): parked followers wake, spin]
+    collect by path -> layout key, tensors, values
+    layout id (the layout itself only when new)
+    ONE frame (cpmeta.broadcast.wire), written straight into the ring slot:
+      header | layout? | values | shapes | tensors ── shm ring (same host) ──▶ check header once
+                                                    ── gloo bytes (others) ─▶ copy tensors out
+    tensors of CUDA metadata above CPMETA_PACKED_MAX_BYTES:                  views (one split per
+      ONE coalesced TensorChannel broadcast (NCCL) ───────────────────────▶  dtype run)
+                                                                             Plan.assemble
+The frame carries a version and a schema fingerprint of ``InputMetadata``'s fields, checked once;
+a follower whose ``InputMetadata`` differs raises instead of misreading. Aliasing is kept: two
+paths holding the same tensor object (``positions_cp`` is ``positions`` before a mirror) are sent
+once and are the same tensor object on the receiver.
 """
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
 import logging
-from dataclasses import fields
+import struct
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
+from transport.codec import CodecError, decode_body, encode_body  # cpmeta -> transport only
+
 from .. import envs
 from ..metadata import InputMetadata
+from . import wire
+from .wire import (FLAG_CRC, FLAG_LAYOUT, FLAG_PACKED, FRAME_MAGIC, HEADER, MAX_LAYOUTS, Plan,
+                   WireError, collect, frame_crc, layout_id, pack_tensors)
 
 __all__ = ["MetadataBroadcaster", "SCHEMA_FINGERPRINT", "MESSAGE_VERSION"]
 
 logger = logging.getLogger(__name__)
 
-#: Version of the broadcaster's message layout (on top of the codec's own protocol version).
-MESSAGE_VERSION = 3
-
-#: Wire code of a dtype = its index here (append only: the codes are part of the message layout).
-WIRE_DTYPES: tuple[torch.dtype, ...] = (
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-    torch.float16, torch.bfloat16, torch.float32, torch.float64,
-)
-_DTYPE_CODE: dict[torch.dtype, int] = {d: i for i, d in enumerate(WIRE_DTYPES)}
-_ELEMENT_SIZE: tuple[int, ...] = tuple(torch.empty(0, dtype=d).element_size() for d in WIRE_DTYPES)
-#: Packed tensors start at multiples of this many bytes inside the coalesced buffer.
-PACK_ALIGN = 16
-#: Separators of the tensor-path string: ``"positions,positions_cp;klen.4"`` (no field or ratio
-#: key contains them).
-_TENSOR_SEP, _ALIAS_SEP = ";", ","
+MESSAGE_VERSION = wire.MESSAGE_VERSION
+SCHEMA_FINGERPRINT = wire.SCHEMA_FINGERPRINT
+_U32 = struct.Struct("<I")
 
 
-def _schema_fingerprint() -> str:
-    """sha256 over InputMetadata's field names and declared types (16 hex digits)."""
-    desc = ";".join(f"{f.name}:{f.type}" for f in fields(InputMetadata))
-    return hashlib.sha256(f"v{MESSAGE_VERSION}|{desc}".encode()).hexdigest()[:16]
-
-
-SCHEMA_FINGERPRINT: str = _schema_fingerprint()
-
-
-def collect(md: InputMetadata) -> tuple[dict[str, Any], list[list[str]], list[torch.Tensor]]:
-    """Split ``md`` by path into non-tensor values and deduplicated tensors.
-
-    Returns ``(values, tensor_paths, tensors)``: ``values`` maps each non-tensor path to its
-    value (scalars, str, an empty dict; ``None`` fields are left out, the receiver's default);
-    ``tensors[i]`` is reachable at every path in ``tensor_paths[i]``. Example: with
-    ``positions_cp is positions`` the result holds one tensor with paths
-    ``["positions", "positions_cp"]``.
-    """
-    values: dict[str, Any] = {}
-    paths: list[list[str]] = []
-    tensors: list[torch.Tensor] = []
-    index: dict[int, int] = {}
-
-    def put(path: str, v: Any) -> None:
-        if isinstance(v, torch.Tensor):
-            i = index.get(id(v))
-            if i is None:
-                index[id(v)] = len(tensors)
-                tensors.append(v)
-                paths.append([path])
-            else:
-                paths[i].append(path)
-        elif v is not None:  # None is every field's default: omitting it loses nothing
-            values[path] = v
-
-    for name in InputMetadata.field_names():
-        v = getattr(md, name)
-        if v is None:
-            continue
-        if type(v) is dict:
-            if not v:
-                values[name] = {}
-            for k, x in v.items():
-                if type(x) is dict:
-                    raise TypeError(f"{name}.{k}: nested dicts are not supported (one level only)")
-                put(f"{name}.{k}", x)
-        else:
-            put(name, v)
-    return values, paths, tensors
-
-
-def _layout(tensors: list[torch.Tensor]) -> tuple[list[int], list[int], list[int], list[int], int]:
-    """Wire description of ``tensors``: dtype codes, flat shapes, ndims, packed byte offsets, total.
-
-    Tensors of one dtype that follow each other are packed back to back (so a receiver can
-    split the run with one call); each run starts at a multiple of ``PACK_ALIGN``. Example: an
-    int32 [3], an int32 [2, 2] and a bool [2] give codes ``[4, 4, 0]``, shapes ``[3, 2, 2, 2]``,
-    ndims ``[1, 2, 1]``, offsets ``[0, 12, 32]`` (the bool run starts at 28 rounded up to 32),
-    total 48.
-    """
-    codes, shapes, ndims, offsets = [], [], [], []
-    pos, prev = 0, -1
-    for t in tensors:
-        code = _DTYPE_CODE.get(t.dtype)
-        if code is None:
-            raise TypeError(f"dtype {t.dtype} cannot be broadcast (supported: {WIRE_DTYPES})")
-        if code != prev:
-            pos = -(-pos // PACK_ALIGN) * PACK_ALIGN
-            prev = code
-        codes.append(code)
-        shapes.extend(t.shape)
-        ndims.append(t.dim())
-        offsets.append(pos)
-        pos += t.nbytes
-    return codes, shapes, ndims, offsets, -(-pos // PACK_ALIGN) * PACK_ALIGN
-
-
-def _check_message(msg: Any, rank: int) -> None:
-    if not isinstance(msg, dict) or "schema" not in msg:
-        raise RuntimeError(f"rank {rank}: malformed metadata message (no schema field)")
-    if msg.get("version") != MESSAGE_VERSION:
-        raise RuntimeError(
-            f"rank {rank}: metadata message version mismatch: driver sent {msg.get('version')!r}, "
-            f"this rank speaks {MESSAGE_VERSION}"
-        )
-    if msg["schema"] != SCHEMA_FINGERPRINT:
-        raise RuntimeError(
-            f"rank {rank}: InputMetadata schema fingerprint mismatch: driver {msg['schema']!r}, "
-            f"this rank {SCHEMA_FINGERPRINT!r} (driver and follower run different cpmeta versions)"
-        )
-
-
-def _pack(tensors: list[torch.Tensor], offsets: list[int], total: int, buf: Optional[torch.Tensor]
-          ) -> torch.Tensor:
-    """Copy CPU ``tensors`` into one uint8 buffer at ``offsets`` (``buf`` reused when big enough)."""
-    if buf is None or buf.numel() < total:
-        buf = torch.empty(max(total, 4096), dtype=torch.uint8)
-    base = buf.data_ptr()
-    for t, off in zip(tensors, offsets):
-        n = t.nbytes
-        if n:
-            t = t if t.is_contiguous() else t.contiguous()
-            ctypes.memmove(base + off, t.data_ptr(), n)
-    return buf
-
-
-def _unpack(buf: torch.Tensor, codes: list[int], shapes: list[int], ndims: list[int],
-            offsets: list[int]) -> list[torch.Tensor]:
-    """Views of ``buf`` (uint8, 16-byte aligned start) with the original dtypes and shapes.
-
-    A run of same-dtype tensors packed back to back becomes views with ONE ``view(dtype)`` and
-    ONE ``split`` (a C++ loop; a Python-level view per tensor costs several microseconds); only
-    tensors that are not 1-D need one more ``view(shape)``. Example: int32 [3] at 0 and int32
-    [2, 2] at 12 give ``buf[0:28].view(int32).split([3, 4])``, the second chunk viewed [2, 2].
-    """
-    dims, numels, at = [], [], 0
-    for nd in ndims:
-        d = shapes[at:at + nd]
-        at += nd
-        dims.append(d)
-        numels.append(_numel(d))
-    if buf.data_ptr() % PACK_ALIGN or buf.numel() % PACK_ALIGN:  # unaligned: small copies
-        return [buf[off:off + k * _ELEMENT_SIZE[c]].clone().view(WIRE_DTYPES[c]).view(d)
-                for c, off, k, d in zip(codes, offsets, numels, dims)]
-    out: list[torch.Tensor] = []
-    i, n = 0, len(codes)
-    while i < n:
-        esz = _ELEMENT_SIZE[codes[i]]
-        j, end = i, offsets[i] + numels[i] * esz
-        while j + 1 < n and codes[j + 1] == codes[i] and offsets[j + 1] == end:
-            j += 1
-            end += numels[j] * esz
-        chunks = buf[offsets[i]:end].view(WIRE_DTYPES[codes[i]]).split(numels[i:j + 1])
-        for k, t in zip(range(i, j + 1), chunks):
-            out.append(t if len(dims[k]) == 1 else t.view(dims[k]))
-        i = j + 1
-    return out
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _to_device(tensors: list[torch.Tensor], buf: Optional[torch.Tensor], offsets: list[int],
-               device: torch.device) -> list[torch.Tensor]:
-    """Move packed tensors to ``device`` with ONE copy of the coalesced buffer (views kept)."""
-    if device.type == "cpu" or not tensors:
-        return tensors
-    assert buf is not None
-    dev = buf.to(device, non_blocking=True)
-    return [dev[off:off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-            for t, off in zip(tensors, offsets)]
+def _align(n: int, a: int) -> int:
+    return -(-n // a) * a
 
 
 class MetadataBroadcaster:
-    """Broadcast ``InputMetadata`` from ``src`` to every rank of ``group``.
+    """Broadcast ``InputMetadata`` from one driver rank to every rank of ``group``.
 
     Collective: every rank of ``group`` constructs it (hostnames are exchanged once) and calls
     :meth:`broadcast` the same number of times. Per-rank example with 2 ranks::
 
-        b = MetadataBroadcaster()                   # rank 0 and rank 1
+        b = MetadataBroadcaster()                    # rank 0 and rank 1
+        b.begin_step()                               # rank 0 (optional: before it builds)
         md = b.broadcast(prepare_decode(seqs, cfg))  # rank 0 (src)
         md = b.broadcast(None)                       # rank 1
         b.close()                                    # both
 
+    With a ``DeviceMesh``, name the driver inside the group (torch.distributed's convention)::
+
+        b = MetadataBroadcaster(group=mesh.get_group("cp"), group_src=0)
+
     Args:
         group: a torch.distributed process group (default WORLD); NCCL or gloo.
-        src: GLOBAL rank of the driver inside ``group``.
+        src: GLOBAL rank of the driver (default 0 when ``group_src`` is not given).
         device: where received tensors live (default: current CUDA device for NCCL, else CPU).
-        tensor_path: ``auto`` (CPU: inside the object message; CUDA: one NCCL broadcast, or
-            inside the message below ``CPMETA_PACKED_MAX_BYTES``), ``packed`` or ``collective``.
+        group_src: rank of the driver INSIDE ``group`` (instead of ``src``; both is an error).
+        tensor_path: ``auto`` (CPU: inside the frame; CUDA: one NCCL broadcast, or inside the
+            frame below ``CPMETA_PACKED_MAX_BYTES``), ``packed`` or ``collective``.
         timeout: seconds any wait may take before a ``TimeoutError`` naming the lagging rank.
-        force_remote: send the object bytes through the process group even on one host.
+        force_remote: send the frame through the process group even on one host.
+        checksum: stamp a crc32 on every frame (default ``CPMETA_CHECKSUM``); followers verify
+            any frame that carries one.
     """
 
     def __init__(
         self,
         group: Optional[dist.ProcessGroup] = None,
-        src: int = 0,
+        src: Optional[int] = None,
         device: Optional[torch.device | str] = None,
         *,
+        group_src: Optional[int] = None,
         tensor_path: Optional[str] = None,
         timeout: Optional[float] = None,
         force_remote: Optional[bool] = None,
+        checksum: Optional[bool] = None,
     ) -> None:
         from transport import ObjectChannel  # cpmeta -> transport, never the reverse
 
         self.group = group if group is not None else dist.group.WORLD
-        self.src = src
+        self.src = _resolve_src(self.group, src, group_src)
         self.rank = dist.get_rank()
-        self.is_src = self.rank == src
+        self.is_src = self.rank == self.src
         backend = str(dist.get_backend(self.group)).lower()
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else "cpu"
@@ -256,30 +104,51 @@ class MetadataBroadcaster:
             raise ValueError(f"tensor_path: expected one of {envs.TENSOR_PATHS}, got {self.tensor_path!r}")
         if self.tensor_path == "collective" and "nccl" not in backend and self.device.type == "cuda":
             raise ValueError("tensor_path='collective' with CUDA tensors needs an NCCL group")
+        self.checksum = envs.checksum() if checksum is None else bool(checksum)
         self._packed_max = envs.packed_max_bytes()
         self._backend = backend
-        self._objects = ObjectChannel(self.group, src, timeout=timeout, force_remote=force_remote,
-                                      schema=SCHEMA_FINGERPRINT.encode())
+        self._objects = ObjectChannel(self.group, self.src, timeout=timeout, force_remote=force_remote)
         self._tensors: Any = None  # TensorChannel, created on first collective use
-        self._pack_buf: Optional[torch.Tensor] = None  # driver's reusable coalescing buffer
+        self._layouts: dict[tuple, tuple[int, Plan, bytes]] = {}  # driver: key -> (id, plan, block)
+        self._plans: dict[int, tuple[bytes, Plan]] = {}  # follower: layout id -> (block, plan)
+        self._pin = self.device.type == "cuda"
         self._closed = False
 
     # ---- public ---------------------------------------------------------------------------
-    def broadcast(self, md: Optional[InputMetadata]) -> InputMetadata:
+    def begin_step(self) -> None:
+        """Driver: announce the next :meth:`broadcast` before building its metadata.
+
+        Same-host followers parked in their ``broadcast(None)`` wake now and spin (yielding their
+        core when the host has fewer cores than ranks) until the frame lands, so the step does
+        not pay their OS wake-up. Optional; a no-op on followers (they need nothing new) and on
+        the process-group path. Call it once per step, a few hundred us to a few ms ahead.
+        """
+        if self.is_src and not self._closed:
+            self._objects.announce()
+
+    def broadcast(self, md: Optional[InputMetadata], out: Optional[InputMetadata] = None
+                  ) -> InputMetadata:
         """Return the driver's metadata on every rank (tensors on ``self.device``).
 
         ``src`` passes its ``InputMetadata``, every other rank ``None``. Followers receive an
         independently constructed object, bit-identical field by field, aliasing re-created.
+        ``out`` (optional, any rank): an ``InputMetadata`` of existing buffers (e.g. captured
+        by a CUDA graph); every received tensor is written into ``out``'s tensor at the same path
+        -- the whole buffer, or the prefix ``buf[:n]`` of a buffer with a larger first dim --
+        and the result holds those views (same addresses). A path with no buffer, or another
+        dtype / trailing shape, is a ``ValueError`` naming the path.
         """
         if self._closed:
             raise RuntimeError("MetadataBroadcaster: broadcast() after close()")
+        if out is not None and not isinstance(out, InputMetadata):
+            raise TypeError(f"out: expected InputMetadata buffers, got {type(out).__name__}")
         if self.is_src:
             if not isinstance(md, InputMetadata):
                 raise TypeError(f"rank {self.rank} (src): expected InputMetadata, got {type(md).__name__}")
-            return self._send(md)
+            return self._send(md, out)
         if md is not None:
             raise ValueError(f"rank {self.rank}: only src={self.src} passes metadata; followers pass None")
-        return self._receive()
+        return self._receive(out)
 
     def close(self) -> None:
         """Release the shared-memory ring and channels (idempotent)."""
@@ -296,15 +165,15 @@ class MetadataBroadcaster:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ---- internals ------------------------------------------------------------------------
-    def _use_packed(self, tensors: list[torch.Tensor]) -> bool:
+    # ---- driver ---------------------------------------------------------------------------
+    def _use_packed(self, tensors: list[torch.Tensor], nbytes: int) -> bool:
         if self.tensor_path != "auto":
             return self.tensor_path == "packed"
         if self.device.type == "cpu" and "nccl" not in self._backend:
             return True
         if any(t.device.type != "cpu" for t in tensors):
             return False
-        return sum(t.numel() * t.element_size() for t in tensors) <= self._packed_max
+        return nbytes <= self._packed_max
 
     def _tensor_channel(self) -> Any:
         if self._tensors is None:
@@ -314,115 +183,225 @@ class MetadataBroadcaster:
                                           timeout=self._objects.timeout)
         return self._tensors
 
-    def _send(self, md: InputMetadata) -> InputMetadata:
-        values, paths, tensors = collect(md)
-        order = sorted(range(len(tensors)), key=lambda i: _DTYPE_CODE.get(tensors[i].dtype, -1))
-        paths, tensors = [paths[i] for i in order], [tensors[i] for i in order]  # dtype runs
-        codes, shapes, ndims, offsets, total = _layout(tensors)
-        packed = self._use_packed(tensors)
-        msg = {
-            "version": MESSAGE_VERSION,
-            "schema": SCHEMA_FINGERPRINT,
-            "values": values,
-            "paths": _TENSOR_SEP.join(_ALIAS_SEP.join(p) for p in paths),
-            "dtypes": codes,
-            "shapes": shapes,
-            "ndims": ndims,
-            "offsets": offsets,
-            "packed": packed,
-        }
-        if packed:
+    def _layout(self, key: tuple) -> tuple[int, Plan, bytes]:
+        """``(id, plan, layout block to send or b"")`` of a layout key (block only when new)."""
+        hit = self._layouts.get(key)
+        if hit is not None:
+            return hit[0], hit[1], (hit[2] if hit[0] < 0 else b"")
+        if len(self._layouts) >= MAX_LAYOUTS:
+            self._layouts.clear()  # followers drop theirs oldest first: resend from now on
+        block = encode_body([key[0], list(key[1]), list(key[2]), key[3]])
+        plan, lid = Plan(key[0], list(key[1]), list(key[2]), key[3]), layout_id(block)
+        if any(h[0] == lid for h in self._layouts.values()):  # crc32 collision: never cached
+            self._layouts[key] = (-1, plan, block)
+            return lid, plan, block
+        self._layouts[key] = (lid, plan, block)
+        return lid, plan, block
+
+    def _send(self, md: InputMetadata, out: Optional[InputMetadata]) -> InputMetadata:
+        key, tensors, values = collect(md)
+        lid, plan, lblock = self._layout(key)
+        if lid < 0:
+            lid = layout_id(lblock)
+        dims = [d for t in tensors for d in t.shape]
+        numels, starts, tbytes = plan.split(dims)
+        packed = self._use_packed(tensors, tbytes)
+        vblock = encode_body(values)
+        shapes_at = _align(HEADER.size + len(lblock) + len(vblock), 8)
+        data_at = _align(shapes_at + 8 * plan.n_dims, 16)
+        flags = (FLAG_LAYOUT if lblock else 0) | (FLAG_PACKED if packed else 0) | (
+            FLAG_CRC if self.checksum else 0)
+        staged = None
+        if packed and (self.device.type != "cpu" or any(t.device.type != "cpu" for t in tensors)):
+            staged = torch.empty(tbytes, dtype=torch.uint8, pin_memory=self._pin)
             cpu = [t if t.device.type == "cpu" else t.cpu() for t in tensors]
-            self._pack_buf = _pack(cpu, offsets, total, self._pack_buf)
-            self._objects.broadcast_packed(msg, [self._pack_buf[:total]])
-            out = _to_device(cpu, self._pack_buf[:total], offsets, self.device)
+            pack_tensors(staged.data_ptr(), cpu, plan, numels, starts)
+
+        def fill(view: memoryview, addr: int) -> None:
+            HEADER.pack_into(view, 0, FRAME_MAGIC, wire.MESSAGE_VERSION, flags,
+                             wire.SCHEMA_FINGERPRINT.encode(), lid, 0, len(lblock), len(vblock),
+                             plan.n_dims, 0, tbytes if packed else 0)
+            at = HEADER.size
+            view[at:at + len(lblock)] = lblock
+            at += len(lblock)
+            view[at:at + len(vblock)] = vblock
+            plan.shapes.pack_into(view, shapes_at, *dims)
+            if staged is not None:
+                view[data_at:data_at + tbytes] = _bytes_of(staged)
+            elif packed:
+                pack_tensors(addr + data_at, tensors, plan, numels, starts)
+            if self.checksum:
+                _U32.pack_into(view, wire.CRC_AT, frame_crc(view))
+
+        self._objects.send_frame(data_at + (tbytes if packed else 0), fill)
+        if not packed:
+            got = self._tensor_channel().broadcast(tensors)
+        elif staged is not None:
+            got = plan.views(staged.to(self.device, non_blocking=True), dims, numels, starts)
+        elif out is None:
+            return md  # CPU tensors on a CPU device: the driver's own object is the result
         else:
-            self._objects.broadcast_packed(msg, [])
-            out = self._tensor_channel().broadcast(tensors)
-        return _assemble(values, paths, out)
+            got = tensors
+        if out is not None:
+            return plan.assemble(got, values, _copy_to_out(out, plan, got))
+        return plan.assemble(got, values)
 
-    def _receive(self) -> InputMetadata:
-        from transport import CodecError
-
+    # ---- follower -------------------------------------------------------------------------
+    def _receive(self, out: Optional[InputMetadata]) -> InputMetadata:
         try:
-            msg, payload = self._objects.broadcast_packed(None, None)
-        except CodecError as e:
-            raise RuntimeError(f"rank {self.rank}: metadata message from src={self.src} rejected: {e}") from e
-        _check_message(msg, self.rank)
-        try:
-            paths, codes, shapes, ndims, offsets = _parse_layout(msg)
-            if msg["packed"]:
-                buf = payload[0] if payload else torch.empty(0, dtype=torch.uint8)
-                _check_packed_bounds(buf, codes, shapes, ndims, offsets)
-                out = _unpack(buf, codes, shapes, ndims, offsets)
-        except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as e:
+            plan, values, dims, numels, starts, buf = self._objects.recv_frame(self._consume)
+        except (CodecError, WireError, KeyError, TypeError, ValueError, IndexError,
+                struct.error) as e:
             raise RuntimeError(f"rank {self.rank}: malformed metadata message from src={self.src}: "
                                f"{type(e).__name__}: {e}") from None
-        if msg["packed"]:
-            out = _to_device(out, buf, offsets, self.device)
-        else:
+        if buf is None:  # tensors follow in one collective (NCCL)
             specs, at = [], 0
-            for c, nd in zip(codes, ndims):
-                specs.append((WIRE_DTYPES[c], tuple(shapes[at:at + nd])))
+            for c, nd in zip(plan.codes, plan.ndims):
+                specs.append((wire.WIRE_DTYPES[c], tuple(dims[at:at + nd])))
                 at += nd
-            out = self._tensor_channel().broadcast(specs)
-        if len(out) != len(paths):
-            raise RuntimeError(f"rank {self.rank}: expected {len(paths)} tensors, received {len(out)}")
+            got = self._tensor_channel().broadcast(specs)
+        else:
+            if self.device.type != "cpu":
+                buf = buf.to(self.device, non_blocking=True)
+            got = plan.views(buf, dims, numels, starts)
+        per_path = _copy_to_out(out, plan, got) if out is not None else None
         try:
-            return _assemble(msg["values"], paths, out)
-        except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
+            return plan.assemble(got, values, per_path)
+        except (TypeError, ValueError, AttributeError) as e:
             raise RuntimeError(f"rank {self.rank}: malformed metadata message from src={self.src}: "
                                f"{type(e).__name__}: {e}") from None
 
-
-def _parse_layout(msg: dict) -> tuple[list[list[str]], list[int], list[int], list[int], list[int]]:
-    """Type-check the tensor layout lists of a received message (untrusted input)."""
-    p, codes, shapes, ndims, offsets = (msg["paths"], msg["dtypes"], msg["shapes"], msg["ndims"],
-                                        msg["offsets"])
-    if type(p) is not str or type(msg["packed"]) is not bool or type(msg["values"]) is not dict:
-        raise TypeError("paths/packed/values have the wrong types")
-    for name, xs in (("dtypes", codes), ("shapes", shapes), ("ndims", ndims), ("offsets", offsets)):
-        if type(xs) is not list or any(type(x) is not int or x < 0 for x in xs):
-            raise TypeError(f"{name}: expected a list of non-negative ints")
-    paths = [q.split(_ALIAS_SEP) for q in p.split(_TENSOR_SEP)] if p else []
-    if not (len(paths) == len(codes) == len(ndims) == len(offsets)) or sum(ndims) != len(shapes):
-        raise ValueError("tensor layout lists disagree in length")
-    if any(c >= len(WIRE_DTYPES) for c in codes):
-        raise ValueError(f"unknown dtype code in {codes}")
-    return paths, codes, shapes, ndims, offsets
-
-
-def _check_packed_bounds(buf: torch.Tensor, codes: list[int], shapes: list[int], ndims: list[int],
-                         offsets: list[int]) -> None:
-    """Every packed tensor must lie inside the received buffer at an aligned offset."""
-    at = 0
-    for c, nd, off in zip(codes, ndims, offsets):
-        numel = 1
-        for d in shapes[at:at + nd]:
-            numel *= d
-        at += nd
-        esz = _ELEMENT_SIZE[c]
-        if off % esz or off + numel * esz > buf.numel():
-            raise ValueError(f"packed tensor at offset {off} ({numel} x {WIRE_DTYPES[c]}) "
-                             f"outside the {buf.numel()}-byte payload")
-
-
-def _assemble(values: dict[str, Any], paths: list[list[str]], tensors: list[torch.Tensor]) -> InputMetadata:
-    kwargs: dict[str, Any] = {}
-    for key, v in values.items():
-        name, dot, sub = key.partition(".")
-        if dot:
-            kwargs.setdefault(name, {})[sub] = v
-        else:
-            kwargs[name] = v
-    for ps, t in zip(paths, tensors):
-        for key in ps:
-            name, dot, sub = key.partition(".")
-            if dot:
-                kwargs.setdefault(name, {})[sub] = t
+    def _consume(self, view: memoryview) -> tuple:
+        """Check and parse one frame (untrusted bytes, valid only during this call)."""
+        n = view.nbytes
+        if n < HEADER.size:
+            raise WireError(f"truncated frame: {n} bytes")
+        (magic, version, flags, schema, lid, crc, llen, vlen, n_dims, _, tbytes
+         ) = HEADER.unpack_from(view, 0)
+        if magic != FRAME_MAGIC:
+            raise WireError(f"bad magic {bytes(magic)!r} (not a metadata frame)")
+        if version != wire.MESSAGE_VERSION:
+            raise RuntimeError(f"rank {self.rank}: metadata message version mismatch: driver sent "
+                               f"{version}, this rank speaks {wire.MESSAGE_VERSION}")
+        if schema != wire.SCHEMA_FINGERPRINT.encode():
+            raise RuntimeError(
+                f"rank {self.rank}: InputMetadata schema fingerprint mismatch: driver "
+                f"{bytes(schema).decode('ascii', 'replace')!r}, this rank {wire.SCHEMA_FINGERPRINT!r} "
+                "(driver and follower run different cpmeta versions)")
+        if flags & ~wire.KNOWN_FLAGS:
+            raise WireError(f"unknown flags {flags:#x}")
+        if flags & FLAG_CRC and frame_crc(view) != crc:
+            raise RuntimeError(f"rank {self.rank}: metadata frame from src={self.src} fails its "
+                               f"crc32 check (corrupted in transit)")
+        shapes_at = _align(HEADER.size + llen + vlen, 8)
+        data_at = _align(shapes_at + 8 * n_dims, 16)
+        if data_at + tbytes > n or (flags & FLAG_LAYOUT) == 0 and llen:
+            raise WireError(f"frame of {n} bytes is shorter than its blocks declare")
+        plan = None
+        if flags & FLAG_LAYOUT:
+            block = bytes(view[HEADER.size:HEADER.size + llen])
+            cached = self._plans.get(lid)
+            if cached is not None and cached[0] == block:
+                plan = cached[1]
             else:
-                kwargs[name] = t
-    try:
-        return InputMetadata(**kwargs)
-    except TypeError as e:
-        raise RuntimeError(f"metadata message names an unknown field: {e}") from None
+                if layout_id(block) != lid:
+                    raise WireError(f"layout block does not match its id {lid}")
+                lay = decode_body(block, max_bytes=n)
+                if (type(lay) is not list or len(lay) != 4 or type(lay[0]) is not str
+                        or type(lay[1]) is not list or type(lay[2]) is not list
+                        or type(lay[3]) is not str):
+                    raise WireError("layout block: expected [paths, codes, ndims, value paths]")
+                plan = Plan(*lay)
+        else:
+            cached = self._plans.get(lid)
+            block, plan = cached if cached is not None else (b"", None)
+        if plan is None:
+            raise RuntimeError(
+                f"rank {self.rank}: metadata frame from src={self.src} refers to layout id {lid}, "
+                "which this rank never received (it joined late or missed a frame); every rank "
+                "must construct the broadcaster together and receive every step")
+        values = decode_body(view[HEADER.size + llen:HEADER.size + llen + vlen], max_bytes=n)
+        if type(values) is not list or len(values) != len(plan.value_targets):
+            raise WireError("values block does not match the layout")
+        if n_dims != plan.n_dims:
+            raise WireError(f"{n_dims} dims declared, the layout has {plan.n_dims}")
+        dims = plan.shapes.unpack_from(view, shapes_at)
+        if dims and (min(dims) < 0 or max(dims) > wire.MAX_DIM):
+            raise WireError("tensor dims out of range")
+        numels, starts, total = plan.split(dims)
+        if not flags & FLAG_PACKED:
+            if tbytes:
+                raise WireError("tensor bytes in a frame without FLAG_PACKED")
+            self._keep_plan(lid, block, plan)
+            return plan, values, dims, numels, starts, None
+        if total != tbytes:
+            raise WireError(f"tensors need {total} bytes, the frame declares {tbytes}")
+        buf = torch.empty(total, dtype=torch.uint8, pin_memory=self._pin)
+        if total:
+            _bytes_of(buf)[:] = view[data_at:data_at + total]
+        self._keep_plan(lid, block, plan)
+        return plan, values, dims, numels, starts, buf
+
+    def _keep_plan(self, lid: int, block: bytes, plan: Plan) -> None:
+        """Cache a plan once its frame passed every check (oldest dropped past MAX_LAYOUTS)."""
+        if self._plans.pop(lid, None) is None and len(self._plans) >= MAX_LAYOUTS:
+            del self._plans[next(iter(self._plans))]
+        self._plans[lid] = (block, plan)  # most recently used last
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    from transport.coalesce import tensor_memoryview
+
+    return tensor_memoryview(t)
+
+
+def _resolve_src(group: Any, src: Optional[int], group_src: Optional[int]) -> int:
+    """Global rank of the driver from ``src`` (global) or ``group_src`` (inside ``group``)."""
+    ranks = dist.get_process_group_ranks(group)
+    if src is not None and group_src is not None:
+        raise ValueError(f"give src (global rank) or group_src (rank inside the group), not both: "
+                         f"src={src}, group_src={group_src}")
+    if group_src is not None:
+        if type(group_src) is not int or not 0 <= group_src < len(ranks):
+            raise ValueError(f"group_src: expected a rank inside the group (0..{len(ranks) - 1}), "
+                             f"got {group_src!r}")
+        return ranks[group_src]
+    src = 0 if src is None else src
+    if src not in ranks:
+        raise ValueError(f"src: global rank {src} is not in the group (global ranks {ranks}); "
+                         "to name the driver by its rank inside the group use group_src=")
+    return src
+
+
+def _copy_to_out(out: InputMetadata, plan: Plan, got: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Write each received tensor into ``out``'s buffer at every path it has; return, per
+    tensor, the view at each path (same addresses as ``out``'s buffers).
+
+    Worked example: ``out.positions`` is an int32 [256] buffer, the step's ``positions`` is
+    int32 [64]: it is copied into ``out.positions[:64]`` and that view is the result's
+    ``positions``. Two paths of one received tensor keep their own buffers (one copy each,
+    one copy in all when ``out`` holds the same buffer object at both).
+    """
+    res = []
+    for ts, t in zip(plan.targets, got):
+        views: list[torch.Tensor] = []
+        done: dict[int, torch.Tensor] = {}
+        for name, sub in ts:
+            buf = getattr(out, name)
+            if sub is not None:
+                buf = buf.get(sub) if isinstance(buf, dict) else None
+            path = name if sub is None else f"{name}.{sub}"
+            if not isinstance(buf, torch.Tensor):
+                raise ValueError(f"out: no buffer at {path} for a received {tuple(t.shape)} {t.dtype}")
+            if id(buf) not in done:
+                if (buf.dtype != t.dtype or buf.dim() != t.dim()
+                        or tuple(buf.shape[1:]) != tuple(t.shape[1:])
+                        or (t.dim() and buf.shape[0] < t.shape[0])):
+                    raise ValueError(f"out: {path}: buffer {tuple(buf.shape)} {buf.dtype} cannot hold "
+                                     f"{tuple(t.shape)} {t.dtype}")
+                dst = buf[:t.shape[0]] if t.dim() else buf
+                dst.copy_(t, non_blocking=True)
+                done[id(buf)] = dst
+            views.append(done[id(buf)])
+        res.append(views)
+    return res
