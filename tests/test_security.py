@@ -186,7 +186,6 @@ def _hostile_frames(marker: str, schema: bytes) -> list[bytes]:
 
 
 def _security_rank(rank: int, world: int, marker: str, seed: int) -> dict:
-    import cpmeta
     from cpmeta.broadcast import SCHEMA_FINGERPRINT
     from transport._dist import bcast_frame
 
