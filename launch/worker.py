@@ -177,6 +177,7 @@ def run_steps(args: Any, rank: int, world: int, device: torch.device) -> dict[st
             t0 = time.perf_counter()
             md, expected = None, None
             if sched is not None:  # the driver
+                bc.begin_step()  # followers wake now, while the driver schedules and builds
                 is_prompt, seqs = sched.next_batch()
                 md = _build(is_prompt, seqs, cfg)
                 if args.attn_info:
