@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# One batched run on a GPU machine (the `device` tool): GPU tests, kernel benchmarks, NCCL launch
-# and the broadcast benchmark. Every step has its own time limit; logs and JSON go to $OUT.
-#   bash scripts/gpu_session.sh            (OUT defaults to ./out)
+# Batched runs on a GPU machine (the `device` tool), in three parts that each fit one device call
+# (<= 10 minutes): GPU tests and NCCL launch checks; GPU benchmarks; CPU benchmarks on the host's
+# cores (broadcast vs vLLM's MessageQueue, array input). Every step has its own time limit; logs
+# and JSON go to $OUT.
+#   bash scripts/gpu_session.sh tests|gpu_bench|cpu_bench|all     (OUT defaults to ./out)
+#   carry mq_bundle (bash ../shared/tools/mq_bundle.sh mq_bundle 3.12) for the mq column
 set -u
+PART=${1:-all}
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -15,45 +19,46 @@ step() {  # step NAME SECONDS CMD...
 }
 nvidia-smi -L; python3 -c 'import torch, triton; print(torch.__version__, triton.__version__)'
 echo "GPUs: $NGPU"
-TAILN=4 step gpu_tests 320 python3 -m pytest -q -p no:cacheprovider -x -k "cuda or gpu or triton or graph or nccl" \
-  tests/test_builders.py tests/test_builders_smoke.py tests/test_decode_inplace.py tests/test_cuda_graph.py \
-  tests/test_slot_mapping.py tests/test_yoco.py tests/test_mirror.py tests/test_gpu_broadcast.py \
-  tests/test_mirror_multirank.py tests/test_broadcast_multirank.py tests/test_slot_mapping_groups.py
-# issue 16 items 3-4, issue 18 item 3. gpu_tests above also runs (by keyword) the captured-graph
-# capacity / stream-order tests (test_cuda_graph.py) and MetadataBroadcaster followers on cuda:0
-# over gloo, 2-3 ranks (test_gpu_broadcast.py). Below: CP staged decode (world 1 NCCL; 2-3 gloo
-# ranks sharing cuda:0, kernels and per-rank graph replay) + the capacity masks, then its bench.
-TAILN=6 step gpu_decode_cp 150 python3 -m pytest -q -p no:cacheprovider tests/test_decode_cp.py tests/test_decode_capacity.py
-TAILN=8 step bench_cp_nccl1 45 python3 scripts/bench_decode_cp.py --backend nccl --worlds 1 --steps 200 --budget 5 --out "$OUT/decode_cp_nccl1.json"
-TAILN=8 step bench_cp_gloo_cuda0 75 python3 scripts/bench_decode_cp.py --device cuda --worlds 2 3 --steps 200 --budget 5 --out "$OUT/decode_cp_gloo_cuda0.json"
-# attention check on CUDA (bf16 SDPA prefill, bf16 KV-cache decode; tolerance 2e-2, launch/attention_check.py)
-step attn_nccl1 120 python3 -m launch --backend nccl --nproc-per-node 1 --workload mixed --attention-check --kv-interleave 128 --steps 12 --decode-seqs 16
-if [ "$NGPU" -ge 2 ]; then
-  for I in 1 128; do
-    TAILN=3 step attn_nccl${NGPU}_i$I 150 python3 -m launch --backend nccl --nproc-per-node "$NGPU" --workload mixed --cp-mirror --verify --attention-check --kv-interleave $I --steps 12 --decode-seqs 16
-  done
-fi
-# several KV-cache groups: one fused Triton launch vs one launch per group
-TAILN=10 step bench_slot_groups 150 python3 scripts/bench_slot_mapping.py --groups --out "$OUT/slot_groups.json"
-step launch_nccl1 60 python3 -m launch --backend nccl --nproc-per-node 1 --workload mixed --cp-mirror --attn-info --steps 100 --verify --json "$OUT/launch_nccl1.json"
-if [ "$NGPU" -ge 2 ]; then
-  TAILN=8 step launch_nccl$NGPU 120 python3 -m launch --backend nccl --nproc-per-node "$NGPU" --workload mixed --cp-mirror --attn-info --kv-interleave 16 --steps 200 --verify --json "$OUT/launch_nccl$NGPU.json"
-  TAILN=8 step launch_nccl${NGPU}_decode 60 python3 -m launch --backend nccl --nproc-per-node "$NGPU" --workload decode --steps 200 --json "$OUT/launch_nccl${NGPU}_decode.json"
-fi
-TAILN=12 step bench_inplace 120 python3 scripts/bench_decode_inplace.py --out "$OUT/inplace.json"
-# issue 18 speed goals on the idle host: BatchState vs list in the same run, then where the time goes
-TAILN=6 step bench_state 120 python3 scripts/bench_build.py --only state_ --no-ref --out "$OUT/build_state.json"
-TAILN=30 step profile_array 120 python3 scripts/profile_array_input.py --repeat 1000 --out "$OUT/array_phases.json"
-TAILN=12 step bench_attn 60 python3 scripts/bench_build.py --device cuda --only attn --no-ref --out "$OUT/build_cuda.json"
+
+part() { [ "$PART" = all ] || [ "$PART" = "$1" ]; }
 W="1"; for w in 2 4 8; do [ "$NGPU" -ge "$w" ] && W="$W $w"; done
-TAILN=20 step bench_bcast_nccl 150 python3 scripts/bench_broadcast.py --backend nccl --worlds $W --attn-info 0 --modes barrier --out "$OUT/bcast_nccl.json"
-# CPU/gloo broadcast on this host's cores (issue 17 goals), mq from the carried bundle when present:
-#   bash /work/shared/tools/mq_bundle.sh mq_bundle 3.12   (on the dev machine; carry mq_bundle)
-MQ=""; [ -d mq_bundle ] && MQ=":$PWD/mq_bundle"
-TAILN=40 step bench_bcast_cpu 420 env PYTHONPATH="$PWD$MQ" python3 scripts/bench_broadcast.py --worlds 2 4 8 \
-  --payloads decode-64 decode-256 prompt-32k --attn-info 0 --methods cpmeta cpmeta+bs mq floor \
-  --steps 100 --budget 2 --out "$OUT/bcast_cpu.json"
-for w in 2 4 8; do
-  TAILN=24 step profile_bcast_w$w 60 python3 scripts/profile_broadcast.py --world $w --mode engine --steps 300 --json "$OUT/profile_w$w.json"
-done
+
+if part tests; then  # ~8 min
+  TAILN=4 step gpu_tests 300 python3 -m pytest -q -p no:cacheprovider -x -k "cuda or gpu or triton or graph or nccl" \
+    tests/test_builders.py tests/test_builders_smoke.py tests/test_decode_inplace.py tests/test_cuda_graph.py \
+    tests/test_slot_mapping.py tests/test_yoco_cp.py tests/test_mirror_metadata.py tests/test_gpu_broadcast.py \
+    tests/test_mirror_multirank.py tests/test_broadcast_multirank.py tests/test_slot_mapping_groups.py
+  # in-place decode: capacity masks, CP staged decode (world 1 NCCL; 2-3 gloo ranks sharing cuda:0)
+  TAILN=6 step gpu_decode_cp 120 python3 -m pytest -q -p no:cacheprovider tests/test_decode_cp.py tests/test_decode_capacity.py
+  # attention check on CUDA (bf16 SDPA prefill, bf16 KV-cache decode; tolerance 2e-2)
+  step attn_nccl1 60 python3 -m launch --backend nccl --nproc-per-node 1 --workload mixed --attention-check --kv-interleave 128 --steps 12 --decode-seqs 16
+  step launch_nccl1 50 python3 -m launch --backend nccl --nproc-per-node 1 --workload mixed --cp-mirror --attn-info --steps 100 --verify --json "$OUT/launch_nccl1.json"
+  if [ "$NGPU" -ge 2 ]; then
+    for I in 1 128; do
+      TAILN=3 step attn_nccl${NGPU}_i$I 150 python3 -m launch --backend nccl --nproc-per-node "$NGPU" --workload mixed --cp-mirror --verify --attention-check --kv-interleave $I --steps 12 --decode-seqs 16
+    done
+    TAILN=8 step launch_nccl$NGPU 120 python3 -m launch --backend nccl --nproc-per-node "$NGPU" --workload mixed --cp-mirror --attn-info --kv-interleave 16 --steps 200 --verify --json "$OUT/launch_nccl$NGPU.json"
+  fi
+fi
+
+if part gpu_bench; then  # ~7 min
+  TAILN=12 step bench_inplace 120 python3 scripts/bench_decode_inplace.py --out "$OUT/inplace.json"
+  TAILN=8 step bench_cp_nccl1 45 python3 scripts/bench_decode_cp.py --backend nccl --worlds 1 --steps 200 --budget 5 --out "$OUT/decode_cp_nccl1.json"
+  TAILN=8 step bench_cp_gloo_cuda0 75 python3 scripts/bench_decode_cp.py --device cuda --worlds 2 3 --steps 200 --budget 5 --out "$OUT/decode_cp_gloo_cuda0.json"
+  TAILN=10 step bench_slot_groups 90 python3 scripts/bench_slot_mapping.py --groups --out "$OUT/slot_groups.json"
+  TAILN=12 step bench_attn 50 python3 scripts/bench_build.py --device cuda --only attn --no-ref --out "$OUT/build_cuda.json"
+  TAILN=20 step bench_bcast_nccl 90 python3 scripts/bench_broadcast.py --backend nccl --worlds $W --attn-info 0 --modes barrier --out "$OUT/bcast_nccl.json"
+fi
+
+if part cpu_bench; then  # ~8 min; issue 17 (broadcast vs mq, worlds 2/4/8) and issue 18 (array input) on idle cores
+  MQ=""; [ -d mq_bundle ] && MQ=":$PWD/mq_bundle"
+  TAILN=40 step bench_bcast_cpu 300 env PYTHONPATH="$PWD$MQ" python3 scripts/bench_broadcast.py --worlds 2 4 8 \
+    --payloads decode-64 decode-256 prompt-32k --attn-info 0 --methods cpmeta cpmeta+bs mq floor \
+    --steps 100 --budget 2 --out "$OUT/bcast_cpu.json"
+  for w in 2 8; do
+    TAILN=24 step profile_bcast_w$w 45 python3 scripts/profile_broadcast.py --world $w --mode engine --steps 300 --json "$OUT/profile_w$w.json"
+  done
+  TAILN=6 step bench_state 60 python3 scripts/bench_build.py --only state_ --no-ref --repeat 300 --out "$OUT/build_state.json"
+  TAILN=30 step profile_array 45 python3 scripts/profile_array_input.py --repeat 500 --out "$OUT/array_phases.json"
+fi
 ls -la "$OUT"
