@@ -10,7 +10,6 @@ slot ``3 * 128 + 0`` -> ``kv_swa_index_offset_len[1] = (384, 8)``.
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any, Optional
 
@@ -72,26 +71,50 @@ def _fill_block_tables(b: BatchArrays, cfg: MetadataConfig, out: Out) -> tuple[t
     return t, a
 
 
-@functools.lru_cache(maxsize=64)
+#: Per-config constants, keyed by ``id(cfg)`` (the entry keeps ``cfg`` alive and is checked with
+#: ``is``): hashing a frozen config costs a tuple of all its fields on every call.
+_CONSTS: dict[int, tuple[MetadataConfig, dict[Any, Any]]] = {}
+
+
+def _consts(cfg: MetadataConfig) -> dict[Any, Any]:
+    """The cache dict of ``cfg`` (ratio columns, arena layouts, row bases)."""
+    hit = _CONSTS.get(id(cfg))
+    if hit is not None and hit[0] is cfg:
+        return hit[1]
+    if len(_CONSTS) >= 64:
+        _CONSTS.clear()
+    d: dict[Any, Any] = {}
+    _CONSTS[id(cfg)] = (cfg, d)
+    return d
+
+
 def _ratio_columns(cfg: MetadataConfig) -> tuple[np.ndarray, ...]:
     """Per-ratio constants as ``[n_ratio, 1]`` int64 columns (read-only, cached per config), so
     every per-ratio field is ONE broadcast numpy call whatever the number of ratios:
     sparse ratios, ca ratios, ``block_size // ca``, dense ratios, ``block_size // dense``."""
-    cols = []
-    for rs in (cfg.sparse_compress_ratios, cfg.ca_ratios, tuple(cfg.block_size // n for n in cfg.ca_ratios),
-               cfg.dense_compress_ratios, tuple(cfg.block_size // n for n in cfg.dense_compress_ratios)):
-        c = np.array(rs, np.int64).reshape(-1, 1)
-        c.flags.writeable = False
-        cols.append(c)
-    return tuple(cols)
+    c = _consts(cfg)
+    cols = c.get("cols")
+    if cols is None:
+        cols = []
+        for rs in (cfg.sparse_compress_ratios, cfg.ca_ratios, tuple(cfg.block_size // n for n in cfg.ca_ratios),
+                   cfg.dense_compress_ratios, tuple(cfg.block_size // n for n in cfg.dense_compress_ratios)):
+            col = np.array(rs, np.int64).reshape(-1, 1)
+            col.flags.writeable = False
+            cols.append(col)
+        cols = c["cols"] = tuple(cols)
+    return cols
 
 
-@functools.lru_cache(maxsize=64)
-def _row_bases(T: int, mnb: int) -> np.ndarray:
+def _row_bases(cfg: MetadataConfig, T: int) -> np.ndarray:
     """``arange(T) * max_num_blocks`` (read-only, cached): row i's first element in the flattened
     ``block_tables``."""
-    r = np.arange(T, dtype=np.int64) * mnb
-    r.flags.writeable = False
+    c = _consts(cfg)
+    r = c.get(("rows", T))
+    if r is None:
+        if len(c) > 256:
+            c.clear()
+        r = c[("rows", T)] = np.arange(T, dtype=np.int64) * cfg.max_num_blocks
+        r.flags.writeable = False
     return r
 
 
@@ -110,7 +133,7 @@ def _fill_ratio_fields(b: BatchArrays, cfg: MetadataConfig, out: Out, f: dict[st
     T = b.total_q
     sparse, ca, ca_bc, dense, dense_bc = _ratio_columns(cfg)
     pos1 = b.row_pos + 1
-    rows = _row_bases(T, cfg.max_num_blocks)
+    rows = _row_bases(cfg, T)
     f["klen"], k_all = alloc_stacked(out, "klen", cfg.sparse_compress_ratios, (T,))
     np.floor_divide(pos1, sparse, out=k_all, casting="unsafe")
     f["positions_c"], pc_all = alloc_stacked(out, "positions_c", cfg.ca_ratios, (T,))
@@ -136,8 +159,18 @@ def _fill_ratio_fields(b: BatchArrays, cfg: MetadataConfig, out: Out, f: dict[st
     np.floor_divide(pos1, dense, out=ol_all[:, :, 1], casting="unsafe")
 
 
-@functools.lru_cache(maxsize=64)
 def _decode_layout(cfg: MetadataConfig, T: int, n: int) -> ArenaLayout:
+    """:func:`_make_decode_layout`, cached per (config, batch shape)."""
+    c = _consts(cfg)
+    lay = c.get((T, n))
+    if lay is None:
+        if len(c) > 256:
+            c.clear()
+        lay = c[(T, n)] = _make_decode_layout(cfg, T, n)
+    return lay
+
+
+def _make_decode_layout(cfg: MetadataConfig, T: int, n: int) -> ArenaLayout:
     """Every decode output (name, shape, dtype): ONE :class:`HostArena` holds them all when the
     caller passes no ``out`` (cached per batch shape). Example: 256 rows, 256 sequences, default
     config -> 18 fields, ~86 KiB (block_tables [256, 64] int32 is 64 KiB of it)."""
