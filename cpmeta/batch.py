@@ -110,6 +110,9 @@ class SequenceBatch:
     # from user arrays always starts unchecked (only from_sequences, validate() and BatchState,
     # which checks what its own invariants leave open, set it)
     _checked: Any = field(default=None, init=False, repr=False)
+    # (cfg, blocks_needed(seqlen_k) of every sequence under cfg): BatchState knows it already and
+    # extract_batch reuses it instead of recomputing. Not a constructor argument either.
+    _need: Optional[tuple[Any, np.ndarray]] = field(default=None, init=False, repr=False)
 
     def __len__(self) -> int:
         return int(self.seqlen_q.shape[0])

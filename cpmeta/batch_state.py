@@ -309,7 +309,8 @@ class BatchState:
         else:
             comp, c_off = np.zeros(0, np.int64), np.zeros(n_real + 1, np.int64)
         state, svs, num_tokens = self.state_id[slots], self.swa_valid_start[slots], self.num_tokens[slots]
-        ok = n_real == 0 or self._valid(sk, nb, state, svs)
+        need = blocks_needed_array(sk, self.cfg) if n_real else None
+        ok = n_real == 0 or self._valid(sk, nb, state, svs, need)
         if n_ph:  # one row at position 0: token 0, blocks_needed(1) zero blocks, state 0
             one = np.ones(n_ph, np.int64)
             tokens = np.concatenate([tokens, np.full(n_ph, PLACEHOLDER_TOKEN, np.int64)])
@@ -327,12 +328,14 @@ class BatchState:
         )
         if ok and n_real + n_ph:
             batch._checked = self.cfg
+            if not n_ph:  # extract_batch reuses it (placeholders would need their own entries)
+                batch._need = (self.cfg, need)
         return batch
 
-    def _valid(self, sk: np.ndarray, nb: np.ndarray, state: np.ndarray, svs: np.ndarray) -> bool:
+    def _valid(self, sk: np.ndarray, nb: np.ndarray, state: np.ndarray, svs: np.ndarray, need: np.ndarray) -> bool:
         """What ``SequenceBatch.validate`` checks that this state's own invariants leave open
         (counts of tokens, windows and drafts hold by construction; placeholders are valid).
         True: the batch is marked validated for ``self.cfg`` and the builders skip ``validate``;
         False: they run it and raise its ``seqs[i].field`` message."""
         return bool(int(sk.max()) <= self.cfg.max_model_len and int(state.min()) >= 0 and int(svs.min()) >= 0
-                    and (nb >= blocks_needed_array(sk, self.cfg)).all())
+                    and (nb >= need).all())

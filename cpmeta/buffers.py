@@ -171,3 +171,15 @@ class HostArena:
         start, size, shape, strides, dtype = spec
         t_all, a_all = self._views[dtype]
         return t_all.as_strided(shape, strides, start), a_all[start:start + size].reshape(shape)
+
+    def take_rows(self, name: str) -> Optional[tuple[list[torch.Tensor], np.ndarray]]:
+        """A stacked ``[n, ...]`` field as its ``n`` row tensors (each one ``as_strided`` view of
+        the arena, no view of the whole field in between) and the numpy view of the whole field;
+        ``None`` for a name not in the layout."""
+        spec = self._fields.get(name)
+        if spec is None:
+            return None
+        start, size, shape, strides, dtype = spec
+        t_all, a_all = self._views[dtype]
+        rows = [t_all.as_strided(shape[1:], strides[1:], start + i * strides[0]) for i in range(shape[0])]
+        return rows, a_all[start:start + size].reshape(shape)

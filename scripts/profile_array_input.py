@@ -61,6 +61,7 @@ def _decode_phases(cfg: MetadataConfig, n: int, d: int, repeat: int, rng: random
     b = extract_batch(sb, cfg, is_prompt=False)
     md = prepare_decode(sb, cfg)
     fields = {k: getattr(md, k) for k in InputMetadata.__dataclass_fields__ if getattr(md, k) is not None}
+    bt = decode._fill_block_tables(b, cfg, None)[1]
     view = np.zeros(staging_capacity(cfg, n, b.total_q), np.int32)
 
     phases = {
@@ -69,7 +70,7 @@ def _decode_phases(cfg: MetadataConfig, n: int, d: int, repeat: int, rng: random
         "extract": lambda: extract_batch(sb, cfg, is_prompt=False),
         "fill_common": lambda: common.fill_common(b, cfg, None),
         "block_tables": lambda: decode._fill_block_tables(b, cfg, None),
-        "ratio_fields": lambda: decode._fill_ratio_fields(b, cfg, None, {}),
+        "ratio_fields": lambda: decode._fill_ratio_fields(b, cfg, None, {}, bt),
         "metadata": lambda: InputMetadata(**fields),
         "staging": lambda: write_staging(view, b, cfg),
         "inplace_host": lambda: write_staging(view, extract_batch(step(), cfg, is_prompt=False), cfg),

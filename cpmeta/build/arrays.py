@@ -109,10 +109,10 @@ def alloc_stacked(
     of the whole [len(ratios), *shape] buffer)``. Example: ratios ``(4, 128)``, shape ``(5,)``
     -> a ``[2, 5]`` buffer whose rows are ``md.<name>["4"]`` and ``md.<name>["128"]``."""
     if type(out) is HostArena:
-        got = out.take(name)
+        got = out.take_rows(name)
         if got is not None:
-            t, a = got
-            return {str(r): t[i] for i, r in enumerate(ratios)}, a
+            rows, a = got
+            return {str(r): t for r, t in zip(ratios, rows)}, a
         out = None
     t, views = get_or_create_stacked(out, name, [str(r) for r in ratios], tuple(shape), torch.int32)
     return views, t.numpy()

@@ -10,7 +10,6 @@ slot ``3 * 128 + 0`` -> ``kv_swa_index_offset_len[1] = (384, 8)``.
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any, Optional
 
@@ -18,10 +17,11 @@ import numpy as np
 import torch
 
 from ..config import MetadataConfig
+from ..constants import PAD_SLOT_ID
 from ..metadata import InputMetadata
 from ..buffers import ArenaLayout, HostArena
 from .arrays import BatchArrays, alloc, alloc_stacked, check_int32, fdiv, fmod
-from .common import check_common_int32, compressed_slots, fill_common
+from .common import check_common_int32, fill_common
 from .extract import BatchInput, extract_batch
 
 __all__ = ["prepare_decode", "DECODE_STACKED_FIELDS", "check_decode_out"]
@@ -54,7 +54,7 @@ def _check_decode_int32(b: BatchArrays, cfg: MetadataConfig) -> None:
         )
 
 
-def _fill_block_tables(b: BatchArrays, cfg: MetadataConfig, out: Out) -> torch.Tensor:
+def _fill_block_tables(b: BatchArrays, cfg: MetadataConfig, out: Out) -> tuple[torch.Tensor, np.ndarray]:
     """``block_tables`` [total_q, max_num_blocks] int32: each row holds its sequence's table.
 
     Only the first ``blocks_needed(seqlen_k)`` columns are defined; the rest hold -1. Example:
@@ -68,42 +68,109 @@ def _fill_block_tables(b: BatchArrays, cfg: MetadataConfig, out: Out) -> torch.T
     per_seq[np.arange(mnb)[None, :] < b.bt_need[:, None]] = b.bt_flat[:-1]
     if T != n:
         np.take(per_seq, b.row_seq, axis=0, out=a)
-    return t
+    return t, a
 
 
-def _fill_ratio_fields(b: BatchArrays, cfg: MetadataConfig, out: Out, f: dict[str, Any]) -> None:
+#: Per-config constants, keyed by ``id(cfg)`` (the entry keeps ``cfg`` alive and is checked with
+#: ``is``): hashing a frozen config costs a tuple of all its fields on every call.
+_CONSTS: dict[int, tuple[MetadataConfig, dict[Any, Any]]] = {}
+
+
+def _consts(cfg: MetadataConfig) -> dict[Any, Any]:
+    """The cache dict of ``cfg`` (ratio columns, arena layouts, row bases)."""
+    hit = _CONSTS.get(id(cfg))
+    if hit is not None and hit[0] is cfg:
+        return hit[1]
+    if len(_CONSTS) >= 64:
+        _CONSTS.clear()
+    d: dict[Any, Any] = {}
+    _CONSTS[id(cfg)] = (cfg, d)
+    return d
+
+
+def _ratio_columns(cfg: MetadataConfig) -> tuple[np.ndarray, ...]:
+    """Per-ratio constants as ``[n_ratio, 1]`` int64 columns (read-only, cached per config), so
+    every per-ratio field is ONE broadcast numpy call whatever the number of ratios:
+    sparse ratios, ca ratios, ``block_size // ca``, dense ratios, ``block_size // dense``."""
+    c = _consts(cfg)
+    cols = c.get("cols")
+    if cols is None:
+        cols = []
+        for rs in (cfg.sparse_compress_ratios, cfg.ca_ratios, tuple(cfg.block_size // n for n in cfg.ca_ratios),
+                   cfg.dense_compress_ratios, tuple(cfg.block_size // n for n in cfg.dense_compress_ratios)):
+            col = np.array(rs, np.int64).reshape(-1, 1)
+            col.flags.writeable = False
+            cols.append(col)
+        cols = c["cols"] = tuple(cols)
+    return cols
+
+
+def _row_bases(cfg: MetadataConfig, T: int) -> np.ndarray:
+    """``arange(T) * max_num_blocks`` (read-only, cached): row i's first element in the flattened
+    ``block_tables``."""
+    c = _consts(cfg)
+    r = c.get(("rows", T))
+    if r is None:
+        if len(c) > 256:
+            c.clear()
+        r = c[("rows", T)] = np.arange(T, dtype=np.int64) * cfg.max_num_blocks
+        r.flags.writeable = False
+    return r
+
+
+def _fill_ratio_fields(b: BatchArrays, cfg: MetadataConfig, out: Out, f: dict[str, Any], bt: np.ndarray) -> None:
     """``klen``, ``positions_c``, ``slot_mapping_store_ca``, ``kv_ca_index_offset_len``.
 
-    A row writes compressed token ``c = fdiv(pos, n)`` only when ``(pos + 1) % n == 0`` (it closes
-    the group of n tokens); otherwise ``positions_c = 0`` and slot -1. Offsets of row i:
-    ``i * max_num_blocks * (block_size // n)`` (its row of ``block_tables``, flattened).
+    A row writes compressed token ``c = pos // n`` only when ``(pos + 1) % n == 0`` (it closes
+    the group of n tokens); otherwise ``positions_c = 0`` and slot -1. The slot reads the row's
+    ``block_tables`` row ``bt`` (already filled: its first ``blocks_needed`` columns are the
+    sequence's table): ``bt[i, c // b_c] * b_c + c % b_c``. Offsets of row i:
+    ``i * max_num_blocks * (block_size // n)`` (its row of ``block_tables``, flattened). All
+    ratios of a field are computed at once (``[n_ratio, total_q]`` broadcasts into the stacked
+    buffers). Example: n = 4, b_c = 32, pos 39 closes c = 9 -> ``positions_c = 36``, slot
+    ``bt[i, 0] * 32 + 9``; pos 40 -> ``(0, -1)``.
     """
     T = b.total_q
-    seq = None if T == b.n_seq else b.row_seq
-    pos = b.row_pos
-    pos1 = pos + 1
-    writes = ~b.per_row(b.is_placeholder)
+    sparse, ca, ca_bc, dense, dense_bc = _ratio_columns(cfg)
+    pos1 = b.row_pos + 1
+    rows = _row_bases(cfg, T)
     f["klen"], k_all = alloc_stacked(out, "klen", cfg.sparse_compress_ratios, (T,))
-    for i, r in enumerate(cfg.sparse_compress_ratios):
-        fdiv(pos1, r, out=k_all[i])
+    np.floor_divide(pos1, sparse, out=k_all, casting="unsafe")
     f["positions_c"], pc_all = alloc_stacked(out, "positions_c", cfg.ca_ratios, (T,))
     f["slot_mapping_store_ca"], sl_all = alloc_stacked(out, "slot_mapping_store_ca", cfg.ca_ratios, (T,))
-    for i, n in enumerate(cfg.ca_ratios):
-        closes = fmod(pos1, n) == 0
-        c = fdiv(pos, n)
-        np.multiply(c, n, out=pc_all[i], casting="unsafe")
-        pc_all[i][~closes] = 0
-        sl_all[i] = compressed_slots(b, seq, c, closes & writes, n, cfg)
+    q, r = np.divmod(pos1, ca)  # closing rows: r == 0 and c = pos // n = q - 1
+    skip = r != 0
+    np.subtract(pos1, ca, out=pc_all, casting="unsafe")  # c * n = pos1 - n on closing rows
+    np.copyto(pc_all, 0, where=skip)
+    q -= 1
+    blk, off = np.divmod(q, ca_bc)
+    blk += rows
+    # rows that do not write may index past their table (or below 0): clipped, then overwritten;
+    # no table columns at all (max_model_len < every ratio): no row closes a group
+    flat_bt = bt.reshape(-1) if bt.size else np.zeros(1, np.int32)
+    np.multiply(np.take(flat_bt, blk, mode="clip"), ca_bc, out=sl_all, casting="unsafe")
+    np.add(sl_all, off, out=sl_all, casting="unsafe")
+    if b.is_placeholder.any():
+        skip |= b.per_row(b.is_placeholder)
+    np.copyto(sl_all, PAD_SLOT_ID, where=skip)
     f["kv_ca_index_offset_len"], ol_all = alloc_stacked(
         out, "kv_ca_index_offset_len", cfg.dense_compress_ratios, (T, 2))
-    row_off = np.arange(T, dtype=np.int64) * cfg.max_num_blocks
-    for i, n in enumerate(cfg.dense_compress_ratios):
-        np.multiply(row_off, cfg.block_size // n, out=ol_all[i, :, 0], casting="unsafe")
-        fdiv(pos1, n, out=ol_all[i, :, 1])
+    np.multiply(rows, dense_bc, out=ol_all[:, :, 0], casting="unsafe")
+    np.floor_divide(pos1, dense, out=ol_all[:, :, 1], casting="unsafe")
 
 
-@functools.lru_cache(maxsize=64)
 def _decode_layout(cfg: MetadataConfig, T: int, n: int) -> ArenaLayout:
+    """:func:`_make_decode_layout`, cached per (config, batch shape)."""
+    c = _consts(cfg)
+    lay = c.get((T, n))
+    if lay is None:
+        if len(c) > 256:
+            c.clear()
+        lay = c[(T, n)] = _make_decode_layout(cfg, T, n)
+    return lay
+
+
+def _make_decode_layout(cfg: MetadataConfig, T: int, n: int) -> ArenaLayout:
     """Every decode output (name, shape, dtype): ONE :class:`HostArena` holds them all when the
     caller passes no ``out`` (cached per batch shape). Example: 256 rows, 256 sequences, default
     config -> 18 fields, ~86 KiB (block_tables [256, 64] int32 is 64 KiB of it)."""
@@ -175,6 +242,6 @@ def prepare_decode(
     f["kv_swa_index_offset_len"], a = alloc(out, "kv_swa_index_offset_len", (T, 2), torch.int32)
     a[:, 0] = state * S + fmod(pos1 - w, S)
     a[:, 1] = w
-    f["block_tables"] = _fill_block_tables(b, cfg, out)
-    _fill_ratio_fields(b, cfg, out, f)
+    f["block_tables"], bt = _fill_block_tables(b, cfg, out)
+    _fill_ratio_fields(b, cfg, out, f, bt)
     return InputMetadata(**f)

@@ -63,7 +63,8 @@ def extract_batch(seqs: BatchInput, cfg: MetadataConfig, *, is_prompt: bool) -> 
     np.cumsum(sk, out=cu[1, 1:])
     total_q = int(cu[0, -1])
     q_start = sk - sq
-    need = blocks_needed_array(sk, cfg)
+    known = sb._need
+    need = known[1] if known is not None and known[0] is cfg else blocks_needed_array(sk, cfg)
     bt_flat, bt_start = _flat_tables(sb, need)
     row_seq, row_j = _row_arrays(n, total_q, sq, cu[0])
     row_pos = q_start if total_q == n else q_start[row_seq] + row_j  # one row each: pos = q_start
