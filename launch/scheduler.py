@@ -121,7 +121,7 @@ class SyntheticScheduler:
         self._next_id += 1
         # blocks for the prompt now, more as the request grows (append_blocks)
         slot = self.state.add_request(
-            self._next_id, prompt, self._blocks(home, 0, blocks_needed(n, self.cfg)), home,
+            self._next_id, prompt, self._blocks(home, 0, self._kv_blocks(n)), home,
             swa_valid_start=valid_start, num_computed=n if prefilled else 0)
         return _Request(slot, home, n, chunk, done=n if prefilled else 0)
 
@@ -131,8 +131,16 @@ class SyntheticScheduler:
         base = home * self.blocks_per_slot
         return [base + self.blocks_per_slot - 1 - b for b in range(start, stop)]
 
+    def _kv_blocks(self, seqlen_k: int) -> int:
+        """Blocks a request holds at ``seqlen_k`` tokens: enough for the compressed KV
+        (``blocks_needed``) AND for one uncompressed KV row per position (``cdiv(seqlen_k,
+        block_size)``, what a full-attention cache and ``--attention-check`` write through the
+        slot mapping). Example, block 128, ratio 4: 129 tokens -> compressed 1 block, KV 2."""
+        return min(max(blocks_needed(seqlen_k, self.cfg), -(-seqlen_k // self.cfg.block_size)),
+                   self.blocks_per_slot)
+
     def _grow(self, req: _Request, seqlen_k: int) -> None:
-        have, need = int(self.state.num_blocks[req.slot]), blocks_needed(seqlen_k, self.cfg)
+        have, need = int(self.state.num_blocks[req.slot]), self._kv_blocks(seqlen_k)
         if need > have:
             self.state.append_blocks(req.slot, self._blocks(req.home, have, need))
 

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("world,interleave,extra", [
+    (1, 128, ()),  # one rank: the decode KV reaches past the compressed blocks (whole tables needed)
     (2, 128, ("--verify", "--cp-mirror")),  # block-sized interleave, with the digest verify
     (3, 1, ()),
     (4, 128, ()),

@@ -4,6 +4,8 @@ validation path, int32 overflow, out= refills, the CP-mirror gather in compute_a
 
 from __future__ import annotations
 
+import dataclasses
+
 import random
 
 import numpy as np
@@ -315,3 +317,15 @@ def test_non_power_of_two_sizes_match_reference(seed: int) -> None:
             if name == "block_tables" and got is not None:
                 got = [row[: len(e)] for row, e in zip(got, ref[name])]
             assert got == ref[name], name
+
+
+def test_decode_block_tables_carry_the_whole_table() -> None:
+    """Columns past the compressed need hold the rest of the sequence's table (a full-attention KV
+    cache reads them through the slot mapping), cut to max_num_blocks; -1 after the table."""
+    cfg = MetadataConfig(max_model_len=1024)  # max_num_blocks = 8
+    seqs = [_seq(1, 130, state=0, prompt=False), _seq(2, 300, state=1, prompt=False)]
+    seqs[0] = dataclasses.replace(seqs[0], block_table=list(range(10, 20)))  # 10 blocks > 8 columns
+    seqs[1] = dataclasses.replace(seqs[1], block_table=[5, 6, 7])
+    md = prepare_decode(seqs, cfg)
+    assert md.block_tables.tolist() == [list(range(10, 18)), [5, 6, 7] + [-1] * 5, [5, 6, 7] + [-1] * 5]
+

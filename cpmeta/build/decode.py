@@ -20,7 +20,7 @@ from ..config import MetadataConfig
 from ..constants import PAD_SLOT_ID
 from ..metadata import InputMetadata
 from ..buffers import ArenaLayout, HostArena
-from .arrays import BatchArrays, alloc, alloc_stacked, check_int32, fdiv, fmod
+from .arrays import BatchArrays, alloc, alloc_stacked, check_int32, fmod
 from .common import check_common_int32, fill_common
 from .extract import BatchInput, extract_batch
 
@@ -57,15 +57,25 @@ def _check_decode_int32(b: BatchArrays, cfg: MetadataConfig) -> None:
 def _fill_block_tables(b: BatchArrays, cfg: MetadataConfig, out: Out) -> tuple[torch.Tensor, np.ndarray]:
     """``block_tables`` [total_q, max_num_blocks] int32: each row holds its sequence's table.
 
-    Only the first ``blocks_needed(seqlen_k)`` columns are defined; the rest hold -1. Example:
-    tables ``[[7, 8], [4]]``, seqlen_q ``[1, 2]``, 3 columns -> rows ``[7, 8, -1]``,
-    ``[4, -1, -1]``, ``[4, -1, -1]``.
+    The whole table is written (its first ``max_num_blocks`` ids), -1 after it; only the first
+    ``blocks_needed(seqlen_k)`` columns are guaranteed (DESIGN 4: the in-place path writes -1
+    past them). Blocks past the compressed need are what a full-attention KV cache reads through
+    the slot mapping (``compute_slot_mapping_from_metadata``). Example: tables ``[[7, 8], [4]]``,
+    seqlen_q ``[1, 2]``, 3 columns -> rows ``[7, 8, -1]``, ``[4, -1, -1]``, ``[4, -1, -1]``.
     """
     T, n, mnb = b.total_q, b.n_seq, cfg.max_num_blocks
     t, a = alloc(out, "block_tables", (T, mnb), torch.int32)
     per_seq = a if T == n else np.empty((n, mnb), np.int32)
     per_seq.fill(-1)
-    per_seq[np.arange(mnb)[None, :] < b.bt_need[:, None]] = b.bt_flat[:-1]
+    off = b.bt_whole_off
+    lens = np.minimum(np.diff(off), mnb)
+    if np.array_equal(lens, b.bt_need):  # tables hold exactly the compressed need: one copy
+        per_seq[np.arange(mnb)[None, :] < b.bt_need[:, None]] = b.bt_flat[:-1]
+    else:
+        keep = np.arange(mnb)[None, :] < lens[:, None]
+        whole = b.bt_whole if int(off[-1]) == int(lens.sum()) else \
+            b.bt_whole[(off[:-1][:, None] + np.arange(mnb)[None, :])[keep]]  # rows cut to max_num_blocks
+        per_seq[keep] = whole
     if T != n:
         np.take(per_seq, b.row_seq, axis=0, out=a)
     return t, a
