@@ -1,10 +1,14 @@
-"""Data path of ``ShmRing`` (writer ``write``, reader ``read``), as a mixin over the mapped words.
+"""Data path of ``ShmRing`` (writer ``write`` / ``reserve`` + ``commit`` / ``announce``, reader
+``read``), as a mixin over the mapped words.
 
-The attributes used here are created by ``ShmRing.__init__``: ``_buf`` (memoryview of the whole
-mapping), ``_head``, ``_tails``, ``_states``, ``_pids``, ``_waiting``, ``_writer_waiting``,
-``_closed`` (ctypes words in the mapping), ``_data_at``, ``_ring_bytes``, ``_spin_s``,
-``_watch`` (``PeerWatch`` per reader index, ``-1`` = writer), ``_max_bytes``, ``handle``,
-``reader_index``, ``timeout``.
+The attributes used here are created by ``ShmRing.__init__``: ``_w`` (the control words, a
+``_Words``: ``head``, ``announce``, ``writer_waiting``, ``closed`` and per reader ``tails``,
+``states``, ``pids``, ``waiting``), ``_base_addr`` / ``_head_addr`` / ``_tail_addrs`` (their
+addresses as ints, for memmove and futex calls), ``_buf`` (memoryview of the whole mapping),
+``_data_at``, ``_ring_bytes``, ``_spin_s``, ``_watch`` (``PeerWatch`` per reader index, ``-1`` =
+writer), ``_max_bytes``, ``_pending`` (writer: head after the reserved message),
+``_announce_seen`` (reader: announce count acted on), ``_label()``, ``handle``, ``reader_index``,
+``timeout``.
 """
 
 from __future__ import annotations
