@@ -11,7 +11,7 @@ never mistaken for the injected fault. Faults:
 - a follower that stalls shorter than the timeout (just slower) and longer (an error naming it),
   asleep or frozen by SIGSTOP;
 - the driver killed while the ring is being set up (construction);
-- the same follower kill on the forced process-group (gloo) path.
+- the same follower kill, and stalls, on the forced process-group (gloo) path (tests/test_faults_pg.py).
 
 Each scenario prints ``TTD <scenario> <observer> <seconds> <error>`` (time to detection: from the
 fault to the exception on the observing rank, one CLOCK_MONOTONIC for every process of the host);
@@ -409,43 +409,6 @@ def test_follower_stalls_shorter_then_longer_than_timeout(tmp_path: Path, frozen
     _assert_clean(before, [driver, other, slow])
 
 
-@pytest.mark.parametrize("sleeper", [0, 2], ids=["driver", "follower"])
-def test_stall_on_process_group_path(tmp_path: Path, sleeper: int) -> None:
-    """Forced remote path: the transport timeout (3 s), not the process group's (90 s here,
-    30 min by default), bounds every wait, and the error names the rank(s) awaited. A follower
-    waits for the driver (named exactly); the driver names its followers (gloo does not say
-    which one lags)."""
-    with _spawn(_remote_stall, str(tmp_path), _seed(), sleeper) as group:
-        recs = group.results()
-    t_stall = float((tmp_path / "stalled").read_text())
-    waiting = [r for r in recs if r["rank"] != sleeper and r["etype"] is not None]
-    assert recs[0]["segment"] is None  # no ring on this path
-    assert waiting, recs
-    for rec in waiting:
-        assert rec["etype"] in ("TimeoutError", "PeerError"), rec
-        want = "rank 0 (src) sent no message" if rec["rank"] else "rank 2"
-        if rec["etype"] == "TimeoutError":
-            assert want in rec["error"], rec
-        ttd = _ttd(f"stall-process-group-path[{'driver' if sleeper == 0 else 'follower'}]", rec,
-                   t_stall)
-        assert ttd < STALL_LONG_S  # raised while the sleeper was still asleep
-    first = min(waiting, key=lambda r: r["t_err"])
-    assert first["etype"] == "TimeoutError", first  # the first error is the stall itself
-
-
-def _remote_stall(rank: int, world: int, tmp: str, seed: int, sleeper: int) -> dict:
-    """Forced remote path: rank ``sleeper`` sleeps STALL_LONG_S before step HEALTHY_STEPS."""
-
-    def body(bc: Any, rec: dict) -> None:
-        for step in range(MAX_STEPS):
-            if rank == sleeper and step == HEALTHY_STEPS:
-                _mark(tmp, "stalled")
-                time.sleep(STALL_LONG_S)
-            _step(bc, rank, seed, step, rec)
-
-    return _run(rank, body, force_remote=True)
-
-
 @pytest.mark.parametrize("named", [
     False, pytest.param(True, marks=[pytest.mark.slow, pytest.mark.xfail(
         strict=True, reason="known gap: a /dev/shm name cannot be unlinked by a writer killed "
@@ -465,70 +428,3 @@ def test_driver_killed_during_setup(tmp_path: Path, named: bool) -> None:
     finally:
         if named and os.path.exists(segment):
             os.unlink(segment)  # the leak this case documents: leave the machine clean
-
-
-def test_follower_killed_on_process_group_path(tmp_path: Path) -> None:
-    """Forced remote path (gloo bytes instead of the ring): the kill is seen at once through the
-    TCP connection; ObjectChannel names the dead rank (same-host pids exchanged at setup)."""
-    with _spawn(_killed_between_steps, str(tmp_path), _seed(), False, True) as group:
-        _wait_file(group, tmp_path, "ready")
-        t_kill = _kill(group, tmp_path, 2)
-        driver, survivor, _ = group.results(allow_dead=[2])
-    assert driver["segment"] is None  # no ring at all on this path
-    for name, rec in (("driver", driver), ("survivor", survivor)):
-        assert rec["etype"] == "PeerError" and "rank 2" in rec["error"] and "died" in rec["error"], rec
-        assert _ttd(f"follower-killed-process-group-path/{name}", rec, t_kill) < TIMEOUT_S
-
-
-# ----------------------------------------------------------------------------- segment identification
-# The leak checks above must count the ring's segments only: a clone in a directory called
-# ``cpmeta`` (venv inside) maps torch's libraries from paths containing "cpmeta" too.
-
-FAKE_CLONE_MAPS = [
-    "7f0000000000-7f0000100000 r-xp 00000000 08:01 1234 /home/u/cpmeta/.venv/lib/python3.12/"
-    "site-packages/torch/lib/libtorch_cpu.so\n",
-    "7f0000100000-7f0000200000 r--p 00000000 08:01 1235 /home/u/cpmeta/.venv/lib/python3.12/"
-    "site-packages/numpy/core/_multiarray_umath.cpython-312-x86_64-linux-gnu.so\n",
-    "7f0000200000-7f0000300000 r--p 00000000 08:01 1236 /home/u/cpmeta/cpmeta-ring\n",
-    "7f0000300000-7f0000400000 rw-s 00000000 00:05 77 /tmp/cpmeta/cpmeta-" + "ab" * 16 + "\n",
-    "7f0000400000-7f0000500000 rw-s 00000000 00:05 78 /memfd:cpmeta-ring-other (deleted)\n",
-    "7f0000500000-7f0000600000 rw-p 00000000 00:00 0 \n",
-]
-REAL_SEGMENT_MAPS = [
-    "7f0000600000-7f0000700000 rw-s 00000000 00:01 99 /memfd:cpmeta-ring (deleted)\n",
-    "7f0000700000-7f0000800000 rw-s 00000000 00:17 98 /dev/shm/cpmeta-" + "0f" * 16 + "\n",
-    "7f0000800000-7f0000900000 rw-s 00000000 00:17 97 /dev/shm/cpmeta-" + "0f" * 16 + " (deleted)\n",
-]
-
-
-def test_segment_identification_ignores_a_clone_named_cpmeta() -> None:
-    got = project_mappings(lines=FAKE_CLONE_MAPS + REAL_SEGMENT_MAPS)
-    assert got == [line.strip() for line in REAL_SEGMENT_MAPS], got
-
-
-def test_segment_identification_on_this_process(tmp_path: Path) -> None:
-    """Real check: a file mapped (and held open) from ``<tmp>/cpmeta/.venv/...`` is not counted;
-    a live ring's segment is, and nothing is left after close."""
-    import mmap
-
-    from transport import ShmRing
-
-    lib = tmp_path / "cpmeta" / ".venv" / "lib" / "libfake.so"
-    lib.parent.mkdir(parents=True)
-    lib.write_bytes(b"\0" * mmap.PAGESIZE)
-    fd = os.open(lib, os.O_RDONLY)
-    mapped = mmap.mmap(fd, mmap.PAGESIZE, prot=mmap.PROT_READ)
-    try:
-        with open("/proc/self/maps") as f:
-            assert any(str(lib) in line for line in f)
-        maps, fds = project_mappings(), project_fds()  # [] unless an earlier test leaked a ring
-        assert not any(str(tmp_path) in x for x in maps + fds), (maps, fds)
-        ring = ShmRing.create(1, slot_size=64, num_slots=4)
-        try:
-            assert len(project_mappings()) > len(maps) and len(project_fds()) > len(fds)
-        finally:
-            ring.close()
-        assert (project_mappings(), project_fds()) == (maps, fds)
-    finally:
-        mapped.close()
-        os.close(fd)
