@@ -10,18 +10,12 @@ standalone rendezvous), so the same loop also runs as ``torchrun ... -m launch.w
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Optional, Sequence
 
-__all__ = ["main"]
+from . import envs
 
-#: NVLink multicast stays off: a program using it can take shared GPUs out of service.
-MULTICAST_OFF = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
+__all__ = ["main"]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -48,9 +42,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     problem = check_args(worker.parse_args(rest), ours.nproc_per_node)  # exits 2 on bad syntax
     if problem:
         worker.error(problem)
-    for k, v in MULTICAST_OFF.items():
-        os.environ.setdefault(k, v)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    for k, v in envs.MULTICAST_OFF.items():
+        envs.set_default(k, v)
+    envs.set_default("OMP_NUM_THREADS", "1")
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 

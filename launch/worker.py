@@ -31,6 +31,7 @@ import torch.distributed as dist
 import cpmeta
 from cpmeta.metadata import InputMetadata
 
+from . import envs
 from .scheduler import WORKLOADS, SyntheticScheduler, default_config
 from .verify import VerifyError, expected_table, verify_step
 
@@ -41,7 +42,6 @@ logger = logging.getLogger(__name__)
 BACKENDS = ("auto", "gloo", "nccl")
 DEFAULT_WARMUP = 5
 MIN_PROMPT = 16  # SyntheticScheduler draws prompt lengths from [16, --max-prompt]
-ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # set by torchrun: where a rank records its exception
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,7 +107,7 @@ def resolve_backend(name: str) -> str:
     """``auto`` = NCCL when every local rank can have its own GPU, else gloo."""
     if name != "auto":
         return name
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local_world = envs.local_world_size()
     if torch.cuda.is_available() and torch.cuda.device_count() >= local_world:
         return "nccl"
     return "gloo"
@@ -266,7 +266,7 @@ def _print_table(summary: dict[str, Any], args: Any, backend: str, world: int) -
 def _record_failure(e: BaseException) -> bool:
     """Under torchrun: write ``e`` (message + traceback) to this rank's error file, which the
     launcher prints once, first, above torchrun's report. False when there is no such file."""
-    if not os.environ.get(ERROR_FILE_ENV):
+    if not envs.error_file():
         return False
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
@@ -278,7 +278,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry of one rank; exit code 0, 1 (an error), 2 (bad arguments) or 3 (verify failed)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    problem = check_args(args, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    problem = check_args(args, envs.local_world_size())
     if problem:
         parser.error(problem)
     try:
@@ -299,7 +299,7 @@ def _run(args: Any) -> int:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(args.timeout, 30)))
     rank, world = dist.get_rank(), dist.get_world_size()
     if backend == "nccl":
-        local = int(os.environ.get("LOCAL_RANK", "0"))
+        local = envs.local_rank()
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     else:
