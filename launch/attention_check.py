@@ -33,6 +33,8 @@ import torch.distributed as dist
 import cpmeta
 from cpmeta.metadata import InputMetadata
 
+from . import comm
+
 __all__ = ["HEAD_DIM", "TOLERANCE", "qkv", "prefill_check", "decode_check", "check_step"]
 
 HEAD_DIM: int = 16
@@ -65,8 +67,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tenso
 
 
 def _gather_rows(part: torch.Tensor, reverse: torch.Tensor, world: int) -> torch.Tensor:
-    parts = [torch.empty_like(part) for _ in range(world)]
-    dist.all_gather(parts, part.contiguous())
+    parts = comm.all_gather(part)
     return cpmeta.unmirror(torch.cat(parts), reverse.to(part.device))
 
 
@@ -168,9 +169,7 @@ def decode_check(md: InputMetadata, rank: int, world: int, device: torch.device,
     lse = torch.logsumexp(scores, dim=-1)  # -inf where this rank owns none of the row's keys
     part = torch.einsum("rn,rnd->rd", torch.exp(scores - lse[:, None]).nan_to_num(0.0), v)
     # ---- combine by log-sum-exp over ranks
-    parts, lses = [torch.empty_like(part) for _ in range(world)], [torch.empty_like(lse) for _ in range(world)]
-    dist.all_gather(parts, part.contiguous())
-    dist.all_gather(lses, lse.contiguous())
+    parts, lses = comm.all_gather(part), comm.all_gather(lse)
     lse_all = torch.stack(lses)
     weight = torch.exp(lse_all - torch.logsumexp(lse_all, dim=0)).nan_to_num(0.0)
     result = (weight[..., None] * torch.stack(parts)).sum(0)
@@ -209,8 +208,7 @@ def check_step(got: InputMetadata, mine: Optional[InputMetadata], rank: int, wor
         err, kind, tol = decode_check(got, rank, world, device, block_size, interleave), "decode", \
             TOLERANCE[device.type][1]
     verdict = torch.tensor([err if err == err else float("inf")], dtype=torch.float64, device=device)
-    dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
-    worst = float(verdict)
+    worst = float(comm.all_reduce(verdict, op=dist.ReduceOp.MAX))
     if not worst <= tol:
         raise VerifyError(f"step {step}: {kind} attention under CP {world} differs from single-rank "
                           f"attention: max |diff| = {worst:.3g} > {tol:g} (inf = a slot written twice)")

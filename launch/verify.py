@@ -24,9 +24,10 @@ import hashlib
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
 from cpmeta.metadata import InputMetadata
+
+from . import comm
 
 __all__ = ["VerifyError", "CHECKS", "metadata_digest", "verify_step"]
 
@@ -111,11 +112,9 @@ def verify_step(
     both end with the same verdict (return, or the same ``VerifyError``).
     """
     shape = (world, len(CHECKS), _WIDTH)
-    table = (expected if rank == 0 else torch.empty(shape, dtype=torch.int64)).to(device)
-    dist.broadcast(table, src=0)
+    table = comm.broadcast((expected if rank == 0 else torch.empty(shape, dtype=torch.int64)).to(device))
     actual = _views(got, mine).to(device)
-    gathered = [torch.empty_like(actual) for _ in range(world)]
-    dist.all_gather(gathered, actual)
+    gathered = comm.all_gather(actual)
     bad = []
     for r, act in enumerate(gathered):
         diff = (act != table[r]).nonzero().cpu().tolist()

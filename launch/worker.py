@@ -31,6 +31,7 @@ import torch.distributed as dist
 import cpmeta
 from cpmeta.metadata import InputMetadata
 
+from . import comm
 from . import envs
 from .scheduler import WORKLOADS, SyntheticScheduler, default_config
 from .verify import VerifyError, expected_table, verify_step
@@ -40,6 +41,7 @@ __all__ = ["main", "build_parser", "check_args"]
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "gloo", "nccl")
+DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_WARMUP = 5
 MIN_PROMPT = 16  # SyntheticScheduler draws prompt lengths from [16, --max-prompt]
 
@@ -52,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"steps excluded from the timing table (default {DEFAULT_WARMUP}, at most --steps - 1)")
     p.add_argument("--cp-mirror", action="store_true", help="each rank keeps its zigzag share")
     p.add_argument("--backend", choices=BACKENDS, default="auto")
+    p.add_argument("--device", choices=DEVICES, default="auto",
+                   help="where received metadata lives: auto = cuda with nccl, cpu with gloo; "
+                        "cuda with gloo = ranks sharing this host's GPUs (the follower paths on one GPU)")
     p.add_argument("--verify", action="store_true",
                    help="the driver rebuilds each step; every rank checks what it holds against digests of it")
     p.add_argument("--json", default=None, help="write the summary table here (rank 0)")
@@ -94,6 +99,10 @@ def check_args(args: Any, nproc: int) -> Optional[str]:
     block = default_config(yoco=args.workload == "yoco").block_size
     if args.kv_interleave and block % args.kv_interleave:
         return f"--kv-interleave: expected 0 (off) or a divisor of the KV block size {block}, got {args.kv_interleave}"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        return "--device cuda: no CUDA device on this machine"
+    if args.device == "cpu" and args.backend == "nccl":
+        return "--device cpu: NCCL moves CUDA tensors; use --backend gloo (or auto without GPUs)"
     if args.backend == "nccl":
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if have < nproc:
@@ -138,8 +147,7 @@ def _verify_unmirror(full: InputMetadata, mine: InputMetadata, world: int, devic
         rows[f"ke.{r}"] = (mine.ke[r], full.ke[r])
     for name, (part, whole) in rows.items():
         part = part.to(device).contiguous()
-        gathered = [torch.empty_like(part) for _ in range(world)]
-        dist.all_gather(gathered, part)
+        gathered = comm.all_gather(part)
         restored = cpmeta.unmirror(torch.cat(gathered), mine.mirror_cp_reverse_index.to(device))
         if not torch.equal(restored.cpu(), whole.cpu()):
             out.append(f"unmirror({name}) != full {name}")
@@ -156,8 +164,7 @@ def _verify_slot_mapping(md: InputMetadata, args: Any, rank: int, world: int, cf
     """
     sm = cpmeta.compute_slot_mapping_from_metadata(md, cfg.block_size, cp_world_size=world, cp_rank=rank,
                                                    cp_interleave=args.kv_interleave)
-    owned = (sm != cpmeta.PAD_SLOT_ID).to(torch.int32).to(device)
-    dist.all_reduce(owned)
+    owned = comm.all_reduce((sm != cpmeta.PAD_SLOT_ID).to(torch.int32).to(device))
     want = md.valid_token_mask.to(device=device, dtype=torch.int32)
     bad = int((owned != want).sum())
     return [f"{bad} tokens are not owned by exactly one rank"] if bad else []
@@ -234,8 +241,7 @@ def summarize(stats: dict[str, Any], world: int, device: torch.device) -> Option
         mine += [_pct(stats[k], 0.5) * 1e6, _pct(stats[k], 0.9) * 1e6]
     mine.append(float(sum(stats["bytes"]) / max(1, len(stats["bytes"]))))
     t = torch.tensor(mine, dtype=torch.float64, device=device)
-    gathered = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(gathered, t)
+    gathered = comm.all_gather(t)
     if dist.get_rank() != 0:
         return None
     rows = [g.cpu().tolist() for g in gathered]
@@ -300,6 +306,10 @@ def _run(args: Any) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     if backend == "nccl":
         local = envs.local_rank()
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    elif args.device == "cuda":  # gloo ranks sharing the host's GPUs (round robin)
+        local = envs.local_rank() % torch.cuda.device_count()
         torch.cuda.set_device(local)
         device = torch.device("cuda", local)
     else:

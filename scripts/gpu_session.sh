@@ -32,6 +32,9 @@ if part tests; then  # ~8 min
   TAILN=6 step gpu_decode_cp 120 python3 -m pytest -q -p no:cacheprovider tests/test_decode_cp.py tests/test_decode_capacity.py
   # attention check on CUDA (bf16 SDPA prefill, bf16 KV-cache decode; tolerance 2e-2)
   step attn_nccl1 60 python3 -m launch --backend nccl --nproc-per-node 1 --workload mixed --attention-check --kv-interleave 128 --steps 12 --decode-seqs 16
+  # gloo ranks sharing cuda:0: metadata, verify and the bf16 attention check on the GPU at CP 2 and 3
+  TAILN=3 step attn_gloo_cuda0_cp2 90 python3 -m launch --backend gloo --device cuda --nproc-per-node 2 --workload mixed --cp-mirror --verify --attention-check --kv-interleave 128 --steps 12 --decode-seqs 16
+  TAILN=3 step attn_gloo_cuda0_cp3 90 python3 -m launch --backend gloo --device cuda --nproc-per-node 3 --workload mixed --cp-mirror --verify --attention-check --kv-interleave 1 --steps 12 --decode-seqs 16
   step launch_nccl1 50 python3 -m launch --backend nccl --nproc-per-node 1 --workload mixed --cp-mirror --attn-info --steps 100 --verify --json "$OUT/launch_nccl1.json"
   if [ "$NGPU" -ge 2 ]; then
     for I in 1 128; do

@@ -69,6 +69,8 @@ BAD_INPUTS = {  # argv -> what the one-line error must say (validated before any
                               "--kv-interleave: expected 0 (off) or a divisor of the KV block size 128, got 3"),
     "nccl-without-gpus": (["--backend", "nccl"], "--backend nccl: needs one CUDA device per rank (2), found 0"),
     "json-dir": (["--json", "/nonexistent-dir/x.json"], "--json: directory of"),
+    "device-cuda-without-gpus": (["--device", "cuda"], "--device cuda: no CUDA device on this machine"),
+    "device-cpu-with-nccl": (["--device", "cpu", "--backend", "nccl"], "--device cpu: NCCL moves CUDA tensors"),
 }
 
 
