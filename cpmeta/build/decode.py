@@ -65,6 +65,12 @@ def _fill_block_tables(b: BatchArrays, cfg: MetadataConfig, out: Out) -> tuple[t
     """
     T, n, mnb = b.total_q, b.n_seq, cfg.max_num_blocks
     t, a = alloc(out, "block_tables", (T, mnb), torch.int32)
+    if b.bt2d is not None:  # BatchState's padded 2-D table: one copy / row gather
+        if T == n:
+            np.copyto(a, b.bt2d)
+        else:
+            np.take(b.bt2d, b.row_seq, axis=0, out=a)
+        return t, a
     per_seq = a if T == n else np.empty((n, mnb), np.int32)
     per_seq.fill(-1)
     off = b.bt_whole_off
