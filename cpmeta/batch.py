@@ -113,6 +113,11 @@ class SequenceBatch:
     # (cfg, blocks_needed(seqlen_k) of every sequence under cfg): BatchState knows it already and
     # extract_batch reuses it instead of recomputing. Not a constructor argument either.
     _need: Optional[tuple[Any, np.ndarray]] = field(default=None, init=False, repr=False)
+    # (cfg, [n_seq, cfg.max_num_blocks] int32): each sequence's first max_num_blocks block ids,
+    # -1 padded (the flat tables above as a 2-D padded table: it must equal them). Set only by
+    # BatchState for a decode batch it marked validated; prepare_decode's block_tables is then ONE
+    # row gather. Not a constructor argument.
+    _bt2d: Optional[tuple[Any, np.ndarray]] = field(default=None, init=False, repr=False)
 
     def __len__(self) -> int:
         return int(self.seqlen_q.shape[0])

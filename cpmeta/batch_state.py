@@ -82,6 +82,9 @@ class BatchState:
         self.num_computed = np.zeros(n, np.int64)  # [max_seqs] prompt tokens prefilled so far
         self.prompt_len = np.zeros(n, np.int64)  # [max_seqs]
         self.block_table = np.zeros((n, self.max_blocks), np.int64)  # [max_seqs, max_blocks]
+        # [max_seqs, max_num_blocks] int32 mirror of block_table's first max_num_blocks ids, -1
+        # padded: a decode step's block_tables rows (SequenceBatch._bt2d) in one row gather
+        self._bt32 = np.full((n, cfg.max_num_blocks), -1, np.int32)
         self.num_blocks = np.zeros(n, np.int64)  # [max_seqs]
         self.compressed = np.zeros((n, self.max_compressed), np.int64)  # [max_seqs, max_compressed]
         self.num_compressed = np.zeros(n, np.int64)  # [max_seqs]
@@ -135,6 +138,8 @@ class BatchState:
         self.num_computed[s] = num_computed
         self.block_table[s, :len(bt)] = bt
         self.num_blocks[s] = len(bt)
+        self._bt32[s] = -1
+        self._bt32[s, :len(bt)] = bt[:self._bt32.shape[1]]
         self.compressed[s, :len(comp)] = comp
         self.num_compressed[s] = len(comp)
         self.state_id[s], self.swa_valid_start[s] = state_id, swa_valid_start
@@ -190,6 +195,9 @@ class BatchState:
         self._fits(req, "block ids", n0 + len(b), self.max_blocks, "max_blocks")
         self.block_table[slot, n0:n0 + len(b)] = b
         self.num_blocks[slot] = n0 + len(b)
+        mnb = self._bt32.shape[1]
+        if n0 < mnb:
+            self._bt32[slot, n0:n0 + len(b)] = b[:mnb - n0]
 
     def append_compressed(self, slot: int, ids: Sequence[int]) -> None:
         """Engram history ids (``compressed_token_ids``) appended for the request."""
@@ -330,6 +338,8 @@ class BatchState:
             batch._checked = self.cfg
             if not n_ph:  # extract_batch reuses it (placeholders would need their own entries)
                 batch._need = (self.cfg, need)
+                if drafts is not None:  # decode block_tables rows, one gather (equal to `tables`)
+                    batch._bt2d = (self.cfg, np.take(self._bt32, slots, axis=0))
         return batch
 
     def _valid(self, sk: np.ndarray, nb: np.ndarray, state: np.ndarray, svs: np.ndarray, need: np.ndarray) -> bool:

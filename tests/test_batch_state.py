@@ -44,6 +44,19 @@ def _grow(st: BatchState, r: _Req, k: int, cfg: MetadataConfig, rng: random.Rand
         r.blocks += new
 
 
+def _assert_bt2d(batch, cfg: MetadataConfig) -> None:
+    """The 2-D padded table a decode batch carries (``_bt2d``) equals its flat tables."""
+    if batch._bt2d is None:
+        return
+    assert batch._bt2d[0] is cfg
+    want = np.full((len(batch), cfg.max_num_blocks), -1, np.int32)
+    off = batch.block_table_offsets
+    for s in range(len(batch)):
+        row = batch.block_tables[off[s]:off[s + 1]][: cfg.max_num_blocks]
+        want[s, : len(row)] = row
+    np.testing.assert_array_equal(batch._bt2d[1], want)
+
+
 def _run(cfg: MetadataConfig, seed: int, steps: int) -> dict[str, int]:
     rng = random.Random(seed)
     st = BatchState(cfg, max_seqs=6, max_tokens=cfg.max_model_len)
@@ -105,6 +118,7 @@ def _run(cfg: MetadataConfig, seed: int, steps: int) -> dict[str, int]:
             seqs += [SequenceMetadata(1, 1, [0] * blocks_needed(1, cfg), 0, [0], is_placeholder=True)] * n_ph
             batch = st.decode_batch(np.array([r.slot for r in sel]), np.array([t for r in sel for t in r.drafts]),
                                     np.array([len(r.drafts) for r in sel]), num_placeholders=n_ph)
+            _assert_bt2d(batch, cfg)
             assert metadata_diff(prepare_decode(batch, cfg), prepare_decode(seqs, cfg), cfg=cfg) == []
             acc = [r.drafts[: rng.randint(0, len(r.drafts))] + [rng.randrange(8)] for r in sel]
             st.append_tokens_batch(np.array([r.slot for r in sel]), np.array([t for a in acc for t in a]),
@@ -168,3 +182,22 @@ def test_decode_window_is_short() -> None:
     s = st.add_request(0, list(range(80)), list(range(blocks_needed(80, CFG))), 0, num_computed=80)
     batch = st.decode_batch(np.array([s]), np.array([7, 7]), np.array([2]))
     assert batch.tokens.tolist() == [77, 78, 79, 7, 7]
+
+
+def test_decode_2d_table_follows_appends_and_reuse() -> None:
+    """The 2-D padded table (``SequenceBatch._bt2d``) follows appends past max_num_blocks and slot reuse."""
+    mnb = CFG.max_num_blocks
+    st = BatchState(CFG, max_seqs=2, max_blocks=mnb + 3)
+    a = st.add_request("a", [1, 2, 3], [9] * (mnb - 1), 0, num_computed=3)
+    b = st.add_request("b", [4], [5, 6], 1, num_computed=1)
+    st.append_blocks(a, [7, 8, 9])  # crosses max_num_blocks: the 2-D table keeps the first mnb
+    batch = st.decode_batch(np.array([b, a]))
+    assert batch._bt2d is not None
+    _assert_bt2d(batch, CFG)
+    st.finish(a)
+    c = st.add_request("c", [4, 4], [3], 2, num_computed=2)
+    assert c == a
+    batch = st.decode_batch(np.array([c, b]), np.array([1]), np.array([0, 1]))
+    _assert_bt2d(batch, CFG)
+    assert batch._bt2d[1][0].tolist() == [3] + [-1] * (mnb - 1)
+    assert st.decode_batch(np.array([c]), num_placeholders=1)._bt2d is None  # placeholders: the flat path

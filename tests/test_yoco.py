@@ -364,3 +364,26 @@ def test_truncation_drops_exactly_the_keys_before_rect_lo(seed: int) -> None:
             want = [b for b in full if abs_pos(b) >= rect_lo]
             assert [b for b in mask_idx[row].tolist() if b >= 0] == want, (s, _j)
             row += 1
+
+
+def test_prompt_pivots_equal_the_shared_visibility_rule() -> None:
+    """``prepare_prompt``'s int32 per-row pivots (``_fill_swa_pivots``) are the shared helper's rule."""
+    import numpy as np
+
+    from cpmeta.build.extract import extract_batch
+    from cpmeta.build.prompt import _fill_swa_pivots
+    rng = np.random.default_rng(0)
+    for W in (1, 3, 8):
+        cfg = MetadataConfig(block_size=16, window_size=W, swa_block_size=8, dense_compress_ratios=(4,),
+                             sparse_compress_ratios=(4,), max_model_len=96)
+        for _ in range(20):
+            seqs = []
+            for _ in range(int(rng.integers(1, 5))):
+                k = int(rng.integers(1, 96))
+                q = int(rng.integers(1, k + 1))
+                seqs.append(SequenceMetadata(q, k, [1] * 6, 0, [3] * k, swa_valid_start=int(rng.integers(0, 100))))
+            b = extract_batch(seqs, cfg, is_prompt=True)
+            rs = b.row_seq
+            want = swa_visibility_pivots(b.row_pos, b.row_j, b.q_start[rs], b.swa_valid_start[rs], rs * W,
+                                         b.n_seq * W + b.cu_q[rs], W)
+            np.testing.assert_array_equal(_fill_swa_pivots(b, cfg, None).numpy(), want)

@@ -156,6 +156,9 @@ class BatchArrays:
     bt_whole: np.ndarray  # [sum len(block_table)] int64, every WHOLE table back to back (seq_block_tables)
     bt_whole_off: np.ndarray  # [n_seq+1] int64, offsets of the whole tables in bt_whole
     is_prompt: bool
+    # [n_seq, max_num_blocks] int32: first max_num_blocks ids of each WHOLE table, -1 padded (the
+    # flat bt_whole as a 2-D table), when the batch came with one (BatchState decode); else None
+    bt2d: Optional[np.ndarray] = None
 
     def per_row(self, x: np.ndarray) -> np.ndarray:
         """``x[row_seq]`` for a per-sequence array; ``x`` itself (not a copy: do not modify it)

@@ -27,35 +27,39 @@ def fill_common(
     ``seqlen_q - j <= 4`` are j = 2..5 (positions 5..8) -> SWA slots ``[-1, -1, 9, 10, 11, 8]``.
     """
     T, n = b.total_q, b.n_seq
-    ph_row = b.per_row(b.is_placeholder)
     any_ph = bool(b.is_placeholder.any())
+    ph_row = b.per_row(b.is_placeholder) if any_ph else None
     f: dict[str, Any] = {
         "is_prompt": b.is_prompt, "num_seqs": n, "total_q": T,
         "max_seqlen_q": int(b.seqlen_q.max()), "max_seqlen_k": int(b.seqlen_k.max()),
     }
     f["positions"], a = alloc(out, "positions", (T,), torch.int32)
-    a[:] = b.row_pos
+    np.copyto(a, b.row_pos, casting="unsafe")
     f["input_ids"], a = alloc(out, "input_ids", (T,), torch.int32)
-    a[:] = b.input_ids
+    np.copyto(a, b.input_ids, casting="unsafe")
     f["gate_force_random"], a = alloc(out, "gate_force_random", (T,), torch.bool)
     a.fill(cfg.force_load_balance)
     f["cu_seqlens_q"], a = alloc(out, "cu_seqlens_q", (n + 1,), torch.int32)
-    a[:] = b.cu_q
+    np.copyto(a, b.cu_q, casting="unsafe")
     f["cu_seqlens_k"], a = alloc(out, "cu_seqlens_k", (n + 1,), torch.int32)
-    a[:] = b.cu_k
+    np.copyto(a, b.cu_k, casting="unsafe")
     f["valid_token_mask"], a = alloc(out, "valid_token_mask", (T,), torch.bool)
-    np.logical_not(ph_row, out=a)
+    if any_ph:
+        np.logical_not(ph_row, out=a)
+    else:
+        a.fill(True)
     f["query_indices"], a = alloc(out, "query_indices", (T,), torch.int32)
-    a[:] = b.row_seq
+    np.copyto(a, b.row_seq, casting="unsafe")
     if any_ph:
         a[ph_row] = PLACEHOLDER_QUERY_INDEX
     S = cfg.swa_block_size
     f["slot_mapping_store_swa"], a = alloc(out, "slot_mapping_store_swa", (T,), torch.int32)
-    a[:] = b.per_row(b.state_id) * S + fmod(b.row_pos, S)
-    if T != n:  # only the last S rows of a chunk stay in the ring
-        drop = (b.seqlen_q[b.row_seq] - b.row_j) > S
-        a[drop | ph_row if any_ph else drop] = PAD_SLOT_ID
-    elif any_ph:
+    # state * S + pos % S, in int32 (its bound is checked by check_common_int32)
+    fmod(b.row_pos, S, out=a)
+    a += b.per_row(b.state_id * S)
+    if T != n and int(b.seqlen_q.max()) > S:  # only the last S rows of a chunk stay in the ring
+        np.copyto(a, PAD_SLOT_ID, where=b.row_j < np.repeat(b.seqlen_q - S, b.seqlen_q))
+    if any_ph:
         a[ph_row] = PAD_SLOT_ID
     f["ngram_token_ids"] = None
     if cfg.max_ngram_size > 0:

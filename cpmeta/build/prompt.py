@@ -28,7 +28,6 @@ from .arrays import BatchArrays, alloc, check_int32, fdiv, loaded_compressed_len
 from .common import check_common_int32, compressed_slots, fill_common
 from .extract import BatchInput, extract_batch
 from .load_plan import paged_load_segments, swa_load_segments
-from .swa_pivots import swa_visibility_pivots
 from .yoco import build_yoco_fields
 
 __all__ = ["prepare_prompt"]
@@ -134,12 +133,27 @@ def _fill_swa_pivots(b: BatchArrays, cfg: MetadataConfig, out: Out) -> torch.Ten
     Example: W = 4, s = 0, q_start = 6, j = 2 (pos 8, sees 5..8): start_slot 3, ``P0 = 3``,
     ``P1 = 1``, ``P2 = 4``, ``P3 = 3`` with n_seq = 1.
     """
-    W, rs = cfg.window_size, b.row_seq
+    W, n, sq = cfg.window_size, b.n_seq, b.seqlen_q
     t, a = alloc(out, "kv_swa_full_index_pivots", (b.total_q, 4), torch.int32)
-    # the ONE pivot rule, shared with YoCo's visibility (build/swa_pivots.py): lower bound = swa_valid_start
-    swa_visibility_pivots(
-        b.row_pos, b.row_j, b.q_start[rs], b.swa_valid_start[rs], rs * W, b.n_seq * W + b.cu_q[rs], W, out=a
-    )
+    # swa_visibility_pivots' rule (build/swa_pivots.py, shared with YoCo) rewritten per row with
+    # d = abs_lo - q_start = min(max(j - W + 1, m_s), j + 1), m_s = max(swa_valid_start - q_start,
+    # -q_start): start_slot = W + min(d, 0), k_lo = max(d, 0). Per-row work is int32 (every value
+    # is bounded by max_model_len or the checked n_seq * W + total_q); m_s is clipped to
+    # seqlen_q first (any m_s >= j + 1 gives the same d), so it fits as well.
+    m = np.maximum(b.swa_valid_start - b.q_start, -b.q_start)
+    np.minimum(m, sq, out=m)
+    j1 = np.add(b.row_j, 1, dtype=np.int32, casting="unsafe")  # j + 1
+    d = np.repeat(m.astype(np.int32), sq)
+    np.maximum(d, j1 - W, out=d)
+    np.minimum(d, j1, out=d)
+    lo = np.minimum(d, 0)  # start_slot - W
+    np.maximum(d, 0, out=d)  # k_lo
+    seq = np.arange(1, n + 1, dtype=np.int64)
+    seq *= W
+    np.add(np.repeat(seq.astype(np.int32), sq), lo, out=a[:, 0])  # P0 = s*W + start_slot
+    np.negative(lo, out=a[:, 1])  # P1 = W - start_slot
+    np.add(np.repeat((b.cu_q[:-1] + n * W).astype(np.int32), sq), d, out=a[:, 2])  # P2
+    np.subtract(j1, d, out=a[:, 3])  # P3 = j - k_lo + 1
     return t
 
 
