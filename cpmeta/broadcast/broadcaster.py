@@ -20,6 +20,7 @@ once and are the same tensor object on the receiver.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import struct
 from typing import Any, Optional
@@ -283,7 +284,7 @@ class MetadataBroadcaster:
         if version != wire.MESSAGE_VERSION:
             raise RuntimeError(f"rank {self.rank}: metadata message version mismatch: driver sent "
                                f"{version}, this rank speaks {wire.MESSAGE_VERSION}")
-        if schema != wire.SCHEMA_FINGERPRINT.encode():
+        if schema != wire.SCHEMA_FINGERPRINT.encode():  # read per step: tests skew it
             raise RuntimeError(
                 f"rank {self.rank}: InputMetadata schema fingerprint mismatch: driver "
                 f"{bytes(schema).decode('ascii', 'replace')!r}, this rank {wire.SCHEMA_FINGERPRINT!r} "
@@ -338,7 +339,7 @@ class MetadataBroadcaster:
             raise WireError(f"tensors need {total} bytes, the frame declares {tbytes}")
         buf = torch.empty(total, dtype=torch.uint8, pin_memory=self._pin)
         if total:
-            _bytes_of(buf)[:] = view[data_at:data_at + total]
+            _copy_out(buf, view, data_at, total)
         self._keep_plan(lid, block, plan)
         return plan, values, dims, numels, starts, buf
 
@@ -347,6 +348,21 @@ class MetadataBroadcaster:
         if self._plans.pop(lid, None) is None and len(self._plans) >= MAX_LAYOUTS:
             del self._plans[next(iter(self._plans))]
         self._plans[lid] = (block, plan)  # most recently used last
+
+
+def _copy_out(dst: torch.Tensor, view: memoryview, at: int, n: int) -> None:
+    """Copy ``view[at:at + n]`` (bounds already checked) into the CPU uint8 tensor ``dst``: one
+    ``memmove`` from the view's address (a writable view: the ring slot, the private frame
+    buffer), else through a memoryview of ``dst``. The address export ends before return."""
+    try:
+        c = ctypes.c_char.from_buffer(view, at)
+    except TypeError:  # read-only bytes
+        _bytes_of(dst)[:] = view[at:at + n]
+        return
+    try:
+        ctypes.memmove(dst.data_ptr(), ctypes.addressof(c), n)
+    finally:
+        del c
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:

@@ -38,6 +38,7 @@ import hashlib
 import operator
 import struct
 import zlib
+from math import prod
 from dataclasses import fields
 from typing import Any, Optional
 
@@ -91,54 +92,139 @@ def _align(n: int, a: int = PACK_ALIGN) -> int:
 def collect(md: InputMetadata) -> tuple[tuple, list[torch.Tensor], list[Any]]:
     """Split ``md`` by path: ``(key, tensors, values)``.
 
-    ``key`` = (tensor paths, dtype codes, ndims, value paths) identifies the layout; ``tensors``
-    are deduplicated by object and ordered by dtype code (so each dtype is one run);
-    ``values[i]`` belongs to value path ``key[3][i]`` (``None`` fields are left out, an empty
-    dict is a value). Example: with ``positions_cp is positions`` one tensor has the paths
-    ``("positions", "positions_cp")``.
+    ``key`` identifies the layout (hashable; :meth:`Walk.layout` turns it into the sent
+    ``(tensor paths, dtype codes, ndims, value paths)``); ``tensors`` are deduplicated by object
+    and ordered by dtype code (so each dtype is one run); ``values[i]`` belongs to the i-th value
+    path (``None`` fields are left out, an empty dict is a value). Example: with
+    ``positions_cp is positions`` one tensor has the paths ``("positions", "positions_cp")``.
+
+    Per step this is one C call for every field, one for their types, a lookup of the cached
+    :class:`Walk` of those types, and the walk's few C-level gathers.
     """
-    vpaths: list[str] = []
-    values: list[Any] = []
-    found: list[list] = []  # [code, tensor, [paths]]
-    index: dict[int, list] = {}
-    for name, v in zip(_FIELD_NAMES, _GET_ALL(md)):
-        if v is None:
-            continue
-        if type(v) is dict:
-            if not v:
-                vpaths.append(name)
-                values.append({})
-            for k, x in v.items():
-                p = f"{name}.{k}"
-                if isinstance(x, torch.Tensor):
-                    e = index.get(id(x))
-                    if e is None:
-                        index[id(x)] = e = [DTYPE_CODE.get(x.dtype, -1), x, []]
-                        found.append(e)
-                    e[2].append(p)
-                elif type(x) is dict:
-                    raise TypeError(f"{p}: nested dicts are not supported (one level only)")
-                elif x is not None:
-                    vpaths.append(p)
-                    values.append(x)
-        elif isinstance(v, torch.Tensor):
-            e = index.get(id(v))
-            if e is None:
-                index[id(v)] = e = [DTYPE_CODE.get(v.dtype, -1), v, []]
-                found.append(e)
-            e[2].append(name)
+    vals = _GET_ALL(md)
+    sig = tuple(map(type, vals))
+    w = _WALKS.get(sig)
+    if w is None:
+        if len(_WALKS) >= MAX_LAYOUTS:
+            _WALKS.clear()
+        w = _WALKS[sig] = Walk(sig)
+    return w(vals)
+
+
+class Walk:
+    """Which fields hold tensors, dicts and values, for one tuple of field types (computed once).
+
+    Worked example: types ``(bool, int, NoneType, Tensor, dict, ...)`` give value fields
+    ``[0, 1]``, tensor fields ``[3]`` and dict fields ``[4]``; a step then gathers them with
+    ``itemgetter`` calls, walks only the dict fields' entries, and looks its layout up by
+    ``(dict keys and entry types, aliasing, dtypes, ranks)``.
+    """
+
+    def __init__(self, sig: tuple[type, ...]) -> None:
+        tidx = [i for i, t in enumerate(sig) if issubclass(t, torch.Tensor)]
+        didx = [i for i, t in enumerate(sig) if t is dict]
+        vidx = [i for i, t in enumerate(sig) if t is not type(None) and t is not dict
+                and not issubclass(t, torch.Tensor)]
+        self.tnames = [_FIELD_NAMES[i] for i in tidx]
+        self.vnames = [_FIELD_NAMES[i] for i in vidx]
+        self.dicts = [(i, _FIELD_NAMES[i]) for i in didx]
+        self.get_t = _getter(tidx)
+        self.get_v = _getter(vidx)
+        self.sig = sig
+        self.subs: dict[tuple, tuple] = {}  # dict keys + entry types -> _entries()
+        self.keys: dict[tuple, tuple] = {}  # step key -> (layout key, order)
+
+    def __call__(self, vals: tuple) -> tuple[tuple, list[torch.Tensor], list[Any]]:
+        objs = self.get_t(vals)
+        values = self.get_v(vals)
+        if self.dicts:
+            ds = [vals[i] for i, _ in self.dicts]
+            dvals = [x for d in ds for x in d.values()]
+            dkey = (tuple(map(tuple, ds)), tuple(map(type, dvals)))
+            sub = self.subs.get(dkey)
+            if sub is None:
+                if len(self.subs) >= MAX_LAYOUTS:
+                    self.subs.clear()
+                sub = self.subs[dkey] = self._entries(dkey)
+            objs += sub[0](dvals)
+            values += sub[1](dvals)
+            if sub[2]:
+                values += [{} for _ in range(sub[2])]
         else:
-            vpaths.append(name)
-            values.append(v)
-    found.sort(key=lambda e: e[0])
-    for e in found:
-        if e[0] < 0:
-            raise TypeError(f"{e[2][0]}: dtype {e[1].dtype} cannot be broadcast "
-                            f"(supported: {WIRE_DTYPES})")
-    tensors = [e[1] for e in found]
-    key = (_SEP.join(_ALIAS.join(e[2]) for e in found), tuple(e[0] for e in found),
-           tuple(t.dim() for t in tensors), _SEP.join(vpaths))
-    return key, tensors, values
+            dkey = ()
+        ids = list(map(id, objs))
+        alias = None if len(set(ids)) == len(ids) else tuple(map({i: n for n, i in reversed(
+            list(enumerate(ids)))}.__getitem__, ids))
+        skey = (dkey, alias, tuple(map(_DTYPE, objs)), tuple(map(_DIM, objs)))
+        hit = self.keys.get(skey)
+        if hit is None:
+            if len(self.keys) >= MAX_LAYOUTS:
+                self.keys.clear()
+            hit = self.keys[skey] = self._layout(skey, objs)
+        key, order = hit
+        return key, (order(objs) if order is not None else objs), values
+
+    def _entries(self, dkey: tuple) -> tuple[Any, Any, int, list[str], list[str]]:
+        """For dict keys and entry types ``dkey``: (tensor entries getter, value entries getter,
+        number of empty dicts, tensor entry paths, value paths incl. empty dicts), run once."""
+        keys, types = dkey
+        tidx, vidx, tpaths, vpaths, empty = [], [], [], [], []
+        n = 0
+        for (_, name), ks in zip(self.dicts, keys):
+            for k in ks:
+                t, p = types[n], f"{name}.{k}"
+                if t is dict:
+                    raise TypeError(f"{p}: nested dicts are not supported (one level only)")
+                if issubclass(t, torch.Tensor):
+                    tidx.append(n)
+                    tpaths.append(p)
+                elif t is not type(None):
+                    vidx.append(n)
+                    vpaths.append(p)
+                n += 1
+            if not ks:
+                empty.append(name)
+        return _getter(tidx), _getter(vidx), len(empty), tpaths, vpaths + empty
+
+    def _layout(self, skey: tuple, objs: list[torch.Tensor]) -> tuple[tuple, Any]:
+        """The layout key and the gather of the step's tensors in layout order (run once)."""
+        dkey, alias, dtypes, ndims = skey
+        paths, vpaths = list(self.tnames), list(self.vnames)
+        if dkey:
+            sub = self.subs[dkey]
+            paths += sub[3]
+            vpaths += sub[4]
+        first = alias if alias is not None else range(len(objs))
+        found: dict[int, list] = {}  # first index -> [code, index, [paths]]
+        for n, f in enumerate(first):
+            e = found.get(f)
+            if e is None:
+                found[f] = e = [DTYPE_CODE.get(dtypes[n], -1), n, []]
+            e[2].append(paths[n])
+        rows = sorted(found.values(), key=lambda e: e[0])
+        for e in rows:
+            if e[0] < 0:
+                raise TypeError(f"{e[2][0]}: dtype {dtypes[e[1]]} cannot be broadcast "
+                                f"(supported: {WIRE_DTYPES})")
+        idx = [e[1] for e in rows]
+        key = (_SEP.join(_ALIAS.join(e[2]) for e in rows), tuple(e[0] for e in rows),
+               tuple(ndims[i] for i in idx), _SEP.join(vpaths))
+        return key, (None if idx == list(range(len(objs))) else _getter(idx))
+
+
+def _getter(idx: list[int]) -> Any:
+    """``f(seq) -> list`` of ``seq``'s items at ``idx`` (one C call; ``[]`` for no index)."""
+    if not idx:
+        return lambda seq: []
+    g = operator.itemgetter(*idx)
+    if len(idx) == 1:
+        return lambda seq: [g(seq)]
+    return lambda seq: list(g(seq))
+
+
+_WALKS: dict[tuple, Walk] = {}
+_DTYPE = operator.attrgetter("dtype")
+_DIM = torch.Tensor.dim
 
 
 class Plan:
@@ -174,6 +260,22 @@ class Plan:
         self.targets = [[_target(p) for p in ps] for ps in tpaths]
         self.value_targets = [_target(p) for p in vlist]
         self.layout_block: Optional[bytes] = None  # driver: encoded once
+        # split: dims index of each tensor's first dim (1-D tensors: that dim is the numel)
+        # (0-d tensors: a placeholder, set to 1 by the reshape list)
+        self.first_dim = (_getter([at if nd else 0 for at, nd in zip(starts, ndims)])
+                          if self.n_dims else (lambda d: [1] * len(ndims)))
+        self.run_slices = [(slice(a, b), _ELEMENT_SIZE[code], WIRE_DTYPES[code])
+                           for code, a, b in self.runs]
+        # assemble: positional InputMetadata row; fields filled per step, dicts created per step
+        pos = {n: i for i, n in enumerate(_FIELD_NAMES)}
+        self.dict_fields = sorted({pos[n] for n, sub in self.value_targets if sub is not None}
+                                  | {pos[n] for ts in self.targets for n, sub in ts if sub is not None})
+        self.value_slots = [(pos[n], sub) for n, sub in self.value_targets]
+        self.tensor_slots = [[(pos[n], sub) for n, sub in ts] for ts in self.targets]
+        self.flat_values = all(sub is None for _, sub in self.value_slots)
+        self.value_pos = [i for i, _ in self.value_slots]
+        self.flat_tensors = all(len(ts) == 1 and ts[0][1] is None for ts in self.tensor_slots)
+        self.tensor_pos = [ts[0][0] for ts in self.tensor_slots] if self.flat_tensors else []
 
     # ---- per step, both sides --------------------------------------------------------------
     def split(self, dims: tuple[int, ...] | list[int]) -> tuple[list[int], list[int], int]:
@@ -181,49 +283,57 @@ class Plan:
         if self.all_1d:
             numels = list(dims)
         else:
-            numels, at = [], 0
-            for nd in self.ndims:
-                n = 1
-                for d in dims[at:at + nd]:
-                    n *= d
-                numels.append(n)
-                at += nd
+            numels = self.first_dim(dims)
+            for i, at, nd in self.reshape:
+                numels[i] = prod(dims[at:at + nd])
         starts, pos = [], 0
-        for code, a, b in self.runs:
-            pos = _align(pos)
+        for sl, esz, _ in self.run_slices:
+            pos = -(-pos // PACK_ALIGN) * PACK_ALIGN
             starts.append(pos)
-            pos += sum(numels[a:b]) * _ELEMENT_SIZE[code]
-        return numels, starts, _align(pos)
+            pos += sum(numels[sl]) * esz
+        return numels, starts, -(-pos // PACK_ALIGN) * PACK_ALIGN
 
     def views(self, buf: torch.Tensor, dims: Any, numels: list[int], starts: list[int]
               ) -> list[torch.Tensor]:
         """Views of the uint8 ``buf`` with every tensor's dtype and shape (one split per run)."""
         out: list[torch.Tensor] = []
-        for (code, a, b), s in zip(self.runs, starts):
-            n = sum(numels[a:b]) * _ELEMENT_SIZE[code]
-            out.extend(buf[s:s + n].view(WIRE_DTYPES[code]).split_with_sizes(numels[a:b]))
+        for (sl, esz, dtype), s in zip(self.run_slices, starts):
+            ns = numels[sl]
+            out += buf[s:s + sum(ns) * esz].view(dtype).split_with_sizes(ns)
         for i, at, nd in self.reshape:
-            out[i] = out[i].view(*dims[at:at + nd])
+            out[i] = out[i].view(*dims[at:at + nd]) if nd else out[i].view(())
         return out
 
     def assemble(self, tensors: list[torch.Tensor], values: list[Any],
                  per_path: Optional[list[list[torch.Tensor]]] = None) -> InputMetadata:
         """The InputMetadata holding ``tensors`` and ``values`` at the layout's paths
         (``per_path[i][j]``, when given, is tensor i's object at its j-th path)."""
-        kw: dict[str, Any] = {}
-        for (name, sub), v in zip(self.value_targets, values):
-            if sub is None:
-                kw[name] = v
-            else:
-                kw.setdefault(name, {})[sub] = v
-        for i, (ts, t) in enumerate(zip(self.targets, tensors)):
-            for j, (name, sub) in enumerate(ts):
-                x = t if per_path is None else per_path[i][j]
+        row: list[Any] = [None] * _N_FIELDS
+        for f in self.dict_fields:
+            row[f] = {}
+        if self.flat_values:
+            for f, v in zip(self.value_pos, values):
+                row[f] = v
+        else:
+            for (f, sub), v in zip(self.value_slots, values):
                 if sub is None:
-                    kw[name] = x
+                    row[f] = v
                 else:
-                    kw.setdefault(name, {})[sub] = x
-        return InputMetadata(**kw)
+                    row[f][sub] = v
+        if per_path is None and self.flat_tensors:
+            for f, t in zip(self.tensor_pos, tensors):
+                row[f] = t
+        else:
+            for i, (ts, t) in enumerate(zip(self.tensor_slots, tensors)):
+                for j, (f, sub) in enumerate(ts):
+                    x = t if per_path is None else per_path[i][j]
+                    if sub is None:
+                        row[f] = x
+                    else:
+                        row[f][sub] = x
+        if _POSITIONAL:
+            return InputMetadata(*row)
+        return InputMetadata(**{n: v for n, v in zip(_FIELD_NAMES, row) if v is not None})
 
 
 def _target(path: str) -> tuple[str, Optional[str]]:
@@ -235,21 +345,30 @@ def _target(path: str) -> tuple[str, Optional[str]]:
 
 _FIELDS = frozenset(InputMetadata.field_names())
 _FIELD_NAMES = InputMetadata.field_names()
+_N_FIELDS = len(_FIELD_NAMES)
+# Plan.assemble passes a positional row when every field is an init field defaulting to None
+_POSITIONAL = all(f.init and f.default is None for f in fields(InputMetadata)) and tuple(
+    f.name for f in fields(InputMetadata)) == _FIELD_NAMES
 _GET_ALL = operator.attrgetter(*_FIELD_NAMES)  # every field in one C call
 
 
 def pack_tensors(base: int, tensors: list[torch.Tensor], plan: Plan, numels: list[int],
                  starts: list[int]) -> None:
-    """Copy CPU ``tensors`` to address ``base`` in the run layout of :meth:`Plan.split`."""
-    for (code, a, b), s in zip(plan.runs, starts):
+    """Copy CPU ``tensors`` to address ``base`` in the run layout of :meth:`Plan.split`
+    (one ``memmove`` per tensor; non-contiguous ones are made contiguous first)."""
+    if not all(map(_IS_CONTIGUOUS, tensors)):
+        tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+    memmove, ptrs = ctypes.memmove, list(map(_DATA_PTR, tensors))
+    for (sl, esz, _), s in zip(plan.run_slices, starts):
         at = base + s
-        esz = _ELEMENT_SIZE[code]
-        for t, n in zip(tensors[a:b], numels[a:b]):
+        for p, n in zip(ptrs[sl], numels[sl]):
             if n:
-                if not t.is_contiguous():
-                    t = t.contiguous()
-                ctypes.memmove(at, t.data_ptr(), n * esz)
+                memmove(at, p, n * esz)
                 at += n * esz
+
+
+_IS_CONTIGUOUS = torch.Tensor.is_contiguous
+_DATA_PTR = torch.Tensor.data_ptr
 
 
 def layout_id(block: bytes | memoryview) -> int:
