@@ -16,17 +16,7 @@ from cpmeta.cp.zigzag import NO_SPARSE_RATIOS_FALLBACK, mirror_rows, prepare_cp_
 from cpmeta.build.yoco import YOCO_CP_FIELDS
 from reference_yoco import ref_yoco_cp
 
-I32 = torch.int32
-CONSUMER_REPLACED = (
-    "positions", "cu_seqlens_q", "total_q", "max_seqlen_q", "query_indices", "slot_mapping_store_swa",
-    "ks", "ke", "kv_ca_index_offset_len", "kv_swa_full_index_pivots",
-)
-MIRRORED_VIEW_FIELDS = (
-    "mirror_cp_index", "mirror_cp_reverse_index", "cp_mirror_len", "positions", "positions_cp",
-    "valid_token_mask", "ks", "ke",
-)
-MAX_EXAMPLES = 60
-from test_yoco import _case, _cfg, _plain, _seq
+from test_yoco import I32, MIRRORED_VIEW_FIELDS, _case, _cfg, _plain, _seq
 
 # ---- compact + CP, every rank in one process ------------------------------------------------
 
