@@ -145,7 +145,9 @@ class SyntheticScheduler:
             self.state.append_blocks(req.slot, self._blocks(req.home, have, need))
 
     # ---- batches ---------------------------------------------------------------------------
-    def next_batch(self) -> tuple[bool, SequenceBatch]:
+    def next_batch(self, *, as_list: bool = False) -> tuple[bool, SequenceBatch]:
+        """The next step's batch (and, with ``as_list``, the same step as ``SequenceMetadata`` in
+        ``self._last_list``: that reads whole histories, so only tests ask for it)."""
         self.step += 1
         w = self.workload
         is_prompt = w in ("prompt", "yoco") or (w == "mixed" and self.step % 4 == 1)
@@ -153,17 +155,17 @@ class SyntheticScheduler:
         batch = self._prompt_batch() if is_prompt else self._decode_batch()
         if batch is None or self.rng.random() < self.placeholder_rate:
             n_ph = 1
-        return is_prompt, self._finish_batch(is_prompt, batch, n_ph)
+        return is_prompt, self._finish_batch(is_prompt, batch, n_ph, as_list)
 
     def next_batch_list(self) -> tuple[bool, list[SequenceMetadata]]:
         """:meth:`next_batch` as a list of ``SequenceMetadata`` (same step, same rng draws)."""
-        is_prompt, batch = self.next_batch()
+        is_prompt, _ = self.next_batch(as_list=True)
         return is_prompt, self._last_list
 
-    def _finish_batch(self, is_prompt: bool, pending: Any, n_ph: int) -> SequenceBatch:
+    def _finish_batch(self, is_prompt: bool, pending: Any, n_ph: int, as_list: bool) -> SequenceBatch:
         slots, lens, drafts, nd = pending if pending is not None else (np.zeros(0, np.int64),) * 4
         st = self.state
-        self._last_list = self._as_list(is_prompt, slots, lens, drafts, nd, n_ph)
+        self._last_list = self._as_list(is_prompt, slots, lens, drafts, nd, n_ph) if as_list else []
         if is_prompt:
             batch = st.prompt_batch(slots, lens, num_placeholders=n_ph)
         else:

@@ -181,11 +181,12 @@ def run_steps(args: Any, rank: int, world: int, device: torch.device) -> dict[st
     attn_err = {"prefill": 0.0, "decode": 0.0}  # max |CP - single rank| seen (--attention-check)
     with cpmeta.MetadataBroadcaster(device=device, timeout=args.timeout) as bc:
         for step in range(args.steps):
-            t0 = time.perf_counter()
             md, expected = None, None
             if sched is not None:  # the driver
                 bc.begin_step()  # followers wake now, while the driver schedules and builds
-                is_prompt, seqs = sched.next_batch()
+                is_prompt, seqs = sched.next_batch()  # the synthetic scheduler: not timed
+            t0 = time.perf_counter()
+            if sched is not None:
                 md = _build(is_prompt, seqs, cfg)
                 if args.attn_info:
                     md.compute_attn_info(cfg)
