@@ -90,11 +90,17 @@ class BatchState:
         # [max_seqs, max_num_blocks] int32 mirror of block_table's first max_num_blocks ids, -1
         # padded: a decode step's block_tables rows (SequenceBatch._bt2d) in one row gather
         self._bt32 = np.full((n, cfg.max_num_blocks), -1, np.int32)
-        # [max_seqs] every id of the slot's table is in [0, _bt_max]: the int32 mirror is exact and
-        # the compressed slots of any of its blocks fit int32 (stage_decode's fast path needs it)
-        bc = cfg.block_size // cfg.min_ratio
+        # stage_decode's fast path: [max_seqs] the slot's own checks hold (every id of its table in
+        # [0, _bt_max]: the int32 mirror is exact and every compressed slot fits int32; state id in
+        # [0, _state_max]: its SWA slots fit int32; swa_valid_start >= 0), kept by every mutator
+        bc, S = cfg.block_size // cfg.min_ratio, cfg.swa_block_size
         self._bt_max = (INT32_MAX - (bc - 1)) // bc
+        self._state_max = (INT32_MAX - (S - 1)) // S
         self._bt_ok = np.zeros(n, bool)
+        self._fast = np.zeros(n, bool)
+        self._ar = np.arange(n * cfg.max_num_blocks + 1, dtype=np.int64)
+        ratios = cfg.ca_ratios + cfg.sparse_compress_ratios + cfg.dense_compress_ratios
+        self._header = (HEADER_FIXED + len(ratios), np.array(ratios, np.int32))
         self.num_blocks = np.zeros(n, np.int64)  # [max_seqs]
         self.compressed = np.zeros((n, self.max_compressed), np.int64)  # [max_seqs, max_compressed]
         self.num_compressed = np.zeros(n, np.int64)  # [max_seqs]
@@ -151,6 +157,7 @@ class BatchState:
         self._bt32[s] = -1
         self._bt32[s, :len(bt)] = bt[:self._bt32.shape[1]]
         self._bt_ok[s] = len(bt) == 0 or (int(bt.min()) >= 0 and int(bt.max()) <= self._bt_max)
+        self._set_fast(s)
         self.compressed[s, :len(comp)] = comp
         self.num_compressed[s] = len(comp)
         self.state_id[s], self.swa_valid_start[s] = state_id, swa_valid_start
@@ -207,7 +214,7 @@ class BatchState:
         self.block_table[slot, n0:n0 + len(b)] = b
         self.num_blocks[slot] = n0 + len(b)
         if len(b) and (int(b.min()) < 0 or int(b.max()) > self._bt_max):
-            self._bt_ok[slot] = False
+            self._bt_ok[slot] = self._fast[slot] = False
         mnb = self._bt32.shape[1]
         if n0 < mnb:
             self._bt32[slot, n0:n0 + len(b)] = b[:mnb - n0]
@@ -225,10 +232,16 @@ class BatchState:
         """The request's SWA / state slot moved."""
         self._live(slot)
         self.state_id[slot] = state_id
+        self._set_fast(slot)
 
     def set_swa_valid_start(self, slot: int, swa_valid_start: int) -> None:
         self._live(slot)
         self.swa_valid_start[slot] = swa_valid_start
+        self._set_fast(slot)
+
+    def _set_fast(self, s: int) -> None:
+        st = int(self.state_id[s])
+        self._fast[s] = bool(self._bt_ok[s]) and 0 <= st <= self._state_max and int(self.swa_valid_start[s]) >= 0
 
     def _check_slots(self, slots: np.ndarray) -> None:
         # one unsigned comparison catches negative slots (huge as uint64) and slots >= max_seqs
@@ -312,7 +325,7 @@ class BatchState:
         n_ph = int(num_placeholders)
         slots, drafts, nd = self._decode_args(slots, draft_tokens, num_drafts)
         n_real = len(slots)
-        if cfg.max_ngram_size or n_real == 0 or n_ph < 0 or not self._bt_ok[slots].all():
+        if cfg.max_ngram_size or n_real == 0 or n_ph < 0 or not self._fast[slots].all():
             return self._stage_slow(staging, slots, drafts, nd, n_ph)
         n = n_real + n_ph
         n_d = len(drafts)
@@ -320,26 +333,22 @@ class BatchState:
         nt = self.num_tokens[slots]
         sk = nt + nd if n_d else nt
         need = blocks_needed_array(sk, cfg)
-        state, svs = self.state_id[slots], self.swa_valid_start[slots]
         last = np.take(self.token_ids, slots * self.max_tokens + (nt - 1))
         max_sk, max_need = int(sk.max()), int(need.max())
         total_k = int(sk.sum()) + n_ph
-        S = cfg.swa_block_size
-        ids_lo, ids_hi = int(last.min()), int(last.max())
-        if n_d:
-            ids_lo, ids_hi = min(ids_lo, int(drafts.min())), max(ids_hi, int(drafts.max()))
         mnb = self._bt32.shape[1]
-        decode_bound = total_q * cfg.max_num_blocks * (cfg.block_size // min(cfg.dense_compress_ratios)) \
+        decode_bound = total_q * mnb * (cfg.block_size // min(cfg.dense_compress_ratios)) \
             if cfg.dense_compress_ratios else 0
-        if not (max_sk <= cfg.max_model_len and int(state.min()) >= 0 and int(svs.min()) >= 0
-                and (self.num_blocks[slots] >= need).all() and max_need <= mnb and total_k <= INT32_MAX
-                and int(state.max()) * S + S - 1 <= INT32_MAX and decode_bound <= INT32_MAX
-                and ids_lo >= -INT32_MAX - 1 and ids_hi <= INT32_MAX):
+        # int32 ids: x + 2**31 in [0, 2**32) (one pass instead of min and max)
+        bad_ids = ((last + 2**31).view(np.uint64) >= 2**32).any() or \
+            (n_d and ((drafts + 2**31).view(np.uint64) >= 2**32).any())
+        if (max_sk > cfg.max_model_len or max_need > mnb or total_k > INT32_MAX or decode_bound > INT32_MAX
+                or bad_ids or (self.num_blocks[slots] < need).any()):
             return self._stage_slow(staging, slots, drafts, nd, n_ph)
         ph_nb = self._ph_blocks
         total_b_real = int(need.sum())
         total_b = total_b_real + n_ph * ph_nb
-        hl = HEADER_FIXED + len(cfg.ca_ratios) + len(cfg.sparse_compress_ratios) + len(cfg.dense_compress_ratios)
+        hl, ratios = self._header
         off_ids = hl + SEQ_FIELDS * n
         off_bt = off_ids + total_q
         used = off_bt + total_b
@@ -348,10 +357,10 @@ class BatchState:
         staging.check_capacity(staged)  # before the host buffer is touched
         view = staging.host_view(used)
         view[:HEADER_FIXED] = (n, total_q, total_k, hl, off_ids, off_bt, used, used)
-        view[HEADER_FIXED:hl] = cfg.ca_ratios + cfg.sparse_compress_ratios + cfg.dense_compress_ratios
+        view[HEADER_FIXED:hl] = ratios
         blk = view[hl:off_ids].reshape(SEQ_FIELDS, n)
         if n_ph:
-            blk[:, n_real:] = ((1,), (1,), (0,), (0,), (0,), (1,), (0,))  # cu / bt rows: fixed below
+            blk[:, n_real:] = ((1,), (1,), (0,), (0,), (0,), (1,), (0,))  # cu / bt rows: set below
             blk[F_CU_Q_INCL, n_real:] = np.arange(total_q - n_ph + 1, total_q + 1)
             blk[F_CU_K_INCL, n_real:] = np.arange(total_k - n_ph + 1, total_k + 1)
             blk[F_BT_OFFSET, n_real:] = total_b_real + ph_nb * np.arange(n_ph)
@@ -362,22 +371,25 @@ class BatchState:
             np.cumsum(blk[F_SEQLEN_Q, r], out=blk[F_CU_Q_INCL, r])
         else:
             blk[F_SEQLEN_Q, r] = 1
-            blk[F_CU_Q_INCL, r] = np.arange(1, n_real + 1)
+            blk[F_CU_Q_INCL, r] = self._ar[1:n_real + 1]
         blk[F_SEQLEN_K, r] = sk
         np.cumsum(blk[F_SEQLEN_K, r], out=blk[F_CU_K_INCL, r])
-        blk[F_STATE, r] = state
+        blk[F_STATE, r] = self.state_id[slots]
         blk[F_PLACEHOLDER, r] = 0
-        blk[F_BT_OFFSET, 0] = 0
-        np.cumsum(need[:-1], out=blk[F_BT_OFFSET, 1:n_real])
+        bt_off = blk[F_BT_OFFSET, r]
+        bt_off[0] = 0
+        np.cumsum(need[:-1], out=bt_off[1:])
         ids = view[off_ids:off_bt]
         if n_d:  # row of draft i of sequence s: i + s + 1 (every earlier sequence adds its last token)
             ids[blk[F_CU_Q_INCL, r] - blk[F_SEQLEN_Q, r]] = last
-            ids[np.arange(n_d) + np.repeat(np.arange(1, n_real + 1), nd)] = drafts
+            ids[np.arange(n_d) + np.repeat(self._ar[1:n_real + 1], nd)] = drafts
         else:
             ids[:n_real] = last
         ids[total_q - n_ph:] = 0
-        tab = np.take(self._bt32[:, :max_need], slots, axis=0)
-        view[off_bt:off_bt + total_b_real] = tab[np.arange(max_need) < need[:, None]]
+        # flat tables: entry i of sequence s is _bt32[slot, i], one ragged take of the flat mirror
+        idx = np.repeat(slots * mnb - bt_off, need)
+        idx += self._ar[:total_b_real]
+        np.take(self._bt32.reshape(-1), idx, out=view[off_bt:off_bt + total_b_real])
         view[off_bt + total_b_real:used] = 0
         staging.upload(staged)
         return staged
