@@ -14,6 +14,11 @@ import numpy as np
 
 from .batch import SequenceBatch, blocks_needed_array, window_lookback
 from .config import MetadataConfig
+from .constants import INT32_MAX
+from .gpu.decode_staging import (
+    F_BT_OFFSET, F_CU_K_INCL, F_CU_Q_INCL, F_PLACEHOLDER, F_SEQLEN_K, F_SEQLEN_Q, F_STATE, HEADER_FIXED,
+    SEQ_FIELDS, DecodeStaging, StagedDecode,
+)
 from .sequence import blocks_needed
 
 __all__ = ["BatchState"]
@@ -85,6 +90,17 @@ class BatchState:
         # [max_seqs, max_num_blocks] int32 mirror of block_table's first max_num_blocks ids, -1
         # padded: a decode step's block_tables rows (SequenceBatch._bt2d) in one row gather
         self._bt32 = np.full((n, cfg.max_num_blocks), -1, np.int32)
+        # stage_decode's fast path: [max_seqs] the slot's own checks hold (every id of its table in
+        # [0, _bt_max]: the int32 mirror is exact and every compressed slot fits int32; state id in
+        # [0, _state_max]: its SWA slots fit int32; swa_valid_start >= 0), kept by every mutator
+        bc, S = cfg.block_size // cfg.min_ratio, cfg.swa_block_size
+        self._bt_max = (INT32_MAX - (bc - 1)) // bc
+        self._state_max = (INT32_MAX - (S - 1)) // S
+        self._bt_ok = np.zeros(n, bool)
+        self._fast = np.zeros(n, bool)
+        self._ar = np.arange(n * cfg.max_num_blocks + 1, dtype=np.int64)
+        ratios = cfg.ca_ratios + cfg.sparse_compress_ratios + cfg.dense_compress_ratios
+        self._header = (HEADER_FIXED + len(ratios), np.array(ratios, np.int32))
         self.num_blocks = np.zeros(n, np.int64)  # [max_seqs]
         self.compressed = np.zeros((n, self.max_compressed), np.int64)  # [max_seqs, max_compressed]
         self.num_compressed = np.zeros(n, np.int64)  # [max_seqs]
@@ -140,6 +156,8 @@ class BatchState:
         self.num_blocks[s] = len(bt)
         self._bt32[s] = -1
         self._bt32[s, :len(bt)] = bt[:self._bt32.shape[1]]
+        self._bt_ok[s] = len(bt) == 0 or (int(bt.min()) >= 0 and int(bt.max()) <= self._bt_max)
+        self._set_fast(s)
         self.compressed[s, :len(comp)] = comp
         self.num_compressed[s] = len(comp)
         self.state_id[s], self.swa_valid_start[s] = state_id, swa_valid_start
@@ -195,6 +213,8 @@ class BatchState:
         self._fits(req, "block ids", n0 + len(b), self.max_blocks, "max_blocks")
         self.block_table[slot, n0:n0 + len(b)] = b
         self.num_blocks[slot] = n0 + len(b)
+        if len(b) and (int(b.min()) < 0 or int(b.max()) > self._bt_max):
+            self._bt_ok[slot] = self._fast[slot] = False
         mnb = self._bt32.shape[1]
         if n0 < mnb:
             self._bt32[slot, n0:n0 + len(b)] = b[:mnb - n0]
@@ -212,10 +232,16 @@ class BatchState:
         """The request's SWA / state slot moved."""
         self._live(slot)
         self.state_id[slot] = state_id
+        self._set_fast(slot)
 
     def set_swa_valid_start(self, slot: int, swa_valid_start: int) -> None:
         self._live(slot)
         self.swa_valid_start[slot] = swa_valid_start
+        self._set_fast(slot)
+
+    def _set_fast(self, s: int) -> None:
+        st = int(self.state_id[s])
+        self._fast[s] = bool(self._bt_ok[s]) and 0 <= st <= self._state_max and int(self.swa_valid_start[s]) >= 0
 
     def _check_slots(self, slots: np.ndarray) -> None:
         # one unsigned comparison catches negative slots (huge as uint64) and slots >= max_seqs
@@ -250,6 +276,14 @@ class BatchState:
         """A decode ``SequenceBatch``: request ``slots[i]`` decodes its last confirmed token plus
         ``num_drafts[i]`` MTP drafts (the next ids of the flat ``draft_tokens``), so
         ``seqlen_q = 1 + num_drafts`` and ``seqlen_k = num_tokens + num_drafts``."""
+        slots, drafts, nd = self._decode_args(slots, draft_tokens, num_drafts)
+        k = self.num_tokens[slots] + nd
+        return self._batch(False, slots, 1 + nd, k, drafts, num_placeholders)
+
+    def _decode_args(self, slots: np.ndarray, draft_tokens: Optional[np.ndarray],
+                     num_drafts: Optional[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``decode_batch``'s argument checks (live slots, draft counts, prefill done); returns
+        ``(slots, drafts, num_drafts)`` as int64 arrays."""
         slots = np.asarray(slots, np.int64)
         self._check_slots(slots)
         drafts = np.zeros(0, np.int64) if draft_tokens is None else np.asarray(draft_tokens, np.int64)
@@ -266,8 +300,104 @@ class BatchState:
             s = int(slots[np.argmax(in_prefill)])
             raise ValueError(f"request {self._req[s]!r}: still in prefill ({int(self.num_computed[s])} of "
                              f"{int(self.prompt_len[s])} prompt tokens computed)")
-        k = self.num_tokens[slots] + nd
-        return self._batch(False, slots, 1 + nd, k, drafts, num_placeholders)
+        return slots, drafts, nd
+
+    def stage_decode(self, staging: DecodeStaging, slots: np.ndarray, draft_tokens: Optional[np.ndarray] = None,
+                     num_drafts: Optional[np.ndarray] = None, *, num_placeholders: int = 0) -> StagedDecode:
+        """``staging.stage(self.decode_batch(slots, draft_tokens, num_drafts, num_placeholders=...),
+        cfg)`` written STRAIGHT from the state arrays: no ``SequenceBatch``, no ``BatchArrays``.
+
+        Same staging bytes, same errors, same capacity refusal (``staging.out_capacity``; here
+        checked before the host buffer is touched), same upload (``DecodeStaging.upload``: ONE
+        non-blocking copy, event recorded), same return value; ``launch_decode_inplace`` and
+        graph replay read it unchanged. A step is ~15 vectorized numpy calls over ``[n_seq]``
+        arrays, the ``[n_seq, max_num_blocks]`` int32 table mirror and the drafts.
+
+        Falls back to the ``decode_batch`` + ``stage`` path (identical result, slower) when the
+        fast path cannot vouch for the batch: Engram configs (``max_ngram_size > 0``: the
+        look-back windows are staged by ``write_staging``), a batch the state's invariants do not
+        validate (``seqlen_k > max_model_len``, negative state id / valid start, too few blocks),
+        a table holding a block id outside ``[0, (2**31 - b_c) // b_c]``, any int32 overflow,
+        or no real request (placeholders only). Any error is thus the builders' own message.
+        Example: ``staged = st.stage_decode(staging, slots, drafts, counts); g.replay()``.
+        """
+        cfg = self.cfg
+        n_ph = int(num_placeholders)
+        slots, drafts, nd = self._decode_args(slots, draft_tokens, num_drafts)
+        n_real = len(slots)
+        if cfg.max_ngram_size or n_real == 0 or n_ph < 0 or not self._fast[slots].all():
+            return self._stage_slow(staging, slots, drafts, nd, n_ph)
+        n = n_real + n_ph
+        n_d = len(drafts)
+        total_q = n + n_d
+        nt = self.num_tokens[slots]
+        sk = nt + nd if n_d else nt
+        need = blocks_needed_array(sk, cfg)
+        last = np.take(self.token_ids, slots * self.max_tokens + (nt - 1))
+        max_sk, max_need = int(sk.max()), int(need.max())
+        total_k = int(sk.sum()) + n_ph
+        mnb = self._bt32.shape[1]
+        decode_bound = total_q * mnb * (cfg.block_size // min(cfg.dense_compress_ratios)) \
+            if cfg.dense_compress_ratios else 0
+        # int32 ids: x + 2**31 in [0, 2**32) (one pass instead of min and max)
+        bad_ids = ((last + 2**31).view(np.uint64) >= 2**32).any() or \
+            (n_d and ((drafts + 2**31).view(np.uint64) >= 2**32).any())
+        if (max_sk > cfg.max_model_len or max_need > mnb or total_k > INT32_MAX or decode_bound > INT32_MAX
+                or bad_ids or (self.num_blocks[slots] < need).any()):
+            return self._stage_slow(staging, slots, drafts, nd, n_ph)
+        ph_nb = self._ph_blocks
+        total_b_real = int(need.sum())
+        total_b = total_b_real + n_ph * ph_nb
+        hl, ratios = self._header
+        off_ids = hl + SEQ_FIELDS * n
+        off_bt = off_ids + total_q
+        used = off_bt + total_b
+        staged = StagedDecode(n, total_q, total_k, 1 + int(nd.max()) if n_d else 1, max(max_sk, 1 if n_ph else 0),
+                              used, max(max_need, ph_nb if n_ph else 0))
+        staging.check_capacity(staged)  # before the host buffer is touched
+        view = staging.host_view(used)
+        view[:HEADER_FIXED] = (n, total_q, total_k, hl, off_ids, off_bt, used, used)
+        view[HEADER_FIXED:hl] = ratios
+        blk = view[hl:off_ids].reshape(SEQ_FIELDS, n)
+        if n_ph:
+            blk[:, n_real:] = ((1,), (1,), (0,), (0,), (0,), (1,), (0,))  # cu / bt rows: set below
+            blk[F_CU_Q_INCL, n_real:] = np.arange(total_q - n_ph + 1, total_q + 1)
+            blk[F_CU_K_INCL, n_real:] = np.arange(total_k - n_ph + 1, total_k + 1)
+            blk[F_BT_OFFSET, n_real:] = total_b_real + ph_nb * np.arange(n_ph)
+        r = slice(0, n_real)
+        if n_d:
+            blk[F_SEQLEN_Q, r] = nd
+            blk[F_SEQLEN_Q, r] += 1
+            np.cumsum(blk[F_SEQLEN_Q, r], out=blk[F_CU_Q_INCL, r])
+        else:
+            blk[F_SEQLEN_Q, r] = 1
+            blk[F_CU_Q_INCL, r] = self._ar[1:n_real + 1]
+        blk[F_SEQLEN_K, r] = sk
+        np.cumsum(blk[F_SEQLEN_K, r], out=blk[F_CU_K_INCL, r])
+        blk[F_STATE, r] = self.state_id[slots]
+        blk[F_PLACEHOLDER, r] = 0
+        bt_off = blk[F_BT_OFFSET, r]
+        bt_off[0] = 0
+        np.cumsum(need[:-1], out=bt_off[1:])
+        ids = view[off_ids:off_bt]
+        if n_d:  # row of draft i of sequence s: i + s + 1 (every earlier sequence adds its last token)
+            ids[blk[F_CU_Q_INCL, r] - blk[F_SEQLEN_Q, r]] = last
+            ids[np.arange(n_d) + np.repeat(self._ar[1:n_real + 1], nd)] = drafts
+        else:
+            ids[:n_real] = last
+        ids[total_q - n_ph:] = 0
+        # flat tables: entry i of sequence s is _bt32[slot, i], one ragged take of the flat mirror
+        idx = np.repeat(slots * mnb - bt_off, need)
+        idx += self._ar[:total_b_real]
+        np.take(self._bt32.reshape(-1), idx, out=view[off_bt:off_bt + total_b_real])
+        view[off_bt + total_b_real:used] = 0
+        staging.upload(staged)
+        return staged
+
+    def _stage_slow(self, staging: DecodeStaging, slots: np.ndarray, drafts: np.ndarray, nd: np.ndarray,
+                    n_ph: int) -> StagedDecode:
+        """:meth:`stage_decode` through ``decode_batch`` + ``DecodeStaging.stage`` (its errors)."""
+        return staging.stage(self._batch(False, slots, 1 + nd, self.num_tokens[slots] + nd, drafts, n_ph), self.cfg)
 
     def _batch(self, is_prompt: bool, slots: np.ndarray, sq: np.ndarray, sk: np.ndarray,
                drafts: Optional[np.ndarray], n_ph: int) -> SequenceBatch:

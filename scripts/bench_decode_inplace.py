@@ -19,7 +19,11 @@ Per case (64 / 256 sequences, 0 / 2 MTP drafts, default ``MetadataConfig``: bloc
   when the scheduler hands over per-sequence arrays instead of Python objects;
 - ``from_state`` / ``from_state_cpu``: the batch from a ``BatchState`` (issue 18) then
   ``prepare_decode_inplace``, synced / host time only (goal: <= 50 us host time at 256
-  sequences); ``state_staging_fill``: ``BatchState.decode_batch`` + the staging fill alone.
+  sequences); ``state_staging_fill``: ``BatchState.decode_batch`` + the staging fill alone;
+  ``state_stage_decode``: ``BatchState.stage_decode`` (the staging written straight from the
+  state arrays + the checks + the copy enqueue, no ``SequenceBatch``), host time, to compare with
+  ``state_staging_fill`` + the copy; ``from_state_fast_cpu``: ``stage_decode`` then
+  ``launch_decode_inplace`` (the cached graph replay), host time of the whole step.
 
 ``decode_256_d0_np`` repeats the 256-sequence case with block tables held as int32 numpy arrays
 (reading ~8k Python ints out of lists dominates the host time otherwise).
@@ -170,6 +174,22 @@ def run_case(n: int, drafts: int, dev: torch.device, repeat: int, rng: random.Ra
         repeat)
     sync()
     res["state_staging_fill"] = time_us(lambda: st.fill(bs.decode_batch(slots, drafts_, nd), cfg), repeat)
+    sync()
+    ref = st.stage(bs.decode_batch(slots, drafts_, nd), cfg)
+    ref_bytes = st.host_buffer[:ref.used].clone()
+    sync()
+    if bs.stage_decode(st, slots, drafts_, nd) != ref or not torch.equal(st.host_buffer[:ref.used], ref_bytes):
+        raise AssertionError("BatchState.stage_decode staged other bytes than decode_batch + stage")
+    sync()
+    res["state_stage_decode"] = time_us(lambda: bs.stage_decode(st, slots, drafts_, nd), repeat)
+    sync()
+
+    def from_state_fast() -> None:  # host time: staging straight from the state + copy + replay launch
+        bs.stage_decode(st, slots, drafts_, nd)
+        launch_decode_inplace(st, cfg, out=out)
+
+    res["from_state_fast_cpu"] = time_us(from_state_fast, repeat)
+    sync()
     res["extract"] = time_us(lambda: extract_batch(seqs, cfg, is_prompt=False), repeat)
     replay = _graph_fn(st, cfg, out)
     if replay is not None:
@@ -180,7 +200,8 @@ def run_case(n: int, drafts: int, dev: torch.device, repeat: int, rng: random.Ra
 
 def _table(results: dict[str, dict[str, Any]]) -> str:
     cols = ("eager_copy", "inplace", "inplace_cpu", "stage", "extract", "kernels", "kernels_cpu",
-            "graph_replay", "from_arrays", "from_state", "from_state_cpu", "state_staging_fill")
+            "graph_replay", "from_arrays", "from_state", "from_state_cpu", "state_staging_fill",
+            "state_stage_decode", "from_state_fast_cpu")
     head = f"{'case':<17}{'rows':>6}" + "".join(f"{c:>19}" for c in cols) + f"{'speedup':>9}"
     lines = [head, "-" * len(head)]
     for name, r in results.items():

@@ -11,8 +11,10 @@ each round so machine load hits them alike), and the whole step for reference:
 Phases: ``batch`` (``BatchState.decode_batch`` / ``prompt_batch``), ``extract`` (``extract_batch``
 of that already validated batch), ``fill_common``, then the path's own fields, ``metadata``
 (``InputMetadata(**fields)``), and ``staging`` (``write_staging`` of the extracted arrays, the
-host side of ``prepare_decode_inplace`` after the batch). The phase sum differs from ``step``
-by the glue between them (and by noise).
+host side of ``prepare_decode_inplace`` after the batch), ``inplace_host`` (batch + extract +
+staging) and ``stage_decode`` (``BatchState.stage_decode``: the same staging bytes written straight
+from the state arrays, no batch, plus its checks and the (CPU: no-op) upload). The phase sum
+differs from ``step`` by the glue between them (and by noise).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from bench_build import _state_from, decode_batch, prompt_batch  # noqa: E402
 from cpmeta import MetadataConfig, prepare_decode, prepare_prompt  # noqa: E402
 from cpmeta.build import common, decode, prompt  # noqa: E402
 from cpmeta.build.extract import extract_batch  # noqa: E402
-from cpmeta.gpu.decode_staging import staging_capacity, write_staging  # noqa: E402
+from cpmeta.gpu.decode_staging import DecodeStaging, staging_capacity, write_staging  # noqa: E402
 from cpmeta.metadata import InputMetadata  # noqa: E402
 
 
@@ -63,6 +65,7 @@ def _decode_phases(cfg: MetadataConfig, n: int, d: int, repeat: int, rng: random
     fields = {k: getattr(md, k) for k in InputMetadata.__dataclass_fields__ if getattr(md, k) is not None}
     bt = decode._fill_block_tables(b, cfg, None)[1]
     view = np.zeros(staging_capacity(cfg, n, b.total_q), np.int32)
+    stg = DecodeStaging("cpu", staging_capacity(cfg, n, b.total_q))
 
     phases = {
         "step": lambda: prepare_decode(step(), cfg),
@@ -74,6 +77,7 @@ def _decode_phases(cfg: MetadataConfig, n: int, d: int, repeat: int, rng: random
         "metadata": lambda: InputMetadata(**fields),
         "staging": lambda: write_staging(view, b, cfg),
         "inplace_host": lambda: write_staging(view, extract_batch(step(), cfg, is_prompt=False), cfg),
+        "stage_decode": lambda: st.stage_decode(stg, slots, drafts, nd),  # inplace_host without the batch
     }
     return _interleaved(phases, repeat)
 

@@ -357,6 +357,20 @@ class DecodeStaging:
         _check_int32(b, cfg)
         return self.fill_arrays(b, cfg)
 
+    def host_view(self, need: int) -> np.ndarray:
+        """The int32 numpy view of the host buffer, free to write (the previous upload is done)
+        and at least ``need`` elements long: grown (x1.5) unless ``fixed`` (then the same
+        ``ValueError`` as :meth:`fill`). For writers that lay out a batch themselves
+        (``BatchState.stage_decode``)."""
+        self.wait()
+        if need > self.capacity:
+            if self.fixed:
+                raise ValueError(
+                    f"seqs: batch needs {need} staging elements, the fixed staging buffer holds {self.capacity}")
+            logger.debug("growing decode staging buffer %d -> %d", self.capacity, need)
+            self._alloc(int(need * _GROWTH))
+        return self._view
+
     def fill_arrays(self, b: BatchArrays, cfg: MetadataConfig) -> StagedDecode:
         """:meth:`fill` from already extracted and validated arrays (``extract_batch``'s)."""
         self.wait()

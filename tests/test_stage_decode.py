@@ -1,0 +1,211 @@
+"""``BatchState.stage_decode`` (DESIGN 12 + 13): the decode staging buffer written straight from the
+state arrays must be what ``DecodeStaging.stage(state.decode_batch(...))`` writes.
+
+- random engines (several configs, several ratio sets, drafts, placeholders, Engram through the
+  fallback): staging bytes and ``StagedDecode`` identical, and the metadata after the kernels
+  (torch emulation; the real Triton kernels under ``TRITON_INTERPRET=1`` in a subprocess) equals
+  ``prepare_decode(state.decode_batch(...))`` on every defined field, also through
+  ``launch_decode_inplace`` on captured-size buffers;
+- capacity refusals (q_cap / seq_cap / block columns, fixed staging) fire before the host buffer
+  changes; invalid batches raise the builders' own messages (fallback path).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cpmeta import BatchState, MetadataConfig, metadata_diff, prepare_decode
+from cpmeta.gpu.decode_inplace import DecodeStaging, launch_decode_inplace, prepare_decode_inplace
+from cpmeta.gpu.decode_inplace import finish_staged
+from cpmeta.sequence import blocks_needed
+from strategies import metadata_prefix
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+CONFIGS = [
+    MetadataConfig(block_size=16, window_size=4, swa_block_size=6, dense_compress_ratios=(4,),
+                   sparse_compress_ratios=(4, 8), max_model_len=96),
+    MetadataConfig(block_size=32, window_size=8, swa_block_size=8, dense_compress_ratios=(1, 8),
+                   sparse_compress_ratios=(), max_model_len=200),
+    MetadataConfig(block_size=8, window_size=3, swa_block_size=5, dense_compress_ratios=(),
+                   sparse_compress_ratios=(2, 8), max_model_len=64),
+    MetadataConfig(block_size=128, window_size=16, swa_block_size=16, dense_compress_ratios=(4, 128),
+                   sparse_compress_ratios=(4,), max_model_len=512),
+    # Engram: served by the decode_batch + stage fallback
+    MetadataConfig(block_size=16, window_size=4, swa_block_size=6, dense_compress_ratios=(4,),
+                   sparse_compress_ratios=(4, 8), max_model_len=96, max_ngram_size=3, image_token_id=5),
+]
+
+
+def _engine(cfg: MetadataConfig, rng: random.Random, max_seqs: int = 6):
+    """A state with ``max_seqs`` decoding requests and a step generator: each yields
+    ``(slots, drafts, counts, n_ph)`` then applies the accepted tokens (and new blocks)."""
+    st = BatchState(cfg, max_seqs=max_seqs)
+    lens = {}
+    for i in range(max_seqs):
+        n = rng.randint(1, cfg.max_model_len // 2)
+        comp = [rng.randrange(100, 200) for _ in range(rng.randint(0, n))] if cfg.max_ngram_size else []
+        s = st.add_request(i, [rng.randrange(8) for _ in range(n)],
+                           [rng.randrange(1000) for _ in range(blocks_needed(n, cfg) + rng.choice((0, 1)))],
+                           rng.randrange(50), num_computed=n, compressed_token_ids=comp)
+        lens[s] = n
+
+    def steps(k: int):
+        for _ in range(k):
+            live = [s for s in lens if lens[s] < cfg.max_model_len - 4]
+            if not live:
+                return
+            slots = np.array(rng.sample(live, rng.randint(1, len(live))))
+            counts = np.array([rng.choice((0, 0, 1, 2, 3)) for _ in slots])
+            for s, c in zip(slots, counts):
+                have, need = int(st.num_blocks[s]), blocks_needed(lens[int(s)] + int(c), cfg)
+                if need > have:
+                    st.append_blocks(int(s), [rng.randrange(1000) for _ in range(need - have)])
+            drafts = np.array([rng.randrange(8) for _ in range(int(counts.sum()))], np.int64)
+            yield slots, drafts, counts, rng.choice((0, 0, 1, 3))
+            acc = np.array([rng.randint(1, int(c) + 1) for c in counts])
+            st.append_tokens_batch(slots, np.array([rng.randrange(8) for _ in range(int(acc.sum()))]), acc)
+            for s, a in zip(slots, acc):
+                lens[int(s)] += int(a)
+
+    return st, steps
+
+
+@pytest.mark.parametrize("ci", range(len(CONFIGS)))
+def test_matches_decode_batch_and_stage(ci: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = CONFIGS[ci]
+    slow_calls = []
+    real_slow = BatchState._stage_slow
+    monkeypatch.setattr(BatchState, "_stage_slow", lambda *a: slow_calls.append(1) or real_slow(*a))
+    rng = random.Random(ci)
+    st, steps = _engine(cfg, rng)
+    fast, slow = DecodeStaging("cpu", 8), DecodeStaging("cpu", 8)  # tiny: grows on the way
+    out: dict[str, torch.Tensor] = {}
+    n_steps = 0
+    for slots, drafts, counts, n_ph in steps(25):
+        batch = st.decode_batch(slots, drafts, counts, num_placeholders=n_ph)
+        want = slow.stage(batch, cfg)
+        got = st.stage_decode(fast, slots, drafts, counts, num_placeholders=n_ph)
+        assert got == want
+        assert torch.equal(fast.host_buffer[:got.used], slow.host_buffer[:want.used])
+        md = finish_staged(fast, got, cfg, out=None, device=torch.device("cpu"), backend="torch")
+        assert metadata_diff(md, prepare_decode(batch, cfg), cfg=cfg) == []
+        n_steps += 1
+    assert n_steps >= 10
+    assert len(slow_calls) == (n_steps if cfg.max_ngram_size else 0)  # Engram: the fallback only
+
+
+def test_launch_and_replay_shape_unchanged() -> None:
+    """Buffers captured at a larger batch: ``launch_decode_inplace`` after ``stage_decode`` gives
+    ``prepare_decode`` on the live prefix."""
+    cfg = CONFIGS[0]
+    rng = random.Random(7)
+    st, steps = _engine(cfg, rng)
+    stg = DecodeStaging("cpu", 4096, fixed=True)
+    out: dict[str, torch.Tensor] = {}
+    all_slots = np.flatnonzero(st.active)
+    prepare_decode_inplace(st.decode_batch(all_slots, np.zeros(3 * len(all_slots), np.int64),
+                                           np.full(len(all_slots), 3), num_placeholders=3),
+                           cfg, out=out, device="cpu", backend="torch", staging=stg)
+    for slots, drafts, counts, n_ph in steps(10):
+        batch = st.decode_batch(slots, drafts, counts, num_placeholders=n_ph)
+        staged = st.stage_decode(stg, slots, drafts, counts, num_placeholders=n_ph)
+        md = launch_decode_inplace(stg, cfg, out=out, backend="torch")
+        got = metadata_prefix(md, staged.num_seqs, staged.total_q)
+        assert metadata_diff(got, prepare_decode(batch, cfg), cfg=cfg) == []
+
+
+def test_capacity_refusals_before_any_write() -> None:
+    cfg = CONFIGS[0]
+    st = BatchState(cfg, 4)
+    for i in range(3):
+        st.add_request(i, list(range(10)), [1, 2, 3], i, num_computed=10)
+    stg = DecodeStaging("cpu", 4096)
+    out: dict[str, torch.Tensor] = {}
+    slots = np.array([0, 1])  # captured: 2 sequences, 6 rows
+    prepare_decode_inplace(st.decode_batch(slots, np.arange(4), np.array([2, 2])), cfg, out=out, device="cpu",
+                           backend="torch", staging=stg)
+    before = stg.host_buffer.clone()
+    with pytest.raises(ValueError, match="q_cap=6"):
+        st.stage_decode(stg, slots, np.arange(5), np.array([3, 2]))
+    with pytest.raises(ValueError, match="seq_cap=2"):
+        st.stage_decode(stg, np.array([0]), num_placeholders=2)
+    with pytest.raises(ValueError, match="seq_cap=2"):
+        st.stage_decode(stg, np.array([0, 1, 2]))
+    assert torch.equal(stg.host_buffer, before)
+    # block columns: buffers captured under a config with a shorter max_model_len
+    short = MetadataConfig(block_size=4, window_size=2, swa_block_size=2, dense_compress_ratios=(4,),
+                           sparse_compress_ratios=(), max_model_len=64)
+    long = MetadataConfig(block_size=4, window_size=2, swa_block_size=2, dense_compress_ratios=(4,),
+                          sparse_compress_ratios=(), max_model_len=128)
+    stg2, out2 = DecodeStaging("cpu", 4096), {}
+    small = BatchState(short, 1)
+    prepare_decode_inplace(small.decode_batch(np.array([small.add_request("a", [1, 2], [5], 0, num_computed=2)])),
+                           short, out=out2, device="cpu", backend="torch", staging=stg2)
+    bs = BatchState(long, 1)
+    b = bs.add_request("b", list(range(68)), list(range(17)), 1, num_computed=68)
+    with pytest.raises(ValueError, match=rf"block_tables: 17 columns exceed the captured buffers' "
+                                         rf"bt_cols={short.max_num_blocks}"):
+        bs.stage_decode(stg2, np.array([b]))
+    # a fixed staging buffer too small: the fill's own message
+    with pytest.raises(ValueError, match="fixed staging buffer holds 8"):
+        st.stage_decode(DecodeStaging("cpu", 8, fixed=True), slots)
+
+
+def test_invalid_batches_raise_the_builders_messages() -> None:
+    cfg = CONFIGS[0]
+    st, _ = _engine(cfg, random.Random(5))
+    slots = np.array([0, 1])
+    for call in (lambda s, x: s.stage_decode(x, slots), lambda s, x: x.stage(s.decode_batch(slots), cfg)):
+        st.set_state_id(1, -1)
+        with pytest.raises(ValueError, match=r"seqs\[1\]\.state_id"):
+            call(st, DecodeStaging("cpu"))
+        st.set_state_id(1, 0)
+    with pytest.raises(ValueError, match="slots"):
+        st.stage_decode(DecodeStaging("cpu"), np.array([0, 99]))
+    with pytest.raises(ValueError, match="num_drafts"):
+        st.stage_decode(DecodeStaging("cpu"), slots, np.array([1, 2]), np.array([1, 0]))
+    # a negative block id inside the needed prefix: the fallback's message
+    bad = BatchState(cfg, 2)
+    s = bad.add_request("x", list(range(20)), [4, -1], 0, num_computed=20)
+    with pytest.raises(ValueError, match="block_table"):
+        bad.stage_decode(DecodeStaging("cpu"), np.array([s]))
+    with pytest.raises(ValueError, match="block_table"):
+        DecodeStaging("cpu").stage(bad.decode_batch(np.array([s])), cfg)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_triton_kernels_in_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--interpret"], env=env,
+                          cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "interpreter steps passed" in proc.stdout
+
+
+def _interpreter_main() -> None:
+    n = 0
+    for ci, cfg in enumerate(CONFIGS):
+        st, steps = _engine(cfg, random.Random(100 + ci))
+        stg = DecodeStaging("cpu")
+        for slots, drafts, counts, n_ph in steps(3):
+            batch = st.decode_batch(slots, drafts, counts, num_placeholders=n_ph)
+            staged = st.stage_decode(stg, slots, drafts, counts, num_placeholders=n_ph)
+            md = finish_staged(stg, staged, cfg, out=None, device=torch.device("cpu"), backend="triton")
+            assert metadata_diff(md, prepare_decode(batch, cfg), cfg=cfg) == [], (ci, n)
+            n += 1
+    print(f"{n} interpreter steps passed")
+
+
+if __name__ == "__main__":
+    if "--interpret" in sys.argv:
+        _interpreter_main()
