@@ -1,15 +1,18 @@
 """Device-side builders (DESIGN sections 11, 12).
 
-======================  ==========================================================================
-module                  holds
-======================  ==========================================================================
-``decode_inplace``      :func:`prepare_decode_inplace`, :func:`launch_decode_inplace` (CUDA-graph ready)
-``decode_staging``      the pinned int32 staging buffer the host fills each step, its capacity limits
-``decode_cp``           :class:`StagedDecodeBroadcaster`: one staging broadcast, kernels on every CP rank
-``decode_triton``       the two decode metadata kernels (Triton)
-``decode_emulate``      the same kernels as vectorized torch (CPU fallback, CI)
-``slot_mapping_triton`` the slot-mapping kernel
-======================  ==========================================================================
+=============================  ===================================================================
+module                         holds
+=============================  ===================================================================
+``decode_inplace``             :func:`prepare_decode_inplace`, :func:`launch_decode_inplace` (CUDA-graph ready)
+``decode_staging``             ``DecodeStaging``: the pinned int32 staging buffer, upload, stream order
+``staging_layout``             the staging layout, the host fill from ``BatchArrays``, capacities
+``stage_state``                the staging buffer written straight from a ``BatchState``
+``decode_cp``                  :class:`StagedDecodeBroadcaster`: one staging broadcast, kernels on every CP rank
+``decode_triton``              the two decode metadata kernels (Triton)
+``decode_emulate``             the same kernels as vectorized torch (CPU fallback, CI)
+``slot_mapping_triton``        the slot-mapping kernel
+``slot_mapping_groups_triton`` the fused kernel for several KV-cache groups
+=============================  ===================================================================
 
 Importing this package does not import Triton; the kernel modules are imported when first used.
 """

@@ -31,9 +31,10 @@ import torch.distributed as dist
 from .decode_inplace import (
     Out, _capacity_of, _resolve_backend, _same_device, finish_staged,
 )
+from .staging_layout import header_len
 from .decode_staging import (
     F_BT_OFFSET, F_CU_K_INCL, F_CU_Q_INCL, F_PLACEHOLDER, F_SEQLEN_K, F_SEQLEN_Q, F_STATE, HEADER_FIXED,
-    SEQ_FIELDS, DecodeStaging, StagedDecode, _header_len,
+    SEQ_FIELDS, DecodeStaging, StagedDecode,
 )
 from ..build.decode import check_decode_out
 from ..config import MetadataConfig
@@ -57,7 +58,7 @@ def check_staged_layout(a: np.ndarray, staged: StagedDecode, cfg: MetadataConfig
     ``off_bt = 23 + 4 = 27``, ``nb = (1, 2)`` so ``off_ngv = off_ngb = used = 30``.
     """
     n, tq, g = staged.num_seqs, staged.total_q, cfg.max_ngram_size
-    hl = _header_len(cfg)
+    hl = header_len(cfg)
     if staged.used != a.shape[0] or staged.used < hl:
         return f"buffer of {a.shape[0]} elements, header says {staged.used} (header alone {hl})"
     hdr = a[:HEADER_FIXED].astype(np.int64)
