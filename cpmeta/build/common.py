@@ -31,7 +31,8 @@ def fill_common(
     ph_row = b.per_row(b.is_placeholder) if any_ph else None
     f: dict[str, Any] = {
         "is_prompt": b.is_prompt, "num_seqs": n, "total_q": T,
-        "max_seqlen_q": int(b.seqlen_q.max()), "max_seqlen_k": int(b.seqlen_k.max()),
+        # one row per sequence (decode without drafts): every seqlen_q is 1, no reduction
+        "max_seqlen_q": 1 if T == n else int(b.seqlen_q.max()), "max_seqlen_k": int(b.seqlen_k.max()),
     }
     f["positions"], a = alloc(out, "positions", (T,), torch.int32)
     np.copyto(a, b.row_pos, casting="unsafe")
@@ -57,7 +58,7 @@ def fill_common(
     # state * S + pos % S, in int32 (its bound is checked by check_common_int32)
     fmod(b.row_pos, S, out=a)
     a += b.per_row(b.state_id * S)
-    if T != n and int(b.seqlen_q.max()) > S:  # only the last S rows of a chunk stay in the ring
+    if T != n and f["max_seqlen_q"] > S:  # only the last S rows of a chunk stay in the ring
         np.copyto(a, PAD_SLOT_ID, where=b.row_j < np.repeat(b.seqlen_q - S, b.seqlen_q))
     if any_ph:
         a[ph_row] = PAD_SLOT_ID

@@ -39,10 +39,21 @@ def as_sequence_batch(seqs: BatchInput, cfg: MetadataConfig, *, is_prompt: bool)
     return SequenceBatch.from_sequences(seqs, cfg, is_prompt=is_prompt)
 
 
+#: ``n -> (arange(n), zeros(n))`` read-only: ``row_seq`` / ``row_j`` of a one-row-per-sequence batch.
+_IDENTITY: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+
 def _row_arrays(n: int, total_q: int, sq: np.ndarray, cu_q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``row_seq`` and ``row_j`` ([total_q] int64); one row per sequence is the common decode case."""
-    if total_q == n:
-        return np.arange(n, dtype=np.int64), np.zeros(n, np.int64)
+    if total_q == n:  # identity rows: cached read-only arrays (the builders never write them)
+        hit = _IDENTITY.get(n)
+        if hit is None:
+            if len(_IDENTITY) > 64:
+                _IDENTITY.clear()
+            hit = _IDENTITY[n] = (np.arange(n, dtype=np.int64), np.zeros(n, np.int64))
+            for a in hit:
+                a.flags.writeable = False
+        return hit
     row_seq = np.repeat(np.arange(n, dtype=np.int64), sq)
     return row_seq, np.arange(total_q, dtype=np.int64) - cu_q[row_seq]
 
