@@ -225,7 +225,7 @@ def _make_decode_layout(cfg: MetadataConfig, T: int, n: int) -> ArenaLayout:
             ("gate_force_random", (T,), torch.bool), ("valid_token_mask", (T,), torch.bool)]
     if cfg.max_ngram_size > 0:
         lay.append(("ngram_token_ids", (T, cfg.max_ngram_size), i32))
-    return ArenaLayout(lay)
+    return ArenaLayout(lay, stacked=DECODE_STACKED_FIELDS)
 
 
 def check_decode_out(out: Out) -> None:
