@@ -174,7 +174,8 @@ class HostArena:
             t_all = views[dtype][0]
             tens[name] = [t_all.as_strided(shape[1:], strides[1:], start + i * strides[0]) for i in range(shape[0])] \
                 if name in stacked else t_all.as_strided(shape, strides, start)
-        self._made = {name: (tens[name], views[dtype][1][start:start + size].reshape(shape))
+        self._made = {name: (tens[name], views[dtype][1][start:start + size] if len(shape) == 1 else
+                             views[dtype][1][start:start + size].reshape(shape))
                       for name, (start, size, shape, strides, dtype) in layout.fields.items()}
 
     def take(self, name: str) -> Optional[tuple[torch.Tensor, np.ndarray]]:

@@ -27,15 +27,15 @@ def fill_common(
     ``seqlen_q - j <= 4`` are j = 2..5 (positions 5..8) -> SWA slots ``[-1, -1, 9, 10, 11, 8]``.
     """
     T, n = b.total_q, b.n_seq
-    any_ph = bool(b.is_placeholder.any())
+    any_ph = b.any_placeholder
     ph_row = b.per_row(b.is_placeholder) if any_ph else None
     f: dict[str, Any] = {
         "is_prompt": b.is_prompt, "num_seqs": n, "total_q": T,
         # one row per sequence (decode without drafts): every seqlen_q is 1, no reduction
         "max_seqlen_q": 1 if T == n else int(b.seqlen_q.max()), "max_seqlen_k": int(b.seqlen_k.max()),
     }
-    f["positions"], a = alloc(out, "positions", (T,), torch.int32)
-    np.copyto(a, b.row_pos, casting="unsafe")
+    f["positions"], pos = alloc(out, "positions", (T,), torch.int32)
+    np.copyto(pos, b.row_pos, casting="unsafe")
     f["input_ids"], a = alloc(out, "input_ids", (T,), torch.int32)
     np.copyto(a, b.input_ids, casting="unsafe")
     f["gate_force_random"], a = alloc(out, "gate_force_random", (T,), torch.bool)
@@ -56,7 +56,7 @@ def fill_common(
     S = cfg.swa_block_size
     f["slot_mapping_store_swa"], a = alloc(out, "slot_mapping_store_swa", (T,), torch.int32)
     # state * S + pos % S, in int32 (its bound is checked by check_common_int32)
-    fmod(b.row_pos, S, out=a)
+    fmod(pos, S, out=a)  # from the int32 positions: no casting loop
     a += b.per_row(b.state_id * S)
     if T != n and f["max_seqlen_q"] > S:  # only the last S rows of a chunk stay in the ring
         np.copyto(a, PAD_SLOT_ID, where=b.row_j < np.repeat(b.seqlen_q - S, b.seqlen_q))

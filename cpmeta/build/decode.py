@@ -190,7 +190,7 @@ def _fill_ratio_fields(
     flat_bt = bt.reshape(-1) if bt.size else np.zeros(1, np.int32)
     np.multiply(np.take(flat_bt, np.add(blk, rows), mode="clip"), ca_bc, out=sl_all)
     np.add(sl_all, off, out=sl_all)
-    if b.is_placeholder.any():
+    if b.any_placeholder:
         skip |= b.per_row(b.is_placeholder)
     np.copyto(sl_all, PAD_SLOT_ID, where=skip)
     f["kv_ca_index_offset_len"], ol_all = alloc_stacked(

@@ -97,6 +97,7 @@ def extract_batch(seqs: BatchInput, cfg: MetadataConfig, *, is_prompt: bool) -> 
         comp_flat=sb.compressed, comp_len=np.diff(sb.compressed_offsets), data_len=sb.num_tokens,
         bt_whole=sb.block_tables, bt_whole_off=sb.block_table_offsets, is_prompt=is_prompt,
         bt2d=known2d[1] if (known2d := sb._bt2d) is not None and known2d[0] is cfg else None,
+        any_placeholder=bool(sb.is_placeholder.any()),
     )
 
 
