@@ -75,17 +75,19 @@ def check_common_int32(b: BatchArrays, cfg: MetadataConfig) -> None:
     ``max(block id) * b_c + b_c - 1`` with ``b_c = block_size // min_ratio`` (compressed slots),
     and every token id.
     """
-    check_int32("cu_seqlens_k", int(b.cu_k[-1]), "sum(seqlen_k)")
+    # the messages are only formatted for a bound that fails (check_int32 raises then)
+    if int(b.cu_k[-1]) > INT32_MAX:
+        check_int32("cu_seqlens_k", int(b.cu_k[-1]), "sum(seqlen_k)")
     S = cfg.swa_block_size
-    check_int32(
-        "slot_mapping_store_swa", int(b.state_id.max()) * S + S - 1,
-        f"max(state_id) * swa_block_size + swa_block_size - 1 (swa_block_size={S})",
-    )
+    v = int(b.state_id.max()) * S + S - 1
+    if v > INT32_MAX:
+        check_int32("slot_mapping_store_swa", v,
+                    f"max(state_id) * swa_block_size + swa_block_size - 1 (swa_block_size={S})")
     bc = cfg.block_size // cfg.min_ratio
-    check_int32(
-        "slot_mapping_store_ca", int(b.bt_flat.max()) * bc + bc - 1,
-        f"max(block id) * (block_size // min_ratio) + block_size // min_ratio - 1 (b_c={bc})",
-    )
+    v = int(b.bt_flat.max()) * bc + bc - 1
+    if v > INT32_MAX:
+        check_int32("slot_mapping_store_ca", v,
+                    f"max(block id) * (block_size // min_ratio) + block_size // min_ratio - 1 (b_c={bc})")
     if b.total_q and (b.input_ids.max() > INT32_MAX or b.input_ids.min() < -INT32_MAX - 1):
         raise ValueError("input_ids: token id does not fit in int32")
 
