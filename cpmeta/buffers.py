@@ -124,9 +124,10 @@ class ArenaLayout:
     (256,), bool)]`` -> positions at byte 0 (1,024 bytes), the mask at byte 1,024: ``nbytes`` 1,280.
     """
 
-    __slots__ = ("fields", "nbytes", "dtypes")
+    __slots__ = ("fields", "nbytes", "dtypes", "stacked")
 
-    def __init__(self, layout: Sequence[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
+    def __init__(self, layout: Sequence[tuple[str, tuple[int, ...], torch.dtype]],
+                 stacked: Iterable[str] = ()) -> None:
         fields, pos = {}, 0
         for name, shape, dtype in layout:
             size, strides = 1, []
@@ -138,6 +139,8 @@ class ArenaLayout:
         self.fields: dict[str, tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]] = fields
         self.nbytes = max(pos, ARENA_ALIGN)
         self.dtypes = tuple({f[4] for f in fields.values()})
+        #: fields handed out as per-row tensors (``take_rows``); the others as one tensor (``take``)
+        self.stacked = frozenset(stacked)
 
 
 class HostArena:
@@ -154,7 +157,7 @@ class HostArena:
     never overwritten.
     """
 
-    __slots__ = ("_fields", "_views")
+    __slots__ = ("_fields", "_views", "_made")
 
     _NP = {torch.int32: np.int32, torch.bool: np.bool_, torch.int64: np.int64}
 
@@ -162,24 +165,33 @@ class HostArena:
         raw = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=_pin())
         raw_np = raw.numpy()
         self._fields = layout.fields
-        self._views = {dt: (raw.view(dt), raw_np.view(self._NP[dt])) for dt in layout.dtypes}
+        self._views = views = {dt: (raw.view(dt), raw_np.view(self._NP[dt])) for dt in layout.dtypes}
+        # every view is made here, the torch ones in one run: interleaved with the builders'
+        # numpy calls each torch view cost several times its isolated ~2 us (cold dispatcher code)
+        stacked = layout.stacked
+        tens = {}
+        for name, (start, size, shape, strides, dtype) in layout.fields.items():
+            t_all = views[dtype][0]
+            tens[name] = [t_all.as_strided(shape[1:], strides[1:], start + i * strides[0]) for i in range(shape[0])] \
+                if name in stacked else t_all.as_strided(shape, strides, start)
+        self._made = {name: (tens[name], views[dtype][1][start:start + size] if len(shape) == 1 else
+                             views[dtype][1][start:start + size].reshape(shape))
+                      for name, (start, size, shape, strides, dtype) in layout.fields.items()}
 
     def take(self, name: str) -> Optional[tuple[torch.Tensor, np.ndarray]]:
-        spec = self._fields.get(name)
-        if spec is None:
-            return None
-        start, size, shape, strides, dtype = spec
-        t_all, a_all = self._views[dtype]
-        return t_all.as_strided(shape, strides, start), a_all[start:start + size].reshape(shape)
+        got = self._made.get(name)
+        if got is None or type(got[0]) is torch.Tensor:
+            return got
+        start, size, shape, strides, dtype = self._fields[name]  # a stacked field as one tensor
+        return self._views[dtype][0].as_strided(shape, strides, start), got[1]
 
     def take_rows(self, name: str) -> Optional[tuple[list[torch.Tensor], np.ndarray]]:
         """A stacked ``[n, ...]`` field as its ``n`` row tensors (each one ``as_strided`` view of
         the arena, no view of the whole field in between) and the numpy view of the whole field;
         ``None`` for a name not in the layout."""
-        spec = self._fields.get(name)
-        if spec is None:
-            return None
-        start, size, shape, strides, dtype = spec
-        t_all, a_all = self._views[dtype]
-        rows = [t_all.as_strided(shape[1:], strides[1:], start + i * strides[0]) for i in range(shape[0])]
-        return rows, a_all[start:start + size].reshape(shape)
+        got = self._made.get(name)
+        if got is None or type(got[0]) is list:
+            return got
+        start, size, shape, strides, dtype = self._fields[name]  # not declared stacked: rows now
+        t_all = self._views[dtype][0]
+        return [t_all.as_strided(shape[1:], strides[1:], start + i * strides[0]) for i in range(shape[0])], got[1]

@@ -159,6 +159,9 @@ class BatchArrays:
     # [n_seq, max_num_blocks] int32: first max_num_blocks ids of each WHOLE table, -1 padded (the
     # flat bt_whole as a 2-D table), when the batch came with one (BatchState decode); else None
     bt2d: Optional[np.ndarray] = None
+    # is_placeholder.any(), computed once by extract_batch (True is always safe: the placeholder
+    # branches then run and find no placeholder rows)
+    any_placeholder: bool = True
 
     def per_row(self, x: np.ndarray) -> np.ndarray:
         """``x[row_seq]`` for a per-sequence array; ``x`` itself (not a copy: do not modify it)

@@ -27,14 +27,15 @@ def fill_common(
     ``seqlen_q - j <= 4`` are j = 2..5 (positions 5..8) -> SWA slots ``[-1, -1, 9, 10, 11, 8]``.
     """
     T, n = b.total_q, b.n_seq
-    any_ph = bool(b.is_placeholder.any())
+    any_ph = b.any_placeholder
     ph_row = b.per_row(b.is_placeholder) if any_ph else None
     f: dict[str, Any] = {
         "is_prompt": b.is_prompt, "num_seqs": n, "total_q": T,
-        "max_seqlen_q": int(b.seqlen_q.max()), "max_seqlen_k": int(b.seqlen_k.max()),
+        # one row per sequence (decode without drafts): every seqlen_q is 1, no reduction
+        "max_seqlen_q": 1 if T == n else int(b.seqlen_q.max()), "max_seqlen_k": int(b.seqlen_k.max()),
     }
-    f["positions"], a = alloc(out, "positions", (T,), torch.int32)
-    np.copyto(a, b.row_pos, casting="unsafe")
+    f["positions"], pos = alloc(out, "positions", (T,), torch.int32)
+    np.copyto(pos, b.row_pos, casting="unsafe")
     f["input_ids"], a = alloc(out, "input_ids", (T,), torch.int32)
     np.copyto(a, b.input_ids, casting="unsafe")
     f["gate_force_random"], a = alloc(out, "gate_force_random", (T,), torch.bool)
@@ -55,9 +56,9 @@ def fill_common(
     S = cfg.swa_block_size
     f["slot_mapping_store_swa"], a = alloc(out, "slot_mapping_store_swa", (T,), torch.int32)
     # state * S + pos % S, in int32 (its bound is checked by check_common_int32)
-    fmod(b.row_pos, S, out=a)
+    fmod(pos, S, out=a)  # from the int32 positions: no casting loop
     a += b.per_row(b.state_id * S)
-    if T != n and int(b.seqlen_q.max()) > S:  # only the last S rows of a chunk stay in the ring
+    if T != n and f["max_seqlen_q"] > S:  # only the last S rows of a chunk stay in the ring
         np.copyto(a, PAD_SLOT_ID, where=b.row_j < np.repeat(b.seqlen_q - S, b.seqlen_q))
     if any_ph:
         a[ph_row] = PAD_SLOT_ID
@@ -74,17 +75,19 @@ def check_common_int32(b: BatchArrays, cfg: MetadataConfig) -> None:
     ``max(block id) * b_c + b_c - 1`` with ``b_c = block_size // min_ratio`` (compressed slots),
     and every token id.
     """
-    check_int32("cu_seqlens_k", int(b.cu_k[-1]), "sum(seqlen_k)")
+    # the messages are only formatted for a bound that fails (check_int32 raises then)
+    if int(b.cu_k[-1]) > INT32_MAX:
+        check_int32("cu_seqlens_k", int(b.cu_k[-1]), "sum(seqlen_k)")
     S = cfg.swa_block_size
-    check_int32(
-        "slot_mapping_store_swa", int(b.state_id.max()) * S + S - 1,
-        f"max(state_id) * swa_block_size + swa_block_size - 1 (swa_block_size={S})",
-    )
+    v = int(b.state_id.max()) * S + S - 1
+    if v > INT32_MAX:
+        check_int32("slot_mapping_store_swa", v,
+                    f"max(state_id) * swa_block_size + swa_block_size - 1 (swa_block_size={S})")
     bc = cfg.block_size // cfg.min_ratio
-    check_int32(
-        "slot_mapping_store_ca", int(b.bt_flat.max()) * bc + bc - 1,
-        f"max(block id) * (block_size // min_ratio) + block_size // min_ratio - 1 (b_c={bc})",
-    )
+    v = int(b.bt_flat.max()) * bc + bc - 1
+    if v > INT32_MAX:
+        check_int32("slot_mapping_store_ca", v,
+                    f"max(block id) * (block_size // min_ratio) + block_size // min_ratio - 1 (b_c={bc})")
     if b.total_q and (b.input_ids.max() > INT32_MAX or b.input_ids.min() < -INT32_MAX - 1):
         raise ValueError("input_ids: token id does not fit in int32")
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..config import MetadataConfig
-from ..constants import PAD_SLOT_ID
+from ..constants import INT32_MAX, PAD_SLOT_ID
 from ..metadata import InputMetadata
 from ..buffers import ArenaLayout, HostArena
 from .arrays import BatchArrays, alloc, alloc_stacked, check_int32, fmod
@@ -45,9 +45,12 @@ def _check_decode_int32(b: BatchArrays, cfg: MetadataConfig) -> None:
     check_common_int32(b, cfg)
     if cfg.dense_compress_ratios:
         mnb, md = cfg.max_num_blocks, min(cfg.dense_compress_ratios)
+        v = b.total_q * mnb * (cfg.block_size // md)
+        if v <= INT32_MAX:  # the message is only formatted for a failing bound
+            return
         check_int32(
             "kv_ca_index_offset_len",
-            b.total_q * mnb * (cfg.block_size // md),
+            v,
             f"total_q ({b.total_q}) * max_num_blocks ({mnb}, from max_model_len="
             f"{cfg.max_model_len}) * (block_size // min(dense_compress_ratios)) "
             f"({cfg.block_size}//{md})",
@@ -85,6 +88,25 @@ def _fill_block_tables(b: BatchArrays, cfg: MetadataConfig, out: Out) -> tuple[t
     return t, a
 
 
+def _fill_decode_rows(b: BatchArrays, cfg: MetadataConfig, out: Out, f: dict[str, Any]) -> np.ndarray:
+    """``state_block_idx``, ``context_lens`` (= pos + 1) and ``kv_swa_index_offset_len`` (start
+    ``state * S + (pos1 - w) % S``, length ``w = min(pos1, W)``), all in int32 (positions are below
+    max_model_len, ``state * S + S - 1`` is checked by ``check_common_int32``). Returns the filled
+    ``context_lens`` array: the int32 ``pos1`` the per-ratio fields read."""
+    T, W, S = b.total_q, cfg.window_size, cfg.swa_block_size
+    f["state_block_idx"], st = alloc(out, "state_block_idx", (T,), torch.int32)
+    np.copyto(st, b.per_row(b.state_id), casting="unsafe")
+    f["context_lens"], pos1 = alloc(out, "context_lens", (T,), torch.int32)
+    np.add(b.row_pos, 1, out=pos1, casting="unsafe")
+    f["kv_swa_index_offset_len"], a = alloc(out, "kv_swa_index_offset_len", (T, 2), torch.int32)
+    w, o = a[:, 1], a[:, 0]
+    np.minimum(pos1, W, out=w)
+    np.subtract(pos1, w, out=o)
+    fmod(o, S, out=o)
+    o += st * S
+    return pos1
+
+
 #: Per-config constants, keyed by ``id(cfg)`` (the entry keeps ``cfg`` alive and is checked with
 #: ``is``): hashing a frozen config costs a tuple of all its fields on every call.
 _CONSTS: dict[int, tuple[MetadataConfig, dict[Any, Any]]] = {}
@@ -103,7 +125,7 @@ def _consts(cfg: MetadataConfig) -> dict[Any, Any]:
 
 
 def _ratio_columns(cfg: MetadataConfig) -> tuple[np.ndarray, ...]:
-    """Per-ratio constants as ``[n_ratio, 1]`` int64 columns (read-only, cached per config), so
+    """Per-ratio constants as ``[n_ratio, 1]`` int32 columns (read-only, cached per config), so
     every per-ratio field is ONE broadcast numpy call whatever the number of ratios:
     sparse ratios, ca ratios, ``block_size // ca``, dense ratios, ``block_size // dense``."""
     c = _consts(cfg)
@@ -112,27 +134,34 @@ def _ratio_columns(cfg: MetadataConfig) -> tuple[np.ndarray, ...]:
         cols = []
         for rs in (cfg.sparse_compress_ratios, cfg.ca_ratios, tuple(cfg.block_size // n for n in cfg.ca_ratios),
                    cfg.dense_compress_ratios, tuple(cfg.block_size // n for n in cfg.dense_compress_ratios)):
-            col = np.array(rs, np.int64).reshape(-1, 1)
+            col = np.array(rs, np.int32).reshape(-1, 1)  # int32: every operand is a bounded position
             col.flags.writeable = False
             cols.append(col)
         cols = c["cols"] = tuple(cols)
     return cols
 
 
-def _row_bases(cfg: MetadataConfig, T: int) -> np.ndarray:
-    """``arange(T) * max_num_blocks`` (read-only, cached): row i's first element in the flattened
-    ``block_tables``."""
+def _row_bases(cfg: MetadataConfig, T: int) -> tuple[np.ndarray, np.ndarray]:
+    """``arange(T) * max_num_blocks`` (int64: row i's first element in the flattened
+    ``block_tables``) and the ``[n_dense, T]`` int32 offsets ``rows * (block_size // dense)`` of
+    ``kv_ca_index_offset_len`` (bounded by ``_check_decode_int32``); read-only, cached."""
     c = _consts(cfg)
     r = c.get(("rows", T))
     if r is None:
         if len(c) > 256:
             c.clear()
-        r = c[("rows", T)] = np.arange(T, dtype=np.int64) * cfg.max_num_blocks
-        r.flags.writeable = False
+        rows = np.arange(T, dtype=np.int64) * cfg.max_num_blocks
+        ol0 = (rows * np.array([cfg.block_size // n for n in cfg.dense_compress_ratios], np.int64)
+               .reshape(-1, 1)).astype(np.int32)
+        rows.flags.writeable = False
+        ol0.flags.writeable = False
+        r = c[("rows", T)] = (rows, ol0)
     return r
 
 
-def _fill_ratio_fields(b: BatchArrays, cfg: MetadataConfig, out: Out, f: dict[str, Any], bt: np.ndarray) -> None:
+def _fill_ratio_fields(
+    b: BatchArrays, cfg: MetadataConfig, out: Out, f: dict[str, Any], bt: np.ndarray, pos1: np.ndarray
+) -> None:
     """``klen``, ``positions_c``, ``slot_mapping_store_ca``, ``kv_ca_index_offset_len``.
 
     A row writes compressed token ``c = pos // n`` only when ``(pos + 1) % n == 0`` (it closes
@@ -146,31 +175,31 @@ def _fill_ratio_fields(b: BatchArrays, cfg: MetadataConfig, out: Out, f: dict[st
     """
     T = b.total_q
     sparse, ca, ca_bc, dense, dense_bc = _ratio_columns(cfg)
-    pos1 = b.row_pos + 1
-    rows = _row_bases(cfg, T)
+    # pos1 = row_pos + 1 as int32 (the filled context_lens): every value below is bounded by
+    # max_model_len, so the int32 arithmetic equals the int64 one and writes need no cast
+    rows, ol0 = _row_bases(cfg, T)
     f["klen"], k_all = alloc_stacked(out, "klen", cfg.sparse_compress_ratios, (T,))
-    np.floor_divide(pos1, sparse, out=k_all, casting="unsafe")
+    np.floor_divide(pos1, sparse, out=k_all)
     f["positions_c"], pc_all = alloc_stacked(out, "positions_c", cfg.ca_ratios, (T,))
     f["slot_mapping_store_ca"], sl_all = alloc_stacked(out, "slot_mapping_store_ca", cfg.ca_ratios, (T,))
     q, r = np.divmod(pos1, ca)  # closing rows: r == 0 and c = pos // n = q - 1
     skip = r != 0
-    np.subtract(pos1, ca, out=pc_all, casting="unsafe")  # c * n = pos1 - n on closing rows
+    np.subtract(pos1, ca, out=pc_all)  # c * n = pos1 - n on closing rows
     np.copyto(pc_all, 0, where=skip)
     q -= 1
     blk, off = np.divmod(q, ca_bc)
-    blk += rows
     # rows that do not write may index past their table (or below 0): clipped, then overwritten;
     # no table columns at all (max_model_len < every ratio): no row closes a group
     flat_bt = bt.reshape(-1) if bt.size else np.zeros(1, np.int32)
-    np.multiply(np.take(flat_bt, blk, mode="clip"), ca_bc, out=sl_all, casting="unsafe")
-    np.add(sl_all, off, out=sl_all, casting="unsafe")
-    if b.is_placeholder.any():
+    np.multiply(np.take(flat_bt, np.add(blk, rows), mode="clip"), ca_bc, out=sl_all)
+    np.add(sl_all, off, out=sl_all)
+    if b.any_placeholder:
         skip |= b.per_row(b.is_placeholder)
     np.copyto(sl_all, PAD_SLOT_ID, where=skip)
     f["kv_ca_index_offset_len"], ol_all = alloc_stacked(
         out, "kv_ca_index_offset_len", cfg.dense_compress_ratios, (T, 2))
-    np.multiply(rows, dense_bc, out=ol_all[:, :, 0], casting="unsafe")
-    np.floor_divide(pos1, dense, out=ol_all[:, :, 1], casting="unsafe")
+    np.copyto(ol_all[:, :, 0], ol0)
+    np.floor_divide(pos1, dense, out=ol_all[:, :, 1])
 
 
 def _decode_layout(cfg: MetadataConfig, T: int, n: int) -> ArenaLayout:
@@ -199,7 +228,7 @@ def _make_decode_layout(cfg: MetadataConfig, T: int, n: int) -> ArenaLayout:
             ("gate_force_random", (T,), torch.bool), ("valid_token_mask", (T,), torch.bool)]
     if cfg.max_ngram_size > 0:
         lay.append(("ngram_token_ids", (T, cfg.max_ngram_size), i32))
-    return ArenaLayout(lay)
+    return ArenaLayout(lay, stacked=DECODE_STACKED_FIELDS)
 
 
 def check_decode_out(out: Out) -> None:
@@ -244,18 +273,7 @@ def prepare_decode(
     if out is None:  # one host allocation for every field (all shapes are known now)
         out = HostArena(_decode_layout(cfg, b.total_q, b.n_seq))
     f = fill_common(b, cfg, out)
-    T = b.total_q
-    W, S = cfg.window_size, cfg.swa_block_size
-    state = b.per_row(b.state_id)
-    f["state_block_idx"], a = alloc(out, "state_block_idx", (T,), torch.int32)
-    a[:] = state
-    pos1 = b.row_pos + 1
-    f["context_lens"], a = alloc(out, "context_lens", (T,), torch.int32)
-    a[:] = pos1
-    w = np.minimum(pos1, W)
-    f["kv_swa_index_offset_len"], a = alloc(out, "kv_swa_index_offset_len", (T, 2), torch.int32)
-    a[:, 0] = state * S + fmod(pos1 - w, S)
-    a[:, 1] = w
+    pos1 = _fill_decode_rows(b, cfg, out, f)
     f["block_tables"], bt = _fill_block_tables(b, cfg, out)
-    _fill_ratio_fields(b, cfg, out, f, bt)
+    _fill_ratio_fields(b, cfg, out, f, bt, pos1)
     return InputMetadata(**f)

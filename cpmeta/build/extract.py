@@ -39,10 +39,27 @@ def as_sequence_batch(seqs: BatchInput, cfg: MetadataConfig, *, is_prompt: bool)
     return SequenceBatch.from_sequences(seqs, cfg, is_prompt=is_prompt)
 
 
+#: ``n -> (arange(n), zeros(n))`` read-only: ``row_seq`` / ``row_j`` of a one-row-per-sequence batch.
+_IDENTITY: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+
+def _identity(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(arange(n), zeros(n))`` int64, read-only, cached: ``row_seq`` / ``row_j`` of a
+    one-row-per-sequence batch (and ``arange(n + 1)`` its ``cu_q``)."""
+    hit = _IDENTITY.get(n)
+    if hit is None:
+        if len(_IDENTITY) > 64:
+            _IDENTITY.clear()
+        hit = _IDENTITY[n] = (np.arange(n, dtype=np.int64), np.zeros(n, np.int64))
+        for a in hit:
+            a.flags.writeable = False
+    return hit
+
+
 def _row_arrays(n: int, total_q: int, sq: np.ndarray, cu_q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``row_seq`` and ``row_j`` ([total_q] int64); one row per sequence is the common decode case."""
-    if total_q == n:
-        return np.arange(n, dtype=np.int64), np.zeros(n, np.int64)
+    if total_q == n:  # identity rows: cached read-only arrays (the builders never write them)
+        return _identity(n)
     row_seq = np.repeat(np.arange(n, dtype=np.int64), sq)
     return row_seq, np.arange(total_q, dtype=np.int64) - cu_q[row_seq]
 
@@ -58,15 +75,19 @@ def extract_batch(seqs: BatchInput, cfg: MetadataConfig, *, is_prompt: bool) -> 
     sb = as_sequence_batch(seqs, cfg, is_prompt=is_prompt)
     n = len(sb)
     sq, sk = sb.seqlen_q, sb.seqlen_k
-    cu = np.zeros((2, n + 1), np.int64)
-    np.cumsum(sq, out=cu[0, 1:])
-    np.cumsum(sk, out=cu[1, 1:])
-    total_q = int(cu[0, -1])
+    cu_k = np.zeros(n + 1, np.int64)
+    np.cumsum(sk, out=cu_k[1:])
+    if len(sb.tokens) == n:  # every window holds >= seqlen_q >= 1 ids: one row per sequence
+        cu_q, total_q = _identity(n + 1)[0], n
+    else:
+        cu_q = np.zeros(n + 1, np.int64)
+        np.cumsum(sq, out=cu_q[1:])
+        total_q = int(cu_q[-1])
     q_start = sk - sq
     known = sb._need
     need = known[1] if known is not None and known[0] is cfg else blocks_needed_array(sk, cfg)
     bt_flat, bt_start = _flat_tables(sb, need)
-    row_seq, row_j = _row_arrays(n, total_q, sq, cu[0])
+    row_seq, row_j = _row_arrays(n, total_q, sq, cu_q)
     row_pos = q_start if total_q == n else q_start[row_seq] + row_j  # one row each: pos = q_start
     toks, tok_off = sb.tokens, sb.token_offsets
     if sb.lookback == 0 or len(toks) == total_q:  # windows start at q_start: they are the input ids
@@ -79,13 +100,14 @@ def extract_batch(seqs: BatchInput, cfg: MetadataConfig, *, is_prompt: bool) -> 
     return BatchArrays(
         n_seq=n, total_q=total_q, seqlen_q=sq, seqlen_k=sk, q_start=q_start,
         state_id=sb.state_id, swa_valid_start=sb.swa_valid_start,
-        is_placeholder=sb.is_placeholder, cu_q=cu[0], cu_k=cu[1],
+        is_placeholder=sb.is_placeholder, cu_q=cu_q, cu_k=cu_k,
         bt_flat=bt_flat, bt_start=bt_start, bt_need=need, input_ids=input_ids,
         row_seq=row_seq, row_j=row_j, row_pos=row_pos,
         tok_flat=toks, tok_off=tok_off, tok_lo=tok_lo,
         comp_flat=sb.compressed, comp_len=np.diff(sb.compressed_offsets), data_len=sb.num_tokens,
         bt_whole=sb.block_tables, bt_whole_off=sb.block_table_offsets, is_prompt=is_prompt,
         bt2d=known2d[1] if (known2d := sb._bt2d) is not None and known2d[0] is cfg else None,
+        any_placeholder=bool(sb.is_placeholder.any()),
     )
 
 
