@@ -64,6 +64,7 @@ def _decode_phases(cfg: MetadataConfig, n: int, d: int, repeat: int, rng: random
     md = prepare_decode(sb, cfg)
     fields = {k: getattr(md, k) for k in InputMetadata.__dataclass_fields__ if getattr(md, k) is not None}
     bt = decode._fill_block_tables(b, cfg, None)[1]
+    pos1 = (b.row_pos + 1).astype(np.int32)  # what prepare_decode hands the per-ratio fields (context_lens)
     view = np.zeros(staging_capacity(cfg, n, b.total_q), np.int32)
     stg = DecodeStaging("cpu", staging_capacity(cfg, n, b.total_q))
 
@@ -73,7 +74,7 @@ def _decode_phases(cfg: MetadataConfig, n: int, d: int, repeat: int, rng: random
         "extract": lambda: extract_batch(sb, cfg, is_prompt=False),
         "fill_common": lambda: common.fill_common(b, cfg, None),
         "block_tables": lambda: decode._fill_block_tables(b, cfg, None),
-        "ratio_fields": lambda: decode._fill_ratio_fields(b, cfg, None, {}, bt),
+        "ratio_fields": lambda: decode._fill_ratio_fields(b, cfg, None, {}, bt, pos1),
         "metadata": lambda: InputMetadata(**fields),
         "staging": lambda: write_staging(view, b, cfg),
         "inplace_host": lambda: write_staging(view, extract_batch(step(), cfg, is_prompt=False), cfg),
