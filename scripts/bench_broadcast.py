@@ -141,19 +141,28 @@ def time_cell(method: Method, md: Any, steps: int, warmup: int, budget_s: float,
     return (last - start0).tolist()
 
 
-def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
+def init_rank(rank: int, world: int, port: int, backend: str, cuda_with_gloo: bool = False) -> torch.device:
+    """Join the benchmark's process group as ``rank`` (one thread) and return its device: rank's
+    GPU with NCCL, ``cuda:0`` with gloo when ``cuda_with_gloo`` (ranks sharing one GPU), else CPU.
+    gloo carries the timing loop's control collectives in every case."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    if args.backend == "nccl":
+    if backend == "nccl":
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
     else:
-        device = torch.device("cpu")
-    # gloo carries the control collectives of the timing loop in both cases
-    dist.init_process_group("gloo" if args.backend == "gloo" else "cuda:nccl,cpu:gloo")
+        device = torch.device("cuda", 0) if cuda_with_gloo else torch.device("cpu")
+    dist.init_process_group("gloo" if backend == "gloo" else "cuda:nccl,cpu:gloo")
+    return device
+
+
+def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
+    import torch.distributed as dist
+
+    device = init_rank(rank, world, port, args.backend)
     results = []
     for payload, attn, mode in [(p, a, m) for p in args.payloads for a in args.attn_info
                                 for m in args.modes]:

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_broadcast import Method, _free_port, time_cell  # noqa: E402  (same timing protocol)
+from bench_broadcast import Method, _free_port, init_rank, time_cell  # noqa: E402  (same timing protocol)
 from bench_build import decode_batch  # noqa: E402  (same batches as the builders' bench)
 
 TARGET_US = 150.0
@@ -84,18 +84,10 @@ class BcastMethod(Method):
 
 
 def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     import torch.distributed as dist
     from cpmeta import MetadataConfig
 
-    torch.set_num_threads(1)
-    if args.backend == "nccl":
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-    else:
-        device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
-    dist.init_process_group("gloo" if args.backend == "gloo" else "cuda:nccl,cpu:gloo")
+    device = init_rank(rank, world, port, args.backend, cuda_with_gloo=args.device == "cuda")
     cfg = MetadataConfig()
     seqs = decode_batch(random.Random(args.seed), cfg, args.n_seqs, args.drafts)
     if args.np_tables:

@@ -19,6 +19,7 @@ from ..build.arrays import BatchArrays
 from ..build.extract import extract_batch
 from ..config import MetadataConfig
 from ..sequence import SequenceMetadata
+from . import staging_layout
 from .staging_layout import (  # noqa: F401  (re-exported: the layout's public names)
     F_BT_OFFSET, F_CU_K_INCL, F_CU_Q_INCL, F_PLACEHOLDER, F_SEQLEN_K, F_SEQLEN_Q, F_STATE, H_N_SEQ,
     H_OFF_BT, H_OFF_IDS, H_OFF_NGB, H_OFF_NGV, H_OFF_SEQ, H_TOTAL_K, H_TOTAL_Q, HEADER_FIXED,
@@ -26,19 +27,7 @@ from .staging_layout import (  # noqa: F401  (re-exported: the layout's public n
     write_staging,
 )
 
-__all__ = [
-    "HEADER_FIXED",
-    "SEQ_FIELDS",
-    "H_N_SEQ", "H_TOTAL_Q", "H_TOTAL_K", "H_OFF_SEQ", "H_OFF_IDS", "H_OFF_BT", "H_OFF_NGV", "H_OFF_NGB",
-    "F_SEQLEN_Q", "F_SEQLEN_K", "F_CU_Q_INCL", "F_CU_K_INCL", "F_STATE", "F_PLACEHOLDER", "F_BT_OFFSET",
-    "StagedDecode",
-    "OutCapacity",
-    "DecodeBuffers",
-    "DecodeStaging",
-    "staging_capacity",
-    "fill_staging",
-    "write_staging",
-]
+__all__ = ["DecodeStaging", *staging_layout.__all__]
 
 logger = logging.getLogger(__name__)
 
