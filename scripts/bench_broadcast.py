@@ -206,14 +206,17 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_world_procs(world: int, args: argparse.Namespace) -> list[dict]:
+def run_world_procs(world: int, args: argparse.Namespace, target: Any = None) -> list[dict]:
+    """Run ``target(rank, world, port, args, out_path)`` (default :func:`rank_main`) on ``world``
+    spawned processes; rank 0 writes the JSON results to ``out_path``, returned here."""
     import multiprocessing as mp
     import tempfile
 
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "r.json")
-        procs = [ctx.Process(target=rank_main, args=(r, world, _free_port_cached(), args, out))
+        port = _free_port()  # one per world, taken right before the ranks bind it
+        procs = [ctx.Process(target=target or rank_main, args=(r, world, port, args, out))
                  for r in range(world)]
         for p in procs:
             p.start()
@@ -226,15 +229,6 @@ def run_world_procs(world: int, args: argparse.Namespace) -> list[dict]:
         if bad:
             raise SystemExit(f"world {world}: ranks {bad} failed")
         return json.loads(Path(out).read_text())
-
-
-_PORT: dict[str, int] = {}
-
-
-def _free_port_cached() -> int:
-    if "p" not in _PORT:
-        _PORT["p"] = _free_port()
-    return _PORT["p"]
 
 
 def print_table(results: list[dict]) -> None:
@@ -310,7 +304,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.attn_info = [bool(a) for a in args.attn_info]
     results = []
     for w in args.worlds:
-        _PORT.clear()
         print(f"world size {w} ({args.backend})", flush=True)
         results += run_world_procs(w, args)
     meta = {

@@ -32,7 +32,6 @@ import os
 import platform
 import random
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -43,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_broadcast import Method, _free_port, init_rank, time_cell  # noqa: E402  (same timing protocol)
+from bench_broadcast import Method, init_rank, run_world_procs, time_cell  # noqa: E402  (same timing protocol)
 from bench_build import decode_batch  # noqa: E402  (same batches as the builders' bench)
 
 TARGET_US = 150.0
@@ -112,24 +111,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_pa
 
 
 def run_world(world: int, args: argparse.Namespace) -> list[dict]:
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "r.json")
-        port = _free_port()
-        procs = [ctx.Process(target=rank_main, args=(r, world, port, args, out)) for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(args.timeout)
-        bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        if bad:
-            raise SystemExit(f"world {world}: ranks {bad} failed")
-        return json.loads(Path(out).read_text())
+    return run_world_procs(world, args, rank_main)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
