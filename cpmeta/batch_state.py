@@ -16,6 +16,7 @@ from .batch import SequenceBatch, blocks_needed_array, window_lookback
 from .config import MetadataConfig
 from .constants import INT32_MAX
 from .sequence import blocks_needed
+from .state_decode import decode_batch_fast
 
 if TYPE_CHECKING:
     from .gpu.decode_staging import DecodeStaging, StagedDecode
@@ -101,6 +102,12 @@ class BatchState:
         self._state_max = (INT32_MAX - (S - 1)) // S
         self._bt_ok = np.zeros(n, bool)
         self._fast = np.zeros(n, bool)
+        # the decode fast paths (cpmeta/state_decode.py, cpmeta/gpu/stage_state.py): [2 * max_seqs]
+        # the largest seqlen_k slot s may decode to -- its table's reach capped at max_model_len
+        # (_table_cap) -- when it is live, done with its prefill and _fast holds; else -1. The
+        # second half is -1: a negative slot wraps into it, so ONE gather (np.take raises past
+        # 2 * max_seqs) bounds-checks the slots and vouches for the sequences.
+        self._dec_cap = np.full(2 * n, -1, np.int64)
         self._ar = np.arange(n * cfg.max_num_blocks + 1, dtype=np.int64)
         ratios = cfg.ca_ratios + cfg.sparse_compress_ratios + cfg.dense_compress_ratios
         self._header = (STAGING_HEADER_FIXED + len(ratios), np.array(ratios, np.int32))
@@ -114,6 +121,9 @@ class BatchState:
         self._slot: dict[Hashable, int] = {}
         self._free = list(range(n - 1, -1, -1))  # pop() gives the lowest free slot
         self._ph_blocks = blocks_needed(1, cfg)
+        # decode_batch_fast makes a batch's flat tables from its 2-D rows on first read: that
+        # needs every whole table to fit the max_num_blocks columns of _bt32
+        self._lazy_no = self.max_blocks > cfg.max_num_blocks
 
     # ---- requests ---------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -160,11 +170,18 @@ class BatchState:
         self._bt32[s] = -1
         self._bt32[s, :len(bt)] = bt[:self._bt32.shape[1]]
         self._bt_ok[s] = len(bt) == 0 or (int(bt.min()) >= 0 and int(bt.max()) <= self._bt_max)
-        self._set_fast(s)
         self.compressed[s, :len(comp)] = comp
         self.num_compressed[s] = len(comp)
         self.state_id[s], self.swa_valid_start[s] = state_id, swa_valid_start
+        self._set_fast(s)  # after state_id / swa_valid_start: it reads them
         return s
+
+    def _table_cap(self, nb: int) -> int:
+        """The largest ``seqlen_k`` a table of ``nb`` blocks covers, capped at ``max_model_len``:
+        ``blocks_needed(k) = max_n cdiv(k // n, block_size // n) <= nb`` iff ``k // n <= nb *
+        block_size // n`` for every ratio n (each divides block_size), i.e. ``k <= nb * block_size
+        + min_ratio - 1``. Example: block 128, ratio 4, 2 blocks -> 259 (k = 260 needs a third)."""
+        return min(self.cfg.max_model_len, nb * self.cfg.block_size + self.cfg.min_ratio - 1)
 
     def _fits(self, req_id: Any, what: str, n: int, cap: int, name: str) -> None:
         if n > cap:
@@ -175,6 +192,7 @@ class BatchState:
         req = self._live(slot)
         del self._slot[req]
         self._req[slot], self.active[slot] = None, False
+        self._dec_cap[slot] = -1
         self.num_tokens[slot] = self.num_blocks[slot] = self.num_compressed[slot] = 0
         self._free.append(slot)
 
@@ -217,7 +235,8 @@ class BatchState:
         self.block_table[slot, n0:n0 + len(b)] = b
         self.num_blocks[slot] = n0 + len(b)
         if len(b) and (int(b.min()) < 0 or int(b.max()) > self._bt_max):
-            self._bt_ok[slot] = self._fast[slot] = False
+            self._bt_ok[slot] = False
+        self._set_fast(slot)
         mnb = self._bt32.shape[1]
         if n0 < mnb:
             self._bt32[slot, n0:n0 + len(b)] = b[:mnb - n0]
@@ -245,6 +264,8 @@ class BatchState:
     def _set_fast(self, s: int) -> None:
         st = int(self.state_id[s])
         self._fast[s] = bool(self._bt_ok[s]) and 0 <= st <= self._state_max and int(self.swa_valid_start[s]) >= 0
+        ok = self._fast[s] and self.active[s] and self.num_computed[s] >= self.prompt_len[s]
+        self._dec_cap[s] = self._table_cap(int(self.num_blocks[s])) if ok else -1
 
     def _check_slots(self, slots: np.ndarray) -> None:
         # one unsigned comparison catches negative slots (huge as uint64) and slots >= max_seqs
@@ -272,6 +293,9 @@ class BatchState:
         batch = self._batch(True, slots, q, k, None, num_placeholders)
         if advance:
             self.num_computed[slots] = k
+            cap = np.minimum(self.num_blocks[slots] * self.cfg.block_size + (self.cfg.min_ratio - 1),
+                             self.cfg.max_model_len)  # _table_cap, vectorized
+            self._dec_cap[slots] = np.where(self._fast[slots] & (k >= self.prompt_len[slots]), cap, -1)
         return batch
 
     def decode_batch(self, slots: np.ndarray, draft_tokens: Optional[np.ndarray] = None,
@@ -279,6 +303,10 @@ class BatchState:
         """A decode ``SequenceBatch``: request ``slots[i]`` decodes its last confirmed token plus
         ``num_drafts[i]`` MTP drafts (the next ids of the flat ``draft_tokens``), so
         ``seqlen_q = 1 + num_drafts`` and ``seqlen_k = num_tokens + num_drafts``."""
+        if not (num_placeholders or self.lookback or self.max_compressed or self._lazy_no):
+            batch = decode_batch_fast(self, slots, draft_tokens, num_drafts)
+            if batch is not None:
+                return batch
         slots, drafts, nd = self._decode_args(slots, draft_tokens, num_drafts)
         k = self.num_tokens[slots] + nd
         return self._batch(False, slots, 1 + nd, k, drafts, num_placeholders)
@@ -307,17 +335,14 @@ class BatchState:
 
     def stage_decode(self, staging: "DecodeStaging", slots: np.ndarray,
                      draft_tokens: Optional[np.ndarray] = None, num_drafts: Optional[np.ndarray] = None,
-                     *, num_placeholders: int = 0) -> "StagedDecode":
+                     *, num_placeholders: int = 0, upload: bool = True) -> "StagedDecode":
         """``staging.stage(self.decode_batch(...), cfg)`` written STRAIGHT from the state arrays
-        (in-place decode, DESIGN 12): see :func:`cpmeta.gpu.stage_state.stage_decode`."""
+        (in-place decode, DESIGN 12; ``upload=False``: host fill only): see
+        :func:`cpmeta.gpu.stage_state.stage_decode`."""
         from .gpu.stage_state import stage_decode
 
-        return stage_decode(self, staging, slots, draft_tokens, num_drafts, num_placeholders=num_placeholders)
-
-    def _stage_slow(self, staging: "DecodeStaging", slots: np.ndarray, drafts: np.ndarray, nd: np.ndarray,
-                    n_ph: int) -> "StagedDecode":
-        """The ``decode_batch`` + ``DecodeStaging.stage`` path of :meth:`stage_decode` (its errors)."""
-        return staging.stage(self._batch(False, slots, 1 + nd, self.num_tokens[slots] + nd, drafts, n_ph), self.cfg)
+        return stage_decode(self, staging, slots, draft_tokens, num_drafts, num_placeholders=num_placeholders,
+                            upload=upload)
 
     def _batch(self, is_prompt: bool, slots: np.ndarray, sq: np.ndarray, sk: np.ndarray,
                drafts: Optional[np.ndarray], n_ph: int) -> SequenceBatch:
@@ -388,7 +413,10 @@ class BatchState:
             batch._checked = self.cfg
             if not n_ph:  # extract_batch reuses it (placeholders would need their own entries)
                 batch._need = (self.cfg, need)
-                if drafts is not None:  # decode block_tables rows, one gather (equal to `tables`)
+                # decode block_tables rows, one gather (equal to `tables`); set only when every
+                # table's ids are in [0, _bt_max] and every state id in [0, _state_max] (_fast):
+                # the builders' int32 checks then skip those two bounds (SequenceBatch._bt2d)
+                if drafts is not None and self._fast[slots].all():
                     batch._bt2d = (self.cfg, np.take(self._bt32, slots, axis=0))
         return batch
 

@@ -54,6 +54,10 @@ class MetadataConfig:
     force_load_balance: bool = False  # value of gate_force_random
     yoco_keep_tokens: Optional[int] = None  # YoCo: consumer layers keep the last k tokens
     yoco_mode: str = "compact"  # "mask" or "compact"
+    # derived constants, computed once in __post_init__ (the builders read them every step; a
+    # property recomputing them cost ~2-4 us per read)
+    _ca: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
+    _max_num_blocks: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "window_size", "swa_block_size", "max_model_len"):
@@ -71,6 +75,10 @@ class MetadataConfig:
         object.__setattr__(self, "sparse_compress_ratios", sparse)
         if not dense and not sparse:
             raise ValueError("dense_compress_ratios/sparse_compress_ratios: ca_ratios is empty")
+        ca = tuple(sorted(set(dense) | set(sparse)))
+        object.__setattr__(self, "_ca", ca)
+        m = ca[0]
+        object.__setattr__(self, "_max_num_blocks", -(-(self.max_model_len // m) // (self.block_size // m)))
         for n in self.ca_ratios:
             if self.block_size % n:
                 which = "dense_compress_ratios" if n in dense else "sparse_compress_ratios"
@@ -98,17 +106,16 @@ class MetadataConfig:
     @property
     def ca_ratios(self) -> tuple[int, ...]:
         """Sorted union of dense and sparse ratios."""
-        return tuple(sorted(set(self.dense_compress_ratios) | set(self.sparse_compress_ratios)))
+        return self._ca
 
     @property
     def min_ratio(self) -> int:
-        return min(self.ca_ratios)
+        return self._ca[0]
 
     @property
     def max_num_blocks(self) -> int:
         """Columns of decode ``block_tables``: ``cdiv(max_model_len // m, block_size // m)``."""
-        m = self.min_ratio
-        return -(-(self.max_model_len // m) // (self.block_size // m))
+        return self._max_num_blocks
 
     def attn_index_width(self, n: int) -> int:
         """Width of ``kv_ca_index[str(n)]``: ``cdiv(max_model_len // n, 128) * 128``."""

@@ -13,9 +13,13 @@ import pytest
 
 from cpmeta import BatchState, MetadataConfig, SequenceMetadata, metadata_diff, prepare_decode, prepare_prompt
 from cpmeta.sequence import blocks_needed
+from cpmeta.state_decode import StateDecodeBatch
 
 CFG = MetadataConfig(block_size=16, window_size=4, swa_block_size=6, dense_compress_ratios=(4,),
                      sparse_compress_ratios=(4, 8), max_model_len=96, max_ngram_size=3, image_token_id=5)
+#: no Engram: decode steps take BatchState's fast path (cpmeta/state_decode.py)
+PLAIN = MetadataConfig(block_size=16, window_size=4, swa_block_size=6, dense_compress_ratios=(4,),
+                       sparse_compress_ratios=(4, 8), max_model_len=96)
 YOCO = MetadataConfig(block_size=16, window_size=4, swa_block_size=8, dense_compress_ratios=(4,),
                       sparse_compress_ratios=(4,), max_model_len=96, yoco_keep_tokens=6)
 
@@ -57,11 +61,27 @@ def _assert_bt2d(batch, cfg: MetadataConfig) -> None:
     np.testing.assert_array_equal(batch._bt2d[1], want)
 
 
+def _assert_same_batch(batch: StateDecodeBatch, st: BatchState, sel: list[_Req]) -> None:
+    """The fast path's batch equals the general path's (``BatchState._batch``) array by array,
+    the lazily made flat tables included."""
+    slots = np.array([r.slot for r in sel])
+    nd = np.array([len(r.drafts) for r in sel], np.int64)
+    want = st._batch(False, slots, 1 + nd, st.num_tokens[slots] + nd,
+                     np.array([t for r in sel for t in r.drafts], np.int64), 0)
+    for name in ("seqlen_q", "seqlen_k", "state_id", "swa_valid_start", "is_placeholder", "num_tokens",
+                 "block_tables", "block_table_offsets", "tokens", "token_offsets", "compressed",
+                 "compressed_offsets"):
+        a, b = getattr(batch, name), getattr(want, name)
+        assert a.dtype == b.dtype and np.array_equal(a, b), name
+    assert batch.lookback == want.lookback and batch.is_prompt is False
+    np.testing.assert_array_equal(batch._bt2d[1], want._bt2d[1])
+
+
 def _run(cfg: MetadataConfig, seed: int, steps: int) -> dict[str, int]:
     rng = random.Random(seed)
     st = BatchState(cfg, max_seqs=6, max_tokens=cfg.max_model_len)
     reqs: dict[int, _Req] = {}
-    seen = {"prompt": 0, "decode": 0, "errors": 0, "finished": 0}
+    seen = {"prompt": 0, "decode": 0, "errors": 0, "finished": 0, "fast": 0}
     next_id = 0
     for _ in range(steps):
         if rng.random() < 0.4:  # joins (some beyond max_seqs: refused, state unchanged)
@@ -119,6 +139,9 @@ def _run(cfg: MetadataConfig, seed: int, steps: int) -> dict[str, int]:
             batch = st.decode_batch(np.array([r.slot for r in sel]), np.array([t for r in sel for t in r.drafts]),
                                     np.array([len(r.drafts) for r in sel]), num_placeholders=n_ph)
             _assert_bt2d(batch, cfg)
+            if isinstance(batch, StateDecodeBatch):
+                seen["fast"] += 1
+                _assert_same_batch(batch, st, sel)
             assert metadata_diff(prepare_decode(batch, cfg), prepare_decode(seqs, cfg), cfg=cfg) == []
             acc = [r.drafts[: rng.randint(0, len(r.drafts))] + [rng.randrange(8)] for r in sel]
             st.append_tokens_batch(np.array([r.slot for r in sel]), np.array([t for a in acc for t in a]),
@@ -133,6 +156,72 @@ def _run(cfg: MetadataConfig, seed: int, steps: int) -> dict[str, int]:
 def test_random_engine_matches_lists(seed: int) -> None:
     seen = _run(CFG, seed, 250)
     assert seen["prompt"] > 30 and seen["decode"] > 30 and seen["finished"] > 5 and seen["errors"] > 0, seen
+    assert seen["fast"] == 0  # Engram: the general path
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_random_engine_fast_decode_matches_lists(seed: int) -> None:
+    """Without Engram the decode steps without placeholders take the fast path; every batch it
+    makes equals the general path's and builds the list path's metadata."""
+    seen = _run(PLAIN, seed, 250)
+    assert seen["decode"] > 30 and seen["fast"] > 15 and seen["finished"] > 5, seen
+
+
+def test_table_cap_is_the_largest_covered_seqlen() -> None:
+    """``_table_cap`` (behind ``_dec_cap``: one gather replaces blocks_needed per step) equals a
+    brute-force search."""
+    for cfg in (PLAIN, CFG, MetadataConfig(block_size=32, dense_compress_ratios=(4, 32), sparse_compress_ratios=(8,),
+                                           max_model_len=200)):
+        st = BatchState(cfg, max_seqs=1)
+        for nb in range(0, blocks_needed(cfg.max_model_len, cfg) + 2):
+            want = max(k for k in range(cfg.max_model_len + 1) if blocks_needed(k, cfg) <= nb)
+            assert st._table_cap(nb) == want, (cfg, nb)
+
+
+def test_fast_batch_tables_are_a_snapshot() -> None:
+    """A fast batch's flat tables (made on first read) are those of its step, whatever the state
+    does afterwards (appends, finish and slot reuse)."""
+    st = BatchState(PLAIN, max_seqs=2)
+    a = st.add_request("a", [1, 2, 3], [9], 0, num_computed=3)
+    b = st.add_request("b", [4, 5], [6], 1, num_computed=2)
+    batch = st.decode_batch(np.array([b, a]))
+    assert isinstance(batch, StateDecodeBatch)
+    st.append_blocks(a, [7])
+    st.finish(b)
+    assert st.add_request("c", [8], [2, 3], 0, num_computed=1) == b
+    assert batch.block_tables.tolist() == [6, 9] and batch.block_table_offsets.tolist() == [0, 1, 2]
+
+
+def test_fast_path_refuses_what_it_cannot_vouch_for() -> None:
+    """A state id, valid start or block id out of the fast path's range (set at add_request, by a
+    setter or by an append), a prefill not done, a too-short table: the general path runs and the
+    builder raises its usual message."""
+    st = BatchState(PLAIN, max_seqs=4)
+    a = st.add_request("a", [1, 2, 3], [9], -1, num_computed=3)  # bad state id from add_request
+    b = st.add_request("b", [4, 5], [6], 1, num_computed=2)
+    assert not isinstance(st.decode_batch(np.array([a])), StateDecodeBatch)
+    with pytest.raises(ValueError, match=r"seqs\[0\]\.state_id"):
+        prepare_decode(st.decode_batch(np.array([a])), PLAIN)
+    assert isinstance(st.decode_batch(np.array([b])), StateDecodeBatch)
+    st.set_swa_valid_start(b, -2)
+    assert not isinstance(st.decode_batch(np.array([b])), StateDecodeBatch)
+    st.set_swa_valid_start(b, 0)
+    st.append_blocks(b, [-3])
+    assert not isinstance(st.decode_batch(np.array([b])), StateDecodeBatch)
+    c = st.add_request("c", list(range(16)), [1], 0, num_computed=4)
+    with pytest.raises(ValueError, match="still in prefill"):
+        st.decode_batch(np.array([c]))
+    st.prompt_batch(np.array([c]), np.array([12]))
+    assert isinstance(st.decode_batch(np.array([c])), StateDecodeBatch)
+    st.append_tokens(c, [5] * 3)  # 19 tokens: one 16-token block covers seqlen_k <= 19
+    assert isinstance(st.decode_batch(np.array([c])), StateDecodeBatch)
+    st.append_tokens(c, [5])  # 20 tokens need a second block
+    assert not isinstance(st.decode_batch(np.array([c])), StateDecodeBatch)
+    with pytest.raises(ValueError, match=r"seqs\[0\]\.block_table"):
+        prepare_decode(st.decode_batch(np.array([c])), PLAIN)
+    for bad in (7, 4, -1, -4, -5, -9):  # past max_seqs, or negative (wraps into the -1 half)
+        with pytest.raises(ValueError, match="slots"):
+            st.decode_batch(np.array([bad]))
 
 
 def test_random_engine_yoco_prompts() -> None:

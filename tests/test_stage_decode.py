@@ -27,6 +27,7 @@ from cpmeta import BatchState, MetadataConfig, metadata_diff, prepare_decode
 from cpmeta.gpu.decode_inplace import DecodeStaging, launch_decode_inplace, prepare_decode_inplace
 from cpmeta.gpu.decode_inplace import finish_staged
 from cpmeta.sequence import blocks_needed
+from cpmeta.gpu import stage_state
 from strategies import metadata_prefix
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -84,8 +85,8 @@ def _engine(cfg: MetadataConfig, rng: random.Random, max_seqs: int = 6):
 def test_matches_decode_batch_and_stage(ci: int, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = CONFIGS[ci]
     slow_calls = []
-    real_slow = BatchState._stage_slow
-    monkeypatch.setattr(BatchState, "_stage_slow", lambda *a: slow_calls.append(1) or real_slow(*a))
+    real_slow = stage_state._slow
+    monkeypatch.setattr(stage_state, "_slow", lambda *a: slow_calls.append(1) or real_slow(*a))
     rng = random.Random(ci)
     st, steps = _engine(cfg, rng)
     fast, slow = DecodeStaging("cpu", 8), DecodeStaging("cpu", 8)  # tiny: grows on the way
@@ -97,6 +98,10 @@ def test_matches_decode_batch_and_stage(ci: int, monkeypatch: pytest.MonkeyPatch
         got = st.stage_decode(fast, slots, drafts, counts, num_placeholders=n_ph)
         assert got == want
         assert torch.equal(fast.host_buffer[:got.used], slow.host_buffer[:want.used])
+        fill_only = DecodeStaging("cpu", 8)  # upload=False: the same host bytes, nothing uploaded
+        assert st.stage_decode(fill_only, slots, drafts, counts, num_placeholders=n_ph, upload=False) == want
+        assert torch.equal(fill_only.host_buffer[:want.used], slow.host_buffer[:want.used])
+        assert fill_only.last_staged is None
         md = finish_staged(fast, got, cfg, out=None, device=torch.device("cpu"), backend="torch")
         assert metadata_diff(md, prepare_decode(batch, cfg), cfg=cfg) == []
         n_steps += 1

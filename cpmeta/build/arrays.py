@@ -140,9 +140,11 @@ class BatchArrays:
     is_placeholder: np.ndarray  # [n_seq] bool
     cu_q: np.ndarray  # [n_seq+1] int64, exclusive prefix sums of seqlen_q
     cu_k: np.ndarray  # [n_seq+1] int64, exclusive prefix sums of seqlen_k
-    bt_flat: np.ndarray  # [sum(bt_need) + 1] int64, needed block ids + a trailing 0
-    bt_start: np.ndarray  # [n_seq] int64, offset of each table in bt_flat
-    bt_need: np.ndarray  # [n_seq] int64, blocks_needed(seqlen_k)
+    # the three bt_* below and bt_whole / bt_whole_off are None when extract_batch was called with
+    # flat_tables=False for a batch carrying bt2d (prepare_decode reads bt2d only)
+    bt_flat: Optional[np.ndarray]  # [sum(bt_need) + 1] int64, needed block ids + a trailing 0
+    bt_start: Optional[np.ndarray]  # [n_seq] int64, offset of each table in bt_flat
+    bt_need: Optional[np.ndarray]  # [n_seq] int64, blocks_needed(seqlen_k)
     input_ids: np.ndarray  # [total_q] int64
     row_seq: np.ndarray  # [total_q] int64, sequence of each row
     row_j: np.ndarray  # [total_q] int64, local index j
@@ -151,10 +153,10 @@ class BatchArrays:
     tok_off: np.ndarray  # [n_seq+1] int64, offsets of the windows in tok_flat
     tok_lo: np.ndarray  # [n_seq] int64, first position of each window, max(0, q_start - lookback)
     comp_flat: np.ndarray  # [sum comp_len] int64, Engram compressed ids of positions [tok_lo, tok_lo + comp_len)
-    comp_len: np.ndarray  # [n_seq] int64
+    comp_len: Optional[np.ndarray]  # [n_seq] int64; None without Engram (max_ngram_size == 0)
     data_len: np.ndarray  # [n_seq] int64, len(token_ids) (YoCo: the whole prompt)
-    bt_whole: np.ndarray  # [sum len(block_table)] int64, every WHOLE table back to back (seq_block_tables)
-    bt_whole_off: np.ndarray  # [n_seq+1] int64, offsets of the whole tables in bt_whole
+    bt_whole: Optional[np.ndarray]  # [sum len(block_table)] int64, every WHOLE table back to back (seq_block_tables)
+    bt_whole_off: Optional[np.ndarray]  # [n_seq+1] int64, offsets of the whole tables in bt_whole
     is_prompt: bool
     # [n_seq, max_num_blocks] int32: first max_num_blocks ids of each WHOLE table, -1 padded (the
     # flat bt_whole as a 2-D table), when the batch came with one (BatchState decode); else None

@@ -78,16 +78,19 @@ def check_common_int32(b: BatchArrays, cfg: MetadataConfig) -> None:
     # the messages are only formatted for a bound that fails (check_int32 raises then)
     if int(b.cu_k[-1]) > INT32_MAX:
         check_int32("cu_seqlens_k", int(b.cu_k[-1]), "sum(seqlen_k)")
-    S = cfg.swa_block_size
-    v = int(b.state_id.max()) * S + S - 1
-    if v > INT32_MAX:
-        check_int32("slot_mapping_store_swa", v,
-                    f"max(state_id) * swa_block_size + swa_block_size - 1 (swa_block_size={S})")
-    bc = cfg.block_size // cfg.min_ratio
-    v = int(b.bt_flat.max()) * bc + bc - 1
-    if v > INT32_MAX:
-        check_int32("slot_mapping_store_ca", v,
-                    f"max(block id) * (block_size // min_ratio) + block_size // min_ratio - 1 (b_c={bc})")
+    # with BatchState's 2-D rows (bt2d) the state vouches for both bounds below: it sets them only
+    # when every state id is in [0, (2**31 - S) // S] and every block id in [0, (2**31 - b_c) // b_c]
+    if b.bt2d is None:
+        S = cfg.swa_block_size
+        v = int(b.state_id.max()) * S + S - 1
+        if v > INT32_MAX:
+            check_int32("slot_mapping_store_swa", v,
+                        f"max(state_id) * swa_block_size + swa_block_size - 1 (swa_block_size={S})")
+        bc = cfg.block_size // cfg.min_ratio
+        v = int(b.bt_flat.max()) * bc + bc - 1
+        if v > INT32_MAX:
+            check_int32("slot_mapping_store_ca", v,
+                        f"max(block id) * (block_size // min_ratio) + block_size // min_ratio - 1 (b_c={bc})")
     if b.total_q and (b.input_ids.max() > INT32_MAX or b.input_ids.min() < -INT32_MAX - 1):
         raise ValueError("input_ids: token id does not fit in int32")
 

@@ -267,8 +267,9 @@ def prepare_decode(
     Raises ``ValueError`` before allocating when ``total_q * max_num_blocks *
     (block_size // min(dense ratios))`` (or a slot value) exceeds int32.
     """
-    check_decode_out(out)
-    b = extract_batch(seqs, cfg, is_prompt=False)
+    if type(out) is not HostArena:
+        check_decode_out(out)
+    b = extract_batch(seqs, cfg, is_prompt=False, flat_tables=False)
     _check_decode_int32(b, cfg)
     if out is None:  # one host allocation for every field (all shapes are known now)
         out = HostArena(_decode_layout(cfg, b.total_q, b.n_seq))

@@ -64,8 +64,12 @@ def _row_arrays(n: int, total_q: int, sq: np.ndarray, cu_q: np.ndarray) -> tuple
     return row_seq, np.arange(total_q, dtype=np.int64) - cu_q[row_seq]
 
 
-def extract_batch(seqs: BatchInput, cfg: MetadataConfig, *, is_prompt: bool) -> BatchArrays:
+def extract_batch(seqs: BatchInput, cfg: MetadataConfig, *, is_prompt: bool, flat_tables: bool = True) -> BatchArrays:
     """Validate ``seqs`` (same errors as ``validate_batch``) and derive every array the builders use.
+
+    ``flat_tables=False`` (``prepare_decode``): a batch carrying ``BatchState``'s 2-D table rows
+    (``SequenceBatch._bt2d``) gets ``bt2d`` only -- ``bt_flat`` / ``bt_start`` / ``bt_whole`` are
+    ``None`` and its flat tables are not read; any other batch gets every array as usual.
 
     Example: 2 decode sequences ``(seqlen_q, seqlen_k) = (1, 5), (3, 9)`` give ``cu_q = [0, 1, 4]``,
     ``row_seq = [0, 1, 1, 1]``, ``row_j = [0, 0, 1, 2]``, ``row_pos = [4, 6, 7, 8]``; without
@@ -84,9 +88,15 @@ def extract_batch(seqs: BatchInput, cfg: MetadataConfig, *, is_prompt: bool) -> 
         np.cumsum(sq, out=cu_q[1:])
         total_q = int(cu_q[-1])
     q_start = sk - sq
-    known = sb._need
-    need = known[1] if known is not None and known[0] is cfg else blocks_needed_array(sk, cfg)
-    bt_flat, bt_start = _flat_tables(sb, need)
+    known2d = sb._bt2d
+    bt2d = known2d[1] if known2d is not None and known2d[0] is cfg else None
+    if bt2d is not None and not flat_tables:  # prepare_decode copies the 2-D rows: no flat tables
+        need = bt_flat = bt_start = bt_whole = bt_whole_off = None
+    else:
+        known = sb._need
+        need = known[1] if known is not None and known[0] is cfg else blocks_needed_array(sk, cfg)
+        bt_flat, bt_start = _flat_tables(sb, need)
+        bt_whole, bt_whole_off = sb.block_tables, sb.block_table_offsets
     row_seq, row_j = _row_arrays(n, total_q, sq, cu_q)
     row_pos = q_start if total_q == n else q_start[row_seq] + row_j  # one row each: pos = q_start
     toks, tok_off = sb.tokens, sb.token_offsets
@@ -104,10 +114,11 @@ def extract_batch(seqs: BatchInput, cfg: MetadataConfig, *, is_prompt: bool) -> 
         bt_flat=bt_flat, bt_start=bt_start, bt_need=need, input_ids=input_ids,
         row_seq=row_seq, row_j=row_j, row_pos=row_pos,
         tok_flat=toks, tok_off=tok_off, tok_lo=tok_lo,
-        comp_flat=sb.compressed, comp_len=np.diff(sb.compressed_offsets), data_len=sb.num_tokens,
-        bt_whole=sb.block_tables, bt_whole_off=sb.block_table_offsets, is_prompt=is_prompt,
-        bt2d=known2d[1] if (known2d := sb._bt2d) is not None and known2d[0] is cfg else None,
-        any_placeholder=bool(sb.is_placeholder.any()),
+        comp_flat=sb.compressed, data_len=sb.num_tokens, is_prompt=is_prompt,
+        comp_len=np.diff(sb.compressed_offsets) if cfg.max_ngram_size > 0 else None,  # Engram only
+        bt_whole=bt_whole, bt_whole_off=bt_whole_off, bt2d=bt2d,
+        # BatchState sets _bt2d only for a batch without placeholders
+        any_placeholder=False if bt2d is not None else bool(sb.is_placeholder.any()),
     )
 
 

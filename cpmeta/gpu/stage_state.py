@@ -9,11 +9,13 @@ written together, and ``tests/test_stage_decode.py`` checks that both paths stag
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import numpy as np
 
 from ..batch import blocks_needed_array
+from ..config import MetadataConfig
+from ..sequence import blocks_needed
 from ..constants import INT32_MAX
 from .decode_staging import (
     F_BT_OFFSET, F_CU_K_INCL, F_CU_Q_INCL, F_PLACEHOLDER, F_SEQLEN_K, F_SEQLEN_Q, F_STATE, HEADER_FIXED,
@@ -28,9 +30,11 @@ __all__ = ["stage_decode"]
 
 def stage_decode(st: "BatchState", staging: DecodeStaging, slots: np.ndarray,
                  draft_tokens: Optional[np.ndarray] = None, num_drafts: Optional[np.ndarray] = None,
-                 *, num_placeholders: int = 0) -> StagedDecode:
+                 *, num_placeholders: int = 0, upload: bool = True) -> StagedDecode:
     """``staging.stage(st.decode_batch(slots, draft_tokens, num_drafts, num_placeholders=...),
     cfg)`` written STRAIGHT from the state arrays: no ``SequenceBatch``, no ``BatchArrays``.
+    ``upload=False``: fill the host buffer only (``staging.fill``'s contract: the caller uploads,
+    e.g. a CP driver broadcasting the buffer first, or a graph that captured the copy).
 
     Same staging bytes, same errors, same capacity refusal (``staging.out_capacity``; here
     checked before the host buffer is touched), same upload (``DecodeStaging.upload``: ONE
@@ -49,37 +53,54 @@ def stage_decode(st: "BatchState", staging: DecodeStaging, slots: np.ndarray,
     assert st._header[0] - len(st._header[1]) == HEADER_FIXED, "BatchState caches the staging header"
     cfg = st.cfg
     n_ph = int(num_placeholders)
-    slots, drafts, nd = st._decode_args(slots, draft_tokens, num_drafts)
+    slots = np.asarray(slots)
     n_real = len(slots)
-    if cfg.max_ngram_size or n_real == 0 or n_ph < 0 or not st._fast[slots].all():
-        return st._stage_slow(staging, slots, drafts, nd, n_ph)
+    if cfg.max_ngram_size or n_real == 0 or n_ph < 0 or slots.dtype != np.int64 or slots.ndim != 1:
+        return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload)
+    try:  # BatchState._dec_cap: -1 unless live, prefill done, ids / state / valid start in range;
+        cap = st._dec_cap.take(slots)  # a slot outside [-max_seqs, max_seqs) raises or reads -1
+        nt = st.num_tokens.take(slots)
+    except IndexError:
+        return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload)
+    last = np.take(st.token_ids, slots * st.max_tokens + nt - 1)
+    if draft_tokens is None or len(draft_tokens) == 0:
+        if num_drafts is not None:
+            nd = np.asarray(num_drafts)
+            if nd.shape != slots.shape or nd.any():
+                return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload)
+        n_d, sk, drafts, max_q = 0, nt, None, 1
+    else:
+        if num_drafts is None:
+            return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload)
+        drafts, nd = np.asarray(draft_tokens, np.int64), np.asarray(num_drafts, np.int64)
+        if nd.shape != slots.shape or int(nd.min()) < 0 or int(nd.sum()) != len(drafts):
+            return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload)
+        n_d, sk, max_q = len(drafts), nt + nd, 1 + int(nd.max())
     n = n_real + n_ph
-    n_d = len(drafts)
     total_q = n + n_d
-    nt = st.num_tokens[slots]
-    sk = nt + nd if n_d else nt
-    need = blocks_needed_array(sk, cfg)
-    last = np.take(st.token_ids, slots * st.max_tokens + (nt - 1))
-    max_sk, max_need = int(sk.max()), int(need.max())
-    total_k = int(sk.sum()) + n_ph
+    # vouched for, the table covers seqlen_k and seqlen_k <= max_model_len: blocks_needed is then
+    # <= num_blocks and <= max_num_blocks; it is monotone, so its max is that of max(sk)
+    if not (sk <= cap).all():
+        return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload)
+    need = _blocks_needed(sk, cfg)
+    max_sk, total_k = int(sk.max()), int(sk.sum()) + n_ph
     mnb = st._bt32.shape[1]
-    decode_bound = total_q * mnb * (cfg.block_size // min(cfg.dense_compress_ratios)) \
-        if cfg.dense_compress_ratios else 0
-    # int32 ids: x + 2**31 in [0, 2**32) (one pass instead of min and max)
-    bad_ids = ((last + 2**31).view(np.uint64) >= 2**32).any() or \
-        (n_d and ((drafts + 2**31).view(np.uint64) >= 2**32).any())
-    if (max_sk > cfg.max_model_len or max_need > mnb or total_k > INT32_MAX or decode_bound > INT32_MAX
-            or bad_ids or (st.num_blocks[slots] < need).any()):
-        return st._stage_slow(staging, slots, drafts, nd, n_ph)
+    bad_ids = int(last.max()) > INT32_MAX or int(last.min()) < -INT32_MAX - 1 or \
+        (n_d and (int(drafts.max()) > INT32_MAX or int(drafts.min()) < -INT32_MAX - 1))
+    if total_k > INT32_MAX or bad_ids or (total_q * mnb * _dense_bc(cfg) > INT32_MAX):
+        return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload)
     ph_nb = st._ph_blocks
-    total_b_real = int(need.sum())
+    bt_off = np.empty(n_real + 1, np.int64)  # exclusive prefix of need; [-1] = real blocks
+    bt_off[0] = 0
+    np.cumsum(need, out=bt_off[1:])
+    total_b_real = int(bt_off[-1])
     total_b = total_b_real + n_ph * ph_nb
     hl, ratios = st._header
     off_ids = hl + SEQ_FIELDS * n
     off_bt = off_ids + total_q
     used = off_bt + total_b
-    staged = StagedDecode(n, total_q, total_k, 1 + int(nd.max()) if n_d else 1, max(max_sk, 1 if n_ph else 0),
-                          used, max(max_need, ph_nb if n_ph else 0))
+    staged = StagedDecode(n, total_q, total_k, max_q, max(max_sk, 1 if n_ph else 0), used,
+                          max(blocks_needed(max_sk, cfg), ph_nb if n_ph else 0))
     staging.check_capacity(staged)  # before the host buffer is touched
     view = staging.host_view(used)
     view[:HEADER_FIXED] = (n, total_q, total_k, hl, off_ids, off_bt, used, used)
@@ -92,30 +113,76 @@ def stage_decode(st: "BatchState", staging: DecodeStaging, slots: np.ndarray,
         blk[F_BT_OFFSET, n_real:] = total_b_real + ph_nb * np.arange(n_ph)
     r = slice(0, n_real)
     if n_d:
-        blk[F_SEQLEN_Q, r] = nd
-        blk[F_SEQLEN_Q, r] += 1
+        np.add(nd, 1, out=blk[F_SEQLEN_Q, r])
         np.cumsum(blk[F_SEQLEN_Q, r], out=blk[F_CU_Q_INCL, r])
     else:
         blk[F_SEQLEN_Q, r] = 1
         blk[F_CU_Q_INCL, r] = st._ar[1:n_real + 1]
     blk[F_SEQLEN_K, r] = sk
     np.cumsum(blk[F_SEQLEN_K, r], out=blk[F_CU_K_INCL, r])
-    blk[F_STATE, r] = st.state_id[slots]
+    np.take(st.state_id, slots, out=blk[F_STATE, r], mode="clip")  # clip: no buffering, slots checked
     blk[F_PLACEHOLDER, r] = 0
-    bt_off = blk[F_BT_OFFSET, r]
-    bt_off[0] = 0
-    np.cumsum(need[:-1], out=bt_off[1:])
+    blk[F_BT_OFFSET, r] = bt_off[:-1]
     ids = view[off_ids:off_bt]
     if n_d:  # row of draft i of sequence s: i + s + 1 (every earlier sequence adds its last token)
         ids[blk[F_CU_Q_INCL, r] - blk[F_SEQLEN_Q, r]] = last
         ids[np.arange(n_d) + np.repeat(st._ar[1:n_real + 1], nd)] = drafts
     else:
         ids[:n_real] = last
-    ids[total_q - n_ph:] = 0
+    if n_ph:
+        ids[total_q - n_ph:] = 0
     # flat tables: entry i of sequence s is _bt32[slot, i], one ragged take of the flat mirror
-    idx = np.repeat(slots * mnb - bt_off, need)
+    idx = np.repeat(slots * mnb - bt_off[:-1], need)
     idx += st._ar[:total_b_real]
-    np.take(st._bt32.reshape(-1), idx, out=view[off_bt:off_bt + total_b_real])
-    view[off_bt + total_b_real:used] = 0
-    staging.upload(staged)
+    np.take(st._bt32.reshape(-1), idx, out=view[off_bt:off_bt + total_b_real], mode="clip")
+    if n_ph:
+        view[off_bt + total_b_real:used] = 0
+    if upload:
+        staging.upload(staged)
     return staged
+
+
+def _slow(st: "BatchState", staging: DecodeStaging, slots: np.ndarray, draft_tokens: Optional[np.ndarray],
+          num_drafts: Optional[np.ndarray], n_ph: int, upload: bool) -> StagedDecode:
+    """``staging.stage(st.decode_batch(...), cfg)`` (or ``fill`` + the capacity check without
+    ``upload``): the general path, its checks and errors."""
+    slots, drafts, nd = st._decode_args(slots, draft_tokens, num_drafts)
+    batch = st._batch(False, slots, 1 + nd, st.num_tokens[slots] + nd, drafts, n_ph)
+    if upload:
+        return staging.stage(batch, st.cfg)
+    staged = staging.fill(batch, st.cfg)
+    staging.check_capacity(staged)
+    return staged
+
+
+#: per config (by id, entry keeps the config): ``(blocks_needed for [n] arrays, block_size // min(dense))``
+_PER_CFG: dict[int, tuple[MetadataConfig, Callable[[np.ndarray], np.ndarray], int]] = {}
+
+
+def _cfg_consts(cfg: MetadataConfig) -> tuple[MetadataConfig, Callable[[np.ndarray], np.ndarray], int]:
+    hit = _PER_CFG.get(id(cfg))
+    if hit is None or hit[0] is not cfg:
+        if len(_PER_CFG) > 64:
+            _PER_CFG.clear()
+        if len(cfg.ca_ratios) == 1:  # cdiv(sk // n, b_n) in three in-place passes
+            n, bn = cfg.ca_ratios[0], cfg.block_size // cfg.ca_ratios[0]
+
+            def need_fn(sk: np.ndarray) -> np.ndarray:
+                x = sk // n
+                x += bn - 1
+                x //= bn
+                return x
+        else:
+            def need_fn(sk: np.ndarray) -> np.ndarray:
+                return blocks_needed_array(sk, cfg)
+        dense_bc = cfg.block_size // min(cfg.dense_compress_ratios) if cfg.dense_compress_ratios else 0
+        hit = _PER_CFG[id(cfg)] = (cfg, need_fn, dense_bc)
+    return hit
+
+
+def _blocks_needed(sk: np.ndarray, cfg: MetadataConfig) -> np.ndarray:
+    return _cfg_consts(cfg)[1](sk)
+
+
+def _dense_bc(cfg: MetadataConfig) -> int:
+    return _cfg_consts(cfg)[2]

@@ -1,0 +1,146 @@
+"""``decode_batch_fast``: ``BatchState.decode_batch`` for the common engine step, in ~15 numpy calls.
+
+The common decode step -- no placeholders, no Engram look-back, every scheduled request live,
+done with its prefill and vouched for by the state's per-slot flags -- needs none of the general
+path's per-step checks: ``BatchState`` keeps, per slot, ``_dec_cap``: the largest ``seqlen_k``
+its table and ``max_model_len`` allow when the slot is live, done with its prefill and its
+block ids (``[0, _bt_max]``), state id (``[0, _state_max]``) and ``swa_valid_start >= 0`` are in
+range, else -1 -- so one gather and one comparison validate the batch. Anything else returns ``None`` and ``decode_batch`` takes the general
+path (same batch, same errors).
+
+The batch's flat ``block_tables`` / ``block_table_offsets`` are made from its 2-D rows on FIRST
+READ (:class:`StateDecodeBatch`): ``prepare_decode`` copies the 2-D rows and never reads them,
+``prepare_decode_inplace`` and user code read them as usual. The rows are a snapshot taken in
+the step (``_bt32[slots]``), so later changes to the state never change a batch already made.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+
+from .batch import SequenceBatch
+
+if TYPE_CHECKING:
+    from .batch_state import BatchState
+
+__all__ = ["StateDecodeBatch", "decode_batch_fast"]
+
+_BT = SequenceBatch.__dict__["block_tables"]  # the dataclass slots behind the two properties
+_BT_OFF = SequenceBatch.__dict__["block_table_offsets"]
+
+#: ``n -> read-only arrays`` shared by every fast batch of n sequences (a batch is immutable).
+_CONST: dict[int, tuple[np.ndarray, ...]] = {}
+
+
+def _consts(n: int) -> tuple[np.ndarray, ...]:
+    """``(ones(n), zeros(n, bool), arange(n + 1), zeros(n + 1), empty)`` int64 / bool, read-only:
+    ``seqlen_q`` without drafts, ``is_placeholder``, one-token ``token_offsets``, empty
+    ``compressed_offsets`` and ``compressed``."""
+    hit = _CONST.get(n)
+    if hit is None:
+        if len(_CONST) > 64:
+            _CONST.clear()
+        hit = _CONST[n] = (np.ones(n, np.int64), np.zeros(n, bool), np.arange(n + 1, dtype=np.int64),
+                           np.zeros(n + 1, np.int64), np.zeros(0, np.int64))
+        for a in hit:
+            a.flags.writeable = False
+    return hit
+
+
+class StateDecodeBatch(SequenceBatch):
+    """A decode ``SequenceBatch`` whose flat block tables are made from its 2-D rows on first read.
+
+    Equal to the ``SequenceBatch`` the general path builds (``tests/test_batch_state.py`` compares
+    every field on random steps). ``_rows`` is ``(bt2d, num_blocks)``: ``[n_seq,
+    max_num_blocks]`` int32 rows, -1 padded, and each table's length (``<= max_num_blocks``).
+    Example: rows ``[[7, 8, -1], [4, -1, -1]]``, lengths ``[2, 1]`` -> ``block_tables = [7, 8,
+    4]``, ``block_table_offsets = [0, 2, 3]``.
+    """
+
+    __slots__ = ("_rows",)
+
+    def _tables(self) -> None:
+        bt2d, nb = self._rows
+        _BT.__set__(self, bt2d[np.arange(bt2d.shape[1]) < nb[:, None]].astype(np.int64))
+        off = np.zeros(len(nb) + 1, np.int64)
+        np.cumsum(nb, out=off[1:])
+        _BT_OFF.__set__(self, off)
+
+    @property
+    def block_tables(self) -> np.ndarray:  # type: ignore[override]
+        try:
+            return _BT.__get__(self)
+        except AttributeError:
+            self._tables()
+            return _BT.__get__(self)
+
+    @block_tables.setter
+    def block_tables(self, v: np.ndarray) -> None:
+        _BT.__set__(self, v)
+
+    @property
+    def block_table_offsets(self) -> np.ndarray:  # type: ignore[override]
+        try:
+            return _BT_OFF.__get__(self)
+        except AttributeError:
+            self._tables()
+            return _BT_OFF.__get__(self)
+
+    @block_table_offsets.setter
+    def block_table_offsets(self, v: np.ndarray) -> None:
+        _BT_OFF.__set__(self, v)
+
+
+def decode_batch_fast(st: "BatchState", slots: np.ndarray, draft_tokens: Optional[np.ndarray],
+                      num_drafts: Optional[np.ndarray]) -> Optional[StateDecodeBatch]:
+    """``st.decode_batch(slots, draft_tokens, num_drafts)`` when the state vouches for every
+    scheduled request (see the module doc), else ``None``. The caller excludes placeholders,
+    Engram (look-back / compressed history) and states whose tables can pass max_num_blocks."""
+    slots = np.asarray(slots)
+    n = len(slots)
+    if slots.dtype != np.int64 or slots.ndim != 1 or n == 0:
+        return None
+    try:  # a slot outside [-max_seqs, max_seqs) raises here or reads -1: the general path names it
+        cap = st._dec_cap.take(slots)
+        nt = st.num_tokens.take(slots)
+    except IndexError:
+        return None
+    ones, no_ph, ar1, zeros1, empty = _consts(n)
+    last = np.take(st.token_ids, slots * st.max_tokens + nt - 1)
+    if draft_tokens is None or len(draft_tokens) == 0:
+        if num_drafts is not None:
+            nd = np.asarray(num_drafts)
+            if nd.shape != slots.shape or nd.any():
+                return None
+        sq, sk, tokens, tok_off = ones, nt, last, ar1
+    else:
+        if num_drafts is None:
+            return None
+        drafts, nd = np.asarray(draft_tokens, np.int64), np.asarray(num_drafts, np.int64)
+        if nd.shape != slots.shape or int(nd.min()) < 0 or int(nd.sum()) != len(drafts):
+            return None
+        sq = nd + 1
+        sk = nt + nd
+        tok_off = np.zeros(n + 1, np.int64)
+        np.cumsum(sq, out=tok_off[1:])
+        tokens = np.empty(int(tok_off[-1]), np.int64)
+        first = tok_off[:-1]
+        tokens[first] = last
+        # draft i of sequence s sits at row i + s + 1 (every earlier sequence adds its last token)
+        tokens[np.arange(len(drafts)) + np.repeat(ar1[1:], nd)] = drafts
+    if not (sk <= cap).all():  # not vouched for, a table too short for seqlen_k, past max_model_len
+        return None
+    b = StateDecodeBatch.__new__(StateDecodeBatch)
+    b.is_prompt = False
+    b.seqlen_q, b.seqlen_k, b.num_tokens = sq, sk, nt
+    b.state_id, b.swa_valid_start = st.state_id[slots], st.swa_valid_start[slots]
+    b.is_placeholder = no_ph
+    b.tokens, b.token_offsets = tokens, tok_off
+    b.compressed, b.compressed_offsets = empty, zeros1
+    b.lookback = 0
+    bt2d = np.take(st._bt32, slots, axis=0)
+    b._rows = (bt2d, st.num_blocks[slots])
+    b._checked, b._need, b._bt2d = st.cfg, None, (st.cfg, bt2d)
+    return b

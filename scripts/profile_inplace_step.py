@@ -1,0 +1,133 @@
+#!/usr/bin/env python
+"""Host time of the in-place decode step from a ``BatchState``, piece by piece (issue 18 goal:
+<= 50 us per step at 256 sequences including staging, H2D and replay, on the H200 host).
+
+The step an engine runs: ``st.stage_decode(staging, slots, drafts, counts)`` (the staging
+buffer written straight from the state, ONE non-blocking H2D copy, event recorded), then a
+replay of the graph it captured over ``launch_decode_inplace`` (``staging.replay(g)``). Timed per
+case (256 sequences, 0 / 2 drafts; the batches of ``scripts/bench_build.py``), p50 / min over
+``--repeat`` steps, all pieces interleaved in each round so load hits them alike:
+
+- ``step``: stage_decode + staging.replay(g), host time (the GPU work overlaps the next step);
+- ``step_sync``: the same plus a device sync (the latency of one step);
+- ``stage``: stage_decode alone (host fill + wait for the previous upload + copy enqueue);
+- ``stage_host``: stage_decode into a CPU staging buffer (the numpy part: no CUDA call);
+- ``upload``: ``staging.upload`` alone (stream lookup, two slices, copy_, event record);
+- ``replay``: ``staging.replay(g)`` (event waits around ``g.replay()``); ``replay_bare``: ``g.replay()``;
+- ``launch``: ``launch_decode_inplace`` with its cached graph (host time).
+
+    python scripts/profile_inplace_step.py --out $OUT/inplace_step.json     # on the H200
+    python scripts/profile_inplace_step.py --repeat 50                      # CPU smoke run
+
+Without CUDA only ``stage_host`` and ``stage`` are timed (the CUDA pieces need a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_build import _state_from, decode_batch  # noqa: E402
+from cpmeta import MetadataConfig  # noqa: E402
+from cpmeta.gpu.decode_inplace import (  # noqa: E402
+    DecodeStaging, launch_decode_inplace, prepare_decode_inplace, staging_capacity,
+)
+
+
+def _interleaved(fns: dict[str, Callable[[], Any]], repeat: int, sync: Callable[[], None]) -> dict[str, dict]:
+    """p50 / min (us) of every function, one call of each per round (order shuffled per round)."""
+    rng = random.Random(0)
+    names = list(fns)
+    ts: dict[str, list[float]] = {k: [] for k in names}
+    for _ in range(3):
+        for k in names:
+            fns[k]()
+        sync()
+    for _ in range(repeat):
+        rng.shuffle(names)
+        for k in names:
+            sync()
+            t0 = time.perf_counter()
+            fns[k]()
+            ts[k].append((time.perf_counter() - t0) * 1e6)
+    return {k: {"p50_us": float(np.median(v)), "min_us": float(np.min(v))} for k, v in ts.items()}
+
+
+def run_case(drafts: int, repeat: int, dev: torch.device) -> dict[str, Any]:
+    cfg = MetadataConfig()
+    seqs = decode_batch(random.Random(drafts), cfg, 256, drafts)
+    bs, slots, (_, dr, nd) = _state_from(seqs, cfg, False)
+    cuda = dev.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    cap = staging_capacity(cfg, 256, 256 * (1 + drafts))
+    st = DecodeStaging(dev, cap, fixed=True)
+    host_st = DecodeStaging("cpu", cap)
+    out: dict[str, torch.Tensor] = {}
+    prepare_decode_inplace(bs.decode_batch(slots, dr, nd), cfg, out=out, device=dev, staging=st)
+    sync()
+    fns: dict[str, Callable[[], Any]] = {
+        "stage": lambda: bs.stage_decode(st, slots, dr, nd),
+        "stage_host": lambda: bs.stage_decode(host_st, slots, dr, nd),
+    }
+    if cuda:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            launch_decode_inplace(st, cfg, out=out)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            launch_decode_inplace(st, cfg, out=out)
+        staged = bs.stage_decode(st, slots, dr, nd)
+
+        def step() -> None:
+            bs.stage_decode(st, slots, dr, nd)
+            st.replay(g)
+
+        def step_sync() -> None:
+            step()
+            torch.cuda.synchronize()
+
+        fns.update(step=step, step_sync=step_sync, upload=lambda: st.upload(staged), replay=lambda: st.replay(g),
+                   replay_bare=g.replay, launch=lambda: launch_decode_inplace(st, cfg, out=out))
+    res = _interleaved(fns, repeat, lambda: None)  # no sync between pieces: host time, as a loop runs
+    sync()
+    return {"drafts": drafts, "n_seqs": 256, "total_q": 256 * (1 + drafts), **res}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeat", type=int, default=1000)
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    results = {f"decode_256_d{d}": run_case(d, a.repeat, dev) for d in (0, 2)}
+    for name, r in results.items():
+        print(name, "  ".join(f"{k} {v['p50_us']:.1f}/{v['min_us']:.1f}" for k, v in r.items() if isinstance(v, dict)))
+    print("(p50/min us, host time; goal: step <= 50 us at 256 sequences on the H200 host)")
+    if a.out:
+        doc = {"command": " ".join(sys.argv), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+               "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                           "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+                           "torch": torch.__version__},
+               "results": results}
+        Path(a.out).write_text(json.dumps(doc, indent=1))
+        print("wrote", a.out)
+
+
+if __name__ == "__main__":
+    main()
