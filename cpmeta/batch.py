@@ -118,6 +118,9 @@ class SequenceBatch:
     # BatchState for a decode batch it marked validated; prepare_decode's block_tables is then ONE
     # row gather. Not a constructor argument.
     _bt2d: Optional[tuple[Any, np.ndarray]] = field(default=None, init=False, repr=False)
+    # True when every input id (window token) is known to fit int32: set only by BatchState's
+    # decode fast path (cpmeta/state_decode.py), which checked them; the builders then skip that check
+    _ids_ok: bool = field(default=False, init=False, repr=False)
 
     def __len__(self) -> int:
         return int(self.seqlen_q.shape[0])

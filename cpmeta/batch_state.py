@@ -31,6 +31,11 @@ __all__ = ["BatchState"]
 PLACEHOLDER_TOKEN = 0
 
 
+def _fits_int32(x: np.ndarray) -> bool:
+    """Every id of ``x`` is an int32 value (True for an empty ``x``)."""
+    return len(x) == 0 or (int(x.max()) <= INT32_MAX and int(x.min()) >= -INT32_MAX - 1)
+
+
 def _prefix(lengths: np.ndarray) -> np.ndarray:
     cu = np.zeros(len(lengths) + 1, np.int64)
     np.cumsum(lengths, out=cu[1:])
@@ -94,9 +99,10 @@ class BatchState:
         # [max_seqs, max_num_blocks] int32 mirror of block_table's first max_num_blocks ids, -1
         # padded: a decode step's block_tables rows (SequenceBatch._bt2d) in one row gather
         self._bt32 = np.full((n, cfg.max_num_blocks), -1, np.int32)
-        # stage_decode's fast path: [max_seqs] the slot's own checks hold (every id of its table in
+        # the decode fast paths: [max_seqs] the slot's own checks hold (every id of its table in
         # [0, _bt_max]: the int32 mirror is exact and every compressed slot fits int32; state id in
-        # [0, _state_max]: its SWA slots fit int32; swa_valid_start >= 0), kept by every mutator
+        # [0, _state_max]: its SWA slots fit int32; swa_valid_start >= 0; every confirmed token
+        # fits int32), kept by every mutator
         bc, S = cfg.block_size // cfg.min_ratio, cfg.swa_block_size
         self._bt_max = (INT32_MAX - (bc - 1)) // bc
         self._state_max = (INT32_MAX - (S - 1)) // S
@@ -108,6 +114,13 @@ class BatchState:
         # second half is -1: a negative slot wraps into it, so ONE gather (np.take raises past
         # 2 * max_seqs) bounds-checks the slots and vouches for the sequences.
         self._dec_cap = np.full(2 * n, -1, np.int64)
+        # [max_seqs] each slot's last confirmed token (a decode step's input id: one gather) and
+        # whether every confirmed token fits int32 (checked once, when it enters; part of _fast)
+        self._last = np.zeros(n, np.int64)
+        self._tok_ok = np.zeros(n, bool)
+        # blocks_needed(k) for every k in [0, max_model_len] (a step's need is one gather)
+        self._need_of = blocks_needed_array(np.arange(cfg.max_model_len + 1, dtype=np.int64), cfg).astype(np.int32)
+        self._bt_off_buf = np.zeros(n + 1, np.int64)  # stage_decode's scratch ([0] stays 0)
         self._ar = np.arange(n * cfg.max_num_blocks + 1, dtype=np.int64)
         ratios = cfg.ca_ratios + cfg.sparse_compress_ratios + cfg.dense_compress_ratios
         self._header = (STAGING_HEADER_FIXED + len(ratios), np.array(ratios, np.int32))
@@ -164,6 +177,8 @@ class BatchState:
         self._slot[req_id], self._req[s], self.active[s] = s, req_id, True
         self.token_ids[s, :len(toks)] = toks
         self.num_tokens[s] = self.prompt_len[s] = len(toks)
+        self._last[s] = toks[-1]
+        self._tok_ok[s] = _fits_int32(toks)
         self.num_computed[s] = num_computed
         self.block_table[s, :len(bt)] = bt
         self.num_blocks[s] = len(bt)
@@ -205,6 +220,11 @@ class BatchState:
         self._fits(req, "tokens", n0 + len(t), self.max_tokens, "max_tokens")
         self.token_ids[slot, n0:n0 + len(t)] = t
         self.num_tokens[slot] = n0 + len(t)
+        if len(t):
+            self._last[slot] = t[-1]
+            if not _fits_int32(t):
+                self._tok_ok[slot] = False
+                self._set_fast(slot)
 
     def append_tokens_batch(self, slots: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> None:
         """Vectorized :meth:`append_tokens`: request ``slots[i]`` gets the next ``counts[i]`` ids
@@ -225,6 +245,11 @@ class BatchState:
         _, seq, k = _ragged_index(counts)
         self.token_ids[slots[seq], self.num_tokens[slots][seq] + k] = tokens
         self.num_tokens[slots] = new
+        self._last[slots] = self.token_ids[slots, new - 1]
+        if len(tokens) and not _fits_int32(tokens):
+            for s in np.unique(slots[seq][(tokens > INT32_MAX) | (tokens < -INT32_MAX - 1)]).tolist():
+                self._tok_ok[s] = False
+                self._set_fast(s)
 
     def append_blocks(self, slot: int, blocks: Sequence[int]) -> None:
         """Block ids newly allocated to the request, appended to its table."""
@@ -263,7 +288,8 @@ class BatchState:
 
     def _set_fast(self, s: int) -> None:
         st = int(self.state_id[s])
-        self._fast[s] = bool(self._bt_ok[s]) and 0 <= st <= self._state_max and int(self.swa_valid_start[s]) >= 0
+        self._fast[s] = bool(self._bt_ok[s] and self._tok_ok[s]) and 0 <= st <= self._state_max and \
+            int(self.swa_valid_start[s]) >= 0
         ok = self._fast[s] and self.active[s] and self.num_computed[s] >= self.prompt_len[s]
         self._dec_cap[s] = self._table_cap(int(self.num_blocks[s])) if ok else -1
 

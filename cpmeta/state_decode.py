@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 
 from .batch import SequenceBatch
+from .constants import INT32_MAX
 
 if TYPE_CHECKING:
     from .batch_state import BatchState
@@ -108,7 +109,7 @@ def decode_batch_fast(st: "BatchState", slots: np.ndarray, draft_tokens: Optiona
     except IndexError:
         return None
     ones, no_ph, ar1, zeros1, empty = _consts(n)
-    last = np.take(st.token_ids, slots * st.max_tokens + nt - 1)
+    last = st._last.take(slots)  # every confirmed token fits int32 (part of _dec_cap)
     if draft_tokens is None or len(draft_tokens) == 0:
         if num_drafts is not None:
             nd = np.asarray(num_drafts)
@@ -119,7 +120,8 @@ def decode_batch_fast(st: "BatchState", slots: np.ndarray, draft_tokens: Optiona
         if num_drafts is None:
             return None
         drafts, nd = np.asarray(draft_tokens, np.int64), np.asarray(num_drafts, np.int64)
-        if nd.shape != slots.shape or int(nd.min()) < 0 or int(nd.sum()) != len(drafts):
+        if nd.shape != slots.shape or int(nd.min()) < 0 or int(nd.sum()) != len(drafts) \
+                or int(drafts.max()) > INT32_MAX or int(drafts.min()) < -INT32_MAX - 1:
             return None
         sq = nd + 1
         sk = nt + nd
@@ -142,5 +144,5 @@ def decode_batch_fast(st: "BatchState", slots: np.ndarray, draft_tokens: Optiona
     b.lookback = 0
     bt2d = np.take(st._bt32, slots, axis=0)
     b._rows = (bt2d, st.num_blocks[slots])
-    b._checked, b._need, b._bt2d = st.cfg, None, (st.cfg, bt2d)
+    b._checked, b._need, b._bt2d, b._ids_ok = st.cfg, None, (st.cfg, bt2d), True
     return b

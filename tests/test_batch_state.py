@@ -196,7 +196,7 @@ def test_fast_path_refuses_what_it_cannot_vouch_for() -> None:
     """A state id, valid start or block id out of the fast path's range (set at add_request, by a
     setter or by an append), a prefill not done, a too-short table: the general path runs and the
     builder raises its usual message."""
-    st = BatchState(PLAIN, max_seqs=4)
+    st = BatchState(PLAIN, max_seqs=5)
     a = st.add_request("a", [1, 2, 3], [9], -1, num_computed=3)  # bad state id from add_request
     b = st.add_request("b", [4, 5], [6], 1, num_computed=2)
     assert not isinstance(st.decode_batch(np.array([a])), StateDecodeBatch)
@@ -219,7 +219,16 @@ def test_fast_path_refuses_what_it_cannot_vouch_for() -> None:
     assert not isinstance(st.decode_batch(np.array([c])), StateDecodeBatch)
     with pytest.raises(ValueError, match=r"seqs\[0\]\.block_table"):
         prepare_decode(st.decode_batch(np.array([c])), PLAIN)
-    for bad in (7, 4, -1, -4, -5, -9):  # past max_seqs, or negative (wraps into the -1 half)
+    d = st.add_request("d", [1, 2], [1], 0, num_computed=2)
+    assert isinstance(st.decode_batch(np.array([d])), StateDecodeBatch)
+    st.append_tokens_batch(np.array([d]), np.array([2**31]), np.array([1]))  # a token past int32
+    assert not isinstance(st.decode_batch(np.array([d])), StateDecodeBatch)
+    with pytest.raises(ValueError, match="input_ids"):
+        prepare_decode(st.decode_batch(np.array([d])), PLAIN)
+    e = st.add_request("e", [1, 2], [1], 0, num_computed=2)
+    with pytest.raises(ValueError, match="input_ids"):  # a draft past int32: the builder's check
+        prepare_decode(st.decode_batch(np.array([e]), np.array([-2**31 - 1]), np.array([1])), PLAIN)
+    for bad in (7, 5, -1, -5, -6, -11):  # past max_seqs, or negative (wraps into the -1 half)
         with pytest.raises(ValueError, match="slots"):
             st.decode_batch(np.array([bad]))
 

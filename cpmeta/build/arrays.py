@@ -164,6 +164,8 @@ class BatchArrays:
     # is_placeholder.any(), computed once by extract_batch (True is always safe: the placeholder
     # branches then run and find no placeholder rows)
     any_placeholder: bool = True
+    # every input id is known to fit int32 (SequenceBatch._ids_ok): the int32 check skips them
+    ids_ok: bool = False
 
     def per_row(self, x: np.ndarray) -> np.ndarray:
         """``x[row_seq]`` for a per-sequence array; ``x`` itself (not a copy: do not modify it)

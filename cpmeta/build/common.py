@@ -91,7 +91,7 @@ def check_common_int32(b: BatchArrays, cfg: MetadataConfig) -> None:
         if v > INT32_MAX:
             check_int32("slot_mapping_store_ca", v,
                         f"max(block id) * (block_size // min_ratio) + block_size // min_ratio - 1 (b_c={bc})")
-    if b.total_q and (b.input_ids.max() > INT32_MAX or b.input_ids.min() < -INT32_MAX - 1):
+    if b.total_q and not b.ids_ok and (b.input_ids.max() > INT32_MAX or b.input_ids.min() < -INT32_MAX - 1):
         raise ValueError("input_ids: token id does not fit in int32")
 
 

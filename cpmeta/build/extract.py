@@ -118,7 +118,7 @@ def extract_batch(seqs: BatchInput, cfg: MetadataConfig, *, is_prompt: bool, fla
         comp_len=np.diff(sb.compressed_offsets) if cfg.max_ngram_size > 0 else None,  # Engram only
         bt_whole=bt_whole, bt_whole_off=bt_whole_off, bt2d=bt2d,
         # BatchState sets _bt2d only for a batch without placeholders
-        any_placeholder=False if bt2d is not None else bool(sb.is_placeholder.any()),
+        any_placeholder=False if bt2d is not None else bool(sb.is_placeholder.any()), ids_ok=sb._ids_ok,
     )
 
 

@@ -9,13 +9,11 @@ written together, and ``tests/test_stage_decode.py`` checks that both paths stag
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
-from ..batch import blocks_needed_array
 from ..config import MetadataConfig
-from ..sequence import blocks_needed
 from ..constants import INT32_MAX
 from .decode_staging import (
     F_BT_OFFSET, F_CU_K_INCL, F_CU_Q_INCL, F_PLACEHOLDER, F_SEQLEN_K, F_SEQLEN_Q, F_STATE, HEADER_FIXED,
@@ -62,7 +60,6 @@ def stage_decode(st: "BatchState", staging: DecodeStaging, slots: np.ndarray,
         nt = st.num_tokens.take(slots)
     except IndexError:
         return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload)
-    last = np.take(st.token_ids, slots * st.max_tokens + nt - 1)
     if draft_tokens is None or len(draft_tokens) == 0:
         if num_drafts is not None:
             nd = np.asarray(num_drafts)
@@ -73,7 +70,8 @@ def stage_decode(st: "BatchState", staging: DecodeStaging, slots: np.ndarray,
         if num_drafts is None:
             return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload)
         drafts, nd = np.asarray(draft_tokens, np.int64), np.asarray(num_drafts, np.int64)
-        if nd.shape != slots.shape or int(nd.min()) < 0 or int(nd.sum()) != len(drafts):
+        if nd.shape != slots.shape or int(nd.min()) < 0 or int(nd.sum()) != len(drafts) \
+                or int(drafts.max()) > INT32_MAX or int(drafts.min()) < -INT32_MAX - 1:
             return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload)
         n_d, sk, max_q = len(drafts), nt + nd, 1 + int(nd.max())
     n = n_real + n_ph
@@ -82,16 +80,13 @@ def stage_decode(st: "BatchState", staging: DecodeStaging, slots: np.ndarray,
     # <= num_blocks and <= max_num_blocks; it is monotone, so its max is that of max(sk)
     if not (sk <= cap).all():
         return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload)
-    need = _blocks_needed(sk, cfg)
+    need = st._need_of.take(sk)  # blocks_needed per seqlen_k: one gather (sk <= max_model_len)
     max_sk, total_k = int(sk.max()), int(sk.sum()) + n_ph
     mnb = st._bt32.shape[1]
-    bad_ids = int(last.max()) > INT32_MAX or int(last.min()) < -INT32_MAX - 1 or \
-        (n_d and (int(drafts.max()) > INT32_MAX or int(drafts.min()) < -INT32_MAX - 1))
-    if total_k > INT32_MAX or bad_ids or (total_q * mnb * _dense_bc(cfg) > INT32_MAX):
+    if total_k > INT32_MAX or (total_q * mnb * _dense_bc(cfg) > INT32_MAX):
         return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload)
     ph_nb = st._ph_blocks
-    bt_off = np.empty(n_real + 1, np.int64)  # exclusive prefix of need; [-1] = real blocks
-    bt_off[0] = 0
+    bt_off = st._bt_off_buf[:n_real + 1]  # exclusive prefix of need ([0] stays 0); [-1] = real blocks
     np.cumsum(need, out=bt_off[1:])
     total_b_real = int(bt_off[-1])
     total_b = total_b_real + n_ph * ph_nb
@@ -100,7 +95,7 @@ def stage_decode(st: "BatchState", staging: DecodeStaging, slots: np.ndarray,
     off_bt = off_ids + total_q
     used = off_bt + total_b
     staged = StagedDecode(n, total_q, total_k, max_q, max(max_sk, 1 if n_ph else 0), used,
-                          max(blocks_needed(max_sk, cfg), ph_nb if n_ph else 0))
+                          max(int(st._need_of[max_sk]), ph_nb if n_ph else 0))  # need is monotone
     staging.check_capacity(staged)  # before the host buffer is touched
     view = staging.host_view(used)
     view[:HEADER_FIXED] = (n, total_q, total_k, hl, off_ids, off_bt, used, used)
@@ -125,10 +120,10 @@ def stage_decode(st: "BatchState", staging: DecodeStaging, slots: np.ndarray,
     blk[F_BT_OFFSET, r] = bt_off[:-1]
     ids = view[off_ids:off_bt]
     if n_d:  # row of draft i of sequence s: i + s + 1 (every earlier sequence adds its last token)
-        ids[blk[F_CU_Q_INCL, r] - blk[F_SEQLEN_Q, r]] = last
+        ids[blk[F_CU_Q_INCL, r] - blk[F_SEQLEN_Q, r]] = st._last.take(slots)
         ids[np.arange(n_d) + np.repeat(st._ar[1:n_real + 1], nd)] = drafts
-    else:
-        ids[:n_real] = last
+    else:  # the last confirmed tokens (int32 by _dec_cap's vouching)
+        np.take(st._last, slots, out=ids[:n_real], mode="clip")
     if n_ph:
         ids[total_q - n_ph:] = 0
     # flat tables: entry i of sequence s is _bt32[slot, i], one ragged take of the flat mirror
@@ -155,34 +150,16 @@ def _slow(st: "BatchState", staging: DecodeStaging, slots: np.ndarray, draft_tok
     return staged
 
 
-#: per config (by id, entry keeps the config): ``(blocks_needed for [n] arrays, block_size // min(dense))``
-_PER_CFG: dict[int, tuple[MetadataConfig, Callable[[np.ndarray], np.ndarray], int]] = {}
-
-
-def _cfg_consts(cfg: MetadataConfig) -> tuple[MetadataConfig, Callable[[np.ndarray], np.ndarray], int]:
-    hit = _PER_CFG.get(id(cfg))
-    if hit is None or hit[0] is not cfg:
-        if len(_PER_CFG) > 64:
-            _PER_CFG.clear()
-        if len(cfg.ca_ratios) == 1:  # cdiv(sk // n, b_n) in three in-place passes
-            n, bn = cfg.ca_ratios[0], cfg.block_size // cfg.ca_ratios[0]
-
-            def need_fn(sk: np.ndarray) -> np.ndarray:
-                x = sk // n
-                x += bn - 1
-                x //= bn
-                return x
-        else:
-            def need_fn(sk: np.ndarray) -> np.ndarray:
-                return blocks_needed_array(sk, cfg)
-        dense_bc = cfg.block_size // min(cfg.dense_compress_ratios) if cfg.dense_compress_ratios else 0
-        hit = _PER_CFG[id(cfg)] = (cfg, need_fn, dense_bc)
-    return hit
-
-
-def _blocks_needed(sk: np.ndarray, cfg: MetadataConfig) -> np.ndarray:
-    return _cfg_consts(cfg)[1](sk)
+#: per config (by id, the entry keeps the config): ``block_size // min(dense ratios)`` (0 without)
+_DENSE_BC: dict[int, tuple[MetadataConfig, int]] = {}
 
 
 def _dense_bc(cfg: MetadataConfig) -> int:
-    return _cfg_consts(cfg)[2]
+    """The decode offset bound's factor (``_check_decode_int32``), cached per config object."""
+    hit = _DENSE_BC.get(id(cfg))
+    if hit is None or hit[0] is not cfg:
+        if len(_DENSE_BC) > 64:
+            _DENSE_BC.clear()
+        bc = cfg.block_size // min(cfg.dense_compress_ratios) if cfg.dense_compress_ratios else 0
+        hit = _DENSE_BC[id(cfg)] = (cfg, bc)
+    return hit[1]
