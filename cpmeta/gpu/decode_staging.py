@@ -62,7 +62,12 @@ class DecodeStaging:
         self.device = torch.device(device)
         self.fixed = fixed
         self._event: Optional[torch.cuda.Event] = None  # last upload done (host buffer free again)
-        self._read_event: Optional[torch.cuda.Event] = None  # last consumer of device_buffer done
+        self._read_event: Optional[torch.cuda.Event] = None  # last consumer on ANOTHER stream done
+        self._read_pending = False  # _read_event recorded since the last upload waited for it
+        self._up_stream: Optional["torch.cuda.Stream"] = None  # stream of the last upload
+        self._dev_index = self.device.index if self.device.index is not None else (
+            torch.cuda.current_device() if self.device.type == "cuda" else -1)
+        self._slices: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # upload size -> (device, host) views
         self.out_cache: object = None  # decode_inplace keeps the checked buffers of the last `out` here
         self.out_capacity: Optional[OutCapacity] = None  # limits of the buffers this staging feeds
         self.last_staged: Optional[StagedDecode] = None  # scalars of the batch in device_buffer
@@ -83,6 +88,7 @@ class DecodeStaging:
         self.device_buffer = (
             torch.zeros(capacity, dtype=torch.int32, device=self.device) if cuda else self.host_buffer
         )
+        self._slices = {}
 
     def wait(self) -> None:
         """Block until the previous upload from the host buffer has completed."""
@@ -139,18 +145,32 @@ class DecodeStaging:
     def upload(self, staged: StagedDecode) -> None:
         """ONE non-blocking host-to-device copy of the used prefix on the current stream, then
         record ``upload_event``. The copy first waits (device side) for the last
-        :meth:`consumed_on` event, so a kernel or replay on another stream still reading the
-        previous batch is not overwritten under it."""
+        :meth:`consumed_on` event of a consumer on another stream, and for the previous upload's
+        stream when this one differs, so a kernel or replay still reading the previous batch is
+        not overwritten under it.
+
+        The copy is rounded up to a multiple of 1024 elements (4 KiB; never past the capacity):
+        the kernels read only the staged prefix, and the few sizes that occur reuse cached
+        slice views (a torch view costs a few us of host time per step)."""
         self.last_staged = staged
         if self.device.type != "cuda":
             return
-        stream = torch.cuda.current_stream(self.device)
-        if self._read_event is not None:
+        stream = torch.cuda.current_stream(self._dev_index)
+        up = self._up_stream
+        if up is not None and stream != up:  # consumers ordered on the old upload stream
+            stream.wait_stream(up)
+        if self._read_pending:
             stream.wait_event(self._read_event)
-        self.device_buffer[: staged.used].copy_(self.host_buffer[: staged.used], non_blocking=True)
+            self._read_pending = False  # later uploads are ordered after this one
+        k = min(-(-staged.used // 1024) * 1024, self.capacity)
+        pair = self._slices.get(k)
+        if pair is None:
+            pair = self._slices[k] = (self.device_buffer[:k], self.host_buffer[:k])
+        pair[0].copy_(pair[1], non_blocking=True)
         if self._event is None:
             self._event = torch.cuda.Event()
         self._event.record(stream)
+        self._up_stream = stream
 
     @property
     def upload_event(self) -> Optional["torch.cuda.Event"]:
@@ -158,29 +178,45 @@ class DecodeStaging:
         return self._event
 
     def ready_on(self, stream: Optional["torch.cuda.Stream"] = None) -> None:
-        """Make ``stream`` (default: current) wait for the last upload. No-op on CPU and while
-        the stream is capturing (an event recorded outside a capture cannot be waited on inside)."""
-        if self._event is None or torch.cuda.is_current_stream_capturing():
+        """Make ``stream`` (default: current) wait for the last upload: nothing to do on the
+        upload's own stream (stream order). No-op on CPU and while the stream is capturing (an
+        event recorded outside a capture cannot be waited on inside)."""
+        if self._event is None:
             return
-        (stream or torch.cuda.current_stream(self.device)).wait_event(self._event)
+        s = stream or torch.cuda.current_stream(self._dev_index)
+        if s == self._up_stream or torch.cuda.is_current_stream_capturing():
+            return
+        s.wait_event(self._event)
 
     def consumed_on(self, stream: Optional["torch.cuda.Stream"] = None) -> None:
         """Record that work enqueued on ``stream`` (default: current) reads ``device_buffer``;
-        the next :meth:`upload` waits for it on the device. No-op on CPU and while capturing."""
-        if self.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        the next :meth:`upload` waits for it on the device (on the upload's own stream stream
+        order does that: no event). No-op on CPU and while capturing."""
+        if self.device.type != "cuda":
+            return
+        s = stream or torch.cuda.current_stream(self._dev_index)
+        if s == self._up_stream or torch.cuda.is_current_stream_capturing():
             return
         if self._read_event is None:
             self._read_event = torch.cuda.Event()
-        self._read_event.record(stream or torch.cuda.current_stream(self.device))
+        self._read_event.record(s)
+        self._read_pending = True
 
     def replay(self, graph: "torch.cuda.CUDAGraph", stream: Optional["torch.cuda.Stream"] = None) -> None:
         """``graph.replay()`` on ``stream`` (default: current), ordered after the last upload and
         before the next one. Example: ``st.stage(batch, cfg)`` on the default stream, then
         ``st.replay(g, side)`` replays on ``side`` without racing the copy."""
-        if stream is None or self.device.type != "cuda":
-            self.ready_on()
+        if self.device.type != "cuda":
             graph.replay()
-            self.consumed_on()
+            return
+        if stream is None:
+            s = torch.cuda.current_stream(self._dev_index)
+            if s == self._up_stream:  # the upload's own stream: stream order both ways
+                graph.replay()
+                return
+            self.ready_on(s)
+            graph.replay()
+            self.consumed_on(s)
             return
         with torch.cuda.stream(stream):
             self.ready_on(stream)
