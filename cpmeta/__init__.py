@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from .batch import SequenceBatch
 from .batch_state import BatchState
-from .buffers import get_or_create_stacked, get_or_create_tensor
+from .buffers import OutputArenas, get_or_create_stacked, get_or_create_tensor
 from .config import MetadataConfig
 from .constants import INT32_MAX, PAD_SLOT_ID, PLACEHOLDER_QUERY_INDEX
 from .metadata import InputMetadata
@@ -71,6 +71,7 @@ __all__ = [
     "InputMetadata",
     "get_or_create_tensor",
     "get_or_create_stacked",
+    "OutputArenas",
     "PAD_SLOT_ID",
     "PLACEHOLDER_QUERY_INDEX",
     "INT32_MAX",

@@ -14,7 +14,7 @@ from typing import Iterable, Optional, Sequence
 import numpy as np
 import torch
 
-__all__ = ["get_or_create_tensor", "get_or_create_stacked", "ArenaLayout", "HostArena", "ARENA_ALIGN"]
+__all__ = ["get_or_create_tensor", "get_or_create_stacked", "ArenaLayout", "HostArena", "OutputArenas", "ARENA_ALIGN"]
 
 #: Byte alignment of every tensor carved out of a :class:`HostArena`.
 ARENA_ALIGN = 64
@@ -195,3 +195,42 @@ class HostArena:
         start, size, shape, strides, dtype = self._fields[name]  # not declared stacked: rows now
         t_all = self._views[dtype][0]
         return [t_all.as_strided(shape[1:], strides[1:], start + i * strides[0]) for i in range(shape[0])], got[1]
+
+
+class OutputArenas:
+    """Reusable outputs for a builder called every step: ``prepare_decode(batch, cfg, out=arenas)``.
+
+    Holds ONE :class:`HostArena` per batch shape (``(config, total_q, n_seq)``; at most
+    ``max_shapes``, the oldest dropped first), made on the first call with that shape and
+    REFILLED by every later one: the returned metadata's tensors are the same objects each step
+    (same addresses), and no tensor is created per call. The contract of a reused ``out`` dict:
+    a result is valid until the next call with the same shape, so the caller must be done with it
+    -- including any non-blocking copy from it -- before that call (e.g. sync on the copy's event,
+    or copy inside the step that built it). Example::
+
+        arenas = OutputArenas()
+        for step in steps:
+            md = prepare_decode(state.decode_batch(slots), cfg, out=arenas)   # same tensors each step
+            dev_md = md.to("cuda", non_blocking=True); ev.record(); ...; ev.synchronize()
+    """
+
+    __slots__ = ("_arenas", "max_shapes")
+
+    def __init__(self, max_shapes: int = 8) -> None:
+        if max_shapes < 1:
+            raise ValueError(f"max_shapes: expected >= 1, got {max_shapes}")
+        self.max_shapes = int(max_shapes)
+        self._arenas: dict[ArenaLayout, HostArena] = {}
+
+    def arena(self, layout: ArenaLayout) -> HostArena:
+        """The arena of ``layout`` (one allocation the first time; builders cache layouts, so the
+        same batch shape gives the same layout object)."""
+        a = self._arenas.get(layout)
+        if a is None:
+            if len(self._arenas) >= self.max_shapes:
+                del self._arenas[next(iter(self._arenas))]
+            a = self._arenas[layout] = HostArena(layout)
+        return a
+
+    def __len__(self) -> int:
+        return len(self._arenas)

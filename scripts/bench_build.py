@@ -239,6 +239,12 @@ def _array_case(is_prompt: bool, n: int, q: int) -> CaseFn:
             res["builder"] = time_us(lambda: build(step(), cfg), rep)
         res["list_out"] = time_us(lambda: build(seqs, cfg, out=out_l), rep)
         res["state_out"] = time_us(lambda: build(step(), cfg, out=out_s), rep)
+        if not is_prompt:  # the steady state of an engine loop: one arena per batch shape, refilled
+            from cpmeta import OutputArenas
+
+            arenas = OutputArenas()
+            res["state_arena"] = time_us(lambda: build(step(), cfg, out=arenas), rep)
+            res["speedup_arena_vs_list"] = res["list"]["p50_us"] / res["state_arena"]["p50_us"]
         res["batch_step"] = time_us(step, rep)
         res["speedup_vs_list"] = res["list"]["p50_us"] / res["builder"]["p50_us"]
         res["speedup_vs_list_out"] = res["list_out"]["p50_us"] / res["state_out"]["p50_us"]

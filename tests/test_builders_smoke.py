@@ -207,6 +207,30 @@ def test_out_refills_same_tensors_and_rejects_mismatch() -> None:
         prepare_decode(mk()[:4], cfg, out=out)
 
 
+def test_output_arenas_refill_one_arena_per_shape() -> None:
+    """``out=OutputArenas()``: every call with a batch shape refills that shape's arena (the same
+    tensor objects, values equal to a fresh build); other shapes get their own arena; the oldest
+    is dropped past ``max_shapes``."""
+    from cpmeta import OutputArenas, metadata_diff
+
+    cfg = MetadataConfig(dense_compress_ratios=(4, 128), max_ngram_size=2)
+    rng = random.Random(2)
+    mk = lambda n, q: [_seq(q, rng.randint(q, 900), state=i, prompt=False) for i in range(n)]  # noqa: E731
+    arenas = OutputArenas(max_shapes=2)
+    first = prepare_decode(mk(5, 3), cfg, out=arenas)
+    for _ in range(3):
+        seqs = mk(5, 3)
+        md = prepare_decode(seqs, cfg, out=arenas)
+        assert md.positions is first.positions and md.klen["4"] is first.klen["4"] and len(arenas) == 1
+        assert metadata_diff(md, prepare_decode(seqs, cfg), cfg=cfg) == []
+    other = prepare_decode(mk(4, 1), cfg, out=arenas)
+    assert len(arenas) == 2 and other.positions.data_ptr() != first.positions.data_ptr()
+    prepare_decode(mk(2, 1), cfg, out=arenas)  # a third shape: the first arena is dropped
+    assert len(arenas) == 2 and prepare_decode(mk(5, 3), cfg, out=arenas).positions is not first.positions
+    with pytest.raises(ValueError, match="max_shapes"):
+        OutputArenas(max_shapes=0)
+
+
 def test_decode_out_schema_is_stacked_on_both_paths() -> None:
     """One out= schema: per-ratio keys ("klen.4") are refused by the eager and in-place paths."""
     from cpmeta.gpu.decode_inplace import prepare_decode_inplace

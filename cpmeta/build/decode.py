@@ -19,7 +19,7 @@ import torch
 from ..config import MetadataConfig
 from ..constants import INT32_MAX, PAD_SLOT_ID
 from ..metadata import InputMetadata
-from ..buffers import ArenaLayout, HostArena
+from ..buffers import ArenaLayout, HostArena, OutputArenas
 from .arrays import BatchArrays, alloc, alloc_stacked, check_int32, fmod
 from .common import check_common_int32, fill_common
 from .extract import BatchInput, extract_batch
@@ -245,7 +245,7 @@ def check_decode_out(out: Out) -> None:
 
 
 def prepare_decode(
-    seqs: BatchInput, cfg: MetadataConfig, *, out: Out = None
+    seqs: BatchInput, cfg: MetadataConfig, *, out: "Out | OutputArenas" = None
 ) -> InputMetadata:
     """Build decode ``InputMetadata`` (CPU tensors; pinned when CUDA is available).
 
@@ -258,7 +258,9 @@ def prepare_decode(
         out: optional dict of preallocated tensors keyed by field name (``"positions"``, ...;
             per-ratio fields stacked, see :data:`DECODE_STACKED_FIELDS`); matching tensors are
             filled in place, missing ones are allocated and stored in it, a shape/dtype mismatch
-            (or a per-ratio key such as ``"klen.4"``) is a ``ValueError``.
+            (or a per-ratio key such as ``"klen.4"``) is a ``ValueError``. Or a
+            :class:`cpmeta.OutputArenas`: one arena per batch shape, refilled every step (the
+            cheapest steady state: no tensor is made per call).
 
     Returns every decode field of DESIGN section 4 (int32 indices, bool masks, [total_q] rows):
     common fields, ``state_block_idx`` / ``context_lens`` [total_q], ``klen[r]``,
@@ -267,12 +269,15 @@ def prepare_decode(
     Raises ``ValueError`` before allocating when ``total_q * max_num_blocks *
     (block_size // min(dense ratios))`` (or a slot value) exceeds int32.
     """
-    if type(out) is not HostArena:
+    reuse = type(out) is OutputArenas
+    if not reuse:
         check_decode_out(out)
     b = extract_batch(seqs, cfg, is_prompt=False, flat_tables=False)
     _check_decode_int32(b, cfg)
     if out is None:  # one host allocation for every field (all shapes are known now)
         out = HostArena(_decode_layout(cfg, b.total_q, b.n_seq))
+    elif reuse:  # the arena of this batch shape, refilled (OutputArenas)
+        out = out.arena(_decode_layout(cfg, b.total_q, b.n_seq))
     f = fill_common(b, cfg, out)
     pos1 = _fill_decode_rows(b, cfg, out, f)
     f["block_tables"], bt = _fill_block_tables(b, cfg, out)
