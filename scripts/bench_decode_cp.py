@@ -11,16 +11,23 @@ default config, ``seqlen_k`` uniform in ``[1, 8192]``), every step timed as
   staged     ``StagedDecodeBroadcaster.broadcast(seqs, out=out)``: the driver validates and stages
              (a few KB of int32), ONE ring message, every rank uploads it and runs the kernels (or
              the cached graph of them on CUDA) into its own preallocated buffers
+  staged_state
+             ``StagedDecodeBroadcaster.broadcast_state(state, slots, drafts, counts, out=out)``:
+             as ``staged``, but the driver keeps the batch in a ``BatchState`` (filled once from
+             the same sequences, untimed: ``bench_build._state_from``) and stages straight from
+             its arrays (``stage_decode(upload=False)``); followers still ``broadcast(None)``
   bcast      ``MetadataBroadcaster.broadcast(prepare_decode(seqs, cfg))``: the driver builds on
              the CPU, ~20 tensors travel (in the ring message; on CUDA + NCCL one collective)
 
-Both include the driver's reading of the ``SequenceMetadata`` objects (``--np-tables`` holds the
-block tables as int32 numpy arrays, the cheaper input). Goal (issue 18 item 3): ``staged`` <= 150 us
-at 256 sequences, world 1 NCCL and 2-3 gloo ranks (16-core host).
+``staged`` and ``bcast`` include the driver's reading of the ``SequenceMetadata`` objects
+(``--np-tables`` holds the block tables as int32 numpy arrays, the cheaper input); ``staged_state``
+is the engine that keeps its batch as arrays (DESIGN 13). Goal (issue 18 item 3): ``staged`` /
+``staged_state`` <= 150 us at 256 sequences, world 1 NCCL and 2-3 gloo ranks (16-core host).
 
     python scripts/bench_decode_cp.py --worlds 1 2 3                      # CPU / gloo
     python scripts/bench_decode_cp.py --backend nccl --worlds 1           # one GPU, NCCL
     python scripts/bench_decode_cp.py --device cuda --worlds 2 3          # gloo ranks sharing cuda:0
+    python scripts/bench_decode_cp.py --methods staged_state --worlds 2   # one method
 """
 
 from __future__ import annotations
@@ -43,10 +50,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_broadcast import Method, init_rank, run_world_procs, time_cell  # noqa: E402  (same timing protocol)
-from bench_build import decode_batch  # noqa: E402  (same batches as the builders' bench)
+from bench_build import _state_from, decode_batch  # noqa: E402  (same batches and states as the builders' bench)
 
 TARGET_US = 150.0
-METHODS = ("staged", "bcast")
+METHODS = ("staged", "staged_state", "bcast")
 
 
 class StagedMethod(Method):
@@ -65,6 +72,20 @@ class StagedMethod(Method):
 
     def close(self) -> None:
         self.sb.close()
+
+
+class StagedStateMethod(StagedMethod):
+    """``staged`` with the driver's batch in a ``BatchState``: ``broadcast_state`` each step."""
+
+    def __init__(self, rank: int, device: torch.device, cfg: Any, seqs: list) -> None:
+        super().__init__(rank, device, cfg, seqs)  # same buffers, warmed by one seqs broadcast
+        if rank == 0:
+            self.state, self.slots, (_, self.drafts, self.nd) = _state_from(seqs, cfg, False)
+
+    def step(self, seqs: Any) -> Any:
+        if seqs is None:  # followers: unchanged
+            return self.sb.broadcast(None, out=self.out)
+        return self.sb.broadcast_state(self.state, self.slots, self.drafts, self.nd, out=self.out)
 
 
 class BcastMethod(Method):
@@ -94,7 +115,8 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_pa
             s.block_table = np.asarray(s.block_table, dtype=np.int32)
     results = []
     for name in args.methods:
-        method = StagedMethod(rank, device, cfg, seqs) if name == "staged" else BcastMethod(rank, device, cfg)
+        method = (BcastMethod(rank, device, cfg) if name == "bcast"
+                  else (StagedStateMethod if name == "staged_state" else StagedMethod)(rank, device, cfg, seqs))
         lat = sorted(time_cell(method, seqs, args.steps, args.warmup, args.budget))
         method.close()
         if rank == 0:
@@ -102,7 +124,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_pa
                  "n_seqs": args.n_seqs, "drafts": args.drafts, "np_tables": args.np_tables, "n": len(lat),
                  "p50_us": lat[len(lat) // 2] * 1e6, "p90_us": lat[min(len(lat) - 1, int(0.9 * len(lat)))] * 1e6}
             results.append(r)
-            print(f"  world={world} {args.backend}/{device.type} {name:>6}: p50 {r['p50_us']:8.1f} us  "
+            print(f"  world={world} {args.backend}/{device.type} {name:>12}: p50 {r['p50_us']:8.1f} us  "
                   f"p90 {r['p90_us']:8.1f} us", flush=True)
     if rank == 0:
         Path(out_path).write_text(json.dumps(results))
@@ -136,12 +158,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     results: list[dict] = []
     for w in args.worlds:
         results += run_world(w, args)
-    print(f"\n{'world':>5} {'backend':>8} {'device':>7} " + " ".join(f"{m + ' p50':>12}" for m in args.methods)
-          + f"   (us, {args.n_seqs} seqs, goal staged <= {TARGET_US:.0f})")
+    print(f"\n{'world':>5} {'backend':>8} {'device':>7} " + " ".join(f"{m + ' p50':>16}" for m in args.methods)
+          + f"   (us, {args.n_seqs} seqs, goal staged(_state) <= {TARGET_US:.0f})")
     for w in args.worlds:
         cells = {r["method"]: r for r in results if r["world"] == w}
         print(f"{w:>5} {args.backend:>8} {args.device:>7} "
-              + " ".join(f"{cells[m]['p50_us']:12.1f}" for m in args.methods if m in cells))
+              + " ".join(f"{cells[m]['p50_us']:16.1f}" for m in args.methods if m in cells))
     if args.out:
         Path(args.out).write_text(json.dumps({
             "date": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),

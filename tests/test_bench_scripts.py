@@ -42,6 +42,7 @@ def test_bench_broadcast_quick(tmp_path: Path) -> None:
     ("bench_decode_inplace.py", ["--quick", "--repeat", "3"]),
     ("bench_slot_mapping.py", ["--quick"]),
     ("profile_array_input.py", ["--repeat", "3"]),  # per-phase profile: follows the builders' internals
+    ("bench_decode_cp.py", ["--quick", "--worlds", "1", "2"]),  # staged, staged_state, bcast on gloo ranks
 ])
 def test_other_benchmarks_quick(tmp_path: Path, script: str, args: list[str]) -> None:
     out = tmp_path / "o.json"

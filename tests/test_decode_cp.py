@@ -8,13 +8,21 @@ without): world 1 NCCL, and 2-3 gloo ranks sharing ``cuda:0``, each replaying IT
 graph of the kernels after ``stage()``. Malformed messages (wrong version / scalars / dtype /
 header offsets / block-table offsets / ratios) are a ``RuntimeError`` naming the follower's rank,
 and a batch the driver refuses (too large for its buffers) is refused on every rank.
+
+The driver's ``BatchState`` entry points (``broadcast_state`` / ``stage_state``, followers still
+``broadcast(None)`` / ``stage(None)``): every rank's metadata equals ``prepare_decode(
+state.decode_batch(same args))``, with and without MTP drafts and placeholders, also for an
+Engram config (the state's general fallback); the driver's refusals reach every rank.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import random
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -148,10 +156,94 @@ def _malformed_messages(rank: int, world: int) -> list[str]:
     return errors
 
 
+def _state_cp_equals_prepare(rank: int, world: int) -> dict[str, int]:
+    """The driver's ``broadcast_state`` / ``stage_state`` (followers: ``broadcast(None)`` /
+    ``stage(None)``) == ``prepare_decode(state.decode_batch(...))`` on every rank. Every rank
+    builds the same engine from the same seed (its reference); only the driver hands it over."""
+    from cpmeta import prepare_decode
+    from cpmeta.diff import metadata_diff
+    from cpmeta.gpu import DecodeStaging, StagedDecodeBroadcaster
+    from cpmeta.gpu.decode_inplace import launch_decode_inplace, prepare_decode_inplace
+    from strategies import metadata_prefix
+    from test_stage_decode import CONFIGS, _engine
+
+    seen = {"steps": 0, "drafts": 0, "no_drafts": 0, "placeholders": 0, "staged": 0}
+    drv = rank == 0
+    for ci in (0, len(CONFIGS) - 1):  # no Engram; Engram (stage_decode's general fallback)
+        cfg = CONFIGS[ci]
+        assert bool(cfg.max_ngram_size) == (ci > 0)
+        state, steps = _engine(cfg, random.Random(ci))
+        every = np.flatnonzero(state.active)
+        st, out = DecodeStaging("cpu", 4096, fixed=True), {}  # out: every request, 3 drafts, 3 placeholders
+        prepare_decode_inplace(state.decode_batch(every, np.zeros(3 * len(every), np.int64), np.full(len(every), 3),
+                                                  num_placeholders=3), cfg, out=out, device="cpu", staging=st)
+        with StagedDecodeBroadcaster(cfg, src=0, device="cpu", staging=st, timeout=60) as sb:
+            for i, (slots, drafts, counts, n_ph) in enumerate(steps(6)):
+                if i % 3 == 0:
+                    drafts = counts = None
+                n_ph = 2 if i == 4 else n_ph
+                args = (slots, drafts, counts)
+                ref = prepare_decode(state.decode_batch(*args, num_placeholders=n_ph), cfg)
+                if i % 3 == 2:  # stage + the kernels on the captured-size buffers (a graph's view)
+                    staged = sb.stage_state(state, *args, num_placeholders=n_ph) if drv else sb.stage(None)
+                    md = metadata_prefix(launch_decode_inplace(st, cfg, out=out), staged.num_seqs, staged.total_q)
+                    md.max_seqlen_q, md.max_seqlen_k = staged.max_seqlen_q, staged.max_seqlen_k
+                    seen["staged"] += 1
+                else:
+                    md = (sb.broadcast_state(state, *args, num_placeholders=n_ph, out=out) if drv
+                          else sb.broadcast(None, out=out))
+                    assert md.positions.data_ptr() == out["positions"].data_ptr(), "not written in place"
+                assert metadata_diff(md, ref, cfg=cfg) == [], f"rank {rank} cfg {ci} step {i}"
+                seen["steps"] += 1
+                seen["drafts" if counts is not None and counts.any() else "no_drafts"] += 1
+                seen["placeholders"] += n_ph > 0
+            if ci == 0:
+                _state_refusals(sb, state, every, rank)
+    return seen
+
+
+def _state_refusals(sb: Any, state: Any, every: np.ndarray, rank: int) -> None:
+    """Refused batches reach every rank; out=None lifts the limits as for ``broadcast``."""
+    from cpmeta import BatchState, prepare_decode
+    from cpmeta.diff import metadata_diff
+    from cpmeta.gpu.decode_inplace import prepare_decode_inplace
+
+    cfg, drv = sb.cfg, rank == 0
+    if not drv:  # local misuse, no message
+        for call in (sb.broadcast_state, sb.stage_state):
+            with pytest.raises(ValueError, match=rf"rank {rank}: only src=0 passes a BatchState"):
+                call(state, every)
+    small: dict[str, torch.Tensor] = {}
+    prepare_decode_inplace(state.decode_batch(every[:1]), cfg, out=small, device="cpu")
+    other = BatchState(dataclasses.replace(cfg, max_model_len=2 * cfg.max_model_len), 1)
+    for why, call in ((r"total_q: 2 rows exceed the captured buffers' q_cap=1",
+                       lambda: sb.broadcast_state(state, every[:2], out=small)),
+                      (r"state: expected a BatchState for the broadcaster's cfg",
+                       lambda: sb.broadcast_state(other, np.zeros(0, np.int64), out=small))):
+        if drv:
+            with pytest.raises(ValueError, match=why):
+                call()
+        else:
+            with pytest.raises(RuntimeError, match=rf"rank {rank}: .*the driver refused the batch: {why}"):
+                sb.broadcast(None, out=small)
+    # out=None: no limits (as broadcast()), although the staging's out_capacity (seq_cap n + 3) is smaller
+    n = len(every)
+    md = sb.broadcast_state(state, every, num_placeholders=4) if drv else sb.broadcast(None)
+    assert md.num_seqs == n + 4 and sb.staging.out_capacity.seq_cap == n + 3
+    assert metadata_diff(md, prepare_decode(state.decode_batch(every, num_placeholders=4), cfg), cfg=cfg) == []
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_cp_staged_decode_equals_broadcast_cpu(world: int) -> None:
     n = len(_configs()) * STEPS
     assert run_ranks(_cp_equals_broadcast, world, "cpu", False, timeout=240) == [n] * world
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_cp_state_driver_equals_prepare_decode_cpu(world: int) -> None:
+    res = run_ranks(_state_cp_equals_prepare, world, timeout=240)
+    assert all(r == res[0] for r in res), res
+    assert res[0]["steps"] == 12 and min(res[0].values()) >= 1, res
 
 
 def test_cp_malformed_message_names_the_rank() -> None:

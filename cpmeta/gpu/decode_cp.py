@@ -13,6 +13,11 @@ Message (``ObjectChannel.broadcast_packed``)::
             or {"error": "..."} when the driver refused the batch (followers raise too)
     tensor  the staging buffer's used prefix: [used] int32 (layout: decode_staging)
 
+The driver's batch is a list of ``SequenceMetadata`` / a ``SequenceBatch`` (:meth:`broadcast`,
+:meth:`stage`: ``DecodeStaging.fill``) or a ``BatchState`` (:meth:`broadcast_state`,
+:meth:`stage_state`: ``BatchState.stage_decode(upload=False)`` writes the staging straight from
+the state's arrays, the cheaper step); both send the same message, followers cannot tell.
+
 A follower checks the message against ITS ``cfg`` before any write (:func:`check_staged_layout`:
 header offsets, ratios, prefix sums, block-table offsets inside the buffer); anything else is a
 ``RuntimeError`` naming the rank, never a kernel reading or writing out of bounds.
@@ -22,7 +27,7 @@ Every rank must construct the broadcaster with the same ``cfg`` (same ratios, bl
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -40,6 +45,9 @@ from ..build.decode import check_decode_out
 from ..config import MetadataConfig
 from ..metadata import InputMetadata
 from ..sequence import SequenceMetadata
+
+if TYPE_CHECKING:
+    from ..batch_state import BatchState
 
 __all__ = ["StagedDecodeBroadcaster", "check_staged_layout", "STAGED_DECODE_VERSION"]
 
@@ -103,8 +111,10 @@ class StagedDecodeBroadcaster:
 
     Collective: every rank of ``group`` constructs it (same ``cfg``, same ``src``) and calls
     :meth:`broadcast` (or :meth:`stage`) the same number of times; the driver passes the batch,
-    the others ``None``. Each rank owns a :class:`DecodeStaging` (``staging``; pass a ``fixed``
-    one when a CUDA graph reads its device buffer) and its own ``out`` buffers.
+    the others ``None``. The driver may instead call :meth:`broadcast_state` (:meth:`stage_state`)
+    with its ``BatchState`` while the followers still call ``broadcast(None)`` (``stage(None)``).
+    Each rank owns a :class:`DecodeStaging` (``staging``; pass a ``fixed`` one when a CUDA graph
+    reads its device buffer) and its own ``out`` buffers.
 
     Per-rank example (group [0, 1, 2] on one host, src 0, each rank on its own GPU or all on one)::
 
@@ -114,6 +124,11 @@ class StagedDecodeBroadcaster:
 
         staged = bc.stage(seqs if rank == 0 else None)   # with a captured graph instead:
         bc.staging.replay(graph)                         # each rank replays its own graph
+
+        if rank == 0:                                    # the driver keeps a BatchState:
+            md = bc.broadcast_state(state, slots, drafts, counts, out=out)
+        else:                                            # md == prepare_decode(
+            md = bc.broadcast(None, out=out)             #   state.decode_batch(slots, ...), cfg)
 
     Args:
         cfg: the decode config (every rank the same).
@@ -170,6 +185,28 @@ class StagedDecodeBroadcaster:
         self.staging.upload(staged)
         return staged
 
+    def broadcast_state(self, state: "BatchState", slots: np.ndarray, draft_tokens: Optional[np.ndarray] = None,
+                        num_drafts: Optional[np.ndarray] = None, *, num_placeholders: int = 0, out: Out = None,
+                        use_graph: bool = True) -> InputMetadata:
+        """Driver only: :meth:`broadcast` of ``state.decode_batch(slots, draft_tokens, num_drafts,
+        num_placeholders=...)``, the staging written straight from ``state`` (``stage_decode``,
+        no ``SequenceBatch``); the followers call ``broadcast(None, out=out)``. Same result,
+        errors and capacity rules as :meth:`broadcast` (limits: this ``out``'s buffers)."""
+        check_decode_out(out)
+        cap = _capacity_of(out)
+        staged = self._send(self._state_fill(state, slots, draft_tokens, num_drafts, num_placeholders, cap), cap)
+        return finish_staged(self.staging, staged, self.cfg, out=out, device=self.device,
+                             backend=self.backend, use_graph=use_graph)
+
+    def stage_state(self, state: "BatchState", slots: np.ndarray, draft_tokens: Optional[np.ndarray] = None,
+                    num_drafts: Optional[np.ndarray] = None, *, num_placeholders: int = 0) -> StagedDecode:
+        """Driver only: :meth:`stage` from ``state`` (as :meth:`broadcast_state`); the followers
+        call ``stage(None)``, then every rank replays its own graph."""
+        cap = self.staging.out_capacity
+        staged = self._send(self._state_fill(state, slots, draft_tokens, num_drafts, num_placeholders, cap), cap)
+        self.staging.upload(staged)
+        return staged
+
     def close(self) -> None:
         """Release the channel's shared memory (idempotent)."""
         self._ch.close()
@@ -182,33 +219,57 @@ class StagedDecodeBroadcaster:
 
     # ---- internals ----------------------------------------------------------------------------
     def _exchange(self, seqs: Optional[Sequence[SequenceMetadata]], cap: Any) -> StagedDecode:
-        """Fill (driver) or receive + validate (followers) the host staging buffer; no upload."""
-        st = self.staging
-        if not self.is_src:
-            if seqs is not None:
-                raise ValueError(f"rank {self.rank}: only src={self.src} passes seqs; followers pass None")
-            staged = self._receive()
-        else:
+        """Fill + send (driver) or receive + validate (followers) the host staging buffer; no upload."""
+        if self.is_src:
             if seqs is None:
                 raise ValueError(f"rank {self.rank} (src): expected the batch, got None")
-            try:
-                staged = st.fill(seqs, self.cfg)
-                if cap is not None:
-                    cap.check(staged)
-            except ValueError as e:
-                self._ch.broadcast_packed({"error": str(e)}, [])
-                raise
-            self._ch.broadcast_packed(
-                [STAGED_DECODE_VERSION, staged.num_seqs, staged.total_q, staged.total_k, staged.max_seqlen_q,
-                 staged.max_seqlen_k, staged.used, staged.max_blocks],
-                [st.host_buffer[: staged.used]])
-            return staged
+            return self._send(lambda: self.staging.fill(seqs, self.cfg), cap)
+        if seqs is not None:
+            raise ValueError(f"rank {self.rank}: only src={self.src} passes seqs; followers pass None")
+        staged = self._receive()
         if cap is not None:
             try:
                 cap.check(staged)
             except ValueError as e:
                 raise ValueError(f"rank {self.rank}: {e}") from None
         return staged
+
+    def _send(self, fill: Callable[[], StagedDecode], cap: Any) -> StagedDecode:
+        """Driver: ``fill()`` the host staging buffer, check it against ``cap``, send it. A
+        ``ValueError`` of either is sent to the followers (they raise too), then re-raised."""
+        try:
+            staged = fill()
+            if cap is not None:
+                cap.check(staged)
+        except ValueError as e:
+            self._ch.broadcast_packed({"error": str(e)}, [])
+            raise
+        self._ch.broadcast_packed(
+            [STAGED_DECODE_VERSION, staged.num_seqs, staged.total_q, staged.total_k, staged.max_seqlen_q,
+             staged.max_seqlen_k, staged.used, staged.max_blocks],
+            [self.staging.host_buffer[: staged.used]])
+        return staged
+
+    def _state_fill(self, state: "BatchState", slots: np.ndarray, draft_tokens: Optional[np.ndarray],
+                    num_drafts: Optional[np.ndarray], n_ph: int, cap: Any) -> Callable[[], StagedDecode]:
+        """The driver's fill from a ``BatchState``: ``stage_decode(upload=False)`` with the
+        staging's ``out_capacity`` set to ``cap`` for the call, so its check (made before the host
+        buffer is touched) uses the limits :meth:`broadcast` uses, not those of the last ``out``
+        this staging fed."""
+        if not self.is_src:
+            raise ValueError(f"rank {self.rank}: only src={self.src} passes a BatchState; followers call "
+                             f"broadcast(None) / stage(None)")
+
+        def fill() -> StagedDecode:
+            if state.cfg is not self.cfg and state.cfg != self.cfg:
+                raise ValueError(f"state: expected a BatchState for the broadcaster's cfg, got one for {state.cfg}")
+            st = self.staging
+            saved, st.out_capacity = st.out_capacity, cap
+            try:
+                return state.stage_decode(st, slots, draft_tokens, num_drafts, num_placeholders=n_ph, upload=False)
+            finally:
+                st.out_capacity = saved
+        return fill
 
     def _receive(self) -> StagedDecode:
         from transport import CodecError
