@@ -361,14 +361,15 @@ class BatchState:
 
     def stage_decode(self, staging: "DecodeStaging", slots: np.ndarray,
                      draft_tokens: Optional[np.ndarray] = None, num_drafts: Optional[np.ndarray] = None,
-                     *, num_placeholders: int = 0, upload: bool = True) -> "StagedDecode":
+                     *, num_placeholders: int = 0, upload: bool = True, capacity: Any = ...) -> "StagedDecode":
         """``staging.stage(self.decode_batch(...), cfg)`` written STRAIGHT from the state arrays
-        (in-place decode, DESIGN 12; ``upload=False``: host fill only): see
+        (in-place decode, DESIGN 12; ``upload=False``: host fill only; ``capacity``: the limits
+        checked, default ``staging.out_capacity``): see
         :func:`cpmeta.gpu.stage_state.stage_decode`."""
         from .gpu.stage_state import stage_decode
 
         return stage_decode(self, staging, slots, draft_tokens, num_drafts, num_placeholders=num_placeholders,
-                            upload=upload)
+                            upload=upload, capacity=capacity)
 
     def _batch(self, is_prompt: bool, slots: np.ndarray, sq: np.ndarray, sk: np.ndarray,
                drafts: Optional[np.ndarray], n_ph: int) -> SequenceBatch:

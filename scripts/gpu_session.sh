@@ -3,7 +3,7 @@
 # (<= 10 minutes): GPU tests and NCCL launch checks; GPU benchmarks; CPU benchmarks on the host's
 # cores (broadcast vs vLLM's MessageQueue, array input). Every step has its own time limit; logs
 # and JSON go to $OUT.
-#   bash scripts/gpu_session.sh tests|gpu_bench|cpu_bench|all     (OUT defaults to ./out)
+#   bash scripts/gpu_session.sh tests|gpu_bench|cpu_bench|issue18|all     (OUT defaults to ./out)
 #   carry mq_bundle (bash ../shared/tools/mq_bundle.sh mq_bundle 3.12) for the mq column
 set -u
 PART=${1:-all}
@@ -63,5 +63,15 @@ if part cpu_bench; then  # ~8 min; issue 17 (broadcast vs mq, worlds 2/4/8) and 
   done
   TAILN=6 step bench_state 60 python3 scripts/bench_build.py --only state_ --no-ref --repeat 300 --out "$OUT/build_state.json"
   TAILN=30 step profile_array 45 python3 scripts/profile_array_input.py --repeat 500 --out "$OUT/array_phases.json"
+fi
+if part issue18; then  # ~7 min; the array-input fast paths (issue 18): GPU tests of the paths they touch, then benches
+  TAILN=4 step gpu_tests18 240 python3 -m pytest -q -p no:cacheprovider -x tests/test_cuda_graph.py \
+    tests/test_decode_inplace.py tests/test_stage_decode.py tests/test_decode_cp.py tests/test_decode_capacity.py \
+    tests/test_batch_state.py tests/test_builders_smoke.py
+  TAILN=4 step inplace_step 60 python3 scripts/profile_inplace_step.py --repeat 1000 --out "$OUT/inplace_step.json"
+  TAILN=8 step bench_inplace 120 python3 scripts/bench_decode_inplace.py --out "$OUT/inplace.json"
+  TAILN=8 step bench_cp_nccl1 60 python3 scripts/bench_decode_cp.py --backend nccl --worlds 1 --steps 300 --budget 5 --out "$OUT/decode_cp_nccl1.json"
+  TAILN=8 step bench_cp_gloo_cuda0 90 python3 scripts/bench_decode_cp.py --device cuda --worlds 2 3 --steps 200 --budget 5 --out "$OUT/decode_cp_gloo_cuda0.json"
+  TAILN=6 step bench_state 60 python3 scripts/bench_build.py --only state_ --no-ref --repeat 300 --out "$OUT/build_state.json"
 fi
 ls -la "$OUT"

@@ -252,10 +252,9 @@ class StagedDecodeBroadcaster:
 
     def _state_fill(self, state: "BatchState", slots: np.ndarray, draft_tokens: Optional[np.ndarray],
                     num_drafts: Optional[np.ndarray], n_ph: int, cap: Any) -> Callable[[], StagedDecode]:
-        """The driver's fill from a ``BatchState``: ``stage_decode(upload=False)`` with the
-        staging's ``out_capacity`` set to ``cap`` for the call, so its check (made before the host
-        buffer is touched) uses the limits :meth:`broadcast` uses, not those of the last ``out``
-        this staging fed."""
+        """The driver's fill from a ``BatchState``: ``stage_decode(upload=False, capacity=cap)``,
+        so its check (made before the host buffer is touched) uses the limits :meth:`broadcast`
+        uses, not those of the last ``out`` this staging fed."""
         if not self.is_src:
             raise ValueError(f"rank {self.rank}: only src={self.src} passes a BatchState; followers call "
                              f"broadcast(None) / stage(None)")
@@ -263,12 +262,8 @@ class StagedDecodeBroadcaster:
         def fill() -> StagedDecode:
             if state.cfg is not self.cfg and state.cfg != self.cfg:
                 raise ValueError(f"state: expected a BatchState for the broadcaster's cfg, got one for {state.cfg}")
-            st = self.staging
-            saved, st.out_capacity = st.out_capacity, cap
-            try:
-                return state.stage_decode(st, slots, draft_tokens, num_drafts, num_placeholders=n_ph, upload=False)
-            finally:
-                st.out_capacity = saved
+            return state.stage_decode(self.staging, slots, draft_tokens, num_drafts, num_placeholders=n_ph,
+                                      upload=False, capacity=cap)
         return fill
 
     def _receive(self) -> StagedDecode:

@@ -9,7 +9,7 @@ written together, and ``tests/test_stage_decode.py`` checks that both paths stag
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
@@ -28,11 +28,13 @@ __all__ = ["stage_decode"]
 
 def stage_decode(st: "BatchState", staging: DecodeStaging, slots: np.ndarray,
                  draft_tokens: Optional[np.ndarray] = None, num_drafts: Optional[np.ndarray] = None,
-                 *, num_placeholders: int = 0, upload: bool = True) -> StagedDecode:
+                 *, num_placeholders: int = 0, upload: bool = True, capacity: Any = ...) -> StagedDecode:
     """``staging.stage(st.decode_batch(slots, draft_tokens, num_drafts, num_placeholders=...),
     cfg)`` written STRAIGHT from the state arrays: no ``SequenceBatch``, no ``BatchArrays``.
     ``upload=False``: fill the host buffer only (``staging.fill``'s contract: the caller uploads,
-    e.g. a CP driver broadcasting the buffer first, or a graph that captured the copy).
+    e.g. a CP driver broadcasting the buffer first). ``capacity``: the limits checked before the
+    host buffer is touched -- default ``staging.out_capacity``; an ``OutCapacity``; ``None`` for
+    none (a CP driver checks the ``out`` it was given, not the last one this staging fed).
 
     Same staging bytes, same errors, same capacity refusal (``staging.out_capacity``; here
     checked before the host buffer is touched), same upload (``DecodeStaging.upload``: ONE
@@ -54,37 +56,37 @@ def stage_decode(st: "BatchState", staging: DecodeStaging, slots: np.ndarray,
     slots = np.asarray(slots)
     n_real = len(slots)
     if cfg.max_ngram_size or n_real == 0 or n_ph < 0 or slots.dtype != np.int64 or slots.ndim != 1:
-        return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload)
+        return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload, capacity)
     try:  # BatchState._dec_cap: -1 unless live, prefill done, ids / state / valid start in range;
         cap = st._dec_cap.take(slots)  # a slot outside [-max_seqs, max_seqs) raises or reads -1
         nt = st.num_tokens.take(slots)
     except IndexError:
-        return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload)
+        return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload, capacity)
     if draft_tokens is None or len(draft_tokens) == 0:
         if num_drafts is not None:
             nd = np.asarray(num_drafts)
             if nd.shape != slots.shape or nd.any():
-                return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload)
+                return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload, capacity)
         n_d, sk, drafts, max_q = 0, nt, None, 1
     else:
         if num_drafts is None:
-            return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload)
+            return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload, capacity)
         drafts, nd = np.asarray(draft_tokens, np.int64), np.asarray(num_drafts, np.int64)
         if nd.shape != slots.shape or int(nd.min()) < 0 or int(nd.sum()) != len(drafts) \
                 or int(drafts.max()) > INT32_MAX or int(drafts.min()) < -INT32_MAX - 1:
-            return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload)
+            return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload, capacity)
         n_d, sk, max_q = len(drafts), nt + nd, 1 + int(nd.max())
     n = n_real + n_ph
     total_q = n + n_d
     # vouched for, the table covers seqlen_k and seqlen_k <= max_model_len: blocks_needed is then
     # <= num_blocks and <= max_num_blocks; it is monotone, so its max is that of max(sk)
     if not (sk <= cap).all():
-        return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload)
+        return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload, capacity)
     need = st._need_of.take(sk)  # blocks_needed per seqlen_k: one gather (sk <= max_model_len)
     max_sk, total_k = int(sk.max()), int(sk.sum()) + n_ph
     mnb = st._bt32.shape[1]
     if total_k > INT32_MAX or (total_q * mnb * _dense_bc(cfg) > INT32_MAX):
-        return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload)
+        return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload, capacity)
     ph_nb = st._ph_blocks
     bt_off = st._bt_off_buf[:n_real + 1]  # exclusive prefix of need ([0] stays 0); [-1] = real blocks
     np.cumsum(need, out=bt_off[1:])
@@ -96,7 +98,7 @@ def stage_decode(st: "BatchState", staging: DecodeStaging, slots: np.ndarray,
     used = off_bt + total_b
     staged = StagedDecode(n, total_q, total_k, max_q, max(max_sk, 1 if n_ph else 0), used,
                           max(int(st._need_of[max_sk]), ph_nb if n_ph else 0))  # need is monotone
-    staging.check_capacity(staged)  # before the host buffer is touched
+    _check(staging, staged, capacity)  # before the host buffer is touched
     view = staging.host_view(used)
     view[:HEADER_FIXED] = (n, total_q, total_k, hl, off_ids, off_bt, used, used)
     view[HEADER_FIXED:hl] = ratios
@@ -138,16 +140,24 @@ def stage_decode(st: "BatchState", staging: DecodeStaging, slots: np.ndarray,
 
 
 def _slow(st: "BatchState", staging: DecodeStaging, slots: np.ndarray, draft_tokens: Optional[np.ndarray],
-          num_drafts: Optional[np.ndarray], n_ph: int, upload: bool) -> StagedDecode:
+          num_drafts: Optional[np.ndarray], n_ph: int, upload: bool, capacity: Any) -> StagedDecode:
     """``staging.stage(st.decode_batch(...), cfg)`` (or ``fill`` + the capacity check without
     ``upload``): the general path, its checks and errors."""
     slots, drafts, nd = st._decode_args(slots, draft_tokens, num_drafts)
     batch = st._batch(False, slots, 1 + nd, st.num_tokens[slots] + nd, drafts, n_ph)
-    if upload:
-        return staging.stage(batch, st.cfg)
     staged = staging.fill(batch, st.cfg)
-    staging.check_capacity(staged)
+    _check(staging, staged, capacity)
+    if upload:
+        staging.upload(staged)
     return staged
+
+
+def _check(staging: DecodeStaging, staged: StagedDecode, capacity: Any) -> None:
+    """``stage_decode``'s capacity rule: ``...`` the staging's ``out_capacity``, ``None`` none."""
+    if capacity is ...:
+        staging.check_capacity(staged)
+    elif capacity is not None:
+        capacity.check(staged)
 
 
 #: per config (by id, the entry keeps the config): ``block_size // min(dense ratios)`` (0 without)
