@@ -48,7 +48,7 @@ def blocks_needed_array(sk: np.ndarray, cfg: MetadataConfig) -> np.ndarray:
 
 def _prefix(lengths: np.ndarray) -> np.ndarray:
     cu = np.zeros(len(lengths) + 1, np.int64)
-    np.cumsum(lengths, out=cu[1:])
+    np.add.accumulate(lengths, out=cu[1:])
     return cu
 
 

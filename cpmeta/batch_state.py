@@ -38,7 +38,7 @@ def _fits_int32(x: np.ndarray) -> bool:
 
 def _prefix(lengths: np.ndarray) -> np.ndarray:
     cu = np.zeros(len(lengths) + 1, np.int64)
-    np.cumsum(lengths, out=cu[1:])
+    np.add.accumulate(lengths, out=cu[1:])
     return cu
 
 
@@ -119,7 +119,7 @@ class BatchState:
         self._last = np.zeros(n, np.int64)
         self._tok_ok = np.zeros(n, bool)
         # blocks_needed(k) for every k in [0, max_model_len] (a step's need is one gather)
-        self._need_of = blocks_needed_array(np.arange(cfg.max_model_len + 1, dtype=np.int64), cfg).astype(np.int32)
+        self._need_of = blocks_needed_array(np.arange(cfg.max_model_len + 1, dtype=np.int64), cfg)
         self._bt_off_buf = np.zeros(n + 1, np.int64)  # stage_decode's scratch ([0] stays 0)
         self._ar = np.arange(n * cfg.max_num_blocks + 1, dtype=np.int64)
         ratios = cfg.ca_ratios + cfg.sparse_compress_ratios + cfg.dense_compress_ratios

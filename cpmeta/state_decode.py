@@ -66,7 +66,7 @@ class StateDecodeBatch(SequenceBatch):
         bt2d, nb = self._rows
         _BT.__set__(self, bt2d[np.arange(bt2d.shape[1]) < nb[:, None]].astype(np.int64))
         off = np.zeros(len(nb) + 1, np.int64)
-        np.cumsum(nb, out=off[1:])
+        np.add.accumulate(nb, out=off[1:])
         _BT_OFF.__set__(self, off)
 
     @property
@@ -113,7 +113,7 @@ def decode_batch_fast(st: "BatchState", slots: np.ndarray, draft_tokens: Optiona
     if draft_tokens is None or len(draft_tokens) == 0:
         if num_drafts is not None:
             nd = np.asarray(num_drafts)
-            if nd.shape != slots.shape or nd.any():
+            if nd.shape != slots.shape or np.count_nonzero(nd):
                 return None
         sq, sk, tokens, tok_off = ones, nt, last, ar1
     else:
@@ -126,7 +126,7 @@ def decode_batch_fast(st: "BatchState", slots: np.ndarray, draft_tokens: Optiona
         sq = nd + 1
         sk = nt + nd
         tok_off = np.zeros(n + 1, np.int64)
-        np.cumsum(sq, out=tok_off[1:])
+        np.add.accumulate(sq, out=tok_off[1:])
         tokens = np.empty(int(tok_off[-1]), np.int64)
         first = tok_off[:-1]
         tokens[first] = last

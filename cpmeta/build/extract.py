@@ -80,12 +80,12 @@ def extract_batch(seqs: BatchInput, cfg: MetadataConfig, *, is_prompt: bool, fla
     n = len(sb)
     sq, sk = sb.seqlen_q, sb.seqlen_k
     cu_k = np.zeros(n + 1, np.int64)
-    np.cumsum(sk, out=cu_k[1:])
+    np.add.accumulate(sk, out=cu_k[1:])
     if len(sb.tokens) == n:  # every window holds >= seqlen_q >= 1 ids: one row per sequence
         cu_q, total_q = _identity(n + 1)[0], n
     else:
         cu_q = np.zeros(n + 1, np.int64)
-        np.cumsum(sq, out=cu_q[1:])
+        np.add.accumulate(sq, out=cu_q[1:])
         total_q = int(cu_q[-1])
     q_start = sk - sq
     known2d = sb._bt2d
@@ -130,7 +130,7 @@ def _flat_tables(sb: SequenceBatch, need: np.ndarray) -> tuple[np.ndarray, np.nd
     """
     off = sb.block_table_offsets
     start = np.zeros(len(need) + 1, np.int64)
-    np.cumsum(need, out=start[1:])
+    np.add.accumulate(need, out=start[1:])
     total = int(start[-1])
     flat = np.empty(total + 1, np.int64)
     if int(off[-1]) == total:  # every table has exactly `need` blocks (need <= len is validated)

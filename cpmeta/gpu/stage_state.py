@@ -65,7 +65,7 @@ def stage_decode(st: "BatchState", staging: DecodeStaging, slots: np.ndarray,
     if draft_tokens is None or len(draft_tokens) == 0:
         if num_drafts is not None:
             nd = np.asarray(num_drafts)
-            if nd.shape != slots.shape or nd.any():
+            if nd.shape != slots.shape or np.count_nonzero(nd):
                 return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload, capacity)
         n_d, sk, drafts, max_q = 0, nt, None, 1
     else:
@@ -89,7 +89,7 @@ def stage_decode(st: "BatchState", staging: DecodeStaging, slots: np.ndarray,
         return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload, capacity)
     ph_nb = st._ph_blocks
     bt_off = st._bt_off_buf[:n_real + 1]  # exclusive prefix of need ([0] stays 0); [-1] = real blocks
-    np.cumsum(need, out=bt_off[1:])
+    np.add.accumulate(need, out=bt_off[1:])
     total_b_real = int(bt_off[-1])
     total_b = total_b_real + n_ph * ph_nb
     hl, ratios = st._header
@@ -111,12 +111,12 @@ def stage_decode(st: "BatchState", staging: DecodeStaging, slots: np.ndarray,
     r = slice(0, n_real)
     if n_d:
         np.add(nd, 1, out=blk[F_SEQLEN_Q, r])
-        np.cumsum(blk[F_SEQLEN_Q, r], out=blk[F_CU_Q_INCL, r])
+        np.add.accumulate(blk[F_SEQLEN_Q, r], out=blk[F_CU_Q_INCL, r])
     else:
         blk[F_SEQLEN_Q, r] = 1
         blk[F_CU_Q_INCL, r] = st._ar[1:n_real + 1]
     blk[F_SEQLEN_K, r] = sk
-    np.cumsum(blk[F_SEQLEN_K, r], out=blk[F_CU_K_INCL, r])
+    np.add.accumulate(blk[F_SEQLEN_K, r], out=blk[F_CU_K_INCL, r])
     np.take(st.state_id, slots, out=blk[F_STATE, r], mode="clip")  # clip: no buffering, slots checked
     blk[F_PLACEHOLDER, r] = 0
     blk[F_BT_OFFSET, r] = bt_off[:-1]
