@@ -116,8 +116,11 @@ class BatchState:
         self._dec_cap = np.full(2 * n, -1, np.int64)
         # [max_seqs] each slot's last confirmed token (a decode step's input id: one gather) and
         # whether every confirmed token fits int32 (checked once, when it enters; part of _fast)
-        self._last = np.zeros(n, np.int64)
+        # (int32, written by array assignment, which wraps an id that does not fit: such a slot
+        # has _tok_ok False and is never read here; same for _state32 and _fast)
+        self._last = np.zeros(n, np.int32)
         self._tok_ok = np.zeros(n, bool)
+        self._state32 = np.zeros(n, np.int32)  # state_id as int32 (the staging's dtype)
         # blocks_needed(k) for every k in [0, max_model_len] (a step's need is one gather)
         self._need_of = blocks_needed_array(np.arange(cfg.max_model_len + 1, dtype=np.int64), cfg)
         self._bt_off_buf = np.zeros(n + 1, np.int64)  # stage_decode's scratch ([0] stays 0)
@@ -177,7 +180,7 @@ class BatchState:
         self._slot[req_id], self._req[s], self.active[s] = s, req_id, True
         self.token_ids[s, :len(toks)] = toks
         self.num_tokens[s] = self.prompt_len[s] = len(toks)
-        self._last[s] = toks[-1]
+        self._last[s:s + 1] = toks[-1:]
         self._tok_ok[s] = _fits_int32(toks)
         self.num_computed[s] = num_computed
         self.block_table[s, :len(bt)] = bt
@@ -188,6 +191,7 @@ class BatchState:
         self.compressed[s, :len(comp)] = comp
         self.num_compressed[s] = len(comp)
         self.state_id[s], self.swa_valid_start[s] = state_id, swa_valid_start
+        self._state32[s:s + 1] = self.state_id[s:s + 1]
         self._set_fast(s)  # after state_id / swa_valid_start: it reads them
         return s
 
@@ -221,7 +225,7 @@ class BatchState:
         self.token_ids[slot, n0:n0 + len(t)] = t
         self.num_tokens[slot] = n0 + len(t)
         if len(t):
-            self._last[slot] = t[-1]
+            self._last[slot:slot + 1] = t[-1:]
             if not _fits_int32(t):
                 self._tok_ok[slot] = False
                 self._set_fast(slot)
@@ -279,6 +283,7 @@ class BatchState:
         """The request's SWA / state slot moved."""
         self._live(slot)
         self.state_id[slot] = state_id
+        self._state32[slot:slot + 1] = self.state_id[slot:slot + 1]
         self._set_fast(slot)
 
     def set_swa_valid_start(self, slot: int, swa_valid_start: int) -> None:

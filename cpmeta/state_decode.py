@@ -109,7 +109,7 @@ def decode_batch_fast(st: "BatchState", slots: np.ndarray, draft_tokens: Optiona
     except IndexError:
         return None
     ones, no_ph, ar1, zeros1, empty = _consts(n)
-    last = st._last.take(slots)  # every confirmed token fits int32 (part of _dec_cap)
+    last = st._last.take(slots).astype(np.int64)  # every confirmed token fits int32 (part of _dec_cap)
     if draft_tokens is None or len(draft_tokens) == 0:
         if num_drafts is not None:
             nd = np.asarray(num_drafts)

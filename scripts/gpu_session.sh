@@ -68,7 +68,7 @@ if part issue18; then  # ~7 min; the array-input fast paths (issue 18): GPU test
   TAILN=4 step gpu_tests18 240 python3 -m pytest -q -p no:cacheprovider -x tests/test_cuda_graph.py \
     tests/test_decode_inplace.py tests/test_stage_decode.py tests/test_decode_cp.py tests/test_decode_capacity.py \
     tests/test_batch_state.py tests/test_builders_smoke.py
-  TAILN=4 step inplace_step 60 python3 scripts/profile_inplace_step.py --repeat 1000 --out "$OUT/inplace_step.json"
+  TAILN=6 step inplace_step 90 python3 scripts/profile_inplace_step.py --repeat 1000 --cp --out "$OUT/inplace_step.json"
   TAILN=8 step bench_inplace 120 python3 scripts/bench_decode_inplace.py --out "$OUT/inplace.json"
   TAILN=8 step bench_cp_nccl1 60 python3 scripts/bench_decode_cp.py --backend nccl --worlds 1 --steps 300 --budget 5 --out "$OUT/decode_cp_nccl1.json"
   TAILN=8 step bench_cp_gloo_cuda0 90 python3 scripts/bench_decode_cp.py --device cuda --worlds 2 3 --steps 200 --budget 5 --out "$OUT/decode_cp_gloo_cuda0.json"

@@ -14,10 +14,14 @@ case (256 sequences, 0 / 2 drafts; the batches of ``scripts/bench_build.py``), p
 - ``stage_host``: stage_decode into a CPU staging buffer (the numpy part: no CUDA call);
 - ``upload``: ``staging.upload`` alone (stream lookup, two slices, copy_, event record);
 - ``replay``: ``staging.replay(g)`` (event waits around ``g.replay()``); ``replay_bare``: ``g.replay()``;
-- ``launch``: ``launch_decode_inplace`` with its cached graph (host time).
+- ``launch``: ``launch_decode_inplace`` with its cached graph (host time);
+- ``step_graph_upload``: ``stage_decode(upload=False)`` + ``staging.replay_uploading(g_up)``, the
+  graph captured with ``staging.upload_in_graph()`` before the kernels (the copy is a graph node);
+  ``stage_fill``: the fill alone (same buffer, CUDA staging: includes the wait for the last use).
 
     python scripts/profile_inplace_step.py --out $OUT/inplace_step.json     # on the H200
     python scripts/profile_inplace_step.py --repeat 50                      # CPU smoke run
+    python scripts/profile_inplace_step.py --cp --out $OUT/step.json        # + the CP driver, world 1
 
 Without CUDA only ``stage_host`` and ``stage`` are timed (the CUDA pieces need a GPU).
 """
@@ -102,20 +106,72 @@ def run_case(drafts: int, repeat: int, dev: torch.device) -> dict[str, Any]:
             step()
             torch.cuda.synchronize()
 
+        g_up = torch.cuda.CUDAGraph()  # the same kernels with the H2D copy inside the graph
+        with torch.cuda.graph(g_up):
+            st.upload_in_graph()
+            launch_decode_inplace(st, cfg, out=out)
+
+        def step_graph_upload() -> None:  # fill only, then ONE replay that copies and runs the kernels
+            st.replay_uploading(g_up, bs.stage_decode(st, slots, dr, nd, upload=False))
+
         fns.update(step=step, step_sync=step_sync, upload=lambda: st.upload(staged), replay=lambda: st.replay(g),
-                   replay_bare=g.replay, launch=lambda: launch_decode_inplace(st, cfg, out=out))
+                   replay_bare=g.replay, launch=lambda: launch_decode_inplace(st, cfg, out=out),
+                   step_graph_upload=step_graph_upload,
+                   stage_fill=lambda: bs.stage_decode(st, slots, dr, nd, upload=False))
     res = _interleaved(fns, repeat, lambda: None)  # no sync between pieces: host time, as a loop runs
     sync()
     return {"drafts": drafts, "n_seqs": 256, "total_q": 256 * (1 + drafts), **res}
+
+
+def run_cp(drafts: int, repeat: int, dev: torch.device) -> dict[str, Any]:
+    """The CP driver's step at world 1 (NCCL on CUDA, else gloo), piece by piece:
+    ``cp_step`` (``broadcast_state``: fill from the state + send + upload + kernels, host time),
+    ``cp_step_sync`` (+ device sync: what ``bench_decode_cp`` measures), ``cp_fill``
+    (``stage_decode(upload=False)``) and ``cp_finish`` (``finish_staged``: upload + kernels)."""
+    import os
+
+    import torch.distributed as dist
+
+    from cpmeta.gpu import StagedDecodeBroadcaster
+    from cpmeta.gpu.decode_inplace import finish_staged
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=0, world_size=1)
+    cfg = MetadataConfig()
+    seqs = decode_batch(random.Random(drafts), cfg, 256, drafts)
+    bs, slots, (_, dr, nd) = _state_from(seqs, cfg, False)
+    st = DecodeStaging(dev, staging_capacity(cfg, 256, 256 * (1 + drafts)), fixed=True)
+    sb = StagedDecodeBroadcaster(cfg, src=0, device=dev, staging=st)
+    out: dict[str, torch.Tensor] = {}
+    sb.broadcast_state(bs, slots, dr, nd, out=out)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    staged = bs.stage_decode(st, slots, dr, nd, upload=False)
+
+    def step_sync() -> None:
+        sb.broadcast_state(bs, slots, dr, nd, out=out)
+        sync()
+
+    fns = {"cp_step": lambda: sb.broadcast_state(bs, slots, dr, nd, out=out), "cp_step_sync": step_sync,
+           "cp_fill": lambda: bs.stage_decode(st, slots, dr, nd, upload=False),
+           "cp_finish": lambda: finish_staged(st, staged, cfg, out=out, device=dev, backend=sb.backend)}
+    res = _interleaved(fns, repeat, lambda: None)
+    sync()
+    sb.close()
+    return {"drafts": drafts, "n_seqs": 256, **res}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeat", type=int, default=1000)
     ap.add_argument("--out", default="")
+    ap.add_argument("--cp", action="store_true", help="also the CP driver's step at world 1 (run_cp)")
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     results = {f"decode_256_d{d}": run_case(d, a.repeat, dev) for d in (0, 2)}
+    if a.cp:
+        results.update({f"cp_world1_d{d}": run_cp(d, a.repeat, dev) for d in (0, 2)})
     for name, r in results.items():
         print(name, "  ".join(f"{k} {v['p50_us']:.1f}/{v['min_us']:.1f}" for k, v in r.items() if isinstance(v, dict)))
     print("(p50/min us, host time; goal: step <= 50 us at 256 sequences on the H200 host)")

@@ -240,3 +240,55 @@ def test_replay_on_another_stream_is_ordered_with_uploads() -> None:
         assert torch.equal(got["positions"][:tq].cpu(), ref.positions), i
         assert torch.equal(got["slot_mapping_store_swa"][:tq].cpu(), ref.slot_mapping_store_swa), i
         assert torch.equal(got["cu_seqlens_k"][: n + 1].cpu(), ref.cu_seqlens_k), i
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_graph_with_the_upload_inside_follows_a_batch_state() -> None:
+    """``upload_in_graph`` + ``replay_uploading``: ONE replay copies the host staging (filled by
+    ``BatchState.stage_decode(upload=False)``) and runs the kernels; every step's rows equal
+    ``prepare_decode`` of the state's decode batch, with the next fill waiting for the replay."""
+    import numpy as np
+
+    from cpmeta import BatchState
+
+    cfg = MetadataConfig(block_size=16, window_size=24, swa_block_size=27, dense_compress_ratios=(4, 16),
+                         sparse_compress_ratios=(4,), max_model_len=512)  # no Engram: the fast path
+    rng = random.Random(5)
+    bs = BatchState(cfg, max_seqs=N_CAP)
+    lens = {}
+    for i in range(N_CAP):
+        n = rng.randint(1, 400)
+        s = bs.add_request(i, [rng.randrange(100) for _ in range(n)], list(range(i * 40, i * 40 + 32)), i,
+                           num_computed=n)
+        lens[s] = n
+    st = DecodeStaging("cuda", staging_capacity(cfg, N_CAP, Q_CAP), fixed=True)
+    out: dict[str, torch.Tensor] = {}
+    all_slots = np.arange(N_CAP)
+    prepare_decode_inplace(bs.decode_batch(all_slots, np.zeros(2 * N_CAP, np.int64), np.full(N_CAP, 2)), cfg,
+                           out=out, device="cuda", staging=st)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        launch_decode_inplace(st, cfg, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        st.upload_in_graph()
+        launch_decode_inplace(st, cfg, out=out)
+    with pytest.raises(ValueError, match="while capturing"):
+        st.upload_in_graph()
+    for step in range(STEPS):
+        slots = np.array(sorted(rng.sample(range(N_CAP), rng.randint(1, N_CAP))))
+        counts = np.array([rng.choice((0, 1, 2)) for _ in slots])
+        drafts = np.array([rng.randrange(100) for _ in range(int(counts.sum()))], np.int64)
+        want = prepare_decode(bs.decode_batch(slots, drafts, counts), cfg)
+        torch.cuda._sleep(5_000_000)  # the previous replay still runs while this fill waits for it
+        staged = bs.stage_decode(st, slots, drafts, counts, upload=False)
+        st.replay_uploading(graph, staged)
+        torch.cuda.synchronize()
+        md = launch_decode_inplace(st, cfg, out=out)  # views of the buffers the replay wrote
+        torch.cuda.synchronize()
+        diff = metadata_diff(metadata_prefix(md, staged.num_seqs, staged.total_q), want, cfg=cfg)
+        assert not diff, (step, diff)
+        acc = np.array([rng.randint(1, int(c) + 1) for c in counts])
+        bs.append_tokens_batch(slots, np.array([rng.randrange(100) for _ in range(int(acc.sum()))]), acc)

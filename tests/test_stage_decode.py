@@ -214,3 +214,19 @@ def _interpreter_main() -> None:
 if __name__ == "__main__":
     if "--interpret" in sys.argv:
         _interpreter_main()
+
+
+def test_upload_in_graph_needs_a_capture() -> None:
+    """``upload_in_graph`` outside a CUDA capture (here: a CPU staging) is refused; on CPU
+    ``replay_uploading`` is the plain replay, with the batch's scalars recorded."""
+    st = DecodeStaging("cpu", 64, fixed=True)
+    with pytest.raises(ValueError, match="while capturing a CUDA graph"):
+        st.upload_in_graph()
+    calls = []
+
+    class _Graph:
+        def replay(self) -> None:
+            calls.append(1)
+
+    st.replay_uploading(_Graph(), "scalars")  # type: ignore[arg-type]
+    assert calls == [1] and st.last_staged == "scalars"

@@ -161,6 +161,7 @@ class StagedDecodeBroadcaster:
             raise ValueError(f"staging: expected a staging buffer for {self.device}, got one for "
                              f"{self.staging.device}")
         self._ch = ObjectChannel(self.group, src, timeout=timeout, force_remote=force_remote, schema=_SCHEMA)
+        self._alone = len(self._ch.ranks) == 1  # CP size 1: the driver skips the (empty) broadcast
 
     # ---- public -------------------------------------------------------------------------------
     def broadcast(self, seqs: Optional[Sequence[SequenceMetadata]] = None, *, out: Out = None,
@@ -242,8 +243,12 @@ class StagedDecodeBroadcaster:
             if cap is not None:
                 cap.check(staged)
         except ValueError as e:
+            if self._alone:
+                raise
             self._ch.broadcast_packed({"error": str(e)}, [])
             raise
+        if self._alone:  # a group of one: nobody to send to
+            return staged
         self._ch.broadcast_packed(
             [STAGED_DECODE_VERSION, staged.num_seqs, staged.total_q, staged.total_k, staged.max_seqlen_q,
              staged.max_seqlen_k, staged.used, staged.max_blocks],

@@ -172,6 +172,52 @@ class DecodeStaging:
         self._event.record(stream)
         self._up_stream = stream
 
+    def upload_in_graph(self) -> None:
+        """Call while capturing a CUDA graph, before the kernels: the copy of the WHOLE host
+        buffer to ``device_buffer`` becomes a node of the graph, so ONE replay uploads the batch
+        the host filled and runs the kernels (:meth:`replay_uploading`). Saves the per-step
+        ``copy_`` and event calls of :meth:`upload`. Needs ``fixed=True`` (the graph holds both
+        addresses) and a capturing CUDA stream; the copy is the whole capacity (the kernels read
+        the staged prefix only). Example::
+
+            st = DecodeStaging("cuda", staging_capacity(cfg, n, q), fixed=True)
+            ...warm up with prepare_decode_inplace(batch, cfg, out=out, staging=st)...
+            with torch.cuda.graph(g):
+                st.upload_in_graph()
+                launch_decode_inplace(st, cfg, out=out)
+            # every step:
+            staged = state.stage_decode(st, slots, drafts, counts, upload=False)
+            st.replay_uploading(g, staged)
+        """
+        if self.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            raise ValueError("upload_in_graph: call it while capturing a CUDA graph on the staging's device")
+        if not self.fixed:
+            raise ValueError("upload_in_graph: needs a fixed staging buffer (DecodeStaging(..., fixed=True)): "
+                             "the graph keeps its addresses")
+        self.device_buffer.copy_(self.host_buffer, non_blocking=True)
+
+    def replay_uploading(self, graph: "torch.cuda.CUDAGraph", staged: StagedDecode) -> None:
+        """Replay a graph captured over :meth:`upload_in_graph` on the current stream: its copy
+        reads the host buffer now (filled by ``fill`` / ``stage_decode(upload=False)`` for
+        ``staged``), then ``upload_event`` is recorded, so the next fill waits until the graph
+        has read the buffer. On CPU: ``graph.replay()`` only."""
+        self.last_staged = staged
+        if self.device.type != "cuda":
+            graph.replay()
+            return
+        stream = torch.cuda.current_stream(self._dev_index)
+        up = self._up_stream
+        if up is not None and stream != up:  # consumers ordered on the old upload stream
+            stream.wait_stream(up)
+        if self._read_pending:
+            stream.wait_event(self._read_event)
+            self._read_pending = False
+        graph.replay()
+        if self._event is None:
+            self._event = torch.cuda.Event()
+        self._event.record(stream)
+        self._up_stream = stream
+
     @property
     def upload_event(self) -> Optional["torch.cuda.Event"]:
         """CUDA event recorded after the last :meth:`upload` (None on CPU or before any)."""

@@ -117,7 +117,7 @@ def stage_decode(st: "BatchState", staging: DecodeStaging, slots: np.ndarray,
         blk[F_CU_Q_INCL, r] = st._ar[1:n_real + 1]
     blk[F_SEQLEN_K, r] = sk
     np.add.accumulate(blk[F_SEQLEN_K, r], out=blk[F_CU_K_INCL, r])
-    np.take(st.state_id, slots, out=blk[F_STATE, r], mode="clip")  # clip: no buffering, slots checked
+    np.take(st._state32, slots, out=blk[F_STATE, r], mode="clip")  # clip: no buffering, slots checked
     blk[F_PLACEHOLDER, r] = 0
     blk[F_BT_OFFSET, r] = bt_off[:-1]
     ids = view[off_ids:off_bt]

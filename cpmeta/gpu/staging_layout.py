@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -79,11 +79,12 @@ SEQ_FIELDS = 7
 #: Extra elements reserved when the staging buffer grows (amortises regrowth).
 _GROWTH = 1.5
 
-@dataclass(frozen=True, slots=True)
-class StagedDecode:
+class StagedDecode(NamedTuple):
     """Host-side scalars of one staged batch (the buffer itself holds the arrays).
 
-    ``used`` is the number of int32 elements of the staging buffer this batch occupies.
+    ``used`` is the number of int32 elements of the staging buffer this batch occupies. A named
+    tuple (immutable; made once per step on the hot path: ~4x cheaper to build than a frozen
+    dataclass).
     """
 
     num_seqs: int
