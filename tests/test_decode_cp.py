@@ -267,3 +267,56 @@ def test_cp_staged_decode_gloo_ranks_share_cuda0(world: int, graph: bool) -> Non
     replays its own captured graph) into its own buffers on cuda:0."""
     n = len(_configs()) * STEPS
     assert run_ranks(_cp_equals_broadcast, world, "cuda:0", graph, timeout=300) == [n] * world
+
+
+def test_check_staged_layout_names_every_corruption() -> None:
+    """A follower validates the received staging before any write: a well-formed buffer passes,
+    and each corrupted address-bearing value is named (never a kernel reading past a buffer)."""
+    from cpmeta import BatchState, MetadataConfig
+    from cpmeta.gpu.decode_cp import check_staged_layout
+    from cpmeta.gpu.decode_staging import (
+        F_BT_OFFSET, F_CU_K_INCL, F_CU_Q_INCL, F_PLACEHOLDER, F_SEQLEN_K, F_SEQLEN_Q, F_STATE, SEQ_FIELDS,
+        DecodeStaging,
+    )
+    from cpmeta.gpu.staging_layout import header_len
+
+    cfg = MetadataConfig(block_size=16, window_size=4, swa_block_size=8, dense_compress_ratios=(4,),
+                         sparse_compress_ratios=(4, 8), max_model_len=96)
+    st = BatchState(cfg, max_seqs=4)
+    for i, n in enumerate((5, 40, 17)):
+        st.add_request(i, list(range(n)), list(range(8 * i, 8 * i + 6)), i, num_computed=n)
+    stg = DecodeStaging("cpu", 64)
+    staged = st.stage_decode(stg, np.array([0, 1, 2]), np.array([3, 4], np.int64), np.array([0, 2, 0]))
+    good = stg.host_buffer[:staged.used].numpy().copy()
+    assert check_staged_layout(good, staged, cfg) is None
+    hl, n = header_len(cfg), staged.num_seqs
+
+    def row(a: np.ndarray, f: int) -> np.ndarray:
+        return a[hl:hl + SEQ_FIELDS * n].reshape(SEQ_FIELDS, n)[f]
+
+    cases = [
+        (lambda a: row(a, F_SEQLEN_Q).__setitem__(0, 0), staged, "seqlen_q < 1"),
+        (lambda a: row(a, F_CU_K_INCL).__setitem__(0, 4), staged, "prefix sums"),
+        (lambda a: row(a, F_CU_Q_INCL).__setitem__(1, 2), staged, "prefix sums"),
+        (lambda a: row(a, F_STATE).__setitem__(2, -1), staged, "negative state id"),
+        (lambda a: row(a, F_PLACEHOLDER).__setitem__(1, 2), staged, "placeholder flag"),
+        (lambda a: row(a, F_BT_OFFSET).__setitem__(0, -1), staged, "block-table offset"),
+        (lambda a: row(a, F_BT_OFFSET).__setitem__(2, 10**6), staged, "block-table offset"),
+        (lambda a: a.__setitem__(8, 5), staged, "ratios"),
+        (lambda a: None, staged._replace(max_seqlen_k=staged.max_seqlen_k + 1), "max_seqlen"),
+        (lambda a: None, staged._replace(max_blocks=staged.max_blocks + 1), "max_blocks"),
+        (lambda a: None, staged._replace(total_q=staged.total_q + 1), "header"),
+        (lambda a: None, staged._replace(used=staged.used + 1), "buffer of"),
+    ]
+    for corrupt, meta, msg in cases:
+        a = good.copy()
+        corrupt(a)
+        why = check_staged_layout(a, meta, cfg)
+        assert why is not None and msg in why, (msg, why)
+    long_k = good.copy()  # seqlen_k past max_model_len, prefix sums and maxima made consistent
+    row(long_k, F_SEQLEN_K)[0] = cfg.max_model_len + 1
+    np.cumsum(row(long_k, F_SEQLEN_K), out=row(long_k, F_CU_K_INCL))
+    k = row(long_k, F_SEQLEN_K)
+    meta = staged._replace(total_k=int(k.sum()), max_seqlen_k=int(k.max()))
+    long_k[2] = meta.total_k  # header: total_k
+    assert "max_model_len" in check_staged_layout(long_k, meta, cfg)

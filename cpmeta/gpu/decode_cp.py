@@ -42,6 +42,7 @@ from .decode_staging import (
     SEQ_FIELDS, DecodeStaging, StagedDecode,
 )
 from ..build.decode import check_decode_out
+from ..batch import blocks_needed_array
 from ..config import MetadataConfig
 from ..metadata import InputMetadata
 from ..sequence import SequenceMetadata
@@ -83,27 +84,42 @@ def check_staged_layout(a: np.ndarray, staged: StagedDecode, cfg: MetadataConfig
         return f"section offsets {hdr[5:8].tolist()} inconsistent with used={staged.used}"
     if n == 0:
         return None if tq == 0 else "total_q > 0 without sequences"
+    # every follower runs this per step: ~20 numpy calls over [7, n] (int64, so no prefix sum wraps)
     blk = a[hl:off_ids].reshape(SEQ_FIELDS, n).astype(np.int64)
     q, k = blk[F_SEQLEN_Q], blk[F_SEQLEN_K]
-    if (q < 1).any() or (k < q).any():
+    if int(q.min()) < 1 or (k < q).any():
         return "a sequence has seqlen_q < 1 or seqlen_k < seqlen_q"
-    if (np.cumsum(q) != blk[F_CU_Q_INCL]).any() or (np.cumsum(k) != blk[F_CU_K_INCL]).any():
+    if (np.add.accumulate(q) != blk[F_CU_Q_INCL]).any() or (np.add.accumulate(k) != blk[F_CU_K_INCL]).any():
         return "cu_seqlens_q/k_incl are not the prefix sums of seqlen_q/k"
     if blk[F_CU_Q_INCL, -1] != tq or blk[F_CU_K_INCL, -1] != staged.total_k:
         return "prefix sums do not end at total_q / total_k"
-    if int(q.max()) != staged.max_seqlen_q or int(k.max()) != staged.max_seqlen_k:
+    max_k = int(k.max())
+    if int(q.max()) != staged.max_seqlen_q or max_k != staged.max_seqlen_k:
         return "max_seqlen_q/k differ from the staged sequences"
-    if (blk[F_STATE] < 0).any() or not np.isin(blk[F_PLACEHOLDER], (0, 1)).all():
+    if int(blk[F_STATE].min()) < 0 or (blk[F_PLACEHOLDER] & ~1).any():  # flags: 0 or 1 only
         return "negative state id or placeholder flag not 0/1"
-    m = cfg.min_ratio
-    per_block = cfg.block_size // m
-    nb = (k // m + per_block - 1) // per_block
+    if max_k > cfg.max_model_len:
+        return f"seqlen_k {max_k} exceeds max_model_len {cfg.max_model_len}"
+    nb = _need_table(cfg).take(k)  # blocks_needed per sequence (k in [1, max_model_len])
     bto = blk[F_BT_OFFSET]
-    if (bto < 0).any() or (bto + nb > off_ngv - (off_ids + tq)).any():
+    if int(bto.min()) < 0 or (bto + nb > off_ngv - (off_ids + tq)).any():
         return "a block-table offset points outside the block-table section"
     if int(nb.max()) != staged.max_blocks or staged.max_blocks > cfg.max_num_blocks:
         return f"max_blocks {staged.max_blocks} differs from the tables ({int(nb.max())}) or the config"
     return None
+
+
+#: ``blocks_needed(k)`` for every ``k`` in ``[0, max_model_len]``, per config (by id; the entry keeps it).
+_NEED: dict[int, tuple[MetadataConfig, np.ndarray]] = {}
+
+
+def _need_table(cfg: MetadataConfig) -> np.ndarray:
+    hit = _NEED.get(id(cfg))
+    if hit is None or hit[0] is not cfg:
+        if len(_NEED) > 16:
+            _NEED.clear()
+        hit = _NEED[id(cfg)] = (cfg, blocks_needed_array(np.arange(cfg.max_model_len + 1, dtype=np.int64), cfg))
+    return hit[1]
 
 
 class StagedDecodeBroadcaster:
