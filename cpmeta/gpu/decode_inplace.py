@@ -281,9 +281,10 @@ def _launch_cached(st: DecodeStaging, cfg: MetadataConfig, cache: Optional[_OutC
     the kernels are launched directly (graphs do not nest).
     """
     stg = st.device_buffer
-    st.ready_on()  # the upload may have been enqueued on another stream
-    if (cache is None or not use_graph or backend != "triton" or stg.device.type != "cuda"
-            or torch.cuda.is_current_stream_capturing()):
+    cuda = stg.device.type == "cuda"
+    stream = torch.cuda.current_stream(stg.device) if cuda else None  # looked up once for both calls
+    st.ready_on(stream)  # the upload may have been enqueued on another stream
+    if cache is None or not use_graph or backend != "triton" or not cuda or torch.cuda.is_current_stream_capturing():
         _launch(stg, cfg, bufs, backend)
     elif cache.graph is not None and cache.graph_key == (stg.data_ptr(), stg.shape[0], backend):
         cache.graph.replay()
@@ -291,7 +292,7 @@ def _launch_cached(st: DecodeStaging, cfg: MetadataConfig, cache: Optional[_OutC
         _launch(stg, cfg, bufs, backend)
         cache.graph = _capture_kernels(stg, cfg, cache.bufs)
         cache.graph_key = (stg.data_ptr(), stg.shape[0], backend)
-    st.consumed_on()  # the next upload waits for these reads
+    st.consumed_on(stream)  # the next upload waits for these reads
 
 
 def _default_staging(device: torch.device) -> DecodeStaging:
