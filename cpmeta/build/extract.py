@@ -16,7 +16,7 @@ import numpy as np
 
 from ..config import MetadataConfig
 from ..sequence import SequenceMetadata
-from .arrays import BatchArrays
+from .arrays import BatchArrays, arange_ro, expand_rows
 from ..batch import SequenceBatch, blocks_needed_array
 
 __all__ = ["extract_batch", "as_sequence_batch", "BatchInput"]
@@ -61,7 +61,7 @@ def _row_arrays(n: int, total_q: int, sq: np.ndarray, cu_q: np.ndarray) -> tuple
     if total_q == n:  # identity rows: cached read-only arrays (the builders never write them)
         return _identity(n)
     row_seq = np.repeat(np.arange(n, dtype=np.int64), sq)
-    return row_seq, np.arange(total_q, dtype=np.int64) - cu_q[row_seq]
+    return row_seq, arange_ro(total_q) - expand_rows(cu_q[:-1], sq, row_seq)
 
 
 def extract_batch(seqs: BatchInput, cfg: MetadataConfig, *, is_prompt: bool, flat_tables: bool = True) -> BatchArrays:
@@ -98,14 +98,14 @@ def extract_batch(seqs: BatchInput, cfg: MetadataConfig, *, is_prompt: bool, fla
         bt_flat, bt_start = _flat_tables(sb, need)
         bt_whole, bt_whole_off = sb.block_tables, sb.block_table_offsets
     row_seq, row_j = _row_arrays(n, total_q, sq, cu_q)
-    row_pos = q_start if total_q == n else q_start[row_seq] + row_j  # one row each: pos = q_start
+    row_pos = q_start if total_q == n else expand_rows(q_start, sq, row_seq) + row_j  # one row each: q_start
     toks, tok_off = sb.tokens, sb.token_offsets
     if sb.lookback == 0 or len(toks) == total_q:  # windows start at q_start: they are the input ids
         input_ids = toks
         tok_lo = q_start
     else:
         tok_lo = np.maximum(q_start - sb.lookback, 0)
-        input_ids = toks[(tok_off[:-1] - tok_lo)[row_seq] + row_pos] if total_q != n else \
+        input_ids = toks[expand_rows(tok_off[:-1] - tok_lo, sq, row_seq) + row_pos] if total_q != n else \
             toks[tok_off[:-1] - tok_lo + row_pos]
     return BatchArrays(
         n_seq=n, total_q=total_q, seqlen_q=sq, seqlen_k=sk, q_start=q_start,

@@ -24,7 +24,7 @@ import torch
 from ..config import MetadataConfig
 from ..metadata import InputMetadata
 from ..constants import INT32_MAX
-from .arrays import BatchArrays, alloc, check_int32, fdiv, loaded_compressed_len
+from .arrays import BatchArrays, alloc, arange_ro, check_int32, expand_rows, fdiv, loaded_compressed_len
 from .common import check_common_int32, compressed_slots, fill_common
 from .extract import BatchInput, extract_batch
 from .load_plan import paged_load_segments, swa_load_segments
@@ -76,12 +76,12 @@ def _fill_compressed_writes(b: BatchArrays, cfg: MetadataConfig, out: Out, f: di
         cu = _prefix(n_cq)
         R = int(cu[-1])
         seq = np.repeat(np.arange(b.n_seq), n_cq)
-        c = c_lo[seq] + np.arange(R, dtype=np.int64) - cu[seq]
-        valid = c < c_hi[seq]
+        c = expand_rows(c_lo - cu[:-1], n_cq, seq) + arange_ro(R)
+        valid = c < expand_rows(c_hi, n_cq, seq)
         f["positions_c"][k], a = alloc(out, f"positions_c.{k}", (R,), torch.int32)
         a[:] = np.where(valid, c * n, 0)
         f["slot_mapping_store_ca"][k], a = alloc(out, f"slot_mapping_store_ca.{k}", (R,), torch.int32)
-        a[:] = compressed_slots(b, seq, c, valid & writes[seq], n, cfg)
+        a[:] = compressed_slots(b, seq, c, valid & expand_rows(writes, n_cq, seq), n, cfg)
         name = f"cu_compressed_seqlens_q.{k}"
         f["cu_compressed_seqlens_q"][k], a = alloc(out, name, (b.n_seq + 1,), torch.int32)
         a[:] = cu
@@ -96,7 +96,7 @@ def _fill_compressed_reads(
     Row of sequence s at position pos sees loaded compressed rows
     ``[base, base + (pos + 1) // n)`` with ``base = cu_compressed_seqlens_k[n][s]``.
     """
-    T, rs = b.total_q, b.row_seq
+    T = b.total_q
     pos1 = b.row_pos + 1
     f["cu_compressed_seqlens_k"], f["load_segments_ca"], f["total_k_compressed"] = {}, {}, {}
     for n in cfg.ca_ratios:
@@ -109,7 +109,7 @@ def _fill_compressed_reads(
     f["ks"], f["ke"] = {}, {}
     for r in cfg.sparse_compress_ratios:
         k = str(r)
-        base = cu_ck[r][rs]
+        base = b.per_row(cu_ck[r][:-1])
         f["ks"][k], a = alloc(out, f"ks.{k}", (T,), torch.int32)
         a[:] = base
         f["ke"][k], a = alloc(out, f"ke.{k}", (T,), torch.int32)
@@ -118,7 +118,7 @@ def _fill_compressed_reads(
     for n in cfg.dense_compress_ratios:
         k = str(n)
         f["kv_ca_index_offset_len"][k], a = alloc(out, f"kv_ca_index_offset_len.{k}", (T, 2), torch.int32)
-        a[:, 0] = cu_ck[n][rs]
+        a[:, 0] = b.per_row(cu_ck[n][:-1])
         fdiv(pos1, n, out=a[:, 1])
 
 
