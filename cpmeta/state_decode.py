@@ -120,18 +120,28 @@ def decode_batch_fast(st: "BatchState", slots: np.ndarray, draft_tokens: Optiona
         if num_drafts is None:
             return None
         drafts, nd = np.asarray(draft_tokens, np.int64), np.asarray(num_drafts, np.int64)
-        if nd.shape != slots.shape or int(nd.min()) < 0 or int(nd.sum()) != len(drafts) \
+        if nd.shape != slots.shape:
+            return None
+        k_lo, k_hi = int(nd.min()), int(nd.max())
+        uniform = k_lo == k_hi  # every request has the same number of drafts (the common MTP step)
+        if k_lo < 0 or (k_lo * n if uniform else int(nd.sum())) != len(drafts) \
                 or int(drafts.max()) > INT32_MAX or int(drafts.min()) < -INT32_MAX - 1:
             return None
         sq = nd + 1
         sk = nt + nd
-        tok_off = np.zeros(n + 1, np.int64)
-        np.add.accumulate(sq, out=tok_off[1:])
-        tokens = np.empty(int(tok_off[-1]), np.int64)
-        first = tok_off[:-1]
-        tokens[first] = last
-        # draft i of sequence s sits at row i + s + 1 (every earlier sequence adds its last token)
-        tokens[np.arange(len(drafts)) + np.repeat(ar1[1:], nd)] = drafts
+        if uniform:  # rows of sequence s: [s * (1 + k), (s + 1) * (1 + k)): last token, drafts
+            tok_off = ar1 * (k_hi + 1)
+            tokens = np.empty((n, k_hi + 1), np.int64)
+            tokens[:, 0] = last
+            tokens[:, 1:] = drafts.reshape(n, k_hi)
+            tokens = tokens.reshape(-1)
+        else:
+            tok_off = np.zeros(n + 1, np.int64)
+            np.add.accumulate(sq, out=tok_off[1:])
+            tokens = np.empty(int(tok_off[-1]), np.int64)
+            tokens[tok_off[:-1]] = last
+            # draft i of sequence s sits at row i + s + 1 (every earlier sequence adds its last token)
+            tokens[np.arange(len(drafts)) + np.repeat(ar1[1:], nd)] = drafts
     if not (sk <= cap).all():  # not vouched for, a table too short for seqlen_k, past max_model_len
         return None
     b = StateDecodeBatch.__new__(StateDecodeBatch)

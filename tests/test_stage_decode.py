@@ -47,9 +47,10 @@ CONFIGS = [
 ]
 
 
-def _engine(cfg: MetadataConfig, rng: random.Random, max_seqs: int = 6):
+def _engine(cfg: MetadataConfig, rng: random.Random, max_seqs: int = 6, uniform: int = -1):
     """A state with ``max_seqs`` decoding requests and a step generator: each yields
-    ``(slots, drafts, counts, n_ph)`` then applies the accepted tokens (and new blocks)."""
+    ``(slots, drafts, counts, n_ph)`` then applies the accepted tokens (and new blocks).
+    ``uniform >= 0``: every request of a step has that many drafts (the common MTP step)."""
     st = BatchState(cfg, max_seqs=max_seqs)
     lens = {}
     for i in range(max_seqs):
@@ -66,7 +67,7 @@ def _engine(cfg: MetadataConfig, rng: random.Random, max_seqs: int = 6):
             if not live:
                 return
             slots = np.array(rng.sample(live, rng.randint(1, len(live))))
-            counts = np.array([rng.choice((0, 0, 1, 2, 3)) for _ in slots])
+            counts = np.array([rng.choice((0, 0, 1, 2, 3)) if uniform < 0 else uniform for _ in slots])
             for s, c in zip(slots, counts):
                 have, need = int(st.num_blocks[s]), blocks_needed(lens[int(s)] + int(c), cfg)
                 if need > have:
@@ -107,6 +108,26 @@ def test_matches_decode_batch_and_stage(ci: int, monkeypatch: pytest.MonkeyPatch
         n_steps += 1
     assert n_steps >= 10
     assert len(slow_calls) == (2 * n_steps if cfg.max_ngram_size else 0)  # Engram: the fallback only (x2: upload=False too)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_uniform_draft_counts(k: int) -> None:
+    """Every request with the same number of drafts (the reshaped fast case of ``stage_decode`` and
+    of the fast decode batch): same bytes as ``decode_batch`` + ``stage``, same metadata."""
+    for ci, cfg in enumerate(CONFIGS[:4]):
+        st, steps = _engine(cfg, random.Random(10 + ci), uniform=k)
+        fast, slow = DecodeStaging("cpu", 8), DecodeStaging("cpu", 8)
+        n_steps = 0
+        for slots, drafts, counts, n_ph in steps(12):
+            batch = st.decode_batch(slots, drafts, counts, num_placeholders=n_ph)
+            want = slow.stage(batch, cfg)
+            assert st.stage_decode(fast, slots, drafts, counts, num_placeholders=n_ph) == want
+            assert torch.equal(fast.host_buffer[:want.used], slow.host_buffer[:want.used])
+            assert metadata_diff(prepare_decode(st.decode_batch(slots, drafts, counts), cfg),
+                                 prepare_decode(st._batch(False, slots, 1 + counts, st.num_tokens[slots] + counts,
+                                                          drafts, 0), cfg), cfg=cfg) == []
+            n_steps += 1
+        assert n_steps >= 6, (cfg, n_steps)
 
 
 def test_launch_and_replay_shape_unchanged() -> None:

@@ -72,10 +72,14 @@ def stage_decode(st: "BatchState", staging: DecodeStaging, slots: np.ndarray,
         if num_drafts is None:
             return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload, capacity)
         drafts, nd = np.asarray(draft_tokens, np.int64), np.asarray(num_drafts, np.int64)
-        if nd.shape != slots.shape or int(nd.min()) < 0 or int(nd.sum()) != len(drafts) \
+        if nd.shape != slots.shape:
+            return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload, capacity)
+        k_lo, k_hi = int(nd.min()), int(nd.max())
+        uniform = k_lo == k_hi  # every request has the same number of drafts (the common MTP step)
+        if k_lo < 0 or (k_lo * n_real if uniform else int(nd.sum())) != len(drafts) \
                 or int(drafts.max()) > INT32_MAX or int(drafts.min()) < -INT32_MAX - 1:
             return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload, capacity)
-        n_d, sk, max_q = len(drafts), nt + nd, 1 + int(nd.max())
+        n_d, sk, max_q = len(drafts), nt + (k_hi if uniform else nd), 1 + k_hi
     n = n_real + n_ph
     total_q = n + n_d
     # vouched for, the table covers seqlen_k and seqlen_k <= max_model_len: blocks_needed is then
@@ -109,7 +113,10 @@ def stage_decode(st: "BatchState", staging: DecodeStaging, slots: np.ndarray,
         blk[F_CU_K_INCL, n_real:] = np.arange(total_k - n_ph + 1, total_k + 1)
         blk[F_BT_OFFSET, n_real:] = total_b_real + ph_nb * np.arange(n_ph)
     r = slice(0, n_real)
-    if n_d:
+    if n_d and uniform:  # seqlen_q = 1 + k for all: cu_q_incl = (s + 1) * (1 + k)
+        blk[F_SEQLEN_Q, r] = max_q
+        np.multiply(st._ar[1:n_real + 1], max_q, out=blk[F_CU_Q_INCL, r])
+    elif n_d:
         np.add(nd, 1, out=blk[F_SEQLEN_Q, r])
         np.add.accumulate(blk[F_SEQLEN_Q, r], out=blk[F_CU_Q_INCL, r])
     else:
@@ -121,7 +128,11 @@ def stage_decode(st: "BatchState", staging: DecodeStaging, slots: np.ndarray,
     blk[F_PLACEHOLDER, r] = 0
     blk[F_BT_OFFSET, r] = bt_off[:-1]
     ids = view[off_ids:off_bt]
-    if n_d:  # row of draft i of sequence s: i + s + 1 (every earlier sequence adds its last token)
+    if n_d and uniform:  # rows of sequence s: [s * (1 + k), (s + 1) * (1 + k)): last token, drafts
+        rows = ids[:n_real * max_q].reshape(n_real, max_q)
+        rows[:, 0] = st._last.take(slots)
+        rows[:, 1:] = drafts.reshape(n_real, max_q - 1)
+    elif n_d:  # row of draft i of sequence s: i + s + 1 (every earlier sequence adds its last token)
         ids[blk[F_CU_Q_INCL, r] - blk[F_SEQLEN_Q, r]] = st._last.take(slots)
         ids[np.arange(n_d) + np.repeat(st._ar[1:n_real + 1], nd)] = drafts
     else:  # the last confirmed tokens (int32 by _dec_cap's vouching)
