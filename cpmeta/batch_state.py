@@ -121,9 +121,8 @@ class BatchState:
         self._last = np.zeros(n, np.int32)
         self._tok_ok = np.zeros(n, bool)
         self._state32 = np.zeros(n, np.int32)  # state_id as int32 (the staging's dtype)
-        # blocks_needed(k) for every k in [0, max_model_len] (a step's need is one gather)
-        self._need_of = blocks_needed_array(np.arange(cfg.max_model_len + 1, dtype=np.int64), cfg)
-        self._bt_off_buf = np.zeros(n + 1, np.int64)  # stage_decode's scratch ([0] stays 0)
+        # stage_decode's block-table offsets: sequence s of a step at s * max_num_blocks (int32)
+        self._stride_off = (np.arange(n, dtype=np.int64) * cfg.max_num_blocks).astype(np.int32)
         self._ar = np.arange(n * cfg.max_num_blocks + 1, dtype=np.int64)
         ratios = cfg.ca_ratios + cfg.sparse_compress_ratios + cfg.dense_compress_ratios
         self._header = (STAGING_HEADER_FIXED + len(ratios), np.array(ratios, np.int32))

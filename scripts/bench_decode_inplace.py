@@ -63,6 +63,7 @@ from cpmeta.gpu.decode_inplace import (  # noqa: E402
     DecodeStaging, launch_decode_inplace, prepare_decode_inplace, staging_capacity,
 )
 from cpmeta.diff import metadata_diff  # noqa: E402
+from cpmeta.gpu.staging_layout import unpack_staging  # noqa: E402
 
 logger = logging.getLogger("bench_decode_inplace")
 
@@ -176,10 +177,14 @@ def run_case(n: int, drafts: int, dev: torch.device, repeat: int, rng: random.Ra
     res["state_staging_fill"] = time_us(lambda: st.fill(bs.decode_batch(slots, drafts_, nd), cfg), repeat)
     sync()
     ref = st.stage(bs.decode_batch(slots, drafts_, nd), cfg)
-    ref_bytes = st.host_buffer[:ref.used].clone()
+    ref_batch = unpack_staging(st.host_buffer[:ref.used].numpy().copy(), ref, cfg)
     sync()
-    if bs.stage_decode(st, slots, drafts_, nd) != ref or not torch.equal(st.host_buffer[:ref.used], ref_bytes):
-        raise AssertionError("BatchState.stage_decode staged other bytes than decode_batch + stage")
+    got = bs.stage_decode(st, slots, drafts_, nd)
+    got_batch = unpack_staging(st.host_buffer[:got.used].numpy(), got, cfg)
+    if got._replace(used=0) != ref._replace(used=0) or ref_batch["sizes"] != got_batch["sizes"] or not all(
+            np.array_equal(x, y) for k in ("seq", "ids") for x, y in [(ref_batch[k], got_batch[k])]) or not all(
+            np.array_equal(x, y) for x, y in zip(ref_batch["tables"], got_batch["tables"])):
+        raise AssertionError("BatchState.stage_decode staged another batch than decode_batch + stage")
     sync()
     res["state_stage_decode"] = time_us(lambda: bs.stage_decode(st, slots, drafts_, nd), repeat)
     sync()

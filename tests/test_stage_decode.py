@@ -28,6 +28,8 @@ from cpmeta.gpu.decode_inplace import DecodeStaging, launch_decode_inplace, prep
 from cpmeta.gpu.decode_inplace import finish_staged
 from cpmeta.sequence import blocks_needed
 from cpmeta.gpu import stage_state
+from cpmeta.gpu.decode_cp import check_staged_layout
+from cpmeta.gpu.staging_layout import StagedDecode, unpack_staging
 from strategies import metadata_prefix
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -45,6 +47,22 @@ CONFIGS = [
     MetadataConfig(block_size=16, window_size=4, swa_block_size=6, dense_compress_ratios=(4,),
                    sparse_compress_ratios=(4, 8), max_model_len=96, max_ngram_size=3, image_token_id=5),
 ]
+
+
+def assert_same_staged(fast: DecodeStaging, got: StagedDecode, slow: DecodeStaging, want: StagedDecode,
+                       cfg: MetadataConfig) -> None:
+    """``stage_decode``'s buffer describes the same batch as ``decode_batch`` + ``stage``'s: equal
+    scalars but ``used``, equal header / per-sequence rows / input ids / each sequence's defined
+    block ids (``unpack_staging``), wherever the tables sit; and a follower would accept it."""
+    assert got._replace(used=0) == want._replace(used=0)
+    a, b = fast.host_buffer[:got.used].numpy(), slow.host_buffer[:want.used].numpy()
+    assert check_staged_layout(a, got, cfg) is None
+    u, v = unpack_staging(a, got, cfg), unpack_staging(b, want, cfg)
+    assert u["sizes"] == v["sizes"]
+    for key in ("seq", "ids"):
+        assert np.array_equal(u[key], v[key]), key
+    assert len(u["tables"]) == len(v["tables"]) and all(np.array_equal(x, y) for x, y in zip(u["tables"], v["tables"]))
+    assert all(np.array_equal(x, y) for x, y in zip(u["ngram"], v["ngram"]))
 
 
 def _engine(cfg: MetadataConfig, rng: random.Random, max_seqs: int = 6, uniform: int = -1):
@@ -91,17 +109,15 @@ def test_matches_decode_batch_and_stage(ci: int, monkeypatch: pytest.MonkeyPatch
     rng = random.Random(ci)
     st, steps = _engine(cfg, rng)
     fast, slow = DecodeStaging("cpu", 8), DecodeStaging("cpu", 8)  # tiny: grows on the way
-    out: dict[str, torch.Tensor] = {}
     n_steps = 0
     for slots, drafts, counts, n_ph in steps(25):
         batch = st.decode_batch(slots, drafts, counts, num_placeholders=n_ph)
         want = slow.stage(batch, cfg)
         got = st.stage_decode(fast, slots, drafts, counts, num_placeholders=n_ph)
-        assert got == want
-        assert torch.equal(fast.host_buffer[:got.used], slow.host_buffer[:want.used])
+        assert_same_staged(fast, got, slow, want, cfg)
         fill_only = DecodeStaging("cpu", 8)  # upload=False: the same host bytes, nothing uploaded
-        assert st.stage_decode(fill_only, slots, drafts, counts, num_placeholders=n_ph, upload=False) == want
-        assert torch.equal(fill_only.host_buffer[:want.used], slow.host_buffer[:want.used])
+        assert st.stage_decode(fill_only, slots, drafts, counts, num_placeholders=n_ph, upload=False) == got
+        assert torch.equal(fill_only.host_buffer[:got.used], fast.host_buffer[:got.used])
         assert fill_only.last_staged is None
         md = finish_staged(fast, got, cfg, out=None, device=torch.device("cpu"), backend="torch")
         assert metadata_diff(md, prepare_decode(batch, cfg), cfg=cfg) == []
@@ -113,7 +129,7 @@ def test_matches_decode_batch_and_stage(ci: int, monkeypatch: pytest.MonkeyPatch
 @pytest.mark.parametrize("k", [1, 3])
 def test_uniform_draft_counts(k: int) -> None:
     """Every request with the same number of drafts (the reshaped fast case of ``stage_decode`` and
-    of the fast decode batch): same bytes as ``decode_batch`` + ``stage``, same metadata."""
+    of the fast decode batch): the same staged batch as ``decode_batch`` + ``stage``, same metadata."""
     for ci, cfg in enumerate(CONFIGS[:4]):
         st, steps = _engine(cfg, random.Random(10 + ci), uniform=k)
         fast, slow = DecodeStaging("cpu", 8), DecodeStaging("cpu", 8)
@@ -121,8 +137,8 @@ def test_uniform_draft_counts(k: int) -> None:
         for slots, drafts, counts, n_ph in steps(12):
             batch = st.decode_batch(slots, drafts, counts, num_placeholders=n_ph)
             want = slow.stage(batch, cfg)
-            assert st.stage_decode(fast, slots, drafts, counts, num_placeholders=n_ph) == want
-            assert torch.equal(fast.host_buffer[:want.used], slow.host_buffer[:want.used])
+            assert_same_staged(fast, st.stage_decode(fast, slots, drafts, counts, num_placeholders=n_ph),
+                               slow, want, cfg)
             assert metadata_diff(prepare_decode(st.decode_batch(slots, drafts, counts), cfg),
                                  prepare_decode(st._batch(False, slots, 1 + counts, st.num_tokens[slots] + counts,
                                                           drafts, 0), cfg), cfg=cfg) == []

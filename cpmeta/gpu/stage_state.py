@@ -4,7 +4,8 @@ The fast path of ``BatchState.stage_decode`` (DESIGN 12 and 13): instead of
 ``staging.stage(state.decode_batch(...), cfg)`` (a ``SequenceBatch``, its extraction, then the
 staging fill) it reads the state's arrays directly. It uses the state's private caches (the
 int32 block-table mirror, per-slot validity flags, the cached staging header): the two modules are
-written together, and ``tests/test_stage_decode.py`` checks that both paths stage the same bytes.
+written together, and ``tests/test_stage_decode.py`` checks that both paths stage the same batch
+(header, per-sequence block, input ids, each sequence's defined block ids) and the same metadata.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 
 from ..config import MetadataConfig
+from ..sequence import blocks_needed
 from ..constants import INT32_MAX
 from .decode_staging import (
     F_BT_OFFSET, F_CU_K_INCL, F_CU_Q_INCL, F_PLACEHOLDER, F_SEQLEN_K, F_SEQLEN_Q, F_STATE, HEADER_FIXED,
@@ -36,11 +38,14 @@ def stage_decode(st: "BatchState", staging: DecodeStaging, slots: np.ndarray,
     host buffer is touched -- default ``staging.out_capacity``; an ``OutCapacity``; ``None`` for
     none (a CP driver checks the ``out`` it was given, not the last one this staging fed).
 
-    Same staging bytes, same errors, same capacity refusal (``staging.out_capacity``; here
+    Same staged batch, same errors, same capacity refusal (``staging.out_capacity``; here
     checked before the host buffer is touched), same upload (``DecodeStaging.upload``: ONE
     non-blocking copy, event recorded), same return value; ``launch_decode_inplace`` and
-    graph replay read it unchanged. A step is ~15 vectorized numpy calls over ``[n_seq]``
-    arrays, the ``[n_seq, max_num_blocks]`` int32 table mirror and the drafts.
+    graph replay read it unchanged. A step is ~20 vectorized numpy calls over ``[n_seq]``
+    arrays and the drafts, plus ONE row gather of the ``[max_seqs, max_num_blocks]`` int32 table
+    mirror: the block tables sit at a fixed stride (sequence s at ``s * max_num_blocks``; its
+    ``blocks_needed`` ids, then padding the kernels never read) instead of packed as
+    ``write_staging`` packs them -- the same metadata, other staging bytes.
 
     Falls back to the ``decode_batch`` + ``stage`` path (identical result, slower) when the
     fast path cannot vouch for the batch: Engram configs (``max_ngram_size > 0``: the
@@ -86,22 +91,23 @@ def stage_decode(st: "BatchState", staging: DecodeStaging, slots: np.ndarray,
     # <= num_blocks and <= max_num_blocks; it is monotone, so its max is that of max(sk)
     if not (sk <= cap).all():
         return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload, capacity)
-    need = st._need_of.take(sk)  # blocks_needed per seqlen_k: one gather (sk <= max_model_len)
     max_sk, total_k = int(sk.max()), int(sk.sum()) + n_ph
     mnb = st._bt32.shape[1]
     if total_k > INT32_MAX or (total_q * mnb * _dense_bc(cfg) > INT32_MAX):
         return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload, capacity)
     ph_nb = st._ph_blocks
-    bt_off = st._bt_off_buf[:n_real + 1]  # exclusive prefix of need ([0] stays 0); [-1] = real blocks
-    np.add.accumulate(need, out=bt_off[1:])
-    total_b_real = int(bt_off[-1])
+    # block tables at a FIXED stride: sequence s's table starts at s * max_num_blocks (its
+    # blocks_needed ids, then the mirror's -1 padding the kernels never read); one row gather
+    total_b_real = n_real * mnb
     total_b = total_b_real + n_ph * ph_nb
     hl, ratios = st._header
     off_ids = hl + SEQ_FIELDS * n
     off_bt = off_ids + total_q
     used = off_bt + total_b
+    if used > INT32_MAX:  # the header holds int32 offsets (the packed layout of the general path is smaller)
+        return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload, capacity)
     staged = StagedDecode(n, total_q, total_k, max_q, max(max_sk, 1 if n_ph else 0), used,
-                          max(int(st._need_of[max_sk]), ph_nb if n_ph else 0))  # need is monotone
+                          max(blocks_needed(max_sk, cfg), ph_nb if n_ph else 0))  # need is monotone
     _check(staging, staged, capacity)  # before the host buffer is touched
     view = staging.host_view(used)
     view[:HEADER_FIXED] = (n, total_q, total_k, hl, off_ids, off_bt, used, used)
@@ -126,7 +132,7 @@ def stage_decode(st: "BatchState", staging: DecodeStaging, slots: np.ndarray,
     np.add.accumulate(blk[F_SEQLEN_K, r], out=blk[F_CU_K_INCL, r])
     np.take(st._state32, slots, out=blk[F_STATE, r], mode="clip")  # clip: no buffering, slots checked
     blk[F_PLACEHOLDER, r] = 0
-    blk[F_BT_OFFSET, r] = bt_off[:-1]
+    blk[F_BT_OFFSET, r] = st._stride_off[:n_real]
     ids = view[off_ids:off_bt]
     if n_d and uniform:  # rows of sequence s: [s * (1 + k), (s + 1) * (1 + k)): last token, drafts
         rows = ids[:n_real * max_q].reshape(n_real, max_q)
@@ -139,10 +145,8 @@ def stage_decode(st: "BatchState", staging: DecodeStaging, slots: np.ndarray,
         np.take(st._last, slots, out=ids[:n_real], mode="clip")
     if n_ph:
         ids[total_q - n_ph:] = 0
-    # flat tables: entry i of sequence s is _bt32[slot, i], one ragged take of the flat mirror
-    idx = np.repeat(slots * mnb - bt_off[:-1], need)
-    idx += st._ar[:total_b_real]
-    np.take(st._bt32.reshape(-1), idx, out=view[off_bt:off_bt + total_b_real], mode="clip")
+    # the tables: row s of the section is the slot's row of the int32 mirror (clip: no buffering)
+    np.take(st._bt32, slots, axis=0, out=view[off_bt:off_bt + total_b_real].reshape(n_real, mnb), mode="clip")
     if n_ph:
         view[off_bt + total_b_real:used] = 0
     if upload:

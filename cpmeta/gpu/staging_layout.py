@@ -21,8 +21,11 @@ need no host scalars -- a captured CUDA graph replays with a new batch)::
     off_seq: [SEQ_FIELDS, n_seq] rows seqlen_q, seqlen_k, cu_seqlens_q_incl, cu_seqlens_k_incl,
                                       state_id, is_placeholder, bt_offset
     off_ids: [total_q]           input id of every row (token_ids[-1], then the drafts)
-    off_bt:  [sum nb_s]          flat block tables, only the nb_s = cdiv(seqlen_k // m, b_m)
-                                 defined blocks of each sequence (m = min ratio, b_m = block_size // m)
+    off_bt:  [sum nb_s]          flat block tables: the nb_s = cdiv(seqlen_k // m, b_m) defined
+                                 blocks of sequence s at off_bt + bt_offset[s] (m = min ratio,
+                                 b_m = block_size // m); write_staging packs them back to back,
+                                 BatchState.stage_decode puts them at a fixed stride of
+                                 max_num_blocks (the section is then n_seq * max_num_blocks long)
     off_ngv: [total_q + n_seq*(G-1)]  Engram source value of every window position (G = max_ngram_size)
     off_ngb: [total_q + n_seq*(G-1)]  1 where the window position is a barrier (image token or t < 0)
 
@@ -65,6 +68,7 @@ __all__ = [
     "write_staging",
     "check_staging_int32",
     "header_len",
+    "unpack_staging",
 ]
 
 logger = logging.getLogger(__name__)
@@ -165,6 +169,27 @@ class DecodeBuffers:
 
 def header_len(cfg: MetadataConfig) -> int:
     return HEADER_FIXED + len(cfg.ca_ratios) + len(cfg.sparse_compress_ratios) + len(cfg.dense_compress_ratios)
+
+
+def unpack_staging(a: np.ndarray, staged: StagedDecode, cfg: MetadataConfig) -> dict[str, object]:
+    """A staged batch read back from the int32 buffer ``a``, independent of where the block tables
+    sit: ``sizes`` (header without the section offsets past the tables), ``seq`` (the
+    ``[SEQ_FIELDS - 1, n]`` per-sequence rows without ``bt_offset``), ``ids``, ``tables`` (each
+    sequence's defined ``nb_s`` block ids) and the Engram sections. Two staged batches describe the
+    same batch iff these are equal (``write_staging`` packs the tables, ``stage_decode`` strides
+    them). For tests and debugging; a well-formed buffer is assumed (``check_staged_layout``)."""
+    hl, n, tq = header_len(cfg), staged.num_seqs, staged.total_q
+    hdr = a[:hl].astype(np.int64)
+    off_ids, off_bt, off_ngv, off_ngb = int(hdr[H_OFF_IDS]), int(hdr[H_OFF_BT]), int(hdr[H_OFF_NGV]), int(hdr[H_OFF_NGB])
+    seq = a[hl:off_ids].reshape(SEQ_FIELDS, n).astype(np.int64)
+    m = cfg.min_ratio
+    nb = (seq[F_SEQLEN_K] // m + cfg.block_size // m - 1) // (cfg.block_size // m)
+    return {
+        "sizes": (hdr[:H_OFF_BT].tolist(), hdr[HEADER_FIXED:].tolist(), staged._replace(used=0)),
+        "seq": np.delete(seq, F_BT_OFFSET, axis=0), "ids": a[off_ids:off_bt].copy(),
+        "tables": [a[off_bt + int(o):off_bt + int(o) + int(k)].copy() for o, k in zip(seq[F_BT_OFFSET], nb)],
+        "ngram": (a[off_ngv:off_ngb].copy(), a[off_ngb:staged.used].copy()),
+    }
 
 
 def staging_capacity(cfg: MetadataConfig, max_seqs: int, max_total_q: int) -> int:
