@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING, Any, Hashable, Optional, Sequence
 
 import numpy as np
 
-from .batch import SequenceBatch, blocks_needed_array, window_lookback
+from .batch import SequenceBatch, window_lookback
 from .config import MetadataConfig
 from .constants import INT32_MAX
 from .sequence import blocks_needed
 from .state_decode import decode_batch_fast
+from .state_gather import gather_batch, prefix
 
 if TYPE_CHECKING:
     from .gpu.decode_staging import DecodeStaging, StagedDecode
@@ -27,26 +28,16 @@ STAGING_HEADER_FIXED = 8
 
 __all__ = ["BatchState"]
 
-#: A placeholder sequence (``num_placeholders``): one row at position 0, token 0, state 0, block 0.
-PLACEHOLDER_TOKEN = 0
-
-
 def _fits_int32(x: np.ndarray) -> bool:
     """Every id of ``x`` is an int32 value (True for an empty ``x``)."""
     return len(x) == 0 or (int(x.max()) <= INT32_MAX and int(x.min()) >= -INT32_MAX - 1)
-
-
-def _prefix(lengths: np.ndarray) -> np.ndarray:
-    cu = np.zeros(len(lengths) + 1, np.int64)
-    np.add.accumulate(lengths, out=cu[1:])
-    return cu
 
 
 def _ragged_index(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(offsets [n+1], seq [total], k [total])``: entry i of the flat layout is element ``k[i]``
     of sequence ``seq[i]``. Example: lengths ``[2, 1]`` -> offsets ``[0, 2, 3]``, seq
     ``[0, 0, 1]``, k ``[0, 1, 0]``."""
-    off = _prefix(lengths)
+    off = prefix(lengths)
     seq = np.repeat(np.arange(len(lengths)), lengths)
     return off, seq, np.arange(int(off[-1])) - off[:-1][seq]
 
@@ -377,84 +368,5 @@ class BatchState:
 
     def _batch(self, is_prompt: bool, slots: np.ndarray, sq: np.ndarray, sk: np.ndarray,
                drafts: Optional[np.ndarray], n_ph: int) -> SequenceBatch:
-        """Gather the step's arrays; placeholders are appended after the requests.
-
-        Every ragged gather is ONE flat ``np.take`` from a row-major matrix, index
-        ``slot * row_length + column``. Example: ``max_tokens = 8``, slots ``[2, 0]``, windows
-        ``[5, 7)`` and ``[0, 1)`` -> flat indices ``[21, 22, 0]``. A decode without look-back reads
-        one confirmed token per sequence (``token_ids[slot, q_start]``) and places the drafts
-        after it, with no per-token index at all.
-        """
-        n_real = len(slots)
-        q_start = sk - sq
-        lb = self.lookback
-        if drafts is not None and lb == 0:  # decode window: the last confirmed token, then the drafts
-            last = np.take(self.token_ids, slots * self.max_tokens + q_start)
-            if len(drafts) == 0:
-                tokens, off = last, np.arange(n_real + 1, dtype=np.int64)
-            else:
-                off = _prefix(sq)
-                tokens = np.empty(int(off[-1]), np.int64)
-                is_draft = np.ones(len(tokens), bool)
-                is_draft[off[:-1]] = False
-                tokens[off[:-1]] = last
-                tokens[is_draft] = drafts
-            lo = q_start
-        else:
-            lo = np.maximum(q_start - lb, 0) if lb else q_start
-            win = sk - lo
-            off = _prefix(win)
-            idx = np.repeat(slots * self.max_tokens + lo - off[:-1], win)
-            idx += np.arange(int(off[-1]))
-            if drafts is None or len(drafts) == 0:
-                tokens = np.take(self.token_ids, idx)
-            else:  # window index >= q_start + 1 - lo: a draft (clip: its slot may pass max_tokens)
-                tokens = np.take(self.token_ids, idx, mode="clip")
-                tokens[np.repeat(q_start + 1 - lo + off[:-1], win) <= np.arange(int(off[-1]))] = drafts
-        nb = self.num_blocks[slots]
-        bt_off = _prefix(nb)
-        tables = np.take(self.block_table, np.repeat(slots * self.max_blocks - bt_off[:-1], nb)
-                         + np.arange(int(bt_off[-1])))
-        if self.max_compressed:
-            cl = np.maximum(np.minimum(self.num_compressed[slots], sk) - lo, 0)
-            c_off = _prefix(cl)
-            comp = np.take(self.compressed, np.repeat(slots * self.max_compressed + lo - c_off[:-1], cl)
-                           + np.arange(int(c_off[-1])))
-        else:
-            comp, c_off = np.zeros(0, np.int64), np.zeros(n_real + 1, np.int64)
-        state, svs, num_tokens = self.state_id[slots], self.swa_valid_start[slots], self.num_tokens[slots]
-        need = blocks_needed_array(sk, self.cfg) if n_real else None
-        ok = n_real == 0 or self._valid(sk, nb, state, svs, need)
-        if n_ph:  # one row at position 0: token 0, blocks_needed(1) zero blocks, state 0
-            one = np.ones(n_ph, np.int64)
-            tokens = np.concatenate([tokens, np.full(n_ph, PLACEHOLDER_TOKEN, np.int64)])
-            off = np.concatenate([off, off[-1] + np.arange(1, n_ph + 1)])
-            tables = np.concatenate([tables, np.zeros(n_ph * self._ph_blocks, np.int64)])
-            bt_off = np.concatenate([bt_off, bt_off[-1] + self._ph_blocks * np.arange(1, n_ph + 1)])
-            c_off = np.concatenate([c_off, np.full(n_ph, c_off[-1])])
-            sq, sk, num_tokens = (np.concatenate([x, one]) for x in (sq, sk, num_tokens))
-            state, svs = (np.concatenate([x, 0 * one]) for x in (state, svs))
-        batch = SequenceBatch(
-            is_prompt=is_prompt, seqlen_q=sq, seqlen_k=sk, state_id=state, swa_valid_start=svs,
-            is_placeholder=np.arange(n_real + n_ph) >= n_real, num_tokens=num_tokens,
-            block_tables=tables, block_table_offsets=bt_off, tokens=tokens, token_offsets=off,
-            compressed=comp, compressed_offsets=c_off, lookback=lb,
-        )
-        if ok and n_real + n_ph:
-            batch._checked = self.cfg
-            if not n_ph:  # extract_batch reuses it (placeholders would need their own entries)
-                batch._need = (self.cfg, need)
-                # decode block_tables rows, one gather (equal to `tables`); set only when every
-                # table's ids are in [0, _bt_max] and every state id in [0, _state_max] (_fast):
-                # the builders' int32 checks then skip those two bounds (SequenceBatch._bt2d)
-                if drafts is not None and self._fast[slots].all():
-                    batch._bt2d = (self.cfg, np.take(self._bt32, slots, axis=0))
-        return batch
-
-    def _valid(self, sk: np.ndarray, nb: np.ndarray, state: np.ndarray, svs: np.ndarray, need: np.ndarray) -> bool:
-        """What ``SequenceBatch.validate`` checks that this state's own invariants leave open
-        (counts of tokens, windows and drafts hold by construction; placeholders are valid).
-        True: the batch is marked validated for ``self.cfg`` and the builders skip ``validate``;
-        False: they run it and raise its ``seqs[i].field`` message."""
-        return bool(int(sk.max()) <= self.cfg.max_model_len and int(state.min()) >= 0 and int(svs.min()) >= 0
-                    and (nb >= need).all())
+        """The general gather of a step's ``SequenceBatch``: :func:`cpmeta.state_gather.gather_batch`."""
+        return gather_batch(self, is_prompt, slots, sq, sk, drafts, n_ph)
