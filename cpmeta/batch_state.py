@@ -114,7 +114,7 @@ class BatchState:
         self._state32 = np.zeros(n, np.int32)  # state_id as int32 (the staging's dtype)
         # stage_decode's block-table offsets: sequence s of a step at s * max_num_blocks (int32)
         self._stride_off = (np.arange(n, dtype=np.int64) * cfg.max_num_blocks).astype(np.int32)
-        self._ar = np.arange(n * cfg.max_num_blocks + 1, dtype=np.int64)
+        self._ar32 = np.arange(n + 1, dtype=np.int32)  # stage_decode's cu_seqlens_q rows (int32, no casting write)
         ratios = cfg.ca_ratios + cfg.sparse_compress_ratios + cfg.dense_compress_ratios
         self._header = (STAGING_HEADER_FIXED + len(ratios), np.array(ratios, np.int32))
         self.num_blocks = np.zeros(n, np.int64)  # [max_seqs]

@@ -121,16 +121,16 @@ def stage_decode(st: "BatchState", staging: DecodeStaging, slots: np.ndarray,
     r = slice(0, n_real)
     if n_d and uniform:  # seqlen_q = 1 + k for all: cu_q_incl = (s + 1) * (1 + k)
         blk[F_SEQLEN_Q, r] = max_q
-        np.multiply(st._ar[1:n_real + 1], max_q, out=blk[F_CU_Q_INCL, r])
+        np.multiply(st._ar32[1:n_real + 1], max_q, out=blk[F_CU_Q_INCL, r])
     elif n_d:
         np.add(nd, 1, out=blk[F_SEQLEN_Q, r])
         np.add.accumulate(blk[F_SEQLEN_Q, r], out=blk[F_CU_Q_INCL, r])
     else:
         blk[F_SEQLEN_Q, r] = 1
-        blk[F_CU_Q_INCL, r] = st._ar[1:n_real + 1]
+        blk[F_CU_Q_INCL, r] = st._ar32[1:n_real + 1]
     blk[F_SEQLEN_K, r] = sk
     np.add.accumulate(blk[F_SEQLEN_K, r], out=blk[F_CU_K_INCL, r])
-    np.take(st._state32, slots, out=blk[F_STATE, r], mode="clip")  # clip: no buffering, slots checked
+    st._state32.take(slots, out=blk[F_STATE, r], mode="clip")  # clip: no buffering (slots checked)
     blk[F_PLACEHOLDER, r] = 0
     blk[F_BT_OFFSET, r] = st._stride_off[:n_real]
     ids = view[off_ids:off_bt]
@@ -140,13 +140,13 @@ def stage_decode(st: "BatchState", staging: DecodeStaging, slots: np.ndarray,
         rows[:, 1:] = drafts.reshape(n_real, max_q - 1)
     elif n_d:  # row of draft i of sequence s: i + s + 1 (every earlier sequence adds its last token)
         ids[blk[F_CU_Q_INCL, r] - blk[F_SEQLEN_Q, r]] = st._last.take(slots)
-        ids[np.arange(n_d) + np.repeat(st._ar[1:n_real + 1], nd)] = drafts
+        ids[np.arange(n_d) + np.repeat(st._ar32[1:n_real + 1], nd)] = drafts
     else:  # the last confirmed tokens (int32 by _dec_cap's vouching)
-        np.take(st._last, slots, out=ids[:n_real], mode="clip")
+        st._last.take(slots, out=ids[:n_real], mode="clip")
     if n_ph:
         ids[total_q - n_ph:] = 0
     # the tables: row s of the section is the slot's row of the int32 mirror (clip: no buffering)
-    np.take(st._bt32, slots, axis=0, out=view[off_bt:off_bt + total_b_real].reshape(n_real, mnb), mode="clip")
+    st._bt32.take(slots, axis=0, out=view[off_bt:off_bt + total_b_real].reshape(n_real, mnb), mode="clip")
     if n_ph:
         view[off_bt + total_b_real:used] = 0
     if upload:
