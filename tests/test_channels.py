@@ -108,10 +108,11 @@ def _mixed(rank: int, world_size: int) -> dict:
 
 def _subgroup(rank: int, world_size: int) -> dict:
     sub = dist.new_group([1, 2, 3], backend="gloo")
-    if rank == 0:
-        return {}
-    out = _exercise(rank, sub, 2, 42)
-    out["flag_remote"] = _exercise(rank, sub, 3, 43, force_remote=True)["remote"]
+    out: dict = {}
+    if rank != 0:
+        out = _exercise(rank, sub, 2, 42)
+        out["flag_remote"] = _exercise(rank, sub, 3, 43, force_remote=True)["remote"]
+    dist.barrier()  # rank 0 hosts the rendezvous store: it must outlive the members' group set-up
     return out
 
 
