@@ -10,7 +10,7 @@ and uploads the used prefix with ONE non-blocking copy; ``replay`` / ``ready_on`
 from __future__ import annotations
 
 import logging
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -155,6 +155,16 @@ class DecodeStaging:
         self.last_staged = staged
         if self.device.type != "cuda":
             return
+        k = min(-(-staged.used // 1024) * 1024, self.capacity)
+        pair = self._slices.get(k)
+        if pair is None:
+            pair = self._slices[k] = (self.device_buffer[:k], self.host_buffer[:k])
+        self._write_device(lambda: pair[0].copy_(pair[1], non_blocking=True))
+
+    def _write_device(self, write: Callable[[], object]) -> None:
+        """Run ``write`` (whatever overwrites ``device_buffer`` from the host buffer: the copy, or
+        a replay of a graph holding it) on the current stream, ordered after every reader of the
+        previous batch, then record ``upload_event`` (the host buffer is free once it fires)."""
         stream = torch.cuda.current_stream(self._dev_index)
         up = self._up_stream
         if up is not None and stream != up:  # consumers ordered on the old upload stream
@@ -162,11 +172,7 @@ class DecodeStaging:
         if self._read_pending:
             stream.wait_event(self._read_event)
             self._read_pending = False  # later uploads are ordered after this one
-        k = min(-(-staged.used // 1024) * 1024, self.capacity)
-        pair = self._slices.get(k)
-        if pair is None:
-            pair = self._slices[k] = (self.device_buffer[:k], self.host_buffer[:k])
-        pair[0].copy_(pair[1], non_blocking=True)
+        write()
         if self._event is None:
             self._event = torch.cuda.Event()
         self._event.record(stream)
@@ -205,18 +211,7 @@ class DecodeStaging:
         if self.device.type != "cuda":
             graph.replay()
             return
-        stream = torch.cuda.current_stream(self._dev_index)
-        up = self._up_stream
-        if up is not None and stream != up:  # consumers ordered on the old upload stream
-            stream.wait_stream(up)
-        if self._read_pending:
-            stream.wait_event(self._read_event)
-            self._read_pending = False
-        graph.replay()
-        if self._event is None:
-            self._event = torch.cuda.Event()
-        self._event.record(stream)
-        self._up_stream = stream
+        self._write_device(graph.replay)
 
     @property
     def upload_event(self) -> Optional["torch.cuda.Event"]:
