@@ -217,8 +217,7 @@ class BatchState:
         if len(t):
             self._last[slot:slot + 1] = t[-1:]
             if not _fits_int32(t):
-                self._tok_ok[slot] = False
-                self._set_fast(slot)
+                self._tokens_past_int32(slot)
 
     def append_tokens_batch(self, slots: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> None:
         """Vectorized :meth:`append_tokens`: request ``slots[i]`` gets the next ``counts[i]`` ids
@@ -242,8 +241,13 @@ class BatchState:
         self._last[slots] = self.token_ids[slots, new - 1]
         if len(tokens) and not _fits_int32(tokens):
             for s in np.unique(slots[seq][(tokens > INT32_MAX) | (tokens < -INT32_MAX - 1)]).tolist():
-                self._tok_ok[s] = False
-                self._set_fast(s)
+                self._tokens_past_int32(s)
+
+    def _tokens_past_int32(self, slot: int) -> None:
+        """A confirmed token of ``slot`` does not fit int32: the decode fast paths no longer vouch
+        for it (the builders then raise their ``input_ids`` message if it is read)."""
+        self._tok_ok[slot] = False
+        self._set_fast(slot)
 
     def append_blocks(self, slot: int, blocks: Sequence[int]) -> None:
         """Block ids newly allocated to the request, appended to its table."""

@@ -16,12 +16,13 @@ the step (``_bt32[slots]``), so later changes to the state never change a batch 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
 from .batch import SequenceBatch
 from .constants import INT32_MAX
+from .state_gather import prefix
 
 if TYPE_CHECKING:
     from .batch_state import BatchState
@@ -50,6 +51,19 @@ def _consts(n: int) -> tuple[np.ndarray, ...]:
     return hit
 
 
+def _made_on_first_read(slot: Any) -> property:
+    """A property over the dataclass ``slot`` that runs ``self._tables()`` when it is still unset."""
+
+    def get(self: "StateDecodeBatch") -> np.ndarray:
+        try:
+            return slot.__get__(self)
+        except AttributeError:
+            self._tables()
+            return slot.__get__(self)
+
+    return property(get, slot.__set__)
+
+
 class StateDecodeBatch(SequenceBatch):
     """A decode ``SequenceBatch`` whose flat block tables are made from its 2-D rows on first read.
 
@@ -65,33 +79,10 @@ class StateDecodeBatch(SequenceBatch):
     def _tables(self) -> None:
         bt2d, nb = self._rows
         _BT.__set__(self, bt2d[np.arange(bt2d.shape[1]) < nb[:, None]].astype(np.int64))
-        off = np.zeros(len(nb) + 1, np.int64)
-        np.add.accumulate(nb, out=off[1:])
-        _BT_OFF.__set__(self, off)
+        _BT_OFF.__set__(self, prefix(nb))
 
-    @property
-    def block_tables(self) -> np.ndarray:  # type: ignore[override]
-        try:
-            return _BT.__get__(self)
-        except AttributeError:
-            self._tables()
-            return _BT.__get__(self)
-
-    @block_tables.setter
-    def block_tables(self, v: np.ndarray) -> None:
-        _BT.__set__(self, v)
-
-    @property
-    def block_table_offsets(self) -> np.ndarray:  # type: ignore[override]
-        try:
-            return _BT_OFF.__get__(self)
-        except AttributeError:
-            self._tables()
-            return _BT_OFF.__get__(self)
-
-    @block_table_offsets.setter
-    def block_table_offsets(self, v: np.ndarray) -> None:
-        _BT_OFF.__set__(self, v)
+    block_tables = _made_on_first_read(_BT)  # type: ignore[assignment]
+    block_table_offsets = _made_on_first_read(_BT_OFF)  # type: ignore[assignment]
 
 
 def decode_batch_fast(st: "BatchState", slots: np.ndarray, draft_tokens: Optional[np.ndarray],
