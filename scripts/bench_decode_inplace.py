@@ -60,7 +60,7 @@ from cpmeta import MetadataConfig  # noqa: E402
 from cpmeta.build.extract import extract_batch  # noqa: E402
 from cpmeta.build.decode import prepare_decode  # noqa: E402
 from cpmeta.gpu.decode_inplace import (  # noqa: E402
-    DecodeStaging, launch_decode_inplace, prepare_decode_inplace, staging_capacity,
+    DecodeStaging, capture_decode_graph, launch_decode_inplace, prepare_decode_inplace, staging_capacity,
 )
 from cpmeta.diff import metadata_diff  # noqa: E402
 from cpmeta.gpu.staging_layout import unpack_staging  # noqa: E402
@@ -107,14 +107,7 @@ def _graph_fn(st: DecodeStaging, cfg: MetadataConfig, out: dict) -> Optional[Cal
     """The two kernels captured in a CUDA graph (replay + sync), or None without CUDA."""
     if st.device.type != "cuda":
         return None
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        launch_decode_inplace(st, cfg, out=out)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        launch_decode_inplace(st, cfg, out=out)
+    g = capture_decode_graph(st, cfg, out=out)
 
     def replay() -> None:
         g.replay()

@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_build import _state_from, decode_batch  # noqa: E402
 from cpmeta import MetadataConfig  # noqa: E402
 from cpmeta.gpu.decode_inplace import (  # noqa: E402
-    DecodeStaging, launch_decode_inplace, prepare_decode_inplace, staging_capacity,
+    DecodeStaging, capture_decode_graph, launch_decode_inplace, prepare_decode_inplace, staging_capacity,
 )
 
 
@@ -88,14 +88,7 @@ def run_case(drafts: int, repeat: int, dev: torch.device) -> dict[str, Any]:
         "stage_host": lambda: bs.stage_decode(host_st, slots, dr, nd),
     }
     if cuda:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            launch_decode_inplace(st, cfg, out=out)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            launch_decode_inplace(st, cfg, out=out)
+        g = capture_decode_graph(st, cfg, out=out)
         staged = bs.stage_decode(st, slots, dr, nd)
 
         def step() -> None:
@@ -106,10 +99,7 @@ def run_case(drafts: int, repeat: int, dev: torch.device) -> dict[str, Any]:
             step()
             torch.cuda.synchronize()
 
-        g_up = torch.cuda.CUDAGraph()  # the same kernels with the H2D copy inside the graph
-        with torch.cuda.graph(g_up):
-            st.upload_in_graph()
-            launch_decode_inplace(st, cfg, out=out)
+        g_up = capture_decode_graph(st, cfg, out=out, upload=True)  # the H2D copy inside the graph
 
         def step_graph_upload() -> None:  # fill only, then ONE replay that copies and runs the kernels
             st.replay_uploading(g_up, bs.stage_decode(st, slots, dr, nd, upload=False))

@@ -28,7 +28,9 @@ import torch
 from cpmeta.config import MetadataConfig
 from cpmeta.constants import PAD_SLOT_ID
 from cpmeta.build.decode import prepare_decode
-from cpmeta.gpu.decode_inplace import DecodeStaging, launch_decode_inplace, prepare_decode_inplace, staging_capacity
+from cpmeta.gpu.decode_inplace import (
+    DecodeStaging, capture_decode_graph, launch_decode_inplace, prepare_decode_inplace, staging_capacity,
+)
 from cpmeta.diff import metadata_diff
 from cpmeta.metadata import InputMetadata
 from cpmeta.sequence import SequenceMetadata, blocks_needed
@@ -266,15 +268,7 @@ def test_graph_with_the_upload_inside_follows_a_batch_state() -> None:
     all_slots = np.arange(N_CAP)
     prepare_decode_inplace(bs.decode_batch(all_slots, np.zeros(2 * N_CAP, np.int64), np.full(N_CAP, 2)), cfg,
                            out=out, device="cuda", staging=st)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        launch_decode_inplace(st, cfg, out=out)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        st.upload_in_graph()
-        launch_decode_inplace(st, cfg, out=out)
+    graph = capture_decode_graph(st, cfg, out=out, upload=True)
     with pytest.raises(ValueError, match="while capturing"):
         st.upload_in_graph()
     for step in range(STEPS):

@@ -3,7 +3,7 @@
 =============================  ===================================================================
 module                         holds
 =============================  ===================================================================
-``decode_inplace``             :func:`prepare_decode_inplace`, :func:`launch_decode_inplace` (CUDA-graph ready)
+``decode_inplace``             :func:`prepare_decode_inplace`, :func:`launch_decode_inplace`, :func:`capture_decode_graph` (CUDA-graph ready)
 ``decode_staging``             ``DecodeStaging``: the pinned int32 staging buffer, upload, stream order
 ``staging_layout``             the staging layout, the host fill from ``BatchArrays``, capacities
 ``stage_state``                the staging buffer written straight from a ``BatchState``
@@ -20,10 +20,10 @@ Importing this package does not import Triton; the kernel modules are imported w
 from __future__ import annotations
 
 from .decode_cp import StagedDecodeBroadcaster
-from .decode_inplace import launch_decode_inplace, prepare_decode_inplace
+from .decode_inplace import capture_decode_graph, launch_decode_inplace, prepare_decode_inplace
 from .decode_staging import DecodeStaging, OutCapacity, staging_capacity
 
 __all__ = [
-    "prepare_decode_inplace", "launch_decode_inplace", "DecodeStaging", "OutCapacity", "staging_capacity",
+    "prepare_decode_inplace", "launch_decode_inplace", "capture_decode_graph", "DecodeStaging", "OutCapacity", "staging_capacity",
     "StagedDecodeBroadcaster",
 ]

@@ -46,6 +46,7 @@ from ..sequence import SequenceMetadata
 __all__ = [
     "prepare_decode_inplace",
     "launch_decode_inplace",
+    "capture_decode_graph",
     "DecodeStaging",
     "StagedDecode",
     "OutCapacity",
@@ -392,3 +393,25 @@ def launch_decode_inplace(
         staging.check_capacity(staging.last_staged, _capacity(bufs))
     _launch_cached(staging, cfg, staging.out_cache, be, bufs, use_graph=True)
     return InputMetadata(is_prompt=False, **views)
+
+
+def capture_decode_graph(staging: DecodeStaging, cfg: MetadataConfig, *, out: dict[str, torch.Tensor],
+                         upload: bool = False) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph of :func:`launch_decode_inplace` into ``out`` (its buffers exist already, e.g.
+    from a ``prepare_decode_inplace`` warm-up at the largest batch), warmed up once on a side
+    stream first. ``upload=True``: the graph starts with ``staging.upload_in_graph()`` (the H2D
+    copy of the whole fixed staging buffer), so each step is ``staged = state.stage_decode(staging,
+    ..., upload=False)`` then ``staging.replay_uploading(g, staged)``; without it, each step is
+    ``staging.stage(...)`` / ``state.stage_decode(...)`` then ``staging.replay(g)``."""
+    dev = staging.device_buffer.device  # with its index
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        launch_decode_inplace(staging, cfg, out=out)
+    torch.cuda.current_stream(dev).wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        if upload:
+            staging.upload_in_graph()
+        launch_decode_inplace(staging, cfg, out=out)
+    return g

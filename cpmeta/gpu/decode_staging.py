@@ -188,7 +188,8 @@ class DecodeStaging:
 
             st = DecodeStaging("cuda", staging_capacity(cfg, n, q), fixed=True)
             ...warm up with prepare_decode_inplace(batch, cfg, out=out, staging=st)...
-            with torch.cuda.graph(g):
+            g = capture_decode_graph(st, cfg, out=out, upload=True)   # or, by hand:
+            with torch.cuda.graph(g):                                 # (after a warm-up launch)
                 st.upload_in_graph()
                 launch_decode_inplace(st, cfg, out=out)
             # every step:
