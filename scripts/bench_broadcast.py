@@ -106,6 +106,11 @@ def _sync_device(md: Any, device: torch.device) -> None:
         torch.cuda.current_stream().synchronize()
 
 
+def latency_us(lat: list[float]) -> dict[str, float]:
+    """``{"p50_us", "p90_us"}`` of per-step latencies in seconds, sorted ascending (time_cell's)."""
+    return {"p50_us": lat[len(lat) // 2] * 1e6, "p90_us": lat[min(len(lat) - 1, int(0.9 * len(lat)))] * 1e6}
+
+
 def time_cell(method: Method, md: Any, steps: int, warmup: int, budget_s: float,
               park_s: float = 0.0) -> list[float]:
     """Per-step latencies (seconds), identical list on every rank (gathered max - driver start).
@@ -187,8 +192,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_pa
                 results.append({
                     "world": world, "payload": payload, "attn_info": attn, "method": mname,
                     "mode": mode,
-                    "bytes": nbytes, "n": len(s), "p50_us": s[len(s) // 2] * 1e6,
-                    "p90_us": s[min(len(s) - 1, int(0.9 * len(s)))] * 1e6,
+                    "bytes": nbytes, "n": len(s), **latency_us(s),
                     "mean_us": sum(s) / len(s) * 1e6,
                 })
                 r = results[-1]

@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_broadcast import Method, init_rank, run_world_procs, time_cell  # noqa: E402  (same timing protocol)
+from bench_broadcast import Method, init_rank, latency_us, run_world_procs, time_cell  # noqa: E402  (same timing protocol)
 from bench_build import _state_from, decode_batch  # noqa: E402  (same batches and states as the builders' bench)
 
 TARGET_US = 150.0
@@ -122,7 +122,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_pa
         if rank == 0:
             r = {"world": world, "backend": args.backend, "device": str(device), "method": name,
                  "n_seqs": args.n_seqs, "drafts": args.drafts, "np_tables": args.np_tables, "n": len(lat),
-                 "p50_us": lat[len(lat) // 2] * 1e6, "p90_us": lat[min(len(lat) - 1, int(0.9 * len(lat)))] * 1e6}
+                 **latency_us(lat)}
             results.append(r)
             print(f"  world={world} {args.backend}/{device.type} {name:>12}: p50 {r['p50_us']:8.1f} us  "
                   f"p90 {r['p90_us']:8.1f} us", flush=True)
