@@ -16,7 +16,7 @@ the step (``_bt32[slots]``), so later changes to the state never change a batch 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import numpy as np
 
@@ -27,7 +27,7 @@ from .state_gather import prefix
 if TYPE_CHECKING:
     from .batch_state import BatchState
 
-__all__ = ["StateDecodeBatch", "decode_batch_fast"]
+__all__ = ["StateDecodeBatch", "decode_batch_fast", "vouch_decode_step", "VouchedStep"]
 
 _BT = SequenceBatch.__dict__["block_tables"]  # the dataclass slots behind the two properties
 _BT_OFF = SequenceBatch.__dict__["block_table_offsets"]
@@ -85,28 +85,40 @@ class StateDecodeBatch(SequenceBatch):
     block_table_offsets = _made_on_first_read(_BT_OFF)  # type: ignore[assignment]
 
 
-def decode_batch_fast(st: "BatchState", slots: np.ndarray, draft_tokens: Optional[np.ndarray],
-                      num_drafts: Optional[np.ndarray]) -> Optional[StateDecodeBatch]:
-    """``st.decode_batch(slots, draft_tokens, num_drafts)`` when the state vouches for every
-    scheduled request (see the module doc), else ``None``. The caller excludes placeholders,
-    Engram (look-back / compressed history) and states whose tables can pass max_num_blocks."""
+class VouchedStep(NamedTuple):
+    """A decode step the state vouches for (:func:`vouch_decode_step`): int64 ``slots``, each
+    slot's confirmed tokens ``nt`` and ``seqlen_k`` ``sk``, the ``drafts`` and per-slot counts
+    ``nd`` (``None`` without drafts), the largest count ``k_hi`` and whether every slot has it."""
+
+    slots: np.ndarray
+    nt: np.ndarray
+    sk: np.ndarray
+    drafts: Optional[np.ndarray]
+    nd: Optional[np.ndarray]
+    k_hi: int
+    uniform: bool
+
+
+def vouch_decode_step(st: "BatchState", slots: Any, draft_tokens: Optional[np.ndarray],
+                      num_drafts: Optional[np.ndarray]) -> Optional[VouchedStep]:
+    """The checks of both decode fast paths (``decode_batch_fast``, ``stage_decode``): int64 1-D
+    ``slots`` that the state vouches for (``_dec_cap``: one gather, which also bounds-checks them),
+    draft counts that add up, draft ids that fit int32, ``seqlen_k`` within each slot's cap. Any
+    failure -> ``None`` (the caller's general path raises the precise error)."""
     slots = np.asarray(slots)
-    n = len(slots)
-    if slots.dtype != np.int64 or slots.ndim != 1 or n == 0:
+    if slots.dtype != np.int64 or slots.ndim != 1 or len(slots) == 0:
         return None
     try:  # a slot outside [-max_seqs, max_seqs) raises here or reads -1: the general path names it
         cap = st._dec_cap.take(slots)
         nt = st.num_tokens.take(slots)
     except IndexError:
         return None
-    ones, no_ph, ar1, zeros1, empty = _consts(n)
-    last = st._last.take(slots).astype(np.int64)  # every confirmed token fits int32 (part of _dec_cap)
     if draft_tokens is None or len(draft_tokens) == 0:
         if num_drafts is not None:
-            nd = np.asarray(num_drafts)
-            if nd.shape != slots.shape or np.count_nonzero(nd):
+            nd0 = np.asarray(num_drafts)
+            if nd0.shape != slots.shape or np.count_nonzero(nd0):
                 return None
-        sq, sk, tokens, tok_off = ones, nt, last, ar1
+        step = VouchedStep(slots, nt, nt, None, None, 0, True)
     else:
         if num_drafts is None:
             return None
@@ -115,26 +127,42 @@ def decode_batch_fast(st: "BatchState", slots: np.ndarray, draft_tokens: Optiona
             return None
         k_lo, k_hi = int(nd.min()), int(nd.max())
         uniform = k_lo == k_hi  # every request has the same number of drafts (the common MTP step)
-        if k_lo < 0 or (k_lo * n if uniform else int(nd.sum())) != len(drafts) \
+        if k_lo < 0 or (k_lo * len(slots) if uniform else int(nd.sum())) != len(drafts) \
                 or int(drafts.max()) > INT32_MAX or int(drafts.min()) < -INT32_MAX - 1:
             return None
-        sq = nd + 1
-        sk = nt + nd
-        if uniform:  # rows of sequence s: [s * (1 + k), (s + 1) * (1 + k)): last token, drafts
-            tok_off = ar1 * (k_hi + 1)
-            tokens = np.empty((n, k_hi + 1), np.int64)
-            tokens[:, 0] = last
-            tokens[:, 1:] = drafts.reshape(n, k_hi)
-            tokens = tokens.reshape(-1)
-        else:
-            tok_off = np.zeros(n + 1, np.int64)
-            np.add.accumulate(sq, out=tok_off[1:])
-            tokens = np.empty(int(tok_off[-1]), np.int64)
-            tokens[tok_off[:-1]] = last
-            # draft i of sequence s sits at row i + s + 1 (every earlier sequence adds its last token)
-            tokens[np.arange(len(drafts)) + np.repeat(ar1[1:], nd)] = drafts
-    if not (sk <= cap).all():  # not vouched for, a table too short for seqlen_k, past max_model_len
+        step = VouchedStep(slots, nt, nt + (k_hi if uniform else nd), drafts, nd, k_hi, uniform)
+    # not vouched for (-1), a table too short for seqlen_k, or past max_model_len
+    return step if (step.sk <= cap).all() else None
+
+
+def decode_batch_fast(st: "BatchState", slots: np.ndarray, draft_tokens: Optional[np.ndarray],
+                      num_drafts: Optional[np.ndarray]) -> Optional[StateDecodeBatch]:
+    """``st.decode_batch(slots, draft_tokens, num_drafts)`` when the state vouches for every
+    scheduled request (see the module doc), else ``None``. The caller excludes placeholders,
+    Engram (look-back / compressed history) and states whose tables can pass max_num_blocks."""
+    step = vouch_decode_step(st, slots, draft_tokens, num_drafts)
+    if step is None:
         return None
+    slots, nt, sk, drafts, nd, k_hi = step.slots, step.nt, step.sk, step.drafts, step.nd, step.k_hi
+    n = len(slots)
+    ones, no_ph, ar1, zeros1, empty = _consts(n)
+    last = st._last.take(slots).astype(np.int64)  # every confirmed token fits int32 (part of _dec_cap)
+    if drafts is None:
+        sq, tokens, tok_off = ones, last, ar1
+    elif step.uniform:  # rows of sequence s: [s * (1 + k), (s + 1) * (1 + k)): last token, drafts
+        sq = np.full(n, k_hi + 1, np.int64)
+        tok_off = ar1 * (k_hi + 1)
+        tokens = np.empty((n, k_hi + 1), np.int64)
+        tokens[:, 0] = last
+        tokens[:, 1:] = drafts.reshape(n, k_hi)
+        tokens = tokens.reshape(-1)
+    else:
+        sq = nd + 1
+        tok_off = prefix(sq)
+        tokens = np.empty(int(tok_off[-1]), np.int64)
+        tokens[tok_off[:-1]] = last
+        # draft i of sequence s sits at row i + s + 1 (every earlier sequence adds its last token)
+        tokens[np.arange(len(drafts)) + np.repeat(ar1[1:], nd)] = drafts
     b = StateDecodeBatch.__new__(StateDecodeBatch)
     b.is_prompt = False
     b.seqlen_q, b.seqlen_k, b.num_tokens = sq, sk, nt

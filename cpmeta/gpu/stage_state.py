@@ -16,6 +16,7 @@ import numpy as np
 
 from ..config import MetadataConfig
 from ..sequence import blocks_needed
+from ..state_decode import vouch_decode_step
 from ..constants import INT32_MAX
 from .decode_staging import (
     F_BT_OFFSET, F_CU_K_INCL, F_CU_Q_INCL, F_PLACEHOLDER, F_SEQLEN_K, F_SEQLEN_Q, F_STATE, HEADER_FIXED,
@@ -58,39 +59,15 @@ def stage_decode(st: "BatchState", staging: DecodeStaging, slots: np.ndarray,
     assert st._header[0] - len(st._header[1]) == HEADER_FIXED, "BatchState caches the staging header"
     cfg = st.cfg
     n_ph = int(num_placeholders)
-    slots = np.asarray(slots)
-    n_real = len(slots)
-    if cfg.max_ngram_size or n_real == 0 or n_ph < 0 or slots.dtype != np.int64 or slots.ndim != 1:
+    step = None if cfg.max_ngram_size or n_ph < 0 else vouch_decode_step(st, slots, draft_tokens, num_drafts)
+    if step is None:
         return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload, capacity)
-    try:  # BatchState._dec_cap: -1 unless live, prefill done, ids / state / valid start in range;
-        cap = st._dec_cap.take(slots)  # a slot outside [-max_seqs, max_seqs) raises or reads -1
-        nt = st.num_tokens.take(slots)
-    except IndexError:
-        return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload, capacity)
-    if draft_tokens is None or len(draft_tokens) == 0:
-        if num_drafts is not None:
-            nd = np.asarray(num_drafts)
-            if nd.shape != slots.shape or np.count_nonzero(nd):
-                return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload, capacity)
-        n_d, sk, drafts, max_q = 0, nt, None, 1
-    else:
-        if num_drafts is None:
-            return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload, capacity)
-        drafts, nd = np.asarray(draft_tokens, np.int64), np.asarray(num_drafts, np.int64)
-        if nd.shape != slots.shape:
-            return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload, capacity)
-        k_lo, k_hi = int(nd.min()), int(nd.max())
-        uniform = k_lo == k_hi  # every request has the same number of drafts (the common MTP step)
-        if k_lo < 0 or (k_lo * n_real if uniform else int(nd.sum())) != len(drafts) \
-                or int(drafts.max()) > INT32_MAX or int(drafts.min()) < -INT32_MAX - 1:
-            return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload, capacity)
-        n_d, sk, max_q = len(drafts), nt + (k_hi if uniform else nd), 1 + k_hi
+    slots, sk, drafts, nd, uniform = step.slots, step.sk, step.drafts, step.nd, step.uniform
+    n_real, n_d, max_q = len(slots), 0 if drafts is None else len(drafts), 1 + step.k_hi
     n = n_real + n_ph
     total_q = n + n_d
-    # vouched for, the table covers seqlen_k and seqlen_k <= max_model_len: blocks_needed is then
+    # vouched for: the tables cover seqlen_k and seqlen_k <= max_model_len, so blocks_needed is
     # <= num_blocks and <= max_num_blocks; it is monotone, so its max is that of max(sk)
-    if not (sk <= cap).all():
-        return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload, capacity)
     max_sk, total_k = int(sk.max()), int(sk.sum()) + n_ph
     mnb = st._bt32.shape[1]
     if total_k > INT32_MAX or (total_q * mnb * _dense_bc(cfg) > INT32_MAX):
