@@ -127,6 +127,12 @@ class BatchState:
         self._slot: dict[Hashable, int] = {}
         self._free = list(range(n - 1, -1, -1))  # pop() gives the lowest free slot
         self._ph_blocks = blocks_needed(1, cfg)
+        # stage_decode (cpmeta/gpu/stage_state.py): the most query rows whose decode offsets fit
+        # int32 (rows * max_num_blocks * block_size // min dense ratio); its cached fixed staging
+        # prefixes, per (sequences, rows per sequence)
+        bc_d = cfg.block_size // min(cfg.dense_compress_ratios) if cfg.dense_compress_ratios else 0
+        self._stage_q_lim = INT32_MAX // (cfg.max_num_blocks * bc_d) if bc_d else INT32_MAX
+        self._stage_fixed: dict[tuple[int, int], np.ndarray] = {}
         # decode_batch_fast makes a batch's flat tables from its 2-D rows on first read: that
         # needs every whole table to fit the max_num_blocks columns of _bt32
         self._lazy_no = self.max_blocks > cfg.max_num_blocks

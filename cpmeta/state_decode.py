@@ -125,14 +125,19 @@ def vouch_decode_step(st: "BatchState", slots: Any, draft_tokens: Optional[np.nd
         drafts, nd = np.asarray(draft_tokens, np.int64), np.asarray(num_drafts, np.int64)
         if nd.shape != slots.shape:
             return None
-        k_lo, k_hi = int(nd.min()), int(nd.max())
-        uniform = k_lo == k_hi  # every request has the same number of drafts (the common MTP step)
-        if k_lo < 0 or (k_lo * len(slots) if uniform else int(nd.sum())) != len(drafts) \
-                or int(drafts.max()) > INT32_MAX or int(drafts.min()) < -INT32_MAX - 1:
+        # every request with the same number of drafts (the common MTP step): one comparison
+        k_lo = k_hi = int(nd[0])
+        uniform = not np.count_nonzero(nd != k_hi)
+        if not uniform:
+            k_lo, k_hi = int(nd.min()), int(nd.max())
+        if k_lo < 0 or (k_lo * len(slots) if uniform else int(nd.sum())) != len(drafts):
+            return None
+        # ids in [0, 2**31) in one pass (>> 31 is 0 there); a negative id takes the full check
+        if np.count_nonzero(drafts >> 31) and (int(drafts.max()) > INT32_MAX or int(drafts.min()) < -INT32_MAX - 1):
             return None
         step = VouchedStep(slots, nt, nt + (k_hi if uniform else nd), drafts, nd, k_hi, uniform)
     # not vouched for (-1), a table too short for seqlen_k, or past max_model_len
-    return step if (step.sk <= cap).all() else None
+    return None if np.count_nonzero(step.sk > cap) else step
 
 
 def decode_batch_fast(st: "BatchState", slots: np.ndarray, draft_tokens: Optional[np.ndarray],

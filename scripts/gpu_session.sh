@@ -64,7 +64,7 @@ if part cpu_bench; then  # ~8 min; issue 17 (broadcast vs mq, worlds 2/4/8) and 
   TAILN=6 step bench_state 60 python3 scripts/bench_build.py --only state_ --no-ref --repeat 300 --out "$OUT/build_state.json"
   TAILN=30 step profile_array 45 python3 scripts/profile_array_input.py --repeat 500 --out "$OUT/array_phases.json"
 fi
-if part issue18; then  # ~7 min; the array-input fast paths (issue 18): GPU tests of the paths they touch, then benches
+if part issue18; then  # ~5 min; the array-input fast paths (issue 18): GPU tests of the paths they touch, then benches
   TAILN=4 step gpu_tests18 240 python3 -m pytest -q -p no:cacheprovider -x tests/test_cuda_graph.py \
     tests/test_decode_inplace.py tests/test_stage_decode.py tests/test_decode_cp.py tests/test_decode_capacity.py \
     tests/test_batch_state.py tests/test_builders_smoke.py
@@ -73,5 +73,7 @@ if part issue18; then  # ~7 min; the array-input fast paths (issue 18): GPU test
   TAILN=8 step bench_cp_nccl1 60 python3 scripts/bench_decode_cp.py --backend nccl --worlds 1 --steps 300 --budget 5 --out "$OUT/decode_cp_nccl1.json"
   TAILN=8 step bench_cp_gloo_cuda0 90 python3 scripts/bench_decode_cp.py --device cuda --worlds 2 3 --steps 200 --budget 5 --out "$OUT/decode_cp_gloo_cuda0.json"
   TAILN=6 step bench_state 60 python3 scripts/bench_build.py --only state_ --no-ref --repeat 300 --out "$OUT/build_state.json"
+  # where the time of gloo ranks sharing cuda:0 goes: 1-3 independent processes, each step synced
+  TAILN=7 step gpu_sharing 150 python3 scripts/bench_gpu_sharing.py --procs 1 2 3 --seconds 3 --out "$OUT/gpu_sharing.json"
 fi
 ls -la "$OUT"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -223,6 +224,40 @@ def test_invalid_batches_raise_the_builders_messages() -> None:
         bad.stage_decode(DecodeStaging("cpu"), np.array([s]))
     with pytest.raises(ValueError, match="block_table"):
         DecodeStaging("cpu").stage(bad.decode_batch(np.array([s])), cfg)
+
+
+def test_int32_limits_and_draft_ids(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast path's own int32 bounds: past the decode-offset bound (rows * max_num_blocks *
+    block_size // min dense ratio) and for draft ids past int32 it steps aside to the general
+    path -- each time the same staged batch or the same error as ``decode_batch`` + ``stage``."""
+    slow_calls: list[int] = []
+    real_slow = stage_state._slow
+    monkeypatch.setattr(stage_state, "_slow", lambda *a: slow_calls.append(1) or real_slow(*a))
+    cfg = MetadataConfig(block_size=2**20, window_size=4, swa_block_size=8, dense_compress_ratios=(4,),
+                         sparse_compress_ratios=(), max_model_len=2**29)
+    st = BatchState(cfg, max_seqs=5)
+    assert st._stage_q_lim == 15  # 2**31 // (512 columns * 2**18)
+    for i in range(5):
+        st.add_request(i, [1] * (5 + i), [i], 0, num_computed=5 + i)
+
+    def both(slots: np.ndarray, drafts: np.ndarray, counts: np.ndarray) -> None:
+        fast, slow = DecodeStaging("cpu", 8), DecodeStaging("cpu", 8)
+        try:
+            want = slow.stage(st.decode_batch(slots, drafts, counts), cfg)
+        except ValueError as e:
+            with pytest.raises(ValueError, match=re.escape(str(e))):
+                st.stage_decode(fast, slots, drafts, counts)
+            return
+        assert_same_staged(fast, st.stage_decode(fast, slots, drafts, counts), slow, want, cfg)
+
+    both(np.arange(5), np.arange(10), np.full(5, 2))  # 15 rows: fast
+    assert slow_calls == []
+    both(np.arange(4), np.arange(12), np.full(4, 3))  # 16 rows * 2**27 > INT32_MAX: general path
+    assert len(slow_calls) == 1
+    both(np.arange(2), np.array([5, -7]), np.array([1, 1]))  # negative: the full int32 check, still fast
+    assert len(slow_calls) == 1
+    both(np.arange(2), np.array([5, 2**31]), np.array([1, 1]))  # past int32: the general path
+    assert len(slow_calls) == 2
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")

@@ -14,8 +14,6 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
-from ..config import MetadataConfig
-from ..sequence import blocks_needed
 from ..state_decode import vouch_decode_step
 from ..constants import INT32_MAX
 from .decode_staging import (
@@ -66,50 +64,48 @@ def stage_decode(st: "BatchState", staging: DecodeStaging, slots: np.ndarray,
     n_real, n_d, max_q = len(slots), 0 if drafts is None else len(drafts), 1 + step.k_hi
     n = n_real + n_ph
     total_q = n + n_d
-    # vouched for: the tables cover seqlen_k and seqlen_k <= max_model_len, so blocks_needed is
-    # <= num_blocks and <= max_num_blocks; it is monotone, so its max is that of max(sk)
-    max_sk, total_k = int(sk.max()), int(sk.sum()) + n_ph
-    mnb = st._bt32.shape[1]
-    if total_k > INT32_MAX or (total_q * mnb * _dense_bc(cfg) > INT32_MAX):
+    total_k = int(sk.sum()) + n_ph
+    if total_k > INT32_MAX or total_q > st._stage_q_lim:  # the builders' int32 checks (_check_decode_int32)
         return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload, capacity)
-    ph_nb = st._ph_blocks
     # block tables at a FIXED stride: sequence s's table starts at s * max_num_blocks (its
     # blocks_needed ids, then the mirror's -1 padding the kernels never read); one row gather
+    mnb, ph_nb = st._bt32.shape[1], st._ph_blocks
     total_b_real = n_real * mnb
-    total_b = total_b_real + n_ph * ph_nb
-    hl, ratios = st._header
+    hl = st._header[0]
     off_ids = hl + SEQ_FIELDS * n
     off_bt = off_ids + total_q
-    used = off_bt + total_b
+    used = off_bt + total_b_real + n_ph * ph_nb
     if used > INT32_MAX:  # the header holds int32 offsets (the packed layout of the general path is smaller)
         return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload, capacity)
+    # the tables cover seqlen_k <= max_model_len, so blocks_needed <= num_blocks, max_num_blocks;
+    # it is monotone, so the batch's need is that of max(sk); every ratio divides block_size, so
+    # blocks_needed(k) = k // block_size + (k % block_size >= min_ratio)
+    max_sk = int(sk.max())
+    need = max_sk // cfg.block_size + (max_sk % cfg.block_size >= cfg.min_ratio)
     staged = StagedDecode(n, total_q, total_k, max_q, max(max_sk, 1 if n_ph else 0), used,
-                          max(blocks_needed(max_sk, cfg), ph_nb if n_ph else 0))  # need is monotone
+                          max(need, ph_nb if n_ph else 0))
     _check(staging, staged, capacity)  # before the host buffer is touched
     view = staging.host_view(used)
-    view[:HEADER_FIXED] = (n, total_q, total_k, hl, off_ids, off_bt, used, used)
-    view[HEADER_FIXED:hl] = ratios
-    blk = view[hl:off_ids].reshape(SEQ_FIELDS, n)
-    if n_ph:
-        blk[:, n_real:] = ((1,), (1,), (0,), (0,), (0,), (1,), (0,))  # cu / bt rows: set below
-        blk[F_CU_Q_INCL, n_real:] = np.arange(total_q - n_ph + 1, total_q + 1)
-        blk[F_CU_K_INCL, n_real:] = np.arange(total_k - n_ph + 1, total_k + 1)
-        blk[F_BT_OFFSET, n_real:] = total_b_real + ph_nb * np.arange(n_ph)
-    r = slice(0, n_real)
-    if n_d and uniform:  # seqlen_q = 1 + k for all: cu_q_incl = (s + 1) * (1 + k)
-        blk[F_SEQLEN_Q, r] = max_q
-        np.multiply(st._ar32[1:n_real + 1], max_q, out=blk[F_CU_Q_INCL, r])
-    elif n_d:
-        np.add(nd, 1, out=blk[F_SEQLEN_Q, r])
-        np.add.accumulate(blk[F_SEQLEN_Q, r], out=blk[F_CU_Q_INCL, r])
+    # everything before the ids that does not depend on the step's values: cached per batch
+    # shape for the common step (no placeholders, the same draft count for every request)
+    key = (n_real, max_q) if uniform and not n_ph else None
+    fixed = st._stage_fixed.get(key) if key else None
+    if fixed is not None:
+        view[:off_ids] = fixed
     else:
-        blk[F_SEQLEN_Q, r] = 1
-        blk[F_CU_Q_INCL, r] = st._ar32[1:n_real + 1]
+        _write_fixed(st, view, staged, n_real, nd if n_d and not uniform else None)
+        if key:
+            if len(st._stage_fixed) >= 32:
+                st._stage_fixed.clear()
+            st._stage_fixed[key] = view[:off_ids].copy()
+    blk = view[hl:off_ids].reshape(SEQ_FIELDS, n)
+    r = slice(0, n_real)
     blk[F_SEQLEN_K, r] = sk
     np.add.accumulate(blk[F_SEQLEN_K, r], out=blk[F_CU_K_INCL, r])
+    view[2] = total_k
+    if n_ph:
+        blk[F_CU_K_INCL, n_real:] = np.arange(total_k - n_ph + 1, total_k + 1)
     st._state32.take(slots, out=blk[F_STATE, r], mode="clip")  # clip: no buffering (slots checked)
-    blk[F_PLACEHOLDER, r] = 0
-    blk[F_BT_OFFSET, r] = st._stride_off[:n_real]
     ids = view[off_ids:off_bt]
     if n_d and uniform:  # rows of sequence s: [s * (1 + k), (s + 1) * (1 + k)): last token, drafts
         rows = ids[:n_real * max_q].reshape(n_real, max_q)
@@ -122,13 +118,40 @@ def stage_decode(st: "BatchState", staging: DecodeStaging, slots: np.ndarray,
         st._last.take(slots, out=ids[:n_real], mode="clip")
     if n_ph:
         ids[total_q - n_ph:] = 0
+        view[off_bt + total_b_real:used] = 0
     # the tables: row s of the section is the slot's row of the int32 mirror (clip: no buffering)
     st._bt32.take(slots, axis=0, out=view[off_bt:off_bt + total_b_real].reshape(n_real, mnb), mode="clip")
-    if n_ph:
-        view[off_bt + total_b_real:used] = 0
     if upload:
         staging.upload(staged)
     return staged
+
+
+def _write_fixed(st: "BatchState", view: np.ndarray, staged: StagedDecode, n_real: int,
+                 nd: Optional[np.ndarray]) -> None:
+    """The staging prefix a step's values do not change: the header (total_k left to the
+    caller), the ratios, and the per-sequence rows seqlen_q, cu_seqlens_q (from ``nd``, the
+    per-request draft counts, when they differ; else every request has ``staged.max_seqlen_q`` rows),
+    is_placeholder and the block-table offsets (stride ``max_num_blocks``), placeholders included."""
+    n, total_q, used = staged.num_seqs, staged.total_q, staged.used
+    hl, ratios = st._header
+    off_ids = hl + SEQ_FIELDS * n
+    view[:HEADER_FIXED] = (n, total_q, 0, hl, off_ids, off_ids + total_q, used, used)
+    view[HEADER_FIXED:hl] = ratios
+    blk = view[hl:off_ids].reshape(SEQ_FIELDS, n)
+    n_ph, r = n - n_real, slice(0, n_real)
+    if n_ph:
+        ph_nb = st._ph_blocks
+        blk[:, n_real:] = ((1,), (1,), (0,), (0,), (0,), (1,), (0,))  # cu rows, bt offsets: set below
+        blk[F_CU_Q_INCL, n_real:] = np.arange(total_q - n_ph + 1, total_q + 1)
+        blk[F_BT_OFFSET, n_real:] = n_real * st._bt32.shape[1] + ph_nb * np.arange(n_ph)
+    if nd is not None:
+        np.add(nd, 1, out=blk[F_SEQLEN_Q, r])
+        np.add.accumulate(blk[F_SEQLEN_Q, r], out=blk[F_CU_Q_INCL, r])
+    else:  # seqlen_q = 1 + k for all: cu_q_incl = (s + 1) * (1 + k)
+        blk[F_SEQLEN_Q, r] = staged.max_seqlen_q
+        np.multiply(st._ar32[1:n_real + 1], staged.max_seqlen_q, out=blk[F_CU_Q_INCL, r])
+    blk[F_PLACEHOLDER, r] = 0
+    blk[F_BT_OFFSET, r] = st._stride_off[:n_real]
 
 
 def _slow(st: "BatchState", staging: DecodeStaging, slots: np.ndarray, draft_tokens: Optional[np.ndarray],
@@ -150,18 +173,3 @@ def _check(staging: DecodeStaging, staged: StagedDecode, capacity: Any) -> None:
         staging.check_capacity(staged)
     elif capacity is not None:
         capacity.check(staged)
-
-
-#: per config (by id, the entry keeps the config): ``block_size // min(dense ratios)`` (0 without)
-_DENSE_BC: dict[int, tuple[MetadataConfig, int]] = {}
-
-
-def _dense_bc(cfg: MetadataConfig) -> int:
-    """The decode offset bound's factor (``_check_decode_int32``), cached per config object."""
-    hit = _DENSE_BC.get(id(cfg))
-    if hit is None or hit[0] is not cfg:
-        if len(_DENSE_BC) > 64:
-            _DENSE_BC.clear()
-        bc = cfg.block_size // min(cfg.dense_compress_ratios) if cfg.dense_compress_ratios else 0
-        hit = _DENSE_BC[id(cfg)] = (cfg, bc)
-    return hit[1]
