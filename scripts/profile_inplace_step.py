@@ -17,7 +17,10 @@ case (256 sequences, 0 / 2 drafts; the batches of ``scripts/bench_build.py``), p
 - ``launch``: ``launch_decode_inplace`` with its cached graph (host time);
 - ``step_graph_upload``: ``stage_decode(upload=False)`` + ``staging.replay_uploading(g_up)``, the
   graph captured with ``staging.upload_in_graph()`` before the kernels (the copy is a graph node);
-  ``stage_fill``: the fill alone (same buffer, CUDA staging: includes the wait for the last use).
+  ``stage_fill``: the fill alone (same buffer, CUDA staging: includes the wait for the last use);
+  ``replay_uploading``: the replay alone (stream lookup, ordering, ``g_up.replay()``, event record);
+- the CUDA calls inside the staging's bookkeeping: ``cur_stream`` (``torch.cuda.current_stream()``),
+  ``event_record`` (``Event.record()``), ``event_sync`` (``Event.synchronize()`` of a done event).
 
     python scripts/profile_inplace_step.py --out $OUT/inplace_step.json     # on the H200
     python scripts/profile_inplace_step.py --repeat 50                      # CPU smoke run
@@ -104,10 +107,14 @@ def run_case(drafts: int, repeat: int, dev: torch.device) -> dict[str, Any]:
         def step_graph_upload() -> None:  # fill only, then ONE replay that copies and runs the kernels
             st.replay_uploading(g_up, bs.stage_decode(st, slots, dr, nd, upload=False))
 
+        ev = torch.cuda.Event()
+        ev.record()
         fns.update(step=step, step_sync=step_sync, upload=lambda: st.upload(staged), replay=lambda: st.replay(g),
                    replay_bare=g.replay, launch=lambda: launch_decode_inplace(st, cfg, out=out),
                    step_graph_upload=step_graph_upload,
-                   stage_fill=lambda: bs.stage_decode(st, slots, dr, nd, upload=False))
+                   stage_fill=lambda: bs.stage_decode(st, slots, dr, nd, upload=False),
+                   replay_uploading=lambda: st.replay_uploading(g_up, staged),
+                   cur_stream=torch.cuda.current_stream, event_record=ev.record, event_sync=ev.synchronize)
     res = _interleaved(fns, repeat, lambda: None)  # no sync between pieces: host time, as a loop runs
     sync()
     return {"drafts": drafts, "n_seqs": 256, "total_q": 256 * (1 + drafts), **res}
@@ -117,12 +124,15 @@ def run_cp(drafts: int, repeat: int, dev: torch.device) -> dict[str, Any]:
     """The CP driver's step at world 1 (NCCL on CUDA, else gloo), piece by piece:
     ``cp_step`` (``broadcast_state``: fill from the state + send + upload + kernels, host time),
     ``cp_step_sync`` (+ device sync: what ``bench_decode_cp`` measures), ``cp_fill``
-    (``stage_decode(upload=False)``) and ``cp_finish`` (``finish_staged``: upload + kernels)."""
+    (``stage_decode(upload=False)``), ``cp_finish`` (``finish_staged``: upload + kernels) and
+    ``cp_follower`` (a follower's work once the ring message is read: ``check_staged_layout``,
+    ``staging.load``, upload + kernels; ``cp_follower_sync`` with the device sync)."""
     import os
 
     import torch.distributed as dist
 
     from cpmeta.gpu import StagedDecodeBroadcaster
+    from cpmeta.gpu.decode_cp import check_staged_layout
     from cpmeta.gpu.decode_inplace import finish_staged
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -143,9 +153,21 @@ def run_cp(drafts: int, repeat: int, dev: torch.device) -> dict[str, Any]:
         sb.broadcast_state(bs, slots, dr, nd, out=out)
         sync()
 
+    msg = st.host_buffer[:staged.used].clone()  # the ring message's tensor, as a follower receives it
+
+    def follower() -> None:  # a follower's work once the message is in: check, load, upload + kernels
+        assert check_staged_layout(msg.numpy(), staged, cfg) is None
+        st.load(msg)
+        finish_staged(st, staged, cfg, out=out, device=dev, backend=sb.backend)
+
+    def follower_sync() -> None:
+        follower()
+        sync()
+
     fns = {"cp_step": lambda: sb.broadcast_state(bs, slots, dr, nd, out=out), "cp_step_sync": step_sync,
            "cp_fill": lambda: bs.stage_decode(st, slots, dr, nd, upload=False),
-           "cp_finish": lambda: finish_staged(st, staged, cfg, out=out, device=dev, backend=sb.backend)}
+           "cp_finish": lambda: finish_staged(st, staged, cfg, out=out, device=dev, backend=sb.backend),
+           "cp_follower": follower, "cp_follower_sync": follower_sync}
     res = _interleaved(fns, repeat, lambda: None)
     sync()
     sb.close()
