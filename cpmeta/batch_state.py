@@ -16,7 +16,7 @@ from .batch import SequenceBatch, window_lookback
 from .config import MetadataConfig
 from .constants import INT32_MAX
 from .sequence import blocks_needed
-from .state_decode import decode_batch_fast
+from .state_decode import decode_batch_fast, is_draft_count
 from .state_gather import gather_batch, prefix
 
 if TYPE_CHECKING:
@@ -330,10 +330,13 @@ class BatchState:
         return batch
 
     def decode_batch(self, slots: np.ndarray, draft_tokens: Optional[np.ndarray] = None,
-                     num_drafts: Optional[np.ndarray] = None, *, num_placeholders: int = 0) -> SequenceBatch:
+                     num_drafts: Optional[np.ndarray | int] = None, *, num_placeholders: int = 0) -> SequenceBatch:
         """A decode ``SequenceBatch``: request ``slots[i]`` decodes its last confirmed token plus
         ``num_drafts[i]`` MTP drafts (the next ids of the flat ``draft_tokens``), so
-        ``seqlen_q = 1 + num_drafts`` and ``seqlen_k = num_tokens + num_drafts``."""
+        ``seqlen_q = 1 + num_drafts`` and ``seqlen_k = num_tokens + num_drafts``. ``num_drafts``
+        may be ONE int, the count of every request (the common MTP step: ``decode_batch(slots,
+        drafts, 2)`` with ``2 * len(slots)`` drafts); int32 ``draft_tokens`` skip the int32 range
+        check the decode fast paths make on int64 ids."""
         if not (num_placeholders or self.lookback or self.max_compressed or self._lazy_no):
             batch = decode_batch_fast(self, slots, draft_tokens, num_drafts)
             if batch is not None:
@@ -343,7 +346,7 @@ class BatchState:
         return self._batch(False, slots, 1 + nd, k, drafts, num_placeholders)
 
     def _decode_args(self, slots: np.ndarray, draft_tokens: Optional[np.ndarray],
-                     num_drafts: Optional[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                     num_drafts: Optional[np.ndarray | int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``decode_batch``'s argument checks (live slots, draft counts, prefill done); returns
         ``(slots, drafts, num_drafts)`` as int64 arrays."""
         slots = np.asarray(slots, np.int64)
@@ -354,9 +357,11 @@ class BatchState:
                 raise ValueError(f"num_drafts: expected {len(slots)} counts >= 0 summing to {len(drafts)} drafts")
             nd = np.zeros(len(slots), np.int64)
         else:
-            nd = np.asarray(num_drafts, np.int64)
+            nd = np.full(len(slots), int(num_drafts), np.int64) if is_draft_count(num_drafts) \
+                else np.asarray(num_drafts, np.int64)
             if nd.shape != slots.shape or (nd < 0).any() or int(nd.sum()) != len(drafts):
-                raise ValueError(f"num_drafts: expected {len(slots)} counts >= 0 summing to {len(drafts)} drafts")
+                raise ValueError(f"num_drafts: expected {len(slots)} counts >= 0 (or one count for all) "
+                                 f"summing to {len(drafts)} drafts")
         in_prefill = self.num_computed[slots] < self.prompt_len[slots]
         if in_prefill.any():
             s = int(slots[np.argmax(in_prefill)])
@@ -365,7 +370,7 @@ class BatchState:
         return slots, drafts, nd
 
     def stage_decode(self, staging: "DecodeStaging", slots: np.ndarray,
-                     draft_tokens: Optional[np.ndarray] = None, num_drafts: Optional[np.ndarray] = None,
+                     draft_tokens: Optional[np.ndarray] = None, num_drafts: Optional[np.ndarray | int] = None,
                      *, num_placeholders: int = 0, upload: bool = True, capacity: Any = ...) -> "StagedDecode":
         """``staging.stage(self.decode_batch(...), cfg)`` written STRAIGHT from the state arrays
         (in-place decode, DESIGN 12; ``upload=False``: host fill only; ``capacity``: the limits

@@ -27,7 +27,7 @@ from .state_gather import prefix
 if TYPE_CHECKING:
     from .batch_state import BatchState
 
-__all__ = ["StateDecodeBatch", "decode_batch_fast", "vouch_decode_step", "VouchedStep"]
+__all__ = ["StateDecodeBatch", "decode_batch_fast", "is_draft_count", "vouch_decode_step", "VouchedStep"]
 
 _BT = SequenceBatch.__dict__["block_tables"]  # the dataclass slots behind the two properties
 _BT_OFF = SequenceBatch.__dict__["block_table_offsets"]
@@ -85,10 +85,17 @@ class StateDecodeBatch(SequenceBatch):
     block_table_offsets = _made_on_first_read(_BT_OFF)  # type: ignore[assignment]
 
 
+def is_draft_count(num_drafts: Any) -> bool:
+    """``num_drafts`` given as ONE count for every request of the step (an int, not a bool)
+    rather than one count per request."""
+    return isinstance(num_drafts, (int, np.integer)) and not isinstance(num_drafts, (bool, np.bool_))
+
+
 class VouchedStep(NamedTuple):
     """A decode step the state vouches for (:func:`vouch_decode_step`): int64 ``slots``, each
-    slot's confirmed tokens ``nt`` and ``seqlen_k`` ``sk``, the ``drafts`` and per-slot counts
-    ``nd`` (``None`` without drafts), the largest count ``k_hi`` and whether every slot has it."""
+    slot's confirmed tokens ``nt`` and ``seqlen_k`` ``sk``, the ``drafts`` (int32 or int64) and
+    per-slot counts ``nd`` (``None`` without drafts or with one count for all), the largest count
+    ``k_hi`` and whether every slot has it."""
 
     slots: np.ndarray
     nt: np.ndarray
@@ -100,7 +107,7 @@ class VouchedStep(NamedTuple):
 
 
 def vouch_decode_step(st: "BatchState", slots: Any, draft_tokens: Optional[np.ndarray],
-                      num_drafts: Optional[np.ndarray]) -> Optional[VouchedStep]:
+                      num_drafts: Optional[np.ndarray | int]) -> Optional[VouchedStep]:
     """The checks of both decode fast paths (``decode_batch_fast``, ``stage_decode``): int64 1-D
     ``slots`` that the state vouches for (``_dec_cap``: one gather, which also bounds-checks them),
     draft counts that add up, draft ids that fit int32, ``seqlen_k`` within each slot's cap. Any
@@ -113,27 +120,42 @@ def vouch_decode_step(st: "BatchState", slots: Any, draft_tokens: Optional[np.nd
         nt = st.num_tokens.take(slots)
     except IndexError:
         return None
+    count = is_draft_count(num_drafts)
     if draft_tokens is None or len(draft_tokens) == 0:
         if num_drafts is not None:
-            nd0 = np.asarray(num_drafts)
-            if nd0.shape != slots.shape or np.count_nonzero(nd0):
-                return None
+            if count:
+                if num_drafts:
+                    return None
+            else:
+                nd0 = np.asarray(num_drafts)
+                if nd0.shape != slots.shape or np.count_nonzero(nd0):
+                    return None
         step = VouchedStep(slots, nt, nt, None, None, 0, True)
     else:
         if num_drafts is None:
             return None
-        drafts, nd = np.asarray(draft_tokens, np.int64), np.asarray(num_drafts, np.int64)
-        if nd.shape != slots.shape:
+        drafts = np.asarray(draft_tokens)
+        if drafts.dtype != np.int32:  # int32 ids fit by their type; anything else as int64, checked below
+            drafts = np.asarray(drafts, np.int64)
+        if drafts.ndim != 1:
             return None
-        # every request with the same number of drafts (the common MTP step): one comparison
-        k_lo = k_hi = int(nd[0])
-        uniform = not np.count_nonzero(nd != k_hi)
-        if not uniform:
-            k_lo, k_hi = int(nd.min()), int(nd.max())
+        if count:  # one count for every request (the common MTP step)
+            nd, k_lo = None, int(num_drafts)
+            k_hi, uniform = k_lo, True
+        else:
+            nd = np.asarray(num_drafts, np.int64)
+            if nd.shape != slots.shape:
+                return None
+            # every request with the same number of drafts (the common MTP step): one comparison
+            k_lo = k_hi = int(nd[0])
+            uniform = not np.count_nonzero(nd != k_hi)
+            if not uniform:
+                k_lo, k_hi = int(nd.min()), int(nd.max())
         if k_lo < 0 or (k_lo * len(slots) if uniform else int(nd.sum())) != len(drafts):
             return None
         # ids in [0, 2**31) in one pass (>> 31 is 0 there); a negative id takes the full check
-        if np.count_nonzero(drafts >> 31) and (int(drafts.max()) > INT32_MAX or int(drafts.min()) < -INT32_MAX - 1):
+        if drafts.dtype != np.int32 and np.count_nonzero(drafts >> 31) \
+                and (int(drafts.max()) > INT32_MAX or int(drafts.min()) < -INT32_MAX - 1):
             return None
         step = VouchedStep(slots, nt, nt + (k_hi if uniform else nd), drafts, nd, k_hi, uniform)
     # not vouched for (-1), a table too short for seqlen_k, or past max_model_len
@@ -141,7 +163,7 @@ def vouch_decode_step(st: "BatchState", slots: Any, draft_tokens: Optional[np.nd
 
 
 def decode_batch_fast(st: "BatchState", slots: np.ndarray, draft_tokens: Optional[np.ndarray],
-                      num_drafts: Optional[np.ndarray]) -> Optional[StateDecodeBatch]:
+                      num_drafts: Optional[np.ndarray | int]) -> Optional[StateDecodeBatch]:
     """``st.decode_batch(slots, draft_tokens, num_drafts)`` when the state vouches for every
     scheduled request (see the module doc), else ``None``. The caller excludes placeholders,
     Engram (look-back / compressed history) and states whose tables can pass max_num_blocks."""

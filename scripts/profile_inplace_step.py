@@ -26,6 +26,8 @@ case (256 sequences, 0 / 2 drafts; the batches of ``scripts/bench_build.py``), p
     python scripts/profile_inplace_step.py --repeat 50                      # CPU smoke run
     python scripts/profile_inplace_step.py --cp --out $OUT/step.json        # + the CP driver, world 1
 
+Cases: 0 and 2 drafts per request (counts as an array, int64 ids), and ``d2_count``: 2 drafts
+given as ONE count for all requests with int32 ids (an engine with a fixed MTP depth).
 Without CUDA only ``stage_host`` and ``stage`` are timed (the CUDA pieces need a GPU).
 """
 
@@ -74,10 +76,14 @@ def _interleaved(fns: dict[str, Callable[[], Any]], repeat: int, sync: Callable[
     return {k: {"p50_us": float(np.median(v)), "min_us": float(np.min(v))} for k, v in ts.items()}
 
 
-def run_case(drafts: int, repeat: int, dev: torch.device) -> dict[str, Any]:
+def run_case(drafts: int, repeat: int, dev: torch.device, count: bool = False) -> dict[str, Any]:
+    """``count``: the drafts as an engine with a fixed MTP depth passes them -- ONE count for all
+    requests (``num_drafts=drafts``) and int32 ids -- instead of a count per request and int64 ids."""
     cfg = MetadataConfig()
     seqs = decode_batch(random.Random(drafts), cfg, 256, drafts)
     bs, slots, (_, dr, nd) = _state_from(seqs, cfg, False)
+    if count:
+        dr, nd = dr.astype(np.int32), drafts
     cuda = dev.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     cap = staging_capacity(cfg, 256, 256 * (1 + drafts))
@@ -182,6 +188,7 @@ def main() -> None:
     a = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     results = {f"decode_256_d{d}": run_case(d, a.repeat, dev) for d in (0, 2)}
+    results["decode_256_d2_count"] = run_case(2, a.repeat, dev, count=True)
     if a.cp:
         results.update({f"cp_world1_d{d}": run_cp(d, a.repeat, dev) for d in (0, 2)})
     for name, r in results.items():

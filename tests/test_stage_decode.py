@@ -130,16 +130,23 @@ def test_matches_decode_batch_and_stage(ci: int, monkeypatch: pytest.MonkeyPatch
 @pytest.mark.parametrize("k", [1, 3])
 def test_uniform_draft_counts(k: int) -> None:
     """Every request with the same number of drafts (the reshaped fast case of ``stage_decode`` and
-    of the fast decode batch): the same staged batch as ``decode_batch`` + ``stage``, same metadata."""
+    of the fast decode batch): the same staged batch as ``decode_batch`` + ``stage``, same metadata;
+    also with the count given once (``num_drafts=k``) and with int32 draft ids."""
     for ci, cfg in enumerate(CONFIGS[:4]):
         st, steps = _engine(cfg, random.Random(10 + ci), uniform=k)
-        fast, slow = DecodeStaging("cpu", 8), DecodeStaging("cpu", 8)
+        fast, slow, other = DecodeStaging("cpu", 8), DecodeStaging("cpu", 8), DecodeStaging("cpu", 8)
         n_steps = 0
         for slots, drafts, counts, n_ph in steps(12):
             batch = st.decode_batch(slots, drafts, counts, num_placeholders=n_ph)
             want = slow.stage(batch, cfg)
-            assert_same_staged(fast, st.stage_decode(fast, slots, drafts, counts, num_placeholders=n_ph),
-                               slow, want, cfg)
+            got = st.stage_decode(fast, slots, drafts, counts, num_placeholders=n_ph)
+            assert_same_staged(fast, got, slow, want, cfg)
+            # ONE count for all and int32 ids (no range check): the same bytes
+            for d, c in ((drafts, k), (drafts.astype(np.int32), counts), (drafts.astype(np.int32), np.int64(k))):
+                assert st.stage_decode(other, slots, d, c, num_placeholders=n_ph) == got
+                assert torch.equal(other.host_buffer[:got.used], fast.host_buffer[:got.used])
+                assert metadata_diff(prepare_decode(st.decode_batch(slots, d, c, num_placeholders=n_ph), cfg),
+                                     prepare_decode(batch, cfg), cfg=cfg) == []
             assert metadata_diff(prepare_decode(st.decode_batch(slots, drafts, counts), cfg),
                                  prepare_decode(st._batch(False, slots, 1 + counts, st.num_tokens[slots] + counts,
                                                           drafts, 0), cfg), cfg=cfg) == []
@@ -217,6 +224,11 @@ def test_invalid_batches_raise_the_builders_messages() -> None:
         st.stage_decode(DecodeStaging("cpu"), np.array([0, 99]))
     with pytest.raises(ValueError, match="num_drafts"):
         st.stage_decode(DecodeStaging("cpu"), slots, np.array([1, 2]), np.array([1, 0]))
+    for bad in (-1, 2, True):  # one count for all: negative, not adding up, a bool is not a count
+        for call in (lambda: st.stage_decode(DecodeStaging("cpu"), slots, np.array([1, 2]), bad),
+                     lambda: st.decode_batch(slots, np.array([1, 2]), bad)):
+            with pytest.raises(ValueError, match=r"num_drafts: expected 2 counts >= 0 \(or one count for all\)"):
+                call()
     # a negative block id inside the needed prefix: the fallback's message
     bad = BatchState(cfg, 2)
     s = bad.add_request("x", list(range(20)), [4, -1], 0, num_computed=20)

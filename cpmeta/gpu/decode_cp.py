@@ -203,7 +203,7 @@ class StagedDecodeBroadcaster:
         return staged
 
     def broadcast_state(self, state: "BatchState", slots: np.ndarray, draft_tokens: Optional[np.ndarray] = None,
-                        num_drafts: Optional[np.ndarray] = None, *, num_placeholders: int = 0, out: Out = None,
+                        num_drafts: Optional[np.ndarray | int] = None, *, num_placeholders: int = 0, out: Out = None,
                         use_graph: bool = True) -> InputMetadata:
         """Driver only: :meth:`broadcast` of ``state.decode_batch(slots, draft_tokens, num_drafts,
         num_placeholders=...)``, the staging written straight from ``state`` (``stage_decode``,
@@ -216,7 +216,7 @@ class StagedDecodeBroadcaster:
                              backend=self.backend, use_graph=use_graph)
 
     def stage_state(self, state: "BatchState", slots: np.ndarray, draft_tokens: Optional[np.ndarray] = None,
-                    num_drafts: Optional[np.ndarray] = None, *, num_placeholders: int = 0) -> StagedDecode:
+                    num_drafts: Optional[np.ndarray | int] = None, *, num_placeholders: int = 0) -> StagedDecode:
         """Driver only: :meth:`stage` from ``state`` (as :meth:`broadcast_state`); the followers
         call ``stage(None)``, then every rank replays its own graph."""
         cap = self.staging.out_capacity
@@ -272,7 +272,7 @@ class StagedDecodeBroadcaster:
         return staged
 
     def _state_fill(self, state: "BatchState", slots: np.ndarray, draft_tokens: Optional[np.ndarray],
-                    num_drafts: Optional[np.ndarray], n_ph: int, cap: Any) -> Callable[[], StagedDecode]:
+                    num_drafts: Optional[np.ndarray | int], n_ph: int, cap: Any) -> Callable[[], StagedDecode]:
         """The driver's fill from a ``BatchState``: ``stage_decode(upload=False, capacity=cap)``,
         so its check (made before the host buffer is touched) uses the limits :meth:`broadcast`
         uses, not those of the last ``out`` this staging fed."""

@@ -28,7 +28,7 @@ __all__ = ["stage_decode"]
 
 
 def stage_decode(st: "BatchState", staging: DecodeStaging, slots: np.ndarray,
-                 draft_tokens: Optional[np.ndarray] = None, num_drafts: Optional[np.ndarray] = None,
+                 draft_tokens: Optional[np.ndarray] = None, num_drafts: Optional[np.ndarray | int] = None,
                  *, num_placeholders: int = 0, upload: bool = True, capacity: Any = ...) -> StagedDecode:
     """``staging.stage(st.decode_batch(slots, draft_tokens, num_drafts, num_placeholders=...),
     cfg)`` written STRAIGHT from the state arrays: no ``SequenceBatch``, no ``BatchArrays``.
@@ -155,7 +155,7 @@ def _write_fixed(st: "BatchState", view: np.ndarray, staged: StagedDecode, n_rea
 
 
 def _slow(st: "BatchState", staging: DecodeStaging, slots: np.ndarray, draft_tokens: Optional[np.ndarray],
-          num_drafts: Optional[np.ndarray], n_ph: int, upload: bool, capacity: Any) -> StagedDecode:
+          num_drafts: Optional[np.ndarray | int], n_ph: int, upload: bool, capacity: Any) -> StagedDecode:
     """``staging.stage(st.decode_batch(...), cfg)`` (or ``fill`` + the capacity check without
     ``upload``): the general path, its checks and errors."""
     slots, drafts, nd = st._decode_args(slots, draft_tokens, num_drafts)

@@ -178,7 +178,7 @@ def unpack_staging(a: np.ndarray, staged: StagedDecode, cfg: MetadataConfig) -> 
     sequence's defined ``nb_s`` block ids) and the Engram sections. Two staged batches describe the
     same batch iff these are equal (``write_staging`` packs the tables, ``stage_decode`` strides
     them). For tests and debugging; a well-formed buffer is assumed (``check_staged_layout``)."""
-    hl, n, tq = header_len(cfg), staged.num_seqs, staged.total_q
+    hl, n = header_len(cfg), staged.num_seqs
     hdr = a[:hl].astype(np.int64)
     off_ids, off_bt, off_ngv, off_ngb = int(hdr[H_OFF_IDS]), int(hdr[H_OFF_BT]), int(hdr[H_OFF_NGV]), int(hdr[H_OFF_NGB])
     seq = a[hl:off_ids].reshape(SEQ_FIELDS, n).astype(np.int64)
