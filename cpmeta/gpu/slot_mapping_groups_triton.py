@@ -4,7 +4,9 @@ Grid ``(num_reqs + 1, n_groups)``: program ``(q, g)`` maps request ``q``'s rows 
 ``g``'s block table into row ``g`` of the ``[n_groups, max_num_tokens]`` output; program
 ``(num_reqs, g)`` pads that row's tail (group 0's also checks ``query_start_loc``), as in
 :mod:`cpmeta.gpu.slot_mapping_triton` (tiles, bounded block-table window, masked reads, error
-bits: see there).
+bits: see there). The kernel is :func:`cpmeta.gpu.slot_mapping_kernels.slot_mapping_groups_kernel`;
+the tail padding and the per-tile window read are device functions it shares with the
+single-group kernel.
 
 Per-group geometry is a small int64 parameter table ``[n_groups, 8]`` on the device, uploaded
 once per distinct set of tables and kept in a small cache (so replays and CUDA-graph captures
@@ -22,9 +24,8 @@ compile-time constants. The window is sized for the smallest block size of the c
 
 from __future__ import annotations
 
-import functools
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
@@ -43,90 +44,6 @@ _INT32_MIN: int = -(2**31)
 #: Parameter tables kept on the device, keyed by the tables' addresses/strides and the params.
 _TABLE_CACHE: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
 _TABLE_CACHE_SIZE: int = 64
-
-
-@functools.cache
-def _kernel() -> Callable[..., Any]:
-    """Build (once) the jitted kernel; importing triton here keeps CPU-only imports light."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _slot_mapping_groups_kernel(
-        qsl_ptr, pos_ptr, bt_ptr, prm_ptr, out_ptr, err_ptr,
-        num_positions, max_num_tokens, cp_rank, pad_id,
-        CP_WORLD_SIZE: tl.constexpr, CP_INTERLEAVE: tl.constexpr, USE_CP: tl.constexpr,
-        TILE: tl.constexpr, WINDOW: tl.constexpr, NPRM: tl.constexpr,
-        SLOT_MIN: tl.constexpr, SLOT_MAX: tl.constexpr,
-        ERR_QUERY_START: tl.constexpr, ERR_QUERY_ORDER: tl.constexpr, ERR_NUM_TOKENS: tl.constexpr,
-        ERR_NEGATIVE: tl.constexpr, ERR_BLOCK_INDEX: tl.constexpr, ERR_OVERFLOW: tl.constexpr,
-    ):
-        req = tl.program_id(0)
-        grp = tl.program_id(1)
-        num_reqs = tl.num_programs(0) - 1
-        lanes = tl.arange(0, TILE)
-        prm = prm_ptr + grp * NPRM
-        out_row = out_ptr + grp.to(tl.int64) * max_num_tokens
-        if req == num_reqs:
-            num_tokens = tl.load(qsl_ptr + num_reqs)
-            if grp == 0:  # the query_start_loc checks once, not once per group
-                bad_first = tl.load(qsl_ptr) != 0
-                tl.atomic_or(err_ptr, tl.where(bad_first, ERR_QUERY_START, 0), mask=bad_first)
-                bad_total = num_tokens != num_positions
-                tl.atomic_or(err_ptr, tl.where(bad_total, ERR_NUM_TOKENS, 0), mask=bad_total)
-            pad_start = tl.minimum(tl.maximum(num_tokens, 0), max_num_tokens)
-            pad_vals = tl.zeros([TILE], dtype=tl.int32) + pad_id
-            for t0 in range(pad_start, max_num_tokens, TILE):
-                idx = t0 + lanes
-                tl.store(out_row + idx, pad_vals, mask=idx < max_num_tokens)
-        else:
-            bt_off = tl.load(prm)
-            row_stride = tl.load(prm + 1)
-            col_stride = tl.load(prm + 2)
-            bt_cols = tl.load(prm + 3)
-            bs = tl.load(prm + 4)
-            vbs = tl.load(prm + 5)
-            bpk = tl.load(prm + 6)
-            circ = tl.load(prm + 7)
-            start = tl.load(qsl_ptr + req)
-            end = tl.load(qsl_ptr + req + 1)
-            bad_order = (end < start) & (grp == 0)
-            tl.atomic_or(err_ptr, tl.where(bad_order, ERR_QUERY_ORDER, 0), mask=bad_order)
-            lo = tl.maximum(start, 0)
-            hi = tl.minimum(tl.minimum(end, num_positions), max_num_tokens)
-            row_ptr = bt_ptr + bt_off + req.to(tl.int64) * row_stride
-            for t0 in range(lo, hi, TILE):
-                idx = t0 + lanes
-                m = idx < hi
-                pos = tl.load(pos_ptr + idx, mask=m, other=0).to(tl.int64)
-                if USE_CP:  # circular + CP was rejected on the host
-                    vbo = pos % vbs
-                    is_local = (vbo // CP_INTERLEAVE) % CP_WORLD_SIZE == cp_rank
-                    local = (vbo // (CP_WORLD_SIZE * CP_INTERLEAVE)) * CP_INTERLEAVE + vbo % CP_INTERLEAVE
-                    bi = (pos // vbs) * bpk + local // bs
-                    off = local % bs
-                    want = m & (pos >= 0) & is_local
-                else:
-                    bi = tl.where(circ != 0, 0, pos // bs)
-                    off = pos % bs
-                    want = m & (pos >= 0)
-                err = tl.where(m & (pos < 0) & (circ == 0), ERR_NEGATIVE, 0)
-                err = err | tl.where(want & (bi >= bt_cols), ERR_BLOCK_INDEX, 0)
-                read = want & (bi < bt_cols)
-                base = tl.min(tl.where(read, bi, bt_cols), axis=0)
-                wcols = base + tl.arange(0, WINDOW)
-                win = tl.load(row_ptr + wcols * col_stride, mask=wcols < bt_cols, other=0)
-                rel = bi - base
-                near = read & (rel < WINDOW)
-                bn_near = tl.gather(win, tl.where(near, rel, 0).to(tl.int32), 0)
-                far = read & (rel >= WINDOW)
-                bn_far = tl.load(row_ptr + bi * col_stride, mask=far, other=0)
-                slot = tl.where(near, bn_near, bn_far).to(tl.int64) * bs + off
-                err = err | tl.where(read & ((slot > SLOT_MAX) | (slot < SLOT_MIN)), ERR_OVERFLOW, 0)
-                tl.store(out_row + idx, tl.where(read, slot, pad_id).to(tl.int32), mask=m)
-                tl.atomic_or(err_ptr + lanes * 0, err, mask=err != 0)
-
-    return _slot_mapping_groups_kernel
 
 
 def group_param_table(
@@ -173,7 +90,9 @@ def launch_slot_mapping_groups_kernel(
     tile = auto_tile if tile is None else tile
     num_warps = auto_warps if num_warps is None else num_warps
     p0, E = params[0], SlotMappingError
-    _kernel()[(qsl.shape[0], len(params))](
+    from .slot_mapping_kernels import slot_mapping_groups_kernel  # imports triton: first launch only
+
+    slot_mapping_groups_kernel[(qsl.shape[0], len(params))](
         qsl, positions, base, table, out, err,
         positions.shape[0], p0.max_num_tokens, p0.cp_rank, p0.pad_id,
         CP_WORLD_SIZE=p0.cp_world_size, CP_INTERLEAVE=p0.cp_interleave, USE_CP=p0.use_cp, TILE=tile,

@@ -1,7 +1,8 @@
 """The CUDA path of :func:`cpmeta.compute_slot_mapping`: ONE Triton kernel, plus its error word.
 
-Triton is imported lazily (first CUDA call), so this module also loads on CPU-only machines;
-the error bits and their texts live here because the kernel writes them.
+The kernel itself is :func:`cpmeta.gpu.slot_mapping_kernels.slot_mapping_kernel` (with the device
+functions it shares with the several-groups kernel); that module imports triton and is imported
+on the first launch, so this one also loads on CPU-only machines.
 
 Grid ``(num_reqs + 1,)``::
 
@@ -33,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -99,91 +100,6 @@ def choose_tile(num_tokens: int, num_reqs: int) -> tuple[int, int]:
     return TILE_TIERS[-1]
 
 
-@functools.cache
-def _kernel() -> Callable[..., Any]:
-    """Build (once) the jitted kernel; importing triton here keeps CPU-only imports light."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _slot_mapping_kernel(
-        qsl_ptr, pos_ptr, bt_ptr, out_ptr, err_ptr,
-        num_positions, max_num_tokens, bt_row_stride, bt_col_stride, bt_cols, cp_rank, pad_id,
-        BLOCK_SIZE: tl.constexpr, VIRTUAL_BLOCK_SIZE: tl.constexpr, BLOCKS_PER_KV_BLOCK: tl.constexpr,
-        CP_WORLD_SIZE: tl.constexpr, CP_INTERLEAVE: tl.constexpr, USE_CP: tl.constexpr, IS_CIRCULAR: tl.constexpr, TILE: tl.constexpr, WINDOW: tl.constexpr,
-        SLOT_MIN: tl.constexpr, SLOT_MAX: tl.constexpr,
-        ERR_QUERY_START: tl.constexpr, ERR_QUERY_ORDER: tl.constexpr, ERR_NUM_TOKENS: tl.constexpr,
-        ERR_NEGATIVE: tl.constexpr, ERR_BLOCK_INDEX: tl.constexpr, ERR_OVERFLOW: tl.constexpr,
-    ):
-        req = tl.program_id(0)
-        num_reqs = tl.num_programs(0) - 1
-        lanes = tl.arange(0, TILE)
-        if req == num_reqs:
-            # ---- tail program: checks on query_start_loc, then rows [num_tokens, max) = pad.
-            num_tokens = tl.load(qsl_ptr + num_reqs)
-            first = tl.load(qsl_ptr)
-            bad_first = first != 0
-            tl.atomic_or(err_ptr, tl.where(bad_first, ERR_QUERY_START, 0), mask=bad_first)
-            bad_total = num_tokens != num_positions
-            tl.atomic_or(err_ptr, tl.where(bad_total, ERR_NUM_TOKENS, 0), mask=bad_total)
-            pad_start = tl.minimum(tl.maximum(num_tokens, 0), max_num_tokens)
-            pad_vals = tl.zeros([TILE], dtype=tl.int32) + pad_id
-            for t0 in range(pad_start, max_num_tokens, TILE):
-                idx = t0 + lanes
-                tl.store(out_ptr + idx, pad_vals, mask=idx < max_num_tokens)
-        else:
-            start = tl.load(qsl_ptr + req)
-            end = tl.load(qsl_ptr + req + 1)
-            bad_order = end < start
-            tl.atomic_or(err_ptr, tl.where(bad_order, ERR_QUERY_ORDER, 0), mask=bad_order)
-            lo = tl.maximum(start, 0)
-            hi = tl.minimum(tl.minimum(end, num_positions), max_num_tokens)
-            row_ptr = bt_ptr + req.to(tl.int64) * bt_row_stride
-            for t0 in range(lo, hi, TILE):
-                idx = t0 + lanes
-                m = idx < hi
-                pos = tl.load(pos_ptr + idx, mask=m, other=0).to(tl.int64)
-                # ---- logical position -> (block index, offset, owned by this rank)
-                if IS_CIRCULAR:  # negative positions are padding, not errors
-                    bi = tl.zeros([TILE], dtype=tl.int64)
-                    off = pos % BLOCK_SIZE
-                    want = m & (pos >= 0)
-                    err = tl.zeros([TILE], dtype=tl.int32)
-                elif USE_CP:
-                    vbi = pos // VIRTUAL_BLOCK_SIZE
-                    vbo = pos % VIRTUAL_BLOCK_SIZE
-                    is_local = (vbo // CP_INTERLEAVE) % CP_WORLD_SIZE == cp_rank
-                    local = (vbo // (CP_WORLD_SIZE * CP_INTERLEAVE)) * CP_INTERLEAVE + vbo % CP_INTERLEAVE
-                    bi = vbi * BLOCKS_PER_KV_BLOCK + local // BLOCK_SIZE
-                    off = local % BLOCK_SIZE
-                    want = m & (pos >= 0) & is_local
-                    err = tl.where(m & (pos < 0), ERR_NEGATIVE, 0)
-                else:
-                    bi = pos // BLOCK_SIZE
-                    off = pos % BLOCK_SIZE
-                    want = m & (pos >= 0)
-                    err = tl.where(m & (pos < 0), ERR_NEGATIVE, 0)
-                err = err | tl.where(want & (bi >= bt_cols), ERR_BLOCK_INDEX, 0)
-                read = want & (bi < bt_cols)
-                # ---- bounded window of the block-table row, gathered in registers
-                base = tl.min(tl.where(read, bi, bt_cols), axis=0)
-                wcols = base + tl.arange(0, WINDOW)
-                win = tl.load(row_ptr + wcols * bt_col_stride, mask=wcols < bt_cols, other=0)
-                rel = bi - base
-                near = read & (rel < WINDOW)
-                bn_near = tl.gather(win, tl.where(near, rel, 0).to(tl.int32), 0)
-                far = read & (rel >= WINDOW)
-                bn_far = tl.load(row_ptr + bi * bt_col_stride, mask=far, other=0)
-                bn = tl.where(near, bn_near, bn_far).to(tl.int64)
-                slot = bn * BLOCK_SIZE + off
-                err = err | tl.where(read & ((slot > SLOT_MAX) | (slot < SLOT_MIN)), ERR_OVERFLOW, 0)
-                res = tl.where(read, slot, pad_id).to(tl.int32)
-                tl.store(out_ptr + idx, res, mask=m)
-                tl.atomic_or(err_ptr + lanes * 0, err, mask=err != 0)
-
-    return _slot_mapping_kernel
-
-
 def launch_slot_mapping_kernel(
     qsl: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor, out: torch.Tensor,
     err: torch.Tensor, prm: "SlotMappingParams", *, tile: Optional[int] = None,
@@ -204,7 +120,9 @@ def launch_slot_mapping_kernel(
         raise ValueError(f"tile: expected a power of two, got {tile}")
     E = SlotMappingError
     grid = (qsl.shape[0],)  # num_reqs request programs + 1 tail program
-    _kernel()[grid](
+    from .slot_mapping_kernels import slot_mapping_kernel  # imports triton: first launch only
+
+    slot_mapping_kernel[grid](
         qsl, positions, block_table, out, err,
         positions.shape[0], prm.max_num_tokens, block_table.stride(0), block_table.stride(1),
         block_table.shape[1], prm.cp_rank, prm.pad_id,
