@@ -127,7 +127,7 @@ def test_matches_decode_batch_and_stage(ci: int, monkeypatch: pytest.MonkeyPatch
     assert len(slow_calls) == (2 * n_steps if cfg.max_ngram_size else 0)  # Engram: the fallback only (x2: upload=False too)
 
 
-@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("k", [1, 3, 5])  # 5: the 2-D draft write
 def test_uniform_draft_counts(k: int) -> None:
     """Every request with the same number of drafts (the reshaped fast case of ``stage_decode`` and
     of the fast decode batch): the same staged batch as ``decode_batch`` + ``stage``, same metadata;

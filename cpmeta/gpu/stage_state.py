@@ -86,44 +86,65 @@ def stage_decode(st: "BatchState", staging: DecodeStaging, slots: np.ndarray,
                           max(need, ph_nb if n_ph else 0))
     _check(staging, staged, capacity)  # before the host buffer is touched
     view = staging.host_view(used)
-    # everything before the ids that does not depend on the step's values: cached per batch
-    # shape for the common step (no placeholders, the same draft count for every request)
-    key = (n_real, max_q) if uniform and not n_ph else None
+    _fill_prefix(st, view, staged, n_real, None if uniform else nd)
+    _write_values(st, view, staged, step, n_ph)
+    if upload:
+        staging.upload(staged)
+    return staged
+
+
+def _fill_prefix(st: "BatchState", view: np.ndarray, staged: StagedDecode, n_real: int,
+                 nd: Optional[np.ndarray]) -> None:
+    """Everything before the ids that does not depend on the step's values (:func:`_write_fixed`),
+    for the common step (no placeholders, the same draft count for every request: ``nd`` None)
+    copied from a prefix cached per batch shape."""
+    key = (n_real, staged.max_seqlen_q) if nd is None and staged.num_seqs == n_real else None
     fixed = st._stage_fixed.get(key) if key else None
     if fixed is not None:
-        view[:off_ids] = fixed
-    else:
-        _write_fixed(st, view, staged, n_real, nd if n_d and not uniform else None)
-        if key:
-            if len(st._stage_fixed) >= 32:
-                st._stage_fixed.clear()
-            st._stage_fixed[key] = view[:off_ids].copy()
-    blk = view[hl:off_ids].reshape(SEQ_FIELDS, n)
+        view[:len(fixed)] = fixed
+        return
+    _write_fixed(st, view, staged, n_real, nd)
+    if key:
+        if len(st._stage_fixed) >= 32:
+            st._stage_fixed.clear()
+        st._stage_fixed[key] = view[:st._header[0] + SEQ_FIELDS * n_real].copy()
+
+
+def _write_values(st: "BatchState", view: np.ndarray, staged: StagedDecode, step: Any, n_ph: int) -> None:
+    """The step's values: ``seqlen_k`` and its prefix sum, ``total_k``, state ids, input ids (each
+    request's last confirmed token, then its drafts; placeholders 0) and the block-table rows."""
+    slots, drafts, nd = step.slots, step.drafts, step.nd
+    n, total_q, total_k, max_q = staged.num_seqs, staged.total_q, staged.total_k, staged.max_seqlen_q
+    n_real, mnb = len(slots), st._bt32.shape[1]
+    off_ids = st._header[0] + SEQ_FIELDS * n
+    off_bt, total_b_real = off_ids + total_q, n_real * mnb
+    blk = view[st._header[0]:off_ids].reshape(SEQ_FIELDS, n)
     r = slice(0, n_real)
-    blk[F_SEQLEN_K, r] = sk
+    blk[F_SEQLEN_K, r] = step.sk
     np.add.accumulate(blk[F_SEQLEN_K, r], out=blk[F_CU_K_INCL, r])
     view[2] = total_k
     if n_ph:
         blk[F_CU_K_INCL, n_real:] = np.arange(total_k - n_ph + 1, total_k + 1)
     st._state32.take(slots, out=blk[F_STATE, r], mode="clip")  # clip: no buffering (slots checked)
     ids = view[off_ids:off_bt]
-    if n_d and uniform:  # rows of sequence s: [s * (1 + k), (s + 1) * (1 + k)): last token, drafts
+    if drafts is not None and step.uniform:  # rows of sequence s: [s * (1 + k), (s + 1) * (1 + k)): last token, drafts
         rows = ids[:n_real * max_q].reshape(n_real, max_q)
-        rows[:, 0] = st._last.take(slots)
-        rows[:, 1:] = drafts.reshape(n_real, max_q - 1)
-    elif n_d:  # row of draft i of sequence s: i + s + 1 (every earlier sequence adds its last token)
+        rows[:, 0] = st._last[slots]
+        if max_q <= 4:  # a few 1-D strided copies beat one 2-D one (~1 us at 256 x 2)
+            for j in range(1, max_q):
+                rows[:, j] = drafts[j - 1::max_q - 1]
+        else:
+            rows[:, 1:] = drafts.reshape(n_real, max_q - 1)
+    elif drafts is not None:  # row of draft i of sequence s: i + s + 1 (every earlier sequence adds its last token)
         ids[blk[F_CU_Q_INCL, r] - blk[F_SEQLEN_Q, r]] = st._last.take(slots)
-        ids[np.arange(n_d) + np.repeat(st._ar32[1:n_real + 1], nd)] = drafts
+        ids[np.arange(len(drafts)) + np.repeat(st._ar32[1:n_real + 1], nd)] = drafts
     else:  # the last confirmed tokens (int32 by _dec_cap's vouching)
         st._last.take(slots, out=ids[:n_real], mode="clip")
     if n_ph:
         ids[total_q - n_ph:] = 0
-        view[off_bt + total_b_real:used] = 0
+        view[off_bt + total_b_real:staged.used] = 0
     # the tables: row s of the section is the slot's row of the int32 mirror (clip: no buffering)
     st._bt32.take(slots, axis=0, out=view[off_bt:off_bt + total_b_real].reshape(n_real, mnb), mode="clip")
-    if upload:
-        staging.upload(staged)
-    return staged
 
 
 def _write_fixed(st: "BatchState", view: np.ndarray, staged: StagedDecode, n_real: int,
