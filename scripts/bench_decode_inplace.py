@@ -210,6 +210,15 @@ def _table(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def write_run(path: str, results: Any, dev: torch.device) -> None:
+    """``results`` as JSON at ``path`` with the command line, the date and :func:`_machine`
+    (the in-place step's profiling scripts write their runs this way)."""
+    doc = {"command": " ".join(sys.argv), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+           "machine": _machine(dev), "results": results}
+    Path(path).write_text(json.dumps(doc, indent=1))
+    print("wrote", path)
+
+
 def _machine(dev: torch.device) -> dict[str, Any]:
     m: dict[str, Any] = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                          "cpu_count": os.cpu_count(), "python": platform.python_version(),

@@ -26,9 +26,6 @@ run of the script, not a measurement of GPU sharing.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
 import random
 import sys
 import time
@@ -43,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_broadcast import latency_us  # noqa: E402
+from bench_decode_inplace import write_run  # noqa: E402
 
 METHODS = ("step", "tiny")
 
@@ -136,13 +134,7 @@ def main() -> None:
                   f"({r['n']} steps; per process p50 {', '.join(f'{x:.0f}' for x in r['per_proc_p50_us'])})",
                   flush=True)
     if a.out:
-        doc = {"command": " ".join(sys.argv), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-               "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                           "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-                           "torch": torch.__version__},
-               "results": results}
-        Path(a.out).write_text(json.dumps(doc, indent=1))
-        print("wrote", a.out)
+        write_run(a.out, results, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 if __name__ == "__main__":

@@ -34,9 +34,6 @@ Without CUDA only ``stage_host`` and ``stage`` are timed (the CUDA pieces need a
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import platform
 import random
 import sys
 import time
@@ -51,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_build import _state_from, decode_batch  # noqa: E402
+from bench_decode_inplace import write_run  # noqa: E402
 from cpmeta import MetadataConfig  # noqa: E402
 from cpmeta.gpu.decode_inplace import (  # noqa: E402
     DecodeStaging, capture_decode_graph, launch_decode_inplace, prepare_decode_inplace, staging_capacity,
@@ -195,13 +193,7 @@ def main() -> None:
         print(name, "  ".join(f"{k} {v['p50_us']:.1f}/{v['min_us']:.1f}" for k, v in r.items() if isinstance(v, dict)))
     print("(p50/min us, host time; goal: step <= 50 us at 256 sequences on the H200 host)")
     if a.out:
-        doc = {"command": " ".join(sys.argv), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-               "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                           "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-                           "torch": torch.__version__},
-               "results": results}
-        Path(a.out).write_text(json.dumps(doc, indent=1))
-        print("wrote", a.out)
+        write_run(a.out, results, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 if __name__ == "__main__":
