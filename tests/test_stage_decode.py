@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from cpmeta import BatchState, MetadataConfig, metadata_diff, prepare_decode
+from cpmeta import BatchState, MetadataConfig, SequenceBatch, metadata_diff, prepare_decode
 from cpmeta.gpu.decode_inplace import DecodeStaging, launch_decode_inplace, prepare_decode_inplace
 from cpmeta.gpu.decode_inplace import finish_staged
 from cpmeta.sequence import blocks_needed
@@ -64,6 +64,17 @@ def assert_same_staged(fast: DecodeStaging, got: StagedDecode, slow: DecodeStagi
         assert np.array_equal(u[key], v[key]), key
     assert len(u["tables"]) == len(v["tables"]) and all(np.array_equal(x, y) for x, y in zip(u["tables"], v["tables"]))
     assert all(np.array_equal(x, y) for x, y in zip(u["ngram"], v["ngram"]))
+
+
+def stage_both(st: BatchState, fast: DecodeStaging, slow: DecodeStaging, slots: np.ndarray, drafts: np.ndarray,
+               counts: np.ndarray, n_ph: int, cfg: MetadataConfig) -> tuple[SequenceBatch, StagedDecode]:
+    """Stage one step both ways (``stage_decode`` into ``fast``; ``decode_batch`` + ``stage`` into
+    ``slow``), assert they describe the same batch; returns ``(batch, staged)``."""
+    batch = st.decode_batch(slots, drafts, counts, num_placeholders=n_ph)
+    want = slow.stage(batch, cfg)
+    got = st.stage_decode(fast, slots, drafts, counts, num_placeholders=n_ph)
+    assert_same_staged(fast, got, slow, want, cfg)
+    return batch, got
 
 
 def _engine(cfg: MetadataConfig, rng: random.Random, max_seqs: int = 6, uniform: int = -1):
@@ -112,10 +123,7 @@ def test_matches_decode_batch_and_stage(ci: int, monkeypatch: pytest.MonkeyPatch
     fast, slow = DecodeStaging("cpu", 8), DecodeStaging("cpu", 8)  # tiny: grows on the way
     n_steps = 0
     for slots, drafts, counts, n_ph in steps(25):
-        batch = st.decode_batch(slots, drafts, counts, num_placeholders=n_ph)
-        want = slow.stage(batch, cfg)
-        got = st.stage_decode(fast, slots, drafts, counts, num_placeholders=n_ph)
-        assert_same_staged(fast, got, slow, want, cfg)
+        batch, got = stage_both(st, fast, slow, slots, drafts, counts, n_ph, cfg)
         fill_only = DecodeStaging("cpu", 8)  # upload=False: the same host bytes, nothing uploaded
         assert st.stage_decode(fill_only, slots, drafts, counts, num_placeholders=n_ph, upload=False) == got
         assert torch.equal(fill_only.host_buffer[:got.used], fast.host_buffer[:got.used])
@@ -137,10 +145,7 @@ def test_uniform_draft_counts(k: int) -> None:
         fast, slow, other = DecodeStaging("cpu", 8), DecodeStaging("cpu", 8), DecodeStaging("cpu", 8)
         n_steps = 0
         for slots, drafts, counts, n_ph in steps(12):
-            batch = st.decode_batch(slots, drafts, counts, num_placeholders=n_ph)
-            want = slow.stage(batch, cfg)
-            got = st.stage_decode(fast, slots, drafts, counts, num_placeholders=n_ph)
-            assert_same_staged(fast, got, slow, want, cfg)
+            batch, got = stage_both(st, fast, slow, slots, drafts, counts, n_ph, cfg)
             # ONE count for all and int32 ids (no range check): the same bytes
             for d, c in ((drafts, k), (drafts.astype(np.int32), counts), (drafts.astype(np.int32), np.int64(k))):
                 assert st.stage_decode(other, slots, d, c, num_placeholders=n_ph) == got
