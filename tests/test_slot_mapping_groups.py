@@ -179,16 +179,23 @@ def _interpreter_main(n_random: int = 25) -> None:
             one = torch.full((mnt,), 99, dtype=torch.int32)
             launch_slot_mapping_kernel(qsl, pos, grp.block_table, one, err, prm, tile=16, num_warps=1)
             assert int(err) == 0 and torch.equal(one, want[g]), (i, g, int(err))
-    # a block index past the table: the same error bit from both kernels
-    qsl, pos = torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 9], dtype=torch.int32)
+    # bad input: the same error bits from both kernels (a block index past the table; a
+    # query_start_loc not starting at 0, decreasing, not ending at len(positions))
+    E = cpmeta.cp.slot_mapping.SlotMappingError
+    pos = torch.tensor([0, 9], dtype=torch.int32)
     table, prm = torch.zeros((1, 2), dtype=torch.int32), make_params(4, 4, None, 1, 0, 1, -1, False)
-    for launch, out in ((lambda o, e: launch_slot_mapping_groups_kernel(qsl, pos, [table], o, e, [prm], tile=16),
-                         torch.zeros((1, 4), dtype=torch.int32)),
-                        (lambda o, e: launch_slot_mapping_kernel(qsl, pos, table, o, e, prm, tile=16),
-                         torch.zeros(4, dtype=torch.int32))):
-        err = torch.zeros(1, dtype=torch.int32)
-        launch(out, err)
-        assert int(err) == int(cpmeta.cp.slot_mapping.SlotMappingError.BLOCK_INDEX), int(err)
+    for qsl, bits in (([0, 2], E.BLOCK_INDEX), ([1, 2], E.QUERY_START), ([0, 3], E.NUM_TOKENS),
+                      ([0, 2, 1, 2], E.QUERY_ORDER)):
+        qsl = torch.tensor(qsl, dtype=torch.int32)
+        tab = table.expand(len(qsl) - 1, 2)
+        for launch, out in ((lambda o, e: launch_slot_mapping_groups_kernel(qsl, pos, [tab], o, e, [prm], tile=16),
+                             torch.zeros((1, 4), dtype=torch.int32)),
+                            (lambda o, e: launch_slot_mapping_kernel(qsl, pos, tab, o, e, prm, tile=16),
+                             torch.zeros(4, dtype=torch.int32))):
+            err = torch.zeros(1, dtype=torch.int32)
+            launch(out, err)
+            want = int(bits) | int(E.BLOCK_INDEX)  # position 9 is past the 2-column table in every case
+            assert int(err) == want, (qsl.tolist(), int(err), want)
     print(f"{n_random} interpreter cases passed")
 
 

@@ -6,6 +6,8 @@ where a request's block table and geometry come from -- the single-group kernel 
 arguments (block size, CP sizes compile-time constants), the groups kernel reads group ``g``'s
 from a small parameter table -- and share the rest:
 
+- :func:`check_query_bounds` / :func:`request_rows`: the ``query_start_loc`` checks of the tail
+  program, and a request's clamped row range with the order check;
 - :func:`pad_tail`: the tail program's rows ``[num_tokens, max_num_tokens)`` = ``pad_id``;
 - :func:`map_tile`: one tile of rows once each row's ``(block index, offset, wanted)`` is known --
   the bounded block-table window (``WINDOW`` entries from the smallest block index the tile reads,
@@ -20,7 +22,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["pad_tail", "map_tile", "slot_mapping_kernel", "slot_mapping_groups_kernel"]
+__all__ = ["check_query_bounds", "request_rows", "pad_tail", "map_tile", "slot_mapping_kernel",
+           "slot_mapping_groups_kernel"]
 
 
 @triton.jit
@@ -32,6 +35,27 @@ def pad_tail(out_row, num_tokens, max_num_tokens, pad_id, TILE: tl.constexpr):
     for t0 in range(pad_start, max_num_tokens, TILE):
         idx = t0 + lanes
         tl.store(out_row + idx, pad_vals, mask=idx < max_num_tokens)
+
+
+@triton.jit
+def check_query_bounds(qsl_ptr, num_tokens, num_positions, err_ptr,
+                       ERR_QUERY_START: tl.constexpr, ERR_NUM_TOKENS: tl.constexpr):
+    """``query_start_loc[0] == 0`` and ``query_start_loc[-1] == len(positions)``, else the bits."""
+    bad_first = tl.load(qsl_ptr) != 0
+    tl.atomic_or(err_ptr, tl.where(bad_first, ERR_QUERY_START, 0), mask=bad_first)
+    bad_total = num_tokens != num_positions
+    tl.atomic_or(err_ptr, tl.where(bad_total, ERR_NUM_TOKENS, 0), mask=bad_total)
+
+
+@triton.jit
+def request_rows(qsl_ptr, req, num_positions, max_num_tokens, err_ptr, check, ERR_QUERY_ORDER: tl.constexpr):
+    """Request ``req``'s rows ``[lo, hi)``, clamped to the positions and the output; a decreasing
+    ``query_start_loc`` sets the order bit where ``check`` holds."""
+    start = tl.load(qsl_ptr + req)
+    end = tl.load(qsl_ptr + req + 1)
+    bad_order = (end < start) & check
+    tl.atomic_or(err_ptr, tl.where(bad_order, ERR_QUERY_ORDER, 0), mask=bad_order)
+    return tl.maximum(start, 0), tl.minimum(tl.minimum(end, num_positions), max_num_tokens)
 
 
 @triton.jit
@@ -76,18 +100,10 @@ def slot_mapping_kernel(
     if req == num_reqs:
         # ---- tail program: checks on query_start_loc, then rows [num_tokens, max) = pad.
         num_tokens = tl.load(qsl_ptr + num_reqs)
-        bad_first = tl.load(qsl_ptr) != 0
-        tl.atomic_or(err_ptr, tl.where(bad_first, ERR_QUERY_START, 0), mask=bad_first)
-        bad_total = num_tokens != num_positions
-        tl.atomic_or(err_ptr, tl.where(bad_total, ERR_NUM_TOKENS, 0), mask=bad_total)
+        check_query_bounds(qsl_ptr, num_tokens, num_positions, err_ptr, ERR_QUERY_START, ERR_NUM_TOKENS)
         pad_tail(out_ptr, num_tokens, max_num_tokens, pad_id, TILE)
     else:
-        start = tl.load(qsl_ptr + req)
-        end = tl.load(qsl_ptr + req + 1)
-        bad_order = end < start
-        tl.atomic_or(err_ptr, tl.where(bad_order, ERR_QUERY_ORDER, 0), mask=bad_order)
-        lo = tl.maximum(start, 0)
-        hi = tl.minimum(tl.minimum(end, num_positions), max_num_tokens)
+        lo, hi = request_rows(qsl_ptr, req, num_positions, max_num_tokens, err_ptr, True, ERR_QUERY_ORDER)
         row_ptr = bt_ptr + req.to(tl.int64) * bt_row_stride
         for t0 in range(lo, hi, TILE):
             idx = t0 + lanes
@@ -139,10 +155,7 @@ def slot_mapping_groups_kernel(
     if req == num_reqs:
         num_tokens = tl.load(qsl_ptr + num_reqs)
         if grp == 0:  # the query_start_loc checks once, not once per group
-            bad_first = tl.load(qsl_ptr) != 0
-            tl.atomic_or(err_ptr, tl.where(bad_first, ERR_QUERY_START, 0), mask=bad_first)
-            bad_total = num_tokens != num_positions
-            tl.atomic_or(err_ptr, tl.where(bad_total, ERR_NUM_TOKENS, 0), mask=bad_total)
+            check_query_bounds(qsl_ptr, num_tokens, num_positions, err_ptr, ERR_QUERY_START, ERR_NUM_TOKENS)
         pad_tail(out_row, num_tokens, max_num_tokens, pad_id, TILE)
     else:
         bt_off = tl.load(prm)
@@ -153,12 +166,7 @@ def slot_mapping_groups_kernel(
         vbs = tl.load(prm + 5)
         bpk = tl.load(prm + 6)
         circ = tl.load(prm + 7)
-        start = tl.load(qsl_ptr + req)
-        end = tl.load(qsl_ptr + req + 1)
-        bad_order = (end < start) & (grp == 0)
-        tl.atomic_or(err_ptr, tl.where(bad_order, ERR_QUERY_ORDER, 0), mask=bad_order)
-        lo = tl.maximum(start, 0)
-        hi = tl.minimum(tl.minimum(end, num_positions), max_num_tokens)
+        lo, hi = request_rows(qsl_ptr, req, num_positions, max_num_tokens, err_ptr, grp == 0, ERR_QUERY_ORDER)
         row_ptr = bt_ptr + bt_off + req.to(tl.int64) * row_stride
         for t0 in range(lo, hi, TILE):
             idx = t0 + lanes
