@@ -38,12 +38,9 @@ def window_lookback(cfg: MetadataConfig) -> int:
 
 
 def blocks_needed_array(sk: np.ndarray, cfg: MetadataConfig) -> np.ndarray:
-    """Vectorized ``sequence.blocks_needed``: ``max_n cdiv(seqlen_k // n, block_size // n)``."""
-    need = None
-    for n in cfg.ca_ratios:
-        x = -(-(sk // n) // (cfg.block_size // n))
-        need = x if need is None else np.maximum(need, x)
-    return need
+    """Vectorized ``sequence.blocks_needed``: ``max_n cdiv(seqlen_k // n, block_size // n)``, i.e.
+    ``seqlen_k // block_size + (seqlen_k % block_size >= min_ratio)`` (every ratio divides block_size)."""
+    return sk // cfg.block_size + (sk % cfg.block_size >= cfg.min_ratio)
 
 
 def _prefix(lengths: np.ndarray) -> np.ndarray:

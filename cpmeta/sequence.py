@@ -41,7 +41,10 @@ def blocks_needed(seqlen_k: int, cfg: MetadataConfig) -> int:
     Example: ``block_size=128``, ratios (4, 128), ``seqlen_k=300``: ratio 4 -> cdiv(75, 32) = 3,
     ratio 128 -> cdiv(2, 1) = 2, so 3 blocks.
     """
-    return max(-(-(seqlen_k // n) // (cfg.block_size // n)) for n in cfg.ca_ratios)
+    # every ratio divides block_size (MetadataConfig checks it): with seqlen_k = q * block_size + r,
+    # ratio n needs q + (r >= n) blocks, so the max is q + (r >= min_ratio)
+    q, r = divmod(seqlen_k, cfg.block_size)
+    return q + (r >= cfg.min_ratio)
 
 
 def _bad(i: int, field: str, expected: str, got: object) -> ValueError:

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 import re
 from typing import Any, Callable
 
+import numpy as np
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import cpmeta
 from cpmeta import MetadataConfig, SequenceMetadata
+from cpmeta.batch import blocks_needed_array
 from cpmeta.sequence import blocks_needed, validate_batch
 from strategies import decode_cases, prompt_cases, random_config, random_decode_batch, random_prompt_batch
 
@@ -103,6 +106,18 @@ def test_blocks_needed_is_the_max_over_ratios() -> None:
                            sparse_compress_ratios=())
     assert [blocks_needed(k, cfg16) for k in (3, 4, 16, 17, 20, 31, 32)] == [0, 1, 1, 1, 2, 2, 2]
     assert blocks_needed(20, CFG) == 2  # CFG: cdiv(5, 4) = 2, cdiv(2, 2) = 1
+    # the closed form the library uses, against the per-ratio definition, on every divisor set
+    # (up to 3 ratios) of a few block sizes, scalar and vectorized
+    for bs in (1, 4, 12, 16, 128):
+        divs = [d for d in range(1, bs + 1) if bs % d == 0]
+        for k in (1, 2, 3):
+            for ratios in itertools.combinations(divs, k):
+                cfg = MetadataConfig(block_size=bs, window_size=1, swa_block_size=1, dense_compress_ratios=ratios,
+                                     sparse_compress_ratios=(), max_model_len=4 * bs)
+                sk = np.arange(5 * bs)
+                want = [max(-(-(x // n) // (bs // n)) for n in ratios) for x in sk.tolist()]
+                assert [blocks_needed(x, cfg) for x in sk.tolist()] == want, (bs, ratios)
+                assert blocks_needed_array(sk, cfg).tolist() == want, (bs, ratios)
 
 
 def test_block_table_boundary() -> None:

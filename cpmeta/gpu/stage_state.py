@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
+from ..sequence import blocks_needed
 from ..state_decode import vouch_decode_step
 from ..constants import INT32_MAX
 from .decode_staging import (
@@ -78,12 +79,10 @@ def stage_decode(st: "BatchState", staging: DecodeStaging, slots: np.ndarray,
     if used > INT32_MAX:  # the header holds int32 offsets (the packed layout of the general path is smaller)
         return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload, capacity)
     # the tables cover seqlen_k <= max_model_len, so blocks_needed <= num_blocks, max_num_blocks;
-    # it is monotone, so the batch's need is that of max(sk); every ratio divides block_size, so
-    # blocks_needed(k) = k // block_size + (k % block_size >= min_ratio)
+    # it is monotone, so the batch's need is that of max(sk)
     max_sk = int(sk.max())
-    need = max_sk // cfg.block_size + (max_sk % cfg.block_size >= cfg.min_ratio)
     staged = StagedDecode(n, total_q, total_k, max_q, max(max_sk, 1 if n_ph else 0), used,
-                          max(need, ph_nb if n_ph else 0))
+                          max(blocks_needed(max_sk, cfg), ph_nb if n_ph else 0))
     _check(staging, staged, capacity)  # before the host buffer is touched
     view = staging.host_view(used)
     _fill_prefix(st, view, staged, n_real, None if uniform else nd)
