@@ -4,7 +4,7 @@ The package reads like one engine step (DESIGN sections 1-2)::
 
     cpmeta/             config, sequence input (SequenceMetadata lists, SequenceBatch arrays,
                         BatchState), InputMetadata and its container operations
-    cpmeta/build/       scheduler input -> InputMetadata on the host (prepare_prompt, prepare_decode,
+    cpmeta/builders/       scheduler input -> InputMetadata on the host (prepare_prompt, prepare_decode,
                         compute_attn_info)
     cpmeta/broadcast/   MetadataBroadcaster: driver -> every rank of the CP group
     cpmeta/cp/          per-rank context parallelism: zigzag mirror, YoCo views, slot mapping
@@ -20,17 +20,16 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .batch import SequenceBatch
-from .batch_state import BatchState
 from .buffers import OutputArenas, get_or_create_stacked, get_or_create_tensor
 from .config import MetadataConfig
-from .constants import INT32_MAX, PAD_SLOT_ID, PLACEHOLDER_QUERY_INDEX
+from .constants import PAD_SLOT_ID, PLACEHOLDER_QUERY_INDEX
 from .metadata import InputMetadata
 from .sequence import SequenceMetadata
+from .state import BatchState, SequenceBatch
 
 if TYPE_CHECKING:
     from .broadcast import MetadataBroadcaster
-    from .build import compute_attn_info, prepare_decode, prepare_prompt
+    from .builders import compute_attn_info, prepare_decode, prepare_prompt
     from .cp import (
         compute_slot_mapping,
         compute_slot_mapping_from_metadata,
@@ -43,13 +42,21 @@ if TYPE_CHECKING:
         unmirror,
     )
     from .diff import metadata_diff
-    from .gpu import StagedDecodeBroadcaster, prepare_decode_inplace
+    from .gpu import (
+        DecodeStaging,
+        StagedDecodeBroadcaster,
+        capture_decode_graph,
+        launch_decode_inplace,
+        prepare_decode_inplace,
+        stage_decode,
+        staging_capacity,
+    )
 
 #: Public name -> the module that defines it (imported on first attribute access).
 _LAZY: dict[str, str] = {
-    "prepare_prompt": "cpmeta.build.prompt",
-    "prepare_decode": "cpmeta.build.decode",
-    "compute_attn_info": "cpmeta.build.attn_info",
+    "prepare_prompt": "cpmeta.builders.prompt",
+    "prepare_decode": "cpmeta.builders.decode",
+    "compute_attn_info": "cpmeta.builders.attn_info",
     "prepare_cp_mirror": "cpmeta.cp.zigzag",
     "prepare_for_mirror_cp": "cpmeta.cp.mirror",
     "unmirror": "cpmeta.cp.zigzag",
@@ -61,6 +68,11 @@ _LAZY: dict[str, str] = {
     "cp_local_seqlens": "cpmeta.cp.kv_shard",
     "MetadataBroadcaster": "cpmeta.broadcast.broadcaster",
     "prepare_decode_inplace": "cpmeta.gpu.decode_inplace",
+    "launch_decode_inplace": "cpmeta.gpu.decode_inplace",
+    "capture_decode_graph": "cpmeta.gpu.decode_inplace",
+    "DecodeStaging": "cpmeta.gpu.decode_staging",
+    "staging_capacity": "cpmeta.gpu.staging_layout",
+    "stage_decode": "cpmeta.gpu.stage_state",
     "StagedDecodeBroadcaster": "cpmeta.gpu.decode_cp",
     "metadata_diff": "cpmeta.diff",
 }
@@ -74,7 +86,6 @@ __all__ = [
     "OutputArenas",
     "PAD_SLOT_ID",
     "PLACEHOLDER_QUERY_INDEX",
-    "INT32_MAX",
     "prepare_prompt",
     "prepare_decode",
     "compute_attn_info",
@@ -91,6 +102,11 @@ __all__ = [
     "cp_local_seqlens",
     "MetadataBroadcaster",
     "prepare_decode_inplace",
+    "launch_decode_inplace",
+    "capture_decode_graph",
+    "DecodeStaging",
+    "staging_capacity",
+    "stage_decode",
     "StagedDecodeBroadcaster",
     "metadata_diff",
 ]

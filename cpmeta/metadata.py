@@ -195,7 +195,7 @@ class InputMetadata:
 
     def compute_attn_info(self, cfg: Any) -> "InputMetadata":
         """Expand offsets and pivots into dense indices (DESIGN section 5); idempotent."""
-        from .build.attn_info import compute_attn_info
+        from .builders.attn_info import compute_attn_info
 
         compute_attn_info(self, cfg)
         return self

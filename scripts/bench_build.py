@@ -262,7 +262,7 @@ case("state_prompt_8x4096")(_array_case(True, 8, 4096))
 def _attn_case(is_prompt: bool, n: int, q: int) -> CaseFn:
     def run(ctx: BenchContext) -> dict[str, Any]:
         from cpmeta import prepare_decode, prepare_prompt
-        from cpmeta.build.attn_info import compute_attn_info
+        from cpmeta.builders.attn_info import compute_attn_info
 
         cfg = MetadataConfig()
         if is_prompt:
@@ -336,7 +336,7 @@ def _yoco_case(n: int, q: int, mode: str, cp: int, keep: int = 512) -> CaseFn:
         import dataclasses
 
         from cpmeta import prepare_for_mirror_cp, prepare_prompt
-        from cpmeta.build.yoco import build_yoco_fields
+        from cpmeta.builders.yoco import build_yoco_fields
 
         plain = MetadataConfig()
         cfg = dataclasses.replace(plain, yoco_keep_tokens=keep, yoco_mode=mode)

@@ -57,12 +57,13 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_build import _state_from, decode_batch, time_us  # noqa: E402  (same batches and timer as the builders)
 from cpmeta import MetadataConfig  # noqa: E402
-from cpmeta.build.extract import extract_batch  # noqa: E402
-from cpmeta.build.decode import prepare_decode  # noqa: E402
+from cpmeta.builders.extract import extract_batch  # noqa: E402
+from cpmeta.builders.decode import prepare_decode  # noqa: E402
 from cpmeta.gpu.decode_inplace import (  # noqa: E402
     DecodeStaging, capture_decode_graph, launch_decode_inplace, prepare_decode_inplace, staging_capacity,
 )
 from cpmeta.diff import metadata_diff  # noqa: E402
+from cpmeta.gpu.stage_state import stage_decode  # noqa: E402
 from cpmeta.gpu.staging_layout import unpack_staging  # noqa: E402
 
 logger = logging.getLogger("bench_decode_inplace")
@@ -172,18 +173,18 @@ def run_case(n: int, drafts: int, dev: torch.device, repeat: int, rng: random.Ra
     ref = st.stage(bs.decode_batch(slots, drafts_, nd), cfg)
     ref_batch = unpack_staging(st.host_buffer[:ref.used].numpy().copy(), ref, cfg)
     sync()
-    got = bs.stage_decode(st, slots, drafts_, nd)
+    got = stage_decode(st, bs, slots, drafts_, nd)
     got_batch = unpack_staging(st.host_buffer[:got.used].numpy(), got, cfg)
     if got._replace(used=0) != ref._replace(used=0) or ref_batch["sizes"] != got_batch["sizes"] or not all(
             np.array_equal(x, y) for k in ("seq", "ids") for x, y in [(ref_batch[k], got_batch[k])]) or not all(
             np.array_equal(x, y) for x, y in zip(ref_batch["tables"], got_batch["tables"])):
         raise AssertionError("BatchState.stage_decode staged another batch than decode_batch + stage")
     sync()
-    res["state_stage_decode"] = time_us(lambda: bs.stage_decode(st, slots, drafts_, nd), repeat)
+    res["state_stage_decode"] = time_us(lambda: stage_decode(st, bs, slots, drafts_, nd), repeat)
     sync()
 
     def from_state_fast() -> None:  # host time: staging straight from the state + copy + replay launch
-        bs.stage_decode(st, slots, drafts_, nd)
+        stage_decode(st, bs, slots, drafts_, nd)
         launch_decode_inplace(st, cfg, out=out)
 
     res["from_state_fast_cpu"] = time_us(from_state_fast, repeat)

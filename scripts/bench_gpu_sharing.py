@@ -5,7 +5,7 @@ of gloo ranks on one GPU goes).
 ``--procs N`` processes run at the same time, with no communication between them, each in a loop
 for ``--seconds``; every step is timed from its start to its device sync:
 
-  step   the in-place decode step of one rank: ``state.stage_decode(staging, ..., upload=False)``
+  step   the in-place decode step of one rank: ``stage_decode(staging, state, ..., upload=False)``
          + ``staging.replay_uploading(g)`` (ONE graph replay: the H2D copy and both kernels,
          ``scripts/profile_inplace_step.py``'s ``step_graph_upload``) + ``torch.cuda.synchronize()``
   tiny   one 1-element ``add_`` + ``torch.cuda.synchronize()``: the floor of any step that waits
@@ -59,6 +59,7 @@ def _step_fn(method: str, dev: torch.device) -> Callable[[], None]:
         return tiny
     from bench_build import _state_from, decode_batch
     from cpmeta import MetadataConfig
+    from cpmeta.gpu.stage_state import stage_decode
     from cpmeta.gpu.decode_inplace import (
         DecodeStaging, capture_decode_graph, launch_decode_inplace, prepare_decode_inplace, staging_capacity,
     )
@@ -73,11 +74,11 @@ def _step_fn(method: str, dev: torch.device) -> Callable[[], None]:
         g = capture_decode_graph(st, cfg, out=out, upload=True)
 
         def step() -> None:
-            st.replay_uploading(g, bs.stage_decode(st, slots, dr, nd, upload=False))
+            st.replay_uploading(g, stage_decode(st, bs, slots, dr, nd, upload=False))
             sync()
     else:
         def step() -> None:
-            bs.stage_decode(st, slots, dr, nd)
+            stage_decode(st, bs, slots, dr, nd)
             launch_decode_inplace(st, cfg, out=out, backend="torch")
 
     return step

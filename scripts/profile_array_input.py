@@ -12,7 +12,7 @@ Phases: ``batch`` (``BatchState.decode_batch`` / ``prompt_batch``), ``extract`` 
 of that already validated batch), ``fill_common``, then the path's own fields, ``metadata``
 (``InputMetadata(**fields)``), and ``staging`` (``write_staging`` of the extracted arrays, the
 host side of ``prepare_decode_inplace`` after the batch), ``inplace_host`` (batch + extract +
-staging) and ``stage_decode`` (``BatchState.stage_decode``: the same staging bytes written straight
+staging) and ``stage_decode`` (``cpmeta.gpu.stage_decode``: the same staging bytes written straight
 from the state arrays, no batch, plus its checks and the (CPU: no-op) upload). The phase sum
 differs from ``step`` by the glue between them (and by noise).
 """
@@ -37,9 +37,10 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_build import _state_from, decode_batch, prompt_batch  # noqa: E402
 from cpmeta import MetadataConfig, prepare_decode, prepare_prompt  # noqa: E402
-from cpmeta.build import common, decode, prompt  # noqa: E402
-from cpmeta.build.extract import extract_batch  # noqa: E402
+from cpmeta.builders import common, decode, prompt  # noqa: E402
+from cpmeta.builders.extract import extract_batch  # noqa: E402
 from cpmeta.gpu.decode_staging import DecodeStaging, staging_capacity, write_staging  # noqa: E402
+from cpmeta.gpu.stage_state import stage_decode  # noqa: E402
 from cpmeta.metadata import InputMetadata  # noqa: E402
 
 
@@ -78,7 +79,7 @@ def _decode_phases(cfg: MetadataConfig, n: int, d: int, repeat: int, rng: random
         "metadata": lambda: InputMetadata(**fields),
         "staging": lambda: write_staging(view, b, cfg),
         "inplace_host": lambda: write_staging(view, extract_batch(step(), cfg, is_prompt=False), cfg),
-        "stage_decode": lambda: st.stage_decode(stg, slots, drafts, nd),  # inplace_host without the batch
+        "stage_decode": lambda: stage_decode(stg, st, slots, drafts, nd),  # inplace_host without the batch
     }
     return _interleaved(phases, repeat)
 

@@ -2,7 +2,7 @@
 """Host time of the in-place decode step from a ``BatchState``, piece by piece (issue 18 goal:
 <= 50 us per step at 256 sequences including staging, H2D and replay, on the H200 host).
 
-The step an engine runs: ``st.stage_decode(staging, slots, drafts, counts)`` (the staging
+The step an engine runs: ``stage_decode(staging, st, slots, drafts, counts)`` (the staging
 buffer written straight from the state, ONE non-blocking H2D copy, event recorded), then a
 replay of the graph it captured over ``launch_decode_inplace`` (``staging.replay(g)``). Timed per
 case (256 sequences, 0 / 2 drafts; the batches of ``scripts/bench_build.py``), p50 / min over
@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_build import _state_from, decode_batch  # noqa: E402
 from bench_decode_inplace import write_run  # noqa: E402
 from cpmeta import MetadataConfig  # noqa: E402
+from cpmeta.gpu.stage_state import stage_decode  # noqa: E402
 from cpmeta.gpu.decode_inplace import (  # noqa: E402
     DecodeStaging, capture_decode_graph, launch_decode_inplace, prepare_decode_inplace, staging_capacity,
 )
@@ -91,15 +92,15 @@ def run_case(drafts: int, repeat: int, dev: torch.device, count: bool = False) -
     prepare_decode_inplace(bs.decode_batch(slots, dr, nd), cfg, out=out, device=dev, staging=st)
     sync()
     fns: dict[str, Callable[[], Any]] = {
-        "stage": lambda: bs.stage_decode(st, slots, dr, nd),
-        "stage_host": lambda: bs.stage_decode(host_st, slots, dr, nd),
+        "stage": lambda: stage_decode(st, bs, slots, dr, nd),
+        "stage_host": lambda: stage_decode(host_st, bs, slots, dr, nd),
     }
     if cuda:
         g = capture_decode_graph(st, cfg, out=out)
-        staged = bs.stage_decode(st, slots, dr, nd)
+        staged = stage_decode(st, bs, slots, dr, nd)
 
         def step() -> None:
-            bs.stage_decode(st, slots, dr, nd)
+            stage_decode(st, bs, slots, dr, nd)
             st.replay(g)
 
         def step_sync() -> None:
@@ -109,14 +110,14 @@ def run_case(drafts: int, repeat: int, dev: torch.device, count: bool = False) -
         g_up = capture_decode_graph(st, cfg, out=out, upload=True)  # the H2D copy inside the graph
 
         def step_graph_upload() -> None:  # fill only, then ONE replay that copies and runs the kernels
-            st.replay_uploading(g_up, bs.stage_decode(st, slots, dr, nd, upload=False))
+            st.replay_uploading(g_up, stage_decode(st, bs, slots, dr, nd, upload=False))
 
         ev = torch.cuda.Event()
         ev.record()
         fns.update(step=step, step_sync=step_sync, upload=lambda: st.upload(staged), replay=lambda: st.replay(g),
                    replay_bare=g.replay, launch=lambda: launch_decode_inplace(st, cfg, out=out),
                    step_graph_upload=step_graph_upload,
-                   stage_fill=lambda: bs.stage_decode(st, slots, dr, nd, upload=False),
+                   stage_fill=lambda: stage_decode(st, bs, slots, dr, nd, upload=False),
                    replay_uploading=lambda: st.replay_uploading(g_up, staged),
                    cur_stream=torch.cuda.current_stream, event_record=ev.record, event_sync=ev.synchronize)
     res = _interleaved(fns, repeat, lambda: None)  # no sync between pieces: host time, as a loop runs
@@ -151,7 +152,7 @@ def run_cp(drafts: int, repeat: int, dev: torch.device) -> dict[str, Any]:
     out: dict[str, torch.Tensor] = {}
     sb.broadcast_state(bs, slots, dr, nd, out=out)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    staged = bs.stage_decode(st, slots, dr, nd, upload=False)
+    staged = stage_decode(st, bs, slots, dr, nd, upload=False)
 
     def step_sync() -> None:
         sb.broadcast_state(bs, slots, dr, nd, out=out)
@@ -169,7 +170,7 @@ def run_cp(drafts: int, repeat: int, dev: torch.device) -> dict[str, Any]:
         sync()
 
     fns = {"cp_step": lambda: sb.broadcast_state(bs, slots, dr, nd, out=out), "cp_step_sync": step_sync,
-           "cp_fill": lambda: bs.stage_decode(st, slots, dr, nd, upload=False),
+           "cp_fill": lambda: stage_decode(st, bs, slots, dr, nd, upload=False),
            "cp_finish": lambda: finish_staged(st, staged, cfg, out=out, device=dev, backend=sb.backend),
            "cp_follower": follower, "cp_follower_sync": follower_sync}
     res = _interleaved(fns, repeat, lambda: None)

@@ -13,11 +13,11 @@ import pytest
 
 from cpmeta import BatchState, MetadataConfig, SequenceMetadata, metadata_diff, prepare_decode, prepare_prompt
 from cpmeta.sequence import blocks_needed
-from cpmeta.state_decode import StateDecodeBatch
+from cpmeta.state.decode_fast import StateDecodeBatch
 
 CFG = MetadataConfig(block_size=16, window_size=4, swa_block_size=6, dense_compress_ratios=(4,),
                      sparse_compress_ratios=(4, 8), max_model_len=96, max_ngram_size=3, image_token_id=5)
-#: no Engram: decode steps take BatchState's fast path (cpmeta/state_decode.py)
+#: no Engram: decode steps take BatchState's fast path (cpmeta/state/decode_fast.py)
 PLAIN = MetadataConfig(block_size=16, window_size=4, swa_block_size=6, dense_compress_ratios=(4,),
                        sparse_compress_ratios=(4, 8), max_model_len=96)
 YOCO = MetadataConfig(block_size=16, window_size=4, swa_block_size=8, dense_compress_ratios=(4,),

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from cpmeta import MetadataConfig, SequenceMetadata, prepare_decode, prepare_prompt
-from cpmeta.build.arrays import loaded_compressed_len
-from cpmeta.build.extract import extract_batch
-from cpmeta.build.load_plan import paged_load_segments, swa_load_segments
-from cpmeta.build.attn_info import (
+from cpmeta.builders.arrays import loaded_compressed_len
+from cpmeta.builders.extract import extract_batch
+from cpmeta.builders.load_plan import paged_load_segments, swa_load_segments
+from cpmeta.builders.attn_info import (
     compute_attn_info,
     expand_offset_len,
     expand_paged_offset_len,
@@ -108,7 +108,7 @@ def test_expansion_helpers_examples() -> None:
 
 
 def test_paged_expansion_aligned_equals_generic() -> None:
-    from cpmeta.build.attn_info import _expand_paged_aligned, _expand_paged_generic
+    from cpmeta.builders.attn_info import _expand_paged_aligned, _expand_paged_generic
 
     g = torch.Generator().manual_seed(0)
     for tpb, mnb, width in ((32, 4, 128), (8, 3, 24), (256, 2, 384)):

@@ -27,11 +27,12 @@ import torch
 
 from cpmeta.config import MetadataConfig
 from cpmeta.constants import PAD_SLOT_ID
-from cpmeta.build.decode import prepare_decode
+from cpmeta.builders.decode import prepare_decode
 from cpmeta.gpu.decode_inplace import (
     DecodeStaging, capture_decode_graph, launch_decode_inplace, prepare_decode_inplace, staging_capacity,
 )
 from cpmeta.diff import metadata_diff
+from cpmeta.gpu.stage_state import stage_decode
 from cpmeta.metadata import InputMetadata
 from cpmeta.sequence import SequenceMetadata, blocks_needed
 from strategies import metadata_prefix, random_decode_batch
@@ -277,7 +278,7 @@ def test_graph_with_the_upload_inside_follows_a_batch_state() -> None:
         drafts = np.array([rng.randrange(100) for _ in range(int(counts.sum()))], np.int64)
         want = prepare_decode(bs.decode_batch(slots, drafts, counts), cfg)
         torch.cuda._sleep(5_000_000)  # the previous replay still runs while this fill waits for it
-        staged = bs.stage_decode(st, slots, drafts, counts, upload=False)
+        staged = stage_decode(st, bs, slots, drafts, counts, upload=False)
         st.replay_uploading(graph, staged)
         torch.cuda.synchronize()
         md = launch_decode_inplace(st, cfg, out=out)  # views of the buffers the replay wrote

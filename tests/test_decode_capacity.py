@@ -29,7 +29,7 @@ from typing import Callable
 import pytest
 import torch
 
-from cpmeta.build.decode import prepare_decode
+from cpmeta.builders.decode import prepare_decode
 from cpmeta.config import MetadataConfig
 from cpmeta.diff import metadata_diff
 from cpmeta.gpu.decode_inplace import DecodeStaging, launch_decode_inplace, prepare_decode_inplace

@@ -55,7 +55,7 @@ def _cp_equals_broadcast(rank: int, world: int, device: str, graph: bool) -> int
     """Each step: staged broadcast into this rank's buffers == MetadataBroadcaster(prepare_decode)."""
     import cpmeta
     from cpmeta.diff import metadata_diff
-    from cpmeta.gpu import DecodeStaging, StagedDecodeBroadcaster, staging_capacity
+    from cpmeta.gpu import DecodeStaging, StagedDecodeBroadcaster, stage_decode, staging_capacity
     from cpmeta.gpu.decode_inplace import launch_decode_inplace, prepare_decode_inplace
     from strategies import metadata_prefix, random_decode_batch
 
@@ -286,7 +286,7 @@ def test_check_staged_layout_names_every_corruption() -> None:
     for i, n in enumerate((5, 40, 17)):
         st.add_request(i, list(range(n)), list(range(8 * i, 8 * i + 6)), i, num_computed=n)
     stg = DecodeStaging("cpu", 64)
-    staged = st.stage_decode(stg, np.array([0, 1, 2]), np.array([3, 4], np.int64), np.array([0, 2, 0]))
+    staged = stage_decode(stg, st, np.array([0, 1, 2]), np.array([3, 4], np.int64), np.array([0, 2, 0]))
     good = stg.host_buffer[:staged.used].numpy().copy()
     assert check_staged_layout(good, staged, cfg) is None
     hl, n = header_len(cfg), staged.num_seqs

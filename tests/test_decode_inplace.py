@@ -26,7 +26,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from cpmeta.config import MetadataConfig
-from cpmeta.build.decode import prepare_decode
+from cpmeta.builders.decode import prepare_decode
 from cpmeta.gpu.decode_inplace import (
     DecodeStaging,
     launch_decode_inplace,

@@ -140,7 +140,7 @@ def _mirror_all(full_fresh: InputMetadata, cfg: Any, p: int) -> list[InputMetada
 @settings(max_examples=40, deadline=None)
 @given(case=prompt_cases(), p=st.integers(1, 8))
 def test_unmirror_equivalence_with_builders(case: Any, p: int) -> None:
-    from cpmeta.build.prompt import prepare_prompt
+    from cpmeta.builders.prompt import prepare_prompt
 
     cfg, seqs = case
     fresh = prepare_prompt(seqs, cfg)
@@ -167,7 +167,7 @@ def test_unmirror_equivalence_with_builders(case: Any, p: int) -> None:
 def test_named_builder_case_cp2_sq10() -> None:
     """cp=2 sq=10 through prepare_prompt: rank 0 sees positions 4,5,6,13 (+ two pad rows)."""
     from cpmeta.config import MetadataConfig
-    from cpmeta.build.prompt import prepare_prompt
+    from cpmeta.builders.prompt import prepare_prompt
     from cpmeta.sequence import SequenceMetadata
 
     cfg = MetadataConfig(block_size=16, window_size=4, swa_block_size=4, dense_compress_ratios=(4,),
@@ -187,7 +187,7 @@ def test_named_builder_case_cp2_sq10() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_mirror_and_attn_info_match_cpu() -> None:
-    from cpmeta.build.prompt import prepare_prompt
+    from cpmeta.builders.prompt import prepare_prompt
     from reference_mirror import ROW_FIELDS_PAD
     from strategies import random_config, random_prompt_batch
 

@@ -29,6 +29,7 @@ from cpmeta.gpu.decode_inplace import DecodeStaging, launch_decode_inplace, prep
 from cpmeta.gpu.decode_inplace import finish_staged
 from cpmeta.sequence import blocks_needed
 from cpmeta.gpu import stage_state
+from cpmeta.gpu.stage_state import StateStagingCache, stage_decode
 from cpmeta.gpu.decode_cp import check_staged_layout
 from cpmeta.gpu.staging_layout import StagedDecode, unpack_staging
 from strategies import metadata_prefix
@@ -72,7 +73,7 @@ def stage_both(st: BatchState, fast: DecodeStaging, slow: DecodeStaging, slots: 
     ``slow``), assert they describe the same batch; returns ``(batch, staged)``."""
     batch = st.decode_batch(slots, drafts, counts, num_placeholders=n_ph)
     want = slow.stage(batch, cfg)
-    got = st.stage_decode(fast, slots, drafts, counts, num_placeholders=n_ph)
+    got = stage_decode(fast, st, slots, drafts, counts, num_placeholders=n_ph)
     assert_same_staged(fast, got, slow, want, cfg)
     return batch, got
 
@@ -125,7 +126,7 @@ def test_matches_decode_batch_and_stage(ci: int, monkeypatch: pytest.MonkeyPatch
     for slots, drafts, counts, n_ph in steps(25):
         batch, got = stage_both(st, fast, slow, slots, drafts, counts, n_ph, cfg)
         fill_only = DecodeStaging("cpu", 8)  # upload=False: the same host bytes, nothing uploaded
-        assert st.stage_decode(fill_only, slots, drafts, counts, num_placeholders=n_ph, upload=False) == got
+        assert stage_decode(fill_only, st, slots, drafts, counts, num_placeholders=n_ph, upload=False) == got
         assert torch.equal(fill_only.host_buffer[:got.used], fast.host_buffer[:got.used])
         assert fill_only.last_staged is None
         md = finish_staged(fast, got, cfg, out=None, device=torch.device("cpu"), backend="torch")
@@ -148,13 +149,10 @@ def test_uniform_draft_counts(k: int) -> None:
             batch, got = stage_both(st, fast, slow, slots, drafts, counts, n_ph, cfg)
             # ONE count for all and int32 ids (no range check): the same bytes
             for d, c in ((drafts, k), (drafts.astype(np.int32), counts), (drafts.astype(np.int32), np.int64(k))):
-                assert st.stage_decode(other, slots, d, c, num_placeholders=n_ph) == got
+                assert stage_decode(other, st, slots, d, c, num_placeholders=n_ph) == got
                 assert torch.equal(other.host_buffer[:got.used], fast.host_buffer[:got.used])
                 assert metadata_diff(prepare_decode(st.decode_batch(slots, d, c, num_placeholders=n_ph), cfg),
                                      prepare_decode(batch, cfg), cfg=cfg) == []
-            assert metadata_diff(prepare_decode(st.decode_batch(slots, drafts, counts), cfg),
-                                 prepare_decode(st._batch(False, slots, 1 + counts, st.num_tokens[slots] + counts,
-                                                          drafts, 0), cfg), cfg=cfg) == []
             n_steps += 1
         assert n_steps >= 6, (cfg, n_steps)
 
@@ -173,7 +171,7 @@ def test_launch_and_replay_shape_unchanged() -> None:
                            cfg, out=out, device="cpu", backend="torch", staging=stg)
     for slots, drafts, counts, n_ph in steps(10):
         batch = st.decode_batch(slots, drafts, counts, num_placeholders=n_ph)
-        staged = st.stage_decode(stg, slots, drafts, counts, num_placeholders=n_ph)
+        staged = stage_decode(stg, st, slots, drafts, counts, num_placeholders=n_ph)
         md = launch_decode_inplace(stg, cfg, out=out, backend="torch")
         got = metadata_prefix(md, staged.num_seqs, staged.total_q)
         assert metadata_diff(got, prepare_decode(batch, cfg), cfg=cfg) == []
@@ -191,11 +189,11 @@ def test_capacity_refusals_before_any_write() -> None:
                            backend="torch", staging=stg)
     before = stg.host_buffer.clone()
     with pytest.raises(ValueError, match="q_cap=6"):
-        st.stage_decode(stg, slots, np.arange(5), np.array([3, 2]))
+        stage_decode(stg, st, slots, np.arange(5), np.array([3, 2]))
     with pytest.raises(ValueError, match="seq_cap=2"):
-        st.stage_decode(stg, np.array([0]), num_placeholders=2)
+        stage_decode(stg, st, np.array([0]), num_placeholders=2)
     with pytest.raises(ValueError, match="seq_cap=2"):
-        st.stage_decode(stg, np.array([0, 1, 2]))
+        stage_decode(stg, st, np.array([0, 1, 2]))
     assert torch.equal(stg.host_buffer, before)
     # block columns: buffers captured under a config with a shorter max_model_len
     short = MetadataConfig(block_size=4, window_size=2, swa_block_size=2, dense_compress_ratios=(4,),
@@ -210,27 +208,27 @@ def test_capacity_refusals_before_any_write() -> None:
     b = bs.add_request("b", list(range(68)), list(range(17)), 1, num_computed=68)
     with pytest.raises(ValueError, match=rf"block_tables: 17 columns exceed the captured buffers' "
                                          rf"bt_cols={short.max_num_blocks}"):
-        bs.stage_decode(stg2, np.array([b]))
+        stage_decode(stg2, bs, np.array([b]))
     # a fixed staging buffer too small: the fill's own message
     with pytest.raises(ValueError, match="fixed staging buffer holds 8"):
-        st.stage_decode(DecodeStaging("cpu", 8, fixed=True), slots)
+        stage_decode(DecodeStaging("cpu", 8, fixed=True), st, slots)
 
 
 def test_invalid_batches_raise_the_builders_messages() -> None:
     cfg = CONFIGS[0]
     st, _ = _engine(cfg, random.Random(5))
     slots = np.array([0, 1])
-    for call in (lambda s, x: s.stage_decode(x, slots), lambda s, x: x.stage(s.decode_batch(slots), cfg)):
+    for call in (lambda s, x: stage_decode(x, s, slots), lambda s, x: x.stage(s.decode_batch(slots), cfg)):
         st.set_state_id(1, -1)
         with pytest.raises(ValueError, match=r"seqs\[1\]\.state_id"):
             call(st, DecodeStaging("cpu"))
         st.set_state_id(1, 0)
     with pytest.raises(ValueError, match="slots"):
-        st.stage_decode(DecodeStaging("cpu"), np.array([0, 99]))
+        stage_decode(DecodeStaging("cpu"), st, np.array([0, 99]))
     with pytest.raises(ValueError, match="num_drafts"):
-        st.stage_decode(DecodeStaging("cpu"), slots, np.array([1, 2]), np.array([1, 0]))
+        stage_decode(DecodeStaging("cpu"), st, slots, np.array([1, 2]), np.array([1, 0]))
     for bad in (-1, 2, True):  # one count for all: negative, not adding up, a bool is not a count
-        for call in (lambda: st.stage_decode(DecodeStaging("cpu"), slots, np.array([1, 2]), bad),
+        for call in (lambda: stage_decode(DecodeStaging("cpu"), st, slots, np.array([1, 2]), bad),
                      lambda: st.decode_batch(slots, np.array([1, 2]), bad)):
             with pytest.raises(ValueError, match=r"num_drafts: expected 2 counts >= 0 \(or one count for all\)"):
                 call()
@@ -238,7 +236,7 @@ def test_invalid_batches_raise_the_builders_messages() -> None:
     bad = BatchState(cfg, 2)
     s = bad.add_request("x", list(range(20)), [4, -1], 0, num_computed=20)
     with pytest.raises(ValueError, match="block_table"):
-        bad.stage_decode(DecodeStaging("cpu"), np.array([s]))
+        stage_decode(DecodeStaging("cpu"), bad, np.array([s]))
     with pytest.raises(ValueError, match="block_table"):
         DecodeStaging("cpu").stage(bad.decode_batch(np.array([s])), cfg)
 
@@ -253,7 +251,7 @@ def test_int32_limits_and_draft_ids(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = MetadataConfig(block_size=2**20, window_size=4, swa_block_size=8, dense_compress_ratios=(4,),
                          sparse_compress_ratios=(), max_model_len=2**29)
     st = BatchState(cfg, max_seqs=5)
-    assert st._stage_q_lim == 15  # 2**31 // (512 columns * 2**18)
+    assert StateStagingCache(st).q_lim == 15  # 2**31 // (512 columns * 2**18)
     for i in range(5):
         st.add_request(i, [1] * (5 + i), [i], 0, num_computed=5 + i)
 
@@ -263,9 +261,9 @@ def test_int32_limits_and_draft_ids(monkeypatch: pytest.MonkeyPatch) -> None:
             want = slow.stage(st.decode_batch(slots, drafts, counts), cfg)
         except ValueError as e:
             with pytest.raises(ValueError, match=re.escape(str(e))):
-                st.stage_decode(fast, slots, drafts, counts)
+                stage_decode(fast, st, slots, drafts, counts)
             return
-        assert_same_staged(fast, st.stage_decode(fast, slots, drafts, counts), slow, want, cfg)
+        assert_same_staged(fast, stage_decode(fast, st, slots, drafts, counts), slow, want, cfg)
 
     both(np.arange(5), np.arange(10), np.full(5, 2))  # 15 rows: fast
     assert slow_calls == []
@@ -293,7 +291,7 @@ def _interpreter_main() -> None:
         stg = DecodeStaging("cpu")
         for slots, drafts, counts, n_ph in steps(3):
             batch = st.decode_batch(slots, drafts, counts, num_placeholders=n_ph)
-            staged = st.stage_decode(stg, slots, drafts, counts, num_placeholders=n_ph)
+            staged = stage_decode(stg, st, slots, drafts, counts, num_placeholders=n_ph)
             md = finish_staged(stg, staged, cfg, out=None, device=torch.device("cpu"), backend="triton")
             assert metadata_diff(md, prepare_decode(batch, cfg), cfg=cfg) == [], (ci, n)
             n += 1

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import cpmeta
 from cpmeta import MetadataConfig, SequenceMetadata
-from cpmeta.batch import blocks_needed_array
+from cpmeta.state.batch import blocks_needed_array
 from cpmeta.sequence import blocks_needed, validate_batch
 from strategies import decode_cases, prompt_cases, random_config, random_decode_batch, random_prompt_batch
 

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 import cpmeta
 from cpmeta import MetadataConfig, SequenceMetadata
-from cpmeta.build.swa_pivots import swa_visibility_pivots
-from cpmeta.build.yoco import YOCO_COMPACT_FIELDS, build_yoco_fields
+from cpmeta.builders.swa_pivots import swa_visibility_pivots
+from cpmeta.builders.yoco import YOCO_COMPACT_FIELDS, build_yoco_fields
 from cpmeta.cp.yoco_views import CONSUMER_CLEARED_FIELDS, get_consumer_view
 from reference_yoco import ref_consumer_rows, ref_yoco_fields
 from strategies import prompt_cases, random_config, random_prompt_batch
@@ -370,8 +370,8 @@ def test_prompt_pivots_equal_the_shared_visibility_rule() -> None:
     """``prepare_prompt``'s int32 per-row pivots (``_fill_swa_pivots``) are the shared helper's rule."""
     import numpy as np
 
-    from cpmeta.build.extract import extract_batch
-    from cpmeta.build.prompt import _fill_swa_pivots
+    from cpmeta.builders.extract import extract_batch
+    from cpmeta.builders.prompt import _fill_swa_pivots
     rng = np.random.default_rng(0)
     for W in (1, 3, 8):
         cfg = MetadataConfig(block_size=16, window_size=W, swa_block_size=8, dense_compress_ratios=(4,),

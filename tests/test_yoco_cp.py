@@ -13,7 +13,7 @@ import torch
 import cpmeta
 from cpmeta import MetadataConfig, SequenceMetadata
 from cpmeta.cp.zigzag import NO_SPARSE_RATIOS_FALLBACK, mirror_rows, prepare_cp_mirror, unmirror
-from cpmeta.build.yoco import YOCO_CP_FIELDS
+from cpmeta.builders.yoco import YOCO_CP_FIELDS
 from reference_yoco import ref_yoco_cp
 
 from test_yoco import I32, MIRRORED_VIEW_FIELDS, _case, _cfg, _plain, _seq

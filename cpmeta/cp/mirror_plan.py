@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..build.arrays import loaded_compressed_len
+from ..builders.arrays import loaded_compressed_len
 from ..constants import INT32_MAX
 
 __all__ = [

@@ -27,13 +27,13 @@ failure bits on the device instead (no sync, CUDA-graph capturable) and check th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
 
 from ..constants import INT32_MAX, PAD_SLOT_ID, PLACEHOLDER_QUERY_INDEX
 from .slot_mapping_errors import SlotMappingError, describe_slot_mapping_error
+from .slot_mapping_params import SlotMappingParams
 
 __all__ = [
     "compute_slot_mapping",
@@ -55,25 +55,6 @@ BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")
 
 INT32_MIN: int = -(2**31)
 _INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-@dataclass(frozen=True, slots=True)
-class SlotMappingParams:
-    """Validated scalar arguments of :func:`compute_slot_mapping` (host-side, no tensors)."""
-
-    block_size: int
-    max_num_tokens: int
-    kv_block_size: int  # kvb: physical KV block (block_size when not given)
-    blocks_per_kv_block: int  # kvb // block_size
-    cp_world_size: int
-    cp_rank: int
-    cp_interleave: int
-    pad_id: int
-    circular: bool
-
-    @property
-    def use_cp(self) -> bool:
-        return self.cp_world_size > 1
 
 
 def _int_arg(name: str, value: object, lo: int, hi: int = INT32_MAX) -> int:

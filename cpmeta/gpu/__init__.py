@@ -6,7 +6,7 @@ module                         holds
 ``decode_inplace``             :func:`prepare_decode_inplace`, :func:`launch_decode_inplace`, :func:`capture_decode_graph` (CUDA-graph ready)
 ``decode_staging``             ``DecodeStaging``: the pinned int32 staging buffer, upload, stream order
 ``staging_layout``             the staging layout, the host fill from ``BatchArrays``, capacities
-``stage_state``                the staging buffer written straight from a ``BatchState``
+``stage_state``                :func:`stage_decode`: the staging buffer written straight from a ``BatchState``
 ``decode_cp``                  :class:`StagedDecodeBroadcaster`: one staging broadcast, kernels on every CP rank
 ``decode_triton``              the two decode metadata kernels (Triton)
 ``decode_emulate``             the same kernels as vectorized torch (CPU fallback, CI)
@@ -22,8 +22,9 @@ from __future__ import annotations
 from .decode_cp import StagedDecodeBroadcaster
 from .decode_inplace import capture_decode_graph, launch_decode_inplace, prepare_decode_inplace
 from .decode_staging import DecodeStaging, OutCapacity, staging_capacity
+from .stage_state import stage_decode
 
 __all__ = [
-    "prepare_decode_inplace", "launch_decode_inplace", "capture_decode_graph", "DecodeStaging", "OutCapacity", "staging_capacity",
-    "StagedDecodeBroadcaster",
+    "prepare_decode_inplace", "launch_decode_inplace", "capture_decode_graph", "DecodeStaging", "OutCapacity",
+    "staging_capacity", "stage_decode", "StagedDecodeBroadcaster",
 ]

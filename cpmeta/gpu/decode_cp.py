@@ -15,7 +15,7 @@ Message (``ObjectChannel.broadcast_packed``)::
 
 The driver's batch is a list of ``SequenceMetadata`` / a ``SequenceBatch`` (:meth:`broadcast`,
 :meth:`stage`: ``DecodeStaging.fill``) or a ``BatchState`` (:meth:`broadcast_state`,
-:meth:`stage_state`: ``BatchState.stage_decode(upload=False)`` writes the staging straight from
+:meth:`stage_state`: ``stage_decode(staging, state, ..., upload=False)`` writes the staging straight from
 the state's arrays, the cheaper step); both send the same message, followers cannot tell.
 
 A follower checks the message against ITS ``cfg`` before any write (:func:`check_staged_layout`:
@@ -36,19 +36,20 @@ import torch.distributed as dist
 from .decode_inplace import (
     Out, _capacity_of, _resolve_backend, _same_device, finish_staged,
 )
+from .stage_state import stage_decode
 from .staging_layout import header_len
 from .decode_staging import (
     F_BT_OFFSET, F_CU_K_INCL, F_CU_Q_INCL, F_PLACEHOLDER, F_SEQLEN_K, F_SEQLEN_Q, F_STATE, HEADER_FIXED,
     SEQ_FIELDS, DecodeStaging, StagedDecode,
 )
-from ..build.decode import check_decode_out
-from ..batch import blocks_needed_array
+from ..builders.decode import check_decode_out
+from ..state.batch import blocks_needed_array
 from ..config import MetadataConfig
 from ..metadata import InputMetadata
 from ..sequence import SequenceMetadata
 
 if TYPE_CHECKING:
-    from ..batch_state import BatchState
+    from ..state.batch_state import BatchState
 
 __all__ = ["StagedDecodeBroadcaster", "check_staged_layout", "STAGED_DECODE_VERSION"]
 
@@ -285,8 +286,8 @@ class StagedDecodeBroadcaster:
         def fill() -> StagedDecode:
             if state.cfg is not self.cfg and state.cfg != self.cfg:
                 raise ValueError(f"state: expected a BatchState for the broadcaster's cfg, got one for {state.cfg}")
-            return state.stage_decode(self.staging, slots, draft_tokens, num_drafts, num_placeholders=n_ph,
-                                      upload=False, capacity=cap)
+            return stage_decode(self.staging, state, slots, draft_tokens, num_drafts, num_placeholders=n_ph,
+                                upload=False, capacity=cap)
         return fill
 
     def _receive(self) -> StagedDecode:

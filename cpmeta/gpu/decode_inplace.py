@@ -38,7 +38,7 @@ import torch
 
 from .decode_staging import DecodeBuffers, DecodeStaging, OutCapacity, StagedDecode, staging_capacity
 from ..config import MetadataConfig
-from ..build.decode import DECODE_STACKED_FIELDS, check_decode_out
+from ..builders.decode import DECODE_STACKED_FIELDS, check_decode_out
 from ..buffers import get_or_create_stacked, get_or_create_tensor
 from ..metadata import InputMetadata
 from ..sequence import SequenceMetadata
@@ -318,7 +318,7 @@ def prepare_decode_inplace(
     Args:
         seqs, cfg: as for :func:`cpmeta.prepare_decode` (same validation and error messages).
         out: dict of buffers in the decode ``out=`` schema shared with ``prepare_decode``
-            (:data:`cpmeta.build.decode.DECODE_STACKED_FIELDS`): keyed ``"positions"``, ...,
+            (:data:`cpmeta.builders.decode.DECODE_STACKED_FIELDS`): keyed ``"positions"``, ...,
             stacked ones under ``"klen"``, ``"positions_c"``, ``"slot_mapping_store_ca"``,
             ``"kv_ca_index_offset_len"`` ([n_ratio, q_cap, ...]). Missing ones are allocated on ``device`` and stored; larger
             ones (a captured batch) are written in their prefixes.
@@ -400,9 +400,9 @@ def capture_decode_graph(staging: DecodeStaging, cfg: MetadataConfig, *, out: di
     """A CUDA graph of :func:`launch_decode_inplace` into ``out`` (its buffers exist already, e.g.
     from a ``prepare_decode_inplace`` warm-up at the largest batch), warmed up once on a side
     stream first. ``upload=True``: the graph starts with ``staging.upload_in_graph()`` (the H2D
-    copy of the whole fixed staging buffer), so each step is ``staged = state.stage_decode(staging,
+    copy of the whole fixed staging buffer), so each step is ``staged = stage_decode(staging, state,
     ..., upload=False)`` then ``staging.replay_uploading(g, staged)``; without it, each step is
-    ``staging.stage(...)`` / ``state.stage_decode(...)`` then ``staging.replay(g)``."""
+    ``staging.stage(...)`` / ``stage_decode(staging, state, ...)`` then ``staging.replay(g)``."""
     dev = staging.device_buffer.device  # with its index
     side = torch.cuda.Stream(dev)
     side.wait_stream(torch.cuda.current_stream(dev))

@@ -15,8 +15,8 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from ..build.arrays import BatchArrays
-from ..build.extract import extract_batch
+from ..builders.arrays import BatchArrays
+from ..builders.extract import extract_batch
 from ..config import MetadataConfig
 from ..sequence import SequenceMetadata
 from . import staging_layout
@@ -69,6 +69,7 @@ class DecodeStaging:
             torch.cuda.current_device() if self.device.type == "cuda" else -1)
         self._slices: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # upload size -> (device, host) views
         self.out_cache: object = None  # decode_inplace keeps the checked buffers of the last `out` here
+        self.state_cache: object = None  # stage_decode keeps what staging from a BatchState reuses here
         self.out_capacity: Optional[OutCapacity] = None  # limits of the buffers this staging feeds
         self.last_staged: Optional[StagedDecode] = None  # scalars of the batch in device_buffer
         self.host_buffer = torch.empty(0, dtype=torch.int32)
@@ -105,7 +106,7 @@ class DecodeStaging:
         """The int32 numpy view of the host buffer, free to write (the previous upload is done)
         and at least ``need`` elements long: grown (x1.5) unless ``fixed`` (then the same
         ``ValueError`` as :meth:`fill`). For writers that lay out a batch themselves
-        (``BatchState.stage_decode``)."""
+        (``cpmeta.gpu.stage_decode``)."""
         self.wait()
         if need > self.capacity:
             if self.fixed:
@@ -193,7 +194,7 @@ class DecodeStaging:
                 st.upload_in_graph()
                 launch_decode_inplace(st, cfg, out=out)
             # every step:
-            staged = state.stage_decode(st, slots, drafts, counts, upload=False)
+            staged = stage_decode(st, state, slots, drafts, counts, upload=False)
             st.replay_uploading(g, staged)
         """
         if self.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():

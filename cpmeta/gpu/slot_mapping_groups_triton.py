@@ -33,7 +33,7 @@ from ..cp.slot_mapping_errors import SlotMappingError
 from .slot_mapping_triton import choose_tile, window_size
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..cp.slot_mapping import SlotMappingParams
+    from ..cp.slot_mapping_params import SlotMappingParams
 
 __all__ = ["launch_slot_mapping_groups_kernel", "group_param_table", "NUM_GROUP_PARAMS"]
 

@@ -41,7 +41,7 @@ import torch
 from ..cp.slot_mapping_errors import SlotMappingError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..cp.slot_mapping import SlotMappingParams
+    from ..cp.slot_mapping_params import SlotMappingParams
 
 __all__ = [
     "triton_available",

@@ -1,38 +1,75 @@
 """``stage_decode``: the in-place decode's staging buffer written straight from a ``BatchState``.
 
-The fast path of ``BatchState.stage_decode`` (DESIGN 12 and 13): instead of
-``staging.stage(state.decode_batch(...), cfg)`` (a ``SequenceBatch``, its extraction, then the
-staging fill) it reads the state's arrays directly. It uses the state's private caches (the
-int32 block-table mirror, per-slot validity flags, the cached staging header): the two modules are
-written together, and ``tests/test_stage_decode.py`` checks that both paths stage the same batch
+DESIGN 12 and 13: instead of ``staging.stage(state.decode_batch(...), cfg)`` (a
+``SequenceBatch``, its extraction, then the staging fill) it reads the state's arrays directly,
+through the state's public read-only views (``block_rows32``, ``last_tokens32``,
+``state_ids32``, ``placeholder_blocks``) and its vouching (``BatchState.vouch_decode``). What
+only staging needs (the staging header, the fixed-stride table offsets, the cached per-shape
+prefixes) is cached here, on the staging side (:class:`StateStagingCache`, one per staging
+buffer and state). ``tests/test_stage_decode.py`` checks that both paths stage the same batch
 (header, per-sequence block, input ids, each sequence's defined block ids) and the same metadata.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import numpy as np
 
-from ..sequence import blocks_needed
-from ..state_decode import vouch_decode_step
 from ..constants import INT32_MAX
+from ..sequence import blocks_needed
+from ..state.batch_state import BatchState
+from ..state.decode_fast import VouchedStep
 from .decode_staging import (
     F_BT_OFFSET, F_CU_K_INCL, F_CU_Q_INCL, F_PLACEHOLDER, F_SEQLEN_K, F_SEQLEN_Q, F_STATE, HEADER_FIXED,
     SEQ_FIELDS, DecodeStaging, StagedDecode,
 )
 
-if TYPE_CHECKING:
-    from ..batch_state import BatchState
-
-__all__ = ["stage_decode"]
+__all__ = ["stage_decode", "StateStagingCache"]
 
 
-def stage_decode(st: "BatchState", staging: DecodeStaging, slots: np.ndarray,
+class StateStagingCache:
+    """What staging from one ``BatchState`` into one ``DecodeStaging`` reuses every step.
+
+    ``header``: ``(header length, ratios int32)`` (the staging header's fixed words are
+    ``HEADER_FIXED``, then the ratio list); ``stride_off`` [max_seqs] int32: sequence s's
+    block-table offset ``s * max_num_blocks``; ``ar32`` [max_seqs + 1] int32 ``0..max_seqs``;
+    ``q_lim``: the most query rows whose decode offsets fit int32 (``rows * max_num_blocks *
+    block_size // min dense ratio``); ``fixed``: the staging prefix a step's values do not change,
+    per (sequences, rows per sequence). Example: 4 slots, max_num_blocks 3 -> stride_off
+    ``[0, 3, 6, 9]``.
+    """
+
+    __slots__ = ("state", "header", "stride_off", "ar32", "q_lim", "fixed")
+
+    def __init__(self, st: BatchState) -> None:
+        cfg, n, mnb = st.cfg, st.max_seqs, st.block_rows32.shape[1]
+        self.state = st
+        ratios = cfg.ca_ratios + cfg.sparse_compress_ratios + cfg.dense_compress_ratios
+        self.header = (HEADER_FIXED + len(ratios), np.array(ratios, np.int32))
+        self.stride_off = (np.arange(n, dtype=np.int64) * mnb).astype(np.int32)
+        self.ar32 = np.arange(n + 1, dtype=np.int32)
+        bc_d = cfg.block_size // min(cfg.dense_compress_ratios) if cfg.dense_compress_ratios else 0
+        self.q_lim = INT32_MAX // (mnb * bc_d) if bc_d else INT32_MAX
+        self.fixed: dict[tuple[int, int], np.ndarray] = {}
+
+    @staticmethod
+    def of(staging: DecodeStaging, st: BatchState) -> "StateStagingCache":
+        """The cache of ``staging`` for ``st`` (made anew when the staging is fed another state)."""
+        c = staging.state_cache
+        if not isinstance(c, StateStagingCache) or c.state is not st:
+            c = staging.state_cache = StateStagingCache(st)
+        return c
+
+
+def stage_decode(staging: DecodeStaging, st: BatchState, slots: np.ndarray,
                  draft_tokens: Optional[np.ndarray] = None, num_drafts: Optional[np.ndarray | int] = None,
                  *, num_placeholders: int = 0, upload: bool = True, capacity: Any = ...) -> StagedDecode:
     """``staging.stage(st.decode_batch(slots, draft_tokens, num_drafts, num_placeholders=...),
     cfg)`` written STRAIGHT from the state arrays: no ``SequenceBatch``, no ``BatchArrays``.
+    ``staging`` [capacity] int32 pinned host buffer + device twin; ``slots`` int64 [n] live
+    request slots; ``draft_tokens`` int32/int64 [sum(num_drafts)]; ``num_drafts`` int64 [n] or
+    ONE int for every request.
     ``upload=False``: fill the host buffer only (``staging.fill``'s contract: the caller uploads,
     e.g. a CP driver broadcasting the buffer first). ``capacity``: the limits checked before the
     host buffer is touched -- default ``staging.out_capacity``; an ``OutCapacity``; ``None`` for
@@ -53,12 +90,11 @@ def stage_decode(st: "BatchState", staging: DecodeStaging, slots: np.ndarray,
     validate (``seqlen_k > max_model_len``, negative state id / valid start, too few blocks),
     a table holding a block id outside ``[0, (2**31 - b_c) // b_c]``, any int32 overflow,
     or no real request (placeholders only). Any error is thus the builders' own message.
-    Example: ``staged = st.stage_decode(staging, slots, drafts, counts); g.replay()``.
+    Example: ``staged = stage_decode(staging, st, slots, drafts, 2); staging.replay(g)``.
     """
-    assert st._header[0] - len(st._header[1]) == HEADER_FIXED, "BatchState caches the staging header"
     cfg = st.cfg
     n_ph = int(num_placeholders)
-    step = None if cfg.max_ngram_size or n_ph < 0 else vouch_decode_step(st, slots, draft_tokens, num_drafts)
+    step = None if cfg.max_ngram_size or n_ph < 0 else st.vouch_decode(slots, draft_tokens, num_drafts)
     if step is None:
         return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload, capacity)
     slots, sk, drafts, nd, uniform = step.slots, step.sk, step.drafts, step.nd, step.uniform
@@ -66,13 +102,14 @@ def stage_decode(st: "BatchState", staging: DecodeStaging, slots: np.ndarray,
     n = n_real + n_ph
     total_q = n + n_d
     total_k = int(sk.sum()) + n_ph
-    if total_k > INT32_MAX or total_q > st._stage_q_lim:  # the builders' int32 checks (_check_decode_int32)
+    cache = StateStagingCache.of(staging, st)
+    if total_k > INT32_MAX or total_q > cache.q_lim:  # the builders' int32 checks (_check_decode_int32)
         return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload, capacity)
     # block tables at a FIXED stride: sequence s's table starts at s * max_num_blocks (its
     # blocks_needed ids, then the mirror's -1 padding the kernels never read); one row gather
-    mnb, ph_nb = st._bt32.shape[1], st._ph_blocks
+    mnb, ph_nb = st.block_rows32.shape[1], st.placeholder_blocks
     total_b_real = n_real * mnb
-    hl = st._header[0]
+    hl = cache.header[0]
     off_ids = hl + SEQ_FIELDS * n
     off_bt = off_ids + total_q
     used = off_bt + total_b_real + n_ph * ph_nb
@@ -85,101 +122,103 @@ def stage_decode(st: "BatchState", staging: DecodeStaging, slots: np.ndarray,
                           max(blocks_needed(max_sk, cfg), ph_nb if n_ph else 0))
     _check(staging, staged, capacity)  # before the host buffer is touched
     view = staging.host_view(used)
-    _fill_prefix(st, view, staged, n_real, None if uniform else nd)
-    _write_values(st, view, staged, step, n_ph)
+    _fill_prefix(cache, view, staged, n_real, None if uniform else nd)
+    _write_values(cache, view, staged, step, n_ph)
     if upload:
         staging.upload(staged)
     return staged
 
 
-def _fill_prefix(st: "BatchState", view: np.ndarray, staged: StagedDecode, n_real: int,
+def _fill_prefix(cache: StateStagingCache, view: np.ndarray, staged: StagedDecode, n_real: int,
                  nd: Optional[np.ndarray]) -> None:
     """Everything before the ids that does not depend on the step's values (:func:`_write_fixed`),
     for the common step (no placeholders, the same draft count for every request: ``nd`` None)
     copied from a prefix cached per batch shape."""
     key = (n_real, staged.max_seqlen_q) if nd is None and staged.num_seqs == n_real else None
-    fixed = st._stage_fixed.get(key) if key else None
+    fixed = cache.fixed.get(key) if key else None
     if fixed is not None:
         view[:len(fixed)] = fixed
         return
-    _write_fixed(st, view, staged, n_real, nd)
+    _write_fixed(cache, view, staged, n_real, nd)
     if key:
-        if len(st._stage_fixed) >= 32:
-            st._stage_fixed.clear()
-        st._stage_fixed[key] = view[:st._header[0] + SEQ_FIELDS * n_real].copy()
+        if len(cache.fixed) >= 32:
+            cache.fixed.clear()
+        cache.fixed[key] = view[:cache.header[0] + SEQ_FIELDS * n_real].copy()
 
 
-def _write_values(st: "BatchState", view: np.ndarray, staged: StagedDecode, step: Any, n_ph: int) -> None:
+def _write_values(cache: StateStagingCache, view: np.ndarray, staged: StagedDecode, step: VouchedStep,
+                  n_ph: int) -> None:
     """The step's values: ``seqlen_k`` and its prefix sum, ``total_k``, state ids, input ids (each
     request's last confirmed token, then its drafts; placeholders 0) and the block-table rows."""
     slots, drafts, nd = step.slots, step.drafts, step.nd
     n, total_q, total_k, max_q = staged.num_seqs, staged.total_q, staged.total_k, staged.max_seqlen_q
-    n_real, mnb = len(slots), st._bt32.shape[1]
-    off_ids = st._header[0] + SEQ_FIELDS * n
+    st = cache.state
+    n_real, mnb = len(slots), st.block_rows32.shape[1]
+    off_ids = cache.header[0] + SEQ_FIELDS * n
     off_bt, total_b_real = off_ids + total_q, n_real * mnb
-    blk = view[st._header[0]:off_ids].reshape(SEQ_FIELDS, n)
+    blk = view[cache.header[0]:off_ids].reshape(SEQ_FIELDS, n)
     r = slice(0, n_real)
     blk[F_SEQLEN_K, r] = step.sk
     np.add.accumulate(blk[F_SEQLEN_K, r], out=blk[F_CU_K_INCL, r])
     view[2] = total_k
     if n_ph:
         blk[F_CU_K_INCL, n_real:] = np.arange(total_k - n_ph + 1, total_k + 1)
-    st._state32.take(slots, out=blk[F_STATE, r], mode="clip")  # clip: no buffering (slots checked)
+    st.state_ids32.take(slots, out=blk[F_STATE, r], mode="clip")  # clip: no buffering (slots checked)
     ids = view[off_ids:off_bt]
     if drafts is not None and step.uniform:  # rows of sequence s: [s * (1 + k), (s + 1) * (1 + k)): last token, drafts
         rows = ids[:n_real * max_q].reshape(n_real, max_q)
-        rows[:, 0] = st._last[slots]
+        rows[:, 0] = st.last_tokens32[slots]
         if max_q <= 4:  # a few 1-D strided copies beat one 2-D one (~1 us at 256 x 2)
             for j in range(1, max_q):
                 rows[:, j] = drafts[j - 1::max_q - 1]
         else:
             rows[:, 1:] = drafts.reshape(n_real, max_q - 1)
     elif drafts is not None:  # row of draft i of sequence s: i + s + 1 (every earlier sequence adds its last token)
-        ids[blk[F_CU_Q_INCL, r] - blk[F_SEQLEN_Q, r]] = st._last.take(slots)
-        ids[np.arange(len(drafts)) + np.repeat(st._ar32[1:n_real + 1], nd)] = drafts
-    else:  # the last confirmed tokens (int32 by _dec_cap's vouching)
-        st._last.take(slots, out=ids[:n_real], mode="clip")
+        ids[blk[F_CU_Q_INCL, r] - blk[F_SEQLEN_Q, r]] = st.last_tokens32.take(slots)
+        ids[np.arange(len(drafts)) + np.repeat(cache.ar32[1:n_real + 1], nd)] = drafts
+    else:  # the last confirmed tokens (int32: the state vouched for every slot)
+        st.last_tokens32.take(slots, out=ids[:n_real], mode="clip")
     if n_ph:
         ids[total_q - n_ph:] = 0
         view[off_bt + total_b_real:staged.used] = 0
     # the tables: row s of the section is the slot's row of the int32 mirror (clip: no buffering)
-    st._bt32.take(slots, axis=0, out=view[off_bt:off_bt + total_b_real].reshape(n_real, mnb), mode="clip")
+    st.block_rows32.take(slots, axis=0, out=view[off_bt:off_bt + total_b_real].reshape(n_real, mnb), mode="clip")
 
 
-def _write_fixed(st: "BatchState", view: np.ndarray, staged: StagedDecode, n_real: int,
+def _write_fixed(cache: StateStagingCache, view: np.ndarray, staged: StagedDecode, n_real: int,
                  nd: Optional[np.ndarray]) -> None:
     """The staging prefix a step's values do not change: the header (total_k left to the
     caller), the ratios, and the per-sequence rows seqlen_q, cu_seqlens_q (from ``nd``, the
     per-request draft counts, when they differ; else every request has ``staged.max_seqlen_q`` rows),
     is_placeholder and the block-table offsets (stride ``max_num_blocks``), placeholders included."""
     n, total_q, used = staged.num_seqs, staged.total_q, staged.used
-    hl, ratios = st._header
+    hl, ratios = cache.header
+    mnb = cache.state.block_rows32.shape[1]
     off_ids = hl + SEQ_FIELDS * n
     view[:HEADER_FIXED] = (n, total_q, 0, hl, off_ids, off_ids + total_q, used, used)
     view[HEADER_FIXED:hl] = ratios
     blk = view[hl:off_ids].reshape(SEQ_FIELDS, n)
     n_ph, r = n - n_real, slice(0, n_real)
     if n_ph:
-        ph_nb = st._ph_blocks
+        ph_nb = cache.state.placeholder_blocks
         blk[:, n_real:] = ((1,), (1,), (0,), (0,), (0,), (1,), (0,))  # cu rows, bt offsets: set below
         blk[F_CU_Q_INCL, n_real:] = np.arange(total_q - n_ph + 1, total_q + 1)
-        blk[F_BT_OFFSET, n_real:] = n_real * st._bt32.shape[1] + ph_nb * np.arange(n_ph)
+        blk[F_BT_OFFSET, n_real:] = n_real * mnb + ph_nb * np.arange(n_ph)
     if nd is not None:
         np.add(nd, 1, out=blk[F_SEQLEN_Q, r])
         np.add.accumulate(blk[F_SEQLEN_Q, r], out=blk[F_CU_Q_INCL, r])
     else:  # seqlen_q = 1 + k for all: cu_q_incl = (s + 1) * (1 + k)
         blk[F_SEQLEN_Q, r] = staged.max_seqlen_q
-        np.multiply(st._ar32[1:n_real + 1], staged.max_seqlen_q, out=blk[F_CU_Q_INCL, r])
+        np.multiply(cache.ar32[1:n_real + 1], staged.max_seqlen_q, out=blk[F_CU_Q_INCL, r])
     blk[F_PLACEHOLDER, r] = 0
-    blk[F_BT_OFFSET, r] = st._stride_off[:n_real]
+    blk[F_BT_OFFSET, r] = cache.stride_off[:n_real]
 
 
-def _slow(st: "BatchState", staging: DecodeStaging, slots: np.ndarray, draft_tokens: Optional[np.ndarray],
+def _slow(st: BatchState, staging: DecodeStaging, slots: np.ndarray, draft_tokens: Optional[np.ndarray],
           num_drafts: Optional[np.ndarray | int], n_ph: int, upload: bool, capacity: Any) -> StagedDecode:
     """``staging.stage(st.decode_batch(...), cfg)`` (or ``fill`` + the capacity check without
     ``upload``): the general path, its checks and errors."""
-    slots, drafts, nd = st._decode_args(slots, draft_tokens, num_drafts)
-    batch = st._batch(False, slots, 1 + nd, st.num_tokens[slots] + nd, drafts, n_ph)
+    batch = st.decode_batch(slots, draft_tokens, num_drafts, num_placeholders=n_ph)
     staged = staging.fill(batch, st.cfg)
     _check(staging, staged, capacity)
     if upload:

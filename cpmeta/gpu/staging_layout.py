@@ -24,7 +24,7 @@ need no host scalars -- a captured CUDA graph replays with a new batch)::
     off_bt:  [sum nb_s]          flat block tables: the nb_s = cdiv(seqlen_k // m, b_m) defined
                                  blocks of sequence s at off_bt + bt_offset[s] (m = min ratio,
                                  b_m = block_size // m); write_staging packs them back to back,
-                                 BatchState.stage_decode puts them at a fixed stride of
+                                 stage_decode (from a BatchState) puts them at a fixed stride of
                                  max_num_blocks (the section is then n_seq * max_num_blocks long)
     off_ngv: [total_q + n_seq*(G-1)]  Engram source value of every window position (G = max_ngram_size)
     off_ngb: [total_q + n_seq*(G-1)]  1 where the window position is a barrier (image token or t < 0)
@@ -48,9 +48,9 @@ from typing import NamedTuple, Optional, Sequence
 import numpy as np
 import torch
 
-from ..build.arrays import BatchArrays, check_int32
-from ..build.common import check_common_int32
-from ..build.extract import extract_batch
+from ..builders.arrays import BatchArrays, check_int32
+from ..builders.common import check_common_int32
+from ..builders.extract import extract_batch
 from ..config import MetadataConfig
 from ..constants import INT32_MAX
 from ..sequence import SequenceMetadata

@@ -15,9 +15,9 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from .config import MetadataConfig
-from .int_lists import first_bad, int_array
-from .sequence import SequenceMetadata, validate_batch
+from ..config import MetadataConfig
+from ..int_lists import first_bad, int_array
+from ..sequence import SequenceMetadata, validate_batch
 
 __all__ = ["SequenceBatch", "window_lookback", "blocks_needed_array"]
 
@@ -116,7 +116,7 @@ class SequenceBatch:
     # row gather. Not a constructor argument.
     _bt2d: Optional[tuple[Any, np.ndarray]] = field(default=None, init=False, repr=False)
     # True when every input id (window token) is known to fit int32: set only by BatchState's
-    # decode fast path (cpmeta/state_decode.py), which checked them; the builders then skip that check
+    # decode fast path (cpmeta/state/decode_fast.py), which checked them; the builders then skip that check
     _ids_ok: bool = field(default=False, init=False, repr=False)
 
     def __len__(self) -> int:

@@ -5,7 +5,7 @@ module               holds
 ===================  ===========================================================================
 ``prompt``           :func:`prepare_prompt` (chunked prefill metadata)
 ``decode``           :func:`prepare_decode` (decode metadata, MTP drafts)
-``extract``          ``SequenceBatch`` (``cpmeta/batch.py``; a list converts to it) -> ``BatchArrays``
+``extract``          ``SequenceBatch`` (``cpmeta/state/batch.py``; a list converts to it) -> ``BatchArrays``
 ``arrays``           ``BatchArrays`` and the integer helpers every builder uses
 ``common``           the fields prompt and decode share, int32 checks, compressed-KV slots
 ``ngram``            Engram look-back ids (``ngram_token_ids``)

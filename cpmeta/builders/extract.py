@@ -1,6 +1,6 @@
 """``extract_batch``: a batch (list of ``SequenceMetadata`` or ``SequenceBatch``) -> ``BatchArrays``.
 
-A list is first read into a :class:`~cpmeta.batch.SequenceBatch` (ONE Python pass, the
+A list is first read into a :class:`~cpmeta.state.batch.SequenceBatch` (ONE Python pass, the
 checks of ``validate_batch`` vectorized), so both inputs share one array path. From a
 ``SequenceBatch`` the extraction is a handful of numpy operations over ``[n_seq]`` arrays: prefix
 sums, the row index arrays, a gather of the input ids out of the token windows, and (only when a
@@ -17,7 +17,7 @@ import numpy as np
 from ..config import MetadataConfig
 from ..sequence import SequenceMetadata
 from .arrays import BatchArrays, arange_ro, expand_rows
-from ..batch import SequenceBatch, blocks_needed_array
+from ..state.batch import SequenceBatch, blocks_needed_array
 
 __all__ = ["extract_batch", "as_sequence_batch", "BatchInput"]
 

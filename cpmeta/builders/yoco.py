@@ -7,7 +7,7 @@ kept row must compute exactly what it would compute without truncation. Per sequ
     rect_lo  = max(0, data_len - k)      # first position consumer layers keep
     chunk    = [q_start, q_start + q_len),  q_start = seqlen_k - seqlen_q,  q_len = seqlen_q
 
-One visibility rule serves both modes (:func:`~cpmeta.build.swa_pivots.swa_visibility_pivots`): row ``j`` at ``pos =
+One visibility rule serves both modes (:func:`~cpmeta.builders.swa_pivots.swa_visibility_pivots`): row ``j`` at ``pos =
 q_start + j`` sees SWA keys from ``abs_lo = clamp(max(pos - W + 1, rect_lo, swa_valid_start), 0,
 pos + 1)`` to ``pos``, written as the section-4 pivots ``(P0, P1, P2, P3)``.
 
@@ -56,7 +56,7 @@ from ..config import MetadataConfig
 from ..constants import PAD_SLOT_ID
 from ..sequence import SequenceMetadata
 from .arrays import BatchArrays
-from ..batch import SequenceBatch
+from ..state.batch import SequenceBatch
 from .swa_pivots import NUM_PIVOTS, Arr, swa_visibility_pivots
 
 #: What YoCo reads its per-sequence prompt lengths from.

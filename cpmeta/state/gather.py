@@ -1,7 +1,7 @@
 """The general gather of a ``BatchState`` step: every case the decode fast path does not cover.
 
 Prompt chunks (with the Engram look-back), decode with look-back or placeholders, and any slot
-the state does not vouch for (``cpmeta/state_decode.py`` covers the rest). Every ragged gather is
+the state does not vouch for (``cpmeta/state/decode_fast.py`` covers the rest). Every ragged gather is
 ONE flat ``np.take`` from a row-major matrix of the state; the batch is marked validated for the
 state's config when the state's invariants cover ``SequenceBatch.validate`` (else the builders
 validate it and raise the usual ``seqs[i].field`` message).
@@ -9,14 +9,13 @@ validate it and raise the usual ``seqs[i].field`` message).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import numpy as np
 
 from .batch import SequenceBatch, blocks_needed_array
+from .store import StateStore
 
-if TYPE_CHECKING:
-    from .batch_state import BatchState
 
 __all__ = ["gather_batch", "PLACEHOLDER_TOKEN", "prefix"]
 
@@ -31,7 +30,7 @@ def prefix(lengths: np.ndarray) -> np.ndarray:
     return cu
 
 
-def gather_batch(st: "BatchState", is_prompt: bool, slots: np.ndarray, sq: np.ndarray, sk: np.ndarray,
+def gather_batch(st: StateStore, is_prompt: bool, slots: np.ndarray, sq: np.ndarray, sk: np.ndarray,
                  drafts: Optional[np.ndarray], n_ph: int) -> SequenceBatch:
     """Gather the step's arrays; placeholders are appended after the requests.
 
@@ -85,8 +84,8 @@ def gather_batch(st: "BatchState", is_prompt: bool, slots: np.ndarray, sq: np.nd
         one = np.ones(n_ph, np.int64)
         tokens = np.concatenate([tokens, np.full(n_ph, PLACEHOLDER_TOKEN, np.int64)])
         off = np.concatenate([off, off[-1] + np.arange(1, n_ph + 1)])
-        tables = np.concatenate([tables, np.zeros(n_ph * st._ph_blocks, np.int64)])
-        bt_off = np.concatenate([bt_off, bt_off[-1] + st._ph_blocks * np.arange(1, n_ph + 1)])
+        tables = np.concatenate([tables, np.zeros(n_ph * st.placeholder_blocks, np.int64)])
+        bt_off = np.concatenate([bt_off, bt_off[-1] + st.placeholder_blocks * np.arange(1, n_ph + 1)])
         c_off = np.concatenate([c_off, np.full(n_ph, c_off[-1])])
         sq, sk, num_tokens = (np.concatenate([x, one]) for x in (sq, sk, num_tokens))
         state, svs = (np.concatenate([x, 0 * one]) for x in (state, svs))
@@ -108,7 +107,7 @@ def gather_batch(st: "BatchState", is_prompt: bool, slots: np.ndarray, sq: np.nd
     return batch
 
 
-def _valid(st: "BatchState", sk: np.ndarray, nb: np.ndarray, state: np.ndarray, svs: np.ndarray,
+def _valid(st: StateStore, sk: np.ndarray, nb: np.ndarray, state: np.ndarray, svs: np.ndarray,
            need: np.ndarray) -> bool:
     """What ``SequenceBatch.validate`` checks that this state's own invariants leave open
     (counts of tokens, windows and drafts hold by construction; placeholders are valid).

@@ -16,16 +16,15 @@ the step (``_bt32[slots]``), so later changes to the state never change a batch 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
 from .batch import SequenceBatch
-from .constants import INT32_MAX
-from .state_gather import prefix
+from ..constants import INT32_MAX
+from .gather import prefix
+from .store import StateStore
 
-if TYPE_CHECKING:
-    from .batch_state import BatchState
 
 __all__ = ["StateDecodeBatch", "decode_batch_fast", "is_draft_count", "vouch_decode_step", "VouchedStep"]
 
@@ -106,7 +105,7 @@ class VouchedStep(NamedTuple):
     uniform: bool
 
 
-def vouch_decode_step(st: "BatchState", slots: Any, draft_tokens: Optional[np.ndarray],
+def vouch_decode_step(st: StateStore, slots: Any, draft_tokens: Optional[np.ndarray],
                       num_drafts: Optional[np.ndarray | int]) -> Optional[VouchedStep]:
     """The checks of both decode fast paths (``decode_batch_fast``, ``stage_decode``): int64 1-D
     ``slots`` that the state vouches for (``_dec_cap``: one gather, which also bounds-checks them),
@@ -162,7 +161,7 @@ def vouch_decode_step(st: "BatchState", slots: Any, draft_tokens: Optional[np.nd
     return None if np.count_nonzero(step.sk > cap) else step
 
 
-def decode_batch_fast(st: "BatchState", slots: np.ndarray, draft_tokens: Optional[np.ndarray],
+def decode_batch_fast(st: StateStore, slots: np.ndarray, draft_tokens: Optional[np.ndarray],
                       num_drafts: Optional[np.ndarray | int]) -> Optional[StateDecodeBatch]:
     """``st.decode_batch(slots, draft_tokens, num_drafts)`` when the state vouches for every
     scheduled request (see the module doc), else ``None``. The caller excludes placeholders,

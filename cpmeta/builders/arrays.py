@@ -1,7 +1,7 @@
 """Array helpers of the host builders (DESIGN sections 3 and 4) and ``BatchArrays``.
 
 Every builder turns its input into ONE ``BatchArrays`` (per-sequence and per-row int64 numpy
-arrays, see :mod:`cpmeta.build.extract`); everything after that is vectorized numpy over all
+arrays, see :mod:`cpmeta.builders.extract`); everything after that is vectorized numpy over all
 sequences / rows at once, with no loop over rows, segments or tokens. Results are written straight
 into the output tensors through their ``.numpy()`` views (:func:`alloc`), so no intermediate torch
 tensors are created on the hot path.
@@ -150,8 +150,8 @@ def arange_ro(n: int) -> np.ndarray:
 class BatchArrays:
     """Per-sequence ([n_seq]) and per-row ([total_q]) int64 numpy arrays of one batch.
 
-    Derived from a :class:`~cpmeta.batch.SequenceBatch` (whose token / compressed windows
-    it shares without a copy) by :func:`~cpmeta.build.extract.extract_batch`.
+    Derived from a :class:`~cpmeta.state.batch.SequenceBatch` (whose token / compressed windows
+    it shares without a copy) by :func:`~cpmeta.builders.extract.extract_batch`.
 
     ``bt_flat`` holds each sequence's first ``bt_need[s]`` block ids (``blocks_needed``) back to
     back, starting at ``bt_start[s]``, plus ONE trailing 0 that masked lookups point at, so a

@@ -1,36 +1,24 @@
 """``BatchState``: persistent per-request state in preallocated numpy arrays (DESIGN section 13).
 
 A request is added once; each step only applies deltas and asks for the step's
-:class:`~cpmeta.batch.SequenceBatch`. No step does work proportional to a sequence's
+:class:`~cpmeta.state.batch.SequenceBatch`. No step does work proportional to a sequence's
 length: the token history stays here, a step gathers only its token windows (prompt: the chunk
 plus the Engram look-back; decode: look-back + the last confirmed token + drafts) and block tables.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Hashable, Optional, Sequence
+from typing import Hashable, Optional, Sequence
 
 import numpy as np
 
-from .batch import SequenceBatch, window_lookback
-from .config import MetadataConfig
-from .constants import INT32_MAX
-from .sequence import blocks_needed
-from .state_decode import decode_batch_fast, is_draft_count
-from .state_gather import gather_batch, prefix
-
-if TYPE_CHECKING:
-    from .gpu.decode_staging import DecodeStaging, StagedDecode
-
-#: Words of the staging header before the ratio list (cpmeta.gpu.decode_staging.HEADER_FIXED,
-#: checked there at import: the state caches its header so a step does not rebuild it).
-STAGING_HEADER_FIXED = 8
+from ..constants import INT32_MAX
+from .batch import SequenceBatch
+from .decode_fast import VouchedStep, decode_batch_fast, is_draft_count, vouch_decode_step
+from .gather import gather_batch, prefix
+from .store import StateStore, fits_int32 as _fits_int32
 
 __all__ = ["BatchState"]
-
-def _fits_int32(x: np.ndarray) -> bool:
-    """Every id of ``x`` is an int32 value (True for an empty ``x``)."""
-    return len(x) == 0 or (int(x.max()) <= INT32_MAX and int(x.min()) >= -INT32_MAX - 1)
 
 
 def _ragged_index(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -42,7 +30,7 @@ def _ragged_index(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return off, seq, np.arange(int(off[-1])) - off[:-1][seq]
 
 
-class BatchState:
+class BatchState(StateStore):
     """Requests of a running engine as preallocated arrays; each step's ``SequenceBatch`` from them.
 
     Capacity: ``max_seqs`` request slots (a finished request's slot is reused), per request
@@ -69,90 +57,7 @@ class BatchState:
     take arrays of them so a step needs no per-request Python.
     """
 
-    def __init__(self, cfg: MetadataConfig, max_seqs: int, *, max_tokens: Optional[int] = None,
-                 max_blocks: Optional[int] = None, max_compressed: Optional[int] = None) -> None:
-        if max_seqs < 1:
-            raise ValueError(f"max_seqs: expected >= 1, got {max_seqs}")
-        self.cfg = cfg
-        self.max_seqs = int(max_seqs)
-        self.max_tokens = int(max_tokens if max_tokens is not None else cfg.max_model_len)
-        self.max_blocks = int(max_blocks if max_blocks is not None else blocks_needed(cfg.max_model_len, cfg))
-        if max_compressed is None:
-            max_compressed = self.max_tokens if cfg.max_ngram_size > 0 else 0
-        self.max_compressed = int(max_compressed)
-        self.lookback = window_lookback(cfg)
-        n = self.max_seqs
-        self.token_ids = np.zeros((n, self.max_tokens), np.int64)  # [max_seqs, max_tokens] confirmed tokens
-        self.num_tokens = np.zeros(n, np.int64)  # [max_seqs] confirmed tokens per slot
-        self.num_computed = np.zeros(n, np.int64)  # [max_seqs] prompt tokens prefilled so far
-        self.prompt_len = np.zeros(n, np.int64)  # [max_seqs]
-        self.block_table = np.zeros((n, self.max_blocks), np.int64)  # [max_seqs, max_blocks]
-        # [max_seqs, max_num_blocks] int32 mirror of block_table's first max_num_blocks ids, -1
-        # padded: a decode step's block_tables rows (SequenceBatch._bt2d) in one row gather
-        self._bt32 = np.full((n, cfg.max_num_blocks), -1, np.int32)
-        # the decode fast paths: [max_seqs] the slot's own checks hold (every id of its table in
-        # [0, _bt_max]: the int32 mirror is exact and every compressed slot fits int32; state id in
-        # [0, _state_max]: its SWA slots fit int32; swa_valid_start >= 0; every confirmed token
-        # fits int32), kept by every mutator
-        bc, S = cfg.block_size // cfg.min_ratio, cfg.swa_block_size
-        self._bt_max = (INT32_MAX - (bc - 1)) // bc
-        self._state_max = (INT32_MAX - (S - 1)) // S
-        self._bt_ok = np.zeros(n, bool)
-        self._fast = np.zeros(n, bool)
-        # the decode fast paths (cpmeta/state_decode.py, cpmeta/gpu/stage_state.py): [2 * max_seqs]
-        # the largest seqlen_k slot s may decode to -- its table's reach capped at max_model_len
-        # (_table_cap) -- when it is live, done with its prefill and _fast holds; else -1. The
-        # second half is -1: a negative slot wraps into it, so ONE gather (np.take raises past
-        # 2 * max_seqs) bounds-checks the slots and vouches for the sequences.
-        self._dec_cap = np.full(2 * n, -1, np.int64)
-        # [max_seqs] each slot's last confirmed token (a decode step's input id: one gather) and
-        # whether every confirmed token fits int32 (checked once, when it enters; part of _fast)
-        # (int32, written by array assignment, which wraps an id that does not fit: such a slot
-        # has _tok_ok False and is never read here; same for _state32 and _fast)
-        self._last = np.zeros(n, np.int32)
-        self._tok_ok = np.zeros(n, bool)
-        self._state32 = np.zeros(n, np.int32)  # state_id as int32 (the staging's dtype)
-        # stage_decode's block-table offsets: sequence s of a step at s * max_num_blocks (int32)
-        self._stride_off = (np.arange(n, dtype=np.int64) * cfg.max_num_blocks).astype(np.int32)
-        self._ar32 = np.arange(n + 1, dtype=np.int32)  # stage_decode's cu_seqlens_q rows (int32, no casting write)
-        ratios = cfg.ca_ratios + cfg.sparse_compress_ratios + cfg.dense_compress_ratios
-        self._header = (STAGING_HEADER_FIXED + len(ratios), np.array(ratios, np.int32))
-        self.num_blocks = np.zeros(n, np.int64)  # [max_seqs]
-        self.compressed = np.zeros((n, self.max_compressed), np.int64)  # [max_seqs, max_compressed]
-        self.num_compressed = np.zeros(n, np.int64)  # [max_seqs]
-        self.state_id = np.zeros(n, np.int64)  # [max_seqs]
-        self.swa_valid_start = np.zeros(n, np.int64)  # [max_seqs]
-        self.active = np.zeros(n, bool)  # [max_seqs]
-        self._req: list[Any] = [None] * n  # request id of each slot
-        self._slot: dict[Hashable, int] = {}
-        self._free = list(range(n - 1, -1, -1))  # pop() gives the lowest free slot
-        self._ph_blocks = blocks_needed(1, cfg)
-        # stage_decode (cpmeta/gpu/stage_state.py): the most query rows whose decode offsets fit
-        # int32 (rows * max_num_blocks * block_size // min dense ratio); its cached fixed staging
-        # prefixes, per (sequences, rows per sequence)
-        bc_d = cfg.block_size // min(cfg.dense_compress_ratios) if cfg.dense_compress_ratios else 0
-        self._stage_q_lim = INT32_MAX // (cfg.max_num_blocks * bc_d) if bc_d else INT32_MAX
-        self._stage_fixed: dict[tuple[int, int], np.ndarray] = {}
-        # decode_batch_fast makes a batch's flat tables from its 2-D rows on first read: that
-        # needs every whole table to fit the max_num_blocks columns of _bt32
-        self._lazy_no = self.max_blocks > cfg.max_num_blocks
-
     # ---- requests ---------------------------------------------------------------------------
-    def __len__(self) -> int:
-        return len(self._slot)
-
-    def slot_of(self, req_id: Hashable) -> int:
-        """The slot of a live request (``ValueError`` for an unknown id)."""
-        try:
-            return self._slot[req_id]
-        except KeyError:
-            raise ValueError(f"request {req_id!r}: not in the batch state") from None
-
-    def _live(self, slot: int) -> Any:
-        if not (0 <= slot < self.max_seqs) or not self.active[slot]:
-            raise ValueError(f"slot {slot}: no live request there")
-        return self._req[slot]
-
     def add_request(self, req_id: Hashable, prompt_token_ids: Sequence[int], block_table: Sequence[int],
                     state_id: int, *, compressed_token_ids: Sequence[int] = (), swa_valid_start: int = 0,
                     num_computed: int = 0) -> int:
@@ -190,17 +95,6 @@ class BatchState:
         self._state32[s:s + 1] = self.state_id[s:s + 1]
         self._set_fast(s)  # after state_id / swa_valid_start: it reads them
         return s
-
-    def _table_cap(self, nb: int) -> int:
-        """The largest ``seqlen_k`` a table of ``nb`` blocks covers, capped at ``max_model_len``:
-        ``blocks_needed(k) = max_n cdiv(k // n, block_size // n) <= nb`` iff ``k // n <= nb *
-        block_size // n`` for every ratio n (each divides block_size), i.e. ``k <= nb * block_size
-        + min_ratio - 1``. Example: block 128, ratio 4, 2 blocks -> 259 (k = 260 needs a third)."""
-        return min(self.cfg.max_model_len, nb * self.cfg.block_size + self.cfg.min_ratio - 1)
-
-    def _fits(self, req_id: Any, what: str, n: int, cap: int, name: str) -> None:
-        if n > cap:
-            raise ValueError(f"request {req_id!r}: {n} {what} exceed {name}={cap}")
 
     def finish(self, slot: int) -> None:
         """Remove the request in ``slot``; the slot is reused by a later ``add_request``."""
@@ -291,19 +185,6 @@ class BatchState:
         self.swa_valid_start[slot] = swa_valid_start
         self._set_fast(slot)
 
-    def _set_fast(self, s: int) -> None:
-        st = int(self.state_id[s])
-        self._fast[s] = bool(self._bt_ok[s] and self._tok_ok[s]) and 0 <= st <= self._state_max and \
-            int(self.swa_valid_start[s]) >= 0
-        ok = self._fast[s] and self.active[s] and self.num_computed[s] >= self.prompt_len[s]
-        self._dec_cap[s] = self._table_cap(int(self.num_blocks[s])) if ok else -1
-
-    def _check_slots(self, slots: np.ndarray) -> None:
-        # one unsigned comparison catches negative slots (huge as uint64) and slots >= max_seqs
-        if slots.ndim != 1 or (slots.view(np.uint64) >= self.max_seqs).any() or not self.active[slots].all():
-            bad = [int(s) for s in slots.reshape(-1) if not (0 <= s < self.max_seqs and self.active[s])]
-            raise ValueError(f"slots: expected slots of live requests, got {bad[:4]} without one")
-
     # ---- the step's batch -------------------------------------------------------------------
     def prompt_batch(self, slots: np.ndarray, chunk_lens: np.ndarray, *, num_placeholders: int = 0,
                      advance: bool = True) -> SequenceBatch:
@@ -324,8 +205,7 @@ class BatchState:
         batch = self._batch(True, slots, q, k, None, num_placeholders)
         if advance:
             self.num_computed[slots] = k
-            cap = np.minimum(self.num_blocks[slots] * self.cfg.block_size + (self.cfg.min_ratio - 1),
-                             self.cfg.max_model_len)  # _table_cap, vectorized
+            cap = self._table_cap(self.num_blocks[slots])
             self._dec_cap[slots] = np.where(self._fast[slots] & (k >= self.prompt_len[slots]), cap, -1)
         return batch
 
@@ -344,6 +224,17 @@ class BatchState:
         slots, drafts, nd = self._decode_args(slots, draft_tokens, num_drafts)
         k = self.num_tokens[slots] + nd
         return self._batch(False, slots, 1 + nd, k, drafts, num_placeholders)
+
+    def vouch_decode(self, slots: np.ndarray, draft_tokens: Optional[np.ndarray] = None,
+                     num_drafts: Optional[np.ndarray | int] = None) -> Optional[VouchedStep]:
+        """The decode step ``decode_batch(slots, draft_tokens, num_drafts)`` when the state vouches
+        for it without a per-step check (every slot live, done with its prefill, its ids in int32
+        range, ``seqlen_k`` within its table's reach and ``max_model_len``; draft counts adding
+        up), else ``None`` (``decode_batch`` then raises the precise error). For writers that lay
+        out a decode step themselves from :attr:`block_rows32`, :attr:`last_tokens32` and
+        :attr:`state_ids32` (``cpmeta.gpu.stage_decode``). Example: slots ``[0, 1]`` holding 5
+        and 9 tokens, ``num_drafts=2`` with 4 drafts -> ``sk = [7, 11]``, ``k_hi = 2``."""
+        return vouch_decode_step(self, slots, draft_tokens, num_drafts)
 
     def _decode_args(self, slots: np.ndarray, draft_tokens: Optional[np.ndarray],
                      num_drafts: Optional[np.ndarray | int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -369,19 +260,7 @@ class BatchState:
                              f"{int(self.prompt_len[s])} prompt tokens computed)")
         return slots, drafts, nd
 
-    def stage_decode(self, staging: "DecodeStaging", slots: np.ndarray,
-                     draft_tokens: Optional[np.ndarray] = None, num_drafts: Optional[np.ndarray | int] = None,
-                     *, num_placeholders: int = 0, upload: bool = True, capacity: Any = ...) -> "StagedDecode":
-        """``staging.stage(self.decode_batch(...), cfg)`` written STRAIGHT from the state arrays
-        (in-place decode, DESIGN 12; ``upload=False``: host fill only; ``capacity``: the limits
-        checked, default ``staging.out_capacity``): see
-        :func:`cpmeta.gpu.stage_state.stage_decode`."""
-        from .gpu.stage_state import stage_decode
-
-        return stage_decode(self, staging, slots, draft_tokens, num_drafts, num_placeholders=num_placeholders,
-                            upload=upload, capacity=capacity)
-
     def _batch(self, is_prompt: bool, slots: np.ndarray, sq: np.ndarray, sk: np.ndarray,
                drafts: Optional[np.ndarray], n_ph: int) -> SequenceBatch:
-        """The general gather of a step's ``SequenceBatch``: :func:`cpmeta.state_gather.gather_batch`."""
+        """The general gather of a step's ``SequenceBatch``: :func:`cpmeta.state.gather.gather_batch`."""
         return gather_batch(self, is_prompt, slots, sq, sk, drafts, n_ph)

@@ -1,0 +1,175 @@
+"""``StateStore``: the preallocated arrays of a :class:`~cpmeta.state.batch_state.BatchState`.
+
+The state room owns these arrays. ``BatchState`` (the deltas and the step API) derives from
+this class; the step gathers (:mod:`cpmeta.state.gather`, :mod:`cpmeta.state.decode_fast`) read
+them, typed against this class so that no module of the room imports ``BatchState`` back. Other
+rooms read a state only through the public names below (read-only numpy views where the array
+is shared): the in-place decode staging (``cpmeta.gpu.stage_decode``) is one such reader.
+
+Public, read-only to callers (every array is ``[max_seqs, ...]``, row = slot):
+
+==================  ===========================  =================================================
+name                shape / dtype                meaning
+==================  ===========================  =================================================
+``token_ids``       [max_seqs, max_tokens] i64   confirmed tokens (``num_tokens`` of them)
+``num_tokens``      [max_seqs] int64             confirmed tokens per slot
+``num_computed``    [max_seqs] int64             prompt tokens prefilled so far
+``prompt_len``      [max_seqs] int64             prompt length
+``block_table``     [max_seqs, max_blocks] i64   block ids (``num_blocks`` of them)
+``num_blocks``      [max_seqs] int64             block ids per slot
+``compressed``      [max_seqs, max_compressed]   Engram history ids (``num_compressed``)
+``state_id``        [max_seqs] int64             SWA / state slot
+``swa_valid_start`` [max_seqs] int64             first valid SWA position
+``active``          [max_seqs] bool              a live request holds the slot
+``block_rows32``    [max_seqs, max_num_blocks]   int32 copy of each table's first
+                    int32, -1 padded             ``cfg.max_num_blocks`` ids: a decode step's
+                                                 ``block_tables`` rows in one row gather
+``last_tokens32``   [max_seqs] int32             each slot's last confirmed token (exact where
+                                                 :meth:`~BatchState.vouch_decode` vouches)
+``state_ids32``     [max_seqs] int32             ``state_id`` as int32 (exact where vouched)
+``placeholder_blocks``  int                      block ids of a placeholder sequence
+==================  ===========================  =================================================
+
+Example: ``st.block_rows32[slot, :st.num_blocks[slot]]`` is the slot's table as int32 (when the
+table has at most ``cfg.max_num_blocks`` ids).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Hashable, Optional
+
+import numpy as np
+
+from ..config import MetadataConfig
+from ..constants import INT32_MAX
+from ..sequence import blocks_needed
+from .batch import window_lookback
+
+__all__ = ["StateStore", "fits_int32"]
+
+
+def fits_int32(x: np.ndarray) -> bool:
+    """Every id of ``x`` is an int32 value (True for an empty ``x``)."""
+    return len(x) == 0 or (int(x.max()) <= INT32_MAX and int(x.min()) >= -INT32_MAX - 1)
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    """A view of ``a`` that cannot be written through (``a`` itself stays writable)."""
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
+class StateStore:
+    """The arrays of a ``BatchState`` and the per-slot flags its decode fast paths read.
+
+    Capacity: ``max_seqs`` request slots, per request ``max_tokens`` confirmed tokens (default
+    ``cfg.max_model_len``), ``max_blocks`` block ids (default ``blocks_needed(max_model_len)``)
+    and ``max_compressed`` Engram history ids (default ``max_tokens`` with Engram on, else 0).
+    """
+
+    def __init__(self, cfg: MetadataConfig, max_seqs: int, *, max_tokens: Optional[int] = None,
+                 max_blocks: Optional[int] = None, max_compressed: Optional[int] = None) -> None:
+        if max_seqs < 1:
+            raise ValueError(f"max_seqs: expected >= 1, got {max_seqs}")
+        self.cfg = cfg
+        self.max_seqs = int(max_seqs)
+        self.max_tokens = int(max_tokens if max_tokens is not None else cfg.max_model_len)
+        self.max_blocks = int(max_blocks if max_blocks is not None else blocks_needed(cfg.max_model_len, cfg))
+        if max_compressed is None:
+            max_compressed = self.max_tokens if cfg.max_ngram_size > 0 else 0
+        self.max_compressed = int(max_compressed)
+        self.lookback = window_lookback(cfg)
+        n = self.max_seqs
+        self.token_ids = np.zeros((n, self.max_tokens), np.int64)
+        self.num_tokens = np.zeros(n, np.int64)
+        self.num_computed = np.zeros(n, np.int64)
+        self.prompt_len = np.zeros(n, np.int64)
+        self.block_table = np.zeros((n, self.max_blocks), np.int64)
+        self.num_blocks = np.zeros(n, np.int64)
+        self.compressed = np.zeros((n, self.max_compressed), np.int64)
+        self.num_compressed = np.zeros(n, np.int64)
+        self.state_id = np.zeros(n, np.int64)
+        self.swa_valid_start = np.zeros(n, np.int64)
+        self.active = np.zeros(n, bool)
+        self._init_fast_path(cfg, n)
+        self._req: list[Any] = [None] * n  # request id of each slot
+        self._slot: dict[Hashable, int] = {}
+        self._free = list(range(n - 1, -1, -1))  # pop() gives the lowest free slot
+        self.placeholder_blocks = blocks_needed(1, cfg)
+        # decode_batch_fast makes a batch's flat tables from its 2-D rows on first read: that
+        # needs every whole table to fit the max_num_blocks columns of _bt32
+        self._lazy_no = self.max_blocks > cfg.max_num_blocks
+
+    def _init_fast_path(self, cfg: MetadataConfig, n: int) -> None:
+        """The int32 mirrors and per-slot flags of the decode fast paths, kept by every mutator."""
+        # [max_seqs, max_num_blocks] int32 mirror of block_table's first max_num_blocks ids, -1
+        # padded: a decode step's block_tables rows (SequenceBatch._bt2d) in one row gather
+        self._bt32 = np.full((n, cfg.max_num_blocks), -1, np.int32)
+        # [max_seqs] the slot's own checks hold (every id of its table in [0, _bt_max]: the int32
+        # mirror is exact and every compressed slot fits int32; state id in [0, _state_max]: its
+        # SWA slots fit int32; swa_valid_start >= 0; every confirmed token fits int32)
+        bc, S = cfg.block_size // cfg.min_ratio, max(cfg.swa_block_size, 1)
+        self._bt_max = (INT32_MAX - (bc - 1)) // bc
+        self._state_max = (INT32_MAX - (S - 1)) // S
+        self._bt_ok = np.zeros(n, bool)
+        self._fast = np.zeros(n, bool)
+        # [2 * max_seqs] the largest seqlen_k slot s may decode to -- its table's reach capped at
+        # max_model_len (_table_cap) -- when it is live, done with its prefill and _fast holds;
+        # else -1. The second half is -1: a negative slot wraps into it, so ONE gather (np.take
+        # raises past 2 * max_seqs) bounds-checks the slots and vouches for the sequences.
+        self._dec_cap = np.full(2 * n, -1, np.int64)
+        # [max_seqs] each slot's last confirmed token and whether every confirmed token fits int32
+        # (checked once, when it enters; part of _fast). int32, written by array assignment,
+        # which wraps an id that does not fit: such a slot has _tok_ok False and is never read
+        # as exact; same for _state32 and _fast.
+        self._last = np.zeros(n, np.int32)
+        self._tok_ok = np.zeros(n, bool)
+        self._state32 = np.zeros(n, np.int32)
+        self.block_rows32 = _read_only(self._bt32)
+        self.last_tokens32 = _read_only(self._last)
+        self.state_ids32 = _read_only(self._state32)
+
+    def __len__(self) -> int:
+        return len(self._slot)
+
+    def slot_of(self, req_id: Hashable) -> int:
+        """The slot of a live request (``ValueError`` for an unknown id)."""
+        try:
+            return self._slot[req_id]
+        except KeyError:
+            raise ValueError(f"request {req_id!r}: not in the batch state") from None
+
+    def request_of(self, slot: int) -> Any:
+        """The request id in ``slot`` (``None`` for a free slot)."""
+        return self._req[slot]
+
+    def _live(self, slot: int) -> Any:
+        if not (0 <= slot < self.max_seqs) or not self.active[slot]:
+            raise ValueError(f"slot {slot}: no live request there")
+        return self._req[slot]
+
+    def _table_cap(self, nb: Any) -> Any:
+        """The largest ``seqlen_k`` a table of ``nb`` blocks covers, capped at ``max_model_len``:
+        works on an int or an int64 array of ``nb``. ``blocks_needed(k) <= nb`` iff ``k <= nb * block_size + min_ratio - 1`` for a compressed
+        config (every ratio divides block_size), ``k <= nb * block_size`` for a plain one
+        (``min_ratio`` 1). Example: block 128, ratio 4, 2 blocks -> 259 (k = 260 needs a third)."""
+        cfg = self.cfg
+        return np.minimum(nb * cfg.block_size + (cfg.min_ratio - 1), cfg.max_model_len)
+
+    def _fits(self, req_id: Any, what: str, n: int, cap: int, name: str) -> None:
+        if n > cap:
+            raise ValueError(f"request {req_id!r}: {n} {what} exceed {name}={cap}")
+
+    def _set_fast(self, s: int) -> None:
+        st = int(self.state_id[s])
+        self._fast[s] = bool(self._bt_ok[s] and self._tok_ok[s]) and 0 <= st <= self._state_max and \
+            int(self.swa_valid_start[s]) >= 0
+        ok = self._fast[s] and self.active[s] and self.num_computed[s] >= self.prompt_len[s]
+        self._dec_cap[s] = int(self._table_cap(int(self.num_blocks[s]))) if ok else -1
+
+    def _check_slots(self, slots: np.ndarray) -> None:
+        # one unsigned comparison catches negative slots (huge as uint64) and slots >= max_seqs
+        if slots.ndim != 1 or (slots.view(np.uint64) >= self.max_seqs).any() or not self.active[slots].all():
+            bad = [int(s) for s in slots.reshape(-1) if not (0 <= s < self.max_seqs and self.active[s])]
+            raise ValueError(f"slots: expected slots of live requests, got {bad[:4]} without one")
