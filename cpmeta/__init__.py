@@ -21,7 +21,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .buffers import OutputArenas, get_or_create_stacked, get_or_create_tensor
-from .config import MetadataConfig
+from .config import MetadataConfig, blocks_needed
 from .constants import PAD_SLOT_ID, PLACEHOLDER_QUERY_INDEX
 from .metadata import InputMetadata
 from .sequence import SequenceMetadata
@@ -34,8 +34,10 @@ if TYPE_CHECKING:
         compute_slot_mapping,
         compute_slot_mapping_from_metadata,
         compute_slot_mapping_groups,
+        cp_kv_read_plan,
         cp_local_seqlens,
         KVCacheGroup,
+        KVReadPlan,
         mirror_rows,
         prepare_cp_mirror,
         prepare_for_mirror_cp,
@@ -66,6 +68,8 @@ _LAZY: dict[str, str] = {
     "compute_slot_mapping_groups": "cpmeta.cp.slot_mapping_groups",
     "KVCacheGroup": "cpmeta.cp.slot_mapping_groups",
     "cp_local_seqlens": "cpmeta.cp.kv_shard",
+    "cp_kv_read_plan": "cpmeta.cp.kv_read_plan",
+    "KVReadPlan": "cpmeta.cp.kv_read_plan",
     "MetadataBroadcaster": "cpmeta.broadcast.broadcaster",
     "prepare_decode_inplace": "cpmeta.gpu.decode_inplace",
     "launch_decode_inplace": "cpmeta.gpu.decode_inplace",
@@ -100,6 +104,9 @@ __all__ = [
     "compute_slot_mapping_groups",
     "KVCacheGroup",
     "cp_local_seqlens",
+    "cp_kv_read_plan",
+    "KVReadPlan",
+    "blocks_needed",
     "MetadataBroadcaster",
     "prepare_decode_inplace",
     "launch_decode_inplace",

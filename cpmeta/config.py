@@ -1,15 +1,20 @@
-"""``MetadataConfig``: the model/cache constants every builder reads."""
+"""``MetadataConfig``: the model/cache constants every builder reads, and :func:`blocks_needed`.
+
+The block rule lives here (the lowest module) because the config's own decode table width is
+that rule at ``max_model_len``; the sequence validation and the array-level state import it.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from .constants import INT32_MAX
 
-__all__ = ["MetadataConfig", "YOCO_MODES"]
+__all__ = ["MetadataConfig", "YOCO_MODES", "blocks_needed", "blocks_needed_array"]
 
 YOCO_MODES = ("mask", "compact")
 
@@ -39,10 +44,23 @@ class MetadataConfig:
 
     Example: ``MetadataConfig(block_size=128, dense_compress_ratios=(4, 128),
     sparse_compress_ratios=(4,))`` has ``ca_ratios == (4, 128)`` and ``min_ratio == 4``.
+
+    Features are switched by the config (DESIGN section 14): compressed KV (``ca_ratios``
+    non-empty), the sliding-window state cache (``window_size > 0``), Engram
+    (``max_ngram_size > 0``) and YoCo (``yoco_keep_tokens`` set; it limits the sliding window,
+    so it needs ``window_size > 0``). A plain paged-KV model (Llama, Qwen, ...) is
+    ``MetadataConfig(block_size=16, max_model_len=4096, dense_compress_ratios=(),
+    sparse_compress_ratios=(), window_size=0)``: a block holds ``block_size`` uncompressed tokens
+    and every rule that uses the smallest ratio uses 1 (``min_ratio == 1``).
+
+    KV sharded over the CP group (plain configs only for now): ``kv_cp_world_size=W`` ranks each
+    hold the positions ``p`` with ``(p // kv_cp_interleave) % W == rank`` in their paged cache, so
+    tables are sized for rank 0's share (the largest): ``W=3, I=1, block_size=16,
+    max_model_len=300`` -> rank 0 holds 100 keys -> ``max_num_blocks == 7``.
     """
 
     block_size: int = 128  # paged KV block size, in tokens of the uncompressed sequence
-    window_size: int = 128  # W: sliding-window length
+    window_size: int = 128  # W: sliding-window length (0 = no sliding-window state cache)
     swa_block_size: int = 128  # S: SWA ring length per state slot, S >= W
     dense_compress_ratios: tuple[int, ...] = (4,)  # ratios n of core-attention compressed KV
     sparse_compress_ratios: tuple[int, ...] = (4,)  # ratios r of top-k sparse compressed KV
@@ -54,16 +72,22 @@ class MetadataConfig:
     force_load_balance: bool = False  # value of gate_force_random
     yoco_keep_tokens: Optional[int] = None  # YoCo: consumer layers keep the last k tokens
     yoco_mode: str = "compact"  # "mask" or "compact"
+    kv_cp_world_size: int = 1  # ranks the paged KV is sharded over (1 = every rank holds every key)
+    kv_cp_interleave: int = 1  # consecutive positions per rank before the next (divides block_size)
     # derived constants, computed once in __post_init__ (the builders read them every step; a
     # property recomputing them cost ~2-4 us per read)
     _ca: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
+    _min_ratio: int = field(default=1, init=False, repr=False, compare=False)
     _max_num_blocks: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "window_size", "swa_block_size", "max_model_len"):
+        for name in ("block_size", "swa_block_size", "max_model_len", "kv_cp_world_size",
+                     "kv_cp_interleave"):
             v = getattr(self, name)
             if not _is_int(v) or not 1 <= v <= INT32_MAX:
                 raise ValueError(f"{name}: expected an int in [1, 2**31 - 1], got {v!r}")
+        if not _is_int(self.window_size) or not 0 <= self.window_size <= INT32_MAX:
+            raise ValueError(f"window_size: expected an int in [0, 2**31 - 1] (0 = off), got {self.window_size!r}")
         if self.swa_block_size < self.window_size:
             raise ValueError(
                 f"swa_block_size: expected >= window_size ({self.window_size}), "
@@ -73,16 +97,30 @@ class MetadataConfig:
         sparse = _ratio_tuple("sparse_compress_ratios", self.sparse_compress_ratios)
         object.__setattr__(self, "dense_compress_ratios", dense)
         object.__setattr__(self, "sparse_compress_ratios", sparse)
-        if not dense and not sparse:
-            raise ValueError("dense_compress_ratios/sparse_compress_ratios: ca_ratios is empty")
         ca = tuple(sorted(set(dense) | set(sparse)))
         object.__setattr__(self, "_ca", ca)
-        m = ca[0]
-        object.__setattr__(self, "_max_num_blocks", -(-(self.max_model_len // m) // (self.block_size // m)))
+        object.__setattr__(self, "_min_ratio", ca[0] if ca else 1)
         for n in self.ca_ratios:
             if self.block_size % n:
                 which = "dense_compress_ratios" if n in dense else "sparse_compress_ratios"
                 raise ValueError(f"{which}: ratio {n} does not divide block_size {self.block_size}")
+        self._check_kv_sharding()
+        object.__setattr__(self, "_max_num_blocks", blocks_needed(self.max_model_len, self))
+        self._check_features()
+
+    def _check_kv_sharding(self) -> None:
+        if self.block_size % self.kv_cp_interleave:
+            raise ValueError(
+                f"kv_cp_interleave: expected a divisor of block_size ({self.block_size}), "
+                f"got {self.kv_cp_interleave}"
+            )
+        if self._ca and self.kv_cp_world_size > 1:
+            raise ValueError(
+                f"kv_cp_world_size: compressed KV (ca_ratios={self._ca}) sharded over the CP group "
+                f"is not supported until defined; expected 1, got {self.kv_cp_world_size}"
+            )
+
+    def _check_features(self) -> None:
         if not _is_int(self.max_ngram_size) or not 0 <= self.max_ngram_size <= INT32_MAX:
             raise ValueError(f"max_ngram_size: expected an int >= 0, got {self.max_ngram_size!r}")
         if not _is_int(self.ngram_pad_token) or abs(self.ngram_pad_token) > INT32_MAX:
@@ -102,23 +140,98 @@ class MetadataConfig:
             raise ValueError(f"yoco_keep_tokens: expected an int >= 1 or None, got {k!r}")
         if self.yoco_mode not in YOCO_MODES:
             raise ValueError(f"yoco_mode: expected one of {YOCO_MODES}, got {self.yoco_mode!r}")
+        if k is not None and self.window_size == 0:
+            # DESIGN 10: YoCo's rectangle limits the sliding-window keys (and only those)
+            raise ValueError(
+                f"yoco_keep_tokens: YoCo limits the sliding window, so it needs window_size > 0; "
+                f"got yoco_keep_tokens={k} with window_size=0"
+            )
 
     @property
     def ca_ratios(self) -> tuple[int, ...]:
-        """Sorted union of dense and sparse ratios."""
+        """Sorted union of dense and sparse ratios (``()`` without compressed KV)."""
         return self._ca
 
     @property
     def min_ratio(self) -> int:
-        return self._ca[0]
+        """Smallest ratio in ``ca_ratios``, or 1 without compressed KV (a block holds
+        ``block_size`` uncompressed tokens)."""
+        return self._min_ratio
 
     @property
     def max_num_blocks(self) -> int:
-        """Columns of decode ``block_tables``: ``cdiv(max_model_len // m, block_size // m)``."""
+        """Columns of decode ``block_tables``: ``blocks_needed(max_model_len, self)``, i.e.
+        ``cdiv(max_model_len // m, block_size // m)`` (m = ``min_ratio``) of rank 0's KV share.
+
+        Examples: defaults -> ``cdiv(2048, 32) = 64``; plain, block 16, 4096 tokens -> 256;
+        plain, block 16, 300 tokens, ``kv_cp_world_size=3`` -> rank 0 holds 100 -> 7."""
         return self._max_num_blocks
+
+    @property
+    def has_compressed_kv(self) -> bool:
+        """Compressed KV (``positions_c``, ``slot_mapping_store_ca``, ...): ``ca_ratios`` non-empty."""
+        return bool(self._ca)
+
+    @property
+    def has_swa(self) -> bool:
+        """The sliding-window state cache (``slot_mapping_store_swa``, pivots, ...): ``window_size > 0``."""
+        return self.window_size > 0
+
+    @property
+    def has_engram(self) -> bool:
+        """Engram look-back (``ngram_token_ids``): ``max_ngram_size > 0``."""
+        return self.max_ngram_size > 0
+
+    @property
+    def has_yoco(self) -> bool:
+        """YoCo prefill truncation (section 10 fields): ``yoco_keep_tokens`` is set."""
+        return self.yoco_keep_tokens is not None
+
+    @property
+    def kv_sharded(self) -> bool:
+        """Each rank's paged cache holds only its interleaved share: ``kv_cp_world_size > 1``."""
+        return self.kv_cp_world_size > 1
 
     def attn_index_width(self, n: int) -> int:
         """Width of ``kv_ca_index[str(n)]``: ``cdiv(max_model_len // n, 128) * 128``."""
         from .constants import ATTN_INDEX_ALIGN
 
         return -(-(self.max_model_len // n) // ATTN_INDEX_ALIGN) * ATTN_INDEX_ALIGN
+
+
+# ---- the one block rule (DESIGN sections 3 and 14) -------------------------------------------
+
+
+def blocks_needed(seqlen_k: int, cfg: MetadataConfig) -> int:
+    """Blocks a sequence's table must hold for ``seqlen_k`` keys (the rule the builders validate).
+
+    ``L`` = the keys of the largest KV share, rank 0's (``seqlen_k`` itself unless
+    ``kv_cp_world_size = W > 1``; with ``I = kv_cp_interleave``:
+    ``L = (k // (W*I)) * I + min(k % (W*I), I)``), then
+    ``max over n in ca_ratios of cdiv(L // n, block_size // n)``, which (every ratio divides
+    ``block_size``) is ``L // block_size + (L % block_size >= min_ratio)``; without ratios
+    (``min_ratio = 1``) that is ``cdiv(L, block_size)``.
+
+    Examples:
+    - plain, block 16, 17 tokens -> ``cdiv(17, 16) = 2``;
+    - plain, ``W=3, I=1``, block 16, 300 tokens -> rank 0 holds 100 -> ``cdiv(100, 16) = 7``;
+    - ``W=2, I=16``, block 16, 40 tokens -> rank 0 holds 0..15 and 32..39 = 24 -> 2;
+    - block 128, ratios (4, 128), 300 tokens -> ratio 4: ``cdiv(75, 32) = 3``, ratio 128:
+      ``cdiv(2, 1) = 2`` -> 3 (closed form: ``2 + (44 >= 4)``).
+    """
+    k = seqlen_k
+    if cfg.kv_cp_world_size > 1:
+        cycle, inter = cfg.kv_cp_world_size * cfg.kv_cp_interleave, cfg.kv_cp_interleave
+        k = (k // cycle) * inter + min(k % cycle, inter)
+    q, r = divmod(k, cfg.block_size)
+    return q + (r >= cfg.min_ratio)
+
+
+def blocks_needed_array(sk: np.ndarray, cfg: MetadataConfig) -> np.ndarray:
+    """:func:`blocks_needed` of every entry of an integer array (same shape, int64 for int64 in).
+
+    Example: plain, block 16, ``sk = [17, 16, 0]`` -> ``[2, 1, 0]``."""
+    if cfg.kv_cp_world_size > 1:
+        cycle, inter = cfg.kv_cp_world_size * cfg.kv_cp_interleave, cfg.kv_cp_interleave
+        sk = (sk // cycle) * inter + np.minimum(sk % cycle, inter)
+    return sk // cfg.block_size + (sk % cfg.block_size >= cfg.min_ratio)

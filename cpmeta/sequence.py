@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from .config import MetadataConfig
+from .config import MetadataConfig, blocks_needed
 
 __all__ = ["SequenceMetadata", "validate_batch", "blocks_needed"]
 
@@ -33,18 +33,6 @@ class SequenceMetadata:
     swa_valid_start: int = 0  # SWA keys before this absolute position are invalid (zeroed)
     draft_tokens: Sequence[int] = ()  # decode: MTP drafts, seqlen_q - 1 of them
     compressed_token_ids: Sequence[int] = ()  # Engram: compressed history ids
-
-
-def blocks_needed(seqlen_k: int, cfg: MetadataConfig) -> int:
-    """Blocks a sequence's table must hold: ``max_n cdiv(seqlen_k // n, block_size // n)``.
-
-    Example: ``block_size=128``, ratios (4, 128), ``seqlen_k=300``: ratio 4 -> cdiv(75, 32) = 3,
-    ratio 128 -> cdiv(2, 1) = 2, so 3 blocks.
-    """
-    # every ratio divides block_size (MetadataConfig checks it): with seqlen_k = q * block_size + r,
-    # ratio n needs q + (r >= n) blocks, so the max is q + (r >= min_ratio)
-    q, r = divmod(seqlen_k, cfg.block_size)
-    return q + (r >= cfg.min_ratio)
 
 
 def _bad(i: int, field: str, expected: str, got: object) -> ValueError:
@@ -101,4 +89,13 @@ def validate_batch(seqs: Sequence[SequenceMetadata], cfg: MetadataConfig, *, is_
                 raise _bad(i, "draft_tokens", f"seqlen_q - 1 ({q - 1}) drafts", n_draft)
         need = blocks_needed(k, cfg)
         if len(s.block_table) < need:
-            raise _bad(i, "block_table", f"at least {need} blocks for seqlen_k={k}", len(s.block_table))
+            raise _bad(i, "block_table", f"at least {need} blocks for seqlen_k={k}{_share(cfg)}",
+                       len(s.block_table))
+
+
+def _share(cfg: MetadataConfig) -> str:
+    """How the block count was reached, for the block_table message (sharded KV only)."""
+    if cfg.kv_cp_world_size == 1:
+        return ""
+    return (f" (rank 0's share under kv_cp_world_size={cfg.kv_cp_world_size}, "
+            f"kv_cp_interleave={cfg.kv_cp_interleave}, block_size={cfg.block_size})")

@@ -54,6 +54,38 @@ def test_derived_widths() -> None:
     assert MetadataConfig(dense_compress_ratios=(1,), max_model_len=1000).attn_index_width(1) == 1024
 
 
+PLAIN = dict(dense_compress_ratios=(), sparse_compress_ratios=(), window_size=0)
+
+
+def test_plain_model_switches_every_feature_off() -> None:
+    """DESIGN 14: a plain paged-KV model; the rules that use the smallest ratio use 1."""
+    cfg = MetadataConfig(block_size=16, max_model_len=4096, **PLAIN)
+    assert cfg.ca_ratios == () and cfg.min_ratio == 1
+    assert (cfg.has_compressed_kv, cfg.has_swa, cfg.has_engram, cfg.has_yoco, cfg.kv_sharded) == (
+        False, False, False, False, False)
+    assert cfg.max_num_blocks == 256  # cdiv(4096, 16)
+    assert MetadataConfig(block_size=16, max_model_len=4097, **PLAIN).max_num_blocks == 257
+    seed = MetadataConfig(max_ngram_size=2, yoco_keep_tokens=8)
+    assert (seed.has_compressed_kv, seed.has_swa, seed.has_engram, seed.has_yoco) == (True, True, True, True)
+    # SWA without compressed KV, and compressed KV without SWA, are both valid configs
+    assert MetadataConfig(dense_compress_ratios=(), sparse_compress_ratios=(), window_size=8).has_swa
+    assert not MetadataConfig(window_size=0).has_swa
+
+
+def test_kv_sharding_fields() -> None:
+    cfg = MetadataConfig()
+    assert (cfg.kv_cp_world_size, cfg.kv_cp_interleave) == (1, 1)
+    # W=3, I=1, block 16, 300 tokens: rank 0 holds 100 -> 7 blocks wide decode tables
+    sharded = MetadataConfig(block_size=16, max_model_len=300, kv_cp_world_size=3, **PLAIN)
+    assert sharded.kv_sharded and sharded.max_num_blocks == 7
+    # W=2, I=16: 300 = 9 full cycles of 32 (16 each) + 12 -> rank 0 holds 144 + 12 = 156 -> 10 blocks
+    inter = MetadataConfig(block_size=16, max_model_len=300, kv_cp_world_size=2, kv_cp_interleave=16, **PLAIN)
+    assert inter.max_num_blocks == 10
+    MetadataConfig(kv_cp_interleave=128)  # divides block_size; unsharded compressed is fine
+    with pytest.raises(ValueError, match="until defined"):
+        MetadataConfig(kv_cp_world_size=2)
+
+
 def test_frozen() -> None:
     cfg = MetadataConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -72,14 +104,18 @@ def test_valid_edge_values() -> None:
 BAD_VALUES: list[tuple[dict[str, Any], str]] = [
     ({"block_size": 0}, "block_size"),
     ({"block_size": -128}, "block_size"),
-    ({"window_size": 0}, "window_size"),
+    ({"window_size": -1}, "window_size"),
     ({"swa_block_size": 0}, "swa_block_size"),
     ({"window_size": 128, "swa_block_size": 64}, "swa_block_size"),  # S < W
     ({"max_model_len": 0}, "max_model_len"),
     ({"dense_compress_ratios": (3,)}, "dense_compress_ratios"),  # 3 does not divide 128
     ({"sparse_compress_ratios": (256,)}, "sparse_compress_ratios"),  # larger than the block
     ({"block_size": 96, "dense_compress_ratios": (4, 64), "sparse_compress_ratios": ()}, "dense_compress_ratios"),
-    ({"dense_compress_ratios": (), "sparse_compress_ratios": ()}, "ratios"),  # empty ca_ratios
+    ({"kv_cp_world_size": 0}, "kv_cp_world_size"),
+    ({"kv_cp_interleave": 0}, "kv_cp_interleave"),
+    ({"kv_cp_interleave": 3}, "kv_cp_interleave"),  # does not divide block_size 128
+    ({"kv_cp_world_size": 2}, "kv_cp_world_size"),  # compressed KV sharded: not defined yet
+    ({"window_size": 0, "swa_block_size": 128, "yoco_keep_tokens": 4}, "window_size"),  # YoCo needs SWA
     ({"dense_compress_ratios": (4, 4)}, "dense_compress_ratios"),  # listed twice
     ({"sparse_compress_ratios": (8, 4, 8)}, "sparse_compress_ratios"),
     ({"dense_compress_ratios": (0,)}, "dense_compress_ratios"),
@@ -114,6 +150,8 @@ BAD_TYPES: list[tuple[dict[str, Any], str]] = [
     ({"sparse_compress_ratios": 4}, "sparse_compress_ratios"),
     ({"dense_compress_ratios": (4.0,)}, "dense_compress_ratios"),
     ({"ngram_pad_token": 1.5}, "ngram_pad_token"),
+    ({"kv_cp_world_size": 2.0}, "kv_cp_world_size"),
+    ({"kv_cp_interleave": True}, "kv_cp_interleave"),
 ]
 
 
@@ -127,7 +165,8 @@ def test_bad_type_names_the_field(overrides: dict[str, Any], field: str) -> None
 @given(cfg=configs())
 def test_random_configs_hold_their_invariants(cfg: MetadataConfig) -> None:
     assert cfg.ca_ratios == tuple(sorted(set(cfg.ca_ratios)))
-    assert cfg.ca_ratios and cfg.min_ratio == cfg.ca_ratios[0]
+    assert cfg.min_ratio == (cfg.ca_ratios[0] if cfg.ca_ratios else 1)
+    assert cfg.has_compressed_kv == bool(cfg.ca_ratios)
     assert all(cfg.block_size % n == 0 for n in cfg.ca_ratios)
     assert cfg.swa_block_size >= cfg.window_size
     m = cfg.min_ratio

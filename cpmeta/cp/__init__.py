@@ -1,4 +1,4 @@
-"""Per-rank context parallelism (DESIGN sections 8, 10, 11).
+"""Per-rank context parallelism (DESIGN sections 8, 10, 11, 14).
 
 =======================  =========================================================================
 module                   holds
@@ -12,11 +12,13 @@ module                   holds
 ``slot_mapping_errors``  the error bits both slot-mapping paths report
 ``slot_mapping_groups``  :func:`compute_slot_mapping_groups`: several KV-cache groups, one call
 ``kv_shard``             :func:`cp_local_seqlens`: a rank's share of CP-interleaved KV (decode)
+``kv_read_plan``         :func:`cp_kv_read_plan`: which keys a rank holds and where (section 14)
 =======================  =========================================================================
 """
 
 from __future__ import annotations
 
+from .kv_read_plan import KVReadPlan, cp_kv_read_plan
 from .kv_shard import cp_local_seqlens
 from .mirror import prepare_for_mirror_cp
 from .slot_mapping import compute_slot_mapping, compute_slot_mapping_from_metadata
@@ -33,4 +35,6 @@ __all__ = [
     "compute_slot_mapping_groups",
     "KVCacheGroup",
     "cp_local_seqlens",
+    "cp_kv_read_plan",
+    "KVReadPlan",
 ]

@@ -21,7 +21,7 @@ def _int(name: str, value: object, lo: int, hi: int | None = None) -> int:
         raise ValueError(f"{name}: expected {bound}, got {value}")
     return value
 
-__all__ = ["cp_local_seqlens"]
+__all__ = ["cp_local_seqlens", "local_lengths"]
 
 
 def cp_local_seqlens(
@@ -45,6 +45,10 @@ def cp_local_seqlens(
     rank 0 owns 128 + 44 = 172 (positions 0..127 and 256..299), rank 1 owns 128 + 0 = 128
     (128..255); 172 + 128 = 300. With I=1, W=3, L=7: 2 cycles -> 2 each, rem 1 -> rank 0: 3,
     ranks 1, 2: 2.
+
+    It counts POSITIONS, not valid rows: a placeholder row or sequence (which writes no KV) still
+    gets its count here; mask it yourself (``valid_token_mask``), or use
+    :func:`cpmeta.cp_kv_read_plan`, whose ``seqlens`` hold 0 for placeholders.
     """
     if not isinstance(seqlens_k, torch.Tensor) or seqlens_k.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"seqlens_k: expected an int32/int64 tensor, got {getattr(seqlens_k, 'dtype', type(seqlens_k))}")
@@ -56,6 +60,12 @@ def cp_local_seqlens(
     length = seqlens_k.to(torch.int64)
     if bool((length < 0).any()):
         raise ValueError("seqlens_k: expected lengths >= 0")
-    cycle = cp_world_size * cp_interleave
-    rem = (length % cycle - cp_rank * cp_interleave).clamp(0, cp_interleave)
-    return ((length // cycle) * cp_interleave + rem).to(torch.int32)
+    return local_lengths(length, cp_world_size, cp_rank, cp_interleave).to(torch.int32)
+
+
+def local_lengths(length: torch.Tensor, world: int, rank: int, interleave: int) -> torch.Tensor:
+    """:func:`cp_local_seqlens` without argument checks, in ``length``'s dtype (the read plan's
+    helper: arguments already checked, lengths known to be >= 0)."""
+    cycle = world * interleave
+    rem = (length % cycle - rank * interleave).clamp(0, interleave)
+    return (length // cycle) * interleave + rem

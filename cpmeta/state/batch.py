@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from ..config import MetadataConfig
+from ..config import MetadataConfig, blocks_needed_array
 from ..int_lists import first_bad, int_array
 from ..sequence import SequenceMetadata, validate_batch
 
@@ -35,12 +35,6 @@ _COMP = attrgetter("compressed_token_ids")
 def window_lookback(cfg: MetadataConfig) -> int:
     """Positions before ``q_start`` a step reads: Engram's ``max_ngram_size - 1`` (0 when off)."""
     return max(cfg.max_ngram_size - 1, 0)
-
-
-def blocks_needed_array(sk: np.ndarray, cfg: MetadataConfig) -> np.ndarray:
-    """Vectorized ``sequence.blocks_needed``: ``max_n cdiv(seqlen_k // n, block_size // n)``, i.e.
-    ``seqlen_k // block_size + (seqlen_k % block_size >= min_ratio)`` (every ratio divides block_size)."""
-    return sk // cfg.block_size + (sk % cfg.block_size >= cfg.min_ratio)
 
 
 def _prefix(lengths: np.ndarray) -> np.ndarray:
