@@ -394,9 +394,56 @@ def _tiny_max_model_len() -> NamedCase:
     })
 
 
+# A plain paged-KV model (DESIGN 14): no ratios, no sliding window. A block holds 16 tokens, so
+# a 17-token sequence needs cdiv(17, 16) = 2 blocks and decode tables have cdiv(64, 16) = 4 columns.
+PLAIN = MetadataConfig(block_size=16, window_size=0, dense_compress_ratios=(), sparse_compress_ratios=(),
+                       max_model_len=64)
+# KV sharded over 3 ranks, interleave 1: rank 0 holds positions 0, 3, 6, ...: of 300 keys, 100 ->
+# cdiv(100, 16) = 7 blocks per table, and decode tables have 7 columns (blocks_needed(300)).
+PLAIN_KV3 = MetadataConfig(block_size=16, window_size=0, dense_compress_ratios=(), sparse_compress_ratios=(),
+                           max_model_len=300, kv_cp_world_size=3)
+# Each feature alone: compressed KV without a sliding window, a sliding window without compressed KV.
+CA_NO_SWA = MetadataConfig(block_size=16, window_size=0, dense_compress_ratios=(4,), sparse_compress_ratios=(4,),
+                           max_model_len=64)
+SWA_NO_CA = MetadataConfig(block_size=16, window_size=4, swa_block_size=6, dense_compress_ratios=(),
+                           sparse_compress_ratios=(), max_model_len=64)
+_NO_CA = dict.fromkeys(("positions_c", "slot_mapping_store_ca", "klen", "ks", "ke", "kv_ca_index_offset_len",
+                        "kv_ca_index", "kv_ca_index_len", "cu_compressed_seqlens_q", "cu_compressed_seqlens_k",
+                        "load_segments_ca", "total_k_compressed"))
+_NO_SWA = dict.fromkeys(("slot_mapping_store_swa", "state_block_idx", "total_k_swa", "load_segments_swa",
+                         "kv_swa_full_index_pivots", "kv_swa_full_index", "kv_swa_index_offset_len",
+                         "kv_swa_index"))
+
+
+def _plain_cases() -> list[NamedCase]:
+    # every compressed and sliding-window field is None (the dict entries map it to None)
+    return [
+        NamedCase("plain_prompt", PLAIN, [_seq(17, 17, [7, 3], 2)], True, {
+            **_NO_CA, **_NO_SWA, "positions": list(range(17)), "seq_block_tables": [[7, 3]],
+            "cu_seqlens_k": [0, 17],
+        }),
+        # rows at positions 15, 16; tables cut to their 2 defined columns of 4
+        NamedCase("plain_decode", PLAIN, [_dec(2, 17, [7, 3], 2), _dec(1, 5, [4, 9, 1], 0)], False, {
+            **_NO_CA, **_NO_SWA, "positions": [15, 16, 4], "context_lens": [16, 17, 5],
+            "block_tables": [[7, 3], [7, 3], [4]], "input_ids": [115, 900, 104],
+        }),
+        NamedCase("plain_kv_sharded_decode", PLAIN_KV3, [_dec(1, 300, list(range(10, 17)), 0)], False, {
+            **_NO_CA, **_NO_SWA, "context_lens": [300], "block_tables": [list(range(10, 17))],
+        }),
+        # ratio 4, rows pos 6..8: c in [1, 2) -> positions_c 4, slot 1 * 4 + 1 = 5
+        NamedCase("compressed_no_swa_prompt", CA_NO_SWA, [_seq(3, 9, [1], 0)], True, {
+            **_NO_SWA, "positions_c.4": [4], "slot_mapping_store_ca.4": [5], "ke.4": [1, 2, 2],
+        }),
+        # S = 6, state 1: rows pos 6..8 -> slots 6 + 0, 6 + 1, 6 + 2
+        NamedCase("swa_no_compressed_prompt", SWA_NO_CA, [_seq(3, 9, [1], 1)], True, {
+            **_NO_CA, "slot_mapping_store_swa": [6, 7, 8], "total_k_swa": 4, "state_block_idx": [1],
+        }),
+    ]
+
+
 NAMED_CASES: list[NamedCase] = [
     _first_chunk(), _chunk_lt_w(), _chunk_gt_w(), _ring_wrap(), _seqlen_k_lt_r(), _swa_valid_start(),
     _placeholder_prompt(), _placeholder_decode(), _mtp_drafts(), _engram_prompt(), _engram_decode(),
     _dense1_prompt(), _dense1_decode(), _dense_4_128_prompt(), _dense_4_128_decode(),
-    *_ratio_set_cases(), _tiny_max_model_len(),
+    *_ratio_set_cases(), _tiny_max_model_len(), *_plain_cases(),
 ]

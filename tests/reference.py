@@ -6,7 +6,9 @@ of DESIGN.md, no torch vectorization. The builders in ``cpmeta/`` are compared a
 
 Output: a dict keyed by the exact ``InputMetadata`` field names, holding python ints / bools,
 (nested) lists, and dicts keyed by ``str(ratio)``. Fields that do not apply to the path or config
-are ``None``; a dict field over an empty ratio set is ``{}``. One exception to "the full tensor":
+are ``None``: without compressed KV (no ratios at all) every per-ratio field, with
+``window_size == 0`` every sliding-window / state-slot field (DESIGN 14); with compressed KV, a
+dict field over an empty ratio set (e.g. ``klen`` without sparse ratios) is ``{}``. One exception to "the full tensor":
 decode ``block_tables`` holds, per row, only the DEFINED prefix of the row (its first
 ``ref_defined_block_columns(seqlen_k, cfg)`` entries); the tensor has ``ref_max_num_blocks(cfg)``
 columns and the rest are unspecified.
@@ -60,16 +62,29 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _rank0_keys(seqlen_k: int, cfg: MetadataConfig) -> int:
+    """Keys of positions ``0..seqlen_k-1`` rank 0 holds: ``(p // I) % W == 0``, counted one by one
+    (all of them when the KV is not sharded, ``W == 1``)."""
+    W, inter = cfg.kv_cp_world_size, cfg.kv_cp_interleave
+    return sum(1 for p in range(seqlen_k) if (p // inter) % W == 0)
+
+
+def _min_ratio(cfg: MetadataConfig) -> int:
+    """Smallest compressed ratio, or 1 for a plain model (a block holds block_size tokens)."""
+    ratios = _ca_ratios(cfg)
+    return ratios[0] if ratios else 1
+
+
 def ref_max_num_blocks(cfg: MetadataConfig) -> int:
-    """Columns of decode ``block_tables``: ``cdiv(max_model_len // m, block_size // m)``, m = min ratio."""
-    m = min(set(cfg.dense_compress_ratios) | set(cfg.sparse_compress_ratios))
-    return _cdiv(cfg.max_model_len // m, cfg.block_size // m)
+    """Columns of decode ``block_tables``: ``cdiv(L // m, block_size // m)``, m = min ratio (1 for a
+    plain model), L = rank 0's keys of ``max_model_len`` positions."""
+    return ref_defined_block_columns(cfg.max_model_len, cfg)
 
 
 def ref_defined_block_columns(seqlen_k: int, cfg: MetadataConfig) -> int:
-    """Defined columns of a decode ``block_tables`` row: ``cdiv(seqlen_k // m, block_size // m)``."""
-    m = min(set(cfg.dense_compress_ratios) | set(cfg.sparse_compress_ratios))
-    return _cdiv(seqlen_k // m, cfg.block_size // m)
+    """Defined columns of a decode ``block_tables`` row: ``cdiv(L // m, block_size // m)``."""
+    m = _min_ratio(cfg)
+    return _cdiv(_rank0_keys(seqlen_k, cfg) // m, cfg.block_size // m)
 
 
 def ref_index_width(cfg: MetadataConfig, n: int) -> int:
@@ -160,7 +175,7 @@ def _common(seqs: Sequence[SequenceMetadata], cfg: MetadataConfig, is_prompt: bo
         ngram.append(_ngram_row(seq, pos, cfg))
         valid.append(not seq.is_placeholder)
         qidx.append(PLACEHOLDER_QI if seq.is_placeholder else s)
-        if seq.is_placeholder or seq.seqlen_q - j > S:
+        if seq.is_placeholder or seq.seqlen_q - j > S or cfg.window_size == 0:
             swa_slot.append(PAD)
         else:
             swa_slot.append(seq.state_id * S + pos % S)
@@ -170,7 +185,20 @@ def _common(seqs: Sequence[SequenceMetadata], cfg: MetadataConfig, is_prompt: bo
     d["ngram_token_ids"] = ngram if cfg.max_ngram_size > 0 else None
     d["valid_token_mask"] = valid
     d["query_indices"] = qidx
-    d["slot_mapping_store_swa"] = swa_slot
+    d["slot_mapping_store_swa"] = swa_slot if cfg.window_size > 0 else None
+    return d
+
+
+def _drop_disabled(d: dict[str, Any], cfg: MetadataConfig) -> dict[str, Any]:
+    """Set the fields of the features ``cfg`` switches off to ``None`` (DESIGN 14)."""
+    if not _ca_ratios(cfg):
+        for name in ("positions_c", "slot_mapping_store_ca", "cu_compressed_seqlens_q", "cu_compressed_seqlens_k",
+                     "load_segments_ca", "total_k_compressed", "ks", "ke", "kv_ca_index_offset_len", "klen"):
+            d[name] = None
+    if cfg.window_size == 0:
+        for name in ("slot_mapping_store_swa", "state_block_idx", "total_k_swa", "load_segments_swa",
+                     "kv_swa_full_index_pivots", "kv_swa_index_offset_len"):
+            d[name] = None
     return d
 
 
@@ -286,7 +314,7 @@ def ref_prepare_prompt(seqs: Sequence[SequenceMetadata], cfg: MetadataConfig) ->
     d["seq_block_tables"] = [
         [int(b) for b in seq.block_table] + [PAD] * (width - len(seq.block_table)) for seq in seqs
     ]
-    return d
+    return _drop_disabled(d, cfg)
 
 
 # ---- decode -----------------------------------------------------------------------------------
@@ -327,7 +355,7 @@ def ref_prepare_decode(seqs: Sequence[SequenceMetadata], cfg: MetadataConfig) ->
         str(n): [[i * mnb * (bs // n), (pos + 1) // n] for i, _s, _j, pos in rows]
         for n in cfg.dense_compress_ratios
     }
-    return d
+    return _drop_disabled(d, cfg)
 
 
 # ---- section 5 --------------------------------------------------------------------------------
@@ -342,8 +370,8 @@ def ref_compute_attn_info(ref: dict[str, Any], cfg: MetadataConfig) -> dict[str,
     """A copy of ``ref`` with ``kv_ca_index``, ``kv_ca_index_len`` and the SWA index expanded."""
     d = dict(ref)
     W, S = cfg.window_size, cfg.swa_block_size
-    d["kv_ca_index"], d["kv_ca_index_len"] = {}, {}
-    for key, offset_len in ref["kv_ca_index_offset_len"].items():
+    d["kv_ca_index"], d["kv_ca_index_len"] = ({}, {}) if ref["kv_ca_index_offset_len"] is not None else (None, None)
+    for key, offset_len in (ref["kv_ca_index_offset_len"] or {}).items():
         n = int(key)
         width, tpb = ref_index_width(cfg, n), cfg.block_size // n
         mnb = ref_max_num_blocks(cfg)
@@ -360,14 +388,15 @@ def ref_compute_attn_info(ref: dict[str, Any], cfg: MetadataConfig) -> dict[str,
             rows.append(row + [PAD] * (width - length))
         d["kv_ca_index"][key] = rows
         d["kv_ca_index_len"][key] = [length for _offset, length in offset_len]
+    d["kv_swa_full_index"] = d["kv_swa_index"] = None
+    if W == 0:  # no sliding-window state cache
+        return d
     if ref["is_prompt"]:
         d["kv_swa_full_index"] = [_expand_pivots(*p, W) for p in ref["kv_swa_full_index_pivots"]]
-        d["kv_swa_index"] = None
     else:
         rows = []
         for state, (offset, w) in zip(ref["state_block_idx"], ref["kv_swa_index_offset_len"]):
             start = offset - state * S
             rows.append([state * S + (start + k) % S for k in range(w)] + [PAD] * (W - w))
         d["kv_swa_index"] = rows
-        d["kv_swa_full_index"] = None
     return d

@@ -21,8 +21,9 @@ fair probability): first chunk (``q_start == 0``), chunked prefill with ``q_star
 positions), ``swa_valid_start > 0`` (also beyond the chunk), placeholders, MTP drafts (decode),
 Engram (``max_ngram_size > 0`` with an ``ngram_lookup`` table, an image sentinel inside the
 tokens and a ``compressed_token_ids`` history), prompt ``token_ids`` longer than ``seqlen_k``
-(the whole prompt, as YoCo needs), and ratio sets including ``1``, ``block_size`` itself, and an
-empty dense or sparse tuple.
+(the whole prompt, as YoCo needs), and ratio sets including ``1``, ``block_size`` itself, an
+empty dense or sparse tuple, no ratios at all (no compressed KV), ``window_size = 0`` (no
+sliding window), and both (a plain paged-KV model, DESIGN 14).
 
 The generators only call ``rng.randint(a, b)`` (inclusive), ``rng.choice(seq)`` and
 ``rng.random()``; bulk lists (tokens, block ids) come from a ``random.Random`` seeded by one draw.
@@ -35,9 +36,9 @@ from typing import Any, Optional, Protocol, Sequence, TypeVar
 
 import torch
 
-from cpmeta.config import MetadataConfig
+from cpmeta.config import MetadataConfig, blocks_needed
 from cpmeta.metadata import InputMetadata
-from cpmeta.sequence import SequenceMetadata, blocks_needed
+from cpmeta.sequence import SequenceMetadata
 
 __all__ = [
     "random_config",
@@ -62,6 +63,9 @@ MAX_BLOCK_ID = 4000
 MAX_STATE_ID = 500
 #: Keeps the per-token reference (and hence every test) fast.
 DEFAULT_MAX_TOTAL_Q = 160
+#: Chance that :func:`random_config` switches compressed KV off (no ratios), and, independently,
+#: the sliding-window state cache (``window_size = 0``): both off is a plain paged-KV model.
+PLAIN_FEATURE_CHANCE = 0.2
 
 
 class Rng(Protocol):
@@ -97,18 +101,24 @@ def _ratio_subset(rng: Rng, divisors: list[int]) -> tuple[int, ...]:
 def random_config(rng: Rng, **overrides: Any) -> MetadataConfig:
     """A small random valid :class:`MetadataConfig` (``overrides`` win over the random values).
 
-    Sizes are small so expanded indices stay cheap: ``block_size`` in 4..128, ``W`` 1..40,
-    ``S - W`` in 0..9, ``max_model_len`` 1..1024. Example: ``random_config(rng,
+    Sizes are small so expanded indices stay cheap: ``block_size`` in 4..128, ``W`` 1..40 (or 0:
+    no sliding window), ``S - W`` in 0..9, ``max_model_len`` 1..1024; compressed KV is off (no
+    ratios) with :data:`PLAIN_FEATURE_CHANCE`, and so, independently, is the sliding window. Example: ``random_config(rng,
     yoco_keep_tokens=16, yoco_mode="mask")``.
     """
     bs = rng.choice([4, 8, 16, 16, 32, 64, 128])
     divisors = [d for d in range(1, bs + 1) if bs % d == 0]
     dense = _ratio_subset(rng, divisors)
     sparse = _ratio_subset(rng, divisors)
-    if not dense and not sparse:
+    compressed = not _chance(rng, PLAIN_FEATURE_CHANCE)  # off: no compressed KV at all
+    if not compressed:
+        dense = sparse = ()
+    elif not dense and not sparse:
         sparse = (rng.choice(divisors),)
     w = rng.choice([1, 2, 3, 4, 5, 8, 8, 13, 16, 32, 40])
     s = w + rng.choice([0, 0, 1, 2, 3, 9])
+    if overrides.get("yoco_keep_tokens") is None and _chance(rng, PLAIN_FEATURE_CHANCE):
+        w = 0  # no sliding-window state cache (YoCo needs one)
     ngram = rng.choice([0, 0, 1, 2, 3])
     lookup: Optional[torch.Tensor] = None
     if ngram and _chance(rng, 0.7):

@@ -149,7 +149,8 @@ def test_named_cases_cover_the_brief() -> None:
     for must in ("first_chunk", "chunk_qstart_lt_W", "chunk_qstart_gt_W", "seqlen_k_lt_r", "ring_wrap",
                  "swa_valid_start", "placeholder_prompt", "mtp_drafts", "engram_image_prompt",
                  "dense1_sparse_none_prompt", "dense_4_128_sparse_4_prompt", "dense_4_sparse_none_prompt",
-                 "dense_none_sparse_4_prompt"):
+                 "dense_none_sparse_4_prompt", "plain_prompt", "plain_decode", "plain_kv_sharded_decode",
+                 "compressed_no_swa_prompt", "swa_no_compressed_prompt"):
         assert must in names
 
 

@@ -22,7 +22,8 @@ def fill_common(
 
     ``positions``, ``input_ids``, ``gate_force_random``, ``ngram_token_ids`` (None when
     ``max_ngram_size == 0``), ``cu_seqlens_q``/``cu_seqlens_k`` [n_seq+1], ``valid_token_mask``,
-    ``query_indices`` (998244353 on placeholder rows), ``slot_mapping_store_swa`` and the scalars.
+    ``query_indices`` (998244353 on placeholder rows), ``slot_mapping_store_swa`` (None without
+    the sliding-window state cache, ``window_size == 0``) and the scalars.
     Example (S = 4, one sequence, state 2, seqlen_q = 6, seqlen_k = 9): positions 3..8; rows with
     ``seqlen_q - j <= 4`` are j = 2..5 (positions 5..8) -> SWA slots ``[-1, -1, 9, 10, 11, 8]``.
     """
@@ -53,27 +54,39 @@ def fill_common(
     np.copyto(a, b.row_seq, casting="unsafe")
     if any_ph:
         a[ph_row] = PLACEHOLDER_QUERY_INDEX
-    S = cfg.swa_block_size
-    f["slot_mapping_store_swa"], a = alloc(out, "slot_mapping_store_swa", (T,), torch.int32)
-    # state * S + pos % S, in int32 (its bound is checked by check_common_int32)
-    fmod(pos, S, out=a)  # from the int32 positions: no casting loop
-    a += b.per_row(b.state_id * S)
-    if T != n and f["max_seqlen_q"] > S:  # only the last S rows of a chunk stay in the ring
-        np.copyto(a, PAD_SLOT_ID, where=b.row_j < np.repeat(b.seqlen_q - S, b.seqlen_q))
-    if any_ph:
-        a[ph_row] = PAD_SLOT_ID
+    f["slot_mapping_store_swa"] = _swa_slots(b, cfg, out, pos, ph_row, f["max_seqlen_q"]) if cfg.has_swa else None
     f["ngram_token_ids"] = None
     if cfg.max_ngram_size > 0:
         f["ngram_token_ids"] = fill_ngram_token_ids(b, cfg, out)
     return f
 
 
+def _swa_slots(
+    b: BatchArrays, cfg: MetadataConfig, out: Optional[dict[str, torch.Tensor]], pos: np.ndarray,
+    ph_row: Optional[np.ndarray], max_sq: int,
+) -> torch.Tensor:
+    """``slot_mapping_store_swa`` [total_q] int32: ``state * S + pos % S`` on the last ``S`` rows
+    of each sequence's chunk, -1 before them and on placeholder rows (the sliding-window state
+    cache only). ``pos`` is the filled int32 ``positions``, ``max_sq`` = ``max(seqlen_q)``."""
+    T, n, S = b.total_q, b.n_seq, cfg.swa_block_size
+    t, a = alloc(out, "slot_mapping_store_swa", (T,), torch.int32)
+    # state * S + pos % S, in int32 (its bound is checked by check_common_int32)
+    fmod(pos, S, out=a)  # from the int32 positions: no casting loop
+    a += b.per_row(b.state_id * S)
+    if T != n and max_sq > S:  # only the last S rows of a chunk stay in the ring
+        np.copyto(a, PAD_SLOT_ID, where=b.row_j < np.repeat(b.seqlen_q - S, b.seqlen_q))
+    if ph_row is not None:
+        a[ph_row] = PAD_SLOT_ID
+    return t
+
+
 def check_common_int32(b: BatchArrays, cfg: MetadataConfig) -> None:
     """Overflow checks shared by both paths (run before any allocation).
 
-    Bounds: ``sum(seqlen_k)`` (``cu_seqlens_k``), ``max(state_id) * S + S - 1`` (SWA slots),
-    ``max(block id) * b_c + b_c - 1`` with ``b_c = block_size // min_ratio`` (compressed slots),
-    and every token id.
+    Bounds: ``sum(seqlen_k)`` (``cu_seqlens_k``), ``max(state_id) * S + S - 1`` (SWA slots, only
+    with ``window_size > 0``), ``max(block id) * b_c + b_c - 1`` with ``b_c = block_size //
+    min_ratio`` (compressed slots; plain configs: ``min_ratio = 1``, the paged-KV slot the slot
+    mapping writes), and every token id.
     """
     # the messages are only formatted for a bound that fails (check_int32 raises then)
     if int(b.cu_k[-1]) > INT32_MAX:
@@ -82,14 +95,16 @@ def check_common_int32(b: BatchArrays, cfg: MetadataConfig) -> None:
     # when every state id is in [0, (2**31 - S) // S] and every block id in [0, (2**31 - b_c) // b_c]
     if b.bt2d is None:
         S = cfg.swa_block_size
-        v = int(b.state_id.max()) * S + S - 1
-        if v > INT32_MAX:
-            check_int32("slot_mapping_store_swa", v,
+        if cfg.has_swa and int(b.state_id.max()) * S + S - 1 > INT32_MAX:
+            check_int32("slot_mapping_store_swa", int(b.state_id.max()) * S + S - 1,
                         f"max(state_id) * swa_block_size + swa_block_size - 1 (swa_block_size={S})")
+        # compressed KV: its write slots; plain: the paged-KV slot compute_slot_mapping writes
+        # (min_ratio 1, so b_c = block_size)
         bc = cfg.block_size // cfg.min_ratio
         v = int(b.bt_flat.max()) * bc + bc - 1
         if v > INT32_MAX:
-            check_int32("slot_mapping_store_ca", v,
+            what = "slot_mapping_store_ca" if cfg.has_compressed_kv else "block_table (paged KV slot)"
+            check_int32(what, v,
                         f"max(block id) * (block_size // min_ratio) + block_size // min_ratio - 1 (b_c={bc})")
     if b.total_q and not b.ids_ok and (b.input_ids.max() > INT32_MAX or b.input_ids.min() < -INT32_MAX - 1):
         raise ValueError("input_ids: token id does not fit in int32")

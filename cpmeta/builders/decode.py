@@ -89,15 +89,19 @@ def _fill_block_tables(b: BatchArrays, cfg: MetadataConfig, out: Out) -> tuple[t
 
 
 def _fill_decode_rows(b: BatchArrays, cfg: MetadataConfig, out: Out, f: dict[str, Any]) -> np.ndarray:
-    """``state_block_idx``, ``context_lens`` (= pos + 1) and ``kv_swa_index_offset_len`` (start
-    ``state * S + (pos1 - w) % S``, length ``w = min(pos1, W)``), all in int32 (positions are below
-    max_model_len, ``state * S + S - 1`` is checked by ``check_common_int32``). Returns the filled
-    ``context_lens`` array: the int32 ``pos1`` the per-ratio fields read."""
+    """``context_lens`` (= pos + 1) and, with the sliding-window state cache (``window_size >
+    0``), ``state_block_idx`` and ``kv_swa_index_offset_len`` (start ``state * S + (pos1 - w) %
+    S``, length ``w = min(pos1, W)``), all in int32 (positions are below max_model_len,
+    ``state * S + S - 1`` is checked by ``check_common_int32``). Returns the filled
+    ``context_lens`` array: the int32 ``pos1`` the per-ratio fields read. Example (W = S = 8,
+    state 2, pos 9): ``context_lens = 10``, ``w = 8``, start ``16 + 2 % 8 = 18`` -> ``(18, 8)``."""
     T, W, S = b.total_q, cfg.window_size, cfg.swa_block_size
-    f["state_block_idx"], st = alloc(out, "state_block_idx", (T,), torch.int32)
-    np.copyto(st, b.per_row(b.state_id), casting="unsafe")
     f["context_lens"], pos1 = alloc(out, "context_lens", (T,), torch.int32)
     np.add(b.row_pos, 1, out=pos1, casting="unsafe")
+    if not W:  # no sliding-window state cache: no state slot, no ring window
+        return pos1
+    f["state_block_idx"], st = alloc(out, "state_block_idx", (T,), torch.int32)
+    np.copyto(st, b.per_row(b.state_id), casting="unsafe")
     f["kv_swa_index_offset_len"], a = alloc(out, "kv_swa_index_offset_len", (T, 2), torch.int32)
     w, o = a[:, 1], a[:, 0]
     np.minimum(pos1, W, out=w)
@@ -218,14 +222,18 @@ def _make_decode_layout(cfg: MetadataConfig, T: int, n: int) -> ArenaLayout:
     caller passes no ``out`` (cached per batch shape). Example: 256 rows, 256 sequences, default
     config -> 18 fields, ~86 KiB (block_tables [256, 64] int32 is 64 KiB of it)."""
     i32 = torch.int32
-    lay = [(name, (T,), i32) for name in ("positions", "input_ids", "query_indices", "slot_mapping_store_swa",
-                                          "state_block_idx", "context_lens")]
+    lay = [(name, (T,), i32) for name in ("positions", "input_ids", "query_indices", "context_lens")]
     lay += [("cu_seqlens_q", (n + 1,), i32), ("cu_seqlens_k", (n + 1,), i32),
-            ("kv_swa_index_offset_len", (T, 2), i32), ("block_tables", (T, cfg.max_num_blocks), i32),
-            ("klen", (len(cfg.sparse_compress_ratios), T), i32), ("positions_c", (len(cfg.ca_ratios), T), i32),
-            ("slot_mapping_store_ca", (len(cfg.ca_ratios), T), i32),
-            ("kv_ca_index_offset_len", (len(cfg.dense_compress_ratios), T, 2), i32),
+            ("block_tables", (T, cfg.max_num_blocks), i32),
             ("gate_force_random", (T,), torch.bool), ("valid_token_mask", (T,), torch.bool)]
+    if cfg.has_swa:
+        lay += [("slot_mapping_store_swa", (T,), i32), ("state_block_idx", (T,), i32),
+                ("kv_swa_index_offset_len", (T, 2), i32)]
+    if cfg.has_compressed_kv:
+        lay += [("klen", (len(cfg.sparse_compress_ratios), T), i32),
+                ("positions_c", (len(cfg.ca_ratios), T), i32),
+                ("slot_mapping_store_ca", (len(cfg.ca_ratios), T), i32),
+                ("kv_ca_index_offset_len", (len(cfg.dense_compress_ratios), T, 2), i32)]
     if cfg.max_ngram_size > 0:
         lay.append(("ngram_token_ids", (T, cfg.max_ngram_size), i32))
     return ArenaLayout(lay, stacked=DECODE_STACKED_FIELDS)
@@ -265,7 +273,11 @@ def prepare_decode(
     Returns every decode field of DESIGN section 4 (int32 indices, bool masks, [total_q] rows):
     common fields, ``state_block_idx`` / ``context_lens`` [total_q], ``klen[r]``,
     ``kv_swa_index_offset_len`` [total_q, 2], ``block_tables`` [total_q, max_num_blocks],
-    ``kv_ca_index_offset_len[n]`` [total_q, 2]. Prompt-only fields are ``None``.
+    ``kv_ca_index_offset_len[n]`` [total_q, 2]. Prompt-only fields are ``None``, and so are the
+    fields of a feature the config switches off (DESIGN 14): without compressed KV every
+    per-ratio field; with ``window_size == 0`` ``slot_mapping_store_swa``, ``state_block_idx`` and
+    ``kv_swa_index_offset_len``. A plain config's ``block_tables`` has ``max_num_blocks =
+    blocks_needed(max_model_len)`` columns (``cdiv(max_model_len, block_size)`` unsharded).
     Raises ``ValueError`` before allocating when ``total_q * max_num_blocks *
     (block_size // min(dense ratios))`` (or a slot value) exceeds int32.
     """
@@ -281,5 +293,6 @@ def prepare_decode(
     f = fill_common(b, cfg, out)
     pos1 = _fill_decode_rows(b, cfg, out, f)
     f["block_tables"], bt = _fill_block_tables(b, cfg, out)
-    _fill_ratio_fields(b, cfg, out, f, bt, pos1)
+    if cfg.has_compressed_kv:
+        _fill_ratio_fields(b, cfg, out, f, bt, pos1)
     return InputMetadata(**f)

@@ -48,10 +48,11 @@ def _check_prompt_int32(b: BatchArrays, cfg: MetadataConfig, cu_ck: dict[int, np
     """Overflow checks before allocation: totals, buffer offsets and slot values."""
     check_common_int32(b, cfg)
     W = cfg.window_size
-    check_int32(
-        "kv_swa_full_index_pivots", b.n_seq * W + b.total_q,
-        f"n_seq ({b.n_seq}) * window_size ({W}) + total_q ({b.total_q})",
-    )
+    if W:  # the SWA pivots' buffer offsets (sliding-window state cache only)
+        check_int32(
+            "kv_swa_full_index_pivots", b.n_seq * W + b.total_q,
+            f"n_seq ({b.n_seq}) * window_size ({W}) + total_q ({b.total_q})",
+        )
     for n, cu in cu_ck.items():
         check_int32(
             f"cu_compressed_seqlens_k.{n}", int(cu[-1]),
@@ -200,20 +201,27 @@ def prepare_prompt(
     ``load_segments_swa`` / ``load_segments_ca[n]`` [num_segments, 4], ``total_k_compressed[n]``,
     ``ks[r]`` / ``ke[r]`` [total_q], ``kv_ca_index_offset_len[n]`` [total_q, 2],
     ``kv_swa_full_index_pivots`` [total_q, 4], ``seq_block_tables`` [n_seq, max len(block_table)]
-    (whole tables, -1 padded). Decode-only fields are ``None``. Int32 overflow of
-    any total, offset or slot raises ``ValueError`` before allocation.
+    (whole tables, -1 padded). Decode-only fields are ``None``, and so are the fields of a
+    feature the config switches off (DESIGN 14): without compressed KV (``ca_ratios == ()``)
+    every per-ratio field; without the sliding-window state cache (``window_size == 0``)
+    ``slot_mapping_store_swa``, ``state_block_idx``, ``total_k_swa``, ``load_segments_swa`` and
+    ``kv_swa_full_index_pivots``. A plain config keeps the common fields and ``seq_block_tables``.
+    Int32 overflow of any total, offset or slot raises ``ValueError`` before allocation.
     """
     b = extract_batch(seqs, cfg, is_prompt=True)
     cu_ck = {n: _prefix(loaded_compressed_len(b.seqlen_k, n)) for n in cfg.ca_ratios}
     _check_prompt_int32(b, cfg, cu_ck)
     f = fill_common(b, cfg, out)
-    _fill_compressed_writes(b, cfg, out, f)
-    f["state_block_idx"], a = alloc(out, "state_block_idx", (b.n_seq,), torch.int32)
-    a[:] = b.state_id
-    f["total_k_swa"] = b.n_seq * cfg.window_size
-    f["load_segments_swa"] = swa_load_segments(b, cfg, out)
-    _fill_compressed_reads(b, cfg, out, f, cu_ck)
-    f["kv_swa_full_index_pivots"] = _fill_swa_pivots(b, cfg, out)
+    # a disabled feature's fields are not built at all (they stay None: DESIGN 14)
+    if cfg.has_compressed_kv:
+        _fill_compressed_writes(b, cfg, out, f)
+        _fill_compressed_reads(b, cfg, out, f, cu_ck)
+    if cfg.has_swa:
+        f["state_block_idx"], a = alloc(out, "state_block_idx", (b.n_seq,), torch.int32)
+        a[:] = b.state_id
+        f["total_k_swa"] = b.n_seq * cfg.window_size
+        f["load_segments_swa"] = swa_load_segments(b, cfg, out)
+        f["kv_swa_full_index_pivots"] = _fill_swa_pivots(b, cfg, out)
     f["seq_block_tables"] = _fill_seq_block_tables(b, out)
     if cfg.yoco_keep_tokens is not None:  # YoCo truncation fields (DESIGN 10), built in build/yoco.py
         f.update(build_yoco_fields(f, b, cfg, out=out))
