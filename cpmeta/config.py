@@ -7,14 +7,14 @@ that rule at ``max_model_len``; the sequence validation and the array-level stat
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
 
 from .constants import INT32_MAX
 
-__all__ = ["MetadataConfig", "YOCO_MODES", "blocks_needed", "blocks_needed_array"]
+__all__ = ["MetadataConfig", "YOCO_MODES", "blocks_needed", "blocks_needed_array", "seqlen_k_covered"]
 
 YOCO_MODES = ("mask", "compact")
 
@@ -235,3 +235,16 @@ def blocks_needed_array(sk: np.ndarray, cfg: MetadataConfig) -> np.ndarray:
         cycle, inter = cfg.kv_cp_world_size * cfg.kv_cp_interleave, cfg.kv_cp_interleave
         sk = (sk // cycle) * inter + np.minimum(sk % cycle, inter)
     return sk // cfg.block_size + (sk % cfg.block_size >= cfg.min_ratio)
+
+
+def seqlen_k_covered(num_blocks: Any, cfg: MetadataConfig) -> Any:
+    """The largest ``seqlen_k`` a table of ``num_blocks`` blocks covers (the inverse of
+    :func:`blocks_needed`; not capped at ``max_model_len``); an int or an int64 array.
+
+    ``nb * block_size * W + min_ratio - 1``: rank 0's ``nb * block_size`` keys reach position
+    ``nb * block_size * W`` (``block_size % I == 0``, so rank 0's share of a whole number of
+    ``W * I`` cycles), and a compressed config's last ``min_ratio - 1`` keys compress to nothing.
+    Examples: block 128, ratio 4, 2 blocks -> 259; plain, block 16, W=3, 7 blocks -> 336
+    (``blocks_needed(336) == 7``, ``blocks_needed(337) == 8``).
+    """
+    return num_blocks * (cfg.block_size * cfg.kv_cp_world_size) + (cfg.min_ratio - 1)

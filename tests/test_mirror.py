@@ -200,6 +200,30 @@ def test_mirror_rows_and_unmirror_examples() -> None:
         mirror_rows(full, torch.tensor([0.5]))
 
 
+def test_unmirror_refuses_wrong_parts() -> None:
+    """Issue 25: a missing rank's part was a bare IndexError; now a ValueError naming both counts."""
+    ranks = [_t([0, 1, 2, 9, -1, -1]), _t([3, 4, 5, 6, 7, 8])]
+    rev = _t([0, 1, 2, 6, 7, 8, 9, 10, 11, 3])
+    assert unmirror(ranks, rev, cp_size=2).tolist() == list(range(10))
+    with pytest.raises(ValueError, match=r"expected at least total_q=10 rows .*got 1 parts \(6 rows\)"):
+        unmirror(ranks[:1], rev)
+    with pytest.raises(ValueError, match=r"expected 3 parts \(cp_size=3\), got 2 parts"):
+        unmirror(ranks, rev, cp_size=3)
+    with pytest.raises(ValueError, match=r"rows: a multiple of cp_size.*got 12 rows"):
+        unmirror(torch.cat(ranks), rev, cp_size=5)
+    # enough rows for total_q, but too few parts: the reverse index reads past the end
+    three = [_t([0, -1]), _t([1, -1]), _t([2, 3])]  # e.g. parts of 2 rows from 3 ranks
+    rev3 = _t([0, 2, 4, 5])
+    assert unmirror(three, rev3).tolist() == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match=r"expected at least 3 parts of 2 rows \(reverse_index reads rows 0\.\.5\), "
+                                         r"got 2 parts \(4 rows\)"):
+        unmirror(three[:2], rev3)
+    with pytest.raises(ValueError, match=r"rows_from_all_ranks\[1\]"):  # a part of another size
+        unmirror([three[0], three[1][:1], three[2]], rev3)
+    with pytest.raises(ValueError, match="cp_size"):
+        unmirror(three, rev3, cp_size=0)
+
+
 # ---- random batches: reference and properties --------------------------------------------------
 
 

@@ -14,8 +14,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import cpmeta
-from cpmeta import MetadataConfig, SequenceMetadata
-from cpmeta.state.batch import blocks_needed_array
+from cpmeta import MetadataConfig, SequenceBatch, SequenceMetadata
+from cpmeta.config import blocks_needed_array
 from cpmeta.sequence import blocks_needed, validate_batch
 from strategies import decode_cases, prompt_cases, random_config, random_decode_batch, random_prompt_batch
 
@@ -118,6 +118,52 @@ def test_blocks_needed_is_the_max_over_ratios() -> None:
                 want = [max(-(-(x // n) // (bs // n)) for n in ratios) for x in sk.tolist()]
                 assert [blocks_needed(x, cfg) for x in sk.tolist()] == want, (bs, ratios)
                 assert blocks_needed_array(sk, cfg).tolist() == want, (bs, ratios)
+
+
+def _brute_blocks(k: int, bs: int, ratios: tuple[int, ...], world: int, inter: int) -> int:
+    """DESIGN 14 by counting: rank 0's keys among positions 0..k-1, then the per-ratio rule
+    (ratio 1 for a plain model)."""
+    local = sum(1 for p in range(k) if (p // inter) % world == 0)
+    return max(-(-(local // n) // (bs // n)) for n in (ratios or (1,)))
+
+
+def test_blocks_needed_plain_and_sharded() -> None:
+    from cpmeta.config import seqlen_k_covered
+
+    plain = dict(dense_compress_ratios=(), sparse_compress_ratios=(), window_size=0)
+    # docstring examples: 17 tokens, block 16, plain -> 2; W=3, I=1, block 16, 300 tokens -> 7
+    assert cpmeta.blocks_needed(17, MetadataConfig(block_size=16, **plain)) == 2
+    cp3 = MetadataConfig(block_size=16, max_model_len=300, kv_cp_world_size=3, **plain)
+    assert cpmeta.blocks_needed(300, cp3) == 7
+    assert cpmeta.blocks_needed(40, MetadataConfig(block_size=16, kv_cp_world_size=2, kv_cp_interleave=16,
+                                                   **plain)) == 2
+    for bs in (1, 4, 6, 16):
+        for world in (1, 2, 3):
+            for inter in sorted({1, bs} | ({2} if bs % 2 == 0 else set())):
+                cfg = MetadataConfig(block_size=bs, max_model_len=8 * bs * world, kv_cp_world_size=world,
+                                     kv_cp_interleave=inter, **plain)
+                sk = np.arange(7 * bs * world + 3)
+                want = [_brute_blocks(x, bs, (), world, inter) for x in sk.tolist()]
+                assert [cpmeta.blocks_needed(x, cfg) for x in sk.tolist()] == want, (bs, world, inter)
+                assert blocks_needed_array(sk, cfg).tolist() == want, (bs, world, inter)
+                assert cfg.max_num_blocks == _brute_blocks(cfg.max_model_len, bs, (), world, inter)
+                for nb in range(6):  # the inverse: the largest k a table of nb blocks covers
+                    assert seqlen_k_covered(nb, cfg) == max(x for x in sk.tolist() if want[x] <= nb)
+    seed = MetadataConfig(block_size=128, dense_compress_ratios=(4,))
+    assert seqlen_k_covered(2, seed) == 259 and cpmeta.blocks_needed(260, seed) == 3
+
+
+def test_sharded_block_table_message_names_the_sequence() -> None:
+    cfg = MetadataConfig(block_size=16, max_model_len=300, kv_cp_world_size=3, dense_compress_ratios=(),
+                         sparse_compress_ratios=(), window_size=0)
+    ok = SequenceMetadata(1, 300, list(range(7)), 0, list(range(300)))
+    validate_batch([ok], cfg, is_prompt=True)
+    short = SequenceMetadata(1, 300, list(range(6)), 0, list(range(300)))
+    msg = r"seqs\[1\]\.block_table: expected at least 7 blocks for seqlen_k=300 \(rank 0's share"
+    with pytest.raises(ValueError, match=msg):
+        validate_batch([ok, short], cfg, is_prompt=True)
+    with pytest.raises(ValueError, match=msg):
+        SequenceBatch.from_sequences([ok, short], cfg, is_prompt=True)
 
 
 def test_block_table_boundary() -> None:

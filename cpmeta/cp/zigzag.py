@@ -24,7 +24,7 @@ because compressed-token boundaries depend on absolute positions, not on the mir
 from __future__ import annotations
 
 import logging
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -145,7 +145,10 @@ class RowGather:
 
 
 def unmirror(
-    rows_from_all_ranks: Union[torch.Tensor, Sequence[torch.Tensor]], reverse_index: torch.Tensor
+    rows_from_all_ranks: Union[torch.Tensor, Sequence[torch.Tensor]],
+    reverse_index: torch.Tensor,
+    *,
+    cp_size: Optional[int] = None,
 ) -> torch.Tensor:
     """Restore the full row order from every rank's mirror rows.
 
@@ -154,21 +157,56 @@ def unmirror(
     ``reverse_index``: [total_q] integer (``mirror_cp_reverse_index``). Returns [total_q, ...].
     Example (sq=10, p=2): ranks hold ``[0,1,2,9,P,P]`` and ``[3,4,5,6,7,8]`` (P = pad);
     the concatenation indexed by ``[0,1,2,6,7,8,9,10,11,3]`` gives ``[0,1,...,9]``.
+
+    Wrong parts are a ``ValueError`` naming expected and got: parts of different shapes, fewer
+    rows than ``total_q``, a count other than ``cp_size`` (when given: the list's length, or a
+    concatenation not a multiple of it) and, for a ``reverse_index`` on the CPU, a row it reads
+    past the end (e.g. one rank's part missing). On CUDA that last check is left out (it would
+    cost a device sync); pass ``cp_size`` there.
     """
-    if isinstance(rows_from_all_ranks, torch.Tensor):
-        cat = rows_from_all_ranks
-    else:
-        parts = list(rows_from_all_ranks)
-        if not parts or not all(isinstance(t, torch.Tensor) for t in parts):
-            raise TypeError("rows_from_all_ranks: expected a tensor or a non-empty list of tensors")
-        for i, t in enumerate(parts):
-            if t.shape != parts[0].shape or t.dtype != parts[0].dtype:
-                raise ValueError(
-                    f"rows_from_all_ranks[{i}]: expected {tuple(parts[0].shape)} {parts[0].dtype} "
-                    f"like rank 0, got {tuple(t.shape)} {t.dtype}"
-                )
-        cat = torch.cat(parts, 0)
+    parts = None if isinstance(rows_from_all_ranks, torch.Tensor) else _parts(rows_from_all_ranks)
+    cat = rows_from_all_ranks if parts is None else torch.cat(parts, 0)
+    assert isinstance(cat, torch.Tensor)
     if not isinstance(reverse_index, torch.Tensor) or reverse_index.dim() != 1 \
             or reverse_index.dtype.is_floating_point:
         raise TypeError(f"reverse_index: expected a 1-D integer tensor, got {describe(reverse_index)}")
+    _check_part_count(cat, parts, reverse_index, cp_size)
     return cat.index_select(0, reverse_index.to(device=cat.device, dtype=torch.int64))
+
+
+def _parts(rows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    parts = list(rows)
+    if not parts or not all(isinstance(t, torch.Tensor) for t in parts):
+        raise TypeError("rows_from_all_ranks: expected a tensor or a non-empty list of tensors")
+    for i, t in enumerate(parts):
+        if t.shape != parts[0].shape or t.dtype != parts[0].dtype:
+            raise ValueError(
+                f"rows_from_all_ranks[{i}]: expected {tuple(parts[0].shape)} {parts[0].dtype} "
+                f"like rank 0, got {tuple(t.shape)} {t.dtype}"
+            )
+    return parts
+
+
+def _check_part_count(
+    cat: torch.Tensor, parts: Optional[list[torch.Tensor]], reverse: torch.Tensor, cp_size: Optional[int]
+) -> None:
+    """Example: 2 parts of 6 rows, a reverse index of 10 rows reading rows 0..14 -> "expected at
+    least 3 parts of 6 rows (reverse_index reads rows 0..14), got 2 parts (12 rows)"."""
+    rows, total_q = int(cat.shape[0]) if cat.dim() else 0, int(reverse.shape[0])
+    got = f"{len(parts)} parts ({rows} rows)" if parts is not None else f"{rows} rows"
+    if cp_size is not None:
+        if not is_int(cp_size) or cp_size < 1:
+            raise ValueError(f"cp_size: expected an int >= 1 or None, got {cp_size!r}")
+        if (parts is not None and len(parts) != cp_size) or (parts is None and rows % cp_size):
+            what = "parts" if parts is not None else "rows: a multiple of cp_size"
+            raise ValueError(f"rows_from_all_ranks: expected {cp_size} {what} (cp_size={cp_size}), got {got}")
+    if rows < total_q:
+        raise ValueError(f"rows_from_all_ranks: expected at least total_q={total_q} rows "
+                         f"(reverse_index has {total_q} entries), got {got}")
+    if reverse.device.type == "cpu" and total_q:  # on CUDA this would be a device sync
+        lo, hi = int(reverse.min()), int(reverse.max())
+        if lo < 0 or hi >= rows:
+            per = int(parts[0].shape[0]) if parts is not None else 0
+            need = f"at least {-(-(hi + 1) // per)} parts of {per} rows" if per else f"at least {hi + 1} rows"
+            raise ValueError(f"rows_from_all_ranks: expected {need} (reverse_index reads rows "
+                             f"{lo}..{hi}), got {got}")
