@@ -26,7 +26,7 @@ import logging
 import platform
 import sys
 import time
-from typing import Optional
+from typing import Any, Callable, Optional
 
 __all__ = ["HAVE_FUTEX", "HAVE_FENCE", "NEEDS_RELEASE_FENCE", "BIG_ENDIAN", "futex_wait",
            "futex_wake", "fence", "ring_unsupported_reason", "FALLBACK_SLEEP_S"]
@@ -53,7 +53,10 @@ class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
-def _load_futex() -> tuple[int, object, object]:
+_Syscall = Callable[..., Any]  # a ctypes foreign function
+
+
+def _load_futex() -> tuple[int, Optional[_Syscall], Optional[_Syscall]]:
     """(syscall number, blocking CDLL syscall, GIL-holding PyDLL syscall) or (0, None, None)."""
     nr = _SYS_FUTEX.get(platform.machine().lower())
     if not sys.platform.startswith("linux") or nr is None:
@@ -71,7 +74,7 @@ def _load_futex() -> tuple[int, object, object]:
     return nr, wait_fn, wake_fn
 
 
-def _load_fence() -> object:
+def _load_fence() -> Optional[_Syscall]:
     """libatomic's ``atomic_thread_fence`` through PyDLL, or None."""
     name = ctypes.util.find_library("atomic")
     for candidate in dict.fromkeys([name, "libatomic.so.1"]):

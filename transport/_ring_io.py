@@ -1,14 +1,8 @@
 """Data path of ``ShmRing`` (writer ``write`` / ``reserve`` + ``commit`` / ``announce``, reader
 ``read``), as a mixin over the mapped words.
 
-The attributes used here are created by ``ShmRing.__init__``: ``_w`` (the control words, a
-``_Words``: ``head``, ``announce``, ``writer_waiting``, ``closed`` and per reader ``tails``,
-``states``, ``pids``, ``waiting``), ``_base_addr`` / ``_head_addr`` / ``_tail_addrs`` (their
-addresses as ints, for memmove and futex calls), ``_buf`` (memoryview of the whole mapping),
-``_data_at``, ``_ring_bytes``, ``_spin_s``, ``_watch`` (``PeerWatch`` per reader index, ``-1`` =
-writer), ``_max_bytes``, ``_pending`` (writer: head after the reserved message),
-``_announce_seen`` (reader: announce count acted on), ``_label()``, ``handle``, ``reader_index``,
-``timeout``.
+``RingIO`` declares the attributes it reads as class annotations; ``ShmRing.__init__`` sets them.
+Annotations only: no run-time cost, and a type checker follows every access.
 """
 
 from __future__ import annotations
@@ -19,7 +13,7 @@ from typing import Any, Callable, Optional, Sequence, TypeVar, Union
 
 from ._futex import HAVE_FENCE, NEEDS_RELEASE_FENCE, fence, futex_wait, futex_wake
 from ._ring_layout import (ABSENT, ANNOUNCE_SPIN_S, ATTACHED, CLOSED, KIND_DATA, KIND_PAD,
-                           LIVENESS_SLICE_S, MSG_HEADER, cdiv)
+                           LIVENESS_SLICE_S, MSG_HEADER, RingHandleFields, RingWords, cdiv)
 from ._segment import PeerWatch
 from .errors import PeerError, RingClosedError
 
@@ -50,7 +44,32 @@ class _Cursor:
 
 
 class RingIO:
-    """Mixin: the message protocol on top of the mapped control words."""
+    """Mixin: the message protocol on top of the mapped control words.
+
+    The state below is set by the concrete ring's ``__init__`` (``ShmRing``).
+    """
+
+    handle: RingHandleFields
+    reader_index: Optional[int]  # None: the writer end
+    timeout: float  # seconds a call blocks by default before TimeoutError
+    _w: RingWords  # the control words (head, announce, per reader tails, states, ...)
+    _buf: memoryview  # the whole mapping
+    _base_addr: int  # address of the mapping, for memmove
+    _head_addr: int  # futex addresses as plain ints
+    _tail_addrs: list[int]
+    _data_at: int  # byte offset of slot 0 in the mapping
+    _ring_bytes: int  # slot_size * num_slots
+    _spin_s: float  # reader: seconds to spin before parking (0: park at once)
+    _yield_spin: bool  # reader: yield the core while spinning (fewer cores than ring processes)
+    _watch: dict[int, PeerWatch]  # per reader index, -1 = the writer
+    _max_bytes: int  # reader: largest message accepted
+    _pending: Optional[int]  # writer: head after the reserved message
+    _announce_seen: int  # reader: announce count already acted on
+
+    def _label(self, i: Optional[int]) -> str:
+        """``i`` as an error message names it: "rank 2 (reader 1)" or "rank 0 (writer)"."""
+        return f"rank {self.handle.reader_ranks[i]} (reader {i})" if i is not None else \
+            f"rank {self.handle.writer_rank} (writer)"
 
     # ------------------------------------------------------------------ writer
 
@@ -315,12 +334,14 @@ class RingIO:
         return out
 
     def _release(self, tail: int) -> None:
+        i = self.reader_index
+        assert i is not None  # only the read path (a reader end) gets here
         if NEEDS_RELEASE_FENCE:
             fence()  # finish reading the slots before handing them back
-        self._w.tails[self.reader_index].value = tail
+        self._w.tails[i].value = tail
         fence()  # tail store before loading writer_waiting (StoreLoad)
         if not HAVE_FENCE or self._w.writer_waiting.value:
-            futex_wake(self._tail_addrs[self.reader_index])
+            futex_wake(self._tail_addrs[i])
 
     def _wait_data(self, target: int, deadline: float) -> int:
         """Block until ``head >= target``; return head. After an ``announce`` the reader spins
@@ -336,6 +357,7 @@ class RingIO:
                 if h >= target:
                     return self._acquired(h)
         me = self.reader_index
+        assert me is not None  # only the read path (a reader end) gets here
         while True:
             if w.announce.value != self._announce_seen:
                 self._announce_seen = w.announce.value

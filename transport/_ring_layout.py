@@ -1,11 +1,17 @@
-"""Byte layout constants of the shared-memory ring (see ``shm_ring`` for the drawing)."""
+"""Byte layout of the shared-memory ring (see ``shm_ring`` for the drawing): the constants,
+:class:`RingWords` (the control words mapped at those offsets) and :class:`RingHandleFields`
+(the handle fields that size and label a ring)."""
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import struct
+from typing import Protocol
 
 __all__ = ["MAGIC", "VERSION", "HDR", "MSG_HEADER", "cdiv", "data_offset", "EMPTY", "ATTACHED", "CLOSED",
-           "ABSENT", "LIVENESS_SLICE_S", "DEFAULT_SPIN_US", "ANNOUNCE_SPIN_S", "OFF_ANNOUNCE"]
+           "ABSENT", "LIVENESS_SLICE_S", "DEFAULT_SPIN_US", "ANNOUNCE_SPIN_S", "OFF_ANNOUNCE", "RingWords",
+           "RingHandleFields"]
 
 MAGIC = b"CPMRING1"
 VERSION = 2  # 2: announce word at OFF_ANNOUNCE
@@ -40,3 +46,43 @@ def cdiv(a: int, b: int) -> int:
 def data_offset(num_readers: int) -> int:
     """Byte offset of slot 0: after the reader blocks, page aligned (3 readers -> 4096)."""
     return cdiv(READERS_AT + READER_STRIDE * num_readers, PAGE) * PAGE
+
+
+class RingHandleFields(Protocol):
+    """The fields of ``ShmRingHandle`` the data path reads (read-only: the handle is frozen)."""
+
+    @property
+    def slot_size(self) -> int: ...
+    @property
+    def num_slots(self) -> int: ...
+    @property
+    def writer_pid(self) -> int: ...
+    @property
+    def writer_rank(self) -> int: ...
+    @property
+    def reader_ranks(self) -> tuple[int, ...]: ...
+
+
+class RingWords:
+    """The ring's control words (ctypes views into the mapping). ``clear()`` drops them all, so
+    the mapping has no exports left and can be closed even while the ring object lives on."""
+
+    __slots__ = ("base", "head", "writer_waiting", "announce", "closed", "tails", "states", "pids",
+                 "waiting")
+
+    def __init__(self, mm: mmap.mmap, num_readers: int) -> None:
+        blocks = [READERS_AT + READER_STRIDE * i for i in range(num_readers)]
+        u32, u64 = ctypes.c_uint32.from_buffer, ctypes.c_uint64.from_buffer
+        self.base = ctypes.c_char.from_buffer(mm, 0)  # its address = the mapping's, for memmove
+        self.head = u64(mm, OFF_HEAD)
+        self.announce = u32(mm, OFF_ANNOUNCE)
+        self.writer_waiting = u32(mm, OFF_WRITER_WAITING)
+        self.closed = u32(mm, OFF_CLOSED)
+        self.tails = [u64(mm, b + R_TAIL) for b in blocks]
+        self.states = [u32(mm, b + R_STATE) for b in blocks]
+        self.pids = [u32(mm, b + R_PID) for b in blocks]
+        self.waiting = [u32(mm, b + R_WAITING) for b in blocks]
+
+    def clear(self) -> None:
+        for name in self.__slots__:
+            delattr(self, name)

@@ -60,8 +60,7 @@ from . import envs
 from ._futex import fence, futex_wake, ring_unsupported_reason
 from ._ring_io import RingIO
 from ._ring_layout import (ABSENT, ATTACHED, CLOSED, DEFAULT_SPIN_US, EMPTY, HDR, MAGIC,
-                           MIN_SLOT_SIZE, OFF_ANNOUNCE, OFF_CLOSED, OFF_HEAD, OFF_WRITER_WAITING, R_PID, R_STATE,
-                           R_TAIL, R_WAITING, READER_STRIDE, READERS_AT, VERSION, data_offset)
+                           MIN_SLOT_SIZE, VERSION, RingWords, data_offset)
 from ._segment import PeerWatch, create_segment, open_segment
 from .codec import decode, encode
 from .errors import PeerError, RingClosedError  # noqa: F401 (re-exported)
@@ -98,43 +97,16 @@ class ShmRingHandle:
         return cls(f[0], f[1], f[2], f[3], f[4], f[5], f[6], tuple(f[7]))
 
 
-class _Words:
-    """The ring's control words (ctypes views into the mapping). ``clear()`` drops them all, so
-    the mapping has no exports left and can be closed even while the ring object lives on."""
-
-    __slots__ = ("base", "head", "writer_waiting", "announce", "closed", "tails", "states", "pids",
-                 "waiting")
-
-    def __init__(self, mm: mmap.mmap, num_readers: int) -> None:
-        def word(ctype: Any, offset: int) -> Any:
-            return ctype.from_buffer(mm, offset)
-
-        blocks = [READERS_AT + READER_STRIDE * i for i in range(num_readers)]
-        self.base = word(ctypes.c_char, 0)  # its address = the mapping's, for ctypes.memmove
-        self.head = word(ctypes.c_uint64, OFF_HEAD)
-        self.announce = word(ctypes.c_uint32, OFF_ANNOUNCE)
-        self.writer_waiting = word(ctypes.c_uint32, OFF_WRITER_WAITING)
-        self.closed = word(ctypes.c_uint32, OFF_CLOSED)
-        self.tails = [word(ctypes.c_uint64, b + R_TAIL) for b in blocks]
-        self.states = [word(ctypes.c_uint32, b + R_STATE) for b in blocks]
-        self.pids = [word(ctypes.c_uint32, b + R_PID) for b in blocks]
-        self.waiting = [word(ctypes.c_uint32, b + R_WAITING) for b in blocks]
-
-    def clear(self) -> None:
-        for name in self.__slots__:
-            delattr(self, name)
-
-
 @dataclass
 class _Resources:
     """What the ring must release, shared with its finalizer (the safety net)."""
 
     mm: mmap.mmap
     buf: memoryview
-    words: _Words
+    words: RingWords
     fd: Optional[int]
     unlink_path: Optional[str]
-    watch: dict = field(default_factory=dict)
+    watch: dict[int, PeerWatch] = field(default_factory=dict)
 
     def close_fd(self) -> None:
         if self.fd is not None:
@@ -182,6 +154,8 @@ class ShmRing(RingIO):
     collectively, :meth:`from_process_group`. Close with :meth:`close` or a ``with`` block.
     """
 
+    handle: ShmRingHandle  # the full handle (RingIO reads only RingHandleFields of it)
+
     def __init__(self, handle: ShmRingHandle, fd: int, *, reader_index: Optional[int],
                  unlink_path: Optional[str], timeout: Optional[float]) -> None:
         self.handle = handle
@@ -194,14 +168,14 @@ class ShmRing(RingIO):
         except (OSError, ValueError):
             os.close(fd)  # a short or foreign file: do not leak the descriptor
             raise
-        self._w = _Words(mm, handle.num_readers)
+        self._w = RingWords(mm, handle.num_readers)
         self._base_addr = ctypes.addressof(self._w.base)
         self._head_addr = ctypes.addressof(self._w.head)  # futex addresses as plain ints
         self._tail_addrs = [ctypes.addressof(t) for t in self._w.tails]
         self._res = _Resources(mm, memoryview(mm), self._w, fd, unlink_path)
         self._finalizer = weakref.finalize(self, self._res.release)
         self._buf = self._res.buf
-        self._watch: dict[int, PeerWatch] = self._res.watch
+        self._watch = self._res.watch
         self._spin_s = _auto_spin_us(handle.num_readers) * 1e-6
         self._yield_spin = _cores() <= handle.num_readers  # fewer cores than ring processes
         self._announce_seen = 0  # reader: announce count already acted on
@@ -311,12 +285,12 @@ class ShmRing(RingIO):
         """Release the mapping (writer: mark the ring closed and wake the readers). Idempotent."""
         if not self._finalizer.alive:
             return
-        if self.is_writer:
+        me = self.reader_index
+        if me is None:  # the writer
             self._w.closed.value = 1
             fence()
             futex_wake(self._head_addr)
         else:
-            me = self.reader_index
             self._w.states[me].value = CLOSED
             fence()
             futex_wake(self._tail_addrs[me])
@@ -331,10 +305,6 @@ class ShmRing(RingIO):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def _label(self, i: Optional[int]) -> str:
-        return f"rank {self.handle.reader_ranks[i]} (reader {i})" if i is not None else \
-            f"rank {self.handle.writer_rank} (writer)"
 
 
 def ring_from_process_group(group: Any, src: int, *, readers: Optional[Sequence[int]] = None,
