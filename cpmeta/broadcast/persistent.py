@@ -1,0 +1,249 @@
+"""Persistent outputs: ``MetadataBroadcaster(..., persistent_outputs=True)`` (DESIGN 7, "Steady state").
+
+An engine pads its batches to a few captured sizes, so the same LAYOUT (fields, dtypes, shapes)
+comes back step after step. For each layout seen, every rank keeps one :class:`LayoutArena`:
+
+    host arena (uint8, the frame's tensor region byte for byte: dtype runs, 16-aligned;
+                pinned when the device is CUDA)
+    device arena (CPU: the host arena itself; CUDA: one device buffer of the same bytes)
+    md: the InputMetadata built ONCE for the layout, its tensors views of the device arena
+
+A step of a known layout then costs, besides the header and the few values::
+
+    driver     md's tensors ──pack──▶ host arena ──one memmove──▶ ring slot (frame region)
+    follower   frame region ──one memmove──▶ host arena
+    both       [CUDA: host arena ──one non-blocking H2D on the current stream──▶ device arena]
+               values set on the cached md; the cached md is returned
+
+Validity: the returned metadata lives in the broadcaster's arena of its layout; it stays valid
+until the next ``broadcast`` with the SAME layout, which overwrites it (tensors and values; it is
+the same object). A broadcast of another layout leaves it alone. At most ``MAX_LAYOUTS`` arenas
+(and ``MAX_ARENA_BYTES`` of host arena) are kept, the least recently used dropped first; a dropped
+arena's metadata stays alive (and unchanged) as long as the caller holds it.
+
+Fields the caller adds to, or replaces in, a returned metadata (``compute_attn_info`` sets new
+fields in place) are restored to the layout's state by the next step of that layout, so no stale
+field survives into a later step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import operator
+from collections import OrderedDict
+from typing import Any, Optional
+
+import torch
+
+from ..metadata import InputMetadata
+from .wire import MAX_LAYOUTS, Plan, pack_tensors
+
+__all__ = ["LayoutArena", "PersistentArenas", "MAX_ARENA_BYTES"]
+
+#: Host bytes the persistent arenas of one broadcaster may hold; past it the least recently used
+#: arenas are dropped (prompt-32k is ~2.4 MB an arena, decode-256 ~180 KB).
+MAX_ARENA_BYTES = 1 << 30
+
+_FIELD_NAMES = InputMetadata.field_names()
+_GET_ALL = operator.attrgetter(*_FIELD_NAMES)
+_DATA_PTR = torch.Tensor.data_ptr
+_IS = operator.is_
+
+
+class LayoutArena:
+    """The persistent buffers and cached metadata of one layout (see the module docstring).
+
+    ``region`` is the frame's tensor-region size for this layout (``Plan.sizes(dims)[2]``);
+    tensor ``i`` lies at ``starts[run] + sum(numel * element size of the run's earlier tensors)``,
+    exactly as in the frame. Worked example: int32 ``positions`` [3] and int32 ``block_table``
+    [3, 2] are one run at byte 0, region 48: positions is ``dev[0:12].view(int32)``, block_table
+    ``dev[12:36].view(int32).view(3, 2)``.
+    """
+
+    __slots__ = ("region", "host", "host_ptr", "dev", "md", "tensors", "event", "src_ptrs",
+                 "_offsets", "_values", "_fixed", "_snap", "_dict_snap")
+
+    def __init__(self, plan: Plan, dims: tuple[int, ...], numels: list[int], starts: list[int],
+                 region: int, values: list[Any], device: torch.device) -> None:
+        cuda = device.type == "cuda"
+        self.region = region
+        self.host = torch.empty(region, dtype=torch.uint8, pin_memory=cuda)
+        self.host_ptr = self.host.data_ptr()
+        self.dev = torch.empty(region, dtype=torch.uint8, device=device) if cuda else self.host
+        self.event: Any = torch.cuda.Event() if cuda else None
+        self.tensors = tensors = plan.views(self.dev, dims, numels, starts)
+        self.md = plan.assemble(tensors, values)
+        # byte offset of every tensor in the region: a source whose tensors lie at base + these
+        # offsets of ONE allocation is copied with one memmove (src_ptrs caches the last such base)
+        self._offsets = [t.data_ptr() - self.dev.data_ptr() for t in tensors]
+        self.src_ptrs: Optional[tuple[int, ...]] = None
+        self._values = _value_setter(plan)
+        # what the layout fixes (tensor, dict and None fields; dict entries holding tensors): the
+        # identity snapshot checked per step, restored when the caller changed it
+        vpos = {pos for pos, sub in plan.value_slots if sub is None}
+        fixed = [i for i in range(len(_FIELD_NAMES)) if i not in vpos]
+        self._fixed = (fixed, operator.itemgetter(*fixed))
+        self._snap = self._fixed[1](_GET_ALL(self.md))
+        self._dict_snap = [(d, dict(d)) for d in _GET_ALL(self.md) if type(d) is dict]
+
+    @property
+    def nbytes(self) -> int:
+        return self.region
+
+    # ---- per step ---------------------------------------------------------------------------
+    def wait_host(self) -> None:
+        """CUDA: block until the previous step's H2D copy has read the host arena (normally long
+        done), so refilling it cannot race that copy. No-op on CPU."""
+        if self.event is not None:
+            self.event.synchronize()
+
+    def fill_from(self, tensors: list[torch.Tensor], plan: Plan, numels: list[int],
+                  starts: list[int]) -> None:
+        """Driver: copy the step's tensors (layout order) into the host arena.
+
+        One ``memmove`` when they lie in one allocation at exactly this arena's offsets (checked
+        with one tuple compare per step once a source qualified), else one per tensor (CPU) or a
+        device-to-host copy per tensor (CUDA sources)."""
+        self.wait_host()
+        if not self.region:
+            return
+        ptrs = tuple(map(_DATA_PTR, tensors))
+        if ptrs == self.src_ptrs or self._single_source(ptrs, tensors):
+            ctypes.memmove(self.host_ptr, ptrs[0] - self._offsets[0], self.region)
+        elif all(t.device.type == "cpu" for t in tensors):
+            pack_tensors(self.host_ptr, tensors, plan, numels, starts)
+        else:
+            hv = plan.views(self.host, plan_dims(tensors), numels, starts)
+            for d, t in zip(hv, tensors):
+                d.copy_(t)
+
+    def _single_source(self, ptrs: tuple[int, ...], tensors: list[torch.Tensor]) -> bool:
+        """Whether every tensor lies, contiguous, in one CPU allocation at this arena's offsets
+        from one base, covering ``region`` bytes inside that allocation (then cached)."""
+        base = ptrs[0] - self._offsets[0]
+        s0 = tensors[0].untyped_storage()
+        lo, hi = s0.data_ptr(), s0.data_ptr() + s0.nbytes()
+        ok = (base >= lo and base + self.region <= hi
+              and all(p - base == o for p, o in zip(ptrs, self._offsets))
+              and all(t.device.type == "cpu" and t.is_contiguous()
+                      and t.untyped_storage().data_ptr() == lo for t in tensors))
+        if ok:
+            self.src_ptrs = ptrs
+        return ok
+
+    def copy_to(self, addr: int) -> None:
+        """Driver: the host arena into the frame's tensor region at address ``addr``."""
+        if self.region:
+            ctypes.memmove(addr, self.host_ptr, self.region)
+
+    def land(self, view: memoryview, at: int) -> None:
+        """Follower: the frame's tensor region ``view[at:at + region]`` (bounds already proven)
+        into the host arena: one ``memmove`` (a read-only view: one slice assignment)."""
+        self.wait_host()
+        n = self.region
+        if not n:
+            return
+        try:
+            c = ctypes.c_char.from_buffer(view, at)
+        except TypeError:  # read-only bytes
+            memoryview(self.host.numpy()).cast("B")[:n] = view[at:at + n]
+            return
+        try:
+            ctypes.memmove(self.host_ptr, ctypes.addressof(c), n)
+        finally:
+            del c
+
+    def finish(self, values: list[Any]) -> InputMetadata:
+        """Both sides: [CUDA: one non-blocking H2D copy of the arena, stream-ordered on the
+        current stream], the layout's fields restored if the caller changed them, this step's
+        values set; returns the cached metadata."""
+        if self.event is not None:
+            self.dev.copy_(self.host, non_blocking=True)
+            self.event.record()
+        return self._current(values)
+
+    def finish_collective(self, got: list[torch.Tensor], values: list[Any]) -> InputMetadata:
+        """Tensors that came by one collective (NCCL): copied into the arena's device views
+        (stream-ordered), then as :meth:`finish` without the H2D copy."""
+        if got:
+            torch._foreach_copy_(self.tensors, got, non_blocking=True)
+        return self._current(values)
+
+    def _current(self, values: list[Any]) -> InputMetadata:
+        md = self.md
+        if not all(map(_IS, self._fixed[1](_GET_ALL(md)), self._snap)) or not self._dicts_intact():
+            self._restore()
+        self._values(md, values)
+        return md
+
+    def _dicts_intact(self) -> bool:
+        for d, snap in self._dict_snap:
+            if len(d) != len(snap):
+                return False
+            for k, v in snap.items():
+                if isinstance(v, torch.Tensor) and d.get(k) is not v:
+                    return False
+        return True
+
+    def _restore(self) -> None:
+        """Put back every field the layout fixes (the caller replaced or added some)."""
+        for i, v in zip(self._fixed[0], self._snap):
+            setattr(self.md, _FIELD_NAMES[i], v)
+        for d, snap in self._dict_snap:
+            d.clear()
+            d.update(snap)
+
+
+def plan_dims(tensors: list[torch.Tensor]) -> list[int]:
+    """The flat dims of ``tensors`` in order (``[3], [3, 2]`` -> ``[3, 3, 2]``)."""
+    return [d for t in tensors for d in t.shape]
+
+
+def _value_setter(plan: Plan) -> Any:
+    """``f(md, values)`` writing one step's values at the layout's value paths (compiled once)."""
+    slots = [(_FIELD_NAMES[pos], sub) for pos, sub in plan.value_slots]
+    if all(sub is None for _, sub in slots):
+        names = [n for n, _ in slots]
+
+        def set_flat(md: InputMetadata, values: list[Any]) -> None:
+            for n, v in zip(names, values):
+                setattr(md, n, v)
+        return set_flat
+
+    def set_nested(md: InputMetadata, values: list[Any]) -> None:
+        for (n, sub), v in zip(slots, values):
+            if sub is None:
+                setattr(md, n, v)
+            else:
+                getattr(md, n)[sub] = v
+    return set_nested
+
+
+class PersistentArenas:
+    """One :class:`LayoutArena` per layout ``(plan key, flat dims)``, least recently used dropped
+    first past ``MAX_LAYOUTS`` arenas or ``max_bytes`` of host arena."""
+
+    def __init__(self, device: torch.device, max_bytes: int = MAX_ARENA_BYTES) -> None:
+        self.device = device
+        self.max_bytes = int(max_bytes)
+        self._arenas: "OrderedDict[tuple, LayoutArena]" = OrderedDict()
+        self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._arenas)
+
+    def get(self, plan: Plan, dims: tuple[int, ...], numels: list[int], starts: list[int],
+            region: int, values: list[Any]) -> tuple[LayoutArena, bool]:
+        """``(arena, new)``: the arena of this layout, made now (``new``) on its first step."""
+        key = (plan.key, dims)
+        a = self._arenas.get(key)
+        if a is not None:
+            self._arenas.move_to_end(key)
+            return a, False
+        while self._arenas and (len(self._arenas) >= MAX_LAYOUTS
+                                or self._bytes + region > self.max_bytes):
+            _, old = self._arenas.popitem(last=False)
+            self._bytes -= old.region
+        a = self._arenas[key] = LayoutArena(plan, dims, numels, starts, region, values, self.device)
+        self._bytes += region
+        return a, True
