@@ -1,4 +1,5 @@
-"""The one place where cpmeta reads environment variables (transport has its own envs.py).
+"""The one place where cpmeta reads environment variables (transport has its own envs.py, whose
+parsers this module uses; unset or blank means the default).
 
 | variable | meaning | default |
 |---|---|---|
@@ -13,38 +14,27 @@ The 1 MiB default comes from ``scripts/bench_broadcast.py --backend nccl --world
 
 from __future__ import annotations
 
-import os
+from transport.envs import env_bool, env_choice, env_int
 
 __all__ = ["tensor_path", "packed_max_bytes", "checksum", "TENSOR_PATHS", "CHECKSUM"]
 
 TENSOR_PATHS = ("auto", "packed", "collective")
 DEFAULT_PACKED_MAX_BYTES = 1 << 20
+TENSOR_PATH = "CPMETA_TENSOR_PATH"
+PACKED_MAX_BYTES = "CPMETA_PACKED_MAX_BYTES"
 CHECKSUM = "CPMETA_CHECKSUM"
 
 
 def tensor_path() -> str:
-    v = os.environ.get("CPMETA_TENSOR_PATH", "auto").strip().lower()
-    if v not in TENSOR_PATHS:
-        raise ValueError(f"CPMETA_TENSOR_PATH: expected one of {TENSOR_PATHS}, got {v!r}")
-    return v
+    """``CPMETA_TENSOR_PATH``: one of :data:`TENSOR_PATHS` (any case; default ``auto``)."""
+    return env_choice(TENSOR_PATH, "auto", TENSOR_PATHS)
 
 
 def packed_max_bytes() -> int:
-    v = os.environ.get("CPMETA_PACKED_MAX_BYTES", str(DEFAULT_PACKED_MAX_BYTES))
-    try:
-        n = int(v)
-    except ValueError:
-        raise ValueError(f"CPMETA_PACKED_MAX_BYTES: expected an int, got {v!r}") from None
-    if n < 0:
-        raise ValueError(f"CPMETA_PACKED_MAX_BYTES: expected >= 0, got {n}")
-    return n
+    """``CPMETA_PACKED_MAX_BYTES``: largest payload ``auto`` packs into the object message (int >= 0)."""
+    return env_int(PACKED_MAX_BYTES, DEFAULT_PACKED_MAX_BYTES, minimum=0)
 
 
 def checksum() -> bool:
     """``CPMETA_CHECKSUM``: stamp (driver) a crc32 on every broadcast frame."""
-    v = os.environ.get(CHECKSUM, "0").strip().lower()
-    if v in ("1", "true", "yes", "on"):
-        return True
-    if v in ("", "0", "false", "no", "off"):
-        return False
-    raise ValueError(f"{CHECKSUM}: expected 0/1/true/false, got {v!r}")
+    return env_bool(CHECKSUM, False)

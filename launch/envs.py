@@ -1,4 +1,5 @@
-"""The environment variables ``launch`` reads or sets (STYLE: one registry per package).
+"""The environment variables ``launch`` reads or sets (STYLE: one registry per package; parsed
+by ``transport.envs``'s helpers).
 
 torchrun sets ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and ``TORCHELASTIC_ERROR_FILE`` for every rank;
 ``python -m launch`` sets :data:`MULTICAST_OFF` and ``OMP_NUM_THREADS`` (unless already set)
@@ -8,6 +9,8 @@ before it starts them.
 from __future__ import annotations
 
 import os
+
+from transport.envs import env_int, env_str
 
 __all__ = ["local_rank", "local_world_size", "error_file", "set_default", "MULTICAST_OFF"]
 
@@ -21,17 +24,17 @@ MULTICAST_OFF: dict[str, str] = {
 
 def local_rank() -> int:
     """This rank's index on its host (torchrun's ``LOCAL_RANK``; 0 outside torchrun)."""
-    return int(os.environ.get("LOCAL_RANK", "0"))
+    return env_int("LOCAL_RANK", 0, minimum=0)
 
 
 def local_world_size() -> int:
     """Ranks on this host (torchrun's ``LOCAL_WORLD_SIZE``; 1 outside torchrun)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return env_int("LOCAL_WORLD_SIZE", 1, minimum=1)
 
 
 def error_file() -> str:
     """Where torchrun wants this rank's exception recorded (``TORCHELASTIC_ERROR_FILE``), or ''."""
-    return os.environ.get("TORCHELASTIC_ERROR_FILE", "")
+    return env_str("TORCHELASTIC_ERROR_FILE", "")
 
 
 def set_default(name: str, value: str) -> None:

@@ -1,6 +1,11 @@
 """Environment variables of the transport package (the ONLY module here that reads ``os.environ``).
 
-Every variable is read at call time (not import time), so tests can set it per process.
+Every variable is read at call time (not import time), so tests can set it per process; unset
+or empty (after stripping blanks) means the default.
+
+The typed parsers :func:`env_str`, :func:`env_bool`, :func:`env_int`, :func:`env_float` and
+:func:`env_choice` are the one place the project parses environment variables: ``cpmeta.envs``
+and ``launch.envs`` use them too. Bad values raise ``ValueError("NAME: expected ..., got ...")``.
 
 | variable | meaning | default |
 |---|---|---|
@@ -15,7 +20,7 @@ Every variable is read at call time (not import time), so tests can set it per p
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Optional, Sequence
 
 __all__ = [
     "FORCE_REMOTE",
@@ -30,6 +35,11 @@ __all__ = [
     "shm_num_slots",
     "shm_spin_us",
     "max_message_bytes",
+    "env_str",
+    "env_bool",
+    "env_int",
+    "env_float",
+    "env_choice",
 ]
 
 FORCE_REMOTE = "CPMETA_FORCE_REMOTE"
@@ -44,66 +54,127 @@ DEFAULT_SLOT_SIZE = 64 * 1024
 DEFAULT_NUM_SLOTS = 64
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 _TRUE = ("1", "true", "yes", "on")
-_FALSE = ("", "0", "false", "no", "off")
+_FALSE = ("0", "false", "no", "off")
 
 
-def _get(name: str) -> Optional[str]:
-    value = os.environ.get(name)
-    return None if value is None else value.strip()
+# ---------------------------------------------------------------------- parsers
 
 
-def _positive(name: str, default: float, kind: type = int) -> float:
-    raw = _get(name)
-    if raw is None or raw == "":
+def _raw(name: str) -> Optional[str]:
+    """The stripped value of ``name``, or None when it is unset or blank."""
+    value = os.environ.get(name, "").strip()
+    return value or None
+
+
+def _bad(name: str, expected: str, raw: str) -> ValueError:
+    return ValueError(f"{name}: expected {expected}, got {raw!r}")
+
+
+def env_str(name: str, default: str) -> str:
+    """``name`` exactly as set (not stripped), or ``default`` when unset."""
+    return os.environ.get(name, default)
+
+
+def env_bool(name: str, default: bool) -> bool:
+    """``name`` as a flag: 1/true/yes/on or 0/false/no/off (any case); unset or blank = default.
+
+    Example: ``CPMETA_CHECKSUM=Yes`` -> True; ``CPMETA_CHECKSUM=maybe`` -> ``ValueError(
+    "CPMETA_CHECKSUM: expected 0/1/true/false, got 'maybe'")``.
+    """
+    raw = _raw(name)
+    if raw is None:
         return default
+    if raw.lower() in _TRUE:
+        return True
+    if raw.lower() in _FALSE:
+        return False
+    raise _bad(name, "0/1/true/false", raw)
+
+
+def env_int(name: str, default: int, *, minimum: Optional[int] = None) -> int:
+    """``name`` as an int (>= ``minimum`` when given); unset or blank = default.
+
+    Example: ``env_int("CPMETA_SHM_NUM_SLOTS", 64, minimum=1)`` with the variable set to ``-3``
+    -> ``ValueError("CPMETA_SHM_NUM_SLOTS: expected an int >= 1, got '-3'")``.
+    """
+    raw = _raw(name)
+    if raw is None:
+        return default
+    expected = "an int" if minimum is None else f"an int >= {minimum}"
     try:
-        value = kind(raw)
+        value = int(raw)
     except ValueError:
-        raise ValueError(f"{name}: expected a positive {kind.__name__}, got {raw!r}") from None
-    if value <= 0:
-        raise ValueError(f"{name}: expected a positive {kind.__name__}, got {raw!r}")
+        raise _bad(name, expected, raw) from None
+    if minimum is not None and value < minimum:
+        raise _bad(name, expected, raw)
     return value
+
+
+def env_float(name: str, default: float, *, minimum: Optional[float] = None,
+              positive: bool = False) -> float:
+    """``name`` as a float, >= ``minimum`` when given, > 0 when ``positive``; unset or blank =
+    default. Example: ``env_float("CPMETA_TRANSPORT_TIMEOUT", 300.0, positive=True)`` with the
+    variable set to ``soon`` -> ``ValueError("CPMETA_TRANSPORT_TIMEOUT: expected a float > 0,
+    got 'soon'")``.
+    """
+    raw = _raw(name)
+    if raw is None:
+        return default
+    expected = "a float" + (" > 0" if positive else "" if minimum is None else f" >= {minimum:g}")
+    try:
+        value = float(raw)
+    except ValueError:
+        raise _bad(name, expected, raw) from None
+    if (minimum is not None and value < minimum) or (positive and value <= 0):
+        raise _bad(name, expected, raw)
+    return value
+
+
+def env_choice(name: str, default: str, choices: Sequence[str]) -> str:
+    """``name`` lower-cased, one of ``choices``; unset or blank = default.
+
+    Example: ``env_choice("CPMETA_TENSOR_PATH", "auto", ("auto", "packed", "collective"))`` with
+    the variable set to ``Packed`` -> ``"packed"``; set to ``nccl`` -> ``ValueError(
+    "CPMETA_TENSOR_PATH: expected one of ('auto', 'packed', 'collective'), got 'nccl'")``.
+    """
+    raw = _raw(name)
+    if raw is None:
+        return default
+    if raw.lower() not in choices:
+        raise _bad(name, f"one of {tuple(choices)}", raw)
+    return raw.lower()
+
+
+# ---------------------------------------------------------------------- the variables
 
 
 def force_remote() -> bool:
     """``CPMETA_FORCE_REMOTE``: force the process-group path for every follower."""
-    raw = (_get(FORCE_REMOTE) or "").lower()
-    if raw in _TRUE:
-        return True
-    if raw in _FALSE:
-        return False
-    raise ValueError(f"{FORCE_REMOTE}: expected 0/1/true/false, got {raw!r}")
+    return env_bool(FORCE_REMOTE, False)
 
 
 def transport_timeout() -> float:
     """``CPMETA_TRANSPORT_TIMEOUT`` in seconds (float > 0)."""
-    return float(_positive(TRANSPORT_TIMEOUT, DEFAULT_TIMEOUT_S, float))
+    return env_float(TRANSPORT_TIMEOUT, DEFAULT_TIMEOUT_S, positive=True)
 
 
 def shm_slot_size() -> int:
     """``CPMETA_SHM_SLOT_SIZE`` in bytes."""
-    return int(_positive(SHM_SLOT_SIZE, DEFAULT_SLOT_SIZE))
+    return env_int(SHM_SLOT_SIZE, DEFAULT_SLOT_SIZE, minimum=1)
 
 
 def shm_num_slots() -> int:
     """``CPMETA_SHM_NUM_SLOTS``."""
-    return int(_positive(SHM_NUM_SLOTS, DEFAULT_NUM_SLOTS))
+    return env_int(SHM_NUM_SLOTS, DEFAULT_NUM_SLOTS, minimum=1)
 
 
 def shm_spin_us() -> Optional[float]:
-    """``CPMETA_SHM_SPIN_US``: None = automatic; 0 disables spinning."""
-    raw = _get(SHM_SPIN_US)
-    if raw is None or raw == "":
+    """``CPMETA_SHM_SPIN_US`` in microseconds (float >= 0): None = automatic; 0 disables spinning."""
+    if _raw(SHM_SPIN_US) is None:
         return None
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{SHM_SPIN_US}: expected microseconds >= 0, got {raw!r}") from None
-    if value < 0:
-        raise ValueError(f"{SHM_SPIN_US}: expected microseconds >= 0, got {raw!r}")
-    return value
+    return env_float(SHM_SPIN_US, 0.0, minimum=0.0)
 
 
 def max_message_bytes() -> int:
     """``CPMETA_MAX_MESSAGE_BYTES``: decode / ring-read size limit."""
-    return int(_positive(MAX_MESSAGE_BYTES, DEFAULT_MAX_MESSAGE_BYTES))
+    return env_int(MAX_MESSAGE_BYTES, DEFAULT_MAX_MESSAGE_BYTES, minimum=1)
