@@ -5,9 +5,10 @@ meanings, only at paths, dtypes and shapes) plus two carriers that make every me
 self-checking:
 
 - ``num_seqs`` = the step number (a lost or duplicated message shows up as a wrong step);
-- ``total_k_compressed`` = ``{path with '.' -> ':': crc32}`` over EVERY tensor path of the
-  message (dtype, shape and bytes), so a missing, extra, truncated or corrupted field is caught
-  without regenerating the payload.
+- ``total_k_compressed`` = ``{path key: crc32}`` over EVERY tensor path of the message (dtype,
+  shape and bytes), so a missing, extra, truncated or corrupted field is caught without
+  regenerating the payload. The key of a path is a ratio-like decimal string (``str(crc32(path)
+  + 1)``), the only key type the broadcast schema allows in a dict field.
 
 Sizes are drawn per step from four classes relative to ``ring_bytes`` (the shared-memory ring of
 the test): tiny (< 1 KiB), small (1-16 KiB), ring-sized (up to the ring) and larger than the ring
@@ -40,6 +41,7 @@ __all__ = [
     "verify_payload",
     "payload_equal",
     "field_checksum",
+    "path_key",
     "rss_bytes",
     "project_shm_entries",
     "project_fds",
@@ -125,8 +127,16 @@ def make_payload(seed: int, step: int, ring_bytes: int = 64 * 1024) -> InputMeta
 
 
 def _checksums(md: InputMetadata) -> dict[str, int]:
-    return {path.replace(".", ":"): field_checksum(v)
+    return {path_key(path): field_checksum(v)
             for path, v in md.to_flatten_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def path_key(path: str) -> str:
+    """The checksum map's key of a tensor path: a positive decimal string (a valid ratio key).
+
+    Example: ``path_key("klen.4") == str(zlib.crc32(b"klen.4") + 1)``.
+    """
+    return str(zlib.crc32(path.encode()) + 1)
 
 
 def verify_payload(md: InputMetadata, step: int) -> int:
@@ -137,8 +147,10 @@ def verify_payload(md: InputMetadata, step: int) -> int:
     want = getattr(md, CHECKSUM_FIELD)
     assert isinstance(want, dict), f"step {step}: checksum map missing ({want!r})"
     have = _checksums(md)
-    assert set(have) == set(want), f"step {step}: paths differ: {sorted(set(have) ^ set(want))}"
-    bad = [p for p in want if have[p] != want[p]]
+    names = {path_key(p): p for p in md.to_flatten_dict()}  # key -> path, for the messages
+    diff = sorted(names.get(k, k) for k in set(have) ^ set(want))
+    assert set(have) == set(want), f"step {step}: paths differ: {diff}"
+    bad = [names[p] for p in want if have[p] != want[p]]
     assert not bad, f"step {step}: checksum mismatch in {bad}"
     return sum(v.numel() * v.element_size() for v in md.to_flatten_dict().values()
                if isinstance(v, torch.Tensor))

@@ -103,7 +103,7 @@ def test_out_buffers_receive_in_place() -> None:
 
 def _layout_cache(rank: int, world: int) -> list:
     import cpmeta
-    import cpmeta.broadcast.broadcaster as bb
+    import cpmeta.broadcast.integrity as bb  # frame_crc: the driver seals frames with it
 
     res = []
     with cpmeta.MetadataBroadcaster(src=0, timeout=30) as bc:

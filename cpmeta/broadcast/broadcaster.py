@@ -32,9 +32,9 @@ from transport.codec import CodecError, decode_body, encode_body  # cpmeta -> tr
 
 from .. import envs
 from ..metadata import InputMetadata
-from . import wire
+from . import integrity, wire
 from .wire import (FLAG_CRC, FLAG_LAYOUT, FLAG_PACKED, FRAME_MAGIC, HEADER, MAX_LAYOUTS, Plan,
-                   WireError, collect, frame_crc, layout_id, pack_tensors)
+                   WireError, collect, layout_id, pack_tensors)
 
 __all__ = ["MetadataBroadcaster", "SCHEMA_FINGERPRINT", "MESSAGE_VERSION"]
 
@@ -42,7 +42,6 @@ logger = logging.getLogger(__name__)
 
 MESSAGE_VERSION = wire.MESSAGE_VERSION
 SCHEMA_FINGERPRINT = wire.SCHEMA_FINGERPRINT
-_U32 = struct.Struct("<I")
 
 
 def _align(n: int, a: int) -> int:
@@ -75,7 +74,12 @@ class MetadataBroadcaster:
         timeout: seconds any wait may take before a ``TimeoutError`` naming the lagging rank.
         force_remote: send the frame through the process group even on one host.
         checksum: stamp a crc32 on every frame (default ``CPMETA_CHECKSUM``); followers verify
-            any frame that carries one.
+            any frame that carries one and, with it on, refuse a frame without one. Every rank
+            must use the same setting (checked at construction: ``ValueError`` naming the ranks).
+        persistent_outputs: every rank gets metadata whose tensors live in the broadcaster's
+            arena for the step's layout (fields, dtypes, shapes), the same object each time that
+            layout comes back: valid until the next ``broadcast`` with the same layout
+            (``cpmeta.broadcast.persistent``). Default: fresh tensors every call.
     """
 
     def __init__(
@@ -89,6 +93,7 @@ class MetadataBroadcaster:
         timeout: Optional[float] = None,
         force_remote: Optional[bool] = None,
         checksum: Optional[bool] = None,
+        persistent_outputs: bool = False,
     ) -> None:
         from transport import ObjectChannel  # cpmeta -> transport, never the reverse
 
@@ -109,10 +114,16 @@ class MetadataBroadcaster:
         self._packed_max = envs.packed_max_bytes()
         self._backend = backend
         self._objects = ObjectChannel(self.group, self.src, timeout=timeout, force_remote=force_remote)
+        integrity.agree_checksum(self._objects.ctrl, self.checksum)
         self._tensors: Any = None  # TensorChannel, created on first collective use
         self._layouts: dict[tuple, tuple[int, Plan, bytes]] = {}  # driver: key -> (id, plan, block)
         self._plans: dict[int, tuple[bytes, Plan]] = {}  # follower: layout id -> (block, plan)
         self._pin = self.device.type == "cuda"
+        self._persist: Any = None  # PersistentArenas with persistent_outputs=True
+        if persistent_outputs:
+            from .persistent import PersistentArenas
+
+            self._persist = PersistentArenas(self.device)
         self._closed = False
 
     # ---- public ---------------------------------------------------------------------------
@@ -205,15 +216,22 @@ class MetadataBroadcaster:
         if lid < 0:
             lid = layout_id(lblock)
         dims = [d for t in tensors for d in t.shape]
-        numels, starts, tbytes = plan.split(dims)
+        numels, starts, tbytes, exact = plan.sizes(dims)
         packed = self._use_packed(tensors, tbytes)
+        plan.check_values(values)  # a bad value is the driver's ValueError naming the path
         vblock = encode_body(values)
         shapes_at = _align(HEADER.size + len(lblock) + len(vblock), 8)
         data_at = _align(shapes_at + 8 * plan.n_dims, 16)
         flags = (FLAG_LAYOUT if lblock else 0) | (FLAG_PACKED if packed else 0) | (
             FLAG_CRC if self.checksum else 0)
+        arena = None
+        if self._persist is not None and out is None:  # one copy in, one memmove out per step
+            arena = self._persist.get(plan, tuple(dims), numels, starts, tbytes, values)[0]
+            if packed:
+                arena.fill_from(tensors, plan, numels, starts)
         staged = None
-        if packed and (self.device.type != "cpu" or any(t.device.type != "cpu" for t in tensors)):
+        if arena is None and packed and (
+                self.device.type != "cpu" or any(t.device.type != "cpu" for t in tensors)):
             staged = torch.empty(tbytes, dtype=torch.uint8, pin_memory=self._pin)
             cpu = [t if t.device.type == "cpu" else t.cpu() for t in tensors]
             pack_tensors(staged.data_ptr(), cpu, plan, numels, starts)
@@ -221,20 +239,24 @@ class MetadataBroadcaster:
         def fill(view: memoryview, addr: int) -> None:
             HEADER.pack_into(view, 0, FRAME_MAGIC, wire.MESSAGE_VERSION, flags,
                              wire.SCHEMA_FINGERPRINT.encode(), lid, 0, len(lblock), len(vblock),
-                             plan.n_dims, 0, tbytes if packed else 0)
+                             plan.n_dims, 0, exact if packed else 0)
             at = HEADER.size
             view[at:at + len(lblock)] = lblock
             at += len(lblock)
             view[at:at + len(vblock)] = vblock
             plan.shapes.pack_into(view, shapes_at, *dims)
-            if staged is not None:
+            if arena is not None and packed:
+                arena.copy_to(addr + data_at)
+            elif staged is not None:
                 view[data_at:data_at + tbytes] = _bytes_of(staged)
             elif packed:
                 pack_tensors(addr + data_at, tensors, plan, numels, starts)
-            if self.checksum:
-                _U32.pack_into(view, wire.CRC_AT, frame_crc(view))
+            integrity.seal(view, data_at, self.checksum)
 
         self._objects.send_frame(data_at + (tbytes if packed else 0), fill)
+        if arena is not None:
+            return arena.finish(values) if packed else arena.finish_collective(
+                self._tensor_channel().broadcast(tensors), values)
         if not packed:
             got = self._tensor_channel().broadcast(tensors)
         elif staged is not None:
@@ -261,6 +283,14 @@ class MetadataBroadcaster:
                 specs.append((wire.WIRE_DTYPES[c], tuple(dims[at:at + nd])))
                 at += nd
             got = self._tensor_channel().broadcast(specs)
+            if self._persist is not None and out is None:
+                return self._persist.get(plan, dims, numels, starts, plan.sizes(dims)[2],
+                                         values)[0].finish_collective(got, values)
+        elif self._persist is not None:  # buf is the layout's arena (landed by _consume)
+            if out is None:
+                return buf.finish(values)
+            got = buf.tensors
+            buf.finish(values)
         else:
             if self.device.type != "cpu":
                 buf = buf.to(self.device, non_blocking=True)
@@ -277,7 +307,7 @@ class MetadataBroadcaster:
         n = view.nbytes
         if n < HEADER.size:
             raise WireError(f"truncated frame: {n} bytes")
-        (magic, version, flags, schema, lid, crc, llen, vlen, n_dims, _, tbytes
+        (magic, version, flags, schema, lid, crc, llen, vlen, n_dims, meta, tbytes
          ) = HEADER.unpack_from(view, 0)
         if magic != FRAME_MAGIC:
             raise WireError(f"bad magic {bytes(magic)!r} (not a metadata frame)")
@@ -289,15 +319,8 @@ class MetadataBroadcaster:
                 f"rank {self.rank}: InputMetadata schema fingerprint mismatch: driver "
                 f"{bytes(schema).decode('ascii', 'replace')!r}, this rank {wire.SCHEMA_FINGERPRINT!r} "
                 "(driver and follower run different cpmeta versions)")
-        if flags & ~wire.KNOWN_FLAGS:
-            raise WireError(f"unknown flags {flags:#x}")
-        if flags & FLAG_CRC and frame_crc(view) != crc:
-            raise RuntimeError(f"rank {self.rank}: metadata frame from src={self.src} fails its "
-                               f"crc32 check (corrupted in transit)")
-        shapes_at = _align(HEADER.size + llen + vlen, 8)
-        data_at = _align(shapes_at + 8 * n_dims, 16)
-        if data_at + tbytes > n or (flags & FLAG_LAYOUT) == 0 and llen:
-            raise WireError(f"frame of {n} bytes is shorter than its blocks declare")
+        shapes_at, data_at = integrity.check_frame(view, flags, crc, meta, llen, vlen, n_dims,
+                                                   self.checksum)
         plan = None
         if flags & FLAG_LAYOUT:
             block = bytes(view[HEADER.size:HEADER.size + llen])
@@ -305,14 +328,7 @@ class MetadataBroadcaster:
             if cached is not None and cached[0] == block:
                 plan = cached[1]
             else:
-                if layout_id(block) != lid:
-                    raise WireError(f"layout block does not match its id {lid}")
-                lay = decode_body(block, max_bytes=n)
-                if (type(lay) is not list or len(lay) != 4 or type(lay[0]) is not str
-                        or type(lay[1]) is not list or type(lay[2]) is not list
-                        or type(lay[3]) is not str):
-                    raise WireError("layout block: expected [paths, codes, ndims, value paths]")
-                plan = Plan(*lay)
+                plan = integrity.plan_from_block(block, lid)
         else:
             cached = self._plans.get(lid)
             block, plan = cached if cached is not None else (b"", None)
@@ -322,21 +338,20 @@ class MetadataBroadcaster:
                 "which this rank never received (it joined late or missed a frame); every rank "
                 "must construct the broadcaster together and receive every step")
         values = decode_body(view[HEADER.size + llen:HEADER.size + llen + vlen], max_bytes=n)
-        if type(values) is not list or len(values) != len(plan.value_targets):
-            raise WireError("values block does not match the layout")
+        plan.check_values(values)
         if n_dims != plan.n_dims:
             raise WireError(f"{n_dims} dims declared, the layout has {plan.n_dims}")
         dims = plan.shapes.unpack_from(view, shapes_at)
-        if dims and (min(dims) < 0 or max(dims) > wire.MAX_DIM):
-            raise WireError("tensor dims out of range")
-        numels, starts, total = plan.split(dims)
+        numels, starts, total = plan.check_tensors(dims, bool(flags & FLAG_PACKED), tbytes,
+                                                   n - data_at)
         if not flags & FLAG_PACKED:
-            if tbytes:
-                raise WireError("tensor bytes in a frame without FLAG_PACKED")
             self._keep_plan(lid, block, plan)
             return plan, values, dims, numels, starts, None
-        if total != tbytes:
-            raise WireError(f"tensors need {total} bytes, the frame declares {tbytes}")
+        if self._persist is not None:  # the frame's region into the layout's arena, one memmove
+            arena = self._persist.get(plan, dims, numels, starts, total, values)[0]
+            arena.land(view, data_at)
+            self._keep_plan(lid, block, plan)
+            return plan, values, dims, numels, starts, arena
         buf = torch.empty(total, dtype=torch.uint8, pin_memory=self._pin)
         if total:
             _copy_out(buf, view, data_at, total)

@@ -3,11 +3,11 @@
 Frame (little-endian; offsets in bytes from the frame start, which is a ring payload or the
 process-group buffer)::
 
-    0     4    6    8                  24         28     32       36       40      44    48         56
-    +-----+----+----+------------------+----------+------+--------+--------+-------+-----+----------+
-    |CPMB |ver |flag| schema (16 B)    | layout id| crc32| layout | values | n_dims| 0   | tensor   |
-    |     |u16 |u16 | SCHEMA_FINGERPRINT| u32     | u32  | len u32| len u32| u32   |     | bytes u64|
-    +-----+----+----+------------------+----------+------+--------+--------+-------+-----+----------+
+    0     4    6    8                  24         28     32       36       40      44       48         56
+    +-----+----+----+------------------+----------+------+--------+--------+-------+--------+----------+
+    |CPMB |ver |flag| schema (16 B)    | layout id| crc32| layout | values | n_dims| meta   | tensor   |
+    |     |u16 |u16 | SCHEMA_FINGERPRINT| u32     | u32  | len u32| len u32| u32   | crc u32| bytes u64|
+    +-----+----+----+------------------+----------+------+--------+--------+-------+--------+----------+
     56: layout block (only with FLAG_LAYOUT): msgpack [tensor paths, dtype codes, ndims, value paths]
         values block: msgpack list, one value per value path of the layout
         shapes: n_dims int64 (8-aligned), every tensor's dims in layout order
@@ -23,12 +23,26 @@ is refused with a clear error, never misread. A plan is cached only once its fra
 check.
 
 Worked example (decode, 2 tensors): ``positions`` int32 [3] and ``block_table`` int32 [3, 2]
-form ONE run (same dtype), dims ``[3, 3, 2]``: run start 0, numels ``[3, 6]``, 36 bytes, total
-48 (rounded up to 16); the follower does ``buf[0:36].view(int32).split([3, 6])`` and views the
-second chunk as [3, 2].
+form ONE run (same dtype), dims ``[3, 3, 2]``: run start 0, numels ``[3, 6]``, 36 bytes exact
+(the header's tensor bytes), region 48 (rounded up to 16, the frame's length past the shapes);
+the follower does ``buf[0:36].view(int32).split([3, 6])`` and views the second chunk as [3, 2].
 
-``crc32`` (``FLAG_CRC``, opt-in ``CPMETA_CHECKSUM=1``) covers every byte of the frame except the
-crc word itself; a follower verifies it whenever the flag is set.
+Strict parsing (untrusted bytes; ``cpmeta.broadcast.integrity`` checks the frame, the plan the
+rest). Header tensor bytes = the EXACT payload, ``sum(numel_i * element_size_i)``; the region
+(runs 16-aligned, end rounded up to 16) is computed from the shapes and the frame must be exactly
+``data_at + region`` long, so a shape word changed by one is a refusal even when the alignment
+padding would absorb it. Every dim is in ``[0, MAX_DIM]``. The meta crc (always on) covers the
+frame up to the tensors (header, layout, values, shapes) without the two crc words; ``crc32``
+(``FLAG_CRC``, opt-in ``CPMETA_CHECKSUM=1``) covers every byte but its own word, and a follower
+running with the checksum refuses a frame without it. A new layout is checked ONCE against
+``InputMetadata``'s schema (``cpmeta.broadcast.schema``) when its plan is built, in time linear
+in its size (at most ``schema.MAX_LAYOUT_PATHS`` paths, ``MAX_LAYOUT_BYTES`` of block).
+
+A repeated layout is checked cheaply: the plan is found by id (one dict lookup, the block
+compared only when resent); ``plan.check_values(values)`` is one comparison of the values' type
+tuple with the tuple compiled for the layout plus one min/max over its ints; ``plan.check_tensors``
+compares the dims with the last frame's dims (one tuple compare) and then only two integers
+(exact payload vs header, region vs bytes left).
 """
 
 from __future__ import annotations
@@ -38,6 +52,7 @@ import hashlib
 import operator
 import struct
 import zlib
+from itertools import accumulate
 from math import prod
 from dataclasses import fields
 from typing import Any, Optional
@@ -45,21 +60,28 @@ from typing import Any, Optional
 import torch
 
 from ..metadata import InputMetadata
+from .schema import MAX_LAYOUT_PATHS, ValueCheck, check_layout
 
 __all__ = ["MESSAGE_VERSION", "SCHEMA_FINGERPRINT", "FRAME_MAGIC", "HEADER", "WIRE_DTYPES",
            "FLAG_LAYOUT", "FLAG_CRC", "FLAG_PACKED", "KNOWN_FLAGS", "Plan", "WireError", "layout_id",
-           "collect", "frame_crc", "MAX_LAYOUTS"]
+           "collect", "frame_crc", "MAX_LAYOUTS", "MAX_DIM", "MAX_NDIM", "MAX_LAYOUT_BYTES",
+           "META_CRC_AT", "CRC_AT", "MAX_COLLECTIVE_BYTES", "meta_crc"]
 
-#: Version of the broadcast frame (4: one frame with a cached layout; 3 was the three-layer one).
-MESSAGE_VERSION = 4
+#: Version of the broadcast frame (5: exact tensor bytes + meta crc; 4: one frame with a cached
+#: layout; 3 was the three-layer one).
+MESSAGE_VERSION = 5
 FRAME_MAGIC = b"CPMB"
 HEADER = struct.Struct("<4sHH16sIIIIIIQ")
 CRC_AT = 28  # byte offset of the crc32 word in HEADER
+META_CRC_AT = 44  # byte offset of the meta crc32 word (header + layout + values + shapes)
 FLAG_LAYOUT, FLAG_CRC, FLAG_PACKED = 1, 2, 4
 KNOWN_FLAGS = FLAG_LAYOUT | FLAG_CRC | FLAG_PACKED
 PACK_ALIGN = 16  # every dtype run starts at a multiple of this many bytes
 MAX_LAYOUTS = 256  # layouts a follower keeps (and the driver assumes it keeps)
-MAX_DIM = 1 << 48
+MAX_DIM = 1 << 48  # largest single dim a follower accepts
+MAX_NDIM = 16  # largest tensor rank a layout may declare
+MAX_LAYOUT_BYTES = 1 << 16  # largest layout block a follower decodes (1024 paths fit easily)
+MAX_COLLECTIVE_BYTES = 1 << 32  # most tensor bytes a frame may announce for the collective path
 _SHAPE = struct.Struct("<q")
 
 #: Wire code of a dtype = its index here (append only: the codes are part of the frame).
@@ -235,19 +257,33 @@ class Plan:
     """
 
     def __init__(self, paths: str, codes: list[int], ndims: list[int], vpaths: str) -> None:
+        """Build (and check, once) the plan of one layout; linear in the layout's size.
+
+        Raises ``WireError``/``schema.LayoutError`` (ValueErrors naming the path) for a layout
+        that ``InputMetadata``'s schema does not allow, or larger than ``MAX_LAYOUT_PATHS``
+        (counted before anything is split).
+        """
+        n_paths = (paths.count(_SEP) + paths.count(_ALIAS) + 1 if paths else 0) + (
+            vpaths.count(_SEP) + 1 if vpaths else 0)
+        if n_paths > MAX_LAYOUT_PATHS or len(codes) > MAX_LAYOUT_PATHS:
+            raise WireError(f"layout has {max(n_paths, len(codes))} paths, more than "
+                            f"MAX_LAYOUT_PATHS={MAX_LAYOUT_PATHS}")
         tpaths = [p.split(_ALIAS) for p in paths.split(_SEP)] if paths else []
         vlist = vpaths.split(_SEP) if vpaths else []
         if not (len(tpaths) == len(codes) == len(ndims)):
             raise WireError("layout lists disagree in length")
         if any(type(c) is not int or not 0 <= c < len(WIRE_DTYPES) for c in codes):
-            raise WireError(f"unknown dtype code in {codes}")
-        if any(type(d) is not int or not 0 <= d <= 16 for d in ndims):
-            raise WireError(f"bad tensor rank in {ndims}")
+            raise WireError(f"unknown dtype code in {codes[:16]}")
+        if any(type(d) is not int or not 0 <= d <= MAX_NDIM for d in ndims):
+            raise WireError(f"bad tensor rank (0..{MAX_NDIM}) in {ndims[:16]}")
+        if any(a > b for a, b in zip(codes, codes[1:])):
+            raise WireError("layout tensors are not ordered by dtype code (one run per dtype)")
+        targets, value_targets = check_layout(tpaths, vlist)
         self.codes, self.ndims, self.n_dims = codes, ndims, sum(ndims)
         self.key = (paths, tuple(codes), tuple(ndims), vpaths)
         self.shapes = struct.Struct(f"<{self.n_dims}q")
         self.all_1d = all(d == 1 for d in ndims)
-        starts = [sum(ndims[:i]) for i in range(len(ndims))]
+        starts = [0, *accumulate(ndims)][:len(ndims)]  # dims index of each tensor's first dim
         self.reshape = [(i, at, nd) for i, (at, nd) in enumerate(zip(starts, ndims)) if nd != 1]
         self.runs: list[tuple[int, int, int]] = []
         i = 0
@@ -257,8 +293,11 @@ class Plan:
                 j += 1
             self.runs.append((codes[i], i, j + 1))
             i = j + 1
-        self.targets = [[_target(p) for p in ps] for ps in tpaths]
-        self.value_targets = [_target(p) for p in vlist]
+        self.targets = targets
+        self.value_targets = value_targets
+        self.check_values = ValueCheck(value_targets)
+        self.tensor_paths = [ps[0] for ps in tpaths]  # for error messages
+        self._last: tuple[tuple, tuple] = ((-1,), ())  # dims of the last sizes() -> its result
         self.layout_block: Optional[bytes] = None  # driver: encoded once
         # split: dims index of each tensor's first dim (1-D tensors: that dim is the numel)
         # (0-d tensors: a placeholder, set to 1 by the reshape list)
@@ -279,19 +318,69 @@ class Plan:
 
     # ---- per step, both sides --------------------------------------------------------------
     def split(self, dims: tuple[int, ...] | list[int]) -> tuple[list[int], list[int], int]:
-        """``(numels, run starts, total bytes)`` of the tensors with these flat ``dims``."""
+        """``(numels, run starts, region bytes)`` of the tensors with these flat ``dims``."""
+        return self.sizes(dims)[:3]
+
+    def sizes(self, dims: tuple[int, ...] | list[int]) -> tuple[list[int], list[int], int, int]:
+        """``(numels, run starts, region bytes, exact payload bytes)`` for these flat ``dims``.
+
+        Runs start 16-aligned and the region is rounded up to 16; the exact payload is
+        ``sum(numel_i * element_size_i)`` (what the header declares). Worked example: bool [406]
+        and bool [406] then int32 [406]: bool run 812 B at 0, int32 run at 816 (812 rounded up),
+        region 816 + 1624 = 2440 -> 2448, exact 812 + 1624 = 2436. The last call's dims and
+        result are kept: the same dims again (a repeated layout with fixed shapes) cost one
+        tuple comparison. The returned lists are shared: do not modify them.
+        """
+        dims = tuple(dims)
+        last = self._last
+        if last[0] == dims:
+            return last[1]
         if self.all_1d:
             numels = list(dims)
         else:
             numels = self.first_dim(dims)
             for i, at, nd in self.reshape:
                 numels[i] = prod(dims[at:at + nd])
-        starts, pos = [], 0
+        starts, pos, exact = [], 0, 0
         for sl, esz, _ in self.run_slices:
             pos = -(-pos // PACK_ALIGN) * PACK_ALIGN
             starts.append(pos)
-            pos += sum(numels[sl]) * esz
-        return numels, starts, -(-pos // PACK_ALIGN) * PACK_ALIGN
+            n = sum(numels[sl]) * esz
+            pos += n
+            exact += n
+        res = (numels, starts, -(-pos // PACK_ALIGN) * PACK_ALIGN, exact)
+        self._last = (dims, res)
+        return res
+
+    def check_tensors(self, dims: tuple[int, ...], packed: bool, tbytes: int, avail: int
+                      ) -> tuple[list[int], list[int], int]:
+        """Follower: ``(numels, run starts, region)`` of a frame's ``dims`` once they are proven.
+
+        Every dim in ``[0, MAX_DIM]``; ``packed``: the exact payload equals the header's
+        ``tbytes`` and the region equals ``avail`` (the frame's bytes after its shapes), so no
+        product can exceed the frame; not packed (tensors follow in a collective): ``tbytes`` and
+        ``avail`` are 0 and the payload is at most ``MAX_COLLECTIVE_BYTES``. A mismatch is a
+        ``WireError`` listing the declared shapes by path.
+        """
+        if self._last[0] != dims and dims and (min(dims) < 0 or max(dims) > MAX_DIM):
+            raise WireError(f"tensor dims out of range [0, 2**48]: {self._shapes_text(dims)}")
+        numels, starts, region, exact = self.sizes(dims)
+        if packed:
+            if exact != tbytes or region != avail:
+                raise WireError(f"tensor shapes declare {exact} bytes (region {region}), the frame "
+                                f"declares {tbytes} (region {avail}): {self._shapes_text(dims)}")
+        elif tbytes or avail or exact > MAX_COLLECTIVE_BYTES:
+            raise WireError(f"frame without FLAG_PACKED: {tbytes} tensor bytes and {avail} bytes "
+                            f"after the shapes (expected 0), {exact} bytes to receive")
+        return numels, starts, region
+
+    def _shapes_text(self, dims: tuple[int, ...], most: int = 8) -> str:
+        """``"positions [3], block_tables [3, 2], ..."`` for error messages."""
+        out, at = [], 0
+        for path, code, nd in zip(self.tensor_paths, self.codes, self.ndims):
+            out.append(f"{path} {list(dims[at:at + nd])} {WIRE_DTYPES[code]}".replace("torch.", ""))
+            at += nd
+        return ", ".join(out[:most]) + (f", ... ({len(out)} tensors)" if len(out) > most else "")
 
     def views(self, buf: torch.Tensor, dims: Any, numels: list[int], starts: list[int]
               ) -> list[torch.Tensor]:
@@ -336,14 +425,6 @@ class Plan:
         return InputMetadata(**{n: v for n, v in zip(_FIELD_NAMES, row) if v is not None})
 
 
-def _target(path: str) -> tuple[str, Optional[str]]:
-    name, dot, sub = path.partition(".")
-    if name not in _FIELDS:
-        raise WireError(f"layout names an unknown field {path!r}")
-    return name, (sub if dot else None)
-
-
-_FIELDS = frozenset(InputMetadata.field_names())
 _FIELD_NAMES = InputMetadata.field_names()
 _N_FIELDS = len(_FIELD_NAMES)
 # Plan.assemble passes a positional row when every field is an init field defaulting to None
@@ -377,5 +458,15 @@ def layout_id(block: bytes | memoryview) -> int:
 
 
 def frame_crc(view: memoryview) -> int:
-    """crc32 of the frame without its crc word."""
+    """crc32 of the frame without its crc word (the meta crc word included)."""
     return zlib.crc32(view[CRC_AT + 4:], zlib.crc32(view[:CRC_AT]))
+
+
+def meta_crc(view: memoryview, data_at: int) -> int:
+    """crc32 of ``view[:data_at]`` (header, layout, values, shapes) without the two crc words.
+
+    Example: ``data_at = 128`` hashes bytes 0-27, 32-43 and 48-127 (120 bytes).
+    """
+    c = zlib.crc32(view[:CRC_AT])
+    c = zlib.crc32(view[CRC_AT + 4:META_CRC_AT], c)
+    return zlib.crc32(view[META_CRC_AT + 4:data_at], c)
