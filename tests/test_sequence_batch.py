@@ -96,7 +96,8 @@ def test_random_engram_prompt(case: tuple[MetadataConfig, list[SequenceMetadata]
 @SETTINGS
 @given(case=prompt_cases())
 def test_random_yoco_prompt(mode: str, case: tuple[MetadataConfig, list[SequenceMetadata]]) -> None:
-    cfg = dataclasses.replace(case[0], yoco_keep_tokens=5, yoco_mode=mode)
+    # YoCo limits the sliding window, so it needs one (MetadataConfig refuses window_size 0)
+    cfg = dataclasses.replace(case[0], yoco_keep_tokens=5, yoco_mode=mode, window_size=case[0].window_size or 1)
     _same(case[1], cfg, True)
     md = prepare_prompt(case[1], dataclasses.replace(cfg, yoco_keep_tokens=None))
     got = build_yoco_fields(md, _by_hand(case[1], cfg, True), cfg)
