@@ -1,0 +1,383 @@
+#!/usr/bin/env python
+"""Context-parallel greedy generation with a real HuggingFace Llama, from cpmeta's broadcast alone.
+
+    python scripts/cp_generate.py --cp 2
+    python scripts/cp_generate.py --cp 3 --interleave 16 --dtype float64      # KV interleave = block size
+    python scripts/cp_generate.py --cp 2 --config seed                        # the seed's compressed config
+    python scripts/cp_generate.py --cp 1 --device cuda --dtype bfloat16       # NCCL world 1
+    python scripts/cp_generate.py --cp 2 --device cuda --dtype float32        # gloo ranks sharing cuda:0
+
+``--cp N`` ranks (spawned processes, torch.distributed: gloo, NCCL for ``--device cuda --cp 1``)
+each build the same tiny ``transformers`` Llama (``cp_llama.TINY_LLAMA``: 2 layers, hidden 64,
+4 heads, 2 KV heads, vocab 128, random weights from ``--seed``; nothing is downloaded). Rank 0
+is the driver: its tiny scheduler keeps the requests in a ``cpmeta.BatchState``, builds each
+step's metadata (``prepare_prompt`` / ``prepare_decode``) and broadcasts it with
+``cpmeta.MetadataBroadcaster``. Followers never see a scheduler object: token ids come from
+``md.input_ids``, block tables from the metadata, sampled tokens from the next step's metadata.
+Every step has a placeholder sequence (no KV written, no keys read).
+
+KV layout: every rank owns a paged cache ``[layers, blocks, block_size, KVH, D]``; with the
+plain config the keys are interleaved over the group (``kv_cp_world_size = cp``, position p on
+rank ``(p // I) % cp``), with the seed config every rank holds all keys (``kv_cp_world_size = 1``:
+the compressed config refuses sharding). Per step and layer:
+
+prefill (zigzag, chunked prompt: ``--chunk`` tokens per request per step)
+    rows: ``mine = prepare_for_mirror_cp(md, r, p)``, ids ``mirror_rows(md.input_ids,
+    mine.mirror_cp_index, 0)``, positions ``mine.positions``. Write: the slots from
+    ``compute_slot_mapping_from_metadata(md, ...)`` are FULL-ORDER rows, while a rank computed
+    K/V only for its mirror rows, and the owner of a key (by position) is usually another rank
+    than the one that computed it; so K/V of the rows are all-gathered and restored with
+    ``unmirror(parts, mine.mirror_cp_reverse_index)``, and every rank writes the rows whose slot
+    is not -1 (its share). Read: ``cp_kv_read_plan(md, cfg, cp_rank=r)`` lists the keys this
+    rank holds of every sequence, history (earlier chunks) and this chunk; their K/V (and, once
+    per step, their (sequence, position) labels) are padded to ``plan.max_total`` and
+    all-gathered, and each rank attends its own rows over every key of their sequence at a
+    position <= the row's. Outputs (logits) are all-gathered and un-mirrored.
+decode (one row per request; interleaved KV)
+    every rank computes q/k/v of all rows, the owner writes the new key (slot != -1), each rank
+    attends over its local shard (``plan.slots``: ``cp_local_seqlens(pos + 1)`` keys per row)
+    and returns output + log-sum-exp; the ranks combine by LSE (``cp_llama.combine_lse``).
+
+Rank 0 then runs the UNMODIFIED model in one process: ``generate(do_sample=False)`` per request,
+and one forward over prompt + generated tokens (teacher forcing) for the logits. It prints the
+tokens, whether they equal ``generate``'s, and the max |logit diff| over every row; exit code 1
+on a mismatch (float64: logits within 1e-9 and tokens equal to ``generate``; float32/bfloat16:
+logits within the dtype's tolerance and every greedy token equal to the reference's argmax on
+the same inputs, since a near-tie may flip between two correct low-precision runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import cpmeta  # noqa: E402
+from cpmeta import InputMetadata, MetadataConfig  # noqa: E402
+
+from cp_llama import (NO_GROUP, PagedKVCache, all_gather, build_model, combine_lse,  # noqa: E402
+                      forward_rows, partial_attention)
+
+if not hasattr(cpmeta, "cp_kv_read_plan"):  # SHIM: until the read side is exported
+    from cpmeta.config import blocks_needed as _bn
+    from cpmeta.cp.kv_read_plan import cp_kv_read_plan as _plan
+    cpmeta.cp_kv_read_plan, cpmeta.blocks_needed = _plan, _bn  # type: ignore[attr-defined]
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+#: max |logit diff| allowed vs the single-process model, per dtype
+TOLERANCE = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 0.25}
+
+
+@dataclasses.dataclass(frozen=True)
+class GenOptions:
+    """One run of the example (every rank gets the same copy)."""
+
+    cp: int = 2
+    interleave: int = 1  # kv_cp_interleave I (plain config)
+    dtype: str = "float64"
+    device: str = "cpu"
+    config: str = "plain"  # "plain" or "seed"
+    prompt_lens: tuple[int, ...] = (45, 61, 38)
+    chunk: int = 32  # prompt tokens per request per prefill step
+    new_tokens: int = 4
+    seed: int = 0
+    block_size: int = 16
+    max_model_len: int = 256
+    num_blocks: int = 64  # per rank cache size (same on every rank: the engine's memory budget)
+
+
+def make_config(o: GenOptions) -> MetadataConfig:
+    """``plain``: no compressed KV, no sliding window, KV interleaved over the CP group.
+    ``seed``: the seed's compressed fields (dense (4,), sparse (4,), window 16), unused by the
+    Llama attention; KV replicated (``kv_cp_world_size = 1``)."""
+    if o.config == "plain":
+        return MetadataConfig(block_size=o.block_size, max_model_len=o.max_model_len,
+                              dense_compress_ratios=(), sparse_compress_ratios=(), window_size=0,
+                              kv_cp_world_size=o.cp, kv_cp_interleave=o.interleave)
+    if o.config == "seed":
+        return MetadataConfig(block_size=o.block_size, max_model_len=o.max_model_len,
+                              dense_compress_ratios=(4,), sparse_compress_ratios=(4,),
+                              window_size=16, swa_block_size=16)
+    raise ValueError(f"config: expected 'plain' or 'seed', got {o.config!r}")
+
+
+def kv_blocks(seqlen_k: int, cfg: MetadataConfig) -> int:
+    """Blocks a table needs for ``seqlen_k`` UNCOMPRESSED keys (the Llama's KV), at least what the
+    builders validate (``cpmeta.blocks_needed``; for the seed config that counts compressed
+    blocks, fewer). Sharded KV: rank 0's share (the largest), e.g. 45 keys, cp 2, I 1 -> 23 keys
+    -> 2 blocks of 16."""
+    share = cpmeta.cp_local_seqlens(torch.tensor([seqlen_k]), cfg.kv_cp_world_size, 0,
+                                    cfg.kv_cp_interleave)
+    return max(cpmeta.blocks_needed(seqlen_k, cfg), -(-int(share[0]) // cfg.block_size))
+
+
+class Driver:
+    """Rank 0's tiny scheduler: requests in a ``BatchState``, chunked prefill, then greedy decode.
+
+    ``next_metadata()`` builds the step (``None`` when every request has ``new_tokens`` tokens),
+    ``accept(md, logits)`` records the full-order logits rows per request and samples greedily.
+    """
+
+    def __init__(self, o: GenOptions, cfg: MetadataConfig, vocab: int) -> None:
+        self.o, self.cfg = o, cfg
+        gen = torch.Generator().manual_seed(o.seed + 1)
+        self.prompts = [torch.randint(vocab, (n,), generator=gen).tolist() for n in o.prompt_lens]
+        self.free = torch.randperm(o.num_blocks, generator=gen).tolist()  # shuffled block ids
+        self.st = cpmeta.BatchState(cfg, max_seqs=len(self.prompts))
+        self.slots = [self.st.add_request(i, p, block_table=self._alloc(kv_blocks(len(p), cfg)),
+                                          state_id=i) for i, p in enumerate(self.prompts)]
+        self.generated: list[list[int]] = [[] for _ in self.prompts]
+        self.logits: list[dict[int, torch.Tensor]] = [{} for _ in self.prompts]  # position -> row
+        self.step_reqs: list[int] = []
+
+    def _alloc(self, n: int) -> list[int]:
+        if n > len(self.free):
+            raise RuntimeError(f"out of KV blocks: need {n}, {len(self.free)} free")
+        got, self.free = self.free[:n], self.free[n:]
+        return got
+
+    def next_metadata(self) -> Optional[InputMetadata]:
+        st, o = self.st, self.o
+        todo = [i for i, s in enumerate(self.slots) if st.num_computed[s] < len(self.prompts[i])]
+        if todo:  # chunked prefill first
+            slots = np.array([self.slots[i] for i in todo])
+            chunks = np.minimum(st.prompt_len[slots] - st.num_computed[slots], o.chunk)
+            self.step_reqs = todo
+            return cpmeta.prepare_prompt(st.prompt_batch(slots, chunks, num_placeholders=1), self.cfg)
+        todo = [i for i in range(len(self.slots)) if len(self.generated[i]) < o.new_tokens]
+        if not todo:
+            return None
+        for i in todo:  # the table must cover seqlen_k = every confirmed token
+            s = self.slots[i]
+            need = kv_blocks(int(st.num_tokens[s]), self.cfg) - int(st.num_blocks[s])
+            if need > 0:
+                st.append_blocks(s, self._alloc(need))
+        self.step_reqs = todo
+        batch = st.decode_batch(np.array([self.slots[i] for i in todo]), num_placeholders=1)
+        return cpmeta.prepare_decode(batch, self.cfg)
+
+    def accept(self, md: InputMetadata, logits: torch.Tensor) -> None:
+        """``logits`` [total_q, vocab] in full row order; sequence j of the step is request
+        ``step_reqs[j]`` (placeholders come after the requests and are ignored)."""
+        cu, pos = md.cu_seqlens_q.tolist(), md.positions.tolist()
+        for j, i in enumerate(self.step_reqs):
+            for row in range(cu[j], cu[j + 1]):
+                self.logits[i][pos[row]] = logits[row].cpu()
+            s = self.slots[i]
+            if self.st.num_computed[s] >= len(self.prompts[i]):  # prompt done (or decode): sample
+                token = int(logits[cu[j + 1] - 1].argmax())
+                self.generated[i].append(token)
+                self.st.append_tokens(s, [token])
+
+
+def _gather_unmirror(rows: torch.Tensor, mine: InputMetadata) -> torch.Tensor:
+    """Collective: every rank's mirror rows -> the full row order (``cpmeta.unmirror``)."""
+    return cpmeta.unmirror(all_gather(rows), mine.mirror_cp_reverse_index)
+
+
+def _kv_rank(cfg: MetadataConfig, rank: int) -> int:
+    """This rank's index in the KV sharding (0 with replicated KV: every rank holds every key)."""
+    return rank if cfg.kv_cp_world_size > 1 else 0
+
+
+def _write_slots(md: InputMetadata, cfg: MetadataConfig, rank: int) -> torch.Tensor:
+    """[total_q] slots of the FULL-ORDER rows in this rank's cache (-1: not its key, placeholder)."""
+    return cpmeta.compute_slot_mapping_from_metadata(
+        md, cfg.block_size, cp_world_size=cfg.kv_cp_world_size, cp_rank=_kv_rank(cfg, rank),
+        cp_interleave=cfg.kv_cp_interleave)
+
+
+def _pad(t: torch.Tensor, n: int, value: float) -> torch.Tensor:
+    """``t`` [m, ...] padded to [n, ...] with ``value`` (n >= m): equal shapes for all_gather."""
+    return torch.cat([t, t.new_full((n - t.shape[0], *t.shape[1:]), value)])
+
+
+def prefill_step(model: Any, cache: PagedKVCache, md: InputMetadata, cfg: MetadataConfig,
+                 rank: int, world: int) -> torch.Tensor:
+    """Collective (every rank). Zigzag prefill of one chunked prompt step; returns the logits
+    [total_q, vocab] of every row in full order (on every rank)."""
+    dev = cache.k.device
+    mine = cpmeta.prepare_for_mirror_cp(md, rank, world)
+    ids = cpmeta.mirror_rows(md.input_ids, mine.mirror_cp_index, 0)
+    pos = mine.positions.to(dev, torch.int64)
+    row_seq = torch.searchsorted(md.cu_seqlens_q[1:].to(dev, torch.int64),
+                                 mine.mirror_cp_index.to(dev, torch.int64).clamp(min=0), right=True)
+    row_seq = torch.where(mine.valid_token_mask.to(dev), row_seq, NO_GROUP)  # pad, placeholder
+    slots = _write_slots(md, cfg, rank).to(dev)
+    plan = cpmeta.cp_kv_read_plan(md, cfg, cp_rank=_kv_rank(cfg, rank))
+    n_seq = plan.seqlens.shape[0]
+    k_seq = torch.repeat_interleave(torch.arange(n_seq), plan.seqlens.long().cpu()).to(dev)
+    labels = torch.stack([k_seq, plan.positions.to(dev, torch.int64)], dim=1)  # [n_local, 2]
+    sharded = cfg.kv_cp_world_size > 1
+    if sharded:  # every rank's keys, labelled; once per step (the same for every layer)
+        labels = torch.cat(all_gather(_pad(labels, plan.max_total, NO_GROUP)))
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        kv = _gather_unmirror(torch.stack([k, v], dim=1), mine)  # [total_q, 2, KVH, D] full order
+        cache.write(layer, slots, kv[:, 0], kv[:, 1])
+        keys, vals = cache.read(layer, plan.slots)  # history + this chunk held here
+        if sharded:
+            both = torch.cat(all_gather(_pad(torch.stack([keys, vals], dim=1), plan.max_total, 0.0)))
+            keys, vals = both[:, 0], both[:, 1]
+        out, _ = partial_attention(q, row_seq, pos, keys, vals, labels[:, 0], labels[:, 1])
+        return out
+
+    logits = forward_rows(model, ids, pos, attend)
+    return _gather_unmirror(logits, mine)
+
+
+def decode_step(model: Any, cache: PagedKVCache, md: InputMetadata, cfg: MetadataConfig,
+                rank: int, world: int) -> torch.Tensor:
+    """Collective (every rank). One decode step over interleaved KV; returns logits [total_q,
+    vocab] (every rank computes every row; the attention is combined by LSE across ranks)."""
+    dev = cache.k.device
+    pos = md.positions.to(dev, torch.int64)
+    rows = torch.arange(pos.shape[0], device=dev)
+    slots = _write_slots(md, cfg, rank).to(dev)
+    plan = cpmeta.cp_kv_read_plan(md, cfg, cp_rank=_kv_rank(cfg, rank))
+    k_row = torch.repeat_interleave(rows.cpu(), plan.seqlens.long().cpu()).to(dev)
+    k_pos = plan.positions.to(dev, torch.int64)
+
+    def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cache.write(layer, slots, k, v)  # the owner of the new key (slot != -1) stores it
+        keys, vals = cache.read(layer, plan.slots)  # this rank's shard of every row's keys
+        out, lse = partial_attention(q, rows, pos, keys, vals, k_row, k_pos)
+        if cfg.kv_cp_world_size > 1:
+            out = combine_lse(all_gather(out), all_gather(lse))
+        return out
+
+    return forward_rows(model, md.input_ids, pos, attend)
+
+
+def _keep_going(flag: bool, device: torch.device) -> bool:
+    """Collective: rank 0's ``flag`` on every rank (the broadcaster has no end-of-stream)."""
+    t = torch.tensor([int(flag)], device=device)
+    dist.broadcast(t, src=0)
+    return bool(t.item())
+
+
+def run_rank(rank: int, world: int, o: GenOptions) -> Optional[dict[str, Any]]:
+    """Every rank of an initialised process group: the engine loop. Rank 0 returns the report of
+    :func:`compare`, the others ``None``."""
+    device = torch.device("cuda", 0) if o.device == "cuda" else torch.device("cpu")
+    cfg = make_config(o)
+    model = build_model(DTYPES[o.dtype], device, o.seed)
+    cache = PagedKVCache.allocate(model, o.num_blocks, cfg.block_size)
+    driver = Driver(o, cfg, model.config.vocab_size) if rank == 0 else None
+    flag_dev = device if "nccl" in str(dist.get_backend()).lower() else torch.device("cpu")
+    with cpmeta.MetadataBroadcaster(src=0) as bc, torch.inference_mode():
+        while True:
+            md = driver.next_metadata() if driver is not None else None
+            if not _keep_going(md is not None, flag_dev):
+                break
+            md = bc.broadcast(md)  # every rank: the driver's metadata, nothing else
+            step = prefill_step if md.is_prompt else decode_step
+            logits = step(model, cache, md, cfg, rank, world)
+            if driver is not None:
+                driver.accept(md, logits)
+    return compare(model, driver, o) if driver is not None else None
+
+
+def compare(model: Any, driver: Driver, o: GenOptions) -> dict[str, Any]:
+    """The unmodified model in one process vs the CP run: tokens and every row's logits.
+
+    ``teacher_forced_equal``: each CP token is the reference's argmax on the same inputs, at
+    every step where the reference's top-2 margin exceeds twice the tolerance (a closer near-tie
+    may flip between two correct runs of that precision; counted in ``near_ties``)."""
+    tokens, ref_tokens, forced, near_ties = [], [], True, 0
+    worst, tol = torch.zeros((), dtype=torch.float64), TOLERANCE[o.dtype]
+    dev = model.lm_head.weight.device
+    with torch.inference_mode():
+        for i, prompt in enumerate(driver.prompts):
+            p = torch.tensor([prompt], device=dev)
+            ref = model.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=o.new_tokens,
+                                 do_sample=False)[0, len(prompt):]  # mask: token 0 is the pad id
+            got = driver.generated[i]
+            full = torch.tensor([prompt + got[:-1]], device=dev)
+            ref_logits = model(full).logits[0].cpu().double()  # teacher-forced on the CP tokens
+            cp_logits = torch.stack([driver.logits[i][t] for t in range(full.shape[1])]).double()
+            worst = torch.maximum(worst, (cp_logits - ref_logits).abs().max())  # NaN propagates
+            top2 = ref_logits[len(prompt) - 1:].topk(2, dim=-1)
+            decisive = top2.values[:, 0] - top2.values[:, 1] > 2 * tol
+            forced &= bool((top2.indices[:, 0] == torch.tensor(got))[decisive].all())
+            near_ties += int((~decisive).sum())
+            tokens.append(got)
+            ref_tokens.append(ref.tolist())
+    diff = float(worst)
+    equal = tokens == ref_tokens
+    ok = diff <= tol and (equal if o.dtype == "float64" else forced)
+    return {"tokens": tokens, "generate_tokens": ref_tokens, "tokens_equal_generate": equal,
+            "teacher_forced_equal": forced, "near_ties": near_ties, "max_logit_diff": diff,
+            "tolerance": tol, "ok": ok, "options": dataclasses.asdict(o)}
+
+
+def _spawned(rank: int, world: int, port: int, o: GenOptions, queue: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    backend = "nccl" if o.device == "cuda" and world == 1 else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    try:
+        result = run_rank(rank, world, o)
+        if rank == 0:
+            queue.put(result)
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(o: GenOptions) -> dict[str, Any]:
+    """Run the example on ``o.cp`` spawned processes; returns rank 0's report."""
+    import socket
+
+    import torch.multiprocessing as tmp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    queue = tmp.get_context("spawn").SimpleQueue()
+    tmp.spawn(_spawned, args=(o.cp, port, o, queue), nprocs=o.cp, join=True)
+    return queue.get()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cp", type=int, default=2)
+    p.add_argument("--interleave", type=int, default=1)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float64")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--config", choices=("plain", "seed"), default="plain")
+    p.add_argument("--new-tokens", type=int, default=4)
+    p.add_argument("--chunk", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="also write the report here")
+    a = p.parse_args(argv)
+    if a.cp < 1 or a.interleave < 1 or a.chunk < 1 or a.new_tokens < 1:
+        p.error("--cp, --interleave, --chunk and --new-tokens must be >= 1")
+    o = GenOptions(cp=a.cp, interleave=a.interleave, dtype=a.dtype, device=a.device,
+                   config=a.config, new_tokens=a.new_tokens, chunk=a.chunk, seed=a.seed)
+    r = launch(o)
+    print(f"cp={o.cp} interleave={o.interleave} dtype={o.dtype} device={o.device} config={o.config}")
+    for i, (got, ref) in enumerate(zip(r["tokens"], r["generate_tokens"])):
+        print(f"request {i}: cp tokens {got}  generate {ref}  {'==' if got == ref else '!='}")
+    print(f"tokens equal generate: {r['tokens_equal_generate']}; teacher-forced argmax equal: "
+          f"{r['teacher_forced_equal']} ({r['near_ties']} near-ties skipped); max |logit diff| {r['max_logit_diff']:.3g} "
+          f"(tolerance {r['tolerance']:g}) -> {'OK' if r['ok'] else 'MISMATCH'}")
+    if a.json:
+        Path(a.json).write_text(json.dumps(r, indent=1))
+    return 0 if r["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
