@@ -1,0 +1,499 @@
+"""Fuzz of the broadcast wire (issue 26): every hostile frame is the original or a clean refusal.
+
+Frames come from a REAL driver (``MetadataBroadcaster._send``) and go to a real follower's parse
+path (``broadcast(None)`` -> ``_receive`` -> ``_consume``), in process: a loopback stands in for
+the ring (``_Loop``), torch.distributed is faked only while the two broadcasters are built. The
+frame format is re-implemented here (offsets, the meta crc) as an independent reference.
+
+Mutations of real prompt / decode / mirror / random-payload frames (first frames with the layout
+block and later id-only frames, checksum off and on):
+
+- raw (corruption in transit): bit flips anywhere or in the header/blocks, truncation, junk
+  appended, shape words +-1, FLAG_CRC cleared;
+- sealed (a writer that recomputes the crcs): shape words +-1, header words, the layout id,
+  FLAG_CRC cleared under the checksum.
+
+Every outcome must be: equal to the original; or a ``RuntimeError`` naming the rank; or -- only
+for a raw change confined to the tensor bytes, checksum off -- the original with different tensor
+bytes (same paths, dtypes, shapes, values, aliasing). Header, shape, layout and values corruption
+is never accepted as something else. Crafted layouts with a correct id (wrong field kinds, dotted
+and non-ratio keys, duplicates, 1,025 and 100,000 paths) and wrong value types are refused
+naming the path. Last, 2 real ranks over the ring and the process-group path.
+
+Seeds: ``random`` is seeded per test by tests/conftest.py (``CPMETA_HYPOTHESIS_PROFILE=explore``
+or ``CPMETA_TEST_SEED`` for fresh ones). ``pytest -s`` prints the outcome counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import struct
+import time
+import zlib
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+from multiproc import run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+HEADER = struct.Struct("<4sHH16sIIIIIIQ")  # magic ver flags schema lid crc llen vlen n_dims meta tbytes
+AT = {"flags": 6, "lid": 24, "crc": 28, "llen": 32, "vlen": 36, "n_dims": 40, "meta": 44, "tbytes": 48}
+FMT = {"flags": "<H", "tbytes": "<Q"}
+FLAG_LAYOUT, FLAG_CRC, FLAG_PACKED = 1, 2, 4
+MUTATIONS_PER_FRAME = 250  # x 2 frames x 8 payloads x 2 checksum settings = 8,000 per run
+U32 = struct.Struct("<I")
+
+
+# ----------------------------------------------------------------------------- frame reference
+
+def _align(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+def parts(frame: bytes) -> dict:
+    """Header words and block offsets of a v5 frame (docs in cpmeta/broadcast/wire.py)."""
+    (_, _, flags, _, lid, _, llen, vlen, n_dims, _, tbytes) = HEADER.unpack_from(frame, 0)
+    shapes_at = _align(HEADER.size + llen + vlen, 8)
+    data_at = _align(shapes_at + 8 * n_dims, 16)
+    return {"flags": flags, "lid": lid, "llen": llen, "vlen": vlen, "n_dims": n_dims,
+            "tbytes": tbytes, "shapes_at": shapes_at, "data_at": data_at,
+            "dims": list(struct.unpack_from(f"<{n_dims}q", frame, shapes_at))}
+
+
+def reseal(frame: bytes | bytearray) -> bytes:
+    """What a writer that knows the format does: recompute the meta crc (bytes before the
+    tensors, both crc words left out) and, when FLAG_CRC is set, the frame crc."""
+    b = bytearray(frame)
+    if len(b) < HEADER.size:
+        return bytes(b)
+    (_, _, flags, _, _, _, llen, vlen, n_dims, _, _) = HEADER.unpack_from(b, 0)
+    end = min(_align(_align(HEADER.size + llen + vlen, 8) + 8 * n_dims, 16), len(b))
+    meta = zlib.crc32(bytes(b[48:end]), zlib.crc32(bytes(b[32:44]), zlib.crc32(bytes(b[:28]))))
+    U32.pack_into(b, AT["meta"], meta)
+    if flags & FLAG_CRC:
+        U32.pack_into(b, AT["crc"], zlib.crc32(bytes(b[32:]), zlib.crc32(bytes(b[:28]))))
+    return bytes(b)
+
+
+def build(layout: list, values: list, dims: list[int], data: bytes, flags: int, *,
+          tbytes: int, lid: int | None = None) -> bytes:
+    """A sealed v5 frame from its parts (the layout id = crc32 of the encoded block)."""
+    from cpmeta.broadcast.wire import MESSAGE_VERSION, SCHEMA_FINGERPRINT
+    from transport import encode_body
+
+    lblock = encode_body(layout) if flags & FLAG_LAYOUT else b""
+    vblock = encode_body(values)
+    lid = zlib.crc32(lblock) if lid is None else lid
+    head = HEADER.pack(b"CPMB", MESSAGE_VERSION, flags, SCHEMA_FINGERPRINT.encode(), lid, 0,
+                       len(lblock), len(vblock), len(dims), 0, tbytes)
+    out = bytearray(head + lblock + vblock)
+    out += bytes(_align(len(out), 8) - len(out)) + struct.pack(f"<{len(dims)}q", *dims)
+    out += bytes(_align(len(out), 16) - len(out))
+    return reseal(bytes(out) + data)
+
+
+# ----------------------------------------------------------------------------- loopback ranks
+
+class _Loop:
+    """Stands in for ObjectChannel: the driver's frames are kept, the follower reads ``inbox``."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        self.frames: list[bytes] = []
+        self.inbox = b""
+        self.timeout, self.ctrl, self.ring = 30.0, None, None
+
+    def send_frame(self, nbytes: int, fill: Any) -> None:
+        from transport.coalesce import tensor_memoryview
+
+        t = torch.zeros(nbytes, dtype=torch.uint8)
+        fill(tensor_memoryview(t), t.data_ptr())
+        self.frames.append(bytes(tensor_memoryview(t)))
+
+    def recv_frame(self, consumer: Any) -> Any:
+        return consumer(memoryview(bytearray(self.inbox)))
+
+    def announce(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def loopback() -> Iterator[Any]:
+    """``make(rank, checksum)`` -> a real MetadataBroadcaster on a :class:`_Loop` (2-rank group)."""
+    from unittest import mock
+
+    import torch.distributed as dist
+    import transport
+    from cpmeta import MetadataBroadcaster
+    from cpmeta.broadcast import integrity
+
+    rank = [0]
+    group = object()
+
+    def make(r: int, checksum: bool) -> Any:
+        rank[0] = r
+        return MetadataBroadcaster(group=group, src=0, checksum=checksum)
+
+    with mock.patch.object(dist, "get_rank", lambda *a: rank[0]), \
+            mock.patch.object(dist, "get_backend", lambda *a: "gloo"), \
+            mock.patch.object(dist, "get_process_group_ranks", lambda *a: [0, 1]), \
+            mock.patch.object(transport, "ObjectChannel", _Loop), \
+            mock.patch.object(integrity, "agree_checksum", lambda *a: None):
+        yield make
+
+
+def receive(fol: Any, frame: bytes) -> Any:
+    fol._objects.inbox = frame
+    return fol.broadcast(None)
+
+
+# ----------------------------------------------------------------------------- payloads, diff
+
+def payloads() -> list[tuple[str, Any]]:
+    """Real metadata: prompt, decode, aliased, empty dict, CP mirror, random reliability payloads."""
+    import cpmeta
+    from reliability_cases import make_payload
+    from test_broadcast_multirank import _random_case
+
+    out = []
+    for i, is_prompt in ((0, True), (1, False), (2, True), (3, False)):
+        cfg, md = _random_case(26, i, is_prompt)
+        out.append((f"{'prompt' if is_prompt else 'decode'}-{i}", md))
+    cfg, md = _random_case(26, 4, False)
+    out.append(("decode-aliased-empty-dict", md.replace(positions_cp=md.positions, ks={})))
+    cfg, md = _random_case(26, 5, True)
+    out.append(("prompt-cp-mirror", cpmeta.prepare_for_mirror_cp(md, 1, 2)))
+    out += [(f"reliability-{s}", make_payload(26, s, 8192)) for s in (1, 2)]
+    return out
+
+
+def _flat(md: Any) -> dict:
+    return md.to_flatten_dict()
+
+
+def _aliases(flat: dict) -> set:
+    groups: dict[int, set] = {}
+    for p, v in flat.items():
+        if isinstance(v, torch.Tensor):
+            groups.setdefault(id(v), set()).add(p)
+    return {frozenset(g) for g in groups.values() if len(g) > 1}
+
+
+def compare(want: Any, got: Any) -> str:
+    """``equal``; ``tensor-bytes`` (only tensor bytes differ); ``empty-shape`` (only the shape
+    of tensors with no elements before and after differs); else ``misread: <what>``."""
+    a, b = _flat(want), _flat(got)
+    if a.keys() != b.keys():
+        return f"misread: paths {sorted(a.keys() ^ b.keys())}"
+    if _aliases(a) != _aliases(b):
+        return "misread: aliasing"
+    found = "equal"
+    for p, x in a.items():
+        y = b[p]
+        if isinstance(x, torch.Tensor):
+            if not isinstance(y, torch.Tensor) or x.dtype != y.dtype:
+                return f"misread: {p} {y!r:.40}"
+            if x.shape != y.shape:
+                if x.numel() or y.numel():
+                    return f"misread: {p} {tuple(x.shape)} -> {tuple(y.shape)}"
+                found = "empty-shape"
+            elif not torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)):
+                if found == "equal":
+                    found = "tensor-bytes"
+        elif type(x) is not type(y) or x != y:
+            return f"misread: value {p} {y!r:.40}"
+    return found
+
+
+# ----------------------------------------------------------------------------- mutations
+
+def mutate(frame: bytes, rng: random.Random, checksum: bool) -> tuple[str, bytes, bool, int]:
+    """``(kind, frame, sealed, first changed byte)`` of one random mutation."""
+    p = parts(frame)
+    b = bytearray(frame)
+    op = rng.randrange(10)
+    if op in (0, 1):  # raw bit flips anywhere / before the tensors
+        hi = len(b) if op == 0 else p["data_at"]
+        at = sorted(rng.randrange(hi) for _ in range(rng.randint(1, 3)))
+        for i in at:
+            b[i] ^= 1 << rng.randrange(8)
+        return ("flip" if op == 0 else "flip-head"), bytes(b), False, at[0]
+    if op == 2:
+        cut = rng.randrange(len(b))
+        return "truncate", bytes(b[:cut]), rng.random() < 0.5, cut
+    if op == 3:
+        return "extend", bytes(b) + rng.randbytes(rng.randint(1, 64)), rng.random() < 0.5, len(b)
+    if op in (4, 5) and p["n_dims"]:  # a shape word +-1, raw or sealed
+        k = rng.randrange(p["n_dims"])
+        at = p["shapes_at"] + 8 * k
+        struct.pack_into("<q", b, at, p["dims"][k] + rng.choice((-1, 1)))
+        return ("shape" if op == 5 else "shape-raw"), bytes(b), op == 5, at
+    if op == 6:  # a header word, sealed
+        name = rng.choice(("llen", "vlen", "n_dims", "tbytes", "flags", "lid"))
+        fmt = FMT.get(name, "<I")
+        (old,) = struct.unpack_from(fmt, b, AT[name])
+        new = rng.choice((old + 1, old - 1, old ^ (1 << rng.randrange(16)), 0, 1 << 31)) if \
+            name != "flags" else old ^ rng.choice((FLAG_LAYOUT, FLAG_PACKED, FLAG_CRC, 8))
+        struct.pack_into(fmt, b, AT[name], new % (1 << (8 * struct.calcsize(fmt))))
+        return f"header-{name}", bytes(b), True, AT[name]
+    if op == 7 and p["flags"] & FLAG_CRC:  # the flag cleared: raw and sealed
+        struct.pack_into("<H", b, AT["flags"], p["flags"] & ~FLAG_CRC)
+        sealed = rng.random() < 0.5
+        return ("clear-crc" if sealed else "clear-crc-raw"), bytes(b), sealed, AT["flags"]
+    # op 8, 9 (and the skipped cases): bytes inside the tensor region only, raw
+    if len(b) > p["data_at"]:
+        i = rng.randrange(p["data_at"], len(b))
+        b[i] ^= 1 << rng.randrange(8)
+        return "tensor-byte", bytes(b), False, i
+    return "noop", bytes(b), False, len(b)
+
+
+def _outcome(fol: Any, want: Any, frame: bytes) -> tuple[str, str]:
+    try:
+        got = receive(fol, frame)
+    except RuntimeError as e:
+        return ("refused" if "rank 1" in str(e) else "refused-unnamed"), str(e)
+    except Exception as e:  # noqa: BLE001 - anything else is a finding
+        return f"unclean {type(e).__name__}", str(e)
+    return compare(want, got), ""
+
+
+def _allowed(kind: str, outcome: str, sealed: bool, first: int, data_at: int, checksum: bool,
+             same_length: bool) -> bool:
+    if outcome in ("equal", "refused"):
+        return True
+    if outcome == "tensor-bytes":  # only raw changes confined to the tensor bytes, checksum off
+        return not checksum and not sealed and first >= data_at and same_length
+    # a writer that recomputes the crcs can resize a tensor with no elements ([0, 4] -> [0, 5]):
+    # no byte count changes; only the meta crc protects those dims against corruption in transit
+    return outcome == "empty-shape" and kind == "shape" and sealed
+
+
+@pytest.mark.parametrize("checksum", [False, True], ids=["plain", "checksum"])
+def test_mutated_real_frames_are_equal_or_refused(checksum: bool) -> None:
+    rng = random.Random(random.randrange(1 << 30))
+    counts: dict[tuple[str, str], int] = {}
+    bad = []
+    with loopback() as make:
+        drv = make(0, checksum)
+        for name, md in payloads():
+            drv.broadcast(md)
+            drv.broadcast(md)
+            first, later = drv._objects.frames[-2:]
+            assert parts(first)["flags"] & FLAG_LAYOUT and not parts(later)["flags"] & FLAG_LAYOUT
+            for orig in (first, later):
+                fol = make(1, checksum)
+                assert compare(md, receive(fol, first)) == "equal"  # it holds the layout now
+                for _ in range(MUTATIONS_PER_FRAME):
+                    kind, frame, sealed, at = mutate(orig, rng, checksum)
+                    if sealed:
+                        frame = reseal(frame)
+                    outcome, msg = _outcome(fol, md, frame)
+                    key = (kind, outcome.split(":")[0])
+                    counts[key] = counts.get(key, 0) + 1
+                    if not _allowed(kind, outcome, sealed, at, parts(orig)["data_at"], checksum,
+                                    len(frame) == len(orig)):
+                        bad.append((name, kind, sealed, outcome, msg[:160]))
+                assert compare(md, receive(fol, later)) == "equal"  # still in step
+    total = sum(counts.values())
+    print(f"\nwire fuzz checksum={checksum}: {total} mutations; " + ", ".join(
+        f"{k}/{o}: {n}" for (k, o), n in sorted(counts.items())))
+    assert total >= 1000
+    assert not bad, bad[:10]
+
+
+# ----------------------------------------------------------------------------- crafted layouts
+
+def _base() -> tuple[Any, bytes]:
+    from cpmeta.metadata import InputMetadata
+
+    i32 = torch.int32
+    md = InputMetadata(
+        is_prompt=False, num_seqs=2, total_q=3, positions=torch.arange(3, dtype=i32),
+        positions_c={"4": torch.arange(3, dtype=i32)}, klen={"4": torch.ones(3, dtype=i32)},
+        ks={}, total_k_compressed={"4": 7}, block_tables=torch.arange(6, dtype=i32).view(3, 2),
+        gate_force_random=torch.zeros(3, dtype=torch.bool))
+    with loopback() as make:
+        drv = make(0, False)
+        drv.broadcast(md)
+    return md, drv._objects.frames[-1]
+
+
+def _crafted(frame: bytes) -> list[tuple[str, str, bytes]]:
+    """(name, text the refusal must contain, sealed frame) built from one valid first frame."""
+    from transport import decode_body
+
+    p = parts(frame)
+    lay = decode_body(frame[HEADER.size:HEADER.size + p["llen"]])
+    vals = decode_body(frame[HEADER.size + p["llen"]:HEADER.size + p["llen"] + p["vlen"]])
+    paths, codes, ndims, vpaths = lay
+    data = frame[p["data_at"]:]
+
+    def f(tp: str = paths, vp: str = vpaths, v: list = vals, c: list = codes, nd: list = ndims,
+          dims: list = p["dims"]) -> bytes:
+        return build([tp, c, nd, vp], v, dims, data, p["flags"], tbytes=p["tbytes"])
+
+    def tpath(old: str, new: str) -> str:
+        ps = paths.split(";")
+        assert old in ps, (old, ps)
+        return ";".join(new if x == old else x for x in ps)
+
+    vi = vpaths.split(";")
+    big = ";".join(f"klen.{k}" for k in range(1, 1026))
+    huge = ";".join(f"klen.{k}" for k in range(1, 100_001))
+    return [
+        ("tensor at a value field", "cp_size", f(tp=tpath("positions", "cp_size"))),
+        ("tensor at a value dict", "total_k_compressed", f(tp=tpath("positions", "total_k_compressed.4"))),
+        ("tensor at is_prompt", "is_prompt", f(tp=tpath("positions", "is_prompt"))),
+        ("value at a tensor field", "context_lens", f(vp=vpaths + ";context_lens", v=vals + [5])),
+        ("value entry in a tensor dict", "ke.4", f(vp=vpaths + ";ke.4", v=vals + [5])),
+        ("dotted key", "positions_c.4.5", f(tp=tpath("positions_c.4", "positions_c.4.5"))),
+        ("non-ratio key x", "klen.x", f(tp=tpath("klen.4", "klen.x"))),
+        ("leading zero key", "klen.04", f(tp=tpath("klen.4", "klen.04"))),
+        ("non-ascii digit key", "klen.", f(tp=tpath("klen.4", "klen.\u0663"))),
+        ("empty key", "klen.", f(tp=tpath("klen.4", "klen."))),
+        ("two tensors, one path", "positions", f(tp=tpath("klen.4", "positions"))),
+        ("alias of itself", "positions", f(tp=tpath("positions", "positions,positions"))),
+        ("value path twice", "num_seqs", f(vp=vpaths + ";num_seqs", v=vals + [2])),
+        ("whole and entries", "klen", f(vp=vpaths + ";klen", v=vals + [{}])),
+        ("unknown field", "__class__", f(tp=tpath("positions", "__class__"))),
+        ("1,025 paths", "MAX_LAYOUT_PATHS", f(vp=vpaths + ";" + big, v=vals + [1] * 1025)),
+        ("100,000 paths", "MAX_LAYOUT_BYTES", f(vp=vpaths + ";" + huge, v=vals + [1] * 100_000)),
+        ("rank 17 tensor", "bad tensor rank", f(nd=[17] + ndims[1:])),
+        ("codes out of order", "ordered", f(c=codes[::-1])),
+        ("is_prompt = 1", "is_prompt", f(v=[1 if x == "is_prompt" else y for x, y in zip(vi, vals)])),
+        ("is_prompt = 'yes'", "is_prompt", f(v=["yes" if x == "is_prompt" else y for x, y in zip(vi, vals)])),
+        ("is_prompt = None", "is_prompt", f(v=[None if x == "is_prompt" else y for x, y in zip(vi, vals)])),
+        ("num_seqs = 1.5", "num_seqs", f(v=[1.5 if x == "num_seqs" else y for x, y in zip(vi, vals)])),
+        ("num_seqs = [1, 2]", "num_seqs", f(v=[[1, 2] if x == "num_seqs" else y for x, y in zip(vi, vals)])),
+        ("num_seqs = -1", "num_seqs", f(v=[-1 if x == "num_seqs" else y for x, y in zip(vi, vals)])),
+        ("num_seqs = True", "num_seqs", f(v=[True if x == "num_seqs" else y for x, y in zip(vi, vals)])),
+        ("num_seqs = 2**64-1", "num_seqs", f(v=[2**64 - 1 if x == "num_seqs" else y for x, y in zip(vi, vals)])),
+        ("cp_size = 0", "cp_size", f(vp=vpaths + ";cp_size", v=vals + [0])),
+        ("count entry < 0", "total_k_compressed.4",
+         f(v=[-3 if x == "total_k_compressed.4" else y for x, y in zip(vi, vals)])),
+        ("empty dict not empty", "ks", f(v=[{"4": 1} if x == "ks" else y for x, y in zip(vi, vals)])),
+        ("values count", "values", f(v=vals + [1])),
+    ]
+
+
+def test_crafted_layouts_and_values_are_refused_by_path() -> None:
+    md, frame = _base()
+    with loopback() as make:
+        for name, want, hostile in _crafted(frame):
+            fol = make(1, False)
+            t0 = time.perf_counter()
+            with pytest.raises(RuntimeError) as e:
+                receive(fol, hostile)
+            dt = time.perf_counter() - t0
+            msg = str(e.value)
+            assert "rank 1" in msg and want in msg, (name, msg)
+            if "paths" in name:
+                print(f"{name}: refused in {dt * 1e3:.2f} ms: {msg[:120]}")
+            assert compare(md, receive(fol, frame)) == "equal", name  # and the next frame is fine
+
+
+def test_largest_allowed_layout_is_accepted_and_linear() -> None:
+    """1,024 paths (MAX_LAYOUT_PATHS) build a plan; plan construction is linear in the paths
+    (the old ``sum(ndims[:i])`` per tensor was quadratic): checked by counting, not timing."""
+    from cpmeta.broadcast import wire
+    from cpmeta.broadcast.schema import MAX_LAYOUT_PATHS
+
+    n = MAX_LAYOUT_PATHS - 1
+    paths = ";".join(["positions"] + [f"klen.{k}" for k in range(1, n + 1)])
+    plan = wire.Plan(paths, [4] * (n + 1), [1] * (n + 1), "")
+    assert len(plan.targets) == n + 1 and plan.n_dims == n + 1
+    with pytest.raises(ValueError, match="MAX_LAYOUT_PATHS"):
+        wire.Plan(paths + ";ke.1", [4] * (n + 2), [1] * (n + 2), "")
+    calls = [0]
+    real = wire.accumulate
+
+    def counting(xs: Any) -> Any:
+        calls[0] += 1
+        return real(xs)
+
+    wire.accumulate = counting  # type: ignore[assignment]
+    try:
+        wire.Plan(paths, [4] * (n + 1), [2] * (n + 1), "")
+    finally:
+        wire.accumulate = real  # type: ignore[assignment]
+    assert calls[0] == 1  # one pass over the ranks, whatever the number of tensors
+
+
+def test_driver_refuses_metadata_the_schema_does_not_allow() -> None:
+    """The driver checks too: the user's bad value is its ValueError naming the path, before
+    anything is sent."""
+    md, _ = _base()
+    cases = [(md.replace(is_prompt=1), "is_prompt"), (md.replace(num_seqs=-2), "num_seqs"),
+             (md.replace(klen={"x": torch.ones(3, dtype=torch.int32)}), "klen.x"),
+             (md.replace(klen={"4": 5}), "klen.4"), (md.replace(cp_size=torch.ones(1)), "cp_size")]
+    with loopback() as make:
+        drv = make(0, False)
+        for bad, path in cases:
+            n = len(drv._objects.frames)
+            with pytest.raises(ValueError, match=path.replace(".", r"\.")):
+                drv.broadcast(bad)
+            assert len(drv._objects.frames) == n
+
+
+# ----------------------------------------------------------------------------- 2 real ranks
+
+def _hostile_rank(rank: int, world: int, seed: int) -> list[str]:
+    """Valid steps, then (rank 0) two sealed hostile frames written raw into the ring or the
+    process group: a shape word +1, and FLAG_CRC cleared (the group runs with the checksum)."""
+    import cpmeta
+    from reliability_cases import make_payload, verify_payload
+    from transport._dist import bcast_frame
+
+    out = []
+    with cpmeta.MetadataBroadcaster(src=0, timeout=30.0) as bc:
+        assert bc.checksum
+        ch = bc._objects
+        for step in range(3):
+            verify_payload(bc.broadcast(make_payload(seed, step, 8192) if rank == 0 else None), step)
+        hostile: list[bytes] = []
+        if rank == 0:
+            with loopback() as make:
+                drv = make(0, True)
+                drv.broadcast(make_payload(seed, 3, 8192))
+                frame = drv._objects.frames[-1]
+            p = parts(frame)
+            b = bytearray(frame)
+            struct.pack_into("<q", b, p["shapes_at"], p["dims"][0] + 1)
+            hostile.append(reseal(b))
+            c = bytearray(frame)
+            struct.pack_into("<H", c, AT["flags"], p["flags"] & ~FLAG_CRC)
+            hostile.append(reseal(c))
+        for i in range(2):
+            if rank == 0:
+                if ch._remote_group is not None:
+                    bcast_frame(torch.frombuffer(bytearray(hostile[i]), dtype=torch.uint8), 0,
+                                ch._remote_group)
+                else:
+                    ch.ring.write(hostile[i])
+                out.append("sent")
+            else:
+                try:
+                    bc.broadcast(None)
+                    out.append("accepted")
+                except RuntimeError as e:
+                    out.append(str(e))
+        verify_payload(bc.broadcast(make_payload(seed, 9, 8192) if rank == 0 else None), 9)
+        out.append("remote" if ch._remote_group is not None else "ring")
+    return out
+
+
+@pytest.mark.parametrize("remote", [False, True], ids=["ring", "process-group"])
+def test_two_ranks_refuse_shape_and_cleared_flag(remote: bool) -> None:
+    env = {"CPMETA_CHECKSUM": "1", "CPMETA_FORCE_REMOTE": "1" if remote else "0"}
+    _, fol = run_ranks(_hostile_rank, 2, random.randrange(1 << 20), env=env, timeout=100)
+    shape, flag, path = fol
+    assert path == ("remote" if remote else "ring")
+    assert "rank 1" in shape and "tensor shapes declare" in shape, shape
+    assert "rank 1" in flag and "no crc32" in flag, flag
