@@ -30,6 +30,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--no-phases", action="store_true", help="totals only (no phase wrappers)")
     p.add_argument("--tag", default="")
+    p.add_argument("--persistent", action="store_true", help="persistent_outputs=True on both sides")
     p.add_argument("--json", default=None)
     args = p.parse_args()
 
@@ -38,6 +39,7 @@ def main() -> int:
     import cpmeta
     from bench_broadcast import make_payload
     from cpmeta.broadcast.broadcaster import MetadataBroadcaster
+    from cpmeta.broadcast.persistent import PersistentArenas
     from transport.shm_ring import ShmRing
 
     torch.set_num_threads(1)
@@ -68,7 +70,8 @@ def main() -> int:
         b.__dict__.update(group=None, src=0, rank=0 if is_src else 1, is_src=is_src,
                           device=torch.device("cpu"), tensor_path="auto", checksum=False,
                           _packed_max=1 << 20, _backend="gloo", _objects=_Chan(r), _tensors=None,
-                          _layouts={}, _plans={}, _pin=False, _closed=False)
+                          _layouts={}, _plans={}, _pin=False, _closed=False,
+                          _persist=PersistentArenas(torch.device("cpu")) if args.persistent else None)
         return b
 
     drv, fol = make(True, ring), make(False, reader)

@@ -12,11 +12,16 @@ Ranks agree on time through CLOCK_MONOTONIC, which is one clock for every proces
            in their receive call and park, as in an inference engine; the clock starts at the
            driver's call. ``cpmeta+bs`` is cpmeta with ``begin_step()`` called before that idle
            time (the driver announces the step before it builds).
-Per-step samples are gathered as a float tensor (no pickle) after the run.
+Per-step samples are gathered as a float tensor (no pickle) after the run. Before every step (not
+timed) the driver writes new values into its metadata in place (the first element of every tensor,
+``max_seqlen_k``): same layout, new content, so no method can serve a step from a cache; after a
+cell every rank checks that the last step's values arrived.
 
 Methods (same group, same payloads):
   cpmeta      cpmeta.MetadataBroadcaster (shm ring; CPU tensors inside the ring message, or one
               NCCL broadcast for CUDA)
+  cpmeta+p    cpmeta with persistent_outputs=True (and begin_step() in engine mode): a repeated
+              layout lands in per-layout arenas, the cached InputMetadata is returned
   bol         torch.distributed.broadcast_object_list([md]) -- the whole object pickled
   tdict       vLLM's broadcast_tensor_dict scheme, re-implemented from its description: metadata
               list with tensor descriptors via broadcast_object_list, then one async broadcast per
@@ -51,7 +56,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-METHODS = ("cpmeta", "cpmeta+bs", "bol", "tdict", "mq", "floor")
+METHODS = ("cpmeta", "cpmeta+bs", "cpmeta+p", "bol", "tdict", "mq", "floor")
 MODES = ("barrier", "engine")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # mq: the vllm bundle imports without CUDA
 
@@ -111,6 +116,30 @@ def latency_us(lat: list[float]) -> dict[str, float]:
     return {"p50_us": lat[len(lat) // 2] * 1e6, "p90_us": lat[min(len(lat) - 1, int(0.9 * len(lat)))] * 1e6}
 
 
+def _unique_tensors(md: Any) -> list[torch.Tensor]:
+    seen = {id(t): t for _, t in md.tensors()}
+    return [t for t in seen.values() if t.numel()]
+
+
+def step_values(md: Any, i: int, base_k: int) -> None:
+    """Write step ``i``'s values into ``md`` in place (identical on every rank for a given i):
+    every tensor's first element and ``max_seqlen_k``. Layout unchanged."""
+    for t in _unique_tensors(md):
+        t[(0,) * t.dim()] = bool(i % 2) if t.dtype == torch.bool else i % 100
+    if md.max_seqlen_k is not None:
+        md.max_seqlen_k = base_k + i % 2
+
+
+def check_values(got: Any, md: Any, i: int, base_k: int, what: str) -> None:
+    """The received metadata holds step ``i``'s values (raises otherwise)."""
+    if got is None or got is md or not hasattr(got, "tensors"):
+        return
+    want = [bool(i % 2) if t.dtype == torch.bool else i % 100 for t in _unique_tensors(md)]
+    have = [t[(0,) * t.dim()].item() for t in _unique_tensors(got)]
+    if want != have or (md.max_seqlen_k is not None and got.max_seqlen_k != base_k + i % 2):
+        raise RuntimeError(f"{what}: step {i} values did not arrive ({have[:4]} vs {want[:4]})")
+
+
 def time_cell(method: Method, md: Any, steps: int, warmup: int, budget_s: float,
               park_s: float = 0.0) -> list[float]:
     """Per-step latencies (seconds), identical list on every rank (gathered max - driver start).
@@ -120,7 +149,11 @@ def time_cell(method: Method, md: Any, steps: int, warmup: int, budget_s: float,
     starts, ends = [], []
     t_begin = time.monotonic()
     n_done = 0
+    base_k = md.max_seqlen_k
+    got = None
     for i in range(warmup + steps):
+        if method.rank == 0:
+            step_values(md, i, base_k)
         dist.barrier()
         if park_s and method.rank == 0:
             method.announce()
@@ -138,6 +171,11 @@ def time_cell(method: Method, md: Any, steps: int, warmup: int, budget_s: float,
         dist.broadcast(stop, src=0)
         if int(stop):
             break
+    if method.rank == 0:
+        check_values(got, md, i, base_k, f"{type(method).__name__} rank 0")
+    else:  # followers regenerate the driver's last step on their copy of the payload
+        step_values(md, i, base_k)
+        check_values(got, md, i, base_k, f"{type(method).__name__} rank {method.rank}")
     t = torch.tensor([starts, ends], dtype=torch.float64)
     gathered = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, t)
@@ -236,24 +274,24 @@ def run_world_procs(world: int, args: argparse.Namespace, target: Any = None) ->
 
 
 def print_table(results: list[dict]) -> None:
+    """p50 of every method per cell, then cpmeta's and cpmeta+p's ratios to mq and floor."""
     cells: dict[tuple, dict[str, dict]] = {}
     for r in results:
         cells.setdefault((r["world"], r["payload"], r["attn_info"], r["bytes"], r.get("mode", "barrier")),
                          {})[r["method"]] = r
-    hdr = f"{'world':>5} {'payload':>11} {'attn':>4} {'bytes':>11} {'mode':>7} {'cpmeta p50':>11}" + "".join(
-        f" {'/' + m:>10}" for m in METHODS if m != "cpmeta")
+    ratios = [(a, b) for a in ("cpmeta", "cpmeta+p") for b in ("mq", "floor")]
+    hdr = f"{'world':>5} {'payload':>11} {'attn':>4} {'bytes':>9} {'mode':>7}" + "".join(
+        f" {m:>10}" for m in METHODS) + "".join(f" {a + '/' + b:>15}" for a, b in ratios)
     print(hdr)
     for (w, p, a, b, mode), ms in sorted(cells.items()):
-        ours = ms.get("cpmeta")
-        line = f"{w:>5} {p:>11} {int(a):>4} {b:>11} {mode:>7} {ours['p50_us'] if ours else float('nan'):>9.0f}us"
+        line = f"{w:>5} {p:>11} {int(a):>4} {b:>9} {mode:>7}"
         for m in METHODS:
-            if m == "cpmeta":
-                continue
-            other = ms.get(m)
-            line += f" {ours['p50_us'] / other['p50_us']:>10.3f}" if ours and other else f" {'-':>10}"
+            line += f" {ms[m]['p50_us']:>8.0f}us" if m in ms else f" {'-':>10}"
+        for x, y in ratios:
+            line += (f" {ms[x]['p50_us'] / ms[y]['p50_us']:>15.3f}" if x in ms and y in ms
+                     else f" {'-':>15}")
         print(line)
-    print("(ratios = cpmeta p50 / method p50; below 1 means cpmeta is faster; /cpmeta+bs below 1"
-          " means begin_step made no gain)")
+    print("(p50 per method; ratios below 1 mean cpmeta / cpmeta+p is faster than mq / the floor)")
 
 
 def plot(results: list[dict], path: Path) -> bool:

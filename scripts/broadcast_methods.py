@@ -1,4 +1,5 @@
 """The methods ``scripts/bench_broadcast.py`` compares: cpmeta, cpmeta with ``begin_step``,
+cpmeta with ``persistent_outputs=True``,
 ``broadcast_object_list``, vLLM's ``broadcast_tensor_dict`` scheme, vLLM's MessageQueue and a
 floor. Each is a :class:`Method` whose ``step(md_or_None)`` runs on every rank of the group."""
 
@@ -36,11 +37,14 @@ class Method:
 
 
 class CpmetaMethod(Method):
+    persistent = False
+
     def __init__(self, rank: int, device: torch.device, group: Any) -> None:
         super().__init__(rank, device, group)
         import cpmeta
 
-        self.bc = cpmeta.MetadataBroadcaster(src=0, device=device, timeout=120)
+        self.bc = cpmeta.MetadataBroadcaster(src=0, device=device, timeout=120,
+                                             persistent_outputs=self.persistent)
 
     def step(self, md: Any) -> Any:
         return self.bc.broadcast(md if self.rank == 0 else None)
@@ -56,6 +60,13 @@ class CpmetaBeginStepMethod(CpmetaMethod):
         begin = getattr(self.bc, "begin_step", None)  # absent before issue 17: plain cpmeta
         if begin is not None:
             begin()
+
+
+class CpmetaPersistentMethod(CpmetaBeginStepMethod):
+    """cpmeta with ``persistent_outputs=True`` (and ``begin_step`` in engine mode): a repeated
+    layout is one copy into the driver's arena, one memmove into the slot, one out per follower."""
+
+    persistent = True
 
 
 class BolMethod(Method):
@@ -153,7 +164,8 @@ class MessageQueueMethod(Method):
 def make_method(name: str, rank: int, device: torch.device) -> Optional[Method]:
     import torch.distributed as dist
 
-    cls = {"cpmeta": CpmetaMethod, "cpmeta+bs": CpmetaBeginStepMethod, "bol": BolMethod, "tdict": TensorDictMethod,
+    cls = {"cpmeta": CpmetaMethod, "cpmeta+bs": CpmetaBeginStepMethod,
+           "cpmeta+p": CpmetaPersistentMethod, "bol": BolMethod, "tdict": TensorDictMethod,
            "floor": FloorMethod, "mq": MessageQueueMethod}[name]
     if name == "mq":
         ok = torch.tensor([1])

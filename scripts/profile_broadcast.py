@@ -65,6 +65,11 @@ PHASES: list[tuple[str, str, str]] = [
     ("F unpack views", "cpmeta.broadcast.wire", "Plan.views"),
     ("F assemble InputMetadata", "cpmeta.broadcast.broadcaster", "_assemble"),
     ("F assemble InputMetadata", "cpmeta.broadcast.wire", "Plan.assemble"),
+    ("P arena lookup (both)", "cpmeta.broadcast.persistent", "PersistentArenas.get"),
+    ("P driver: tensors into its arena", "cpmeta.broadcast.persistent", "LayoutArena.fill_from"),
+    ("P driver: arena into the slot", "cpmeta.broadcast.persistent", "LayoutArena.copy_to"),
+    ("P follower: slot into its arena", "cpmeta.broadcast.persistent", "LayoutArena.land"),
+    ("P finish (H2D, restore check, values)", "cpmeta.broadcast.persistent", "LayoutArena.finish"),
 ]
 
 
@@ -129,7 +134,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
     log: dict[str, list[int]] = {}
     marks: dict[str, int] = {}
     _install(log, marks)
-    bc = cpmeta.MetadataBroadcaster(src=0, timeout=120)
+    bc = cpmeta.MetadataBroadcaster(src=0, timeout=120, persistent_outputs=args.persistent)
     rows = []
     for i in range(args.warmup + args.steps):
         dist.barrier()
@@ -194,6 +199,9 @@ def run(args: argparse.Namespace) -> dict[str, float]:
             for j, k in enumerate(data["labels"]):
                 if (k.startswith("D") and r == 0) or (k.startswith("F") and r == 1):
                     res[k] = _p50([row[j] / 1e3 for row in data["phases"]])
+                elif k.startswith("P") and r <= 1:  # persistent phases: both sides
+                    res[f"{k} [{'driver' if r == 0 else 'follower 1'}]"] = _p50(
+                        [row[j] / 1e3 for row in data["phases"]])
         times = json.loads(Path(f"{out}.times.json").read_text())
         start = [row[0] for row in times[0]]
         publish = [row[2] for row in times[0]]
@@ -217,10 +225,12 @@ def main() -> int:
     p.add_argument("--build-us", type=float, default=300.0, help="driver work after begin_step")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--persistent", action="store_true", help="persistent_outputs=True")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     res = run(args)
     print(f"world {args.world} {args.payload} mode={args.mode} begin_step={args.begin_step} "
+          f"persistent={args.persistent} "
           f"(p50 us over {args.steps} steps, inclusive per phase)")
     for k in sorted(res):
         print(f"  {k:<52} {res[k]:8.1f}")

@@ -61,7 +61,8 @@ class LayoutArena:
     """
 
     __slots__ = ("region", "host", "host_ptr", "dev", "md", "tensors", "event", "src_ptrs",
-                 "_offsets", "_values", "_fixed", "_snap", "_dict_snap")
+                 "_packed_ptrs", "_src", "_offsets", "_values", "_fixed", "_snap", "_dict_snap",
+                 "_dict_lens", "_dict_tensors")
 
     def __init__(self, plan: Plan, dims: tuple[int, ...], numels: list[int], starts: list[int],
                  region: int, values: list[Any], device: torch.device) -> None:
@@ -77,6 +78,8 @@ class LayoutArena:
         # offsets of ONE allocation is copied with one memmove (src_ptrs caches the last such base)
         self._offsets = [t.data_ptr() - self.dev.data_ptr() for t in tensors]
         self.src_ptrs: Optional[tuple[int, ...]] = None
+        self._packed_ptrs: Optional[tuple[int, ...]] = None  # last source that did NOT qualify
+        self._src: list[torch.Tensor] = []  # the tensor objects that qualified (held, compared by id)
         self._values = _value_setter(plan)
         # what the layout fixes (tensor, dict and None fields; dict entries holding tensors): the
         # identity snapshot checked per step, restored when the caller changed it
@@ -85,6 +88,9 @@ class LayoutArena:
         self._fixed = (fixed, operator.itemgetter(*fixed))
         self._snap = self._fixed[1](_GET_ALL(self.md))
         self._dict_snap = [(d, dict(d)) for d in _GET_ALL(self.md) if type(d) is dict]
+        self._dict_lens = [(d, len(d)) for d, _ in self._dict_snap]
+        self._dict_tensors = [(d, k, v) for d, snap in self._dict_snap for k, v in snap.items()
+                              if isinstance(v, torch.Tensor)]
 
     @property
     def nbytes(self) -> int:
@@ -102,15 +108,16 @@ class LayoutArena:
         """Driver: copy the step's tensors (layout order) into the host arena.
 
         One ``memmove`` when they lie in one allocation at exactly this arena's offsets (checked
-        with one tuple compare per step once a source qualified), else one per tensor (CPU) or a
-        device-to-host copy per tensor (CUDA sources)."""
+        per step once a source qualified: the same tensor objects at the same addresses), else
+        one per tensor (CPU) or a device-to-host copy per tensor (CUDA sources)."""
         self.wait_host()
         if not self.region:
             return
         ptrs = tuple(map(_DATA_PTR, tensors))
-        if ptrs == self.src_ptrs or self._single_source(ptrs, tensors):
+        if (ptrs == self.src_ptrs and all(map(_IS, tensors, self._src))) or (
+                ptrs != self._packed_ptrs and self._single_source(ptrs, tensors)):
             ctypes.memmove(self.host_ptr, ptrs[0] - self._offsets[0], self.region)
-        elif all(t.device.type == "cpu" for t in tensors):
+        elif ptrs == self._packed_ptrs or all(t.device.type == "cpu" for t in tensors):
             pack_tensors(self.host_ptr, tensors, plan, numels, starts)
         else:
             hv = plan.views(self.host, plan_dims(tensors), numels, starts)
@@ -128,7 +135,9 @@ class LayoutArena:
               and all(t.device.type == "cpu" and t.is_contiguous()
                       and t.untyped_storage().data_ptr() == lo for t in tensors))
         if ok:
-            self.src_ptrs = ptrs
+            self.src_ptrs, self._src = ptrs, list(tensors)
+        elif all(t.device.type == "cpu" for t in tensors):
+            self._packed_ptrs = ptrs
         return ok
 
     def copy_to(self, addr: int) -> None:
@@ -177,13 +186,8 @@ class LayoutArena:
         return md
 
     def _dicts_intact(self) -> bool:
-        for d, snap in self._dict_snap:
-            if len(d) != len(snap):
-                return False
-            for k, v in snap.items():
-                if isinstance(v, torch.Tensor) and d.get(k) is not v:
-                    return False
-        return True
+        return (all(len(d) == n for d, n in self._dict_lens)
+                and all(d.get(k) is v for d, k, v in self._dict_tensors))
 
     def _restore(self) -> None:
         """Put back every field the layout fixes (the caller replaced or added some)."""

@@ -1,0 +1,234 @@
+"""``MetadataBroadcaster(..., persistent_outputs=True)`` on real gloo processes (and CUDA when present).
+
+Every rank regenerates the driver's step from the shared seed (a pool of random layouts, new
+random tensor values and scalar values every step) and compares what it received exactly against
+it, and against what a second, plain broadcaster delivers for the same step: persistent outputs
+equal fresh ones over many steps, layout changes, eviction past ``MAX_LAYOUTS``, aliasing, empty
+dicts, the process-group path and the checksum. The validity rule: a second broadcast with the
+same layout overwrites the first result (it is the same object), one with another layout does not.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from multiproc import run_ranks
+from test_broadcast_multirank import _random_case
+
+N_STEPS = 40  # persistent steps per equivalence run
+
+
+def _same(a, b, what: str) -> None:
+    from cpmeta.diff import metadata_diff
+
+    diffs = metadata_diff(a, b)
+    assert not diffs, f"{what}: {diffs}"
+
+
+def _fresh_values(md, seed: int):
+    """``md`` with every tensor refilled with random values (same dtype, shape, aliasing) and
+    ``max_seqlen_k`` moved: same layout, new content (identical on every rank)."""
+    g = torch.Generator().manual_seed(seed)
+    memo: dict[int, torch.Tensor] = {}
+
+    def new(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in memo:
+            if t.dtype == torch.bool:
+                memo[id(t)] = torch.randint(0, 2, t.shape, generator=g).bool()
+            elif t.dtype.is_floating_point:
+                memo[id(t)] = torch.rand(t.shape, generator=g).to(t.dtype)
+            else:
+                memo[id(t)] = torch.randint(-1000, 100000, t.shape, generator=g).to(t.dtype)
+        return memo[id(t)]
+
+    changes = {}
+    for name in md.field_names():
+        v = getattr(md, name)
+        if isinstance(v, torch.Tensor):
+            changes[name] = new(v)
+        elif isinstance(v, dict) and v:
+            changes[name] = {k: new(x) if isinstance(x, torch.Tensor) else x for k, x in v.items()}
+    if md.max_seqlen_k is not None:
+        changes["max_seqlen_k"] = md.max_seqlen_k + seed % 7
+    return md.replace(**changes)
+
+
+def _pool(seed: int) -> list:
+    """Layouts the steps draw from: decode and prompt, with attn info, aliased, empty dicts."""
+    import cpmeta
+    from strategies import random_prompt_batch
+
+    pool = []
+    for i in range(3):
+        for is_prompt in (False, True):
+            cfg, md = _random_case(seed, i, is_prompt)
+            pool.append(md)
+            if i == 0:
+                pool.append(_random_case(seed, i, is_prompt)[1].compute_attn_info(cfg))
+    pool.append(pool[1].replace(positions_cp=pool[1].positions))  # aliasing
+    cfg0 = cpmeta.MetadataConfig(dense_compress_ratios=(4,), sparse_compress_ratios=())
+    md0 = cpmeta.prepare_prompt(random_prompt_batch(random.Random(seed), cfg0, max_total_q=200), cfg0)
+    assert md0.ks == {}
+    pool.append(md0)  # empty dicts
+    return pool
+
+
+def _equivalence(rank: int, world: int, seed: int, force_remote: bool) -> int:
+    import cpmeta
+
+    pool = _pool(seed)
+    rng = random.Random(seed)
+    n = 0
+    kw = dict(src=0, force_remote=force_remote, timeout=60)
+    with cpmeta.MetadataBroadcaster(persistent_outputs=True, **kw) as bp, \
+            cpmeta.MetadataBroadcaster(**kw) as bf:
+        held: dict[int, tuple] = {}  # pool index -> (result object, what it must equal now)
+        for step in range(N_STEPS):
+            j = rng.randrange(len(pool))
+            sent = _fresh_values(pool[j], seed * 1000 + step)
+            got = bp.broadcast(sent if rank == 0 else None)
+            _same(sent, got, f"step {step} layout {j}")
+            _same(bf.broadcast(sent if rank == 0 else None), got, f"step {step}: fresh vs persistent")
+            if j in held:
+                assert held[j][0] is got, f"step {step}: layout {j} came back as a new object"
+            for k, (res, want) in held.items():  # results of other layouts are untouched
+                if k != j and want is not None:
+                    _same(want, res, f"step {step}: result of layout {k} changed")
+            held[j] = (got, sent)
+            if sent.positions_cp is sent.positions:
+                assert got.positions_cp is got.positions, "aliasing lost"
+            if sent.ks == {}:
+                assert got.ks == {} and got.ke == {}
+            if rank and j == 0:  # a caller setting fields in place (as compute_attn_info does),
+                got.kv_swa_index = torch.zeros(3, dtype=torch.int32)  # undone by the next step
+                got.positions = got.positions[:1]
+                if got.klen:
+                    got.klen["999"] = torch.zeros(1, dtype=torch.int32)
+                held[j] = (got, None)  # changed by us: not compared until its layout returns
+            n += 1
+    return n
+
+
+@pytest.mark.parametrize("world,force_remote", [(2, False), (3, False), (2, True)])
+def test_persistent_equals_fresh(world: int, force_remote: bool) -> None:
+    assert run_ranks(_equivalence, world, 4242, force_remote, timeout=240) == [N_STEPS] * world
+
+
+def _checksummed(rank: int, world: int) -> bool:
+    import cpmeta
+
+    pool = _pool(77)
+    with cpmeta.MetadataBroadcaster(src=0, timeout=60, persistent_outputs=True) as bp:
+        for step in range(8):
+            sent = _fresh_values(pool[step % 3], step)
+            _same(sent, bp.broadcast(sent if rank == 0 else None), f"crc step {step}")
+        return bp.checksum
+
+
+def test_checksum_and_remote_path_env() -> None:
+    env = {"CPMETA_CHECKSUM": "1", "CPMETA_FORCE_REMOTE": "1"}
+    assert run_ranks(_checksummed, 2, env=env, timeout=120) == [True, True]
+
+
+def _validity(rank: int, world: int) -> list:
+    import cpmeta
+
+    pool = _pool(5)
+    a1, a2 = _fresh_values(pool[0], 1), _fresh_values(pool[0], 2)
+    b = _fresh_values(pool[2], 3)
+    with cpmeta.MetadataBroadcaster(src=0, timeout=60, persistent_outputs=True) as bp:
+        r1 = bp.broadcast(a1 if rank == 0 else None)
+        keep = r1.positions.clone()
+        _same(a1, r1, "a1")
+        r2 = bp.broadcast(b if rank == 0 else None)
+        _same(a1, r1, "a1 after another layout")  # a different layout does not overwrite
+        r3 = bp.broadcast(a2 if rank == 0 else None)
+        _same(a2, r3, "a2")
+        _same(b, r2, "b after a2")
+        out = [r3 is r1, r3.positions.data_ptr() == r1.positions.data_ptr(),
+               torch.equal(r1.positions, keep)]
+    with cpmeta.MetadataBroadcaster(src=0, timeout=60) as bf:  # without the option: fresh
+        f1 = bf.broadcast(a1 if rank == 0 else None)
+        f2 = bf.broadcast(a2 if rank == 0 else None)
+        out.append(f1 is f2)
+        _same(a1, f1, "fresh a1 kept")
+    return out
+
+
+def test_validity_rule() -> None:
+    for res in run_ranks(_validity, 2, timeout=120):
+        same_obj, same_addr, unchanged, fresh_same = res
+        assert same_obj and same_addr, "a second broadcast of one layout must reuse its arena"
+        assert not unchanged, "the second broadcast must overwrite the first result"
+        assert not fresh_same
+
+
+def _eviction(rank: int, world: int) -> list:
+    import cpmeta
+    from cpmeta.broadcast.wire import MAX_LAYOUTS
+
+    def tiny(n: int, v: int):
+        return cpmeta.InputMetadata(is_prompt=False, num_seqs=1, total_q=n,
+                                    positions=torch.arange(v, v + n, dtype=torch.int32))
+
+    with cpmeta.MetadataBroadcaster(src=0, timeout=60, persistent_outputs=True) as bp:
+        first = bp.broadcast(tiny(1, 0) if rank == 0 else None)
+        for n in range(2, MAX_LAYOUTS + 6):  # every one a new layout: the first is evicted
+            got = bp.broadcast(tiny(n, n) if rank == 0 else None)
+            assert torch.equal(got.positions, torch.arange(n, 2 * n, dtype=torch.int32))
+        again = bp.broadcast(tiny(1, 7) if rank == 0 else None)
+        return [len(bp._persist), again is first, int(first.positions[0]), int(again.positions[0])]
+
+
+def test_eviction_past_max_layouts() -> None:
+    from cpmeta.broadcast.wire import MAX_LAYOUTS
+
+    for kept, same, old, new in run_ranks(_eviction, 2, timeout=120):
+        assert kept <= MAX_LAYOUTS
+        assert not same, "an evicted layout must get a new arena"
+        assert (old, new) == (0, 7), "an evicted arena's metadata must stay as it was"
+
+
+# ---- CUDA (skipped without it): the arena on the device, one H2D copy per step ---------------------
+
+
+def _cuda_steps(rank: int, world: int, nccl: bool) -> int:
+    import cpmeta
+
+    if nccl:
+        torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank if nccl else 0)
+    pool = _pool(9)
+    rng = random.Random(9)
+    n = 0
+    with cpmeta.MetadataBroadcaster(src=0, device=dev, timeout=60, persistent_outputs=True) as bp:
+        held: dict[int, object] = {}
+        for step in range(16):
+            j = rng.randrange(len(pool))
+            sent = _fresh_values(pool[j], step)
+            got = bp.broadcast(sent if rank == 0 else None)
+            for _, t in got.tensors():
+                assert t.device == dev, t.device
+            torch.cuda.current_stream().synchronize()
+            _same(sent.to(dev), got, f"cuda step {step}")
+            if j in held:
+                assert held[j] is got
+            held[j] = got
+            n += 1
+    return n
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_gloo_ranks_share_cuda0() -> None:
+    assert run_ranks(_cuda_steps, 2, False, timeout=300) == [16, 16]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_nccl() -> None:
+    w = min(2, torch.cuda.device_count())
+    assert run_ranks(_cuda_steps, w, True, backend="nccl", timeout=300) == [16] * w
