@@ -77,6 +77,10 @@ def _dtype(device: torch.device) -> torch.dtype:
 
 def prefill_check(full: InputMetadata, mine: InputMetadata, world: int, device: torch.device) -> float:
     """Collective. Returns rank 0's max |CP - single-rank| over all rows (0.0 elsewhere)."""
+    # every prompt step's metadata and its mirror carry these (DESIGN 4 and 8)
+    assert full.cu_seqlens_q is not None and full.cu_seqlens_k is not None and full.state_block_idx is not None
+    assert mine.mirror_cp_index is not None and mine.mirror_cp_reverse_index is not None
+    assert mine.positions is not None
     dt = _dtype(device)
     cu_q = full.cu_seqlens_q.to(device, torch.int64)
     cu_k = full.cu_seqlens_k.to(device, torch.int64)
@@ -108,6 +112,8 @@ def prefill_check(full: InputMetadata, mine: InputMetadata, world: int, device: 
 
 def _single_rank(full: InputMetadata, device: torch.device, dt: torch.dtype) -> torch.Tensor:
     """[total_q, D]: every row attends over keys 0..pos, all computed directly from qkv."""
+    assert full.cu_seqlens_q is not None and full.cu_seqlens_k is not None  # a prompt step's fields
+    assert full.positions is not None and full.state_block_idx is not None
     cu_q, cu_k = full.cu_seqlens_q.tolist(), full.cu_seqlens_k.tolist()
     pos_all = full.positions.to(device)
     out = torch.empty(pos_all.shape[0], HEAD_DIM, dtype=dt, device=device)
@@ -131,6 +137,10 @@ def decode_check(md: InputMetadata, rank: int, world: int, device: torch.device,
     Returns this rank's error: rank 0 the max |combined - single-rank| over real rows; any rank
     ``inf`` when its own slot mapping wrote two positions to one slot.
     """
+    # every decode step's metadata carries these (DESIGN 4)
+    assert md.cu_seqlens_q is not None and md.cu_seqlens_k is not None and md.valid_token_mask is not None
+    assert md.state_block_idx is not None and md.block_tables is not None
+    assert md.positions is not None and md.context_lens is not None
     cache_dt, dt = _dtype(device), (torch.float64 if device.type == "cpu" else torch.float32)
     cu_q, cu_k = md.cu_seqlens_q.to(device, torch.int64), md.cu_seqlens_k.to(device, torch.int64)
     first = cu_q[:-1]

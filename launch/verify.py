@@ -112,7 +112,11 @@ def verify_step(
     both end with the same verdict (return, or the same ``VerifyError``).
     """
     shape = (world, len(CHECKS), _WIDTH)
-    table = comm.broadcast((expected if rank == 0 else torch.empty(shape, dtype=torch.int64)).to(device))
+    if rank != 0:
+        expected = torch.empty(shape, dtype=torch.int64)
+    elif expected is None:
+        raise ValueError("expected: rank 0 passes the driver's expected_table, got None")
+    table = comm.broadcast(expected.to(device))
     actual = _views(got, mine).to(device)
     gathered = comm.all_gather(actual)
     bad = []

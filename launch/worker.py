@@ -122,7 +122,7 @@ def resolve_backend(name: str) -> str:
     return "gloo"
 
 
-def _build(is_prompt: bool, seqs: list, cfg: cpmeta.MetadataConfig) -> InputMetadata:
+def _build(is_prompt: bool, seqs: cpmeta.SequenceBatch, cfg: cpmeta.MetadataConfig) -> InputMetadata:
     return cpmeta.prepare_prompt(seqs, cfg) if is_prompt else cpmeta.prepare_decode(seqs, cfg)
 
 
@@ -141,8 +141,12 @@ def _check(rank: int, step: int, what: str, diffs: list[str]) -> None:
 def _verify_unmirror(full: InputMetadata, mine: InputMetadata, world: int, device: torch.device) -> list[str]:
     """all_gather every rank's mirrored rows; un-mirrored they must equal the full rows."""
     out = []
+    # every prompt step carries these; a sparse ratio's ks comes with its ke (DESIGN 4 and 8)
+    assert mine.positions is not None and full.positions is not None
+    assert mine.mirror_cp_reverse_index is not None
     rows = {"positions": (mine.positions, full.positions)}
     for r, t in (mine.ks or {}).items():
+        assert mine.ke is not None and full.ks is not None and full.ke is not None
         rows[f"ks.{r}"] = (t, full.ks[r])
         rows[f"ke.{r}"] = (mine.ke[r], full.ke[r])
     for name, (part, whole) in rows.items():
@@ -165,6 +169,7 @@ def _verify_slot_mapping(md: InputMetadata, args: Any, rank: int, world: int, cf
     sm = cpmeta.compute_slot_mapping_from_metadata(md, cfg.block_size, cp_world_size=world, cp_rank=rank,
                                                    cp_interleave=args.kv_interleave)
     owned = comm.all_reduce((sm != cpmeta.PAD_SLOT_ID).to(torch.int32).to(device))
+    assert md.valid_token_mask is not None  # every step's metadata carries it (DESIGN 4)
     want = md.valid_token_mask.to(device=device, dtype=torch.int32)
     bad = int((owned != want).sum())
     return [f"{bad} tokens are not owned by exactly one rank"] if bad else []
