@@ -113,6 +113,9 @@ def ref_yoco_fields(seqs: Sequence[SequenceMetadata], cfg: MetadataConfig) -> di
         for n in cfg.dense_compress_ratios
     }
     d["yoco_consumer_kv_swa_full_index_pivots"] = [_pivots(seqs, s, j, cu_q, cfg) for s, j in kept]
+    if not (cfg.dense_compress_ratios or cfg.sparse_compress_ratios):  # no compressed KV: no such fields
+        for name in ("yoco_consumer_ks", "yoco_consumer_ke", "yoco_consumer_kv_ca_index_offset_len"):
+            d[name] = None
     return d
 
 
@@ -211,4 +214,6 @@ def _ref_mirrored_view(
         "ks": {r: [0 if c is None else y["yoco_consumer_ks"][r][c] for c in mine] for r in ratios},
         "ke": {r: [0 if c is None else y["yoco_consumer_ke"][r][c] for c in mine] for r in ratios},
     }
+    if y["yoco_consumer_ks"] is None:  # no compressed KV: ks / ke stay None through the mirror
+        view["ks"] = view["ke"] = None
     return view

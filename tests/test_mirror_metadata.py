@@ -147,7 +147,8 @@ def test_unmirror_equivalence_with_builders(case: Any, p: int) -> None:
     parts = _mirror_all(fresh, cfg, p)  # attn_info's gather on mirrored objects
     assert fresh.kv_swa_full_index is None and fresh.mirror_cp_index is None  # md untouched
     full = prepare_prompt(seqs, cfg).compute_attn_info(cfg)
-    assert check_unmirror_equivalence(full, parts) >= 5
+    # positions, valid_token_mask, gate_force_random_cp always; ks / ke / expanded indices per feature
+    assert check_unmirror_equivalence(full, parts) >= 3
     # expanding first and mirroring afterwards (prepare_for_mirror_cp's own gather) agrees
     early = [prepare_for_mirror_cp(full, r, p) for r in range(p)]
     for a, b in zip(parts, early):
@@ -155,6 +156,9 @@ def test_unmirror_equivalence_with_builders(case: Any, p: int) -> None:
             for path, x in row_items(a, name).items():
                 assert torch.equal(x, row_items(b, name)[path]), path
     # mirrored ks/ke agree with the literal reference of the mirror
+    if full.ks is None:  # no compressed KV: the (1,) fallback ran and its ks / ke were dropped
+        assert all(part.ks is None and part.ke is None for part in parts)
+        return
     ratios = tuple(int(k) for k in full.ks) or NO_SPARSE_RATIOS_FALLBACK
     sq = [s.seqlen_q for s in seqs]
     sk = [s.seqlen_k for s in seqs]

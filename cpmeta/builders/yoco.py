@@ -127,7 +127,8 @@ def _alloc(out: Optional[dict[str, torch.Tensor]], name: str, shape: tuple[int, 
 
 
 def _get(md: Fields, name: str) -> Any:
-    return md[name] if isinstance(md, Mapping) else getattr(md, name)
+    """Field ``name`` of metadata or of its constructor kwargs (a field not built is ``None``)."""
+    return md.get(name) if isinstance(md, Mapping) else getattr(md, name)
 
 
 def _seq_inputs(seqs: YocoInput) -> tuple[np.ndarray, np.ndarray]:
@@ -188,6 +189,9 @@ def build_yoco_fields(
 ) -> dict[str, Any]:
     """The section-10 fields of ``cfg.yoco_mode`` for prompt metadata built from ``seqs``.
 
+    Needs the sliding-window state cache (the config refuses YoCo without one); without
+    compressed KV the ``yoco_consumer_ks`` / ``ke`` / ``kv_ca_index_offset_len`` are ``None``.
+
     ``seqs``: the batch ``md`` was built from -- a list of ``SequenceMetadata``, a
     ``SequenceBatch`` or the builders' ``BatchArrays``; YoCo reads only its per-sequence
     ``len(token_ids)`` (``num_tokens``, the whole prompt) and ``swa_valid_start``.
@@ -226,11 +230,12 @@ def build_yoco_fields(
 
 
 def _gather_rows(md: Fields, name: str, rows: np.ndarray,
-                 out: Optional[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """``{k: md.<name>[k][rows]}`` into ``yoco_consumer_<name>.<k>`` tensors."""
+                 out: Optional[dict[str, torch.Tensor]]) -> Optional[dict[str, torch.Tensor]]:
+    """``{k: md.<name>[k][rows]}`` into ``yoco_consumer_<name>.<k>`` tensors; ``None`` when the
+    field is (a config without compressed KV: the consumer view has no such field either)."""
     d = _get(md, name)
     if d is None:
-        raise ValueError(f"md.{name}: expected a dict of tensors (prompt metadata), got None")
+        return None
     res = {}
     for k, v in d.items():
         res[k], a = _alloc(out, f"yoco_consumer_{name}.{k}", (rows.shape[0], *v.shape[1:]), v.dtype)
