@@ -12,7 +12,10 @@ private and unguessable shared-memory segments.
    through the live ring and the process-group path in every wrapping (bare, behind a frame
    prefix, behind a valid codec header, as tensor bytes, as a bytes value): the marker never
    appears.
-4. Segments: the /dev/shm fallback is mode 0600, created ``O_EXCL`` (a planted file or symlink
+4. Checksum policy: ranks that disagree on the checksum fail at construction, naming the ranks;
+   a follower running with it refuses a frame without the crc flag (resealed, so only the policy
+   can refuse it) and one whose flag was set by hand.
+5. Segments: the /dev/shm fallback is mode 0600, created ``O_EXCL`` (a planted file or symlink
    is refused, never followed), named ``cpmeta-`` + 32 random hex digits; another user cannot
    open either kind (memfd through /proc needs ptrace rights); after the broadcaster is built no
    segment has a name (one anonymous descriptor per rank remains, held by CPython's mmap).
@@ -176,11 +179,13 @@ def _hostile_frames(marker: str, schema: bytes) -> list[bytes]:
     valid = encode([{"x": raw}, []], schema=schema)
     # the broadcast frame's own header (cpmeta.broadcast.wire.HEADER) around a pickle as its
     # layout block and as its values block
+    from cpmeta.broadcast.wire import MESSAGE_VERSION
+
     frame_head = struct.Struct("<4sHH16sIIIIIIQ")
-    as_layout = frame_head.pack(b"CPMB", 4, 1, schema[:16].ljust(16, b"0"), zlib.crc32(raw), 0,
-                                len(raw), 0, 0, 0, 0) + raw
-    as_values = frame_head.pack(b"CPMB", 4, 0, schema[:16].ljust(16, b"0"), 0, 0, 0, len(raw), 0,
-                                0, 0) + raw
+    as_layout = frame_head.pack(b"CPMB", MESSAGE_VERSION, 1, schema[:16].ljust(16, b"0"),
+                                zlib.crc32(raw), 0, len(raw), 0, 0, 0, 0) + raw
+    as_values = frame_head.pack(b"CPMB", MESSAGE_VERSION, 0, schema[:16].ljust(16, b"0"), 0, 0, 0,
+                                len(raw), 0, 0, 0) + raw
     return [raw, _LEN.pack(len(raw)) + raw, _LEN.pack(len(head) + len(raw)) + head + raw,
             _LEN.pack(len(valid)) + valid, raw * 50, as_layout, as_values]
 
@@ -288,7 +293,68 @@ def test_segment_has_no_name_after_setup(security_run: tuple[list[dict], Path]) 
         assert r["maps_after_setup"] >= 1  # the ring itself is mapped
 
 
-# ----------------------------------------------------------------------------- 4. segments
+# ----------------------------------------------------------------------------- checksum policy
+
+def _checksum_disagreement(rank: int, world: int) -> str:
+    import cpmeta
+
+    try:
+        cpmeta.MetadataBroadcaster(src=0, timeout=30.0, checksum=rank == 1).close()
+    except ValueError as e:
+        return str(e)
+    return "constructed"
+
+
+def test_checksum_setting_must_agree_at_construction() -> None:
+    """A follower that requires the crc and a driver that does not stamp it would refuse every
+    frame; worse, a follower without it would accept what the driver meant to protect. The
+    setting is exchanged once at construction: every rank raises, naming the ranks on each side
+    (never a silent downgrade)."""
+    out = run_ranks(_checksum_disagreement, 2, timeout=90)
+    for msg in out:
+        assert "checksum setting differs" in msg and "on at ranks [1]" in msg and \
+            "off at ranks [0]" in msg, out
+
+
+def _checksum_required(rank: int, world: int) -> list[str]:
+    """Both ranks run with the checksum; rank 0 then writes a frame WITHOUT the crc flag
+    (resealed: its meta crc is right) straight into the ring."""
+    import cpmeta
+    from reliability_cases import make_payload, verify_payload
+    from test_wire_fuzz import AT, FLAG_CRC, loopback, parts, reseal
+
+    out = []
+    with cpmeta.MetadataBroadcaster(src=0, timeout=30.0, checksum=True) as bc:
+        verify_payload(bc.broadcast(make_payload(5, 0) if rank == 0 else None), 0)
+        if rank == 0:
+            with loopback() as make:
+                drv = make(0, False)  # a driver that never stamps a crc
+                drv.broadcast(make_payload(5, 1))
+            frame = drv._objects.frames[-1]
+            assert not parts(frame)["flags"] & FLAG_CRC
+            bc._objects.ring.write(reseal(frame))
+            bad = bytearray(frame)  # the same frame with the flag set by hand: no crc behind it
+            struct.pack_into("<H", bad, AT["flags"], parts(frame)["flags"] | FLAG_CRC)
+            bc._objects.ring.write(bytes(bad))
+        else:
+            for _ in range(2):
+                try:
+                    bc.broadcast(None)
+                    out.append("accepted")
+                except RuntimeError as e:
+                    out.append(str(e))
+        verify_payload(bc.broadcast(make_payload(5, 2) if rank == 0 else None), 2)
+    return out
+
+
+def test_follower_with_checksum_refuses_frames_without_crc() -> None:
+    _, fol = run_ranks(_checksum_required, 2, timeout=90)
+    no_flag, wrong = fol
+    assert "rank 1" in no_flag and "no crc32" in no_flag, no_flag
+    assert "rank 1" in wrong and "crc32" in wrong, wrong
+
+
+# ----------------------------------------------------------------------------- 5. segments
 
 def test_named_segments_are_private_random_and_exclusive(monkeypatch: pytest.MonkeyPatch,
                                                          tmp_path: Path) -> None:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 from ..metadata import InputMetadata
 
@@ -162,7 +162,10 @@ class ValueCheck:
     def __init__(self, targets: list[tuple[str, Optional[str]]]) -> None:
         self.paths = [n if k is None else f"{n}.{k}" for n, k in targets]
         types: list[type] = []
-        ints, lows, empties, lists = [], [], [], []
+        ints: list[int] = []
+        lows: list[int] = []
+        empties: list[int] = []
+        lists: list[int] = []
         for i, (name, key) in enumerate(targets):
             spec = SCHEMA[name]
             if spec.kind in (TENSOR_DICT, VALUE_DICT) and key is None:
@@ -176,7 +179,7 @@ class ValueCheck:
                 types.append(spec.vtype)
                 if spec.vtype is int:
                     ints.append(i)
-                    lows.append(spec.low)
+                    lows.append(spec.low or 0)
         self.types = tuple(types)
         self.n = len(types)
         self._ints: Callable[[list], Any] = operator.itemgetter(*ints) if ints else (lambda v: ())
@@ -212,13 +215,13 @@ class ValueCheck:
             if not all(type(x) is int and low <= x <= MAX_INT for x in values[i]):
                 self._explain(values)
 
-    def _explain(self, values: list) -> None:
+    def _explain(self, values: list[Any]) -> None:
         """Raise for the first bad value (slow path, only on a refusal)."""
         lows = dict(zip(self._int_idx, self._lows))
         for i, (path, want, v) in enumerate(zip(self.paths, self.types, values)):
             if type(v) is not want:
                 raise LayoutError(f"{path}: expected {want.__name__}, got {type(v).__name__} {v!r:.60}")
-            if i in lows and not lows[i] <= v <= MAX_INT:
+            if i in lows and not lows[i] <= cast(int, v) <= MAX_INT:
                 raise LayoutError(f"{path}: {v} is out of range [{lows[i]}, 2**63)")
             if want is dict and v:
                 raise LayoutError(f"{path}: expected an empty dict (entries travel as {path}.<key>)")

@@ -162,7 +162,7 @@ class Walk:
         if self.dicts:
             ds = [vals[i] for i, _ in self.dicts]
             dvals = [x for d in ds for x in d.values()]
-            dkey = (tuple(map(tuple, ds)), tuple(map(type, dvals)))
+            dkey: tuple = (tuple(map(tuple, ds)), tuple(map(type, dvals)))
             sub = self.subs.get(dkey)
             if sub is None:
                 if len(self.subs) >= MAX_LAYOUTS:
