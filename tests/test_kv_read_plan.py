@@ -184,6 +184,18 @@ def test_errors_name_the_field() -> None:
         cpmeta.cp_kv_read_plan(InputMetadata(is_prompt=False), cfg, cp_rank=0)
 
 
+def test_slots_past_int32_are_exact() -> None:
+    """Slots are int64: a block id whose slots pass 2**31 - 1 (the per-key work is int32 only
+    while the slots fit)."""
+    cfg = plain(block_size=16, max_model_len=64)
+    big = 2**27  # slots from 2**31
+    md = InputMetadata(is_prompt=False, context_lens=torch.tensor([20, 3], dtype=I32),
+                       query_indices=torch.tensor([0, 1], dtype=I32),
+                       block_tables=torch.tensor([[big - 1, big], [5, -1]], dtype=I32))
+    plan = check_against_reference(md, cfg, 0)
+    assert plan.slots.tolist()[:20] == [(big - 1) * 16 + j for j in range(16)] + [big * 16 + j for j in range(4)]
+
+
 # ---- random batches ----------------------------------------------------------------------------
 
 
