@@ -9,7 +9,7 @@ separate host-to-device step can copy them with ``non_blocking=True``.
 from __future__ import annotations
 
 import functools
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -165,11 +165,13 @@ class HostArena:
         raw = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=_pin())
         raw_np = raw.numpy()
         self._fields = layout.fields
-        self._views = views = {dt: (raw.view(dt), raw_np.view(self._NP[dt])) for dt in layout.dtypes}
+        views: dict[torch.dtype, tuple[torch.Tensor, np.ndarray]] = {
+            dt: (raw.view(dt), raw_np.view(self._NP[dt])) for dt in layout.dtypes}
+        self._views = views
         # every view is made here, the torch ones in one run: interleaved with the builders'
         # numpy calls each torch view cost several times its isolated ~2 us (cold dispatcher code)
         stacked = layout.stacked
-        tens = {}
+        tens: dict[str, Any] = {}  # a Tensor, or for a stacked field the list of its row Tensors
         for name, (start, size, shape, strides, dtype) in layout.fields.items():
             t_all = views[dtype][0]
             tens[name] = [t_all.as_strided(shape[1:], strides[1:], start + i * strides[0]) for i in range(shape[0])] \

@@ -229,7 +229,7 @@ class InputMetadata:
                 moved[id(t)] = t.to(device, non_blocking=non_blocking)
             return moved[id(t)]
 
-        changes = {}
+        changes: dict[str, Any] = {}
         for name in _FIELD_NAMES:
             v = getattr(self, name)
             if isinstance(v, dict):

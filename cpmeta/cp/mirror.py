@@ -50,6 +50,7 @@ def prepare_for_mirror_cp(md: InputMetadata, cp_rank: int, cp_size: int) -> Inpu
     object. Example: ``sq=10, p=2`` -> rank 1 holds rows ``3..8`` with ``positions`` ``3..8``.
     """
     _check_prompt_md(md, cp_rank, cp_size)
+    assert md.positions is not None  # _check_prompt_md refused anything but a tensor
     total_q = int(md.positions.shape[0])
     ratios = tuple(int(r) for r in md.ks) if md.ks else NO_SPARSE_RATIOS_FALLBACK
     cu_q = host_cu("md.cu_seqlens_q", md.cu_seqlens_q)  # the only device-to-host copies
@@ -95,6 +96,7 @@ def _check_prompt_md(md: InputMetadata, cp_rank: int, cp_size: int) -> None:
 
 def _gathered_fields(md: InputMetadata, gather: RowGather) -> dict[str, Any]:
     """The row fields of ``md`` gathered into the mirror layout (pad rows 0 / False / -1)."""
+    assert md.positions is not None  # the caller ran _check_prompt_md
     out: dict[str, Any] = {"positions": gather(md.positions, 0)}
     if md.valid_token_mask is not None:
         out["valid_token_mask"] = gather(md.valid_token_mask, False)

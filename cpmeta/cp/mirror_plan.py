@@ -149,7 +149,7 @@ def mirror_from_host(
     plan = plan.to(device, non_blocking=True)  # the one host-to-device copy
     rank_t = plan[: rank_plan.size].view(rank_plan.shape)
     rev_t = plan[rank_plan.size:].view(rev_plan.shape)
-    return _expand(_TorchOps(device), rank_t, rev_t, ratios, length, total_q)  # type: ignore[return-value]
+    return _expand(_TorchOps(device), rank_t, rev_t, ratios, length, total_q)
 
 
 class _NumpyOps:

@@ -57,8 +57,8 @@ def _expand_segments(plan: np.ndarray, total: int, device: torch.device) -> torc
         out = start[seg] + slope[seg] * (np.arange(total) - first[seg])
         return torch.from_numpy(out.astype(np.int32))
     p = torch.from_numpy(np.stack([length, start, slope, first])).to(device, non_blocking=True)
-    seg = torch.repeat_interleave(torch.arange(p.shape[1], device=device), p[0], output_size=total)
-    return (p[1][seg] + p[2][seg] * (torch.arange(total, device=device) - p[3][seg])).to(_I32)
+    seg_t = torch.repeat_interleave(torch.arange(p.shape[1], device=device), p[0], output_size=total)
+    return (p[1][seg_t] + p[2][seg_t] * (torch.arange(total, device=device) - p[3][seg_t])).to(_I32)
 
 
 def _boundary_value(l: np.ndarray, a: dict[str, Any], cp_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -146,6 +146,8 @@ def mirror_yoco(md_full: InputMetadata, md_mirrored: InputMetadata, cp_rank: int
     """
     if md_full.yoco_consumer_cu_seqlens_q is None:
         return md_mirrored
+    # prepare_for_mirror_cp checked md_full's cu_seqlens_q and set md_mirrored's mirror_cp_index
+    assert md_full.cu_seqlens_q is not None and md_mirrored.mirror_cp_index is not None
     dev = md_mirrored.mirror_cp_index.device
     cu_q = md_full.cu_seqlens_q.cpu().numpy().astype(np.int64)
     cu_c = md_full.yoco_consumer_cu_seqlens_q.cpu().numpy().astype(np.int64)

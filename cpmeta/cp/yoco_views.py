@@ -108,6 +108,10 @@ def _mirrored_consumer_fields(md: InputMetadata) -> dict[str, Any]:
             f"yoco_consumer_cp_mirror_len: mirrored metadata (cp_rank={md.cp_rank}) lacks the YoCo "
             "CP fields; run prepare_for_mirror_cp on the compact metadata (compact first, then CP)"
         )
+    # set together by prepare_prompt (compact YoCo) and prepare_for_mirror_cp (DESIGN 8, 10)
+    assert md.yoco_consumer_cu_seqlens_q is not None and md.yoco_consumer_positions is not None
+    assert md.yoco_consumer_total_q is not None and md.yoco_consumer_query_indices is not None
+    assert md.cu_seqlens_k is not None and md.cp_size is not None and md.cp_rank is not None
     cidx, crev, ks_all, ke_all = prepare_cp_mirror(
         md.yoco_consumer_cu_seqlens_q, md.cu_seqlens_k, md.cp_size, md.cp_rank, _sparse_ratios(md),
         md.yoco_consumer_total_q, md.yoco_consumer_cp_mirror_len,
