@@ -72,18 +72,42 @@ def _equivalence(rank: int, world: int, seed: int, force_remote: bool) -> int:
         assert got.ks == {} and isinstance(got.ks, dict) and got.ke == {}
         _expect_same(local, got, cfg0, "no sparse ratios")
         checked += 2
+        checked += _plain_configs(bc, rank, seed)
+    return checked
+
+
+def _plain_configs(bc, rank: int, seed: int) -> int:
+    """A plain paged-KV config (DESIGN 14; KV sharded too): the metadata has no compressed or
+    sliding-window field at all, and broadcasts (prompt, mirrored prompt, expanded decode)."""
+    import cpmeta
+    from strategies import random_decode_batch, random_prompt_batch
+
+    checked = 0
+    for shards in (1, 3):
+        cfg = cpmeta.MetadataConfig(block_size=16, max_model_len=512, dense_compress_ratios=(),
+                                    sparse_compress_ratios=(), window_size=0, kv_cp_world_size=shards)
+        rng = random.Random(seed + shards)
+        prompt = cpmeta.prepare_prompt(random_prompt_batch(rng, cfg, max_total_q=300), cfg)
+        decode = cpmeta.prepare_decode(random_decode_batch(rng, cfg), cfg).compute_attn_info(cfg)
+        for what, local in (("prompt", prompt), ("mirrored", cpmeta.prepare_for_mirror_cp(prompt, 1, 2)),
+                            ("decode", decode)):
+            assert local.ks is None and local.slot_mapping_store_swa is None and local.klen is None
+            got = bc.broadcast(local if rank == 0 else None)
+            assert got.positions_c is None and got.state_block_idx is None and got.kv_swa_index is None
+            _expect_same(local, got, cfg, f"plain config, {shards} KV shards, {what}")
+            checked += 1
     return checked
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_followers_equal_driver(world: int) -> None:
     counts = run_ranks(_equivalence, world, 1234, False, timeout=240)
-    assert counts == [counts[0]] * world and counts[0] == 4 * N_RANDOM + 2
+    assert counts == [counts[0]] * world and counts[0] == 4 * N_RANDOM + 2 + 6
 
 
 def test_forced_remote_path() -> None:
     counts = run_ranks(_equivalence, 2, 77, True, timeout=240)
-    assert counts[0] == 4 * N_RANDOM + 2
+    assert counts[0] == 4 * N_RANDOM + 2 + 6
 
 
 def _subgroup(rank: int, world: int, seed: int) -> int:
