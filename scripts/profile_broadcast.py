@@ -47,6 +47,10 @@ PHASES: list[tuple[str, str, str]] = [
     ("D encode (codec)", "transport.object_channel", "encode"),
     ("D encode values", "transport", "encode_body"),
     ("D frame crc32", "cpmeta.broadcast.broadcaster", "frame_crc"),
+    ("D seal (meta crc, + crc32 with checksum)", "cpmeta.broadcast.integrity", "seal"),
+    ("C check values (schema; both sides)", "cpmeta.broadcast.schema", "ValueCheck.__call__"),
+    ("F check frame (limits, policy, crcs)", "cpmeta.broadcast.integrity", "check_frame"),
+    ("F check tensors (exact sizes)", "cpmeta.broadcast.wire", "Plan.check_tensors"),
     ("D ring write (copy+publish)", "transport._ring_io", "RingIO.write"),
     ("D ring reserve", "transport._ring_io", "RingIO.reserve"),
     ("D ring commit (publish)", "transport._ring_io", "RingIO.commit"),
@@ -199,7 +203,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
             for j, k in enumerate(data["labels"]):
                 if (k.startswith("D") and r == 0) or (k.startswith("F") and r == 1):
                     res[k] = _p50([row[j] / 1e3 for row in data["phases"]])
-                elif k.startswith("P") and r <= 1:  # persistent phases: both sides
+                elif k.startswith(("P", "C")) and r <= 1:  # persistent phases, checks: both sides
                     res[f"{k} [{'driver' if r == 0 else 'follower 1'}]"] = _p50(
                         [row[j] / 1e3 for row in data["phases"]])
         times = json.loads(Path(f"{out}.times.json").read_text())

@@ -12,6 +12,10 @@ process-group buffer)::
         values block: msgpack list, one value per value path of the layout
         shapes: n_dims int64 (8-aligned), every tensor's dims in layout order
         tensors (16-aligned, only with FLAG_PACKED): dtype runs, each run 16-aligned
+        FLAG_SPAN (always with FLAG_PACKED): the tensor region is an offsets table (one u64 per
+        tensor, 16-aligned) followed by a span of the driver's arena; each tensor at its offset;
+        checked by cpmeta.broadcast.persistent.check_span (offsets aligned, in bounds,
+        non-overlapping, header tbytes = exact payload)
 
 What repeats every step (paths, dtype codes, ranks, which fields hold values) is the LAYOUT: its
 id is the crc32 of its encoded block, so an id always names one layout and a frame that defines
@@ -63,7 +67,7 @@ from ..metadata import InputMetadata
 from .schema import MAX_LAYOUT_PATHS, ValueCheck, check_layout
 
 __all__ = ["MESSAGE_VERSION", "SCHEMA_FINGERPRINT", "FRAME_MAGIC", "HEADER", "WIRE_DTYPES",
-           "FLAG_LAYOUT", "FLAG_CRC", "FLAG_PACKED", "KNOWN_FLAGS", "Plan", "WireError", "layout_id",
+           "FLAG_LAYOUT", "FLAG_CRC", "FLAG_PACKED", "FLAG_SPAN", "KNOWN_FLAGS", "Plan", "WireError", "layout_id",
            "collect", "frame_crc", "MAX_LAYOUTS", "MAX_DIM", "MAX_NDIM", "MAX_LAYOUT_BYTES",
            "META_CRC_AT", "CRC_AT", "MAX_COLLECTIVE_BYTES", "meta_crc"]
 
@@ -74,8 +78,8 @@ FRAME_MAGIC = b"CPMB"
 HEADER = struct.Struct("<4sHH16sIIIIIIQ")
 CRC_AT = 28  # byte offset of the crc32 word in HEADER
 META_CRC_AT = 44  # byte offset of the meta crc32 word (header + layout + values + shapes)
-FLAG_LAYOUT, FLAG_CRC, FLAG_PACKED = 1, 2, 4
-KNOWN_FLAGS = FLAG_LAYOUT | FLAG_CRC | FLAG_PACKED
+FLAG_LAYOUT, FLAG_CRC, FLAG_PACKED, FLAG_SPAN = 1, 2, 4, 8
+KNOWN_FLAGS = FLAG_LAYOUT | FLAG_CRC | FLAG_PACKED | FLAG_SPAN
 PACK_ALIGN = 16  # every dtype run starts at a multiple of this many bytes
 MAX_LAYOUTS = 256  # layouts a follower keeps (and the driver assumes it keeps)
 MAX_DIM = 1 << 48  # largest single dim a follower accepts
