@@ -67,13 +67,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cpmeta  # noqa: E402
 from cpmeta import InputMetadata, MetadataConfig  # noqa: E402
 
+from launch import envs as launch_envs  # noqa: E402
 from cp_llama import (NO_GROUP, PagedKVCache, all_gather, build_model, combine_lse,  # noqa: E402
                       forward_rows, partial_attention)
-
-if not hasattr(cpmeta, "cp_kv_read_plan"):  # SHIM: until the read side is exported
-    from cpmeta.config import blocks_needed as _bn
-    from cpmeta.cp.kv_read_plan import cp_kv_read_plan as _plan
-    cpmeta.cp_kv_read_plan, cpmeta.blocks_needed = _plan, _bn  # type: ignore[attr-defined]
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 #: max |logit diff| allowed vs the single-process model, per dtype
@@ -212,9 +208,8 @@ def prefill_step(model: Any, cache: PagedKVCache, md: InputMetadata, cfg: Metada
     mine = cpmeta.prepare_for_mirror_cp(md, rank, world)
     ids = cpmeta.mirror_rows(md.input_ids, mine.mirror_cp_index, 0)
     pos = mine.positions.to(dev, torch.int64)
-    row_seq = torch.searchsorted(md.cu_seqlens_q[1:].to(dev, torch.int64),
-                                 mine.mirror_cp_index.to(dev, torch.int64).clamp(min=0), right=True)
-    row_seq = torch.where(mine.valid_token_mask.to(dev), row_seq, NO_GROUP)  # pad, placeholder
+    # each row's sequence (query_indices: placeholders 998244353, whose keys nobody holds)
+    row_seq = cpmeta.mirror_rows(md.query_indices, mine.mirror_cp_index, NO_GROUP).to(dev, torch.int64)
     slots = _write_slots(md, cfg, rank).to(dev)
     plan = cpmeta.cp_kv_read_plan(md, cfg, cp_rank=_kv_rank(cfg, rank))
     n_seq = plan.seqlens.shape[0]
@@ -326,6 +321,8 @@ def compare(model: Any, driver: Driver, o: GenOptions) -> dict[str, Any]:
 def _spawned(rank: int, world: int, port: int, o: GenOptions, queue: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    for k, v in launch_envs.MULTICAST_OFF.items():  # as python -m launch: NVLink multicast off
+        launch_envs.set_default(k, v)
     torch.set_num_threads(1)
     backend = "nccl" if o.device == "cuda" and world == 1 else "gloo"
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=120))

@@ -33,7 +33,7 @@ TINY_LLAMA: dict[str, Any] = dict(
     initializer_range=0.2, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
     pad_token_id=0,
 )
-NO_GROUP = -1  #: group id of a pad row / pad key: a key with it is never seen (row groups >= 0)
+NO_GROUP = -1  #: group id of a pad row / pad key: a key with a negative group is never seen
 
 
 def build_model(dtype: torch.dtype, device: torch.device, seed: int) -> Any:
@@ -107,7 +107,7 @@ def partial_attention(q: torch.Tensor, q_group: torch.Tensor, q_pos: torch.Tenso
 
     ``q`` [R, H, D]; ``k``, ``v`` [N, KVH, D] (query head h reads KV head ``h // (H // KVH)``,
     as HF's ``repeat_kv``); ``q_group`` / ``q_pos`` [R], ``k_group`` / ``k_pos`` [N] int64.
-    Row i sees key n iff ``k_group[n] == q_group[i]`` and ``k_pos[n] <= q_pos[i]``; the keys may
+    Row i sees key n iff ``k_group[n] == q_group[i] >= 0`` and ``k_pos[n] <= q_pos[i]``; the keys may
     come in any order (a sum over a set). Returns ``(out [R, H, D], lse [R, H] float32/64)``:
     ``out`` is normalized over the keys seen here, ``lse`` their log-sum-exp of scores (``-inf``
     and ``out = 0`` for a row that sees none, e.g. a placeholder, or a rank holding none of its
@@ -119,7 +119,8 @@ def partial_attention(q: torch.Tensor, q_group: torch.Tensor, q_pos: torch.Tenso
     kk = k.to(math_dt).repeat_interleave(rep, dim=1)
     vv = v.to(math_dt).repeat_interleave(rep, dim=1)
     scores = torch.einsum("rhd,nhd->hrn", q.to(math_dt), kk) / math.sqrt(q.shape[-1])
-    seen = (q_group[:, None] == k_group[None, :]) & (k_pos[None, :] <= q_pos[:, None])
+    seen = (q_group[:, None] == k_group[None, :]) & (k_pos[None, :] <= q_pos[:, None]) \
+        & (k_group >= 0)[None, :]
     scores = scores.masked_fill(~seen, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [H, R]
     prob = torch.exp(scores - lse[..., None]).nan_to_num(0.0)  # -inf - -inf = nan: no key seen
