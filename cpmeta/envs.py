@@ -4,7 +4,7 @@ parsers this module uses; unset or blank means the default).
 | variable | meaning | default |
 |---|---|---|
 | ``CPMETA_TENSOR_PATH`` | how ``MetadataBroadcaster`` moves tensors: ``auto``, ``packed`` (inside the object message) or ``collective`` (one coalesced NCCL/gloo broadcast) | ``auto`` |
-| ``CPMETA_CHECKSUM`` | ``1``: the driver stamps a crc32 of every broadcast frame; followers verify it (a mismatch is a ``RuntimeError`` naming the rank). Costs a few us per step (docs/transport.md) | ``0`` |
+| ``CPMETA_CHECKSUM`` | ``1``: the driver stamps a crc32 of every broadcast frame; followers verify it and refuse a frame without one (a mismatch is a ``RuntimeError`` naming the rank). Every rank must set it alike (compared at construction). Costs a few us per step (docs/transport.md) | ``0`` |
 | ``CPMETA_PACKED_MAX_BYTES`` | with ``auto`` and a CUDA device, CPU-built payloads up to this many bytes ride inside the object message and each rank copies them to its GPU with one H2D copy (larger ones: one NCCL broadcast) | ``1048576`` |
 
 The 1 MiB default comes from ``scripts/bench_broadcast.py --backend nccl --worlds 1`` on an H200
@@ -36,5 +36,5 @@ def packed_max_bytes() -> int:
 
 
 def checksum() -> bool:
-    """``CPMETA_CHECKSUM``: stamp (driver) a crc32 on every broadcast frame."""
+    """``CPMETA_CHECKSUM``: stamp (driver) / require (followers) a crc32 on every broadcast frame."""
     return env_bool(CHECKSUM, False)
