@@ -171,6 +171,7 @@ class DecodeStaging:
         if up is not None and stream != up:  # consumers ordered on the old upload stream
             stream.wait_stream(up)
         if self._read_pending:
+            assert self._read_event is not None  # recorded before _read_pending is set
             stream.wait_event(self._read_event)
             self._read_pending = False  # later uploads are ordered after this one
         write()
