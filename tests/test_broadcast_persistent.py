@@ -192,6 +192,81 @@ def test_eviction_past_max_layouts() -> None:
         assert (old, new) == (0, 7), "an evicted arena's metadata must stay as it was"
 
 
+def _mixed(rank: int, world: int) -> list:
+    import cpmeta
+
+    pool = _pool(31)
+    out = []
+    # a persistent driver (span frames from its builder arenas) and a follower without the option
+    with cpmeta.MetadataBroadcaster(src=0, timeout=60, persistent_outputs=rank == 0) as bp:
+        prev = None
+        for step in range(6):
+            sent = _fresh_values(pool[0], step)
+            got = bp.broadcast(sent if rank == 0 else None)
+            _same(sent, got, f"mixed step {step}")
+            out.append(got is prev)
+            prev = got
+    return out
+
+
+def test_persistent_driver_plain_follower() -> None:
+    drv, fol = run_ranks(_mixed, 2, timeout=120)
+    assert drv[1:] == [True] * 5  # the driver's result is its arena's metadata
+    assert not any(fol)  # the follower without the option gets fresh metadata every step
+
+
+def _span_case():
+    """A one-arena decode step (builder order) and its plan, dims and span geometry."""
+    import cpmeta
+    from cpmeta.broadcast.span import span_of
+    from cpmeta.broadcast.wire import Plan, collect
+
+    md = _random_case(3, 0, False)[1]
+    key, tensors, _ = collect(md)
+    plan = Plan(key[0], list(key[1]), list(key[2]), key[3])
+    dims = tuple(d for t in tensors for d in t.shape)
+    exact = plan.sizes(dims)[3]
+    geo = span_of(tensors, exact)
+    assert geo is not None, "prepare_decode should leave its tensors in one arena"
+    return cpmeta, plan, dims, exact, geo
+
+
+def test_check_span_refuses_bad_geometry() -> None:
+    import struct
+
+    from cpmeta.broadcast.span import check_span
+    from cpmeta.broadcast.wire import WireError
+
+    _, plan, dims, exact, (table, offsets, span) = _span_case()
+    avail = len(table) + span
+    numels, got_offsets, got_exact = check_span(plan, dims, exact, table, avail)
+    assert got_offsets == offsets and got_exact == exact
+    n = len(offsets)
+
+    def with_offsets(offs: list) -> bytes:
+        return struct.pack(f"<{n}Q", *offs) + table[8 * n:]
+
+    i = max(range(n), key=lambda k: numels[k])  # a non-empty tensor, and another one
+    j = next(k for k in range(n) if k != i and numels[k])
+    bad = {
+        "misaligned": with_offsets([o + 1 if k == i else o for k, o in enumerate(offsets)]),
+        "past the span": with_offsets([span if k == i else o for k, o in enumerate(offsets)]),
+        "overlap": with_offsets([offsets[j] if k == i else o for k, o in enumerate(offsets)]),
+        "padding": table[:8 * n] + b"\x01" * (len(table) - 8 * n) if len(table) > 8 * n else None,
+    }
+    for what, t in bad.items():
+        if t is None:
+            continue
+        with pytest.raises(WireError):
+            check_span(plan, dims, exact, t, avail)
+    with pytest.raises(WireError):
+        check_span(plan, dims, exact + 4, table, avail)  # header bytes disagree with the shapes
+    with pytest.raises(WireError):
+        check_span(plan, dims, exact, table, len(table) - 8)  # frame shorter than its table
+    with pytest.raises(WireError):
+        check_span(plan, dims, exact, table, avail - 4)  # a tensor runs past the span
+
+
 # ---- CUDA (skipped without it): the arena on the device, one H2D copy per step ---------------------
 
 

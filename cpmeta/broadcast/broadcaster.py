@@ -33,8 +33,9 @@ from transport.codec import CodecError, decode_body, encode_body  # cpmeta -> tr
 from .. import envs
 from ..metadata import InputMetadata
 from . import integrity, wire
-from .wire import (FLAG_CRC, FLAG_LAYOUT, FLAG_PACKED, FRAME_MAGIC, HEADER, MAX_LAYOUTS, Plan,
-                   WireError, collect, layout_id, pack_tensors)
+from .persistent import land_span
+from .wire import (FLAG_CRC, FLAG_LAYOUT, FLAG_PACKED, FLAG_SPAN, FRAME_MAGIC, HEADER,
+                   MAX_LAYOUTS, Plan, WireError, collect, layout_id, pack_tensors)
 
 __all__ = ["MetadataBroadcaster", "SCHEMA_FINGERPRINT", "MESSAGE_VERSION"]
 
@@ -226,9 +227,14 @@ class MetadataBroadcaster:
             FLAG_CRC if self.checksum else 0)
         arena = None
         if self._persist is not None and out is None:  # one copy in, one memmove out per step
-            arena = self._persist.get(plan, tuple(dims), numels, starts, tbytes, values)[0]
             if packed:
+                arena = self._persist.driver_arena(plan, tuple(dims), numels, starts, tbytes,
+                                                   exact, values, tensors)
                 arena.fill_from(tensors, plan, numels, starts)
+                if arena.span is not None:  # the tensors' own allocation as one span
+                    flags, tbytes = flags | FLAG_SPAN, arena.region
+            else:
+                arena = self._persist.get(plan, tuple(dims), numels, starts, tbytes, values)[0]
         staged = None
         if arena is None and packed and (
                 self.device.type != "cpu" or any(t.device.type != "cpu" for t in tensors)):
@@ -286,7 +292,7 @@ class MetadataBroadcaster:
             if self._persist is not None and out is None:
                 return self._persist.get(plan, dims, numels, starts, plan.sizes(dims)[2],
                                          values)[0].finish_collective(got, values)
-        elif self._persist is not None:  # buf is the layout's arena (landed by _consume)
+        elif not isinstance(buf, torch.Tensor):  # a LayoutArena (landed by _consume)
             if out is None:
                 return buf.finish(values)
             got = buf.tensors
@@ -342,6 +348,12 @@ class MetadataBroadcaster:
         if n_dims != plan.n_dims:
             raise WireError(f"{n_dims} dims declared, the layout has {plan.n_dims}")
         dims = plan.shapes.unpack_from(view, shapes_at)
+        if flags & FLAG_SPAN:  # a persistent driver's span (cpmeta.broadcast.span): own checks
+            if not flags & FLAG_PACKED:
+                raise WireError("FLAG_SPAN without FLAG_PACKED")
+            arena = land_span(self._persist, plan, dims, tbytes, view, data_at, values, self.device)
+            self._keep_plan(lid, block, plan)
+            return plan, values, dims, None, None, arena
         numels, starts, total = plan.check_tensors(dims, bool(flags & FLAG_PACKED), tbytes,
                                                    n - data_at)
         if not flags & FLAG_PACKED:

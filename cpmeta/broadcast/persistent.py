@@ -36,7 +36,8 @@ from typing import Any, Optional
 import torch
 
 from ..metadata import InputMetadata
-from .wire import MAX_LAYOUTS, Plan, pack_tensors
+from .span import check_span, span_of, table_bytes
+from .wire import MAX_LAYOUTS, WIRE_DTYPES, Plan, WireError
 
 __all__ = ["LayoutArena", "PersistentArenas", "MAX_ARENA_BYTES"]
 
@@ -47,6 +48,7 @@ MAX_ARENA_BYTES = 1 << 30
 _FIELD_NAMES = InputMetadata.field_names()
 _GET_ALL = operator.attrgetter(*_FIELD_NAMES)
 _DATA_PTR = torch.Tensor.data_ptr
+_IS_CONTIGUOUS = torch.Tensor.is_contiguous
 _IS = operator.is_
 
 
@@ -60,24 +62,37 @@ class LayoutArena:
     ``dev[12:36].view(int32).view(3, 2)``.
     """
 
-    __slots__ = ("region", "host", "host_ptr", "dev", "md", "tensors", "event", "src_ptrs",
-                 "_packed_ptrs", "_src", "_offsets", "_values", "_fixed", "_snap", "_dict_snap",
-                 "_dict_lens", "_dict_tensors")
+    __slots__ = ("region", "exact", "span", "host", "host_ptr", "dev", "md", "tensors", "event",
+                 "src_ptrs", "_packed_ptrs", "_src", "_offsets", "_nbytes", "_data_at", "_base", "_values",
+                 "_fixed", "_snap", "_dict_snap", "_dict_lens", "_dict_tensors")
 
     def __init__(self, plan: Plan, dims: tuple[int, ...], numels: list[int], starts: list[int],
-                 region: int, values: list[Any], device: torch.device) -> None:
+                 region: int, values: list[Any], device: torch.device,
+                 span: Optional[tuple[bytes, list[int], int]] = None) -> None:
         cuda = device.type == "cuda"
-        self.region = region
-        self.host = torch.empty(region, dtype=torch.uint8, pin_memory=cuda)
+        #: span geometry (FLAG_SPAN): (offsets table, offsets, span bytes); None: packed runs
+        self.span = span
+        self.region = region if span is None else len(span[0]) + span[2]
+        self.host = torch.empty(self.region, dtype=torch.uint8, pin_memory=cuda)
         self.host_ptr = self.host.data_ptr()
-        self.dev = torch.empty(region, dtype=torch.uint8, device=device) if cuda else self.host
+        self.dev = torch.empty(self.region, dtype=torch.uint8, device=device) if cuda else self.host
         self.event: Any = torch.cuda.Event() if cuda else None
-        self.tensors = tensors = plan.views(self.dev, dims, numels, starts)
+        if span is None:
+            self._data_at = 0
+            tensors = plan.views(self.dev, dims, numels, starts)
+        else:
+            self._data_at = len(span[0])
+            self.host[:self._data_at] = torch.frombuffer(bytearray(span[0]), dtype=torch.uint8)
+            tensors = _span_views(self.dev, plan, dims, numels, [self._data_at + o for o in span[1]])
+        self.tensors = tensors
         self.md = plan.assemble(tensors, values)
         # byte offset of every tensor in the region: a source whose tensors lie at base + these
         # offsets of ONE allocation is copied with one memmove (src_ptrs caches the last such base)
         self._offsets = [t.data_ptr() - self.dev.data_ptr() for t in tensors]
+        self._nbytes = [t.numel() * t.element_size() for t in tensors]
+        self.exact = sum(self._nbytes)  # the header's tensor bytes
         self.src_ptrs: Optional[tuple[int, ...]] = None
+        self._base = 0  # address the one memmove copies from (with src_ptrs)
         self._packed_ptrs: Optional[tuple[int, ...]] = None  # last source that did NOT qualify
         self._src: list[torch.Tensor] = []  # the tensor objects that qualified (held, compared by id)
         self._values = _value_setter(plan)
@@ -116,26 +131,40 @@ class LayoutArena:
         ptrs = tuple(map(_DATA_PTR, tensors))
         if (ptrs == self.src_ptrs and all(map(_IS, tensors, self._src))) or (
                 ptrs != self._packed_ptrs and self._single_source(ptrs, tensors)):
-            ctypes.memmove(self.host_ptr, ptrs[0] - self._offsets[0], self.region)
+            at = self._data_at
+            ctypes.memmove(self.host_ptr + at, self._base, self.region - at)
         elif ptrs == self._packed_ptrs or all(t.device.type == "cpu" for t in tensors):
-            pack_tensors(self.host_ptr, tensors, plan, numels, starts)
+            if not all(map(_IS_CONTIGUOUS, tensors)):
+                tensors = [t.contiguous() for t in tensors]
+                ptrs = tuple(map(_DATA_PTR, tensors))
+            memmove, host = ctypes.memmove, self.host_ptr
+            for p, o, n in zip(ptrs, self._offsets, self._nbytes):
+                if n:
+                    memmove(host + o, p, n)
         else:
-            hv = plan.views(self.host, plan_dims(tensors), numels, starts)
-            for d, t in zip(hv, tensors):
+            for d, t in zip(self.host_views(), tensors):
                 d.copy_(t)
 
+    def host_views(self) -> list[torch.Tensor]:
+        """The host arena's tensors (same layout as the device views); used off the hot path."""
+        return [self.host[o:o + n].view(t.dtype).view(t.shape)
+                for o, n, t in zip(self._offsets, self._nbytes, self.tensors)]
+
     def _single_source(self, ptrs: tuple[int, ...], tensors: list[torch.Tensor]) -> bool:
-        """Whether every tensor lies, contiguous, in one CPU allocation at this arena's offsets
-        from one base, covering ``region`` bytes inside that allocation (then cached)."""
-        base = ptrs[0] - self._offsets[0]
+        """Whether every non-empty tensor lies, contiguous, in one CPU allocation at this arena's
+        offsets from one base, the whole data section inside that allocation (then cached)."""
+        live = [(p, o) for p, o, n in zip(ptrs, self._offsets, self._nbytes) if n]
+        if not live:
+            return False
+        base = live[0][0] - live[0][1] + self._data_at
         s0 = tensors[0].untyped_storage()
         lo, hi = s0.data_ptr(), s0.data_ptr() + s0.nbytes()
-        ok = (base >= lo and base + self.region <= hi
-              and all(p - base == o for p, o in zip(ptrs, self._offsets))
+        ok = (base >= lo and base + self.region - self._data_at <= hi
+              and all(p - o + self._data_at == base for p, o in live)
               and all(t.device.type == "cpu" and t.is_contiguous()
                       and t.untyped_storage().data_ptr() == lo for t in tensors))
         if ok:
-            self.src_ptrs, self._src = ptrs, list(tensors)
+            self.src_ptrs, self._src, self._base = ptrs, list(tensors), base
         elif all(t.device.type == "cpu" for t in tensors):
             self._packed_ptrs = ptrs
         return ok
@@ -198,9 +227,17 @@ class LayoutArena:
             d.update(snap)
 
 
-def plan_dims(tensors: list[torch.Tensor]) -> list[int]:
-    """The flat dims of ``tensors`` in order (``[3], [3, 2]`` -> ``[3, 3, 2]``)."""
-    return [d for t in tensors for d in t.shape]
+def _span_views(buf: torch.Tensor, plan: Plan, dims: tuple[int, ...], numels: list[int],
+                offsets: list[int]) -> list[torch.Tensor]:
+    """Tensor ``i`` of the layout as ``buf[offsets[i]:...]`` viewed with its dtype and shape
+    (offsets already proven aligned and in bounds)."""
+    out, at = [], 0
+    for code, nd, m, o in zip(plan.codes, plan.ndims, numels, offsets):
+        dt = WIRE_DTYPES[code]
+        esz = torch.empty(0, dtype=dt).element_size()
+        out.append(buf[o:o + m * esz].view(dt).view(tuple(dims[at:at + nd])))
+        at += nd
+    return out
 
 
 def _value_setter(plan: Plan) -> Any:
@@ -237,17 +274,65 @@ class PersistentArenas:
         return len(self._arenas)
 
     def get(self, plan: Plan, dims: tuple[int, ...], numels: list[int], starts: list[int],
-            region: int, values: list[Any]) -> tuple[LayoutArena, bool]:
-        """``(arena, new)``: the arena of this layout, made now (``new``) on its first step."""
-        key = (plan.key, dims)
+            region: int, values: list[Any], table: Optional[bytes] = None,
+            span: Optional[tuple[bytes, list[int], int]] = None) -> tuple[LayoutArena, bool]:
+        """``(arena, new)``: the arena of this layout, made now (``new``) on its first step.
+
+        Followers key span frames by their offsets ``table`` too (``span`` then gives the proven
+        geometry for a new arena); the driver passes neither and chooses the geometry with
+        :meth:`driver_arena`."""
+        key = (plan.key, dims, table)
         a = self._arenas.get(key)
         if a is not None:
             self._arenas.move_to_end(key)
             return a, False
+        return self._add(key, LayoutArena(plan, dims, numels, starts, region, values, self.device,
+                                          span)), True
+
+    def driver_arena(self, plan: Plan, dims: tuple[int, ...], numels: list[int],
+                     starts: list[int], region: int, exact: int, values: list[Any],
+                     tensors: list[torch.Tensor]) -> LayoutArena:
+        """Driver: the arena of this layout; a new one takes the span geometry when this first
+        step's tensors lie in one host allocation (``span.span_of``), else the packed runs."""
+        key = (plan.key, dims, None)
+        a = self._arenas.get(key)
+        if a is not None:
+            self._arenas.move_to_end(key)
+            return a
+        span = span_of(tensors, exact)
+        return self._add(key, LayoutArena(plan, dims, numels, starts, region, values, self.device,
+                                          span))
+
+    def _add(self, key: tuple, a: LayoutArena) -> LayoutArena:
         while self._arenas and (len(self._arenas) >= MAX_LAYOUTS
-                                or self._bytes + region > self.max_bytes):
+                                or self._bytes + a.region > self.max_bytes):
             _, old = self._arenas.popitem(last=False)
             self._bytes -= old.region
-        a = self._arenas[key] = LayoutArena(plan, dims, numels, starts, region, values, self.device)
-        self._bytes += region
-        return a, True
+        self._arenas[key] = a
+        self._bytes += a.region
+        return a
+
+
+def land_span(arenas: Optional[PersistentArenas], plan: Plan, dims: tuple[int, ...],
+              tbytes: int, view: memoryview, data_at: int, values: list[Any],
+              device: torch.device) -> LayoutArena:
+    """Follower, a ``FLAG_SPAN`` frame whose header, layout and values passed their checks: its
+    region into the arena of (layout, dims, offsets table), proven once by ``span.check_span``.
+    Without persistent arenas (``arenas`` None) a fresh arena each call (fresh tensors)."""
+    tl = table_bytes(len(plan.codes))
+    avail = view.nbytes - data_at
+    if avail < tl:
+        raise WireError(f"span frame: {avail} bytes after the shapes, offsets table needs {tl}")
+    table = bytes(view[data_at:data_at + tl])
+    a = arenas._arenas.get((plan.key, dims, table)) if arenas is not None else None
+    if a is None or a.region != avail or a.exact != tbytes:
+        numels, offsets, exact = check_span(plan, dims, tbytes, table, avail)
+        geo = (table, offsets, avail - tl)
+        if arenas is None:
+            a = LayoutArena(plan, dims, numels, [], 0, values, device, geo)
+        else:
+            a = arenas.get(plan, dims, numels, [], 0, values, table, geo)[0]
+            if a.region != avail or a.exact != tbytes:  # same table, other length: never cached
+                a = LayoutArena(plan, dims, numels, [], 0, values, device, geo)
+    a.land(view, data_at)
+    return a

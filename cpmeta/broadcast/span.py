@@ -1,0 +1,108 @@
+"""Span frames (``FLAG_SPAN``): a persistent step's tensors as ONE span of the driver's allocation.
+
+A builder called with ``out=OutputArenas()`` leaves every tensor of a step in one host allocation
+(builder order, 64-byte aligned), not in the frame's dtype-run order. Copying that allocation's
+span whole is one ``memmove`` where packing costs one per tensor, so a persistent driver whose
+tensors qualify sends the span, with every tensor's offset in it::
+
+    tensor region (after the shapes, 16-aligned; always with FLAG_PACKED)
+    +---------------------------------------+-----------------------------------------------+
+    | offsets: one u64 per tensor, layout   | span: bytes [lo, hi) of the driver's          |
+    | order, padded to a multiple of 16 B   | allocation; tensor i at span[offsets[i]:...]  |
+    +---------------------------------------+-----------------------------------------------+
+
+The header's tensor bytes stay the EXACT payload ``sum(numel_i * element_size_i)``; the frame's
+length is ``data_at + table + span``. A follower proves, once per (layout, dims, offsets), that
+every offset is a multiple of its element size and every tensor lies inside the span without
+overlapping another (:func:`check_span`); later frames with the same table bytes hit that cache.
+
+Worked example: ``positions`` int32 [3] at allocation byte 512 and ``block_table`` int32 [3, 2]
+at byte 0 (builder order), layout order (positions, block_table): lo 0, hi 524, table 16 B
+(2 u64), offsets ``[512, 0]``, span 524 B, region 540 B; exact payload 12 + 24 = 36.
+"""
+
+from __future__ import annotations
+
+import struct
+from math import prod
+from typing import Optional
+
+import torch
+
+from .wire import FLAG_SPAN, MAX_DIM, WIRE_DTYPES, Plan, WireError
+
+__all__ = ["FLAG_SPAN", "SPAN_SLACK", "table_bytes", "span_of", "check_span"]
+
+#: a span may hold at most this many bytes more than the exact payload per tensor (gaps between
+#: 64-byte aligned fields) before the driver packs instead
+SPAN_SLACK = 64
+_SIZES = tuple(torch.empty(0, dtype=d).element_size() for d in WIRE_DTYPES)
+
+
+def table_bytes(n_tensors: int) -> int:
+    """Bytes of the offsets table: ``8 * n`` rounded up to 16 (3 tensors -> 32)."""
+    return -(-8 * n_tensors // 16) * 16
+
+
+def span_of(tensors: list[torch.Tensor], exact: int) -> Optional[tuple[bytes, list[int], int]]:
+    """Driver: ``(table, offsets, span bytes)`` when the (layout-ordered) ``tensors`` all lie,
+    contiguous and element-aligned, in ONE CPU allocation within ``exact + SPAN_SLACK * n`` bytes;
+    else ``None`` (the step is packed)."""
+    if not tensors or any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+        return None
+    s0 = tensors[0].untyped_storage()
+    if any(t.untyped_storage().data_ptr() != s0.data_ptr() for t in tensors):
+        return None
+    ext = [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors]
+    live = [(p, n) for p, n in ext if n]
+    if not live:
+        return None
+    lo = min(p for p, _ in live)
+    hi = max(p + n for p, n in live)
+    if hi - lo > exact + SPAN_SLACK * len(tensors) or lo < s0.data_ptr() or hi > s0.data_ptr() + s0.nbytes():
+        return None
+    offsets = [p - lo if n else 0 for p, n in ext]
+    if any(o % t.element_size() for o, t in zip(offsets, tensors)):
+        return None
+    n = len(tensors)
+    return struct.pack(f"<{n}Q", *offsets) + bytes(table_bytes(n) - 8 * n), offsets, hi - lo
+
+
+def check_span(plan: Plan, dims: tuple[int, ...], tbytes: int, table: bytes, avail: int
+               ) -> tuple[list[int], list[int], int]:
+    """Follower: prove a span frame's geometry; return ``(numels, offsets, exact)``.
+
+    ``table`` is the frame's offsets table (``table_bytes(n)`` bytes), ``avail`` the frame's
+    bytes after its shapes. Checks: dims in ``[0, MAX_DIM]``; exact payload == header ``tbytes``;
+    every offset a multiple of its element size, every tensor inside the span
+    (``avail - len(table)`` bytes), no two non-empty tensors overlapping; padding zero.
+    Raises ``WireError`` naming the tensor path.
+    """
+    n = len(plan.codes)
+    if len(table) != table_bytes(n) or avail < len(table):
+        raise WireError(f"span frame: {avail} bytes after the shapes, offsets table needs {table_bytes(n)}")
+    if dims and (min(dims) < 0 or max(dims) > MAX_DIM):
+        raise WireError("span frame: tensor dims out of range [0, 2**48]")
+    offsets = list(struct.unpack_from(f"<{n}Q", table))
+    if any(table[8 * n:]):
+        raise WireError("span frame: nonzero padding after the offsets table")
+    numels, at = [], 0
+    for nd in plan.ndims:
+        numels.append(prod(dims[at:at + nd]))
+        at += nd
+    sizes = [m * _SIZES[c] for m, c in zip(numels, plan.codes)]
+    exact = sum(sizes)
+    if exact != tbytes:
+        raise WireError(f"span frame: shapes declare {exact} tensor bytes, the header {tbytes}")
+    span = avail - len(table)
+    end = -1
+    for o, s, i in sorted((o, s, i) for i, (o, s) in enumerate(zip(offsets, sizes))):
+        path = plan.tensor_paths[i]
+        if o % _SIZES[plan.codes[i]] or o + s > span:
+            raise WireError(f"span frame: {path} at offset {o} ({s} bytes) is misaligned or past "
+                            f"the span of {span} bytes")
+        if s and o < end:
+            raise WireError(f"span frame: {path} at offset {o} overlaps the previous tensor")
+        if s:
+            end = o + s
+    return numels, offsets, exact
