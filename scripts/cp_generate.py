@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
 import sys
@@ -362,8 +363,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     a = p.parse_args(argv)
     if a.cp < 1 or a.interleave < 1 or a.chunk < 1 or a.new_tokens < 1:
         p.error("--cp, --interleave, --chunk and --new-tokens must be >= 1")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here")
+    if importlib.util.find_spec("transformers") is None:
+        p.error("needs transformers: pip install 'transformers>=4.48' (or pip install -e '.[test]')")
     o = GenOptions(cp=a.cp, interleave=a.interleave, dtype=a.dtype, device=a.device,
                    config=a.config, new_tokens=a.new_tokens, chunk=a.chunk, seed=a.seed)
+    try:
+        make_config(o)  # bad combinations (interleave not dividing the block size, ...) stop here
+    except ValueError as e:
+        p.error(str(e))
     r = launch(o)
     print(f"cp={o.cp} interleave={o.interleave} dtype={o.dtype} device={o.device} config={o.config}")
     for i, (got, ref) in enumerate(zip(r["tokens"], r["generate_tokens"])):
