@@ -1,4 +1,12 @@
-"""Rank side of the live-ring fuzz in ``tests/test_fuzz_inputs.py`` (3 gloo ranks).
+"""The broadcast frame as the tests see it, and the rank side of the live-ring fuzz.
+
+Frame reference (an independent re-implementation of ``cpmeta.broadcast.wire``'s v5 format):
+:func:`parts` reads the header words and block offsets, :func:`reseal` recomputes the meta crc
+(and the frame crc) the way a writer that knows the format would, :func:`build` assembles a sealed
+frame; :func:`loopback` builds REAL broadcasters on an in-process loopback channel
+(``tests/test_wire_fuzz.py``, ``tests/test_security.py``).
+
+Live-ring fuzz of ``tests/test_fuzz_inputs.py`` (3 gloo ranks):
 
 Rank 0 (the driver) captures the frames of ``CAPTURE_STEPS`` real broadcasts, then writes
 ``N_CRAFTED`` hand-made hostile frames (:func:`_crafted`) and ``MUTATED_FRAMES`` random mutations
@@ -7,22 +15,26 @@ classify what ``broadcast(None)`` does with every hostile frame (:func:`_receive
 verify the valid one after it. Last, rank 2 runs with a skewed protocol version / schema
 (:func:`_skew_phase`). Frame layout (``cpmeta.broadcast.wire``)::
 
-    | header (56 B: magic, version, flags, schema, layout id, crc, block lengths) | layout? |
-    | values | shapes (int64) | packed tensor bytes (16-aligned) |
+    | header (56 B: magic, version, flags, schema, layout id, crc, block lengths, meta crc,
+    | exact tensor bytes) | layout? | values | shapes (int64) | packed tensor bytes (16-aligned) |
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 import struct
-from typing import Any
+import zlib
+from typing import Any, Iterator
 
+import torch
 
 from reliability_cases import make_payload, verify_payload
 from transport import decode_body, encode_body
 
 __all__ = ["RING_ENV", "RING_BYTES", "CAPTURE_STEPS", "MUTATED_FRAMES", "N_CRAFTED",
-           "wire_rank", "FRAME_LEN"]
+           "wire_rank", "FRAME_LEN", "HEADER", "AT", "FMT", "FLAG_LAYOUT", "FLAG_CRC",
+           "FLAG_PACKED", "parts", "reseal", "build", "loopback", "receive"]
 
 RING_ENV = {"CPMETA_SHM_SLOT_SIZE": "4096", "CPMETA_SHM_NUM_SLOTS": "16"}
 RING_BYTES = 4096 * 16
@@ -33,6 +45,116 @@ KEEP_FRAME_BYTES = 32 * 1024  # frames returned to the parent (the header fuzz n
 FRAME_HEADER = struct.Struct("<4sHH16sIIIIIIQ")  # cpmeta.broadcast.wire.HEADER
 FRAME_LEN = FRAME_HEADER  # (old name, kept for importers)
 
+
+HEADER = struct.Struct("<4sHH16sIIIIIIQ")  # magic ver flags schema lid crc llen vlen n_dims meta tbytes
+AT = {"flags": 6, "lid": 24, "crc": 28, "llen": 32, "vlen": 36, "n_dims": 40, "meta": 44, "tbytes": 48}
+FMT = {"flags": "<H", "tbytes": "<Q"}
+FLAG_LAYOUT, FLAG_CRC, FLAG_PACKED = 1, 2, 4
+U32 = struct.Struct("<I")
+
+
+# ----------------------------------------------------------------------------- frame reference
+
+def parts(frame: bytes) -> dict:
+    """Header words and block offsets of a v5 frame (docs in cpmeta/broadcast/wire.py)."""
+    (_, _, flags, _, lid, _, llen, vlen, n_dims, _, tbytes) = HEADER.unpack_from(frame, 0)
+    shapes_at = _align(HEADER.size + llen + vlen, 8)
+    data_at = _align(shapes_at + 8 * n_dims, 16)
+    return {"flags": flags, "lid": lid, "llen": llen, "vlen": vlen, "n_dims": n_dims,
+            "tbytes": tbytes, "shapes_at": shapes_at, "data_at": data_at,
+            "dims": list(struct.unpack_from(f"<{n_dims}q", frame, shapes_at))}
+
+
+def reseal(frame: bytes | bytearray, full: bool = True) -> bytes:
+    """What a writer that knows the format does: recompute the meta crc (bytes before the
+    tensors, both crc words left out) and, with ``full`` and FLAG_CRC set, the frame crc."""
+    b = bytearray(frame)
+    if len(b) < HEADER.size:
+        return bytes(b)
+    (_, _, flags, _, _, _, llen, vlen, n_dims, _, _) = HEADER.unpack_from(b, 0)
+    end = min(_align(_align(HEADER.size + llen + vlen, 8) + 8 * n_dims, 16), len(b))
+    meta = zlib.crc32(bytes(b[48:end]), zlib.crc32(bytes(b[32:44]), zlib.crc32(bytes(b[:28]))))
+    U32.pack_into(b, AT["meta"], meta)
+    if full and flags & FLAG_CRC:
+        U32.pack_into(b, AT["crc"], zlib.crc32(bytes(b[32:]), zlib.crc32(bytes(b[:28]))))
+    return bytes(b)
+
+
+def build(layout: list, values: list, dims: list[int], data: bytes, flags: int, *,
+          tbytes: int, lid: int | None = None) -> bytes:
+    """A sealed v5 frame from its parts (the layout id = crc32 of the encoded block)."""
+    from cpmeta.broadcast.wire import MESSAGE_VERSION, SCHEMA_FINGERPRINT
+    from transport import encode_body
+
+    lblock = encode_body(layout) if flags & FLAG_LAYOUT else b""
+    vblock = encode_body(values)
+    lid = zlib.crc32(lblock) if lid is None else lid
+    head = HEADER.pack(b"CPMB", MESSAGE_VERSION, flags, SCHEMA_FINGERPRINT.encode(), lid, 0,
+                       len(lblock), len(vblock), len(dims), 0, tbytes)
+    out = bytearray(head + lblock + vblock)
+    out += bytes(_align(len(out), 8) - len(out)) + struct.pack(f"<{len(dims)}q", *dims)
+    out += bytes(_align(len(out), 16) - len(out))
+    return reseal(bytes(out) + data)
+
+
+# ----------------------------------------------------------------------------- loopback ranks
+
+class _Loop:
+    """Stands in for ObjectChannel: the driver's frames are kept, the follower reads ``inbox``."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        self.frames: list[bytes] = []
+        self.inbox = b""
+        self.timeout, self.ctrl, self.ring = 30.0, None, None
+
+    def send_frame(self, nbytes: int, fill: Any) -> None:
+        from transport.coalesce import tensor_memoryview
+
+        t = torch.zeros(nbytes, dtype=torch.uint8)
+        fill(tensor_memoryview(t), t.data_ptr())
+        self.frames.append(bytes(tensor_memoryview(t)))
+
+    def recv_frame(self, consumer: Any) -> Any:
+        return consumer(memoryview(bytearray(self.inbox)))
+
+    def announce(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def loopback() -> Iterator[Any]:
+    """``make(rank, checksum)`` -> a real MetadataBroadcaster on a :class:`_Loop` (2-rank group)."""
+    from unittest import mock
+
+    import torch.distributed as dist
+    import transport
+    from cpmeta import MetadataBroadcaster
+    from cpmeta.broadcast import integrity
+
+    rank = [0]
+    group = object()
+
+    def make(r: int, checksum: bool) -> Any:
+        rank[0] = r
+        return MetadataBroadcaster(group=group, src=0, checksum=checksum)
+
+    with mock.patch.object(dist, "get_rank", lambda *a: rank[0]), \
+            mock.patch.object(dist, "get_backend", lambda *a: "gloo"), \
+            mock.patch.object(dist, "get_process_group_ranks", lambda *a: [0, 1]), \
+            mock.patch.object(transport, "ObjectChannel", _Loop), \
+            mock.patch.object(integrity, "agree_checksum", lambda *a: None):
+        yield make
+
+
+def receive(fol: Any, frame: bytes) -> Any:
+    fol._objects.inbox = frame
+    return fol.broadcast(None)
+
+
+# ----------------------------------------------------------------------------- live-ring fuzz
 
 def _capture(ring: Any, store: list) -> None:
     """Record every frame the driver's ring end publishes (``reserve``/``commit`` or ``write``)."""
@@ -97,7 +219,7 @@ def _frame(h: dict, **kw: Any) -> bytes:
     out += bytes(_align(len(out), 8) - len(out))
     out += struct.pack(f"<{len(h['dims'])}q", *h["dims"])
     out += bytes(_align(len(out), 16) - len(out))
-    return bytes(out + h["data"])
+    return reseal(bytes(out + h["data"]), full=False)  # meta crc right: the deeper checks refuse
 
 
 def _mutate(frame: bytes, rng: random.Random) -> bytes:

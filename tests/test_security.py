@@ -321,7 +321,7 @@ def _checksum_required(rank: int, world: int) -> list[str]:
     (resealed: its meta crc is right) straight into the ring."""
     import cpmeta
     from reliability_cases import make_payload, verify_payload
-    from test_wire_fuzz import AT, FLAG_CRC, loopback, parts, reseal
+    from reliability_wire import AT, FLAG_CRC, loopback, parts, reseal
 
     out = []
     with cpmeta.MetadataBroadcaster(src=0, timeout=30.0, checksum=True) as bc:

@@ -26,132 +26,21 @@ or ``CPMETA_TEST_SEED`` for fresh ones). ``pytest -s`` prints the outcome counts
 
 from __future__ import annotations
 
-import contextlib
 import random
 import struct
 import time
-import zlib
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
 
 from multiproc import run_ranks
+from reliability_wire import (AT, FLAG_CRC, FLAG_LAYOUT, FLAG_PACKED, FMT, HEADER, build, loopback,
+                              parts, receive, reseal)
 
 pytestmark = pytest.mark.timeout(120)
 
-HEADER = struct.Struct("<4sHH16sIIIIIIQ")  # magic ver flags schema lid crc llen vlen n_dims meta tbytes
-AT = {"flags": 6, "lid": 24, "crc": 28, "llen": 32, "vlen": 36, "n_dims": 40, "meta": 44, "tbytes": 48}
-FMT = {"flags": "<H", "tbytes": "<Q"}
-FLAG_LAYOUT, FLAG_CRC, FLAG_PACKED = 1, 2, 4
 MUTATIONS_PER_FRAME = 500  # x 2 frames x 8 payloads x 2 checksum settings = 16,000 per run
-U32 = struct.Struct("<I")
-
-
-# ----------------------------------------------------------------------------- frame reference
-
-def _align(n: int, a: int) -> int:
-    return -(-n // a) * a
-
-
-def parts(frame: bytes) -> dict:
-    """Header words and block offsets of a v5 frame (docs in cpmeta/broadcast/wire.py)."""
-    (_, _, flags, _, lid, _, llen, vlen, n_dims, _, tbytes) = HEADER.unpack_from(frame, 0)
-    shapes_at = _align(HEADER.size + llen + vlen, 8)
-    data_at = _align(shapes_at + 8 * n_dims, 16)
-    return {"flags": flags, "lid": lid, "llen": llen, "vlen": vlen, "n_dims": n_dims,
-            "tbytes": tbytes, "shapes_at": shapes_at, "data_at": data_at,
-            "dims": list(struct.unpack_from(f"<{n_dims}q", frame, shapes_at))}
-
-
-def reseal(frame: bytes | bytearray) -> bytes:
-    """What a writer that knows the format does: recompute the meta crc (bytes before the
-    tensors, both crc words left out) and, when FLAG_CRC is set, the frame crc."""
-    b = bytearray(frame)
-    if len(b) < HEADER.size:
-        return bytes(b)
-    (_, _, flags, _, _, _, llen, vlen, n_dims, _, _) = HEADER.unpack_from(b, 0)
-    end = min(_align(_align(HEADER.size + llen + vlen, 8) + 8 * n_dims, 16), len(b))
-    meta = zlib.crc32(bytes(b[48:end]), zlib.crc32(bytes(b[32:44]), zlib.crc32(bytes(b[:28]))))
-    U32.pack_into(b, AT["meta"], meta)
-    if flags & FLAG_CRC:
-        U32.pack_into(b, AT["crc"], zlib.crc32(bytes(b[32:]), zlib.crc32(bytes(b[:28]))))
-    return bytes(b)
-
-
-def build(layout: list, values: list, dims: list[int], data: bytes, flags: int, *,
-          tbytes: int, lid: int | None = None) -> bytes:
-    """A sealed v5 frame from its parts (the layout id = crc32 of the encoded block)."""
-    from cpmeta.broadcast.wire import MESSAGE_VERSION, SCHEMA_FINGERPRINT
-    from transport import encode_body
-
-    lblock = encode_body(layout) if flags & FLAG_LAYOUT else b""
-    vblock = encode_body(values)
-    lid = zlib.crc32(lblock) if lid is None else lid
-    head = HEADER.pack(b"CPMB", MESSAGE_VERSION, flags, SCHEMA_FINGERPRINT.encode(), lid, 0,
-                       len(lblock), len(vblock), len(dims), 0, tbytes)
-    out = bytearray(head + lblock + vblock)
-    out += bytes(_align(len(out), 8) - len(out)) + struct.pack(f"<{len(dims)}q", *dims)
-    out += bytes(_align(len(out), 16) - len(out))
-    return reseal(bytes(out) + data)
-
-
-# ----------------------------------------------------------------------------- loopback ranks
-
-class _Loop:
-    """Stands in for ObjectChannel: the driver's frames are kept, the follower reads ``inbox``."""
-
-    def __init__(self, *args: Any, **kw: Any) -> None:
-        self.frames: list[bytes] = []
-        self.inbox = b""
-        self.timeout, self.ctrl, self.ring = 30.0, None, None
-
-    def send_frame(self, nbytes: int, fill: Any) -> None:
-        from transport.coalesce import tensor_memoryview
-
-        t = torch.zeros(nbytes, dtype=torch.uint8)
-        fill(tensor_memoryview(t), t.data_ptr())
-        self.frames.append(bytes(tensor_memoryview(t)))
-
-    def recv_frame(self, consumer: Any) -> Any:
-        return consumer(memoryview(bytearray(self.inbox)))
-
-    def announce(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-@contextlib.contextmanager
-def loopback() -> Iterator[Any]:
-    """``make(rank, checksum)`` -> a real MetadataBroadcaster on a :class:`_Loop` (2-rank group)."""
-    from unittest import mock
-
-    import torch.distributed as dist
-    import transport
-    from cpmeta import MetadataBroadcaster
-    from cpmeta.broadcast import integrity
-
-    rank = [0]
-    group = object()
-
-    def make(r: int, checksum: bool) -> Any:
-        rank[0] = r
-        return MetadataBroadcaster(group=group, src=0, checksum=checksum)
-
-    with mock.patch.object(dist, "get_rank", lambda *a: rank[0]), \
-            mock.patch.object(dist, "get_backend", lambda *a: "gloo"), \
-            mock.patch.object(dist, "get_process_group_ranks", lambda *a: [0, 1]), \
-            mock.patch.object(transport, "ObjectChannel", _Loop), \
-            mock.patch.object(integrity, "agree_checksum", lambda *a: None):
-        yield make
-
-
-def receive(fol: Any, frame: bytes) -> Any:
-    fol._objects.inbox = frame
-    return fol.broadcast(None)
-
 
 # ----------------------------------------------------------------------------- payloads, diff
 
