@@ -2,9 +2,10 @@
 
 Runs ``scripts/cp_generate.py``'s engine loop (``run_rank``) on real gloo processes at CP 1, 2
 and 3, float64: the plain config with KV interleaved over the group (interleave 1 and = block
-size 16), and the seed's compressed config (KV replicated) at CP 2. Chunked prompts (45, 61, 38
+size 16), and the seed's compressed config (KV replicated) at CP 2. Chunked prompts (46, 62, 38
 tokens in chunks of 32: the second chunk reads its history back from the paged cache through
-``cp_kv_read_plan``), a placeholder sequence in every step, 4 greedy tokens per request. Every
+``cp_kv_read_plan``), a placeholder sequence in every step, 4 greedy tokens per request (the
+46- or 62-token request's table grows by a block during decode at every CP size). Every
 row's logits must be within 1e-9 of the single-process model's, and the tokens equal its
 ``generate(do_sample=False)``. One process group per world size runs all its cases.
 """
