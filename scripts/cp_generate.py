@@ -268,6 +268,8 @@ def run_rank(rank: int, world: int, o: GenOptions) -> Optional[dict[str, Any]]:
     """Every rank of an initialised process group: the engine loop. Rank 0 returns the report of
     :func:`compare`, the others ``None``."""
     device = torch.device("cuda", 0) if o.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # every rank on cuda:0 (NCCL world 1, or gloo ranks sharing it)
     cfg = make_config(o)
     model = build_model(DTYPES[o.dtype], device, o.seed)
     cache = PagedKVCache.allocate(model, o.num_blocks, cfg.block_size)
