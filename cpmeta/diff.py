@@ -20,8 +20,10 @@ def metadata_diff(
 
     Tensors compare dtype, shape and values exactly (on ``a``'s device); aliasing (the same
     tensor object at two paths) must match too. Decode ``block_tables`` define only the first
-    ``cdiv(seqlen_k // m, block_size // m)`` columns of a row (``m = cfg.min_ratio``); with
-    ``cfg`` given, only those columns are compared, so two independent builds compare equal.
+    ``blocks_needed(seqlen_k, cfg)`` columns of a row (``cdiv(seqlen_k // m, block_size // m)``,
+    ``m = cfg.min_ratio``, of rank 0's share when the KV is sharded); with ``cfg`` given, only
+    those columns are compared, so two independent builds compare equal. A field one side lacks
+    (``None``: e.g. a feature the config switches off) differs from one the other side holds.
     """
     fa, fb = a.to_flatten_dict(), b.to_flatten_dict()
     out: list[str] = []
@@ -64,11 +66,11 @@ def _defined_block_columns(md: InputMetadata, bt: torch.Tensor, cfg: Any) -> tor
     """``bt`` with every column past its row's defined blocks set to -1 (a copy)."""
     if md.cu_seqlens_k is None or md.cu_seqlens_q is None:
         return bt
-    m = cfg.min_ratio
+    from .builders.arrays import blocks_needed_tensor
+
     seqlen_k = (md.cu_seqlens_k[1:] - md.cu_seqlens_k[:-1]).to(bt.device, torch.int64)
     seqlen_q = (md.cu_seqlens_q[1:] - md.cu_seqlens_q[:-1]).to(bt.device, torch.int64)
-    tpb = cfg.block_size // m
-    need = torch.div(seqlen_k // m + tpb - 1, tpb, rounding_mode="floor")
+    need = blocks_needed_tensor(seqlen_k, cfg)
     need_rows = torch.repeat_interleave(need, seqlen_q)
     cols = torch.arange(bt.shape[1], device=bt.device)
     return torch.where(cols[None, :] < need_rows[:, None], bt, torch.full_like(bt, -1))

@@ -20,6 +20,12 @@ CFG = MetadataConfig(block_size=16, window_size=4, swa_block_size=6, dense_compr
 #: no Engram: decode steps take BatchState's fast path (cpmeta/state/decode_fast.py)
 PLAIN = MetadataConfig(block_size=16, window_size=4, swa_block_size=6, dense_compress_ratios=(4,),
                        sparse_compress_ratios=(4, 8), max_model_len=96)
+#: a plain paged-KV model (DESIGN 14: no ratios, no sliding window), and its KV sharded over 3
+#: ranks in runs of 4 (tables of rank 0's share)
+PAGED = MetadataConfig(block_size=16, window_size=0, dense_compress_ratios=(), sparse_compress_ratios=(),
+                       max_model_len=96)
+PAGED_KV3 = MetadataConfig(block_size=8, window_size=0, dense_compress_ratios=(), sparse_compress_ratios=(),
+                           max_model_len=200, kv_cp_world_size=3, kv_cp_interleave=4)
 YOCO = MetadataConfig(block_size=16, window_size=4, swa_block_size=8, dense_compress_ratios=(4,),
                       sparse_compress_ratios=(4,), max_model_len=96, yoco_keep_tokens=6)
 
@@ -159,6 +165,14 @@ def test_random_engine_matches_lists(seed: int) -> None:
     assert seen["fast"] == 0  # Engram: the general path
 
 
+@pytest.mark.parametrize("cfg", [PAGED, PAGED_KV3], ids=["plain", "plain_kv_sharded"])
+def test_random_engine_plain_config_matches_lists(cfg: MetadataConfig) -> None:
+    """A plain paged-KV config (its KV sharded too): the state's batches build what the lists do,
+    decode through the fast path, with tables of ``blocks_needed`` blocks."""
+    seen = _run(cfg, 3, 200)
+    assert seen["prompt"] > 20 and seen["decode"] > 20 and seen["fast"] > 10, seen
+
+
 @pytest.mark.parametrize("seed", [1, 2])
 def test_random_engine_fast_decode_matches_lists(seed: int) -> None:
     """Without Engram the decode steps without placeholders take the fast path; every batch it
@@ -170,8 +184,12 @@ def test_random_engine_fast_decode_matches_lists(seed: int) -> None:
 def test_table_cap_is_the_largest_covered_seqlen() -> None:
     """``_table_cap`` (behind ``_dec_cap``: one gather replaces blocks_needed per step) equals a
     brute-force search."""
-    for cfg in (PLAIN, CFG, MetadataConfig(block_size=32, dense_compress_ratios=(4, 32), sparse_compress_ratios=(8,),
-                                           max_model_len=200)):
+    sharded = [MetadataConfig(block_size=bs, window_size=0, dense_compress_ratios=(), sparse_compress_ratios=(),
+                              max_model_len=mml, kv_cp_world_size=w, kv_cp_interleave=i)
+               for bs, mml, w, i in ((16, 300, 3, 1), (8, 200, 3, 4), (8, 97, 2, 8), (4, 50, 4, 2), (16, 64, 1, 4))]
+    for cfg in (PLAIN, CFG, PAGED, *sharded,
+                MetadataConfig(block_size=32, dense_compress_ratios=(4, 32), sparse_compress_ratios=(8,),
+                               max_model_len=200)):
         st = BatchState(cfg, max_seqs=1)
         for nb in range(0, blocks_needed(cfg.max_model_len, cfg) + 2):
             want = max(k for k in range(cfg.max_model_len + 1) if blocks_needed(k, cfg) <= nb)

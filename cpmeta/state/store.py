@@ -40,7 +40,7 @@ from typing import Any, Hashable, Optional
 
 import numpy as np
 
-from ..config import MetadataConfig
+from ..config import MetadataConfig, seqlen_k_covered
 from ..constants import INT32_MAX
 from ..sequence import blocks_needed
 from .batch import window_lookback
@@ -150,12 +150,12 @@ class StateStore:
         return self._req[slot]
 
     def _table_cap(self, nb: Any) -> Any:
-        """The largest ``seqlen_k`` a table of ``nb`` blocks covers, capped at ``max_model_len``:
-        works on an int or an int64 array of ``nb``. ``blocks_needed(k) <= nb`` iff ``k <= nb * block_size + min_ratio - 1`` for a compressed
-        config (every ratio divides block_size), ``k <= nb * block_size`` for a plain one
-        (``min_ratio`` 1). Example: block 128, ratio 4, 2 blocks -> 259 (k = 260 needs a third)."""
-        cfg = self.cfg
-        return np.minimum(nb * cfg.block_size + (cfg.min_ratio - 1), cfg.max_model_len)
+        """The largest ``seqlen_k`` a table of ``nb`` blocks covers, capped at ``max_model_len``
+        (the inverse of ``blocks_needed``: :func:`~cpmeta.config.seqlen_k_covered`, KV sharding
+        included): works on an int or an int64 array of ``nb``. Examples: block 128, ratio 4,
+        2 blocks -> 259 (k = 260 needs a third); plain, block 16, KV over 3 ranks, 7 blocks ->
+        336 (rank 0 holds 112 of 336 keys, 113 of 337)."""
+        return np.minimum(seqlen_k_covered(nb, self.cfg), self.cfg.max_model_len)
 
     def _fits(self, req_id: Any, what: str, n: int, cap: int, name: str) -> None:
         if n > cap:
