@@ -112,6 +112,27 @@ def _named_cases() -> dict[str, tuple[MetadataConfig, list[SequenceMetadata]]]:
             MetadataConfig(block_size=8, max_ngram_size=2),
             [_seq(2, 6, [3], 0), _seq(1, 9, [1, 2], 1)],
         ),
+        # DESIGN 14: a plain paged-KV model (no ratios, no sliding window), its KV sharded over 3
+        # ranks (tables of rank 0's share: 300 keys -> 100 -> 7 blocks), and each feature alone
+        "plain": (
+            MetadataConfig(block_size=16, max_model_len=256, dense_compress_ratios=(), sparse_compress_ratios=(),
+                           window_size=0),
+            [_seq(2, 17, [4, 9], 1), _seq(1, 5, [3], 0, ph=True), _seq(3, 40, [5, 6, 7], 2)],
+        ),
+        "plain_kv_sharded_interleaved": (
+            MetadataConfig(block_size=16, max_model_len=300, dense_compress_ratios=(), sparse_compress_ratios=(),
+                           window_size=0, kv_cp_world_size=3, kv_cp_interleave=4),
+            [_seq(1, 300, list(range(10, 17)), 0), _seq(2, 40, [1], 1)],
+        ),
+        "swa_only": (
+            MetadataConfig(block_size=8, window_size=4, swa_block_size=5, dense_compress_ratios=(),
+                           sparse_compress_ratios=()),
+            [_seq(2, 16, [4, 5], 1), _seq(3, 24, [7, 8, 9], 2)],
+        ),
+        "compressed_only": (
+            MetadataConfig(block_size=16, window_size=0, dense_compress_ratios=(4,), sparse_compress_ratios=(2,)),
+            [_seq(3, 40, [1, 2, 3], 4), _seq(1, 17, [5, 6], 1)],
+        ),
     }
 
 
@@ -163,11 +184,15 @@ def _check_tail(out: dict[str, torch.Tensor], md: InputMetadata, cfg: MetadataCo
     assert (out["positions"][tq:] == 0).all() and (out["context_lens"][tq:] == 0).all()
     assert not out["valid_token_mask"][tq:].any()
     assert (out["query_indices"][tq:] == PLACEHOLDER_QUERY_INDEX).all()
-    assert (out["slot_mapping_store_swa"][tq:] == PAD_SLOT_ID).all()
-    assert (out["slot_mapping_store_ca"][:, tq:] == PAD_SLOT_ID).all()
-    assert (out["kv_swa_index_offset_len"][tq:] == 0).all()
-    assert (out["kv_ca_index_offset_len"][:, tq:] == 0).all()
-    assert (out["klen"][:, tq:] == 0).all()
+    assert cfg.has_swa == ("slot_mapping_store_swa" in out) == ("kv_swa_index_offset_len" in out)
+    assert cfg.has_compressed_kv == ("klen" in out) == ("slot_mapping_store_ca" in out)
+    if cfg.has_swa:
+        assert (out["slot_mapping_store_swa"][tq:] == PAD_SLOT_ID).all()
+        assert (out["kv_swa_index_offset_len"][tq:] == 0).all()
+    if cfg.has_compressed_kv:
+        assert (out["slot_mapping_store_ca"][:, tq:] == PAD_SLOT_ID).all()
+        assert (out["kv_ca_index_offset_len"][:, tq:] == 0).all()
+        assert (out["klen"][:, tq:] == 0).all()
     assert (out["cu_seqlens_q"][n + 1:] == tq).all()
     assert (out["cu_seqlens_k"][n + 1:] == md.cu_seqlens_k[-1]).all()
 
@@ -190,7 +215,7 @@ def test_out_prefix_writes_in_place(device: str, backend: str) -> None:
         assert {k: v.data_ptr() for k, v in out.items()} == ptrs, "a buffer was reallocated"
         assert {k: v.shape for k, v in out.items()} == shapes
         assert_same(prepare_decode(small, cfg), md, cfg, derived=False)
-        for name in STACKED:
+        for name in STACKED if cfg.has_compressed_kv else ():
             stacked = out[name]
             for i, view in enumerate(getattr(md, name).values()):
                 assert view.untyped_storage().data_ptr() == stacked.untyped_storage().data_ptr()

@@ -19,6 +19,7 @@ from .decode_staging import (
     F_BT_OFFSET, F_CU_K_INCL, F_CU_Q_INCL, F_PLACEHOLDER, F_SEQLEN_K, F_SEQLEN_Q, F_STATE,
     HEADER_FIXED, SEQ_FIELDS, DecodeBuffers,
 )
+from ..builders.arrays import blocks_needed_tensor
 from ..config import MetadataConfig
 from ..constants import PAD_SLOT_ID, PLACEHOLDER_QUERY_INDEX
 
@@ -34,20 +35,25 @@ def _ratios(stg: torch.Tensor, cfg: MetadataConfig) -> tuple[torch.Tensor, torch
 
 
 def _write_tail(b: DecodeBuffers, cfg: MetadataConfig, n: int, tq: int, tk: int) -> None:
-    """Inert values for rows ``[tq, q_cap)`` and ``cu_seqlens_*[n+1:]`` (see DecodeBuffers)."""
+    """Inert values for rows ``[tq, q_cap)`` and ``cu_seqlens_*[n+1:]`` (see DecodeBuffers);
+    the buffers of switched-off features are ``None`` and skipped."""
     t = slice(tq, b.q_cap)
-    for x in (b.positions, b.input_ids, b.state_block_idx, b.context_lens, b.kv_swa_index_offset_len):
+    for x in (b.positions, b.input_ids, b.context_lens):
         x[t] = 0
     b.gate_force_random[t] = cfg.force_load_balance
     if b.ngram_token_ids is not None:
         b.ngram_token_ids[t] = cfg.ngram_pad_token
     b.valid_token_mask[t] = False
     b.query_indices[t] = PLACEHOLDER_QUERY_INDEX
-    b.slot_mapping_store_swa[t] = PAD_SLOT_ID
-    b.positions_c[:, t] = 0
-    b.slot_mapping_store_ca[:, t] = PAD_SLOT_ID
-    b.klen[:, t] = 0
-    b.kv_ca_index_offset_len[:, t] = 0
+    if b.slot_mapping_store_swa is not None and b.state_block_idx is not None \
+            and b.kv_swa_index_offset_len is not None:
+        b.state_block_idx[t] = 0
+        b.kv_swa_index_offset_len[t] = 0
+        b.slot_mapping_store_swa[t] = PAD_SLOT_ID
+    for x, fill in ((b.positions_c, 0), (b.slot_mapping_store_ca, PAD_SLOT_ID), (b.klen, 0),
+                    (b.kv_ca_index_offset_len, 0)):
+        if x is not None:
+            x[:, t] = fill
     b.cu_seqlens_q[n + 1:] = tq
     b.cu_seqlens_k[n + 1:] = tk
 
@@ -62,6 +68,9 @@ def _write_compressed(
     slot ``table[c // b_c] * b_c + c % b_c`` with ``b_c = block_size // n``. Example: n=4,
     block_size=16 (b_c=4), pos=23: c=5, slot = table[1]*4 + 1.
     """
+    if b.positions_c is None or b.slot_mapping_store_ca is None or b.klen is None \
+            or b.kv_ca_index_offset_len is None:  # no compressed KV
+        return
     ca, sp, dn = _ratios(stg, cfg)
     if ca.numel():
         done = (pos + 1) % ca == 0
@@ -100,10 +109,10 @@ def _write_block_tables(
     b: DecodeBuffers, stg: torch.Tensor, cfg: MetadataConfig, tq: int, off_bt: int,
     k_r: torch.Tensor, bto_r: torch.Tensor,
 ) -> None:
-    """Row i gets the ``cdiv(seqlen_k // m, block_size // m)`` defined blocks of its sequence."""
-    m = cfg.min_ratio
-    tpb = cfg.block_size // m
-    nb = (k_r // m + tpb - 1) // tpb
+    """Row i gets the ``blocks_needed(seqlen_k)`` defined blocks of its sequence: ``cdiv(L // m,
+    block_size // m)`` with L the keys of rank 0's KV share (``seqlen_k`` unless the KV is
+    sharded)."""
+    nb = blocks_needed_tensor(k_r, cfg)
     cols = torch.arange(b.block_tables.shape[1], device=k_r.device)
     keep = cols[None, :] < nb[:, None]
     src = off_bt + bto_r[:, None] + cols[None, :]
@@ -144,12 +153,14 @@ def emulate_decode_kernels(stg: torch.Tensor, cfg: MetadataConfig, b: DecodeBuff
     b.gate_force_random[:lim] = cfg.force_load_balance
     b.valid_token_mask[:lim] = ~ph
     b.query_indices[:lim] = torch.where(ph, PLACEHOLDER_QUERY_INDEX, s_of)
-    b.slot_mapping_store_swa[:lim] = torch.where(ph | (q_r - j > S), PAD_SLOT_ID, state * S + pos % S)
-    b.state_block_idx[:lim] = state
     b.context_lens[:lim] = pos + 1
-    w = torch.clamp(pos + 1, max=W)
-    b.kv_swa_index_offset_len[:lim, 0] = state * S + (pos - w + 1) % S
-    b.kv_swa_index_offset_len[:lim, 1] = w
+    if b.slot_mapping_store_swa is not None and b.state_block_idx is not None \
+            and b.kv_swa_index_offset_len is not None:  # the sliding-window state cache
+        b.slot_mapping_store_swa[:lim] = torch.where(ph | (q_r - j > S), PAD_SLOT_ID, state * S + pos % S)
+        b.state_block_idx[:lim] = state
+        w = torch.clamp(pos + 1, max=W)
+        b.kv_swa_index_offset_len[:lim, 0] = state * S + (pos - w + 1) % S
+        b.kv_swa_index_offset_len[:lim, 1] = w
     _write_compressed(b, stg, cfg, lim, off_bt, pos, ph, seq[F_BT_OFFSET][s_of])
     _write_ngram(b, stg, cfg, hdr, s_of, row0[s_of], j, lim)
     ns = min(n, b.seq_cap)

@@ -115,19 +115,25 @@ def _ensure(out: dict[str, torch.Tensor], name: str, shape: tuple[int, ...], dty
 
 
 def _row_specs(cfg: MetadataConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype, Optional[tuple[str, ...]]]]:
-    """Per-row buffers: name -> (shape after the row dim, dtype, ratio keys if stacked else None)."""
+    """Per-row buffers: name -> (shape after the row dim, dtype, ratio keys if stacked else None).
+    Only the enabled features' fields (DESIGN 14): a plain config has 8 of them."""
     i32, keys = torch.int32, lambda rs: tuple(str(r) for r in rs)
     specs = {
         "positions": ((), i32, None), "input_ids": ((), i32, None),
         "gate_force_random": ((), torch.bool, None), "valid_token_mask": ((), torch.bool, None),
-        "query_indices": ((), i32, None), "slot_mapping_store_swa": ((), i32, None),
-        "state_block_idx": ((), i32, None), "context_lens": ((), i32, None),
-        "kv_swa_index_offset_len": ((2,), i32, None), "block_tables": ((cfg.max_num_blocks,), i32, None),
-        "positions_c": ((), i32, keys(cfg.ca_ratios)),
-        "slot_mapping_store_ca": ((), i32, keys(cfg.ca_ratios)),
-        "klen": ((), i32, keys(cfg.sparse_compress_ratios)),
-        "kv_ca_index_offset_len": ((2,), i32, keys(cfg.dense_compress_ratios)),
+        "query_indices": ((), i32, None), "context_lens": ((), i32, None),
+        "block_tables": ((cfg.max_num_blocks,), i32, None),
     }
+    if cfg.has_swa:
+        specs.update({"slot_mapping_store_swa": ((), i32, None), "state_block_idx": ((), i32, None),
+                      "kv_swa_index_offset_len": ((2,), i32, None)})
+    if cfg.has_compressed_kv:
+        specs.update({
+            "positions_c": ((), i32, keys(cfg.ca_ratios)),
+            "slot_mapping_store_ca": ((), i32, keys(cfg.ca_ratios)),
+            "klen": ((), i32, keys(cfg.sparse_compress_ratios)),
+            "kv_ca_index_offset_len": ((2,), i32, keys(cfg.dense_compress_ratios)),
+        })
     if cfg.max_ngram_size:
         specs["ngram_token_ids"] = ((cfg.max_ngram_size,), i32, None)
     return specs
@@ -166,8 +172,9 @@ def _buffers(
         views[name] = get_or_create_tensor(out, name, (n_seq + 1,), torch.int32, allow_prefix=True)
     if full["cu_seqlens_q"].shape != full["cu_seqlens_k"].shape:
         raise ValueError("cu_seqlens_k: expected the same capacity as cu_seqlens_q in out")
-    full.setdefault("ngram_token_ids", None)
-    views.setdefault("ngram_token_ids", None)
+    for name in DecodeBuffers.__slots__:  # Engram, SWA, compressed KV switched off: None
+        full.setdefault(name, None)
+        views.setdefault(name, None)
     return DecodeBuffers(**full), views
 
 
@@ -225,7 +232,7 @@ def _cached_buffers(
             views = c.views[(n_seq, total_q)] = _cut(c.bufs, c.keys, n_seq, total_q)
         return c.bufs, {k: dict(v) if isinstance(v, dict) else v for k, v in views.items()}
     bufs, views = _buffers(out, cfg, n_seq, total_q, device)
-    keys = {name: tuple(views[name]) for name in _STACKED}
+    keys = {name: tuple(views[name]) for name in _STACKED if views[name] is not None}
     st.out_cache = _OutCache(id(out), tuple(map(id, out.values())), cfg, device, bufs, keys)
     st.out_capacity = _capacity(bufs)
     return bufs, views

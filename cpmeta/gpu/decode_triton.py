@@ -105,10 +105,12 @@ def _seq_rows(
     stg, s, n_seq, q_cap, positions, input_ids, gate, ngram, cu_q, cu_k, valid, qidx, swa_slot, state_idx,
     ctx_lens, swa_off_len, posc, slot_ca, klen, ca_off_len, stride_ca, stride_sp, stride_dn,
     BS, S, W, MNB, NGRAM_PAD, G: tl.constexpr, N_CA: tl.constexpr, N_SP: tl.constexpr,
-    N_DN: tl.constexpr, GATE: tl.constexpr, BLOCK_Q: tl.constexpr,
+    N_DN: tl.constexpr, GATE: tl.constexpr, SWA: tl.constexpr, BLOCK_Q: tl.constexpr,
 ):
     """Every per-row field of sequence ``s`` (rows ``row0 .. row0 + seqlen_q``), masked to
-    ``row < q_cap`` so a staged batch larger than the buffers can never write past them."""
+    ``row < q_cap`` so a staged batch larger than the buffers can never write past them.
+    ``SWA`` False (``window_size == 0``): the sliding-window fields do not exist, nothing is
+    stored through their (dummy) pointers."""
     active = s < n_seq
     seq = stg + tl.load(stg + H_OFF_SEQ) + s
     q = tl.load(seq + F_SEQLEN_Q * n_seq, mask=active, other=0)
@@ -136,13 +138,14 @@ def _seq_rows(
         tl.store(gate + row, tl.full([BLOCK_Q], GATE, tl.int1), mask=m)
         tl.store(valid + row, tl.full([BLOCK_Q], 0, tl.int32) == ph, mask=m)
         tl.store(qidx + row, tl.where(ph != 0, PLACEHOLDER_QUERY_INDEX, s + 0 * j), mask=m)
-        no_swa = (ph != 0) | (q - j > S)
-        tl.store(swa_slot + row, tl.where(no_swa, PAD_SLOT_ID, state * S + pos % S), mask=m)
-        tl.store(state_idx + row, state + 0 * j, mask=m)
         tl.store(ctx_lens + row, pos + 1, mask=m)
-        w = tl.minimum(pos + 1, W)
-        tl.store(swa_off_len + row * 2, state * S + (pos - w + 1) % S, mask=m)
-        tl.store(swa_off_len + row * 2 + 1, w, mask=m)
+        if SWA:
+            no_swa = (ph != 0) | (q - j > S)
+            tl.store(swa_slot + row, tl.where(no_swa, PAD_SLOT_ID, state * S + pos % S), mask=m)
+            tl.store(state_idx + row, state + 0 * j, mask=m)
+            w = tl.minimum(pos + 1, W)
+            tl.store(swa_off_len + row * 2, state * S + (pos - w + 1) % S, mask=m)
+            tl.store(swa_off_len + row * 2 + 1, w, mask=m)
         _ratio_rows(stg, bt, ph, row, pos, m, posc, slot_ca, klen, ca_off_len, stride_ca, stride_sp,
                     stride_dn, BS, MNB, N_CA, N_SP, N_DN)
         if G > 0:
@@ -155,7 +158,7 @@ def _tail_rows(
     t, n_seq, total_q, total_k, seq_cap, q_cap, positions, input_ids, gate, ngram, cu_q, cu_k, valid,
     qidx, swa_slot, state_idx, ctx_lens, swa_off_len, posc, slot_ca, klen, ca_off_len,
     stride_ca, stride_sp, stride_dn, NGRAM_PAD, G: tl.constexpr, N_CA: tl.constexpr,
-    N_SP: tl.constexpr, N_DN: tl.constexpr, GATE: tl.constexpr, BLOCK_T: tl.constexpr,
+    N_SP: tl.constexpr, N_DN: tl.constexpr, GATE: tl.constexpr, SWA: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """Inert values for rows ``[total_q, q_cap)`` and ``cu_seqlens[n_seq+1 : seq_cap+1]``."""
     idx = t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -166,11 +169,12 @@ def _tail_rows(
     tl.store(gate + idx, tl.full([BLOCK_T], GATE, tl.int1), mask=m)
     tl.store(valid + idx, zero != 0, mask=m)
     tl.store(qidx + idx, zero + PLACEHOLDER_QUERY_INDEX, mask=m)
-    tl.store(swa_slot + idx, zero + PAD_SLOT_ID, mask=m)
-    tl.store(state_idx + idx, zero, mask=m)
     tl.store(ctx_lens + idx, zero, mask=m)
-    tl.store(swa_off_len + idx * 2, zero, mask=m)
-    tl.store(swa_off_len + idx * 2 + 1, zero, mask=m)
+    if SWA:
+        tl.store(swa_slot + idx, zero + PAD_SLOT_ID, mask=m)
+        tl.store(state_idx + idx, zero, mask=m)
+        tl.store(swa_off_len + idx * 2, zero, mask=m)
+        tl.store(swa_off_len + idx * 2 + 1, zero, mask=m)
     for ri in tl.static_range(N_CA):
         tl.store(posc + ri * stride_ca + idx, zero, mask=m)
         tl.store(slot_ca + ri * stride_ca + idx, zero + PAD_SLOT_ID, mask=m)
@@ -191,31 +195,37 @@ def _decode_metadata_kernel(
     stg, positions, input_ids, gate, ngram, cu_q, cu_k, valid, qidx, swa_slot, state_idx, ctx_lens,
     swa_off_len, posc, slot_ca, klen, ca_off_len, seq_cap, q_cap, stride_ca, stride_sp, stride_dn,
     BS, S, W, MNB, NGRAM_PAD, G: tl.constexpr, N_CA: tl.constexpr, N_SP: tl.constexpr,
-    N_DN: tl.constexpr, GATE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_T: tl.constexpr,
+    N_DN: tl.constexpr, GATE: tl.constexpr, SWA: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     """Config sizes (BS, S, W, MNB, NGRAM_PAD) are runtime ints so a new config does not recompile;
-    only the loop structure (G, ratio counts, GATE, block sizes) is specialised."""
+    only the loop structure (G, ratio counts, GATE, SWA, block sizes) is specialised. A plain
+    config (DESIGN 14) is ``N_CA = N_SP = N_DN = 0``, ``SWA`` False: only the common fields."""
     pid = tl.program_id(0)
     n_seq = tl.load(stg + H_N_SEQ)
     if pid < seq_cap:
         _seq_rows(
             stg, pid, n_seq, q_cap, positions, input_ids, gate, ngram, cu_q, cu_k, valid, qidx, swa_slot,
             state_idx, ctx_lens, swa_off_len, posc, slot_ca, klen, ca_off_len, stride_ca, stride_sp,
-            stride_dn, BS, S, W, MNB, NGRAM_PAD, G, N_CA, N_SP, N_DN, GATE, BLOCK_Q,
+            stride_dn, BS, S, W, MNB, NGRAM_PAD, G, N_CA, N_SP, N_DN, GATE, SWA, BLOCK_Q,
         )
     else:
         _tail_rows(
             pid - seq_cap, n_seq, tl.load(stg + H_TOTAL_Q), tl.load(stg + H_TOTAL_K), seq_cap, q_cap,
             positions, input_ids, gate, ngram, cu_q, cu_k, valid, qidx, swa_slot, state_idx, ctx_lens,
             swa_off_len, posc, slot_ca, klen, ca_off_len, stride_ca, stride_sp, stride_dn,
-            NGRAM_PAD, G, N_CA, N_SP, N_DN, GATE, BLOCK_T,
+            NGRAM_PAD, G, N_CA, N_SP, N_DN, GATE, SWA, BLOCK_T,
         )
 
 
 @triton.jit
-def _decode_block_tables_kernel(stg, block_tables, bt_stride, q_cap, n_cols, BS, M, BLOCK_C: tl.constexpr):
-    """Row ``row0 + j`` of sequence ``s`` gets its ``cdiv(seqlen_k // M, BS // M)`` defined blocks;
-    writes are masked to ``row < q_cap`` and ``col < n_cols`` (the buffer's shape)."""
+def _decode_block_tables_kernel(stg, block_tables, bt_stride, q_cap, n_cols, BS, M, KV_W, KV_I,
+                                BLOCK_C: tl.constexpr):
+    """Row ``row0 + j`` of sequence ``s`` gets its ``blocks_needed(seqlen_k)`` defined blocks,
+    ``cdiv(L // M, BS // M)`` with ``L`` the keys of rank 0's share of KV sharded over ``KV_W``
+    ranks in runs of ``KV_I`` (``L = (k // (W*I)) * I + min(k % (W*I), I)``; ``k`` when
+    ``KV_W = 1``; e.g. W=3, I=1, k=300 -> L=100); writes are masked to ``row < q_cap`` and
+    ``col < n_cols`` (the buffer's shape)."""
     s = tl.program_id(0)
     n_seq = tl.load(stg + H_N_SEQ)
     active = s < n_seq
@@ -224,7 +234,8 @@ def _decode_block_tables_kernel(stg, block_tables, bt_stride, q_cap, n_cols, BS,
     k = tl.load(seq + F_SEQLEN_K * n_seq, mask=active, other=0)
     row0 = tl.load(seq + F_CU_Q_INCL * n_seq, mask=active, other=0) - q
     src = stg + tl.load(stg + H_OFF_BT) + tl.load(seq + F_BT_OFFSET * n_seq, mask=active, other=0)
-    nb = (k // M + (BS // M) - 1) // (BS // M)
+    share = (k // (KV_W * KV_I)) * KV_I + tl.minimum(k % (KV_W * KV_I), KV_I)
+    nb = (share // M + (BS // M) - 1) // (BS // M)
     q_rows = tl.minimum(q, q_cap - row0)  # rows of this sequence inside the buffer
     c0 = nb * 0
     while c0 < nb:
@@ -246,23 +257,24 @@ def launch_decode_kernels(stg: torch.Tensor, cfg: MetadataConfig, b: DecodeBuffe
     block-table programs. Example: 256 sequences, 768 rows: 256 + 3 and 256 programs.
     """
     n_tail = triton.cdiv(max(b.q_cap, b.seq_cap + 1), BLOCK_T)
-    ngram = b.ngram_token_ids if b.ngram_token_ids is not None else b.positions
-    # an empty stacked buffer (no sparse / dense ratio) is never dereferenced: pass a real one
-    posc, slot_ca, klen, off_len = (
-        x if x.numel() else b.positions
-        for x in (b.positions_c, b.slot_mapping_store_ca, b.klen, b.kv_ca_index_offset_len)
+    # a field that does not exist (Engram, SWA or compressed KV off) or an empty stacked buffer
+    # (no sparse / dense ratio) is never dereferenced: pass a real tensor, stride 0
+    ngram, swa_slot, state_idx, swa_off_len, posc, slot_ca, klen, off_len = (
+        x if x is not None and x.numel() else b.positions
+        for x in (b.ngram_token_ids, b.slot_mapping_store_swa, b.state_block_idx, b.kv_swa_index_offset_len,
+                  b.positions_c, b.slot_mapping_store_ca, b.klen, b.kv_ca_index_offset_len)
     )
+    strides = (0 if x is None else x.stride(0) for x in (b.positions_c, b.klen, b.kv_ca_index_offset_len))
     _decode_metadata_kernel[(b.seq_cap + n_tail,)](
         stg, b.positions, b.input_ids, b.gate_force_random, ngram, b.cu_seqlens_q, b.cu_seqlens_k,
-        b.valid_token_mask, b.query_indices, b.slot_mapping_store_swa, b.state_block_idx,
-        b.context_lens, b.kv_swa_index_offset_len, posc, slot_ca, klen, off_len, b.seq_cap, b.q_cap, b.positions_c.stride(0), b.klen.stride(0),
-        b.kv_ca_index_offset_len.stride(0),
+        b.valid_token_mask, b.query_indices, swa_slot, state_idx, b.context_lens, swa_off_len,
+        posc, slot_ca, klen, off_len, b.seq_cap, b.q_cap, *strides,
         cfg.block_size, cfg.swa_block_size, cfg.window_size, cfg.max_num_blocks, cfg.ngram_pad_token,
         G=cfg.max_ngram_size, N_CA=len(cfg.ca_ratios), N_SP=len(cfg.sparse_compress_ratios),
-        N_DN=len(cfg.dense_compress_ratios), GATE=cfg.force_load_balance, BLOCK_Q=BLOCK_Q,
-        BLOCK_T=BLOCK_T,
+        N_DN=len(cfg.dense_compress_ratios), GATE=cfg.force_load_balance, SWA=cfg.has_swa,
+        BLOCK_Q=BLOCK_Q, BLOCK_T=BLOCK_T,
     )
     _decode_block_tables_kernel[(b.seq_cap,)](
         stg, b.block_tables, b.block_tables.stride(0), b.q_cap, b.block_tables.shape[1], cfg.block_size,
-        cfg.min_ratio, BLOCK_C=BLOCK_C,
+        cfg.min_ratio, cfg.kv_cp_world_size, cfg.kv_cp_interleave, BLOCK_C=BLOCK_C,
     )

@@ -51,7 +51,7 @@ import torch
 from ..builders.arrays import BatchArrays, check_int32
 from ..builders.common import check_common_int32
 from ..builders.extract import extract_batch
-from ..config import MetadataConfig
+from ..config import MetadataConfig, blocks_needed_array
 from ..constants import INT32_MAX
 from ..sequence import SequenceMetadata
 
@@ -138,6 +138,8 @@ class DecodeBuffers:
     so a graph captured at a larger batch never writes KV or reads keys for padded rows.
     ``block_tables`` tail rows are left untouched (their lengths are 0, nothing reads them).
     Stacked fields are ``[n_ratio, q_cap, ...]`` (ca / sparse / dense ratios in config order).
+    The fields of a feature the config switches off are ``None`` and never written (DESIGN 14):
+    the sliding-window ones with ``window_size == 0``, the stacked ones without compressed KV.
     """
 
     positions: torch.Tensor  # [q_cap] int32
@@ -148,15 +150,15 @@ class DecodeBuffers:
     cu_seqlens_k: torch.Tensor  # [seq_cap+1] int32
     valid_token_mask: torch.Tensor  # [q_cap] bool
     query_indices: torch.Tensor  # [q_cap] int32
-    slot_mapping_store_swa: torch.Tensor  # [q_cap] int32
-    state_block_idx: torch.Tensor  # [q_cap] int32
+    slot_mapping_store_swa: Optional[torch.Tensor]  # [q_cap] int32 (None: no sliding window)
+    state_block_idx: Optional[torch.Tensor]  # [q_cap] int32 (None: no sliding window)
     context_lens: torch.Tensor  # [q_cap] int32
-    kv_swa_index_offset_len: torch.Tensor  # [q_cap, 2] int32
+    kv_swa_index_offset_len: Optional[torch.Tensor]  # [q_cap, 2] int32 (None: no sliding window)
     block_tables: torch.Tensor  # [q_cap, max_num_blocks] int32
-    positions_c: torch.Tensor  # [n_ca, q_cap] int32
-    slot_mapping_store_ca: torch.Tensor  # [n_ca, q_cap] int32
-    klen: torch.Tensor  # [n_sparse, q_cap] int32
-    kv_ca_index_offset_len: torch.Tensor  # [n_dense, q_cap, 2] int32
+    positions_c: Optional[torch.Tensor]  # [n_ca, q_cap] int32 (None: no compressed KV, as below)
+    slot_mapping_store_ca: Optional[torch.Tensor]  # [n_ca, q_cap] int32
+    klen: Optional[torch.Tensor]  # [n_sparse, q_cap] int32
+    kv_ca_index_offset_len: Optional[torch.Tensor]  # [n_dense, q_cap, 2] int32
 
     @property
     def q_cap(self) -> int:
@@ -182,8 +184,7 @@ def unpack_staging(a: np.ndarray, staged: StagedDecode, cfg: MetadataConfig) -> 
     hdr = a[:hl].astype(np.int64)
     off_ids, off_bt, off_ngv, off_ngb = int(hdr[H_OFF_IDS]), int(hdr[H_OFF_BT]), int(hdr[H_OFF_NGV]), int(hdr[H_OFF_NGB])
     seq = a[hl:off_ids].reshape(SEQ_FIELDS, n).astype(np.int64)
-    m = cfg.min_ratio
-    nb = (seq[F_SEQLEN_K] // m + cfg.block_size // m - 1) // (cfg.block_size // m)
+    nb = blocks_needed_array(seq[F_SEQLEN_K], cfg)
     return {
         "sizes": (hdr[:H_OFF_BT].tolist(), hdr[HEADER_FIXED:].tolist(), staged._replace(used=0)),
         "seq": np.delete(seq, F_BT_OFFSET, axis=0), "ids": a[off_ids:off_bt].copy(),
