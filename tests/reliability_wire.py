@@ -126,7 +126,8 @@ class _Loop:
 
 @contextlib.contextmanager
 def loopback() -> Iterator[Any]:
-    """``make(rank, checksum)`` -> a real MetadataBroadcaster on a :class:`_Loop` (2-rank group)."""
+    """``make(rank, checksum, persistent=False)`` -> a real MetadataBroadcaster on a
+    :class:`_Loop` (2-rank group; ``persistent`` = ``persistent_outputs``)."""
     from unittest import mock
 
     import torch.distributed as dist
@@ -137,9 +138,10 @@ def loopback() -> Iterator[Any]:
     rank = [0]
     group = object()
 
-    def make(r: int, checksum: bool) -> Any:
+    def make(r: int, checksum: bool, persistent: bool = False) -> Any:
         rank[0] = r
-        return MetadataBroadcaster(group=group, src=0, checksum=checksum)
+        kw = {"persistent_outputs": True} if persistent else {}
+        return MetadataBroadcaster(group=group, src=0, checksum=checksum, **kw)
 
     with mock.patch.object(dist, "get_rank", lambda *a: rank[0]), \
             mock.patch.object(dist, "get_backend", lambda *a: "gloo"), \

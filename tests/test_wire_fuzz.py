@@ -29,7 +29,7 @@ from __future__ import annotations
 import random
 import struct
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import torch
@@ -37,6 +37,8 @@ import torch
 from multiproc import run_ranks
 from reliability_wire import (AT, FLAG_CRC, FLAG_LAYOUT, FLAG_PACKED, FMT, HEADER, build, loopback,
                               parts, receive, reseal)
+
+FLAG_SPAN = 8  # cpmeta.broadcast.wire.FLAG_SPAN: a persistent driver's span frame
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -166,32 +168,44 @@ def _allowed(kind: str, outcome: str, sealed: bool, first: int, data_at: int, ch
     return outcome == "empty-shape" and kind == "shape" and sealed
 
 
+def _drive(make: Any, persistent: bool, checksum: bool) -> Iterator[tuple[str, Any, bytes, Any]]:
+    """``(payload name, metadata, frame, follower holding its layout)`` for the first and a later
+    frame of every payload; persistent: decode payloads from a persistent_outputs driver (span
+    frames: the builders leave a step's tensors in one allocation) to a persistent follower."""
+    drv = make(0, checksum, persistent)
+    for name, md in payloads():
+        if persistent and not name.startswith("decode-"):
+            continue
+        drv.broadcast(md)
+        drv.broadcast(md)
+        first, later = drv._objects.frames[-2:]
+        assert parts(first)["flags"] & FLAG_LAYOUT and not parts(later)["flags"] & FLAG_LAYOUT
+        assert persistent == bool(parts(later)["flags"] & FLAG_SPAN) or "aliased" in name
+        for orig in (first, later):
+            fol = make(1, checksum, persistent)
+            assert compare(md, receive(fol, first)) == "equal"  # it holds the layout now
+            yield name + ("-span" if persistent else ""), md, orig, fol
+            assert compare(md, receive(fol, later)) == "equal"  # still in step
+
+
 @pytest.mark.parametrize("checksum", [False, True], ids=["plain", "checksum"])
 def test_mutated_real_frames_are_equal_or_refused(checksum: bool) -> None:
     rng = random.Random(random.randrange(1 << 30))
     counts: dict[tuple[str, str], int] = {}
     bad = []
     with loopback() as make:
-        drv = make(0, checksum)
-        for name, md in payloads():
-            drv.broadcast(md)
-            drv.broadcast(md)
-            first, later = drv._objects.frames[-2:]
-            assert parts(first)["flags"] & FLAG_LAYOUT and not parts(later)["flags"] & FLAG_LAYOUT
-            for orig in (first, later):
-                fol = make(1, checksum)
-                assert compare(md, receive(fol, first)) == "equal"  # it holds the layout now
+        for persistent in (False, True):
+            for name, md, orig, fol in _drive(make, persistent, checksum):
                 for _ in range(MUTATIONS_PER_FRAME):
                     kind, frame, sealed, at = mutate(orig, rng, checksum)
                     if sealed:
                         frame = reseal(frame)
                     outcome, msg = _outcome(fol, md, frame)
-                    key = (kind, outcome.split(":")[0])
+                    key = (kind + ("-span" if persistent else ""), outcome.split(":")[0])
                     counts[key] = counts.get(key, 0) + 1
                     if not _allowed(kind, outcome, sealed, at, parts(orig)["data_at"], checksum,
                                     len(frame) == len(orig)):
                         bad.append((name, kind, sealed, outcome, msg[:160]))
-                assert compare(md, receive(fol, later)) == "equal"  # still in step
     total = sum(counts.values())
     print(f"\nwire fuzz checksum={checksum}: {total} mutations; " + ", ".join(
         f"{k}/{o}: {n}" for (k, o), n in sorted(counts.items())))
