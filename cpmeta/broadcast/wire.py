@@ -253,6 +253,31 @@ _DTYPE = operator.attrgetter("dtype")
 _DIM = torch.Tensor.dim
 
 
+def _split_layout(paths: str, codes: list[int], ndims: list[int], vpaths: str
+                  ) -> tuple[list[list[str]], list[str]]:
+    """The layout's tensor paths (with aliases) and value paths, once its lists are proven
+    consistent: at most ``MAX_LAYOUT_PATHS`` paths (counted before anything is split), one code
+    and one rank per tensor, known codes in run order, ranks ``0..MAX_NDIM``. Example:
+    ``("positions,positions_cp;klen.4", [4, 4], [1, 1], "is_prompt")`` gives
+    ``([["positions", "positions_cp"], ["klen.4"]], ["is_prompt"])``."""
+    n_paths = (paths.count(_SEP) + paths.count(_ALIAS) + 1 if paths else 0) + (
+        vpaths.count(_SEP) + 1 if vpaths else 0)
+    if n_paths > MAX_LAYOUT_PATHS or len(codes) > MAX_LAYOUT_PATHS:
+        raise WireError(f"layout has {max(n_paths, len(codes))} paths, more than "
+                        f"MAX_LAYOUT_PATHS={MAX_LAYOUT_PATHS}")
+    tpaths = [p.split(_ALIAS) for p in paths.split(_SEP)] if paths else []
+    vlist = vpaths.split(_SEP) if vpaths else []
+    if not (len(tpaths) == len(codes) == len(ndims)):
+        raise WireError("layout lists disagree in length")
+    if any(type(c) is not int or not 0 <= c < len(WIRE_DTYPES) for c in codes):
+        raise WireError(f"unknown dtype code in {codes[:16]}")
+    if any(type(d) is not int or not 0 <= d <= MAX_NDIM for d in ndims):
+        raise WireError(f"bad tensor rank (0..{MAX_NDIM}) in {ndims[:16]}")
+    if any(a > b for a, b in zip(codes, codes[1:])):
+        raise WireError("layout tensors are not ordered by dtype code (one run per dtype)")
+    return tpaths, vlist
+
+
 class Plan:
     """Everything derived from one layout, computed once per layout id on every rank.
 
@@ -267,21 +292,7 @@ class Plan:
         that ``InputMetadata``'s schema does not allow, or larger than ``MAX_LAYOUT_PATHS``
         (counted before anything is split).
         """
-        n_paths = (paths.count(_SEP) + paths.count(_ALIAS) + 1 if paths else 0) + (
-            vpaths.count(_SEP) + 1 if vpaths else 0)
-        if n_paths > MAX_LAYOUT_PATHS or len(codes) > MAX_LAYOUT_PATHS:
-            raise WireError(f"layout has {max(n_paths, len(codes))} paths, more than "
-                            f"MAX_LAYOUT_PATHS={MAX_LAYOUT_PATHS}")
-        tpaths = [p.split(_ALIAS) for p in paths.split(_SEP)] if paths else []
-        vlist = vpaths.split(_SEP) if vpaths else []
-        if not (len(tpaths) == len(codes) == len(ndims)):
-            raise WireError("layout lists disagree in length")
-        if any(type(c) is not int or not 0 <= c < len(WIRE_DTYPES) for c in codes):
-            raise WireError(f"unknown dtype code in {codes[:16]}")
-        if any(type(d) is not int or not 0 <= d <= MAX_NDIM for d in ndims):
-            raise WireError(f"bad tensor rank (0..{MAX_NDIM}) in {ndims[:16]}")
-        if any(a > b for a, b in zip(codes, codes[1:])):
-            raise WireError("layout tensors are not ordered by dtype code (one run per dtype)")
+        tpaths, vlist = _split_layout(paths, codes, ndims, vpaths)
         targets, value_targets = check_layout(tpaths, vlist)
         self.codes, self.ndims, self.n_dims = codes, ndims, sum(ndims)
         self.key = (paths, tuple(codes), tuple(ndims), vpaths)
