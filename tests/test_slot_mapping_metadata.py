@@ -66,3 +66,27 @@ def test_from_metadata_decode_uses_block_tables() -> None:
                        positions=torch.tensor([9, 10, 3], dtype=torch.int32),
                        block_tables=torch.tensor([[1, 2, 3], [1, 2, 3], [7, 0, 0]], dtype=torch.int32))
     assert compute_slot_mapping_from_metadata(md, 4).tolist() == [3 * 4 + 1, 3 * 4 + 2, 7 * 4 + 3]  # pos 9, 10 -> block index 2 (id 3)
+
+
+def test_from_metadata_with_the_config_reads_its_kv_sharding() -> None:
+    """``compute_slot_mapping_from_metadata(md, cfg, cp_rank=r)``: block size and KV sharding from
+    the config (what ``cp_kv_read_plan`` reads), equal to spelling them out; replicated KV
+    (``kv_cp_world_size == 1``) stores every key on every rank."""
+    plain = dict(block_size=16, max_model_len=256, dense_compress_ratios=(), sparse_compress_ratios=(),
+                 window_size=0)
+    seqs = [cpmeta.SequenceMetadata(30, 70, [9, 3, 6], 0, list(range(70))),
+            cpmeta.SequenceMetadata(7, 7, [2], 1, list(range(7)))]
+    sharded = cpmeta.MetadataConfig(**plain, kv_cp_world_size=3, kv_cp_interleave=4)
+    md = cpmeta.prepare_prompt(seqs, sharded)
+    for rank in range(3):
+        got = compute_slot_mapping_from_metadata(md, sharded, cp_rank=rank)
+        want = compute_slot_mapping_from_metadata(md, 16, cp_world_size=3, cp_rank=rank, cp_interleave=4)
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="cp_world_size"):
+        compute_slot_mapping_from_metadata(md, sharded, cp_rank=0, cp_world_size=3)
+    replicated = cpmeta.MetadataConfig(**plain)
+    md = cpmeta.prepare_prompt([cpmeta.SequenceMetadata(30, 70, [9, 3, 6, 1, 4], 0, list(range(70)))], replicated)
+    every = compute_slot_mapping_from_metadata(md, 16)
+    assert (every >= 0).all()
+    for rank in range(3):
+        assert torch.equal(compute_slot_mapping_from_metadata(md, replicated, cp_rank=rank), every)

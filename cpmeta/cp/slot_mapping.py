@@ -359,10 +359,19 @@ def stack_block_tables(
 
 
 def compute_slot_mapping_from_metadata(
-    md: Any, block_size: int, *, block_table: Optional[torch.Tensor] = None,
+    md: Any, block_size: Any, *, block_table: Optional[torch.Tensor] = None,
     max_num_tokens: Optional[int] = None, **kwargs: Any,
 ) -> torch.Tensor:
-    """Slot mapping of an ``InputMetadata``'s rows (e.g. on every rank after the broadcast).
+    """Slot mapping of an ``InputMetadata``'s rows (e.g. on every rank after the broadcast):
+    int32 [max_num_tokens], one slot per FULL-layout query row (``PAD_SLOT_ID`` = -1 for rows
+    this rank does not store).
+
+    ``block_size`` is an int, or the ``MetadataConfig`` the metadata was built with: then the
+    block size and the KV sharding come from it (``cfg.kv_cp_world_size``,
+    ``cfg.kv_cp_interleave``), the same source :func:`cpmeta.cp_kv_read_plan` reads, and
+    ``cp_rank`` is this rank in the CP group (with ``kv_cp_world_size == 1`` every rank stores
+    every key, whatever its ``cp_rank``). Example: ``compute_slot_mapping_from_metadata(md, cfg,
+    cp_rank=r)`` on every rank after ``bc.broadcast``.
 
     Uses ``md.cu_seqlens_q`` as ``query_start_loc`` and the FULL-layout positions
     (``md.positions_cp`` after the CP mirror, else ``md.positions``), so the result has one row
@@ -387,6 +396,9 @@ def compute_slot_mapping_from_metadata(
         else:
             raise ValueError("block_table: required when md has neither seq_block_tables (prompt) "
                              "nor block_tables (decode)")
+    if not isinstance(block_size, int):  # a MetadataConfig: the write side of its KV sharding
+        kwargs = _sharding_kwargs(block_size, kwargs)
+        block_size = block_size.block_size
     rows = positions.shape[0]
     slots = compute_slot_mapping(qsl, positions, block_table, block_size,
                                  max_num_tokens=rows if max_num_tokens is None else max_num_tokens,
@@ -396,3 +408,17 @@ def compute_slot_mapping_from_metadata(
         pad = kwargs.get("pad_id", PAD_SLOT_ID)
         slots[:rows].masked_fill_(qi.to(slots.device) == PLACEHOLDER_QUERY_INDEX, pad)
     return slots
+
+
+def _sharding_kwargs(cfg: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``compute_slot_mapping``'s CP keywords from ``cfg``'s KV sharding (``cp_rank`` from the
+    caller; replicated KV -> rank 0 of a group of one). Giving them too is a ``ValueError``."""
+    given = {"cp_world_size", "cp_interleave"} & set(kwargs)
+    if given:
+        raise ValueError(f"{sorted(given)}: given with a MetadataConfig, which already says the KV sharding "
+                         f"(kv_cp_world_size={cfg.kv_cp_world_size}, kv_cp_interleave={cfg.kv_cp_interleave})")
+    out = dict(kwargs)
+    world = cfg.kv_cp_world_size
+    out["cp_rank"] = int(out.get("cp_rank", 0)) if world > 1 else 0
+    out["cp_world_size"], out["cp_interleave"] = world, cfg.kv_cp_interleave
+    return out
