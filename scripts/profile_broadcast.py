@@ -70,6 +70,8 @@ PHASES: list[tuple[str, str, str]] = [
     ("F assemble InputMetadata", "cpmeta.broadcast.broadcaster", "_assemble"),
     ("F assemble InputMetadata", "cpmeta.broadcast.wire", "Plan.assemble"),
     ("P arena lookup (both)", "cpmeta.broadcast.persistent", "PersistentArenas.get"),
+    ("P arena lookup (both)", "cpmeta.broadcast.persistent", "PersistentArenas.driver_arena"),
+    ("P follower: span frame lookup + land", "cpmeta.broadcast.broadcaster", "land_span"),
     ("P driver: tensors into its arena", "cpmeta.broadcast.persistent", "LayoutArena.fill_from"),
     ("P driver: arena into the slot", "cpmeta.broadcast.persistent", "LayoutArena.copy_to"),
     ("P follower: slot into its arena", "cpmeta.broadcast.persistent", "LayoutArena.land"),

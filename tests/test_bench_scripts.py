@@ -24,16 +24,16 @@ def _run(script: str, *args: str, timeout: float = 240) -> subprocess.CompletedP
 
 def test_bench_broadcast_quick(tmp_path: Path) -> None:
     out = tmp_path / "b.json"
-    res = _run("bench_broadcast.py", "--quick", "--methods", "cpmeta", "bol", "tdict", "floor",
-               "--out", str(out))
+    res = _run("bench_broadcast.py", "--quick", "--methods", "cpmeta", "cpmeta+p", "bol", "tdict",
+               "floor", "--out", str(out))
     assert res.returncode == 0, res.stdout + res.stderr
     data = json.loads(out.read_text())
     assert {"date", "command", "timed", "backend"} <= set(data["meta"])
     methods = {r["method"] for r in data["results"]}
-    assert methods == {"cpmeta", "bol", "tdict", "floor"}
+    assert methods == {"cpmeta", "cpmeta+p", "bol", "tdict", "floor"}
     for r in data["results"]:
         assert r["n"] >= 1 and 0 < r["p50_us"] <= r["p90_us"] and r["bytes"] > 0
-    assert "ratios = cpmeta p50 / method p50" in res.stdout
+    assert "cpmeta+p/floor" in res.stdout and "ratios below 1 mean" in res.stdout
 
 
 @pytest.mark.parametrize("script,args", [

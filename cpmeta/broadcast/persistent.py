@@ -103,9 +103,10 @@ class LayoutArena:
         self._fixed = (fixed, operator.itemgetter(*fixed))
         self._snap = self._fixed[1](_GET_ALL(self.md))
         self._dict_snap = [(d, dict(d)) for d in _GET_ALL(self.md) if type(d) is dict]
-        self._dict_lens = [(d, len(d)) for d, _ in self._dict_snap]
-        self._dict_tensors = [(d, k, v) for d, snap in self._dict_snap for k, v in snap.items()
-                              if isinstance(v, torch.Tensor)]
+        self._dict_lens = ([d for d, _ in self._dict_snap], [len(d) for d, _ in self._dict_snap])
+        ents = [(d, k, v) for d, snap in self._dict_snap for k, v in snap.items()
+                if isinstance(v, torch.Tensor)]
+        self._dict_tensors = ([e[0] for e in ents], [e[1] for e in ents], [e[2] for e in ents])
 
     @property
     def nbytes(self) -> int:
@@ -215,8 +216,9 @@ class LayoutArena:
         return md
 
     def _dicts_intact(self) -> bool:
-        return (all(len(d) == n for d, n in self._dict_lens)
-                and all(d.get(k) is v for d, k, v in self._dict_tensors))
+        ds, ks, vs = self._dict_tensors
+        return (list(map(len, self._dict_lens[0])) == self._dict_lens[1]
+                and all(map(_IS, map(dict.get, ds, ks), vs)))
 
     def _restore(self) -> None:
         """Put back every field the layout fixes (the caller replaced or added some)."""
