@@ -50,10 +50,10 @@ def _write_tail(b: DecodeBuffers, cfg: MetadataConfig, n: int, tq: int, tk: int)
         b.state_block_idx[t] = 0
         b.kv_swa_index_offset_len[t] = 0
         b.slot_mapping_store_swa[t] = PAD_SLOT_ID
-    for x, fill in ((b.positions_c, 0), (b.slot_mapping_store_ca, PAD_SLOT_ID), (b.klen, 0),
-                    (b.kv_ca_index_offset_len, 0)):
-        if x is not None:
-            x[:, t] = fill
+    for stacked, fill in ((b.positions_c, 0), (b.slot_mapping_store_ca, PAD_SLOT_ID), (b.klen, 0),
+                          (b.kv_ca_index_offset_len, 0)):
+        if stacked is not None:
+            stacked[:, t] = fill
     b.cu_seqlens_q[n + 1:] = tq
     b.cu_seqlens_k[n + 1:] = tk
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -114,11 +114,14 @@ def _ensure(out: dict[str, torch.Tensor], name: str, shape: tuple[int, ...], dty
     return t
 
 
-def _row_specs(cfg: MetadataConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype, Optional[tuple[str, ...]]]]:
+_RowSpec = tuple[tuple[int, ...], torch.dtype, Optional[tuple[str, ...]]]
+
+
+def _row_specs(cfg: MetadataConfig) -> dict[str, _RowSpec]:
     """Per-row buffers: name -> (shape after the row dim, dtype, ratio keys if stacked else None).
     Only the enabled features' fields (DESIGN 14): a plain config has 8 of them."""
     i32, keys = torch.int32, lambda rs: tuple(str(r) for r in rs)
-    specs = {
+    specs: dict[str, _RowSpec] = {
         "positions": ((), i32, None), "input_ids": ((), i32, None),
         "gate_force_random": ((), torch.bool, None), "valid_token_mask": ((), torch.bool, None),
         "query_indices": ((), i32, None), "context_lens": ((), i32, None),
@@ -147,7 +150,7 @@ def _buffers(
     Every row buffer must have the same row capacity ``q_cap`` (the kernels take one), and
     ``cu_seqlens_q/k`` the same ``seq_cap + 1``; a mismatch is a ``ValueError`` naming the field.
     """
-    full: dict[str, torch.Tensor] = {}
+    full: dict[str, Any] = {}  # DecodeBuffers' fields: tensors, None for a switched-off feature
     views: dict = {}
     q_cap: Optional[int] = None
     for name, (rest, dtype, keys) in _row_specs(cfg).items():
@@ -217,8 +220,9 @@ def _cut(bufs: DecodeBuffers, keys: dict[str, tuple[str, ...]], n_seq: int, tota
 def _cached_buffers(
     st: DecodeStaging, out: dict[str, torch.Tensor], cfg: MetadataConfig, n_seq: int, total_q: int,
     device: torch.device,
-) -> tuple[DecodeBuffers, dict]:
-    """:func:`_buffers` through the staging object's one-entry cache (same results)."""
+) -> tuple[_OutCache, dict]:
+    """:func:`_buffers` through the staging object's one-entry cache (same results, the buffers
+    as the returned cache's ``bufs``; the cache is also ``st.out_cache``)."""
     c = st.out_cache
     if (
         isinstance(c, _OutCache) and c.out_id == id(out) and c.cfg is cfg and c.device == device
@@ -230,12 +234,12 @@ def _cached_buffers(
             if len(c.views) >= _MAX_CACHED_VIEWS:
                 c.views.clear()
             views = c.views[(n_seq, total_q)] = _cut(c.bufs, c.keys, n_seq, total_q)
-        return c.bufs, {k: dict(v) if isinstance(v, dict) else v for k, v in views.items()}
+        return c, {k: dict(v) if isinstance(v, dict) else v for k, v in views.items()}
     bufs, views = _buffers(out, cfg, n_seq, total_q, device)
     keys = {name: tuple(views[name]) for name in _STACKED if views[name] is not None}
-    st.out_cache = _OutCache(id(out), tuple(map(id, out.values())), cfg, device, bufs, keys)
+    st.out_cache = made = _OutCache(id(out), tuple(map(id, out.values())), cfg, device, bufs, keys)
     st.out_capacity = _capacity(bufs)
-    return bufs, views
+    return made, views
 
 
 def _capacity(bufs: DecodeBuffers) -> OutCapacity:
@@ -364,8 +368,8 @@ def finish_staged(
         cap = _capacity_of(out)  # this out's limits (the staging may remember another out's)
         if cap is not None:
             cap.check(staged)
-        bufs, views = _cached_buffers(st, out, cfg, staged.num_seqs, staged.total_q, device)
-        cache = st.out_cache
+        cache, views = _cached_buffers(st, out, cfg, staged.num_seqs, staged.total_q, device)
+        bufs = cache.bufs
     st.upload(staged)
     _launch_cached(st, cfg, cache, backend, bufs, use_graph)
     return InputMetadata(
@@ -395,10 +399,10 @@ def launch_decode_inplace(
     dev = out["positions"].device
     be = _resolve_backend(backend, dev)
     q_cap, n_cap = out["positions"].shape[0], out["cu_seqlens_q"].shape[0] - 1
-    bufs, views = _cached_buffers(staging, out, cfg, n_cap, q_cap, dev)
+    cache, views = _cached_buffers(staging, out, cfg, n_cap, q_cap, dev)
     if staging.last_staged is not None:  # staged before these buffers were known to it
-        staging.check_capacity(staging.last_staged, _capacity(bufs))
-    _launch_cached(staging, cfg, staging.out_cache, be, bufs, use_graph=True)
+        staging.check_capacity(staging.last_staged, _capacity(cache.bufs))
+    _launch_cached(staging, cfg, cache, be, cache.bufs, use_graph=True)
     return InputMetadata(is_prompt=False, **views)
 
 

@@ -233,6 +233,7 @@ def _ngram_windows(b: BatchArrays, cfg: MetadataConfig) -> tuple[np.ndarray, np.
     ``(1, img(0), img(1))``; column 2 (t=-1) is always pad.
     """
     g, n = cfg.max_ngram_size, b.n_seq
+    assert b.comp_len is not None  # extract_batch fills it whenever max_ngram_size > 0 (the caller's g)
     win = b.seqlen_q + (g - 1)
     n_win = int(win.sum())
     seq_of = np.repeat(np.arange(n), win)
@@ -298,7 +299,10 @@ def write_staging(view: np.ndarray, b: BatchArrays, cfg: MetadataConfig) -> Stag
     dominates the host time) and the cost of the staging itself can be measured apart.
     """
     n, total_q = b.n_seq, b.total_q
-    total_b = len(b.bt_flat) - 1
+    bt_flat, bt_start, bt_need = b.bt_flat, b.bt_start, b.bt_need
+    # staging reads the flat tables: extract_batch's default (flat_tables=True) fills them
+    assert bt_flat is not None and bt_start is not None and bt_need is not None
+    total_b = len(bt_flat) - 1
     g = cfg.max_ngram_size
     n_win = (total_q + n * (g - 1)) if g else 0
     hl = header_len(cfg)
@@ -315,11 +319,11 @@ def write_staging(view: np.ndarray, b: BatchArrays, cfg: MetadataConfig) -> Stag
     blk = view[hl:off_ids].reshape(SEQ_FIELDS, n)
     blk[F_SEQLEN_Q], blk[F_SEQLEN_K] = b.seqlen_q, b.seqlen_k
     blk[F_CU_Q_INCL], blk[F_CU_K_INCL] = b.cu_q[1:], b.cu_k[1:]
-    blk[F_STATE], blk[F_PLACEHOLDER], blk[F_BT_OFFSET] = b.state_id, b.is_placeholder, b.bt_start
+    blk[F_STATE], blk[F_PLACEHOLDER], blk[F_BT_OFFSET] = b.state_id, b.is_placeholder, bt_start
     view[off_ids:off_bt] = b.input_ids
-    view[off_bt:off_ngv] = b.bt_flat[:total_b]
+    view[off_bt:off_ngv] = bt_flat[:total_b]
     if ng is not None:
         view[off_ngv:off_ngb], view[off_ngb:used] = ng
-    max_blocks = int(b.bt_need.max()) if n else 0
+    max_blocks = int(bt_need.max()) if n else 0
     return StagedDecode(n, total_q, int(b.cu_k[-1]), int(b.seqlen_q.max()), int(b.seqlen_k.max()), used,
                         max_blocks)
