@@ -184,16 +184,9 @@ def _gather_unmirror(rows: torch.Tensor, mine: InputMetadata) -> torch.Tensor:
     return cpmeta.unmirror(all_gather(rows), mine.mirror_cp_reverse_index)
 
 
-def _kv_rank(cfg: MetadataConfig, rank: int) -> int:
-    """This rank's index in the KV sharding (0 with replicated KV: every rank holds every key)."""
-    return rank if cfg.kv_cp_world_size > 1 else 0
-
-
 def _write_slots(md: InputMetadata, cfg: MetadataConfig, rank: int) -> torch.Tensor:
     """[total_q] slots of the FULL-ORDER rows in this rank's cache (-1: not its key, placeholder)."""
-    return cpmeta.compute_slot_mapping_from_metadata(
-        md, cfg.block_size, cp_world_size=cfg.kv_cp_world_size, cp_rank=_kv_rank(cfg, rank),
-        cp_interleave=cfg.kv_cp_interleave)
+    return cpmeta.compute_slot_mapping_from_metadata(md, cfg, cp_rank=rank)  # KV sharding from cfg
 
 
 def _pad(t: torch.Tensor, n: int, value: float) -> torch.Tensor:
@@ -212,7 +205,7 @@ def prefill_step(model: Any, cache: PagedKVCache, md: InputMetadata, cfg: Metada
     # each row's sequence (query_indices: placeholders 998244353, whose keys nobody holds)
     row_seq = cpmeta.mirror_rows(md.query_indices, mine.mirror_cp_index, NO_GROUP).to(dev, torch.int64)
     slots = _write_slots(md, cfg, rank).to(dev)
-    plan = cpmeta.cp_kv_read_plan(md, cfg, cp_rank=_kv_rank(cfg, rank))
+    plan = cpmeta.cp_kv_read_plan(md, cfg, cp_rank=rank)
     n_seq = plan.seqlens.shape[0]
     k_seq = torch.repeat_interleave(torch.arange(n_seq), plan.seqlens.long().cpu()).to(dev)
     labels = torch.stack([k_seq, plan.positions.to(dev, torch.int64)], dim=1)  # [n_local, 2]
@@ -242,7 +235,7 @@ def decode_step(model: Any, cache: PagedKVCache, md: InputMetadata, cfg: Metadat
     pos = md.positions.to(dev, torch.int64)
     rows = torch.arange(pos.shape[0], device=dev)
     slots = _write_slots(md, cfg, rank).to(dev)
-    plan = cpmeta.cp_kv_read_plan(md, cfg, cp_rank=_kv_rank(cfg, rank))
+    plan = cpmeta.cp_kv_read_plan(md, cfg, cp_rank=rank)
     k_row = torch.repeat_interleave(rows.cpu(), plan.seqlens.long().cpu()).to(dev)
     k_pos = plan.positions.to(dev, torch.int64)
 
