@@ -165,13 +165,14 @@ def _state_cp_equals_prepare(rank: int, world: int) -> dict[str, int]:
     from cpmeta.gpu import DecodeStaging, StagedDecodeBroadcaster
     from cpmeta.gpu.decode_inplace import launch_decode_inplace, prepare_decode_inplace
     from strategies import metadata_prefix
-    from test_stage_decode import CONFIGS, _engine
+    from test_stage_decode import CONFIGS, ENGRAM_CI, PLAIN_CI, _engine
 
     seen = {"steps": 0, "drafts": 0, "no_drafts": 0, "placeholders": 0, "staged": 0}
     drv = rank == 0
-    for ci in (0, len(CONFIGS) - 1):  # no Engram; Engram (stage_decode's general fallback)
+    # no Engram; Engram (stage_decode's general fallback); a plain paged-KV config (DESIGN 14)
+    for ci in (0, ENGRAM_CI, PLAIN_CI):
         cfg = CONFIGS[ci]
-        assert bool(cfg.max_ngram_size) == (ci > 0)
+        assert bool(cfg.max_ngram_size) == (ci == ENGRAM_CI) and cfg.has_swa == (ci != PLAIN_CI)
         state, steps = _engine(cfg, random.Random(ci))
         every = np.flatnonzero(state.active)
         st, out = DecodeStaging("cpu", 4096, fixed=True), {}  # out: every request, 3 drafts, 3 placeholders
@@ -243,7 +244,7 @@ def test_cp_staged_decode_equals_broadcast_cpu(world: int) -> None:
 def test_cp_state_driver_equals_prepare_decode_cpu(world: int) -> None:
     res = run_ranks(_state_cp_equals_prepare, world, timeout=240)
     assert all(r == res[0] for r in res), res
-    assert res[0]["steps"] == 12 and min(res[0].values()) >= 1, res
+    assert res[0]["steps"] == 18 and min(res[0].values()) >= 1, res
 
 
 def test_cp_malformed_message_names_the_rank() -> None:
@@ -273,6 +274,7 @@ def test_check_staged_layout_names_every_corruption() -> None:
     """A follower validates the received staging before any write: a well-formed buffer passes,
     and each corrupted address-bearing value is named (never a kernel reading past a buffer)."""
     from cpmeta import BatchState, MetadataConfig
+    from cpmeta.gpu import stage_decode
     from cpmeta.gpu.decode_cp import check_staged_layout
     from cpmeta.gpu.decode_staging import (
         F_BT_OFFSET, F_CU_K_INCL, F_CU_Q_INCL, F_PLACEHOLDER, F_SEQLEN_K, F_SEQLEN_Q, F_STATE, SEQ_FIELDS,

@@ -45,16 +45,18 @@ CONFIGS = [
                    sparse_compress_ratios=(2, 8), max_model_len=64),
     MetadataConfig(block_size=128, window_size=16, swa_block_size=16, dense_compress_ratios=(4, 128),
                    sparse_compress_ratios=(4,), max_model_len=512),
+    # Engram: served by the decode_batch + stage fallback
+    MetadataConfig(block_size=16, window_size=4, swa_block_size=6, dense_compress_ratios=(4,),
+                   sparse_compress_ratios=(4, 8), max_model_len=96, max_ngram_size=3, image_token_id=5),
     # DESIGN 14: a plain paged-KV model, and its KV sharded over 3 ranks in runs of 4 (tables of
     # rank 0's share); the staging header then holds no ratio at all
     MetadataConfig(block_size=16, window_size=0, dense_compress_ratios=(), sparse_compress_ratios=(),
                    max_model_len=96),
     MetadataConfig(block_size=8, window_size=0, dense_compress_ratios=(), sparse_compress_ratios=(),
                    max_model_len=200, kv_cp_world_size=3, kv_cp_interleave=4),
-    # Engram: served by the decode_batch + stage fallback
-    MetadataConfig(block_size=16, window_size=4, swa_block_size=6, dense_compress_ratios=(4,),
-                   sparse_compress_ratios=(4, 8), max_model_len=96, max_ngram_size=3, image_token_id=5),
 ]
+#: Indices in CONFIGS of the Engram config and of the plain one (other tests pick them).
+ENGRAM_CI, PLAIN_CI = 4, 5
 
 
 def assert_same_staged(fast: DecodeStaging, got: StagedDecode, slow: DecodeStaging, want: StagedDecode,
