@@ -10,15 +10,14 @@ and uploads the used prefix with ONE non-blocking copy; ``replay`` / ``ready_on`
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 
 from ..builders.arrays import BatchArrays
-from ..builders.extract import extract_batch
+from ..builders.extract import BatchInput, extract_batch
 from ..config import MetadataConfig
-from ..sequence import SequenceMetadata
 from . import staging_layout
 from .staging_layout import (  # noqa: F401  (re-exported: the layout's public names)
     F_BT_OFFSET, F_CU_K_INCL, F_CU_Q_INCL, F_PLACEHOLDER, F_SEQLEN_K, F_SEQLEN_Q, F_STATE, H_N_SEQ,
@@ -96,8 +95,9 @@ class DecodeStaging:
         if self._event is not None:
             self._event.synchronize()
 
-    def fill(self, seqs: Sequence[SequenceMetadata], cfg: MetadataConfig) -> StagedDecode:
-        """Validate ``seqs`` and write them into the host buffer only (no copy); grows it unless ``fixed``."""
+    def fill(self, seqs: BatchInput, cfg: MetadataConfig) -> StagedDecode:
+        """Validate ``seqs`` (``SequenceMetadata`` list or ``SequenceBatch``) and write them into the
+        host buffer only (no copy); grows it unless ``fixed``."""
         b = extract_batch(seqs, cfg, is_prompt=False)
         check_staging_int32(b, cfg)
         return self.fill_arrays(b, cfg)
@@ -273,7 +273,7 @@ class DecodeStaging:
         if cap is not None:
             cap.check(staged)
 
-    def stage(self, seqs: Sequence[SequenceMetadata], cfg: MetadataConfig) -> StagedDecode:
+    def stage(self, seqs: BatchInput, cfg: MetadataConfig) -> StagedDecode:
         """:meth:`fill`, the capacity check (:attr:`out_capacity`), then :meth:`upload`;
         returns the batch's host-side scalars."""
         staged = self.fill(seqs, cfg)

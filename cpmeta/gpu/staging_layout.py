@@ -43,17 +43,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
 
 from ..builders.arrays import BatchArrays, check_int32
 from ..builders.common import check_common_int32
-from ..builders.extract import extract_batch
+from ..builders.extract import BatchInput, extract_batch
 from ..config import MetadataConfig, blocks_needed_array
 from ..constants import INT32_MAX
-from ..sequence import SequenceMetadata
 
 __all__ = [
     "HEADER_FIXED",
@@ -278,7 +277,7 @@ def _check_ngram_reads(
 
 
 def fill_staging(
-    view: np.ndarray, seqs: Sequence[SequenceMetadata], cfg: MetadataConfig
+    view: np.ndarray, seqs: BatchInput, cfg: MetadataConfig
 ) -> StagedDecode:
     """Validate ``seqs`` and write them into ``view`` (an int32 numpy view of the staging buffer).
 
