@@ -219,7 +219,8 @@ def _span_case():
     """A one-arena decode step (builder order) and its plan, dims and span geometry."""
     import cpmeta
     from cpmeta.broadcast.span import span_of
-    from cpmeta.broadcast.wire import Plan, collect
+    from cpmeta.broadcast.walk import collect
+    from cpmeta.broadcast.wire import Plan
 
     md = _random_case(3, 0, False)[1]
     key, tensors, _ = collect(md)

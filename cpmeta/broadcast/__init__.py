@@ -5,9 +5,16 @@ module              holds
 ==================  ==============================================================================
 ``broadcaster``     :class:`MetadataBroadcaster`: collect by path, send one frame (+ one collective
                     for large CUDA payloads), rebuild by path; ``begin_step``, ``out=``, ``group_src=``
-``wire``            the one frame format: header (version, schema fingerprint, flags, crc32),
-                    cached layout ids, values, shapes, packed tensors; strict parsing of untrusted
-                    frames (a malformed one is a ``RuntimeError`` naming the rank)
+``walk``            ``collect``: the driver's split of ``InputMetadata`` by path (layout key, tensors,
+                    values), cached per tuple of field types
+``wire``            the one frame format: header (version, schema fingerprint, flags, crc32s,
+                    exact tensor bytes), cached layout ids, values, shapes, packed tensors; the
+                    per-layout ``Plan`` (exact sizes, views, assembly)
+``schema``          ``InputMetadata`` as a schema: field kinds, ratio keys, value types and bounds;
+                    a layout checked once, its values by a check compiled per layout
+``integrity``       what a follower proves before reading a frame (limits, checksum policy, meta and
+                    frame crc32, the layout block), the driver's ``seal``, the construction-time
+                    checksum agreement; a malformed frame is a ``RuntimeError`` naming the rank
 ==================  ==============================================================================
 
 The transport (codec, shared-memory ring, object and tensor channels) is the ``transport``

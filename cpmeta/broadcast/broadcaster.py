@@ -34,8 +34,9 @@ from .. import envs
 from ..metadata import InputMetadata
 from . import integrity, wire
 from .persistent import land_span
+from .walk import collect
 from .wire import (FLAG_CRC, FLAG_LAYOUT, FLAG_PACKED, FLAG_SPAN, FRAME_MAGIC, HEADER,
-                   MAX_LAYOUTS, Plan, WireError, collect, layout_id, pack_tensors)
+                   MAX_LAYOUTS, Plan, WireError, layout_id, pack_tensors)
 
 __all__ = ["MetadataBroadcaster", "SCHEMA_FINGERPRINT", "MESSAGE_VERSION"]
 

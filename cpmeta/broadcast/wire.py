@@ -67,9 +67,10 @@ from ..metadata import InputMetadata
 from .schema import MAX_LAYOUT_PATHS, ValueCheck, check_layout
 
 __all__ = ["MESSAGE_VERSION", "SCHEMA_FINGERPRINT", "FRAME_MAGIC", "HEADER", "WIRE_DTYPES",
-           "FLAG_LAYOUT", "FLAG_CRC", "FLAG_PACKED", "FLAG_SPAN", "KNOWN_FLAGS", "Plan", "WireError", "layout_id",
-           "collect", "frame_crc", "MAX_LAYOUTS", "MAX_DIM", "MAX_NDIM", "MAX_LAYOUT_BYTES",
-           "META_CRC_AT", "CRC_AT", "MAX_COLLECTIVE_BYTES", "meta_crc"]
+           "DTYPE_CODE", "FLAG_LAYOUT", "FLAG_CRC", "FLAG_PACKED", "FLAG_SPAN", "KNOWN_FLAGS",
+           "Plan", "WireError", "layout_id", "frame_crc", "meta_crc", "pack_tensors", "getter",
+           "PATH_SEP", "ALIAS_SEP", "CRC_AT", "META_CRC_AT", "MAX_LAYOUTS", "MAX_DIM", "MAX_NDIM",
+           "MAX_LAYOUT_BYTES", "MAX_COLLECTIVE_BYTES"]
 
 #: Version of the broadcast frame (5: exact tensor bytes + meta crc; 4: one frame with a cached
 #: layout; 3 was the three-layer one).
@@ -86,7 +87,6 @@ MAX_DIM = 1 << 48  # largest single dim a follower accepts
 MAX_NDIM = 16  # largest tensor rank a layout may declare
 MAX_LAYOUT_BYTES = 1 << 16  # largest layout block a follower decodes (1024 paths fit easily)
 MAX_COLLECTIVE_BYTES = 1 << 32  # most tensor bytes a frame may announce for the collective path
-_SHAPE = struct.Struct("<q")
 
 #: Wire code of a dtype = its index here (append only: the codes are part of the frame).
 WIRE_DTYPES: tuple[torch.dtype, ...] = (
@@ -95,7 +95,7 @@ WIRE_DTYPES: tuple[torch.dtype, ...] = (
 )
 DTYPE_CODE: dict[torch.dtype, int] = {d: i for i, d in enumerate(WIRE_DTYPES)}
 _ELEMENT_SIZE: tuple[int, ...] = tuple(torch.empty(0, dtype=d).element_size() for d in WIRE_DTYPES)
-_SEP, _ALIAS = ";", ","  # "positions,positions_cp;klen.4": no field or ratio key holds them
+PATH_SEP, ALIAS_SEP = ";", ","  # "positions,positions_cp;klen.4": no field or ratio key holds them
 
 
 def _schema_fingerprint() -> str:
@@ -111,134 +111,7 @@ class WireError(ValueError):
     """A frame this rank cannot accept (the broadcaster adds the rank and the source)."""
 
 
-def _align(n: int, a: int = PACK_ALIGN) -> int:
-    return -(-n // a) * a
-
-
-def collect(md: InputMetadata) -> tuple[tuple, list[torch.Tensor], list[Any]]:
-    """Split ``md`` by path: ``(key, tensors, values)``.
-
-    ``key`` identifies the layout (hashable; :meth:`Walk.layout` turns it into the sent
-    ``(tensor paths, dtype codes, ndims, value paths)``); ``tensors`` are deduplicated by object
-    and ordered by dtype code (so each dtype is one run); ``values[i]`` belongs to the i-th value
-    path (``None`` fields are left out, an empty dict is a value). Example: with
-    ``positions_cp is positions`` one tensor has the paths ``("positions", "positions_cp")``.
-
-    Per step this is one C call for every field, one for their types, a lookup of the cached
-    :class:`Walk` of those types, and the walk's few C-level gathers.
-    """
-    vals = _GET_ALL(md)
-    sig = tuple(map(type, vals))
-    w = _WALKS.get(sig)
-    if w is None:
-        if len(_WALKS) >= MAX_LAYOUTS:
-            _WALKS.clear()
-        w = _WALKS[sig] = Walk(sig)
-    return w(vals)
-
-
-class Walk:
-    """Which fields hold tensors, dicts and values, for one tuple of field types (computed once).
-
-    Worked example: types ``(bool, int, NoneType, Tensor, dict, ...)`` give value fields
-    ``[0, 1]``, tensor fields ``[3]`` and dict fields ``[4]``; a step then gathers them with
-    ``itemgetter`` calls, walks only the dict fields' entries, and looks its layout up by
-    ``(dict keys and entry types, aliasing, dtypes, ranks)``.
-    """
-
-    def __init__(self, sig: tuple[type, ...]) -> None:
-        tidx = [i for i, t in enumerate(sig) if issubclass(t, torch.Tensor)]
-        didx = [i for i, t in enumerate(sig) if t is dict]
-        vidx = [i for i, t in enumerate(sig) if t is not type(None) and t is not dict
-                and not issubclass(t, torch.Tensor)]
-        self.tnames = [_FIELD_NAMES[i] for i in tidx]
-        self.vnames = [_FIELD_NAMES[i] for i in vidx]
-        self.dicts = [(i, _FIELD_NAMES[i]) for i in didx]
-        self.get_t = _getter(tidx)
-        self.get_v = _getter(vidx)
-        self.sig = sig
-        self.subs: dict[tuple, tuple] = {}  # dict keys + entry types -> _entries()
-        self.keys: dict[tuple, tuple] = {}  # step key -> (layout key, order)
-
-    def __call__(self, vals: tuple) -> tuple[tuple, list[torch.Tensor], list[Any]]:
-        objs = self.get_t(vals)
-        values = self.get_v(vals)
-        if self.dicts:
-            ds = [vals[i] for i, _ in self.dicts]
-            dvals = [x for d in ds for x in d.values()]
-            dkey: tuple = (tuple(map(tuple, ds)), tuple(map(type, dvals)))
-            sub = self.subs.get(dkey)
-            if sub is None:
-                if len(self.subs) >= MAX_LAYOUTS:
-                    self.subs.clear()
-                sub = self.subs[dkey] = self._entries(dkey)
-            objs += sub[0](dvals)
-            values += sub[1](dvals)
-            if sub[2]:
-                values += [{} for _ in range(sub[2])]
-        else:
-            dkey = ()
-        ids = list(map(id, objs))
-        alias = None if len(set(ids)) == len(ids) else tuple(map({i: n for n, i in reversed(
-            list(enumerate(ids)))}.__getitem__, ids))
-        skey = (dkey, alias, tuple(map(_DTYPE, objs)), tuple(map(_DIM, objs)))
-        hit = self.keys.get(skey)
-        if hit is None:
-            if len(self.keys) >= MAX_LAYOUTS:
-                self.keys.clear()
-            hit = self.keys[skey] = self._layout(skey, objs)
-        key, order = hit
-        return key, (order(objs) if order is not None else objs), values
-
-    def _entries(self, dkey: tuple) -> tuple[Any, Any, int, list[str], list[str]]:
-        """For dict keys and entry types ``dkey``: (tensor entries getter, value entries getter,
-        number of empty dicts, tensor entry paths, value paths incl. empty dicts), run once."""
-        keys, types = dkey
-        tidx, vidx, tpaths, vpaths, empty = [], [], [], [], []
-        n = 0
-        for (_, name), ks in zip(self.dicts, keys):
-            for k in ks:
-                t, p = types[n], f"{name}.{k}"
-                if t is dict:
-                    raise TypeError(f"{p}: nested dicts are not supported (one level only)")
-                if issubclass(t, torch.Tensor):
-                    tidx.append(n)
-                    tpaths.append(p)
-                elif t is not type(None):
-                    vidx.append(n)
-                    vpaths.append(p)
-                n += 1
-            if not ks:
-                empty.append(name)
-        return _getter(tidx), _getter(vidx), len(empty), tpaths, vpaths + empty
-
-    def _layout(self, skey: tuple, objs: list[torch.Tensor]) -> tuple[tuple, Any]:
-        """The layout key and the gather of the step's tensors in layout order (run once)."""
-        dkey, alias, dtypes, ndims = skey
-        paths, vpaths = list(self.tnames), list(self.vnames)
-        if dkey:
-            sub = self.subs[dkey]
-            paths += sub[3]
-            vpaths += sub[4]
-        first = alias if alias is not None else range(len(objs))
-        found: dict[int, list] = {}  # first index -> [code, index, [paths]]
-        for n, f in enumerate(first):
-            e = found.get(f)
-            if e is None:
-                found[f] = e = [DTYPE_CODE.get(dtypes[n], -1), n, []]
-            e[2].append(paths[n])
-        rows = sorted(found.values(), key=lambda e: e[0])
-        for e in rows:
-            if e[0] < 0:
-                raise TypeError(f"{e[2][0]}: dtype {dtypes[e[1]]} cannot be broadcast "
-                                f"(supported: {WIRE_DTYPES})")
-        idx = [e[1] for e in rows]
-        key = (_SEP.join(_ALIAS.join(e[2]) for e in rows), tuple(e[0] for e in rows),
-               tuple(ndims[i] for i in idx), _SEP.join(vpaths))
-        return key, (None if idx == list(range(len(objs))) else _getter(idx))
-
-
-def _getter(idx: list[int]) -> Any:
+def getter(idx: list[int]) -> Any:
     """``f(seq) -> list`` of ``seq``'s items at ``idx`` (one C call; ``[]`` for no index)."""
     if not idx:
         return lambda seq: []
@@ -248,11 +121,6 @@ def _getter(idx: list[int]) -> Any:
     return lambda seq: list(g(seq))
 
 
-_WALKS: dict[tuple, Walk] = {}
-_DTYPE = operator.attrgetter("dtype")
-_DIM = torch.Tensor.dim
-
-
 def _split_layout(paths: str, codes: list[int], ndims: list[int], vpaths: str
                   ) -> tuple[list[list[str]], list[str]]:
     """The layout's tensor paths (with aliases) and value paths, once its lists are proven
@@ -260,13 +128,13 @@ def _split_layout(paths: str, codes: list[int], ndims: list[int], vpaths: str
     and one rank per tensor, known codes in run order, ranks ``0..MAX_NDIM``. Example:
     ``("positions,positions_cp;klen.4", [4, 4], [1, 1], "is_prompt")`` gives
     ``([["positions", "positions_cp"], ["klen.4"]], ["is_prompt"])``."""
-    n_paths = (paths.count(_SEP) + paths.count(_ALIAS) + 1 if paths else 0) + (
-        vpaths.count(_SEP) + 1 if vpaths else 0)
+    n_paths = (paths.count(PATH_SEP) + paths.count(ALIAS_SEP) + 1 if paths else 0) + (
+        vpaths.count(PATH_SEP) + 1 if vpaths else 0)
     if n_paths > MAX_LAYOUT_PATHS or len(codes) > MAX_LAYOUT_PATHS:
         raise WireError(f"layout has {max(n_paths, len(codes))} paths, more than "
                         f"MAX_LAYOUT_PATHS={MAX_LAYOUT_PATHS}")
-    tpaths = [p.split(_ALIAS) for p in paths.split(_SEP)] if paths else []
-    vlist = vpaths.split(_SEP) if vpaths else []
+    tpaths = [p.split(ALIAS_SEP) for p in paths.split(PATH_SEP)] if paths else []
+    vlist = vpaths.split(PATH_SEP) if vpaths else []
     if not (len(tpaths) == len(codes) == len(ndims)):
         raise WireError("layout lists disagree in length")
     if any(type(c) is not int or not 0 <= c < len(WIRE_DTYPES) for c in codes):
@@ -316,7 +184,7 @@ class Plan:
         self.layout_block: Optional[bytes] = None  # driver: encoded once
         # split: dims index of each tensor's first dim (1-D tensors: that dim is the numel)
         # (0-d tensors: a placeholder, set to 1 by the reshape list)
-        self.first_dim = (_getter([at if nd else 0 for at, nd in zip(starts, ndims)])
+        self.first_dim = (getter([at if nd else 0 for at, nd in zip(starts, ndims)])
                           if self.n_dims else (lambda d: [1] * len(ndims)))
         self.run_slices = [(slice(a, b), _ELEMENT_SIZE[code], WIRE_DTYPES[code])
                            for code, a, b in self.runs]
@@ -445,7 +313,6 @@ _N_FIELDS = len(_FIELD_NAMES)
 # Plan.assemble passes a positional row when every field is an init field defaulting to None
 _POSITIONAL = all(f.init and f.default is None for f in fields(InputMetadata)) and tuple(
     f.name for f in fields(InputMetadata)) == _FIELD_NAMES
-_GET_ALL = operator.attrgetter(*_FIELD_NAMES)  # every field in one C call
 
 
 def pack_tensors(base: int, tensors: list[torch.Tensor], plan: Plan, numels: list[int],

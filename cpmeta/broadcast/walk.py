@@ -1,0 +1,150 @@
+"""Collect by path: the driver splits an ``InputMetadata`` into its layout key, tensors and values.
+
+``collect(md)`` is the driver's first step of every broadcast (``cpmeta.broadcast.broadcaster``);
+the layout key it returns is what ``cpmeta.broadcast.wire.Plan`` is built from (and checked
+against ``InputMetadata``'s schema, once per layout). Everything that repeats is cached per tuple
+of field types (:class:`Walk`), so a step of a known layout is a few C-level gathers.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+
+from ..metadata import InputMetadata
+from .wire import ALIAS_SEP, DTYPE_CODE, MAX_LAYOUTS, PATH_SEP, WIRE_DTYPES, getter
+
+__all__ = ["collect", "Walk"]
+
+_FIELD_NAMES = InputMetadata.field_names()
+_GET_ALL = operator.attrgetter(*_FIELD_NAMES)  # every field in one C call
+
+
+def collect(md: InputMetadata) -> tuple[tuple, list[torch.Tensor], list[Any]]:
+    """Split ``md`` by path: ``(key, tensors, values)``.
+
+    ``key`` identifies the layout (hashable; :meth:`Walk.layout` turns it into the sent
+    ``(tensor paths, dtype codes, ndims, value paths)``); ``tensors`` are deduplicated by object
+    and ordered by dtype code (so each dtype is one run); ``values[i]`` belongs to the i-th value
+    path (``None`` fields are left out, an empty dict is a value). Example: with
+    ``positions_cp is positions`` one tensor has the paths ``("positions", "positions_cp")``.
+
+    Per step this is one C call for every field, one for their types, a lookup of the cached
+    :class:`Walk` of those types, and the walk's few C-level gathers.
+    """
+    vals = _GET_ALL(md)
+    sig = tuple(map(type, vals))
+    w = _WALKS.get(sig)
+    if w is None:
+        if len(_WALKS) >= MAX_LAYOUTS:
+            _WALKS.clear()
+        w = _WALKS[sig] = Walk(sig)
+    return w(vals)
+
+
+class Walk:
+    """Which fields hold tensors, dicts and values, for one tuple of field types (computed once).
+
+    Worked example: types ``(bool, int, NoneType, Tensor, dict, ...)`` give value fields
+    ``[0, 1]``, tensor fields ``[3]`` and dict fields ``[4]``; a step then gathers them with
+    ``itemgetter`` calls, walks only the dict fields' entries, and looks its layout up by
+    ``(dict keys and entry types, aliasing, dtypes, ranks)``.
+    """
+
+    def __init__(self, sig: tuple[type, ...]) -> None:
+        tidx = [i for i, t in enumerate(sig) if issubclass(t, torch.Tensor)]
+        didx = [i for i, t in enumerate(sig) if t is dict]
+        vidx = [i for i, t in enumerate(sig) if t is not type(None) and t is not dict
+                and not issubclass(t, torch.Tensor)]
+        self.tnames = [_FIELD_NAMES[i] for i in tidx]
+        self.vnames = [_FIELD_NAMES[i] for i in vidx]
+        self.dicts = [(i, _FIELD_NAMES[i]) for i in didx]
+        self.get_t = getter(tidx)
+        self.get_v = getter(vidx)
+        self.sig = sig
+        self.subs: dict[tuple, tuple] = {}  # dict keys + entry types -> _entries()
+        self.keys: dict[tuple, tuple] = {}  # step key -> (layout key, order)
+
+    def __call__(self, vals: tuple) -> tuple[tuple, list[torch.Tensor], list[Any]]:
+        objs = self.get_t(vals)
+        values = self.get_v(vals)
+        if self.dicts:
+            ds = [vals[i] for i, _ in self.dicts]
+            dvals = [x for d in ds for x in d.values()]
+            dkey: tuple = (tuple(map(tuple, ds)), tuple(map(type, dvals)))
+            sub = self.subs.get(dkey)
+            if sub is None:
+                if len(self.subs) >= MAX_LAYOUTS:
+                    self.subs.clear()
+                sub = self.subs[dkey] = self._entries(dkey)
+            objs += sub[0](dvals)
+            values += sub[1](dvals)
+            if sub[2]:
+                values += [{} for _ in range(sub[2])]
+        else:
+            dkey = ()
+        ids = list(map(id, objs))
+        alias = None if len(set(ids)) == len(ids) else tuple(map({i: n for n, i in reversed(
+            list(enumerate(ids)))}.__getitem__, ids))
+        skey = (dkey, alias, tuple(map(_DTYPE, objs)), tuple(map(_DIM, objs)))
+        hit = self.keys.get(skey)
+        if hit is None:
+            if len(self.keys) >= MAX_LAYOUTS:
+                self.keys.clear()
+            hit = self.keys[skey] = self._layout(skey, objs)
+        key, order = hit
+        return key, (order(objs) if order is not None else objs), values
+
+    def _entries(self, dkey: tuple) -> tuple[Any, Any, int, list[str], list[str]]:
+        """For dict keys and entry types ``dkey``: (tensor entries getter, value entries getter,
+        number of empty dicts, tensor entry paths, value paths incl. empty dicts), run once."""
+        keys, types = dkey
+        tidx, vidx, tpaths, vpaths, empty = [], [], [], [], []
+        n = 0
+        for (_, name), ks in zip(self.dicts, keys):
+            for k in ks:
+                t, p = types[n], f"{name}.{k}"
+                if t is dict:
+                    raise TypeError(f"{p}: nested dicts are not supported (one level only)")
+                if issubclass(t, torch.Tensor):
+                    tidx.append(n)
+                    tpaths.append(p)
+                elif t is not type(None):
+                    vidx.append(n)
+                    vpaths.append(p)
+                n += 1
+            if not ks:
+                empty.append(name)
+        return getter(tidx), getter(vidx), len(empty), tpaths, vpaths + empty
+
+    def _layout(self, skey: tuple, objs: list[torch.Tensor]) -> tuple[tuple, Any]:
+        """The layout key and the gather of the step's tensors in layout order (run once)."""
+        dkey, alias, dtypes, ndims = skey
+        paths, vpaths = list(self.tnames), list(self.vnames)
+        if dkey:
+            sub = self.subs[dkey]
+            paths += sub[3]
+            vpaths += sub[4]
+        first = alias if alias is not None else range(len(objs))
+        found: dict[int, list] = {}  # first index -> [code, index, [paths]]
+        for n, f in enumerate(first):
+            e = found.get(f)
+            if e is None:
+                found[f] = e = [DTYPE_CODE.get(dtypes[n], -1), n, []]
+            e[2].append(paths[n])
+        rows = sorted(found.values(), key=lambda e: e[0])
+        for e in rows:
+            if e[0] < 0:
+                raise TypeError(f"{e[2][0]}: dtype {dtypes[e[1]]} cannot be broadcast "
+                                f"(supported: {WIRE_DTYPES})")
+        idx = [e[1] for e in rows]
+        key = (PATH_SEP.join(ALIAS_SEP.join(e[2]) for e in rows), tuple(e[0] for e in rows),
+               tuple(ndims[i] for i in idx), PATH_SEP.join(vpaths))
+        return key, (None if idx == list(range(len(objs))) else getter(idx))
+
+
+_WALKS: dict[tuple, Walk] = {}
+_DTYPE = operator.attrgetter("dtype")
+_DIM = torch.Tensor.dim
