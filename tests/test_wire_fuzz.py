@@ -213,6 +213,26 @@ def test_mutated_real_frames_are_equal_or_refused(checksum: bool) -> None:
     assert not bad, bad[:10]
 
 
+def test_shape_word_off_by_one_is_refused_naming_the_field() -> None:
+    """Finding 1 of issue 26: a bool tensor one element longer fitted in the run's padding and
+    was accepted, the next field shifted by a byte. Now refused, the changed field named."""
+    md, _ = _base()  # gate_force_random: bool [3], alone in its run (3 bytes, padded to 16)
+    with loopback() as make:
+        drv, fol = make(0, False), make(1, False)
+        drv.broadcast(md)
+        drv.broadcast(md)
+        first, later = drv._objects.frames[-2:]
+        receive(fol, first)
+        p = parts(later)
+        assert p["dims"][0] == 3  # 4 bytes would still round to 16: v4's check let it pass
+        frame = bytearray(later)
+        struct.pack_into("<q", frame, p["shapes_at"], p["dims"][0] + 1)  # first tensor: a bool
+        with pytest.raises(RuntimeError) as e:
+            receive(fol, reseal(frame))
+    n = p["dims"][0]
+    assert "rank 1" in str(e.value) and f"gate_force_random [{n + 1}] bool (was [{n}])" in str(e.value)
+
+
 # ----------------------------------------------------------------------------- crafted layouts
 
 def _base() -> tuple[Any, bytes]:

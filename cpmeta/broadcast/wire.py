@@ -243,26 +243,35 @@ class Plan:
         ``tbytes`` and the region equals ``avail`` (the frame's bytes after its shapes), so no
         product can exceed the frame; not packed (tensors follow in a collective): ``tbytes`` and
         ``avail`` are 0 and the payload is at most ``MAX_COLLECTIVE_BYTES``. A mismatch is a
-        ``WireError`` listing the declared shapes by path.
+        ``WireError`` listing the declared shapes by path, first those that differ from the
+        previous frame of this layout (``gate_force_random [407] bool (was [406])``).
         """
-        if self._last[0] != dims and dims and (min(dims) < 0 or max(dims) > MAX_DIM):
-            raise WireError(f"tensor dims out of range [0, 2**48]: {self._shapes_text(dims)}")
+        prev = self._last[0]
+        if prev != dims and dims and (min(dims) < 0 or max(dims) > MAX_DIM):
+            raise WireError(f"tensor dims out of range [0, 2**48]: {self._shapes_text(dims, prev)}")
         numels, starts, region, exact = self.sizes(dims)
         if packed:
             if exact != tbytes or region != avail:
                 raise WireError(f"tensor shapes declare {exact} bytes (region {region}), the frame "
-                                f"declares {tbytes} (region {avail}): {self._shapes_text(dims)}")
+                                f"declares {tbytes} (region {avail}): {self._shapes_text(dims, prev)}")
         elif tbytes or avail or exact > MAX_COLLECTIVE_BYTES:
             raise WireError(f"frame without FLAG_PACKED: {tbytes} tensor bytes and {avail} bytes "
                             f"after the shapes (expected 0), {exact} bytes to receive")
         return numels, starts, region
 
-    def _shapes_text(self, dims: tuple[int, ...], most: int = 8) -> str:
-        """``"positions [3], block_tables [3, 2], ..."`` for error messages."""
-        out, at = [], 0
+    def _shapes_text(self, dims: tuple[int, ...], prev: tuple = (), most: int = 8) -> str:
+        """``"klen.4 [5] int32 (was [4]), positions [3] int32, ..."`` for error messages: the
+        tensors whose shape differs from ``prev`` (the last frame's dims, when as long) first."""
+        changed, same, at = [], [], 0
         for path, code, nd in zip(self.tensor_paths, self.codes, self.ndims):
-            out.append(f"{path} {list(dims[at:at + nd])} {WIRE_DTYPES[code]}".replace("torch.", ""))
+            now = list(dims[at:at + nd])
+            text = f"{path} {now} {WIRE_DTYPES[code]}".replace("torch.", "")
+            if len(prev) == len(dims) and list(prev[at:at + nd]) != now:
+                changed.append(f"{text} (was {list(prev[at:at + nd])})")
+            else:
+                same.append(text)
             at += nd
+        out = changed + same
         return ", ".join(out[:most]) + (f", ... ({len(out)} tensors)" if len(out) > most else "")
 
     def views(self, buf: torch.Tensor, dims: Any, numels: list[int], starts: list[int]
