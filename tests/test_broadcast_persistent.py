@@ -234,6 +234,7 @@ def _span_case():
 
 def test_check_span_refuses_bad_geometry() -> None:
     import struct
+    import zlib
 
     from cpmeta.broadcast.span import check_span
     from cpmeta.broadcast.wire import WireError
@@ -244,8 +245,10 @@ def test_check_span_refuses_bad_geometry() -> None:
     assert got_offsets == offsets and got_exact == exact
     n = len(offsets)
 
-    def with_offsets(offs: list) -> bytes:
-        return struct.pack(f"<{n}Q", *offs) + table[8 * n:]
+    def with_offsets(offs: list, crc: bool = True) -> bytes:
+        body = struct.pack(f"<{n}Q", *offs)
+        return body + (struct.pack("<I", zlib.crc32(body)) if crc else table[8 * n:8 * n + 4]) + \
+            table[8 * n + 4:]
 
     i = max(range(n), key=lambda k: numels[k])  # a non-empty tensor, and another one
     j = next(k for k in range(n) if k != i and numels[k])
@@ -253,12 +256,14 @@ def test_check_span_refuses_bad_geometry() -> None:
         "misaligned": with_offsets([o + 1 if k == i else o for k, o in enumerate(offsets)]),
         "past the span": with_offsets([span if k == i else o for k, o in enumerate(offsets)]),
         "overlap": with_offsets([offsets[j] if k == i else o for k, o in enumerate(offsets)]),
-        "padding": table[:8 * n] + b"\x01" * (len(table) - 8 * n) if len(table) > 8 * n else None,
+        "crc": with_offsets([o + 4 if k == i else o for k, o in enumerate(offsets)], crc=False),
+        "padding": (table[:8 * n + 4] + b"\x01" * (len(table) - 8 * n - 4)
+                    if len(table) > 8 * n + 4 else None),
     }
     for what, t in bad.items():
         if t is None:
             continue
-        with pytest.raises(WireError):
+        with pytest.raises(WireError, match="crc32" if what == "crc" else "span frame"):
             check_span(plan, dims, exact, t, avail)
     with pytest.raises(WireError):
         check_span(plan, dims, exact + 4, table, avail)  # header bytes disagree with the shapes

@@ -8,22 +8,27 @@ tensors qualify sends the span, with every tensor's offset in it::
     tensor region (after the shapes, 16-aligned; always with FLAG_PACKED)
     +---------------------------------------+-----------------------------------------------+
     | offsets: one u64 per tensor, layout   | span: bytes [lo, hi) of the driver's          |
-    | order, padded to a multiple of 16 B   | allocation; tensor i at span[offsets[i]:...]  |
+    | order; crc32 of them (u32); zero pad  | allocation; tensor i at span[offsets[i]:...]  |
+    | to a multiple of 16 B                 |                                               |
     +---------------------------------------+-----------------------------------------------+
 
 The header's tensor bytes stay the EXACT payload ``sum(numel_i * element_size_i)``; the frame's
-length is ``data_at + table + span``. A follower proves, once per (layout, dims, offsets), that
-every offset is a multiple of its element size and every tensor lies inside the span without
-overlapping another (:func:`check_span`); later frames with the same table bytes hit that cache.
+length is ``data_at + table + span``. The table carries its own crc32 (the frame's meta crc ends
+where the tensor region starts), so a corrupted offset is refused like a corrupted shape. A
+follower proves, once per (layout, dims, offsets), that every offset is a multiple of its element
+size and every tensor lies inside the span without overlapping another (:func:`check_span`);
+later frames with the same table bytes hit that cache.
 
 Worked example: ``positions`` int32 [3] at allocation byte 512 and ``block_table`` int32 [3, 2]
-at byte 0 (builder order), layout order (positions, block_table): lo 0, hi 524, table 16 B
-(2 u64), offsets ``[512, 0]``, span 524 B, region 540 B; exact payload 12 + 24 = 36.
+at byte 0 (builder order), layout order (positions, block_table): lo 0, hi 524, table
+(2 u64 + crc32, padded), offsets ``[512, 0]``, table 32 B, span 524 B, region 556 B; exact payload
+12 + 24 = 36.
 """
 
 from __future__ import annotations
 
 import struct
+import zlib
 from math import prod
 from typing import Optional
 
@@ -36,12 +41,13 @@ __all__ = ["FLAG_SPAN", "SPAN_SLACK", "table_bytes", "span_of", "check_span"]
 #: a span may hold at most this many bytes more than the exact payload per tensor (gaps between
 #: 64-byte aligned fields) before the driver packs instead
 SPAN_SLACK = 64
+_CRC = struct.Struct("<I")
 _SIZES = tuple(torch.empty(0, dtype=d).element_size() for d in WIRE_DTYPES)
 
 
 def table_bytes(n_tensors: int) -> int:
-    """Bytes of the offsets table: ``8 * n`` rounded up to 16 (3 tensors -> 32)."""
-    return -(-8 * n_tensors // 16) * 16
+    """Bytes of the offsets table: ``8 * n + 4`` (the crc32) rounded up to 16 (3 tensors -> 32)."""
+    return -(-(8 * n_tensors + 4) // 16) * 16
 
 
 def span_of(tensors: list[torch.Tensor], exact: int) -> Optional[tuple[bytes, list[int], int]]:
@@ -65,7 +71,9 @@ def span_of(tensors: list[torch.Tensor], exact: int) -> Optional[tuple[bytes, li
     if any(o % t.element_size() for o, t in zip(offsets, tensors)):
         return None
     n = len(tensors)
-    return struct.pack(f"<{n}Q", *offsets) + bytes(table_bytes(n) - 8 * n), offsets, hi - lo
+    body = struct.pack(f"<{n}Q", *offsets)
+    table = body + _CRC.pack(zlib.crc32(body)) + bytes(table_bytes(n) - 8 * n - 4)
+    return table, offsets, hi - lo
 
 
 def check_span(plan: Plan, dims: tuple[int, ...], tbytes: int, table: bytes, avail: int
@@ -74,7 +82,7 @@ def check_span(plan: Plan, dims: tuple[int, ...], tbytes: int, table: bytes, ava
 
     ``table`` is the frame's offsets table (``table_bytes(n)`` bytes), ``avail`` the frame's
     bytes after its shapes. Checks: dims in ``[0, MAX_DIM]``; exact payload == header ``tbytes``;
-    every offset a multiple of its element size, every tensor inside the span
+    the table's crc32; every offset a multiple of its element size, every tensor inside the span
     (``avail - len(table)`` bytes), no two non-empty tensors overlapping; padding zero.
     Raises ``WireError`` naming the tensor path.
     """
@@ -84,7 +92,9 @@ def check_span(plan: Plan, dims: tuple[int, ...], tbytes: int, table: bytes, ava
     if dims and (min(dims) < 0 or max(dims) > MAX_DIM):
         raise WireError("span frame: tensor dims out of range [0, 2**48]")
     offsets = list(struct.unpack_from(f"<{n}Q", table))
-    if any(table[8 * n:]):
+    if _CRC.unpack_from(table, 8 * n)[0] != zlib.crc32(table[:8 * n]):
+        raise WireError("span frame: the offsets table fails its crc32 check")
+    if any(table[8 * n + 4:]):
         raise WireError("span frame: nonzero padding after the offsets table")
     numels, at = [], 0
     for nd in plan.ndims:
