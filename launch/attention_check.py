@@ -1,8 +1,11 @@
 """``--attention-check``: CP attention from the broadcast alone equals single-rank attention.
 
 A toy attention client, one head of width ``HEAD_DIM``. Query, key and value of position ``p``
-of the sequence with id ``sid`` (its ``state_id``, stable across steps) are a fixed function
-:func:`qkv` of ``(sid, p)`` -- what a KV cache would hold for it. Per step, every rank:
+of the sequence with id ``sid`` (:func:`seq_ids`: its ``state_id``, or its index in the step on a
+plain config, which has no state slot) are a fixed function :func:`qkv` of ``(sid, p)`` -- what a
+KV cache would hold for it (the cache is rebuilt every step). It reads the common fields only
+(positions, ``cu_seqlens_q/k``, ``valid_token_mask``, ``context_lens``, ``block_tables``, the
+mirror's indices), so it runs on every config (DESIGN 14). Per step, every rank:
 
 prefill (prompt metadata, zigzag mirror of DESIGN 8)
     computes q/k/v of ITS mirror rows (``positions`` of the mirrored metadata), all-gathers the
@@ -35,7 +38,7 @@ from cpmeta.metadata import InputMetadata
 
 from . import comm
 
-__all__ = ["HEAD_DIM", "TOLERANCE", "qkv", "prefill_check", "decode_check", "check_step"]
+__all__ = ["HEAD_DIM", "TOLERANCE", "qkv", "seq_ids", "prefill_check", "decode_check", "check_step"]
 
 HEAD_DIM: int = 16
 _ROW_CHUNK: int = 32  # float64 rows per elementwise pass (bounds memory: 32 x seqlen_k x HEAD_DIM)
@@ -51,6 +54,20 @@ def qkv(sid: torch.Tensor, pos: torch.Tensor, which: int, dtype: torch.dtype) ->
     d = torch.arange(1, HEAD_DIM + 1, dtype=torch.float64, device=pos.device)
     x = 0.013 * pos.to(torch.float64)[:, None] * d + 1.37 * sid.to(torch.float64)[:, None] + 0.71 * which * d
     return torch.sin(x).to(dtype)
+
+
+def seq_ids(md: InputMetadata, device: torch.device) -> torch.Tensor:
+    """[num_seqs] int64: the id :func:`qkv` uses for each sequence of the step -- its state slot
+    (``state_block_idx`` rows: prompt [n_seq], decode one per row, read at each sequence's first
+    row) when the config has a sliding-window state cache, else its index ``0..n_seq-1``. Either is
+    the same on every rank (both come from the broadcast). Example: plain config, 3 sequences ->
+    ``[0, 1, 2]``."""
+    assert md.cu_seqlens_q is not None  # every step's metadata carries it (DESIGN 4)
+    n = md.cu_seqlens_q.shape[0] - 1
+    if md.state_block_idx is None:
+        return torch.arange(n, device=device)
+    idx = md.state_block_idx.to(device, torch.int64)
+    return idx if md.is_prompt else idx[md.cu_seqlens_q[:-1].to(device, torch.int64)]
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
@@ -78,13 +95,13 @@ def _dtype(device: torch.device) -> torch.dtype:
 def prefill_check(full: InputMetadata, mine: InputMetadata, world: int, device: torch.device) -> float:
     """Collective. Returns rank 0's max |CP - single-rank| over all rows (0.0 elsewhere)."""
     # every prompt step's metadata and its mirror carry these (DESIGN 4 and 8)
-    assert full.cu_seqlens_q is not None and full.cu_seqlens_k is not None and full.state_block_idx is not None
+    assert full.cu_seqlens_q is not None and full.cu_seqlens_k is not None
     assert mine.mirror_cp_index is not None and mine.mirror_cp_reverse_index is not None
     assert mine.positions is not None
     dt = _dtype(device)
     cu_q = full.cu_seqlens_q.to(device, torch.int64)
     cu_k = full.cu_seqlens_k.to(device, torch.int64)
-    sid_seq = full.state_block_idx.to(device)
+    sid_seq = seq_ids(full, device)
     idx = mine.mirror_cp_index.to(device, torch.int64)
     seq = torch.searchsorted(cu_q[1:], idx.clamp(min=0), right=True)  # sequence of each mirror row
     pos, sid = mine.positions.to(device), sid_seq[seq]
@@ -113,12 +130,13 @@ def prefill_check(full: InputMetadata, mine: InputMetadata, world: int, device: 
 def _single_rank(full: InputMetadata, device: torch.device, dt: torch.dtype) -> torch.Tensor:
     """[total_q, D]: every row attends over keys 0..pos, all computed directly from qkv."""
     assert full.cu_seqlens_q is not None and full.cu_seqlens_k is not None  # a prompt step's fields
-    assert full.positions is not None and full.state_block_idx is not None
+    assert full.positions is not None
     cu_q, cu_k = full.cu_seqlens_q.tolist(), full.cu_seqlens_k.tolist()
     pos_all = full.positions.to(device)
+    sids = seq_ids(full, device)
     out = torch.empty(pos_all.shape[0], HEAD_DIM, dtype=dt, device=device)
     for s in range(len(cu_q) - 1):
-        sid, n_k = full.state_block_idx[s].to(device), cu_k[s + 1] - cu_k[s]
+        sid, n_k = sids[s], cu_k[s + 1] - cu_k[s]
         kpos = torch.arange(n_k, device=device)
         k, v = qkv(sid.expand(n_k), kpos, 1, dt), qkv(sid.expand(n_k), kpos, 2, dt)
         p = pos_all[cu_q[s]:cu_q[s + 1]]
@@ -139,13 +157,12 @@ def decode_check(md: InputMetadata, rank: int, world: int, device: torch.device,
     """
     # every decode step's metadata carries these (DESIGN 4)
     assert md.cu_seqlens_q is not None and md.cu_seqlens_k is not None and md.valid_token_mask is not None
-    assert md.state_block_idx is not None and md.block_tables is not None
-    assert md.positions is not None and md.context_lens is not None
+    assert md.block_tables is not None and md.positions is not None and md.context_lens is not None
     cache_dt, dt = _dtype(device), (torch.float64 if device.type == "cpu" else torch.float32)
     cu_q, cu_k = md.cu_seqlens_q.to(device, torch.int64), md.cu_seqlens_k.to(device, torch.int64)
     first = cu_q[:-1]
     real = md.valid_token_mask.to(device)[first]  # placeholders write no KV
-    sid, table = md.state_block_idx.to(device)[first], md.block_tables.to(device)[first]
+    sid, table = seq_ids(md, device), md.block_tables.to(device)[first]
     # ---- write: positions 0..seqlen_k-1 of every real sequence, only the owned ones land here
     klen = torch.where(real, cu_k[1:] - cu_k[:-1], 0)
     qsl = torch.cat([klen.new_zeros(1), klen.cumsum(0)])

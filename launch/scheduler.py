@@ -22,9 +22,14 @@ import torch
 from cpmeta import BatchState, MetadataConfig, SequenceBatch, SequenceMetadata
 from cpmeta.sequence import blocks_needed
 
-__all__ = ["SyntheticScheduler", "default_config", "WORKLOADS", "IMAGE_TOKEN_ID", "VOCAB_SIZE"]
+__all__ = ["SyntheticScheduler", "default_config", "plain_config", "model_config", "MODELS", "WORKLOADS",
+           "IMAGE_TOKEN_ID", "VOCAB_SIZE"]
 
 WORKLOADS = ("decode", "prompt", "mixed", "yoco")
+#: ``--model``: the seed's model (compressed KV, sliding window, Engram) or a plain paged-KV one.
+MODELS = ("seed", "plain")
+#: Block size of :func:`plain_config` (a typical paged-attention block: vLLM's default).
+PLAIN_BLOCK_SIZE = 16
 VOCAB_SIZE = 32000
 IMAGE_TOKEN_ID = VOCAB_SIZE - 1
 NGRAM_VOCAB = 4096
@@ -48,6 +53,30 @@ def default_config(*, yoco: bool = False, max_model_len: int = 8192) -> Metadata
         yoco_keep_tokens=512 if yoco else None,
         yoco_mode="compact",
     )
+
+
+def plain_config(*, max_model_len: int = 8192, kv_cp_world_size: int = 1, kv_cp_interleave: int = 1) -> MetadataConfig:
+    """A plain paged-KV model (Llama, Qwen, ...: DESIGN 14): no compressed KV, no sliding window,
+    no Engram; its KV sharded over ``kv_cp_world_size`` CP ranks in runs of ``kv_cp_interleave``
+    (tables of rank 0's share). Example: ``plain_config(kv_cp_world_size=2)`` -> block 16, a
+    300-token request's table holds ``cdiv(150, 16) = 10`` blocks."""
+    return MetadataConfig(block_size=PLAIN_BLOCK_SIZE, window_size=0, dense_compress_ratios=(),
+                          sparse_compress_ratios=(), max_model_len=max_model_len,
+                          kv_cp_world_size=kv_cp_world_size, kv_cp_interleave=kv_cp_interleave)
+
+
+def model_config(model: str, *, workload: str = "mixed", cp_world_size: int = 1,
+                 kv_interleave: int = 0) -> MetadataConfig:
+    """The launch loop's config for ``--model``: ``"seed"`` is :func:`default_config` (YoCo with
+    the ``yoco`` workload), ``"plain"`` is :func:`plain_config` with its KV sharded over the
+    ``cp_world_size`` ranks in runs of ``kv_interleave`` (0 = off = 1), as a DCP engine keeps it."""
+    if model not in MODELS:
+        raise ValueError(f"model: expected one of {MODELS}, got {model!r}")
+    if model == "plain":
+        if workload == "yoco":
+            raise ValueError("workload: 'yoco' needs the sliding window of --model seed; a plain model has none")
+        return plain_config(kv_cp_world_size=cp_world_size, kv_cp_interleave=kv_interleave or 1)
+    return default_config(yoco=workload == "yoco")
 
 
 @dataclass
@@ -135,9 +164,13 @@ class SyntheticScheduler:
         """Blocks a request holds at ``seqlen_k`` tokens: enough for the compressed KV
         (``blocks_needed``) AND for one uncompressed KV row per position (``cdiv(seqlen_k,
         block_size)``, what a full-attention cache and ``--attention-check`` write through the
-        slot mapping). Example, block 128, ratio 4: 129 tokens -> compressed 1 block, KV 2."""
-        return min(max(blocks_needed(seqlen_k, self.cfg), -(-seqlen_k // self.cfg.block_size)),
-                   self.blocks_per_slot)
+        slot mapping). Example, block 128, ratio 4: 129 tokens -> compressed 1 block, KV 2.
+        A plain config's ``blocks_needed`` IS its KV's need (of rank 0's share when the KV is
+        sharded over the CP group: block 16, 2 ranks, 300 tokens -> 10 blocks, not 19)."""
+        need = blocks_needed(seqlen_k, self.cfg)
+        if self.cfg.has_compressed_kv:
+            need = max(need, -(-seqlen_k // self.cfg.block_size))
+        return min(need, self.blocks_per_slot)
 
     def _grow(self, req: _Request, seqlen_k: int) -> None:
         have, need = int(self.state.num_blocks[req.slot]), self._kv_blocks(seqlen_k)

@@ -33,7 +33,7 @@ from cpmeta.metadata import InputMetadata
 
 from . import comm
 from . import envs
-from .scheduler import WORKLOADS, SyntheticScheduler, default_config
+from .scheduler import MODELS, WORKLOADS, SyntheticScheduler, model_config
 from .verify import VerifyError, expected_table, verify_step
 
 __all__ = ["main", "build_parser", "check_args"]
@@ -49,6 +49,9 @@ MIN_PROMPT = 16  # SyntheticScheduler draws prompt lengths from [16, --max-promp
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="launch.worker", description=__doc__.split("\n")[0])
     p.add_argument("--workload", choices=WORKLOADS, default="mixed")
+    p.add_argument("--model", choices=MODELS, default="seed",
+                   help="seed = compressed KV, sliding window, Engram (block 128); plain = a paged-KV model "
+                        "(Llama-like, block 16) whose KV is sharded over the ranks in runs of --kv-interleave")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--warmup", type=int, default=None,
                    help=f"steps excluded from the timing table (default {DEFAULT_WARMUP}, at most --steps - 1)")
@@ -78,9 +81,10 @@ def check_args(args: Any, nproc: int) -> Optional[str]:
     """The first problem with the parsed ``args`` for ``nproc`` ranks on this node, or None.
 
     Checked before anything is spawned (``python -m launch``) and again in every rank: ranges,
-    ``--kv-interleave`` dividing the KV block size the slot mapping uses (``block_size`` of
-    :func:`~launch.scheduler.default_config`, 128: 0 = off, 1, 2, 4, ..., 128 pass; 3 fails),
-    ``--backend nccl`` needing one CUDA device per rank, and ``--json``'s directory.
+    ``--kv-interleave`` dividing the KV block size the slot mapping uses (``block_size`` of the
+    ``--model``'s config: seed 128, so 0 = off, 1, 2, 4, ..., 128 pass and 3 fails; plain 16),
+    ``--model plain`` with the ``yoco`` workload (no sliding window to truncate), ``--backend
+    nccl`` needing one CUDA device per rank, and ``--json``'s directory.
     Fills an unset ``--warmup`` with ``min(DEFAULT_WARMUP, steps - 1)`` (``--steps 3`` -> 2).
     """
     if args.warmup is None and args.steps >= 1:
@@ -96,7 +100,9 @@ def check_args(args: Any, nproc: int) -> Optional[str]:
         return f"--warmup: expected < --steps ({args.steps}), got {args.warmup}"
     if not args.timeout > 0 or args.timeout == float("inf"):
         return f"--timeout: expected a finite number of seconds > 0, got {args.timeout}"
-    block = default_config(yoco=args.workload == "yoco").block_size
+    if args.model == "plain" and args.workload == "yoco":
+        return "--workload yoco: needs the sliding window of --model seed; a plain model has none"
+    block = model_config(args.model, workload=args.workload).block_size
     if args.kv_interleave and block % args.kv_interleave:
         return f"--kv-interleave: expected 0 (off) or a divisor of the KV block size {block}, got {args.kv_interleave}"
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -178,7 +184,7 @@ def _verify_slot_mapping(md: InputMetadata, args: Any, rank: int, world: int, cf
 def run_steps(args: Any, rank: int, world: int, device: torch.device) -> dict[str, Any]:
     """The per-step loop. Only rank 0 (the driver) owns the scheduler and its sequences; the
     followers work from the broadcast alone: mirror, slot mapping, attention check, verify."""
-    cfg = default_config(yoco=args.workload == "yoco")
+    cfg = model_config(args.model, workload=args.workload, cp_world_size=world, kv_interleave=args.kv_interleave)
     sched = SyntheticScheduler(args.seed, cfg, args.workload, decode_seqs=args.decode_seqs,
                                prompt_seqs=args.prompt_seqs, max_prompt=args.max_prompt) if rank == 0 else None
     attn_cfg = cfg if args.attn_info else None
@@ -258,7 +264,7 @@ def _print_table(summary: dict[str, Any], args: Any, backend: str, world: int) -
     rows = summary["ranks"]
     out = [
         f"cpmeta launch: workload={args.workload} steps={args.steps} (timed {args.steps - args.warmup}) "
-        f"world={world} backend={backend} cp_mirror={args.cp_mirror} verify={args.verify}",
+        f"world={world} backend={backend} model={args.model} cp_mirror={args.cp_mirror} verify={args.verify}",
         f"bytes per step (avg): {rows[0][-1]:.0f}",
         f"{'rank':>4} {'build p50':>10} {'build p90':>10} {'bcast p50':>10} {'bcast p90':>10} "
         f"{'mirror p50':>10} {'mirror p90':>10}   (microseconds)",
@@ -325,7 +331,7 @@ def _run(args: Any) -> int:
         summary = summarize(stats, world, device)
         if summary is not None:
             summary["attn_err"] = stats["attn_err"]
-            summary.update(workload=args.workload, steps=args.steps, world=world, backend=backend,
+            summary.update(workload=args.workload, model=args.model, steps=args.steps, world=world, backend=backend,
                            host=socket.gethostname(), date=datetime.date.today().isoformat())
             _print_table(summary, args, backend, world)
             if args.json:

@@ -34,6 +34,21 @@ def test_launch_attention_check(world: int, interleave: int, extra: tuple[str, .
     assert "attention check: CP result equals single-rank attention on all 5 steps" in res.stdout
 
 
+@pytest.mark.parametrize("world,interleave", [(2, 1), (3, 16)])
+def test_launch_attention_check_plain_model(world: int, interleave: int) -> None:
+    """``--model plain`` (DESIGN 14): no compressed or sliding-window field in the metadata, the
+    KV sharded over the ranks (tables of rank 0's share); verify + attention check pass."""
+    cmd = [sys.executable, "-m", "launch", "--nproc-per-node", str(world), "--model", "plain",
+           "--workload", "mixed", "--steps", "5", "--warmup", "1", "--attention-check", "--verify",
+           "--cp-mirror", "--attn-info", "--kv-interleave", str(interleave), "--decode-seqs", "4",
+           "--prompt-seqs", "2", "--max-prompt", "700"]
+    res = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                         capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "model=plain" in res.stdout and "bit-identical" in res.stdout
+    assert "attention check: CP result equals single-rank attention on all 5 steps" in res.stdout
+
+
 def _seqs(rng, cfg, prompt: bool):  # noqa: ANN001, ANN202
     from cpmeta import SequenceMetadata
     from cpmeta.sequence import blocks_needed
@@ -51,7 +66,8 @@ def _seqs(rng, cfg, prompt: bool):  # noqa: ANN001, ANN202
 
 
 def _direct(rank: int, world: int) -> list[str]:
-    """Every rank builds the same batches (seeded) and runs the check functions directly."""
+    """Every rank builds the same batches (seeded) and runs the check functions directly: the
+    seed-style config, then plain paged-KV configs (DESIGN 14; KV sharded over the ranks too)."""
     import random
 
     import torch
@@ -69,6 +85,14 @@ def _direct(rank: int, world: int) -> list[str]:
         out.append(f"prefill {check_step(pre, None, rank, world, cpu, 16, 1, step)}")
         for inter in (1, 16):
             out.append(f"decode {check_step(dec, None, rank, world, cpu, 16, inter, step) <= 1e-12}")
+    for shards, inter in ((1, 1), (world, 1), (world, 8)):  # plain; KV sharded like the CP group
+        plain = cpmeta.MetadataConfig(block_size=16, window_size=0, dense_compress_ratios=(), max_model_len=256,
+                                      sparse_compress_ratios=(), kv_cp_world_size=shards, kv_cp_interleave=inter)
+        pp = cpmeta.prepare_prompt(_seqs(rng, plain, True), plain)
+        pd = cpmeta.prepare_decode(_seqs(rng, plain, False), plain)
+        assert pp.state_block_idx is None and pd.state_block_idx is None and pd.kv_swa_index_offset_len is None
+        out.append(f"prefill {check_step(pp, None, rank, world, cpu, 16, inter, 10)}")
+        out.append(f"decode {check_step(pd, None, rank, world, cpu, 16, inter, 11) <= 1e-12}")
     # wrong metadata must fail on every rank: a shifted position on one rank's mirror ...
     mine = cpmeta.prepare_for_mirror_cp(pre, rank, world)
     if rank == world - 1:

@@ -47,6 +47,17 @@ def test_launch_workloads_with_attn_info(workload: str) -> None:
     assert res.returncode == 0, res.stdout + res.stderr
 
 
+def test_launch_plain_model_verify_and_attention_check() -> None:
+    """``--model plain`` (DESIGN 14): the metadata carries only the common fields, broadcasts,
+    mirrors and verifies bit for bit, and CP attention equals one rank's, at 2 ranks."""
+    res = _launch("--nproc-per-node", "2", "--model", "plain", "--workload", "mixed", "--steps", "5",
+                  "--warmup", "1", "--cp-mirror", "--verify", "--attention-check", "--kv-interleave", "4",
+                  "--decode-seqs", "8", "--max-prompt", "700")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "model=plain" in res.stdout and "bit-identical" in res.stdout
+    assert "CP result equals single-rank attention on all 5 steps" in res.stdout
+
+
 def test_launch_rejects_bad_arguments() -> None:
     res = _launch("--nproc-per-node", "0")
     assert res.returncode == 2 and "--nproc-per-node: expected >= 1" in res.stderr
@@ -67,6 +78,10 @@ BAD_INPUTS = {  # argv -> what the one-line error must say (validated before any
     "kv-interleave-negative": (["--kv-interleave", "-2"], "--kv-interleave: expected >= 0, got -2"),
     "kv-interleave-divisor": (["--kv-interleave", "3"],
                               "--kv-interleave: expected 0 (off) or a divisor of the KV block size 128, got 3"),
+    "model": (["--model", "llama"], "argument --model: invalid choice: 'llama'"),
+    "plain-yoco": (["--model", "plain", "--workload", "yoco"], "--workload yoco: needs the sliding window"),
+    "plain-kv-interleave": (["--model", "plain", "--kv-interleave", "32"],
+                            "--kv-interleave: expected 0 (off) or a divisor of the KV block size 16, got 32"),
     "nccl-without-gpus": (["--backend", "nccl"], "--backend nccl: needs one CUDA device per rank (2), found 0"),
     "json-dir": (["--json", "/nonexistent-dir/x.json"], "--json: directory of"),
     "device-cuda-without-gpus": (["--device", "cuda"], "--device cuda: no CUDA device on this machine"),
