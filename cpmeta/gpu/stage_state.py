@@ -174,6 +174,7 @@ def _write_values(cache: StateStagingCache, view: np.ndarray, staged: StagedDeco
         else:
             rows[:, 1:] = drafts.reshape(n_real, max_q - 1)
     elif drafts is not None:  # row of draft i of sequence s: i + s + 1 (every earlier sequence adds its last token)
+        assert nd is not None  # counts differ: one per request
         ids[blk[F_CU_Q_INCL, r] - blk[F_SEQLEN_Q, r]] = st.last_tokens32.take(slots)
         ids[np.arange(len(drafts)) + np.repeat(cache.ar32[1:n_real + 1], nd)] = drafts
     else:  # the last confirmed tokens (int32: the state vouched for every slot)

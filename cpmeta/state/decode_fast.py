@@ -74,14 +74,15 @@ class StateDecodeBatch(SequenceBatch):
     """
 
     __slots__ = ("_rows",)
+    _rows: tuple[np.ndarray, np.ndarray]  # ([n_seq, max_num_blocks] int32 rows, [n_seq] int64 lengths)
 
     def _tables(self) -> None:
         bt2d, nb = self._rows
         _BT.__set__(self, bt2d[np.arange(bt2d.shape[1]) < nb[:, None]].astype(np.int64))
         _BT_OFF.__set__(self, prefix(nb))
 
-    block_tables = _made_on_first_read(_BT)  # type: ignore[assignment]
-    block_table_offsets = _made_on_first_read(_BT_OFF)  # type: ignore[assignment]
+    block_tables = _made_on_first_read(_BT)
+    block_table_offsets = _made_on_first_read(_BT_OFF)
 
 
 def is_draft_count(num_drafts: Any) -> bool:
@@ -150,7 +151,7 @@ def vouch_decode_step(st: StateStore, slots: Any, draft_tokens: Optional[np.ndar
             uniform = not np.count_nonzero(nd != k_hi)
             if not uniform:
                 k_lo, k_hi = int(nd.min()), int(nd.max())
-        if k_lo < 0 or (k_lo * len(slots) if uniform else int(nd.sum())) != len(drafts):
+        if k_lo < 0 or (k_lo * len(slots) if nd is None or uniform else int(nd.sum())) != len(drafts):
             return None
         # ids in [0, 2**31) in one pass (>> 31 is 0 there); a negative id takes the full check
         if drafts.dtype != np.int32 and np.count_nonzero(drafts >> 31) \
@@ -183,6 +184,7 @@ def decode_batch_fast(st: StateStore, slots: np.ndarray, draft_tokens: Optional[
         tokens[:, 1:] = drafts.reshape(n, k_hi)
         tokens = tokens.reshape(-1)
     else:
+        assert nd is not None  # counts differ: one per request
         sq = nd + 1
         tok_off = prefix(sq)
         tokens = np.empty(int(tok_off[-1]), np.int64)

@@ -79,7 +79,7 @@ def gather_batch(st: StateStore, is_prompt: bool, slots: np.ndarray, sq: np.ndar
         comp, c_off = np.zeros(0, np.int64), np.zeros(n_real + 1, np.int64)
     state, svs, num_tokens = st.state_id[slots], st.swa_valid_start[slots], st.num_tokens[slots]
     need = blocks_needed_array(sk, st.cfg) if n_real else None
-    ok = n_real == 0 or _valid(st, sk, nb, state, svs, need)
+    ok = need is None or _valid(st, sk, nb, state, svs, need)
     if n_ph:  # one row at position 0: token 0, blocks_needed(1) zero blocks, state 0
         one = np.ones(n_ph, np.int64)
         tokens = np.concatenate([tokens, np.full(n_ph, PLACEHOLDER_TOKEN, np.int64)])
@@ -97,7 +97,7 @@ def gather_batch(st: StateStore, is_prompt: bool, slots: np.ndarray, sq: np.ndar
     )
     if ok and n_real + n_ph:
         batch._checked = st.cfg
-        if not n_ph:  # extract_batch reuses it (placeholders would need their own entries)
+        if not n_ph and need is not None:  # extract_batch reuses it (placeholders would need their own entries)
             batch._need = (st.cfg, need)
             # decode block_tables rows, one gather (equal to `tables`); set only when every
             # table's ids are in [0, _bt_max] and every state id in [0, _state_max] (_fast):
