@@ -15,6 +15,8 @@ decode) are added with ``@case("name")`` and a function ``(BenchContext) -> dict
     python scripts/bench_build.py --device cuda         # compute_attn_info cases on the GPU
     python scripts/bench_build.py --only state_ --out docs/benchmarks/build_array_input.json
                                                         # array input: BatchState vs list, same run
+    python scripts/bench_build.py --only plain_vs_seed --out docs/benchmarks/build_plain.json
+                                                        # a plain paged-KV config vs the seed's, same batches
 
 Batches (default ``MetadataConfig()``: block 128, W = S = 128, ratios dense (4,) sparse (4,),
 max_model_len 8192): decode ``seqlen_k`` uniform in ``[1 + d, 8192]`` with ``d`` drafts, block
@@ -259,6 +261,66 @@ for _d in (0, 2):
 case("state_prompt_8x4096")(_array_case(True, 8, 4096))
 
 
+#: The plain paged-KV model of DESIGN 14 next to the seed's config (``MetadataConfig()``): same
+#: block size and max_model_len, no compressed KV, no sliding window, so one batch is valid for both.
+PLAIN = MetadataConfig(block_size=128, window_size=0, dense_compress_ratios=(), sparse_compress_ratios=())
+
+
+def _plain_vs_seed_case(path: str, n: int, q: int) -> CaseFn:
+    """Issue 25: the same batch built with the plain config (``builder``) and with the seed's
+    (``seed``), interleaved twice in one run (the second round kept); ``speedup`` = seed / plain.
+    ``path``: ``"prompt"`` / ``"decode"`` (list input, ``prepare_*``), or ``"state"`` (the
+    BatchState decode path: ``decode_batch`` + ``prepare_decode`` into ``OutputArenas``, and
+    ``stage_decode`` filling the in-place path's staging buffer, host side only). Tables hold
+    the plain config's ``blocks_needed`` (``cdiv(seqlen_k, 128)``, >= the seed's need)."""
+
+    def run(ctx: BenchContext) -> dict[str, Any]:
+        from cpmeta import OutputArenas, prepare_decode, prepare_prompt
+        from cpmeta.gpu import DecodeStaging, stage_decode
+
+        seed_cfg = MetadataConfig()
+        seqs = (prompt_batch if path == "prompt" else decode_batch)(ctx.rng, PLAIN, n, q)
+        rep = ctx.repeat // (4 if path == "prompt" else 1)
+        timed: dict[str, Callable[[MetadataConfig], Callable[[], Any]]] = {}
+        if path in ("prompt", "decode"):
+            build = prepare_prompt if path == "prompt" else prepare_decode
+            timed["builder"] = lambda cfg: (lambda: build(seqs, cfg))
+        else:
+            def state_path(cfg: MetadataConfig) -> Callable[[], Any]:
+                st, slots, (_, drafts, nd) = _state_from(seqs, cfg, False)
+                arenas = OutputArenas()
+                return lambda: prepare_decode(st.decode_batch(slots, drafts, nd), cfg, out=arenas)
+
+            def staging_path(cfg: MetadataConfig) -> Callable[[], Any]:
+                st, slots, (_, drafts, nd) = _state_from(seqs, cfg, False)
+                stg = DecodeStaging("cpu")
+                return lambda: stage_decode(stg, st, slots, drafts, nd, upload=False, capacity=None)
+
+            timed["builder"], timed["stage_decode"] = state_path, staging_path
+        res: dict[str, Any] = {"total_q": sum(s.seqlen_q for s in seqs), "n_seqs": n,
+                               "target": "(info) speedup = seed / plain"}
+        fns = {(k, which): make(cfg) for k, make in timed.items()
+               for which, cfg in (("plain", PLAIN), ("seed", seed_cfg))}
+        for _ in range(2):  # interleaved, the second round kept (warm, same load)
+            for (k, which), fn in fns.items():
+                res[f"{k}_{which}"] = time_us(fn, rep)
+        for k in timed:
+            res[k] = res.pop(f"{k}_plain")
+            res[f"{k}_seed"] = res.pop(f"{k}_seed")
+            res[f"{k}_speedup"] = res[f"{k}_seed"]["p50_us"] / res[k]["p50_us"]
+        res["seed"], res["speedup"] = res["builder_seed"], res["builder_speedup"]
+        return res
+
+    return run
+
+
+case("plain_vs_seed_decode_256_d0")(_plain_vs_seed_case("decode", 256, 0))
+case("plain_vs_seed_decode_256_d2")(_plain_vs_seed_case("decode", 256, 2))
+case("plain_vs_seed_prompt_8x4096")(_plain_vs_seed_case("prompt", 8, 4096))
+case("plain_vs_seed_prompt_256x128")(_plain_vs_seed_case("prompt", 256, 128))
+case("plain_vs_seed_state_decode_256_d2")(_plain_vs_seed_case("state", 256, 2))
+
+
 def _attn_case(is_prompt: bool, n: int, q: int) -> CaseFn:
     def run(ctx: BenchContext) -> dict[str, Any]:
         from cpmeta import prepare_decode, prepare_prompt
@@ -388,16 +450,20 @@ def _load_reference() -> Any:
 
 
 def _table(results: dict[str, dict[str, Any]]) -> str:
-    head = f"{'case':<26}{'rows':>7}{'p50 us':>11}{'p90 us':>11}{'ref/list p50':>13}{'speedup':>9}  target"
+    head = f"{'case':<34}{'rows':>7}{'p50 us':>11}{'p90 us':>11}{'ref/list/seed':>14}{'speedup':>9}  target"
     lines = [head, "-" * len(head)]
     for name, r in results.items():
         b = r["builder"]
-        ref = r.get("reference", r.get("list", {})).get("p50_us")
+        ref = r.get("reference", r.get("list", r.get("seed", {}))).get("p50_us")
         sp = r.get("speedup", r.get("speedup_vs_list"))
         lines.append(
-            f"{name:<26}{r.get('total_q', 0):>7}{b['p50_us']:>11.1f}{b['p90_us']:>11.1f}"
-            f"{(f'{ref:.0f}' if ref else '-'):>13}{(f'{sp:.0f}x' if sp else '-'):>9}  {r.get('target', '')}"
+            f"{name:<34}{r.get('total_q', 0):>7}{b['p50_us']:>11.1f}{b['p90_us']:>11.1f}"
+            f"{(f'{ref:.0f}' if ref else '-'):>14}{(f'{sp:.1f}x' if sp else '-'):>9}  {r.get('target', '')}"
         )
+        if "stage_decode" in r:  # plain vs seed: the in-place path's host fill from the state too
+            st, sd = r["stage_decode"], r["stage_decode_seed"]
+            lines.append(f"{'  + stage_decode (host fill)':<34}{r.get('total_q', 0):>7}{st['p50_us']:>11.1f}"
+                         f"{st['p90_us']:>11.1f}{sd['p50_us']:>14.0f}{r['stage_decode_speedup']:>8.1f}x")
     return "\n".join(lines)
 
 
