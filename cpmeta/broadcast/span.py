@@ -52,8 +52,8 @@ def table_bytes(n_tensors: int) -> int:
 
 def span_of(tensors: list[torch.Tensor], exact: int) -> Optional[tuple[bytes, list[int], int]]:
     """Driver: ``(table, offsets, span bytes)`` when the (layout-ordered) ``tensors`` all lie,
-    contiguous and element-aligned, in ONE CPU allocation within ``exact + SPAN_SLACK * n`` bytes;
-    else ``None`` (the step is packed)."""
+    contiguous, element-aligned and without sharing bytes, in ONE CPU allocation within
+    ``exact + SPAN_SLACK * n`` bytes; else ``None`` (the step is packed)."""
     if not tensors or any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
         return None
     s0 = tensors[0].untyped_storage()
@@ -70,6 +70,9 @@ def span_of(tensors: list[torch.Tensor], exact: int) -> Optional[tuple[bytes, li
     offsets = [p - lo if n else 0 for p, n in ext]
     if any(o % t.element_size() for o, t in zip(offsets, tensors)):
         return None
+    live.sort()
+    if any(p2 < p1 + n1 for (p1, n1), (p2, _) in zip(live, live[1:])):
+        return None  # two tensors share bytes (views of one another): packed copies them apart
     n = len(tensors)
     body = struct.pack(f"<{n}Q", *offsets)
     table = body + _CRC.pack(zlib.crc32(body)) + bytes(table_bytes(n) - 8 * n - 4)
