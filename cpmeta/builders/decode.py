@@ -222,7 +222,8 @@ def _make_decode_layout(cfg: MetadataConfig, T: int, n: int) -> ArenaLayout:
     caller passes no ``out`` (cached per batch shape). Example: 256 rows, 256 sequences, default
     config -> 18 fields, ~86 KiB (block_tables [256, 64] int32 is 64 KiB of it)."""
     i32 = torch.int32
-    lay = [(name, (T,), i32) for name in ("positions", "input_ids", "query_indices", "context_lens")]
+    lay: list[tuple[str, tuple[int, ...], torch.dtype]] = [
+        (name, (T,), i32) for name in ("positions", "input_ids", "query_indices", "context_lens")]
     lay += [("cu_seqlens_q", (n + 1,), i32), ("cu_seqlens_k", (n + 1,), i32),
             ("block_tables", (T, cfg.max_num_blocks), i32),
             ("gate_force_random", (T,), torch.bool), ("valid_token_mask", (T,), torch.bool)]
