@@ -217,6 +217,38 @@ def test_persistent_driver_plain_follower() -> None:
     assert not any(fol)  # the follower without the option gets fresh metadata every step
 
 
+def _with_out(rank: int, world: int) -> int:
+    import cpmeta
+
+    pool = _pool(17)
+    n = 0
+    with cpmeta.MetadataBroadcaster(src=0, timeout=60, persistent_outputs=True) as bp:
+        for step in range(4):
+            md = _fresh_values(pool[step % 2], step)
+            bufs: dict = {}
+            for name in md.field_names():  # buffers one row longer than the step needs
+                v = getattr(md, name)
+                if isinstance(v, torch.Tensor):
+                    bufs[name] = torch.zeros((v.shape[0] + 1, *v.shape[1:]) if v.dim() else (),
+                                             dtype=v.dtype)
+                elif isinstance(v, dict) and v:
+                    bufs[name] = {k: torch.zeros((x.shape[0] + 1, *x.shape[1:]), dtype=x.dtype)
+                                  for k, x in v.items() if isinstance(x, torch.Tensor)}
+            got = bp.broadcast(md if rank == 0 else None, out=md.replace(**bufs))
+            _same(md, got, f"out= step {step}")
+            for name, b in bufs.items():
+                g = getattr(got, name)
+                ptrs = ([g[k].data_ptr() == x.data_ptr() for k, x in b.items()]
+                        if isinstance(b, dict) else [g.data_ptr() == b.data_ptr()])
+                assert all(ptrs), f"{name}: not written into the out= buffer"
+            n += 1
+    return n
+
+
+def test_out_buffers_with_persistent_outputs() -> None:
+    assert run_ranks(_with_out, 2, timeout=120) == [4, 4]
+
+
 def _span_case():
     """A one-arena decode step (builder order) and its plan, dims and span geometry."""
     import cpmeta
