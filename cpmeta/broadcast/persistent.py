@@ -1,16 +1,17 @@
-"""Persistent outputs: ``MetadataBroadcaster(..., persistent_outputs=True)`` (DESIGN 7, "Steady state").
+"""Persistent outputs: ``MetadataBroadcaster(..., persistent_outputs=True)`` (DESIGN 7).
 
 An engine pads its batches to a few captured sizes, so the same LAYOUT (fields, dtypes, shapes)
 comes back step after step. For each layout seen, every rank keeps one :class:`LayoutArena`:
 
-    host arena (uint8, the frame's tensor region byte for byte: dtype runs, 16-aligned;
-                pinned when the device is CUDA)
+    host arena (uint8, the frame's tensor region byte for byte -- dtype runs, 16-aligned, or
+                a span of the driver's allocation (cpmeta.broadcast.span); pinned on CUDA)
     device arena (CPU: the host arena itself; CUDA: one device buffer of the same bytes)
     md: the InputMetadata built ONCE for the layout, its tensors views of the device arena
 
 A step of a known layout then costs, besides the header and the few values::
 
-    driver     md's tensors ──pack──▶ host arena ──one memmove──▶ ring slot (frame region)
+    driver     md's tensors ──one memmove (span) or one per tensor──▶ host arena
+               host arena ──one memmove──▶ ring slot (the frame's tensor region)
     follower   frame region ──one memmove──▶ host arena
     both       [CUDA: host arena ──one non-blocking H2D on the current stream──▶ device arena]
                values set on the cached md; the cached md is returned
@@ -63,8 +64,8 @@ class LayoutArena:
     """
 
     __slots__ = ("region", "exact", "span", "host", "host_ptr", "dev", "md", "tensors", "event",
-                 "src_ptrs", "_packed_ptrs", "_src", "_offsets", "_nbytes", "_data_at", "_base", "_values",
-                 "_fixed", "_snap", "_dict_snap", "_dict_lens", "_dict_tensors")
+                 "src_ptrs", "_packed_ptrs", "_src", "_offsets", "_nbytes", "_data_at", "_base",
+                 "_values", "_fixed", "_snap", "_dict_snap", "_dict_lens", "_dict_tensors")
 
     def __init__(self, plan: Plan, dims: tuple[int, ...], numels: list[int], starts: list[int],
                  region: int, values: list[Any], device: torch.device,
@@ -83,7 +84,8 @@ class LayoutArena:
         else:
             self._data_at = len(span[0])
             self.host[:self._data_at] = torch.frombuffer(bytearray(span[0]), dtype=torch.uint8)
-            tensors = _span_views(self.dev, plan, dims, numels, [self._data_at + o for o in span[1]])
+            at = [self._data_at + o for o in span[1]]
+            tensors = _span_views(self.dev, plan, dims, numels, at)
         self.tensors = tensors
         self.md = plan.assemble(tensors, values)
         # byte offset of every tensor in the region: a source whose tensors lie at base + these
@@ -94,7 +96,7 @@ class LayoutArena:
         self.src_ptrs: Optional[tuple[int, ...]] = None
         self._base = 0  # address the one memmove copies from (with src_ptrs)
         self._packed_ptrs: Optional[tuple[int, ...]] = None  # last source that did NOT qualify
-        self._src: list[torch.Tensor] = []  # the tensor objects that qualified (held, compared by id)
+        self._src: list[torch.Tensor] = []  # the source tensors that qualified (compared by id)
         self._values = _value_setter(plan)
         # what the layout fixes (tensor, dict and None fields; dict entries holding tensors): the
         # identity snapshot checked per step, restored when the caller changed it
@@ -185,7 +187,7 @@ class LayoutArena:
         try:
             c = ctypes.c_char.from_buffer(view, at)
         except TypeError:  # read-only bytes
-            memoryview(self.host.numpy()).cast("B")[:n] = view[at:at + n]
+            self.host[:n].copy_(torch.frombuffer(bytearray(view[at:at + n]), dtype=torch.uint8))
             return
         try:
             ctypes.memmove(self.host_ptr, ctypes.addressof(c), n)

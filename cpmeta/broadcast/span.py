@@ -65,7 +65,8 @@ def span_of(tensors: list[torch.Tensor], exact: int) -> Optional[tuple[bytes, li
         return None
     lo = min(p for p, _ in live)
     hi = max(p + n for p, n in live)
-    if hi - lo > exact + SPAN_SLACK * len(tensors) or lo < s0.data_ptr() or hi > s0.data_ptr() + s0.nbytes():
+    base = s0.data_ptr()
+    if hi - lo > exact + SPAN_SLACK * len(tensors) or lo < base or hi > base + s0.nbytes():
         return None
     offsets = [p - lo if n else 0 for p, n in ext]
     if any(o % t.element_size() for o, t in zip(offsets, tensors)):
@@ -91,7 +92,8 @@ def check_span(plan: Plan, dims: tuple[int, ...], tbytes: int, table: bytes, ava
     """
     n = len(plan.codes)
     if len(table) != table_bytes(n) or avail < len(table):
-        raise WireError(f"span frame: {avail} bytes after the shapes, offsets table needs {table_bytes(n)}")
+        raise WireError(f"span frame: {avail} bytes after the shapes, the offsets table needs "
+                        f"{table_bytes(n)}")
     if dims and (min(dims) < 0 or max(dims) > MAX_DIM):
         raise WireError("span frame: tensor dims out of range [0, 2**48]")
     offsets = list(struct.unpack_from(f"<{n}Q", table))
