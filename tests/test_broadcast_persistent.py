@@ -324,7 +324,8 @@ def _cuda_steps(rank: int, world: int, nccl: bool) -> int:
         for step in range(16):
             j = rng.randrange(len(pool))
             sent = _fresh_values(pool[j], step)
-            got = bp.broadcast(sent if rank == 0 else None)
+            send = sent.to(dev) if j % 2 else sent  # odd layouts: metadata already on the GPU
+            got = bp.broadcast(send if rank == 0 else None)  # (the collective path)
             for _, t in got.tensors():
                 assert t.device == dev, t.device
             torch.cuda.current_stream().synchronize()

@@ -199,8 +199,8 @@ class LayoutArena:
         current stream], the layout's fields restored if the caller changed them, this step's
         values set; returns the cached metadata."""
         if self.event is not None:
-            self.dev.copy_(self.host, non_blocking=True)
-            self.event.record()
+            self.dev.copy_(self.host, non_blocking=True)  # on dev's device's current stream
+            self.event.record(torch.cuda.current_stream(self.dev.device))
         return self._current(values)
 
     def finish_collective(self, got: list[torch.Tensor], values: list[Any]) -> InputMetadata:
