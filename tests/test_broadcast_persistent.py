@@ -249,6 +249,28 @@ def test_out_buffers_with_persistent_outputs() -> None:
     assert run_ranks(_with_out, 2, timeout=120) == [4, 4]
 
 
+def _collective(rank: int, world: int) -> int:
+    import cpmeta
+
+    pool = _pool(23)
+    n = 0
+    held: dict[int, object] = {}
+    with cpmeta.MetadataBroadcaster(src=0, timeout=60, tensor_path="collective",
+                                    persistent_outputs=True) as bp:
+        for step in range(8):
+            j = step % 3
+            sent = _fresh_values(pool[j], step)
+            got = bp.broadcast(sent if rank == 0 else None)  # tensors by one gloo collective
+            _same(sent, got, f"collective step {step}")
+            assert held.setdefault(j, got) is got, "a layout must come back as its arena's object"
+            n += 1
+    return n
+
+
+def test_collective_path_into_the_arena() -> None:
+    assert run_ranks(_collective, 2, timeout=120) == [8, 8]
+
+
 def _span_case():
     """A one-arena decode step (builder order) and its plan, dims and span geometry."""
     import cpmeta
