@@ -327,6 +327,8 @@ def test_check_span_refuses_bad_geometry() -> None:
         check_span(plan, dims, exact, table, len(table) - 8)  # frame shorter than its table
     with pytest.raises(WireError):
         check_span(plan, dims, exact, table, avail - 4)  # a tensor runs past the span
+    with pytest.raises(WireError, match="exactly the span"):
+        check_span(plan, dims, exact, table, avail + 16)  # junk appended to the span
 
 
 # ---- CUDA (skipped without it): the arena on the device, one H2D copy per step ---------------------

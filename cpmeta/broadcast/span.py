@@ -87,7 +87,9 @@ def check_span(plan: Plan, dims: tuple[int, ...], tbytes: int, table: bytes, ava
     ``table`` is the frame's offsets table (``table_bytes(n)`` bytes), ``avail`` the frame's
     bytes after its shapes. Checks: dims in ``[0, MAX_DIM]``; exact payload == header ``tbytes``;
     the table's crc32; every offset a multiple of its element size, every tensor inside the span
-    (``avail - len(table)`` bytes), no two non-empty tensors overlapping; padding zero.
+    (``avail - len(table)`` bytes), no two non-empty tensors overlapping; padding zero; and the
+    span EXACT: it starts at the first non-empty tensor (offset 0) and ends at the last one's
+    end, empty tensors at offset 0 (what :func:`span_of` sends), so no byte rides unaccounted.
     Raises ``WireError`` naming the tensor path.
     """
     n = len(plan.codes)
@@ -110,14 +112,18 @@ def check_span(plan: Plan, dims: tuple[int, ...], tbytes: int, table: bytes, ava
     if exact != tbytes:
         raise WireError(f"span frame: shapes declare {exact} tensor bytes, the header {tbytes}")
     span = avail - len(table)
-    end = -1
+    end, first = 0, None
     for o, s, i in sorted((o, s, i) for i, (o, s) in enumerate(zip(offsets, sizes))):
         path = plan.tensor_paths[i]
-        if o % _SIZES[plan.codes[i]] or o + s > span:
-            raise WireError(f"span frame: {path} at offset {o} ({s} bytes) is misaligned or past "
-                            f"the span of {span} bytes")
+        if o % _SIZES[plan.codes[i]] or o + s > span or (not s and o):
+            raise WireError(f"span frame: {path} at offset {o} ({s} bytes) is misaligned, past "
+                            f"the span of {span} bytes, or an empty tensor off offset 0")
         if s and o < end:
             raise WireError(f"span frame: {path} at offset {o} overlaps the previous tensor")
         if s:
+            first = o if first is None else first
             end = o + s
+    if (first or 0) != 0 or span != end:
+        raise WireError(f"span frame: a span of {span} bytes, its tensors cover [{first or 0}, "
+                        f"{end}) (must be exactly the span)")
     return numels, offsets, exact
