@@ -23,7 +23,8 @@ Engram (``max_ngram_size > 0`` with an ``ngram_lookup`` table, an image sentinel
 tokens and a ``compressed_token_ids`` history), prompt ``token_ids`` longer than ``seqlen_k``
 (the whole prompt, as YoCo needs), and ratio sets including ``1``, ``block_size`` itself, an
 empty dense or sparse tuple, no ratios at all (no compressed KV), ``window_size = 0`` (no
-sliding window), and both (a plain paged-KV model, DESIGN 14).
+sliding window), and both (a plain paged-KV model, DESIGN 14), its KV sharded over the CP
+group or not.
 
 The generators only call ``rng.randint(a, b)`` (inclusive), ``rng.choice(seq)`` and
 ``rng.random()``; bulk lists (tokens, block ids) come from a ``random.Random`` seeded by one draw.
@@ -103,8 +104,10 @@ def random_config(rng: Rng, **overrides: Any) -> MetadataConfig:
 
     Sizes are small so expanded indices stay cheap: ``block_size`` in 4..128, ``W`` 1..40 (or 0:
     no sliding window), ``S - W`` in 0..9, ``max_model_len`` 1..1024; compressed KV is off (no
-    ratios) with :data:`PLAIN_FEATURE_CHANCE`, and so, independently, is the sliding window. Example: ``random_config(rng,
-    yoco_keep_tokens=16, yoco_mode="mask")``.
+    ratios) with :data:`PLAIN_FEATURE_CHANCE`, and so, independently, is the sliding window;
+    without compressed KV (and no ratio override) the KV is sharded over 2-4 CP ranks 40% of the
+    time (``kv_cp_interleave`` a divisor of ``block_size`` up to 8). Example:
+    ``random_config(rng, yoco_keep_tokens=16, yoco_mode="mask")``.
     """
     bs = rng.choice([4, 8, 16, 16, 32, 64, 128])
     divisors = [d for d in range(1, bs + 1) if bs % d == 0]
@@ -138,6 +141,10 @@ def random_config(rng: Rng, **overrides: Any) -> MetadataConfig:
         image_token_id=rng.choice([None, 5]) if ngram else rng.choice([None, None, 5]),
         force_load_balance=_chance(rng, 0.3),
     )
+    if not compressed and not {"dense_compress_ratios", "sparse_compress_ratios"} & set(overrides) \
+            and _chance(rng, 0.4):  # a plain model's KV sharded over the CP group (tables of rank 0's share)
+        kw["kv_cp_world_size"] = rng.choice([2, 3, 4])
+        kw["kv_cp_interleave"] = rng.choice([d for d in divisors if d <= 8])
     kw.update(overrides)
     return MetadataConfig(**kw)
 

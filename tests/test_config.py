@@ -170,7 +170,10 @@ def test_random_configs_hold_their_invariants(cfg: MetadataConfig) -> None:
     assert all(cfg.block_size % n == 0 for n in cfg.ca_ratios)
     assert cfg.swa_block_size >= cfg.window_size
     m = cfg.min_ratio
-    assert cfg.max_num_blocks == -(-(cfg.max_model_len // m) // (cfg.block_size // m))
+    # rank 0's share of max_model_len keys (all of them unless the KV is sharded: plain configs)
+    share = sum(1 for p in range(cfg.max_model_len) if (p // cfg.kv_cp_interleave) % cfg.kv_cp_world_size == 0)
+    assert cfg.kv_sharded == (cfg.kv_cp_world_size > 1) and (not cfg.kv_sharded or not cfg.ca_ratios)
+    assert cfg.max_num_blocks == -(-(share // m) // (cfg.block_size // m))
     for n in cfg.ca_ratios:
         w = cfg.attn_index_width(n)
         assert w % 128 == 0 and w >= cfg.max_model_len // n > w - 128
