@@ -72,8 +72,8 @@ PHASES: list[tuple[str, str, str]] = [
     ("P arena lookup (both)", "cpmeta.broadcast.persistent", "PersistentArenas.get"),
     ("P arena lookup (both)", "cpmeta.broadcast.persistent", "PersistentArenas.driver_arena"),
     ("P follower: span frame lookup + land", "cpmeta.broadcast.broadcaster", "land_span"),
-    ("P driver: tensors into its arena", "cpmeta.broadcast.persistent", "LayoutArena.fill_from"),
-    ("P driver: arena into the slot", "cpmeta.broadcast.persistent", "LayoutArena.copy_to"),
+    ("P driver: tensors into the slot", "cpmeta.broadcast.persistent", "LayoutArena.write"),
+    ("P driver: own copy after the publish", "cpmeta.broadcast.persistent", "LayoutArena.take"),
     ("P follower: slot into its arena", "cpmeta.broadcast.persistent", "LayoutArena.land"),
     ("P finish (H2D, restore check, values)", "cpmeta.broadcast.persistent", "LayoutArena.finish"),
 ]

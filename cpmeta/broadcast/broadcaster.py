@@ -227,11 +227,10 @@ class MetadataBroadcaster:
         flags = (FLAG_LAYOUT if lblock else 0) | (FLAG_PACKED if packed else 0) | (
             FLAG_CRC if self.checksum else 0)
         arena = None
-        if self._persist is not None and out is None:  # one copy in, one memmove out per step
+        if self._persist is not None and out is None:  # the layout's arena (persistent_outputs)
             if packed:
                 arena = self._persist.driver_arena(plan, tuple(dims), numels, starts, tbytes,
                                                    exact, values, tensors)
-                arena.fill_from(tensors, plan, numels, starts)
                 if arena.span is not None:  # the tensors' own allocation as one span
                     flags, tbytes = flags | FLAG_SPAN, arena.region
             else:
@@ -253,16 +252,21 @@ class MetadataBroadcaster:
             view[at:at + len(vblock)] = vblock
             plan.shapes.pack_into(view, shapes_at, *dims)
             if arena is not None and packed:
-                arena.copy_to(addr + data_at)
+                arena.write(tensors, addr + data_at)  # straight into the slot
+                region_at[0] = addr + data_at
             elif staged is not None:
                 view[data_at:data_at + tbytes] = _bytes_of(staged)
             elif packed:
                 pack_tensors(addr + data_at, tensors, plan, numels, starts)
             integrity.seal(view, data_at, self.checksum)
 
+        region_at = [0]
         self._objects.send_frame(data_at + (tbytes if packed else 0), fill)
         if arena is not None:
-            return arena.finish(values) if packed else arena.finish_collective(
+            if packed:
+                arena.take(region_at[0])  # the driver's own copy, after the publish
+                return arena.finish(values)
+            return arena.finish_collective(
                 self._tensor_channel().broadcast(tensors), values)
         if not packed:
             got = self._tensor_channel().broadcast(tensors)

@@ -10,8 +10,8 @@ comes back step after step. For each layout seen, every rank keeps one :class:`L
 
 A step of a known layout then costs, besides the header and the few values::
 
-    driver     md's tensors ──one memmove (span) or one per tensor──▶ host arena
-               host arena ──one memmove──▶ ring slot (the frame's tensor region)
+    driver     md's tensors ──one memmove (span) or one per tensor──▶ ring slot (the region)
+               after the publish: ring slot ──one memmove──▶ host arena
     follower   frame region ──one memmove──▶ host arena
     both       [CUDA: host arena ──one non-blocking H2D on the current stream──▶ device arena]
                values set on the cached md; the cached md is returned
@@ -121,32 +121,40 @@ class LayoutArena:
         if self.event is not None:
             self.event.synchronize()
 
-    def fill_from(self, tensors: list[torch.Tensor], plan: Plan, numels: list[int],
-                  starts: list[int]) -> None:
-        """Driver: copy the step's tensors (layout order) into the host arena.
-
-        One ``memmove`` when they lie in one allocation at exactly this arena's offsets (checked
-        per step once a source qualified: the same tensor objects at the same addresses), else
-        one per tensor (CPU) or a device-to-host copy per tensor (CUDA sources)."""
-        self.wait_host()
+    def write(self, tensors: list[torch.Tensor], dst: int) -> None:
+        """Driver: the step's tensors (layout order) as the frame's tensor region at address
+        ``dst`` (the ring slot itself): a span's offsets table, then ONE ``memmove`` when the
+        tensors lie in one allocation at exactly this arena's offsets (checked per step once a
+        source qualified: the same tensor objects at the same addresses), else one per tensor;
+        CUDA sources go through the host arena (device-to-host copies)."""
         if not self.region:
             return
+        memmove = ctypes.memmove
+        if self._data_at:
+            memmove(dst, self.host_ptr, self._data_at)  # the offsets table (fixed per arena)
         ptrs = tuple(map(_DATA_PTR, tensors))
         if (ptrs == self.src_ptrs and all(map(_IS, tensors, self._src))) or (
                 ptrs != self._packed_ptrs and self._single_source(ptrs, tensors)):
-            at = self._data_at
-            ctypes.memmove(self.host_ptr + at, self._base, self.region - at)
+            memmove(dst + self._data_at, self._base, self.region - self._data_at)
         elif ptrs == self._packed_ptrs or all(t.device.type == "cpu" for t in tensors):
             if not all(map(_IS_CONTIGUOUS, tensors)):
                 tensors = [t.contiguous() for t in tensors]
                 ptrs = tuple(map(_DATA_PTR, tensors))
-            memmove, host = ctypes.memmove, self.host_ptr
             for p, o, n in zip(ptrs, self._offsets, self._nbytes):
                 if n:
-                    memmove(host + o, p, n)
+                    memmove(dst + o, p, n)
         else:
+            self.wait_host()
             for d, t in zip(self.host_views(), tensors):
                 d.copy_(t)
+            memmove(dst, self.host_ptr, self.region)
+
+    def take(self, src: int) -> None:
+        """Driver, after the publish (off the followers' path): the frame's region at address
+        ``src`` (still the driver's until its next step) into its own host arena, one memmove."""
+        self.wait_host()
+        if self.region:
+            ctypes.memmove(self.host_ptr, src, self.region)
 
     def host_views(self) -> list[torch.Tensor]:
         """The host arena's tensors (same layout as the device views); used off the hot path."""
@@ -171,11 +179,6 @@ class LayoutArena:
         elif all(t.device.type == "cpu" for t in tensors):
             self._packed_ptrs = ptrs
         return ok
-
-    def copy_to(self, addr: int) -> None:
-        """Driver: the host arena into the frame's tensor region at address ``addr``."""
-        if self.region:
-            ctypes.memmove(addr, self.host_ptr, self.region)
 
     def land(self, view: memoryview, at: int) -> None:
         """Follower: the frame's tensor region ``view[at:at + region]`` (bounds already proven)
