@@ -355,7 +355,8 @@ def test_largest_allowed_layout_is_accepted_and_linear() -> None:
 
 def test_driver_refuses_metadata_the_schema_does_not_allow() -> None:
     """The driver checks too: the user's bad value is its ValueError naming the path, before
-    anything is sent."""
+    anything is sent; the layout of the refused step is then still sent with the next frame
+    that uses it (it was never on the wire)."""
     md, _ = _base()
     cases = [(md.replace(is_prompt=1), "is_prompt"), (md.replace(num_seqs=-2), "num_seqs"),
              (md.replace(klen={"x": torch.ones(3, dtype=torch.int32)}), "klen.x"),
@@ -367,6 +368,8 @@ def test_driver_refuses_metadata_the_schema_does_not_allow() -> None:
             with pytest.raises(ValueError, match=path.replace(".", r"\.")):
                 drv.broadcast(bad)
             assert len(drv._objects.frames) == n
+        drv.broadcast(md)  # the layout of the refused is_prompt=1 / num_seqs=-2 steps
+        assert compare(md, receive(make(1, False), drv._objects.frames[-1])) == "equal"
 
 
 # ----------------------------------------------------------------------------- 2 real ranks

@@ -220,8 +220,13 @@ class MetadataBroadcaster:
         dims = [d for t in tensors for d in t.shape]
         numels, starts, tbytes, exact = plan.sizes(dims)
         packed = self._use_packed(tensors, tbytes)
-        plan.check_values(values)  # a bad value is the driver's ValueError naming the path
-        vblock = encode_body(values)
+        try:
+            plan.check_values(values)  # a bad value is the driver's ValueError naming the path
+            vblock = encode_body(values)
+        except Exception:
+            if lblock:  # this layout never reached the wire: its next frame must carry it
+                self._layouts.pop(key, None)
+            raise
         shapes_at = _align(HEADER.size + len(lblock) + len(vblock), 8)
         data_at = _align(shapes_at + 8 * plan.n_dims, 16)
         flags = (FLAG_LAYOUT if lblock else 0) | (FLAG_PACKED if packed else 0) | (
