@@ -15,6 +15,11 @@ module              holds
 ``integrity``       what a follower proves before reading a frame (limits, checksum policy, meta and
                     frame crc32, the layout block), the driver's ``seal``, the construction-time
                     checksum agreement; a malformed frame is a ``RuntimeError`` naming the rank
+``persistent``      ``persistent_outputs=True``: one arena per layout (host, + device on CUDA) and
+                    the ``InputMetadata`` built once as its views; a repeated layout lands with one
+                    memmove (+ one H2D copy), values set on the cached object
+``span``            span frames (``FLAG_SPAN``): a persistent driver's one-allocation tensors sent
+                    as one span with an offsets table; ``check_span`` proves a new geometry once
 ==================  ==============================================================================
 
 The transport (codec, shared-memory ring, object and tensor channels) is the ``transport``
