@@ -24,7 +24,8 @@ arena's metadata stays alive (and unchanged) as long as the caller holds it.
 
 Fields the caller adds to, or replaces in, a returned metadata (``compute_attn_info`` sets new
 fields in place) are restored to the layout's state by the next step of that layout, so no stale
-field survives into a later step.
+field survives into a later step. Changing a returned tensor's shape or storage in place
+(``resize_``, ``set_``, ``squeeze_``) is not undone: those tensors are the arena's views.
 """
 
 from __future__ import annotations
