@@ -64,9 +64,11 @@ MAX_BLOCK_ID = 4000
 MAX_STATE_ID = 500
 #: Keeps the per-token reference (and hence every test) fast.
 DEFAULT_MAX_TOTAL_Q = 160
-#: Chance that :func:`random_config` switches compressed KV off (no ratios), and, independently,
-#: the sliding-window state cache (``window_size = 0``): both off is a plain paged-KV model.
-PLAIN_FEATURE_CHANCE = 0.2
+#: Chance that :func:`random_config` draws a plain paged-KV model (no ratios, ``window_size = 0``:
+#: DESIGN 14); otherwise it switches compressed KV off, and independently the sliding-window state
+#: cache, each with :data:`FEATURE_OFF_CHANCE`.
+PLAIN_CHANCE = 0.1
+FEATURE_OFF_CHANCE = 0.15
 
 
 class Rng(Protocol):
@@ -103,8 +105,9 @@ def random_config(rng: Rng, **overrides: Any) -> MetadataConfig:
     """A small random valid :class:`MetadataConfig` (``overrides`` win over the random values).
 
     Sizes are small so expanded indices stay cheap: ``block_size`` in 4..128, ``W`` 1..40 (or 0:
-    no sliding window), ``S - W`` in 0..9, ``max_model_len`` 1..1024; compressed KV is off (no
-    ratios) with :data:`PLAIN_FEATURE_CHANCE`, and so, independently, is the sliding window;
+    no sliding window), ``S - W`` in 0..9, ``max_model_len`` 1..1024; a plain paged-KV model
+    with :data:`PLAIN_CHANCE`, else compressed KV off (no ratios) with
+    :data:`FEATURE_OFF_CHANCE`, and so, independently, the sliding window;
     without compressed KV (and no ratio override) the KV is sharded over 2-4 CP ranks 40% of the
     time (``kv_cp_interleave`` a divisor of ``block_size`` up to 8). Example:
     ``random_config(rng, yoco_keep_tokens=16, yoco_mode="mask")``.
@@ -113,14 +116,15 @@ def random_config(rng: Rng, **overrides: Any) -> MetadataConfig:
     divisors = [d for d in range(1, bs + 1) if bs % d == 0]
     dense = _ratio_subset(rng, divisors)
     sparse = _ratio_subset(rng, divisors)
-    compressed = not _chance(rng, PLAIN_FEATURE_CHANCE)  # off: no compressed KV at all
+    plain = _chance(rng, PLAIN_CHANCE)
+    compressed = not plain and not _chance(rng, FEATURE_OFF_CHANCE)  # off: no compressed KV at all
     if not compressed:
         dense = sparse = ()
     elif not dense and not sparse:
         sparse = (rng.choice(divisors),)
     w = rng.choice([1, 2, 3, 4, 5, 8, 8, 13, 16, 32, 40])
     s = w + rng.choice([0, 0, 1, 2, 3, 9])
-    if overrides.get("yoco_keep_tokens") is None and _chance(rng, PLAIN_FEATURE_CHANCE):
+    if overrides.get("yoco_keep_tokens") is None and (plain or _chance(rng, FEATURE_OFF_CHANCE)):
         w = 0  # no sliding-window state cache (YoCo needs one)
     ngram = rng.choice([0, 0, 1, 2, 3])
     lookup: Optional[torch.Tensor] = None

@@ -255,8 +255,9 @@ def test_launch_only_replays_new_staging() -> None:
     """The capture API: kernels only, full-capacity views, reading whatever was staged last."""
     rng = random.Random(5)
     cfg = random_config(rng)
-    big = random_decode_batch(rng, cfg, n_seqs=8, max_drafts=2)
-    st = DecodeStaging("cpu", staging_capacity(cfg, 8, 24), fixed=True)
+    # 15 one-row sequences: room for any small batch below (<= 5 sequences of <= 3 rows)
+    big = random_decode_batch(rng, cfg, n_seqs=15, max_drafts=0)
+    st = DecodeStaging("cpu", staging_capacity(cfg, 15, 24), fixed=True)
     out: dict[str, torch.Tensor] = {}
     prepare_decode_inplace(big, cfg, out=out, device="cpu", staging=st)
     for seed in range(5):
