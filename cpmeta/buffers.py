@@ -9,7 +9,7 @@ separate host-to-device step can copy them with ``non_blocking=True``.
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence, final
 
 import numpy as np
 import torch
@@ -143,6 +143,7 @@ class ArenaLayout:
         self.stacked = frozenset(stacked)
 
 
+@final  # the builders dispatch on ``type(out) is HostArena``: a subclass would pass as a dict
 class HostArena:
     """ONE host allocation (pinned when CUDA is available) carved into a builder call's outputs.
 
@@ -199,6 +200,7 @@ class HostArena:
         return [t_all.as_strided(shape[1:], strides[1:], start + i * strides[0]) for i in range(shape[0])], got[1]
 
 
+@final  # prepare_decode dispatches on ``type(out) is OutputArenas``: a subclass would pass as a dict
 class OutputArenas:
     """Reusable outputs for a builder called every step: ``prepare_decode(batch, cfg, out=arenas)``.
 
