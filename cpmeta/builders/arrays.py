@@ -14,7 +14,7 @@ Row layout: rows are query rows in varlen order. For sequence ``s`` with ``seqle
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence, TypeVar
+from typing import TYPE_CHECKING, Optional, Sequence, TypeVar, Union
 
 import numpy as np
 import torch
@@ -36,10 +36,15 @@ __all__ = [
     "check_int32",
     "alloc",
     "alloc_stacked",
+    "AllocOut",
     "int_array",
 ]
 
 IntLike = TypeVar("IntLike", int, np.ndarray, torch.Tensor)
+
+#: Where :func:`alloc` / :func:`alloc_stacked` put a field: the caller's ``out`` dict (reused and
+#: filled), a :class:`~cpmeta.buffers.HostArena` (its views), or ``None`` (a new tensor each).
+AllocOut = Union[dict[str, torch.Tensor], HostArena, None]
 
 
 def loaded_compressed_len(seqlen_k: IntLike, r: int) -> IntLike:
@@ -106,7 +111,7 @@ def check_int32(what: str, value: int, why: str) -> None:
 
 
 def alloc(
-    out: Optional[dict[str, torch.Tensor]] | HostArena, name: str, shape: Sequence[int], dtype: torch.dtype
+    out: AllocOut, name: str, shape: Sequence[int], dtype: torch.dtype
 ) -> tuple[torch.Tensor, np.ndarray]:
     """``get_or_create_tensor`` plus the tensor's numpy view (same memory) for vectorized fills;
     with a :class:`~cpmeta.buffers.HostArena` as ``out``, the arena's view of that field."""
@@ -120,7 +125,7 @@ def alloc(
 
 
 def alloc_stacked(
-    out: Optional[dict[str, torch.Tensor]] | HostArena, name: str, ratios: Sequence[int], shape: Sequence[int],
+    out: AllocOut, name: str, ratios: Sequence[int], shape: Sequence[int],
 ) -> tuple[dict[str, torch.Tensor], np.ndarray]:
     """``get_or_create_stacked`` for int32 per-ratio rows: ``({"4": row view, ...}, numpy view
     of the whole [len(ratios), *shape] buffer)``. Example: ratios ``(4, 128)``, shape ``(5,)``
