@@ -16,12 +16,10 @@ of the last image token" over ``R`` answers "is there an image token in ``t..pos
 
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 import torch
 
-from .arrays import BatchArrays, alloc
+from .arrays import AllocOut, BatchArrays, alloc
 from ..config import MetadataConfig
 from ..constants import INT32_MAX
 
@@ -43,8 +41,10 @@ def _window_values(b: BatchArrays, cfg: MetadataConfig, R: np.ndarray, wcu: np.n
     n_c = len(b.comp_flat)
     use_c = None
     if n_c:
+        comp_len = b.comp_len
+        assert comp_len is not None  # extract_batch sets it whenever max_ngram_size > 0 (our caller's guard)
         w_seq = np.repeat(np.arange(b.n_seq), wcu[1:] - wcu[:-1])
-        use_c = (np.arange(total) - wcu[w_seq]) < b.comp_len[w_seq]
+        use_c = (np.arange(total) - wcu[w_seq]) < comp_len[w_seq]
     table = cfg.ngram_lookup
     if table is not None:
         tab = table.detach().cpu().to(torch.int64).numpy()
@@ -59,7 +59,7 @@ def _window_values(b: BatchArrays, cfg: MetadataConfig, R: np.ndarray, wcu: np.n
 
 
 def fill_ngram_token_ids(
-    b: BatchArrays, cfg: MetadataConfig, out: Optional[dict[str, torch.Tensor]]
+    b: BatchArrays, cfg: MetadataConfig, out: AllocOut
 ) -> torch.Tensor:
     """Build ``ngram_token_ids`` [total_q, max_ngram_size] int32 (see the module docstring).
 
