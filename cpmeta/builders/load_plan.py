@@ -79,8 +79,11 @@ def paged_load_segments(
     m_s = m[seq]
     empty = m_s == 0
     t, arr = alloc(out, f"load_segments_ca.{n}", (len(seq), SEGMENT_WIDTH), torch.int32)
+    bt_flat, bt_start = b.bt_flat, b.bt_start
+    # prompt only: extract_batch leaves the flat tables None only for prepare_decode (flat_tables=False)
+    assert bt_flat is not None and bt_start is not None
     # an empty sequence has k = 0 and reads bt_flat[bt_start], always in bounds (trailing 0)
-    arr[:, 0] = np.where(empty, NO_SOURCE_BLOCK, b.bt_flat[b.bt_start[seq] + k])
+    arr[:, 0] = np.where(empty, NO_SOURCE_BLOCK, bt_flat[bt_start[seq] + k])
     arr[:, 1] = 0
     arr[:, 2] = np.where(empty, 1, np.minimum(bc, m_s - k * bc))
     arr[:, 3] = dst_base[seq] + k * bc
