@@ -290,9 +290,8 @@ class PersistentArenas:
         geometry for a new arena); the driver passes neither and chooses the geometry with
         :meth:`driver_arena`."""
         key = (plan.key, dims, table)
-        a = self._arenas.get(key)
+        a = self.find(key)
         if a is not None:
-            self._arenas.move_to_end(key)
             return a, False
         return self._add(key, LayoutArena(plan, dims, numels, starts, region, values, self.device,
                                           span)), True
@@ -303,13 +302,19 @@ class PersistentArenas:
         """Driver: the arena of this layout; a new one takes the span geometry when this first
         step's tensors lie in one host allocation (``span.span_of``), else the packed runs."""
         key = (plan.key, dims, None)
-        a = self._arenas.get(key)
+        a = self.find(key)
         if a is not None:
-            self._arenas.move_to_end(key)
             return a
         span = span_of(tensors, exact)
         return self._add(key, LayoutArena(plan, dims, numels, starts, region, values, self.device,
                                           span))
+
+    def find(self, key: tuple) -> Optional[LayoutArena]:
+        """The arena under ``key`` (marked most recently used), or ``None``."""
+        a = self._arenas.get(key)
+        if a is not None:
+            self._arenas.move_to_end(key)
+        return a
 
     def _add(self, key: tuple, a: LayoutArena) -> LayoutArena:
         while self._arenas and (len(self._arenas) >= MAX_LAYOUTS
@@ -332,7 +337,7 @@ def land_span(arenas: Optional[PersistentArenas], plan: Plan, dims: tuple[int, .
     if avail < tl:
         raise WireError(f"span frame: {avail} bytes after the shapes, offsets table needs {tl}")
     table = bytes(view[data_at:data_at + tl])
-    a = arenas._arenas.get((plan.key, dims, table)) if arenas is not None else None
+    a = arenas.find((plan.key, dims, table)) if arenas is not None else None
     if a is None or a.region != avail or a.exact != tbytes:
         numels, offsets, exact = check_span(plan, dims, tbytes, table, avail)
         geo = (table, offsets, avail - tl)
