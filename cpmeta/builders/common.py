@@ -9,14 +9,14 @@ import torch
 
 from ..config import MetadataConfig
 from ..constants import INT32_MAX, PAD_SLOT_ID, PLACEHOLDER_QUERY_INDEX
-from .arrays import BatchArrays, alloc, check_int32, fdiv, fmod
+from .arrays import AllocOut, BatchArrays, alloc, check_int32, fdiv, fmod
 from .ngram import fill_ngram_token_ids
 
 __all__ = ["fill_common", "check_common_int32", "compressed_slots"]
 
 
 def fill_common(
-    b: BatchArrays, cfg: MetadataConfig, out: Optional[dict[str, torch.Tensor]]
+    b: BatchArrays, cfg: MetadataConfig, out: AllocOut
 ) -> dict[str, Any]:
     """Fields shared by prompt and decode (DESIGN section 4, "Common"), as InputMetadata kwargs.
 
@@ -46,13 +46,13 @@ def fill_common(
     f["cu_seqlens_k"], a = alloc(out, "cu_seqlens_k", (n + 1,), torch.int32)
     np.copyto(a, b.cu_k, casting="unsafe")
     f["valid_token_mask"], a = alloc(out, "valid_token_mask", (T,), torch.bool)
-    if any_ph:
+    if ph_row is not None:  # i.e. any_ph
         np.logical_not(ph_row, out=a)
     else:
         a.fill(True)
     f["query_indices"], a = alloc(out, "query_indices", (T,), torch.int32)
     np.copyto(a, b.row_seq, casting="unsafe")
-    if any_ph:
+    if ph_row is not None:
         a[ph_row] = PLACEHOLDER_QUERY_INDEX
     f["slot_mapping_store_swa"] = _swa_slots(b, cfg, out, pos, ph_row, f["max_seqlen_q"]) if cfg.has_swa else None
     f["ngram_token_ids"] = None
@@ -62,7 +62,7 @@ def fill_common(
 
 
 def _swa_slots(
-    b: BatchArrays, cfg: MetadataConfig, out: Optional[dict[str, torch.Tensor]], pos: np.ndarray,
+    b: BatchArrays, cfg: MetadataConfig, out: AllocOut, pos: np.ndarray,
     ph_row: Optional[np.ndarray], max_sq: int,
 ) -> torch.Tensor:
     """``slot_mapping_store_swa`` [total_q] int32: ``state * S + pos % S`` on the last ``S`` rows
@@ -101,7 +101,9 @@ def check_common_int32(b: BatchArrays, cfg: MetadataConfig) -> None:
         # compressed KV: its write slots; plain: the paged-KV slot compute_slot_mapping writes
         # (min_ratio 1, so b_c = block_size)
         bc = cfg.block_size // cfg.min_ratio
-        v = int(b.bt_flat.max()) * bc + bc - 1
+        bt_flat = b.bt_flat
+        assert bt_flat is not None  # extract_batch leaves it None only for a batch carrying bt2d
+        v = int(bt_flat.max()) * bc + bc - 1
         if v > INT32_MAX:
             what = "slot_mapping_store_ca" if cfg.has_compressed_kv else "block_table (paged KV slot)"
             check_int32(what, v,
@@ -120,12 +122,15 @@ def compressed_slots(
     not write read the trailing 0 of ``bt_flat`` instead of a possibly out-of-table block.
     Example: block_size 128, n = 4 (b_c = 32), table ``[7, 3]``, c = 40 -> ``3 * 32 + 8 = 104``.
     """
+    bt_flat, bt_start = b.bt_flat, b.bt_start
+    # prompt only: extract_batch leaves the flat tables None only for prepare_decode (flat_tables=False)
+    assert bt_flat is not None and bt_start is not None
     bc = cfg.block_size // n
     idx = fdiv(c, bc)
-    idx += b.bt_start if seq is None else b.bt_start[seq]
+    idx += bt_start if seq is None else bt_start[seq]
     skip = ~write
-    idx[skip] = len(b.bt_flat) - 1
-    slot = b.bt_flat[idx]
+    idx[skip] = len(bt_flat) - 1
+    slot = bt_flat[idx]
     slot *= bc
     slot += fmod(c, bc)
     slot[skip] = PAD_SLOT_ID
