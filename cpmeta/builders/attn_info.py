@@ -155,9 +155,9 @@ def compute_attn_info(md: InputMetadata, cfg: MetadataConfig) -> InputMetadata:
                     md.kv_ca_index[k] = expand_offset_len(v[:, 0], lens[k], width)
                 else:
                     tpb = cfg.block_size // int(k)
-                    md.kv_ca_index[k] = expand_paged_offset_len(
-                        v[:, 0], lens[k], width, md.block_tables, tpb
-                    )
+                    bt = md.block_tables
+                    assert bt is not None  # decode metadata with per-ratio offsets always has block_tables
+                    md.kv_ca_index[k] = expand_paged_offset_len(v[:, 0], lens[k], width, bt, tpb)
     W = cfg.window_size
     if md.is_prompt:
         piv = md.kv_swa_full_index_pivots
