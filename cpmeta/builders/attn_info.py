@@ -139,6 +139,9 @@ def compute_attn_info(md: InputMetadata, cfg: MetadataConfig) -> InputMetadata:
     ``kv_swa_full_index`` [rows, W]; ``kv_swa_index`` [rows, W]. ``rows`` is the number of rows of
     ``kv_ca_index_offset_len`` (decode / unmirrored prompt) or ``cp_mirror_len`` (mirrored).
     Keys of the dicts are the keys of ``kv_ca_index_offset_len`` (an empty dict stays empty).
+    A switched-off feature (DESIGN 14) has no offsets or pivots, so nothing of it is expanded:
+    without compressed KV ``kv_ca_index`` / ``kv_ca_index_len`` stay ``None``, with
+    ``window_size == 0`` the SWA indices do; a plain config's metadata is returned unchanged.
     """
     mirror = md.mirror_cp_index
     ol = md.kv_ca_index_offset_len
