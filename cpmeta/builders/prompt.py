@@ -169,10 +169,13 @@ def _fill_seq_block_tables(b: BatchArrays, out: Out) -> torch.Tensor:
     read): a follower rank derives its own KV slot mapping from it (DESIGN 4 and 11), with no
     access to the scheduler. Example: tables ``[[7, 3, 9], [4]]`` -> ``[[7, 3, 9], [4, -1, -1]]``.
     """
-    flat, lengths = b.bt_whole, np.diff(b.bt_whole_off)
+    flat, whole_off = b.bt_whole, b.bt_whole_off
+    # a prompt batch: extract_batch leaves the whole tables None only for prepare_decode (flat_tables=False)
+    assert flat is not None and whole_off is not None
+    lengths = np.diff(whole_off)
     width = int(lengths.max()) if b.n_seq else 0
     if flat.size and (flat.min() < 0 or flat.max() > INT32_MAX):
-        bad = int(np.searchsorted(b.bt_whole_off[1:], int(np.argmax((flat < 0) | (flat > INT32_MAX))),
+        bad = int(np.searchsorted(whole_off[1:], int(np.argmax((flat < 0) | (flat > INT32_MAX))),
                                   side="right"))
         raise ValueError(f"seqs[{bad}].block_table: expected block ids in [0, 2**31 - 1]")
     t, a = alloc(out, "seq_block_tables", (b.n_seq, width), torch.int32)
