@@ -81,3 +81,18 @@ def test_docs_name_every_field() -> None:
         fields |= p | d
     assert fields <= named, sorted(fields - named)
     assert fields <= set(cpmeta.InputMetadata.field_names())
+
+
+@pytest.mark.parametrize("world,inter,ratios", [(1, 1, ()), (3, 1, ()), (2, 16, ()), (4, 2, ()), (1, 4, ()),
+                                                (1, 1, (4,)), (1, 1, (2, 16))])
+def test_torch_block_rule_equals_blocks_needed(world: int, inter: int, ratios: tuple[int, ...]) -> None:
+    """``blocks_needed_tensor`` (metadata_diff, the in-place decode's emulation) is
+    ``cpmeta.blocks_needed`` for every ``seqlen_k`` up to ``max_model_len``."""
+    import torch
+
+    from cpmeta.builders.arrays import blocks_needed_tensor
+
+    cfg = cpmeta.MetadataConfig(block_size=16, window_size=0, dense_compress_ratios=ratios, sparse_compress_ratios=(),
+                                max_model_len=300, kv_cp_world_size=world, kv_cp_interleave=inter)
+    k = torch.arange(cfg.max_model_len + 1)
+    assert blocks_needed_tensor(k, cfg).tolist() == [cpmeta.blocks_needed(int(x), cfg) for x in k]
