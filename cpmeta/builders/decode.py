@@ -20,7 +20,7 @@ from ..config import MetadataConfig
 from ..constants import INT32_MAX, PAD_SLOT_ID
 from ..metadata import InputMetadata
 from ..buffers import ArenaLayout, HostArena, OutputArenas
-from .arrays import BatchArrays, alloc, alloc_stacked, check_int32, fmod
+from .arrays import AllocOut, BatchArrays, alloc, alloc_stacked, check_int32, fmod
 from .common import check_common_int32, fill_common
 from .extract import BatchInput, extract_batch
 
@@ -57,7 +57,7 @@ def _check_decode_int32(b: BatchArrays, cfg: MetadataConfig) -> None:
         )
 
 
-def _fill_block_tables(b: BatchArrays, cfg: MetadataConfig, out: Out) -> tuple[torch.Tensor, np.ndarray]:
+def _fill_block_tables(b: BatchArrays, cfg: MetadataConfig, out: AllocOut) -> tuple[torch.Tensor, np.ndarray]:
     """``block_tables`` [total_q, max_num_blocks] int32: each row holds its sequence's table.
 
     The whole table is written (its first ``max_num_blocks`` ids), -1 after it; only the first
@@ -74,21 +74,23 @@ def _fill_block_tables(b: BatchArrays, cfg: MetadataConfig, out: Out) -> tuple[t
         return t, a
     per_seq = a if T == n else np.empty((n, mnb), np.int32)
     per_seq.fill(-1)
-    off = b.bt_whole_off
+    off, need, bt_flat, bt_whole = b.bt_whole_off, b.bt_need, b.bt_flat, b.bt_whole
+    # no bt2d: extract_batch filled the flat tables (it leaves them None only together with bt2d)
+    assert off is not None and need is not None and bt_flat is not None and bt_whole is not None
     lens = np.minimum(np.diff(off), mnb)
-    if np.array_equal(lens, b.bt_need):  # tables hold exactly the compressed need: one copy
-        per_seq[np.arange(mnb)[None, :] < b.bt_need[:, None]] = b.bt_flat[:-1]
+    if np.array_equal(lens, need):  # tables hold exactly the compressed need: one copy
+        per_seq[np.arange(mnb)[None, :] < need[:, None]] = bt_flat[:-1]
     else:
         keep = np.arange(mnb)[None, :] < lens[:, None]
-        whole = b.bt_whole if int(off[-1]) == int(lens.sum()) else \
-            b.bt_whole[(off[:-1][:, None] + np.arange(mnb)[None, :])[keep]]  # rows cut to max_num_blocks
+        whole = bt_whole if int(off[-1]) == int(lens.sum()) else \
+            bt_whole[(off[:-1][:, None] + np.arange(mnb)[None, :])[keep]]  # rows cut to max_num_blocks
         per_seq[keep] = whole
     if T != n:
         np.copyto(a, np.take(per_seq, b.row_seq, axis=0))
     return t, a
 
 
-def _fill_decode_rows(b: BatchArrays, cfg: MetadataConfig, out: Out, f: dict[str, Any]) -> np.ndarray:
+def _fill_decode_rows(b: BatchArrays, cfg: MetadataConfig, out: AllocOut, f: dict[str, Any]) -> np.ndarray:
     """``context_lens`` (= pos + 1) and, with the sliding-window state cache (``window_size >
     0``), ``state_block_idx`` and ``kv_swa_index_offset_len`` (start ``state * S + (pos1 - w) %
     S``, length ``w = min(pos1, W)``), all in int32 (positions are below max_model_len,
@@ -164,7 +166,7 @@ def _row_bases(cfg: MetadataConfig, T: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _fill_ratio_fields(
-    b: BatchArrays, cfg: MetadataConfig, out: Out, f: dict[str, Any], bt: np.ndarray, pos1: np.ndarray
+    b: BatchArrays, cfg: MetadataConfig, out: AllocOut, f: dict[str, Any], bt: np.ndarray, pos1: np.ndarray
 ) -> None:
     """``klen``, ``positions_c``, ``slot_mapping_store_ca``, ``kv_ca_index_offset_len``.
 
@@ -282,18 +284,20 @@ def prepare_decode(
     Raises ``ValueError`` before allocating when ``total_q * max_num_blocks *
     (block_size // min(dense ratios))`` (or a slot value) exceeds int32.
     """
-    reuse = type(out) is OutputArenas
-    if not reuse:
+    if type(out) is not OutputArenas:
         check_decode_out(out)
     b = extract_batch(seqs, cfg, is_prompt=False, flat_tables=False)
     _check_decode_int32(b, cfg)
+    dst: AllocOut
     if out is None:  # one host allocation for every field (all shapes are known now)
-        out = HostArena(_decode_layout(cfg, b.total_q, b.n_seq))
-    elif reuse:  # the arena of this batch shape, refilled (OutputArenas)
-        out = out.arena(_decode_layout(cfg, b.total_q, b.n_seq))
-    f = fill_common(b, cfg, out)
-    pos1 = _fill_decode_rows(b, cfg, out, f)
-    f["block_tables"], bt = _fill_block_tables(b, cfg, out)
+        dst = HostArena(_decode_layout(cfg, b.total_q, b.n_seq))
+    elif type(out) is OutputArenas:  # the arena of this batch shape, refilled
+        dst = out.arena(_decode_layout(cfg, b.total_q, b.n_seq))
+    else:  # the caller's dict
+        dst = out
+    f = fill_common(b, cfg, dst)
+    pos1 = _fill_decode_rows(b, cfg, dst, f)
+    f["block_tables"], bt = _fill_block_tables(b, cfg, dst)
     if cfg.has_compressed_kv:
-        _fill_ratio_fields(b, cfg, out, f, bt, pos1)
+        _fill_ratio_fields(b, cfg, dst, f, bt, pos1)
     return InputMetadata(**f)
