@@ -292,6 +292,7 @@ def _crafted(frame: bytes) -> list[tuple[str, str, bytes]]:
         ("unknown field", "__class__", f(tp=tpath("positions", "__class__"))),
         ("1,025 paths", "MAX_LAYOUT_PATHS", f(vp=vpaths + ";" + big, v=vals + [1] * 1025)),
         ("100,000 paths", "MAX_LAYOUT_BYTES", f(vp=vpaths + ";" + huge, v=vals + [1] * 100_000)),
+        ("values block of 1.8 MB", "MAX_VALUES_BYTES", f(v=vals[:-1] + [list(range(1 << 18))])),
         ("rank 17 tensor", "bad tensor rank", f(nd=[17] + ndims[1:])),
         ("codes out of order", "ordered", f(c=codes[::-1])),
         ("is_prompt = 1", "is_prompt", f(v=[1 if x == "is_prompt" else y for x, y in zip(vi, vals)])),

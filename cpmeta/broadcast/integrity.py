@@ -27,7 +27,7 @@ from transport.codec import decode_body  # cpmeta -> transport only
 
 from .schema import MAX_LAYOUT_PATHS
 from .wire import (CRC_AT, FLAG_CRC, FLAG_LAYOUT, HEADER, KNOWN_FLAGS, MAX_LAYOUT_BYTES, MAX_NDIM,
-                   META_CRC_AT, Plan, WireError, frame_crc, layout_id, meta_crc)
+                   MAX_VALUES_BYTES, META_CRC_AT, Plan, WireError, frame_crc, layout_id, meta_crc)
 
 __all__ = ["ChecksumError", "seal", "check_frame", "plan_from_block", "agree_checksum", "blocks_at"]
 
@@ -74,6 +74,8 @@ def check_frame(view: memoryview, flags: int, crc: int, meta: int, llen: int, vl
     if llen > MAX_LAYOUT_BYTES or (llen and not flags & FLAG_LAYOUT):
         raise WireError(f"layout block of {llen} bytes (flags {flags:#x}; at most "
                         f"MAX_LAYOUT_BYTES={MAX_LAYOUT_BYTES})")
+    if vlen > MAX_VALUES_BYTES:
+        raise WireError(f"values block of {vlen} bytes, at most MAX_VALUES_BYTES={MAX_VALUES_BYTES}")
     if n_dims > MAX_FRAME_DIMS:
         raise WireError(f"{n_dims} shape words declared, at most {MAX_FRAME_DIMS}")
     shapes_at, data_at = blocks_at(llen, vlen, n_dims)

@@ -40,7 +40,8 @@ frame up to the tensors (header, layout, values, shapes) without the two crc wor
 (``FLAG_CRC``, opt-in ``CPMETA_CHECKSUM=1``) covers every byte but its own word, and a follower
 running with the checksum refuses a frame without it. A new layout is checked ONCE against
 ``InputMetadata``'s schema (``cpmeta.broadcast.schema``) when its plan is built, in time linear
-in its size (at most ``schema.MAX_LAYOUT_PATHS`` paths, ``MAX_LAYOUT_BYTES`` of block).
+in its size (at most ``schema.MAX_LAYOUT_PATHS`` paths, ``MAX_LAYOUT_BYTES`` of block); a values
+block is at most ``MAX_VALUES_BYTES`` (refused before it is decoded).
 
 A repeated layout is checked cheaply: the plan is found by id (one dict lookup, the block
 compared only when resent); ``plan.check_values(values)`` is one comparison of the values' type
@@ -70,7 +71,7 @@ __all__ = ["MESSAGE_VERSION", "SCHEMA_FINGERPRINT", "FRAME_MAGIC", "HEADER", "WI
            "DTYPE_CODE", "FLAG_LAYOUT", "FLAG_CRC", "FLAG_PACKED", "FLAG_SPAN", "KNOWN_FLAGS",
            "Plan", "WireError", "layout_id", "frame_crc", "meta_crc", "pack_tensors", "getter",
            "PATH_SEP", "ALIAS_SEP", "CRC_AT", "META_CRC_AT", "MAX_LAYOUTS", "MAX_DIM", "MAX_NDIM",
-           "MAX_LAYOUT_BYTES", "MAX_COLLECTIVE_BYTES"]
+           "MAX_LAYOUT_BYTES", "MAX_VALUES_BYTES", "MAX_COLLECTIVE_BYTES"]
 
 #: Version of the broadcast frame (5: exact tensor bytes + meta crc; 4: one frame with a cached
 #: layout; 3 was the three-layer one).
@@ -86,6 +87,7 @@ MAX_LAYOUTS = 256  # layouts a follower keeps (and the driver assumes it keeps)
 MAX_DIM = 1 << 48  # largest single dim a follower accepts
 MAX_NDIM = 16  # largest tensor rank a layout may declare
 MAX_LAYOUT_BYTES = 1 << 16  # largest layout block a follower decodes (1024 paths fit easily)
+MAX_VALUES_BYTES = 1 << 20  # largest values block a follower decodes (1024 scalars need ~10 KiB)
 MAX_COLLECTIVE_BYTES = 1 << 32  # most tensor bytes a frame may announce for the collective path
 
 #: Wire code of a dtype = its index here (append only: the codes are part of the frame).
