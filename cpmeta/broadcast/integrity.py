@@ -13,6 +13,7 @@ Per frame a follower calls, in order::
     plan = plan_from_block(block, lid)          # only for a layout block it does not hold yet
     plan.check_values(values)                   # compiled per layout (cpmeta.broadcast.schema)
     numels, starts, region = plan.check_tensors(dims, packed, tbytes, n - data_at)
+    # a span frame (FLAG_SPAN, persistent outputs): cpmeta.broadcast.span.check_span instead
 """
 
 from __future__ import annotations
