@@ -13,9 +13,10 @@ process-group buffer)::
         shapes: n_dims int64 (8-aligned), every tensor's dims in layout order
         tensors (16-aligned, only with FLAG_PACKED): dtype runs, each run 16-aligned
         FLAG_SPAN (always with FLAG_PACKED): the tensor region is an offsets table (one u64 per
-        tensor, 16-aligned) followed by a span of the driver's arena; each tensor at its offset;
-        checked by cpmeta.broadcast.persistent.check_span (offsets aligned, in bounds,
-        non-overlapping, header tbytes = exact payload)
+        tensor and its crc32, padded to 16) followed by a span of the driver's arena; each
+        tensor at its offset; checked by cpmeta.broadcast.span.check_span (table crc, offsets
+        aligned, in bounds, non-overlapping, the span exactly as long as its tensors, header
+        tbytes = exact payload)
 
 What repeats every step (paths, dtype codes, ranks, which fields hold values) is the LAYOUT: its
 id is the crc32 of its encoded block, so an id always names one layout and a frame that defines
