@@ -2,18 +2,21 @@
 
 Frames come from a REAL driver (``MetadataBroadcaster._send``) and go to a real follower's parse
 path (``broadcast(None)`` -> ``_receive`` -> ``_consume``), in process: a loopback stands in for
-the ring (``_Loop``), torch.distributed is faked only while the two broadcasters are built. The
-frame format is re-implemented here (offsets, the meta crc) as an independent reference.
+the ring (``reliability_wire.loopback``), torch.distributed is faked only while the broadcasters
+are built. The frame format is re-implemented in tests/reliability_wire.py (offsets, the meta crc)
+as an independent reference.
 
-Mutations of real prompt / decode / mirror / random-payload frames (first frames with the layout
-block and later id-only frames, checksum off and on):
+Mutations (22,000 a run) of real prompt / decode / mirror / random-payload frames (first frames
+with the layout block and later id-only frames; the span frames of a ``persistent_outputs``
+driver; checksum off and on):
 
 - raw (corruption in transit): bit flips anywhere or in the header/blocks, truncation, junk
   appended, shape words +-1, FLAG_CRC cleared;
 - sealed (a writer that recomputes the crcs): shape words +-1, header words, the layout id,
   FLAG_CRC cleared under the checksum.
 
-Every outcome must be: equal to the original; or a ``RuntimeError`` naming the rank; or -- only
+Every outcome must be: equal to the original; or a ``RuntimeError`` naming the rank (the only
+outcome for a truncated or extended frame); or -- only
 for a raw change confined to the tensor bytes, checksum off -- the original with different tensor
 bytes (same paths, dtypes, shapes, values, aliasing). Header, shape, layout and values corruption
 is never accepted as something else. Crafted layouts with a correct id (wrong field kinds, dotted
