@@ -372,3 +372,62 @@ def test_cuda_gloo_ranks_share_cuda0() -> None:
 def test_cuda_nccl() -> None:
     w = min(2, torch.cuda.device_count())
     assert run_ranks(_cuda_steps, w, True, backend="nccl", timeout=300) == [16] * w
+
+
+def _same_collect(got: tuple, want: tuple, what: str) -> None:
+    (k1, t1, v1), (k2, t2, v2) = got, want
+    assert k1 == k2, f"{what}: layout key"
+    assert len(t1) == len(t2) and all(a is b for a, b in zip(t1, t2)), f"{what}: tensors"
+    assert [type(v) for v in v1] == [type(v) for v in v2] and v1 == v2, f"{what}: values"
+
+
+def test_collect_memo_equals_collect() -> None:
+    """The persistent driver's memoised collect returns exactly what ``collect`` does, step after
+    step, while the steps reuse tensors (the memo's case) or change them in every way a caller can."""
+    from cpmeta.broadcast import recollect
+    from cpmeta.broadcast.recollect import CollectMemo
+    from cpmeta.broadcast.walk import collect
+
+    misses = []
+    real = recollect.collect
+
+    def counted(md):
+        misses.append(1)
+        return real(md)
+
+    recollect.collect = counted
+    try:
+        _memo_steps(CollectMemo(), collect)
+    finally:
+        recollect.collect = real
+    assert 0 < len(misses) <= 250, f"{len(misses)} of 300 steps walked the metadata (hits expected)"
+
+
+def _memo_steps(memo, collect) -> None:
+    rng = random.Random(12)
+    pool = _pool(12)
+    for step in range(300):
+        md = pool[rng.randrange(len(pool))]
+        md = md.replace(**{n: dict(v) for n in md.field_names()  # new dicts, as a builder makes
+                           if isinstance(v := getattr(md, n), dict)})
+        kind = rng.randrange(8)
+        if kind == 1:  # a tensor field replaced by a new tensor of the same shape
+            md = md.replace(positions=md.positions.clone())
+        elif kind == 2:  # a value changes (type kept), or becomes another type
+            md = md.replace(total_q=md.total_q + 1 if rng.random() < 0.5 else bool(md.total_q))
+        elif kind == 3 and md.klen:  # a dict entry replaced / a key added
+            k = next(iter(md.klen))
+            md.klen[k if rng.random() < 0.5 else "999"] = md.klen[k].clone()
+        elif kind == 4:  # a field set to None / a new field set
+            md = md.replace(input_ids=None) if rng.random() < 0.5 else md.replace(
+                kv_swa_index=torch.zeros(3, dtype=torch.int32))
+        elif kind == 5:  # a tensor's dtype changed in place (same object)
+            t = md.positions
+            keep = t.data
+            t.data = keep.to(torch.int64)
+            _same_collect(memo(md), collect(md), f"step {step} dtype")
+            t.data = keep
+            continue
+        elif kind == 6:  # aliasing appears
+            md = md.replace(positions_cp=md.positions)
+        _same_collect(memo(md), collect(md), f"step {step} kind {kind}")

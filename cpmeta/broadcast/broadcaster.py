@@ -213,7 +213,7 @@ class MetadataBroadcaster:
         return lid, plan, block
 
     def _send(self, md: InputMetadata, out: Optional[InputMetadata]) -> InputMetadata:
-        key, tensors, values = collect(md)
+        key, tensors, values = collect(md) if self._persist is None else self._persist.collect(md)
         lid, plan, lblock = self._layout(key)
         if lid < 0:
             lid = layout_id(lblock)

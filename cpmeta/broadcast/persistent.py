@@ -38,6 +38,7 @@ from typing import Any, Optional
 import torch
 
 from ..metadata import InputMetadata
+from .recollect import CollectMemo
 from .span import check_span, span_of, table_bytes
 from .wire import MAX_LAYOUTS, WIRE_DTYPES, Plan, WireError
 
@@ -274,6 +275,7 @@ class PersistentArenas:
 
     def __init__(self, device: torch.device, max_bytes: int = MAX_ARENA_BYTES) -> None:
         self.device = device
+        self.collect = CollectMemo()  # the driver's collect, memoised per tuple of field types
         self.max_bytes = int(max_bytes)
         self._arenas: "OrderedDict[tuple, LayoutArena]" = OrderedDict()
         self._bytes = 0

@@ -1,0 +1,125 @@
+"""``CollectMemo``: the persistent driver's ``collect`` for a step made of an earlier step's tensors.
+
+An engine that builds with ``out=OutputArenas()`` hands the broadcaster a new ``InputMetadata``
+every step whose tensors are the SAME objects (new dicts, new values). ``walk.collect`` still walks
+the fields, the dict entries, the aliasing, dtypes and ranks to find the layout; when the tensors
+are the objects of the last step of those field types, all of that is known. Per step the memo
+checks, in C-level passes: the tensor fields and dict entries are the same objects, the dict keys
+and entry types are unchanged, and every tensor still has its dtype and rank (``.data =`` can change
+both in place); then it returns the cached layout key and tensor list with this step's values. Any
+difference falls back to ``collect`` (and remembers that step instead). Shapes are not part of the
+check: the broadcaster reads them every step.
+
+Worked example: fields ``(is_prompt: bool, positions: Tensor, klen: dict, ...)``, step 1 collects
+``positions`` = tensor P and ``klen`` = ``{"4": K}``; step 2 has ``positions is P``, ``klen`` a new
+dict ``{"4": K}``: the memo returns step 1's key and ``[P, K]`` (in layout order) with step 2's
+``is_prompt``.
+"""
+
+from __future__ import annotations
+
+import operator
+from itertools import chain
+from typing import Any, Callable, Optional
+
+import torch
+
+from ..metadata import InputMetadata
+from .walk import collect
+from .wire import MAX_LAYOUTS
+
+__all__ = ["CollectMemo"]
+
+_GET_ALL = operator.attrgetter(*InputMetadata.field_names())
+_DTYPE = operator.attrgetter("dtype")
+_DIM = torch.Tensor.dim
+_IS = operator.is_
+_NONE = type(None)
+
+
+def _tuple_getter(idx: list[int]) -> Callable[[Any], tuple]:
+    """``f(seq) -> tuple`` of the items at ``idx`` (one C call; ``()`` for none)."""
+    if not idx:
+        return lambda seq: ()
+    if len(idx) == 1:
+        i = idx[0]
+        return lambda seq: (seq[i],)
+    return operator.itemgetter(*idx)
+
+
+class _Entry:
+    """What one step of one tuple of field types looked like (see the module docstring)."""
+
+    __slots__ = ("tget", "tobjs", "dget", "dkeys", "dtypes", "dtget", "dtobjs", "vget", "dvget",
+                 "n_empty", "key", "tensors", "tdtypes", "tdims")
+
+    def __init__(self, sig: tuple[type, ...], vals: tuple, key: tuple, tensors: list[torch.Tensor]
+                 ) -> None:
+        tpos = [i for i, t in enumerate(sig) if issubclass(t, torch.Tensor)]
+        dpos = [i for i, t in enumerate(sig) if t is dict]
+        vpos = [i for i, t in enumerate(sig)
+                if t is not _NONE and t is not dict and not issubclass(t, torch.Tensor)]
+        self.tget, self.dget, self.vget = _tuple_getter(tpos), _tuple_getter(dpos), _tuple_getter(vpos)
+        self.tobjs = self.tget(vals)
+        ds = self.dget(vals)
+        self.dkeys = tuple(map(tuple, ds))
+        flat = list(chain.from_iterable(map(dict.values, ds)))
+        self.dtypes = tuple(map(type, flat))
+        dt = [n for n, t in enumerate(self.dtypes) if issubclass(t, torch.Tensor)]
+        dv = [n for n, t in enumerate(self.dtypes)
+              if t is not _NONE and not issubclass(t, torch.Tensor)]
+        self.dtget, self.dvget = _tuple_getter(dt), _tuple_getter(dv)
+        self.dtobjs = self.dtget(flat)
+        self.n_empty = sum(1 for k in self.dkeys if not k)
+        self.key, self.tensors = key, tensors
+        self.tdtypes = tuple(map(_DTYPE, tensors))
+        self.tdims = tuple(map(_DIM, tensors))
+
+    def values(self, vals: tuple, flat: list) -> list[Any]:
+        """This step's values in ``collect``'s order: fields, dict entries, empty dicts."""
+        return [*self.vget(vals), *self.dvget(flat), *({} for _ in range(self.n_empty))]
+
+    def match(self, vals: tuple) -> Optional[tuple[tuple, list[torch.Tensor], list[Any]]]:
+        if not all(map(_IS, self.tget(vals), self.tobjs)):
+            return None
+        ds = self.dget(vals)
+        if tuple(map(tuple, ds)) != self.dkeys:
+            return None
+        flat = list(chain.from_iterable(map(dict.values, ds)))
+        if tuple(map(type, flat)) != self.dtypes or not all(map(_IS, self.dtget(flat), self.dtobjs)):
+            return None
+        ts = self.tensors
+        if tuple(map(_DTYPE, ts)) != self.tdtypes or tuple(map(_DIM, ts)) != self.tdims:
+            return None
+        return self.key, ts, self.values(vals, flat)
+
+
+class CollectMemo:
+    """``memo(md) -> (key, tensors, values)``, equal to ``walk.collect(md)`` (the driver of a
+    persistent broadcaster calls it once per step). One entry per tuple of field types, at most
+    ``MAX_LAYOUTS``; an entry whose rebuilt values disagree with ``collect``'s is never used."""
+
+    def __init__(self) -> None:
+        self._by_sig: dict[tuple, Optional[_Entry]] = {}
+
+    def __call__(self, md: InputMetadata) -> tuple[tuple, list[torch.Tensor], list[Any]]:
+        vals = _GET_ALL(md)
+        sig = tuple(map(type, vals))
+        e = self._by_sig.get(sig)
+        if e is not None:
+            got = e.match(vals)
+            if got is not None:
+                return got
+        elif sig in self._by_sig:  # disabled for these field types
+            return collect(md)
+        key, tensors, values = collect(md)
+        if len(self._by_sig) >= MAX_LAYOUTS:
+            self._by_sig.clear()
+        e = _Entry(sig, vals, key, tensors)
+        flat = list(chain.from_iterable(map(dict.values, e.dget(vals))))
+        again = e.values(vals, flat)
+        ok = len(again) == len(values) and all(
+            a is b or (type(a) is dict and type(b) is dict and not a and not b)
+            for a, b in zip(again, values))
+        self._by_sig[sig] = e if ok and type(tensors) is list else None
+        return key, tensors, values
