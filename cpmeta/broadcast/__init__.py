@@ -18,6 +18,8 @@ module              holds
 ``persistent``      ``persistent_outputs=True``: one arena per layout (host, + device on CUDA) and
                     the ``InputMetadata`` built once as its views; a repeated layout lands with one
                     memmove (+ one H2D copy), values set on the cached object
+``recollect``       ``CollectMemo``: the persistent driver's ``collect`` when a step reuses the last
+                    step's tensor objects (layout key and tensor list reused, values gathered)
 ``span``            span frames (``FLAG_SPAN``): a persistent driver's one-allocation tensors sent
                     as one span with an offsets table; ``check_span`` proves a new geometry once
 ==================  ==============================================================================
