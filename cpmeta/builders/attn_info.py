@@ -159,7 +159,9 @@ def compute_attn_info(md: InputMetadata, cfg: MetadataConfig) -> InputMetadata:
                 else:
                     tpb = cfg.block_size // int(k)
                     bt = md.block_tables
-                    assert bt is not None  # decode metadata with per-ratio offsets always has block_tables
+                    if bt is None:  # the builders always fill it; a hand-made metadata may not
+                        raise ValueError("md.block_tables: expected decode metadata with kv_ca_index_offset_len "
+                                         "to carry block_tables, got None")
                     md.kv_ca_index[k] = expand_paged_offset_len(v[:, 0], lens[k], width, bt, tpb)
     W = cfg.window_size
     if md.is_prompt:
