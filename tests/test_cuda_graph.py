@@ -245,8 +245,18 @@ def test_replay_on_another_stream_is_ordered_with_uploads() -> None:
         assert torch.equal(got["cu_seqlens_k"][: n + 1].cpu(), ref.cu_seqlens_k), i
 
 
+#: no Engram (the fast path); a plain paged-KV model (DESIGN 14), its KV sharded over 2 ranks too
+GRAPH_STATE_CONFIGS = {
+    "seed_like": dict(window_size=24, swa_block_size=27, dense_compress_ratios=(4, 16), sparse_compress_ratios=(4,)),
+    "plain": dict(window_size=0, dense_compress_ratios=(), sparse_compress_ratios=()),
+    "plain_kv2": dict(window_size=0, dense_compress_ratios=(), sparse_compress_ratios=(), kv_cp_world_size=2,
+                      kv_cp_interleave=4),
+}
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-def test_graph_with_the_upload_inside_follows_a_batch_state() -> None:
+@pytest.mark.parametrize("which", list(GRAPH_STATE_CONFIGS))
+def test_graph_with_the_upload_inside_follows_a_batch_state(which: str) -> None:
     """``upload_in_graph`` + ``replay_uploading``: ONE replay copies the host staging (filled by
     ``BatchState.stage_decode(upload=False)``) and runs the kernels; every step's rows equal
     ``prepare_decode`` of the state's decode batch, with the next fill waiting for the replay."""
@@ -254,8 +264,7 @@ def test_graph_with_the_upload_inside_follows_a_batch_state() -> None:
 
     from cpmeta import BatchState
 
-    cfg = MetadataConfig(block_size=16, window_size=24, swa_block_size=27, dense_compress_ratios=(4, 16),
-                         sparse_compress_ratios=(4,), max_model_len=512)  # no Engram: the fast path
+    cfg = MetadataConfig(block_size=16, max_model_len=512, **GRAPH_STATE_CONFIGS[which])
     rng = random.Random(5)
     bs = BatchState(cfg, max_seqs=N_CAP)
     lens = {}
