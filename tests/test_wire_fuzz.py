@@ -118,7 +118,8 @@ def mutate(frame: bytes, rng: random.Random, checksum: bool) -> tuple[str, bytes
         at = sorted(rng.randrange(hi) for _ in range(rng.randint(1, 3)))
         for i in at:
             b[i] ^= 1 << rng.randrange(8)
-        used = [i for i in at if not AT["crc"] <= i < AT["crc"] + 4] or [len(b)]
+        used = [i for i in at if b[i] != frame[i]  # two flips of one bit cancel out
+                and not AT["crc"] <= i < AT["crc"] + 4] or [len(b)]
         return ("flip" if op == 0 else "flip-head"), bytes(b), False, used[0]
     if op == 2:
         cut = rng.randrange(len(b))
