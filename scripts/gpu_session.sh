@@ -108,5 +108,6 @@ if [ "$PART" = round5_bench ]; then  # ~9 min: steady-state broadcast vs mq on t
     --attn-info 0 --modes barrier --methods cpmeta cpmeta+p floor --steps 200 --budget 3 --out "$OUT/bcast5_nccl.json"
   TAILN=6 step inplace_step5 60 python3 scripts/profile_inplace_step.py --repeat 1000 --out "$OUT/inplace_step5.json"
   TAILN=8 step bench_build5 60 python3 scripts/bench_build.py --only state_ --no-ref --repeat 300 --out "$OUT/build_state5.json"
+  TAILN=10 step bench_plain5 60 python3 scripts/bench_build.py --only plain_vs_seed --no-ref --repeat 200 --out "$OUT/build_plain5.json"
 fi
 ls -la "$OUT"
