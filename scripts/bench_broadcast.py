@@ -56,6 +56,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from cpmeta.metadata import InputMetadata  # noqa: E402
+
 METHODS = ("cpmeta", "cpmeta+bs", "cpmeta+p", "bol", "tdict", "mq", "floor")
 MODES = ("barrier", "engine")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # mq: the vllm bundle imports without CUDA
@@ -149,10 +151,11 @@ def time_cell(method: Method, md: Any, steps: int, warmup: int, budget_s: float,
     starts, ends = [], []
     t_begin = time.monotonic()
     n_done = 0
-    base_k = md.max_seqlen_k
+    vary = isinstance(md, InputMetadata)  # other payloads (bench_decode_cp's sequence lists) as given
+    base_k = md.max_seqlen_k if vary else 0
     got = None
     for i in range(warmup + steps):
-        if method.rank == 0:
+        if method.rank == 0 and vary:
             step_values(md, i, base_k)
         dist.barrier()
         if park_s and method.rank == 0:
@@ -171,7 +174,9 @@ def time_cell(method: Method, md: Any, steps: int, warmup: int, budget_s: float,
         dist.broadcast(stop, src=0)
         if int(stop):
             break
-    if method.rank == 0:
+    if not vary:
+        pass
+    elif method.rank == 0:
         check_values(got, md, i, base_k, f"{type(method).__name__} rank 0")
     else:  # followers regenerate the driver's last step on their copy of the payload
         step_values(md, i, base_k)
