@@ -7,7 +7,9 @@ Annotations only: no run-time cost, and a type checker follows every access.
 
 from __future__ import annotations
 
+import operator
 import os
+import select
 import time
 from typing import Any, Callable, Optional, Sequence, TypeVar, Union
 
@@ -22,6 +24,7 @@ __all__ = ["RingIO"]
 T = TypeVar("T")
 Buffers = Union[bytes, bytearray, memoryview, Sequence[Any]]
 _HDR_LEN = MSG_HEADER.size
+_VALUE = operator.attrgetter("value")
 
 
 class _Cursor:
@@ -65,6 +68,7 @@ class RingIO:
     _max_bytes: int  # reader: largest message accepted
     _pending: Optional[int]  # writer: head after the reserved message
     _announce_seen: int  # reader: announce count already acted on
+    _alive: Optional[tuple[tuple[int, ...], Any, list[int]]]  # writer: _alive_poll's last result
 
     def _label(self, i: Optional[int]) -> str:
         """``i`` as an error message names it: "rank 2 (reader 1)" or "rank 0 (writer)"."""
@@ -222,20 +226,45 @@ class RingIO:
         return best, best_tail
 
     def _check_alive_readers(self) -> None:
-        """Raise ``PeerError`` if an attached reader's process has died (one poll per reader).
+        """Raise ``PeerError`` if an attached reader's process has died.
 
         Checked after every publish, so a follower killed between steps is named at the driver's
-        next broadcast instead of once the ring has filled up ``num_slots`` messages later.
+        next broadcast instead of once the ring has filled up ``num_slots`` messages later. The
+        readers' pidfds sit in ONE ``select.poll`` (rebuilt when the set of attached readers
+        changes), so a step costs one syscall whatever the number of readers; a reader without
+        a pidfd is checked on its own, and any hit is confirmed reader by reader.
         """
-        for i, st in enumerate(self._w.states):
-            if st.value == ATTACHED:
-                watch = self._watch.get(i)
-                if watch is None:
-                    watch = self._watch[i] = PeerWatch(self._w.pids[i].value)
+        states = tuple(map(_VALUE, self._w.states))
+        alive = self._alive
+        if alive is None or alive[0] != states:
+            alive = self._alive = self._alive_poll(states)
+        poll, rest = alive[1], alive[2]
+        if (poll is not None and poll.poll(0)) or (
+                rest and any(self._watch[i].dead() for i in rest)):
+            for i in [i for i, st in enumerate(states) if st == ATTACHED]:
+                watch = self._watch[i]
                 if watch.dead():
                     behind = self._w.head.value - self._w.tails[i].value
                     raise PeerError(f"ShmRing writer: {self._label(i)}, pid {watch.pid}, died "
                                     f"{behind} slot(s) behind")
+
+    def _alive_poll(self, states: tuple[int, ...]
+                    ) -> tuple[tuple[int, ...], Optional[Any], list[int]]:
+        """``(states, one poll object over the attached readers' pidfds or None, attached
+        readers without one)``."""
+        poll, rest = None, []
+        for i in [i for i, st in enumerate(states) if st == ATTACHED]:
+            watch = self._watch.get(i)
+            if watch is None:
+                watch = self._watch[i] = PeerWatch(self._w.pids[i].value)
+            fd = watch.pollable
+            if fd is None:
+                rest.append(i)
+                continue
+            if poll is None:
+                poll = select.poll()
+            poll.register(fd, select.POLLIN)
+        return states, poll, rest
 
     def _check_readers(self, head: int, k: int, deadline: float) -> None:
         n = self.handle.num_slots

@@ -120,6 +120,12 @@ class PeerWatch:
                 self._poll = select.poll()
                 self._poll.register(self._pidfd, select.POLLIN)
 
+    @property
+    def pollable(self) -> Optional[int]:
+        """The pidfd when :meth:`dead` polls one (a caller may register it in its own
+        ``select.poll`` to watch many peers with one syscall), else ``None``."""
+        return self._pidfd if self._poll is not None else None
+
     def dead(self) -> bool:
         """True when the process no longer runs."""
         if self._poll is not None:

@@ -179,6 +179,7 @@ class ShmRing(RingIO):
         self._spin_s = _auto_spin_us(handle.num_readers) * 1e-6
         self._yield_spin = _cores() <= handle.num_readers  # fewer cores than ring processes
         self._announce_seen = 0  # reader: announce count already acted on
+        self._alive = None  # writer: one poll over the readers' pidfds (RingIO)
         self._pending: Optional[int] = None  # writer: head after the reserved message
         self._max_bytes = envs.max_message_bytes()
 
