@@ -165,6 +165,31 @@ def test_uniform_draft_counts(k: int) -> None:
         assert n_steps >= 6, (cfg, n_steps)
 
 
+@pytest.mark.parametrize("k", [0, 1, 2, 5])
+def test_cached_step_views_write_the_general_bytes(k: int) -> None:
+    """The common step (no placeholders, one draft count for all) writes through views of the
+    host buffer cached per shape: byte for byte what the general writer (``_write_fixed`` +
+    ``_write_values``) writes, also on a cache hit over a poisoned buffer, after other shapes and
+    after the staging grew (tiny buffers)."""
+    for ci in (0, 3, PLAIN_CI):
+        cfg = CONFIGS[ci]
+        st, steps = _engine(cfg, random.Random(30 + ci), uniform=k)
+        fast, ref = DecodeStaging("cpu", 8), DecodeStaging("cpu", 8)
+        for slots, drafts, counts, _ in steps(12):
+            step = st.vouch_decode(slots, drafts, counts)
+            assert step is not None and step.uniform
+            for poison in (False, True):  # the second call: the views of the first, over junk
+                if poison:
+                    fast.host_buffer.fill_(-7)
+                got = stage_decode(fast, st, slots, drafts, counts)
+                view = ref.host_view(got.used)
+                view[:got.used] = -7
+                cache = StateStagingCache.of(ref, st)
+                stage_state._write_fixed(cache, view, got, len(slots), None)
+                stage_state._write_values(cache, view, got, step, 0)
+                assert np.array_equal(fast.host_buffer[:got.used].numpy(), view[:got.used]), (ci, k)
+
+
 def test_launch_and_replay_shape_unchanged() -> None:
     """Buffers captured at a larger batch: ``launch_decode_inplace`` after ``stage_decode`` gives
     ``prepare_decode`` on the live prefix."""

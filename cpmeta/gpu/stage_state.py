@@ -12,7 +12,7 @@ buffer and state). ``tests/test_stage_decode.py`` checks that both paths stage t
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
@@ -35,12 +35,13 @@ class StateStagingCache:
     ``HEADER_FIXED``, then the ratio list); ``stride_off`` [max_seqs] int32: sequence s's
     block-table offset ``s * max_num_blocks``; ``ar32`` [max_seqs + 1] int32 ``0..max_seqs``;
     ``q_lim``: the most query rows whose decode offsets fit int32 (``rows * max_num_blocks *
-    block_size // min dense ratio``); ``fixed``: the staging prefix a step's values do not change,
-    per (sequences, rows per sequence). Example: 4 slots, max_num_blocks 3 -> stride_off
-    ``[0, 3, 6, 9]``.
+    block_size // min dense ratio``); ``views``: the staging prefix a step's values do not change,
+    with the views of the host buffer ``views_of`` that step writes (:class:`_StepViews`, per
+    (sequences, rows per sequence), the common step: no placeholders, one draft count for all),
+    so that step slices nothing. Example: 4 slots, max_num_blocks 3 -> stride_off ``[0, 3, 6, 9]``.
     """
 
-    __slots__ = ("state", "header", "stride_off", "ar32", "q_lim", "fixed")
+    __slots__ = ("state", "header", "stride_off", "ar32", "q_lim", "views", "views_of")
 
     def __init__(self, st: BatchState) -> None:
         cfg, n, mnb = st.cfg, st.max_seqs, st.block_rows32.shape[1]
@@ -51,7 +52,8 @@ class StateStagingCache:
         self.ar32 = np.arange(n + 1, dtype=np.int32)
         bc_d = cfg.block_size // min(cfg.dense_compress_ratios) if cfg.dense_compress_ratios else 0
         self.q_lim = INT32_MAX // (mnb * bc_d) if bc_d else INT32_MAX
-        self.fixed: dict[tuple[int, int], np.ndarray] = {}
+        self.views: dict[tuple[int, int], _StepViews] = {}
+        self.views_of: Optional[np.ndarray] = None  # the host view ``views`` alias
 
     @staticmethod
     def of(staging: DecodeStaging, st: BatchState) -> "StateStagingCache":
@@ -101,7 +103,7 @@ def stage_decode(staging: DecodeStaging, st: BatchState, slots: np.ndarray,
     n_real, n_d, max_q = len(slots), 0 if drafts is None else len(drafts), 1 + step.k_hi
     n = n_real + n_ph
     total_q = n + n_d
-    total_k = int(sk.sum()) + n_ph
+    total_k = int(np.add.reduce(sk)) + n_ph  # (the ufuncs: no Python wrapper of ndarray.sum / max)
     cache = StateStagingCache.of(staging, st)
     if total_k > INT32_MAX or total_q > cache.q_lim:  # the builders' int32 checks (_check_decode_int32)
         return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload, capacity)
@@ -117,33 +119,90 @@ def stage_decode(staging: DecodeStaging, st: BatchState, slots: np.ndarray,
         return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload, capacity)
     # the tables cover seqlen_k <= max_model_len, so blocks_needed <= num_blocks, max_num_blocks;
     # it is monotone, so the batch's need is that of max(sk)
-    max_sk = int(sk.max())
+    max_sk = int(np.maximum.reduce(sk))
     staged = StagedDecode(n, total_q, total_k, max_q, max(max_sk, 1 if n_ph else 0), used,
                           max(blocks_needed(max_sk, cfg), ph_nb if n_ph else 0))
     _check(staging, staged, capacity)  # before the host buffer is touched
     view = staging.host_view(used)
-    _fill_prefix(cache, view, staged, n_real, None if uniform else nd)
-    _write_values(cache, view, staged, step, n_ph)
+    if uniform and not n_ph:
+        _write_common(cache, view, staged, step)
+    else:
+        _write_fixed(cache, view, staged, n_real, None if uniform else nd)
+        _write_values(cache, view, staged, step, n_ph)
     if upload:
         staging.upload(staged)
     return staged
 
 
-def _fill_prefix(cache: StateStagingCache, view: np.ndarray, staged: StagedDecode, n_real: int,
-                 nd: Optional[np.ndarray]) -> None:
-    """Everything before the ids that does not depend on the step's values (:func:`_write_fixed`),
-    for the common step (no placeholders, the same draft count for every request: ``nd`` None)
-    copied from a prefix cached per batch shape."""
-    key = (n_real, staged.max_seqlen_q) if nd is None and staged.num_seqs == n_real else None
-    fixed = cache.fixed.get(key) if key else None
-    if fixed is not None:
-        view[:len(fixed)] = fixed
-        return
-    _write_fixed(cache, view, staged, n_real, nd)
-    if key:
-        if len(cache.fixed) >= 32:
-            cache.fixed.clear()
-        cache.fixed[key] = view[:cache.header[0] + SEQ_FIELDS * n_real].copy()
+class _StepViews(NamedTuple):
+    """Views of the host buffer that the common step of one shape writes: ``fixed`` (a copy of
+    the prefix its values do not change) goes to ``prefix``; ``sk`` / ``cu_k`` / ``state``: the
+    rows seqlen_k, cu_seqlens_k (inclusive), state id [n]; ``cols``: the input ids, as ``(ids,)``
+    without drafts, else ``(last-token column, draft column 1, ..)`` of the ``[n, 1 + k]`` rows
+    (``(last-token column, [n, k] draft columns)`` when ``k > 3``); ``bt`` [n, max_num_blocks]:
+    the block-table section."""
+
+    fixed: np.ndarray
+    prefix: np.ndarray
+    sk: np.ndarray
+    cu_k: np.ndarray
+    state: np.ndarray
+    cols: tuple[np.ndarray, ...]
+    bt: np.ndarray
+
+
+def _step_views(cache: StateStagingCache, view: np.ndarray, staged: StagedDecode) -> _StepViews:
+    """Write the common step's fixed prefix (:func:`_write_fixed`) and make its :class:`_StepViews`.
+    Example: 256 sequences, 2 drafts each -> ids rows ``[256, 3]``, ``cols`` = 3 strided columns."""
+    n, max_q = staged.num_seqs, staged.max_seqlen_q
+    _write_fixed(cache, view, staged, n, None)
+    hl, mnb = cache.header[0], cache.state.block_rows32.shape[1]
+    off_ids = hl + SEQ_FIELDS * n
+    off_bt = off_ids + staged.total_q
+    blk = view[hl:off_ids].reshape(SEQ_FIELDS, n)
+    ids = view[off_ids:off_bt]
+    if max_q == 1:
+        cols: tuple[np.ndarray, ...] = (ids,)
+    else:  # a few 1-D strided copies beat one 2-D one (~1 us at 256 x 2)
+        rows = ids.reshape(n, max_q)
+        cols = (rows[:, 0], *(rows[:, j] for j in range(1, max_q))) if max_q <= 4 else (rows[:, 0], rows[:, 1:])
+    return _StepViews(view[:off_ids].copy(), view[:off_ids], blk[F_SEQLEN_K], blk[F_CU_K_INCL], blk[F_STATE],
+                      cols, view[off_bt:off_bt + n * mnb].reshape(n, mnb))
+
+
+def _write_common(cache: StateStagingCache, view: np.ndarray, staged: StagedDecode, step: VouchedStep) -> None:
+    """The common step (no placeholders, one draft count for all) through the views cached per
+    (sequences, rows per sequence): the same bytes as :func:`_write_fixed` + :func:`_write_values`
+    in ~10 numpy calls (the prefix copy, seqlen_k and its prefix sum, total_k, state ids, input ids,
+    ONE block-table row gather)."""
+    if cache.views_of is not view:  # the staging grew: the views alias the old buffer
+        cache.views.clear()
+        cache.views_of = view
+    key = (staged.num_seqs, staged.max_seqlen_q)
+    v = cache.views.get(key)
+    if v is None:
+        if len(cache.views) >= 32:
+            cache.views.clear()
+        v = cache.views[key] = _step_views(cache, view, staged)
+    else:
+        v.prefix[...] = v.fixed
+    st, slots, cols = cache.state, step.slots, v.cols
+    v.sk[...] = step.sk
+    np.add.accumulate(v.sk, out=v.cu_k)
+    view[2] = staged.total_k
+    st.state_ids32.take(slots, out=v.state, mode="clip")  # clip: no buffering (slots checked)
+    if len(cols) == 1:  # the last confirmed tokens (int32: the state vouched for every slot)
+        st.last_tokens32.take(slots, out=cols[0], mode="clip")
+    else:  # rows of sequence s: [s * (1 + k), (s + 1) * (1 + k)): last token, drafts
+        drafts, k = step.drafts, staged.max_seqlen_q - 1
+        assert drafts is not None  # k > 0: the step has drafts
+        cols[0][...] = st.last_tokens32[slots]
+        if len(cols) == 1 + k:  # one strided column per draft
+            for j in range(k):
+                cols[1 + j][...] = drafts[j::k]
+        else:
+            cols[1][...] = drafts.reshape(len(slots), k)
+    st.block_rows32.take(slots, axis=0, out=v.bt, mode="clip")
 
 
 def _write_values(cache: StateStagingCache, view: np.ndarray, staged: StagedDecode, step: VouchedStep,

@@ -50,6 +50,21 @@ def _consts(n: int) -> tuple[np.ndarray, ...]:
     return hit
 
 
+#: ``(n, k) -> bytes`` of ``np.full(n, k, np.int64)``: the counts of a step where every request has k drafts.
+_UNIFORM: dict[tuple[int, int], bytes] = {}
+
+
+def _uniform_counts(n: int, k: int) -> bytes:
+    """The bytes of ``n`` int64 draft counts all equal to ``k`` (cached): a count array equals
+    them iff every request has ``k`` drafts. Example: ``(2, 1)`` -> the 16 bytes of ``[1, 1]``."""
+    hit = _UNIFORM.get((n, k))
+    if hit is None:
+        if len(_UNIFORM) > 64:
+            _UNIFORM.clear()
+        hit = _UNIFORM[n, k] = np.full(n, k, np.int64).tobytes()
+    return hit
+
+
 def _made_on_first_read(slot: Any) -> property:
     """A property over the dataclass ``slot`` that runs ``self._tables()`` when it is still unset."""
 
@@ -146,9 +161,9 @@ def vouch_decode_step(st: StateStore, slots: Any, draft_tokens: Optional[np.ndar
             nd = np.asarray(num_drafts, np.int64)
             if nd.shape != slots.shape:
                 return None
-            # every request with the same number of drafts (the common MTP step): one comparison
+            # every request with the same number of drafts (the common MTP step): one memcmp
             k_lo = k_hi = int(nd[0])
-            uniform = not np.count_nonzero(nd != k_hi)
+            uniform = nd.tobytes() == _uniform_counts(len(nd), k_hi)
             if not uniform:
                 k_lo, k_hi = int(nd.min()), int(nd.max())
         if k_lo < 0 or (k_lo * len(slots) if nd is None or uniform else int(nd.sum())) != len(drafts):
