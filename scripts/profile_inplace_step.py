@@ -20,7 +20,10 @@ case (256 sequences, 0 / 2 drafts; the batches of ``scripts/bench_build.py``), p
   ``stage_fill``: the fill alone (same buffer, CUDA staging: includes the wait for the last use);
   ``replay_uploading``: the replay alone (stream lookup, ordering, ``g_up.replay()``, event record);
 - the CUDA calls inside the staging's bookkeeping: ``cur_stream`` (``torch.cuda.current_stream()``),
-  ``event_record`` (``Event.record()``), ``event_sync`` (``Event.synchronize()`` of a done event).
+  ``cur_stream_cached`` (the staging's ``_current_stream()``: the same ``Stream`` object while the
+  current stream stays), ``event_record`` (``Event.record()``: looks the current stream up),
+  ``event_record_on`` (``Event.record(stream)``, what the staging calls), ``event_sync``
+  (``Event.synchronize()`` of a done event).
 
     python scripts/profile_inplace_step.py --out $OUT/inplace_step.json     # on the H200
     python scripts/profile_inplace_step.py --repeat 50                      # CPU smoke run
@@ -114,12 +117,14 @@ def run_case(drafts: int, repeat: int, dev: torch.device, count: bool = False) -
 
         ev = torch.cuda.Event()
         ev.record()
+        cur = torch.cuda.current_stream()
         fns.update(step=step, step_sync=step_sync, upload=lambda: st.upload(staged), replay=lambda: st.replay(g),
                    replay_bare=g.replay, launch=lambda: launch_decode_inplace(st, cfg, out=out),
                    step_graph_upload=step_graph_upload,
                    stage_fill=lambda: stage_decode(st, bs, slots, dr, nd, upload=False),
                    replay_uploading=lambda: st.replay_uploading(g_up, staged),
-                   cur_stream=torch.cuda.current_stream, event_record=ev.record, event_sync=ev.synchronize)
+                   cur_stream=torch.cuda.current_stream, event_record=ev.record, event_sync=ev.synchronize,
+                   cur_stream_cached=st._current_stream, event_record_on=lambda: ev.record(cur))
     res = _interleaved(fns, repeat, lambda: None)  # no sync between pieces: host time, as a loop runs
     sync()
     return {"drafts": drafts, "n_seqs": 256, "total_q": 256 * (1 + drafts), **res}

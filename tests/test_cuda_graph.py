@@ -296,3 +296,24 @@ def test_graph_with_the_upload_inside_follows_a_batch_state(which: str) -> None:
         assert not diff, (step, diff)
         acc = np.array([rng.randint(1, int(c) + 1) for c in counts])
         bs.append_tokens_batch(slots, np.array([rng.randrange(100) for _ in range(int(acc.sum()))]), acc)
+
+
+def test_upload_follows_stream_switches() -> None:
+    """``DecodeStaging`` keeps ONE ``Stream`` object while the current stream stays the same
+    (``torch.cuda.current_stream`` builds one per call) and follows every ``torch.cuda.stream``
+    switch: each upload runs on the stream current at the call (recorded as its stream), and the
+    device buffer holds the last batch staged, whichever stream staged the one before."""
+    st = DecodeStaging("cuda", 4096)
+    side = torch.cuda.Stream()
+    rng = random.Random(6)
+    main = torch.cuda.current_stream()
+    for i, s in enumerate((main, side, side, main, side, main, main)):
+        with torch.cuda.stream(s):
+            seqs = [_cap_seq(rng.randint(1, 2), rng.randint(2, 300), j) for j in range(rng.randint(1, CAP_SEQS))]
+            torch.cuda._sleep(5_000_000)  # the previous upload may still be queued on the other stream
+            staged = st.stage(seqs, CFG)
+            assert st._current_stream() is st._current_stream(), i
+            assert st._current_stream() == torch.cuda.current_stream() == s, i
+            assert st._up_stream == s, i
+        torch.cuda.synchronize()
+        assert torch.equal(st.device_buffer[:staged.used].cpu(), st.host_buffer[:staged.used]), i

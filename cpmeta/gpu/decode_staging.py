@@ -30,6 +30,11 @@ __all__ = ["DecodeStaging", *staging_layout.__all__]
 
 logger = logging.getLogger(__name__)
 
+#: ``device index -> (stream_id, device_index, device_type)`` of the calling thread's current
+#: stream: the C call behind ``torch.cuda.current_stream`` without the ``Stream`` it builds
+#: (None in a build without CUDA, where no CUDA staging exists).
+_CUR_STREAM_KEY = getattr(torch._C, "_cuda_getCurrentStream", None)
+
 
 class DecodeStaging:
     """The reusable staging pair: a pinned host int32 buffer and its device twin.
@@ -64,6 +69,8 @@ class DecodeStaging:
         self._read_event: Optional[torch.cuda.Event] = None  # last consumer on ANOTHER stream done
         self._read_pending = False  # _read_event recorded since the last upload waited for it
         self._up_stream: Optional["torch.cuda.Stream"] = None  # stream of the last upload
+        # (key, Stream) of the last current stream seen (ONE attribute: threads see a consistent pair)
+        self._cur: Optional[tuple[object, "torch.cuda.Stream"]] = None
         self._dev_index = self.device.index if self.device.index is not None else (
             torch.cuda.current_device() if self.device.type == "cuda" else -1)
         self._slices: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # upload size -> (device, host) views
@@ -162,13 +169,29 @@ class DecodeStaging:
             pair = self._slices[k] = (self.device_buffer[:k], self.host_buffer[:k])
         self._write_device(lambda: pair[0].copy_(pair[1], non_blocking=True))
 
+    def _current_stream(self) -> "torch.cuda.Stream":
+        """``torch.cuda.current_stream(device)``, the same ``Stream`` object again while the
+        calling thread's current stream is the same one: ``current_stream`` builds a new Python
+        ``Stream`` per call (several us of host time per step); its key
+        ``(stream_id, device_index, device_type)`` -- what ``Stream`` equality compares -- is one
+        cheap C call (per thread, like the current stream). CUDA is initialized (the buffers are
+        on the device). Switching streams (``torch.cuda.stream(s)``) changes the key: a new
+        ``Stream`` equal to ``current_stream()``'s."""
+        if _CUR_STREAM_KEY is None:
+            return torch.cuda.current_stream(self._dev_index)
+        key = _CUR_STREAM_KEY(self._dev_index)
+        cur = self._cur
+        if cur is None or cur[0] != key:
+            cur = self._cur = (key, torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2]))
+        return cur[1]
+
     def _write_device(self, write: Callable[[], object]) -> None:
         """Run ``write`` (whatever overwrites ``device_buffer`` from the host buffer: the copy, or
         a replay of a graph holding it) on the current stream, ordered after every reader of the
         previous batch, then record ``upload_event`` (the host buffer is free once it fires)."""
-        stream = torch.cuda.current_stream(self._dev_index)
+        stream = self._current_stream()
         up = self._up_stream
-        if up is not None and stream != up:  # consumers ordered on the old upload stream
+        if up is not None and up is not stream and stream != up:  # consumers ordered on the old upload stream
             stream.wait_stream(up)
         if self._read_pending:
             assert self._read_event is not None  # recorded before _read_pending is set
@@ -227,8 +250,8 @@ class DecodeStaging:
         event recorded outside a capture cannot be waited on inside)."""
         if self._event is None:
             return
-        s = stream or torch.cuda.current_stream(self._dev_index)
-        if s == self._up_stream or torch.cuda.is_current_stream_capturing():
+        s = stream or self._current_stream()
+        if s is self._up_stream or s == self._up_stream or torch.cuda.is_current_stream_capturing():
             return
         s.wait_event(self._event)
 
@@ -238,8 +261,8 @@ class DecodeStaging:
         order does that: no event). No-op on CPU and while capturing."""
         if self.device.type != "cuda":
             return
-        s = stream or torch.cuda.current_stream(self._dev_index)
-        if s == self._up_stream or torch.cuda.is_current_stream_capturing():
+        s = stream or self._current_stream()
+        if s is self._up_stream or s == self._up_stream or torch.cuda.is_current_stream_capturing():
             return
         if self._read_event is None:
             self._read_event = torch.cuda.Event()
@@ -254,8 +277,8 @@ class DecodeStaging:
             graph.replay()
             return
         if stream is None:
-            s = torch.cuda.current_stream(self._dev_index)
-            if s == self._up_stream:  # the upload's own stream: stream order both ways
+            s = self._current_stream()
+            if s is self._up_stream or s == self._up_stream:  # the upload's own stream: stream order both ways
                 graph.replay()
                 return
             self.ready_on(s)
