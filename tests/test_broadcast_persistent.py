@@ -110,7 +110,7 @@ def _equivalence(rank: int, world: int, seed: int, force_remote: bool) -> int:
     return [n, kinds]
 
 
-@pytest.mark.parametrize("world,force_remote", [(2, False), (3, False), (2, True)])
+@pytest.mark.parametrize("world,force_remote", [(1, False), (2, False), (3, False), (2, True)])
 def test_persistent_equals_fresh(world: int, force_remote: bool) -> None:
     assert run_ranks(_equivalence, world, 4242, force_remote, timeout=240) == [
         [N_STEPS, [False, True]]] * world

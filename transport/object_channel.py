@@ -209,6 +209,12 @@ class ObjectChannel:
 
     # ------------------------------------------------------------------ raw frames
 
+    @property
+    def has_readers(self) -> bool:
+        """Whether any other rank receives what ``src`` sends (False in a group of one: a
+        caller may then skip building a frame nobody reads)."""
+        return self.ring is not None or self._remote_group is not None
+
     def send_frame(self, nbytes: int, fill: Callable[[memoryview, int], None]) -> None:
         """``src`` only: one message of ``nbytes`` bytes that ``fill(view, address)`` writes.
 

@@ -266,7 +266,13 @@ class MetadataBroadcaster:
             integrity.seal(view, data_at, self.checksum)
 
         region_at = [0]
-        self._objects.send_frame(data_at + (tbytes if packed else 0), fill)
+        if not self._objects.has_readers:  # world 1: no frame, nobody would read it
+            if arena is not None and packed:
+                arena.wait_host()  # the tensors straight into the driver's own arena
+                arena.write(tensors, arena.host_ptr)
+                return arena.finish(values)
+        else:
+            self._objects.send_frame(data_at + (tbytes if packed else 0), fill)
         if arena is not None:
             if packed:
                 arena.take(region_at[0])  # the driver's own copy, after the publish

@@ -125,14 +125,15 @@ class LayoutArena:
 
     def write(self, tensors: list[torch.Tensor], dst: int) -> None:
         """Driver: the step's tensors (layout order) as the frame's tensor region at address
-        ``dst`` (the ring slot itself): a span's offsets table, then ONE ``memmove`` when the
+        ``dst`` (the ring slot itself; the host arena when no rank reads a frame, world 1): a
+        span's offsets table (unless ``dst`` is the host arena), then ONE ``memmove`` when the
         tensors lie in one allocation at exactly this arena's offsets (checked per step once a
         source qualified: the same tensor objects at the same addresses), else one per tensor;
         CUDA sources go through the host arena (device-to-host copies)."""
         if not self.region:
             return
         memmove = ctypes.memmove
-        if self._data_at:
+        if self._data_at and dst != self.host_ptr:
             memmove(dst, self.host_ptr, self._data_at)  # the offsets table (fixed per arena)
         ptrs = tuple(map(_DATA_PTR, tensors))
         if (ptrs == self.src_ptrs and all(map(_IS, tensors, self._src))) or (
@@ -149,7 +150,8 @@ class LayoutArena:
             self.wait_host()
             for d, t in zip(self.host_views(), tensors):
                 d.copy_(t)
-            memmove(dst, self.host_ptr, self.region)
+            if dst != self.host_ptr:
+                memmove(dst, self.host_ptr, self.region)
 
     def take(self, src: int) -> None:
         """Driver, after the publish (off the followers' path): the frame's region at address
