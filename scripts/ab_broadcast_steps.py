@@ -51,7 +51,7 @@ def main() -> int:
         """The two ObjectChannel calls the broadcaster makes, over the in-process ring."""
 
         def __init__(self, r: ShmRing) -> None:
-            self.ring, self.timeout = r, 10.0
+            self.ring, self.timeout, self.has_readers = r, 10.0, True
 
         def send_frame(self, nbytes: int, fill) -> None:
             view, addr = self.ring.reserve(nbytes)
