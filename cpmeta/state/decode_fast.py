@@ -168,8 +168,9 @@ def vouch_decode_step(st: StateStore, slots: Any, draft_tokens: Optional[np.ndar
                 k_lo, k_hi = int(nd.min()), int(nd.max())
         if k_lo < 0 or (k_lo * len(slots) if nd is None or uniform else int(nd.sum())) != len(drafts):
             return None
-        # ids in [0, 2**31) in one pass (>> 31 is 0 there); a negative id takes the full check
-        if drafts.dtype != np.int32 and np.count_nonzero(drafts >> 31) \
+        # ids in [0, 2**31) in ONE reduction: their bitwise or is too (>> 31 is 0 there); any id
+        # outside sets bit 31 or above, or the sign; a negative id takes the full check
+        if drafts.dtype != np.int32 and np.bitwise_or.reduce(drafts) >> 31 \
                 and (int(drafts.max()) > INT32_MAX or int(drafts.min()) < -INT32_MAX - 1):
             return None
         step = VouchedStep(slots, nt, nt + (k_hi if uniform else nd), drafts, nd, k_hi, uniform)
