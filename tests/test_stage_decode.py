@@ -186,7 +186,7 @@ def test_cached_step_views_write_the_general_bytes(k: int) -> None:
                 view[:got.used] = -7
                 cache = StateStagingCache.of(ref, st)
                 stage_state._write_fixed(cache, view, got, len(slots), None)
-                stage_state._write_values(cache, view, got, step, 0)
+                stage_state._write_values(cache, view, got, step, np.cumsum(step.sk), 0)
                 assert np.array_equal(fast.host_buffer[:got.used].numpy(), view[:got.used]), (ci, k)
 
 

@@ -38,10 +38,11 @@ class StateStagingCache:
     block_size // min dense ratio``); ``views``: the staging prefix a step's values do not change,
     with the views of the host buffer ``views_of`` that step writes (:class:`_StepViews`, per
     (sequences, rows per sequence), the common step: no placeholders, one draft count for all),
-    so that step slices nothing. Example: 4 slots, max_num_blocks 3 -> stride_off ``[0, 3, 6, 9]``.
+    so that step slices nothing; ``cu_k`` [max_seqs] int64 scratch: a step's inclusive prefix sum
+    of seqlen_k. Example: 4 slots, max_num_blocks 3 -> stride_off ``[0, 3, 6, 9]``.
     """
 
-    __slots__ = ("state", "header", "stride_off", "ar32", "q_lim", "views", "views_of")
+    __slots__ = ("state", "header", "stride_off", "ar32", "q_lim", "views", "views_of", "cu_k")
 
     def __init__(self, st: BatchState) -> None:
         cfg, n, mnb = st.cfg, st.max_seqs, st.block_rows32.shape[1]
@@ -54,6 +55,7 @@ class StateStagingCache:
         self.q_lim = INT32_MAX // (mnb * bc_d) if bc_d else INT32_MAX
         self.views: dict[tuple[int, int], _StepViews] = {}
         self.views_of: Optional[np.ndarray] = None  # the host view ``views`` alias
+        self.cu_k = np.empty(n, np.int64)  # a step's cu_seqlens_k (inclusive), before the host buffer is free
 
     @staticmethod
     def of(staging: DecodeStaging, st: BatchState) -> "StateStagingCache":
@@ -103,8 +105,11 @@ def stage_decode(staging: DecodeStaging, st: BatchState, slots: np.ndarray,
     n_real, n_d, max_q = len(slots), 0 if drafts is None else len(drafts), 1 + step.k_hi
     n = n_real + n_ph
     total_q = n + n_d
-    total_k = int(np.add.reduce(sk)) + n_ph  # (the ufuncs: no Python wrapper of ndarray.sum / max)
     cache = StateStagingCache.of(staging, st)
+    # cu_seqlens_k (inclusive) in int64, exact: its last entry is the step's total (no separate sum)
+    cu_k = cache.cu_k[:n_real] if n_real <= len(cache.cu_k) else np.empty(n_real, np.int64)
+    np.add.accumulate(sk, out=cu_k)
+    total_k = int(cu_k[-1]) + n_ph
     if total_k > INT32_MAX or total_q > cache.q_lim:  # the builders' int32 checks (_check_decode_int32)
         return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload, capacity)
     # block tables at a FIXED stride: sequence s's table starts at s * max_num_blocks (its
@@ -119,16 +124,16 @@ def stage_decode(staging: DecodeStaging, st: BatchState, slots: np.ndarray,
         return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload, capacity)
     # the tables cover seqlen_k <= max_model_len, so blocks_needed <= num_blocks, max_num_blocks;
     # it is monotone, so the batch's need is that of max(sk)
-    max_sk = int(np.maximum.reduce(sk))
+    max_sk = int(np.maximum.reduce(sk))  # (the ufunc: no Python wrapper of ndarray.max)
     staged = StagedDecode(n, total_q, total_k, max_q, max(max_sk, 1 if n_ph else 0), used,
                           max(blocks_needed(max_sk, cfg), ph_nb if n_ph else 0))
     _check(staging, staged, capacity)  # before the host buffer is touched
     view = staging.host_view(used)
     if uniform and not n_ph:
-        _write_common(cache, view, staged, step)
+        _write_common(cache, view, staged, step, cu_k)
     else:
         _write_fixed(cache, view, staged, n_real, None if uniform else nd)
-        _write_values(cache, view, staged, step, n_ph)
+        _write_values(cache, view, staged, step, cu_k, n_ph)
     if upload:
         staging.upload(staged)
     return staged
@@ -170,11 +175,12 @@ def _step_views(cache: StateStagingCache, view: np.ndarray, staged: StagedDecode
                       cols, view[off_bt:off_bt + n * mnb].reshape(n, mnb))
 
 
-def _write_common(cache: StateStagingCache, view: np.ndarray, staged: StagedDecode, step: VouchedStep) -> None:
+def _write_common(cache: StateStagingCache, view: np.ndarray, staged: StagedDecode, step: VouchedStep,
+                  cu_k: np.ndarray) -> None:
     """The common step (no placeholders, one draft count for all) through the views cached per
     (sequences, rows per sequence): the same bytes as :func:`_write_fixed` + :func:`_write_values`
-    in ~10 numpy calls (the prefix copy, seqlen_k and its prefix sum, total_k, state ids, input ids,
-    ONE block-table row gather)."""
+    in ~10 numpy calls (the prefix copy, seqlen_k and its prefix sum ``cu_k`` [n] int64, total_k,
+    state ids, input ids, ONE block-table row gather)."""
     if cache.views_of is not view:  # the staging grew: the views alias the old buffer
         cache.views.clear()
         cache.views_of = view
@@ -188,7 +194,7 @@ def _write_common(cache: StateStagingCache, view: np.ndarray, staged: StagedDeco
         v.prefix[...] = v.fixed
     st, slots, cols = cache.state, step.slots, v.cols
     v.sk[...] = step.sk
-    np.add.accumulate(v.sk, out=v.cu_k)
+    v.cu_k[...] = cu_k
     view[2] = staged.total_k
     st.state_ids32.take(slots, out=v.state, mode="clip")  # clip: no buffering (slots checked)
     if len(cols) == 1:  # the last confirmed tokens (int32: the state vouched for every slot)
@@ -206,8 +212,8 @@ def _write_common(cache: StateStagingCache, view: np.ndarray, staged: StagedDeco
 
 
 def _write_values(cache: StateStagingCache, view: np.ndarray, staged: StagedDecode, step: VouchedStep,
-                  n_ph: int) -> None:
-    """The step's values: ``seqlen_k`` and its prefix sum, ``total_k``, state ids, input ids (each
+                  cu_k: np.ndarray, n_ph: int) -> None:
+    """The step's values: ``seqlen_k`` and its prefix sum (``cu_k`` [n_real] int64), ``total_k``, state ids, input ids (each
     request's last confirmed token, then its drafts; placeholders 0) and the block-table rows."""
     slots, drafts, nd = step.slots, step.drafts, step.nd
     n, total_q, total_k, max_q = staged.num_seqs, staged.total_q, staged.total_k, staged.max_seqlen_q
@@ -218,7 +224,7 @@ def _write_values(cache: StateStagingCache, view: np.ndarray, staged: StagedDeco
     blk = view[cache.header[0]:off_ids].reshape(SEQ_FIELDS, n)
     r = slice(0, n_real)
     blk[F_SEQLEN_K, r] = step.sk
-    np.add.accumulate(blk[F_SEQLEN_K, r], out=blk[F_CU_K_INCL, r])
+    blk[F_CU_K_INCL, r] = cu_k
     view[2] = total_k
     if n_ph:
         blk[F_CU_K_INCL, n_real:] = np.arange(total_k - n_ph + 1, total_k + 1)
