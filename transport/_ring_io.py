@@ -68,6 +68,7 @@ class RingIO:
     _max_bytes: int  # reader: largest message accepted
     _pending: Optional[int]  # writer: head after the reserved message
     _announce_seen: int  # reader: announce count already acted on
+    _tail_floor: int  # writer: a lower bound of every waited-for reader's tail (_wait_space)
     _alive: Optional[tuple[tuple[int, ...], Any, list[int]]]  # writer: _alive_poll's last result
 
     def _label(self, i: Optional[int]) -> str:
@@ -119,18 +120,21 @@ class RingIO:
             raise RuntimeError("ShmRing.reserve: the previous reserve() was not committed")
         if not self.fits(length):
             raise ValueError(f"ShmRing.reserve: {length} bytes do not fit the ring; use write()")
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        wait = self.timeout if timeout is None else timeout
         size, n = self.handle.slot_size, self.handle.num_slots
         k = cdiv(_HDR_LEN + length, size)
         head = self._w.head.value
         first = head % n
         if first + k > n:  # keep the message contiguous: pad to the end of the ring
-            self._wait_space(head, n - first, deadline)
+            wait = time.monotonic() + wait  # one deadline for both waits
+            self._wait_space(head, n - first, wait)
             MSG_HEADER.pack_into(self._buf, self._data_at + first * size, 0, KIND_PAD, n - first)
             head += n - first
             self._publish(head)
             first = 0
-        self._wait_space(head, k, deadline)
+            self._wait_space(head, k, wait)
+        elif head + k - self._tail_floor > n:  # tails only grow: the floor proves room
+            self._wait_space(head, k, time.monotonic() + wait)
         pos = self._data_at + first * size
         MSG_HEADER.pack_into(self._buf, pos, length, KIND_DATA, 0)
         pos += _HDR_LEN
@@ -206,6 +210,9 @@ class RingIO:
         while True:
             lag, tail = self._slowest()
             if lag is None or head + k - tail <= n:
+                # every waited-for tail is >= this from now on (tails never decrease; a reader
+                # only leaves the waited-for set), so reserve skips the scan while it proves room
+                self._tail_floor = head if lag is None else tail
                 return n if lag is None else n - (head - tail)
             # no local references to ctypes words: a traceback would pin the mapping
             self._w.writer_waiting.value = 1

@@ -180,6 +180,7 @@ class ShmRing(RingIO):
         self._yield_spin = _cores() <= handle.num_readers  # fewer cores than ring processes
         self._announce_seen = 0  # reader: announce count already acted on
         self._alive = None  # writer: one poll over the readers' pidfds (RingIO)
+        self._tail_floor = 0  # writer: lower bound of the readers' tails (RingIO)
         self._pending: Optional[int] = None  # writer: head after the reserved message
         self._max_bytes = envs.max_message_bytes()
 
