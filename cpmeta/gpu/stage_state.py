@@ -82,8 +82,10 @@ def stage_decode(staging: DecodeStaging, st: BatchState, slots: np.ndarray,
     Same staged batch, same errors, same capacity refusal (``staging.out_capacity``; here
     checked before the host buffer is touched), same upload (``DecodeStaging.upload``: ONE
     non-blocking copy, event recorded), same return value; ``launch_decode_inplace`` and
-    graph replay read it unchanged. A step is ~20 vectorized numpy calls over ``[n_seq]``
-    arrays and the drafts, plus ONE row gather of the ``[max_seqs, max_num_blocks]`` int32 table
+    graph replay read it unchanged. The common step (no placeholders, one draft count for all)
+    is ~12 (no drafts) to ~18 (2 drafts, int64 ids and counts) vectorized numpy calls over
+    ``[n_seq]`` arrays and the drafts, the vouching included, through views cached per shape,
+    plus ONE row gather of the ``[max_seqs, max_num_blocks]`` int32 table
     mirror: the block tables sit at a fixed stride (sequence s at ``s * max_num_blocks``; its
     ``blocks_needed`` ids, then padding the kernels never read) instead of packed as
     ``write_staging`` packs them -- the same metadata, other staging bytes.
