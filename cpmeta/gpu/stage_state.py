@@ -215,8 +215,9 @@ def _write_common(cache: StateStagingCache, view: np.ndarray, staged: StagedDeco
 
 def _write_values(cache: StateStagingCache, view: np.ndarray, staged: StagedDecode, step: VouchedStep,
                   cu_k: np.ndarray, n_ph: int) -> None:
-    """The step's values: ``seqlen_k`` and its prefix sum (``cu_k`` [n_real] int64), ``total_k``, state ids, input ids (each
-    request's last confirmed token, then its drafts; placeholders 0) and the block-table rows."""
+    """The step's values: ``seqlen_k`` and its prefix sum (``cu_k`` [n_real] int64), ``total_k``,
+    state ids, input ids (each request's last confirmed token, then its drafts; placeholders 0)
+    and the block-table rows."""
     slots, drafts, nd = step.slots, step.drafts, step.nd
     n, total_q, total_k, max_q = staged.num_seqs, staged.total_q, staged.total_k, staged.max_seqlen_q
     st = cache.state
