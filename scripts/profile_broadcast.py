@@ -14,6 +14,15 @@ Two modes: ``engine`` (followers have been parked in their receive call for ``--
 the driver starts: the inference engine case) and ``b2b`` (a barrier right before the step, so
 followers are still spinning when the message lands).
 
+The driver's payload is what an engine building with ``out=OutputArenas()`` hands over each step
+(outside the timed region): the SAME tensor objects, refilled in place with this step's values
+(``bench_broadcast.step_values``), in a NEW ``InputMetadata`` with new dicts and a new
+``max_seqlen_k``, so a persistent driver's collect memo hits as it does in that engine.
+``--reuse-md`` passes the one refilled object every step instead (``bench_broadcast``'s case).
+Note on the driver's first phases in ``engine`` mode: they run right after the driver idled
+``--park-ms`` (cold caches, a core clocked down), so they cost several times their in-process
+time (``scripts/ab_broadcast_steps.py``); ``--park-ms 0`` shows how much of a phase that is.
+
     python scripts/profile_broadcast.py --world 2 --payload decode-64 --steps 200
 """
 
@@ -133,7 +142,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
     import torch.distributed as dist
 
     import cpmeta
-    from bench_broadcast import make_payload
+    from bench_broadcast import make_payload, step_values
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -143,7 +152,13 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
     _install(log, marks)
     bc = cpmeta.MetadataBroadcaster(src=0, timeout=120, persistent_outputs=args.persistent)
     rows = []
+    dict_fields = [n for n in md.field_names() if isinstance(getattr(md, n), dict)]
+    base_k = md.max_seqlen_k
     for i in range(args.warmup + args.steps):
+        if rank == 0:  # the engine's build, untimed: same tensors refilled, a new md, new dicts
+            step_values(md, i, base_k)
+            step_md = md if args.reuse_md else md.replace(
+                **{n: dict(getattr(md, n)) for n in dict_fields})
         dist.barrier()
         log.clear()
         marks.clear()
@@ -155,7 +170,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
             if args.begin_step and hasattr(bc, "begin_step"):
                 bc.begin_step()
                 time.sleep(args.build_us * 1e-6)  # building the metadata
-            bc.broadcast(md)
+            bc.broadcast(step_md)
         else:
             bc.broadcast(None)
         t1 = time.perf_counter_ns()
@@ -233,11 +248,13 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--persistent", action="store_true", help="persistent_outputs=True")
+    p.add_argument("--reuse-md", action="store_true",
+                   help="the driver passes one InputMetadata object every step (refilled in place)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     res = run(args)
     print(f"world {args.world} {args.payload} mode={args.mode} begin_step={args.begin_step} "
-          f"persistent={args.persistent} "
+          f"persistent={args.persistent} reuse_md={args.reuse_md} park_ms={args.park_ms} "
           f"(p50 us over {args.steps} steps, inclusive per phase)")
     for k in sorted(res):
         print(f"  {k:<52} {res[k]:8.1f}")
