@@ -430,4 +430,14 @@ def _memo_steps(memo, collect) -> None:
             continue
         elif kind == 6:  # aliasing appears
             md = md.replace(positions_cp=md.positions)
+        elif kind == 7 and md.positions.dim() == 1 and md.positions.numel() > 1:
+            t = md.positions  # a tensor's rank changed in place (same object, same bytes)
+            keep = t.data
+            t.data = keep.view(1, -1)
+            _same_collect(memo(md), collect(md), f"step {step} rank")
+            t.data = keep
+            continue
         _same_collect(memo(md), collect(md), f"step {step} kind {kind}")
+        *_, dims = memo.step(md)  # the broadcaster's call: the same, plus the flat dims
+        want_dims = tuple(d for t in collect(md)[1] for d in t.shape)
+        assert dims is None or dims == want_dims, f"step {step}: dims {dims} != {want_dims}"

@@ -213,11 +213,13 @@ class MetadataBroadcaster:
         return lid, plan, block
 
     def _send(self, md: InputMetadata, out: Optional[InputMetadata]) -> InputMetadata:
-        key, tensors, values = collect(md) if self._persist is None else self._persist.collect(md)
+        key, tensors, values, dims = (*collect(md), None) if self._persist is None else \
+            self._persist.collect.step(md)
         lid, plan, lblock = self._layout(key)
         if lid < 0:
             lid = layout_id(lblock)
-        dims = [d for t in tensors for d in t.shape]
+        if dims is None:  # (a memo hit read them already)
+            dims = tuple([d for t in tensors for d in t.shape])
         numels, starts, tbytes, exact = plan.sizes(dims)
         packed = self._use_packed(tensors, tbytes)
         try:
@@ -234,12 +236,12 @@ class MetadataBroadcaster:
         arena = None
         if self._persist is not None and out is None:  # the layout's arena (persistent_outputs)
             if packed:
-                arena = self._persist.driver_arena(plan, tuple(dims), numels, starts, tbytes,
+                arena = self._persist.driver_arena(plan, dims, numels, starts, tbytes,
                                                    exact, values, tensors)
                 if arena.span is not None:  # the tensors' own allocation as one span
                     flags, tbytes = flags | FLAG_SPAN, arena.region
             else:
-                arena = self._persist.get(plan, tuple(dims), numels, starts, tbytes, values)[0]
+                arena = self._persist.get(plan, dims, numels, starts, tbytes, values)[0]
         staged = None
         if arena is None and packed and (
                 self.device.type != "cpu" or any(t.device.type != "cpu" for t in tensors)):

@@ -104,8 +104,10 @@ class LayoutArena:
         # identity snapshot checked per step, restored when the caller changed it
         vpos = {pos for pos, sub in plan.value_slots if sub is None}
         fixed = [i for i in range(len(_FIELD_NAMES)) if i not in vpos]
-        self._fixed = (fixed, operator.itemgetter(*fixed))
-        self._snap = self._fixed[1](_GET_ALL(self.md))
+        # one C call reads every fixed field (InputMetadata has ~57, a layout fixes all but its
+        # few value fields, so the getter always returns a tuple)
+        self._fixed = (fixed, operator.attrgetter(*[_FIELD_NAMES[i] for i in fixed]))
+        self._snap = self._fixed[1](self.md)
         self._dict_snap = [(d, dict(d)) for d in _GET_ALL(self.md) if type(d) is dict]
         self._dict_lens = ([d for d, _ in self._dict_snap], [len(d) for d, _ in self._dict_snap])
         ents = [(d, k, v) for d, snap in self._dict_snap for k, v in snap.items()
@@ -219,7 +221,7 @@ class LayoutArena:
 
     def _current(self, values: list[Any]) -> InputMetadata:
         md = self.md
-        if not all(map(_IS, self._fixed[1](_GET_ALL(md)), self._snap)) or not self._dicts_intact():
+        if not all(map(_IS, self._fixed[1](md), self._snap)) or not self._dicts_intact():
             self._restore()
         self._values(md, values)
         return md
