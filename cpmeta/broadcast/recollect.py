@@ -30,7 +30,8 @@ from .wire import MAX_LAYOUTS
 
 __all__ = ["CollectMemo"]
 
-_GET_ALL = operator.attrgetter(*InputMetadata.field_names())
+_FIELDS = InputMetadata.field_names()
+_GET_ALL = operator.attrgetter(*_FIELDS)
 _DTYPE = operator.attrgetter("dtype")
 _DIM = torch.Tensor.dim
 _SHAPE = operator.attrgetter("shape")
@@ -48,22 +49,44 @@ def _tuple_getter(idx: list[int]) -> Callable[[Any], tuple]:
     return operator.itemgetter(*idx)
 
 
-class _Entry:
-    """What one step of one tuple of field types looked like (see the module docstring)."""
+def _fields_getter(idx: list[int]) -> Callable[[Any], tuple]:
+    """``f(md) -> tuple`` of the fields at positions ``idx`` of ``InputMetadata.field_names()``
+    (one C call; ``()`` for none)."""
+    if not idx:
+        return lambda md: ()
+    if len(idx) == 1:
+        get = operator.attrgetter(_FIELDS[idx[0]])
+        return lambda md: (get(md),)
+    return operator.attrgetter(*[_FIELDS[i] for i in idx])
 
-    __slots__ = ("sig", "tget", "tobjs", "dget", "dkeys", "dtypes", "dtget", "dtobjs", "vget",
-                 "dvget", "n_empty", "key", "tensors", "tdtypes", "tdims")
+
+class _Entry:
+    """What one step of one tuple of field types looked like (see the module docstring).
+
+    The per-step check reads the fields by kind, straight from the metadata (no row of all ~57
+    fields, no tuple of their types): tensor fields must be the same objects, ``None`` fields
+    still ``None``, value fields of the same types, dict fields dicts with the same keys, entry
+    types and tensor entries; together that is the field-type tuple this entry was made for.
+    """
+
+    __slots__ = ("sig", "tget", "tobjs", "nget", "nones", "vget", "vtypes", "dget", "dkeys",
+                 "dtypes", "dtget", "dtobjs", "dvget", "n_empty", "key", "tensors", "tdtypes",
+                 "tdims")
 
     def __init__(self, sig: tuple[type, ...], vals: tuple, key: tuple, tensors: list[torch.Tensor]
                  ) -> None:
         self.sig = sig
         tpos = [i for i, t in enumerate(sig) if issubclass(t, torch.Tensor)]
+        npos = [i for i, t in enumerate(sig) if t is _NONE]
         dpos = [i for i, t in enumerate(sig) if t is dict]
         vpos = [i for i, t in enumerate(sig)
                 if t is not _NONE and t is not dict and not issubclass(t, torch.Tensor)]
-        self.tget, self.dget, self.vget = _tuple_getter(tpos), _tuple_getter(dpos), _tuple_getter(vpos)
-        self.tobjs = self.tget(vals)
-        ds = self.dget(vals)
+        self.tget, self.nget = _fields_getter(tpos), _fields_getter(npos)
+        self.dget, self.vget = _fields_getter(dpos), _fields_getter(vpos)
+        self.tobjs = _tuple_getter(tpos)(vals)
+        self.nones = (None,) * len(npos)
+        self.vtypes = tuple(sig[i] for i in vpos)
+        ds = _tuple_getter(dpos)(vals)
         self.dkeys = tuple(map(tuple, ds))
         flat = list(chain.from_iterable(map(dict.values, ds)))
         self.dtypes = tuple(map(type, flat))
@@ -77,18 +100,23 @@ class _Entry:
         self.tdtypes = tuple(map(_DTYPE, tensors))
         self.tdims = tuple(map(_DIM, tensors))
 
-    def values(self, vals: tuple, flat: list) -> list[Any]:
-        """This step's values in ``collect``'s order: fields, dict entries, empty dicts."""
-        return [*self.vget(vals), *self.dvget(flat), *({} for _ in range(self.n_empty))]
+    def values(self, vv: tuple, flat: list) -> list[Any]:
+        """This step's values in ``collect``'s order: value fields ``vv``, dict entries, empty
+        dicts."""
+        return [*vv, *self.dvget(flat), *({} for _ in range(self.n_empty))]
 
-    def match(self, vals: tuple) -> Optional[tuple[tuple, list[torch.Tensor], list[Any], tuple]]:
-        """``(key, tensors, values, flat dims)`` when ``vals`` (a row of fields) is this entry's
-        step again with new values, else ``None``. The shapes are read once here: their lengths
-        are the ranks checked, their concatenation the frame's dims."""
-        if not all(map(_IS, self.tget(vals), self.tobjs)):
+    def match(self, md: InputMetadata
+              ) -> Optional[tuple[tuple, list[torch.Tensor], list[Any], tuple]]:
+        """``(key, tensors, values, flat dims)`` when ``md`` is this entry's step again with new
+        values, else ``None``. The shapes are read once here: their lengths are the ranks
+        checked, their concatenation the frame's dims."""
+        if not all(map(_IS, self.tget(md), self.tobjs)) or \
+                not all(map(_IS, self.nget(md), self.nones)):
             return None
-        ds = self.dget(vals)
-        if tuple(map(tuple, ds)) != self.dkeys:
+        vv = self.vget(md)
+        ds = self.dget(md)
+        if tuple(map(type, vv)) != self.vtypes or not all(type(d) is dict for d in ds) or \
+                tuple(map(tuple, ds)) != self.dkeys:
             return None
         flat = list(chain.from_iterable(map(dict.values, ds)))
         if tuple(map(type, flat)) != self.dtypes or not all(map(_IS, self.dtget(flat), self.dtobjs)):
@@ -97,7 +125,7 @@ class _Entry:
         shapes = tuple(map(_SHAPE, ts))
         if tuple(map(_DTYPE, ts)) != self.tdtypes or tuple(map(len, shapes)) != self.tdims:
             return None
-        return self.key, ts, self.values(vals, flat), tuple(chain.from_iterable(shapes))
+        return self.key, ts, self.values(vv, flat), tuple(chain.from_iterable(shapes))
 
 
 class CollectMemo:
@@ -115,13 +143,16 @@ class CollectMemo:
     def step(self, md: InputMetadata) -> tuple[tuple, list[torch.Tensor], list[Any], tuple]:
         """``(key, tensors, values)`` of ``collect(md)`` plus the tensors' dims concatenated
         (``(64, 64, 4)`` for shapes ``[64]``, ``[64, 4]``), the broadcaster's per-step call."""
+        e = self._last  # the last hit's entry first: no row of all fields, no type tuple
+        if e is not None:
+            got = e.match(md)
+            if got is not None:
+                return got
         vals = _GET_ALL(md)
         sig = tuple(map(type, vals))
-        e = self._last
-        if e is None or e.sig != sig:  # equal types compare by identity: no hash of ~57 items
-            e = self._by_sig.get(sig)
+        e = self._by_sig.get(sig)
         if e is not None:
-            got = e.match(vals)
+            got = e.match(md)
             if got is not None:
                 self._last = e
                 return got
@@ -132,8 +163,8 @@ class CollectMemo:
             self._by_sig.clear()
         self._last = None
         e = _Entry(sig, vals, key, tensors)
-        flat = list(chain.from_iterable(map(dict.values, e.dget(vals))))
-        again = e.values(vals, flat)
+        flat = list(chain.from_iterable(map(dict.values, e.dget(md))))
+        again = e.values(e.vget(md), flat)
         ok = len(again) == len(values) and all(
             a is b or (type(a) is dict and type(b) is dict and not a and not b)
             for a, b in zip(again, values))
