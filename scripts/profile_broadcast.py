@@ -79,6 +79,7 @@ PHASES: list[tuple[str, str, str]] = [
     ("F assemble InputMetadata", "cpmeta.broadcast.broadcaster", "_assemble"),
     ("F assemble InputMetadata", "cpmeta.broadcast.wire", "Plan.assemble"),
     ("D collect by path", "cpmeta.broadcast.recollect", "CollectMemo.__call__"),
+    ("D collect by path", "cpmeta.broadcast.recollect", "CollectMemo.step"),
     ("P arena lookup (both)", "cpmeta.broadcast.persistent", "PersistentArenas.get"),
     ("P arena lookup (both)", "cpmeta.broadcast.persistent", "PersistentArenas.driver_arena"),
     ("P follower: span frame lookup + land", "cpmeta.broadcast.broadcaster", "land_span"),
