@@ -326,8 +326,14 @@ def _spawned(rank: int, world: int, port: int, o: GenOptions, queue: Any) -> Non
         result = run_rank(rank, world, o)
         if rank == 0:
             queue.put(result)
+        dist.barrier()  # followers wait while rank 0 compares: every rank tears down together
     finally:
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # no interpreter teardown: a library thread still alive at exit (seen once in ten runs) aborts
+    # the process ("terminate called without an active exception") after the work is done
+    os._exit(0)
 
 
 def launch(o: GenOptions) -> dict[str, Any]:
