@@ -96,6 +96,12 @@ if [ "$PART" = round5_tests ]; then  # ~9 min: GPU paths of the round's changes
   done
   step launch_nccl1_5 50 python3 -m launch --backend nccl --nproc-per-node 1 --workload mixed --cp-mirror --attn-info --steps 100 --verify
 fi
+if [ "$PART" = round5_inplace ]; then  # ~4 min: the in-place step's host-call cuts (cached stream, cached step views)
+  TAILN=4 step gpu_inplace5 240 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graph.py tests/test_decode_inplace.py \
+    tests/test_stage_decode.py tests/test_decode_cp.py tests/test_decode_capacity.py
+  TAILN=6 step inplace_step5b 90 python3 scripts/profile_inplace_step.py --repeat 1000 --cp --out "$OUT/inplace_step5b.json"
+  TAILN=8 step bench_build5b 60 python3 scripts/bench_build.py --only state_ --no-ref --repeat 300 --out "$OUT/build_state5b.json"
+fi
 if [ "$PART" = round5_bench ]; then  # ~9 min: steady-state broadcast vs mq on the host's cores, the in-place step
   MQ=""; [ -d mq_bundle312 ] && MQ=":$PWD/mq_bundle312"
   TAILN=40 step bench_bcast5 330 env PYTHONPATH="$PWD$MQ" VLLM_TARGET_DEVICE=cpu python3 scripts/bench_broadcast.py \
