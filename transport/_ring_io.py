@@ -118,11 +118,11 @@ class RingIO:
             raise RuntimeError("ShmRing.reserve: this end is a reader")
         if self._pending is not None:
             raise RuntimeError("ShmRing.reserve: the previous reserve() was not committed")
-        if not self.fits(length):
+        size, n = self.handle.slot_size, self.handle.num_slots
+        k = -(-(_HDR_LEN + length) // size)  # slots of the message (cdiv, inlined)
+        if k > n:
             raise ValueError(f"ShmRing.reserve: {length} bytes do not fit the ring; use write()")
         wait = self.timeout if timeout is None else timeout
-        size, n = self.handle.slot_size, self.handle.num_slots
-        k = cdiv(_HDR_LEN + length, size)
         head = self._w.head.value
         first = head % n
         if first + k > n:  # keep the message contiguous: pad to the end of the ring
@@ -161,7 +161,7 @@ class RingIO:
             raise RuntimeError("ShmRing.announce: this end is a reader")
         self._w.announce.value = (self._w.announce.value + 1) & 0xFFFFFFFF
         fence()  # announce store before the loads of the readers' waiting flags
-        if not HAVE_FENCE or any(w.value for w in self._w.waiting):
+        if not HAVE_FENCE or any(map(_VALUE, self._w.waiting)):
             futex_wake(self._head_addr)
 
     def _stream_out(self, parts: list[memoryview], length: int, k: int, head: int,
@@ -201,7 +201,7 @@ class RingIO:
             fence()  # payload stores before the head store
         self._w.head.value = head
         fence()  # head store before the loads of the readers' waiting flags (StoreLoad)
-        if not HAVE_FENCE or any(w.value for w in self._w.waiting):
+        if not HAVE_FENCE or any(map(_VALUE, self._w.waiting)):
             futex_wake(self._head_addr)
 
     def _wait_space(self, head: int, k: int, deadline: float) -> int:
