@@ -258,7 +258,7 @@ GRAPH_STATE_CONFIGS = {
 @pytest.mark.parametrize("which", list(GRAPH_STATE_CONFIGS))
 def test_graph_with_the_upload_inside_follows_a_batch_state(which: str) -> None:
     """``upload_in_graph`` + ``replay_uploading``: ONE replay copies the host staging (filled by
-    ``BatchState.stage_decode(upload=False)``) and runs the kernels; every step's rows equal
+    ``stage_decode(staging, state, upload=False)``) and runs the kernels; every step's rows equal
     ``prepare_decode`` of the state's decode batch, with the next fill waiting for the replay."""
     import numpy as np
 
@@ -270,8 +270,9 @@ def test_graph_with_the_upload_inside_follows_a_batch_state(which: str) -> None:
     lens = {}
     for i in range(N_CAP):
         n = rng.randint(1, 400)
-        s = bs.add_request(i, [rng.randrange(100) for _ in range(n)], list(range(i * 40, i * 40 + 32)), i,
-                           num_computed=n)
+        # every table as long as the state holds (32 blocks; 16 with the KV sharded over 2 ranks)
+        s = bs.add_request(i, [rng.randrange(100) for _ in range(n)], list(range(i * 40, i * 40 + bs.max_blocks)),
+                           i, num_computed=n)
         lens[s] = n
     st = DecodeStaging("cuda", staging_capacity(cfg, N_CAP, Q_CAP), fixed=True)
     out: dict[str, torch.Tensor] = {}
