@@ -189,7 +189,8 @@ class LayoutArena:
     def land(self, view: memoryview, at: int) -> None:
         """Follower: the frame's tensor region ``view[at:at + region]`` (bounds already proven)
         into the host arena: one ``memmove`` (a read-only view: one slice assignment)."""
-        self.wait_host()
+        if self.event is not None:
+            self.event.synchronize()  # (wait_host, inlined: the follower's per-step path)
         n = self.region
         if not n:
             return
@@ -220,16 +221,16 @@ class LayoutArena:
         return self._current(values)
 
     def _current(self, values: list[Any]) -> InputMetadata:
+        """The cached metadata with this step's values, after putting back what the caller
+        changed: the fixed fields (one identity pass), the dicts' sizes and tensor entries."""
         md = self.md
-        if not all(map(_IS, self._fixed[1](md), self._snap)) or not self._dicts_intact():
+        ds, ks, vs = self._dict_tensors
+        if not (all(map(_IS, self._fixed[1](md), self._snap))
+                and list(map(len, self._dict_lens[0])) == self._dict_lens[1]
+                and all(map(_IS, map(dict.get, ds, ks), vs))):
             self._restore()
         self._values(md, values)
         return md
-
-    def _dicts_intact(self) -> bool:
-        ds, ks, vs = self._dict_tensors
-        return (list(map(len, self._dict_lens[0])) == self._dict_lens[1]
-                and all(map(_IS, map(dict.get, ds, ks), vs)))
 
     def _restore(self) -> None:
         """Put back every field the layout fixes (the caller replaced or added some)."""
