@@ -69,9 +69,9 @@ class _Entry:
     types and tensor entries; together that is the field-type tuple this entry was made for.
     """
 
-    __slots__ = ("sig", "tget", "tobjs", "nget", "nones", "vget", "vtypes", "dget", "dkeys",
-                 "dtypes", "dtget", "dtobjs", "dvget", "n_empty", "key", "tensors", "tdtypes",
-                 "tdims")
+    __slots__ = ("sig", "tget", "tobjs", "nget", "nones", "vget", "vtypes", "dicts", "dget",
+                 "dkeys", "dtypes", "dtget", "dtobjs", "dvget", "n_empty", "key", "tensors",
+                 "tdtypes", "tdims")
 
     def __init__(self, sig: tuple[type, ...], vals: tuple, key: tuple, tensors: list[torch.Tensor]
                  ) -> None:
@@ -86,6 +86,7 @@ class _Entry:
         self.tobjs = _tuple_getter(tpos)(vals)
         self.nones = (None,) * len(npos)
         self.vtypes = tuple(sig[i] for i in vpos)
+        self.dicts = (dict,) * len(dpos)
         ds = _tuple_getter(dpos)(vals)
         self.dkeys = tuple(map(tuple, ds))
         flat = list(chain.from_iterable(map(dict.values, ds)))
@@ -115,7 +116,7 @@ class _Entry:
             return None
         vv = self.vget(md)
         ds = self.dget(md)
-        if tuple(map(type, vv)) != self.vtypes or not all(type(d) is dict for d in ds) or \
+        if tuple(map(type, vv)) != self.vtypes or tuple(map(type, ds)) != self.dicts or \
                 tuple(map(tuple, ds)) != self.dkeys:
             return None
         flat = list(chain.from_iterable(map(dict.values, ds)))
