@@ -141,9 +141,11 @@ class CollectMemo:
     def __call__(self, md: InputMetadata) -> tuple[tuple, list[torch.Tensor], list[Any]]:
         return self.step(md)[:3]
 
-    def step(self, md: InputMetadata) -> tuple[tuple, list[torch.Tensor], list[Any], tuple]:
-        """``(key, tensors, values)`` of ``collect(md)`` plus the tensors' dims concatenated
-        (``(64, 64, 4)`` for shapes ``[64]``, ``[64, 4]``), the broadcaster's per-step call."""
+    def step(self, md: InputMetadata
+             ) -> tuple[tuple, list[torch.Tensor], list[Any], Optional[tuple]]:
+        """``(key, tensors, values)`` of ``collect(md)`` plus, on a hit, the tensors' dims
+        concatenated (``(64, 64, 4)`` for shapes ``[64]``, ``[64, 4]``; ``None`` on a miss: the
+        caller reads them), the broadcaster's per-step call."""
         e = self._last  # the last hit's entry first: no row of all fields, no type tuple
         if e is not None:
             got = e.match(md)
