@@ -22,6 +22,8 @@ module              holds
                     step's tensor objects (layout key and tensor list reused, values gathered)
 ``span``            span frames (``FLAG_SPAN``): a persistent driver's one-allocation tensors sent
                     as one span with an offsets table; ``check_span`` proves a new geometry once
+``outputs``         where received bytes land: a frame's tensor region into a CPU buffer, received
+                    tensors into the caller's ``out=`` buffers
 ==================  ==============================================================================
 
 The transport (codec, shared-memory ring, object and tensor channels) is the ``transport``

@@ -20,7 +20,6 @@ once and are the same tensor object on the receiver.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import struct
 from typing import Any, Optional
@@ -33,6 +32,7 @@ from transport.codec import CodecError, decode_body, encode_body  # cpmeta -> tr
 from .. import envs
 from ..metadata import InputMetadata
 from . import integrity, wire
+from .outputs import bytes_of, copy_out_of_frame, copy_to_out
 from .persistent import land_span
 from .walk import collect
 from .wire import (FLAG_CRC, FLAG_LAYOUT, FLAG_PACKED, FLAG_SPAN, FRAME_MAGIC, HEADER,
@@ -262,7 +262,7 @@ class MetadataBroadcaster:
                 arena.write(tensors, addr + data_at)  # straight into the slot
                 region_at[0] = addr + data_at
             elif staged is not None:
-                view[data_at:data_at + tbytes] = _bytes_of(staged)
+                view[data_at:data_at + tbytes] = bytes_of(staged)
             elif packed:
                 pack_tensors(addr + data_at, tensors, plan, numels, starts)
             integrity.seal(view, data_at, self.checksum)
@@ -290,7 +290,7 @@ class MetadataBroadcaster:
         else:
             got = tensors
         if out is not None:
-            return plan.assemble(got, values, _copy_to_out(out, plan, got))
+            return plan.assemble(got, values, copy_to_out(out, plan, got))
         return plan.assemble(got, values)
 
     # ---- follower -------------------------------------------------------------------------
@@ -319,7 +319,7 @@ class MetadataBroadcaster:
             if self.device.type != "cpu":
                 buf = buf.to(self.device, non_blocking=True)
             got = plan.views(buf, dims, numels, starts)
-        per_path = _copy_to_out(out, plan, got) if out is not None else None
+        per_path = copy_to_out(out, plan, got) if out is not None else None
         try:
             return plan.assemble(got, values, per_path)
         except (TypeError, ValueError, AttributeError) as e:
@@ -384,7 +384,7 @@ class MetadataBroadcaster:
             return plan, values, dims, numels, starts, arena
         buf = torch.empty(total, dtype=torch.uint8, pin_memory=self._pin)
         if total:
-            _copy_out(buf, view, data_at, total)
+            copy_out_of_frame(buf, view, data_at, total)
         self._keep_plan(lid, block, plan)
         return plan, values, dims, numels, starts, buf
 
@@ -393,27 +393,6 @@ class MetadataBroadcaster:
         if self._plans.pop(lid, None) is None and len(self._plans) >= MAX_LAYOUTS:
             del self._plans[next(iter(self._plans))]
         self._plans[lid] = (block, plan)  # most recently used last
-
-
-def _copy_out(dst: torch.Tensor, view: memoryview, at: int, n: int) -> None:
-    """Copy ``view[at:at + n]`` (bounds already checked) into the CPU uint8 tensor ``dst``: one
-    ``memmove`` from the view's address (a writable view: the ring slot, the private frame
-    buffer), else through a memoryview of ``dst``. The address export ends before return."""
-    try:
-        c = ctypes.c_char.from_buffer(view, at)
-    except TypeError:  # read-only bytes
-        _bytes_of(dst)[:] = view[at:at + n]
-        return
-    try:
-        ctypes.memmove(dst.data_ptr(), ctypes.addressof(c), n)
-    finally:
-        del c
-
-
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    from transport.coalesce import tensor_memoryview
-
-    return tensor_memoryview(t)
 
 
 def _resolve_src(group: Any, src: Optional[int], group_src: Optional[int]) -> int:
@@ -432,37 +411,3 @@ def _resolve_src(group: Any, src: Optional[int], group_src: Optional[int]) -> in
         raise ValueError(f"src: global rank {src} is not in the group (global ranks {ranks}); "
                          "to name the driver by its rank inside the group use group_src=")
     return src
-
-
-def _copy_to_out(out: InputMetadata, plan: Plan, got: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Write each received tensor into ``out``'s buffer at every path it has; return, per
-    tensor, the view at each path (same addresses as ``out``'s buffers).
-
-    Worked example: ``out.positions`` is an int32 [256] buffer, the step's ``positions`` is
-    int32 [64]: it is copied into ``out.positions[:64]`` and that view is the result's
-    ``positions``. Two paths of one received tensor keep their own buffers (one copy each,
-    one copy in all when ``out`` holds the same buffer object at both).
-    """
-    res = []
-    for ts, t in zip(plan.targets, got):
-        views: list[torch.Tensor] = []
-        done: dict[int, torch.Tensor] = {}
-        for name, sub in ts:
-            buf = getattr(out, name)
-            if sub is not None:
-                buf = buf.get(sub) if isinstance(buf, dict) else None
-            path = name if sub is None else f"{name}.{sub}"
-            if not isinstance(buf, torch.Tensor):
-                raise ValueError(f"out: no buffer at {path} for a received {tuple(t.shape)} {t.dtype}")
-            if id(buf) not in done:
-                if (buf.dtype != t.dtype or buf.dim() != t.dim()
-                        or tuple(buf.shape[1:]) != tuple(t.shape[1:])
-                        or (t.dim() and buf.shape[0] < t.shape[0])):
-                    raise ValueError(f"out: {path}: buffer {tuple(buf.shape)} {buf.dtype} cannot hold "
-                                     f"{tuple(t.shape)} {t.dtype}")
-                dst = buf[:t.shape[0]] if t.dim() else buf
-                dst.copy_(t, non_blocking=True)
-                done[id(buf)] = dst
-            views.append(done[id(buf)])
-        res.append(views)
-    return res

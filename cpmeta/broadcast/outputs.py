@@ -1,0 +1,70 @@
+"""Where received bytes land: a frame's tensor region into a CPU buffer, received tensors into
+the caller's ``out=`` buffers (``MetadataBroadcaster.broadcast(md, out=...)``, DESIGN 7).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from transport.coalesce import tensor_memoryview
+
+from ..metadata import InputMetadata
+from .wire import Plan
+
+__all__ = ["copy_out_of_frame", "bytes_of", "copy_to_out"]
+
+
+def copy_out_of_frame(dst: torch.Tensor, view: memoryview, at: int, n: int) -> None:
+    """Copy ``view[at:at + n]`` (bounds already checked) into the CPU uint8 tensor ``dst``: one
+    ``memmove`` from the view's address (a writable view: the ring slot, the private frame
+    buffer), else through a memoryview of ``dst``. The address export ends before return."""
+    try:
+        c = ctypes.c_char.from_buffer(view, at)
+    except TypeError:  # read-only bytes
+        bytes_of(dst)[:] = view[at:at + n]
+        return
+    try:
+        ctypes.memmove(dst.data_ptr(), ctypes.addressof(c), n)
+    finally:
+        del c
+
+
+def bytes_of(t: torch.Tensor) -> memoryview:
+    """A writable uint8 memoryview of the CPU tensor ``t``'s bytes (no copy)."""
+    return tensor_memoryview(t)
+
+
+def copy_to_out(out: InputMetadata, plan: Plan, got: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Write each received tensor into ``out``'s buffer at every path it has; return, per
+    tensor, the view at each path (same addresses as ``out``'s buffers).
+
+    Worked example: ``out.positions`` is an int32 [256] buffer, the step's ``positions`` is
+    int32 [64]: it is copied into ``out.positions[:64]`` and that view is the result's
+    ``positions``. Two paths of one received tensor keep their own buffers (one copy each,
+    one copy in all when ``out`` holds the same buffer object at both).
+    """
+    res = []
+    for ts, t in zip(plan.targets, got):
+        views: list[torch.Tensor] = []
+        done: dict[int, torch.Tensor] = {}
+        for name, sub in ts:
+            buf = getattr(out, name)
+            if sub is not None:
+                buf = buf.get(sub) if isinstance(buf, dict) else None
+            path = name if sub is None else f"{name}.{sub}"
+            if not isinstance(buf, torch.Tensor):
+                raise ValueError(f"out: no buffer at {path} for a received {tuple(t.shape)} {t.dtype}")
+            if id(buf) not in done:
+                if (buf.dtype != t.dtype or buf.dim() != t.dim()
+                        or tuple(buf.shape[1:]) != tuple(t.shape[1:])
+                        or (t.dim() and buf.shape[0] < t.shape[0])):
+                    raise ValueError(f"out: {path}: buffer {tuple(buf.shape)} {buf.dtype} cannot hold "
+                                     f"{tuple(t.shape)} {t.dtype}")
+                dst = buf[:t.shape[0]] if t.dim() else buf
+                dst.copy_(t, non_blocking=True)
+                done[id(buf)] = dst
+            views.append(done[id(buf)])
+        res.append(views)
+    return res
