@@ -46,10 +46,6 @@ MESSAGE_VERSION = wire.MESSAGE_VERSION
 SCHEMA_FINGERPRINT = wire.SCHEMA_FINGERPRINT
 
 
-def _align(n: int, a: int) -> int:
-    return -(-n // a) * a
-
-
 class MetadataBroadcaster:
     """Broadcast ``InputMetadata`` from one driver rank to every rank of ``group``.
 
@@ -229,8 +225,7 @@ class MetadataBroadcaster:
             if lblock:  # this layout never reached the wire: its next frame must carry it
                 self._layouts.pop(key, None)
             raise
-        shapes_at = _align(HEADER.size + len(lblock) + len(vblock), 8)
-        data_at = _align(shapes_at + 8 * plan.n_dims, 16)
+        shapes_at, data_at = integrity.blocks_at(len(lblock), len(vblock), plan.n_dims)
         flags = (FLAG_LAYOUT if lblock else 0) | (FLAG_PACKED if packed else 0) | (
             FLAG_CRC if self.checksum else 0)
         arena = None
