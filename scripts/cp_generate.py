@@ -69,7 +69,8 @@ import cpmeta  # noqa: E402
 from cpmeta import InputMetadata, MetadataConfig  # noqa: E402
 
 from launch import envs as launch_envs  # noqa: E402
-from cp_llama import (NO_GROUP, PagedKVCache, all_gather, build_model, combine_lse,  # noqa: E402
+from launch.comm import all_gather, broadcast  # noqa: E402
+from cp_llama import (NO_GROUP, PagedKVCache, build_model, combine_lse,  # noqa: E402
                       forward_rows, partial_attention)
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -252,9 +253,7 @@ def decode_step(model: Any, cache: PagedKVCache, md: InputMetadata, cfg: Metadat
 
 def _keep_going(flag: bool, device: torch.device) -> bool:
     """Collective: rank 0's ``flag`` on every rank (the broadcaster has no end-of-stream)."""
-    t = torch.tensor([int(flag)], device=device)
-    dist.broadcast(t, src=0)
-    return bool(t.item())
+    return bool(broadcast(torch.tensor([int(flag)], device=device)).item())
 
 
 def run_rank(rank: int, world: int, o: GenOptions) -> Optional[dict[str, Any]]:
@@ -267,11 +266,10 @@ def run_rank(rank: int, world: int, o: GenOptions) -> Optional[dict[str, Any]]:
     model = build_model(DTYPES[o.dtype], device, o.seed)
     cache = PagedKVCache.allocate(model, o.num_blocks, cfg.block_size)
     driver = Driver(o, cfg, model.config.vocab_size) if rank == 0 else None
-    flag_dev = device if "nccl" in str(dist.get_backend()).lower() else torch.device("cpu")
     with cpmeta.MetadataBroadcaster(src=0) as bc, torch.inference_mode():
         while True:
             md = driver.next_metadata() if driver is not None else None
-            if not _keep_going(md is not None, flag_dev):
+            if not _keep_going(md is not None, device):
                 break
             md = bc.broadcast(md)  # every rank: the driver's metadata, nothing else
             step = prefill_step if md.is_prompt else decode_step

@@ -19,10 +19,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
-__all__ = ["TINY_LLAMA", "build_model", "PagedKVCache", "all_gather", "partial_attention",
-           "combine_lse", "forward_rows", "NO_GROUP"]
+__all__ = ["TINY_LLAMA", "build_model", "PagedKVCache", "partial_attention", "combine_lse",
+           "forward_rows", "NO_GROUP"]
 
 #: The tiny Llama of the example: built in memory from a fixed seed, nothing is downloaded.
 #: ``initializer_range`` 0.2 (HF default 0.02) so greedy choices are decisive (top-2 logit margins
@@ -88,16 +87,6 @@ class PagedKVCache:
         fk, fv = self._flat(layer)
         idx = slots.to(device=self.k.device, dtype=torch.int64)
         return fk[idx], fv[idx]
-
-
-def all_gather(t: torch.Tensor) -> list[torch.Tensor]:
-    """Every rank's ``t`` (same shape on every rank) in rank order, on ``t.device``. Collective:
-    every rank calls it. gloo moves CPU tensors only, so CUDA tensors travel through the host
-    there (several gloo ranks sharing one GPU); NCCL moves them directly."""
-    wire = t.cpu() if t.is_cuda and "nccl" not in str(dist.get_backend()).lower() else t.contiguous()
-    parts = [torch.empty_like(wire) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, wire)
-    return [p.to(t.device) for p in parts]
 
 
 def partial_attention(q: torch.Tensor, q_group: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor,
