@@ -108,12 +108,7 @@ class BatchState(StateStore):
     # ---- per-step deltas --------------------------------------------------------------------
     def append_tokens(self, slot: int, tokens: Sequence[int]) -> None:
         """Confirmed tokens (sampled / accepted drafts + bonus) of one request."""
-        req = self._live(slot)
-        t = np.asarray(tokens, np.int64).reshape(-1)
-        n0 = int(self.num_tokens[slot])
-        self._fits(req, "tokens", n0 + len(t), self.max_tokens, "max_tokens")
-        self.token_ids[slot, n0:n0 + len(t)] = t
-        self.num_tokens[slot] = n0 + len(t)
+        t, _ = self._append(slot, tokens, self.token_ids, self.num_tokens, "tokens", self.max_tokens, "max_tokens")
         if len(t):
             self._last[slot:slot + 1] = t[-1:]
             if not _fits_int32(t):
@@ -151,12 +146,8 @@ class BatchState(StateStore):
 
     def append_blocks(self, slot: int, blocks: Sequence[int]) -> None:
         """Block ids newly allocated to the request, appended to its table."""
-        req = self._live(slot)
-        b = np.asarray(blocks, np.int64).reshape(-1)
-        n0 = int(self.num_blocks[slot])
-        self._fits(req, "block ids", n0 + len(b), self.max_blocks, "max_blocks")
-        self.block_table[slot, n0:n0 + len(b)] = b
-        self.num_blocks[slot] = n0 + len(b)
+        b, n0 = self._append(slot, blocks, self.block_table, self.num_blocks, "block ids", self.max_blocks,
+                             "max_blocks")
         if len(b) and (int(b.min()) < 0 or int(b.max()) > self._bt_max):
             self._bt_ok[slot] = False
         self._set_fast(slot)
@@ -166,12 +157,22 @@ class BatchState(StateStore):
 
     def append_compressed(self, slot: int, ids: Sequence[int]) -> None:
         """Engram history ids (``compressed_token_ids``) appended for the request."""
+        self._append(slot, ids, self.compressed, self.num_compressed, "compressed ids", self.max_compressed,
+                     "max_compressed")
+
+    def _append(self, slot: int, values: Sequence[int], rows: np.ndarray, counts: np.ndarray, what: str,
+                cap: int, name: str) -> tuple[np.ndarray, int]:
+        """Append ``values`` to the live ``slot``'s row of ``rows`` after its ``counts[slot]``
+        entries (``ValueError`` past ``cap`` before anything changes); returns the values as int64
+        [k] and the old count. Example: count 3, values ``[8, 9]`` -> ``rows[slot, 3:5] = [8, 9]``,
+        count 5, returns ``([8, 9], 3)``."""
         req = self._live(slot)
-        c = np.asarray(ids, np.int64).reshape(-1)
-        n0 = int(self.num_compressed[slot])
-        self._fits(req, "compressed ids", n0 + len(c), self.max_compressed, "max_compressed")
-        self.compressed[slot, n0:n0 + len(c)] = c
-        self.num_compressed[slot] = n0 + len(c)
+        a = np.asarray(values, np.int64).reshape(-1)
+        n0 = int(counts[slot])
+        self._fits(req, what, n0 + len(a), cap, name)
+        rows[slot, n0:n0 + len(a)] = a
+        counts[slot] = n0 + len(a)
+        return a, n0
 
     def set_state_id(self, slot: int, state_id: int) -> None:
         """The request's SWA / state slot moved."""
