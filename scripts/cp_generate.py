@@ -170,9 +170,9 @@ class Driver:
         """``logits`` [total_q, vocab] in full row order; sequence j of the step is request
         ``step_reqs[j]`` (placeholders come after the requests and are ignored)."""
         cu, pos = md.cu_seqlens_q.tolist(), md.positions.tolist()
+        logits = logits.cpu()  # one copy per step, not one per row
         for j, i in enumerate(self.step_reqs):
-            for row in range(cu[j], cu[j + 1]):
-                self.logits[i][pos[row]] = logits[row].cpu()
+            self.logits[i].update(zip(pos[cu[j]:cu[j + 1]], logits[cu[j]:cu[j + 1]]))
             s = self.slots[i]
             if self.st.num_computed[s] >= len(self.prompts[i]):  # prompt done (or decode): sample
                 token = int(logits[cu[j + 1] - 1].argmax())
