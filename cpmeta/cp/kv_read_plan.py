@@ -45,7 +45,7 @@ class KVReadPlan:
     """Keys one rank holds for one step, per entry (prompt: sequence; decode: query row).
 
     ``slots`` and ``positions`` are computed on first access (one device pass for both) and
-    cached; every other field is filled by :func:`cp_kv_read_plan`.
+    cached together; every other field is filled by :func:`cp_kv_read_plan`.
     """
 
     seqlens: torch.Tensor  # [n] int32, keys this rank holds per entry (0 for placeholders)
@@ -57,8 +57,7 @@ class KVReadPlan:
     cp_world_size: int  # W: ranks the KV is sharded over (cfg.kv_cp_world_size; 1 = not sharded)
     cp_interleave: int  # I: consecutive positions per rank (cfg.kv_cp_interleave)
     is_prompt: bool  # True: one entry per sequence; False: one entry per decode query row
-    _slots: Optional[torch.Tensor] = field(default=None, repr=False)
-    _positions: Optional[torch.Tensor] = field(default=None, repr=False)
+    _keys: Optional[tuple[torch.Tensor, torch.Tensor]] = field(default=None, repr=False)  # (slots, positions)
 
     @property
     def total(self) -> int:
@@ -68,25 +67,24 @@ class KVReadPlan:
     @property
     def slots(self) -> torch.Tensor:
         """[total] int64: slot of each local key, entry-major, local offset ascending."""
-        if self._slots is None:
-            self._materialize()
-        assert self._slots is not None
-        return self._slots
+        if self._keys is None:
+            self._keys = self._materialize()
+        return self._keys[0]
 
     @property
     def positions(self) -> torch.Tensor:
         """[total] int64: global key position of each local key (ascending within an entry)."""
-        if self._positions is None:
-            self._materialize()
-        assert self._positions is not None
-        return self._positions
+        if self._keys is None:
+            self._keys = self._materialize()
+        return self._keys[1]
 
-    def _materialize(self) -> None:
+    def _materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Block by block (no per-key division): block ``b`` of entry ``i`` holds local offsets
         ``b*bs .. b*bs+bs-1`` at slots ``table[i, b]*bs + t`` and positions ``b*bs*W + r*I +
         pattern[t]`` with ``pattern[t] = (t // I) * W * I + t % I`` (``I`` divides ``bs``, so
         every block starts a fresh group of I); the last block of an entry is cut to its keys.
-        Example (W=2, I=2, bs=4, rank 1): pattern [0, 1, 4, 5]; block 1 -> positions 10 11 14 15."""
+        Returns ``(slots, positions)``. Example (W=2, I=2, bs=4, rank 1): pattern [0, 1, 4, 5];
+        block 1 -> positions 10 11 14 15."""
         dev, n, (w, i, bs) = self.seqlens.device, self.seqlens.shape[0], \
             (self.cp_world_size, self.cp_interleave, self.block_size)
         lens = self.seqlens.to(_I64)
@@ -108,7 +106,7 @@ class KVReadPlan:
         both = torch.stack([ids.to(dt)[:, None] * bs + t[None, :],
                             (b.to(dt) * (bs * w) + rank * i)[:, None] + pattern[None, :]])
         slots, positions = both.view(2, -1)[:, keep.view(-1)].to(_I64)  # (masked_select: 2x slower)
-        self._slots, self._positions = slots, positions
+        return slots, positions
 
 
 def _check_args(md: InputMetadata, cfg: MetadataConfig, cp_rank: int) -> None:
