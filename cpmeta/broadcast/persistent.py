@@ -38,6 +38,7 @@ from typing import Any, Optional
 import torch
 
 from ..metadata import InputMetadata
+from .outputs import copy_out_of_frame
 from .recollect import CollectMemo
 from .span import check_span, span_of, table_bytes
 from .wire import MAX_LAYOUTS, WIRE_DTYPES, Plan, WireError
@@ -191,18 +192,8 @@ class LayoutArena:
         into the host arena: one ``memmove`` (a read-only view: one slice assignment)."""
         if self.event is not None:
             self.event.synchronize()  # (wait_host, inlined: the follower's per-step path)
-        n = self.region
-        if not n:
-            return
-        try:
-            c = ctypes.c_char.from_buffer(view, at)
-        except TypeError:  # read-only bytes
-            self.host[:n].copy_(torch.frombuffer(bytearray(view[at:at + n]), dtype=torch.uint8))
-            return
-        try:
-            ctypes.memmove(self.host_ptr, ctypes.addressof(c), n)
-        finally:
-            del c
+        if self.region:
+            copy_out_of_frame(self.host, view, at, self.region)
 
     def finish(self, values: list[Any]) -> InputMetadata:
         """Both sides: [CUDA: one non-blocking H2D copy of the arena, stream-ordered on the
