@@ -43,8 +43,7 @@ from .decode_staging import (
     SEQ_FIELDS, DecodeStaging, StagedDecode,
 )
 from ..builders.decode import check_decode_out
-from ..state.batch import blocks_needed_array
-from ..config import MetadataConfig
+from ..config import MetadataConfig, blocks_needed_array
 from ..metadata import InputMetadata
 from ..sequence import SequenceMetadata
 

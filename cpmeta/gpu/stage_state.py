@@ -16,8 +16,8 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
+from ..config import blocks_needed
 from ..constants import INT32_MAX
-from ..sequence import blocks_needed
 from ..state.batch_state import BatchState
 from ..state.decode_fast import VouchedStep
 from .decode_staging import (

@@ -19,7 +19,7 @@ from ..config import MetadataConfig, blocks_needed_array
 from ..int_lists import first_bad, int_array
 from ..sequence import SequenceMetadata, validate_batch
 
-__all__ = ["SequenceBatch", "window_lookback", "blocks_needed_array"]
+__all__ = ["SequenceBatch", "window_lookback"]
 
 _SQ = attrgetter("seqlen_q")
 _SK = attrgetter("seqlen_k")

@@ -13,7 +13,8 @@ from typing import Optional
 
 import numpy as np
 
-from .batch import SequenceBatch, blocks_needed_array
+from ..config import blocks_needed_array
+from .batch import SequenceBatch
 from .store import StateStore
 
 

@@ -40,9 +40,8 @@ from typing import Any, Hashable, Optional
 
 import numpy as np
 
-from ..config import MetadataConfig, seqlen_k_covered
+from ..config import MetadataConfig, blocks_needed, seqlen_k_covered
 from ..constants import INT32_MAX
-from ..sequence import blocks_needed
 from .batch import window_lookback
 
 __all__ = ["StateStore", "fits_int32"]
