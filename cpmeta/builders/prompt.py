@@ -24,6 +24,7 @@ import torch
 from ..config import MetadataConfig
 from ..metadata import InputMetadata
 from ..constants import INT32_MAX
+from ..state.batch import prefix
 from .arrays import BatchArrays, alloc, arange_ro, check_int32, expand_rows, fdiv, loaded_compressed_len
 from .common import check_common_int32, compressed_slots, fill_common
 from .extract import BatchInput, extract_batch
@@ -35,13 +36,6 @@ __all__ = ["prepare_prompt"]
 logger = logging.getLogger(__name__)
 
 Out = Optional[dict[str, torch.Tensor]]
-
-
-def _prefix(x: np.ndarray) -> np.ndarray:
-    """Exclusive prefix sums ``[0, x0, x0+x1, ...]`` ([len(x)+1] int64)."""
-    cu = np.zeros(len(x) + 1, np.int64)
-    np.cumsum(x, out=cu[1:])
-    return cu
 
 
 def _check_prompt_int32(b: BatchArrays, cfg: MetadataConfig, cu_ck: dict[int, np.ndarray]) -> None:
@@ -74,7 +68,7 @@ def _fill_compressed_writes(b: BatchArrays, cfg: MetadataConfig, out: Out, f: di
         k = str(n)
         c_lo, c_hi = b.q_start // n, b.seqlen_k // n
         n_cq = np.maximum(c_hi - c_lo, 1)
-        cu = _prefix(n_cq)
+        cu = prefix(n_cq)
         R = int(cu[-1])
         seq = np.repeat(np.arange(b.n_seq), n_cq)
         c = expand_rows(c_lo - cu[:-1], n_cq, seq) + arange_ro(R)
@@ -212,7 +206,7 @@ def prepare_prompt(
     Int32 overflow of any total, offset or slot raises ``ValueError`` before allocation.
     """
     b = extract_batch(seqs, cfg, is_prompt=True)
-    cu_ck = {n: _prefix(loaded_compressed_len(b.seqlen_k, n)) for n in cfg.ca_ratios}
+    cu_ck = {n: prefix(loaded_compressed_len(b.seqlen_k, n)) for n in cfg.ca_ratios}
     _check_prompt_int32(b, cfg, cu_ck)
     f = fill_common(b, cfg, out)
     # a disabled feature's fields are not built at all (they stay None: DESIGN 14)

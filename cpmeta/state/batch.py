@@ -19,7 +19,7 @@ from ..config import MetadataConfig, blocks_needed_array
 from ..int_lists import first_bad, int_array
 from ..sequence import SequenceMetadata, validate_batch
 
-__all__ = ["SequenceBatch", "window_lookback"]
+__all__ = ["SequenceBatch", "window_lookback", "prefix"]
 
 _SQ = attrgetter("seqlen_q")
 _SK = attrgetter("seqlen_k")
@@ -37,7 +37,8 @@ def window_lookback(cfg: MetadataConfig) -> int:
     return max(cfg.max_ngram_size - 1, 0)
 
 
-def _prefix(lengths: np.ndarray) -> np.ndarray:
+def prefix(lengths: np.ndarray) -> np.ndarray:
+    """Exclusive offsets ``[n + 1]`` (int64) of ``lengths``. Example: ``[2, 1]`` -> ``[0, 2, 3]``."""
     cu = np.zeros(len(lengths) + 1, np.int64)
     np.add.accumulate(lengths, out=cu[1:])
     return cu
@@ -162,8 +163,8 @@ class SequenceBatch:
         lb = window_lookback(cfg)
         q_start = sk - sq
         lo = np.maximum(q_start - lb, 0) if lb else q_start
-        tok_off = _prefix(sk - lo)
-        bt_off = _prefix(n_bt)
+        tok_off = prefix(sk - lo)
+        bt_off = prefix(n_bt)
         tokens = _read_windows(is_prompt, toks, drafts, lo, cols[1], n, int(tok_off[-1]))
         if cfg.max_ngram_size > 0:
             comps = list(map(_COMP, seqs))
@@ -309,7 +310,7 @@ def _read_compressed(comps: list, lo: np.ndarray, sk: np.ndarray) -> tuple[np.nd
     """Engram history of each window: ``compressed_token_ids[lo:min(len, seqlen_k)]``."""
     ce = np.minimum(np.fromiter(map(len, comps), np.int64, len(comps)), sk)
     cl = np.maximum(ce - lo, 0)
-    off = _prefix(cl)
+    off = prefix(cl)
     if not off[-1]:
         return np.zeros(0, np.int64), off
     parts = list(map(_slice, comps, lo.tolist(), np.maximum(ce, lo).tolist()))

@@ -13,9 +13,9 @@ from typing import Hashable, Optional, Sequence
 import numpy as np
 
 from ..constants import INT32_MAX
-from .batch import SequenceBatch
+from .batch import SequenceBatch, prefix
 from .decode_fast import VouchedStep, decode_batch_fast, is_draft_count, vouch_decode_step
-from .gather import gather_batch, prefix
+from .gather import gather_batch
 from .store import StateStore, fits_int32 as _fits_int32
 
 __all__ = ["BatchState"]

@@ -20,9 +20,8 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
-from .batch import SequenceBatch
+from .batch import SequenceBatch, prefix
 from ..constants import INT32_MAX
-from .gather import prefix
 from .store import StateStore
 
 

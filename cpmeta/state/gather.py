@@ -14,21 +14,14 @@ from typing import Optional
 import numpy as np
 
 from ..config import blocks_needed_array
-from .batch import SequenceBatch
+from .batch import SequenceBatch, prefix
 from .store import StateStore
 
 
-__all__ = ["gather_batch", "PLACEHOLDER_TOKEN", "prefix"]
+__all__ = ["gather_batch", "PLACEHOLDER_TOKEN"]
 
 #: A placeholder sequence (``num_placeholders``): one row at position 0, token 0, state 0, block 0.
 PLACEHOLDER_TOKEN = 0
-
-
-def prefix(lengths: np.ndarray) -> np.ndarray:
-    """Exclusive offsets ``[n + 1]`` (int64) of ``lengths``. Example: ``[2, 1]`` -> ``[0, 2, 3]``."""
-    cu = np.zeros(len(lengths) + 1, np.int64)
-    np.add.accumulate(lengths, out=cu[1:])
-    return cu
 
 
 def gather_batch(st: StateStore, is_prompt: bool, slots: np.ndarray, sq: np.ndarray, sk: np.ndarray,
