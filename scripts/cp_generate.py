@@ -52,9 +52,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
-import os
 import sys
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
@@ -64,6 +62,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # multiproc: the spawn helper
 
 import cpmeta  # noqa: E402
 from cpmeta import InputMetadata, MetadataConfig  # noqa: E402
@@ -312,40 +311,24 @@ def compare(model: Any, driver: Driver, o: GenOptions) -> dict[str, Any]:
             "tolerance": tol, "ok": ok, "options": dataclasses.asdict(o)}
 
 
-def _spawned(rank: int, world: int, port: int, o: GenOptions, queue: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    for k, v in launch_envs.MULTICAST_OFF.items():  # as python -m launch: NVLink multicast off
-        launch_envs.set_default(k, v)
+def _rank(rank: int, world: int, o: GenOptions) -> Optional[dict[str, Any]]:
+    """One spawned rank (its process group initialised by ``run_ranks``): rank 0's report."""
     torch.set_num_threads(1)
-    backend = "nccl" if o.device == "cuda" and world == 1 else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=120))
-    try:
-        result = run_rank(rank, world, o)
-        if rank == 0:
-            queue.put(result)
-        dist.barrier()  # followers wait while rank 0 compares: every rank tears down together
-    finally:
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # no interpreter teardown: a library thread still alive at exit (seen once in ten runs) aborts
-    # the process ("terminate called without an active exception") after the work is done
-    os._exit(0)
+    result = run_rank(rank, world, o)
+    dist.barrier()  # followers wait while rank 0 compares: every rank tears down together
+    return result
 
 
 def launch(o: GenOptions) -> dict[str, Any]:
-    """Run the example on ``o.cp`` spawned processes; returns rank 0's report."""
-    import socket
+    """Run the example on ``o.cp`` spawned processes; returns rank 0's report. Spawning is the
+    tests' ``multiproc.run_ranks`` (free port, rank env, process group, exit without interpreter
+    teardown, whose library threads aborted a finished rank once in ten runs)."""
+    from multiproc import run_ranks
 
-    import torch.multiprocessing as tmp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    queue = tmp.get_context("spawn").SimpleQueue()
-    tmp.spawn(_spawned, args=(o.cp, port, o, queue), nprocs=o.cp, join=True)
-    return queue.get()
+    for k, v in launch_envs.MULTICAST_OFF.items():  # as python -m launch: NVLink multicast off
+        launch_envs.set_default(k, v)  # before the spawn: the ranks inherit it
+    backend = "nccl" if o.device == "cuda" and o.cp == 1 else "gloo"
+    return run_ranks(_rank, o.cp, o, backend=backend, timeout=300)[0]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
