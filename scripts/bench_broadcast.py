@@ -174,12 +174,9 @@ def time_cell(method: Method, md: Any, steps: int, warmup: int, budget_s: float,
         dist.broadcast(stop, src=0)
         if int(stop):
             break
-    if not vary:
-        pass
-    elif method.rank == 0:
-        check_values(got, md, i, base_k, f"{type(method).__name__} rank 0")
-    else:  # followers regenerate the driver's last step on their copy of the payload
-        step_values(md, i, base_k)
+    if vary:
+        if method.rank != 0:  # followers regenerate the driver's last step on their copy of the payload
+            step_values(md, i, base_k)
         check_values(got, md, i, base_k, f"{type(method).__name__} rank {method.rank}")
     t = torch.tensor([starts, ends], dtype=torch.float64)
     gathered = [torch.empty_like(t) for _ in range(dist.get_world_size())]
