@@ -2,6 +2,8 @@
 
 The block rule lives here (the lowest module) because the config's own decode table width is
 that rule at ``max_model_len``; the sequence validation and the array-level state import it.
+Its three forms sit together: :func:`blocks_needed` (int), :func:`blocks_needed_array` (numpy),
+:func:`blocks_needed_tensor` (torch, any device), and the inverse :func:`seqlen_k_covered`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import torch
 
 from .constants import INT32_MAX
 
-__all__ = ["MetadataConfig", "YOCO_MODES", "blocks_needed", "blocks_needed_array", "seqlen_k_covered"]
+__all__ = ["MetadataConfig", "YOCO_MODES", "blocks_needed", "blocks_needed_array", "blocks_needed_tensor",
+           "seqlen_k_covered"]
 
 YOCO_MODES = ("mask", "compact")
 
@@ -235,6 +238,19 @@ def blocks_needed_array(sk: np.ndarray, cfg: MetadataConfig) -> np.ndarray:
         cycle, inter = cfg.kv_cp_world_size * cfg.kv_cp_interleave, cfg.kv_cp_interleave
         sk = (sk // cycle) * inter + np.minimum(sk % cycle, inter)
     return sk // cfg.block_size + (sk % cfg.block_size >= cfg.min_ratio)
+
+
+def blocks_needed_tensor(seqlen_k: torch.Tensor, cfg: MetadataConfig) -> torch.Tensor:
+    """:func:`blocks_needed` of every entry of an integer tensor, on its device (same
+    dtype): ``L // block_size + (L % block_size >= min_ratio)`` with ``L`` the keys of rank 0's
+    KV share, ``(k // (W*I)) * I + min(k % (W*I), I)`` (``k`` itself when ``kv_cp_world_size``
+    ``W`` is 1). Example: plain, block 16, ``W=3, I=1``: ``[300, 17]`` -> shares ``[100, 6]``
+    -> ``[7, 1]``; ratio 4, block 16, unsharded: ``[17, 20]`` -> ``[1, 2]``."""
+    k = seqlen_k
+    if cfg.kv_cp_world_size > 1:
+        cycle, inter = cfg.kv_cp_world_size * cfg.kv_cp_interleave, cfg.kv_cp_interleave
+        k = torch.div(k, cycle, rounding_mode="floor") * inter + torch.clamp(k % cycle, max=inter)
+    return torch.div(k, cfg.block_size, rounding_mode="floor") + (k % cfg.block_size >= cfg.min_ratio).to(k.dtype)
 
 
 def seqlen_k_covered(num_blocks: Any, cfg: MetadataConfig) -> Any:

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .config import blocks_needed_tensor
+
 if TYPE_CHECKING:
     from .metadata import InputMetadata
 
@@ -66,8 +68,6 @@ def _defined_block_columns(md: InputMetadata, bt: torch.Tensor, cfg: Any) -> tor
     """``bt`` with every column past its row's defined blocks set to -1 (a copy)."""
     if md.cu_seqlens_k is None or md.cu_seqlens_q is None:
         return bt
-    from .builders.arrays import blocks_needed_tensor
-
     seqlen_k = (md.cu_seqlens_k[1:] - md.cu_seqlens_k[:-1]).to(bt.device, torch.int64)
     seqlen_q = (md.cu_seqlens_q[1:] - md.cu_seqlens_q[:-1]).to(bt.device, torch.int64)
     need = blocks_needed_tensor(seqlen_k, cfg)

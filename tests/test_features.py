@@ -90,7 +90,7 @@ def test_torch_block_rule_equals_blocks_needed(world: int, inter: int, ratios: t
     ``cpmeta.blocks_needed`` for every ``seqlen_k`` up to ``max_model_len``."""
     import torch
 
-    from cpmeta.builders.arrays import blocks_needed_tensor
+    from cpmeta.config import blocks_needed_tensor
 
     cfg = cpmeta.MetadataConfig(block_size=16, window_size=0, dense_compress_ratios=ratios, sparse_compress_ratios=(),
                                 max_model_len=300, kv_cp_world_size=world, kv_cp_interleave=inter)

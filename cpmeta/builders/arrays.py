@@ -14,7 +14,7 @@ Row layout: rows are query rows in varlen order. For sequence ``s`` with ``seqle
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence, TypeVar, Union
+from typing import Optional, Sequence, TypeVar, Union
 
 import numpy as np
 import torch
@@ -23,13 +23,9 @@ from ..buffers import HostArena, get_or_create_stacked, get_or_create_tensor
 from ..constants import INT32_MAX
 from ..int_lists import int_array  # re-exported: the builders read ids with them
 
-if TYPE_CHECKING:
-    from ..config import MetadataConfig
-
 __all__ = [
     "BatchArrays",
     "loaded_compressed_len",
-    "blocks_needed_tensor",
     "cdiv",
     "fdiv",
     "fmod",
@@ -60,19 +56,6 @@ def loaded_compressed_len(seqlen_k: IntLike, r: int) -> IntLike:
     if isinstance(seqlen_k, np.ndarray):
         return np.maximum(seqlen_k // r, 1)
     return max(1, seqlen_k // r)
-
-
-def blocks_needed_tensor(seqlen_k: torch.Tensor, cfg: "MetadataConfig") -> torch.Tensor:
-    """:func:`cpmeta.blocks_needed` of every entry of an integer tensor, on its device (same
-    dtype): ``L // block_size + (L % block_size >= min_ratio)`` with ``L`` the keys of rank 0's
-    KV share, ``(k // (W*I)) * I + min(k % (W*I), I)`` (``k`` itself when ``kv_cp_world_size``
-    ``W`` is 1). Example: plain, block 16, ``W=3, I=1``: ``[300, 17]`` -> shares ``[100, 6]``
-    -> ``[7, 1]``; ratio 4, block 16, unsharded: ``[17, 20]`` -> ``[1, 2]``."""
-    k = seqlen_k
-    if cfg.kv_cp_world_size > 1:
-        cycle, inter = cfg.kv_cp_world_size * cfg.kv_cp_interleave, cfg.kv_cp_interleave
-        k = torch.div(k, cycle, rounding_mode="floor") * inter + torch.clamp(k % cycle, max=inter)
-    return torch.div(k, cfg.block_size, rounding_mode="floor") + (k % cfg.block_size >= cfg.min_ratio).to(k.dtype)
 
 
 def fdiv(x: np.ndarray, d: int, out: Optional[np.ndarray] = None) -> np.ndarray:

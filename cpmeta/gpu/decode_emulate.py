@@ -19,8 +19,7 @@ from .decode_staging import (
     F_BT_OFFSET, F_CU_K_INCL, F_CU_Q_INCL, F_PLACEHOLDER, F_SEQLEN_K, F_SEQLEN_Q, F_STATE,
     HEADER_FIXED, SEQ_FIELDS, DecodeBuffers,
 )
-from ..builders.arrays import blocks_needed_tensor
-from ..config import MetadataConfig
+from ..config import MetadataConfig, blocks_needed_tensor
 from ..constants import PAD_SLOT_ID, PLACEHOLDER_QUERY_INDEX
 
 __all__ = ["emulate_decode_kernels"]
