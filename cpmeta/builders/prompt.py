@@ -130,7 +130,7 @@ def _fill_swa_pivots(b: BatchArrays, cfg: MetadataConfig, out: Out) -> torch.Ten
     """
     W, n, sq = cfg.window_size, b.n_seq, b.seqlen_q
     t, a = alloc(out, "kv_swa_full_index_pivots", (b.total_q, 4), torch.int32)
-    # swa_visibility_pivots' rule (build/swa_pivots.py, shared with YoCo) rewritten per row with
+    # swa_visibility_pivots' rule (builders/swa_pivots.py, shared with YoCo) rewritten per row with
     # d = abs_lo - q_start = min(max(j - W + 1, m_s), j + 1), m_s = max(swa_valid_start - q_start,
     # -q_start): start_slot = W + min(d, 0), k_lo = max(d, 0). Per-row work is int32 (every value
     # is bounded by max_model_len or the checked n_seq * W + total_q); m_s is clipped to
@@ -220,7 +220,7 @@ def prepare_prompt(
         f["load_segments_swa"] = swa_load_segments(b, cfg, out)
         f["kv_swa_full_index_pivots"] = _fill_swa_pivots(b, cfg, out)
     f["seq_block_tables"] = _fill_seq_block_tables(b, out)
-    if cfg.yoco_keep_tokens is not None:  # YoCo truncation fields (DESIGN 10), built in build/yoco.py
+    if cfg.yoco_keep_tokens is not None:  # YoCo truncation fields (DESIGN 10), built in builders/yoco.py
         f.update(build_yoco_fields(f, b, cfg, out=out))
     return InputMetadata(**f)
 

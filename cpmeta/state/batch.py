@@ -2,7 +2,7 @@
 
 The builders' input in array form. A list of ``SequenceMetadata`` converts with
 :meth:`SequenceBatch.from_sequences` (validated with ``validate_batch``'s rules and messages);
-:class:`~cpmeta.batch_state.BatchState` produces one per step without touching Python
+:class:`~cpmeta.state.batch_state.BatchState` produces one per step without touching Python
 objects. ``prepare_prompt`` / ``prepare_decode`` / ``prepare_decode_inplace`` accept either form
 with bit-identical results; the list path IS ``from_sequences`` followed by the array path.
 """
