@@ -41,7 +41,7 @@ from ..metadata import InputMetadata
 from .outputs import copy_out_of_frame
 from .recollect import CollectMemo
 from .span import check_span, span_of, table_bytes
-from .wire import MAX_LAYOUTS, WIRE_DTYPES, Plan, WireError
+from .wire import ELEMENT_SIZE, MAX_LAYOUTS, WIRE_DTYPES, Plan, WireError
 
 __all__ = ["LayoutArena", "PersistentArenas", "MAX_ARENA_BYTES"]
 
@@ -238,9 +238,8 @@ def _span_views(buf: torch.Tensor, plan: Plan, dims: tuple[int, ...], numels: li
     (offsets already proven aligned and in bounds)."""
     out, at = [], 0
     for code, nd, m, o in zip(plan.codes, plan.ndims, numels, offsets):
-        dt = WIRE_DTYPES[code]
-        esz = torch.empty(0, dtype=dt).element_size()
-        out.append(buf[o:o + m * esz].view(dt).view(tuple(dims[at:at + nd])))
+        out.append(buf[o:o + m * ELEMENT_SIZE[code]].view(WIRE_DTYPES[code])
+                   .view(tuple(dims[at:at + nd])))
         at += nd
     return out
 

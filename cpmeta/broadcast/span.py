@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-from .wire import FLAG_SPAN, MAX_DIM, WIRE_DTYPES, Plan, WireError
+from .wire import ELEMENT_SIZE, FLAG_SPAN, MAX_DIM, Plan, WireError
 
 __all__ = ["FLAG_SPAN", "SPAN_SLACK", "table_bytes", "span_of", "check_span"]
 
@@ -42,7 +42,6 @@ __all__ = ["FLAG_SPAN", "SPAN_SLACK", "table_bytes", "span_of", "check_span"]
 #: 64-byte aligned fields) before the driver packs instead
 SPAN_SLACK = 64
 _CRC = struct.Struct("<I")
-_SIZES = tuple(torch.empty(0, dtype=d).element_size() for d in WIRE_DTYPES)
 
 
 def table_bytes(n_tensors: int) -> int:
@@ -107,7 +106,7 @@ def check_span(plan: Plan, dims: tuple[int, ...], tbytes: int, table: bytes, ava
     for nd in plan.ndims:
         numels.append(prod(dims[at:at + nd]))
         at += nd
-    sizes = [m * _SIZES[c] for m, c in zip(numels, plan.codes)]
+    sizes = [m * ELEMENT_SIZE[c] for m, c in zip(numels, plan.codes)]
     exact = sum(sizes)
     if exact != tbytes:
         raise WireError(f"span frame: shapes declare {exact} tensor bytes, the header {tbytes}")
@@ -115,7 +114,7 @@ def check_span(plan: Plan, dims: tuple[int, ...], tbytes: int, table: bytes, ava
     end, first = 0, None
     for o, s, i in sorted((o, s, i) for i, (o, s) in enumerate(zip(offsets, sizes))):
         path = plan.tensor_paths[i]
-        if o % _SIZES[plan.codes[i]] or o + s > span or (not s and o):
+        if o % ELEMENT_SIZE[plan.codes[i]] or o + s > span or (not s and o):
             raise WireError(f"span frame: {path} at offset {o} ({s} bytes) is misaligned, past "
                             f"the span of {span} bytes, or an empty tensor off offset 0")
         if s and o < end:

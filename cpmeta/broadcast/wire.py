@@ -72,7 +72,7 @@ __all__ = ["MESSAGE_VERSION", "SCHEMA_FINGERPRINT", "FRAME_MAGIC", "HEADER", "WI
            "DTYPE_CODE", "FLAG_LAYOUT", "FLAG_CRC", "FLAG_PACKED", "FLAG_SPAN", "KNOWN_FLAGS",
            "Plan", "WireError", "layout_id", "frame_crc", "meta_crc", "pack_tensors", "getter",
            "PATH_SEP", "ALIAS_SEP", "CRC_AT", "META_CRC_AT", "MAX_LAYOUTS", "MAX_DIM", "MAX_NDIM",
-           "MAX_LAYOUT_BYTES", "MAX_VALUES_BYTES", "MAX_COLLECTIVE_BYTES"]
+           "MAX_LAYOUT_BYTES", "MAX_VALUES_BYTES", "MAX_COLLECTIVE_BYTES", "ELEMENT_SIZE"]
 
 #: Version of the broadcast frame (5: exact tensor bytes + meta crc; 4: one frame with a cached
 #: layout; 3 was the three-layer one).
@@ -97,7 +97,8 @@ WIRE_DTYPES: tuple[torch.dtype, ...] = (
     torch.float16, torch.bfloat16, torch.float32, torch.float64,
 )
 DTYPE_CODE: dict[torch.dtype, int] = {d: i for i, d in enumerate(WIRE_DTYPES)}
-_ELEMENT_SIZE: tuple[int, ...] = tuple(torch.empty(0, dtype=d).element_size() for d in WIRE_DTYPES)
+#: Element size in bytes per wire code (int32 -> 4).
+ELEMENT_SIZE: tuple[int, ...] = tuple(torch.empty(0, dtype=d).element_size() for d in WIRE_DTYPES)
 PATH_SEP, ALIAS_SEP = ";", ","  # "positions,positions_cp;klen.4": no field or ratio key holds them
 
 
@@ -189,7 +190,7 @@ class Plan:
         # (0-d tensors: a placeholder, set to 1 by the reshape list)
         self.first_dim = (getter([at if nd else 0 for at, nd in zip(starts, ndims)])
                           if self.n_dims else (lambda d: [1] * len(ndims)))
-        self.run_slices = [(slice(a, b), _ELEMENT_SIZE[code], WIRE_DTYPES[code])
+        self.run_slices = [(slice(a, b), ELEMENT_SIZE[code], WIRE_DTYPES[code])
                            for code, a, b in self.runs]
         # assemble: positional InputMetadata row; fields filled per step, dicts created per step
         pos = {n: i for i, n in enumerate(_FIELD_NAMES)}
