@@ -21,8 +21,8 @@ from ..constants import INT32_MAX
 from ..state.batch_state import BatchState
 from ..state.decode_fast import VouchedStep
 from .decode_staging import (
-    F_BT_OFFSET, F_CU_K_INCL, F_CU_Q_INCL, F_PLACEHOLDER, F_SEQLEN_K, F_SEQLEN_Q, F_STATE, HEADER_FIXED,
-    SEQ_FIELDS, DecodeStaging, StagedDecode,
+    F_BT_OFFSET, F_CU_K_INCL, F_CU_Q_INCL, F_PLACEHOLDER, F_SEQLEN_K, F_SEQLEN_Q, F_STATE, H_TOTAL_K,
+    HEADER_FIXED, SEQ_FIELDS, DecodeStaging, StagedDecode,
 )
 
 __all__ = ["stage_decode", "StateStagingCache"]
@@ -197,7 +197,7 @@ def _write_common(cache: StateStagingCache, view: np.ndarray, staged: StagedDeco
     st, slots, cols = cache.state, step.slots, v.cols
     v.sk[...] = step.sk
     v.cu_k[...] = cu_k
-    view[2] = staged.total_k
+    view[H_TOTAL_K] = staged.total_k
     st.state_ids32.take(slots, out=v.state, mode="clip")  # clip: no buffering (slots checked)
     if len(cols) == 1:  # the last confirmed tokens (int32: the state vouched for every slot)
         st.last_tokens32.take(slots, out=cols[0], mode="clip")
@@ -228,7 +228,7 @@ def _write_values(cache: StateStagingCache, view: np.ndarray, staged: StagedDeco
     r = slice(0, n_real)
     blk[F_SEQLEN_K, r] = step.sk
     blk[F_CU_K_INCL, r] = cu_k
-    view[2] = total_k
+    view[H_TOTAL_K] = total_k
     if n_ph:
         blk[F_CU_K_INCL, n_real:] = np.arange(total_k - n_ph + 1, total_k + 1)
     st.state_ids32.take(slots, out=blk[F_STATE, r], mode="clip")  # clip: no buffering (slots checked)
