@@ -2,9 +2,11 @@
 
 The package reads like one engine step (DESIGN sections 1-2)::
 
-    cpmeta/             config, sequence input (SequenceMetadata lists, SequenceBatch arrays,
-                        BatchState), InputMetadata and its container operations
-    cpmeta/builders/       scheduler input -> InputMetadata on the host (prepare_prompt, prepare_decode,
+    cpmeta/             config (and the block rule), SequenceMetadata lists, InputMetadata and its
+                        container operations
+    cpmeta/state/       array-level input: SequenceBatch (one step) and BatchState (the engine's
+                        requests, deltas per step)
+    cpmeta/builders/    scheduler input -> InputMetadata on the host (prepare_prompt, prepare_decode,
                         compute_attn_info)
     cpmeta/broadcast/   MetadataBroadcaster: driver -> every rank of the CP group
     cpmeta/cp/          per-rank context parallelism: zigzag mirror, YoCo views, slot mapping
