@@ -51,11 +51,10 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from ..buffers import get_or_create_tensor
 from ..config import MetadataConfig
 from ..constants import PAD_SLOT_ID
 from ..sequence import SequenceMetadata
-from .arrays import BatchArrays
+from .arrays import BatchArrays, alloc
 from ..state.batch import SequenceBatch
 from .swa_pivots import NUM_PIVOTS, Arr, swa_visibility_pivots
 
@@ -117,13 +116,6 @@ def yoco_clip_prefix(data_len: Arr, q_start: Arr, q_len: Arr, keep: int) -> Arr:
     """
     xp: Any = torch if isinstance(q_len, torch.Tensor) else np
     return xp.minimum((data_len - keep - q_start).clip(min=0), q_len - 1)
-
-
-def _alloc(out: Optional[dict[str, torch.Tensor]], name: str, shape: tuple[int, ...],
-           dtype: torch.dtype = _I32) -> tuple[torch.Tensor, np.ndarray]:
-    """``get_or_create_tensor`` plus its numpy view (same CPU memory)."""
-    t = get_or_create_tensor(out, name, shape, dtype)
-    return t, t.numpy()
 
 
 def _get(md: Fields, name: str) -> Any:
@@ -223,7 +215,7 @@ def build_yoco_fields(
         total_q = int(a["cu_q"][-1])
         row_seq = np.repeat(np.arange(a["n_seq"]), a["q_len"])
         local = np.arange(total_q) - a["cu_q"][row_seq]
-        t, piv = _alloc(out, "yoco_mask_swa_index_pivots", (total_q, NUM_PIVOTS))
+        t, piv = alloc(out, "yoco_mask_swa_index_pivots", (total_q, NUM_PIVOTS), _I32)
         _pivots_for_rows(a, row_seq, local, cfg.window_size, piv)
         return {"yoco_mask_swa_index_pivots": t}
     return _build_compact(md, a, cfg.window_size, out)
@@ -238,7 +230,7 @@ def _gather_rows(md: Fields, name: str, rows: np.ndarray,
         return None
     res = {}
     for k, v in d.items():
-        res[k], a = _alloc(out, f"yoco_consumer_{name}.{k}", (rows.shape[0], *v.shape[1:]), v.dtype)
+        res[k], a = alloc(out, f"yoco_consumer_{name}.{k}", (rows.shape[0], *v.shape[1:]), v.dtype)
         np.take(v.numpy(), rows, axis=0, out=a)
     return res
 
@@ -248,21 +240,21 @@ def _build_compact(md: Fields, a: dict[str, Any], window: int,
     """Compact-mode fields (see :func:`build_yoco_fields`)."""
     n_seq, clip = a["n_seq"], a["clip"]
     keep_len = a["q_len"] - clip
-    cu_t, cu_c = _alloc(out, "yoco_consumer_cu_seqlens_q", (n_seq + 1,))
+    cu_t, cu_c = alloc(out, "yoco_consumer_cu_seqlens_q", (n_seq + 1,), _I32)
     cu_c[0] = 0
     np.cumsum(keep_len, out=cu_c[1:])
     total_c = int(keep_len.sum())
     row_seq = np.repeat(np.arange(n_seq), keep_len)
     local = np.arange(total_c) - (cu_c[:-1] - clip)[row_seq]  # j in [clip, q_len)
     full_row = a["cu_q"][row_seq] + local
-    qi_t, qi = _alloc(out, "yoco_consumer_query_indices", (total_c,))
+    qi_t, qi = alloc(out, "yoco_consumer_query_indices", (total_c,), _I32)
     qi[:] = full_row
-    pos_t, pos = _alloc(out, "yoco_consumer_positions", (total_c,))
+    pos_t, pos = alloc(out, "yoco_consumer_positions", (total_c,), _I32)
     pos[:] = a["q_start"][row_seq] + local
-    slot_t, slot = _alloc(out, "yoco_consumer_slot_mapping_store_swa", (total_c,))
+    slot_t, slot = alloc(out, "yoco_consumer_slot_mapping_store_swa", (total_c,), _I32)
     np.take(_get(md, "slot_mapping_store_swa").numpy(), full_row, out=slot)
     slot[pos < a["rect_lo"][row_seq]] = PAD_SLOT_ID
-    piv_t, piv = _alloc(out, "yoco_consumer_kv_swa_full_index_pivots", (total_c, NUM_PIVOTS))
+    piv_t, piv = alloc(out, "yoco_consumer_kv_swa_full_index_pivots", (total_c, NUM_PIVOTS), _I32)
     _pivots_for_rows(a, row_seq, local, window, piv)
     logger.debug("yoco compact: consumer layers keep %d of %d rows", total_c, int(a["cu_q"][-1]))
     return {
