@@ -115,10 +115,6 @@ class LayoutArena:
                 if isinstance(v, torch.Tensor)]
         self._dict_tensors = ([e[0] for e in ents], [e[1] for e in ents], [e[2] for e in ents])
 
-    @property
-    def nbytes(self) -> int:
-        return self.region
-
     # ---- per step ---------------------------------------------------------------------------
     def wait_host(self) -> None:
         """CUDA: block until the previous step's H2D copy has read the host arena (normally long

@@ -69,13 +69,12 @@ class _Entry:
     types and tensor entries; together that is the field-type tuple this entry was made for.
     """
 
-    __slots__ = ("sig", "tget", "tobjs", "nget", "nones", "vget", "vtypes", "dicts", "dget",
+    __slots__ = ("tget", "tobjs", "nget", "nones", "vget", "vtypes", "dicts", "dget",
                  "dkeys", "dtypes", "dtget", "dtobjs", "dvget", "n_empty", "key", "tensors",
                  "tdtypes", "tdims")
 
     def __init__(self, sig: tuple[type, ...], vals: tuple, key: tuple, tensors: list[torch.Tensor]
                  ) -> None:
-        self.sig = sig
         tpos = [i for i, t in enumerate(sig) if issubclass(t, torch.Tensor)]
         npos = [i for i, t in enumerate(sig) if t is _NONE]
         dpos = [i for i, t in enumerate(sig) if t is dict]

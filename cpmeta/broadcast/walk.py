@@ -63,7 +63,6 @@ class Walk:
         self.dicts = [(i, _FIELD_NAMES[i]) for i in didx]
         self.get_t = getter(tidx)
         self.get_v = getter(vidx)
-        self.sig = sig
         self.subs: dict[tuple, tuple] = {}  # dict keys + entry types -> _entries()
         self.keys: dict[tuple, tuple] = {}  # step key -> (layout key, order)
 

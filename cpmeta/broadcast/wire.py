@@ -204,10 +204,6 @@ class Plan:
         self.tensor_pos = [ts[0][0] for ts in self.tensor_slots] if self.flat_tensors else []
 
     # ---- per step, both sides --------------------------------------------------------------
-    def split(self, dims: tuple[int, ...] | list[int]) -> tuple[list[int], list[int], int]:
-        """``(numels, run starts, region bytes)`` of the tensors with these flat ``dims``."""
-        return self.sizes(dims)[:3]
-
     def sizes(self, dims: tuple[int, ...] | list[int]) -> tuple[list[int], list[int], int, int]:
         """``(numels, run starts, region bytes, exact payload bytes)`` for these flat ``dims``.
 
@@ -330,7 +326,7 @@ _POSITIONAL = all(f.init and f.default is None for f in fields(InputMetadata)) a
 
 def pack_tensors(base: int, tensors: list[torch.Tensor], plan: Plan, numels: list[int],
                  starts: list[int]) -> None:
-    """Copy CPU ``tensors`` to address ``base`` in the run layout of :meth:`Plan.split`
+    """Copy CPU ``tensors`` to address ``base`` in the run layout of :meth:`Plan.sizes`
     (one ``memmove`` per tensor; non-contiguous ones are made contiguous first)."""
     if not all(map(_IS_CONTIGUOUS, tensors)):
         tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]
