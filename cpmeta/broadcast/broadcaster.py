@@ -28,11 +28,12 @@ import torch
 import torch.distributed as dist
 
 from transport.codec import CodecError, decode_body, encode_body  # cpmeta -> transport only
+from transport.coalesce import tensor_memoryview
 
 from .. import envs
 from ..metadata import InputMetadata
 from . import integrity, wire
-from .outputs import bytes_of, copy_out_of_frame, copy_to_out
+from .outputs import copy_out_of_frame, copy_to_out
 from .persistent import land_span
 from .walk import collect
 from .wire import (FLAG_CRC, FLAG_LAYOUT, FLAG_PACKED, FLAG_SPAN, FRAME_MAGIC, HEADER,
@@ -257,7 +258,7 @@ class MetadataBroadcaster:
                 arena.write(tensors, addr + data_at)  # straight into the slot
                 region_at[0] = addr + data_at
             elif staged is not None:
-                view[data_at:data_at + tbytes] = bytes_of(staged)
+                view[data_at:data_at + tbytes] = tensor_memoryview(staged)
             elif packed:
                 pack_tensors(addr + data_at, tensors, plan, numels, starts)
             integrity.seal(view, data_at, self.checksum)

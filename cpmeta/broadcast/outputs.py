@@ -13,7 +13,7 @@ from transport.coalesce import tensor_memoryview
 from ..metadata import InputMetadata
 from .wire import Plan
 
-__all__ = ["copy_out_of_frame", "bytes_of", "copy_to_out"]
+__all__ = ["copy_out_of_frame", "copy_to_out"]
 
 
 def copy_out_of_frame(dst: torch.Tensor, view: memoryview, at: int, n: int) -> None:
@@ -23,17 +23,12 @@ def copy_out_of_frame(dst: torch.Tensor, view: memoryview, at: int, n: int) -> N
     try:
         c = ctypes.c_char.from_buffer(view, at)
     except TypeError:  # read-only bytes
-        bytes_of(dst)[:] = view[at:at + n]
+        tensor_memoryview(dst)[:] = view[at:at + n]
         return
     try:
         ctypes.memmove(dst.data_ptr(), ctypes.addressof(c), n)
     finally:
         del c
-
-
-def bytes_of(t: torch.Tensor) -> memoryview:
-    """A writable uint8 memoryview of the CPU tensor ``t``'s bytes (no copy)."""
-    return tensor_memoryview(t)
 
 
 def copy_to_out(out: InputMetadata, plan: Plan, got: list[torch.Tensor]) -> list[list[torch.Tensor]]:
