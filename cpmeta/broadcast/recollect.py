@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..metadata import InputMetadata
-from .walk import collect
+from .walk import collect, field_kinds
 from .wire import MAX_LAYOUTS
 
 __all__ = ["CollectMemo"]
@@ -75,11 +75,7 @@ class _Entry:
 
     def __init__(self, sig: tuple[type, ...], vals: tuple, key: tuple, tensors: list[torch.Tensor]
                  ) -> None:
-        tpos = [i for i, t in enumerate(sig) if issubclass(t, torch.Tensor)]
-        npos = [i for i, t in enumerate(sig) if t is _NONE]
-        dpos = [i for i, t in enumerate(sig) if t is dict]
-        vpos = [i for i, t in enumerate(sig)
-                if t is not _NONE and t is not dict and not issubclass(t, torch.Tensor)]
+        tpos, npos, dpos, vpos = field_kinds(sig)
         self.tget, self.nget = _fields_getter(tpos), _fields_getter(npos)
         self.dget, self.vget = _fields_getter(dpos), _fields_getter(vpos)
         self.tobjs = _tuple_getter(tpos)(vals)

@@ -16,7 +16,7 @@ import torch
 from ..metadata import InputMetadata
 from .wire import ALIAS_SEP, DTYPE_CODE, MAX_LAYOUTS, PATH_SEP, WIRE_DTYPES, getter
 
-__all__ = ["collect", "Walk"]
+__all__ = ["collect", "Walk", "field_kinds"]
 
 _FIELD_NAMES = InputMetadata.field_names()
 _GET_ALL = operator.attrgetter(*_FIELD_NAMES)  # every field in one C call
@@ -44,6 +44,24 @@ def collect(md: InputMetadata) -> tuple[tuple, list[torch.Tensor], list[Any]]:
     return w(vals)
 
 
+def field_kinds(sig: tuple[type, ...]) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Positions of the tensor, ``None``, dict and value fields in a tuple of field types.
+
+    Example: ``(bool, NoneType, Tensor, dict, int)`` -> ``([2], [1], [3], [0, 4])``.
+    """
+    tidx, nidx, didx, vidx = [], [], [], []
+    for i, t in enumerate(sig):
+        if issubclass(t, torch.Tensor):
+            tidx.append(i)
+        elif t is type(None):
+            nidx.append(i)
+        elif t is dict:
+            didx.append(i)
+        else:
+            vidx.append(i)
+    return tidx, nidx, didx, vidx
+
+
 class Walk:
     """Which fields hold tensors, dicts and values, for one tuple of field types (computed once).
 
@@ -54,10 +72,7 @@ class Walk:
     """
 
     def __init__(self, sig: tuple[type, ...]) -> None:
-        tidx = [i for i, t in enumerate(sig) if issubclass(t, torch.Tensor)]
-        didx = [i for i, t in enumerate(sig) if t is dict]
-        vidx = [i for i, t in enumerate(sig) if t is not type(None) and t is not dict
-                and not issubclass(t, torch.Tensor)]
+        tidx, _, didx, vidx = field_kinds(sig)
         self.tnames = [_FIELD_NAMES[i] for i in tidx]
         self.vnames = [_FIELD_NAMES[i] for i in vidx]
         self.dicts = [(i, _FIELD_NAMES[i]) for i in didx]
