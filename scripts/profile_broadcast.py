@@ -50,7 +50,7 @@ PHASES: list[tuple[str, str, str]] = [
     ("D collect by path", "cpmeta.broadcast.broadcaster", "collect"),
     ("D layout", "cpmeta.broadcast.broadcaster", "_layout"),
     ("D layout", "cpmeta.broadcast.broadcaster", "MetadataBroadcaster._layout"),
-    ("D split (run offsets)", "cpmeta.broadcast.wire", "Plan.split"),
+    ("D sizes (run offsets)", "cpmeta.broadcast.wire", "Plan.sizes"),
     ("D pack tensors", "cpmeta.broadcast.broadcaster", "_pack"),
     ("D pack tensors", "cpmeta.broadcast.broadcaster", "pack_tensors"),
     ("D encode (codec)", "transport.object_channel", "encode"),
