@@ -1,0 +1,119 @@
+"""The field table (``cpmeta.fields``, declared on ``InputMetadata``) against what the code builds.
+
+On random configs and batches (prompt, decode, after ``compute_attn_info``, after the CP mirror,
+YoCo mask and compact): the fields present are exactly those the table switches on, every tensor
+has the table's dtype and rank, decode tensors have the shapes the table's rule resolves to, and
+per-rank fields (``order=RANK``) hold this rank's rows after the mirror while full-order ones keep
+the full layout. A wrong table entry fails here before it can mislead a generated layout.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+
+import cpmeta
+from cpmeta.fields import (
+    CP, DECODE, FULL, MIRROR, PROMPT, RANK, FieldInfo, feature_on, field_table, present_fields, staged_ratios, step_outputs,
+)
+from cpmeta.metadata import FIELDS, InputMetadata
+from strategies import random_config, random_decode_batch, random_prompt_batch
+
+
+def _present(md: InputMetadata) -> set[str]:
+    return {n for n in md.field_names() if getattr(md, n) is not None}
+
+
+def _tensors(md: InputMetadata) -> dict[str, list[torch.Tensor]]:
+    """Field -> its tensors (a dict field: every entry)."""
+    out: dict[str, list[torch.Tensor]] = {}
+    for name in md.field_names():
+        v = getattr(md, name)
+        if isinstance(v, torch.Tensor):
+            out[name] = [v]
+        elif isinstance(v, dict) and all(isinstance(x, torch.Tensor) for x in v.values()):
+            out[name] = list(v.values())
+    return out
+
+
+def _check_types(md: InputMetadata) -> None:
+    for name, ts in _tensors(md).items():
+        info = FIELDS[name]
+        assert info.dtype is not None, f"{name}: a value field holds a tensor"
+        for t in ts:
+            assert t.dtype == info.dtype and t.dim() == info.ndim, (name, t.dtype, t.dim(), info)
+    for name in _present(md) - set(_tensors(md)):
+        v = getattr(md, name)
+        assert FIELDS[name].dtype is None or v == {}, f"{name}: a tensor field holds {v!r}"
+
+
+def test_every_field_is_declared_with_a_field_info() -> None:
+    assert set(FIELDS) == set(InputMetadata.field_names())
+    assert all(isinstance(i, FieldInfo) for i in FIELDS.values())
+    assert all((i.dtype is None) == (i.ndim is None) for i in FIELDS.values())
+    for name, info in FIELDS.items():  # a consumer field replaces an existing field of the same kind
+        if info.replaces is not None:
+            assert info.replaces in FIELDS and (FIELDS[info.replaces].dtype is None) == (info.dtype is None), name
+    with pytest.raises(TypeError, match="declared without a FieldInfo"):
+        import dataclasses
+
+        field_table(dataclasses.make_dataclass("Bare", [("x", int, dataclasses.field(default=0))]))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_table_predicts_fields_dtypes_and_decode_shapes(seed: int) -> None:
+    rng = random.Random(seed)
+    cfg = random_config(rng)
+    pre = cpmeta.prepare_prompt(random_prompt_batch(rng, cfg), cfg)
+    dec_seqs = random_decode_batch(rng, cfg, max_drafts=2)
+    dec = cpmeta.prepare_decode(dec_seqs, cfg)
+    assert _present(pre) == set(present_fields(FIELDS, cfg, PROMPT))
+    assert _present(dec) == set(present_fields(FIELDS, cfg, DECODE))
+    sizes = {"total_q": dec.total_q, "n_seq": dec.num_seqs}
+    for spec in step_outputs(FIELDS, cfg, DECODE):  # the generated decode outputs have these shapes
+        v = getattr(dec, spec.name)
+        want = spec.resolve(sizes)
+        if spec.keys is None:
+            assert tuple(v.shape) == want, spec
+        else:
+            assert tuple(v) == spec.keys and all(tuple(x.shape) == want[1:] for x in v.values()), spec
+    for md in (pre, dec):
+        _check_types(md)
+        md.compute_attn_info(cfg)
+        _check_types(md)
+    assert _present(pre) == set(present_fields(FIELDS, cfg, PROMPT, derived=True))
+    assert _present(dec) == set(present_fields(FIELDS, cfg, DECODE, derived=True))
+
+
+def _rows(t: Any) -> set[int]:
+    ts = list(t.values()) if isinstance(t, dict) else [t]
+    return {int(x.shape[0]) for x in ts}
+
+
+@pytest.mark.parametrize("mode", ["mask", "compact"])
+@pytest.mark.parametrize("seed", range(4))
+def test_table_order_after_the_mirror_and_yoco(mode: str, seed: int) -> None:
+    rng = random.Random(100 + seed)
+    cfg = random_config(rng, yoco_keep_tokens=rng.choice([1, 4, 9]), yoco_mode=mode)
+    md = cpmeta.prepare_prompt(random_prompt_batch(rng, cfg, whole_prompt=True), cfg).compute_attn_info(cfg)
+    assert _present(md) == set(present_fields(FIELDS, cfg, PROMPT, derived=True))
+    mine = cpmeta.prepare_for_mirror_cp(md, 1, 2)
+    _check_types(mine)
+    assert _present(mine) - _present(md) == {  # the mirror adds its fields (YoCo's only on compact metadata)
+        n for n, i in FIELDS.items() if i.stage == MIRROR and all(f == CP or feature_on(f, cfg) for f in i.features)}
+    n_rows = {name: _rows(getattr(mine, name)) for name in _tensors(mine)}
+    for name, rows in n_rows.items():
+        info = FIELDS[name]
+        if info.shape_for(PROMPT)[:1] in (("total_q",), ("rows",)):
+            want = mine.cp_mirror_len if info.order == RANK else md.total_q
+            assert rows <= {want}, (name, rows, want)
+    assert {n for n in n_rows if FIELDS[n].order == RANK} >= {"positions", "mirror_cp_index"}
+    assert FIELDS["input_ids"].order == FULL and _rows(mine.input_ids) == {md.total_q}
+
+
+def test_staged_ratio_order() -> None:
+    cfg = cpmeta.MetadataConfig(dense_compress_ratios=(4,), sparse_compress_ratios=(4, 8))
+    assert staged_ratios(cfg) == (4, 8, 4, 8, 4)  # ca (4, 8), sparse (4, 8), dense (4,)
