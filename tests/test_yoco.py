@@ -21,11 +21,15 @@ import cpmeta
 from cpmeta import MetadataConfig, SequenceMetadata
 from cpmeta.builders.swa_pivots import swa_visibility_pivots
 from cpmeta.builders.yoco import YOCO_COMPACT_FIELDS, build_yoco_fields
-from cpmeta.cp.yoco_views import CONSUMER_CLEARED_FIELDS, get_consumer_view
+from cpmeta.cp.yoco_views import get_consumer_view
+from cpmeta.fields import consumer_cleared
+from cpmeta.metadata import FIELDS
 from reference_yoco import ref_consumer_rows, ref_yoco_fields
 from strategies import prompt_cases, random_config, random_prompt_batch
 
 I32 = torch.int32
+#: DESIGN 10: what a consumer view sets to None (the table may clear more, only fields None on prompt metadata)
+CONSUMER_CLEARED = {"kv_ca_index", "kv_ca_index_len", "klen", "kv_swa_full_index"}
 CONSUMER_REPLACED = (
     "positions", "cu_seqlens_q", "total_q", "max_seqlen_q", "query_indices", "slot_mapping_store_swa",
     "ks", "ke", "kv_ca_index_offset_len", "kv_swa_full_index_pivots",
@@ -296,7 +300,9 @@ def test_consumer_view_shares_everything_else_and_modifies_nothing(seed: int) ->
     snap = _snapshot(md)
     view = md.get_consumer_view()
     assert view is not md
-    for name in CONSUMER_CLEARED_FIELDS:
+    cleared = set(consumer_cleared(FIELDS))  # the view's rule, from the field table
+    assert CONSUMER_CLEARED <= cleared and all(getattr(md, n) is None for n in cleared - CONSUMER_CLEARED)
+    for name in cleared:
         assert getattr(view, name) is None, name
     swapped = {
         "positions": md.yoco_consumer_positions, "cu_seqlens_q": md.yoco_consumer_cu_seqlens_q,
@@ -310,7 +316,7 @@ def test_consumer_view_shares_everything_else_and_modifies_nothing(seed: int) ->
     assert view.total_q == md.yoco_consumer_total_q
     assert view.max_seqlen_q == int((md.yoco_consumer_cu_seqlens_q.diff()).max())
     for name in md.field_names():
-        if name not in CONSUMER_REPLACED and name not in CONSUMER_CLEARED_FIELDS:
+        if name not in CONSUMER_REPLACED and name not in cleared:
             assert getattr(view, name) is getattr(md, name), name
     view.compute_attn_info(cfg)
     md.get_consumer_view().compute_attn_info(cfg)

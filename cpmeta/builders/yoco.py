@@ -53,6 +53,8 @@ import torch
 
 from ..config import MetadataConfig
 from ..constants import PAD_SLOT_ID
+from ..fields import MIRROR, YOCO_COMPACT, YOCO_MASK, fields_with
+from ..metadata import FIELDS
 from ..sequence import SequenceMetadata
 from .arrays import BatchArrays, alloc
 from ..state.batch import SequenceBatch
@@ -77,29 +79,17 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-#: Field filled by ``prepare_prompt`` in mask mode.
-YOCO_MASK_FIELDS: tuple[str, ...] = ("yoco_mask_swa_index_pivots",)
+#: Field filled by ``prepare_prompt`` in mask mode (from the field table: ``yoco_mask_swa_index_pivots``).
+YOCO_MASK_FIELDS: tuple[str, ...] = fields_with(FIELDS, YOCO_MASK)
 
-#: Fields filled by ``prepare_prompt`` in compact mode.
-YOCO_COMPACT_FIELDS: tuple[str, ...] = (
-    "yoco_consumer_cu_seqlens_q",
-    "yoco_consumer_total_q",
-    "yoco_consumer_query_indices",
-    "yoco_consumer_positions",
-    "yoco_consumer_slot_mapping_store_swa",
-    "yoco_consumer_ks",
-    "yoco_consumer_ke",
-    "yoco_consumer_kv_ca_index_offset_len",
-    "yoco_consumer_kv_swa_full_index_pivots",
-)
+#: Fields filled by ``prepare_prompt`` in compact mode (from the field table: the nine
+#: ``yoco_consumer_*`` fields of DESIGN 10, ``yoco_consumer_cu_seqlens_q`` ... ``_kv_swa_full_index_pivots``).
+YOCO_COMPACT_FIELDS: tuple[str, ...] = fields_with(FIELDS, YOCO_COMPACT)
 
-#: Fields added by ``prepare_for_mirror_cp`` (through :func:`mirror_yoco`) on compact metadata.
-YOCO_CP_FIELDS: tuple[str, ...] = (
-    "yoco_consumer_cp_mirror_len",
-    "yoco_consumer_cp_contrib_pad_len",
-    "yoco_cp_contrib_index",
-    "yoco_cp_boundary_index",
-)
+#: Fields added by ``prepare_for_mirror_cp`` (through :func:`mirror_yoco`) on compact metadata
+#: (from the field table: ``yoco_consumer_cp_mirror_len``, ``yoco_consumer_cp_contrib_pad_len``,
+#: ``yoco_cp_contrib_index``, ``yoco_cp_boundary_index``).
+YOCO_CP_FIELDS: tuple[str, ...] = fields_with(FIELDS, YOCO_COMPACT, MIRROR)
 
 _I32 = torch.int32
 _TOKENS = attrgetter("token_ids")

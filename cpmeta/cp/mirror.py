@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..metadata import InputMetadata
+from ..fields import mirror_gathered_derived
+from ..metadata import FIELDS, InputMetadata
 from .mirror_plan import check_cp, chunk_len, host_cu, mirror_from_host, validate_mirror_args
 from .zigzag import NO_SPARSE_RATIOS_FALLBACK, RowGather
 
@@ -22,16 +23,10 @@ __all__ = ["prepare_for_mirror_cp"]
 
 logger = logging.getLogger(__name__)
 
-#: Fill value of gathered index rows (``kv_ca_index``, ``kv_swa_full_index``) on pad rows.
-_PAD_INDEX_FILL: int = -1
-
-#: Expanded per-row fields (DESIGN 5) that ``prepare_for_mirror_cp`` gathers if already computed,
-#: with the value their pad rows get.
-_DERIVED_ROW_FILLS: dict[str, int] = {
-    "kv_ca_index": _PAD_INDEX_FILL,
-    "kv_ca_index_len": 0,
-    "kv_swa_full_index": _PAD_INDEX_FILL,
-}
+#: Expanded per-row prompt fields (DESIGN 5) that ``prepare_for_mirror_cp`` gathers if already
+#: computed, with the value their pad rows get (from the field table: ``kv_ca_index`` -1,
+#: ``kv_ca_index_len`` 0, ``kv_swa_full_index`` -1).
+_DERIVED_ROW_FILLS = mirror_gathered_derived(FIELDS)
 
 
 def prepare_for_mirror_cp(md: InputMetadata, cp_rank: int, cp_size: int) -> InputMetadata:

@@ -13,18 +13,32 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..cache import IdentityCache
 from ..constants import PLACEHOLDER_QUERY_INDEX
+from ..fields import consumer_cleared, consumer_swaps, field_table
 from .zigzag import NO_SPARSE_RATIOS_FALLBACK, mirror_rows, prepare_cp_mirror
 
 if TYPE_CHECKING:
     from ..metadata import InputMetadata
 
-__all__ = ["get_mask_view", "get_consumer_view", "CONSUMER_CLEARED_FIELDS"]
-
-#: Derived fields a consumer view resets so ``compute_attn_info`` re-expands them on its rows.
-CONSUMER_CLEARED_FIELDS: tuple[str, ...] = ("kv_ca_index", "kv_ca_index_len", "klen", "kv_swa_full_index")
+__all__ = ["get_mask_view", "get_consumer_view"]
 
 _I64 = torch.int64
+
+_Rules = tuple[tuple[tuple[str, str], ...], tuple[str, ...]]
+_RULES: IdentityCache[type, _Rules] = IdentityCache(4)
+
+
+def _view_rules(cls: type) -> _Rules:
+    """The consumer view's rules from the field table of ``cls`` (read off the dataclass: this
+    module never imports the container at run time): ``(field, yoco_consumer_* field)`` swaps
+    (``positions`` <- ``yoco_consumer_positions``, ...) and the fields it clears (``klen`` and
+    the derived ones, re-expanded on the view's rows). Cached per class."""
+    hit = _RULES.get(cls)
+    if hit is None:
+        table = field_table(cls)
+        hit = _RULES.put(cls, (tuple(consumer_swaps(table).items()), consumer_cleared(table)))
+    return hit
 
 
 def get_mask_view(md: InputMetadata) -> InputMetadata:
@@ -72,19 +86,9 @@ def get_consumer_view(md: InputMetadata) -> InputMetadata:
             "with yoco_keep_tokens set and yoco_mode='compact'"
         )
     cu_c = md.yoco_consumer_cu_seqlens_q
-    changes: dict[str, Any] = dict(
-        positions=md.yoco_consumer_positions,
-        cu_seqlens_q=cu_c,
-        total_q=md.yoco_consumer_total_q,
-        max_seqlen_q=int((cu_c[1:] - cu_c[:-1]).max()),
-        query_indices=md.yoco_consumer_query_indices,
-        slot_mapping_store_swa=md.yoco_consumer_slot_mapping_store_swa,
-        ks=md.yoco_consumer_ks,
-        ke=md.yoco_consumer_ke,
-        kv_ca_index_offset_len=md.yoco_consumer_kv_ca_index_offset_len,
-        kv_swa_full_index_pivots=md.yoco_consumer_kv_swa_full_index_pivots,
-        **{name: None for name in CONSUMER_CLEARED_FIELDS},
-    )
+    swaps, cleared = _view_rules(type(md))
+    changes: dict[str, Any] = {name: getattr(md, consumer) for name, consumer in swaps}
+    changes.update({name: None for name in cleared}, max_seqlen_q=int((cu_c[1:] - cu_c[:-1]).max()))
     if md.mirror_cp_index is not None:
         changes.update(_mirrored_consumer_fields(md))
     return md.replace(**changes)
