@@ -26,25 +26,26 @@ once mirrored), ``rows_n`` (compressed rows of ratio n), ``num_segments``, ``max
 config (``max_num_blocks = 64``) resolves it to ``(256, 64)``; ``klen`` with sparse ratios
 ``(4, 8)`` is stacked ``[2, 256]`` under keys ``("4", "8")``.
 
-This module imports torch and the standard library only (config values are read by attribute).
+This module imports torch and :mod:`cpmeta.cache` only (config values are read by attribute).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Mapping, NamedTuple, Optional, Union
 
 import torch
 
+from .cache import IdentityCache
+
 __all__ = [
     "KEY", "FieldInfo", "tensor_field", "value_field", "field_table", "FieldTable",
     "COMMON", "COMPRESSED_KV", "SWA", "ENGRAM", "YOCO_MASK", "YOCO_COMPACT", "CP",
     "PROMPT", "DECODE", "BOTH", "PROMPT_ONLY", "DECODE_ONLY", "FULL", "RANK",
     "BUILD", "DERIVE", "MIRROR", "CA", "SPARSE", "DENSE", "RATIO_ORDER",
-    "feature_on", "ratios_of", "staged_ratios", "OutputSpec", "step_outputs", "present_fields",
+    "feature_on", "ratios_of", "staged_ratios", "OutputSpec", "step_outputs", "present_fields", "stacked_fields",
     "derived_fields", "fields_with", "mirror_gathered_derived", "consumer_swaps", "consumer_cleared",
 ]
 
@@ -151,11 +152,18 @@ def value_field(*, ratios: Optional[str] = None, features: tuple[str, ...] = (),
 FieldTable = Mapping[str, FieldInfo]
 
 
-@functools.lru_cache(maxsize=16)
+_TABLES: IdentityCache[type, FieldTable] = IdentityCache(16)
+
+
 def field_table(cls: type) -> FieldTable:
     """The table of a dataclass whose every field was declared with :func:`tensor_field` /
     :func:`value_field` (``TypeError`` naming the first field without one). Cached per class;
     works on any such class (a test builds one with an extra field)."""
+    hit = _TABLES.get(cls)
+    return hit if hit is not None else _TABLES.put(cls, _make_table(cls))
+
+
+def _make_table(cls: type) -> FieldTable:
     table: dict[str, FieldInfo] = {}
     for f in dataclasses.fields(cls):
         info = f.metadata.get(KEY)
@@ -235,6 +243,12 @@ def step_outputs(table: FieldTable, cfg: Any, step: str) -> tuple[OutputSpec, ..
         keys = None if info.ratios is None else tuple(str(r) for r in ratios_of(cfg, info.ratios))
         out.append(OutputSpec(name, info.dtype, shape, keys))
     return tuple(out)
+
+
+def stacked_fields(table: FieldTable, step: str) -> tuple[str, ...]:
+    """Per-ratio fields a builder of ``step`` writes (stored stacked in ``out`` buffers)."""
+    return tuple(n for n, i in table.items() if step in i.steps and i.stage == BUILD and i.ratios is not None
+                 and i.dtype is not None)
 
 
 def derived_fields(table: FieldTable) -> tuple[str, ...]:

@@ -19,6 +19,7 @@ from typing import Optional, Sequence, TypeVar, Union
 import numpy as np
 import torch
 
+from ..cache import BoundedCache
 from ..buffers import HostArena, get_or_create_stacked, get_or_create_tensor
 from ..constants import INT32_MAX
 from ..int_lists import int_array  # re-exported: the builders read ids with them
@@ -98,7 +99,7 @@ def alloc(
 ) -> tuple[torch.Tensor, np.ndarray]:
     """``get_or_create_tensor`` plus the tensor's numpy view (same memory) for vectorized fills;
     with a :class:`~cpmeta.buffers.HostArena` as ``out``, the arena's view of that field."""
-    if type(out) is HostArena:
+    if isinstance(out, HostArena):
         got = out.take(name)
         if got is not None:
             return got
@@ -113,7 +114,7 @@ def alloc_stacked(
     """``get_or_create_stacked`` for int32 per-ratio rows: ``({"4": row view, ...}, numpy view
     of the whole [len(ratios), *shape] buffer)``. Example: ratios ``(4, 128)``, shape ``(5,)``
     -> a ``[2, 5]`` buffer whose rows are ``md.<name>["4"]`` and ``md.<name>["128"]``."""
-    if type(out) is HostArena:
+    if isinstance(out, HostArena):
         got = out.take_rows(name)
         if got is not None:
             rows, a = got
@@ -136,7 +137,7 @@ def expand_rows(x: np.ndarray, counts: np.ndarray, seq: np.ndarray) -> np.ndarra
     return x[seq]
 
 
-_ARANGE: dict[int, np.ndarray] = {}
+_ARANGE: BoundedCache[int, np.ndarray] = BoundedCache(16)
 
 
 def arange_ro(n: int) -> np.ndarray:
@@ -144,10 +145,9 @@ def arange_ro(n: int) -> np.ndarray:
     rows: ~20 us to make each time)."""
     a = _ARANGE.get(n)
     if a is None:
-        if len(_ARANGE) > 16:
-            _ARANGE.clear()
-        a = _ARANGE[n] = np.arange(n, dtype=np.int64)
+        a = np.arange(n, dtype=np.int64)
         a.flags.writeable = False
+        _ARANGE.put(n, a)
     return a
 
 
