@@ -22,7 +22,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .buffers import OutputArenas, get_or_create_stacked, get_or_create_tensor
+from .buffers import OutputArenas, OutputBuffers, get_or_create_stacked, get_or_create_tensor
 from .config import MetadataConfig, blocks_needed
 from .constants import PAD_SLOT_ID, PLACEHOLDER_QUERY_INDEX
 from .metadata import InputMetadata
@@ -90,6 +90,7 @@ __all__ = [
     "get_or_create_tensor",
     "get_or_create_stacked",
     "OutputArenas",
+    "OutputBuffers",
     "PAD_SLOT_ID",
     "PLACEHOLDER_QUERY_INDEX",
     "prepare_prompt",

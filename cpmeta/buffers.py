@@ -1,20 +1,35 @@
-"""Output buffers the builders write into: ``get_or_create_tensor`` / ``get_or_create_stacked``.
+"""Output buffers the builders write into: the ``out=`` protocol, arenas, and the dict helpers.
 
-A builder called with ``out=`` (a dict) reuses the tensors stored there (shape and dtype checked;
-with ``allow_prefix`` a larger buffer captured for a CUDA graph is written through its prefix view)
-and stores what it had to allocate. Host buffers are pinned when CUDA is available, so the
-separate host-to-device step can copy them with ``non_blocking=True``.
+A builder's ``out=`` is one of three things, dispatched in one place per builder:
+
+- ``None``: the builder allocates; ``prepare_decode`` carves every output from ONE new
+  :class:`HostArena` (one allocation per call);
+- a dict of tensors: reused through :func:`get_or_create_tensor` / :func:`get_or_create_stacked`
+  (shape and dtype checked; with ``allow_prefix`` a larger buffer captured for a CUDA graph is
+  written through its prefix view), what had to be allocated is stored in it;
+- an :class:`OutputBuffers`: caller-owned memory (FlashInfer's caller-owned workspace is the
+  model). The builder computes the :class:`ArenaLayout` of the call (every output's name, shape,
+  dtype) and asks ``out.arena(layout)`` for the :class:`HostArena` to write into; the caller
+  decides where that memory lives and how long a result stays valid. :class:`OutputArenas` is the
+  implementation for an engine loop (one arena per batch shape, refilled every step).
+
+Host buffers are pinned when CUDA is available, so the separate host-to-device step can copy them
+with ``non_blocking=True``.
 """
 
 from __future__ import annotations
 
+import abc
 import functools
-from typing import Any, Iterable, Optional, Sequence, final
+from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 import torch
 
-__all__ = ["get_or_create_tensor", "get_or_create_stacked", "ArenaLayout", "HostArena", "OutputArenas", "ARENA_ALIGN"]
+from .cache import BoundedCache
+
+__all__ = ["get_or_create_tensor", "get_or_create_stacked", "ArenaLayout", "HostArena", "OutputBuffers",
+           "OutputArenas", "ARENA_ALIGN"]
 
 #: Byte alignment of every tensor carved out of a :class:`HostArena`.
 ARENA_ALIGN = 64
@@ -143,7 +158,6 @@ class ArenaLayout:
         self.stacked = frozenset(stacked)
 
 
-@final  # the builders dispatch on ``type(out) is HostArena``: a subclass would pass as a dict
 class HostArena:
     """ONE host allocation (pinned when CUDA is available) carved into a builder call's outputs.
 
@@ -156,14 +170,25 @@ class HostArena:
     ``take(name)`` returns ``(tensor, ndarray)``, or ``None`` for a name not in the layout (the
     caller then allocates on its own). Each call's arena is new: results of an earlier call are
     never overwritten.
+
+    ``raw``: the memory to carve instead of a new allocation, a contiguous CPU ``uint8`` tensor of
+    at least ``layout.nbytes`` bytes (what an :class:`OutputBuffers` implementation that owns its
+    memory hands in; ``ValueError`` otherwise). Its first ``layout.nbytes`` bytes hold the fields.
     """
 
-    __slots__ = ("_fields", "_views", "_made")
+    __slots__ = ("_fields", "_views", "_made", "raw")
 
     _NP = {torch.int32: np.int32, torch.bool: np.bool_, torch.int64: np.int64}
 
-    def __init__(self, layout: ArenaLayout) -> None:
-        raw = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=_pin())
+    def __init__(self, layout: ArenaLayout, raw: Optional[torch.Tensor] = None) -> None:
+        if raw is None:
+            raw = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=_pin())
+        elif (raw.dtype != torch.uint8 or raw.device.type != "cpu" or raw.dim() != 1 or not raw.is_contiguous()
+              or raw.shape[0] < layout.nbytes):
+            raise ValueError(f"raw: expected a contiguous 1-D CPU uint8 tensor of >= {layout.nbytes} bytes, "
+                             f"got {raw.dtype} {tuple(raw.shape)} on {raw.device}")
+        #: the carved memory (a caller's ``raw`` itself, or the arena's own allocation)
+        self.raw = raw
         raw_np = raw.numpy()
         self._fields = layout.fields
         views: dict[torch.dtype, tuple[torch.Tensor, np.ndarray]] = {
@@ -200,8 +225,33 @@ class HostArena:
         return [t_all.as_strided(shape[1:], strides[1:], start + i * strides[0]) for i in range(shape[0])], got[1]
 
 
-@final  # prepare_decode dispatches on ``type(out) is OutputArenas``: a subclass would pass as a dict
-class OutputArenas:
+class OutputBuffers(abc.ABC):
+    """The ``out=`` protocol for caller-owned outputs: a builder asks for the arena of its call.
+
+    One method. A builder that knows every output shape of a call (``prepare_decode``, once the
+    batch is read) compiles them into an :class:`ArenaLayout` (cached per batch shape, so the same
+    shape gives the same layout object) and writes its outputs into the :class:`HostArena` that
+    :meth:`arena` returns; the returned ``InputMetadata``'s tensors are views of that arena. The
+    implementation owns the memory (a :class:`HostArena` may be built over a caller's ``raw``
+    bytes) and states how long a result stays valid. Implementations: :class:`OutputArenas`;
+    a broadcaster's persistent arenas may implement it too. Minimal example::
+
+        class OneArena(OutputBuffers):                     # every call refills the same bytes
+            def __init__(self, nbytes): self.raw = torch.empty(nbytes, dtype=torch.uint8)
+            def arena(self, layout): return HostArena(layout, raw=self.raw)
+
+    (``OneArena`` re-carves its views on every call; :class:`OutputArenas` keeps one arena per
+    layout so the views too are the same objects each step.)
+    """
+
+    __slots__ = ()
+
+    @abc.abstractmethod
+    def arena(self, layout: ArenaLayout) -> HostArena:
+        """The arena this call's outputs (``layout``) are written into."""
+
+
+class OutputArenas(OutputBuffers):
     """Reusable outputs for a builder called every step: ``prepare_decode(batch, cfg, out=arenas)``.
 
     Holds ONE :class:`HostArena` per batch shape (``(config, total_q, n_seq)``; at most
@@ -224,17 +274,13 @@ class OutputArenas:
         if max_shapes < 1:
             raise ValueError(f"max_shapes: expected >= 1, got {max_shapes}")
         self.max_shapes = int(max_shapes)
-        self._arenas: dict[ArenaLayout, HostArena] = {}
+        self._arenas: BoundedCache[ArenaLayout, HostArena] = BoundedCache(self.max_shapes)
 
     def arena(self, layout: ArenaLayout) -> HostArena:
         """The arena of ``layout`` (one allocation the first time; builders cache layouts, so the
         same batch shape gives the same layout object)."""
         a = self._arenas.get(layout)
-        if a is None:
-            if len(self._arenas) >= self.max_shapes:
-                del self._arenas[next(iter(self._arenas))]
-            a = self._arenas[layout] = HostArena(layout)
-        return a
+        return a if a is not None else self._arenas.put(layout, HostArena(layout))
 
     def __len__(self) -> int:
         return len(self._arenas)

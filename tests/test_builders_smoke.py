@@ -231,6 +231,41 @@ def test_output_arenas_refill_one_arena_per_shape() -> None:
         OutputArenas(max_shapes=0)
 
 
+def test_caller_owned_output_buffers_protocol() -> None:
+    """``out=`` any ``OutputBuffers``: ``prepare_decode`` asks it for the arena of the call's layout
+    and writes there (here: a caller's own bytes, every tensor inside them, values equal to a
+    fresh build); anything that is neither None, a dict nor an ``OutputBuffers`` is a TypeError,
+    and ``prepare_prompt`` (shapes known only after its fill) refuses an arena."""
+    from cpmeta import OutputBuffers, metadata_diff, prepare_prompt
+    from cpmeta.buffers import ArenaLayout, HostArena
+
+    class OneArena(OutputBuffers):
+        def __init__(self, nbytes: int) -> None:
+            self.raw = torch.zeros(nbytes, dtype=torch.uint8)
+            self.layouts: list[ArenaLayout] = []
+
+        def arena(self, layout: ArenaLayout) -> HostArena:
+            self.layouts.append(layout)
+            return HostArena(layout, raw=self.raw)
+
+    cfg = MetadataConfig(dense_compress_ratios=(4, 128), max_ngram_size=2)
+    rng = random.Random(3)
+    seqs = [_seq(2, rng.randint(2, 900), state=i, prompt=False) for i in range(4)]
+    mine = OneArena(1 << 16)
+    md = prepare_decode(seqs, cfg, out=mine)
+    lo, hi = mine.raw.data_ptr(), mine.raw.data_ptr() + mine.raw.numel()
+    for path, t in md.tensors():
+        assert lo <= t.data_ptr() < hi, path
+    assert len(mine.layouts) == 1 and set(mine.layouts[0].fields) == {p.partition(".")[0] for p, _ in md.tensors()}
+    assert metadata_diff(md, prepare_decode(seqs, cfg), cfg=cfg) == []
+    with pytest.raises(ValueError, match="raw"):
+        prepare_decode(seqs, cfg, out=OneArena(16))  # too small for the layout
+    with pytest.raises(TypeError, match="OutputBuffers"):
+        prepare_decode(seqs, cfg, out=[])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="prepare_prompt"):
+        prepare_prompt([_seq(3, 9, state=0, prompt=True)], cfg, out=mine)  # type: ignore[arg-type]
+
+
 def test_decode_out_schema_is_stacked_on_both_paths() -> None:
     """One out= schema: per-ratio keys ("klen.4") are refused by the eager and in-place paths."""
     from cpmeta.gpu.decode_inplace import prepare_decode_inplace

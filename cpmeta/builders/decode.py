@@ -18,22 +18,24 @@ import torch
 
 from ..config import MetadataConfig
 from ..constants import INT32_MAX, PAD_SLOT_ID
-from ..metadata import InputMetadata
-from ..buffers import ArenaLayout, HostArena, OutputArenas
+from ..cache import BoundedCache, IdentityCache
+from ..fields import DECODE, FieldTable, stacked_fields, step_outputs
+from ..metadata import FIELDS, InputMetadata
+from ..buffers import ArenaLayout, HostArena, OutputBuffers
 from .arrays import AllocOut, BatchArrays, alloc, alloc_stacked, check_int32, fmod
 from .common import check_common_int32, fill_common
 from .extract import BatchInput, extract_batch
 
 __all__ = ["prepare_decode", "DECODE_STACKED_FIELDS", "check_decode_out"]
 
-#: The decode ``out=`` schema, shared by ``prepare_decode`` and ``prepare_decode_inplace``: these
-#: per-ratio fields live in ONE stacked buffer each, ``out["klen"]`` = ``[n_ratio, total_q]``
-#: (``kv_ca_index_offset_len``: ``[n_ratio, total_q, 2]``), rows in config ratio order
-#: (``sparse_compress_ratios`` for ``klen``, ``ca_ratios`` for ``positions_c`` and
-#: ``slot_mapping_store_ca``, ``dense_compress_ratios`` for ``kv_ca_index_offset_len``); the
-#: metadata's dict values are row views of it (``md.klen["4"]`` is ``out["klen"][0]``).
-#: Every other field is stored under its own name.
-DECODE_STACKED_FIELDS: tuple[str, ...] = ("positions_c", "slot_mapping_store_ca", "klen", "kv_ca_index_offset_len")
+#: The decode ``out=`` schema, shared by ``prepare_decode`` and ``prepare_decode_inplace``: the
+#: per-ratio decode fields of the field table live in ONE stacked buffer each, ``out["klen"]`` =
+#: ``[n_ratio, total_q]`` (``kv_ca_index_offset_len``: ``[n_ratio, total_q, 2]``), rows in config
+#: ratio order of the field's ratio set (``sparse_compress_ratios`` for ``klen``, ``ca_ratios`` for
+#: ``positions_c`` and ``slot_mapping_store_ca``, ``dense_compress_ratios`` for
+#: ``kv_ca_index_offset_len``); the metadata's dict values are row views of it (``md.klen["4"]``
+#: is ``out["klen"][0]``). Every other field is stored under its own name.
+DECODE_STACKED_FIELDS: tuple[str, ...] = stacked_fields(FIELDS, DECODE)
 
 logger = logging.getLogger(__name__)
 
@@ -113,21 +115,15 @@ def _fill_decode_rows(b: BatchArrays, cfg: MetadataConfig, out: AllocOut, f: dic
     return pos1
 
 
-#: Per-config constants, keyed by ``id(cfg)`` (the entry keeps ``cfg`` alive and is checked with
-#: ``is``): hashing a frozen config costs a tuple of all its fields on every call.
-_CONSTS: dict[int, tuple[MetadataConfig, dict[Any, Any]]] = {}
+#: Per-config constants (ratio columns, arena layouts, row bases), keyed by the config's identity:
+#: hashing a frozen config costs a tuple of all its fields on every call.
+_CONSTS: IdentityCache[MetadataConfig, BoundedCache[Any, Any]] = IdentityCache(64)
 
 
-def _consts(cfg: MetadataConfig) -> dict[Any, Any]:
-    """The cache dict of ``cfg`` (ratio columns, arena layouts, row bases)."""
-    hit = _CONSTS.get(id(cfg))
-    if hit is not None and hit[0] is cfg:
-        return hit[1]
-    if len(_CONSTS) >= 64:
-        _CONSTS.clear()
-    d: dict[Any, Any] = {}
-    _CONSTS[id(cfg)] = (cfg, d)
-    return d
+def _consts(cfg: MetadataConfig) -> BoundedCache[Any, Any]:
+    """The cache of ``cfg`` (ratio columns, arena layouts, row bases; at most 256 entries)."""
+    c = _CONSTS.get(cfg)
+    return c if c is not None else _CONSTS.put(cfg, BoundedCache(256))
 
 
 def _ratio_columns(cfg: MetadataConfig) -> tuple[np.ndarray, ...]:
@@ -143,7 +139,7 @@ def _ratio_columns(cfg: MetadataConfig) -> tuple[np.ndarray, ...]:
             col = np.array(rs, np.int32).reshape(-1, 1)  # int32: every operand is a bounded position
             col.flags.writeable = False
             cols.append(col)
-        cols = c["cols"] = tuple(cols)
+        cols = c.put("cols", tuple(cols))
     return cols
 
 
@@ -154,14 +150,12 @@ def _row_bases(cfg: MetadataConfig, T: int) -> tuple[np.ndarray, np.ndarray]:
     c = _consts(cfg)
     r = c.get(("rows", T))
     if r is None:
-        if len(c) > 256:
-            c.clear()
         rows = np.arange(T, dtype=np.int64) * cfg.max_num_blocks
         ol0 = (rows * np.array([cfg.block_size // n for n in cfg.dense_compress_ratios], np.int64)
                .reshape(-1, 1)).astype(np.int32)
         rows.flags.writeable = False
         ol0.flags.writeable = False
-        r = c[("rows", T)] = (rows, ol0)
+        r = c.put(("rows", T), (rows, ol0))
     return r
 
 
@@ -212,34 +206,19 @@ def _decode_layout(cfg: MetadataConfig, T: int, n: int) -> ArenaLayout:
     """:func:`_make_decode_layout`, cached per (config, batch shape)."""
     c = _consts(cfg)
     lay = c.get((T, n))
-    if lay is None:
-        if len(c) > 256:
-            c.clear()
-        lay = c[(T, n)] = _make_decode_layout(cfg, T, n)
-    return lay
+    return lay if lay is not None else c.put((T, n), _make_decode_layout(cfg, T, n))
 
 
-def _make_decode_layout(cfg: MetadataConfig, T: int, n: int) -> ArenaLayout:
-    """Every decode output (name, shape, dtype): ONE :class:`HostArena` holds them all when the
-    caller passes no ``out`` (cached per batch shape). Example: 256 rows, 256 sequences, default
-    config -> 18 fields, ~86 KiB (block_tables [256, 64] int32 is 64 KiB of it)."""
-    i32 = torch.int32
-    lay: list[tuple[str, tuple[int, ...], torch.dtype]] = [
-        (name, (T,), i32) for name in ("positions", "input_ids", "query_indices", "context_lens")]
-    lay += [("cu_seqlens_q", (n + 1,), i32), ("cu_seqlens_k", (n + 1,), i32),
-            ("block_tables", (T, cfg.max_num_blocks), i32),
-            ("gate_force_random", (T,), torch.bool), ("valid_token_mask", (T,), torch.bool)]
-    if cfg.has_swa:
-        lay += [("slot_mapping_store_swa", (T,), i32), ("state_block_idx", (T,), i32),
-                ("kv_swa_index_offset_len", (T, 2), i32)]
-    if cfg.has_compressed_kv:
-        lay += [("klen", (len(cfg.sparse_compress_ratios), T), i32),
-                ("positions_c", (len(cfg.ca_ratios), T), i32),
-                ("slot_mapping_store_ca", (len(cfg.ca_ratios), T), i32),
-                ("kv_ca_index_offset_len", (len(cfg.dense_compress_ratios), T, 2), i32)]
-    if cfg.max_ngram_size > 0:
-        lay.append(("ngram_token_ids", (T, cfg.max_ngram_size), i32))
-    return ArenaLayout(lay, stacked=DECODE_STACKED_FIELDS)
+def _make_decode_layout(cfg: MetadataConfig, T: int, n: int, table: FieldTable = FIELDS) -> ArenaLayout:
+    """Every decode output (name, shape, dtype), generated from the field table (``table``; a test
+    passes one with an extra field): ONE :class:`HostArena` holds them all when the caller passes
+    no ``out`` (cached per batch shape); per-ratio fields are stacked ``[n_ratio, ...]``. Example:
+    256 rows, 256 sequences, default config -> 16 fields, ~86 KiB (block_tables [256, 64] int32 is
+    64 KiB of it)."""
+    specs = step_outputs(table, cfg, DECODE)
+    sizes = {"total_q": T, "n_seq": n}
+    return ArenaLayout([(s.name, s.resolve(sizes), s.dtype) for s in specs],
+                       stacked=[s.name for s in specs if s.keys is not None])
 
 
 def check_decode_out(out: Out) -> None:
@@ -255,8 +234,20 @@ def check_decode_out(out: Out) -> None:
             )
 
 
+def _out_kind(out: "Out | OutputBuffers") -> Optional[OutputBuffers]:
+    """The one dispatch on ``out``: an :class:`~cpmeta.buffers.OutputBuffers` is returned, a dict
+    is checked (:func:`check_decode_out`) and ``None`` returned, anything else is a ``TypeError``."""
+    if out is None or isinstance(out, dict):
+        check_decode_out(out)
+        return None
+    if isinstance(out, OutputBuffers):
+        return out
+    raise TypeError(f"out: expected None, a dict of tensors or an OutputBuffers (e.g. cpmeta.OutputArenas), "
+                    f"got {type(out).__name__}")
+
+
 def prepare_decode(
-    seqs: BatchInput, cfg: MetadataConfig, *, out: "Out | OutputArenas" = None
+    seqs: BatchInput, cfg: MetadataConfig, *, out: "Out | OutputBuffers" = None
 ) -> InputMetadata:
     """Build decode ``InputMetadata`` (CPU tensors; pinned when CUDA is available).
 
@@ -269,7 +260,8 @@ def prepare_decode(
         out: optional dict of preallocated tensors keyed by field name (``"positions"``, ...;
             per-ratio fields stacked, see :data:`DECODE_STACKED_FIELDS`); matching tensors are
             filled in place, missing ones are allocated and stored in it, a shape/dtype mismatch
-            (or a per-ratio key such as ``"klen.4"``) is a ``ValueError``. Or a
+            (or a per-ratio key such as ``"klen.4"``) is a ``ValueError``. Or an
+            :class:`~cpmeta.buffers.OutputBuffers` (caller-owned memory), e.g. a
             :class:`cpmeta.OutputArenas`: one arena per batch shape, refilled every step (the
             cheapest steady state: no tensor is made per call).
 
@@ -284,17 +276,16 @@ def prepare_decode(
     Raises ``ValueError`` before allocating when ``total_q * max_num_blocks *
     (block_size // min(dense ratios))`` (or a slot value) exceeds int32.
     """
-    if type(out) is not OutputArenas:
-        check_decode_out(out)
+    arenas = _out_kind(out)
     b = extract_batch(seqs, cfg, is_prompt=False, flat_tables=False)
     _check_decode_int32(b, cfg)
     dst: AllocOut
-    if out is None:  # one host allocation for every field (all shapes are known now)
-        dst = HostArena(_decode_layout(cfg, b.total_q, b.n_seq))
-    elif type(out) is OutputArenas:  # the arena of this batch shape, refilled
-        dst = out.arena(_decode_layout(cfg, b.total_q, b.n_seq))
-    else:  # the caller's dict
+    if arenas is not None:  # caller-owned memory: the arena it hands out for this batch shape
+        dst = arenas.arena(_decode_layout(cfg, b.total_q, b.n_seq))
+    elif isinstance(out, dict):  # the caller's dict
         dst = out
+    else:  # one host allocation for every field (all shapes are known now)
+        dst = HostArena(_decode_layout(cfg, b.total_q, b.n_seq))
     f = fill_common(b, cfg, dst)
     pos1 = _fill_decode_rows(b, cfg, dst, f)
     f["block_tables"], bt = _fill_block_tables(b, cfg, dst)

@@ -205,6 +205,9 @@ def prepare_prompt(
     ``kv_swa_full_index_pivots``. A plain config keeps the common fields and ``seq_block_tables``.
     Int32 overflow of any total, offset or slot raises ``ValueError`` before allocation.
     """
+    if out is not None and not isinstance(out, dict):  # prompt shapes depend on the fill: no arena layout
+        raise TypeError(f"out: prepare_prompt takes None or a dict of tensors, got {type(out).__name__} "
+                        "(an OutputBuffers arena serves prepare_decode, whose shapes are known from the batch)")
     b = extract_batch(seqs, cfg, is_prompt=True)
     cu_ck = {n: prefix(loaded_compressed_len(b.seqlen_k, n)) for n in cfg.ca_ratios}
     _check_prompt_int32(b, cfg, cu_ck)
