@@ -21,9 +21,18 @@ __all__ = ["MetadataConfig", "YOCO_MODES", "blocks_needed", "blocks_needed_array
 
 YOCO_MODES = ("mask", "compact")
 
+#: The int-valued fields (``None`` allowed where the field is optional). A numpy integer given
+#: for one is stored as the equal Python int before any check, so every later reader (the
+#: builders, msgpack, ``==``) sees one kind: ``MetadataConfig(block_size=np.int64(16)).block_size``
+#: is the int 16.
+_INT_FIELDS = ("block_size", "window_size", "swa_block_size", "max_model_len", "max_ngram_size",
+               "ngram_pad_token", "image_token_id", "yoco_keep_tokens", "kv_cp_world_size",
+               "kv_cp_interleave")
+
 
 def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    """A Python or numpy integer (``np.int64(7)`` counts; ``True`` and ``np.True_`` do not)."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 def _ratio_tuple(name: str, value: object) -> tuple[int, ...]:
@@ -33,6 +42,7 @@ def _ratio_tuple(name: str, value: object) -> tuple[int, ...]:
     for r in out:
         if not _is_int(r) or not 1 <= r <= INT32_MAX:
             raise ValueError(f"{name}: expected ints in [1, 2**31 - 1], got {r!r} in {out!r}")
+    out = tuple(map(int, out))  # numpy integers become Python ints: the config holds one kind
     if len(set(out)) != len(out):
         raise ValueError(f"{name}: ratio listed twice in {out!r}")
     return out
@@ -84,6 +94,9 @@ class MetadataConfig:
     _max_num_blocks: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        for name in _INT_FIELDS:
+            if isinstance(getattr(self, name), np.integer):
+                object.__setattr__(self, name, int(getattr(self, name)))
         for name in ("block_size", "swa_block_size", "max_model_len", "kv_cp_world_size",
                      "kv_cp_interleave"):
             v = getattr(self, name)
@@ -171,6 +184,25 @@ class MetadataConfig:
         return self._max_num_blocks
 
     @property
+    def max_block_id(self) -> int:
+        """The largest block id whose KV slots fit int32: ``(2**31 - 1 - (b_c - 1)) // b_c``,
+        ``b_c = block_size // min_ratio`` (slot ``id * b_c + c % b_c``: the compressed-KV write
+        slot, or a plain config's paged-KV slot with ``b_c = block_size``).
+
+        Examples: defaults, ``b_c = 128 // 4 = 32`` -> ``2**26 - 1 = 67108863`` (id ``2**26``
+        reaches slot ``2**31``); plain, block 16 -> ``2**27 - 1``."""
+        bc = self.block_size // self._min_ratio
+        return (INT32_MAX - (bc - 1)) // bc
+
+    @property
+    def max_state_id(self) -> int:
+        """The largest state id whose SWA ring slots fit int32: ``(2**31 - 1 - (S - 1)) // S``,
+        ``S = swa_block_size`` (slot ``state_id * S + pos % S``). Binding only with the sliding-
+        window state cache (``has_swa``). Example: ``S = 128`` -> ``2**24 - 1 = 16777215``."""
+        S = self.swa_block_size
+        return (INT32_MAX - (S - 1)) // S
+
+    @property
     def has_compressed_kv(self) -> bool:
         """Compressed KV (``positions_c``, ``slot_mapping_store_ca``, ...): ``ca_ratios`` non-empty."""
         return bool(self._ca)
@@ -221,8 +253,16 @@ def blocks_needed(seqlen_k: int, cfg: MetadataConfig) -> int:
     - ``W=2, I=16``, block 16, 40 tokens -> rank 0 holds 0..15 and 32..39 = 24 -> 2;
     - block 128, ratios (4, 128), 300 tokens -> ratio 4: ``cdiv(75, 32) = 3``, ratio 128:
       ``cdiv(2, 1) = 2`` -> 3 (closed form: ``2 + (44 >= 4)``).
+
+    ``seqlen_k`` is an int (a numpy integer counts) ``>= 0``: anything else is a ``TypeError`` /
+    ``ValueError`` naming it (a float or a negative count has no block rule; the array forms
+    below stay unchecked, their callers validate the arrays once).
     """
-    k = seqlen_k
+    if not _is_int(seqlen_k):
+        raise TypeError(f"seqlen_k: expected an int, got {seqlen_k!r}")
+    if seqlen_k < 0:
+        raise ValueError(f"seqlen_k: expected >= 0, got {seqlen_k}")
+    k = int(seqlen_k)
     if cfg.kv_cp_world_size > 1:
         cycle, inter = cfg.kv_cp_world_size * cfg.kv_cp_interleave, cfg.kv_cp_interleave
         k = (k // cycle) * inter + min(k % cycle, inter)
