@@ -13,7 +13,7 @@ import pytest
 
 from cpmeta import BatchState, MetadataConfig, SequenceMetadata, metadata_diff, prepare_decode, prepare_prompt
 from cpmeta.sequence import blocks_needed
-from cpmeta.state.decode_fast import StateDecodeBatch
+from cpmeta.state.vouched import StateDecodeBatch
 
 CFG = MetadataConfig(block_size=16, window_size=4, swa_block_size=6, dense_compress_ratios=(4,),
                      sparse_compress_ratios=(4, 8), max_model_len=96, max_ngram_size=3, image_token_id=5)
@@ -54,17 +54,24 @@ def _grow(st: BatchState, r: _Req, k: int, cfg: MetadataConfig, rng: random.Rand
         r.blocks += new
 
 
+def _rows(batch, cfg: MetadataConfig):
+    """The 2-D padded table a batch is vouched to carry (``Vouch.block_rows32``), or None."""
+    v = batch.vouch_for(cfg)
+    return None if v is None else v.block_rows32
+
+
 def _assert_bt2d(batch, cfg: MetadataConfig) -> None:
-    """The 2-D padded table a decode batch carries (``_bt2d``) equals its flat tables."""
-    if batch._bt2d is None:
+    """The 2-D padded table a decode batch carries (``Vouch.block_rows32``) equals its flat tables."""
+    rows = _rows(batch, cfg)
+    if rows is None:
         return
-    assert batch._bt2d[0] is cfg
+    assert not rows.flags.writeable
     want = np.full((len(batch), cfg.max_num_blocks), -1, np.int32)
     off = batch.block_table_offsets
     for s in range(len(batch)):
         row = batch.block_tables[off[s]:off[s + 1]][: cfg.max_num_blocks]
         want[s, : len(row)] = row
-    np.testing.assert_array_equal(batch._bt2d[1], want)
+    np.testing.assert_array_equal(rows, want)
 
 
 def _assert_same_batch(batch: StateDecodeBatch, st: BatchState, sel: list[_Req]) -> None:
@@ -80,7 +87,12 @@ def _assert_same_batch(batch: StateDecodeBatch, st: BatchState, sel: list[_Req])
         a, b = getattr(batch, name), getattr(want, name)
         assert a.dtype == b.dtype and np.array_equal(a, b), name
     assert batch.lookback == want.lookback and batch.is_prompt is False
-    np.testing.assert_array_equal(batch._bt2d[1], want._bt2d[1])
+    np.testing.assert_array_equal(_rows(batch, st.cfg), _rows(want, st.cfg))
+
+
+def _free_state(rng: random.Random, reqs: dict[int, _Req]) -> int:
+    """A state id in [0, 50) no live request holds (the state cache refuses a shared one)."""
+    return rng.choice(sorted(set(range(50)) - {r.state for r in reqs.values()}))
 
 
 def _run(cfg: MetadataConfig, seed: int, steps: int) -> dict[str, int]:
@@ -102,7 +114,7 @@ def _run(cfg: MetadataConfig, seed: int, steps: int) -> dict[str, int]:
                     st.add_request(next_id, toks, blocks, 0, **kw)
                 seen["errors"] += 1
             else:
-                state = rng.randrange(50)
+                state = _free_state(rng, reqs)
                 s = st.add_request(next_id, toks, blocks, state, **kw)
                 reqs[s] = _Req(s, toks, n, blocks, state, kw["swa_valid_start"], comp)
         if rng.random() < 0.15 and reqs:  # a finish, or a moved state id
@@ -112,7 +124,7 @@ def _run(cfg: MetadataConfig, seed: int, steps: int) -> dict[str, int]:
                 del reqs[r.slot]
                 seen["finished"] += 1
             else:
-                r.state = rng.randrange(50)
+                r.state = _free_state(rng, reqs)
                 st.set_state_id(r.slot, r.state)
         pre = [r for r in reqs.values() if r.done < r.prompt_len]
         dec = [r for r in reqs.values() if r.done >= r.prompt_len and len(r.tokens) < cfg.max_model_len - 2]
@@ -206,7 +218,7 @@ def test_fast_batch_tables_are_a_snapshot() -> None:
     assert isinstance(batch, StateDecodeBatch)
     st.append_blocks(a, [7])
     st.finish(b)
-    assert st.add_request("c", [8], [2, 3], 0, num_computed=1) == b
+    assert st.add_request("c", [8], [2, 3], 1, num_computed=1) == b
     assert batch.block_tables.tolist() == [6, 9] and batch.block_table_offsets.tolist() == [0, 1, 2]
 
 
@@ -226,7 +238,7 @@ def test_fast_path_refuses_what_it_cannot_vouch_for() -> None:
     st.set_swa_valid_start(b, 0)
     st.append_blocks(b, [-3])
     assert not isinstance(st.decode_batch(np.array([b])), StateDecodeBatch)
-    c = st.add_request("c", list(range(16)), [1], 0, num_computed=4)
+    c = st.add_request("c", list(range(16)), [1], 2, num_computed=4)
     with pytest.raises(ValueError, match="still in prefill"):
         st.decode_batch(np.array([c]))
     st.prompt_batch(np.array([c]), np.array([12]))
@@ -237,15 +249,16 @@ def test_fast_path_refuses_what_it_cannot_vouch_for() -> None:
     assert not isinstance(st.decode_batch(np.array([c])), StateDecodeBatch)
     with pytest.raises(ValueError, match=r"seqs\[0\]\.block_table"):
         prepare_decode(st.decode_batch(np.array([c])), PLAIN)
-    d = st.add_request("d", [1, 2], [1], 0, num_computed=2)
+    d = st.add_request("d", [1, 2], [1], 3, num_computed=2)
     assert isinstance(st.decode_batch(np.array([d])), StateDecodeBatch)
     st.append_tokens_batch(np.array([d]), np.array([2**31]), np.array([1]))  # a token past int32
     assert not isinstance(st.decode_batch(np.array([d])), StateDecodeBatch)
-    with pytest.raises(ValueError, match="input_ids"):
-        prepare_decode(st.decode_batch(np.array([d])), PLAIN)
-    e = st.add_request("e", [1, 2], [1], 0, num_computed=2)
-    with pytest.raises(ValueError, match="input_ids"):  # a draft past int32: the builder's check
-        prepare_decode(st.decode_batch(np.array([e]), np.array([-2**31 - 1]), np.array([1])), PLAIN)
+    with pytest.raises(ValueError, match=r"seqs\[0\]\.token_ids: expected ids in \[0, 2\*\*31 - 1\] \(input_ids"):
+        prepare_decode(st.decode_batch(np.array([d])), PLAIN)  # the validation names the sequence
+    e = st.add_request("e", [1, 2], [1], 4, num_computed=2)
+    for bad in (-2**31 - 1, 2**31):  # a draft past int32: decode_batch names the request
+        with pytest.raises(ValueError, match=rf"request 'e': draft_tokens: expected ids in \[0, 2\*\*31 - 1\], got {bad}"):
+            st.decode_batch(np.array([e]), np.array([bad]), np.array([1]))
     for bad in (7, 5, -1, -5, -6, -11):  # past max_seqs, or negative (wraps into the -1 half)
         with pytest.raises(ValueError, match="slots"):
             st.decode_batch(np.array([bad]))
@@ -308,12 +321,12 @@ def test_decode_2d_table_follows_appends_and_reuse() -> None:
     b = st.add_request("b", [4], [5, 6], 1, num_computed=1)
     st.append_blocks(a, [7, 8, 9])  # crosses max_num_blocks: the 2-D table keeps the first mnb
     batch = st.decode_batch(np.array([b, a]))
-    assert batch._bt2d is not None
+    assert _rows(batch, CFG) is not None
     _assert_bt2d(batch, CFG)
     st.finish(a)
     c = st.add_request("c", [4, 4], [3], 2, num_computed=2)
     assert c == a
     batch = st.decode_batch(np.array([c, b]), np.array([1]), np.array([0, 1]))
     _assert_bt2d(batch, CFG)
-    assert batch._bt2d[1][0].tolist() == [3] + [-1] * (mnb - 1)
-    assert st.decode_batch(np.array([c]), num_placeholders=1)._bt2d is None  # placeholders: the flat path
+    assert _rows(batch, CFG)[0].tolist() == [3] + [-1] * (mnb - 1)
+    assert _rows(st.decode_batch(np.array([c]), num_placeholders=1), CFG) is None  # placeholders: the flat path

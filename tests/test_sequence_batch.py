@@ -163,7 +163,14 @@ def test_docstring_example() -> None:
 
 def test_validated_marker_is_not_a_constructor_argument() -> None:
     """A user-built batch cannot claim it was validated (issue 18: the builders skip validate
-    only for batches from_sequences / validate() / BatchState marked for that config)."""
+    only for batches from_sequences / validate() / the state room's vouched constructors marked
+    for that config)."""
     import dataclasses
 
-    assert not next(f for f in dataclasses.fields(SequenceBatch) if f.name == "_checked").init
+    assert not next(f for f in dataclasses.fields(SequenceBatch) if f.name == "_vouch").init
+    with pytest.raises(TypeError):
+        SequenceBatch(_vouch=object(), **dataclasses.asdict(_by_hand(_batch(True), CFG, True)))  # type: ignore[call-arg]
+    b = _by_hand(_batch(True), CFG, True)
+    assert b.vouch_for(CFG) is None
+    b.validate(CFG)
+    assert b.vouch_for(CFG) is not None and b.vouch_for(MetadataConfig()) is None

@@ -68,7 +68,7 @@ def extract_batch(seqs: BatchInput, cfg: MetadataConfig, *, is_prompt: bool, fla
     """Validate ``seqs`` (same errors as ``validate_batch``) and derive every array the builders use.
 
     ``flat_tables=False`` (``prepare_decode``): a batch carrying ``BatchState``'s 2-D table rows
-    (``SequenceBatch._bt2d``) gets ``bt2d`` only -- ``bt_flat`` / ``bt_start`` / ``bt_whole`` are
+    (``Vouch.block_rows32``, read through ``SequenceBatch.vouch_for``) gets ``bt2d`` only -- ``bt_flat`` / ``bt_start`` / ``bt_whole`` are
     ``None`` and its flat tables are not read; any other batch gets every array as usual.
 
     Example: 2 decode sequences ``(seqlen_q, seqlen_k) = (1, 5), (3, 9)`` give ``cu_q = [0, 1, 4]``,
@@ -88,14 +88,14 @@ def extract_batch(seqs: BatchInput, cfg: MetadataConfig, *, is_prompt: bool, fla
         np.add.accumulate(sq, out=cu_q[1:])
         total_q = int(cu_q[-1])
     q_start = sk - sq
-    known2d = sb._bt2d
-    bt2d = known2d[1] if known2d is not None and known2d[0] is cfg else None
+    vouch = sb.vouch_for(cfg)  # set: as_sequence_batch validated sb for cfg
+    bt2d = vouch.block_rows32 if vouch is not None else None
     if bt2d is not None and not flat_tables:  # prepare_decode copies the 2-D rows: no flat tables
         need = bt_flat = bt_start = bt_whole = bt_whole_off = None
     else:
-        known = sb._need
-        need = known[1] if known is not None and known[0] is cfg else blocks_needed_array(sk, cfg)
-        bt_flat, bt_start = _flat_tables(sb, need)
+        known = vouch.blocks_needed if vouch is not None else None
+        need = known if known is not None else blocks_needed_array(sk, cfg)
+        bt_flat, bt_start = _flat_tables(sb, need, cfg)
         bt_whole, bt_whole_off = sb.block_tables, sb.block_table_offsets
     row_seq, row_j = _row_arrays(n, total_q, sq, cu_q)
     row_pos = q_start if total_q == n else expand_rows(q_start, sq, row_seq) + row_j  # one row each: q_start
@@ -117,13 +117,16 @@ def extract_batch(seqs: BatchInput, cfg: MetadataConfig, *, is_prompt: bool, fla
         comp_flat=sb.compressed, data_len=sb.num_tokens, is_prompt=is_prompt,
         comp_len=np.diff(sb.compressed_offsets) if cfg.max_ngram_size > 0 else None,  # Engram only
         bt_whole=bt_whole, bt_whole_off=bt_whole_off, bt2d=bt2d,
-        # BatchState sets _bt2d only for a batch without placeholders
-        any_placeholder=False if bt2d is not None else bool(sb.is_placeholder.any()), ids_ok=sb._ids_ok,
+        # BatchState vouches for block_rows32 only for a batch without placeholders; a validated
+        # batch's token windows (the input ids among them) hold ids in [0, 2**31 - 1]
+        any_placeholder=False if bt2d is not None else bool(sb.is_placeholder.any()), ids_ok=True,
     )
 
 
-def _flat_tables(sb: SequenceBatch, need: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The first ``need[s]`` block ids of every table back to back, plus one trailing 0.
+def _flat_tables(sb: SequenceBatch, need: np.ndarray, cfg: MetadataConfig) -> tuple[np.ndarray, np.ndarray]:
+    """The first ``need[s]`` block ids of every table back to back, plus one trailing 0; every
+    one of them in ``[0, cfg.max_block_id]`` (else ``ValueError`` naming ``seqs[i].block_table``:
+    a negative id, or one whose KV slots pass int32).
 
     Example: tables ``[[7, 8, 9], [4]]``, need ``[2, 1]`` -> ``bt_flat = [7, 8, 4, 0]``,
     ``bt_start = [0, 2]``. When every table is exactly as long as needed this is one copy.
@@ -139,7 +142,23 @@ def _flat_tables(sb: SequenceBatch, need: np.ndarray) -> tuple[np.ndarray, np.nd
         seq = np.repeat(np.arange(len(need)), need)
         flat[:total] = sb.block_tables[off[:-1][seq] + np.arange(total) - start[:-1][seq]]
     flat[total] = 0
-    if total and flat[:total].min() < 0:
-        bad = int(np.searchsorted(start[1:], int(np.argmax(flat[:total] < 0)), side="right"))
-        raise ValueError(f"seqs[{bad}].block_table: expected block ids >= 0, got a negative id")
+    if total and (flat[:total].min() < 0 or flat[:total].max() > cfg.max_block_id):
+        _bad_block_id(flat[:total], start, cfg)
     return flat, start[:-1]
+
+
+def _bad_block_id(ids: np.ndarray, start: np.ndarray, cfg: MetadataConfig) -> None:
+    """The ``seqs[i].block_table`` error for the first needed block id outside ``[0,
+    max_block_id]`` (error path only): id ``f`` of the flat needed ids belongs to the sequence
+    ``i`` with ``start[i] <= f < start[i + 1]``, entry ``f - start[i]`` of its table."""
+    f = int(np.argmax((ids < 0) | (ids > cfg.max_block_id)))
+    i = int(np.searchsorted(start[1:], f, side="right"))
+    got, at = int(ids[f]), f - int(start[i])
+    if got < 0:
+        raise ValueError(f"seqs[{i}].block_table: expected block ids >= 0, got {got} at index {at}")
+    bc = cfg.block_size // cfg.min_ratio
+    what = "slot_mapping_store_ca" if cfg.has_compressed_kv else "the paged KV slot"
+    raise ValueError(
+        f"seqs[{i}].block_table: expected block ids <= {cfg.max_block_id}, got {got} at index {at} "
+        f"({what} int32 overflow: block id * b_c + b_c - 1 must be <= 2**31 - 1, "
+        f"b_c = block_size // min_ratio = {bc})")

@@ -10,9 +10,13 @@ module              holds
 ``gather``          the general gather of a step (prompt chunks, look-back, placeholders)
 ``decode_fast``     the common decode step in ~15 numpy calls, and the vouching both decode fast
                     paths share (``BatchState.vouch_decode``)
+``vouched``         the named constructors of the batches a state vouches for (``Vouch``: read
+                    by the builders through ``SequenceBatch.vouch_for``), ``StateDecodeBatch``
+``checks``          value checks: token-window ids, ``BatchState``'s scalar and id arguments
 ==================  ===========================================================================
 
-This room owns its arrays: no module outside it reads a private attribute of a state. It
+This room owns its arrays: no module outside it reads or writes a private attribute of a state
+or a batch (``tests/test_house_rules.py`` checks it). It
 imports only ``cpmeta``'s base modules (config, sequence, constants); the builders and the GPU
 room import it, never the reverse.
 """

@@ -17,9 +17,10 @@ import numpy as np
 
 from ..config import MetadataConfig, blocks_needed_array
 from ..int_lists import first_bad, int_array
-from ..sequence import SequenceMetadata, validate_batch
+from ..sequence import SequenceMetadata, check_distinct_state_ids, validate_batch
+from .checks import check_window_ids
 
-__all__ = ["SequenceBatch", "window_lookback", "prefix"]
+__all__ = ["SequenceBatch", "Vouch", "window_lookback", "prefix"]
 
 _SQ = attrgetter("seqlen_q")
 _SK = attrgetter("seqlen_k")
@@ -42,6 +43,33 @@ def prefix(lengths: np.ndarray) -> np.ndarray:
     cu = np.zeros(len(lengths) + 1, np.int64)
     np.add.accumulate(lengths, out=cu[1:])
     return cu
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Vouch:
+    """What the maker of a :class:`SequenceBatch` vouches for, under ONE config ``cfg``.
+
+    Every vouched batch passed ``SequenceBatch.validate(cfg)``'s checks (or its maker's
+    invariants cover them): its builders skip ``validate`` and may rely on its token windows
+    holding ids in ``[0, 2**31 - 1]``. Two optional arrays a ``BatchState`` knows already, so
+    the builders do not recompute them (read-only):
+
+    - ``blocks_needed`` ``[n_seq]`` int64: ``blocks_needed(seqlen_k)`` of every sequence;
+    - ``block_rows32`` ``[n_seq, cfg.max_num_blocks]`` int32: each sequence's first
+      ``max_num_blocks`` block ids, -1 padded (the flat tables as a padded 2-D table, equal to
+      them); set only when every state id is in ``[0, cfg.max_state_id]`` and every block id in
+      ``[0, cfg.max_block_id]``, so the builders' int32 bounds on those hold. Example: tables
+      ``[[7, 8], [4]]``, 3 columns -> ``[[7, 8, -1], [4, -1, -1]]``.
+    """
+
+    cfg: MetadataConfig
+    blocks_needed: Optional[np.ndarray] = None  # [n_seq] int64, blocks_needed(seqlen_k) under cfg
+    block_rows32: Optional[np.ndarray] = None  # [n_seq, max_num_blocks] int32, -1 padded
+
+    def __post_init__(self) -> None:
+        for a in (self.blocks_needed, self.block_rows32):
+            if a is not None:
+                a.flags.writeable = False
 
 
 @dataclass(slots=True, eq=False)
@@ -98,24 +126,20 @@ class SequenceBatch:
     compressed: np.ndarray  # [sum c] int64, compressed ids of positions [lo, lo + c)
     compressed_offsets: np.ndarray  # [n_seq+1] int64
     lookback: int  # window reaches lookback positions before q_start (max_ngram_size - 1)
-    # the config this batch passed validate() for; NOT a constructor argument, so a batch built
-    # from user arrays always starts unchecked (only from_sequences, validate() and BatchState,
-    # which checks what its own invariants leave open, set it)
-    _checked: Any = field(default=None, init=False, repr=False)
-    # (cfg, blocks_needed(seqlen_k) of every sequence under cfg): BatchState knows it already and
-    # extract_batch reuses it instead of recomputing. Not a constructor argument either.
-    _need: Optional[tuple[Any, np.ndarray]] = field(default=None, init=False, repr=False)
-    # (cfg, [n_seq, cfg.max_num_blocks] int32): each sequence's first max_num_blocks block ids,
-    # -1 padded (the flat tables above as a 2-D padded table: it must equal them). Set only by
-    # BatchState for a decode batch it marked validated; prepare_decode's block_tables is then ONE
-    # row gather. Not a constructor argument.
-    _bt2d: Optional[tuple[Any, np.ndarray]] = field(default=None, init=False, repr=False)
-    # True when every input id (window token) is known to fit int32: set only by BatchState's
-    # decode fast path (cpmeta/state/decode_fast.py), which checked them; the builders then skip that check
-    _ids_ok: bool = field(default=False, init=False, repr=False)
+    # what the batch is vouched for, for ONE config (``Vouch``): set by from_sequences and
+    # validate(), and by the state room's named constructors (``cpmeta/state/vouched.py``) for
+    # the batches BatchState makes. NOT a constructor argument, so a batch built from user arrays
+    # always starts unchecked; other rooms read it through ``vouch_for`` only.
+    _vouch: Optional["Vouch"] = field(default=None, init=False, repr=False)
 
     def __len__(self) -> int:
         return int(self.seqlen_q.shape[0])
+
+    def vouch_for(self, cfg: MetadataConfig) -> Optional["Vouch"]:
+        """What this batch is vouched for under ``cfg`` (read-only), or ``None`` when it has not
+        been validated for that config. ``validate(cfg)`` returns at once for a vouched batch."""
+        v = self._vouch
+        return v if v is not None and v.cfg is cfg else None
 
     @property
     def q_start(self) -> np.ndarray:
@@ -145,7 +169,8 @@ class SequenceBatch:
             validate_batch(seqs, cfg, is_prompt=is_prompt)
         n = len(seqs)
         cols = [list(map(g, seqs)) for g in (_SQ, _SK, _STATE, _SVS)]
-        plain = {*map(type, cols[0]), *map(type, cols[1]), *map(type, cols[2]), *map(type, cols[3])}
+        kinds = {*map(type, cols[0]), *map(type, cols[1]), *map(type, cols[2]), *map(type, cols[3])}
+        plain = all(t is int or issubclass(t, np.integer) for t in kinds)  # numpy integers count, bools not
         flags = list(map(_PH, seqs))
         if set(map(type, flags)) != {bool}:
             validate_batch(seqs, cfg, is_prompt=is_prompt)  # names the sequence with a non-bool flag
@@ -153,12 +178,11 @@ class SequenceBatch:
         n_tok = np.fromiter(map(len, toks), np.int64, n)
         n_draft = np.fromiter(map(len, drafts), np.int64, n) if any(map(len, drafts)) else None
         n_bt = np.fromiter(map(len, tables), np.int64, n)
-        ints = _int_columns(cols) if plain == {int} else None
+        ints = _int_columns(cols) if plain else None
         if ints is None or not _fast_checks_ok(cfg, is_prompt, ints, n_tok, n_draft, n_bt):
             validate_batch(seqs, cfg, is_prompt=is_prompt)
             ints = _int_columns([[int(x) for x in c] for c in cols])
-            if ints is None:
-                raise ValueError("seqs: seqlen_q/seqlen_k/state_id/swa_valid_start must fit in int64")
+            assert ints is not None, "validate_batch refuses ints outside int64"
         sq, sk = ints[0], ints[1]
         lb = window_lookback(cfg)
         q_start = sk - sq
@@ -178,15 +202,19 @@ class SequenceBatch:
             block_table_offsets=bt_off, tokens=tokens, token_offsets=tok_off,
             compressed=comp, compressed_offsets=comp_off, lookback=lb,
         )
-        batch._checked = cfg
+        batch._check_values(cfg)
+        batch._vouch = Vouch(cfg)
         return batch
 
     # ---- validation of a batch built from arrays -----------------------------------------------
     def validate(self, cfg: MetadataConfig) -> None:
         """Raise ``validate_batch``'s ``ValueError("seqs[i].field: ...")`` for the first bad
         sequence (vectorized; the message is worked out for that one sequence only), or a
-        ``ValueError("batch.<array>: ...")`` for arrays of the wrong shape. Cached per config."""
-        if self._checked is cfg:
+        ``ValueError("batch.<array>: ...")`` for arrays of the wrong shape. Beyond
+        ``validate_batch``'s checks, the VALUES: every id of the token windows in ``[0, 2**31 -
+        1]``, and (sliding-window state cache) no two non-placeholder sequences sharing a
+        ``state_id``. Cached per config (``vouch_for``)."""
+        if self.vouch_for(cfg) is not None:
             return
         _check_shapes(self)
         n = len(self)
@@ -222,7 +250,17 @@ class SequenceBatch:
             i = int(bad[0])
             raise ValueError(f"seqs[{i}].compressed_token_ids: expected at most the window's "
                              f"{int(win[i])} ids, got {int(np.diff(self.compressed_offsets)[i])}")
-        self._checked = cfg
+        self._check_values(cfg)
+        self._vouch = Vouch(cfg)
+
+    def _check_values(self, cfg: MetadataConfig) -> None:
+        """The checks of values a count check cannot see: the token windows' ids, each in
+        ``[0, 2**31 - 1]`` (``check_window_ids``), and distinct state ids of the non-placeholder
+        sequences under the state cache (``check_distinct_state_ids``). O(total window) + one
+        sort of ``[n_seq]`` ids."""
+        check_window_ids(self.tokens, self.token_offsets, self.seqlen_q, self.seqlen_k, self.lookback,
+                         self.is_prompt)
+        check_distinct_state_ids(self.state_id, self.is_placeholder, cfg)
 
 
 def _one_sequence(b: SequenceBatch, i: int) -> SequenceMetadata:
@@ -266,6 +304,8 @@ def _row_checks(
     sq, sk = ints[0], ints[1]
     ok = (sq >= 1) & (sq <= sk) & (sk <= cfg.max_model_len)
     ok &= (ints[2:] >= 0).all(axis=0)
+    if cfg.has_swa:  # the ring slots state_id * S + S - 1 fit int32
+        ok &= ints[2] <= cfg.max_state_id
     if ok.all():  # blocks_needed only for in-range seqlen_k
         ok &= n_bt >= blocks_needed_array(sk, cfg)
     if is_prompt:

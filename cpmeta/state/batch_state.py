@@ -14,9 +14,10 @@ import numpy as np
 
 from ..constants import INT32_MAX
 from .batch import SequenceBatch, prefix
+from .checks import as_int_array, bad_id, check_int_arg, ids_in_int32
 from .decode_fast import VouchedStep, decode_batch_fast, is_draft_count, vouch_decode_step
 from .gather import gather_batch
-from .store import StateStore, fits_int32 as _fits_int32
+from .store import StateStore
 
 __all__ = ["BatchState"]
 
@@ -28,6 +29,12 @@ def _ragged_index(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarr
     off = prefix(lengths)
     seq = np.repeat(np.arange(len(lengths)), lengths)
     return off, seq, np.arange(int(off[-1])) - off[:-1][seq]
+
+
+def _check_placeholders(n: object) -> None:
+    """``num_placeholders``: an int >= 0 (numpy integers count, bools do not)."""
+    if type(n) is not int or n < 0:
+        check_int_arg("num_placeholders", n, lo=0)
 
 
 class BatchState(StateStore):
@@ -62,14 +69,21 @@ class BatchState(StateStore):
                     state_id: int, *, compressed_token_ids: Sequence[int] = (), swa_valid_start: int = 0,
                     num_computed: int = 0) -> int:
         """Add a request (once); returns its slot. ``num_computed``: prompt tokens already in the
-        KV cache (e.g. a prefix-cache hit). Nothing changes when a limit is exceeded."""
+        KV cache (e.g. a prefix-cache hit). Ints may be numpy integers (never bools); token ids
+        must be ``>= 0``; with the sliding-window state cache (``cfg.has_swa``) no other live
+        request may hold ``state_id`` (both would write the same ``slot_mapping_store_swa``
+        slots; without the cache state ids are read by no field and may repeat). Nothing
+        changes when a check fails or a limit is exceeded."""
         if req_id in self._slot:
             raise ValueError(f"request {req_id!r}: already in the batch state (slot {self._slot[req_id]})")
         if not self._free:
             raise ValueError(f"request {req_id!r}: all max_seqs={self.max_seqs} slots are in use")
-        toks = np.asarray(prompt_token_ids, np.int64).reshape(-1)
-        bt = np.asarray(block_table, np.int64).reshape(-1)
-        comp = np.asarray(compressed_token_ids, np.int64).reshape(-1)
+        check_int_arg("state_id", state_id, req_id)
+        check_int_arg("swa_valid_start", swa_valid_start, req_id)
+        check_int_arg("num_computed", num_computed, req_id)
+        toks = as_int_array("prompt_token_ids", prompt_token_ids, req_id)
+        bt = as_int_array("block_table", block_table, req_id)
+        comp = as_int_array("compressed_token_ids", compressed_token_ids, req_id)
         self._fits(req_id, "tokens", len(toks), self.max_tokens, "max_tokens")
         self._fits(req_id, "block ids", len(bt), self.max_blocks, "max_blocks")
         self._fits(req_id, "compressed ids", len(comp), self.max_compressed, "max_compressed")
@@ -77,12 +91,16 @@ class BatchState(StateStore):
             raise ValueError(f"request {req_id!r}: expected a non-empty prompt")
         if not 0 <= num_computed <= len(toks):
             raise ValueError(f"request {req_id!r}: num_computed {num_computed} outside [0, {len(toks)}]")
+        tok_ok = ids_in_int32(toks)
+        if not tok_ok:
+            bad_id("prompt_token_ids", toks, None, req_id, negative_only=True)
+        self._check_state_free(req_id, state_id, -1)
         s = self._free.pop()
         self._slot[req_id], self._req[s], self.active[s] = s, req_id, True
         self.token_ids[s, :len(toks)] = toks
         self.num_tokens[s] = self.prompt_len[s] = len(toks)
         self._last[s:s + 1] = toks[-1:]
-        self._tok_ok[s] = _fits_int32(toks)
+        self._tok_ok[s] = tok_ok
         self.num_computed[s] = num_computed
         self.block_table[s, :len(bt)] = bt
         self.num_blocks[s] = len(bt)
@@ -96,6 +114,17 @@ class BatchState(StateStore):
         self._set_fast(s)  # after state_id / swa_valid_start: it reads them
         return s
 
+    def _check_state_free(self, req_id: Hashable, state_id: int, slot: int) -> None:
+        """With the sliding-window state cache, ``ValueError`` when a live request other than the
+        one in ``slot`` holds ``state_id`` (move it to a free id first to swap two)."""
+        if not self.cfg.has_swa:
+            return
+        other = self.state_holder(state_id, slot)
+        if other is not None:
+            raise ValueError(
+                f"request {req_id!r}: state_id {state_id} is held by request {self._req[other]!r} (slot "
+                f"{other}); two live requests would write the same slot_mapping_store_swa slots")
+
     def finish(self, slot: int) -> None:
         """Remove the request in ``slot``; the slot is reused by a later ``add_request``."""
         req = self._live(slot)
@@ -107,22 +136,27 @@ class BatchState(StateStore):
 
     # ---- per-step deltas --------------------------------------------------------------------
     def append_tokens(self, slot: int, tokens: Sequence[int]) -> None:
-        """Confirmed tokens (sampled / accepted drafts + bonus) of one request."""
-        t, _ = self._append(slot, tokens, self.token_ids, self.num_tokens, "tokens", self.max_tokens, "max_tokens")
+        """Confirmed tokens (sampled / accepted drafts + bonus) of one request; ids ``>= 0``."""
+        req = self._live(slot)
+        t = as_int_array("tokens", tokens, req)
+        fits = ids_in_int32(t)
+        if not fits:
+            bad_id("tokens", t, None, req, negative_only=True)
+        self._append(req, slot, t, self.token_ids, self.num_tokens, "tokens", self.max_tokens, "max_tokens")
         if len(t):
             self._last[slot:slot + 1] = t[-1:]
-            if not _fits_int32(t):
+            if not fits:
                 self._tokens_past_int32(slot)
 
     def append_tokens_batch(self, slots: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> None:
         """Vectorized :meth:`append_tokens`: request ``slots[i]`` gets the next ``counts[i]`` ids
-        of the flat ``tokens``. Example: slots ``[4, 0]``, counts ``[2, 1]``, tokens ``[8, 9, 5]``
-        -> slot 4 gets ``[8, 9]``, slot 0 gets ``[5]``."""
-        slots, counts = np.asarray(slots, np.int64), np.asarray(counts, np.int64)
-        tokens = np.asarray(tokens, np.int64)
+        of the flat ``tokens`` (ids ``>= 0``; slots distinct). Example: slots ``[4, 0]``, counts
+        ``[2, 1]``, tokens ``[8, 9, 5]`` -> slot 4 gets ``[8, 9]``, slot 0 gets ``[5]``. Checks
+        before any write: live distinct slots (one scatter + gather), counts, capacity, ids
+        (one reduction)."""
+        slots, counts = as_int_array("slots", slots), as_int_array("counts", counts)
+        tokens = as_int_array("tokens", tokens)
         self._check_slots(slots)
-        if len(np.unique(slots)) != len(slots):
-            raise ValueError("slots: a request appears twice")
         if counts.shape != slots.shape or (counts < 0).any() or counts.sum() != len(tokens):
             raise ValueError(f"counts: expected {len(slots)} counts >= 0 summing to {len(tokens)} tokens")
         new = self.num_tokens[slots] + counts
@@ -130,12 +164,15 @@ class BatchState(StateStore):
         if over.size:
             i = int(over[0])
             self._fits(self._req[int(slots[i])], "tokens", int(new[i]), self.max_tokens, "max_tokens")
+        fits = ids_in_int32(tokens)
+        if not fits:
+            bad_id("tokens", tokens, counts, [self._req[s] for s in slots.tolist()], negative_only=True)
         _, seq, k = _ragged_index(counts)
         self.token_ids[slots[seq], self.num_tokens[slots][seq] + k] = tokens
         self.num_tokens[slots] = new
         self._last[slots] = self.token_ids[slots, new - 1]
-        if len(tokens) and not _fits_int32(tokens):
-            for s in np.unique(slots[seq][(tokens > INT32_MAX) | (tokens < -INT32_MAX - 1)]).tolist():
+        if not fits:
+            for s in np.unique(slots[seq][tokens > INT32_MAX]).tolist():
                 self._tokens_past_int32(s)
 
     def _tokens_past_int32(self, slot: int) -> None:
@@ -146,8 +183,10 @@ class BatchState(StateStore):
 
     def append_blocks(self, slot: int, blocks: Sequence[int]) -> None:
         """Block ids newly allocated to the request, appended to its table."""
-        b, n0 = self._append(slot, blocks, self.block_table, self.num_blocks, "block ids", self.max_blocks,
-                             "max_blocks")
+        req = self._live(slot)
+        b = as_int_array("blocks", blocks, req)
+        n0 = self._append(req, slot, b, self.block_table, self.num_blocks, "block ids", self.max_blocks,
+                          "max_blocks")
         if len(b) and (int(b.min()) < 0 or int(b.max()) > self._bt_max):
             self._bt_ok[slot] = False
         self._set_fast(slot)
@@ -157,32 +196,36 @@ class BatchState(StateStore):
 
     def append_compressed(self, slot: int, ids: Sequence[int]) -> None:
         """Engram history ids (``compressed_token_ids``) appended for the request."""
-        self._append(slot, ids, self.compressed, self.num_compressed, "compressed ids", self.max_compressed,
-                     "max_compressed")
-
-    def _append(self, slot: int, values: Sequence[int], rows: np.ndarray, counts: np.ndarray, what: str,
-                cap: int, name: str) -> tuple[np.ndarray, int]:
-        """Append ``values`` to the live ``slot``'s row of ``rows`` after its ``counts[slot]``
-        entries (``ValueError`` past ``cap`` before anything changes); returns the values as int64
-        [k] and the old count. Example: count 3, values ``[8, 9]`` -> ``rows[slot, 3:5] = [8, 9]``,
-        count 5, returns ``([8, 9], 3)``."""
         req = self._live(slot)
-        a = np.asarray(values, np.int64).reshape(-1)
+        self._append(req, slot, as_int_array("compressed ids", ids, req), self.compressed, self.num_compressed,
+                     "compressed ids", self.max_compressed, "max_compressed")
+
+    def _append(self, req: Hashable, slot: int, a: np.ndarray, rows: np.ndarray, counts: np.ndarray, what: str,
+                cap: int, name: str) -> int:
+        """Append the int64 ids ``a`` to the live ``slot``'s row of ``rows`` after its
+        ``counts[slot]`` entries (``ValueError`` past ``cap`` before anything changes); returns
+        the old count. Example: count 3, ids ``[8, 9]`` -> ``rows[slot, 3:5] = [8, 9]``, count
+        5, returns 3."""
         n0 = int(counts[slot])
         self._fits(req, what, n0 + len(a), cap, name)
         rows[slot, n0:n0 + len(a)] = a
         counts[slot] = n0 + len(a)
-        return a, n0
+        return n0
 
     def set_state_id(self, slot: int, state_id: int) -> None:
-        """The request's SWA / state slot moved."""
-        self._live(slot)
+        """The request's SWA / state slot moved. With the sliding-window state cache no other live
+        request may hold ``state_id`` (``ValueError``, nothing changes): to swap two requests'
+        ids, move one to a free id first."""
+        req = self._live(slot)
+        check_int_arg("state_id", state_id, req)
+        self._check_state_free(req, state_id, slot)
         self.state_id[slot] = state_id
         self._state32[slot:slot + 1] = self.state_id[slot:slot + 1]
         self._set_fast(slot)
 
     def set_swa_valid_start(self, slot: int, swa_valid_start: int) -> None:
-        self._live(slot)
+        req = self._live(slot)
+        check_int_arg("swa_valid_start", swa_valid_start, req)
         self.swa_valid_start[slot] = swa_valid_start
         self._set_fast(slot)
 
@@ -192,7 +235,8 @@ class BatchState(StateStore):
         """A prompt ``SequenceBatch``: request ``slots[i]`` prefills its next ``chunk_lens[i]``
         tokens (``q_start = num_computed``). ``advance``: count them as computed (default).
         Example: a 10-token prompt, chunks ``[4]`` then ``[6]`` -> seqlen (q, k) = (4, 4), (6, 10)."""
-        slots, q = np.asarray(slots, np.int64), np.asarray(chunk_lens, np.int64)
+        _check_placeholders(num_placeholders)
+        slots, q = as_int_array("slots", slots), as_int_array("chunk_lens", chunk_lens)
         self._check_slots(slots)
         if q.shape != slots.shape or (q < 1).any():
             raise ValueError(f"chunk_lens: expected {len(slots)} chunk lengths >= 1, got {q.tolist()[:8]}")
@@ -216,8 +260,9 @@ class BatchState(StateStore):
         ``num_drafts[i]`` MTP drafts (the next ids of the flat ``draft_tokens``), so
         ``seqlen_q = 1 + num_drafts`` and ``seqlen_k = num_tokens + num_drafts``. ``num_drafts``
         may be ONE int, the count of every request (the common MTP step: ``decode_batch(slots,
-        drafts, 2)`` with ``2 * len(slots)`` drafts); int32 ``draft_tokens`` skip the int32 range
-        check the decode fast paths make on int64 ids."""
+        drafts, 2)`` with ``2 * len(slots)`` drafts). Draft ids must be in ``[0, 2**31 - 1]``
+        (``ValueError`` naming the request); slots distinct."""
+        _check_placeholders(num_placeholders)
         if not (num_placeholders or self.lookback or self.max_compressed or self._lazy_no):
             batch = decode_batch_fast(self, slots, draft_tokens, num_drafts)
             if batch is not None:
@@ -240,20 +285,25 @@ class BatchState(StateStore):
     def _decode_args(self, slots: np.ndarray, draft_tokens: Optional[np.ndarray],
                      num_drafts: Optional[np.ndarray | int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``decode_batch``'s argument checks (live slots, draft counts, prefill done); returns
-        ``(slots, drafts, num_drafts)`` as int64 arrays."""
-        slots = np.asarray(slots, np.int64)
+        ``(slots, drafts, num_drafts)`` as int64 arrays; draft ids outside ``[0, 2**31 - 1]``
+        are a ``ValueError`` naming the request they belong to."""
+        slots = as_int_array("slots", slots)
         self._check_slots(slots)
-        drafts = np.zeros(0, np.int64) if draft_tokens is None else np.asarray(draft_tokens, np.int64)
+        drafts = np.zeros(0, np.int64) if draft_tokens is None else as_int_array("draft_tokens", draft_tokens)
         if num_drafts is None:
             if len(drafts):
                 raise ValueError(f"num_drafts: expected {len(slots)} counts >= 0 summing to {len(drafts)} drafts")
             nd = np.zeros(len(slots), np.int64)
         else:
             nd = np.full(len(slots), int(num_drafts), np.int64) if is_draft_count(num_drafts) \
-                else np.asarray(num_drafts, np.int64)
-            if nd.shape != slots.shape or (nd < 0).any() or int(nd.sum()) != len(drafts):
+                else np.asarray(num_drafts)
+            if nd.shape != slots.shape or nd.dtype.kind not in "iu" or (nd < 0).any() \
+                    or int(nd.sum()) != len(drafts):
                 raise ValueError(f"num_drafts: expected {len(slots)} counts >= 0 (or one count for all) "
                                  f"summing to {len(drafts)} drafts")
+            nd = nd.astype(np.int64, copy=False)
+        if not ids_in_int32(drafts):
+            bad_id("draft_tokens", drafts, nd, [self._req[s] for s in slots.tolist()], negative_only=False)
         in_prefill = self.num_computed[slots] < self.prompt_len[slots]
         if in_prefill.any():
             s = int(slots[np.argmax(in_prefill)])

@@ -2,16 +2,22 @@
 
 The common decode step -- no placeholders, no Engram look-back, every scheduled request live,
 done with its prefill and vouched for by the state's per-slot flags -- needs none of the general
-path's per-step checks: ``BatchState`` keeps, per slot, ``_dec_cap``: the largest ``seqlen_k``
-its table and ``max_model_len`` allow when the slot is live, done with its prefill and its
-block ids (``[0, _bt_max]``), state id (``[0, _state_max]``) and ``swa_valid_start >= 0`` are in
-range, else -1 -- so one gather and one comparison validate the batch. Anything else returns ``None`` and ``decode_batch`` takes the general
-path (same batch, same errors).
+path's per-step checks: the state keeps, per slot, the largest ``seqlen_k`` its table and
+``max_model_len`` allow when the slot is live, done with its prefill and its block ids (``[0,
+cfg.max_block_id]``), state id (``[0, cfg.max_state_id]``), ``swa_valid_start >= 0`` and
+confirmed tokens (int32) are in range, else -1 (``StateStore.decode_limits``) -- so one gather and
+one comparison validate the batch, one reduction the drafts (``[0, 2**31 - 1]``) and one scatter
++ gather that no slot repeats (``StateStore.has_repeats``). Distinct slots are distinct state ids
+(``add_request`` / ``set_state_id`` keep live requests' ids distinct under the state cache).
+Anything else returns ``None`` and ``decode_batch`` takes the general path (same batch, same
+errors).
 
 The batch's flat ``block_tables`` / ``block_table_offsets`` are made from its 2-D rows on FIRST
-READ (:class:`StateDecodeBatch`): ``prepare_decode`` copies the 2-D rows and never reads them,
-``prepare_decode_inplace`` and user code read them as usual. The rows are a snapshot taken in
-the step (``_bt32[slots]``), so later changes to the state never change a batch already made.
+READ (:class:`~cpmeta.state.vouched.StateDecodeBatch`, built by
+:func:`~cpmeta.state.vouched.vouched_decode_batch`): ``prepare_decode`` copies the 2-D rows and
+never reads them, ``prepare_decode_inplace`` and user code read them as usual. The rows are a
+snapshot taken in the step (``block_rows32[slots]``), so later changes to the state never change
+a batch already made.
 """
 
 from __future__ import annotations
@@ -20,15 +26,13 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
-from .batch import SequenceBatch, prefix
-from ..constants import INT32_MAX
+from .batch import prefix
+from .checks import ids_in_int32
 from .store import StateStore
+from .vouched import StateDecodeBatch, vouched_decode_batch
 
 
-__all__ = ["StateDecodeBatch", "decode_batch_fast", "is_draft_count", "vouch_decode_step", "VouchedStep"]
-
-_BT = SequenceBatch.__dict__["block_tables"]  # the dataclass slots behind the two properties
-_BT_OFF = SequenceBatch.__dict__["block_table_offsets"]
+__all__ = ["decode_batch_fast", "is_draft_count", "vouch_decode_step", "VouchedStep"]
 
 #: ``n -> read-only arrays`` shared by every fast batch of n sequences (a batch is immutable).
 _CONST: dict[int, tuple[np.ndarray, ...]] = {}
@@ -64,41 +68,6 @@ def _uniform_counts(n: int, k: int) -> bytes:
     return hit
 
 
-def _made_on_first_read(slot: Any) -> property:
-    """A property over the dataclass ``slot`` that runs ``self._tables()`` when it is still unset."""
-
-    def get(self: "StateDecodeBatch") -> np.ndarray:
-        try:
-            return slot.__get__(self)
-        except AttributeError:
-            self._tables()
-            return slot.__get__(self)
-
-    return property(get, slot.__set__)
-
-
-class StateDecodeBatch(SequenceBatch):
-    """A decode ``SequenceBatch`` whose flat block tables are made from its 2-D rows on first read.
-
-    Equal to the ``SequenceBatch`` the general path builds (``tests/test_batch_state.py`` compares
-    every field on random steps). ``_rows`` is ``(bt2d, num_blocks)``: ``[n_seq,
-    max_num_blocks]`` int32 rows, -1 padded, and each table's length (``<= max_num_blocks``).
-    Example: rows ``[[7, 8, -1], [4, -1, -1]]``, lengths ``[2, 1]`` -> ``block_tables = [7, 8,
-    4]``, ``block_table_offsets = [0, 2, 3]``.
-    """
-
-    __slots__ = ("_rows",)
-    _rows: tuple[np.ndarray, np.ndarray]  # ([n_seq, max_num_blocks] int32 rows, [n_seq] int64 lengths)
-
-    def _tables(self) -> None:
-        bt2d, nb = self._rows
-        _BT.__set__(self, bt2d[np.arange(bt2d.shape[1]) < nb[:, None]].astype(np.int64))
-        _BT_OFF.__set__(self, prefix(nb))
-
-    block_tables = _made_on_first_read(_BT)
-    block_table_offsets = _made_on_first_read(_BT_OFF)
-
-
 def is_draft_count(num_drafts: Any) -> bool:
     """``num_drafts`` given as ONE count for every request of the step (an int, not a bool)
     rather than one count per request."""
@@ -123,17 +92,16 @@ class VouchedStep(NamedTuple):
 def vouch_decode_step(st: StateStore, slots: Any, draft_tokens: Optional[np.ndarray],
                       num_drafts: Optional[np.ndarray | int]) -> Optional[VouchedStep]:
     """The checks of both decode fast paths (``decode_batch_fast``, ``stage_decode``): int64 1-D
-    ``slots`` that the state vouches for (``_dec_cap``: one gather, which also bounds-checks them),
+    ``slots`` that the state vouches for (``decode_limits``: two gathers, which also bounds-check them),
     draft counts that add up, draft ids that fit int32, ``seqlen_k`` within each slot's cap. Any
     failure -> ``None`` (the caller's general path raises the precise error)."""
     slots = np.asarray(slots)
     if slots.dtype != np.int64 or slots.ndim != 1 or len(slots) == 0:
         return None
-    try:  # a slot outside [-max_seqs, max_seqs) raises here or reads -1: the general path names it
-        cap = st._dec_cap.take(slots)
-        nt = st.num_tokens.take(slots)
-    except IndexError:
+    got = st.decode_limits(slots)  # None for a slot outside [-max_seqs, max_seqs), -1 for a negative one
+    if got is None:
         return None
+    cap, nt = got
     count = is_draft_count(num_drafts)
     if draft_tokens is None or len(draft_tokens) == 0:
         if num_drafts is not None:
@@ -149,7 +117,9 @@ def vouch_decode_step(st: StateStore, slots: Any, draft_tokens: Optional[np.ndar
         if num_drafts is None:
             return None
         drafts = np.asarray(draft_tokens)
-        if drafts.dtype != np.int32:  # int32 ids fit by their type; anything else as int64, checked below
+        if drafts.dtype != np.int32:  # int32 ids stay int32; anything else as int64 (both checked below)
+            if drafts.dtype.kind not in "iu":
+                return None  # floats, bools: the general path refuses them by name
             drafts = np.asarray(drafts, np.int64)
         if drafts.ndim != 1:
             return None
@@ -167,14 +137,14 @@ def vouch_decode_step(st: StateStore, slots: Any, draft_tokens: Optional[np.ndar
                 k_lo, k_hi = int(nd.min()), int(nd.max())
         if k_lo < 0 or (k_lo * len(slots) if nd is None or uniform else int(nd.sum())) != len(drafts):
             return None
-        # ids in [0, 2**31) in ONE reduction: their bitwise or is too (>> 31 is 0 there); any id
-        # outside sets bit 31 or above, or the sign; a negative id takes the full check
-        if drafts.dtype != np.int32 and np.bitwise_or.reduce(drafts) >> 31 \
-                and (int(drafts.max()) > INT32_MAX or int(drafts.min()) < -INT32_MAX - 1):
+        if not ids_in_int32(drafts):  # ONE reduction; a negative or too large id: the general path names it
             return None
         step = VouchedStep(slots, nt, nt + (k_hi if uniform else nd), drafts, nd, k_hi, uniform)
-    # not vouched for (-1), a table too short for seqlen_k, or past max_model_len
-    return None if np.count_nonzero(step.sk > cap) else step
+    # not vouched for (-1), a table too short for seqlen_k, or past max_model_len; a slot twice
+    # (two rows would write the same KV and SWA slots)
+    if np.count_nonzero(step.sk > cap) or st.has_repeats(slots):
+        return None
+    return step
 
 
 def decode_batch_fast(st: StateStore, slots: np.ndarray, draft_tokens: Optional[np.ndarray],
@@ -188,7 +158,7 @@ def decode_batch_fast(st: StateStore, slots: np.ndarray, draft_tokens: Optional[
     slots, nt, sk, drafts, nd, k_hi = step.slots, step.nt, step.sk, step.drafts, step.nd, step.k_hi
     n = len(slots)
     ones, no_ph, ar1, zeros1, empty = _consts(n)
-    last = st._last.take(slots).astype(np.int64)  # every confirmed token fits int32 (part of _dec_cap)
+    last = st.last_tokens32.take(slots).astype(np.int64)  # every confirmed token fits int32 (vouched)
     if drafts is None:
         sq, tokens, tok_off = ones, last, ar1
     elif step.uniform:  # rows of sequence s: [s * (1 + k), (s + 1) * (1 + k)): last token, drafts
@@ -206,15 +176,8 @@ def decode_batch_fast(st: StateStore, slots: np.ndarray, draft_tokens: Optional[
         tokens[tok_off[:-1]] = last
         # draft i of sequence s sits at row i + s + 1 (every earlier sequence adds its last token)
         tokens[np.arange(len(drafts)) + np.repeat(ar1[1:], nd)] = drafts
-    b = StateDecodeBatch.__new__(StateDecodeBatch)
-    b.is_prompt = False
-    b.seqlen_q, b.seqlen_k, b.num_tokens = sq, sk, nt
-    b.state_id, b.swa_valid_start = st.state_id[slots], st.swa_valid_start[slots]
-    b.is_placeholder = no_ph
-    b.tokens, b.token_offsets = tokens, tok_off
-    b.compressed, b.compressed_offsets = empty, zeros1
-    b.lookback = 0
-    bt2d = np.take(st._bt32, slots, axis=0)
-    b._rows = (bt2d, st.num_blocks[slots])
-    b._checked, b._need, b._bt2d, b._ids_ok = st.cfg, None, (st.cfg, bt2d), True
-    return b
+    return vouched_decode_batch(
+        st.cfg, seqlen_q=sq, seqlen_k=sk, num_tokens=nt, state_id=st.state_id[slots],
+        swa_valid_start=st.swa_valid_start[slots], is_placeholder=no_ph, tokens=tokens, token_offsets=tok_off,
+        compressed=empty, compressed_offsets=zeros1, block_rows32=np.take(st.block_rows32, slots, axis=0),
+        num_blocks=st.num_blocks[slots])

@@ -2,9 +2,10 @@
 
 Prompt chunks (with the Engram look-back), decode with look-back or placeholders, and any slot
 the state does not vouch for (``cpmeta/state/decode_fast.py`` covers the rest). Every ragged gather is
-ONE flat ``np.take`` from a row-major matrix of the state; the batch is marked validated for the
-state's config when the state's invariants cover ``SequenceBatch.validate`` (else the builders
-validate it and raise the usual ``seqs[i].field`` message).
+ONE flat ``np.take`` from a row-major matrix of the state; the batch is vouched for the state's
+config (:func:`~cpmeta.state.vouched.vouched_batch`) when the state's invariants cover
+``SequenceBatch.validate`` (else the builders validate it and raise the usual ``seqs[i].field``
+message).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 from ..config import blocks_needed_array
 from .batch import SequenceBatch, prefix
 from .store import StateStore
+from .vouched import vouched_batch
 
 
 __all__ = ["gather_batch", "PLACEHOLDER_TOKEN"]
@@ -73,7 +75,7 @@ def gather_batch(st: StateStore, is_prompt: bool, slots: np.ndarray, sq: np.ndar
         comp, c_off = np.zeros(0, np.int64), np.zeros(n_real + 1, np.int64)
     state, svs, num_tokens = st.state_id[slots], st.swa_valid_start[slots], st.num_tokens[slots]
     need = blocks_needed_array(sk, st.cfg) if n_real else None
-    ok = need is None or _valid(st, sk, nb, state, svs, need)
+    ok = need is None or _valid(st, slots, sk, nb, state, svs, need)
     if n_ph:  # one row at position 0: token 0, blocks_needed(1) zero blocks, state 0
         one = np.ones(n_ph, np.int64)
         tokens = np.concatenate([tokens, np.full(n_ph, PLACEHOLDER_TOKEN, np.int64)])
@@ -83,29 +85,32 @@ def gather_batch(st: StateStore, is_prompt: bool, slots: np.ndarray, sq: np.ndar
         c_off = np.concatenate([c_off, np.full(n_ph, c_off[-1])])
         sq, sk, num_tokens = (np.concatenate([x, one]) for x in (sq, sk, num_tokens))
         state, svs = (np.concatenate([x, 0 * one]) for x in (state, svs))
-    batch = SequenceBatch(
+    fields = dict(
         is_prompt=is_prompt, seqlen_q=sq, seqlen_k=sk, state_id=state, swa_valid_start=svs,
         is_placeholder=np.arange(n_real + n_ph) >= n_real, num_tokens=num_tokens,
         block_tables=tables, block_table_offsets=bt_off, tokens=tokens, token_offsets=off,
         compressed=comp, compressed_offsets=c_off, lookback=lb,
     )
-    if ok and n_real + n_ph:
-        batch._checked = st.cfg
-        if not n_ph and need is not None:  # extract_batch reuses it (placeholders would need their own entries)
-            batch._need = (st.cfg, need)
-            # decode block_tables rows, one gather (equal to `tables`); set only when every
-            # table's ids are in [0, _bt_max] and every state id in [0, _state_max] (_fast):
-            # the builders' int32 checks then skip those two bounds (SequenceBatch._bt2d)
-            if drafts is not None and st._fast[slots].all():
-                batch._bt2d = (st.cfg, np.take(st._bt32, slots, axis=0))
-    return batch
+    if not (ok and n_real + n_ph):  # the builders validate it and raise the seqs[i].field message
+        return SequenceBatch(**fields)
+    if n_ph or need is None:  # placeholders would need their own blocks_needed entries
+        return vouched_batch(st.cfg, **fields)
+    # decode block_tables rows, one gather (equal to `tables`), when every table's ids are in
+    # [0, max_block_id] and every state id in [0, max_state_id] (slots_vouched): the builders'
+    # int32 checks then skip those two bounds (Vouch.block_rows32)
+    rows = np.take(st.block_rows32, slots, axis=0) if drafts is not None and st.slots_vouched(slots) else None
+    return vouched_batch(st.cfg, blocks_needed=need, block_rows32=rows, **fields)
 
 
-def _valid(st: StateStore, sk: np.ndarray, nb: np.ndarray, state: np.ndarray, svs: np.ndarray,
-           need: np.ndarray) -> bool:
+def _valid(st: StateStore, slots: np.ndarray, sk: np.ndarray, nb: np.ndarray, state: np.ndarray,
+           svs: np.ndarray, need: np.ndarray) -> bool:
     """What ``SequenceBatch.validate`` checks that this state's own invariants leave open
-    (counts of tokens, windows and drafts hold by construction; placeholders are valid).
-    True: the batch is marked validated for ``st.cfg`` and the builders skip ``validate``;
-    False: they run it and raise its ``seqs[i].field`` message."""
-    return bool(int(sk.max()) <= st.cfg.max_model_len and int(state.min()) >= 0 and int(svs.min()) >= 0
-                and (nb >= need).all())
+    (counts of tokens, windows and drafts hold by construction, token ids are ``>= 0`` and drafts
+    in ``[0, 2**31 - 1]`` (refused on entry), state ids are distinct under the state cache
+    (``add_request`` / ``set_state_id``) and slots distinct (``_check_slots``); placeholders are
+    valid). True: the batch is vouched for ``st.cfg`` and the builders skip ``validate``; False:
+    they run it and raise its ``seqs[i].field`` message."""
+    cfg = st.cfg
+    return bool(int(sk.max()) <= cfg.max_model_len and int(state.min()) >= 0 and int(svs.min()) >= 0
+                and (not cfg.has_swa or int(state.max()) <= cfg.max_state_id)
+                and (nb >= need).all() and st.tokens_fit_int32(slots))

@@ -32,6 +32,23 @@ name                shape / dtype                meaning
 
 Example: ``st.block_rows32[slot, :st.num_blocks[slot]]`` is the slot's table as int32 (when the
 table has at most ``cfg.max_num_blocks`` ids).
+
+Room-internal interface: the step gathers (:mod:`~cpmeta.state.gather`,
+:mod:`~cpmeta.state.decode_fast`) read the per-slot flags through these methods, never through
+the private arrays behind them (each one vectorized over ``slots``, an int64 array of slots
+already checked or bounded as the method says):
+
+==============================  =================================================================
+method                          answers
+==============================  =================================================================
+``decode_limits(slots)``        the largest ``seqlen_k`` each slot may decode to with no per-step
+                                check (-1: not vouched) and its confirmed tokens; ``None`` for a
+                                slot outside ``[-max_seqs, max_seqs)``: the gathers bounds-check
+``has_repeats(slots)``          a slot appears twice (O(n): one scatter and one gather)
+``slots_vouched(slots)``        every slot's own checks hold (block ids, state id, valid start,
+                                tokens): ``block_rows32`` rows are exact and fit the int32 bounds
+``tokens_fit_int32(slots)``     every confirmed token of every slot fits int32
+==============================  =================================================================
 """
 
 from __future__ import annotations
@@ -41,15 +58,9 @@ from typing import Any, Hashable, Optional
 import numpy as np
 
 from ..config import MetadataConfig, blocks_needed, seqlen_k_covered
-from ..constants import INT32_MAX
 from .batch import window_lookback
 
-__all__ = ["StateStore", "fits_int32"]
-
-
-def fits_int32(x: np.ndarray) -> bool:
-    """Every id of ``x`` is an int32 value (True for an empty ``x``)."""
-    return len(x) == 0 or (int(x.max()) <= INT32_MAX and int(x.min()) >= -INT32_MAX - 1)
+__all__ = ["StateStore"]
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:
@@ -57,6 +68,11 @@ def _read_only(a: np.ndarray) -> np.ndarray:
     v = a.view()
     v.flags.writeable = False
     return v
+
+
+def _check_slot_arg(slot: object) -> None:
+    if not isinstance(slot, (int, np.integer)) or isinstance(slot, bool):
+        raise TypeError(f"slot: expected an int, got {slot!r}")
 
 
 class StateStore:
@@ -108,9 +124,7 @@ class StateStore:
         # [max_seqs] the slot's own checks hold (every id of its table in [0, _bt_max]: the int32
         # mirror is exact and every compressed slot fits int32; state id in [0, _state_max]: its
         # SWA slots fit int32; swa_valid_start >= 0; every confirmed token fits int32)
-        bc, S = cfg.block_size // cfg.min_ratio, max(cfg.swa_block_size, 1)
-        self._bt_max = (INT32_MAX - (bc - 1)) // bc
-        self._state_max = (INT32_MAX - (S - 1)) // S
+        self._bt_max, self._state_max = cfg.max_block_id, cfg.max_state_id
         self._bt_ok = np.zeros(n, bool)
         self._fast = np.zeros(n, bool)
         # [2 * max_seqs] the largest seqlen_k slot s may decode to -- its table's reach capped at
@@ -125,6 +139,9 @@ class StateStore:
         self._last = np.zeros(n, np.int32)
         self._tok_ok = np.zeros(n, bool)
         self._state32 = np.zeros(n, np.int32)
+        # [max_seqs] scratch of has_repeats: entry s holds the index of the last occurrence of
+        # slot s in the slots it was given (never read before it is written)
+        self._seen = np.zeros(n, np.int64)
         self.block_rows32 = _read_only(self._bt32)
         self.last_tokens32 = _read_only(self._last)
         self.state_ids32 = _read_only(self._state32)
@@ -141,9 +158,13 @@ class StateStore:
 
     def request_of(self, slot: int) -> Any:
         """The request id in ``slot`` (``None`` for a free slot)."""
+        _check_slot_arg(slot)
         return self._req[slot]
 
     def _live(self, slot: int) -> Any:
+        """The request in the live ``slot`` (an int; a numpy integer counts, a bool does not)."""
+        if type(slot) is not int:
+            _check_slot_arg(slot)
         if not (0 <= slot < self.max_seqs) or not self.active[slot]:
             raise ValueError(f"slot {slot}: no live request there")
         return self._req[slot]
@@ -168,7 +189,52 @@ class StateStore:
         self._dec_cap[s] = int(self._table_cap(int(self.num_blocks[s]))) if ok else -1
 
     def _check_slots(self, slots: np.ndarray) -> None:
+        """``slots`` (int64) are distinct slots of live requests, else ``ValueError("slots: ...")``."""
         # one unsigned comparison catches negative slots (huge as uint64) and slots >= max_seqs
         if slots.ndim != 1 or (slots.view(np.uint64) >= self.max_seqs).any() or not self.active[slots].all():
             bad = [int(s) for s in slots.reshape(-1) if not (0 <= s < self.max_seqs and self.active[s])]
             raise ValueError(f"slots: expected slots of live requests, got {bad[:4]} without one")
+        if self.has_repeats(slots):
+            s = int(slots[np.flatnonzero(self._seen[slots] != np.arange(len(slots)))[0]])
+            raise ValueError(f"slots: request {self._req[s]!r} (slot {s}) appears twice in one step")
+
+    # ---- room-internal interface (cpmeta/state/ only; see the module docstring) --------------
+    def decode_limits(self, slots: np.ndarray) -> Optional[tuple[np.ndarray, np.ndarray]]:
+        """``(cap, num_tokens)``, each ``[len(slots)]`` int64: the largest ``seqlen_k`` each slot
+        may decode to without a per-step check -- its table's reach capped at ``max_model_len``
+        -- when it is live, done with its prefill and :meth:`slots_vouched` holds for it, else
+        -1; and its confirmed tokens. ``None`` for a slot outside ``[-max_seqs, max_seqs)`` (the
+        ``num_tokens`` gather raises there; the cap gather, over ``2 * max_seqs`` entries whose
+        second half is -1, reads -1 for a negative slot), so the two gathers bounds-check the
+        slots AND vouch for them. Example: block 16, plain, a decoding slot with 2 blocks and 20
+        tokens -> ``(32, 20)``; slot -1 -> cap -1."""
+        try:
+            return self._dec_cap.take(slots), self.num_tokens.take(slots)
+        except IndexError:
+            return None
+
+    def has_repeats(self, slots: np.ndarray) -> bool:
+        """Whether a slot appears twice in ``slots`` (int64, each in ``[0, max_seqs)``): write
+        index i at ``_seen[slots[i]]``, read back; a repeated slot keeps only its last index.
+        Example: slots ``[3, 1, 3]`` -> ``_seen[3] = 2``, ``_seen[1] = 1``; read back ``[2, 1,
+        2] != [0, 1, 2]`` at 0: True."""
+        ar = np.arange(len(slots))
+        self._seen[slots] = ar
+        return bool(np.count_nonzero(self._seen[slots] != ar))
+
+    def slots_vouched(self, slots: np.ndarray) -> bool:
+        """Every slot's own checks hold: each block id in ``[0, cfg.max_block_id]`` (its
+        ``block_rows32`` row exact, every KV slot in int32), state id in ``[0,
+        cfg.max_state_id]``, ``swa_valid_start >= 0``, every confirmed token in int32."""
+        return bool(self._fast[slots].all())
+
+    def tokens_fit_int32(self, slots: np.ndarray) -> bool:
+        """Every confirmed token of every slot fits int32 (checked when it entered the state)."""
+        return bool(self._tok_ok[slots].all())
+
+    def state_holder(self, state_id: int, but: int = -1) -> Optional[int]:
+        """The slot of a live request other than slot ``but`` whose state id is ``state_id``, or
+        ``None`` (O(max_seqs), vectorized; requests join and move rarely)."""
+        held = np.flatnonzero(self.active & (self.state_id == state_id))
+        held = held[held != but]
+        return int(held[0]) if len(held) else None
