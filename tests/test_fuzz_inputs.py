@@ -138,6 +138,60 @@ def test_sequence_garbage_fields_through_validation_and_builders(seed: int, is_p
         assert re.match(r"seqs\[\d+\](\.\w+)?: ", str(err)), err  # names the sequence and field
 
 
+def _to_numpy_scalars(s: SequenceMetadata, rng: random.Random) -> SequenceMetadata:
+    """``s`` with every int field a numpy integer of a random width that holds it."""
+    def conv(v: int) -> Any:
+        kinds = [t for t in (np.int64, np.int32, np.uint32, np.int16, np.uint8) if np.iinfo(t).min <= v <= np.iinfo(t).max]
+        return rng.choice(kinds)(v)
+    return SequenceMetadata(conv(s.seqlen_q), conv(s.seqlen_k), s.block_table, conv(s.state_id), s.token_ids,
+                            s.is_placeholder, conv(s.swa_valid_start), s.draft_tokens, s.compressed_token_ids)
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**32 - 1), is_prompt=st.booleans(),
+       kind=st.sampled_from(["input_id", "draft", "shared_state", "numpy_scalars"]), data=st.data())
+def test_contract_corruptions_are_named(seed: int, is_prompt: bool, kind: str, data: st.DataObject) -> None:
+    """Issue 33 item 6 on random batches: a negative or int32-overflowing input id (the last
+    confirmed token, or a draft) is ``seqs[i].token_ids`` / ``.draft_tokens``; a second
+    non-placeholder sequence taking another's state id under the state cache is
+    ``seqs[j].state_id``; numpy integer scalars build the same metadata as Python ints."""
+    rng = random.Random(seed)
+    cfg = random_config(rng)
+    seqs = random_prompt_batch(rng, cfg, max_total_q=300) if is_prompt else random_decode_batch(rng, cfg)
+    build = prepare_prompt if is_prompt else prepare_decode
+    bad_id = data.draw(st.sampled_from([-1, -2**31, -2**40, 2**31, 2**40]))
+    if kind == "numpy_scalars":
+        npy = [_to_numpy_scalars(s, rng) for s in seqs]
+        from cpmeta import metadata_diff
+
+        assert metadata_diff(build(npy, cfg), build(seqs, cfg), cfg=cfg) == []
+        return
+    if kind == "input_id":
+        i = data.draw(st.integers(0, len(seqs) - 1))
+        toks = list(seqs[i].token_ids)
+        toks[seqs[i].seqlen_k - 1 if is_prompt else -1] = bad_id
+        seqs[i].token_ids, field = toks, "token_ids"
+    elif kind == "draft":
+        with_drafts = [i for i, s in enumerate(seqs) if s.draft_tokens]
+        if not with_drafts:
+            return
+        i = data.draw(st.sampled_from(with_drafts))
+        drafts = list(seqs[i].draft_tokens)
+        drafts[data.draw(st.integers(0, len(drafts) - 1))] = bad_id
+        seqs[i].draft_tokens, field = drafts, "draft_tokens"
+    else:
+        real = [i for i, s in enumerate(seqs) if not s.is_placeholder]
+        if len(real) < 2:
+            return
+        a, i = sorted(data.draw(st.lists(st.sampled_from(real), min_size=2, max_size=2, unique=True)))
+        seqs[i].state_id, field = seqs[a].state_id, "state_id"
+        if not cfg.has_swa:  # no field reads a state id: sharing one is allowed
+            build(seqs, cfg)
+            return
+    with pytest.raises(ValueError, match=re.escape(f"seqs[{i}].{field}: expected ")):
+        build(seqs, cfg)
+
+
 @pytest.mark.parametrize("seqs", [None, "abc", {"a": 1}, 5, torch.zeros(3), (x for x in ()), [None],
                                   [1, 2], [[]], []], ids=lambda v: type(v).__name__)
 def test_garbage_batch_containers(seqs: Any) -> None:

@@ -110,7 +110,7 @@ def vouch_decode_step(st: StateStore, slots: Any, draft_tokens: Optional[np.ndar
                     return None
             else:
                 nd0 = np.asarray(num_drafts)
-                if nd0.shape != slots.shape or np.count_nonzero(nd0):
+                if nd0.shape != slots.shape or nd0.dtype.kind not in "iu" or np.count_nonzero(nd0):
                     return None
         step = VouchedStep(slots, nt, nt, None, None, 0, True)
     else:
@@ -127,9 +127,10 @@ def vouch_decode_step(st: StateStore, slots: Any, draft_tokens: Optional[np.ndar
             nd, k_lo = None, int(num_drafts)
             k_hi, uniform = k_lo, True
         else:
-            nd = np.asarray(num_drafts, np.int64)
-            if nd.shape != slots.shape:
-                return None
+            nd = np.asarray(num_drafts)
+            if nd.shape != slots.shape or nd.dtype.kind not in "iu":
+                return None  # the general path refuses float / bool counts by name
+            nd = nd.astype(np.int64, copy=False)
             # every request with the same number of drafts (the common MTP step): one memcmp
             k_lo = k_hi = int(nd[0])
             uniform = nd.tobytes() == _uniform_counts(len(nd), k_hi)
