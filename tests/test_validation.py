@@ -66,6 +66,13 @@ CASES: list[tuple[str, dict[str, Any], str, tuple[bool, ...]]] = [
     ("block_table_empty", {"block_table": []}, "block_table", (True, False)),
     ("seqlen_q_not_int", {"seqlen_q": 4.0}, "seqlen_q", (True, False)),
     ("state_id_bool", {"state_id": True}, "state_id", (True, False)),
+    # issue 33 item 6: a negative seqlen_k is a seqlen_k error (it was reported as seqlen_q)
+    ("seqlen_k_negative", {"seqlen_k": -3}, "seqlen_k", (True, False)),
+    # S = 4: state_id * 4 + 3 reaches 2**31 at 2**29 (slot_mapping_store_swa would overflow int32)
+    ("state_id_ring_overflow", {"state_id": 2**29}, "state_id", (True, False)),
+    ("state_id_beyond_int64", {"state_id": 2**63}, "state_id", (True, False)),
+    ("state_id_shared", {"state_id": 0}, "state_id", (True, False)),  # seqs[0]'s, under the state cache
+    ("seqlen_q_float_numpy", {"seqlen_q": np.float64(4)}, "seqlen_q", (True, False)),
 ]
 _PARAMS = [(name, bad, field, p) for name, bad, field, paths in CASES for p in paths]
 
@@ -75,6 +82,14 @@ _PARAMS = [(name, bad, field, p) for name, bad, field, paths in CASES for p in p
 def test_bad_input_names_sequence_and_field(name: str, bad: dict[str, Any], field: str, is_prompt: bool) -> None:
     with pytest.raises(ValueError, match=re.escape(f"seqs[{BAD}].{field}")):
         validate_batch(_batch(is_prompt, **bad), CFG, is_prompt=is_prompt)
+
+
+def test_numpy_integers_pass() -> None:
+    for is_prompt in (True, False):
+        seqs = [dataclasses.replace(s, seqlen_q=np.int64(s.seqlen_q), seqlen_k=np.int32(s.seqlen_k),
+                                    state_id=np.uint8(s.state_id), swa_valid_start=np.int16(0))
+                for s in _batch(is_prompt)]
+        validate_batch(seqs, CFG, is_prompt=is_prompt)
 
 
 def test_too_many_tokens_is_fine_for_a_prompt() -> None:
