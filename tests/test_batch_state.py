@@ -257,7 +257,8 @@ def test_fast_path_refuses_what_it_cannot_vouch_for() -> None:
         prepare_decode(st.decode_batch(np.array([d])), PLAIN)  # the validation names the sequence
     e = st.add_request("e", [1, 2], [1], 4, num_computed=2)
     for bad in (-2**31 - 1, 2**31):  # a draft past int32: decode_batch names the request
-        with pytest.raises(ValueError, match=rf"request 'e': draft_tokens: expected ids in \[0, 2\*\*31 - 1\], got {bad}"):
+        msg = rf"request 'e': draft_tokens: expected ids in \[0, 2\*\*31 - 1\], got {bad}"
+        with pytest.raises(ValueError, match=msg):
             st.decode_batch(np.array([e]), np.array([bad]), np.array([1]))
     for bad in (7, 5, -1, -5, -6, -11):  # past max_seqs, or negative (wraps into the -1 half)
         with pytest.raises(ValueError, match="slots"):

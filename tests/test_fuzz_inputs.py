@@ -141,7 +141,8 @@ def test_sequence_garbage_fields_through_validation_and_builders(seed: int, is_p
 def _to_numpy_scalars(s: SequenceMetadata, rng: random.Random) -> SequenceMetadata:
     """``s`` with every int field a numpy integer of a random width that holds it."""
     def conv(v: int) -> Any:
-        kinds = [t for t in (np.int64, np.int32, np.uint32, np.int16, np.uint8) if np.iinfo(t).min <= v <= np.iinfo(t).max]
+        kinds = [t for t in (np.int64, np.int32, np.uint32, np.int16, np.uint8)
+                 if np.iinfo(t).min <= v <= np.iinfo(t).max]
         return rng.choice(kinds)(v)
     return SequenceMetadata(conv(s.seqlen_q), conv(s.seqlen_k), s.block_table, conv(s.state_id), s.token_ids,
                             s.is_placeholder, conv(s.swa_valid_start), s.draft_tokens, s.compressed_token_ids)

@@ -55,7 +55,8 @@ def _all_inputs(seqs: list[SequenceMetadata], cfg: MetadataConfig, is_prompt: bo
 
     def user_arrays() -> Any:
         good = [SequenceMetadata(s.seqlen_q, s.seqlen_k, s.block_table, i, [1] * len(s.token_ids),
-                                 s.is_placeholder, s.swa_valid_start, [1] * len(s.draft_tokens)) for i, s in enumerate(seqs)]
+                                 s.is_placeholder, s.swa_valid_start, [1] * len(s.draft_tokens))
+                for i, s in enumerate(seqs)]
         sb = SequenceBatch.from_sequences(good, cfg, is_prompt=is_prompt)  # valid layout, then the bad values
         fields = {f: getattr(sb, f) for f in SequenceBatch.__dataclass_fields__ if not f.startswith("_")}
         fields["state_id"] = np.array([s.state_id for s in seqs], np.int64)
@@ -151,10 +152,12 @@ def test_a_slot_twice_in_one_step_is_refused() -> None:
         a = st.add_request("a", [1, 2, 3], [1], 0, num_computed=3)
         b = st.add_request("b", list(range(8)), [2], 1)
         msg = r"slots: request 'a' \(slot 0\) appears twice in one step"
-        _refused(st, lambda: st.decode_batch(np.array([a, a])), ValueError, msg)  # the fast path declines, the general names it
+        # the fast path declines, the general path names it
+        _refused(st, lambda: st.decode_batch(np.array([a, a])), ValueError, msg)
         _refused(st, lambda: st.decode_batch(np.array([a, a]), np.array([5, 6]), 1), ValueError, msg)
         _refused(st, lambda: st.decode_batch(np.array([a, a]), num_placeholders=1), ValueError, msg)
-        _refused(st, lambda: st.append_tokens_batch(np.array([a, a]), np.array([5, 6]), np.array([1, 1])), ValueError, msg)
+        _refused(st, lambda: st.append_tokens_batch(np.array([a, a]), np.array([5, 6]), np.array([1, 1])),
+                 ValueError, msg)
         msg_b = msg.replace("'a' \\(slot 0", "'b' \\(slot 1")
         _refused(st, lambda: st.prompt_batch(np.array([b, b]), np.array([2, 2])), ValueError, msg_b)
         assert st.vouch_decode(np.array([a, a])) is None and st.vouch_decode(np.array([a])) is not None
@@ -288,7 +291,8 @@ def test_int32_overflow_names_the_sequence(is_prompt: bool) -> None:
         for call in (calls[p] for p in paths):
             with pytest.raises(ValueError, match=re.escape(f"seqs[1].{field}: expected ") + f".*{re.escape(what)}"):
                 call()
-    (prepare_prompt if is_prompt else prepare_decode)([make(top), make(1, table=[top, 3])], SWA)  # the bound itself fits
+    build = prepare_prompt if is_prompt else prepare_decode
+    build([make(top), make(1, table=[top, 3])], SWA)  # the bound itself fits
     # without the state cache a state id is read by nothing: only int64 bounds it
     (prepare_prompt if is_prompt else prepare_decode)([make(2**40)], PLAIN)
     with pytest.raises(ValueError, match=re.escape("seqs[0].state_id: expected an int within int64")):

@@ -68,8 +68,9 @@ def extract_batch(seqs: BatchInput, cfg: MetadataConfig, *, is_prompt: bool, fla
     """Validate ``seqs`` (same errors as ``validate_batch``) and derive every array the builders use.
 
     ``flat_tables=False`` (``prepare_decode``): a batch carrying ``BatchState``'s 2-D table rows
-    (``Vouch.block_rows32``, read through ``SequenceBatch.vouch_for``) gets ``bt2d`` only -- ``bt_flat`` / ``bt_start`` / ``bt_whole`` are
-    ``None`` and its flat tables are not read; any other batch gets every array as usual.
+    (``Vouch.block_rows32``, read through ``SequenceBatch.vouch_for``) gets ``bt2d`` only --
+    ``bt_flat`` / ``bt_start`` / ``bt_whole`` are ``None`` and its flat tables are not read; any
+    other batch gets every array as usual.
 
     Example: 2 decode sequences ``(seqlen_q, seqlen_k) = (1, 5), (3, 9)`` give ``cu_q = [0, 1, 4]``,
     ``row_seq = [0, 1, 1, 1]``, ``row_j = [0, 0, 1, 2]``, ``row_pos = [4, 6, 7, 8]``; without
@@ -150,7 +151,9 @@ def _flat_tables(sb: SequenceBatch, need: np.ndarray, cfg: MetadataConfig) -> tu
 def _bad_block_id(ids: np.ndarray, start: np.ndarray, cfg: MetadataConfig) -> None:
     """The ``seqs[i].block_table`` error for the first needed block id outside ``[0,
     max_block_id]`` (error path only): id ``f`` of the flat needed ids belongs to the sequence
-    ``i`` with ``start[i] <= f < start[i + 1]``, entry ``f - start[i]`` of its table."""
+    ``i`` with ``start[i] <= f < start[i + 1]``, entry ``f - start[i]`` of its table. Example:
+    needs ``[2, 1]`` -> ``start = [0, 2, 3]``; a bad id at ``f = 2`` -> ``searchsorted([2, 3], 2,
+    "right") = 1``: ``seqs[1].block_table`` entry ``2 - 2 = 0``."""
     f = int(np.argmax((ids < 0) | (ids > cfg.max_block_id)))
     i = int(np.searchsorted(start[1:], f, side="right"))
     got, at = int(ids[f]), f - int(start[i])

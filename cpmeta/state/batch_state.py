@@ -274,9 +274,10 @@ class BatchState(StateStore):
     def vouch_decode(self, slots: np.ndarray, draft_tokens: Optional[np.ndarray] = None,
                      num_drafts: Optional[np.ndarray | int] = None) -> Optional[VouchedStep]:
         """The decode step ``decode_batch(slots, draft_tokens, num_drafts)`` when the state vouches
-        for it without a per-step check (every slot live, done with its prefill, its ids in int32
-        range, ``seqlen_k`` within its table's reach and ``max_model_len``; draft counts adding
-        up), else ``None`` (``decode_batch`` then raises the precise error). For writers that lay
+        for it without a per-step check (every slot live and given once, done with its prefill,
+        its ids and the drafts in ``[0, 2**31 - 1]``, ``seqlen_k`` within its table's reach and
+        ``max_model_len``; draft counts adding up), else ``None`` (``decode_batch`` then raises
+        the precise error). For writers that lay
         out a decode step themselves from :attr:`block_rows32`, :attr:`last_tokens32` and
         :attr:`state_ids32` (``cpmeta.gpu.stage_decode``). Example: slots ``[0, 1]`` holding 5
         and 9 tokens, ``num_drafts=2`` with 4 drafts -> ``sk = [7, 11]``, ``k_hi = 2``."""
