@@ -83,7 +83,8 @@ def reseal(frame: bytes | bytearray, full: bool = True) -> bytes:
 def build(layout: list, values: list, dims: list[int], data: bytes, flags: int, *,
           tbytes: int, lid: int | None = None) -> bytes:
     """A sealed v5 frame from its parts (the layout id = crc32 of the encoded block)."""
-    from cpmeta.broadcast.wire import MESSAGE_VERSION, SCHEMA_FINGERPRINT
+    from cpmeta.broadcast import SCHEMA_FINGERPRINT
+    from cpmeta.broadcast.wire import MESSAGE_VERSION
     from transport import encode_body
 
     lblock = encode_body(layout) if flags & FLAG_LAYOUT else b""
@@ -134,7 +135,7 @@ def loopback() -> Iterator[Any]:
     import torch.distributed as dist
     import transport
     from cpmeta import MetadataBroadcaster
-    from cpmeta.broadcast import integrity
+    from cpmeta.broadcast import channel
 
     rank = [0]
     group = object()
@@ -148,7 +149,7 @@ def loopback() -> Iterator[Any]:
             mock.patch.object(dist, "get_backend", lambda *a: "gloo"), \
             mock.patch.object(dist, "get_process_group_ranks", lambda *a: [0, 1]), \
             mock.patch.object(transport, "ObjectChannel", _Loop), \
-            mock.patch.object(integrity, "agree_checksum", lambda *a: None):
+            mock.patch.object(channel, "agree_settings", lambda *a, **k: None):
         yield make
 
 
@@ -355,7 +356,8 @@ def _skew_phase(bc: Any, rank: int, seed: int, out: dict, valid: Any) -> None:
 
     patches = [
         ("message version", cb, "MESSAGE_VERSION", cb.MESSAGE_VERSION + 1),
-        ("schema fingerprint", cb, "SCHEMA_FINGERPRINT", "f" * 16),
+        # a follower's reader or the driver's writer holds the fingerprint it checks / stamps
+        ("schema fingerprint", bc._ch.reader if rank else bc._ch.writer, "fingerprint", b"f" * 16),
     ]
     for what, obj, attr, value in patches:
         old = getattr(obj, attr)

@@ -103,23 +103,23 @@ def test_out_buffers_receive_in_place() -> None:
 
 def _layout_cache(rank: int, world: int) -> list:
     import cpmeta
-    import cpmeta.broadcast.integrity as bb  # frame_crc: the driver seals frames with it
+    import cpmeta.broadcast.wire as bb  # frame_crc: the driver seals frames with it
 
     res = []
     with cpmeta.MetadataBroadcaster(src=0, timeout=30) as bc:
         cfg, local = _random_case(11, 0, False)
         for _ in range(3):
             _expect_same(local, bc.broadcast(local if rank == 0 else None), cfg, "same layout")
-        res.append(len(bc._plans) if rank else len(bc._layouts))
+        res.append(len(bc._ch.reader._plans) if rank else len(bc._ch.writer._layouts))
         if rank == 1:
-            bc._plans.clear()  # as if this rank had joined late
+            bc._ch.reader._plans.clear()  # as if this rank had joined late
         try:
             bc.broadcast(local if rank == 0 else None)
             res.append("ok")
         except RuntimeError as e:
             res.append(str(e))
         # checksum: a frame whose crc does not match is refused, naming the rank
-        bc.checksum = True
+        bc.checksum = bc._ch.checksum = bc._ch.reader.require_crc = True
         real = bb.frame_crc
         if rank == 0:
             bb.frame_crc = lambda view: real(view) ^ 1

@@ -275,12 +275,13 @@ def _span_case():
     """A one-arena decode step (builder order) and its plan, dims and span geometry."""
     import cpmeta
     from cpmeta.broadcast.span import span_of
-    from cpmeta.broadcast.walk import collect
-    from cpmeta.broadcast.wire import Plan
+    from cpmeta.broadcast.collect import collect
+    from cpmeta.broadcast.plan import Plan
+    from cpmeta.broadcast.schema import INPUT_METADATA
 
     md = _random_case(3, 0, False)[1]
     key, tensors, _ = collect(md)
-    plan = Plan(key[0], list(key[1]), list(key[2]), key[3])
+    plan = Plan(INPUT_METADATA, key[0], list(key[1]), list(key[2]), key[3])
     dims = tuple(d for t in tensors for d in t.shape)
     exact = plan.sizes(dims)[3]
     geo = span_of(tensors, exact)
@@ -384,22 +385,23 @@ def _same_collect(got: tuple, want: tuple, what: str) -> None:
 def test_collect_memo_equals_collect() -> None:
     """The persistent driver's memoised collect returns exactly what ``collect`` does, step after
     step, while the steps reuse tensors (the memo's case) or change them in every way a caller can."""
-    from cpmeta.broadcast import recollect
-    from cpmeta.broadcast.recollect import CollectMemo
-    from cpmeta.broadcast.walk import collect
+    from cpmeta.broadcast import collect_memo
+    from cpmeta.broadcast.collect import collect
+    from cpmeta.broadcast.collect_memo import CollectMemo
+    from cpmeta.broadcast.schema import INPUT_METADATA
 
     misses = []
-    real = recollect.collect
+    real = collect_memo.collect
 
-    def counted(md):
+    def counted(md, schema=INPUT_METADATA):
         misses.append(1)
-        return real(md)
+        return real(md, schema)
 
-    recollect.collect = counted
+    collect_memo.collect = counted
     try:
-        _memo_steps(CollectMemo(), collect)
+        _memo_steps(CollectMemo(INPUT_METADATA), collect)
     finally:
-        recollect.collect = real
+        collect_memo.collect = real
     assert 0 < len(misses) <= 250, f"{len(misses)} of 300 steps walked the metadata (hits expected)"
 
 

@@ -334,27 +334,27 @@ def test_crafted_layouts_and_values_are_refused_by_path() -> None:
 def test_largest_allowed_layout_is_accepted_and_linear() -> None:
     """1,024 paths (MAX_LAYOUT_PATHS) build a plan; plan construction is linear in the paths
     (the old ``sum(ndims[:i])`` per tensor was quadratic): checked by counting, not timing."""
-    from cpmeta.broadcast import wire
-    from cpmeta.broadcast.schema import MAX_LAYOUT_PATHS
+    from cpmeta.broadcast import plan as planning
+    from cpmeta.broadcast.schema import INPUT_METADATA, MAX_LAYOUT_PATHS
 
     n = MAX_LAYOUT_PATHS - 1
     paths = ";".join(["positions"] + [f"klen.{k}" for k in range(1, n + 1)])
-    plan = wire.Plan(paths, [4] * (n + 1), [1] * (n + 1), "")
+    plan = planning.Plan(INPUT_METADATA, paths, [4] * (n + 1), [1] * (n + 1), "")
     assert len(plan.targets) == n + 1 and plan.n_dims == n + 1
     with pytest.raises(ValueError, match="MAX_LAYOUT_PATHS"):
-        wire.Plan(paths + ";ke.1", [4] * (n + 2), [1] * (n + 2), "")
+        planning.Plan(INPUT_METADATA, paths + ";ke.1", [4] * (n + 2), [1] * (n + 2), "")
     calls = [0]
-    real = wire.accumulate
+    real = planning.accumulate
 
     def counting(xs: Any) -> Any:
         calls[0] += 1
         return real(xs)
 
-    wire.accumulate = counting  # type: ignore[assignment]
+    planning.accumulate = counting  # type: ignore[assignment]
     try:
-        wire.Plan(paths, [4] * (n + 1), [2] * (n + 1), "")
+        planning.Plan(INPUT_METADATA, paths, [4] * (n + 1), [1] * (n + 1), "")
     finally:
-        wire.accumulate = real  # type: ignore[assignment]
+        planning.accumulate = real  # type: ignore[assignment]
     assert calls[0] == 1  # one pass over the ranks, whatever the number of tensors
 
 

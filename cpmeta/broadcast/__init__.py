@@ -1,25 +1,27 @@
-"""``MetadataBroadcaster``: every rank of a CP group gets the driver's ``InputMetadata`` (DESIGN 7).
+"""Broadcast from the driver to every rank of a CP group, on ONE frame codec (DESIGN 7, 16).
 
 ==================  ==============================================================================
 module              holds
 ==================  ==============================================================================
 ``broadcaster``     :class:`MetadataBroadcaster`: collect by path, send one frame (+ one collective
-                    for large CUDA payloads), rebuild by path; ``begin_step``, ``out=``, ``group_src=``
-``walk``            ``collect``: the driver's split of ``InputMetadata`` by path (layout key, tensors,
-                    values), cached per tuple of field types
-``wire``            the one frame format: header (version, schema fingerprint, flags, crc32s,
-                    exact tensor bytes), cached layout ids, values, shapes, packed tensors; the
-                    per-layout ``Plan`` (exact sizes, views, assembly)
-``schema``          ``InputMetadata`` as a schema: field kinds, ratio keys, value types and bounds;
-                    a layout checked once, its values by a check compiled per layout
-``integrity``       what a follower proves before reading a frame (limits, checksum policy, meta and
-                    frame crc32, the layout block), the driver's ``seal``, the construction-time
-                    checksum agreement; a malformed frame is a ``RuntimeError`` naming the rank
+                    for large CUDA payloads), rebuild by path; ``begin_step``, ``out=``,
+                    ``group_src=``, ``schema=`` (any dataclass, or ``dict``)
+``tensor_dict``     :func:`broadcast_tensor_dict`: vLLM's ``broadcast_tensor_dict`` semantics on it
+``channel``         ``FrameChannel``: the codec over a ``transport.ObjectChannel`` (what every
+                    cpmeta message rides on: broadcast, tensor dicts, replicated steps, staged
+                    decode); the construction-time agreement on schema, source and checksum
+``wire``            the frame codec: header (version, schema fingerprint, flags, crc32s, exact
+                    tensor bytes), layout ids sent once, values, shapes; ``FrameWriter`` /
+                    ``FrameReader`` (write, strict parse, the follower's plan cache)
+``plan``            ``Plan``: one layout's sizes, proofs, views, packing and assembly
+``schema``          a dataclass (or a tensor dict) as a schema: field kinds, keys, value types and
+                    bounds, pinned dtypes / ranks; ``INPUT_METADATA``; per-layout value checks
+``collect``         ``collect`` / ``collect_dict``: the driver's split by path (layout key,
+                    tensors, values), cached per tuple of field types
+``collect_memo``    ``CollectMemo``: the persistent driver's ``collect`` when a step reuses the last
+                    step's tensor objects
 ``persistent``      ``persistent_outputs=True``: one arena per layout (host, + device on CUDA) and
-                    the ``InputMetadata`` built once as its views; a repeated layout lands with one
-                    memmove (+ one H2D copy), values set on the cached object
-``recollect``       ``CollectMemo``: the persistent driver's ``collect`` when a step reuses the last
-                    step's tensor objects (layout key and tensor list reused, values gathered)
+                    the object built once as its views; a repeated layout lands with one memmove
 ``span``            span frames (``FLAG_SPAN``): a persistent driver's one-allocation tensors sent
                     as one span with an offsets table; ``check_span`` proves a new geometry once
 ``outputs``         where received bytes land: a frame's tensor region into a CPU buffer, received
@@ -27,11 +29,13 @@ module              holds
 ==================  ==============================================================================
 
 The transport (codec, shared-memory ring, object and tensor channels) is the ``transport``
-package; this package knows ``InputMetadata`` and its paths.
+package; this package knows schemas and paths, never ring slots.
 """
 
 from __future__ import annotations
 
 from .broadcaster import MESSAGE_VERSION, SCHEMA_FINGERPRINT, MetadataBroadcaster
+from .tensor_dict import broadcast_tensor_dict, close_tensor_dict_channels
 
-__all__ = ["MetadataBroadcaster", "SCHEMA_FINGERPRINT", "MESSAGE_VERSION"]
+__all__ = ["MetadataBroadcaster", "SCHEMA_FINGERPRINT", "MESSAGE_VERSION", "broadcast_tensor_dict",
+           "close_tensor_dict_channels"]

@@ -1,4 +1,4 @@
-"""``MetadataBroadcaster``: every rank of a CP group gets the driver's ``InputMetadata``.
+"""``MetadataBroadcaster``: every rank of a CP group gets the driver's metadata object.
 
 One step, on every rank of ``group``::
 
@@ -12,8 +12,9 @@ One step, on every rank of ``group``::
     tensors of CUDA metadata above CPMETA_PACKED_MAX_BYTES:                  views (one split per
       ONE coalesced TensorChannel broadcast (NCCL) ───────────────────────▶  dtype run)
                                                                              Plan.assemble
-The frame carries a version and a schema fingerprint of ``InputMetadata``'s fields, checked once;
-a follower whose ``InputMetadata`` differs raises instead of misreading. Aliasing is kept: two
+The object is ``InputMetadata`` by default, or any dataclass the schema can classify
+(``schema=``; ``cpmeta.broadcast.schema``). The frame carries a version and the schema's
+fingerprint; a follower whose class differs raises instead of misreading. Aliasing is kept: two
 paths holding the same tensor object (``positions_cp`` is ``positions`` before a mirror) are sent
 once and are the same tensor object on the receiver.
 """
@@ -21,34 +22,33 @@ once and are the same tensor object on the receiver.
 from __future__ import annotations
 
 import logging
-import struct
+from functools import partial
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from transport.codec import CodecError, decode_body, encode_body  # cpmeta -> transport only
 from transport.coalesce import tensor_memoryview
 
 from .. import envs
 from ..metadata import InputMetadata
-from . import integrity, wire
+from . import wire
+from .channel import FrameChannel, Prepared, resolve_src
+from .collect import collect, collect_dict
 from .outputs import copy_out_of_frame, copy_to_out
 from .persistent import land_span
-from .walk import collect
-from .wire import (FLAG_CRC, FLAG_LAYOUT, FLAG_PACKED, FLAG_SPAN, FRAME_MAGIC, HEADER,
-                   MAX_LAYOUTS, Plan, WireError, layout_id, pack_tensors)
+from .schema import INPUT_METADATA, SCHEMA_FINGERPRINT, DictSchema, Schema
+from .wire import FLAG_PACKED, FLAG_SPAN, Frame, WireError
 
 __all__ = ["MetadataBroadcaster", "SCHEMA_FINGERPRINT", "MESSAGE_VERSION"]
 
 logger = logging.getLogger(__name__)
 
 MESSAGE_VERSION = wire.MESSAGE_VERSION
-SCHEMA_FINGERPRINT = wire.SCHEMA_FINGERPRINT
 
 
 class MetadataBroadcaster:
-    """Broadcast ``InputMetadata`` from one driver rank to every rank of ``group``.
+    """Broadcast a metadata object from one driver rank to every rank of ``group``.
 
     Collective: every rank of ``group`` constructs it (hostnames are exchanged once) and calls
     :meth:`broadcast` the same number of times. Per-rank example with 2 ranks::
@@ -63,11 +63,18 @@ class MetadataBroadcaster:
 
         b = MetadataBroadcaster(group=mesh.get_group("cp"), group_src=0)
 
+    An engine's own metadata class (any dataclass of tensors, dicts of tensors and plain
+    values; an unclassifiable field is a ``TypeError`` here, naming it)::
+
+        b = MetadataBroadcaster(group=cp_group, group_src=0, schema=FlashAttnMetadata)
+
     Args:
         group: a torch.distributed process group (default WORLD); NCCL or gloo.
         src: GLOBAL rank of the driver (default 0 when ``group_src`` is not given).
         device: where received tensors live (default: current CUDA device for NCCL, else CPU).
         group_src: rank of the driver INSIDE ``group`` (instead of ``src``; both is an error).
+        schema: the dataclass broadcast (default ``InputMetadata``); every rank the same
+            (its fingerprint is checked at construction).
         tensor_path: ``auto`` (CPU: inside the frame; CUDA: one NCCL broadcast, or inside the
             frame below ``CPMETA_PACKED_MAX_BYTES``), ``packed`` or ``collective``.
         timeout: seconds any wait may take before a ``TimeoutError`` naming the lagging rank.
@@ -88,16 +95,21 @@ class MetadataBroadcaster:
         device: Optional[torch.device | str] = None,
         *,
         group_src: Optional[int] = None,
+        schema: type = InputMetadata,
         tensor_path: Optional[str] = None,
         timeout: Optional[float] = None,
         force_remote: Optional[bool] = None,
         checksum: Optional[bool] = None,
         persistent_outputs: bool = False,
     ) -> None:
-        from transport import ObjectChannel  # cpmeta -> transport, never the reverse
-
+        self.schema: Schema | DictSchema = (INPUT_METADATA if schema is InputMetadata else DictSchema()
+                                            if schema is dict else Schema.of(schema))
+        self.cls = schema
+        self._collect: Any = collect_dict if schema is dict else partial(collect, schema=self.schema)
+        if schema is dict and persistent_outputs:
+            raise ValueError("persistent_outputs: tensor dicts (schema=dict) get fresh tensors every call")
         self.group = group if group is not None else dist.group.WORLD
-        self.src = _resolve_src(self.group, src, group_src)
+        self.src = resolve_src(self.group, src, group_src)
         self.rank = dist.get_rank()
         self.is_src = self.rank == self.src
         backend = str(dist.get_backend(self.group)).lower()
@@ -112,17 +124,17 @@ class MetadataBroadcaster:
         self.checksum = envs.checksum() if checksum is None else bool(checksum)
         self._packed_max = envs.packed_max_bytes()
         self._backend = backend
-        self._objects = ObjectChannel(self.group, self.src, timeout=timeout, force_remote=force_remote)
-        integrity.agree_checksum(self._objects.ctrl, self.checksum)
+        self._ch = FrameChannel(self.group, self.src, self.schema, what="MetadataBroadcaster",
+                                timeout=timeout, force_remote=force_remote, checksum=self.checksum)
+        self._objects = self._ch.objects
         self._tensors: Any = None  # TensorChannel, created on first collective use
-        self._layouts: dict[tuple, tuple[int, Plan, bytes]] = {}  # driver: key -> (id, plan, block)
-        self._plans: dict[int, tuple[bytes, Plan]] = {}  # follower: layout id -> (block, plan)
         self._pin = self.device.type == "cuda"
         self._persist: Any = None  # PersistentArenas with persistent_outputs=True
         if persistent_outputs:
             from .persistent import PersistentArenas
 
-            self._persist = PersistentArenas(self.device)
+            assert isinstance(self.schema, Schema)
+            self._persist = PersistentArenas(self.device, self.schema)
         self._closed = False
 
     # ---- public ---------------------------------------------------------------------------
@@ -135,27 +147,27 @@ class MetadataBroadcaster:
         the process-group path. Call it once per step, a few hundred us to a few ms ahead.
         """
         if self.is_src and not self._closed:
-            self._objects.announce()
+            self._ch.announce()
 
-    def broadcast(self, md: Optional[InputMetadata], out: Optional[InputMetadata] = None
-                  ) -> InputMetadata:
+    def broadcast(self, md: Any, out: Any = None) -> Any:
         """Return the driver's metadata on every rank (tensors on ``self.device``).
 
-        ``src`` passes its ``InputMetadata``, every other rank ``None``. Followers receive an
+        ``src`` passes its object, every other rank ``None``. Followers receive an
         independently constructed object, bit-identical field by field, aliasing re-created.
-        ``out`` (optional, any rank): an ``InputMetadata`` of existing buffers (e.g. captured
-        by a CUDA graph); every received tensor is written into ``out``'s tensor at the same path
-        -- the whole buffer, or the prefix ``buf[:n]`` of a buffer with a larger first dim --
-        and the result holds those views (same addresses). A path with no buffer, or another
-        dtype / trailing shape, is a ``ValueError`` naming the path.
+        ``out`` (optional, any rank): an object of the schema's class holding existing buffers
+        (e.g. captured by a CUDA graph); every received tensor is written into ``out``'s tensor
+        at the same path -- the whole buffer, or the prefix ``buf[:n]`` of a buffer with a
+        larger first dim -- and the result holds those views (same addresses). A path with no
+        buffer, or another dtype / trailing shape, is a ``ValueError`` naming the path.
         """
         if self._closed:
             raise RuntimeError("MetadataBroadcaster: broadcast() after close()")
-        if out is not None and not isinstance(out, InputMetadata):
-            raise TypeError(f"out: expected InputMetadata buffers, got {type(out).__name__}")
+        name = self.schema.name
+        if out is not None and (type(out) is not self.cls or self.cls is dict):
+            raise TypeError(f"out: expected {name} buffers, got {type(out).__name__}")
         if self.is_src:
-            if not isinstance(md, InputMetadata):
-                raise TypeError(f"rank {self.rank} (src): expected InputMetadata, got {type(md).__name__}")
+            if type(md) is not self.cls:
+                raise TypeError(f"rank {self.rank} (src): expected {name}, got {type(md).__name__}")
             return self._send(md, out)
         if md is not None:
             raise ValueError(f"rank {self.rank}: only src={self.src} passes metadata; followers pass None")
@@ -166,7 +178,7 @@ class MetadataBroadcaster:
         if self._closed:
             return
         self._closed = True
-        self._objects.close()
+        self._ch.close()
         if self._tensors is not None and hasattr(self._tensors, "close"):
             self._tensors.close()
 
@@ -190,119 +202,78 @@ class MetadataBroadcaster:
         if self._tensors is None:
             from transport import TensorChannel
 
-            self._tensors = TensorChannel(self.group, self.src, self.device,
-                                          timeout=self._objects.timeout)
+            self._tensors = TensorChannel(self.group, self.src, self.device, timeout=self._ch.timeout)
         return self._tensors
 
-    def _layout(self, key: tuple) -> tuple[int, Plan, bytes]:
-        """``(id, plan, layout block to send or b"")`` of a layout key (block only when new)."""
-        hit = self._layouts.get(key)
-        if hit is not None:
-            return hit[0], hit[1], (hit[2] if hit[0] < 0 else b"")
-        if len(self._layouts) >= MAX_LAYOUTS:
-            self._layouts.clear()  # followers drop theirs oldest first: resend from now on
-        block = encode_body([key[0], list(key[1]), list(key[2]), key[3]])
-        plan, lid = Plan(key[0], list(key[1]), list(key[2]), key[3]), layout_id(block)
-        if any(h[0] == lid for h in self._layouts.values()):  # crc32 collision: never cached
-            self._layouts[key] = (-1, plan, block)
-            return lid, plan, block
-        self._layouts[key] = (lid, plan, block)
-        return lid, plan, block
-
-    def _send(self, md: InputMetadata, out: Optional[InputMetadata]) -> InputMetadata:
-        key, tensors, values, dims = (*collect(md), None) if self._persist is None else \
+    def _send(self, md: Any, out: Any) -> Any:
+        key, tensors, values, dims = (*self._collect(md), None) if self._persist is None else \
             self._persist.collect.step(md)
-        lid, plan, lblock = self._layout(key)
-        if lid < 0:
-            lid = layout_id(lblock)
-        if dims is None:  # (a memo hit read them already)
-            dims = tuple([d for t in tensors for d in t.shape])
-        numels, starts, tbytes, exact = plan.sizes(dims)
-        packed = self._use_packed(tensors, tbytes)
-        try:
-            plan.check_values(values)  # a bad value is the driver's ValueError naming the path
-            vblock = encode_body(values)
-        except Exception:
-            if lblock:  # this layout never reached the wire: its next frame must carry it
-                self._layouts.pop(key, None)
-            raise
-        shapes_at, data_at = integrity.blocks_at(len(lblock), len(vblock), plan.n_dims)
-        flags = (FLAG_LAYOUT if lblock else 0) | (FLAG_PACKED if packed else 0) | (
-            FLAG_CRC if self.checksum else 0)
+        prep = self._ch.prepare(key, values, dims, tensors)
+        packed = self._use_packed(tensors, prep.region)
         arena = None
         if self._persist is not None and out is None:  # the layout's arena (persistent_outputs)
-            if packed:
-                arena = self._persist.driver_arena(plan, dims, numels, starts, tbytes,
-                                                   exact, values, tensors)
-                if arena.span is not None:  # the tensors' own allocation as one span
-                    flags, tbytes = flags | FLAG_SPAN, arena.region
-            else:
-                arena = self._persist.get(plan, dims, numels, starts, tbytes, values)[0]
-        staged = None
-        if arena is None and packed and (
-                self.device.type != "cpu" or any(t.device.type != "cpu" for t in tensors)):
-            staged = torch.empty(tbytes, dtype=torch.uint8, pin_memory=self._pin)
-            cpu = [t if t.device.type == "cpu" else t.cpu() for t in tensors]
-            pack_tensors(staged.data_ptr(), cpu, plan, numels, starts)
+            arena = self._driver_arena(prep, packed, values, tensors)
+        if packed:
+            return self._send_packed(md, out, prep, tensors, values, arena)
+        self._ch.publish(prep, 0, 0, 0, None)
+        got = self._tensor_channel().broadcast(tensors)
+        if arena is not None:
+            return arena.finish_collective(got, values)
+        return prep.plan.assemble(got, values, copy_to_out(out, prep.plan, got) if out is not None else None)
 
-        def fill(view: memoryview, addr: int) -> None:
-            HEADER.pack_into(view, 0, FRAME_MAGIC, wire.MESSAGE_VERSION, flags,
-                             wire.SCHEMA_FINGERPRINT.encode(), lid, 0, len(lblock), len(vblock),
-                             plan.n_dims, 0, exact if packed else 0)
-            at = HEADER.size
-            view[at:at + len(lblock)] = lblock
-            at += len(lblock)
-            view[at:at + len(vblock)] = vblock
-            plan.shapes.pack_into(view, shapes_at, *dims)
-            if arena is not None and packed:
+    def _driver_arena(self, prep: Prepared, packed: bool, values: list[Any],
+                      tensors: list[torch.Tensor]) -> Any:
+        p = prep
+        if packed:
+            return self._persist.driver_arena(p.plan, p.dims, p.numels, p.starts, p.region, p.exact,
+                                              values, tensors)
+        return self._persist.get(p.plan, p.dims, p.numels, p.starts, p.region, values)[0]
+
+    def _send_packed(self, md: Any, out: Any, prep: Prepared, tensors: list[torch.Tensor],
+                     values: list[Any], arena: Any) -> Any:
+        """The tensors inside the frame: straight from the arena / the driver's tensors into the
+        ring slot; CUDA tensors through one pinned host buffer."""
+        flags, tbytes, region = FLAG_PACKED, prep.exact, prep.region
+        if arena is not None and arena.span is not None:  # the tensors' own allocation as one span
+            flags, region = flags | FLAG_SPAN, arena.region
+        staged = None
+        if arena is None and (self.device.type != "cpu" or any(t.device.type != "cpu" for t in tensors)):
+            staged = torch.empty(prep.region, dtype=torch.uint8, pin_memory=self._pin)
+            prep.plan.pack(staged.data_ptr(), [t if t.device.type == "cpu" else t.cpu() for t in tensors],
+                           prep.numels, prep.starts)
+        region_at = [0]
+
+        def write(view: memoryview, addr: int, data_at: int) -> None:
+            if arena is not None:
                 arena.write(tensors, addr + data_at)  # straight into the slot
                 region_at[0] = addr + data_at
             elif staged is not None:
-                view[data_at:data_at + tbytes] = tensor_memoryview(staged)
-            elif packed:
-                pack_tensors(addr + data_at, tensors, plan, numels, starts)
-            integrity.seal(view, data_at, self.checksum)
+                view[data_at:data_at + prep.region] = tensor_memoryview(staged)
+            else:
+                prep.plan.pack(addr + data_at, tensors, prep.numels, prep.starts)
 
-        region_at = [0]
-        if not self._objects.has_readers:  # world 1: no frame, nobody would read it
-            if arena is not None and packed:
-                arena.wait_host()  # the tensors straight into the driver's own arena
-                arena.write(tensors, arena.host_ptr)
-                return arena.finish(values)
-        else:
-            self._objects.send_frame(data_at + (tbytes if packed else 0), fill)
+        if arena is not None and not self._ch.has_readers:  # world 1: the driver's own arena only
+            arena.wait_host()
+            arena.write(tensors, arena.host_ptr)
+            return arena.finish(values)
+        self._ch.publish(prep, flags, tbytes, region, write)
         if arena is not None:
-            if packed:
-                arena.take(region_at[0])  # the driver's own copy, after the publish
-                return arena.finish(values)
-            return arena.finish_collective(
-                self._tensor_channel().broadcast(tensors), values)
-        if not packed:
-            got = self._tensor_channel().broadcast(tensors)
-        elif staged is not None:
-            got = plan.views(staged.to(self.device, non_blocking=True), dims, numels, starts)
+            arena.take(region_at[0])  # the driver's own copy, after the publish
+            return arena.finish(values)
+        if staged is not None:
+            got = prep.plan.views(staged.to(self.device, non_blocking=True), prep.dims, prep.numels,
+                                  prep.starts)
         elif out is None:
             return md  # CPU tensors on a CPU device: the driver's own object is the result
         else:
             got = tensors
-        if out is not None:
-            return plan.assemble(got, values, copy_to_out(out, plan, got))
-        return plan.assemble(got, values)
+        return prep.plan.assemble(got, values, copy_to_out(out, prep.plan, got) if out is not None else None)
 
     # ---- follower -------------------------------------------------------------------------
-    def _receive(self, out: Optional[InputMetadata]) -> InputMetadata:
-        try:
-            plan, values, dims, numels, starts, buf = self._objects.recv_frame(self._consume)
-        except (CodecError, WireError, KeyError, TypeError, ValueError, IndexError,
-                struct.error) as e:
-            raise RuntimeError(f"rank {self.rank}: malformed metadata message from src={self.src}: "
-                               f"{type(e).__name__}: {e}") from None
+    def _receive(self, out: Any) -> Any:
+        plan, values, dims, numels, starts, buf = self._ch.receive(self._consume)
         if buf is None:  # tensors follow in one collective (NCCL)
-            specs, at = [], 0
-            for c, nd in zip(plan.codes, plan.ndims):
-                specs.append((wire.WIRE_DTYPES[c], tuple(dims[at:at + nd])))
-                at += nd
-            got = self._tensor_channel().broadcast(specs)
+            got = self._tensor_channel().broadcast(plan.specs(dims))
             if self._persist is not None and out is None:
                 return self._persist.get(plan, dims, numels, starts, plan.sizes(dims)[2],
                                          values)[0].finish_collective(got, values)
@@ -319,91 +290,26 @@ class MetadataBroadcaster:
         try:
             return plan.assemble(got, values, per_path)
         except (TypeError, ValueError, AttributeError) as e:
-            raise RuntimeError(f"rank {self.rank}: malformed metadata message from src={self.src}: "
-                               f"{type(e).__name__}: {e}") from None
+            raise self._ch.malformed(e) from None
 
-    def _consume(self, view: memoryview) -> tuple:
-        """Check and parse one frame (untrusted bytes, valid only during this call)."""
-        n = view.nbytes
-        if n < HEADER.size:
-            raise WireError(f"truncated frame: {n} bytes")
-        (magic, version, flags, schema, lid, crc, llen, vlen, n_dims, meta, tbytes
-         ) = HEADER.unpack_from(view, 0)
-        if magic != FRAME_MAGIC:
-            raise WireError(f"bad magic {bytes(magic)!r} (not a metadata frame)")
-        if version != wire.MESSAGE_VERSION:
-            raise RuntimeError(f"rank {self.rank}: metadata message version mismatch: driver sent "
-                               f"{version}, this rank speaks {wire.MESSAGE_VERSION}")
-        if schema != wire.SCHEMA_FINGERPRINT.encode():  # read per step: tests skew it
-            raise RuntimeError(
-                f"rank {self.rank}: InputMetadata schema fingerprint mismatch: driver "
-                f"{bytes(schema).decode('ascii', 'replace')!r}, this rank {wire.SCHEMA_FINGERPRINT!r} "
-                "(driver and follower run different cpmeta versions)")
-        shapes_at, data_at = integrity.check_frame(view, flags, crc, meta, llen, vlen, n_dims,
-                                                   self.checksum)
-        plan = None
-        if flags & FLAG_LAYOUT:
-            block = bytes(view[HEADER.size:HEADER.size + llen])
-            cached = self._plans.get(lid)
-            if cached is not None and cached[0] == block:
-                plan = cached[1]
-            else:
-                plan = integrity.plan_from_block(block, lid)
-        else:
-            cached = self._plans.get(lid)
-            block, plan = cached if cached is not None else (b"", None)
-        if plan is None:
-            raise RuntimeError(
-                f"rank {self.rank}: metadata frame from src={self.src} refers to layout id {lid}, "
-                "which this rank never received (it joined late or missed a frame); every rank "
-                "must construct the broadcaster together and receive every step")
-        values = decode_body(view[HEADER.size + llen:HEADER.size + llen + vlen], max_bytes=n)
-        plan.check_values(values)
-        if n_dims != plan.n_dims:
-            raise WireError(f"{n_dims} dims declared, the layout has {plan.n_dims}")
-        dims = plan.shapes.unpack_from(view, shapes_at)
-        if flags & FLAG_SPAN:  # a persistent driver's span (cpmeta.broadcast.span): own checks
-            if not flags & FLAG_PACKED:
+    def _consume(self, frame: Frame, view: memoryview) -> tuple:
+        """The tensor region of one proven frame (valid only during this call): landed in the
+        layout's arena, copied into a fresh buffer, or left to the collective."""
+        h, plan, values, dims = frame.head, frame.plan, frame.values, frame.dims
+        if h.flags & FLAG_SPAN:  # a persistent driver's span (cpmeta.broadcast.span): own checks
+            if not h.flags & FLAG_PACKED:
                 raise WireError("FLAG_SPAN without FLAG_PACKED")
-            arena = land_span(self._persist, plan, dims, tbytes, view, data_at, values, self.device)
-            self._keep_plan(lid, block, plan)
+            arena = land_span(self._persist, plan, dims, h.tbytes, view, h.data_at, values, self.device)
             return plan, values, dims, None, None, arena
-        numels, starts, total = plan.check_tensors(dims, bool(flags & FLAG_PACKED), tbytes,
-                                                   n - data_at)
-        if not flags & FLAG_PACKED:
-            self._keep_plan(lid, block, plan)
+        numels, starts, total = plan.check_tensors(dims, bool(h.flags & FLAG_PACKED), h.tbytes,
+                                                   view.nbytes - h.data_at)
+        if not h.flags & FLAG_PACKED:
             return plan, values, dims, numels, starts, None
         if self._persist is not None:  # the frame's region into the layout's arena, one memmove
             arena = self._persist.get(plan, dims, numels, starts, total, values)[0]
-            arena.land(view, data_at)
-            self._keep_plan(lid, block, plan)
+            arena.land(view, h.data_at)
             return plan, values, dims, numels, starts, arena
         buf = torch.empty(total, dtype=torch.uint8, pin_memory=self._pin)
         if total:
-            copy_out_of_frame(buf, view, data_at, total)
-        self._keep_plan(lid, block, plan)
+            copy_out_of_frame(buf, view, h.data_at, total)
         return plan, values, dims, numels, starts, buf
-
-    def _keep_plan(self, lid: int, block: bytes, plan: Plan) -> None:
-        """Cache a plan once its frame passed every check (oldest dropped past MAX_LAYOUTS)."""
-        if self._plans.pop(lid, None) is None and len(self._plans) >= MAX_LAYOUTS:
-            del self._plans[next(iter(self._plans))]
-        self._plans[lid] = (block, plan)  # most recently used last
-
-
-def _resolve_src(group: Any, src: Optional[int], group_src: Optional[int]) -> int:
-    """Global rank of the driver from ``src`` (global) or ``group_src`` (inside ``group``)."""
-    ranks = dist.get_process_group_ranks(group)
-    if src is not None and group_src is not None:
-        raise ValueError(f"give src (global rank) or group_src (rank inside the group), not both: "
-                         f"src={src}, group_src={group_src}")
-    if group_src is not None:
-        if type(group_src) is not int or not 0 <= group_src < len(ranks):
-            raise ValueError(f"group_src: expected a rank inside the group (0..{len(ranks) - 1}), "
-                             f"got {group_src!r}")
-        return ranks[group_src]
-    src = 0 if src is None else src
-    if src not in ranks:
-        raise ValueError(f"src: global rank {src} is not in the group (global ranks {ranks}); "
-                         "to name the driver by its rank inside the group use group_src=")
-    return src

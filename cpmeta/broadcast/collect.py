@@ -1,28 +1,27 @@
-"""Collect by path: the driver splits an ``InputMetadata`` into its layout key, tensors and values.
+"""Collect by path: the driver splits a schema'd object into its layout key, tensors and values.
 
-``collect(md)`` is the driver's first step of every broadcast (``cpmeta.broadcast.broadcaster``);
-the layout key it returns is what ``cpmeta.broadcast.wire.Plan`` is built from (and checked
-against ``InputMetadata``'s schema, once per layout). Everything that repeats is cached per tuple
-of field types (:class:`Walk`), so a step of a known layout is a few C-level gathers.
+``collect(md, schema)`` is the driver's first step of every broadcast of a dataclass
+(``cpmeta.broadcast.broadcaster``); ``collect_dict(d)`` the same for a plain tensor dict
+(``cpmeta.broadcast_tensor_dict``). The layout key returned is what
+``cpmeta.broadcast.plan.Plan`` is built from (and checked against the schema, once per layout).
+Everything that repeats is cached per tuple of field types (:class:`Walk`, one cache per schema)
+or per key tuple (dicts), so a step of a known layout is a few C-level gathers.
 """
 
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-from ..metadata import InputMetadata
+from .schema import INPUT_METADATA, Schema, check_dict_key
 from .wire import ALIAS_SEP, DTYPE_CODE, MAX_LAYOUTS, PATH_SEP, WIRE_DTYPES, getter
 
-__all__ = ["collect", "Walk", "field_kinds"]
-
-_FIELD_NAMES = InputMetadata.field_names()
-_GET_ALL = operator.attrgetter(*_FIELD_NAMES)  # every field in one C call
+__all__ = ["collect", "collect_dict", "Walk", "field_kinds"]
 
 
-def collect(md: InputMetadata) -> tuple[tuple, list[torch.Tensor], list[Any]]:
+def collect(md: Any, schema: Schema = INPUT_METADATA) -> tuple[tuple, list[torch.Tensor], list[Any]]:
     """Split ``md`` by path: ``(key, tensors, values)``.
 
     ``key`` identifies the layout (hashable; :meth:`Walk.layout` turns it into the sent
@@ -34,14 +33,43 @@ def collect(md: InputMetadata) -> tuple[tuple, list[torch.Tensor], list[Any]]:
     Per step this is one C call for every field, one for their types, a lookup of the cached
     :class:`Walk` of those types, and the walk's few C-level gathers.
     """
-    vals = _GET_ALL(md)
+    if type(md) is not schema.cls:
+        raise TypeError(f"expected {schema.name}, got {type(md).__name__}")
+    vals = schema.get_all(md)
     sig = tuple(map(type, vals))
-    w = _WALKS.get(sig)
+    walks = schema.walks
+    w = walks.get(sig)
     if w is None:
-        if len(_WALKS) >= MAX_LAYOUTS:
-            _WALKS.clear()
-        w = _WALKS[sig] = Walk(sig)
+        if len(walks) >= MAX_LAYOUTS:
+            walks.clear()
+        w = walks[sig] = Walk(sig, schema.field_names)
     return w(vals)
+
+
+def collect_dict(d: Any) -> tuple[tuple, list[torch.Tensor], list[Any]]:
+    """Split a tensor dict (``cpmeta.broadcast_tensor_dict``) by key: ``(key, tensors, values)``.
+
+    Like :func:`collect` with the keys as paths: tensors deduplicated by object and ordered by
+    dtype code, every other value (``None`` included) a value, the driver's key order in the
+    layout key. Keys are checked once per key tuple (:func:`schema.check_dict_key`). Example:
+    ``{"ids": t, "n": 3}`` -> key ``("ids", (4,), (1,), "n", ("ids", "n"))``, ``[t]``, ``[3]``.
+    """
+    if type(d) is not dict:
+        raise TypeError(f"tensor_dict: expected a dict, got {type(d).__name__}")
+    keys = tuple(d)
+    vals = tuple(d.values())
+    sig = (keys, tuple(map(type, vals)))
+    w = _DICT_WALKS.get(sig)
+    if w is None:
+        for k in keys:
+            check_dict_key(k)
+        if len(_DICT_WALKS) >= MAX_LAYOUTS:
+            _DICT_WALKS.clear()
+        w = _DICT_WALKS[sig] = Walk(sig[1], keys, order=keys)
+    return w(vals)
+
+
+_DICT_WALKS: dict[tuple, "Walk"] = {}
 
 
 def field_kinds(sig: tuple[type, ...]) -> tuple[list[int], list[int], list[int], list[int]]:
@@ -71,11 +99,18 @@ class Walk:
     ``(dict keys and entry types, aliasing, dtypes, ranks)``.
     """
 
-    def __init__(self, sig: tuple[type, ...]) -> None:
-        tidx, _, didx, vidx = field_kinds(sig)
-        self.tnames = [_FIELD_NAMES[i] for i in tidx]
-        self.vnames = [_FIELD_NAMES[i] for i in vidx]
-        self.dicts = [(i, _FIELD_NAMES[i]) for i in didx]
+    def __init__(self, sig: tuple[type, ...], names: tuple[str, ...],
+                 order: Optional[tuple[str, ...]] = None) -> None:
+        tidx, nidx, didx, vidx = field_kinds(sig)
+        if order is not None:  # a tensor dict: None is a value, a dict value is refused
+            if didx:
+                raise TypeError(f"{names[didx[0]]}: a dict value cannot be broadcast (plain values: "
+                                "None, bool, int, float, str, lists / tuples of those)")
+            vidx = sorted(vidx + nidx)
+        self.order = order
+        self.tnames = [names[i] for i in tidx]
+        self.vnames = [names[i] for i in vidx]
+        self.dicts = [(i, names[i]) for i in didx]
         self.get_t = getter(tidx)
         self.get_v = getter(vidx)
         self.subs: dict[tuple, tuple] = {}  # dict keys + entry types -> _entries()
@@ -156,9 +191,10 @@ class Walk:
         idx = [e[1] for e in rows]
         key = (PATH_SEP.join(ALIAS_SEP.join(e[2]) for e in rows), tuple(e[0] for e in rows),
                tuple(ndims[i] for i in idx), PATH_SEP.join(vpaths))
+        if self.order is not None:
+            key += (self.order,)
         return key, (None if idx == list(range(len(objs))) else getter(idx))
 
 
-_WALKS: dict[tuple, Walk] = {}
 _DTYPE = operator.attrgetter("dtype")
 _DIM = torch.Tensor.dim

@@ -1,7 +1,8 @@
 """``CollectMemo``: the persistent driver's ``collect`` for a step made of an earlier step's tensors.
 
 An engine that builds with ``out=OutputArenas()`` hands the broadcaster a new ``InputMetadata``
-every step whose tensors are the SAME objects (new dicts, new values). ``walk.collect`` still walks
+(or any schema'd dataclass) every step whose tensors are the SAME objects (new dicts, new
+values). ``collect.collect`` still walks
 the fields, the dict entries, the aliasing, dtypes and ranks to find the layout; when the tensors
 are the objects of the last step of those field types, all of that is known. Per step the memo
 checks, in C-level passes: the tensor fields and dict entries are the same objects, the dict keys
@@ -24,14 +25,12 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..metadata import InputMetadata
-from .walk import collect, field_kinds
+from .collect import collect, field_kinds
+from .schema import Schema
 from .wire import MAX_LAYOUTS
 
 __all__ = ["CollectMemo"]
 
-_FIELDS = InputMetadata.field_names()
-_GET_ALL = operator.attrgetter(*_FIELDS)
 _DTYPE = operator.attrgetter("dtype")
 _DIM = torch.Tensor.dim
 _SHAPE = operator.attrgetter("shape")
@@ -49,15 +48,15 @@ def _tuple_getter(idx: list[int]) -> Callable[[Any], tuple]:
     return operator.itemgetter(*idx)
 
 
-def _fields_getter(idx: list[int]) -> Callable[[Any], tuple]:
-    """``f(md) -> tuple`` of the fields at positions ``idx`` of ``InputMetadata.field_names()``
-    (one C call; ``()`` for none)."""
+def _fields_getter(names: tuple[str, ...], idx: list[int]) -> Callable[[Any], tuple]:
+    """``f(md) -> tuple`` of the fields at positions ``idx`` of ``names`` (one C call; ``()``
+    for none)."""
     if not idx:
         return lambda md: ()
     if len(idx) == 1:
-        get = operator.attrgetter(_FIELDS[idx[0]])
+        get = operator.attrgetter(names[idx[0]])
         return lambda md: (get(md),)
-    return operator.attrgetter(*[_FIELDS[i] for i in idx])
+    return operator.attrgetter(*[names[i] for i in idx])
 
 
 class _Entry:
@@ -73,11 +72,11 @@ class _Entry:
                  "dkeys", "dtypes", "dtget", "dtobjs", "dvget", "n_empty", "key", "tensors",
                  "tdtypes", "tdims")
 
-    def __init__(self, sig: tuple[type, ...], vals: tuple, key: tuple, tensors: list[torch.Tensor]
-                 ) -> None:
+    def __init__(self, names: tuple[str, ...], sig: tuple[type, ...], vals: tuple, key: tuple,
+                 tensors: list[torch.Tensor]) -> None:
         tpos, npos, dpos, vpos = field_kinds(sig)
-        self.tget, self.nget = _fields_getter(tpos), _fields_getter(npos)
-        self.dget, self.vget = _fields_getter(dpos), _fields_getter(vpos)
+        self.tget, self.nget = _fields_getter(names, tpos), _fields_getter(names, npos)
+        self.dget, self.vget = _fields_getter(names, dpos), _fields_getter(names, vpos)
         self.tobjs = _tuple_getter(tpos)(vals)
         self.nones = (None,) * len(npos)
         self.vtypes = tuple(sig[i] for i in vpos)
@@ -101,7 +100,7 @@ class _Entry:
         dicts."""
         return [*vv, *self.dvget(flat), *({} for _ in range(self.n_empty))]
 
-    def match(self, md: InputMetadata
+    def match(self, md: Any
               ) -> Optional[tuple[tuple, list[torch.Tensor], list[Any], tuple]]:
         """``(key, tensors, values, flat dims)`` when ``md`` is this entry's step again with new
         values, else ``None``. The shapes are read once here: their lengths are the ranks
@@ -129,14 +128,15 @@ class CollectMemo:
     persistent broadcaster calls it once per step). One entry per tuple of field types, at most
     ``MAX_LAYOUTS``; an entry whose rebuilt values disagree with ``collect``'s is never used."""
 
-    def __init__(self) -> None:
+    def __init__(self, schema: Schema) -> None:
+        self.schema = schema
         self._by_sig: dict[tuple, Optional[_Entry]] = {}
         self._last: Optional[_Entry] = None  # the entry of the last hit, tried first
 
-    def __call__(self, md: InputMetadata) -> tuple[tuple, list[torch.Tensor], list[Any]]:
+    def __call__(self, md: Any) -> tuple[tuple, list[torch.Tensor], list[Any]]:
         return self.step(md)[:3]
 
-    def step(self, md: InputMetadata
+    def step(self, md: Any
              ) -> tuple[tuple, list[torch.Tensor], list[Any], Optional[tuple]]:
         """``(key, tensors, values)`` of ``collect(md)`` plus, on a hit, the tensors' dims
         concatenated (``(64, 64, 4)`` for shapes ``[64]``, ``[64, 4]``; ``None`` on a miss: the
@@ -146,7 +146,7 @@ class CollectMemo:
             got = e.match(md)
             if got is not None:
                 return got
-        vals = _GET_ALL(md)
+        vals = self.schema.get_all(md)
         sig = tuple(map(type, vals))
         e = self._by_sig.get(sig)
         if e is not None:
@@ -155,12 +155,12 @@ class CollectMemo:
                 self._last = e
                 return got
         elif sig in self._by_sig:  # disabled for these field types
-            return (*collect(md), None)
-        key, tensors, values = collect(md)
+            return (*collect(md, self.schema), None)
+        key, tensors, values = collect(md, self.schema)
         if len(self._by_sig) >= MAX_LAYOUTS:
             self._by_sig.clear()
         self._last = None
-        e = _Entry(sig, vals, key, tensors)
+        e = _Entry(self.schema.field_names, sig, vals, key, tensors)
         flat = list(chain.from_iterable(map(dict.values, e.dget(md))))
         again = e.values(e.vget(md), flat)
         ok = len(again) == len(values) and all(

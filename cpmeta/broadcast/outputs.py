@@ -5,13 +5,13 @@ the caller's ``out=`` buffers (``MetadataBroadcaster.broadcast(md, out=...)``, D
 from __future__ import annotations
 
 import ctypes
+from typing import Any
 
 import torch
 
 from transport.coalesce import tensor_memoryview
 
-from ..metadata import InputMetadata
-from .wire import Plan
+from .plan import Plan
 
 __all__ = ["copy_out_of_frame", "copy_to_out"]
 
@@ -31,7 +31,7 @@ def copy_out_of_frame(dst: torch.Tensor, view: memoryview, at: int, n: int) -> N
         del c
 
 
-def copy_to_out(out: InputMetadata, plan: Plan, got: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+def copy_to_out(out: Any, plan: Plan, got: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """Write each received tensor into ``out``'s buffer at every path it has; return, per
     tensor, the view at each path (same addresses as ``out``'s buffers).
 

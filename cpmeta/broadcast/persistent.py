@@ -37,11 +37,12 @@ from typing import Any, Optional
 
 import torch
 
-from ..metadata import InputMetadata
+from .collect_memo import CollectMemo
 from .outputs import copy_out_of_frame
-from .recollect import CollectMemo
+from .plan import Plan
+from .schema import Schema
 from .span import check_span, span_of, table_bytes
-from .wire import ELEMENT_SIZE, MAX_LAYOUTS, WIRE_DTYPES, Plan, WireError
+from .wire import ELEMENT_SIZE, MAX_LAYOUTS, WIRE_DTYPES, WireError
 
 __all__ = ["LayoutArena", "PersistentArenas", "MAX_ARENA_BYTES"]
 
@@ -49,8 +50,6 @@ __all__ = ["LayoutArena", "PersistentArenas", "MAX_ARENA_BYTES"]
 #: arenas are dropped (prompt-32k is ~2.4 MB an arena, decode-256 ~180 KB).
 MAX_ARENA_BYTES = 1 << 30
 
-_FIELD_NAMES = InputMetadata.field_names()
-_GET_ALL = operator.attrgetter(*_FIELD_NAMES)
 _DATA_PTR = torch.Tensor.data_ptr
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
 _IS = operator.is_
@@ -67,7 +66,7 @@ class LayoutArena:
     """
 
     __slots__ = ("region", "exact", "span", "host", "host_ptr", "dev", "md", "tensors", "event",
-                 "src_ptrs", "_packed_ptrs", "_src", "_offsets", "_nbytes", "_data_at", "_base",
+                 "src_ptrs", "_names", "_packed_ptrs", "_src", "_offsets", "_nbytes", "_data_at", "_base",
                  "_values", "_fixed", "_snap", "_dict_snap", "_dict_lens", "_dict_tensors")
 
     def __init__(self, plan: Plan, dims: tuple[int, ...], numels: list[int], starts: list[int],
@@ -104,12 +103,15 @@ class LayoutArena:
         # what the layout fixes (tensor, dict and None fields; dict entries holding tensors): the
         # identity snapshot checked per step, restored when the caller changed it
         vpos = {pos for pos, sub in plan.value_slots if sub is None}
-        fixed = [i for i in range(len(_FIELD_NAMES)) if i not in vpos]
+        schema = plan.schema
+        assert isinstance(schema, Schema), "persistent outputs hold dataclasses"
+        self._names = names = schema.field_names
+        fixed = [i for i in range(len(names)) if i not in vpos]
         # one C call reads every fixed field (InputMetadata has ~57, a layout fixes all but its
         # few value fields, so the getter always returns a tuple)
-        self._fixed = (fixed, operator.attrgetter(*[_FIELD_NAMES[i] for i in fixed]))
+        self._fixed = (fixed, _tuple_getter([names[i] for i in fixed]))
         self._snap = self._fixed[1](self.md)
-        self._dict_snap = [(d, dict(d)) for d in _GET_ALL(self.md) if type(d) is dict]
+        self._dict_snap = [(d, dict(d)) for d in schema.get_all(self.md) if type(d) is dict]
         self._dict_lens = ([d for d, _ in self._dict_snap], [len(d) for d, _ in self._dict_snap])
         ents = [(d, k, v) for d, snap in self._dict_snap for k, v in snap.items()
                 if isinstance(v, torch.Tensor)]
@@ -191,7 +193,7 @@ class LayoutArena:
         if self.region:
             copy_out_of_frame(self.host, view, at, self.region)
 
-    def finish(self, values: list[Any]) -> InputMetadata:
+    def finish(self, values: list[Any]) -> Any:
         """Both sides: [CUDA: one non-blocking H2D copy of the arena, stream-ordered on the
         current stream], the layout's fields restored if the caller changed them, this step's
         values set; returns the cached metadata."""
@@ -200,14 +202,14 @@ class LayoutArena:
             self.event.record(torch.cuda.current_stream(self.dev.device))
         return self._current(values)
 
-    def finish_collective(self, got: list[torch.Tensor], values: list[Any]) -> InputMetadata:
+    def finish_collective(self, got: list[torch.Tensor], values: list[Any]) -> Any:
         """Tensors that came by one collective (NCCL): copied into the arena's device views
         (stream-ordered), then as :meth:`finish` without the H2D copy."""
         if got:
             torch._foreach_copy_(self.tensors, got, non_blocking=True)
         return self._current(values)
 
-    def _current(self, values: list[Any]) -> InputMetadata:
+    def _current(self, values: list[Any]) -> Any:
         """The cached metadata with this step's values, after putting back what the caller
         changed: the fixed fields (one identity pass), the dicts' sizes and tensor entries."""
         md = self.md
@@ -222,10 +224,20 @@ class LayoutArena:
     def _restore(self) -> None:
         """Put back every field the layout fixes (the caller replaced or added some)."""
         for i, v in zip(self._fixed[0], self._snap):
-            setattr(self.md, _FIELD_NAMES[i], v)
+            setattr(self.md, self._names[i], v)
         for d, snap in self._dict_snap:
             d.clear()
             d.update(snap)
+
+
+def _tuple_getter(names: list[str]) -> Any:
+    """``f(obj) -> tuple`` of the named attributes (one C call; ``()`` for none)."""
+    if not names:
+        return lambda obj: ()
+    if len(names) == 1:
+        get = operator.attrgetter(names[0])
+        return lambda obj: (get(obj),)
+    return operator.attrgetter(*names)
 
 
 def _span_views(buf: torch.Tensor, plan: Plan, dims: tuple[int, ...], numels: list[int],
@@ -242,16 +254,16 @@ def _span_views(buf: torch.Tensor, plan: Plan, dims: tuple[int, ...], numels: li
 
 def _value_setter(plan: Plan) -> Any:
     """``f(md, values)`` writing one step's values at the layout's value paths (compiled once)."""
-    slots = [(_FIELD_NAMES[pos], sub) for pos, sub in plan.value_slots]
+    slots = [(plan.schema.field_names[pos], sub) for pos, sub in plan.value_slots]
     if all(sub is None for _, sub in slots):
         names = [n for n, _ in slots]
 
-        def set_flat(md: InputMetadata, values: list[Any]) -> None:
+        def set_flat(md: Any, values: list[Any]) -> None:
             for n, v in zip(names, values):
                 setattr(md, n, v)
         return set_flat
 
-    def set_nested(md: InputMetadata, values: list[Any]) -> None:
+    def set_nested(md: Any, values: list[Any]) -> None:
         for (n, sub), v in zip(slots, values):
             if sub is None:
                 setattr(md, n, v)
@@ -264,9 +276,9 @@ class PersistentArenas:
     """One :class:`LayoutArena` per layout ``(plan key, flat dims)``, least recently used dropped
     first past ``MAX_LAYOUTS`` arenas or ``max_bytes`` of host arena."""
 
-    def __init__(self, device: torch.device, max_bytes: int = MAX_ARENA_BYTES) -> None:
+    def __init__(self, device: torch.device, schema: Schema, max_bytes: int = MAX_ARENA_BYTES) -> None:
         self.device = device
-        self.collect = CollectMemo()  # the driver's collect, memoised per tuple of field types
+        self.collect = CollectMemo(schema)  # the driver's collect, memoised per tuple of field types
         self.max_bytes = int(max_bytes)
         self._arenas: "OrderedDict[tuple, LayoutArena]" = OrderedDict()
         self._bytes = 0

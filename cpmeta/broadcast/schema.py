@@ -1,202 +1,338 @@
-"""What a broadcast layout and its values may hold: ``InputMetadata``'s fields as a schema.
+"""What a frame may carry: a dataclass's fields (or a str-keyed dict's entries) as a schema.
 
-Every field of :class:`~cpmeta.metadata.InputMetadata` gets one :class:`FieldSpec`, derived from
-its declared type (an unknown declared type is an error at import, so a new field must be
-classified here before it can be broadcast):
+A :class:`Schema` is derived once from a dataclass's annotations (``Schema.of(cls)``) and is
+what every layout of that class is checked against. Each field gets one :class:`FieldSpec`:
 
-==============================  ==============  ===============================================
-declared type                   kind            wire form
-==============================  ==============  ===============================================
-``Optional[Tensor]``            ``tensor``      one tensor path ``name``
-``TDict`` (dict[str, Tensor])   ``tensor_dict`` tensor paths ``name.<key>``; ``{}`` = value ``name``
-``Optional[bool]``              ``value``       value ``name``: exactly a bool
-``Optional[int]``               ``value``       value ``name``: an int (not a bool), ``low <= v < 2**63``
-``Optional[float]`` / ``str``   ``value``       value ``name``: exactly that type
-``Optional[list[int]]``         ``value``       value ``name``: a list of ints ``>= low``
-``Optional[dict[str, int]]``    ``value_dict``  values ``name.<key>``: ints ``>= low``; ``{}`` = value ``name``
-==============================  ==============  ===============================================
+==================================  ==============  ============================================
+annotation (``Optional[...]`` ok)    kind            wire form
+==================================  ==============  ============================================
+``Tensor``                          ``tensor``      one tensor path ``name``
+``dict[str, Tensor]``               ``tensor_dict`` tensor paths ``name.<key>``; ``{}`` = value ``name``
+``bool`` / ``int`` / ``float`` /    ``value``       value ``name``: exactly that type (an ``int``
+``str`` (or a union of them)                        is never a bool; ``low <= v < 2**63``)
+``list[T]`` / ``tuple[T, ...]``     ``value``       value ``name``: a list (tuple) of ``T``, ``T``
+(``T`` a scalar type or union)                      a scalar type or a union of them
+``dict[str, T]`` (``T`` scalar)     ``value_dict``  values ``name.<key>``; ``{}`` = value ``name``
+==================================  ==============  ============================================
 
-Keys of dict fields are ratio strings (DESIGN 3): the canonical decimal of a positive int, at
-most :data:`MAX_KEY_DIGITS` digits (``"4"``, ``"128"``; not ``"04"``, ``"4.5"``, ``"x"``). ``None`` is
-never sent (a ``None`` field or entry is left out of the layout), so a ``None`` value is refused.
+Any other annotation is refused when the schema is made (``TypeError`` naming the field), so a
+field that cannot travel is found at construction, not at the first step. ``None`` is never
+sent: a ``None`` field or dict entry is left out of the layout (the receiver's field is then
+``None``), so a ``None`` value is refused. A tensor field may pin its dtype and rank through its
+dataclass field metadata ``{"cpmeta": info}`` with ``info.dtype`` / ``info.ndim`` (``None`` = not
+fixed; ``InputMetadata``'s field table does this): a layout that declares another dtype or rank
+is refused once, when its plan is built, on the driver as on every follower.
 
-A layout (tensor paths with their aliases, value paths) is checked ONCE, when its plan is built
-(:func:`check_layout`); its values are then checked every frame by the :class:`ValueCheck`
-compiled for it: one comparison of the values' type tuple, one pass over the ints for bounds.
-Worked example: value paths ``["is_prompt", "num_seqs", "total_k_compressed.4"]`` compile to
-types ``(bool, int, int)``, int positions ``[1, 2]`` with lows ``(0, 0)``; the values
-``[True, 3, 17]`` pass with ``(bool, int, int) == (bool, int, int)`` and ``0 <= 3, 0 <= 17``.
+Dict keys: ``dict_keys="ratio"`` (``InputMetadata``: the canonical decimal of a positive int,
+``"4"``, ``"128"``) or ``"name"`` (any other dataclass: 1-64 printable ASCII characters without
+``.``, ``;`` or ``,``).
+
+:class:`DictSchema` is the schema of a plain ``dict[str, Tensor | value]``
+(``cpmeta.broadcast_tensor_dict``): its keys are the paths, a layout fixes which keys hold
+tensors (with their dtype and rank) and the driver's key order, and every value is checked per
+frame to be a plain value (``None``, bool, int, float, str, or lists / tuples of those).
+
+A layout is checked ONCE, when its plan is built (:meth:`Schema.check_layout`); its values are
+then checked every frame by the :class:`ValueCheck` compiled for it: one comparison of the
+values' type tuple, one pass over the ints for bounds. Worked example: value paths
+``["is_prompt", "num_seqs", "total_k_compressed.4"]`` compile to types ``(bool, int, int)``, int
+positions ``[1, 2]`` with lows ``(0, 0)``; the values ``[True, 3, 17]`` pass with
+``(bool, int, int) == (bool, int, int)`` and ``0 <= 3, 0 <= 17``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import operator
-from dataclasses import dataclass, fields
-from typing import Any, Callable, Optional, cast
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
 
-from ..metadata import InputMetadata
+import torch
 
-__all__ = ["FieldSpec", "SCHEMA", "LayoutError", "ValueCheck", "check_layout", "check_key", "MAX_LAYOUT_PATHS",
-           "MAX_KEY_DIGITS", "MAX_INT", "TENSOR", "TENSOR_DICT", "VALUE", "VALUE_DICT"]
+__all__ = ["FieldSpec", "Schema", "DictSchema", "LayoutError", "ValueCheck", "check_key",
+           "MAX_LAYOUT_PATHS", "MAX_KEY_DIGITS", "MAX_NAME_KEY", "MAX_INT", "MIN_INT", "TENSOR",
+           "TENSOR_DICT", "VALUE", "VALUE_DICT", "PLAIN_TYPES", "INPUT_METADATA", "SCHEMA_FINGERPRINT"]
 
 TENSOR, TENSOR_DICT, VALUE, VALUE_DICT = "tensor", "tensor_dict", "value", "value_dict"
 MAX_LAYOUT_PATHS = 1024  # tensor paths (aliases counted) + value paths of one layout
 MAX_KEY_DIGITS = 10  # ratio keys: "1" .. "9999999999"
+MAX_NAME_KEY = 64  # characters of a "name" dict key / a DictSchema key (256)
 MAX_INT = (1 << 63) - 1  # every int value fits int64
-#: lower bounds of int values other than 0 (counts, sizes and ranks are >= 0)
-_LOW: dict[str, int] = {"cp_size": 1}
+MIN_INT = -(1 << 63)
+SCALARS: tuple[type, ...] = (bool, int, float, str)
+#: value types a DictSchema value may have (containers hold the same, nested)
+PLAIN_TYPES = frozenset({type(None), bool, int, float, str, list, tuple})
+_NONE = type(None)
+_FORBIDDEN_KEY_CHARS = frozenset(".;,")
+_DICT_KEY_MAX = 256
 
 
 class LayoutError(ValueError):
-    """A layout or a value that ``InputMetadata``'s schema does not allow (names the path)."""
+    """A layout or a value that the schema does not allow (names the path)."""
 
 
 @dataclass(frozen=True, slots=True)
 class FieldSpec:
-    """One field: ``kind`` (tensor / tensor_dict / value / value_dict), the Python type of a value
-    (or of a value_dict entry, or of a list element when ``is_list``) and its lower bound."""
+    """One field: ``kind`` (tensor / tensor_dict / value / value_dict), the Python type(s) of a
+    value (of a value_dict entry, of a list element when ``container`` is list or tuple), its
+    lower bound for ints, and for tensors the pinned ``dtype`` / ``ndim`` (None: free)."""
 
     name: str
     kind: str
-    vtype: Optional[type] = None
-    low: Optional[int] = None
-    is_list: bool = False
+    vtype: Optional[tuple[type, ...]] = None
+    low: int = MIN_INT
+    container: Optional[type] = None
+    dtype: Optional[torch.dtype] = None
+    ndim: Optional[int] = None
 
 
-_DECLARED: dict[str, tuple[str, Optional[type], bool]] = {  # declared type -> (kind, vtype, list)
-    "Optional[Tensor]": (TENSOR, None, False),
-    "TDict": (TENSOR_DICT, None, False),
-    "Optional[bool]": (VALUE, bool, False),
-    "Optional[int]": (VALUE, int, False),
-    "Optional[float]": (VALUE, float, False),
-    "Optional[str]": (VALUE, str, False),
-    "Optional[list[int]]": (VALUE, int, True),
-    "Optional[dict[str, int]]": (VALUE_DICT, int, False),
-}
+def _strip_optional(tp: Any) -> tuple[Any, tuple[Any, ...]]:
+    """``(tp without None, the union's members)``: ``Optional[int]`` -> ``(int, (int,))``,
+    ``int | str`` -> ``(Union[int, str], (int, str))``."""
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        members = tuple(a for a in typing.get_args(tp) if a is not _NONE)
+        if len(members) == 1:
+            return members[0], members
+        return tp, members
+    return tp, (tp,)
 
 
-def _build() -> dict[str, FieldSpec]:
-    out = {}
-    for f in fields(InputMetadata):
-        hit = _DECLARED.get(str(f.type))
-        if hit is None:
-            raise TypeError(f"InputMetadata.{f.name}: declared type {f.type} has no broadcast schema "
-                            "(add it to cpmeta/broadcast/schema.py)")
-        kind, vtype, is_list = hit
-        low = _LOW.get(f.name, 0) if vtype is int else None
-        out[f.name] = FieldSpec(f.name, kind, vtype, low, is_list)
-    return out
+def _scalar_types(tp: Any) -> Optional[tuple[type, ...]]:
+    """The scalar types ``tp`` admits (``int`` -> ``(int,)``, ``int | str`` -> ``(int, str)``),
+    or None when it is not a scalar type / union of scalars."""
+    _, members = _strip_optional(tp)
+    if members and all(m in SCALARS for m in members):
+        return tuple(members)
+    return None
 
 
-#: field name -> spec, in InputMetadata's field order
-SCHEMA: dict[str, FieldSpec] = _build()
+def classify(name: str, tp: Any) -> tuple[str, Optional[tuple[type, ...]], Optional[type]]:
+    """``(kind, value types, container)`` of a field annotation; ``TypeError`` naming the field
+    for an annotation that cannot travel. Examples: ``Optional[Tensor]`` -> ``("tensor", None,
+    None)``; ``dict[str, int]`` -> ``("value_dict", (int,), None)``; ``tuple[int, ...]`` ->
+    ``("value", (int,), tuple)``."""
+    base, _ = _strip_optional(tp)
+    if isinstance(base, type) and issubclass(base, torch.Tensor):
+        return TENSOR, None, None
+    scalars = _scalar_types(tp)
+    if scalars is not None:
+        return VALUE, scalars, None
+    origin, args = typing.get_origin(base), typing.get_args(base)
+    if origin is dict and len(args) == 2 and args[0] is str:
+        vbase, _ = _strip_optional(args[1])
+        if isinstance(vbase, type) and issubclass(vbase, torch.Tensor):
+            return TENSOR_DICT, None, None
+        inner = _scalar_types(args[1])
+        if inner is not None:
+            return VALUE_DICT, inner, None
+    if origin is list and len(args) == 1:
+        inner = _scalar_types(args[0])
+        if inner is not None:
+            return VALUE, inner, list
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
+        inner = _scalar_types(args[0])
+        if inner is not None:
+            return VALUE, inner, tuple
+    raise TypeError(f"{name}: declared type {tp} cannot be broadcast (supported: Tensor, "
+                    "dict[str, Tensor], bool / int / float / str or a union of them, list[...] / "
+                    "tuple[..., ...] and dict[str, ...] of those; each optionally Optional)")
 
 
-def check_key(path: str, key: str) -> None:
-    """Refuse a dict key that is not a ratio string (``"4"``, ``"128"``), naming the path."""
-    if not (0 < len(key) <= MAX_KEY_DIGITS and key.isascii() and key.isdigit() and key[0] != "0"):
-        raise LayoutError(f"{path}: dict key {key!r} is not a ratio (the decimal string of a "
-                          f"positive int, at most {MAX_KEY_DIGITS} digits)")
+def check_key(path: str, key: str, rule: str) -> None:
+    """Refuse a dict key the ``rule`` does not allow, naming the path (see the module doc)."""
+    if rule == "ratio":
+        if not (0 < len(key) <= MAX_KEY_DIGITS and key.isascii() and key.isdigit() and key[0] != "0"):
+            raise LayoutError(f"{path}: dict key {key!r} is not a ratio (the decimal string of a "
+                              f"positive int, at most {MAX_KEY_DIGITS} digits)")
+    elif not (0 < len(key) <= MAX_NAME_KEY and key.isascii() and key.isprintable()
+              and not _FORBIDDEN_KEY_CHARS.intersection(key)):
+        raise LayoutError(f"{path}: dict key {key!r} is not a name (1-{MAX_NAME_KEY} printable "
+                          "ASCII characters without '.', ';' or ',')")
 
 
-def check_layout(tensor_paths: list[list[str]], value_paths: list[str]
-                 ) -> tuple[list[list[tuple[str, Optional[str]]]], list[tuple[str, Optional[str]]]]:
-    """Check a layout against :data:`SCHEMA` in one linear pass; return the parsed targets.
+class Schema:
+    """The wire schema of one dataclass (see the module docstring); made once per class.
 
-    ``tensor_paths[i]`` are the paths of tensor i (several when aliased), ``value_paths`` one path
-    per value. Returns ``(tensor targets, value targets)`` as ``(field, key or None)``. Raises
-    :class:`LayoutError` naming the path: more than :data:`MAX_LAYOUT_PATHS` paths, an unknown
-    field, a tensor at a value field (or the reverse), a bad key, a path twice, a field that holds
-    both a whole value (``{}``) and entries. Example: ``[["positions", "positions_cp"],
-    ["klen.4"]], ["is_prompt", "ks"]`` gives ``[[("positions", None), ("positions_cp", None)],
-    [("klen", "4")]], [("is_prompt", None), ("ks", None)]`` (``ks`` = an empty dict).
+    ``fingerprint`` (16 hex digits) hashes the class's qualified name, every field's name, kind,
+    value types and pinned dtype / rank: two ranks whose classes differ in any of those refuse
+    each other's frames. ``Schema.of(cls)`` caches the schema per class and arguments.
     """
-    n = sum(map(len, tensor_paths)) + len(value_paths)
-    if n > MAX_LAYOUT_PATHS:
-        raise LayoutError(f"layout has {n} paths, more than MAX_LAYOUT_PATHS={MAX_LAYOUT_PATHS}")
-    seen: set[str] = set()
-    whole: set[str] = set()  # fields used without a key
-    keyed: set[str] = set()  # fields used with a key
-    tt = [[_parse(p, True, seen, whole, keyed) for p in ps] for ps in tensor_paths]
-    vt = [_parse(p, False, seen, whole, keyed) for p in value_paths]
-    both = whole & keyed
-    if both:
-        name = min(both)
-        raise LayoutError(f"{name}: holds both a whole value and dict entries")
-    return tt, vt
 
+    _CACHE: dict[tuple, "Schema"] = {}
 
-def _parse(path: str, tensor: bool, seen: set[str], whole: set[str], keyed: set[str]
-           ) -> tuple[str, Optional[str]]:
-    if path in seen:
-        raise LayoutError(f"{path}: path appears twice in the layout")
-    seen.add(path)
-    name, dot, key = path.partition(".")
-    spec = SCHEMA.get(name)
-    if spec is None:
-        raise LayoutError(f"{path!r}: InputMetadata has no field {name!r}")
-    if dot:
-        check_key(path, key)  # also refuses a second dot: one level of nesting only
-        keyed.add(name)
-        want = TENSOR_DICT if tensor else VALUE_DICT
-        if spec.kind != want:
-            raise LayoutError(f"{path}: a {'tensor' if tensor else 'value'} entry in field {name!r} "
+    def __init__(self, cls: type, *, dict_keys: str = "name", int_low: int = MIN_INT,
+                 lows: Optional[dict[str, int]] = None, version: int = 0) -> None:
+        if not dataclasses.is_dataclass(cls) or not isinstance(cls, type):
+            raise TypeError(f"schema: expected a dataclass type, got {cls!r}")
+        if dict_keys not in ("ratio", "name"):
+            raise ValueError(f"dict_keys: expected 'ratio' or 'name', got {dict_keys!r}")
+        self.cls = cls
+        self.name = cls.__qualname__
+        self.dict_keys = dict_keys
+        hints = typing.get_type_hints(cls)
+        fs = dataclasses.fields(cls)
+        specs: dict[str, FieldSpec] = {}
+        for f in fs:
+            if not f.init:
+                raise TypeError(f"{self.name}.{f.name}: a field with init=False cannot be rebuilt "
+                                "on the receiver")
+            kind, vtype, container = classify(f"{self.name}.{f.name}", hints[f.name])
+            info = f.metadata.get("cpmeta") if f.metadata else None
+            low = (lows or {}).get(f.name, int_low)
+            specs[f.name] = FieldSpec(f.name, kind, vtype, low, container,
+                                      getattr(info, "dtype", None) if kind in (TENSOR, TENSOR_DICT) else None,
+                                      getattr(info, "ndim", None) if kind in (TENSOR, TENSOR_DICT) else None)
+        self.specs = specs
+        self.field_names: tuple[str, ...] = tuple(f.name for f in fs)
+        self.positions = {n: i for i, n in enumerate(self.field_names)}
+        self.get_all: Callable[[Any], tuple] = _fields_getter(self.field_names)
+        # a positional row rebuilds the object when every field defaults to None
+        self.positional = all(f.default is None for f in fs)
+        desc = ";".join(f"{s.name}:{s.kind}:{_tname(s.vtype)}:{s.container and s.container.__name__}"
+                        f":{s.dtype}:{s.ndim}:{s.low}" for s in specs.values())
+        self.fingerprint = hashlib.sha256(
+            f"v{version}|{cls.__module__}.{self.name}|{dict_keys}|{desc}".encode()).hexdigest()[:16]
+        self.walks: dict[tuple, Any] = {}  # collect's per-field-types walks (cpmeta.broadcast.collect)
+
+    @classmethod
+    def of(cls, dc: type, **kw: Any) -> "Schema":
+        """The schema of dataclass ``dc`` (made once per class and arguments)."""
+        key = (dc, tuple(sorted(kw.items(), key=lambda kv: kv[0])).__repr__())
+        hit = cls._CACHE.get(key)
+        if hit is None:
+            hit = cls._CACHE[key] = Schema(dc, **kw)
+        return hit
+
+    # ---- layouts ----------------------------------------------------------------------------
+    def check_layout(self, tensor_paths: list[list[str]], value_paths: list[str]
+                     ) -> tuple[list[list[tuple[str, Optional[str]]]], list[tuple[str, Optional[str]]]]:
+        """Check a layout in one linear pass; return the parsed targets.
+
+        ``tensor_paths[i]`` are the paths of tensor i (several when aliased), ``value_paths`` one
+        path per value. Returns ``(tensor targets, value targets)`` as ``(field, key or None)``.
+        Raises :class:`LayoutError` naming the path: more than :data:`MAX_LAYOUT_PATHS` paths, an
+        unknown field, a tensor at a value field (or the reverse), a bad key, a path twice, a
+        field that holds both a whole value (``{}``) and entries. Example (InputMetadata):
+        ``[["positions", "positions_cp"], ["klen.4"]], ["is_prompt", "ks"]`` gives
+        ``[[("positions", None), ("positions_cp", None)], [("klen", "4")]], [("is_prompt",
+        None), ("ks", None)]`` (``ks`` = an empty dict).
+        """
+        n = sum(map(len, tensor_paths)) + len(value_paths)
+        if n > MAX_LAYOUT_PATHS:
+            raise LayoutError(f"layout has {n} paths, more than MAX_LAYOUT_PATHS={MAX_LAYOUT_PATHS}")
+        seen: set[str] = set()
+        whole: set[str] = set()  # fields used without a key
+        keyed: set[str] = set()  # fields used with a key
+        tt = [[self._parse(p, True, seen, whole, keyed) for p in ps] for ps in tensor_paths]
+        vt = [self._parse(p, False, seen, whole, keyed) for p in value_paths]
+        both = whole & keyed
+        if both:
+            raise LayoutError(f"{min(both)}: holds both a whole value and dict entries")
+        return tt, vt
+
+    def _parse(self, path: str, tensor: bool, seen: set[str], whole: set[str], keyed: set[str]
+               ) -> tuple[str, Optional[str]]:
+        if path in seen:
+            raise LayoutError(f"{path}: path appears twice in the layout")
+        seen.add(path)
+        name, dot, key = path.partition(".")
+        spec = self.specs.get(name)
+        if spec is None:
+            raise LayoutError(f"{path!r}: {self.name} has no field {name!r}")
+        if dot:
+            check_key(path, key, self.dict_keys)  # also refuses a second dot: one level only
+            keyed.add(name)
+            want = TENSOR_DICT if tensor else VALUE_DICT
+            if spec.kind != want:
+                raise LayoutError(f"{path}: a {'tensor' if tensor else 'value'} entry in field "
+                                  f"{name!r} of kind {spec.kind}")
+            return name, key
+        whole.add(name)
+        if not (spec.kind == TENSOR if tensor else spec.kind != TENSOR):
+            raise LayoutError(f"{path}: a {'tensor' if tensor else 'value'} sent to field {name!r} "
                               f"of kind {spec.kind}")
-        return name, key
-    whole.add(name)
-    ok = spec.kind == TENSOR if tensor else spec.kind != TENSOR
-    if not ok:
-        raise LayoutError(f"{path}: a {'tensor' if tensor else 'value'} sent to field {name!r} "
-                          f"of kind {spec.kind}")
-    return name, None
+        return name, None
+
+    def check_tensors(self, targets: list[list[tuple[str, Optional[str]]]], dtypes: list[torch.dtype],
+                      ndims: list[int]) -> None:
+        """Refuse a layout whose tensor at a pinned field has another dtype or rank (once per
+        layout), naming the path: ``positions: float64 rank 1, InputMetadata pins int32 rank 1``."""
+        for ts, dt, nd in zip(targets, dtypes, ndims):
+            for name, key in ts:
+                spec = self.specs[name]
+                if (spec.dtype is not None and dt != spec.dtype) or (spec.ndim is not None and nd != spec.ndim):
+                    path = name if key is None else f"{name}.{key}"
+                    raise LayoutError(
+                        f"{path}: {str(dt).replace('torch.', '')} rank {nd}, {self.name} pins "
+                        f"{str(spec.dtype or 'any dtype').replace('torch.', '')} rank "
+                        f"{spec.ndim if spec.ndim is not None else 'any'}")
+
+    def value_check(self, targets: list[tuple[str, Optional[str]]]) -> "ValueCheck":
+        return ValueCheck(self, targets)
+
+    # ---- rebuilding -------------------------------------------------------------------------
+    def build(self, row: list[Any]) -> Any:
+        """The object from a row of field values in field order (``None`` = unset)."""
+        if self.positional:
+            return self.cls(*row)
+        return self.cls(**dict(zip(self.field_names, row)))
 
 
 class ValueCheck:
     """The per-frame check of one layout's values block, compiled once per layout.
 
     ``check(values)`` costs one ``tuple(map(type, values))`` comparison, one gather of the int
-    values with a bound test, and one truthiness test per empty-dict value; it raises
-    :class:`LayoutError` naming the first bad path. See the module docstring for an example.
+    values with a bound test, and one truthiness test per empty-dict value; union-typed and list
+    values are checked one by one. It raises :class:`LayoutError` naming the first bad path. See
+    the module docstring for an example.
     """
 
-    def __init__(self, targets: list[tuple[str, Optional[str]]]) -> None:
+    def __init__(self, schema: Schema, targets: list[tuple[str, Optional[str]]]) -> None:
         self.paths = [n if k is None else f"{n}.{k}" for n, k in targets]
-        types: list[type] = []
+        self.types: tuple[type, ...]
+        types_: list[type] = []
         ints: list[int] = []
         lows: list[int] = []
-        empties: list[int] = []
-        lists: list[int] = []
+        self._empties: list[int] = []
+        self._loose: list[tuple[int, tuple[type, ...], Optional[type], int]] = []  # unions, lists
         for i, (name, key) in enumerate(targets):
-            spec = SCHEMA[name]
+            spec = schema.specs[name]
             if spec.kind in (TENSOR_DICT, VALUE_DICT) and key is None:
-                types.append(dict)  # an empty dict (the absence of keys is information)
-                empties.append(i)
-            elif spec.is_list:
-                types.append(list)
-                lists.append(i)
+                types_.append(dict)  # an empty dict (the absence of keys is information)
+                self._empties.append(i)
+                continue
+            assert spec.vtype is not None
+            if spec.container is not None:
+                types_.append(spec.container)
+                self._loose.append((i, spec.vtype, spec.container, spec.low))
+            elif len(spec.vtype) > 1:
+                types_.append(object)  # checked in _loose
+                self._loose.append((i, spec.vtype, None, spec.low))
             else:
-                assert spec.vtype is not None
-                types.append(spec.vtype)
-                if spec.vtype is int:
+                types_.append(spec.vtype[0])
+                if spec.vtype[0] is int:
                     ints.append(i)
-                    lows.append(spec.low or 0)
-        self.types = tuple(types)
-        self.n = len(types)
+                    lows.append(spec.low)
+        self.types = tuple(types_)
+        self.n = len(types_)
+        self._union_at = [i for i, _, c, _ in self._loose if c is None]
         self._ints: Callable[[list], Any] = operator.itemgetter(*ints) if ints else (lambda v: ())
         self._one_int = len(ints) == 1
         self._int_idx = ints
         self._lows = tuple(lows)
         self._min_low = min(lows) if lows else 0
         self._uniform = all(x == self._min_low for x in lows)
-        self._empties = empties
-        self._lists = [(i, SCHEMA[targets[i][0]].low or 0) for i in lists]
 
     def __call__(self, values: Any) -> None:
         if type(values) is not list or len(values) != self.n:
             raise LayoutError(f"values block: expected a list of {self.n} values, got "
                               f"{type(values).__name__}" + (f" of {len(values)}" if isinstance(
                                   values, list) else ""))
-        if tuple(map(type, values)) != self.types:
+        got = tuple(map(type, values))
+        if got != self.types and not self._union_match(got):
             self._explain(values)
         if self._lows:
             ints = self._ints(values)
@@ -211,21 +347,145 @@ class ValueCheck:
         for i in self._empties:
             if values[i]:
                 self._explain(values)
-        for i, low in self._lists:
-            if not all(type(x) is int and low <= x <= MAX_INT for x in values[i]):
+        for i, vt, c, low in self._loose:
+            v = values[i]
+            if not _ok_items(v if c is not None else (v,), vt, low):
                 self._explain(values)
+
+    def _union_match(self, got: tuple[type, ...]) -> bool:
+        """The type tuple matches once the union-typed positions are left to ``_loose``."""
+        if not self._union_at:
+            return False
+        g = list(got)
+        for i in self._union_at:
+            g[i] = object
+        return tuple(g) == self.types
 
     def _explain(self, values: list[Any]) -> None:
         """Raise for the first bad value (slow path, only on a refusal)."""
         lows = dict(zip(self._int_idx, self._lows))
+        loose = {i: (vt, c, low) for i, vt, c, low in self._loose}
         for i, (path, want, v) in enumerate(zip(self.paths, self.types, values)):
+            if i in loose:
+                vt, c, low = loose[i]
+                if c is not None and type(v) is not c:
+                    raise LayoutError(f"{path}: expected {c.__name__}, got {type(v).__name__} {v!r:.60}")
+                if not _ok_items(v if c is not None else (v,), vt, low):
+                    bad = v if c is None else next(x for x in v if not _ok_items((x,), vt, low))
+                    raise LayoutError(f"{path}: {'element ' if c is not None else ''}{bad!r:.60} is not "
+                                      f"{' or '.join(t.__name__ for t in vt)}"
+                                      + (f" >= {low}" if int in vt and low > MIN_INT else ""))
+                continue
             if type(v) is not want:
                 raise LayoutError(f"{path}: expected {want.__name__}, got {type(v).__name__} {v!r:.60}")
-            if i in lows and not lows[i] <= cast(int, v) <= MAX_INT:
+            if i in lows and not lows[i] <= v <= MAX_INT:
                 raise LayoutError(f"{path}: {v} is out of range [{lows[i]}, 2**63)")
             if want is dict and v:
                 raise LayoutError(f"{path}: expected an empty dict (entries travel as {path}.<key>)")
-        for i, low in self._lists:
-            bad = next(x for x in values[i] if not (type(x) is int and low <= x <= MAX_INT))
-            raise LayoutError(f"{self.paths[i]}: list element {bad!r:.60} is not an int >= {low}")
         raise AssertionError("ValueCheck._explain found nothing to refuse")  # pragma: no cover
+
+
+def _ok_items(items: Any, vt: tuple[type, ...], low: int) -> bool:
+    """Every one of ``items`` (a container's items, or ``(value,)`` of a union-typed field) has
+    one of the types ``vt`` exactly, ints in ``[low, 2**63)``."""
+    for x in items:
+        t = type(x)
+        if t not in vt or (t is int and not low <= x <= MAX_INT):
+            return False
+    return True
+
+
+class DictSchema:
+    """The schema of a plain ``dict[str, Tensor | value]`` (``cpmeta.broadcast_tensor_dict``).
+
+    Keys are the paths (1-256 printable ASCII characters without ``;`` or ``,``); a layout
+    fixes which keys hold tensors, their dtypes and ranks, and the driver's key order; every
+    value is a plain value (:data:`PLAIN_TYPES`, containers nested at most 8 deep), checked per
+    frame. ``None`` is a value here (the key is kept). Example: ``{"input_ids": t, "num_seqs":
+    3, "lens": (1, 2)}`` -> tensor path ``input_ids``, value paths ``num_seqs``, ``lens``.
+    """
+
+    name = "dict"
+    dict_keys = "dict"
+    fingerprint = hashlib.sha256(b"v1|cpmeta.tensor_dict").hexdigest()[:16]
+
+    def check_layout(self, tensor_paths: list[list[str]], value_paths: list[str]
+                     ) -> tuple[list[list[tuple[str, Optional[str]]]], list[tuple[str, Optional[str]]]]:
+        n = sum(map(len, tensor_paths)) + len(value_paths)
+        if n > MAX_LAYOUT_PATHS:
+            raise LayoutError(f"layout has {n} paths, more than MAX_LAYOUT_PATHS={MAX_LAYOUT_PATHS}")
+        seen: set[str] = set()
+        for p in [p for ps in tensor_paths for p in ps] + value_paths:
+            check_dict_key(p)
+            if p in seen:
+                raise LayoutError(f"{p}: key appears twice in the layout")
+            seen.add(p)
+        return [[(p, None) for p in ps] for ps in tensor_paths], [(p, None) for p in value_paths]
+
+    def check_tensors(self, targets: Any, dtypes: Any, ndims: Any) -> None:
+        return None
+
+    def value_check(self, targets: list[tuple[str, Optional[str]]]) -> "PlainValueCheck":
+        return PlainValueCheck([p for p, _ in targets])
+
+
+def check_dict_key(key: Any) -> None:
+    """Refuse a tensor-dict key that is not 1-256 printable ASCII characters without ``;``/``,``."""
+    if not (type(key) is str and 0 < len(key) <= _DICT_KEY_MAX and key.isascii() and key.isprintable()
+            and ";" not in key and "," not in key):
+        raise LayoutError(f"key {key!r:.80}: expected a str of 1-{_DICT_KEY_MAX} printable ASCII "
+                          "characters without ';' or ','")
+
+
+class PlainValueCheck:
+    """Per frame: every value of a :class:`DictSchema` layout is a plain value (module doc)."""
+
+    def __init__(self, paths: list[str]) -> None:
+        self.paths = paths
+        self.n = len(paths)
+
+    def __call__(self, values: Any) -> None:
+        if type(values) is not list or len(values) != self.n:
+            raise LayoutError(f"values block: expected a list of {self.n} values")
+        for p, v in zip(self.paths, values):
+            if not plain(v):
+                raise LayoutError(f"{p}: {type(v).__name__} {v!r:.60} is not a plain value (None, "
+                                  "bool, int, float, str, or lists / tuples of those)")
+
+
+def plain(v: Any, depth: int = 0) -> bool:
+    """Whether ``v`` is a plain value: a scalar of :data:`PLAIN_TYPES` (ints in int64 range) or a
+    list / tuple of plain values at most 8 deep."""
+    t = type(v)
+    if t is int:
+        return MIN_INT <= v <= MAX_INT
+    if t in (list, tuple):
+        return depth < 8 and all(plain(x, depth + 1) for x in v)
+    return t in PLAIN_TYPES
+
+
+def _fields_getter(names: tuple[str, ...]) -> Callable[[Any], tuple]:
+    """``f(obj) -> tuple`` of every field in one C call (a 1-tuple for one field)."""
+    if len(names) == 1:
+        get = operator.attrgetter(names[0])
+        return lambda obj: (get(obj),)
+    return operator.attrgetter(*names)
+
+
+def _tname(vt: Optional[tuple[type, ...]]) -> str:
+    return "|".join(t.__name__ for t in vt) if vt else "-"
+
+
+def _input_metadata_schema() -> Schema:
+    from ..metadata import InputMetadata
+    from .wire import MESSAGE_VERSION
+
+    return Schema.of(InputMetadata, dict_keys="ratio", int_low=0, lows={"cp_size": 1},
+                     version=MESSAGE_VERSION)
+
+
+#: ``InputMetadata``'s schema: ratio keys, ints >= 0 (``cp_size`` >= 1), dtypes and ranks pinned
+#: by its field table
+INPUT_METADATA: Schema = _input_metadata_schema()
+#: the fingerprint every InputMetadata frame carries
+SCHEMA_FINGERPRINT: str = INPUT_METADATA.fingerprint

@@ -34,7 +34,8 @@ from typing import Optional
 
 import torch
 
-from .wire import ELEMENT_SIZE, FLAG_SPAN, MAX_DIM, Plan, WireError
+from .plan import Plan
+from .wire import ELEMENT_SIZE, FLAG_SPAN, MAX_DIM, WireError
 
 __all__ = ["FLAG_SPAN", "SPAN_SLACK", "table_bytes", "span_of", "check_span"]
 

@@ -1,0 +1,241 @@
+"""``FrameChannel``: the frame codec over a transport channel, for one schema.
+
+Every cpmeta message between the ranks of a group rides on one of these, as vLLM's
+``MessageQueue`` contains a ``ShmRingBuffer``: a ``transport.ObjectChannel`` moves the bytes
+(shared-memory ring to same-host followers, the process group to the others) and the codec of
+:mod:`cpmeta.broadcast.wire` writes and proves them. ``MetadataBroadcaster`` (any dataclass),
+``broadcast_tensor_dict`` (plain tensor dicts), ``ReplicatedBatchState`` (scheduler steps) and
+``StagedDecodeBroadcaster`` (staged decode batches) are its users; each adds only what it does
+with the tensors.
+
+Driver, one frame::
+
+    prep = ch.prepare(key, values, dims)       # layout (id; block when new), sizes, values checked
+    ch.publish(prep, flags, tbytes, region, write_region)   # header + blocks + region, sealed
+
+Follower::
+
+    result = ch.receive(handler)               # handler(frame, view) inside the transport's read
+
+Construction is collective (every rank of ``group`` constructs the channel with the same
+``src``) and checks, once, that every rank speaks the same schema, source and checksum setting
+(``ValueError`` on every rank naming the ranks that differ).
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+
+from transport.codec import CodecError, encode_body  # cpmeta -> transport only
+
+from .plan import Plan
+from .wire import (FLAG_CRC, FLAG_LAYOUT, FLAG_PACKED, Frame, FrameMismatch, FrameReader,
+                   FrameWriter, WireError, blocks_at, seal)
+
+__all__ = ["FrameChannel", "Prepared", "resolve_src", "agree_settings"]
+
+_MALFORMED = (CodecError, WireError, KeyError, TypeError, ValueError, IndexError, struct.error)
+
+
+class Prepared(NamedTuple):
+    """A driver's frame before it is written: layout, encoded values and tensor geometry."""
+
+    lid: int
+    plan: Plan
+    lblock: bytes  # the layout block (b"" when the followers hold it)
+    vblock: bytes
+    dims: tuple[int, ...]
+    numels: list[int]
+    starts: list[int]
+    region: int  # packed tensor region (16-aligned runs)
+    exact: int  # exact tensor bytes
+
+
+class FrameChannel:
+    """Frames of one schema from global rank ``src`` to every rank of ``group`` (see module doc).
+
+    Args:
+        group: torch.distributed process group (NCCL or gloo; control traffic goes over gloo).
+        src: GLOBAL rank of the driver (already resolved, e.g. by :func:`resolve_src`).
+        schema: the ``Schema`` / ``DictSchema`` of what the frames carry.
+        what: the user's name, for error messages (``"MetadataBroadcaster"``).
+        timeout, force_remote: as for ``transport.ObjectChannel``.
+        checksum: stamp / require the frame crc32 (every rank the same: checked here).
+    """
+
+    def __init__(self, group: Any, src: int, schema: Any, *, what: str, timeout: Optional[float],
+                 force_remote: Optional[bool], checksum: bool) -> None:
+        from transport import ObjectChannel  # cpmeta -> transport, never the reverse
+
+        self.group, self.src, self.schema, self.what = group, src, schema, what
+        self.rank = dist.get_rank()
+        self.is_src = self.rank == src
+        self.checksum = checksum
+        self.objects = ObjectChannel(group, src, timeout=timeout, force_remote=force_remote)
+        self.timeout = self.objects.timeout
+        agree_settings(self.objects.ctrl, what, checksum=bool(checksum), src=src,
+                       schema=schema.fingerprint)
+        self.writer = FrameWriter(schema, Plan)
+        self.reader = FrameReader(schema, Plan, checksum)
+
+    @property
+    def has_readers(self) -> bool:
+        """Whether any other rank reads what the driver sends (False in a group of one)."""
+        return self.objects.has_readers
+
+    # ---- driver -----------------------------------------------------------------------------
+    def prepare(self, key: tuple, values: list[Any], dims: Optional[tuple[int, ...]],
+                tensors: Optional[list[torch.Tensor]] = None) -> Prepared:
+        """Layout, sizes and values of one frame. ``dims`` (flat tensor dims) or ``tensors``
+        (read when ``dims`` is None). A bad value is the driver's ``ValueError`` naming the path;
+        a layout that never reached the wire is forgotten, so its next frame carries it again."""
+        lid, plan, lblock = self.writer.layout(key)
+        if dims is None:
+            dims = tuple([d for t in tensors or () for d in t.shape])
+        numels, starts, region, exact = plan.sizes(dims)
+        try:
+            plan.check_values(values)
+            vblock = encode_body(values)
+        except Exception:
+            if lblock:
+                self.writer.forget(key)
+            raise
+        return Prepared(lid, plan, lblock, vblock, dims, numels, starts, region, exact)
+
+    def publish(self, prep: Prepared, flags: int, tbytes: int, region: int,
+                write_region: Optional[Callable[[memoryview, int, int], None]]) -> None:
+        """Write and send the frame: header (+ ``flags``; FLAG_LAYOUT and FLAG_CRC are added
+        here), blocks, shapes, then ``write_region(view, address, data_at)`` for the ``region``
+        bytes of tensors (none when ``region`` is 0), sealed last. No-op without readers."""
+        if not self.objects.has_readers:
+            return
+        flags |= (FLAG_LAYOUT if prep.lblock else 0) | (FLAG_CRC if self.checksum else 0)
+        shapes_at, data_at = blocks_at(len(prep.lblock), len(prep.vblock), prep.plan.n_dims)
+
+        def fill(view: memoryview, addr: int) -> None:
+            self.writer.write(view, flags, prep.lid, prep.lblock, prep.vblock, prep.plan, prep.dims,
+                              tbytes, shapes_at)
+            if region and write_region is not None:
+                write_region(view, addr, data_at)
+            seal(view, data_at, self.checksum)
+
+        self.objects.send_frame(data_at + region, fill)
+
+    def send_packed(self, key: tuple, tensors: list[torch.Tensor], values: list[Any],
+                    dims: Optional[tuple[int, ...]] = None) -> Prepared:
+        """One frame with the CPU ``tensors`` (layout order) packed in it."""
+        prep = self.prepare(key, values, dims, tensors)
+
+        def write(view: memoryview, addr: int, data_at: int) -> None:
+            prep.plan.pack(addr + data_at, tensors, prep.numels, prep.starts)
+
+        self.publish(prep, FLAG_PACKED, prep.exact, prep.region, write)
+        return prep
+
+    # ---- follower ---------------------------------------------------------------------------
+    def receive(self, handler: Callable[[Frame, memoryview], Any]) -> Any:
+        """``handler(frame, view)`` of the next frame, inside the transport's read (``view`` is
+        valid only during the call: copy what you keep). The frame's plan is cached once the
+        handler returned. A malformed frame is a ``RuntimeError`` naming this rank and the
+        source; a peer of another version or schema likewise."""
+        def consume(view: memoryview) -> Any:
+            frame = self.reader.parse(view, self.rank, self.src)
+            out = handler(frame, view)
+            self.reader.keep(frame)
+            return out
+
+        try:
+            return self.objects.recv_frame(consume)
+        except FrameMismatch as e:
+            raise RuntimeError(f"rank {self.rank}: {e}") from None
+        except _MALFORMED as e:
+            raise self.malformed(e) from None
+
+    def recv_packed(self) -> tuple[Frame, list[torch.Tensor]]:
+        """The next packed frame and its tensors: views of ONE private CPU buffer (one copy out
+        of the transport)."""
+        from .outputs import copy_out_of_frame
+
+        def handler(frame: Frame, view: memoryview) -> tuple[Frame, list[torch.Tensor]]:
+            h = frame.head
+            if not h.flags & FLAG_PACKED:
+                raise WireError(f"{self.what}: frame without FLAG_PACKED (tensors must ride in it)")
+            numels, starts, region = frame.plan.check_tensors(frame.dims, True, h.tbytes,
+                                                              view.nbytes - h.data_at)
+            buf = torch.empty(region, dtype=torch.uint8)
+            if region:
+                copy_out_of_frame(buf, view, h.data_at, region)
+            return frame, frame.plan.views(buf, frame.dims, numels, starts)
+
+        return self.receive(handler)
+
+    def malformed(self, e: BaseException) -> RuntimeError:
+        return RuntimeError(f"rank {self.rank}: malformed {self.what} message from src={self.src}: "
+                            f"{type(e).__name__}: {e}")
+
+    def announce(self) -> None:
+        self.objects.announce()
+
+    def close(self) -> None:
+        self.objects.close()
+
+
+def resolve_src(group: Any, src: Optional[int], group_src: Optional[int]) -> int:
+    """Global rank of the driver from ``src`` (global) or ``group_src`` (inside ``group``)."""
+    ranks = dist.get_process_group_ranks(group)
+    if src is not None and group_src is not None:
+        raise ValueError(f"give src (global rank) or group_src (rank inside the group), not both: "
+                         f"src={src}, group_src={group_src}")
+    if group_src is not None:
+        if type(group_src) is not int or not 0 <= group_src < len(ranks):
+            raise ValueError(f"group_src: expected a rank inside the group (0..{len(ranks) - 1}), "
+                             f"got {group_src!r}")
+        return ranks[group_src]
+    src = 0 if src is None else src
+    if type(src) is not int or src not in ranks:
+        raise ValueError(f"src: global rank {src!r} is not in the group (global ranks {ranks}); "
+                         "to name the driver by its rank inside the group use group_src=")
+    return src
+
+
+_SETTING_BYTES = 64
+
+
+def agree_settings(ctrl: Any, what: str, **settings: Any) -> None:
+    """Collective over the gloo ``ctrl`` group (every member calls it once, at construction):
+    raise ``ValueError`` on EVERY rank unless all members passed equal ``settings``.
+
+    Per-rank example, ranks [0, 1], ``checksum=True`` on rank 0 only: both raise
+    ``MetadataBroadcaster: checksum setting differs across the group: on at ranks [0], off at
+    ranks [1]; ...``.
+    """
+    ranks = dist.get_process_group_ranks(ctrl)
+    names = sorted(settings)
+    blob = encode_body([settings[n] for n in names])
+    if len(blob) > _SETTING_BYTES - 1:
+        raise ValueError(f"{what}: settings too large to agree on ({len(blob)} bytes)")
+    mine = torch.zeros(_SETTING_BYTES, dtype=torch.uint8)
+    mine[0] = len(blob)
+    mine[1:1 + len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    out = [torch.zeros(_SETTING_BYTES, dtype=torch.uint8) for _ in ranks]
+    dist.all_gather(out, mine, group=ctrl)
+    from transport.codec import decode_body
+
+    got = [decode_body(bytes(t[1:1 + int(t[0])].tolist())) for t in out]
+    for i, n in enumerate(names):
+        seen: dict[Any, list[int]] = {}
+        for r, vals in zip(ranks, got):
+            v = vals[i]
+            seen.setdefault(("on" if v else "off") if type(v) is bool else repr(v), []).append(r)
+        if len(seen) > 1:
+            parts = ", ".join(f"{v} at ranks {rs}" for v, rs in seen.items())
+            hint = {"checksum": "; set CPMETA_CHECKSUM (or checksum=) the same on every rank (a "
+                                "follower refuses frames without a crc when it is on)",
+                    "src": "; every rank must name the same driver",
+                    "schema": "; every rank must broadcast the same class from the same cpmeta "
+                              "version"}.get(n, "")
+            raise ValueError(f"{what}: {n} setting differs across the group: {parts}{hint}")

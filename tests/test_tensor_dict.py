@@ -1,0 +1,127 @@
+"""``cpmeta.broadcast_tensor_dict`` (issue 32 item 2): vLLM's semantics on cpmeta's frame.
+
+Real gloo ranks; the driver's dicts change keys, kinds, dtypes and shapes between calls (new
+layouts) and repeat (cached layouts); every rank must return an equal dict: the same keys in the
+same order, equal plain values of the same types (tuples stay tuples, ``None`` stays), tensors
+with the driver's dtype, shape and bytes, aliased keys one tensor. Where vLLM imports (the
+benchmark environment), its ``GroupCoordinator.broadcast_tensor_dict`` is fed the same dicts.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from multiproc import run_ranks
+
+
+def make_dict(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(step)
+    n = 3 + step % 5
+    ids = torch.randint(0, 32000, (n,), generator=g, dtype=torch.int64)
+    d: dict[str, Any] = {
+        "input_tokens": ids,
+        "input_positions": torch.arange(n, dtype=torch.int32) + step,
+        "num_seqs": n,
+        "is_prompt": step % 2 == 0,
+        "temperature": 0.7,
+        "virtual_engine": None,
+        "seq_lens": [int(x) for x in range(n)],
+        "shape": (n, 4),
+        "request.ids": f"r{step}",  # a dot is fine in a tensor-dict key
+    }
+    if step % 3 == 0:
+        d["slot_mapping"] = torch.randint(-1, 999, (n,), generator=g, dtype=torch.int64)
+        d["alias_of_ids"] = ids  # two keys, one tensor
+    if step % 4 == 1:
+        d["hidden"] = torch.randn(n, 8, generator=g, dtype=torch.float32).to(torch.bfloat16)
+        d = dict(reversed(list(d.items())))  # another key order: another layout
+    return d
+
+
+def equal(a: dict[str, Any], b: dict[str, Any]) -> str:
+    if list(a) != list(b):
+        return f"keys {list(b)} != {list(a)}"
+    for k, x in a.items():
+        y = b[k]
+        if isinstance(x, torch.Tensor):
+            if not (isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.shape == y.shape
+                    and torch.equal(x, y)):
+                return f"{k}: {y!r:.60}"
+        elif type(x) is not type(y) or x != y:
+            return f"{k}: {y!r:.60} != {x!r:.60}"
+    if ("alias_of_ids" in a) and b["alias_of_ids"] is not b["input_tokens"]:
+        return "aliasing lost"
+    return "equal"
+
+
+def _rank(rank: int, world: int) -> list[str]:
+    import cpmeta
+
+    out = []
+    for step in range(14):
+        want = make_dict(step)
+        got = cpmeta.broadcast_tensor_dict(want if rank == 0 else None, src=0)
+        out.append("equal" if rank == 0 and got is want else equal(want, got))
+    cpmeta.close_tensor_dict_channels()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_rank_returns_an_equal_dict(world: int) -> None:
+    out = run_ranks(_rank, world, timeout=120)
+    assert all(r == ["equal"] * 14 for r in out), out
+
+
+def _refusals(rank: int, world: int) -> list[str]:
+    import cpmeta
+
+    res = []
+    if rank == 0:  # refused on the driver before anything is sent: the followers wait on
+        for bad in ({"x": {"nested": 1}}, {"x;y": 1}, {"x": object()}, {1: torch.zeros(1)}):
+            try:
+                cpmeta.broadcast_tensor_dict(bad)
+                res.append("sent")
+            except (TypeError, ValueError) as e:
+                res.append(type(e).__name__ + ": " + str(e)[:80])
+    ok = cpmeta.broadcast_tensor_dict({"ok": 1} if rank == 0 else None)  # the next call is fine
+    res.append(str(ok))
+    cpmeta.close_tensor_dict_channels()
+    return res
+
+
+def test_bad_dicts_refused_on_the_driver_naming_the_key() -> None:
+    drv, fol = run_ranks(_refusals, 2, timeout=120)
+    assert drv[0].startswith("TypeError") and "x" in drv[0], drv
+    assert "x;y" in drv[1] and "object" in drv[2] and "1" in drv[3], drv
+    assert drv[4] == fol[0] == "{'ok': 1}", (drv, fol)
+
+
+def _vllm_rank(rank: int, world: int) -> list[str]:
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import GroupCoordinator
+
+    import cpmeta
+
+    gc = GroupCoordinator([list(range(world))], rank, "gloo", False, False, group_name="cmp")
+    out = []
+    for step in range(8):
+        want = make_dict(step)
+        ours = cpmeta.broadcast_tensor_dict(want if rank == 0 else None, src=0)
+        theirs = gc.broadcast_tensor_dict(want if rank == 0 else None, src=0)
+        out.append(equal(theirs, ours))
+    cpmeta.close_tensor_dict_channels()
+    dist.barrier()
+    return out
+
+
+@pytest.mark.skipif(os.environ.get("CPMETA_VLLM_COMPARE") != "1",
+                    reason="vLLM comparison: set CPMETA_VLLM_COMPARE=1 where vllm imports "
+                           "(the benchmark environment)")
+def test_equals_vllm_broadcast_tensor_dict() -> None:
+    pytest.importorskip("vllm.distributed.parallel_state")
+    out = run_ranks(_vllm_rank, 2, timeout=180)
+    assert all(r == ["equal"] * 8 for r in out), out
