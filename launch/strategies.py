@@ -1,0 +1,90 @@
+"""How every rank of the launch loop gets its step's metadata: ``--strategy broadcast|replicate``.
+
+- ``broadcast`` (the seed's design): the driver builds ``InputMetadata`` from its scheduler's
+  batch and ``MetadataBroadcaster`` moves it; followers rebuild it by path.
+- ``replicate`` (the field's design: vLLM v1, SGLang, TensorRT-LLM): every rank keeps the same
+  ``BatchState`` (``ReplicatedBatchState``); the driver's scheduler records the step's calls,
+  ``sync()`` moves them as one frame, and EVERY rank builds its own metadata from its replica.
+
+Both give every rank bit-identical metadata (``--verify`` checks it against the driver's
+independent rebuild). ``step()`` returns ``(metadata, build seconds, move seconds, batch)``, the
+batch being what the driver rebuilds for ``--verify`` (None on followers).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import torch
+
+import cpmeta
+from cpmeta.metadata import InputMetadata
+
+from .scheduler import SyntheticScheduler
+
+__all__ = ["STRATEGIES", "make_strategy", "build"]
+
+STRATEGIES = ("broadcast", "replicate")
+
+
+def build(batch: cpmeta.SequenceBatch, cfg: cpmeta.MetadataConfig, attn_info: bool) -> InputMetadata:
+    md = cpmeta.prepare_prompt(batch, cfg) if batch.is_prompt else cpmeta.prepare_decode(batch, cfg)
+    if attn_info:
+        md.compute_attn_info(cfg)
+    return md
+
+
+class _Broadcast:
+    def __init__(self, args: Any, rank: int, cfg: cpmeta.MetadataConfig, device: torch.device) -> None:
+        self.cfg, self.attn = cfg, args.attn_info
+        self.bc = cpmeta.MetadataBroadcaster(device=device, timeout=args.timeout)
+        self.sched = SyntheticScheduler(args.seed, cfg, args.workload, decode_seqs=args.decode_seqs,
+                                        prompt_seqs=args.prompt_seqs, max_prompt=args.max_prompt) \
+            if rank == 0 else None
+
+    def step(self) -> tuple[InputMetadata, float, float, Optional[cpmeta.SequenceBatch]]:
+        md, batch = None, None
+        t0 = time.perf_counter()
+        if self.sched is not None:  # the driver
+            self.bc.begin_step()  # followers wake now, while the driver schedules and builds
+            _, batch = self.sched.next_batch()  # the synthetic scheduler: not timed
+            t0 = time.perf_counter()
+            md = build(batch, self.cfg, self.attn)
+        t1 = time.perf_counter()
+        got = self.bc.broadcast(md)
+        return got, t1 - t0, time.perf_counter() - t1, batch
+
+    def close(self) -> None:
+        self.bc.close()
+
+
+class _Replicate:
+    def __init__(self, args: Any, rank: int, cfg: cpmeta.MetadataConfig, device: torch.device) -> None:
+        self.cfg, self.attn = cfg, args.attn_info
+        n = SyntheticScheduler.max_seqs(args.decode_seqs, args.prompt_seqs)
+        self.rep = cpmeta.ReplicatedBatchState(cfg, n, device=device, timeout=args.timeout)
+        self.sched = SyntheticScheduler(args.seed, cfg, args.workload, decode_seqs=args.decode_seqs,
+                                        prompt_seqs=args.prompt_seqs, max_prompt=args.max_prompt,
+                                        replicated=self.rep) if rank == 0 else None
+
+    def step(self) -> tuple[InputMetadata, float, float, Optional[cpmeta.SequenceBatch]]:
+        if self.sched is not None:
+            self.sched.next_batch()  # records the step's calls (not timed: the scheduler's work)
+        t0 = time.perf_counter()
+        batch = self.rep.sync()
+        t1 = time.perf_counter()
+        assert batch is not None  # the synthetic scheduler makes a batch every step
+        md = build(batch, self.cfg, self.attn)
+        if md.positions is not None and md.positions.device != self.rep.device:
+            md = md.to(self.rep.device)
+        return md, time.perf_counter() - t1, t1 - t0, batch if self.sched is not None else None
+
+    def close(self) -> None:
+        self.rep.close()
+
+
+def make_strategy(name: str, args: Any, rank: int, cfg: cpmeta.MetadataConfig, device: torch.device) -> Any:
+    if name not in STRATEGIES:
+        raise ValueError(f"strategy: expected one of {STRATEGIES}, got {name!r}")
+    return (_Broadcast if name == "broadcast" else _Replicate)(args, rank, cfg, device)

@@ -1,0 +1,233 @@
+"""``ReplicatedBatchState`` (issue 30, DESIGN 15): replicate the step, every rank builds its own.
+
+Real gloo ranks run random scheduler traces (tests/replicate_trace.py: adds, finishes with slot
+reuse, chunked prefill, decode with drafts, placeholders, block growth, Engram ids, moved state
+ids, refused calls) for hundreds of steps on the plain and the seed config; every rank digests
+the metadata it builds from its own replica every step (``launch.verify.metadata_digest``), and
+the driver also drives a plain ``BatchState`` with the same seed as a reference: all must be
+equal, step for step. A planted divergence (a follower's replica changed behind its back) is
+caught and named: rank, step, request. Gaps and replays of the step numbers are refused.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from multiproc import run_ranks
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _config(name: str) -> Any:
+    from launch.scheduler import default_config, plain_config
+
+    return plain_config(max_model_len=1024) if name == "plain" else default_config(max_model_len=1024)
+
+
+def _build(batch: Any, cfg: Any) -> Any:
+    import cpmeta
+
+    if batch is None:
+        return None
+    return cpmeta.prepare_prompt(batch, cfg) if batch.is_prompt else cpmeta.prepare_decode(batch, cfg)
+
+
+def _digest(md: Any) -> int:
+    from launch.verify import metadata_digest
+
+    if md is None:
+        return 0
+    return hash(tuple(metadata_digest(md).tolist()))
+
+
+def _trace_rank(rank: int, world: int, seed: int, cfg_name: str, steps: int, max_seqs: int) -> dict:
+    import cpmeta
+    from replicate_trace import drive
+
+    cfg = _config(cfg_name)
+    out: dict = {"digests": [], "refusals": [], "ref": [], "mine": [], "mirrors": []}
+    with cpmeta.ReplicatedBatchState(cfg, max_seqs, max_tokens=1024, check_every=16, timeout=60) as rep:
+        ref = cpmeta.BatchState(cfg, max_seqs, max_tokens=1024) if rank == 0 else None
+        rng, rng_ref = random.Random(seed), random.Random(seed)
+        for _ in range(steps):
+            if rank == 0:
+                drive(rep, cfg, rng, out["refusals"])
+                _, want = drive(ref, cfg, rng_ref, [])
+                out["ref"].append(_digest(_build(want, cfg)))
+            batch = rep.sync()
+            md = _build(batch, cfg)
+            out["digests"].append(_digest(md))
+            if md is not None and md.is_prompt and world > 1:  # every rank's own zigzag share
+                out["mine"].append(_digest(cpmeta.prepare_for_mirror_cp(md, rank, world)))
+                if rank == 0:  # and the driver's view of every rank's share
+                    out["mirrors"].append([_digest(cpmeta.prepare_for_mirror_cp(md, r, world))
+                                           for r in range(world)])
+    return out
+
+
+def _check_trace(out: list[dict]) -> None:
+    drv = out[0]
+    for r, got in enumerate(out[1:], 1):
+        bad = [i for i, (a, b) in enumerate(zip(drv["digests"], got["digests"])) if a != b]
+        assert not bad and len(got["digests"]) == len(drv["digests"]), f"rank {r} differs at {bad[:5]}"
+        assert got["mine"] == [m[r] for m in drv["mirrors"]], f"rank {r}: its zigzag share differs"
+    bad = [i for i, (a, b) in enumerate(zip(drv["digests"], drv["ref"])) if a != b]
+    assert not bad, f"the driver's replica differs from a plain BatchState at steps {bad[:5]}"
+    assert all(not k.endswith("accepted") for k in drv["refusals"]), drv["refusals"]
+
+
+@pytest.mark.parametrize("cfg_name,world", [("seed", 2), ("plain", 3)])
+def test_named_trace_every_rank_builds_the_drivers_metadata(cfg_name: str, world: int) -> None:
+    out = run_ranks(_trace_rank, world, 7, cfg_name, 240, 9, timeout=240)
+    _check_trace(out)
+    assert sum(1 for d in out[0]["digests"] if d) > 150  # most steps carried a batch
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(seed=st.integers(0, 2**31 - 1), cfg_name=st.sampled_from(["seed", "plain"]),
+       world=st.integers(2, 4), max_seqs=st.integers(2, 12))
+def test_random_traces(seed: int, cfg_name: str, world: int, max_seqs: int) -> None:
+    out = run_ranks(_trace_rank, world, seed, cfg_name, 150, max_seqs, timeout=240)
+    _check_trace(out)
+
+
+def _reference_rank(rank: int, world: int, seed: int) -> list[int]:
+    """The driver's replica builds what a plain BatchState driven by the same calls builds."""
+    import cpmeta
+    from replicate_trace import drive
+
+    cfg = _config("seed")
+    res = []
+    with cpmeta.ReplicatedBatchState(cfg, 8, max_tokens=1024, timeout=60) as rep:
+        ref = cpmeta.BatchState(cfg, 8, max_tokens=1024)
+        r1, r2 = random.Random(seed), random.Random(seed)
+        for _ in range(120):
+            if rank == 0:
+                drive(rep, cfg, r1, [])
+            got = _digest(_build(rep.sync(), cfg))
+            want = _digest(_build(drive(ref, cfg, r2, [])[1], cfg)) if rank == 0 else got
+            res.append(int(got == want))
+    return res
+
+
+def test_driver_replica_equals_a_plain_batch_state() -> None:
+    out = run_ranks(_reference_rank, 2, 3, timeout=180)
+    assert out[0] == [1] * 120, out[0]
+
+
+def _planted(rank: int, world: int, where: str) -> str:
+    """Follower rank 1 changes its replica behind its back at step 30; what every rank sees."""
+    import cpmeta
+    from replicate_trace import drive
+
+    cfg = _config("plain")
+    rng = random.Random(11)
+    with cpmeta.ReplicatedBatchState(cfg, 6, max_tokens=1024, check_every=4, timeout=30) as rep:
+        try:
+            for step in range(1, 200):
+                if rank == 0:
+                    drive(rep, cfg, rng, [])
+                if rank == 1 and step == 30:
+                    st = rep.state
+                    live = [int(s) for s in st.active.nonzero()[0]]
+                    s = live[0]
+                    if where == "last token":  # what the next decode of s reads
+                        st.token_ids[s, st.num_tokens[s] - 1] += 1
+                    else:  # deep in its history: only the whole-replica check can see it
+                        st.token_ids[s, 0] += 1
+                rep.sync()
+        except RuntimeError as e:
+            return str(e)
+    return "not caught"
+
+
+@pytest.mark.parametrize("where", ["last token", "history"])
+def test_planted_divergence_is_caught_and_named(where: str) -> None:
+    from multiproc import spawn_ranks
+
+    with spawn_ranks(_planted, 3, where, timeout=120) as g:
+        out = g.results(allow_dead=(0, 2) if where == "last token" else ())
+    fol = out[1]
+    assert "rank 1" in fol and "step" in fol and ("request" in fol or "slot" in fol), fol
+    if where == "history":  # the collective check: every rank raises the same verdict
+        for r in (0, 2):
+            assert "rank 1 first differs at slot" in out[r], out[r]
+
+
+def _step_skew(rank: int, world: int, skew: int) -> str:
+    import cpmeta
+
+    cfg = _config("plain")
+    with cpmeta.ReplicatedBatchState(cfg, 4, max_tokens=1024, timeout=20) as rep:
+        if rank == 0:
+            rep.add_request(1, [5, 6, 7], [0], 0)
+            rep.prompt_batch([0], [3])
+        rep.sync()
+        if rank == 1:
+            rep.step += skew  # as if this follower had missed (or seen twice) a frame
+        try:
+            rep.sync()
+        except RuntimeError as e:
+            return str(e)
+    return "accepted"
+
+
+@pytest.mark.parametrize("skew,word", [(-1, "a gap"), (1, "a replay")])
+def test_gap_and_replay_refused(skew: int, word: str) -> None:
+    out = run_ranks(_step_skew, 2, skew, timeout=90)
+    assert out[0] == "accepted" and "rank 1" in out[1] and word in out[1], out
+
+
+def _follower_api(rank: int, world: int) -> list[str]:
+    import cpmeta
+
+    cfg = _config("plain")
+    res = []
+    with cpmeta.ReplicatedBatchState(cfg, 4, max_tokens=1024, timeout=20) as rep:
+        if rank == 1:
+            for call in (lambda: rep.add_request(1, [1], [0], 0), lambda: rep.finish(0),
+                         lambda: rep.decode_batch([0])):
+                try:
+                    call()
+                    res.append("accepted")
+                except RuntimeError as e:
+                    res.append(str(e))
+        else:
+            try:
+                rep.add_request(object(), [1], [0], 0)  # type: ignore[arg-type]
+            except TypeError as e:
+                res.append(str(e))
+            rep.add_request("a", [1, 2], [0], 0)
+            rep.prompt_batch([0], [1])
+            try:
+                rep.prompt_batch([0], [1])
+            except ValueError as e:
+                res.append(str(e))
+        res.append(str(len(rep.sync())))
+    return res
+
+
+def test_followers_cannot_mutate_and_one_spec_per_step() -> None:
+    drv, fol = run_ranks(_follower_api, 2, timeout=90)
+    assert "int or a str" in drv[0] and "one batch spec per step" in drv[1] and drv[2] == "1", drv
+    assert all("driver's call" in m for m in fol[:3]) and fol[3] == "1", fol
+
+
+def _mismatched_config(rank: int, world: int) -> str:
+    import cpmeta
+
+    try:
+        cpmeta.ReplicatedBatchState(_config("plain"), 4 + rank, timeout=20)
+    except ValueError as e:
+        return str(e)
+    return "constructed"
+
+
+def test_replicas_must_agree_on_config_and_capacity() -> None:
+    for msg in run_ranks(_mismatched_config, 2, timeout=60):
+        assert "state setting differs" in msg and "[0]" in msg and "[1]" in msg, msg
