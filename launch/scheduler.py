@@ -110,6 +110,7 @@ class SyntheticScheduler:
         prompt_seqs: int = 4,
         max_prompt: int = 4096,
         placeholder_rate: float = 0.1,
+        replicated: Any = None,
     ) -> None:
         if workload not in WORKLOADS:
             raise ValueError(f"workload: expected one of {WORKLOADS}, got {workload!r}")
@@ -125,9 +126,18 @@ class SyntheticScheduler:
         self._next_id = 0
         self._next_home = 0
         self._free_homes: list[int] = []
-        self.state = BatchState(cfg, max_seqs=decode_seqs + 2 * prompt_seqs + 1)
+        # the calls go to ``ops``: the state itself, or a ReplicatedBatchState that records them
+        # for the followers (then next_batch() returns None and its sync() gives the batch)
+        self.ops: Any = replicated if replicated is not None else BatchState(cfg, max_seqs=self.max_seqs(
+            decode_seqs, prompt_seqs))
+        self.state: BatchState = replicated.state if replicated is not None else self.ops
         self.prefill: list[_Request] = []
         self.decoding: list[_Request] = []
+
+    @staticmethod
+    def max_seqs(decode_seqs: int, prompt_seqs: int) -> int:
+        """Request slots the scheduler's state needs (a ReplicatedBatchState is made with it)."""
+        return decode_seqs + 2 * prompt_seqs + 1
 
     # ---- request lifecycle ---------------------------------------------------------------
     def _home(self) -> int:
@@ -149,7 +159,7 @@ class SyntheticScheduler:
         home = self._home()
         self._next_id += 1
         # blocks for the prompt now, more as the request grows (append_blocks)
-        slot = self.state.add_request(
+        slot = self.ops.add_request(
             self._next_id, prompt, self._blocks(home, 0, self._kv_blocks(n)), home,
             swa_valid_start=valid_start, num_computed=n if prefilled else 0)
         return _Request(slot, home, n, chunk, done=n if prefilled else 0)
@@ -175,7 +185,7 @@ class SyntheticScheduler:
     def _grow(self, req: _Request, seqlen_k: int) -> None:
         have, need = int(self.state.num_blocks[req.slot]), self._kv_blocks(seqlen_k)
         if need > have:
-            self.state.append_blocks(req.slot, self._blocks(req.home, have, need))
+            self.ops.append_blocks(req.slot, self._blocks(req.home, have, need))
 
     # ---- batches ---------------------------------------------------------------------------
     def next_batch(self, *, as_list: bool = False) -> tuple[bool, SequenceBatch]:
@@ -200,9 +210,9 @@ class SyntheticScheduler:
         st = self.state
         self._last_list = self._as_list(is_prompt, slots, lens, drafts, nd, n_ph) if as_list else []
         if is_prompt:
-            batch = st.prompt_batch(slots, lens, num_placeholders=n_ph)
+            batch = self.ops.prompt_batch(slots, lens, num_placeholders=n_ph)
         else:
-            batch = st.decode_batch(slots, drafts, nd, num_placeholders=n_ph)
+            batch = self.ops.decode_batch(slots, drafts, nd, num_placeholders=n_ph)
         self._after_step(is_prompt)
         return batch
 
@@ -243,7 +253,7 @@ class SyntheticScheduler:
     def _decode_batch(self) -> Optional[tuple]:
         while len(self.decoding) < self.decode_seqs:
             req = self._new_request(prefilled=True)  # pretend its prompt was prefilled earlier
-            self.state.append_tokens(req.slot, [self.rng.randrange(1, VOCAB_SIZE - 1)])
+            self.ops.append_tokens(req.slot, [self.rng.randrange(1, VOCAB_SIZE - 1)])
             self.decoding.append(req)
         r, st = self.rng, self.state
         slots, nd, drafts, self._pending_decode = [], [], [], []
@@ -272,7 +282,7 @@ class SyntheticScheduler:
                 req.done += q
                 if req.done >= req.prompt_len:
                     self.prefill.remove(req)
-                    st.append_tokens(req.slot, [r.randrange(1, VOCAB_SIZE - 1)])
+                    self.ops.append_tokens(req.slot, [r.randrange(1, VOCAB_SIZE - 1)])
                     self.decoding.append(req)
             self._pending_prompt = []
             while len(self.decoding) > self.decode_seqs:
@@ -282,11 +292,11 @@ class SyntheticScheduler:
             if pend:
                 slots = np.array([req.slot for req, _ in pend], np.int64)
                 counts = np.array([len(a) for _, a in pend], np.int64)
-                st.append_tokens_batch(slots, np.array([t for _, a in pend for t in a], np.int64), counts)
+                self.ops.append_tokens_batch(slots, np.array([t for _, a in pend for t in a], np.int64), counts)
             self._pending_decode = []
 
     def _finish(self, req: _Request) -> None:
-        self.state.finish(req.slot)
+        self.ops.finish(req.slot)
         self._free_homes.append(req.home)
 
 

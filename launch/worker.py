@@ -1,12 +1,14 @@
-"""Per-rank step loop: build on the driver, broadcast, mirror, verify, report.
+"""Per-rank step loop: the step's metadata on every rank, mirror, verify, report.
 
 Run under torchrun (or ``python -m launch``, which calls torchrun's machinery)::
 
     torchrun --nproc-per-node 2 -m launch.worker --workload mixed --steps 50 --verify
 
-Rank 0 (the driver) alone runs the seeded :class:`~launch.scheduler.SyntheticScheduler`,
-builds ``InputMetadata`` and broadcasts it; the followers never see a scheduler object and
-derive everything from the broadcast. With ``--cp-mirror`` every rank keeps its zigzag share
+Rank 0 (the driver) alone runs the seeded :class:`~launch.scheduler.SyntheticScheduler`; the
+followers never see a scheduler object. ``--strategy broadcast`` (default): the driver builds
+``InputMetadata`` and broadcasts it; ``--strategy replicate``: every rank keeps the same
+``BatchState``, the driver sends the step's ops and every rank builds its own metadata
+(:mod:`launch.strategies`). With ``--cp-mirror`` every rank keeps its zigzag share
 of prompt rows; ``--verify`` checks every field of every rank bit-for-bit against the driver's
 independent rebuild through all-gathered per-field digests (:mod:`launch.verify`), plus the
 un-mirror and, with ``--kv-interleave``, KV ownership; ``--attention-check`` runs
@@ -33,7 +35,8 @@ from cpmeta.metadata import InputMetadata
 
 from . import comm
 from . import envs
-from .scheduler import MODELS, WORKLOADS, SyntheticScheduler, model_config
+from .scheduler import MODELS, WORKLOADS, model_config
+from .strategies import STRATEGIES, build, make_strategy
 from .verify import VerifyError, expected_table, verify_step
 
 __all__ = ["main", "build_parser", "check_args"]
@@ -74,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="every rank attends over its rows (prefill zigzag; decode over its interleaved "
                         "KV shard, --kv-interleave or 1) and the gathered result must equal one rank's")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before a stuck peer is an error")
+    p.add_argument("--strategy", choices=STRATEGIES, default="broadcast",
+                   help="broadcast = the driver builds and broadcasts the metadata; replicate = every rank "
+                        "keeps the BatchState, the driver sends the step's ops, every rank builds")
     return p
 
 
@@ -128,10 +134,6 @@ def resolve_backend(name: str) -> str:
     return "gloo"
 
 
-def _build(is_prompt: bool, seqs: cpmeta.SequenceBatch, cfg: cpmeta.MetadataConfig) -> InputMetadata:
-    return cpmeta.prepare_prompt(seqs, cfg) if is_prompt else cpmeta.prepare_decode(seqs, cfg)
-
-
 def _nbytes(md: InputMetadata) -> int:
     seen: dict[int, int] = {}
     for _, t in md.tensors():
@@ -182,27 +184,18 @@ def _verify_slot_mapping(md: InputMetadata, args: Any, rank: int, world: int, cf
 
 
 def run_steps(args: Any, rank: int, world: int, device: torch.device) -> dict[str, Any]:
-    """The per-step loop. Only rank 0 (the driver) owns the scheduler and its sequences; the
-    followers work from the broadcast alone: mirror, slot mapping, attention check, verify."""
+    """The per-step loop. Only rank 0 (the driver) owns the scheduler; the followers work from
+    what the strategy gives them alone (the broadcast metadata, or the metadata they build from
+    their replicated state): mirror, slot mapping, attention check, verify."""
     cfg = model_config(args.model, workload=args.workload, cp_world_size=world, kv_interleave=args.kv_interleave)
-    sched = SyntheticScheduler(args.seed, cfg, args.workload, decode_seqs=args.decode_seqs,
-                               prompt_seqs=args.prompt_seqs, max_prompt=args.max_prompt) if rank == 0 else None
     attn_cfg = cfg if args.attn_info else None
     t_build, t_bcast, t_mirror, nbytes = [], [], [], []
     attn_err = {"prefill": 0.0, "decode": 0.0}  # max |CP - single rank| seen (--attention-check)
-    with cpmeta.MetadataBroadcaster(device=device, timeout=args.timeout) as bc:
+    strategy = make_strategy(args.strategy, args, rank, cfg, device)
+    try:
         for step in range(args.steps):
-            md, expected = None, None
-            if sched is not None:  # the driver
-                bc.begin_step()  # followers wake now, while the driver schedules and builds
-                is_prompt, seqs = sched.next_batch()  # the synthetic scheduler: not timed
-            t0 = time.perf_counter()
-            if sched is not None:
-                md = _build(is_prompt, seqs, cfg)
-                if args.attn_info:
-                    md.compute_attn_info(cfg)
-            t1 = time.perf_counter()
-            got = bc.broadcast(md)
+            expected = None
+            got, dt_build, dt_move, batch = strategy.step()
             t2 = time.perf_counter()
             mine = None
             if args.cp_mirror and got.is_prompt:
@@ -211,18 +204,15 @@ def run_steps(args: Any, rank: int, world: int, device: torch.device) -> dict[st
                     mine.compute_attn_info(cfg)
             t3 = time.perf_counter()
             if step >= args.warmup:
-                if rank == 0:
-                    t_build.append(t1 - t0)
-                t_bcast.append(t2 - t1)
+                if rank == 0 or args.strategy == "replicate":  # who builds
+                    t_build.append(dt_build)
+                t_bcast.append(dt_move)
                 if mine is not None:
                     t_mirror.append(t3 - t2)
                 nbytes.append(_nbytes(got))
             if args.verify:
-                if sched is not None:  # an independent rebuild on the driver is the reference
-                    local = _build(is_prompt, seqs, cfg)
-                    if args.attn_info:
-                        local.compute_attn_info(cfg)
-                    expected = expected_table(local, world, args.cp_mirror, attn_cfg)
+                if batch is not None:  # an independent rebuild on the driver is the reference
+                    expected = expected_table(build(batch, cfg, args.attn_info), world, args.cp_mirror, attn_cfg)
                 verify_step(step, rank, world, device, got, mine, expected)
                 if mine is not None:
                     _check(rank, step, "un-mirror", _verify_unmirror(got, mine, world, device))
@@ -234,6 +224,8 @@ def run_steps(args: Any, rank: int, world: int, device: torch.device) -> dict[st
                 kind = "prefill" if got.is_prompt else "decode"
                 attn_err[kind] = max(attn_err[kind], check_step(
                     got, mine, rank, world, device, cfg.block_size, args.kv_interleave or 1, step))
+    finally:
+        strategy.close()
     return {"build": t_build, "broadcast": t_bcast, "mirror": t_mirror, "bytes": nbytes,
             "attn_err": attn_err}
 
@@ -262,11 +254,13 @@ def summarize(stats: dict[str, Any], world: int, device: torch.device) -> Option
 
 def _print_table(summary: dict[str, Any], args: Any, backend: str, world: int) -> None:
     rows = summary["ranks"]
+    move = "bcast" if args.strategy == "broadcast" else "sync"
     out = [
-        f"cpmeta launch: workload={args.workload} steps={args.steps} (timed {args.steps - args.warmup}) "
-        f"world={world} backend={backend} model={args.model} cp_mirror={args.cp_mirror} verify={args.verify}",
+        f"cpmeta launch: strategy={args.strategy} workload={args.workload} steps={args.steps} "
+        f"(timed {args.steps - args.warmup}) world={world} backend={backend} model={args.model} "
+        f"cp_mirror={args.cp_mirror} verify={args.verify}",
         f"bytes per step (avg): {rows[0][-1]:.0f}",
-        f"{'rank':>4} {'build p50':>10} {'build p90':>10} {'bcast p50':>10} {'bcast p90':>10} "
+        f"{'rank':>4} {'build p50':>10} {'build p90':>10} {move + ' p50':>10} {move + ' p90':>10} "
         f"{'mirror p50':>10} {'mirror p90':>10}   (microseconds)",
     ]
     for r, v in enumerate(rows):
@@ -331,7 +325,7 @@ def _run(args: Any) -> int:
         summary = summarize(stats, world, device)
         if summary is not None:
             summary["attn_err"] = stats["attn_err"]
-            summary.update(workload=args.workload, model=args.model, steps=args.steps, world=world, backend=backend,
+            summary.update(strategy=args.strategy, workload=args.workload, model=args.model, steps=args.steps, world=world, backend=backend,
                            host=socket.gethostname(), date=datetime.date.today().isoformat())
             _print_table(summary, args, backend, world)
             if args.json:
