@@ -5,9 +5,9 @@ views per staged shape). Each used to be a plain dict cleared by hand when it gr
 classes bound them once, dropping the OLDEST entry first (insertion order), so a workload that
 cycles through a few shapes keeps them and one that makes new shapes forever stays bounded:
 
-- :class:`BoundedCache`: a dict with at most ``maxsize`` entries. ``get`` / ``put`` cost one dict
-  operation (the hot paths call ``get`` then ``put`` on a miss, no closure per call);
-  :meth:`BoundedCache.get_or_make` for cold paths.
+- :class:`BoundedCache`: a dict with at most ``maxsize`` entries; reads are plain dict reads,
+  inserts go through ``put`` (the hot paths call ``get`` then ``put`` on a miss, no closure per
+  call); :meth:`BoundedCache.get_or_make` for cold paths.
 - :class:`IdentityCache`: keyed by an object's IDENTITY (``id(obj)``, checked with ``is``; the
   entry keeps the object alive, so its id cannot be reused). For keys that are expensive to hash,
   e.g. a frozen config whose hash builds a tuple of every field on each call.
@@ -28,7 +28,7 @@ This module imports nothing from the project, so every room can use it.
 
 from __future__ import annotations
 
-from typing import Callable, Generic, Hashable, Iterator, Optional, TypeVar
+from typing import Callable, Generic, Hashable, Optional, TypeVar
 
 __all__ = ["BoundedCache", "IdentityCache"]
 
@@ -37,46 +37,32 @@ V = TypeVar("V")
 O = TypeVar("O")
 
 
-class BoundedCache(Generic[K, V]):
-    """At most ``maxsize`` entries; :meth:`put` on a full cache drops the oldest entry first."""
+class BoundedCache(dict[K, V]):
+    """A dict of at most ``maxsize`` entries: :meth:`put` on a full cache drops the oldest first.
 
-    __slots__ = ("_d", "maxsize")
+    Reads are the dict's own (``get``, ``in``, ``len``: C calls, no Python frame on the hot path);
+    INSERT through :meth:`put` / :meth:`get_or_make` (a plain ``c[k] = v`` is not bounded).
+    """
+
+    __slots__ = ("maxsize",)
 
     def __init__(self, maxsize: int) -> None:
+        super().__init__()
         if maxsize < 1:
             raise ValueError(f"maxsize: expected >= 1, got {maxsize}")
         self.maxsize = int(maxsize)
-        self._d: dict[K, V] = {}
-
-    def get(self, key: K) -> Optional[V]:
-        """The cached value, or ``None`` (values are never ``None``)."""
-        return self._d.get(key)
 
     def put(self, key: K, value: V) -> V:
         """Store ``value`` (dropping the oldest entry when full) and return it."""
-        d = self._d
-        if key not in d and len(d) >= self.maxsize:
-            del d[next(iter(d))]
-        d[key] = value
+        if key not in self and len(self) >= self.maxsize:
+            del self[next(iter(self))]
+        self[key] = value
         return value
 
     def get_or_make(self, key: K, make: Callable[[], V]) -> V:
-        """``get(key)``, or ``put(key, make())`` on a miss."""
-        v = self._d.get(key)
+        """``get(key)``, or ``put(key, make())`` on a miss (values are never ``None``)."""
+        v = self.get(key)
         return self.put(key, make()) if v is None else v
-
-    def clear(self) -> None:
-        """Drop every entry (e.g. when what the values alias was replaced)."""
-        self._d.clear()
-
-    def __len__(self) -> int:
-        return len(self._d)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._d
-
-    def __iter__(self) -> Iterator[K]:
-        return iter(self._d)
 
 
 class IdentityCache(Generic[O, V]):

@@ -63,7 +63,7 @@ from cpmeta.gpu.decode_inplace import (  # noqa: E402
     DecodeStaging, capture_decode_graph, launch_decode_inplace, prepare_decode_inplace, staging_capacity,
 )
 from cpmeta.diff import metadata_diff  # noqa: E402
-from cpmeta.gpu.stage_state import stage_decode  # noqa: E402
+from cpmeta.gpu.decode_staging import stage_decode  # noqa: E402
 from cpmeta.gpu.staging_layout import unpack_staging  # noqa: E402
 
 logger = logging.getLogger("bench_decode_inplace")

@@ -59,7 +59,7 @@ def _step_fn(method: str, dev: torch.device) -> Callable[[], None]:
         return tiny
     from bench_build import _state_from, decode_batch
     from cpmeta import MetadataConfig
-    from cpmeta.gpu.stage_state import stage_decode
+    from cpmeta.gpu.decode_staging import stage_decode
     from cpmeta.gpu.decode_inplace import (
         DecodeStaging, capture_decode_graph, launch_decode_inplace, prepare_decode_inplace, staging_capacity,
     )

@@ -39,8 +39,8 @@ from bench_build import _state_from, decode_batch, prompt_batch  # noqa: E402
 from cpmeta import MetadataConfig, prepare_decode, prepare_prompt  # noqa: E402
 from cpmeta.builders import common, decode, prompt  # noqa: E402
 from cpmeta.builders.extract import extract_batch  # noqa: E402
-from cpmeta.gpu.decode_staging import DecodeStaging, staging_capacity, write_staging  # noqa: E402
-from cpmeta.gpu.stage_state import stage_decode  # noqa: E402
+from cpmeta.gpu.decode_staging import DecodeStaging, stage_decode, staging_capacity  # noqa: E402
+from cpmeta.gpu.staging_layout import StagingLayout  # noqa: E402
 from cpmeta.metadata import InputMetadata  # noqa: E402
 
 
@@ -67,6 +67,7 @@ def _decode_phases(cfg: MetadataConfig, n: int, d: int, repeat: int, rng: random
     bt = decode._fill_block_tables(b, cfg, None)[1]
     pos1 = (b.row_pos + 1).astype(np.int32)  # what prepare_decode hands the per-ratio fields (context_lens)
     view = np.zeros(staging_capacity(cfg, n, b.total_q), np.int32)
+    layout = StagingLayout.of(cfg)
     stg = DecodeStaging("cpu", staging_capacity(cfg, n, b.total_q))
 
     phases = {
@@ -77,8 +78,8 @@ def _decode_phases(cfg: MetadataConfig, n: int, d: int, repeat: int, rng: random
         "block_tables": lambda: decode._fill_block_tables(b, cfg, None),
         "ratio_fields": lambda: decode._fill_ratio_fields(b, cfg, None, {}, bt, pos1),
         "metadata": lambda: InputMetadata(**fields),
-        "staging": lambda: write_staging(view, b, cfg),
-        "inplace_host": lambda: write_staging(view, extract_batch(step(), cfg, is_prompt=False), cfg),
+        "staging": lambda: layout.write_batch(view, b),
+        "inplace_host": lambda: layout.write_batch(view, extract_batch(step(), cfg, is_prompt=False)),
         "stage_decode": lambda: stage_decode(stg, st, slots, drafts, nd),  # inplace_host without the batch
     }
     return _interleaved(phases, repeat)

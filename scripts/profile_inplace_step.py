@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_build import _state_from, decode_batch  # noqa: E402
 from bench_decode_inplace import write_run  # noqa: E402
 from cpmeta import MetadataConfig  # noqa: E402
-from cpmeta.gpu.stage_state import stage_decode  # noqa: E402
+from cpmeta.gpu.decode_staging import stage_decode  # noqa: E402
 from cpmeta.gpu.decode_inplace import (  # noqa: E402
     DecodeStaging, capture_decode_graph, launch_decode_inplace, prepare_decode_inplace, staging_capacity,
 )

@@ -71,16 +71,16 @@ def test_prompt_docstring_example() -> None:
 
 def test_swa_load_plan_examples() -> None:
     cfg = MetadataConfig(window_size=8, swa_block_size=8, block_size=8)
-    seqs = [_seq(1, 1, cfg=cfg), _seq(1, 12, state=2, cfg=cfg), _seq(1, 6, state=2, cfg=cfg)]
+    seqs = [_seq(1, 1, cfg=cfg), _seq(1, 12, state=2, cfg=cfg), _seq(1, 6, state=3, cfg=cfg)]
     b = extract_batch(seqs, cfg, is_prompt=True)
     segs = swa_load_segments(b, cfg, None).tolist()
     # seq 0: q_start 0 -> all 8 rows zero-filled; seq 1: q_start 11 -> ring wraps; seq 2: q_start 5
-    assert segs == [[-1, 0, 8, 0], [2, 3, 8, 8], [2, 0, 3, 13], [-1, 0, 3, 16], [2, 0, 5, 19]]
+    assert segs == [[-1, 0, 8, 0], [2, 3, 8, 8], [2, 0, 3, 13], [-1, 0, 3, 16], [3, 0, 5, 19]]
 
 
 def test_paged_load_plan_example() -> None:
     cfg = MetadataConfig(block_size=128, dense_compress_ratios=(4,), sparse_compress_ratios=())
-    seqs = [_seq(1, 3, table=[1]), _seq(1, 280, table=[9, 4, 6])]
+    seqs = [_seq(1, 3, table=[1]), _seq(1, 280, table=[9, 4, 6], state=1)]
     b = extract_batch(seqs, cfg, is_prompt=True)
     segs = paged_load_segments(b, cfg, 4, np.array([0, 1]), None).tolist()
     assert segs == [[-1, 0, 1, 0], [9, 0, 32, 1], [4, 0, 32, 33], [6, 0, 6, 65]]
@@ -164,7 +164,7 @@ def test_empty_batch_and_wrong_type() -> None:
 
 def test_negative_block_id_named() -> None:
     with pytest.raises(ValueError, match=r"seqs\[1\]\.block_table"):
-        prepare_decode([_seq(1, 5, prompt=False), _seq(1, 5, table=[-3], prompt=False)], MetadataConfig())
+        prepare_decode([_seq(1, 5, prompt=False), _seq(1, 5, table=[-3], state=1, prompt=False)], MetadataConfig())
 
 
 def test_decode_offset_overflow_checked_before_allocation() -> None:

@@ -32,7 +32,7 @@ from cpmeta.gpu.decode_inplace import (
     DecodeStaging, capture_decode_graph, launch_decode_inplace, prepare_decode_inplace, staging_capacity,
 )
 from cpmeta.diff import metadata_diff
-from cpmeta.gpu.stage_state import stage_decode
+from cpmeta.gpu.decode_staging import stage_decode
 from cpmeta.metadata import InputMetadata
 from cpmeta.sequence import SequenceMetadata, blocks_needed
 from strategies import metadata_prefix, random_decode_batch

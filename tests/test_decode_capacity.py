@@ -33,7 +33,7 @@ from cpmeta.builders.decode import prepare_decode
 from cpmeta.config import MetadataConfig
 from cpmeta.diff import metadata_diff
 from cpmeta.gpu.decode_inplace import DecodeStaging, launch_decode_inplace, prepare_decode_inplace
-from cpmeta.gpu.decode_staging import DecodeBuffers
+from cpmeta.gpu.decode_buffers import DecodeBuffers
 from cpmeta.sequence import SequenceMetadata, blocks_needed
 from strategies import metadata_prefix
 
@@ -147,7 +147,7 @@ def _guarded(cfg: MetadataConfig, q_cap: int, seq_cap: int, bt_cols: int) -> tup
         "positions_c": stacked(n_ca), "slot_mapping_store_ca": stacked(n_ca), "klen": stacked(n_sp),
         "kv_ca_index_offset_len": stacked(n_dn, 2),
     }
-    return DecodeBuffers(**{k: v for k, (_, v) in parts.items()}), {k: b for k, (b, _) in parts.items()}
+    return DecodeBuffers({k: v for k, (_, v) in parts.items() if v is not None}), {k: b for k, (b, _) in parts.items()}
 
 
 def _guards_intact(big: dict, q_cap: int, seq_cap: int, bt_cols: int) -> list[str]:
@@ -185,8 +185,8 @@ def run_kernels_masked(launch: Callable[[torch.Tensor, MetadataConfig, DecodeBuf
         ref = prepare_decode(seqs, cfg)
         rows = min(Q_CAP, staged.total_q) if staged.num_seqs <= SEQ_CAP else \
             int(ref.cu_seqlens_q[SEQ_CAP])
-        assert torch.equal(bufs.positions[:rows], ref.positions[:rows]), case
-        assert torch.equal(bufs.slot_mapping_store_swa[:rows], ref.slot_mapping_store_swa[:rows]), case
+        assert torch.equal(bufs["positions"][:rows], ref.positions[:rows]), case
+        assert torch.equal(bufs["slot_mapping_store_swa"][:rows], ref.slot_mapping_store_swa[:rows]), case
         results[case] = big
     return results
 

@@ -276,11 +276,11 @@ def test_check_staged_layout_names_every_corruption() -> None:
     from cpmeta import BatchState, MetadataConfig
     from cpmeta.gpu import stage_decode
     from cpmeta.gpu.decode_cp import check_staged_layout
-    from cpmeta.gpu.decode_staging import (
+    from cpmeta.gpu.decode_staging import DecodeStaging
+    from cpmeta.gpu.staging_header import (
         F_BT_OFFSET, F_CU_K_INCL, F_CU_Q_INCL, F_PLACEHOLDER, F_SEQLEN_K, F_SEQLEN_Q, F_STATE, SEQ_FIELDS,
-        DecodeStaging,
     )
-    from cpmeta.gpu.staging_layout import header_len
+    from cpmeta.gpu.staging_layout import StagingLayout
 
     cfg = MetadataConfig(block_size=16, window_size=4, swa_block_size=8, dense_compress_ratios=(4,),
                          sparse_compress_ratios=(4, 8), max_model_len=96)
@@ -291,7 +291,7 @@ def test_check_staged_layout_names_every_corruption() -> None:
     staged = stage_decode(stg, st, np.array([0, 1, 2]), np.array([3, 4], np.int64), np.array([0, 2, 0]))
     good = stg.host_buffer[:staged.used].numpy().copy()
     assert check_staged_layout(good, staged, cfg) is None
-    hl, n = header_len(cfg), staged.num_seqs
+    hl, n = StagingLayout.of(cfg).header_len, staged.num_seqs
 
     def row(a: np.ndarray, f: int) -> np.ndarray:
         return a[hl:hl + SEQ_FIELDS * n].reshape(SEQ_FIELDS, n)[f]

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import random
@@ -248,7 +249,8 @@ def test_changed_out_is_rechecked() -> None:
     md = prepare_decode_inplace(seqs, cfg, out=out2, device="cpu", staging=st)
     assert md.positions.data_ptr() == out2["positions"].data_ptr()
     with pytest.raises(ValueError, match="q_cap="):  # larger than the captured capacity
-        prepare_decode_inplace(seqs + seqs, cfg, out=out2, device="cpu", staging=st)
+        prepare_decode_inplace(seqs + [dataclasses.replace(x, state_id=x.state_id + 100) for x in seqs], cfg,
+                               out=out2, device="cpu", staging=st)
 
 
 def test_launch_only_replays_new_staging() -> None:
@@ -364,7 +366,7 @@ def test_triton_kernels_in_interpreter() -> None:
 def _filled_out(cfg: MetadataConfig, n_cap: int, q_cap: int, fill: int) -> dict[str, torch.Tensor]:
     """Buffers of a larger batch pre-filled with garbage, built by one eager call then overwritten."""
     big = [_seq(1, 3 + 5 * i, list(range(200)), i) for i in range(n_cap - 1)]
-    big.append(_seq(q_cap - (n_cap - 1), 60, list(range(200)), 0))
+    big.append(_seq(q_cap - (n_cap - 1), 60, list(range(200)), n_cap - 1))  # state ids distinct
     out: dict[str, torch.Tensor] = {}
     prepare_decode_inplace(big, cfg, out=out, device="cpu", backend="torch")
     for t in out.values():

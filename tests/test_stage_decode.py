@@ -28,10 +28,10 @@ from cpmeta import BatchState, MetadataConfig, SequenceBatch, metadata_diff, pre
 from cpmeta.gpu.decode_inplace import DecodeStaging, launch_decode_inplace, prepare_decode_inplace
 from cpmeta.gpu.decode_inplace import finish_staged
 from cpmeta.sequence import blocks_needed
-from cpmeta.gpu import stage_state
-from cpmeta.gpu.stage_state import StateStagingCache, stage_decode
+from cpmeta.gpu import decode_staging, staging_state
+from cpmeta.gpu.decode_staging import stage_decode
 from cpmeta.gpu.decode_cp import check_staged_layout
-from cpmeta.gpu.staging_layout import StagedDecode, unpack_staging
+from cpmeta.gpu.staging_layout import StagedDecode, StagingLayout, unpack_staging
 from strategies import metadata_prefix
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -92,12 +92,17 @@ def _engine(cfg: MetadataConfig, rng: random.Random, max_seqs: int = 6, uniform:
     ``uniform >= 0``: every request of a step has that many drafts (the common MTP step)."""
     st = BatchState(cfg, max_seqs=max_seqs)
     lens = {}
+    held: set[int] = set()
     for i in range(max_seqs):
         n = rng.randint(1, cfg.max_model_len // 2)
         comp = [rng.randrange(100, 200) for _ in range(rng.randint(0, n))] if cfg.max_ngram_size else []
-        s = st.add_request(i, [rng.randrange(8) for _ in range(n)],
-                           [rng.randrange(1000) for _ in range(blocks_needed(n, cfg) + rng.choice((0, 1)))],
-                           rng.randrange(50), num_computed=n, compressed_token_ids=comp)
+        toks = [rng.randrange(8) for _ in range(n)]
+        table = [rng.randrange(1000) for _ in range(blocks_needed(n, cfg) + rng.choice((0, 1)))]
+        sid = rng.randrange(50)
+        while sid in held:  # live requests hold distinct state slots (the next free one)
+            sid = (sid + 1) % 50
+        held.add(sid)
+        s = st.add_request(i, toks, table, sid, num_computed=n, compressed_token_ids=comp)
         lens[s] = n
 
     def steps(k: int):
@@ -125,8 +130,8 @@ def _engine(cfg: MetadataConfig, rng: random.Random, max_seqs: int = 6, uniform:
 def test_matches_decode_batch_and_stage(ci: int, monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = CONFIGS[ci]
     slow_calls = []
-    real_slow = stage_state._slow
-    monkeypatch.setattr(stage_state, "_slow", lambda *a: slow_calls.append(1) or real_slow(*a))
+    real_slow = decode_staging._slow
+    monkeypatch.setattr(decode_staging, "_slow", lambda *a: slow_calls.append(1) or real_slow(*a))
     rng = random.Random(ci)
     st, steps = _engine(cfg, rng)
     fast, slow = DecodeStaging("cpu", 8), DecodeStaging("cpu", 8)  # tiny: grows on the way
@@ -184,9 +189,9 @@ def test_cached_step_views_write_the_general_bytes(k: int) -> None:
                 got = stage_decode(fast, st, slots, drafts, counts)
                 view = ref.host_view(got.used)
                 view[:got.used] = -7
-                cache = StateStagingCache.of(ref, st)
-                stage_state._write_fixed(cache, view, got, len(slots), None)
-                stage_state._write_values(cache, view, got, step, np.cumsum(step.sk), 0)
+                cache = ref.state_cache_for(st)[1]
+                staging_state._write_fixed(cache, view, got, len(slots), None)
+                staging_state._write_values(cache, view, got, step, np.cumsum(step.sk), 0)
                 assert np.array_equal(fast.host_buffer[:got.used].numpy(), view[:got.used]), (ci, k)
 
 
@@ -279,14 +284,14 @@ def test_int32_limits_and_draft_ids(monkeypatch: pytest.MonkeyPatch) -> None:
     block_size // min dense ratio) and for draft ids past int32 it steps aside to the general
     path -- each time the same staged batch or the same error as ``decode_batch`` + ``stage``."""
     slow_calls: list[int] = []
-    real_slow = stage_state._slow
-    monkeypatch.setattr(stage_state, "_slow", lambda *a: slow_calls.append(1) or real_slow(*a))
+    real_slow = decode_staging._slow
+    monkeypatch.setattr(decode_staging, "_slow", lambda *a: slow_calls.append(1) or real_slow(*a))
     cfg = MetadataConfig(block_size=2**20, window_size=4, swa_block_size=8, dense_compress_ratios=(4,),
                          sparse_compress_ratios=(), max_model_len=2**29)
     st = BatchState(cfg, max_seqs=5)
-    assert StateStagingCache(st).q_lim == 15  # 2**31 // (512 columns * 2**18)
+    assert StagingLayout.of(st.cfg).state_cache(st).q_lim == 15  # 2**31 // (512 columns * 2**18)
     for i in range(5):
-        st.add_request(i, [1] * (5 + i), [i], 0, num_computed=5 + i)
+        st.add_request(i, [1] * (5 + i), [i], i, num_computed=5 + i)
 
     def both(slots: np.ndarray, drafts: np.ndarray, counts: np.ndarray) -> None:
         fast, slow = DecodeStaging("cpu", 8), DecodeStaging("cpu", 8)
@@ -302,10 +307,10 @@ def test_int32_limits_and_draft_ids(monkeypatch: pytest.MonkeyPatch) -> None:
     assert slow_calls == []
     both(np.arange(4), np.arange(12), np.full(4, 3))  # 16 rows * 2**27 > INT32_MAX: general path
     assert len(slow_calls) == 1
-    both(np.arange(2), np.array([5, -7]), np.array([1, 1]))  # negative: the full int32 check, still fast
-    assert len(slow_calls) == 1
-    both(np.arange(2), np.array([5, 2**31]), np.array([1, 1]))  # past int32: the general path
+    both(np.arange(2), np.array([5, -7]), np.array([1, 1]))  # negative: not vouched, the general path names it
     assert len(slow_calls) == 2
+    both(np.arange(2), np.array([5, 2**31]), np.array([1, 1]))  # past int32: the general path
+    assert len(slow_calls) == 3
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")

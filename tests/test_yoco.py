@@ -387,7 +387,8 @@ def test_prompt_pivots_equal_the_shared_visibility_rule() -> None:
             for _ in range(int(rng.integers(1, 5))):
                 k = int(rng.integers(1, 96))
                 q = int(rng.integers(1, k + 1))
-                seqs.append(SequenceMetadata(q, k, [1] * 6, 0, [3] * k, swa_valid_start=int(rng.integers(0, 100))))
+                seqs.append(SequenceMetadata(q, k, [1] * 6, len(seqs), [3] * k,  # distinct state slots
+                                             swa_valid_start=int(rng.integers(0, 100))))
             b = extract_batch(seqs, cfg, is_prompt=True)
             rs = b.row_seq
             want = swa_visibility_pivots(b.row_pos, b.row_j, b.q_start[rs], b.swa_valid_start[rs], rs * W,

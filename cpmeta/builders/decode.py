@@ -26,7 +26,7 @@ from .arrays import AllocOut, BatchArrays, alloc, alloc_stacked, check_int32, fm
 from .common import check_common_int32, fill_common
 from .extract import BatchInput, extract_batch
 
-__all__ = ["prepare_decode", "DECODE_STACKED_FIELDS", "check_decode_out"]
+__all__ = ["prepare_decode", "DECODE_STACKED_FIELDS", "check_decode_out", "check_decode_int32"]
 
 #: The decode ``out=`` schema, shared by ``prepare_decode`` and ``prepare_decode_inplace``: the
 #: per-ratio decode fields of the field table live in ONE stacked buffer each, ``out["klen"]`` =
@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 Out = Optional[dict[str, torch.Tensor]]
 
 
-def _check_decode_int32(b: BatchArrays, cfg: MetadataConfig) -> None:
+def check_decode_int32(b: BatchArrays, cfg: MetadataConfig) -> None:
     """Overflow checks before allocation; the decode offset bound is DESIGN section 3's."""
     check_common_int32(b, cfg)
     if cfg.dense_compress_ratios:
@@ -146,7 +146,7 @@ def _ratio_columns(cfg: MetadataConfig) -> tuple[np.ndarray, ...]:
 def _row_bases(cfg: MetadataConfig, T: int) -> tuple[np.ndarray, np.ndarray]:
     """``arange(T) * max_num_blocks`` (int64: row i's first element in the flattened
     ``block_tables``) and the ``[n_dense, T]`` int32 offsets ``rows * (block_size // dense)`` of
-    ``kv_ca_index_offset_len`` (bounded by ``_check_decode_int32``); read-only, cached."""
+    ``kv_ca_index_offset_len`` (bounded by ``check_decode_int32``); read-only, cached."""
     c = _consts(cfg)
     r = c.get(("rows", T))
     if r is None:
@@ -278,7 +278,7 @@ def prepare_decode(
     """
     arenas = _out_kind(out)
     b = extract_batch(seqs, cfg, is_prompt=False, flat_tables=False)
-    _check_decode_int32(b, cfg)
+    check_decode_int32(b, cfg)
     dst: AllocOut
     if arenas is not None:  # caller-owned memory: the arena it hands out for this batch shape
         dst = arenas.arena(_decode_layout(cfg, b.total_q, b.n_seq))

@@ -4,9 +4,11 @@
 module                         holds
 =============================  ===================================================================
 ``decode_inplace``             :func:`prepare_decode_inplace`, :func:`launch_decode_inplace`, :func:`capture_decode_graph` (CUDA-graph ready)
-``decode_staging``             ``DecodeStaging``: the pinned int32 staging buffer, upload, stream order
-``staging_layout``             the staging layout, the host fill from ``BatchArrays``, capacities
-``stage_state``                :func:`stage_decode`: the staging buffer written straight from a ``BatchState``
+``decode_buffers``             the device buffers the kernels write (from the field table), ``OutCapacity``
+``decode_staging``             ``DecodeStaging`` (the pinned int32 staging buffer, upload, stream order), :func:`stage_decode`
+``staging_layout``             ``StagingLayout``: the layout, written from a batch or a state, validated
+``staging_header``             the layout's word slots and ``StagedDecode`` (the host scalars)
+``staging_state``              the layout written straight from a ``BatchState`` (``StagingLayout.write_state``)
 ``decode_cp``                  :class:`StagedDecodeBroadcaster`: one staging broadcast, kernels on every CP rank
 ``decode_triton``              the two decode metadata kernels (Triton)
 ``decode_emulate``             the same kernels as vectorized torch (CPU fallback, CI)
@@ -21,8 +23,7 @@ from __future__ import annotations
 
 from .decode_cp import StagedDecodeBroadcaster
 from .decode_inplace import capture_decode_graph, launch_decode_inplace, prepare_decode_inplace
-from .decode_staging import DecodeStaging, OutCapacity, staging_capacity
-from .stage_state import stage_decode
+from .decode_staging import DecodeStaging, OutCapacity, stage_decode, staging_capacity
 
 __all__ = [
     "prepare_decode_inplace", "launch_decode_inplace", "capture_decode_graph", "DecodeStaging", "OutCapacity",

@@ -33,17 +33,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .decode_inplace import (
-    Out, _capacity_of, _resolve_backend, _same_device, finish_staged,
-)
-from .stage_state import stage_decode
-from .staging_layout import header_len
-from .decode_staging import (
-    F_BT_OFFSET, F_CU_K_INCL, F_CU_Q_INCL, F_PLACEHOLDER, F_SEQLEN_K, F_SEQLEN_Q, F_STATE, HEADER_FIXED,
-    SEQ_FIELDS, DecodeStaging, StagedDecode,
-)
+from .decode_buffers import capacity_of as _capacity_of, same_device as _same_device
+from .decode_inplace import Out, finish_staged, resolve_backend as _resolve_backend
+from .decode_staging import DecodeStaging, StagedDecode, stage_decode
+from .staging_layout import StagingLayout
 from ..builders.decode import check_decode_out
-from ..config import MetadataConfig, blocks_needed_array
+from ..config import MetadataConfig
 from ..metadata import InputMetadata
 from ..sequence import SequenceMetadata
 
@@ -59,69 +54,9 @@ _N_SCALARS = 8
 
 
 def check_staged_layout(a: np.ndarray, staged: StagedDecode, cfg: MetadataConfig) -> Optional[str]:
-    """Why the int32 staging prefix ``a`` does not describe a well-formed batch for ``cfg``
-    (None when it does). Every address the kernels derive is checked; values are not.
-
-    Example (ratios (4,), no Engram, two sequences ``seqlen_q = (1, 3)``, ``seqlen_k = (5, 9)``,
-    ``block_size 4``): header length 9, ``off_seq = 9``, ``off_ids = 9 + 7*2 = 23``,
-    ``off_bt = 23 + 4 = 27``, ``nb = (1, 2)`` so ``off_ngv = off_ngb = used = 30``.
-    """
-    n, tq, g = staged.num_seqs, staged.total_q, cfg.max_ngram_size
-    hl = header_len(cfg)
-    if staged.used != a.shape[0] or staged.used < hl:
-        return f"buffer of {a.shape[0]} elements, header says {staged.used} (header alone {hl})"
-    hdr = a[:HEADER_FIXED].astype(np.int64)
-    ratios = list(cfg.ca_ratios) + list(cfg.sparse_compress_ratios) + list(cfg.dense_compress_ratios)
-    if a[HEADER_FIXED:hl].tolist() != ratios:
-        return f"ratios {a[HEADER_FIXED:hl].tolist()} differ from this rank's config {ratios}"
-    n_win = (tq + n * (g - 1)) if g else 0
-    off_ids = hl + SEQ_FIELDS * n
-    want = (n, tq, staged.total_k, hl, off_ids, off_ids + tq)
-    if n < 0 or tq < n or tuple(hdr[:6].tolist()) != want:
-        return f"header {hdr[:6].tolist()} does not match the scalars (expected {list(want)})"
-    off_ngv, off_ngb = int(hdr[6]), int(hdr[7])
-    if not (off_ids + tq <= off_ngv and off_ngb == off_ngv + n_win and staged.used == off_ngb + n_win):
-        return f"section offsets {hdr[5:8].tolist()} inconsistent with used={staged.used}"
-    if n == 0:
-        return None if tq == 0 else "total_q > 0 without sequences"
-    # every follower runs this per step: ~20 numpy calls over [7, n] (int64, so no prefix sum wraps;
-    # count_nonzero: cheaper than any() on small masks)
-    blk = a[hl:off_ids].reshape(SEQ_FIELDS, n).astype(np.int64)
-    q, k = blk[F_SEQLEN_Q], blk[F_SEQLEN_K]
-    lo, hi = blk.min(axis=1), blk.max(axis=1)  # per field: two reductions instead of six
-    if lo[F_SEQLEN_Q] < 1 or np.count_nonzero(k < q):
-        return "a sequence has seqlen_q < 1 or seqlen_k < seqlen_q"
-    if np.count_nonzero(np.add.accumulate(q) != blk[F_CU_Q_INCL]) or np.count_nonzero(np.add.accumulate(k) != blk[F_CU_K_INCL]):
-        return "cu_seqlens_q/k_incl are not the prefix sums of seqlen_q/k"
-    if blk[F_CU_Q_INCL, -1] != tq or blk[F_CU_K_INCL, -1] != staged.total_k:
-        return "prefix sums do not end at total_q / total_k"
-    max_k = int(hi[F_SEQLEN_K])
-    if int(hi[F_SEQLEN_Q]) != staged.max_seqlen_q or max_k != staged.max_seqlen_k:
-        return "max_seqlen_q/k differ from the staged sequences"
-    if lo[F_STATE] < 0 or lo[F_PLACEHOLDER] < 0 or hi[F_PLACEHOLDER] > 1:  # flags: 0 or 1 only
-        return "negative state id or placeholder flag not 0/1"
-    if max_k > cfg.max_model_len:
-        return f"seqlen_k {max_k} exceeds max_model_len {cfg.max_model_len}"
-    need = _need_table(cfg)
-    nb = need.take(k)  # blocks_needed per sequence (k in [1, max_model_len])
-    if lo[F_BT_OFFSET] < 0 or np.count_nonzero(blk[F_BT_OFFSET] + nb > off_ngv - (off_ids + tq)):
-        return "a block-table offset points outside the block-table section"
-    if int(need[max_k]) != staged.max_blocks or staged.max_blocks > cfg.max_num_blocks:  # need is monotone
-        return f"max_blocks {staged.max_blocks} differs from the tables ({int(need[max_k])}) or the config"
-    return None
-
-
-#: ``blocks_needed(k)`` for every ``k`` in ``[0, max_model_len]``, per config (by id; the entry keeps it).
-_NEED: dict[int, tuple[MetadataConfig, np.ndarray]] = {}
-
-
-def _need_table(cfg: MetadataConfig) -> np.ndarray:
-    hit = _NEED.get(id(cfg))
-    if hit is None or hit[0] is not cfg:
-        if len(_NEED) > 16:
-            _NEED.clear()
-        hit = _NEED[id(cfg)] = (cfg, blocks_needed_array(np.arange(cfg.max_model_len + 1, dtype=np.int64), cfg))
-    return hit[1]
+    """Why the int32 staging prefix ``a`` does not describe a well-formed batch for ``cfg`` (None
+    when it does): :meth:`cpmeta.gpu.staging_layout.StagingLayout.validate`, where the layout is."""
+    return StagingLayout.of(cfg).validate(a, staged)
 
 
 class StagedDecodeBroadcaster:
@@ -158,17 +93,20 @@ class StagedDecodeBroadcaster:
         timeout, force_remote: as for ``transport.ObjectChannel``.
     """
 
-    def __init__(self, cfg: MetadataConfig, group: Any = None, src: int = 0, *,
-                 device: Optional[torch.device | str] = None, staging: Optional[DecodeStaging] = None,
-                 backend: str = "auto", timeout: Optional[float] = None,
-                 force_remote: Optional[bool] = None) -> None:
-        from transport import ObjectChannel  # cpmeta -> transport, never the reverse
+    def __init__(self, cfg: MetadataConfig, group: Any = None, src: Optional[int] = None, *,
+                 group_src: Optional[int] = None, device: Optional[torch.device | str] = None,
+                 staging: Optional[DecodeStaging] = None, backend: str = "auto",
+                 timeout: Optional[float] = None, force_remote: Optional[bool] = None,
+                 checksum: Optional[bool] = None) -> None:
+        from .. import envs
+        from ..broadcast.channel import FrameChannel, resolve_src
+        from .staged_frame import STAGED_SCHEMA, error_key, staged_key
 
         self.cfg = cfg
         self.group = group if group is not None else dist.group.WORLD
-        self.src = src
+        self.src = resolve_src(self.group, src, group_src)
         self.rank = dist.get_rank()
-        self.is_src = self.rank == src
+        self.is_src = self.rank == self.src
         if device is None:
             nccl = "nccl" in str(dist.get_backend(self.group)).lower()
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
@@ -178,8 +116,11 @@ class StagedDecodeBroadcaster:
         if not _same_device(self.staging.device, self.device):
             raise ValueError(f"staging: expected a staging buffer for {self.device}, got one for "
                              f"{self.staging.device}")
-        self._ch = ObjectChannel(self.group, src, timeout=timeout, force_remote=force_remote, schema=_SCHEMA)
-        self._alone = len(self._ch.ranks) == 1  # CP size 1: the driver skips the (empty) broadcast
+        self._ch = FrameChannel(self.group, self.src, STAGED_SCHEMA, what="StagedDecodeBroadcaster",
+                                timeout=timeout, force_remote=force_remote,
+                                checksum=envs.checksum() if checksum is None else bool(checksum))
+        self._keys = (staged_key(), error_key())
+        self._alone = not self._ch.has_readers  # CP size 1: the driver skips the (empty) broadcast
 
     # ---- public -------------------------------------------------------------------------------
     def broadcast(self, seqs: Optional[Sequence[SequenceMetadata]] = None, *, out: Out = None,
@@ -263,14 +204,11 @@ class StagedDecodeBroadcaster:
         except ValueError as e:
             if self._alone:
                 raise
-            self._ch.broadcast_packed({"error": str(e)}, [])
+            self._ch.send_packed(self._keys[1], [], [str(e)])
             raise
         if self._alone:  # a group of one: nobody to send to
             return staged
-        self._ch.broadcast_packed(
-            [STAGED_DECODE_VERSION, staged.num_seqs, staged.total_q, staged.total_k, staged.max_seqlen_q,
-             staged.max_seqlen_k, staged.used, staged.max_blocks],
-            [self.staging.host_buffer[: staged.used]])
+        self._ch.send_packed(self._keys[0], [self.staging.host_buffer[: staged.used]], staged_values(staged))
         return staged
 
     def _state_fill(self, state: "BatchState", slots: np.ndarray, draft_tokens: Optional[np.ndarray],
@@ -290,21 +228,13 @@ class StagedDecodeBroadcaster:
         return fill
 
     def _receive(self) -> StagedDecode:
-        from transport import CodecError
-
         where = f"rank {self.rank}: staged decode message from src={self.src}"
-        try:
-            obj, tensors = self._ch.broadcast_packed()
-        except CodecError as e:
-            raise RuntimeError(f"{where} rejected: {e}") from e
-        if type(obj) is dict and set(obj) == {"error"}:
-            raise RuntimeError(f"{where}: the driver refused the batch: {obj['error']}")
-        if (type(obj) is not list or len(obj) != _N_SCALARS or not all(type(x) is int for x in obj)
-                or obj[0] != STAGED_DECODE_VERSION):
-            raise RuntimeError(f"{where} is malformed: expected [{STAGED_DECODE_VERSION}, 7 ints], got {obj!r:.120}")
-        if len(tensors) != 1 or tensors[0].dtype != torch.int32 or tensors[0].dim() != 1:
-            raise RuntimeError(f"{where} is malformed: expected ONE 1-D int32 tensor")
-        staged = StagedDecode(*obj[1:])
+        frame, tensors = self._ch.recv_packed()  # header, schema, layout, dtype and rank proven
+        if frame.plan.key == self._keys[1]:
+            raise RuntimeError(f"{where}: the driver refused the batch: {frame.values[0]}")
+        if frame.plan.key != self._keys[0]:
+            raise RuntimeError(f"{where} is malformed: layout {frame.plan.tensor_paths} is not a staged step")
+        staged = staged_of(frame.values)
         why = check_staged_layout(tensors[0].numpy(), staged, self.cfg)
         if why is not None:
             raise RuntimeError(f"{where} is malformed: {why}")

@@ -1,7 +1,7 @@
 """CPU fallback of the in-place decode kernels: vectorized torch over the SAME staging buffer.
 
 :func:`emulate_decode_kernels` writes exactly what ``_decode_triton``'s two kernels write, into
-the same :class:`~cpmeta.gpu.decode_staging.DecodeBuffers` (tail rows included), reading the same
+the same :class:`~cpmeta.gpu.decode_buffers.DecodeBuffers` (tail rows included), reading the same
 int32 staging layout. CI tests the kernel logic through it (and through the Triton interpreter).
 
 Per row ``i`` of sequence ``s`` (local index ``j``), everything derives from four staged
@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from .decode_staging import (
-    F_BT_OFFSET, F_CU_K_INCL, F_CU_Q_INCL, F_PLACEHOLDER, F_SEQLEN_K, F_SEQLEN_Q, F_STATE,
-    HEADER_FIXED, SEQ_FIELDS, DecodeBuffers,
+from .decode_buffers import DecodeBuffers
+from .staging_header import (
+    F_BT_OFFSET, F_CU_K_INCL, F_CU_Q_INCL, F_PLACEHOLDER, F_SEQLEN_K, F_SEQLEN_Q, F_STATE, HEADER_FIXED, SEQ_FIELDS,
 )
+from .staging_layout import StagingLayout
 from ..config import MetadataConfig, blocks_needed_tensor
 from ..constants import PAD_SLOT_ID, PLACEHOLDER_QUERY_INDEX
 
@@ -26,9 +27,9 @@ __all__ = ["emulate_decode_kernels"]
 
 
 def _ratios(stg: torch.Tensor, cfg: MetadataConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The ca / sparse / dense ratio lists from the header, each ``[n_ratio, 1]`` int64."""
-    n_ca, n_sp = len(cfg.ca_ratios), len(cfg.sparse_compress_ratios)
-    n_dn = len(cfg.dense_compress_ratios)
+    """The ca / sparse / dense ratio lists from the header (the layout's ratio order), each
+    ``[n_ratio, 1]`` int64."""
+    n_ca, n_sp, n_dn = StagingLayout.of(cfg).ratio_counts
     r = stg[HEADER_FIXED:HEADER_FIXED + n_ca + n_sp + n_dn].long()[:, None]
     return r[:n_ca], r[n_ca:n_ca + n_sp], r[n_ca + n_sp:]
 
@@ -37,24 +38,25 @@ def _write_tail(b: DecodeBuffers, cfg: MetadataConfig, n: int, tq: int, tk: int)
     """Inert values for rows ``[tq, q_cap)`` and ``cu_seqlens_*[n+1:]`` (see DecodeBuffers);
     the buffers of switched-off features are ``None`` and skipped."""
     t = slice(tq, b.q_cap)
-    for x in (b.positions, b.input_ids, b.context_lens):
-        x[t] = 0
-    b.gate_force_random[t] = cfg.force_load_balance
-    if b.ngram_token_ids is not None:
-        b.ngram_token_ids[t] = cfg.ngram_pad_token
-    b.valid_token_mask[t] = False
-    b.query_indices[t] = PLACEHOLDER_QUERY_INDEX
-    if b.slot_mapping_store_swa is not None and b.state_block_idx is not None \
-            and b.kv_swa_index_offset_len is not None:
-        b.state_block_idx[t] = 0
-        b.kv_swa_index_offset_len[t] = 0
-        b.slot_mapping_store_swa[t] = PAD_SLOT_ID
-    for stacked, fill in ((b.positions_c, 0), (b.slot_mapping_store_ca, PAD_SLOT_ID), (b.klen, 0),
-                          (b.kv_ca_index_offset_len, 0)):
+    for name in ("positions", "input_ids", "context_lens"):
+        b[name][t] = 0
+    b["gate_force_random"][t] = cfg.force_load_balance
+    ngram = b.get("ngram_token_ids")
+    if ngram is not None:
+        ngram[t] = cfg.ngram_pad_token
+    b["valid_token_mask"][t] = False
+    b["query_indices"][t] = PLACEHOLDER_QUERY_INDEX
+    for name, fill in (("state_block_idx", 0), ("kv_swa_index_offset_len", 0), ("slot_mapping_store_swa", PAD_SLOT_ID)):
+        x = b.get(name)  # the sliding-window fields: absent with window_size == 0
+        if x is not None:
+            x[t] = fill
+    for name, fill in (("positions_c", 0), ("slot_mapping_store_ca", PAD_SLOT_ID), ("klen", 0),
+                       ("kv_ca_index_offset_len", 0)):
+        stacked = b.get(name)
         if stacked is not None:
             stacked[:, t] = fill
-    b.cu_seqlens_q[n + 1:] = tq
-    b.cu_seqlens_k[n + 1:] = tk
+    b["cu_seqlens_q"][n + 1:] = tq
+    b["cu_seqlens_k"][n + 1:] = tk
 
 
 def _write_compressed(
@@ -67,8 +69,9 @@ def _write_compressed(
     slot ``table[c // b_c] * b_c + c % b_c`` with ``b_c = block_size // n``. Example: n=4,
     block_size=16 (b_c=4), pos=23: c=5, slot = table[1]*4 + 1.
     """
-    if b.positions_c is None or b.slot_mapping_store_ca is None or b.klen is None \
-            or b.kv_ca_index_offset_len is None:  # no compressed KV
+    posc, slot_ca, klen, off_len = (b.get(n) for n in ("positions_c", "slot_mapping_store_ca", "klen",
+                                                      "kv_ca_index_offset_len"))
+    if posc is None or slot_ca is None or klen is None or off_len is None:  # no compressed KV
         return
     ca, sp, dn = _ratios(stg, cfg)
     if ca.numel():
@@ -77,14 +80,14 @@ def _write_compressed(
         b_c = cfg.block_size // ca
         idx = torch.where(done, off_bt + bto + c // b_c, 0)
         blk = stg[idx].long()
-        b.positions_c[:, :tq] = torch.where(done, c * ca, 0)
-        b.slot_mapping_store_ca[:, :tq] = torch.where(done & ~ph, blk * b_c + c % b_c, PAD_SLOT_ID)
+        posc[:, :tq] = torch.where(done, c * ca, 0)
+        slot_ca[:, :tq] = torch.where(done & ~ph, blk * b_c + c % b_c, PAD_SLOT_ID)
     if sp.numel():
-        b.klen[:, :tq] = (pos + 1) // sp
+        klen[:, :tq] = (pos + 1) // sp
     if dn.numel():
         rows = torch.arange(tq, device=pos.device)
-        b.kv_ca_index_offset_len[:, :tq, 0] = rows * cfg.max_num_blocks * (cfg.block_size // dn)
-        b.kv_ca_index_offset_len[:, :tq, 1] = (pos + 1) // dn
+        off_len[:, :tq, 0] = rows * cfg.max_num_blocks * (cfg.block_size // dn)
+        off_len[:, :tq, 1] = (pos + 1) // dn
 
 
 def _write_ngram(
@@ -93,15 +96,15 @@ def _write_ngram(
 ) -> None:
     """Column c of row (s, j) reads window element ``w = row0 + s*(G-1) + G-1 + j - c``; pad if any
     barrier lies in ``[w, w + c]``. Example: G=2, s=1, row0=1, j=0: c=0 reads 3, c=1 reads 2."""
-    g = cfg.max_ngram_size
-    if b.ngram_token_ids is None or g == 0:
+    g, ngram = cfg.max_ngram_size, b.get("ngram_token_ids")
+    if ngram is None or g == 0:
         return
     off_v, off_b = hdr[6], hdr[7]
     here = row0_r + s_of * (g - 1) + (g - 1) + j
     w = here[:, None] - torch.arange(g, device=here.device)[None, :]
     barrier = (stg[off_b + w] != 0).int().cummax(dim=1).values.bool()
     vals = stg[off_v + w]
-    b.ngram_token_ids[:lim] = torch.where(barrier, cfg.ngram_pad_token, vals)
+    ngram[:lim] = torch.where(barrier, cfg.ngram_pad_token, vals)
 
 
 def _write_block_tables(
@@ -112,10 +115,11 @@ def _write_block_tables(
     block_size // m)`` with L the keys of rank 0's KV share (``seqlen_k`` unless the KV is
     sharded)."""
     nb = blocks_needed_tensor(k_r, cfg)
-    cols = torch.arange(b.block_tables.shape[1], device=k_r.device)
+    bt = b["block_tables"]
+    cols = torch.arange(bt.shape[1], device=k_r.device)
     keep = cols[None, :] < nb[:, None]
     src = off_bt + bto_r[:, None] + cols[None, :]
-    b.block_tables[:tq][keep] = stg[src[keep]]
+    bt[:tq][keep] = stg[src[keep]]
 
 
 def _rows_written(b: DecodeBuffers, seq: torch.Tensor, n: int, tq: int) -> int:
@@ -147,25 +151,26 @@ def emulate_decode_kernels(stg: torch.Tensor, cfg: MetadataConfig, b: DecodeBuff
     ph = seq[F_PLACEHOLDER][s_of] != 0
     state = seq[F_STATE][s_of]
     S, W = cfg.swa_block_size, cfg.window_size
-    b.positions[:lim] = pos
-    b.input_ids[:lim] = stg[off_ids:off_ids + lim]
-    b.gate_force_random[:lim] = cfg.force_load_balance
-    b.valid_token_mask[:lim] = ~ph
-    b.query_indices[:lim] = torch.where(ph, PLACEHOLDER_QUERY_INDEX, s_of)
-    b.context_lens[:lim] = pos + 1
-    if b.slot_mapping_store_swa is not None and b.state_block_idx is not None \
-            and b.kv_swa_index_offset_len is not None:  # the sliding-window state cache
-        b.slot_mapping_store_swa[:lim] = torch.where(ph | (q_r - j > S), PAD_SLOT_ID, state * S + pos % S)
-        b.state_block_idx[:lim] = state
+    b["positions"][:lim] = pos
+    b["input_ids"][:lim] = stg[off_ids:off_ids + lim]
+    b["gate_force_random"][:lim] = cfg.force_load_balance
+    b["valid_token_mask"][:lim] = ~ph
+    b["query_indices"][:lim] = torch.where(ph, PLACEHOLDER_QUERY_INDEX, s_of)
+    b["context_lens"][:lim] = pos + 1
+    swa_slot, st_idx, swa_ol = (b.get(n) for n in ("slot_mapping_store_swa", "state_block_idx",
+                                                   "kv_swa_index_offset_len"))
+    if swa_slot is not None and st_idx is not None and swa_ol is not None:  # the sliding-window state cache
+        swa_slot[:lim] = torch.where(ph | (q_r - j > S), PAD_SLOT_ID, state * S + pos % S)
+        st_idx[:lim] = state
         w = torch.clamp(pos + 1, max=W)
-        b.kv_swa_index_offset_len[:lim, 0] = state * S + (pos - w + 1) % S
-        b.kv_swa_index_offset_len[:lim, 1] = w
+        swa_ol[:lim, 0] = state * S + (pos - w + 1) % S
+        swa_ol[:lim, 1] = w
     _write_compressed(b, stg, cfg, lim, off_bt, pos, ph, seq[F_BT_OFFSET][s_of])
     _write_ngram(b, stg, cfg, hdr, s_of, row0[s_of], j, lim)
     ns = min(n, b.seq_cap)
-    b.cu_seqlens_q[0] = 0
-    b.cu_seqlens_k[0] = 0
-    b.cu_seqlens_q[1:ns + 1] = seq[F_CU_Q_INCL, :ns]
-    b.cu_seqlens_k[1:ns + 1] = seq[F_CU_K_INCL, :ns]
+    b["cu_seqlens_q"][0] = 0
+    b["cu_seqlens_k"][0] = 0
+    b["cu_seqlens_q"][1:ns + 1] = seq[F_CU_Q_INCL, :ns]
+    b["cu_seqlens_k"][1:ns + 1] = seq[F_CU_K_INCL, :ns]
     _write_tail(b, cfg, n, tq, tk)
     _write_block_tables(b, stg, cfg, lim, off_bt, k_r, seq[F_BT_OFFSET][s_of])

@@ -12,7 +12,7 @@ undefined ``block_tables`` columns excepted). Per-ratio fields (``klen``, ``posi
 ``slot_mapping_store_ca``, ``kv_ca_index_offset_len``) are row views of ONE stacked
 ``[n_ratio, q_cap, ...]`` buffer each. With ``out`` holding buffers of a larger batch every write
 lands in their prefixes (no allocation, unchanged ``data_ptr``); rows past ``total_q`` get inert
-values (see :class:`~cpmeta.gpu.decode_staging.DecodeBuffers`), so a CUDA graph captured at the
+values (see :class:`~cpmeta.gpu.decode_buffers.DecodeBuffers`), so a CUDA graph captured at the
 larger batch can be replayed::
 
     st = DecodeStaging("cuda", staging_capacity(cfg, max_seqs, max_q), fixed=True)
@@ -31,17 +31,16 @@ Backends: ``"triton"`` (the kernels; on CPU tensors only under ``TRITON_INTERPRE
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
-from .decode_staging import DecodeBuffers, DecodeStaging, OutCapacity, StagedDecode, staging_capacity
+from .decode_buffers import DecodeBuffers, OutCache, OutCapacity, capacity_of, make_buffers, same_device
+from .decode_staging import DecodeStaging, StagedDecode, staging_capacity
+from ..builders.extract import BatchInput
 from ..config import MetadataConfig
-from ..builders.decode import DECODE_STACKED_FIELDS, check_decode_out
-from ..buffers import get_or_create_stacked, get_or_create_tensor
+from ..builders.decode import check_decode_out
 from ..metadata import InputMetadata
-from ..sequence import SequenceMetadata
 
 __all__ = [
     "prepare_decode_inplace",
@@ -52,15 +51,13 @@ __all__ = [
     "OutCapacity",
     "staging_capacity",
     "BACKENDS",
+    "finish_staged",
+    "resolve_backend",
 ]
 
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "triton", "torch")
-_STACKED = DECODE_STACKED_FIELDS
-#: Prefix-view sets kept per ``out`` (one per distinct (n_seq, total_q); slicing ~25 views each
-#: step costs ~20 us of host time).
-_MAX_CACHED_VIEWS = 256
 Out = Optional[dict[str, torch.Tensor]]
 
 #: Default staging pair per device (used when ``staging=None``; not thread-safe).
@@ -76,7 +73,8 @@ def _triton_usable(device: torch.device) -> bool:
     return device.type == "cuda" or bool(triton.knobs.runtime.interpret)
 
 
-def _resolve_backend(backend: str, device: torch.device) -> str:
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """``backend`` checked for ``device`` (``"auto"``: triton on CUDA when importable, else torch)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
@@ -95,165 +93,6 @@ def _resolve_device(device: Optional[torch.device | str], out: Out) -> torch.dev
     if out and "positions" in out:
         return out["positions"].device
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
-
-
-def _ensure(out: dict[str, torch.Tensor], name: str, shape: tuple[int, ...], dtype: torch.dtype,
-            device: torch.device) -> torch.Tensor:
-    """``out[name]`` (allocated with ``shape`` on ``device`` if missing), device and layout checked."""
-    if name not in out:
-        out[name] = torch.empty(shape, dtype=dtype, device=device)
-    t = out[name]
-    if not _same_device(t.device, device):
-        raise ValueError(f"{name}: expected a tensor on {device}, got one on {t.device} in out")
-    if not t.is_contiguous():
-        raise ValueError(f"{name}: expected a contiguous tensor in out")
-    return t
-
-
-_RowSpec = tuple[tuple[int, ...], torch.dtype, Optional[tuple[str, ...]]]
-
-
-def _row_specs(cfg: MetadataConfig) -> dict[str, _RowSpec]:
-    """Per-row buffers: name -> (shape after the row dim, dtype, ratio keys if stacked else None).
-    Only the enabled features' fields (DESIGN 14): a plain config has 8 of them."""
-    i32, keys = torch.int32, lambda rs: tuple(str(r) for r in rs)
-    specs: dict[str, _RowSpec] = {
-        "positions": ((), i32, None), "input_ids": ((), i32, None),
-        "gate_force_random": ((), torch.bool, None), "valid_token_mask": ((), torch.bool, None),
-        "query_indices": ((), i32, None), "context_lens": ((), i32, None),
-        "block_tables": ((cfg.max_num_blocks,), i32, None),
-    }
-    if cfg.has_swa:
-        specs.update({"slot_mapping_store_swa": ((), i32, None), "state_block_idx": ((), i32, None),
-                      "kv_swa_index_offset_len": ((2,), i32, None)})
-    if cfg.has_compressed_kv:
-        specs.update({
-            "positions_c": ((), i32, keys(cfg.ca_ratios)),
-            "slot_mapping_store_ca": ((), i32, keys(cfg.ca_ratios)),
-            "klen": ((), i32, keys(cfg.sparse_compress_ratios)),
-            "kv_ca_index_offset_len": ((2,), i32, keys(cfg.dense_compress_ratios)),
-        })
-    if cfg.max_ngram_size:
-        specs["ngram_token_ids"] = ((cfg.max_ngram_size,), i32, None)
-    return specs
-
-
-def _buffers(
-    out: dict[str, torch.Tensor], cfg: MetadataConfig, n_seq: int, total_q: int, device: torch.device
-) -> tuple[DecodeBuffers, dict]:
-    """Full-capacity buffers (allocated into ``out`` where missing) and the ``[total_q]`` views.
-
-    Every row buffer must have the same row capacity ``q_cap`` (the kernels take one), and
-    ``cu_seqlens_q/k`` the same ``seq_cap + 1``; a mismatch is a ``ValueError`` naming the field.
-    """
-    full: dict[str, Any] = {}  # DecodeBuffers' fields: tensors, None for a switched-off feature
-    views: dict = {}
-    q_cap: Optional[int] = None
-    for name, (rest, dtype, keys) in _row_specs(cfg).items():
-        if keys is None:
-            t = _ensure(out, name, (total_q, *rest), dtype, device)
-            views[name] = get_or_create_tensor(out, name, (total_q, *rest), dtype, allow_prefix=True)
-            cap = t.shape[0]
-        else:
-            t = _ensure(out, name, (len(keys), total_q, *rest), dtype, device)
-            _, views[name] = get_or_create_stacked(out, name, keys, (total_q, *rest), dtype, allow_prefix=True)
-            cap = t.shape[1]
-            for k, v in views[name].items():
-                assert v.untyped_storage().data_ptr() == t.untyped_storage().data_ptr(), f"{name}.{k}"
-                assert v.stride() == t.stride()[1:], f"{name}.{k}: row view strides differ"
-        if q_cap is None:
-            q_cap = cap
-        elif cap != q_cap:
-            raise ValueError(f"{name}: expected row capacity {q_cap} like positions, got {cap} in out")
-        full[name] = t
-    for name in ("cu_seqlens_q", "cu_seqlens_k"):
-        full[name] = _ensure(out, name, (n_seq + 1,), torch.int32, device)
-        views[name] = get_or_create_tensor(out, name, (n_seq + 1,), torch.int32, allow_prefix=True)
-    if full["cu_seqlens_q"].shape != full["cu_seqlens_k"].shape:
-        raise ValueError("cu_seqlens_k: expected the same capacity as cu_seqlens_q in out")
-    for name in DecodeBuffers.__slots__:  # Engram, SWA, compressed KV switched off: None
-        full.setdefault(name, None)
-        views.setdefault(name, None)
-    return DecodeBuffers(**full), views
-
-
-@dataclass(slots=True)
-class _OutCache:
-    """The checked :class:`DecodeBuffers` of one ``out`` dict, kept on its :class:`DecodeStaging`.
-
-    Valid while ``out`` is the same dict holding the same tensor objects (``key`` = their ids;
-    the cache references them, so the ids cannot be reused) and ``cfg`` is the same object.
-    Saves re-checking ~20 buffers and re-slicing their prefix views on every step.
-    """
-
-    out_id: int
-    key: tuple[int, ...]
-    cfg: MetadataConfig
-    device: torch.device
-    bufs: DecodeBuffers
-    keys: dict[str, tuple[str, ...]]  # stacked field -> ratio keys
-    views: dict = field(default_factory=dict)  # (n_seq, total_q) -> prefix views, bounded
-    graph: Optional["torch.cuda.CUDAGraph"] = None  # the two kernels, captured (CUDA + triton only)
-    graph_key: tuple = ()  # (staging device buffer address, size, backend) the graph reads
-
-
-def _cut(bufs: DecodeBuffers, keys: dict[str, tuple[str, ...]], n_seq: int, total_q: int) -> dict:
-    """Prefix views ``[:total_q]`` (``cu_seqlens``: ``[:n_seq+1]``; stacked: ``{key: t[i, :total_q]}``)."""
-    views: dict = {}
-    for name in DecodeBuffers.__slots__:
-        t = getattr(bufs, name)
-        if name in keys:
-            views[name] = {k: t[i, :total_q] for i, k in enumerate(keys[name])}
-        elif t is None:
-            views[name] = None
-        elif name.startswith("cu_seqlens"):
-            views[name] = t[: n_seq + 1]
-        else:
-            views[name] = t[:total_q]
-    return views
-
-
-def _cached_buffers(
-    st: DecodeStaging, out: dict[str, torch.Tensor], cfg: MetadataConfig, n_seq: int, total_q: int,
-    device: torch.device,
-) -> tuple[_OutCache, dict]:
-    """:func:`_buffers` through the staging object's one-entry cache (same results, the buffers
-    as the returned cache's ``bufs``; the cache is also ``st.out_cache``)."""
-    c = st.out_cache
-    if (
-        isinstance(c, _OutCache) and c.out_id == id(out) and c.cfg is cfg and c.device == device
-        and c.key == tuple(map(id, out.values()))
-        and total_q <= c.bufs.q_cap and n_seq <= c.bufs.seq_cap
-    ):
-        views = c.views.get((n_seq, total_q))
-        if views is None:
-            if len(c.views) >= _MAX_CACHED_VIEWS:
-                c.views.clear()
-            views = c.views[(n_seq, total_q)] = _cut(c.bufs, c.keys, n_seq, total_q)
-        return c, {k: dict(v) if isinstance(v, dict) else v for k, v in views.items()}
-    bufs, views = _buffers(out, cfg, n_seq, total_q, device)
-    keys = {name: tuple(views[name]) for name in _STACKED if views[name] is not None}
-    st.out_cache = made = _OutCache(id(out), tuple(map(id, out.values())), cfg, device, bufs, keys)
-    st.out_capacity = _capacity(bufs)
-    return made, views
-
-
-def _capacity(bufs: DecodeBuffers) -> OutCapacity:
-    return OutCapacity(bufs.q_cap, bufs.seq_cap, bufs.block_tables.shape[1])
-
-
-def _capacity_of(out: Out) -> Optional[OutCapacity]:
-    """Limits of the buffers already in ``out`` (None while it lacks one the kernels index by:
-    missing buffers are allocated at the batch's own size)."""
-    if not out or not all(k in out for k in ("positions", "cu_seqlens_q", "block_tables")):
-        return None
-    bt = out["block_tables"]
-    return OutCapacity(out["positions"].shape[0], out["cu_seqlens_q"].shape[0] - 1,
-                       bt.shape[1] if bt.dim() == 2 else 0)
 
 
 def _launch(stg: torch.Tensor, cfg: MetadataConfig, bufs: DecodeBuffers, backend: str) -> None:
@@ -282,7 +121,7 @@ def _capture_kernels(stg: torch.Tensor, cfg: MetadataConfig, bufs: DecodeBuffers
     return g
 
 
-def _launch_cached(st: DecodeStaging, cfg: MetadataConfig, cache: Optional[_OutCache], backend: str,
+def _launch_cached(st: DecodeStaging, cfg: MetadataConfig, cache: Optional[OutCache], backend: str,
                    bufs: DecodeBuffers, use_graph: bool) -> None:
     """Launch the kernels; with a cached ``out`` on CUDA, replay them from a CUDA graph instead.
 
@@ -315,7 +154,7 @@ def _default_staging(device: torch.device) -> DecodeStaging:
 
 
 def prepare_decode_inplace(
-    seqs: Sequence[SequenceMetadata],
+    seqs: BatchInput,
     cfg: MetadataConfig,
     *,
     out: Out = None,
@@ -346,9 +185,9 @@ def prepare_decode_inplace(
     """
     check_decode_out(out)
     dev = _resolve_device(device, out)
-    be = _resolve_backend(backend, dev)
+    be = resolve_backend(backend, dev)
     st = staging if staging is not None else _default_staging(dev)
-    if not _same_device(st.device, dev):
+    if not same_device(st.device, dev):
         raise ValueError(f"staging: expected a staging buffer for {dev}, got one for {st.device}")
     staged = st.fill(seqs, cfg)  # host only: nothing reaches the device before the checks
     return finish_staged(st, staged, cfg, out=out, device=dev, backend=be, use_graph=use_graph)
@@ -363,12 +202,12 @@ def finish_staged(
     ONE upload, the kernels (or their cached graph). Shared with the CP path (``decode_cp``)."""
     cache = None
     if out is None:
-        bufs, views = _buffers({}, cfg, staged.num_seqs, staged.total_q, device)
+        bufs, views = make_buffers({}, cfg, staged.num_seqs, staged.total_q, device)
     else:
-        cap = _capacity_of(out)  # this out's limits (the staging may remember another out's)
+        cap = capacity_of(out)  # this out's limits (the staging may remember another out's)
         if cap is not None:
             cap.check(staged)
-        cache, views = _cached_buffers(st, out, cfg, staged.num_seqs, staged.total_q, device)
+        cache, views = st.buffers_for(out, cfg, staged.num_seqs, staged.total_q, device)
         bufs = cache.bufs
     st.upload(staged)
     _launch_cached(st, cfg, cache, backend, bufs, use_graph)
@@ -397,11 +236,11 @@ def launch_decode_inplace(
     if "positions" not in out or "cu_seqlens_q" not in out:
         raise ValueError("out: expected the buffers of a previous prepare_decode_inplace call")
     dev = out["positions"].device
-    be = _resolve_backend(backend, dev)
+    be = resolve_backend(backend, dev)
     q_cap, n_cap = out["positions"].shape[0], out["cu_seqlens_q"].shape[0] - 1
-    cache, views = _cached_buffers(staging, out, cfg, n_cap, q_cap, dev)
+    cache, views = staging.buffers_for(out, cfg, n_cap, q_cap, dev)
     if staging.last_staged is not None:  # staged before these buffers were known to it
-        staging.check_capacity(staging.last_staged, _capacity(cache.bufs))
+        staging.check_capacity(staging.last_staged, cache.bufs.capacity())
     _launch_cached(staging, cfg, cache, be, cache.bufs, use_graph=True)
     return InputMetadata(is_prompt=False, **views)
 

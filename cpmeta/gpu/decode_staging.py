@@ -1,32 +1,40 @@
-"""``DecodeStaging``: the pinned int32 staging buffer of the in-place decode path.
+"""``DecodeStaging`` (the pinned int32 staging buffer of the in-place decode) and ``stage_decode``.
 
-The layout it holds, the host fill (``write_staging``) and the capacities are in
-:mod:`cpmeta.gpu.staging_layout` (re-exported here). One step: ``stage(batch, cfg)`` validates and
-fills the host buffer, checks the batch against the captured buffers' capacity (``OutCapacity``)
-and uploads the used prefix with ONE non-blocking copy; ``replay`` / ``ready_on`` /
-``consumed_on`` order a graph replay on another stream with the uploads.
+The layout it holds is :class:`cpmeta.gpu.staging_layout.StagingLayout` (one object per config:
+written from a batch or straight from a ``BatchState``, validated, read back). One step:
+``stage(batch, cfg)`` validates and fills the host buffer (``StagingLayout.write_batch``), checks
+the batch against the captured buffers' capacity (``OutCapacity``) and uploads the used prefix with
+ONE non-blocking copy; :func:`stage_decode` does the same straight from a ``BatchState``
+(``StagingLayout.write_state``). ``replay`` / ``ready_on`` / ``consumed_on`` order a graph replay
+on another stream with the uploads. The staging buffer owns and makes its two typed caches:
+``out_cache`` (:class:`~cpmeta.gpu.decode_buffers.OutCache`, the checked buffers of the last
+``out``: :meth:`DecodeStaging.buffers_for`) and ``state_cache`` (:class:`StateStagingCache`, what
+writing one state's steps reuses: :meth:`DecodeStaging.state_cache_for`).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 import torch
 
 from ..builders.arrays import BatchArrays
+from ..builders.decode import check_decode_int32
 from ..builders.extract import BatchInput, extract_batch
 from ..config import MetadataConfig
-from . import staging_layout
-from .staging_layout import (  # noqa: F401  (re-exported: the layout's public names)
-    F_BT_OFFSET, F_CU_K_INCL, F_CU_Q_INCL, F_PLACEHOLDER, F_SEQLEN_K, F_SEQLEN_Q, F_STATE, H_N_SEQ,
-    H_OFF_BT, H_OFF_IDS, H_OFF_NGB, H_OFF_NGV, H_OFF_SEQ, H_TOTAL_K, H_TOTAL_Q, HEADER_FIXED,
-    SEQ_FIELDS, _GROWTH, DecodeBuffers, check_staging_int32, OutCapacity, StagedDecode, fill_staging, staging_capacity,
-    write_staging,
-)
+from .decode_buffers import OutCache, OutCapacity
+from .staging_header import StagedDecode
+from .staging_layout import StagingLayout, StateStagingCache, staging_capacity
 
-__all__ = ["DecodeStaging", *staging_layout.__all__]
+if TYPE_CHECKING:
+    from ..state.batch_state import BatchState
+
+__all__ = ["DecodeStaging", "stage_decode", "OutCapacity", "StagedDecode", "staging_capacity"]
+
+#: Extra elements reserved when the staging buffer grows (amortises regrowth).
+_GROWTH = 1.5
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +82,9 @@ class DecodeStaging:
         self._dev_index = self.device.index if self.device.index is not None else (
             torch.cuda.current_device() if self.device.type == "cuda" else -1)
         self._slices: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # upload size -> (device, host) views
-        self.out_cache: object = None  # decode_inplace keeps the checked buffers of the last `out` here
-        self.state_cache: object = None  # stage_decode keeps what staging from a BatchState reuses here
+        self.out_cache: Optional[OutCache] = None  # the checked buffers of the last `out` (buffers_for)
+        # the layout and the cache of the last BatchState staged (state_cache_for)
+        self.state_cache: Optional[tuple[StagingLayout, StateStagingCache]] = None
         self.out_capacity: Optional[OutCapacity] = None  # limits of the buffers this staging feeds
         self.last_staged: Optional[StagedDecode] = None  # scalars of the batch in device_buffer
         self.host_buffer = torch.empty(0, dtype=torch.int32)
@@ -102,11 +111,33 @@ class DecodeStaging:
         if self._event is not None:
             self._event.synchronize()
 
+    def buffers_for(self, out: dict[str, torch.Tensor], cfg: MetadataConfig, n_seq: int, total_q: int,
+                    device: torch.device) -> tuple[OutCache, dict[str, Any]]:
+        """The checked full-capacity buffers of ``out`` and the batch's prefix views, through this
+        staging's one-entry :attr:`out_cache` (made anew for another ``out``, config or a batch
+        that does not fit; :attr:`out_capacity` then records the new buffers' limits)."""
+        c = self.out_cache
+        if c is not None and c.fits(out, cfg, n_seq, total_q, device):
+            return c, c.prefix_views(n_seq, total_q)
+        c, views = OutCache.make(out, cfg, n_seq, total_q, device)
+        self.out_cache, self.out_capacity = c, c.bufs.capacity()
+        return c, views
+
+    def state_cache_for(self, st: "BatchState") -> tuple[StagingLayout, StateStagingCache]:
+        """:attr:`state_cache`: ``st``'s layout and the cache writing its steps reuses (made anew
+        when this staging is fed another state)."""
+        c = self.state_cache
+        if c is None or c[1].state is not st:
+            layout = StagingLayout.of(st.cfg)
+            c = self.state_cache = (layout, layout.state_cache(st))
+        return c
+
     def fill(self, seqs: BatchInput, cfg: MetadataConfig) -> StagedDecode:
-        """Validate ``seqs`` (``SequenceMetadata`` list or ``SequenceBatch``) and write them into the
-        host buffer only (no copy); grows it unless ``fixed``."""
+        """Validate ``seqs`` (``SequenceMetadata`` list or ``SequenceBatch``; the builders' checks and
+        messages, ``prepare_decode``'s int32 bounds) and write them into the host buffer only (no
+        copy); grows it unless ``fixed``."""
         b = extract_batch(seqs, cfg, is_prompt=False)
-        check_staging_int32(b, cfg)
+        check_decode_int32(b, cfg)
         return self.fill_arrays(b, cfg)
 
     def host_view(self, need: int) -> np.ndarray:
@@ -125,18 +156,12 @@ class DecodeStaging:
 
     def fill_arrays(self, b: BatchArrays, cfg: MetadataConfig) -> StagedDecode:
         """:meth:`fill` from already extracted and validated arrays (``extract_batch``'s)."""
+        layout = StagingLayout.of(cfg)
         self.wait()
         try:
-            return write_staging(self._view, b, cfg)
+            return layout.write_batch(self._view, b)
         except BufferError as e:
-            need = int(e.args[0])
-            if self.fixed:
-                raise ValueError(
-                    f"seqs: batch needs {need} staging elements, the fixed staging buffer holds {self.capacity}"
-                ) from None
-            logger.debug("growing decode staging buffer %d -> %d", self.capacity, need)
-            self._alloc(int(need * _GROWTH))
-            return write_staging(self._view, b, cfg)
+            return layout.write_batch(self.host_view(int(e.args[0])), b)  # grown, or the fixed buffer's error
 
     def load(self, data: torch.Tensor) -> None:
         """Copy a staged buffer received from another rank (CPU int32, already validated) into the
@@ -303,3 +328,65 @@ class DecodeStaging:
         self.check_capacity(staged)
         self.upload(staged)
         return staged
+
+
+def stage_decode(staging: DecodeStaging, st: "BatchState", slots: np.ndarray,
+                 draft_tokens: Optional[np.ndarray] = None, num_drafts: Optional[np.ndarray | int] = None,
+                 *, num_placeholders: int = 0, upload: bool = True, capacity: Any = ...) -> StagedDecode:
+    """``staging.stage(st.decode_batch(slots, draft_tokens, num_drafts, num_placeholders=...),
+    cfg)`` written STRAIGHT from the state arrays (``StagingLayout.write_state``): no
+    ``SequenceBatch``, no ``BatchArrays``. ``staging`` [capacity] int32 pinned host buffer +
+    device twin; ``slots`` int64 [n] live request slots; ``draft_tokens`` int32/int64
+    [sum(num_drafts)]; ``num_drafts`` int64 [n] or ONE int for every request.
+    ``upload=False``: fill the host buffer only (``staging.fill``'s contract: the caller uploads,
+    e.g. a CP driver broadcasting the buffer first). ``capacity``: the limits checked before the
+    host buffer is touched -- default ``staging.out_capacity``; an ``OutCapacity``; ``None`` for
+    none (a CP driver checks the ``out`` it was given, not the last one this staging fed).
+
+    Same staged batch, same errors, same capacity refusal, same upload (ONE non-blocking copy,
+    event recorded), same return value; ``launch_decode_inplace`` and graph replay read it
+    unchanged. The common step (no placeholders, one draft count for all) is ~12 (no drafts) to
+    ~18 (2 drafts) vectorized numpy calls over ``[n_seq]`` arrays, the vouching included, plus ONE
+    row gather of the ``[max_seqs, max_num_blocks]`` int32 table mirror (the tables sit at a fixed
+    stride: other staging bytes than ``write_batch``'s packed ones, the same metadata).
+
+    Falls back to the ``decode_batch`` + ``stage`` path (identical result, slower) when the fast
+    path cannot vouch for the batch: Engram configs (the look-back windows are written by
+    ``write_batch``), a batch the state's invariants do not validate (``seqlen_k >
+    max_model_len``, negative state id / valid start, too few blocks), a block id outside
+    ``[0, (2**31 - b_c) // b_c]``, any int32 overflow, or no real request (placeholders only).
+    Any error is thus the builders' own message.
+    Example: ``staged = stage_decode(staging, st, slots, drafts, 2); staging.replay(g)``.
+    """
+    n_ph = int(num_placeholders)
+    step = None if st.cfg.max_ngram_size or n_ph < 0 else st.vouch_decode(slots, draft_tokens, num_drafts)
+    if step is not None:
+        layout, cache = staging.state_cache_for(st)
+        staged = layout.plan_state(cache, step, n_ph)
+        if staged is not None:
+            _check(staging, staged, capacity)  # before the host buffer is touched
+            layout.write_state(cache, staging.host_view(staged.used), staged, step)
+            if upload:
+                staging.upload(staged)
+            return staged
+    return _slow(st, staging, slots, draft_tokens, num_drafts, n_ph, upload, capacity)
+
+
+def _slow(st: "BatchState", staging: DecodeStaging, slots: np.ndarray, draft_tokens: Optional[np.ndarray],
+          num_drafts: Optional[np.ndarray | int], n_ph: int, upload: bool, capacity: Any) -> StagedDecode:
+    """``staging.stage(st.decode_batch(...), cfg)`` (or ``fill`` + the capacity check without
+    ``upload``): the general path, its checks and errors."""
+    batch = st.decode_batch(slots, draft_tokens, num_drafts, num_placeholders=n_ph)
+    staged = staging.fill(batch, st.cfg)
+    _check(staging, staged, capacity)
+    if upload:
+        staging.upload(staged)
+    return staged
+
+
+def _check(staging: DecodeStaging, staged: StagedDecode, capacity: Any) -> None:
+    """``stage_decode``'s capacity rule: ``...`` the staging's ``out_capacity``, ``None`` none."""
+    if capacity is ...:
+        staging.check_capacity(staged)
+    elif capacity is not None:
+        capacity.check(staged)

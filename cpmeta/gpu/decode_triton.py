@@ -22,8 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import decode_staging as L
-from .decode_staging import DecodeBuffers
+from . import staging_header as L
+from .decode_buffers import DecodeBuffers
+from .staging_layout import StagingLayout
 from ..config import MetadataConfig
 from ..constants import PAD_SLOT_ID as _PAD, PLACEHOLDER_QUERY_INDEX as _PLACEHOLDER
 
@@ -257,24 +258,28 @@ def launch_decode_kernels(stg: torch.Tensor, cfg: MetadataConfig, b: DecodeBuffe
     block-table programs. Example: 256 sequences, 768 rows: 256 + 3 and 256 programs.
     """
     n_tail = triton.cdiv(max(b.q_cap, b.seq_cap + 1), BLOCK_T)
+    pos_t = b["positions"]
     # a field that does not exist (Engram, SWA or compressed KV off) or an empty stacked buffer
     # (no sparse / dense ratio) is never dereferenced: pass a real tensor, stride 0
     ngram, swa_slot, state_idx, swa_off_len, posc, slot_ca, klen, off_len = (
-        x if x is not None and x.numel() else b.positions
-        for x in (b.ngram_token_ids, b.slot_mapping_store_swa, b.state_block_idx, b.kv_swa_index_offset_len,
-                  b.positions_c, b.slot_mapping_store_ca, b.klen, b.kv_ca_index_offset_len)
+        x if x is not None and x.numel() else pos_t
+        for x in (b.get(n) for n in ("ngram_token_ids", "slot_mapping_store_swa", "state_block_idx",
+                                     "kv_swa_index_offset_len", "positions_c", "slot_mapping_store_ca", "klen",
+                                     "kv_ca_index_offset_len"))
     )
-    strides = (0 if x is None else x.stride(0) for x in (b.positions_c, b.klen, b.kv_ca_index_offset_len))
+    strides = (0 if x is None else x.stride(0) for x in (b.get(n) for n in ("positions_c", "klen",
+                                                                            "kv_ca_index_offset_len")))
+    n_ca, n_sp, n_dn = StagingLayout.of(cfg).ratio_counts  # the header's ratio words, in its order
+    bt = b["block_tables"]
     _decode_metadata_kernel[(b.seq_cap + n_tail,)](
-        stg, b.positions, b.input_ids, b.gate_force_random, ngram, b.cu_seqlens_q, b.cu_seqlens_k,
-        b.valid_token_mask, b.query_indices, swa_slot, state_idx, b.context_lens, swa_off_len,
+        stg, pos_t, b["input_ids"], b["gate_force_random"], ngram, b["cu_seqlens_q"], b["cu_seqlens_k"],
+        b["valid_token_mask"], b["query_indices"], swa_slot, state_idx, b["context_lens"], swa_off_len,
         posc, slot_ca, klen, off_len, b.seq_cap, b.q_cap, *strides,
         cfg.block_size, cfg.swa_block_size, cfg.window_size, cfg.max_num_blocks, cfg.ngram_pad_token,
-        G=cfg.max_ngram_size, N_CA=len(cfg.ca_ratios), N_SP=len(cfg.sparse_compress_ratios),
-        N_DN=len(cfg.dense_compress_ratios), GATE=cfg.force_load_balance, SWA=cfg.has_swa,
+        G=cfg.max_ngram_size, N_CA=n_ca, N_SP=n_sp, N_DN=n_dn, GATE=cfg.force_load_balance, SWA=cfg.has_swa,
         BLOCK_Q=BLOCK_Q, BLOCK_T=BLOCK_T,
     )
     _decode_block_tables_kernel[(b.seq_cap,)](
-        stg, b.block_tables, b.block_tables.stride(0), b.q_cap, b.block_tables.shape[1], cfg.block_size,
+        stg, bt, bt.stride(0), b.q_cap, bt.shape[1], cfg.block_size,
         cfg.min_ratio, cfg.kv_cp_world_size, cfg.kv_cp_interleave, BLOCK_C=BLOCK_C,
     )
