@@ -8,7 +8,10 @@ The package reads like one engine step (DESIGN sections 1-2)::
                         requests, deltas per step)
     cpmeta/builders/    scheduler input -> InputMetadata on the host (prepare_prompt, prepare_decode,
                         compute_attn_info)
-    cpmeta/broadcast/   MetadataBroadcaster: driver -> every rank of the CP group
+    cpmeta/broadcast/   MetadataBroadcaster (any dataclass), broadcast_tensor_dict: driver -> every
+                        rank of the CP group, on the one frame codec
+    cpmeta/replicate/   ReplicatedBatchState: every rank keeps the BatchState, the driver sends
+                        the step (the scheduler's ops) on the same codec
     cpmeta/cp/          per-rank context parallelism: zigzag mirror, YoCo views, slot mapping
     cpmeta/gpu/         device-side builders: in-place decode, Triton kernels
 
@@ -30,7 +33,8 @@ from .sequence import SequenceMetadata
 from .state import BatchState, SequenceBatch
 
 if TYPE_CHECKING:
-    from .broadcast import MetadataBroadcaster
+    from .broadcast import MetadataBroadcaster, broadcast_tensor_dict, close_tensor_dict_channels
+    from .replicate import ReplicatedBatchState
     from .builders import compute_attn_info, prepare_decode, prepare_prompt
     from .cp import (
         compute_slot_mapping,
@@ -73,6 +77,9 @@ _LAZY: dict[str, str] = {
     "cp_kv_read_plan": "cpmeta.cp.kv_read_plan",
     "KVReadPlan": "cpmeta.cp.kv_read_plan",
     "MetadataBroadcaster": "cpmeta.broadcast.broadcaster",
+    "broadcast_tensor_dict": "cpmeta.broadcast.tensor_dict",
+    "close_tensor_dict_channels": "cpmeta.broadcast.tensor_dict",
+    "ReplicatedBatchState": "cpmeta.replicate.replicated",
     "prepare_decode_inplace": "cpmeta.gpu.decode_inplace",
     "launch_decode_inplace": "cpmeta.gpu.decode_inplace",
     "capture_decode_graph": "cpmeta.gpu.decode_inplace",
@@ -111,6 +118,9 @@ __all__ = [
     "KVReadPlan",
     "blocks_needed",
     "MetadataBroadcaster",
+    "broadcast_tensor_dict",
+    "close_tensor_dict_channels",
+    "ReplicatedBatchState",
     "prepare_decode_inplace",
     "launch_decode_inplace",
     "capture_decode_graph",
