@@ -93,20 +93,17 @@ class StagedDecodeBroadcaster:
         timeout, force_remote: as for ``transport.ObjectChannel``.
     """
 
-    def __init__(self, cfg: MetadataConfig, group: Any = None, src: Optional[int] = None, *,
-                 group_src: Optional[int] = None, device: Optional[torch.device | str] = None,
-                 staging: Optional[DecodeStaging] = None, backend: str = "auto",
-                 timeout: Optional[float] = None, force_remote: Optional[bool] = None,
-                 checksum: Optional[bool] = None) -> None:
-        from .. import envs
-        from ..broadcast.channel import FrameChannel, resolve_src
-        from .staged_frame import STAGED_SCHEMA, error_key, staged_key
+    def __init__(self, cfg: MetadataConfig, group: Any = None, src: int = 0, *,
+                 device: Optional[torch.device | str] = None, staging: Optional[DecodeStaging] = None,
+                 backend: str = "auto", timeout: Optional[float] = None,
+                 force_remote: Optional[bool] = None) -> None:
+        from transport import ObjectChannel  # cpmeta -> transport, never the reverse
 
         self.cfg = cfg
         self.group = group if group is not None else dist.group.WORLD
-        self.src = resolve_src(self.group, src, group_src)
+        self.src = src
         self.rank = dist.get_rank()
-        self.is_src = self.rank == self.src
+        self.is_src = self.rank == src
         if device is None:
             nccl = "nccl" in str(dist.get_backend(self.group)).lower()
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
@@ -116,11 +113,8 @@ class StagedDecodeBroadcaster:
         if not _same_device(self.staging.device, self.device):
             raise ValueError(f"staging: expected a staging buffer for {self.device}, got one for "
                              f"{self.staging.device}")
-        self._ch = FrameChannel(self.group, self.src, STAGED_SCHEMA, what="StagedDecodeBroadcaster",
-                                timeout=timeout, force_remote=force_remote,
-                                checksum=envs.checksum() if checksum is None else bool(checksum))
-        self._keys = (staged_key(), error_key())
-        self._alone = not self._ch.has_readers  # CP size 1: the driver skips the (empty) broadcast
+        self._ch = ObjectChannel(self.group, src, timeout=timeout, force_remote=force_remote, schema=_SCHEMA)
+        self._alone = len(self._ch.ranks) == 1  # CP size 1: the driver skips the (empty) broadcast
 
     # ---- public -------------------------------------------------------------------------------
     def broadcast(self, seqs: Optional[Sequence[SequenceMetadata]] = None, *, out: Out = None,
@@ -204,11 +198,14 @@ class StagedDecodeBroadcaster:
         except ValueError as e:
             if self._alone:
                 raise
-            self._ch.send_packed(self._keys[1], [], [str(e)])
+            self._ch.broadcast_packed({"error": str(e)}, [])
             raise
         if self._alone:  # a group of one: nobody to send to
             return staged
-        self._ch.send_packed(self._keys[0], [self.staging.host_buffer[: staged.used]], staged_values(staged))
+        self._ch.broadcast_packed(
+            [STAGED_DECODE_VERSION, staged.num_seqs, staged.total_q, staged.total_k, staged.max_seqlen_q,
+             staged.max_seqlen_k, staged.used, staged.max_blocks],
+            [self.staging.host_buffer[: staged.used]])
         return staged
 
     def _state_fill(self, state: "BatchState", slots: np.ndarray, draft_tokens: Optional[np.ndarray],
@@ -228,13 +225,21 @@ class StagedDecodeBroadcaster:
         return fill
 
     def _receive(self) -> StagedDecode:
+        from transport import CodecError
+
         where = f"rank {self.rank}: staged decode message from src={self.src}"
-        frame, tensors = self._ch.recv_packed()  # header, schema, layout, dtype and rank proven
-        if frame.plan.key == self._keys[1]:
-            raise RuntimeError(f"{where}: the driver refused the batch: {frame.values[0]}")
-        if frame.plan.key != self._keys[0]:
-            raise RuntimeError(f"{where} is malformed: layout {frame.plan.tensor_paths} is not a staged step")
-        staged = staged_of(frame.values)
+        try:
+            obj, tensors = self._ch.broadcast_packed()
+        except CodecError as e:
+            raise RuntimeError(f"{where} rejected: {e}") from e
+        if type(obj) is dict and set(obj) == {"error"}:
+            raise RuntimeError(f"{where}: the driver refused the batch: {obj['error']}")
+        if (type(obj) is not list or len(obj) != _N_SCALARS or not all(type(x) is int for x in obj)
+                or obj[0] != STAGED_DECODE_VERSION):
+            raise RuntimeError(f"{where} is malformed: expected [{STAGED_DECODE_VERSION}, 7 ints], got {obj!r:.120}")
+        if len(tensors) != 1 or tensors[0].dtype != torch.int32 or tensors[0].dim() != 1:
+            raise RuntimeError(f"{where} is malformed: expected ONE 1-D int32 tensor")
+        staged = StagedDecode(*obj[1:])
         why = check_staged_layout(tensors[0].numpy(), staged, self.cfg)
         if why is not None:
             raise RuntimeError(f"{where} is malformed: {why}")
