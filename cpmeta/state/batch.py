@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -45,14 +45,15 @@ def prefix(lengths: np.ndarray) -> np.ndarray:
     return cu
 
 
-@dataclass(frozen=True, slots=True, eq=False)
-class Vouch:
-    """What the maker of a :class:`SequenceBatch` vouches for, under ONE config ``cfg``.
+class Vouch(NamedTuple):
+    """What the maker of a :class:`SequenceBatch` vouches for, under ONE config ``cfg``
+    (immutable; a tuple because the decode fast path makes one per step).
 
     Every vouched batch passed ``SequenceBatch.validate(cfg)``'s checks (or its maker's
     invariants cover them): its builders skip ``validate`` and may rely on its token windows
     holding ids in ``[0, 2**31 - 1]``. Two optional arrays a ``BatchState`` knows already, so
-    the builders do not recompute them (read-only):
+    the builders do not recompute them (read-only numpy arrays, flagged so by the named
+    constructors of ``cpmeta/state/vouched.py``):
 
     - ``blocks_needed`` ``[n_seq]`` int64: ``blocks_needed(seqlen_k)`` of every sequence;
     - ``block_rows32`` ``[n_seq, cfg.max_num_blocks]`` int32: each sequence's first
@@ -65,11 +66,6 @@ class Vouch:
     cfg: MetadataConfig
     blocks_needed: Optional[np.ndarray] = None  # [n_seq] int64, blocks_needed(seqlen_k) under cfg
     block_rows32: Optional[np.ndarray] = None  # [n_seq, max_num_blocks] int32, -1 padded
-
-    def __post_init__(self) -> None:
-        for a in (self.blocks_needed, self.block_rows32):
-            if a is not None:
-                a.flags.writeable = False
 
 
 @dataclass(slots=True, eq=False)

@@ -35,6 +35,9 @@ def vouched_batch(cfg: MetadataConfig, *, blocks_needed: Optional[np.ndarray] = 
     block_rows32)``): the caller guarantees that ``validate(cfg)`` would pass (see
     :class:`~cpmeta.state.batch.Vouch` for what the two arrays must hold)."""
     batch = SequenceBatch(**fields)
+    for a in (blocks_needed, block_rows32):
+        if a is not None:
+            a.flags.writeable = False
     batch._vouch = Vouch(cfg, blocks_needed, block_rows32)
     return batch
 
@@ -92,6 +95,7 @@ def vouched_decode_batch(cfg: MetadataConfig, *, seqlen_q: np.ndarray, seqlen_k:
     b.tokens, b.token_offsets = tokens, token_offsets
     b.compressed, b.compressed_offsets = compressed, compressed_offsets
     b.lookback = 0
+    block_rows32.flags.writeable = False
     b._rows = (block_rows32, num_blocks)
     b._vouch = Vouch(cfg, None, block_rows32)
     return b
