@@ -119,7 +119,7 @@ class StateStore:
     def _init_fast_path(self, cfg: MetadataConfig, n: int) -> None:
         """The int32 mirrors and per-slot flags of the decode fast paths, kept by every mutator."""
         # [max_seqs, max_num_blocks] int32 mirror of block_table's first max_num_blocks ids, -1
-        # padded: a decode step's block_tables rows (SequenceBatch._bt2d) in one row gather
+        # padded: a decode step's block_tables rows (Vouch.block_rows32) in one row gather
         self._bt32 = np.full((n, cfg.max_num_blocks), -1, np.int32)
         # [max_seqs] the slot's own checks hold (every id of its table in [0, _bt_max]: the int32
         # mirror is exact and every compressed slot fits int32; state id in [0, _state_max]: its
