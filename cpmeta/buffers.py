@@ -13,15 +13,16 @@ A builder's ``out=`` is one of three things, dispatched in one place per builder
   decides where that memory lives and how long a result stays valid. :class:`OutputArenas` is the
   implementation for an engine loop (one arena per batch shape, refilled every step).
 
-Host buffers are pinned when CUDA is available, so the separate host-to-device step can copy them
-with ``non_blocking=True``.
+A builder takes each output field through :func:`alloc` / :func:`alloc_stacked` (the tensor and
+its numpy view, from whichever of the three it was handed). Host buffers are pinned when CUDA is
+available, so the separate host-to-device step can copy them with ``non_blocking=True``.
 """
 
 from __future__ import annotations
 
 import abc
 import functools
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -29,7 +30,7 @@ import torch
 from .cache import BoundedCache
 
 __all__ = ["get_or_create_tensor", "get_or_create_stacked", "ArenaLayout", "HostArena", "OutputBuffers",
-           "OutputArenas", "ARENA_ALIGN"]
+           "OutputArenas", "ARENA_ALIGN", "AllocOut", "alloc", "alloc_stacked"]
 
 #: Byte alignment of every tensor carved out of a :class:`HostArena`.
 ARENA_ALIGN = 64
@@ -284,3 +285,38 @@ class OutputArenas(OutputBuffers):
 
     def __len__(self) -> int:
         return len(self._arenas)
+
+
+#: Where :func:`alloc` / :func:`alloc_stacked` put a field: the caller's ``out`` dict (reused and
+#: filled), a :class:`HostArena` (its views), or ``None`` (a new tensor each).
+AllocOut = Union[dict[str, torch.Tensor], HostArena, None]
+
+
+def alloc(
+    out: AllocOut, name: str, shape: Sequence[int], dtype: torch.dtype
+) -> tuple[torch.Tensor, np.ndarray]:
+    """``get_or_create_tensor`` plus the tensor's numpy view (same memory) for vectorized fills;
+    with a :class:`~cpmeta.buffers.HostArena` as ``out``, the arena's view of that field."""
+    if isinstance(out, HostArena):
+        got = out.take(name)
+        if got is not None:
+            return got
+        out = None
+    t = get_or_create_tensor(out, name, tuple(shape), dtype)
+    return t, t.numpy()
+
+
+def alloc_stacked(
+    out: AllocOut, name: str, ratios: Sequence[int], shape: Sequence[int],
+) -> tuple[dict[str, torch.Tensor], np.ndarray]:
+    """``get_or_create_stacked`` for int32 per-ratio rows: ``({"4": row view, ...}, numpy view
+    of the whole [len(ratios), *shape] buffer)``. Example: ratios ``(4, 128)``, shape ``(5,)``
+    -> a ``[2, 5]`` buffer whose rows are ``md.<name>["4"]`` and ``md.<name>["128"]``."""
+    if isinstance(out, HostArena):
+        got = out.take_rows(name)
+        if got is not None:
+            rows, a = got
+            return {str(r): t for r, t in zip(ratios, rows)}, a
+        out = None
+    t, views = get_or_create_stacked(out, name, [str(r) for r in ratios], tuple(shape), torch.int32)
+    return views, t.numpy()

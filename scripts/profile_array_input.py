@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_build import _state_from, decode_batch, prompt_batch  # noqa: E402
 from cpmeta import MetadataConfig, prepare_decode, prepare_prompt  # noqa: E402
-from cpmeta.builders import common, decode, prompt  # noqa: E402
+from cpmeta.builders import common_fields as common, decode, prompt  # noqa: E402
 from cpmeta.builders.extract import extract_batch  # noqa: E402
 from cpmeta.gpu.decode_staging import DecodeStaging, stage_decode, staging_capacity  # noqa: E402
 from cpmeta.gpu.staging_layout import StagingLayout  # noqa: E402

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from cpmeta import MetadataConfig, SequenceMetadata, prepare_decode, prepare_prompt
-from cpmeta.builders.arrays import loaded_compressed_len
+from cpmeta.builders.int_ops import loaded_compressed_len
 from cpmeta.builders.extract import extract_batch
 from cpmeta.builders.load_plan import paged_load_segments, swa_load_segments
 from cpmeta.builders.attn_info import (

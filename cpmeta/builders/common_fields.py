@@ -9,7 +9,9 @@ import torch
 
 from ..config import MetadataConfig
 from ..constants import INT32_MAX, PAD_SLOT_ID, PLACEHOLDER_QUERY_INDEX
-from .arrays import AllocOut, BatchArrays, alloc, check_int32, fdiv, fmod
+from ..buffers import AllocOut, alloc
+from .batch_arrays import BatchArrays
+from .int_ops import check_int32, fdiv, fmod
 from .ngram import fill_ngram_token_ids
 
 __all__ = ["fill_common", "check_common_int32", "compressed_slots"]

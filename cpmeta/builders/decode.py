@@ -21,9 +21,10 @@ from ..constants import INT32_MAX, PAD_SLOT_ID
 from ..cache import BoundedCache, IdentityCache
 from ..fields import DECODE, FieldTable, stacked_fields, step_outputs
 from ..metadata import FIELDS, InputMetadata
-from ..buffers import ArenaLayout, HostArena, OutputBuffers
-from .arrays import AllocOut, BatchArrays, alloc, alloc_stacked, check_int32, fmod
-from .common import check_common_int32, fill_common
+from ..buffers import AllocOut, ArenaLayout, HostArena, OutputBuffers, alloc, alloc_stacked
+from .batch_arrays import BatchArrays
+from .common_fields import check_common_int32, fill_common
+from .int_ops import check_int32, fmod
 from .extract import BatchInput, extract_batch
 
 __all__ = ["prepare_decode", "DECODE_STACKED_FIELDS", "check_decode_out", "check_decode_int32"]

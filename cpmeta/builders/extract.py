@@ -16,7 +16,7 @@ import numpy as np
 
 from ..config import MetadataConfig, blocks_needed_array
 from ..sequence import SequenceMetadata
-from .arrays import BatchArrays, arange_ro, expand_rows
+from .batch_arrays import BatchArrays, arange_ro, expand_rows
 from ..state.batch import SequenceBatch
 
 __all__ = ["extract_batch", "as_sequence_batch", "BatchInput"]

@@ -14,7 +14,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .arrays import BatchArrays, alloc, cdiv
+from ..buffers import alloc
+from .batch_arrays import BatchArrays
+from .int_ops import cdiv
 from ..config import MetadataConfig
 from ..constants import NO_SOURCE_BLOCK
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .arrays import AllocOut, BatchArrays, alloc
+from ..buffers import AllocOut, alloc
+from .batch_arrays import BatchArrays
 from ..config import MetadataConfig
 from ..constants import INT32_MAX
 

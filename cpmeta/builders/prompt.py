@@ -25,8 +25,10 @@ from ..config import MetadataConfig
 from ..metadata import InputMetadata
 from ..constants import INT32_MAX
 from ..state.batch import prefix
-from .arrays import BatchArrays, alloc, arange_ro, check_int32, expand_rows, fdiv, loaded_compressed_len
-from .common import check_common_int32, compressed_slots, fill_common
+from ..buffers import alloc
+from .batch_arrays import BatchArrays, arange_ro, expand_rows
+from .common_fields import check_common_int32, compressed_slots, fill_common
+from .int_ops import check_int32, fdiv, loaded_compressed_len
 from .extract import BatchInput, extract_batch
 from .load_plan import paged_load_segments, swa_load_segments
 from .yoco import build_yoco_fields

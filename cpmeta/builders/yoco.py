@@ -56,7 +56,8 @@ from ..constants import PAD_SLOT_ID
 from ..fields import MIRROR, YOCO_COMPACT, YOCO_MASK, fields_with
 from ..metadata import FIELDS
 from ..sequence import SequenceMetadata
-from .arrays import BatchArrays, alloc
+from ..buffers import alloc
+from .batch_arrays import BatchArrays
 from ..state.batch import SequenceBatch
 from .swa_pivots import NUM_PIVOTS, Arr, swa_visibility_pivots
 

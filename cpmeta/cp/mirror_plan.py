@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..builders.arrays import loaded_compressed_len
+from ..builders.int_ops import loaded_compressed_len
 from ..constants import INT32_MAX
 
 __all__ = [

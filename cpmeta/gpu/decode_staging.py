@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import numpy as np
 import torch
 
-from ..builders.arrays import BatchArrays
+from ..builders.batch_arrays import BatchArrays
 from ..builders.decode import check_decode_int32
 from ..builders.extract import BatchInput, extract_batch
 from ..config import MetadataConfig

@@ -50,7 +50,7 @@ from .staging_header import (
 from .staging_state import StateStagingCache, state_plan, write_state_rows
 
 if TYPE_CHECKING:
-    from ..builders.arrays import BatchArrays
+    from ..builders.batch_arrays import BatchArrays
     from ..state.batch_state import BatchState
     from ..state.decode_fast import VouchedStep
 
