@@ -35,6 +35,11 @@ in library code), so keep them small and plain (ints, lists, tensors).
 
 For fault injection, :func:`spawn_ranks` returns a :class:`RankGroup` whose processes can be
 killed (``group.kill(rank)``) before ``group.results(allow_dead=...)`` collects the others.
+
+Several "hosts" (tests/netns.py): ``rank_env`` gives each rank its own variables on top of ``env``
+(e.g. ``MASTER_ADDR`` and a host id), and ``child_setup(rank)`` (a picklable callable) runs in
+each child before anything else -- before the watchdog thread starts and before torch is
+imported -- e.g. to move the process into a network namespace (``tests/netns.EnterNetns``).
 Children also exit on their own if the parent process disappears (a watchdog thread polls the
 parent pid), so an interrupted test run leaves no orphan processes behind.
 """
@@ -54,7 +59,7 @@ import time
 import traceback
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
-from typing import Any, Callable, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import multiprocessing as mp
 
@@ -89,8 +94,18 @@ def _parent_watchdog(parent_pid: int) -> None:
 
 
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, args: tuple, backend: str,
-            timeout: float, init: bool, seed: int, parent_pid: int, out: Any) -> None:
+            timeout: float, init: bool, seed: int, parent_pid: int, out: Any,
+            child_setup: Optional[Callable[[int], None]] = None) -> None:
     """Child entry point (runs in the spawned process)."""
+    if child_setup is not None:
+        try:
+            child_setup(rank)  # first: no thread exists yet (a namespace switch is per thread)
+        except BaseException:  # noqa: BLE001 - reported like any rank failure
+            out.put((rank, False, f"rank {rank} (pid {os.getpid()}): child_setup failed:\n"
+                                  f"{traceback.format_exc()}"))
+            out.close()
+            out.join_thread()
+            os._exit(1)
     threading.Thread(target=_parent_watchdog, args=(parent_pid,), daemon=True).start()
     code = 0
     try:
@@ -224,14 +239,20 @@ class RankGroup:
 
 def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
                 timeout: float = 120.0, env: Optional[Mapping[str, str]] = None,
-                init: bool = True, seed: Optional[int] = None) -> RankGroup:
+                init: bool = True, seed: Optional[int] = None,
+                rank_env: Optional[Sequence[Mapping[str, str]]] = None,
+                child_setup: Optional[Callable[[int], None]] = None) -> RankGroup:
     """Start ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes and return at once.
 
     ``fn`` must be a module-level function (the spawn context pickles it by qualified name);
     ``args`` must be picklable. The returned group's deadline is ``timeout`` seconds from now.
+    ``rank_env[r]`` (one mapping per rank) is applied after ``env`` for rank ``r``;
+    ``child_setup(rank)`` runs first thing in every child (see the module docstring).
     """
     if world_size < 1:
         raise ValueError(f"world_size: expected >= 1, got {world_size}")
+    if rank_env is not None and len(rank_env) != world_size:
+        raise ValueError(f"rank_env: expected one mapping per rank ({world_size}), got {len(rank_env)}")
     if seed is None:
         seed = int(os.environ.get(SEED_ENV, "0")) or random.randrange(1, 2**31)
     port = free_port()
@@ -246,10 +267,11 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: st
     group = RankGroup(procs, port, seed, deadline, out)
     try:
         for rank in range(world_size):
-            child_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), **(env or {})}
+            child_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), **(env or {}),
+                         **(rank_env[rank] if rank_env is not None else {})}
             p = ctx.Process(target=_worker, name=f"rank{rank}", daemon=True,
                             args=(fn, rank, world_size, args, backend, timeout, init, seed,
-                                  os.getpid(), out))
+                                  os.getpid(), out, child_setup))
             _start_with_env(p, child_env)
             procs.append(p)
     except BaseException:
@@ -275,12 +297,13 @@ def _start_with_env(p: BaseProcess, child_env: Mapping[str, str]) -> None:
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo",
               timeout: float = 120.0, env: Optional[Mapping[str, str]] = None, init: bool = True,
-              seed: Optional[int] = None) -> list[Any]:
+              seed: Optional[int] = None, rank_env: Optional[Sequence[Mapping[str, str]]] = None,
+              child_setup: Optional[Callable[[int], None]] = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return the per-rank results.
 
     Raises :class:`RankFailure` (an ``AssertionError``) with the failing rank's traceback when a
     rank raises, crashes, exits non-zero, or the whole run exceeds ``timeout`` seconds.
     """
     with spawn_ranks(fn, world_size, *args, backend=backend, timeout=timeout, env=env,
-                     init=init, seed=seed) as group:
+                     init=init, seed=seed, rank_env=rank_env, child_setup=child_setup) as group:
         return group.results()

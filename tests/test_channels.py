@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from typing import Any
 
 import pytest
@@ -99,11 +100,7 @@ def _forced(rank: int, world_size: int) -> dict:
 
 
 def _mixed(rank: int, world_size: int) -> dict:
-    from transport import _dist
-
-    if rank == 2:  # pretend rank 2 lives on another machine
-        _dist._host_key = lambda: b"elsewhere|boot"  # type: ignore[assignment]
-    return _exercise(rank, None, 0, 5, force_remote=False)
+    return _exercise(rank, None, 0, 5, force_remote=False)  # rank 2: CPMETA_HOST_ID=elsewhere
 
 
 def _subgroup(rank: int, world_size: int) -> dict:
@@ -127,7 +124,10 @@ def test_forced_remote_by_env() -> None:
 
 
 def test_mixed_local_and_remote_followers() -> None:
-    out = run_ranks(_mixed, 3, timeout=200)
+    """Rank 2 says it runs on another host (``CPMETA_HOST_ID``, as in production with the same
+    hostname and boot id): it gets the frames over the process group, rank 1 over the ring."""
+    ids = [{"CPMETA_HOST_ID": h} for h in ("here", "here", "elsewhere")]
+    out = run_ranks(_mixed, 3, timeout=200, rank_env=ids)
     assert out == [{"local": [1], "remote": [2]}] * 3
 
 
@@ -230,7 +230,7 @@ def _remote_follower_killed(rank: int, world_size: int) -> str:
 def test_process_group_path_names_the_dead_rank() -> None:
     with spawn_ranks(_remote_follower_killed, 3, timeout=120) as group:
         out = group.results(allow_dead=[2])
-    assert "rank 2 (pid" in out[0] and "died" in out[0]
+    assert re.search(r"rank 2 \(host [^)]+\) died \(pid \d+\)", out[0]), out[0]
 
 
 # (patched platform facts, ring expected) -- the facts _futex derives from the CPU at import

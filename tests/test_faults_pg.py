@@ -32,7 +32,7 @@ def test_stall_on_process_group_path(tmp_path: Path, sleeper: int) -> None:
     assert waiting, recs
     for rec in waiting:
         assert rec["etype"] in ("TimeoutError", "PeerError"), rec
-        want = "rank 0 (src) sent no message" if rec["rank"] else "rank 2"
+        want = "rank 0 (src, host " if rec["rank"] else "rank 2 (host "
         if rec["etype"] == "TimeoutError":
             assert want in rec["error"], rec
         ttd = _ttd(f"stall-process-group-path[{'driver' if sleeper == 0 else 'follower'}]", rec,

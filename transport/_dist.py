@@ -1,10 +1,29 @@
-"""torch.distributed helpers of the transport package (CPU/gloo control traffic, no pickle)."""
+"""torch.distributed helpers of the transport package (CPU/gloo control traffic, no pickle).
+
+Remote frames (:func:`bcast_frame`) travel point-to-point, from the source to each follower: the
+head (the first ``REMOTE_INLINE_BYTES`` and a length word), then, for a larger frame, the rest::
+
+    head (uint8, REMOTE_INLINE_BYTES + 8):  | frame[:8192] (or an abort reason) | length u64 |
+    length == ABORT_LENGTH: the source gave up on the channel; the data is its reason (UTF-8)
+
+Why point-to-point: gloo completes a send only once the receiver has posted the matching receive
+(its "ready" notice is the follower's acknowledgement word), so the source waits for each
+follower on its own work handle and a stall is pinned on exactly the followers whose send did
+not complete -- a broadcast can only say "one of them". Its cost, measured against the
+broadcast it replaced, is in docs/reliability.md ("Process-group path").
+
+After a stall the group is spent: gloo closes every connection of a group whose wait timed out
+("Application timeout caused pair closure"), so the healthy followers see ``src`` close. ``src``
+leaves its reason in torch.distributed's default store (:func:`post_reason`) and a follower
+whose connection closed reads it (:func:`fetch_reason`); when no wait timed out (a follower
+died) the group still works and ``src`` tells the others over it (:func:`send_abort`).
+"""
 
 from __future__ import annotations
 
-import os
 import socket
 import struct
+import threading
 import time
 from datetime import timedelta
 from typing import Any, Optional
@@ -16,14 +35,36 @@ from . import envs
 from .codec import CodecError
 from .coalesce import tensor_memoryview
 
-__all__ = ["group_ranks", "gloo_group", "cpu_group", "peer_info", "bcast_frame", "REMOTE_INLINE_BYTES"]
+__all__ = ["group_ranks", "gloo_group", "cpu_group", "host_key", "host_label", "wait_work",
+           "bcast_frame", "send_abort", "post_reason", "fetch_reason", "RemoteFailure",
+           "RemoteAbort", "REMOTE_INLINE_BYTES", "HOST_KEY_BYTES"]
 
-HOST_KEY_BYTES = 256  # fixed width of a gathered host key
-REMOTE_INLINE_BYTES = 8192  # first send of a remote message: length + this many bytes
+HOST_KEY_BYTES = 256  # most bytes of a host key (the setup exchange carries it)
+REMOTE_INLINE_BYTES = 8192  # head of a remote message: this many bytes + the length word
 MIN_WAIT_S = 1e-3  # shortest wait handed to a work handle
+HEAD_TAG = 0x43504D48  # point-to-point tag of remote heads ("CPMH")
+ABORT_LENGTH = (1 << 64) - 1  # length word of an abort head
+ABORT_WAIT_S = 0.5  # how long the source waits for its abort notices to go out
 _LEN = struct.Struct("<Q")
-_PID = struct.Struct("<Q")
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
+_ABANDONED: list[Any] = []  # (work, tensor) of waits given up: gloo may still write into them
+
+
+class RemoteFailure(Exception):
+    """Source side of :func:`bcast_frame`: ``stalled`` (followers whose send did not complete
+    by the deadline) and ``broken`` (follower -> the process group's error) name them exactly."""
+
+    def __init__(self, stalled: list[int], broken: dict[int, str], timeout_s: float) -> None:
+        self.stalled, self.broken, self.timeout_s = stalled, broken, timeout_s
+        super().__init__(f"stalled {stalled}, broken {sorted(broken)}")
+
+
+class RemoteAbort(Exception):
+    """Follower side: the source sent an abort head; ``reason`` is its text."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(reason)
 
 
 def group_ranks(group: Any) -> list[int]:
@@ -33,23 +74,34 @@ def group_ranks(group: Any) -> list[int]:
 
 def gloo_group(ranks: list[int], timeout_s: float) -> Any:
     """A new gloo group over global ``ranks`` whose collectives time out after ``timeout_s``.
-    Only the members call it (local synchronization)."""
-    return dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=timeout_s),
-                          use_local_synchronization=True)
+    Only the members call it (local synchronization); creating it waits at most ``timeout_s``
+    for the others (``TimeoutError`` naming the ranks otherwise)."""
+    try:
+        return dist.new_group(ranks, backend="gloo", timeout=timedelta(seconds=timeout_s),
+                              use_local_synchronization=True)
+    except (RuntimeError, ValueError) as e:  # torch's DistStoreError is a RuntimeError
+        if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+            raise
+        raise TimeoutError(f"creating a gloo group over ranks {ranks} did not complete within "
+                           f"{timeout_s:g} s (a member did not take part): {e}") from None
 
 
 def cpu_group(group: Any, timeout_s: float) -> Any:
     """``group`` itself when its backend moves CPU tensors (gloo), else a new gloo group over the
-    same ranks (collective over ``group``'s members)."""
+    same ranks (collective over ``group``'s members, bounded by ``timeout_s``)."""
     backend = str(dist.get_backend(group)).lower()
     if "gloo" in backend:
         return group
     return gloo_group(group_ranks(group), timeout_s)
 
 
-def _host_key() -> bytes:
-    """Host identity: hostname + kernel boot id (two containers with one hostname still differ
-    when they are different machines)."""
+def host_key() -> bytes:
+    """This process's host identity: ``id:<CPMETA_HOST_ID>`` when set, else hostname + kernel
+    boot id (two containers with one hostname still differ when they are different machines).
+    Ranks with equal keys try the shared-memory ring."""
+    explicit = envs.host_id()
+    if explicit is not None:
+        return b"id:" + explicit.encode("utf-8", "surrogateescape")
     try:
         with open(_BOOT_ID, "rb") as f:
             boot = f.read().strip()
@@ -58,73 +110,174 @@ def _host_key() -> bytes:
     return (socket.gethostname().encode("utf-8", "replace") + b"|" + boot)[:HOST_KEY_BYTES]
 
 
-def peer_info(group: Any) -> list[tuple[bytes, int]]:
-    """Collective over the gloo ``group``: every member's (host key, pid), in group-rank order.
-    Sent as fixed-size byte tensors (nothing is unpickled)."""
-    mine = torch.zeros(HOST_KEY_BYTES + _PID.size, dtype=torch.uint8)
-    key = _host_key()
-    view = tensor_memoryview(mine)
-    view[:len(key)] = key
-    _PID.pack_into(view, HOST_KEY_BYTES, os.getpid())
-    out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(out, mine, group=group)
-    info = []
-    for t in out:
-        raw = bytes(tensor_memoryview(t))
-        info.append((raw[:HOST_KEY_BYTES].rstrip(b"\0"), _PID.unpack_from(raw, HOST_KEY_BYTES)[0]))
-    return info
+def host_label(key: bytes) -> str:
+    """How error messages name the host of ``key``: the explicit id, else the hostname."""
+    text = key.decode("utf-8", "replace")
+    return text[3:] if text.startswith("id:") else text.split("|", 1)[0]
+
+
+def _timed_out(e: BaseException, deadline: float) -> bool:
+    return time.monotonic() >= deadline or "timed out" in str(e).lower()
+
+
+def wait_work(work: Any, deadline: float, keep: Any = None) -> bool:
+    """Wait for ``work`` until ``deadline`` (CLOCK_MONOTONIC): True when it completed, False when
+    it timed out (``work`` and ``keep``, the tensor it reads or writes, are then kept alive for
+    good: gloo may still touch it). Other failures (a closed connection) raise ``RuntimeError``."""
+    try:
+        work.wait(timedelta(seconds=max(MIN_WAIT_S, deadline - time.monotonic())))
+        return True
+    except RuntimeError as e:
+        if not _timed_out(e, deadline):
+            raise
+        _ABANDONED.append((work, keep))
+        return False
+
+
+def _head(n: int, data: Optional[torch.Tensor] = None, text: bytes = b"") -> torch.Tensor:
+    head = torch.empty(REMOTE_INLINE_BYTES + _LEN.size, dtype=torch.uint8)
+    view = tensor_memoryview(head)
+    _LEN.pack_into(view, REMOTE_INLINE_BYTES, n)
+    if data is not None:
+        head[:min(n, REMOTE_INLINE_BYTES)] = data[:REMOTE_INLINE_BYTES]
+    if text:
+        view[:len(text)] = text
+    return head
+
+
+def _store() -> Any:
+    """torch.distributed's default store (the rendezvous TCPStore every rank holds), or None."""
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def _bounded(fn: Any, wait_s: float) -> None:
+    """Run ``fn()`` on a daemon thread for at most ``wait_s``: a store op on a cut-off host
+    blocks for the store's own timeout, which must not hold up the caller."""
+    t = threading.Thread(target=fn, name="cpmeta-reason", daemon=True)
+    t.start()
+    t.join(wait_s)
+
+
+def post_reason(key: str, reason: str, wait_s: float = ABORT_WAIT_S) -> None:
+    """``src``, after a failure that closed the process group (gloo closes every connection of
+    a group whose wait timed out): leave ``reason`` under ``key`` in the default store, where
+    :func:`fetch_reason` finds it. Best effort, at most ``wait_s``; never raises."""
+    store = _store()
+    if store is None:
+        return
+
+    def put() -> None:
+        try:
+            store.set(key, reason.encode("utf-8", "replace"))
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+
+    _bounded(put, wait_s)
+
+
+def fetch_reason(key: str, wait_s: float = ABORT_WAIT_S) -> Optional[str]:
+    """A follower whose connection to ``src`` closed: ``src``'s reason under ``key`` if it
+    arrives within ``wait_s`` (None otherwise: ``src`` died, or cannot reach the store)."""
+    store = _store()
+    if store is None:
+        return None
+    box: list[str] = []
+
+    def get() -> None:
+        try:
+            store.wait([key], timedelta(seconds=wait_s))
+            box.append(bytes(store.get(key)).decode("utf-8", "replace"))
+        except Exception:  # noqa: BLE001 - no reason: the caller says what it saw
+            pass
+
+    _bounded(get, wait_s + 0.1)
+    return box[0] if box else None
+
+
+def _send_all(parts: list[torch.Tensor], followers: list[int], group: Any, deadline: float,
+              timeout_s: float) -> None:
+    """Point-to-point sends of ``parts`` (in order) to every follower, each waited for until
+    ``deadline``; :class:`RemoteFailure` naming every follower that did not take them all."""
+    works = [(r, [dist.isend(t, dst=r, group=group, tag=HEAD_TAG) for t in parts])
+             for r in followers]
+    stalled, broken = [], {}
+    for r, mine in works:
+        try:
+            if not all([wait_work(w, deadline, t) for w, t in zip(mine, parts)]):
+                stalled.append(r)
+        except RuntimeError as e:
+            if stalled:  # gloo closed the group at the first timeout: this one was not done
+                stalled.append(r)
+            else:
+                broken[r] = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if stalled or broken:
+        raise RemoteFailure(stalled, broken, timeout_s)
+
+
+def _recv(t: torch.Tensor, src: int, group: Any, deadline: float, timeout_s: float,
+          what: str) -> None:
+    if not wait_work(dist.irecv(t, src=src, group=group, tag=HEAD_TAG), deadline, t):
+        raise TimeoutError(f"process group: rank {src} (src) {what} within {timeout_s:g} s "
+                           f"(CPMETA_TRANSPORT_TIMEOUT / timeout=)")
 
 
 def bcast_frame(frame: Optional[torch.Tensor], src: int, group: Any,
-                timeout_s: Optional[float] = None) -> torch.Tensor:
-    """Broadcast a 1-D uint8 CPU tensor of any length from global rank ``src`` over the gloo
-    ``group`` (every member calls; ``src`` passes ``frame``, the others None and get a fresh
-    tensor). One collective for frames up to ``REMOTE_INLINE_BYTES``, two above.
+                timeout_s: Optional[float] = None, *, margin_s: float = 0.0,
+                followers: Optional[list[int]] = None) -> torch.Tensor:
+    """Send a 1-D uint8 CPU tensor of any length from global rank ``src`` to ``followers``
+    (global ranks of the gloo ``group``; default every member but ``src``), who call it too:
+    ``src`` passes ``frame``, the followers None and get a fresh tensor. Point-to-point to each
+    follower: the head (the first ``REMOTE_INLINE_BYTES`` and the length) then, for a larger
+    frame, the rest; members of ``group`` that are not followers take no part.
 
-    Every collective is waited for at most ``timeout_s`` (default ``CPMETA_TRANSPORT_TIMEOUT``),
-    not the group's own timeout (30 min by default); a stall raises ``TimeoutError`` naming the
-    ranks awaited: on a follower ``src`` (``rank 0 (src) ...``), on ``src`` its followers (gloo
-    does not say which one lags). Example, group [0, 1, 2], src 0 asleep: ranks 1 and 2 raise
-    ``... rank 0 (src) sent no message within 3 s`` after ``timeout_s``.
+    Every wait ends by ``timeout_s`` (default ``CPMETA_TRANSPORT_TIMEOUT``; ``src`` stops
+    ``margin_s`` earlier, so that it names a stalled follower before the healthy ones give up
+    on ``src``), never the group's own timeout (30 min by default). ``src`` raises
+    :class:`RemoteFailure` naming the followers that did not take the frame; a follower raises
+    ``TimeoutError("process group: rank 0 (src) sent no message within 3 s ...")``, or
+    :class:`RemoteAbort` when ``src`` sent :func:`send_abort`'s notice instead. Example, group
+    [0, 1, 2], rank 2 frozen: rank 0 raises ``RemoteFailure(stalled=[2])`` after 3 s - margin.
     """
     timeout_s = envs.transport_timeout() if timeout_s is None else timeout_s
-    deadline = time.monotonic() + timeout_s
-    if frame is not None:
-        awaited = ", ".join(f"rank {r}" for r in group_ranks(group) if r != src)
-        what = f"{awaited} (followers) did not take the message"
-    else:
-        what = f"rank {src} (src) sent no message"
-    head = torch.empty(REMOTE_INLINE_BYTES + _LEN.size, dtype=torch.uint8)  # [data | length]
+    start = time.monotonic()
+    deadline = start + timeout_s
     if frame is not None:
         n = frame.numel()
-        _LEN.pack_into(tensor_memoryview(head), REMOTE_INLINE_BYTES, n)
-        head[:min(n, REMOTE_INLINE_BYTES)] = frame[:REMOTE_INLINE_BYTES]
-    _bcast(head, src, group, deadline, timeout_s, what)
-    if frame is not None:
-        if frame.numel() > REMOTE_INLINE_BYTES:
-            _bcast(frame[REMOTE_INLINE_BYTES:], src, group, deadline, timeout_s, what)
+        parts = [_head(n, frame)] + ([frame[REMOTE_INLINE_BYTES:]] if n > REMOTE_INLINE_BYTES else [])
+        if followers is None:
+            followers = [r for r in group_ranks(group) if r != src]
+        _send_all(parts, followers, group, start + max(MIN_WAIT_S, timeout_s - margin_s), timeout_s)
         return frame
+    head = torch.empty(REMOTE_INLINE_BYTES + _LEN.size, dtype=torch.uint8)
+    _recv(head, src, group, deadline, timeout_s, "sent no message")
     (n,) = _LEN.unpack_from(tensor_memoryview(head), REMOTE_INLINE_BYTES)
+    if n == ABORT_LENGTH:
+        raise RemoteAbort(bytes(tensor_memoryview(head)[:REMOTE_INLINE_BYTES]).rstrip(b"\0")
+                          .decode("utf-8", "replace"))
     if n > envs.max_message_bytes():
         raise CodecError(f"remote frame of {n} bytes exceeds CPMETA_MAX_MESSAGE_BYTES")
     if n <= REMOTE_INLINE_BYTES:
         return head[:n]  # storage offset 0: 16-byte aligned views stay aligned
     out = torch.empty(n, dtype=torch.uint8)
     out[:REMOTE_INLINE_BYTES] = head[:REMOTE_INLINE_BYTES]
-    _bcast(out[REMOTE_INLINE_BYTES:], src, group, deadline, timeout_s, what)
+    _recv(out[REMOTE_INLINE_BYTES:], src, group, deadline, timeout_s,
+          "did not send the rest of the message")
     return out
 
 
-def _bcast(t: torch.Tensor, src: int, group: Any, deadline: float, timeout_s: float,
-           what: str) -> None:
-    """``dist.broadcast`` waited for until ``deadline``: ``TimeoutError("process group: <what>
-    within 3 s ...")`` when it does not complete; other failures (a peer's connection closed)
-    propagate as the process group raised them (``RuntimeError``)."""
-    work = dist.broadcast(t, src=src, group=group, async_op=True)
-    try:
-        work.wait(timedelta(seconds=max(MIN_WAIT_S, deadline - time.monotonic())))
-    except RuntimeError as e:
-        if time.monotonic() < deadline and "timed out" not in str(e).lower():
-            raise  # not a timeout: a closed connection, a dead peer
-        raise TimeoutError(f"process group: {what} within {timeout_s:g} s "
-                           f"(CPMETA_TRANSPORT_TIMEOUT / timeout=)") from None
+def send_abort(src: int, group: Any, ranks: list[int], reason: str,
+               wait_s: float = ABORT_WAIT_S) -> None:
+    """``src``, after a failure: tell ``ranks`` (followers waiting for a head) why the channel
+    stopped; they raise :class:`RemoteAbort` with ``reason``. Best effort: waits at most
+    ``wait_s`` in all and never raises (a follower that does not take it times out by itself)."""
+    text = reason.encode("utf-8", "replace")[:REMOTE_INLINE_BYTES]
+    head = _head(ABORT_LENGTH, text=text)
+    deadline = time.monotonic() + wait_s
+    for r in ranks:
+        try:
+            wait_work(dist.isend(head, dst=r, group=group, tag=HEAD_TAG), deadline, head)
+        except RuntimeError:
+            pass  # that follower's connection is gone too: nothing to tell it

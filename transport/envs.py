@@ -15,6 +15,7 @@ and ``launch.envs`` use them too. Bad values raise ``ValueError("NAME: expected 
 | ``CPMETA_SHM_NUM_SLOTS`` | slots per ring | ``64`` |
 | ``CPMETA_SHM_SPIN_US`` | microseconds a reader spins before blocking in ``FUTEX_WAIT``; unset = automatic (spin only when every ring process can have its own core) | auto |
 | ``CPMETA_MAX_MESSAGE_BYTES`` | largest message the codec decodes / a ring reader accepts | ``1073741824`` |
+| ``CPMETA_HOST_ID`` | this process's host identity (ranks with the same id try the shared-memory ring, the others use the process group); unset = hostname + kernel boot id | unset |
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ __all__ = [
     "SHM_NUM_SLOTS",
     "SHM_SPIN_US",
     "MAX_MESSAGE_BYTES",
+    "HOST_ID",
     "force_remote",
     "transport_timeout",
     "shm_slot_size",
     "shm_num_slots",
     "shm_spin_us",
     "max_message_bytes",
+    "host_id",
     "env_str",
     "env_bool",
     "env_int",
@@ -48,11 +51,13 @@ SHM_SLOT_SIZE = "CPMETA_SHM_SLOT_SIZE"
 SHM_NUM_SLOTS = "CPMETA_SHM_NUM_SLOTS"
 SHM_SPIN_US = "CPMETA_SHM_SPIN_US"
 MAX_MESSAGE_BYTES = "CPMETA_MAX_MESSAGE_BYTES"
+HOST_ID = "CPMETA_HOST_ID"
 
 DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_SLOT_SIZE = 64 * 1024
 DEFAULT_NUM_SLOTS = 64
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+MAX_HOST_ID_BYTES = 200  # a host id travels in a fixed 256-byte field (transport._dist)
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -178,3 +183,18 @@ def shm_spin_us() -> Optional[float]:
 def max_message_bytes() -> int:
     """``CPMETA_MAX_MESSAGE_BYTES``: decode / ring-read size limit."""
     return env_int(MAX_MESSAGE_BYTES, DEFAULT_MAX_MESSAGE_BYTES, minimum=1)
+
+
+def host_id() -> Optional[str]:
+    """``CPMETA_HOST_ID`` (stripped), or None when unset: the name of the host this process runs
+    on, for the same-host test (docs/transport.md, "Host identity"). Ranks with equal ids try
+    the shared-memory ring (and fall back to the process group if they cannot attach); ranks
+    with different ids always use the process group. At most 200 bytes (UTF-8).
+
+    Example: ``CPMETA_HOST_ID=node-3`` -> ``"node-3"``; 300 characters -> ``ValueError(
+    "CPMETA_HOST_ID: expected at most 200 bytes (UTF-8), got '...'")``.
+    """
+    raw = _raw(HOST_ID)
+    if raw is not None and len(raw.encode("utf-8", "surrogateescape")) > MAX_HOST_ID_BYTES:
+        raise _bad(HOST_ID, f"at most {MAX_HOST_ID_BYTES} bytes (UTF-8)", raw)
+    return raw

@@ -1,7 +1,7 @@
 """``ObjectChannel``: broadcast a Python object (plus CPU tensors) from one rank to its group.
 
 Same-host followers read the codec bytes from a :class:`ShmRing` (no collective per message);
-followers on other hosts (or all, when forced) get them through a gloo process group.
+followers on other hosts (or all, when forced) get them point-to-point over a gloo process group.
 
 Packed frame of :meth:`ObjectChannel.broadcast_packed` (one ring message)::
 
@@ -17,17 +17,19 @@ from __future__ import annotations
 import logging
 import struct
 import time
-from typing import Any, Callable, Optional, Sequence, TypeVar
+from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from . import envs
-from ._dist import bcast_frame, cpu_group, gloo_group, group_ranks, peer_info
+from ._dist import (RemoteAbort, RemoteFailure, bcast_frame, cpu_group, fetch_reason, group_ranks,
+                    host_key, host_label, post_reason, send_abort)
 from ._segment import PeerWatch
+from ._setup import Member, Scalar, exchange
 from .coalesce import copy_into, plan, tensor_memoryview, views_of
 from .codec import CodecError, TensorDesc, decode, encode
-from .errors import PeerError
+from .errors import PeerError, RingClosedError
 from .shm_ring import ring_from_process_group
 
 __all__ = ["ObjectChannel"]
@@ -38,17 +40,30 @@ logger = logging.getLogger(__name__)
 _LEN = struct.Struct("<Q")
 _ZEROS = bytes(16)
 DEAD_PEER_GRACE_S = 0.2  # after a gloo error, how long to look for the dead same-host peer
+SRC_MARGIN_S = 0.25  # src gives up on a follower this much before the followers give up on src
+SRC_MARGIN_SHARE = 0.1  # ... or this share of the timeout, when that is smaller
 
 
 class ObjectChannel:
     """Broadcast objects from global rank ``src`` to every member of ``group``.
 
     Collective constructor: every member of ``group`` (default WORLD) calls it with the same
-    ``src``. It gathers host keys (hostname + boot id, as byte tensors), sets up a shared-memory
-    ring for the followers on ``src``'s host and a gloo group for the others. ``group`` may be
-    NCCL (a gloo group over the same ranks is created for the control traffic) and ``src`` need
-    not be rank 0. ``force_remote`` (default ``CPMETA_FORCE_REMOTE``) sends every follower's
-    bytes over gloo. ``schema`` is stamped into / checked against every message header.
+    ``src``. It gathers every member's host key (``CPMETA_HOST_ID``, else hostname + boot id),
+    pid, ``src`` and ``agree`` settings at the group's first rank, which checks them
+    (:mod:`transport._setup`), then sets up a shared-memory ring for the followers on ``src``'s
+    host; the others get every message point-to-point over the (gloo) control group, one send
+    per follower (``transport._dist.bcast_frame``). Every setup wait ends within ``timeout``: a member
+    that never constructs is a ``TimeoutError`` naming it, members that disagree on ``src`` or
+    on an ``agree`` setting (``agree={"checksum": True}``) a ``ValueError`` naming the ranks on
+    each side -- on every rank that took part. ``group`` may be NCCL (a gloo group over the
+    same ranks is created for the control traffic) and ``src`` need not be rank 0.
+    ``force_remote`` (default ``CPMETA_FORCE_REMOTE``) sends every follower's bytes over gloo.
+    ``schema`` is stamped into / checked against every message header.
+
+    After a failure on the process-group path (a ``TimeoutError`` or ``PeerError`` from any
+    call) the channel is spent: :attr:`failure` says why, and every later call raises
+    ``PeerError`` at once -- close it and build a new one on a new process group (the old one
+    may hold half-finished operations). Ring-only channels keep working after a timeout.
 
     Per-rank example (group [0, 1, 2] on one host, src 0)::
 
@@ -58,7 +73,8 @@ class ObjectChannel:
 
     def __init__(self, group: Any = None, src: int = 0, *, force_remote: Optional[bool] = None,
                  timeout: Optional[float] = None, schema: bytes = b"",
-                 slot_size: Optional[int] = None, num_slots: Optional[int] = None) -> None:
+                 slot_size: Optional[int] = None, num_slots: Optional[int] = None,
+                 agree: Optional[Mapping[str, Scalar]] = None) -> None:
         self.group = dist.group.WORLD if group is None else group
         self.src = src
         self.rank = dist.get_rank()
@@ -69,34 +85,70 @@ class ObjectChannel:
         self.schema = schema
         self.timeout = envs.transport_timeout() if timeout is None else float(timeout)
         self._max_bytes = envs.max_message_bytes()
-        self.ctrl = cpu_group(self.group, self.timeout)
+        self.failure: Optional[str] = None  # why the process-group path stopped, if it did
+        self._count = 0  # messages sent / received: named in errors
+        key = host_key()
+        self._me = f"ObjectChannel rank {self.rank} (host {host_label(key)})"
+        self._watch: dict[int, PeerWatch] = {}  # same-host peers of the gloo path, for errors
+        self._frame_buf: Optional[torch.Tensor] = None  # src: reused buffer of send_frame
+        self._remote_group: Any = None
+        self.ring: Any = None
+        self.hosts: dict[int, str] = {}  # global rank -> host label, for error messages
+        self._reason_key = ""  # where src leaves why it stopped (transport._dist.post_reason)
+        self.local_ranks: list[int] = []
+        self.remote_ranks: list[int] = []
         force = envs.force_remote() if force_remote is None else bool(force_remote)
-        info = peer_info(self.ctrl)
-        keys = [k for k, _ in info]
-        src_key = keys[self.ranks.index(src)]
-        local = [] if force else [r for r, k in zip(self.ranks, keys) if r != src and k == src_key]
+        try:
+            self.ctrl = cpu_group(self.group, self.timeout)
+            members = exchange(self.ctrl, src, dict(agree or {}), key, self.timeout)
+            self._connect(members, key, force, slot_size, num_slots)
+        except (TimeoutError, ValueError) as e:
+            self.close()
+            raise type(e)(f"{self._me}: setup: {e}") from None
+        except RuntimeError as e:  # gloo: a peer's connection closed during the setup
+            self.close()
+            raise PeerError(f"{self._me}: setup: a peer failed: {e}") from e
+        logger.debug("ObjectChannel src=%d: shm readers %s, remote %s", src, self.local_ranks,
+                     self.remote_ranks)
+
+    def _connect(self, members: list[Member], key: bytes, force: bool,
+                 slot_size: Optional[int], num_slots: Optional[int]) -> None:
+        """Ring for the same-host followers, point-to-point for the rest (after the exchange)."""
+        src = self.src
+        keys = {m.rank: m.host for m in members}
+        seq = next(m.seq for m in members if m.rank == src)  # agreed by every member
+        self._reason_key = f"cpmeta/reason/{getattr(self.ctrl, 'group_name', '?')}/{seq}/{src}"
+        self.hosts = {m.rank: host_label(m.host) for m in members}
+        local = [] if force else [r for r in self.ranks if r != src and keys[r] == keys[src]]
         self.ring, attached = ring_from_process_group(
             self.ctrl, src, readers=local, slot_size=slot_size, num_slots=num_slots,
             timeout=self.timeout)
         self.remote_ranks = [r for r in self.ranks if r != src and r not in attached]
         self.local_ranks = attached
-        self._remote_group = None
-        self._watch: dict[int, PeerWatch] = {}  # same-host peers of the gloo path, for errors
-        self._frame_buf: Optional[torch.Tensor] = None  # src: reused buffer of send_frame
         if self.remote_ranks and (self.rank == src or self.rank in self.remote_ranks):
-            members = sorted([src, *self.remote_ranks])
-            self._remote_group = (self.ctrl if len(members) == len(self.ranks)
-                                  else gloo_group(members, self.timeout))
-            me = keys[self.ranks.index(self.rank)]
-            self._watch = {r: PeerWatch(info[self.ranks.index(r)][1]) for r in members
-                           if r != self.rank and keys[self.ranks.index(r)] == me}
-        logger.debug("ObjectChannel src=%d: shm readers %s, remote %s", src, attached, self.remote_ranks)
+            # point-to-point over the control group: no subgroup to create (a local-sync
+            # subgroup would also shift torch's names of later groups on its members only)
+            self._remote_group = self.ctrl
+            pids = {m.rank: m.pid for m in members}
+            self._watch = {r: PeerWatch(pids[r]) for r in [src, *self.remote_ranks]
+                           if r != self.rank and keys[r] == key}
+
+    def _who(self, rank: int) -> str:
+        """``"rank 4 (host c)"`` (``src`` marked as such)."""
+        role = "src, " if rank == self.src else ""
+        return f"rank {rank} ({role}host {self.hosts.get(rank, '?')})"
+
+    def _check_usable(self) -> None:
+        if self.failure is not None:
+            raise PeerError(f"{self._me}: the channel failed earlier and is unusable ({self.failure}); "
+                            "close it and build a new one on a new process group")
 
     # ------------------------------------------------------------------ objects
 
     def broadcast(self, obj: Any = None) -> Any:
         """Every member calls it; ``src`` passes ``obj`` (codec-encodable), the others None.
         Returns the object on every rank (``src`` gets ``obj`` itself)."""
+        self._check_usable()
         if self.rank == self.src:
             data = encode(obj, schema=self.schema)
             if self.ring is not None:
@@ -105,20 +157,55 @@ class ObjectChannel:
                 self._remote(torch.frombuffer(bytearray(data), dtype=torch.uint8))
             return obj
         if self.ring is not None:
-            return self.ring.read(lambda view, owned: self._decode(view))
+            return self._read_ring(lambda view, owned: self._decode(view))
         frame = self._remote(None)
         return self._decode(tensor_memoryview(frame))
 
     def _remote(self, frame: Optional[torch.Tensor]) -> torch.Tensor:
-        """``bcast_frame`` over the gloo path, every wait bounded by ``self.timeout``; a failure
-        becomes a PeerError naming the rank (gloo itself only names a socket address), a stall
-        a TimeoutError naming the rank(s) awaited."""
+        """``bcast_frame`` over the gloo path, every wait bounded by ``self.timeout``. Any failure
+        spends the channel (:attr:`failure`) and is raised naming rank and host: on ``src`` the
+        followers that did not take the message (each one's send is its own work handle) --
+        the others then get ``src``'s reason instead of waiting out their own timeout; on a
+        follower ``src``."""
+        self._count += 1
         try:
-            return bcast_frame(frame, self.src, self._remote_group, self.timeout)
+            return bcast_frame(frame, self.src, self._remote_group, self.timeout,
+                               margin_s=min(SRC_MARGIN_S, SRC_MARGIN_SHARE * self.timeout),
+                               followers=self.remote_ranks)
+        except RemoteFailure as e:
+            err: Exception = self._followers_failed(e)
+        except RemoteAbort as e:
+            err = PeerError(f"{self._me}: {self._who(self.src)} stopped the channel at message "
+                            f"{self._count}: {e.reason}")
         except TimeoutError as e:
-            raise TimeoutError(f"ObjectChannel rank {self.rank} (src {self.src}): {e}") from None
+            err = TimeoutError(f"{self._me}: message {self._count}: {self._label_ranks(str(e))}")
         except RuntimeError as e:
-            raise self._peer_failure(e) from e
+            reason = fetch_reason(self._reason_key) if self.rank != self.src else None
+            err = (PeerError(f"{self._me}: {self._who(self.src)} stopped the channel at message "
+                             f"{self._count}: {reason}") if reason else self._peer_failure(e))
+        self.failure = str(err)
+        raise err
+
+    def _followers_failed(self, e: RemoteFailure) -> Exception:
+        """``src``: name the followers of ``e``, tell the healthy ones, return the error."""
+        parts = [f"{self._who(r)} did not take message {self._count} within {e.timeout_s:g} s "
+                 "(stalled, stopped or unreachable)" for r in e.stalled]
+        for r, msg in sorted(e.broken.items()):
+            w = self._watch.get(r)
+            how = (f"died (pid {w.pid})" if w is not None and w.dead() else
+                   "closed its connection (its process died, or its host reset the link)")
+            parts.append(f"{self._who(r)} {how}: {msg}")
+        text = "; ".join(parts)
+        post_reason(self._reason_key, text)  # for followers that see the group close
+        if not e.stalled:  # no wait timed out: the group is still open, tell them over it
+            healthy = [r for r in self.remote_ranks if r not in e.broken]
+            send_abort(self.src, self._remote_group, healthy, text)
+        cls = TimeoutError if not e.broken else PeerError
+        return cls(f"{self._me}: process group: {text}")
+
+    def _label_ranks(self, text: str) -> str:
+        """``rank 0 (src)`` in a transport message -> ``rank 0 (src, host a)``."""
+        return text.replace(f"rank {self.src} (src)", self._who(self.src))
 
     def _peer_failure(self, e: Exception) -> PeerError:
         deadline = time.monotonic() + DEAD_PEER_GRACE_S  # a peer's sockets close before it is reaped
@@ -128,10 +215,25 @@ class ObjectChannel:
             if not dead:
                 time.sleep(1e-3)
         members = sorted([self.src, *self.remote_ranks])
-        who = (", ".join(f"rank {r} (pid {self._watch[r].pid}) died" for r in dead) if dead else
-               f"a peer among ranks {members} failed or is unreachable")
-        return PeerError(f"ObjectChannel rank {self.rank} (src {self.src}): process-group "
-                         f"broadcast failed: {who}: {e}")
+        if dead:
+            who = ", ".join(f"rank {r} (pid {self._watch[r].pid}) died" for r in dead)
+        elif self.rank != self.src:
+            who = f"{self._who(self.src)} closed its connection (died, or its host reset the link)"
+        else:
+            who = f"a peer among ranks {members} failed or is unreachable"
+        return PeerError(f"{self._me} (src {self.src}): process-group broadcast failed at "
+                         f"message {self._count}: {who}: {e}")
+
+    def _read_ring(self, consumer: Callable[[memoryview, bool], T]) -> T:
+        """``ring.read``; when the driver closed the ring after its process-group path failed,
+        the error carries the reason it left (``transport._dist.post_reason``)."""
+        try:
+            return self.ring.read(consumer)
+        except RingClosedError as e:
+            reason = fetch_reason(self._reason_key) if self.remote_ranks else None
+            if reason is None:
+                raise
+            raise RingClosedError(f"{e}: it stopped the channel: {reason}") from None
 
     def _decode(self, view: memoryview) -> Any:
         return decode(view, schema=self.schema, max_bytes=self._max_bytes)
@@ -147,12 +249,13 @@ class ObjectChannel:
         (never of shared memory); ``src`` gets its own ``obj`` and ``tensors`` back.
         Same-host followers: one ring message, no collective.
         """
+        self._check_usable()
         if self.rank == self.src:
             tensors = list(tensors or [])
             self._send_packed(obj, tensors)
             return obj, tensors
         if self.ring is not None:
-            return self.ring.read(self._unpack)
+            return self._read_ring(self._unpack)
         frame = self._remote(None)
         return self._unpack(tensor_memoryview(frame), True, frame)
 
@@ -223,6 +326,7 @@ class ObjectChannel:
         buffer that goes to the ring and/or the process group. The frame is the caller's format
         (it carries its own header); the channel adds none.
         """
+        self._check_usable()
         ring = self.ring
         if ring is not None and self._remote_group is None and ring.fits(nbytes):
             view, addr = ring.reserve(nbytes)
@@ -248,8 +352,9 @@ class ObjectChannel:
     def recv_frame(self, consumer: Callable[[memoryview], T]) -> T:
         """Followers: ``consumer(view)`` of the next frame; ``view`` is valid only during the
         call (shared memory or a transient buffer: copy what you keep)."""
+        self._check_usable()
         if self.ring is not None:
-            return self.ring.read(lambda view, owned: consumer(view))
+            return self._read_ring(lambda view, owned: consumer(view))
         frame = self._remote(None)  # keep the tensor alive while its memoryview is read
         return consumer(tensor_memoryview(frame))
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import logging
 import struct
+import time
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
-from . import _futex
-from ._dist import group_ranks
+from . import _futex, envs
+from ._dist import group_ranks, wait_work
 from .coalesce import tensor_memoryview
 
 __all__ = ["exchange_ring", "HANDLE_BYTES", "RingEnd"]
@@ -38,14 +39,17 @@ class RingEnd(Protocol):
 
 def exchange_ring(group: Any, src: int, readers: Optional[Sequence[int]],
                   create: Callable[[list[int]], RingEnd],
-                  attach: Callable[[bytes, int], Any]) -> tuple[Optional[Any], list[int]]:
+                  attach: Callable[[bytes, int], Any],
+                  timeout: Optional[float] = None) -> tuple[Optional[Any], list[int]]:
     """Collective over the gloo ``group`` (EVERY member calls it with the same arguments).
 
     ``src`` (a global rank) creates the ring with ``create(readers)``; ``readers`` (global ranks, default: every other
     member) attach in that order with ``attach(handle_bytes, reader_index)``. Returns ``(this rank's end or None, attached reader ranks)``:
     a reader that cannot open the segment (another container, no /proc access) is left out
     and marked absent, so the writer never waits for it; every member learns the same list.
-    Two collectives: a broadcast of the handle and an all_reduce of the attach flags.
+    Two collectives: a broadcast of the handle and an all_reduce of the attach flags, each
+    waited for at most ``timeout`` seconds (default ``CPMETA_TRANSPORT_TIMEOUT``) in all:
+    ``TimeoutError`` naming the step (the writer end is closed first: nothing leaks).
     On a platform the ring refuses (``_futex.ring_unsupported_reason``) ``src`` sends an empty
     handle, so every reader is left out, and logs ONE warning per process.
 
@@ -59,6 +63,8 @@ def exchange_ring(group: Any, src: int, readers: Optional[Sequence[int]],
         raise ValueError(f"readers: expected members of {ranks} other than src={src}, got {readers}")
     if not readers:
         return None, []
+    timeout_s = envs.transport_timeout() if timeout is None else timeout
+    deadline = time.monotonic() + timeout_s
     buf = torch.zeros(HANDLE_BYTES, dtype=torch.uint8)
     ring: Optional[Any] = None
     unsupported = _futex.ring_unsupported_reason() if me == src else None
@@ -75,12 +81,19 @@ def exchange_ring(group: Any, src: int, readers: Optional[Sequence[int]],
         except OSError as e:
             logger.warning("ShmRing: cannot create a shared-memory segment (%s); using the "
                            "process group for every follower", e)
-    dist.broadcast(buf, src=src, group=group)
-    flags = torch.zeros(len(ranks), dtype=torch.int32)
-    if me in readers:
-        ring = _try_attach(buf, readers.index(me), attach)
-        flags[ranks.index(me)] = int(ring is not None)
-    dist.all_reduce(flags, group=group)
+    try:
+        _wait(dist.broadcast(buf, src=src, group=group, async_op=True), buf, deadline,
+              f"rank {src} (writer) sent no ring handle within {timeout_s:g} s")
+        flags = torch.zeros(len(ranks), dtype=torch.int32)
+        if me in readers:
+            ring = _try_attach(buf, readers.index(me), attach)
+            flags[ranks.index(me)] = int(ring is not None)
+        _wait(dist.all_reduce(flags, group=group, async_op=True), flags, deadline,
+              f"the attach flags of ranks {ranks} were not all in within {timeout_s:g} s")
+    except BaseException:
+        if ring is not None:
+            ring.close()
+        raise
     attached = [r for r in readers if flags[ranks.index(r)].item()]
     if me == src and ring is not None:
         for i, r in enumerate(readers):
@@ -91,6 +104,11 @@ def exchange_ring(group: Any, src: int, readers: Optional[Sequence[int]],
             ring.close()
             ring = None
     return ring, attached
+
+
+def _wait(work: Any, buf: torch.Tensor, deadline: float, what: str) -> None:
+    if not wait_work(work, deadline, buf):
+        raise TimeoutError(f"ShmRing setup: {what}")
 
 
 def _try_attach(buf: torch.Tensor, index: int, attach: Callable[[bytes, int], Any]) -> Optional[Any]:

@@ -332,4 +332,4 @@ def ring_from_process_group(group: Any, src: int, *, readers: Optional[Sequence[
     def attach(blob: bytes, index: int) -> ShmRing:
         return ShmRing.attach(ShmRingHandle.from_bytes(blob), index, timeout=timeout)
 
-    return exchange_ring(group, src, readers, create, attach)
+    return exchange_ring(group, src, readers, create, attach, timeout=timeout)
