@@ -3,7 +3,9 @@
 The package reads like one engine step (DESIGN sections 1-2)::
 
     cpmeta/             config (and the block rule), SequenceMetadata lists, InputMetadata and its
-                        container operations
+                        container operations, its field table (fields: every field's dtype, shape
+                        rule, feature, step kinds; the layouts are generated from it), the out=
+                        protocol (buffers: OutputBuffers, OutputArenas), bounded caches (cache)
     cpmeta/state/       array-level input: SequenceBatch (one step) and BatchState (the engine's
                         requests, deltas per step)
     cpmeta/builders/    scheduler input -> InputMetadata on the host (prepare_prompt, prepare_decode,
@@ -13,7 +15,8 @@ The package reads like one engine step (DESIGN sections 1-2)::
     cpmeta/replicate/   ReplicatedBatchState: every rank keeps the BatchState, the driver sends
                         the step (the scheduler's ops) on the same codec
     cpmeta/cp/          per-rank context parallelism: zigzag mirror, YoCo views, slot mapping
-    cpmeta/gpu/         device-side builders: in-place decode, Triton kernels
+    cpmeta/gpu/         device-side builders: in-place decode (StagingLayout, DecodeStaging,
+                        stage_decode), Triton kernels
 
 The container, config and sequence types import eagerly; the stages import on first use (module
 ``__getattr__`` below), so ``import cpmeta`` does not pull in torch.distributed or Triton. The
@@ -70,7 +73,7 @@ _LAZY: dict[str, str] = {
     "unmirror": "cpmeta.cp.zigzag",
     "mirror_rows": "cpmeta.cp.zigzag",
     "compute_slot_mapping": "cpmeta.cp.slot_mapping",
-    "compute_slot_mapping_from_metadata": "cpmeta.cp.slot_mapping",
+    "compute_slot_mapping_from_metadata": "cpmeta.cp.slot_mapping_metadata",
     "compute_slot_mapping_groups": "cpmeta.cp.slot_mapping_groups",
     "KVCacheGroup": "cpmeta.cp.slot_mapping_groups",
     "cp_local_seqlens": "cpmeta.cp.kv_shard",

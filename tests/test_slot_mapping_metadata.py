@@ -11,7 +11,7 @@ import torch
 import cpmeta
 from cpmeta import InputMetadata, compute_slot_mapping
 from cpmeta.constants import PLACEHOLDER_QUERY_INDEX
-from cpmeta.cp.slot_mapping import compute_slot_mapping_from_metadata, stack_block_tables
+from cpmeta.cp.slot_mapping_metadata import compute_slot_mapping_from_metadata, stack_block_tables
 
 
 def test_stack_block_tables() -> None:

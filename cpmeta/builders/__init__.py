@@ -1,13 +1,22 @@
 """Scheduler input -> ``InputMetadata`` on the host (DESIGN sections 3-5, 10).
 
+Every field a builder writes is declared once, in ``InputMetadata``'s field table
+(:mod:`cpmeta.fields`); ``prepare_decode``'s arena layout is generated from it, and each field is
+taken from the caller's ``out=`` (None, a dict, or an :class:`~cpmeta.buffers.OutputBuffers`)
+through :func:`cpmeta.buffers.alloc`. Example::
+
+    arenas = cpmeta.OutputArenas()                       # caller-owned, one arena per batch shape
+    md = prepare_decode(batch, cfg, out=arenas)          # md.positions: a view of that arena
+
 ===================  ===========================================================================
 module               holds
 ===================  ===========================================================================
 ``prompt``           :func:`prepare_prompt` (chunked prefill metadata)
 ``decode``           :func:`prepare_decode` (decode metadata, MTP drafts)
 ``extract``          ``SequenceBatch`` (``cpmeta/state/batch.py``; a list converts to it) -> ``BatchArrays``
-``arrays``           ``BatchArrays`` and the integer helpers every builder uses
-``common``           the fields prompt and decode share, int32 checks, compressed-KV slots
+``batch_arrays``     ``BatchArrays`` (one batch as int64 numpy arrays) and its row helpers
+``int_ops``          floor / ceiling division, floor modulo, int32 checks, ``loaded_compressed_len``
+``common_fields``    the fields prompt and decode share, their int32 checks, compressed-KV slots
 ``ngram``            Engram look-back ids (``ngram_token_ids``)
 ``load_plan``        SWA and paged compressed-KV load segments
 ``swa_pivots``       the one SWA visibility rule (pivots P0..P3)

@@ -1,19 +1,20 @@
 """Per-rank context parallelism (DESIGN sections 8, 10, 11, 14).
 
-=======================  =========================================================================
-module                   holds
-=======================  =========================================================================
-``zigzag``               :func:`prepare_cp_mirror`, :func:`mirror_rows`, :func:`unmirror`: the index plan
-``mirror_plan``          its vectorized host computation and argument checks
-``mirror``               :func:`prepare_for_mirror_cp`: a rank's share of prompt ``InputMetadata``
-``yoco_cp``              YoCo compact + CP indices (contrib / boundary)
-``yoco_views``           ``md.get_mask_view()`` / ``md.get_consumer_view()``
-``slot_mapping``         :func:`compute_slot_mapping` with CP-interleaved KV (CPU path + dispatch)
-``slot_mapping_errors``  the error bits both slot-mapping paths report
-``slot_mapping_groups``  :func:`compute_slot_mapping_groups`: several KV-cache groups, one call
-``kv_shard``             :func:`cp_local_seqlens`: a rank's share of CP-interleaved KV (decode)
-``kv_read_plan``         :func:`cp_kv_read_plan`: which keys a rank holds and where (section 14)
-=======================  =========================================================================
+=========================  =========================================================================
+module                     holds
+=========================  =========================================================================
+``zigzag``                 :func:`prepare_cp_mirror`, :func:`mirror_rows`, :func:`unmirror`: the index plan
+``mirror_plan``            its vectorized host computation and argument checks
+``mirror``                 :func:`prepare_for_mirror_cp`: a rank's share of prompt ``InputMetadata``
+``yoco_cp``                YoCo compact + CP indices (contrib / boundary)
+``yoco_views``             ``md.get_mask_view()`` / ``md.get_consumer_view()``
+``slot_mapping``           :func:`compute_slot_mapping` with CP-interleaved KV (CPU path + dispatch)
+``slot_mapping_metadata``  :func:`compute_slot_mapping_from_metadata`: the slots of an ``InputMetadata``'s rows
+``slot_mapping_errors``    the error bits both slot-mapping paths report
+``slot_mapping_groups``    :func:`compute_slot_mapping_groups`: several KV-cache groups, one call
+``kv_shard``               :func:`cp_local_seqlens`: a rank's share of CP-interleaved KV (decode)
+``kv_read_plan``           :func:`cp_kv_read_plan`: which keys a rank holds and where (section 14)
+=========================  =========================================================================
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from __future__ import annotations
 from .kv_read_plan import KVReadPlan, cp_kv_read_plan
 from .kv_shard import cp_local_seqlens
 from .mirror import prepare_for_mirror_cp
-from .slot_mapping import compute_slot_mapping, compute_slot_mapping_from_metadata
+from .slot_mapping import compute_slot_mapping
+from .slot_mapping_metadata import compute_slot_mapping_from_metadata
 from .slot_mapping_groups import KVCacheGroup, compute_slot_mapping_groups
 from .zigzag import mirror_rows, prepare_cp_mirror, unmirror
 

@@ -31,24 +31,24 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ..constants import INT32_MAX, PAD_SLOT_ID, PLACEHOLDER_QUERY_INDEX
+from ..constants import INT32_MAX, PAD_SLOT_ID
 from .slot_mapping_errors import SlotMappingError, describe_slot_mapping_error
 from .slot_mapping_params import SlotMappingParams
 
 __all__ = [
     "compute_slot_mapping",
-    "compute_slot_mapping_from_metadata",
-    "stack_block_tables",
     "locate",
+    "make_params",
+    "check_tensor_args",
+    "torch_slot_mapping",
+    "use_triton",
+    "raise_first_error",
+    "int_arg",
     "SlotMappingError",
     "describe_slot_mapping_error",
     "SlotMappingParams",
-    "BLOCK_TABLE_PAD",
     "BACKENDS",
 ]
-
-#: Fill value of :func:`stack_block_tables` past a sequence's own blocks (never a real block id).
-BLOCK_TABLE_PAD: int = -1
 
 #: Accepted ``backend`` values: ``auto`` = Triton for CUDA tensors (torch if Triton is missing).
 BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")
@@ -57,7 +57,9 @@ INT32_MIN: int = -(2**31)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def _int_arg(name: str, value: object, lo: int, hi: int = INT32_MAX) -> int:
+def int_arg(name: str, value: object, lo: int, hi: int = INT32_MAX) -> int:
+    """``value`` as an int in ``[lo, hi]`` (``TypeError`` / ``ValueError`` naming ``name``).
+    Example: ``int_arg("block_size", 0, 1)`` -> ``ValueError("block_size: expected 1 <= ...")``."""
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
     if not lo <= value <= hi:
@@ -70,16 +72,16 @@ def make_params(
     cp_rank: int, cp_interleave: int, pad_id: int, circular: bool,
 ) -> SlotMappingParams:
     """Check the scalar arguments (DESIGN section 11) and bundle them; errors name the argument."""
-    bs = _int_arg("block_size", block_size, 1)
-    mnt = _int_arg("max_num_tokens", max_num_tokens, 0)
-    kvb = bs if kv_cache_block_size is None else _int_arg("kv_cache_block_size", kv_cache_block_size, 1)
-    world = _int_arg("cp_world_size", cp_world_size, 1)
+    bs = int_arg("block_size", block_size, 1)
+    mnt = int_arg("max_num_tokens", max_num_tokens, 0)
+    kvb = bs if kv_cache_block_size is None else int_arg("kv_cache_block_size", kv_cache_block_size, 1)
+    world = int_arg("cp_world_size", cp_world_size, 1)
     if not isinstance(cp_rank, int) or isinstance(cp_rank, bool):
         raise TypeError(f"cp_rank: expected an int, got {type(cp_rank).__name__}")
     if not 0 <= cp_rank < world:
         raise ValueError(f"cp_rank: expected 0 <= cp_rank < cp_world_size ({world}), got {cp_rank}")
-    inter = _int_arg("cp_interleave", cp_interleave, 1)
-    pad = _int_arg("pad_id", pad_id, INT32_MIN)
+    inter = int_arg("cp_interleave", cp_interleave, 1)
+    pad = int_arg("pad_id", pad_id, INT32_MIN)
     if not isinstance(circular, bool):
         raise TypeError(f"circular: expected a bool, got {type(circular).__name__}")
     if circular and world > 1:
@@ -127,7 +129,7 @@ def locate(pos: torch.Tensor, prm: SlotMappingParams) -> tuple[torch.Tensor, tor
     return bi, local % prm.block_size, is_local
 
 
-def _check_tensor_args(
+def check_tensor_args(
     qsl: Any, positions: Any, block_table: Any, prm: SlotMappingParams, out: Any, error_out: Any,
 ) -> None:
     """Host-only checks of the tensor arguments (types, shapes, devices); no data is read."""
@@ -209,7 +211,7 @@ def raise_first_error(
                          f"{prm.block_size} + {int(off[t])} = {int(slot[k])} does not fit in int32")
 
 
-def _torch_slot_mapping(
+def torch_slot_mapping(
     qsl: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor, prm: SlotMappingParams,
     out: torch.Tensor,
 ) -> torch.Tensor:
@@ -251,7 +253,7 @@ def _torch_slot_mapping(
     return err
 
 
-def _use_triton(device: torch.device, backend: str) -> bool:
+def use_triton(device: torch.device, backend: str) -> bool:
     if backend == "torch":
         return False
     if device.type != "cuda":
@@ -316,20 +318,20 @@ def compute_slot_mapping(
     """
     prm = make_params(block_size, max_num_tokens, kv_cache_block_size, cp_world_size, cp_rank,
                       cp_interleave, pad_id, circular)
-    _check_tensor_args(query_start_loc, positions, block_table, prm, out, error_out)
+    check_tensor_args(query_start_loc, positions, block_table, prm, out, error_out)
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     device = positions.device
     if out is None:
         out = torch.empty(prm.max_num_tokens, dtype=torch.int32, device=device)
     qsl, pos = query_start_loc.contiguous(), positions.contiguous()
-    if _use_triton(device, backend):
+    if use_triton(device, backend):
         from ..gpu import slot_mapping_triton as tri
 
         err = error_out if error_out is not None else torch.zeros(1, dtype=torch.int32, device=device)
         tri.launch_slot_mapping_kernel(qsl, pos, block_table, out, err, prm)
     else:
-        err_word = _torch_slot_mapping(qsl, pos, block_table, prm, out)
+        err_word = torch_slot_mapping(qsl, pos, block_table, prm, out)
         if error_out is not None:
             error_out.bitwise_or_(err_word)
             return out
@@ -337,88 +339,4 @@ def compute_slot_mapping(
     if error_out is None and int(err.reshape(-1)[0].item()) != 0:  # the one host sync per call
         raise_first_error(qsl.cpu(), pos.cpu(), block_table.cpu(), prm)
         raise ValueError(describe_slot_mapping_error(err))  # unreachable unless the paths disagree
-    return out
-
-
-def stack_block_tables(
-    tables: Sequence[Sequence[int]], *, width: Optional[int] = None, device: Any = None,
-) -> torch.Tensor:
-    """Per-sequence block tables as one [n_seq, width] int32 tensor, padded with -1.
-
-    ``width`` defaults to the longest table. Example: ``[[4, 7], [2]]`` -> ``[[4, 7], [2, -1]]``.
-    """
-    lengths = torch.tensor([len(t) for t in tables], dtype=torch.int64)
-    longest = int(lengths.max()) if len(tables) else 0
-    width = longest if width is None else _int_arg("width", width, longest)
-    flat = torch.tensor([b for t in tables for b in t], dtype=torch.int64)
-    if flat.numel() and (flat.min() < 0 or flat.max() > INT32_MAX):
-        raise ValueError("tables: expected block ids in [0, 2**31 - 1]")
-    result = torch.full((len(tables), width), BLOCK_TABLE_PAD, dtype=torch.int32)
-    result[torch.arange(width) < lengths[:, None]] = flat.to(torch.int32)
-    return result if device is None else result.to(device)
-
-
-def compute_slot_mapping_from_metadata(
-    md: Any, block_size: Any, *, block_table: Optional[torch.Tensor] = None,
-    max_num_tokens: Optional[int] = None, **kwargs: Any,
-) -> torch.Tensor:
-    """Slot mapping of an ``InputMetadata``'s rows (e.g. on every rank after the broadcast):
-    int32 [max_num_tokens], one slot per FULL-layout query row (``PAD_SLOT_ID`` = -1 for rows
-    this rank does not store).
-
-    ``block_size`` is an int, or the ``MetadataConfig`` the metadata was built with: then the
-    block size and the KV sharding come from it (``cfg.kv_cp_world_size``,
-    ``cfg.kv_cp_interleave``), the same source :func:`cpmeta.cp_kv_read_plan` reads, and
-    ``cp_rank`` is this rank in the CP group (with ``kv_cp_world_size == 1`` every rank stores
-    every key, whatever its ``cp_rank``). Example: ``compute_slot_mapping_from_metadata(md, cfg,
-    cp_rank=r)`` on every rank after ``bc.broadcast``.
-
-    Uses ``md.cu_seqlens_q`` as ``query_start_loc`` and the FULL-layout positions
-    (``md.positions_cp`` after the CP mirror, else ``md.positions``), so the result has one row
-    per full-layout query row. ``block_table`` is [n_seq, max_blocks] (see
-    :func:`stack_block_tables`); it defaults to the broadcast metadata's own tables, so every
-    rank needs nothing but ``md``: prompt ``md.seq_block_tables`` (whole tables, DESIGN 4),
-    decode each sequence's first row of ``md.block_tables``. Rows of placeholder sequences (``query_indices == 998244353``) get
-    ``pad_id``; a YoCo consumer view's ``query_indices`` holds row numbers, so there nothing is
-    masked. ``max_num_tokens`` defaults to the row count; other keywords go to
-    :func:`compute_slot_mapping` (``kv_cache_block_size``, ``cp_world_size``, ``cp_rank``,
-    ``cp_interleave``, ``pad_id``, ``circular``, ``backend``).
-    """
-    qsl = md.cu_seqlens_q
-    positions = md.positions_cp if md.positions_cp is not None else md.positions
-    if qsl is None or positions is None:
-        raise ValueError("md: expected cu_seqlens_q and positions to be set")
-    if block_table is None:
-        if md.seq_block_tables is not None:
-            block_table = md.seq_block_tables
-        elif md.block_tables is not None:
-            block_table = md.block_tables.index_select(0, qsl[:-1].to(torch.int64))
-        else:
-            raise ValueError("block_table: required when md has neither seq_block_tables (prompt) "
-                             "nor block_tables (decode)")
-    if not isinstance(block_size, int):  # a MetadataConfig: the write side of its KV sharding
-        kwargs = _sharding_kwargs(block_size, kwargs)
-        block_size = block_size.block_size
-    rows = positions.shape[0]
-    slots = compute_slot_mapping(qsl, positions, block_table, block_size,
-                                 max_num_tokens=rows if max_num_tokens is None else max_num_tokens,
-                                 **kwargs)
-    qi = md.query_indices
-    if qi is not None and qi.shape == positions.shape:
-        pad = kwargs.get("pad_id", PAD_SLOT_ID)
-        slots[:rows].masked_fill_(qi.to(slots.device) == PLACEHOLDER_QUERY_INDEX, pad)
-    return slots
-
-
-def _sharding_kwargs(cfg: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """``compute_slot_mapping``'s CP keywords from ``cfg``'s KV sharding (``cp_rank`` from the
-    caller; replicated KV -> rank 0 of a group of one). Giving them too is a ``ValueError``."""
-    given = {"cp_world_size", "cp_interleave"} & set(kwargs)
-    if given:
-        raise ValueError(f"{sorted(given)}: given with a MetadataConfig, which already says the KV sharding "
-                         f"(kv_cp_world_size={cfg.kv_cp_world_size}, kv_cp_interleave={cfg.kv_cp_interleave})")
-    out = dict(kwargs)
-    world = cfg.kv_cp_world_size
-    out["cp_rank"] = int(out.get("cp_rank", 0)) if world > 1 else 0
-    out["cp_world_size"], out["cp_interleave"] = world, cfg.kv_cp_interleave
     return out

@@ -30,9 +30,9 @@ from ..constants import PAD_SLOT_ID
 from .slot_mapping import (
     BACKENDS,
     SlotMappingParams,
-    _check_tensor_args,
-    _torch_slot_mapping,
-    _use_triton,
+    check_tensor_args,
+    torch_slot_mapping,
+    use_triton,
     make_params,
     raise_first_error,
 )
@@ -65,7 +65,7 @@ def _group_params(
         try:
             prm = make_params(grp.block_size, max_num_tokens, grp.kv_cache_block_size, cp_world_size,
                               cp_rank, cp_interleave, pad_id, grp.circular)
-            _check_tensor_args(qsl, positions, grp.block_table, prm, None, None)
+            check_tensor_args(qsl, positions, grp.block_table, prm, None, None)
         except (TypeError, ValueError) as e:
             raise type(e)(f"groups[{g}]: {e}") from None
         params.append(prm)
@@ -114,7 +114,7 @@ def compute_slot_mapping_groups(
     device = positions.device
     out = _check_out(out, (len(groups), max_num_tokens), device)
     qsl, pos = query_start_loc.contiguous(), positions.contiguous()
-    if _use_triton(device, backend):
+    if use_triton(device, backend):
         from ..gpu import slot_mapping_groups_triton as tri
 
         err = error_out if error_out is not None else torch.zeros(1, dtype=torch.int32, device=device)
@@ -122,7 +122,7 @@ def compute_slot_mapping_groups(
     else:
         err = torch.zeros((), dtype=torch.int32, device=device)
         for g, prm in enumerate(params):
-            err = err | _torch_slot_mapping(qsl, pos, groups[g].block_table, prm, out[g])
+            err = err | torch_slot_mapping(qsl, pos, groups[g].block_table, prm, out[g])
         if error_out is not None:
             error_out.bitwise_or_(err)
             return out
