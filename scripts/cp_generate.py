@@ -93,6 +93,7 @@ class GenOptions:
     block_size: int = 16
     max_model_len: int = 256
     num_blocks: int = 64  # per rank cache size (same on every rank: the engine's memory budget)
+    strategy: str = "broadcast"  # or "replicate": every rank builds from its replicated BatchState
 
 
 def make_config(o: GenOptions) -> MetadataConfig:
@@ -127,14 +128,17 @@ class Driver:
     ``accept(md, logits)`` records the full-order logits rows per request and samples greedily.
     """
 
-    def __init__(self, o: GenOptions, cfg: MetadataConfig, vocab: int) -> None:
+    def __init__(self, o: GenOptions, cfg: MetadataConfig, vocab: int, replicated: Any = None) -> None:
         self.o, self.cfg = o, cfg
         gen = torch.Generator().manual_seed(o.seed + 1)
         self.prompts = [torch.randint(vocab, (n,), generator=gen).tolist() for n in o.prompt_lens]
         self.free = torch.randperm(o.num_blocks, generator=gen).tolist()  # shuffled block ids
-        self.st = cpmeta.BatchState(cfg, max_seqs=len(self.prompts))
-        self.slots = [self.st.add_request(i, p, block_table=self._alloc(kv_blocks(len(p), cfg)),
-                                          state_id=i) for i, p in enumerate(self.prompts)]
+        # the calls go to ``ops``: a BatchState, or a ReplicatedBatchState that records them for
+        # the followers (--strategy replicate); ``st`` is read
+        self.ops: Any = replicated if replicated is not None else cpmeta.BatchState(cfg, max_seqs=len(self.prompts))
+        self.st: cpmeta.BatchState = replicated.state if replicated is not None else self.ops
+        self.slots = [self.ops.add_request(i, p, block_table=self._alloc(kv_blocks(len(p), cfg)),
+                                           state_id=i) for i, p in enumerate(self.prompts)]
         self.generated: list[list[int]] = [[] for _ in self.prompts]
         self.logits: list[dict[int, torch.Tensor]] = [{} for _ in self.prompts]  # position -> row
         self.step_reqs: list[int] = []
@@ -146,13 +150,23 @@ class Driver:
         return got
 
     def next_metadata(self) -> Optional[InputMetadata]:
+        """The step's metadata built here (``--strategy broadcast``), None when done."""
+        batch = self.next_batch()
+        if batch is None:
+            return None
+        return build_metadata(batch, self.cfg)
+
+    def next_batch(self) -> Any:
+        """The step's calls on ``ops``: its batch (a ``BatchState``), True (a replicated state:
+        ``sync()`` gives the batch on every rank) or None when every request is done."""
         st, o = self.st, self.o
         todo = [i for i, s in enumerate(self.slots) if st.num_computed[s] < len(self.prompts[i])]
         if todo:  # chunked prefill first
             slots = np.array([self.slots[i] for i in todo])
             chunks = np.minimum(st.prompt_len[slots] - st.num_computed[slots], o.chunk)
             self.step_reqs = todo
-            return cpmeta.prepare_prompt(st.prompt_batch(slots, chunks, num_placeholders=1), self.cfg)
+            got = self.ops.prompt_batch(slots, chunks, num_placeholders=1)
+            return True if got is None else got
         todo = [i for i in range(len(self.slots)) if len(self.generated[i]) < o.new_tokens]
         if not todo:
             return None
@@ -160,10 +174,10 @@ class Driver:
             s = self.slots[i]
             need = kv_blocks(int(st.num_tokens[s]), self.cfg) - int(st.num_blocks[s])
             if need > 0:
-                st.append_blocks(s, self._alloc(need))
+                self.ops.append_blocks(s, self._alloc(need))
         self.step_reqs = todo
-        batch = st.decode_batch(np.array([self.slots[i] for i in todo]), num_placeholders=1)
-        return cpmeta.prepare_decode(batch, self.cfg)
+        got = self.ops.decode_batch(np.array([self.slots[i] for i in todo]), num_placeholders=1)
+        return True if got is None else got
 
     def accept(self, md: InputMetadata, logits: torch.Tensor) -> None:
         """``logits`` [total_q, vocab] in full row order; sequence j of the step is request
@@ -176,7 +190,7 @@ class Driver:
             if self.st.num_computed[s] >= len(self.prompts[i]):  # prompt done (or decode): sample
                 token = int(logits[cu[j + 1] - 1].argmax())
                 self.generated[i].append(token)
-                self.st.append_tokens(s, [token])
+                self.ops.append_tokens(s, [token])
 
 
 def _gather_unmirror(rows: torch.Tensor, mine: InputMetadata) -> torch.Tensor:
@@ -264,6 +278,8 @@ def run_rank(rank: int, world: int, o: GenOptions) -> Optional[dict[str, Any]]:
     cfg = make_config(o)
     model = build_model(DTYPES[o.dtype], device, o.seed)
     cache = PagedKVCache.allocate(model, o.num_blocks, cfg.block_size)
+    if o.strategy == "replicate":
+        return _run_replicated(rank, world, o, cfg, model, cache, device)
     driver = Driver(o, cfg, model.config.vocab_size) if rank == 0 else None
     with cpmeta.MetadataBroadcaster(src=0) as bc, torch.inference_mode():
         while True:
@@ -276,6 +292,29 @@ def run_rank(rank: int, world: int, o: GenOptions) -> Optional[dict[str, Any]]:
             if driver is not None:
                 driver.accept(md, logits)
     return compare(model, driver, o) if driver is not None else None
+
+
+def _run_replicated(rank: int, world: int, o: GenOptions, cfg: MetadataConfig, model: Any,
+                    cache: PagedKVCache, device: torch.device) -> Optional[dict[str, Any]]:
+    """``--strategy replicate``: every rank keeps the requests' ``BatchState``; the driver's
+    scheduler records each step's calls, ``sync()`` sends them, every rank builds its own
+    metadata from its replica (no metadata is moved)."""
+    with cpmeta.ReplicatedBatchState(cfg, len(o.prompt_lens)) as rep, torch.inference_mode():
+        driver = Driver(o, cfg, model.config.vocab_size, replicated=rep) if rank == 0 else None
+        while True:
+            more = driver.next_batch() is not None if driver is not None else False
+            if not _keep_going(more, device):
+                break
+            md = build_metadata(rep.sync(), cfg)  # every rank: its own replica's batch
+            step = prefill_step if md.is_prompt else decode_step
+            logits = step(model, cache, md, cfg, rank, world)
+            if driver is not None:
+                driver.accept(md, logits)
+    return compare(model, driver, o) if driver is not None else None
+
+
+def build_metadata(batch: Any, cfg: MetadataConfig) -> InputMetadata:
+    return cpmeta.prepare_prompt(batch, cfg) if batch.is_prompt else cpmeta.prepare_decode(batch, cfg)
 
 
 def compare(model: Any, driver: Driver, o: GenOptions) -> dict[str, Any]:
@@ -342,6 +381,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--chunk", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="also write the report here")
+    p.add_argument("--strategy", choices=("broadcast", "replicate"), default="broadcast",
+                   help="broadcast the driver's metadata, or replicate the step and build on every rank")
     a = p.parse_args(argv)
     if a.cp < 1 or a.interleave < 1 or a.chunk < 1 or a.new_tokens < 1:
         p.error("--cp, --interleave, --chunk and --new-tokens must be >= 1")
@@ -350,7 +391,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if importlib.util.find_spec("transformers") is None:
         p.error("needs transformers: pip install 'transformers>=4.48' (or pip install -e '.[test]')")
     o = GenOptions(cp=a.cp, interleave=a.interleave, dtype=a.dtype, device=a.device,
-                   config=a.config, new_tokens=a.new_tokens, chunk=a.chunk, seed=a.seed)
+                   config=a.config, new_tokens=a.new_tokens, chunk=a.chunk, seed=a.seed,
+                   strategy=a.strategy)
     try:
         make_config(o)  # bad combinations (interleave not dividing the block size, ...) stop here
     except ValueError as e:

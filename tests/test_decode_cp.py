@@ -100,10 +100,12 @@ def _cp_equals_broadcast(rank: int, world: int, device: str, graph: bool) -> int
 
 
 def _malformed_messages(rank: int, world: int) -> list[str]:
-    """The driver sends hand-made bad messages on the broadcaster's channel; followers must raise
+    """The driver sends hand-made bad frames on the broadcaster's channel; followers must raise
     RuntimeError naming their rank (and stay usable for the next message)."""
+    from cpmeta.broadcast import wire
+    from cpmeta.broadcast.collect import collect
     from cpmeta.gpu import StagedDecodeBroadcaster
-    from cpmeta.gpu.decode_cp import STAGED_DECODE_VERSION
+    from cpmeta.gpu.staged_frame import STAGED_SCHEMA, StagedFrame, staged_values
     from strategies import random_decode_batch
 
     cfg = _configs()[0]
@@ -112,32 +114,44 @@ def _malformed_messages(rank: int, world: int) -> list[str]:
     with StagedDecodeBroadcaster(cfg, src=0, device="cpu", timeout=60) as sb:
         staged = sb.staging.fill(seqs, cfg) if rank == 0 else None
         good = sb.staging.host_buffer[: staged.used].clone() if rank == 0 else None
-        scal = ([STAGED_DECODE_VERSION, staged.num_seqs, staged.total_q, staged.total_k, staged.max_seqlen_q,
-                 staged.max_seqlen_k, staged.used, staged.max_blocks] if rank == 0 else None)
+        scal = staged_values(staged) if rank == 0 else None
+        key = sb._keys[0]
 
         def bad_buf(idx: int, value: int) -> torch.Tensor:
             t = good.clone()
             t[idx] = value
             return t
 
+        def unchecked(t: torch.Tensor) -> tuple:  # a layout the driver's own schema would refuse
+            STAGED_SCHEMA.check_tensors = lambda *a: None  # type: ignore[method-assign]
+            return collect(StagedFrame(*scal, staging=t), STAGED_SCHEMA)[0], [t], scal
+
         hl = 8 + len(cfg.ca_ratios) + len(cfg.sparse_compress_ratios) + len(cfg.dense_compress_ratios)
         variants = [
-            lambda: ([STAGED_DECODE_VERSION + 1, *scal[1:]], [good]),           # version
-            lambda: (scal[:5], [good]),                                        # too few scalars
-            lambda: (scal, [good.to(torch.int64)]),                            # dtype
-            lambda: (scal, [good[:-1]]),                                       # truncated
-            lambda: ([*scal[:2], scal[2] + 1, *scal[3:]], [good]),             # total_q vs header
-            lambda: (scal, [bad_buf(4, int(good[4]) + 1)]),                    # off_ids
-            lambda: (scal, [bad_buf(hl + 6 * staged.num_seqs, 10**6)]),        # bt_offset of seq 0
-            lambda: (scal, [bad_buf(hl + 2 * staged.num_seqs, 99)]),           # cu_seqlens_q_incl
-            lambda: (scal, [bad_buf(8, 3)] if cfg.ca_ratios else [bad_buf(0, 99)]),  # ratios / n_seq
+            lambda: (collect(StagedFrame(*scal[:5], staging=good), STAGED_SCHEMA)[0], [good], scal[:5]),
+            lambda: unchecked(good.to(torch.int64)),                           # dtype
+            lambda: (key, [good[:-1]], scal),                                  # truncated
+            lambda: "version",                   # version skew (the layout is known by now)
+            lambda: (key, [good], [*scal[:1], scal[1] + 1, *scal[2:]]),        # total_q vs header
+            lambda: (key, [bad_buf(4, int(good[4]) + 1)], scal),               # off_ids
+            lambda: (key, [bad_buf(hl + 6 * staged.num_seqs, 10**6)], scal),   # bt_offset of seq 0
+            lambda: (key, [bad_buf(hl + 2 * staged.num_seqs, 99)], scal),      # cu_seqlens_q_incl
+            lambda: (key, [bad_buf(8, 3)] if cfg.ca_ratios else [bad_buf(0, 99)], scal),  # ratios / n_seq
         ]
         for make in variants:
             if rank == 0:
-                obj, tensors = make()
-                sb._ch.broadcast_packed(obj, tensors)
+                got = make()
+                check = STAGED_SCHEMA.check_tensors
+                if got == "version":
+                    wire.MESSAGE_VERSION += 1
+                    sb._ch.send_packed(key, [good], scal)
+                    wire.MESSAGE_VERSION -= 1
+                else:
+                    sb._ch.send_packed(*got)
+                STAGED_SCHEMA.check_tensors = check  # type: ignore[method-assign]
             else:
-                with pytest.raises(RuntimeError, match=rf"rank {rank}: staged decode message") as e:
+                with pytest.raises(RuntimeError, match=rf"rank {rank}: (staged decode message|malformed "
+                                   r"StagedDecodeBroadcaster message|frame version)") as e:
                     sb.broadcast(None)
                 errors.append(str(e.value).split(": ", 2)[-1][:60])
         # the channel is still in step: a good batch goes through

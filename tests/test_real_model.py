@@ -7,7 +7,9 @@ tokens in chunks of 32: the second chunk reads its history back from the paged c
 ``cp_kv_read_plan``), a placeholder sequence in every step, 4 greedy tokens per request (the
 46- or 62-token request's table grows by a block during decode at every CP size). Every
 row's logits must be within 1e-9 of the single-process model's, and the tokens equal its
-``generate(do_sample=False)``. One process group per world size runs all its cases.
+``generate(do_sample=False)``. One process group per world size runs all its cases; one case
+(CP 3) replicates the step instead (``--strategy replicate``: every rank builds its metadata
+from its own ``ReplicatedBatchState``).
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ CASES: dict[int, list[cp_generate.GenOptions]] = {
     1: [cp_generate.GenOptions(cp=1)],
     2: [cp_generate.GenOptions(cp=2, interleave=1), cp_generate.GenOptions(cp=2, interleave=16),
         cp_generate.GenOptions(cp=2, config="seed")],
-    3: [cp_generate.GenOptions(cp=3, interleave=1), cp_generate.GenOptions(cp=3, interleave=16)],
+    3: [cp_generate.GenOptions(cp=3, interleave=1), cp_generate.GenOptions(cp=3, interleave=16),
+        # every rank builds from its own replicated BatchState: nothing but the step is moved
+        cp_generate.GenOptions(cp=3, interleave=4, strategy="replicate")],
 }
 
 
@@ -42,7 +46,7 @@ def _run_cases(rank: int, world: int, cases: list[cp_generate.GenOptions]) -> li
 def test_real_llama_matches_single_process(world: int) -> None:
     reports = run_ranks(_run_cases, world, CASES[world], timeout=240)[0]
     for o, r in zip(CASES[world], reports):
-        case = f"cp={o.cp} interleave={o.interleave} config={o.config}"
+        case = f"cp={o.cp} interleave={o.interleave} config={o.config} strategy={o.strategy}"
         assert r["max_logit_diff"] <= 1e-9, f"{case}: max |logit diff| {r['max_logit_diff']}"
         assert r["tokens"] == r["generate_tokens"], f"{case}: {r['tokens']} != {r['generate_tokens']}"
         assert r["ok"], case

@@ -143,7 +143,7 @@ class FrameChannel:
         handler returned. A malformed frame is a ``RuntimeError`` naming this rank and the
         source; a peer of another version or schema likewise."""
         def consume(view: memoryview) -> Any:
-            frame = self.reader.parse(view, self.rank, self.src)
+            frame = self.reader.parse(view, self.src)
             out = handler(frame, view)
             self.reader.keep(frame)
             return out

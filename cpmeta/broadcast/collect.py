@@ -189,8 +189,8 @@ class Walk:
                 raise TypeError(f"{e[2][0]}: dtype {dtypes[e[1]]} cannot be broadcast "
                                 f"(supported: {WIRE_DTYPES})")
         idx = [e[1] for e in rows]
-        key = (PATH_SEP.join(ALIAS_SEP.join(e[2]) for e in rows), tuple(e[0] for e in rows),
-               tuple(ndims[i] for i in idx), PATH_SEP.join(vpaths))
+        key: tuple = (PATH_SEP.join(ALIAS_SEP.join(e[2]) for e in rows), tuple(e[0] for e in rows),
+                      tuple(ndims[i] for i in idx), PATH_SEP.join(vpaths))
         if self.order is not None:
             key += (self.order,)
         return key, (None if idx == list(range(len(objs))) else getter(idx))

@@ -48,7 +48,7 @@ import operator
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Union, cast
 
 import torch
 
@@ -378,7 +378,7 @@ class ValueCheck:
                 continue
             if type(v) is not want:
                 raise LayoutError(f"{path}: expected {want.__name__}, got {type(v).__name__} {v!r:.60}")
-            if i in lows and not lows[i] <= v <= MAX_INT:
+            if i in lows and not lows[i] <= cast(int, v) <= MAX_INT:
                 raise LayoutError(f"{path}: {v} is out of range [{lows[i]}, 2**63)")
             if want is dict and v:
                 raise LayoutError(f"{path}: expected an empty dict (entries travel as {path}.<key>)")

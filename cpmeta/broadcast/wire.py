@@ -272,7 +272,7 @@ class FrameReader:
         self._make_plan = make_plan
         self._plans: "OrderedDict[int, tuple[bytes, Any]]" = OrderedDict()  # id -> (block, plan)
 
-    def parse(self, view: memoryview, rank: int, src: int) -> Frame:
+    def parse(self, view: memoryview, src: int) -> Frame:
         """Header, layout, values and dims of one frame (see the module docstring)."""
         h = read_head(view, self.fingerprint, self.schema.name, self.require_crc)
         cached = self._plans.get(h.lid)
@@ -283,7 +283,7 @@ class FrameReader:
             block, plan = cached if cached is not None else (b"", None)
         if plan is None:
             raise FrameMismatch(
-                f"rank {rank}: frame from src={src} refers to layout id {h.lid}, which this rank "
+                f"frame from src={src} refers to layout id {h.lid}, which this rank "
                 "never received (it joined late or missed a frame); every rank must construct "
                 "the channel together and receive every step")
         at = HEADER.size + h.llen

@@ -1,16 +1,16 @@
 """In-place decode across a CP group (DESIGN section 12): broadcast the STAGING buffer, not the metadata.
 
 The driver validates and stages the batch (``DecodeStaging.fill``: a few KB of int32), sends that
-buffer and its host scalars as ONE message through ``transport.ObjectChannel`` (shared-memory
-ring for same-host followers, gloo otherwise), and every rank -- driver included -- uploads it
+buffer and its host scalars as ONE frame of the common codec (``cpmeta.broadcast.channel``'s
+``FrameChannel``: shared-memory ring for same-host followers, gloo otherwise), and every rank -- driver included -- uploads it
 and runs the two kernels (or replays its graph) into ITS OWN buffers. Every rank's result equals
 broadcasting ``prepare_decode``'s output (``metadata_diff(..., cfg=cfg)``), but followers get
 CUDA-graph-ready buffers (fixed addresses, inert tail) instead of ~20 freshly received tensors.
 
-Message (``ObjectChannel.broadcast_packed``)::
+Message (``cpmeta.gpu.staged_frame.StagedFrame``)::
 
-    obj     [VERSION, n_seq, total_q, total_k, max_seqlen_q, max_seqlen_k, used, max_blocks]
-            or {"error": "..."} when the driver refused the batch (followers raise too)
+    values  n_seq, total_q, total_k, max_seqlen_q, max_seqlen_k, used, max_blocks
+            or the refusal's message when the driver refused the batch (followers raise too)
     tensor  the staging buffer's used prefix: [used] int32 (layout: decode_staging)
 
 The driver's batch is a list of ``SequenceMetadata`` / a ``SequenceBatch`` (:meth:`broadcast`,
@@ -36,6 +36,7 @@ import torch.distributed as dist
 from .decode_buffers import capacity_of as _capacity_of, same_device as _same_device
 from .decode_inplace import Out, finish_staged, resolve_backend as _resolve_backend
 from .decode_staging import DecodeStaging, StagedDecode, stage_decode
+from .staged_frame import STAGED_DECODE_VERSION, staged_of, staged_values
 from .staging_layout import StagingLayout
 from ..builders.decode import check_decode_out
 from ..config import MetadataConfig
@@ -47,10 +48,6 @@ if TYPE_CHECKING:
 
 __all__ = ["StagedDecodeBroadcaster", "check_staged_layout", "STAGED_DECODE_VERSION"]
 
-#: Version of the staged-decode message (first element of its scalar list).
-STAGED_DECODE_VERSION = 1
-_SCHEMA = b"cpmeta.staged_decode.v1"
-_N_SCALARS = 8
 
 
 def check_staged_layout(a: np.ndarray, staged: StagedDecode, cfg: MetadataConfig) -> Optional[str]:
@@ -93,17 +90,20 @@ class StagedDecodeBroadcaster:
         timeout, force_remote: as for ``transport.ObjectChannel``.
     """
 
-    def __init__(self, cfg: MetadataConfig, group: Any = None, src: int = 0, *,
-                 device: Optional[torch.device | str] = None, staging: Optional[DecodeStaging] = None,
-                 backend: str = "auto", timeout: Optional[float] = None,
-                 force_remote: Optional[bool] = None) -> None:
-        from transport import ObjectChannel  # cpmeta -> transport, never the reverse
+    def __init__(self, cfg: MetadataConfig, group: Any = None, src: Optional[int] = None, *,
+                 group_src: Optional[int] = None, device: Optional[torch.device | str] = None,
+                 staging: Optional[DecodeStaging] = None, backend: str = "auto",
+                 timeout: Optional[float] = None, force_remote: Optional[bool] = None,
+                 checksum: Optional[bool] = None) -> None:
+        from .. import envs
+        from ..broadcast.channel import FrameChannel, resolve_src
+        from .staged_frame import STAGED_SCHEMA, error_key, staged_key
 
         self.cfg = cfg
         self.group = group if group is not None else dist.group.WORLD
-        self.src = src
+        self.src = resolve_src(self.group, src, group_src)
         self.rank = dist.get_rank()
-        self.is_src = self.rank == src
+        self.is_src = self.rank == self.src
         if device is None:
             nccl = "nccl" in str(dist.get_backend(self.group)).lower()
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
@@ -113,8 +113,11 @@ class StagedDecodeBroadcaster:
         if not _same_device(self.staging.device, self.device):
             raise ValueError(f"staging: expected a staging buffer for {self.device}, got one for "
                              f"{self.staging.device}")
-        self._ch = ObjectChannel(self.group, src, timeout=timeout, force_remote=force_remote, schema=_SCHEMA)
-        self._alone = len(self._ch.ranks) == 1  # CP size 1: the driver skips the (empty) broadcast
+        self._ch = FrameChannel(self.group, self.src, STAGED_SCHEMA, what="StagedDecodeBroadcaster",
+                                timeout=timeout, force_remote=force_remote,
+                                checksum=envs.checksum() if checksum is None else bool(checksum))
+        self._keys = (staged_key(), error_key())
+        self._alone = not self._ch.has_readers  # CP size 1: the driver skips the (empty) broadcast
 
     # ---- public -------------------------------------------------------------------------------
     def broadcast(self, seqs: Optional[Sequence[SequenceMetadata]] = None, *, out: Out = None,
@@ -198,14 +201,11 @@ class StagedDecodeBroadcaster:
         except ValueError as e:
             if self._alone:
                 raise
-            self._ch.broadcast_packed({"error": str(e)}, [])
+            self._ch.send_packed(self._keys[1], [], [str(e)])
             raise
         if self._alone:  # a group of one: nobody to send to
             return staged
-        self._ch.broadcast_packed(
-            [STAGED_DECODE_VERSION, staged.num_seqs, staged.total_q, staged.total_k, staged.max_seqlen_q,
-             staged.max_seqlen_k, staged.used, staged.max_blocks],
-            [self.staging.host_buffer[: staged.used]])
+        self._ch.send_packed(self._keys[0], [self.staging.host_buffer[: staged.used]], staged_values(staged))
         return staged
 
     def _state_fill(self, state: "BatchState", slots: np.ndarray, draft_tokens: Optional[np.ndarray],
@@ -225,21 +225,13 @@ class StagedDecodeBroadcaster:
         return fill
 
     def _receive(self) -> StagedDecode:
-        from transport import CodecError
-
         where = f"rank {self.rank}: staged decode message from src={self.src}"
-        try:
-            obj, tensors = self._ch.broadcast_packed()
-        except CodecError as e:
-            raise RuntimeError(f"{where} rejected: {e}") from e
-        if type(obj) is dict and set(obj) == {"error"}:
-            raise RuntimeError(f"{where}: the driver refused the batch: {obj['error']}")
-        if (type(obj) is not list or len(obj) != _N_SCALARS or not all(type(x) is int for x in obj)
-                or obj[0] != STAGED_DECODE_VERSION):
-            raise RuntimeError(f"{where} is malformed: expected [{STAGED_DECODE_VERSION}, 7 ints], got {obj!r:.120}")
-        if len(tensors) != 1 or tensors[0].dtype != torch.int32 or tensors[0].dim() != 1:
-            raise RuntimeError(f"{where} is malformed: expected ONE 1-D int32 tensor")
-        staged = StagedDecode(*obj[1:])
+        frame, tensors = self._ch.recv_packed()  # header, schema, layout, dtype and rank proven
+        if frame.plan.key == self._keys[1]:
+            raise RuntimeError(f"{where}: the driver refused the batch: {frame.values[0]}")
+        if frame.plan.key != self._keys[0]:
+            raise RuntimeError(f"{where} is malformed: layout {frame.plan.tensor_paths} is not a staged step")
+        staged = staged_of(frame.values)
         why = check_staged_layout(tensors[0].numpy(), staged, self.cfg)
         if why is not None:
             raise RuntimeError(f"{where} is malformed: {why}")

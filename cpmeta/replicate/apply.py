@@ -30,7 +30,7 @@ class _Cursor:
         self.cols = cols
         self.at = dict.fromkeys(cols, 0)
 
-    def take(self, name: str, n: int) -> np.ndarray:
+    def take(self, name: str, n: int) -> Any:  # an int64 ndarray (the BatchState calls take arrays)
         a = self.at[name]
         col = self.cols[name]
         if a + n > len(col):
@@ -86,7 +86,7 @@ def _ragged(state: BatchState, code: int, slots: np.ndarray, counts: np.ndarray,
         state.append_tokens_batch(slots, flat, counts)
         return
     at = 0
-    f = state.append_blocks if code == BLK else state.append_compressed
+    f: Any = state.append_blocks if code == BLK else state.append_compressed
     for s, c in zip(slots.tolist(), counts.tolist()):
         f(s, flat[at:at + c])
         at += c

@@ -126,7 +126,7 @@ class OpLog:
     # ---- the frame ----------------------------------------------------------------------------
     def arrays(self, batch_digest: np.ndarray) -> list[np.ndarray]:
         """Every column of :data:`COLUMNS` as one contiguous int64 array (empty when unused)."""
-        out = [np.array(self._runs, np.int64).reshape(-1, 2)]
+        out: list[np.ndarray] = [np.array(self._runs, np.int64).reshape(-1, 2)]
         for name in COLUMNS[1:-1]:
             parts = self._cols[name]
             if not parts:
