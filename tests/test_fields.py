@@ -117,3 +117,49 @@ def test_table_order_after_the_mirror_and_yoco(mode: str, seed: int) -> None:
 def test_staged_ratio_order() -> None:
     cfg = cpmeta.MetadataConfig(dense_compress_ratios=(4,), sparse_compress_ratios=(4, 8))
     assert staged_ratios(cfg) == (4, 8, 4, 8, 4)  # ca (4, 8), sparse (4, 8), dense (4,)
+
+
+def _table_with_extra_fields() -> Any:
+    """InputMetadata's table plus three fields declared the one way a field is declared: a decode
+    row field, a per-ratio decode field, and a derived prompt field the CP mirror gathers."""
+    import dataclasses
+
+    from cpmeta.fields import COMPRESSED_KV, DECODE_ONLY, DENSE, DERIVE, PROMPT_ONLY, SWA, tensor_field
+
+    base = [(f.name, f.type, dataclasses.field(default=None, metadata=f.metadata))
+            for f in dataclasses.fields(InputMetadata)]
+    extra = [
+        ("extra_rows", "Optional[Tensor]", tensor_field(torch.int32, ("total_q", 3), features=(SWA,),
+                                                        steps=DECODE_ONLY)),
+        ("extra_per_ratio", "TDict", tensor_field(torch.int32, ("total_q",), ratios=DENSE,
+                                                  features=(COMPRESSED_KV,), steps=DECODE_ONLY)),
+        ("extra_derived", "TDict", tensor_field(torch.int32, ("rows",), ratios=DENSE, features=(COMPRESSED_KV,),
+                                                steps=PROMPT_ONLY, stage=DERIVE, order=RANK, pad=-1)),
+    ]
+    return field_table(dataclasses.make_dataclass("WithExtra", base + extra, slots=True))
+
+
+def test_one_table_edit_reaches_every_generated_layout() -> None:
+    """docs/build.md, "A new field": the table entry alone puts a field into the host decode arena,
+    the ``out=`` stacked schema, the in-place decode's device buffers and row views, the derived
+    list, the CP mirror's gathered expansions and the consumer view's cleared fields. (Computing
+    its values is the builder's and the kernels' part; declaring it is one edit.)"""
+    from cpmeta.builders.decode import _make_decode_layout
+    from cpmeta.fields import consumer_cleared, derived_fields, mirror_gathered_derived, stacked_fields
+    from cpmeta.gpu.decode_buffers import make_buffers, row_specs
+
+    table = _table_with_extra_fields()
+    cfg = cpmeta.MetadataConfig(dense_compress_ratios=(4, 8), sparse_compress_ratios=(4,))
+    lay = _make_decode_layout(cfg, 5, 3, table)
+    assert lay.fields["extra_rows"][2] == (5, 3) and lay.fields["extra_per_ratio"][2] == (2, 5)
+    assert "extra_per_ratio" in lay.stacked and "extra_per_ratio" in stacked_fields(table, DECODE)
+    rows, _ = row_specs(cfg, table)
+    assert rows["extra_rows"] == ((3,), torch.int32, None) and rows["extra_per_ratio"][2] == ("4", "8")
+    out: dict[str, torch.Tensor] = {}
+    bufs, views = make_buffers(out, cfg, 3, 5, torch.device("cpu"), table)
+    assert tuple(bufs["extra_rows"].shape) == (5, 3) and tuple(views["extra_per_ratio"]) == ("4", "8")
+    assert "extra_derived" in derived_fields(table) and mirror_gathered_derived(table)["extra_derived"] == -1
+    assert "extra_derived" in consumer_cleared(table)
+    plain = cpmeta.MetadataConfig(block_size=16, window_size=0, dense_compress_ratios=(), sparse_compress_ratios=())
+    assert "extra_rows" not in _make_decode_layout(plain, 5, 3, table).fields  # its feature is off
+    assert "extra_rows" not in _make_decode_layout(cfg, 5, 3).fields  # the real table has no such field
