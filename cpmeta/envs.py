@@ -5,6 +5,7 @@ parsers this module uses; unset or blank means the default).
 |---|---|---|
 | ``CPMETA_TENSOR_PATH`` | how ``MetadataBroadcaster`` moves tensors: ``auto``, ``packed`` (inside the object message) or ``collective`` (one coalesced NCCL/gloo broadcast) | ``auto`` |
 | ``CPMETA_CHECKSUM`` | ``1``: the driver stamps a crc32 of every broadcast frame; followers verify it and refuse a frame without one (a mismatch is a ``RuntimeError`` naming the rank). Every rank must set it alike (compared at construction). Costs a few us per step (docs/transport.md) | ``0`` |
+| ``CPMETA_POISON_ARENAS`` | ``1`` (debug): a persistent arena's previous result is retired when its turn comes again -- its tensors filled with poison (integers their dtype's max, floats NaN, bools True) and its derived objects refused -- and the step lands in new buffers, so a result read past its lifetime fails loudly instead of showing the next step's values (``cpmeta.broadcast.persistent``). Costs an allocation per step: off in production | ``0`` |
 | ``CPMETA_PACKED_MAX_BYTES`` | with ``auto`` and a CUDA device, CPU-built payloads up to this many bytes ride inside the object message and each rank copies them to its GPU with one H2D copy (larger ones: one NCCL broadcast) | ``1048576`` |
 
 The 1 MiB default comes from ``scripts/bench_broadcast.py --backend nccl --worlds 1`` on an H200
@@ -16,13 +17,15 @@ from __future__ import annotations
 
 from transport.envs import env_bool, env_choice, env_int
 
-__all__ = ["tensor_path", "packed_max_bytes", "checksum", "TENSOR_PATHS", "CHECKSUM"]
+__all__ = ["tensor_path", "packed_max_bytes", "checksum", "poison_arenas", "TENSOR_PATHS", "CHECKSUM",
+           "POISON_ARENAS"]
 
 TENSOR_PATHS = ("auto", "packed", "collective")
 DEFAULT_PACKED_MAX_BYTES = 1 << 20
 TENSOR_PATH = "CPMETA_TENSOR_PATH"
 PACKED_MAX_BYTES = "CPMETA_PACKED_MAX_BYTES"
 CHECKSUM = "CPMETA_CHECKSUM"
+POISON_ARENAS = "CPMETA_POISON_ARENAS"
 
 
 def tensor_path() -> str:
@@ -38,3 +41,8 @@ def packed_max_bytes() -> int:
 def checksum() -> bool:
     """``CPMETA_CHECKSUM``: stamp (driver) / require (followers) a crc32 on every broadcast frame."""
     return env_bool(CHECKSUM, False)
+
+
+def poison_arenas() -> bool:
+    """``CPMETA_POISON_ARENAS``: retire and poison a persistent arena's result when it expires."""
+    return env_bool(POISON_ARENAS, False)

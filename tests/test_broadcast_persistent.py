@@ -106,7 +106,7 @@ def _equivalence(rank: int, world: int, seed: int, force_remote: bool) -> int:
                 held[j] = (got, None)  # changed by us: not compared until its layout returns
             n += 1
         # both frame geometries ran: decode steps (one builder arena) as spans, prompts packed
-        kinds = sorted({a.span is not None for a in bp._persist._arenas.values()})
+        kinds = sorted({a.span is not None for a in bp._persist.arenas()})
     return [n, kinds]
 
 

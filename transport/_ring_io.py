@@ -223,6 +223,13 @@ class RingIO:
             if self._w.tails[lag].value == tail:
                 self._check_readers(head, k, deadline)
 
+    def backlog(self) -> int:
+        """Writer, read-only: slots published that the slowest attached reader has not released
+        yet (0: every reader caught up, or none attached); one pass over the readers' tail words,
+        no wait, no write."""
+        lag, tail = self._slowest()
+        return 0 if lag is None else self._w.head.value - tail
+
     def _slowest(self) -> tuple[Optional[int], int]:
         best, best_tail = None, 0
         for i, (st, tw) in enumerate(zip(self._w.states, self._w.tails)):

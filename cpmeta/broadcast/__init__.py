@@ -20,8 +20,17 @@ module              holds
                     tensors, values), cached per tuple of field types
 ``collect_memo``    ``CollectMemo``: the persistent driver's ``collect`` when a step reuses the last
                     step's tensor objects
-``persistent``      ``persistent_outputs=True``: one arena per layout (host, + device on CUDA) and
-                    the object built once as its views; a repeated layout lands with one memmove
+``persistent``      ``persistent_outputs``: the pool of arenas per layout (``depth`` in turn), its
+                    budget, admission and LRU eviction, the lifetime of what it hands out
+``policy``          ``PersistentPolicy``: ``max_bytes``, ``max_layouts``, ``min_repeats``, ``kinds``,
+                    ``depth``
+``arena``           ``LayoutArena``: one layout's host (+ device) buffer and the object built once
+                    as its views; a repeated layout lands with one memmove; its generation
+                    (``cpmeta.lifetime``), CUDA stream ordering, debug poisoning
+``arena_views``     the arena's compiled helpers: getters, span views, value setter, poison values
+``metrics``         ``bc.stats()``: per-step rings and counters, ``BroadcastStats``, refusal kinds,
+                    the launch table, ``prometheus_collector``
+``prometheus``      the ``prometheus_client`` collector (optional extra ``metrics``)
 ``span``            span frames (``FLAG_SPAN``): a persistent driver's one-allocation tensors sent
                     as one span with an offsets table; ``check_span`` proves a new geometry once
 ``outputs``         where received bytes land: a frame's tensor region into a CPU buffer, received
@@ -35,7 +44,9 @@ package; this package knows schemas and paths, never ring slots.
 from __future__ import annotations
 
 from .broadcaster import MESSAGE_VERSION, SCHEMA_FINGERPRINT, MetadataBroadcaster
+from .metrics import BroadcastStats
+from .policy import PersistentPolicy
 from .tensor_dict import broadcast_tensor_dict, close_tensor_dict_channels
 
 __all__ = ["MetadataBroadcaster", "SCHEMA_FINGERPRINT", "MESSAGE_VERSION", "broadcast_tensor_dict",
-           "close_tensor_dict_channels"]
+           "close_tensor_dict_channels", "PersistentPolicy", "BroadcastStats"]

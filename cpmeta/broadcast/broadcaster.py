@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
+from time import perf_counter
 from typing import Any, Optional
 
 import torch
@@ -35,8 +36,10 @@ from ..metadata import InputMetadata
 from . import wire
 from .channel import FrameChannel, Prepared, resolve_src
 from .collect import collect, collect_dict
+from .metrics import BroadcastMetrics, BroadcastStats
 from .outputs import copy_out_of_frame, copy_to_out
 from .persistent import land_span
+from .policy import PersistentPolicy
 from .schema import INPUT_METADATA, SCHEMA_FINGERPRINT, DictSchema, Schema
 from .wire import FLAG_PACKED, FLAG_SPAN, Frame, WireError
 
@@ -82,10 +85,15 @@ class MetadataBroadcaster:
         checksum: stamp a crc32 on every frame (default ``CPMETA_CHECKSUM``); followers verify
             any frame that carries one and, with it on, refuse a frame without one. Every rank
             must use the same setting (checked at construction: ``ValueError`` naming the ranks).
-        persistent_outputs: every rank gets metadata whose tensors live in the broadcaster's
-            arena for the step's layout (fields, dtypes, shapes), the same object each time that
-            layout comes back: valid until the next ``broadcast`` with the same layout
-            (``cpmeta.broadcast.persistent``). Default: fresh tensors every call.
+        persistent_outputs: ``True`` or a :class:`~cpmeta.broadcast.policy.PersistentPolicy`:
+            every rank gets metadata whose tensors live in the broadcaster's arena for the step's
+            layout (fields, dtypes, shapes), the same object each time that arena's turn comes:
+            valid until ``depth`` (default 1) more broadcasts with the same layout
+            (``cpmeta.broadcast.persistent``). The policy bounds the bytes and layouts held and
+            persists only what repeats (``min_repeats``, step ``kinds``); other steps get fresh
+            tensors. Default ``False``: fresh tensors every call.
+
+    ``stats()`` returns this rank's counters and latency summaries (``cpmeta.broadcast.metrics``).
     """
 
     def __init__(
@@ -100,13 +108,15 @@ class MetadataBroadcaster:
         timeout: Optional[float] = None,
         force_remote: Optional[bool] = None,
         checksum: Optional[bool] = None,
-        persistent_outputs: bool = False,
+        persistent_outputs: bool | PersistentPolicy = False,
     ) -> None:
         self.schema: Schema | DictSchema = (INPUT_METADATA if schema is InputMetadata else DictSchema()
                                             if schema is dict else Schema.of(schema))
         self.cls = schema
-        self._collect: Any = collect_dict if schema is dict else partial(collect, schema=self.schema)
-        if schema is dict and persistent_outputs:
+        self._collect: Any = partial(collect, schema=self.schema) if isinstance(self.schema, Schema) \
+            else collect_dict
+        policy = PersistentPolicy.of(persistent_outputs)
+        if schema is dict and policy is not None:
             raise ValueError("persistent_outputs: tensor dicts (schema=dict) get fresh tensors every call")
         self.group = group if group is not None else dist.group.WORLD
         self.src = resolve_src(self.group, src, group_src)
@@ -129,12 +139,15 @@ class MetadataBroadcaster:
         self._objects = self._ch.objects
         self._tensors: Any = None  # TensorChannel, created on first collective use
         self._pin = self.device.type == "cuda"
-        self._persist: Any = None  # PersistentArenas with persistent_outputs=True
-        if persistent_outputs:
+        self._persist: Any = None  # PersistentArenas with persistent_outputs
+        if policy is not None:
             from .persistent import PersistentArenas
 
             assert isinstance(self.schema, Schema)
-            self._persist = PersistentArenas(self.device, self.schema)
+            self._persist = PersistentArenas(self.device, self.schema, policy)
+        self._metrics = BroadcastMetrics()
+        self._mark = 0.0  # this step: when the frame was published (driver) / arrived (follower)
+        self._info: tuple[int, bool] = (0, False)  # this step: payload bytes, layout block sent
         self._closed = False
 
     # ---- public ---------------------------------------------------------------------------
@@ -160,6 +173,29 @@ class MetadataBroadcaster:
         larger first dim -- and the result holds those views (same addresses). A path with no
         buffer, or another dtype / trailing shape, is a ``ValueError`` naming the path.
         """
+        t0 = self._mark = perf_counter()
+        try:
+            got = self._broadcast(md, out)
+        except BaseException as e:
+            self._metrics.refused(e)
+            raise
+        self._metrics.step(t0, self._mark, perf_counter(), *self._info)
+        return got
+
+    def stats(self) -> BroadcastStats:
+        """This rank's counters and latency summaries (``cpmeta.broadcast.metrics``): steps,
+        payload bytes, layouts sent / plans built, time in send (driver) or wait (followers) and
+        land, refusals by kind, the driver's ring lag, the persistent arenas' bytes and counts."""
+        p, ring = self._persist, self._objects.ring
+        arenas = None if p is None else dict(
+            layouts=len(p), arenas=sum(1 for _ in p.arenas()), host_bytes=p.host_bytes,
+            device_bytes=p.device_bytes, persisted=p.persisted, fresh=p.fresh, created=p.created,
+            evicted=p.evicted, retired=p.retired)
+        slot = ring.handle.slot_size if ring is not None and self.is_src else 0
+        group = str(getattr(self.group, "group_name", "") or "WORLD")
+        return self._metrics.stats(self.rank, group, self.is_src, slot, arenas)
+
+    def _broadcast(self, md: Any, out: Any) -> Any:
         if self._closed:
             raise RuntimeError("MetadataBroadcaster: broadcast() after close()")
         name = self.schema.name
@@ -206,9 +242,13 @@ class MetadataBroadcaster:
         return self._tensors
 
     def _send(self, md: Any, out: Any) -> Any:
+        ring = self._objects.ring
+        if ring is not None:
+            self._metrics.backlog(ring.backlog())
         key, tensors, values, dims = (*self._collect(md), None) if self._persist is None else \
             self._persist.collect.step(md)
         prep = self._ch.prepare(key, values, dims, tensors)
+        self._info = (prep.exact + len(prep.vblock) + len(prep.lblock), bool(prep.lblock))
         packed = self._use_packed(tensors, prep.region)
         arena = None
         if self._persist is not None and out is None:  # the layout's arena (persistent_outputs)
@@ -217,6 +257,7 @@ class MetadataBroadcaster:
             return self._send_packed(md, out, prep, tensors, values, arena)
         self._ch.publish(prep, 0, 0, 0, None)
         got = self._tensor_channel().broadcast(tensors)
+        self._mark = perf_counter()
         if arena is not None:
             return arena.finish_collective(got, values)
         return prep.plan.assemble(got, values, copy_to_out(out, prep.plan, got) if out is not None else None)
@@ -227,7 +268,7 @@ class MetadataBroadcaster:
         if packed:
             return self._persist.driver_arena(p.plan, p.dims, p.numels, p.starts, p.region, p.exact,
                                               values, tensors)
-        return self._persist.get(p.plan, p.dims, p.numels, p.starts, p.region, values)[0]
+        return self._persist.get(p.plan, p.dims, p.numels, p.starts, p.region, values)
 
     def _send_packed(self, md: Any, out: Any, prep: Prepared, tensors: list[torch.Tensor],
                      values: list[Any], arena: Any) -> Any:
@@ -257,6 +298,7 @@ class MetadataBroadcaster:
             arena.write(tensors, arena.host_ptr)
             return arena.finish(values)
         self._ch.publish(prep, flags, tbytes, region, write)
+        self._mark = perf_counter()
         if arena is not None:
             arena.take(region_at[0])  # the driver's own copy, after the publish
             return arena.finish(values)
@@ -274,9 +316,10 @@ class MetadataBroadcaster:
         plan, values, dims, numels, starts, buf = self._ch.receive(self._consume)
         if buf is None:  # tensors follow in one collective (NCCL)
             got = self._tensor_channel().broadcast(plan.specs(dims))
-            if self._persist is not None and out is None:
-                return self._persist.get(plan, dims, numels, starts, plan.sizes(dims)[2],
-                                         values)[0].finish_collective(got, values)
+            arena = None if self._persist is None or out is not None else \
+                self._persist.get(plan, dims, numels, starts, plan.sizes(dims)[2], values)
+            if arena is not None:
+                return arena.finish_collective(got, values)
         elif not isinstance(buf, torch.Tensor):  # a LayoutArena (landed by _consume)
             if out is None:
                 return buf.finish(values)
@@ -295,18 +338,21 @@ class MetadataBroadcaster:
     def _consume(self, frame: Frame, view: memoryview) -> tuple:
         """The tensor region of one proven frame (valid only during this call): landed in the
         layout's arena, copied into a fresh buffer, or left to the collective."""
+        self._mark = perf_counter()
         h, plan, values, dims = frame.head, frame.plan, frame.values, frame.dims
+        self._info = (h.tbytes + h.vlen + h.llen, h.llen > 0)
         if h.flags & FLAG_SPAN:  # a persistent driver's span (cpmeta.broadcast.span): own checks
             if not h.flags & FLAG_PACKED:
                 raise WireError("FLAG_SPAN without FLAG_PACKED")
-            arena = land_span(self._persist, plan, dims, h.tbytes, view, h.data_at, values, self.device)
-            return plan, values, dims, None, None, arena
+            span = land_span(self._persist, plan, dims, h.tbytes, view, h.data_at, values, self.device)
+            return plan, values, dims, None, None, span
         numels, starts, total = plan.check_tensors(dims, bool(h.flags & FLAG_PACKED), h.tbytes,
                                                    view.nbytes - h.data_at)
         if not h.flags & FLAG_PACKED:
             return plan, values, dims, numels, starts, None
-        if self._persist is not None:  # the frame's region into the layout's arena, one memmove
-            arena = self._persist.get(plan, dims, numels, starts, total, values)[0]
+        arena = None if self._persist is None else \
+            self._persist.get(plan, dims, numels, starts, total, values)
+        if arena is not None:  # the frame's region into the layout's arena, one memmove
             arena.land(view, h.data_at)
             return plan, values, dims, numels, starts, arena
         buf = torch.empty(total, dtype=torch.uint8, pin_memory=self._pin)

@@ -1,14 +1,10 @@
-"""Persistent outputs: ``MetadataBroadcaster(..., persistent_outputs=True)`` (DESIGN 7).
+"""Persistent outputs: ``MetadataBroadcaster(..., persistent_outputs=True | PersistentPolicy(...))``.
 
 An engine pads its batches to a few captured sizes, so the same LAYOUT (fields, dtypes, shapes)
-comes back step after step. For each layout seen, every rank keeps one :class:`LayoutArena`:
-
-    host arena (uint8, the frame's tensor region byte for byte -- dtype runs, 16-aligned, or
-                a span of the driver's allocation (cpmeta.broadcast.span); pinned on CUDA)
-    device arena (CPU: the host arena itself; CUDA: one device buffer of the same bytes)
-    md: the InputMetadata built ONCE for the layout, its tensors views of the device arena
-
-A step of a known layout then costs, besides the header and the few values::
+comes back step after step. For each layout it persists, every rank keeps ``depth`` arenas
+(:class:`~cpmeta.broadcast.arena.LayoutArena`: host buffer, device buffer on CUDA, the metadata
+built once as views of it), used in turn. A step of a persisted layout then costs, besides the
+header and the few values::
 
     driver     md's tensors ──one memmove (span) or one per tensor──▶ ring slot (the region)
                after the publish: ring slot ──one memmove──▶ host arena
@@ -16,319 +12,227 @@ A step of a known layout then costs, besides the header and the few values::
     both       [CUDA: host arena ──one non-blocking H2D on the current stream──▶ device arena]
                values set on the cached md; the cached md is returned
 
-Validity: the returned metadata lives in the broadcaster's arena of its layout; it stays valid
-until the next ``broadcast`` with the SAME layout, which overwrites it (tensors and values; it is
-the same object). A broadcast of another layout leaves it alone. At most ``MAX_LAYOUTS`` arenas
-(and ``MAX_ARENA_BYTES`` of host arena) are kept, the least recently used dropped first; a dropped
-arena's metadata stays alive (and unchanged) as long as the caller holds it.
+What is persisted, and the budget (:class:`~cpmeta.broadcast.policy.PersistentPolicy`): a layout
+from its ``min_repeats``-th step on, of the step ``kinds`` named, while its ``depth`` arenas fit
+``max_bytes`` and ``max_layouts`` (past either bound the least recently used layout is dropped,
+all its arenas). Any other step gets fresh tensors, exactly as with ``persistent_outputs=False``.
+``persistent_outputs=True`` is the default policy: every layout, 256 layouts, 1 GiB, depth 1.
+
+Lifetime: a persisted result lives in its arena until that arena's turn comes again, i.e. until
+``depth`` more broadcasts of the same layout have run (tensors and values: with depth 1 it is the
+same object), and at least until the ``depth``-th next ``broadcast`` of any layout: depth 1
+"valid until the next broadcast", depth 2 "valid until the broadcast after next" (step N's result
+is untouched by step N+1's broadcast, so an engine may build and send N+1 while N runs). A dropped
+arena is never rewritten: its results stay valid as long as the caller holds them. When the turn
+comes the arena's generation is bumped (``cpmeta.lifetime``): an object derived from the old
+result (``cpmeta.cp_kv_read_plan``) refuses to be used. With ``CPMETA_POISON_ARENAS=1`` (debug)
+the old arena is retired instead: its tensors are poisoned (integers their max, floats NaN) and
+the step lands in a new arena, so a result read past its lifetime fails loudly.
 
 Fields the caller adds to, or replaces in, a returned metadata (``compute_attn_info`` sets new
-fields in place) are restored to the layout's state by the next step of that layout, so no stale
+fields in place) are restored to the layout's state by the next step of that arena, so no stale
 field survives into a later step. Changing a returned tensor's shape or storage in place
 (``resize_``, ``set_``, ``squeeze_``) is not undone: those tensors are the arena's views.
 """
 
 from __future__ import annotations
 
-import ctypes
-import operator
 from collections import OrderedDict
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
+from .. import envs
+from .arena import LayoutArena
 from .collect_memo import CollectMemo
-from .outputs import copy_out_of_frame
 from .plan import Plan
+from .policy import MAX_ARENA_BYTES, PersistentPolicy
 from .schema import Schema
 from .span import check_span, span_of, table_bytes
-from .wire import ELEMENT_SIZE, MAX_LAYOUTS, WIRE_DTYPES, WireError
+from .wire import WireError
 
-__all__ = ["LayoutArena", "PersistentArenas", "MAX_ARENA_BYTES"]
+__all__ = ["LayoutArena", "PersistentArenas", "PersistentPolicy", "MAX_ARENA_BYTES", "SEEN_LAYOUTS",
+           "land_span"]
 
-#: Host bytes the persistent arenas of one broadcaster may hold; past it the least recently used
-#: arenas are dropped (prompt-32k is ~2.4 MB an arena, decode-256 ~180 KB).
-MAX_ARENA_BYTES = 1 << 30
-
-_DATA_PTR = torch.Tensor.data_ptr
-_IS_CONTIGUOUS = torch.Tensor.is_contiguous
-_IS = operator.is_
+#: Layouts whose steps ``min_repeats`` counts before they are persisted (least recently seen
+#: forgotten first; a forgotten layout counts from 1 again).
+SEEN_LAYOUTS = 4096
 
 
-class LayoutArena:
-    """The persistent buffers and cached metadata of one layout (see the module docstring).
+class _Ring:
+    """The ``depth`` arenas of one layout, handed out in turn; ``uses`` counts its steps."""
 
-    ``region`` is the frame's tensor-region size for this layout (``Plan.sizes(dims)[2]``);
-    tensor ``i`` lies at ``starts[run] + sum(numel * element size of the run's earlier tensors)``,
-    exactly as in the frame. Worked example: int32 ``positions`` [3] and int32 ``block_table``
-    [3, 2] are one run at byte 0, region 48: positions is ``dev[0:12].view(int32)``, block_table
-    ``dev[12:36].view(int32).view(3, 2)``.
-    """
+    __slots__ = ("slots", "turn", "uses", "nbytes")
 
-    __slots__ = ("region", "exact", "span", "host", "host_ptr", "dev", "md", "tensors", "event",
-                 "src_ptrs", "_names", "_packed_ptrs", "_src", "_offsets", "_nbytes", "_data_at", "_base",
-                 "_values", "_fixed", "_snap", "_dict_snap", "_dict_lens", "_dict_tensors")
-
-    def __init__(self, plan: Plan, dims: tuple[int, ...], numels: list[int], starts: list[int],
-                 region: int, values: list[Any], device: torch.device,
-                 span: Optional[tuple[bytes, list[int], int]] = None) -> None:
-        cuda = device.type == "cuda"
-        #: span geometry (FLAG_SPAN): (offsets table, offsets, span bytes); None: packed runs
-        self.span = span
-        self.region = region if span is None else len(span[0]) + span[2]
-        self.host = torch.empty(self.region, dtype=torch.uint8, pin_memory=cuda)
-        self.host_ptr = self.host.data_ptr()
-        self.dev = torch.empty(self.region, dtype=torch.uint8, device=device) if cuda else self.host
-        self.event: Any = torch.cuda.Event() if cuda else None
-        if span is None:
-            self._data_at = 0
-            tensors = plan.views(self.dev, dims, numels, starts)
-        else:
-            self._data_at = len(span[0])
-            self.host[:self._data_at] = torch.frombuffer(bytearray(span[0]), dtype=torch.uint8)
-            at = [self._data_at + o for o in span[1]]
-            tensors = _span_views(self.dev, plan, dims, numels, at)
-        self.tensors = tensors
-        self.md = plan.assemble(tensors, values)
-        # byte offset of every tensor in the region: a source whose tensors lie at base + these
-        # offsets of ONE allocation is copied with one memmove (src_ptrs caches the last such base)
-        self._offsets = [t.data_ptr() - self.dev.data_ptr() for t in tensors]
-        self._nbytes = [t.numel() * t.element_size() for t in tensors]
-        self.exact = sum(self._nbytes)  # the header's tensor bytes
-        self.src_ptrs: Optional[tuple[int, ...]] = None
-        self._base = 0  # address the one memmove copies from (with src_ptrs)
-        self._packed_ptrs: Optional[tuple[int, ...]] = None  # last source that did NOT qualify
-        self._src: list[torch.Tensor] = []  # the source tensors that qualified (compared by id)
-        self._values = _value_setter(plan)
-        # what the layout fixes (tensor, dict and None fields; dict entries holding tensors): the
-        # identity snapshot checked per step, restored when the caller changed it
-        vpos = {pos for pos, sub in plan.value_slots if sub is None}
-        schema = plan.schema
-        assert isinstance(schema, Schema), "persistent outputs hold dataclasses"
-        self._names = names = schema.field_names
-        fixed = [i for i in range(len(names)) if i not in vpos]
-        # one C call reads every fixed field (InputMetadata has ~57, a layout fixes all but its
-        # few value fields, so the getter always returns a tuple)
-        self._fixed = (fixed, _tuple_getter([names[i] for i in fixed]))
-        self._snap = self._fixed[1](self.md)
-        self._dict_snap = [(d, dict(d)) for d in schema.get_all(self.md) if type(d) is dict]
-        self._dict_lens = ([d for d, _ in self._dict_snap], [len(d) for d, _ in self._dict_snap])
-        ents = [(d, k, v) for d, snap in self._dict_snap for k, v in snap.items()
-                if isinstance(v, torch.Tensor)]
-        self._dict_tensors = ([e[0] for e in ents], [e[1] for e in ents], [e[2] for e in ents])
-
-    # ---- per step ---------------------------------------------------------------------------
-    def wait_host(self) -> None:
-        """CUDA: block until the previous step's H2D copy has read the host arena (normally long
-        done), so refilling it cannot race that copy. No-op on CPU."""
-        if self.event is not None:
-            self.event.synchronize()
-
-    def write(self, tensors: list[torch.Tensor], dst: int) -> None:
-        """Driver: the step's tensors (layout order) as the frame's tensor region at address
-        ``dst`` (the ring slot itself; the host arena when no rank reads a frame, world 1): a
-        span's offsets table (unless ``dst`` is the host arena), then ONE ``memmove`` when the
-        tensors lie in one allocation at exactly this arena's offsets (checked per step once a
-        source qualified: the same tensor objects at the same addresses), else one per tensor;
-        CUDA sources go through the host arena (device-to-host copies)."""
-        if not self.region:
-            return
-        memmove = ctypes.memmove
-        if self._data_at and dst != self.host_ptr:
-            memmove(dst, self.host_ptr, self._data_at)  # the offsets table (fixed per arena)
-        ptrs = tuple(map(_DATA_PTR, tensors))
-        if (ptrs == self.src_ptrs and all(map(_IS, tensors, self._src))) or (
-                ptrs != self._packed_ptrs and self._single_source(ptrs, tensors)):
-            memmove(dst + self._data_at, self._base, self.region - self._data_at)
-        elif ptrs == self._packed_ptrs or all(t.device.type == "cpu" for t in tensors):
-            if not all(map(_IS_CONTIGUOUS, tensors)):
-                tensors = [t.contiguous() for t in tensors]
-                ptrs = tuple(map(_DATA_PTR, tensors))
-            for p, o, n in zip(ptrs, self._offsets, self._nbytes):
-                if n:
-                    memmove(dst + o, p, n)
-        else:
-            self.wait_host()
-            for d, t in zip(self.host_views(), tensors):
-                d.copy_(t)
-            if dst != self.host_ptr:
-                memmove(dst, self.host_ptr, self.region)
-
-    def take(self, src: int) -> None:
-        """Driver, after the publish (off the followers' path): the frame's region at address
-        ``src`` (still the driver's until its next step) into its own host arena, one memmove."""
-        self.wait_host()
-        if self.region:
-            ctypes.memmove(self.host_ptr, src, self.region)
-
-    def host_views(self) -> list[torch.Tensor]:
-        """The host arena's tensors (same layout as the device views); used off the hot path."""
-        return [self.host[o:o + n].view(t.dtype).view(t.shape)
-                for o, n, t in zip(self._offsets, self._nbytes, self.tensors)]
-
-    def _single_source(self, ptrs: tuple[int, ...], tensors: list[torch.Tensor]) -> bool:
-        """Whether every non-empty tensor lies, contiguous, in one CPU allocation at this arena's
-        offsets from one base, the whole data section inside that allocation (then cached)."""
-        live = [(p, o) for p, o, n in zip(ptrs, self._offsets, self._nbytes) if n]
-        if not live:
-            return False
-        base = live[0][0] - live[0][1] + self._data_at
-        s0 = tensors[0].untyped_storage()
-        lo, hi = s0.data_ptr(), s0.data_ptr() + s0.nbytes()
-        ok = (base >= lo and base + self.region - self._data_at <= hi
-              and all(p - o + self._data_at == base for p, o in live)
-              and all(t.device.type == "cpu" and t.is_contiguous()
-                      and t.untyped_storage().data_ptr() == lo for t in tensors))
-        if ok:
-            self.src_ptrs, self._src, self._base = ptrs, list(tensors), base
-        elif all(t.device.type == "cpu" for t in tensors):
-            self._packed_ptrs = ptrs
-        return ok
-
-    def land(self, view: memoryview, at: int) -> None:
-        """Follower: the frame's tensor region ``view[at:at + region]`` (bounds already proven)
-        into the host arena: one ``memmove`` (a read-only view: one slice assignment)."""
-        if self.event is not None:
-            self.event.synchronize()  # (wait_host, inlined: the follower's per-step path)
-        if self.region:
-            copy_out_of_frame(self.host, view, at, self.region)
-
-    def finish(self, values: list[Any]) -> Any:
-        """Both sides: [CUDA: one non-blocking H2D copy of the arena, stream-ordered on the
-        current stream], the layout's fields restored if the caller changed them, this step's
-        values set; returns the cached metadata."""
-        if self.event is not None:
-            self.dev.copy_(self.host, non_blocking=True)  # on dev's device's current stream
-            self.event.record(torch.cuda.current_stream(self.dev.device))
-        return self._current(values)
-
-    def finish_collective(self, got: list[torch.Tensor], values: list[Any]) -> Any:
-        """Tensors that came by one collective (NCCL): copied into the arena's device views
-        (stream-ordered), then as :meth:`finish` without the H2D copy."""
-        if got:
-            torch._foreach_copy_(self.tensors, got, non_blocking=True)
-        return self._current(values)
-
-    def _current(self, values: list[Any]) -> Any:
-        """The cached metadata with this step's values, after putting back what the caller
-        changed: the fixed fields (one identity pass), the dicts' sizes and tensor entries."""
-        md = self.md
-        ds, ks, vs = self._dict_tensors
-        if not (all(map(_IS, self._fixed[1](md), self._snap))
-                and list(map(len, self._dict_lens[0])) == self._dict_lens[1]
-                and all(map(_IS, map(dict.get, ds, ks), vs))):
-            self._restore()
-        self._values(md, values)
-        return md
-
-    def _restore(self) -> None:
-        """Put back every field the layout fixes (the caller replaced or added some)."""
-        for i, v in zip(self._fixed[0], self._snap):
-            setattr(self.md, self._names[i], v)
-        for d, snap in self._dict_snap:
-            d.clear()
-            d.update(snap)
-
-
-def _tuple_getter(names: list[str]) -> Any:
-    """``f(obj) -> tuple`` of the named attributes (one C call; ``()`` for none)."""
-    if not names:
-        return lambda obj: ()
-    if len(names) == 1:
-        get = operator.attrgetter(names[0])
-        return lambda obj: (get(obj),)
-    return operator.attrgetter(*names)
-
-
-def _span_views(buf: torch.Tensor, plan: Plan, dims: tuple[int, ...], numels: list[int],
-                offsets: list[int]) -> list[torch.Tensor]:
-    """Tensor ``i`` of the layout as ``buf[offsets[i]:...]`` viewed with its dtype and shape
-    (offsets already proven aligned and in bounds)."""
-    out, at = [], 0
-    for code, nd, m, o in zip(plan.codes, plan.ndims, numels, offsets):
-        out.append(buf[o:o + m * ELEMENT_SIZE[code]].view(WIRE_DTYPES[code])
-                   .view(tuple(dims[at:at + nd])))
-        at += nd
-    return out
-
-
-def _value_setter(plan: Plan) -> Any:
-    """``f(md, values)`` writing one step's values at the layout's value paths (compiled once)."""
-    slots = [(plan.schema.field_names[pos], sub) for pos, sub in plan.value_slots]
-    if all(sub is None for _, sub in slots):
-        names = [n for n, _ in slots]
-
-        def set_flat(md: Any, values: list[Any]) -> None:
-            for n, v in zip(names, values):
-                setattr(md, n, v)
-        return set_flat
-
-    def set_nested(md: Any, values: list[Any]) -> None:
-        for (n, sub), v in zip(slots, values):
-            if sub is None:
-                setattr(md, n, v)
-            else:
-                getattr(md, n)[sub] = v
-    return set_nested
+    def __init__(self, slots: list[LayoutArena]) -> None:
+        self.slots, self.turn, self.uses = slots, 0, 0
+        self.nbytes = sum(a.region for a in slots)
 
 
 class PersistentArenas:
-    """One :class:`LayoutArena` per layout ``(plan key, flat dims)``, least recently used dropped
-    first past ``MAX_LAYOUTS`` arenas or ``max_bytes`` of host arena."""
+    """The rings of :class:`LayoutArena` of one broadcaster, keyed by layout ``(plan key, flat
+    dims, span offsets table or None)``, under a :class:`PersistentPolicy` (module docstring).
 
-    def __init__(self, device: torch.device, schema: Schema, max_bytes: int = MAX_ARENA_BYTES) -> None:
+    ``get`` / ``driver_arena`` return the arena this step lands in, or ``None`` when the policy
+    does not persist the step (the caller then makes fresh tensors). Counters for
+    ``MetadataBroadcaster.stats()``: ``persisted`` / ``fresh`` steps, ``created`` / ``evicted`` /
+    ``retired`` arenas; :attr:`host_bytes` / :attr:`device_bytes` held.
+    """
+
+    def __init__(self, device: torch.device, schema: Schema,
+                 policy: Optional[PersistentPolicy] = None) -> None:
         self.device = device
+        self.policy = policy = policy if policy is not None else PersistentPolicy()
         self.collect = CollectMemo(schema)  # the driver's collect, memoised per tuple of field types
-        self.max_bytes = int(max_bytes)
-        self._arenas: "OrderedDict[tuple, LayoutArena]" = OrderedDict()
+        if policy.kinds is not None and "is_prompt" not in schema.field_names:
+            raise ValueError(f"PersistentPolicy.kinds: {schema.name} has no is_prompt field to tell "
+                             "a step's kind; use kinds=None")
+        self._kind_at: dict[Any, Optional[int]] = {}  # plan -> index of is_prompt in its values
+        self._depth, self._min_repeats = policy.depth, policy.min_repeats
+        self._poison = envs.poison_arenas()
+        self._rings: "OrderedDict[tuple, _Ring]" = OrderedDict()
+        self._seen: "OrderedDict[tuple, int]" = OrderedDict()
         self._bytes = 0
+        self.persisted = self.fresh = self.created = self.evicted = self.retired = 0
 
     def __len__(self) -> int:
-        return len(self._arenas)
+        """Layouts held."""
+        return len(self._rings)
 
+    def arenas(self) -> Iterator[LayoutArena]:
+        """Every arena held (all slots of every layout)."""
+        for ring in self._rings.values():
+            yield from ring.slots
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes held by the arenas (pinned on CUDA)."""
+        return self._bytes
+
+    @property
+    def device_bytes(self) -> int:
+        """Device bytes held by the arenas (0 on a CPU device: the host arena is the arena)."""
+        return self._bytes if self.device.type == "cuda" else 0
+
+    # ---- per step ---------------------------------------------------------------------------
     def get(self, plan: Plan, dims: tuple[int, ...], numels: list[int], starts: list[int],
             region: int, values: list[Any], table: Optional[bytes] = None,
-            span: Optional[tuple[bytes, list[int], int]] = None) -> tuple[LayoutArena, bool]:
-        """``(arena, new)``: the arena of this layout, made now (``new``) on its first step.
-
-        Followers key span frames by their offsets ``table`` too (``span`` then gives the proven
-        geometry for a new arena); the driver passes neither and chooses the geometry with
-        :meth:`driver_arena`."""
+            span: Optional[tuple[bytes, list[int], int]] = None) -> Optional[LayoutArena]:
+        """The arena this step of the layout lands in (made now on the layout's first persisted
+        step), or ``None`` (not persisted: fresh tensors). Followers key span frames by their
+        offsets ``table`` too (``span`` gives the proven geometry of a new layout's arenas);
+        the driver chooses the geometry with :meth:`driver_arena`."""
         key = (plan.key, dims, table)
-        a = self.find(key)
-        if a is not None:
-            return a, False
-        return self._add(key, LayoutArena(plan, dims, numels, starts, region, values, self.device,
-                                          span)), True
+        ring = self._rings.get(key)
+        if ring is not None:
+            self._rings.move_to_end(key)
+            return self._next(ring, plan, dims, values)
+        if not self._admit(key, plan, values):
+            self.fresh += 1
+            return None
+        return self._new(key, plan, dims, numels, starts, region, values, span)
 
     def driver_arena(self, plan: Plan, dims: tuple[int, ...], numels: list[int],
                      starts: list[int], region: int, exact: int, values: list[Any],
-                     tensors: list[torch.Tensor]) -> LayoutArena:
-        """Driver: the arena of this layout; a new one takes the span geometry when this first
+                     tensors: list[torch.Tensor]) -> Optional[LayoutArena]:
+        """Driver: as :meth:`get`; a new layout's arenas take the span geometry when this first
         step's tensors lie in one host allocation (``span.span_of``), else the packed runs."""
         key = (plan.key, dims, None)
-        a = self.find(key)
-        if a is not None:
+        ring = self._rings.get(key)
+        if ring is not None:
+            self._rings.move_to_end(key)
+            return self._next(ring, plan, dims, values)
+        if not self._admit(key, plan, values):
+            self.fresh += 1
+            return None
+        return self._new(key, plan, dims, numels, starts, region, values, span_of(tensors, exact))
+
+    def peek(self, key: tuple) -> Optional[LayoutArena]:
+        """The first arena of the layout under ``key`` (its proven geometry), or ``None``;
+        the LRU order is left as it is."""
+        ring = self._rings.get(key)
+        return ring.slots[0] if ring is not None else None
+
+    # ---- policy -----------------------------------------------------------------------------
+    def _admit(self, key: tuple, plan: Plan, values: list[Any]) -> bool:
+        """Whether a layout not held yet is persisted from this step on: a step kind the policy
+        names, and the layout's ``min_repeats``-th step (counted in ``_seen``)."""
+        kinds = self.policy.kinds
+        if kinds is not None:
+            at = self._kind_at.get(plan, -1)
+            if at == -1:
+                at = self._kind_index(plan)
+            is_prompt = values[at] if at is not None else None
+            if type(is_prompt) is not bool or ("prompt" if is_prompt else "decode") not in kinds:
+                return False
+        if self._min_repeats > 1:
+            n = self._seen.pop(key, 0) + 1
+            if n < self._min_repeats:
+                self._seen[key] = n
+                if len(self._seen) > SEEN_LAYOUTS:
+                    self._seen.popitem(last=False)
+                return False
+        return True
+
+    def _kind_index(self, plan: Plan) -> Optional[int]:
+        schema = plan.schema
+        assert isinstance(schema, Schema), "persistent outputs hold dataclasses"
+        names = schema.field_names
+        at = next((i for i, (pos, sub) in enumerate(plan.value_slots)
+                   if sub is None and names[pos] == "is_prompt"), None)
+        if len(self._kind_at) >= SEEN_LAYOUTS:
+            self._kind_at.clear()
+        self._kind_at[plan] = at
+        return at
+
+    def _new(self, key: tuple, plan: Plan, dims: tuple[int, ...], numels: list[int],
+             starts: list[int], region: int, values: list[Any],
+             span: Optional[tuple[bytes, list[int], int]]) -> Optional[LayoutArena]:
+        """The ring of a newly persisted layout (``depth`` arenas), after evicting the least
+        recently used layouts it needs room from; ``None`` when it cannot fit at all."""
+        need = (region if span is None else len(span[0]) + span[2]) * self._depth
+        pol = self.policy
+        if need > pol.max_bytes or pol.max_layouts == 0:
+            self.fresh += 1
+            return None
+        while self._rings and (len(self._rings) >= pol.max_layouts
+                               or self._bytes + need > pol.max_bytes):
+            _, old = self._rings.popitem(last=False)
+            self._bytes -= old.nbytes
+            self.evicted += len(old.slots)
+        what = f"persistent arena of a {plan.schema.name} layout ({len(plan.codes)} tensors)"
+        ring = _Ring([self._arena(plan, dims, numels, starts, region, values, span, what, i)
+                      for i in range(self._depth)])
+        self._rings[key] = ring
+        self._bytes += ring.nbytes
+        return self._next(ring, plan, dims, values)
+
+    def _arena(self, plan: Plan, dims: tuple[int, ...], numels: list[int], starts: list[int],
+               region: int, values: list[Any], span: Optional[tuple[bytes, list[int], int]],
+               what: str, slot: int) -> LayoutArena:
+        self.created += 1
+        return LayoutArena(plan, dims, numels, starts, region, values, self.device, span,
+                           f"{what}, slot {slot + 1} of {self._depth}")
+
+    def _next(self, ring: _Ring, plan: Plan, dims: tuple[int, ...], values: list[Any]) -> LayoutArena:
+        """The ring's arena whose turn it is; a used one expires now (generation bumped, or, with
+        ``CPMETA_POISON_ARENAS``, poisoned and replaced by a new arena)."""
+        i = ring.turn
+        a = ring.slots[i]
+        ring.turn = (i + 1) % len(ring.slots)
+        ring.uses += 1
+        self.persisted += 1
+        if ring.uses <= len(ring.slots):
+            return a  # the arena's first step
+        if not self._poison:
+            a.recycle()
             return a
-        span = span_of(tensors, exact)
-        return self._add(key, LayoutArena(plan, dims, numels, starts, region, values, self.device,
-                                          span))
-
-    def find(self, key: tuple) -> Optional[LayoutArena]:
-        """The arena under ``key`` (marked most recently used), or ``None``."""
-        a = self._arenas.get(key)
-        if a is not None:
-            self._arenas.move_to_end(key)
-        return a
-
-    def _add(self, key: tuple, a: LayoutArena) -> LayoutArena:
-        while self._arenas and (len(self._arenas) >= MAX_LAYOUTS
-                                or self._bytes + a.region > self.max_bytes):
-            _, old = self._arenas.popitem(last=False)
-            self._bytes -= old.region
-        self._arenas[key] = a
-        self._bytes += a.region
-        return a
+        a.poison()
+        self.retired += 1
+        what = a.gen.what.rsplit(", slot", 1)[0]
+        numels, starts, region, _ = plan.sizes(dims)  # (the caller may hold a span's geometry only)
+        ring.slots[i] = new = self._arena(plan, dims, numels, starts, region, values, a.span, what, i)
+        return new
 
 
 def land_span(arenas: Optional[PersistentArenas], plan: Plan, dims: tuple[int, ...],
@@ -336,21 +240,24 @@ def land_span(arenas: Optional[PersistentArenas], plan: Plan, dims: tuple[int, .
               device: torch.device) -> LayoutArena:
     """Follower, a ``FLAG_SPAN`` frame whose header, layout and values passed their checks: its
     region into the arena of (layout, dims, offsets table), proven once by ``span.check_span``.
-    Without persistent arenas (``arenas`` None) a fresh arena each call (fresh tensors)."""
+    Without persistent arenas (``arenas`` None), or a step they do not persist, a fresh arena
+    (fresh tensors)."""
     tl = table_bytes(len(plan.codes))
     avail = view.nbytes - data_at
     if avail < tl:
         raise WireError(f"span frame: {avail} bytes after the shapes, offsets table needs {tl}")
     table = bytes(view[data_at:data_at + tl])
-    a = arenas.find((plan.key, dims, table)) if arenas is not None else None
-    if a is None or a.region != avail or a.exact != tbytes:
+    known = arenas.peek((plan.key, dims, table)) if arenas is not None else None
+    a: Optional[LayoutArena] = None
+    if known is not None and known.region == avail and known.exact == tbytes:
+        a = arenas.get(plan, dims, [], [], 0, values, table) if arenas is not None else None
+    else:
         numels, offsets, exact = check_span(plan, dims, tbytes, table, avail)
         geo = (table, offsets, avail - tl)
-        if arenas is None:
+        if arenas is not None and known is None:  # same table, other length: never cached
+            a = arenas.get(plan, dims, numels, [], 0, values, table, geo)
+        if a is None:
             a = LayoutArena(plan, dims, numels, [], 0, values, device, geo)
-        else:
-            a = arenas.get(plan, dims, numels, [], 0, values, table, geo)[0]
-            if a.region != avail or a.exact != tbytes:  # same table, other length: never cached
-                a = LayoutArena(plan, dims, numels, [], 0, values, device, geo)
+    assert a is not None
     a.land(view, data_at)
     return a

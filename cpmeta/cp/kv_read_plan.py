@@ -31,6 +31,7 @@ import torch
 
 from ..config import MetadataConfig
 from ..constants import INT32_MAX, PLACEHOLDER_QUERY_INDEX
+from ..lifetime import Generation, check, stamp
 from ..metadata import InputMetadata
 from .kv_shard import local_lengths
 
@@ -45,7 +46,11 @@ class KVReadPlan:
     """Keys one rank holds for one step, per entry (prompt: sequence; decode: query row).
 
     ``slots`` and ``positions`` are computed on first access (one device pass for both) and
-    cached together; every other field is filled by :func:`cp_kv_read_plan`.
+    cached together; every other field is filled by :func:`cp_kv_read_plan`. ``block_tables`` is
+    the metadata's own table: when that lives in a persistent broadcast arena
+    (``persistent_outputs``), the plan is valid only while the metadata is, and ``slots`` /
+    ``positions`` raise ``cpmeta.lifetime.StaleResultError`` once a later broadcast rewrote the
+    table (instead of mixing the new tables with this plan's seqlens).
     """
 
     seqlens: torch.Tensor  # [n] int32, keys this rank holds per entry (0 for placeholders)
@@ -58,6 +63,7 @@ class KVReadPlan:
     cp_interleave: int  # I: consecutive positions per rank (cfg.kv_cp_interleave)
     is_prompt: bool  # True: one entry per sequence; False: one entry per decode query row
     _keys: Optional[tuple[torch.Tensor, torch.Tensor]] = field(default=None, repr=False)  # (slots, positions)
+    _stamp: Optional[tuple[Generation, int]] = field(default=None, repr=False)  # block_tables' arena
 
     @property
     def total(self) -> int:
@@ -67,6 +73,7 @@ class KVReadPlan:
     @property
     def slots(self) -> torch.Tensor:
         """[total] int64: slot of each local key, entry-major, local offset ascending."""
+        check(self._stamp, "KVReadPlan.slots")
         if self._keys is None:
             self._keys = self._materialize()
         return self._keys[0]
@@ -74,6 +81,7 @@ class KVReadPlan:
     @property
     def positions(self) -> torch.Tensor:
         """[total] int64: global key position of each local key (ascending within an entry)."""
+        check(self._stamp, "KVReadPlan.positions")
         if self._keys is None:
             self._keys = self._materialize()
         return self._keys[1]
@@ -213,4 +221,5 @@ def cp_kv_read_plan(md: InputMetadata, cfg: MetadataConfig, *, cp_rank: int) -> 
     return KVReadPlan(
         seqlens=mine.to(torch.int32), cu_seqlens=cu, block_tables=table, max_total=max_total,
         block_size=bs, cp_rank=cp_rank, cp_world_size=w, cp_interleave=inter, is_prompt=bool(md.is_prompt),
+        _stamp=stamp(table),
     )

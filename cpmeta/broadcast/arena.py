@@ -1,0 +1,254 @@
+"""``LayoutArena``: the persistent buffers and cached metadata of ONE layout (``persistent_outputs``).
+
+See :mod:`cpmeta.broadcast.persistent` for the pool that holds these (budget, depth, eviction) and
+the lifetime of what they hand out. One arena::
+
+    host arena (uint8, the frame's tensor region byte for byte -- dtype runs, 16-aligned, or
+                a span of the driver's allocation (cpmeta.broadcast.span); pinned on CUDA)
+    device arena (CPU: the host arena itself; CUDA: one device buffer of the same bytes)
+    md: the metadata built ONCE for the layout, its tensors views of the device arena
+    gen: a ``cpmeta.lifetime.Generation``, bumped when the arena's turn comes again
+
+On CUDA a step's device copy is ordered after the kernels that read the arena's previous result
+(stream order on the caller's stream, an event when the caller changed streams); refilling the
+host arena first waits for the one event of its previous H2D copy (never a device-wide sync).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import operator
+from typing import Any, Optional
+
+import torch
+
+from ..lifetime import Generation, register
+from .arena_views import poison_value, span_views, tuple_getter, value_setter
+from .outputs import copy_out_of_frame
+from .plan import Plan
+from .schema import Schema
+
+__all__ = ["LayoutArena"]
+
+_DATA_PTR = torch.Tensor.data_ptr
+_IS_CONTIGUOUS = torch.Tensor.is_contiguous
+_IS = operator.is_
+
+
+class LayoutArena:
+    """The persistent buffers and cached metadata of one layout (see the module docstring).
+
+    ``region`` is the frame's tensor-region size for this layout (``Plan.sizes(dims)[2]``);
+    tensor ``i`` lies at ``starts[run] + sum(numel * element size of the run's earlier tensors)``,
+    exactly as in the frame. Worked example: int32 ``positions`` [3] and int32 ``block_table``
+    [3, 2] are one run at byte 0, region 48: positions is ``dev[0:12].view(int32)``, block_table
+    ``dev[12:36].view(int32).view(3, 2)``.
+    """
+
+    __slots__ = ("region", "exact", "span", "host", "host_ptr", "dev", "md", "tensors", "event",
+                 "gen", "reader_stream", "_fence", "src_ptrs", "_names", "_packed_ptrs", "_src",
+                 "_offsets", "_nbytes", "_data_at", "_base", "_values", "_fixed", "_snap",
+                 "_dict_snap", "_dict_lens", "_dict_tensors")
+
+    def __init__(self, plan: Plan, dims: tuple[int, ...], numels: list[int], starts: list[int],
+                 region: int, values: list[Any], device: torch.device,
+                 span: Optional[tuple[bytes, list[int], int]] = None, what: str = "") -> None:
+        cuda = device.type == "cuda"
+        #: span geometry (FLAG_SPAN): (offsets table, offsets, span bytes); None: packed runs
+        self.span = span
+        self.region = region if span is None else len(span[0]) + span[2]
+        self.host = torch.empty(self.region, dtype=torch.uint8, pin_memory=cuda)
+        self.host_ptr = self.host.data_ptr()
+        self.dev = torch.empty(self.region, dtype=torch.uint8, device=device) if cuda else self.host
+        self.event: Any = torch.cuda.Event() if cuda else None  # the H2D copy read the host arena
+        self._fence: Any = torch.cuda.Event() if cuda else None  # readers on another stream done
+        self.reader_stream: Any = None  # CUDA: the stream current when the last result was returned
+        #: bumped each time the arena gets a new step's contents (cpmeta.lifetime): objects derived
+        #: from an earlier result check it and refuse to mix generations
+        self.gen = Generation(what or f"persistent arena of {region} bytes")
+        register(self.dev, self.gen)
+        if span is None:
+            self._data_at = 0
+            tensors = plan.views(self.dev, dims, numels, starts)
+        else:
+            self._data_at = len(span[0])
+            self.host[:self._data_at] = torch.frombuffer(bytearray(span[0]), dtype=torch.uint8)
+            at = [self._data_at + o for o in span[1]]
+            tensors = span_views(self.dev, plan, dims, numels, at)
+        self.tensors = tensors
+        self.md = plan.assemble(tensors, values)
+        # byte offset of every tensor in the region: a source whose tensors lie at base + these
+        # offsets of ONE allocation is copied with one memmove (src_ptrs caches the last such base)
+        self._offsets = [t.data_ptr() - self.dev.data_ptr() for t in tensors]
+        self._nbytes = [t.numel() * t.element_size() for t in tensors]
+        self.exact = sum(self._nbytes)  # the header's tensor bytes
+        self.src_ptrs: Optional[tuple[int, ...]] = None
+        self._base = 0  # address the one memmove copies from (with src_ptrs)
+        self._packed_ptrs: Optional[tuple[int, ...]] = None  # last source that did NOT qualify
+        self._src: list[torch.Tensor] = []  # the source tensors that qualified (compared by id)
+        self._values = value_setter(plan)
+        self._snapshot(plan)
+
+    def _snapshot(self, plan: Plan) -> None:
+        """What the layout fixes (tensor, dict and None fields; dict entries holding tensors): the
+        identity snapshot checked per step, restored when the caller changed it."""
+        vpos = {pos for pos, sub in plan.value_slots if sub is None}
+        schema = plan.schema
+        assert isinstance(schema, Schema), "persistent outputs hold dataclasses"
+        self._names = names = schema.field_names
+        fixed = [i for i in range(len(names)) if i not in vpos]
+        # one C call reads every fixed field (InputMetadata has ~57, a layout fixes all but its
+        # few value fields, so the getter always returns a tuple)
+        self._fixed = (fixed, tuple_getter([names[i] for i in fixed]))
+        self._snap = self._fixed[1](self.md)
+        self._dict_snap = [(d, dict(d)) for d in schema.get_all(self.md) if type(d) is dict]
+        self._dict_lens = ([d for d, _ in self._dict_snap], [len(d) for d, _ in self._dict_snap])
+        ents = [(d, k, v) for d, snap in self._dict_snap for k, v in snap.items()
+                if isinstance(v, torch.Tensor)]
+        self._dict_tensors = ([e[0] for e in ents], [e[1] for e in ents], [e[2] for e in ents])
+
+    # ---- per step ---------------------------------------------------------------------------
+    def wait_host(self) -> None:
+        """CUDA: block until the previous step's H2D copy has read the host arena (normally long
+        done), so refilling it cannot race that copy. No-op on CPU."""
+        if self.event is not None:
+            self.event.synchronize()
+
+    def write(self, tensors: list[torch.Tensor], dst: int) -> None:
+        """Driver: the step's tensors (layout order) as the frame's tensor region at address
+        ``dst`` (the ring slot itself; the host arena when no rank reads a frame, world 1): a
+        span's offsets table (unless ``dst`` is the host arena), then ONE ``memmove`` when the
+        tensors lie in one allocation at exactly this arena's offsets (checked per step once a
+        source qualified: the same tensor objects at the same addresses), else one per tensor;
+        CUDA sources go through the host arena (device-to-host copies)."""
+        if not self.region:
+            return
+        memmove = ctypes.memmove
+        if self._data_at and dst != self.host_ptr:
+            memmove(dst, self.host_ptr, self._data_at)  # the offsets table (fixed per arena)
+        ptrs = tuple(map(_DATA_PTR, tensors))
+        if (ptrs == self.src_ptrs and all(map(_IS, tensors, self._src))) or (
+                ptrs != self._packed_ptrs and self._single_source(ptrs, tensors)):
+            memmove(dst + self._data_at, self._base, self.region - self._data_at)
+        elif ptrs == self._packed_ptrs or all(t.device.type == "cpu" for t in tensors):
+            if not all(map(_IS_CONTIGUOUS, tensors)):
+                tensors = [t.contiguous() for t in tensors]
+                ptrs = tuple(map(_DATA_PTR, tensors))
+            for p, o, n in zip(ptrs, self._offsets, self._nbytes):
+                if n:
+                    memmove(dst + o, p, n)
+        else:
+            self.wait_host()
+            for d, t in zip(self.host_views(), tensors):
+                d.copy_(t)
+            if dst != self.host_ptr:
+                memmove(dst, self.host_ptr, self.region)
+
+    def take(self, src: int) -> None:
+        """Driver, after the publish (off the followers' path): the frame's region at address
+        ``src`` (still the driver's until its next step) into its own host arena, one memmove."""
+        self.wait_host()
+        if self.region:
+            ctypes.memmove(self.host_ptr, src, self.region)
+
+    def host_views(self) -> list[torch.Tensor]:
+        """The host arena's tensors (same layout as the device views); used off the hot path."""
+        return [self.host[o:o + n].view(t.dtype).view(t.shape)
+                for o, n, t in zip(self._offsets, self._nbytes, self.tensors)]
+
+    def _single_source(self, ptrs: tuple[int, ...], tensors: list[torch.Tensor]) -> bool:
+        """Whether every non-empty tensor lies, contiguous, in one CPU allocation at this arena's
+        offsets from one base, the whole data section inside that allocation (then cached)."""
+        live = [(p, o) for p, o, n in zip(ptrs, self._offsets, self._nbytes) if n]
+        if not live:
+            return False
+        base = live[0][0] - live[0][1] + self._data_at
+        s0 = tensors[0].untyped_storage()
+        lo, hi = s0.data_ptr(), s0.data_ptr() + s0.nbytes()
+        ok = (base >= lo and base + self.region - self._data_at <= hi
+              and all(p - o + self._data_at == base for p, o in live)
+              and all(t.device.type == "cpu" and t.is_contiguous()
+                      and t.untyped_storage().data_ptr() == lo for t in tensors))
+        if ok:
+            self.src_ptrs, self._src, self._base = ptrs, list(tensors), base
+        elif all(t.device.type == "cpu" for t in tensors):
+            self._packed_ptrs = ptrs
+        return ok
+
+    def land(self, view: memoryview, at: int) -> None:
+        """Follower: the frame's tensor region ``view[at:at + region]`` (bounds already proven)
+        into the host arena: one ``memmove`` (a read-only view: one slice assignment)."""
+        if self.event is not None:
+            self.event.synchronize()  # (wait_host, inlined: the follower's per-step path)
+        if self.region:
+            copy_out_of_frame(self.host, view, at, self.region)
+
+    def finish(self, values: list[Any]) -> Any:
+        """Both sides: [CUDA: one non-blocking H2D copy of the arena on the current stream, after
+        the kernels that read the previous result (:meth:`_after_readers`)], the layout's fields
+        restored if the caller changed them, this step's values set; returns the cached metadata."""
+        if self.event is not None:
+            stream = self._after_readers()
+            self.dev.copy_(self.host, non_blocking=True)  # on the current stream
+            self.event.record(stream)
+        return self._current(values)
+
+    def finish_collective(self, got: list[torch.Tensor], values: list[Any]) -> Any:
+        """Tensors that came by one collective (NCCL): copied into the arena's device views
+        (stream-ordered), then as :meth:`finish` without the H2D copy."""
+        if self._fence is not None:
+            self._after_readers()
+        if got:
+            torch._foreach_copy_(self.tensors, got, non_blocking=True)
+        return self._current(values)
+
+    def _after_readers(self) -> Any:
+        """CUDA: order this step's device writes after every kernel that may read the previous
+        result. Those run on the stream that was current when it was returned (the caller's
+        stream); when that is the current stream, stream order already does it; otherwise an
+        event recorded on it now is waited for on the current stream (no host wait, no device-wide
+        sync). Returns the current stream, which becomes the readers' stream."""
+        cur = torch.cuda.current_stream(self.dev.device)
+        prev = self.reader_stream
+        if prev is not None and prev != cur:
+            self._fence.record(prev)
+            cur.wait_event(self._fence)
+        self.reader_stream = cur
+        return cur
+
+    def recycle(self) -> None:
+        """The previous result expires: its generation ends (derived objects now refuse it)."""
+        self.gen.bump()
+
+    def poison(self) -> None:
+        """Debug (``CPMETA_POISON_ARENAS``): retire this arena: every tensor of its result filled
+        with :func:`arena_views.poison_value` (host and device, stream-ordered after its readers),
+        its generation ended. The pool hands the layout's next step a new arena."""
+        self.wait_host()
+        views = self.host_views()
+        if self.event is not None:
+            self._after_readers()
+            views += self.tensors
+        for t in views:
+            t.fill_(poison_value(t.dtype))
+        self.gen.bump()
+
+    def _current(self, values: list[Any]) -> Any:
+        """The cached metadata with this step's values, after putting back what the caller
+        changed: the fixed fields (one identity pass), the dicts' sizes and tensor entries."""
+        md = self.md
+        ds, ks, vs = self._dict_tensors
+        if not (all(map(_IS, self._fixed[1](md), self._snap))
+                and list(map(len, self._dict_lens[0])) == self._dict_lens[1]
+                and all(map(_IS, map(dict.get, ds, ks), vs))):
+            self._restore()
+        self._values(md, values)
+        return md
+
+    def _restore(self) -> None:
+        """Put back every field the layout fixes (the caller replaced or added some)."""
+        for i, v in zip(self._fixed[0], self._snap):
+            setattr(self.md, self._names[i], v)
+        for d, snap in self._dict_snap:
+            d.clear()
+            d.update(snap)
