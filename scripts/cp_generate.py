@@ -62,7 +62,6 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # multiproc: the spawn helper
 
 import cpmeta  # noqa: E402
 from cpmeta import InputMetadata, MetadataConfig  # noqa: E402
@@ -359,10 +358,10 @@ def _rank(rank: int, world: int, o: GenOptions) -> Optional[dict[str, Any]]:
 
 
 def launch(o: GenOptions) -> dict[str, Any]:
-    """Run the example on ``o.cp`` spawned processes; returns rank 0's report. Spawning is the
-    tests' ``multiproc.run_ranks`` (free port, rank env, process group, exit without interpreter
-    teardown, whose library threads aborted a finished rank once in ten runs)."""
-    from multiproc import run_ranks
+    """Run the example on ``o.cp`` spawned processes; returns rank 0's report. Spawning is
+    ``launch.spawn.run_ranks`` (free port, process group, exit without interpreter teardown,
+    whose library threads aborted a finished rank once in ten runs; part of the wheel)."""
+    from launch.spawn import run_ranks
 
     for k, v in launch_envs.MULTICAST_OFF.items():  # as python -m launch: NVLink multicast off
         launch_envs.set_default(k, v)  # before the spawn: the ranks inherit it
