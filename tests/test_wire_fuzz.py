@@ -45,7 +45,7 @@ FLAG_SPAN = 8  # cpmeta.broadcast.wire.FLAG_SPAN: a persistent driver's span fra
 
 pytestmark = pytest.mark.timeout(120)
 
-MUTATIONS_PER_FRAME = 500  # x 2 frames x 8 payloads x 2 checksum settings = 16,000 per run
+MUTATIONS_PER_FRAME = 500  # x 2 frames x (8 payloads + 3 decode ones as span frames) x 2 checksum settings = 22,000 per run
 
 # ----------------------------------------------------------------------------- payloads, diff
 
