@@ -135,7 +135,6 @@ def loopback() -> Iterator[Any]:
     import torch.distributed as dist
     import transport
     from cpmeta import MetadataBroadcaster
-    from cpmeta.broadcast import channel
 
     rank = [0]
     group = object()
@@ -148,8 +147,7 @@ def loopback() -> Iterator[Any]:
     with mock.patch.object(dist, "get_rank", lambda *a: rank[0]), \
             mock.patch.object(dist, "get_backend", lambda *a: "gloo"), \
             mock.patch.object(dist, "get_process_group_ranks", lambda *a: [0, 1]), \
-            mock.patch.object(transport, "ObjectChannel", _Loop), \
-            mock.patch.object(channel, "agree_settings", lambda *a, **k: None):
+            mock.patch.object(transport, "ObjectChannel", _Loop):
         yield make
 
 

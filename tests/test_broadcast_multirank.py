@@ -166,7 +166,7 @@ def _schema_mismatch(rank: int, world: int) -> list[str]:
 def test_schema_mismatch_is_an_error_on_the_follower() -> None:
     out = run_ranks(_schema_mismatch, 2, timeout=120)
     for msg in (out[0][0], out[1][0]):  # both ranks refuse to construct, naming the ranks
-        assert "schema setting differs" in msg and "at ranks [0]" in msg and "at ranks [1]" in msg, msg
+        assert "MetadataBroadcaster schema setting differs" in msg and "at ranks [0]" in msg and "at ranks [1]" in msg, msg
     assert out[0][1] == "ok"
     assert "schema" in out[1][1] and "mismatch" in out[1][1] and "rank 1" in out[1][1], out[1][1]
 

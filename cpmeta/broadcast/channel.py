@@ -18,8 +18,9 @@ Follower::
     result = ch.receive(handler)               # handler(frame, view) inside the transport's read
 
 Construction is collective (every rank of ``group`` constructs the channel with the same
-``src``) and checks, once, that every rank speaks the same schema, source and checksum setting
-(``ValueError`` on every rank naming the ranks that differ).
+``src``) and checks, once, in the transport's bounded setup exchange, that every rank speaks the
+same schema, source and checksum setting (``ValueError`` on every rank naming the ranks that
+differ; a rank that never constructs is a ``TimeoutError`` naming it).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from .plan import Plan
 from .wire import (FLAG_CRC, FLAG_LAYOUT, FLAG_PACKED, Frame, FrameMismatch, FrameReader,
                    FrameWriter, WireError, blocks_at, seal)
 
-__all__ = ["FrameChannel", "Prepared", "resolve_src", "agree_settings"]
+__all__ = ["FrameChannel", "Prepared", "resolve_src"]
 
 _MALFORMED = (CodecError, WireError, KeyError, TypeError, ValueError, IndexError, struct.error)
 
@@ -65,20 +66,24 @@ class FrameChannel:
         what: the user's name, for error messages (``"MetadataBroadcaster"``).
         timeout, force_remote: as for ``transport.ObjectChannel``.
         checksum: stamp / require the frame crc32 (every rank the same: checked here).
+        agree: further settings every rank must pass equal (``{"state setting": fp}``).
     """
 
     def __init__(self, group: Any, src: int, schema: Any, *, what: str, timeout: Optional[float],
-                 force_remote: Optional[bool], checksum: bool) -> None:
+                 force_remote: Optional[bool], checksum: bool,
+                 agree: Optional[dict[str, Any]] = None) -> None:
         from transport import ObjectChannel  # cpmeta -> transport, never the reverse
 
         self.group, self.src, self.schema, self.what = group, src, schema, what
         self.rank = dist.get_rank()
         self.is_src = self.rank == src
         self.checksum = checksum
-        self.objects = ObjectChannel(group, src, timeout=timeout, force_remote=force_remote)
+        # the setup exchange checks these on every rank (and src), bounded by the timeout
+        settings = {"checksum setting": bool(checksum), f"{what} schema setting": schema.fingerprint,
+                    **(agree or {})}
+        self.objects = ObjectChannel(group, src, timeout=timeout, force_remote=force_remote,
+                                     agree=settings)
         self.timeout = self.objects.timeout
-        agree_settings(self.objects.ctrl, what, checksum=bool(checksum), src=src,
-                       schema=schema.fingerprint)
         self.writer = FrameWriter(schema, Plan)
         self.reader = FrameReader(schema, Plan, checksum)
 
@@ -200,42 +205,3 @@ def resolve_src(group: Any, src: Optional[int], group_src: Optional[int]) -> int
         raise ValueError(f"src: global rank {src!r} is not in the group (global ranks {ranks}); "
                          "to name the driver by its rank inside the group use group_src=")
     return src
-
-
-_SETTING_BYTES = 64
-
-
-def agree_settings(ctrl: Any, what: str, **settings: Any) -> None:
-    """Collective over the gloo ``ctrl`` group (every member calls it once, at construction):
-    raise ``ValueError`` on EVERY rank unless all members passed equal ``settings``.
-
-    Per-rank example, ranks [0, 1], ``checksum=True`` on rank 0 only: both raise
-    ``MetadataBroadcaster: checksum setting differs across the group: on at ranks [0], off at
-    ranks [1]; ...``.
-    """
-    ranks = dist.get_process_group_ranks(ctrl)
-    names = sorted(settings)
-    blob = encode_body([settings[n] for n in names])
-    if len(blob) > _SETTING_BYTES - 1:
-        raise ValueError(f"{what}: settings too large to agree on ({len(blob)} bytes)")
-    mine = torch.zeros(_SETTING_BYTES, dtype=torch.uint8)
-    mine[0] = len(blob)
-    mine[1:1 + len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-    out = [torch.zeros(_SETTING_BYTES, dtype=torch.uint8) for _ in ranks]
-    dist.all_gather(out, mine, group=ctrl)
-    from transport.codec import decode_body
-
-    got = [decode_body(bytes(t[1:1 + int(t[0])].tolist())) for t in out]
-    for i, n in enumerate(names):
-        seen: dict[Any, list[int]] = {}
-        for r, vals in zip(ranks, got):
-            v = vals[i]
-            seen.setdefault(("on" if v else "off") if type(v) is bool else repr(v), []).append(r)
-        if len(seen) > 1:
-            parts = ", ".join(f"{v} at ranks {rs}" for v, rs in seen.items())
-            hint = {"checksum": "; set CPMETA_CHECKSUM (or checksum=) the same on every rank (a "
-                                "follower refuses frames without a crc when it is on)",
-                    "src": "; every rank must name the same driver",
-                    "schema": "; every rank must broadcast the same class from the same cpmeta "
-                              "version"}.get(n, "")
-            raise ValueError(f"{what}: {n} setting differs across the group: {parts}{hint}")

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from .. import envs
 from ..config import MetadataConfig
 from ..state import BatchState, SequenceBatch
-from ..broadcast.channel import FrameChannel, agree_settings, resolve_src
+from ..broadcast.channel import FrameChannel, resolve_src
 from ..broadcast.wire import FLAG_PACKED, Frame, WireError
 from .apply import ReplicaError, apply_step
 from .digest import N_BANDS, batch_digest, fold, replica_digest
@@ -97,12 +97,11 @@ class ReplicatedBatchState:
         self.state = BatchState(cfg, max_seqs, max_tokens=max_tokens, max_blocks=max_blocks,
                                 max_compressed=max_compressed)
         ch_sum = envs.checksum() if checksum is None else bool(checksum)
-        self._ch = FrameChannel(self.group, self.src, STEP_SCHEMA, what="ReplicatedBatchState",
-                                timeout=timeout, force_remote=force_remote, checksum=ch_sum)
         st = self.state
-        agree_settings(self._ch.objects.ctrl, "ReplicatedBatchState",
-                       state=_state_fingerprint(cfg, st.max_seqs, st.max_tokens, st.max_blocks,
-                                                st.max_compressed), check_every=check_every)
+        fp = _state_fingerprint(cfg, st.max_seqs, st.max_tokens, st.max_blocks, st.max_compressed)
+        self._ch = FrameChannel(self.group, self.src, STEP_SCHEMA, what="ReplicatedBatchState",
+                                timeout=timeout, force_remote=force_remote, checksum=ch_sum,
+                                agree={"state setting": fp, "check_every setting": check_every})
         self._key = step_key()
         self._log = OpLog()
         self._batch: Optional[SequenceBatch] = None
