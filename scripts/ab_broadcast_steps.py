@@ -22,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
+from bench_meta import run_meta  # noqa: E402  (scripts/bench_meta.py: the run block)
 
 
 def main() -> int:
@@ -123,7 +124,7 @@ def main() -> int:
     for k, v in res.items():
         print(f"  {k:<44} {v:8.1f}")
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
+        Path(args.json).write_text(json.dumps({"run": run_meta(), **res}, indent=1))
     fol._objects.ring.close()
     drv._objects.ring.close()
     return 0

@@ -57,6 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from cpmeta.metadata import InputMetadata  # noqa: E402
+from bench_meta import run_meta  # noqa: E402  (scripts/bench_meta.py: the run block)
 
 METHODS = ("cpmeta", "cpmeta+bs", "cpmeta+p", "bol", "tdict", "mq", "floor")
 MODES = ("barrier", "engine")
@@ -350,8 +351,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     for w in args.worlds:
         print(f"world size {w} ({args.backend})", flush=True)
         results += run_world_procs(w, args)
+    run = run_meta(argv)
     meta = {
-        "date": datetime.date.today().isoformat(), "host": socket.gethostname(),
+        "date": datetime.date.today().isoformat(), "host": run["host"],
         "machine": f"{platform.machine()} {os.cpu_count()} cpus", "torch": torch.__version__,
         "command": "python scripts/bench_broadcast.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "backend": args.backend, "timed": "max over ranks of completion - driver start (CLOCK_MONOTONIC)",
@@ -360,7 +362,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    out.write_text(json.dumps({"run": run, "meta": meta, "results": results}, indent=1))
     print_table(results)
     png = Path(args.plot) if args.plot else out.with_suffix(".png")
     if not args.quick and plot(results, png):

@@ -46,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 from cpmeta import MetadataConfig, SequenceMetadata  # noqa: E402
 from cpmeta.sequence import blocks_needed  # noqa: E402
+from bench_meta import run_meta  # noqa: E402  (scripts/bench_meta.py: the run block)
 
 logger = logging.getLogger("bench_build")
 
@@ -503,7 +504,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "cpu_count": os.cpu_count(), "loadavg_1m_start_end": [load0, os.getloadavg()[0]],
                     "python": platform.python_version(),
                     "torch": torch.__version__, "threads": torch.get_num_threads()},
-        "reference": ctx.ref is not None, "repeat": repeat, "results": results,
+        "reference": ctx.ref is not None, "repeat": repeat, "results": results, "run": run_meta(argv),
     }
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

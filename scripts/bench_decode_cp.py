@@ -36,7 +36,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import random
 import sys
 from pathlib import Path
@@ -48,6 +47,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
+from bench_meta import run_meta  # noqa: E402  (scripts/bench_meta.py: the run block)
 
 from bench_broadcast import Method, init_rank, latency_us, run_world_procs, time_cell  # noqa: E402  (same timing protocol)
 from bench_build import _state_from, decode_batch  # noqa: E402  (same batches and states as the builders' bench)
@@ -166,7 +166,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               + " ".join(f"{cells[m]['p50_us']:16.1f}" for m in args.methods if m in cells))
     if args.out:
         Path(args.out).write_text(json.dumps({
-            "date": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
+            "run": run_meta(argv), "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "cpus": os.cpu_count(), "torch": torch.__version__, "results": results}, indent=1))
     return 0
 

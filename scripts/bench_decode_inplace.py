@@ -65,6 +65,7 @@ from cpmeta.gpu.decode_inplace import (  # noqa: E402
 from cpmeta.diff import metadata_diff  # noqa: E402
 from cpmeta.gpu.decode_staging import stage_decode  # noqa: E402
 from cpmeta.gpu.staging_layout import unpack_staging  # noqa: E402
+from bench_meta import run_meta  # noqa: E402  (scripts/bench_meta.py: the run block)
 
 logger = logging.getLogger("bench_decode_inplace")
 
@@ -215,7 +216,7 @@ def write_run(path: str, results: Any, dev: torch.device) -> None:
     """``results`` as JSON at ``path`` with the command line, the date and :func:`_machine`
     (the in-place step's profiling scripts write their runs this way)."""
     doc = {"command": " ".join(sys.argv), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "machine": _machine(dev), "results": results}
+           "machine": _machine(dev), "results": results, "run": run_meta()}
     Path(path).write_text(json.dumps(doc, indent=1))
     print("wrote", path)
 
@@ -261,7 +262,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
         "date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": _machine(dev),
         "repeat": repeat, "targets": {"inplace_p50_us_256": TARGET_US, "speedup": TARGET_SPEEDUP},
-        "results": results,
+        "results": results, "run": run_meta(argv),
     }
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

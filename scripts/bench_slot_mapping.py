@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 from cpmeta.cp.slot_mapping import compute_slot_mapping  # noqa: E402
 from cpmeta.cp.slot_mapping_groups import KVCacheGroup, compute_slot_mapping_groups  # noqa: E402
 from cpmeta.gpu import slot_mapping_triton as tri  # noqa: E402
+from bench_meta import run_meta  # noqa: E402  (scripts/bench_meta.py: the run block)
 
 REQUESTS = (1, 64, 256)
 TOKENS = (8192, 65536)
@@ -248,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                 for name, layout in LAYOUTS.items() for r in REQUESTS for t in TOKENS]
     report: dict[str, Any] = dict(
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        host=platform.node(), torch=torch.__version__, cuda=cuda,
+        run=run_meta(argv), torch=torch.__version__, cuda=cuda,
         device=torch.cuda.get_device_name() if cuda else platform.processor() or "cpu",
         triton=__import__("triton").__version__ if use_triton else None,
         cpu_threads=torch.get_num_threads(), tile_tiers=tri.TILE_TIERS,

@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 from transport import ObjectChannel, TensorChannel
+from bench_meta import run_meta  # noqa: E402  (scripts/bench_meta.py: the run block)
 
 SIZES = [256, 4096, 65536, 1 << 20, 4 << 20]
 QUICK_SIZES = [256, 4096, 65536, 1 << 20]
@@ -219,7 +220,7 @@ def main(argv: list[str] | None = None) -> None:
            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                        "python": platform.python_version(), "torch": torch.__version__,
                        "load_avg_at_end": os.getloadavg()},
-           "results": results}
+           "results": results, "run": run_meta(argv)}
     with open(args.out, "w") as f:
         json.dump(doc, f, indent=1)
     print(f"\nwrote {args.out}")

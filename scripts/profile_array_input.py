@@ -42,6 +42,7 @@ from cpmeta.builders.extract import extract_batch  # noqa: E402
 from cpmeta.gpu.decode_staging import DecodeStaging, stage_decode, staging_capacity  # noqa: E402
 from cpmeta.gpu.staging_layout import StagingLayout  # noqa: E402
 from cpmeta.metadata import InputMetadata  # noqa: E402
+from bench_meta import run_meta  # noqa: E402  (scripts/bench_meta.py: the run block)
 
 
 def _interleaved(fns: dict[str, Callable[[], Any]], repeat: int) -> dict[str, float]:
@@ -119,7 +120,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"  {k:<18}{v:>9.1f} us")
     if args.out:
         meta = {"loadavg_1m_start_end": [load0, os.getloadavg()[0]], "cpu_count": os.cpu_count(),
-                "repeat": args.repeat, "p50_us": res}
+                "repeat": args.repeat, "p50_us": res, "run": run_meta(argv)}
         Path(args.out).write_text(json.dumps(meta, indent=2) + "\n")
     return 0
 

@@ -42,6 +42,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
+from bench_meta import run_meta  # noqa: E402  (scripts/bench_meta.py: the run block)
 
 # (label, module, attribute) -- "Class.method" attributes are wrapped on the class.
 PHASES: list[tuple[str, str, str]] = [
@@ -260,7 +261,7 @@ def main() -> int:
     for k in sorted(res):
         print(f"  {k:<52} {res[k]:8.1f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "p50_us": res}, indent=1))
+        Path(args.json).write_text(json.dumps({"run": run_meta(), "args": vars(args), "p50_us": res}, indent=1))
     return 0
 
 

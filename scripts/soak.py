@@ -29,6 +29,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # the shared multi-process helper and payload generator
+from bench_meta import run_meta  # noqa: E402  (scripts/bench_meta.py: the run block)
 
 MIB = 1 << 20
 
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                   "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, "
                              f"{platform.platform()}, python {platform.python_version()}",
                   "args": {k: str(v) for k, v in vars(args).items()}, "seed": seed,
-                  "wall_s": wall, "shm_left": leaked, "ranks": out}
+                  "wall_s": wall, "shm_left": leaked, "ranks": out, "run": run_meta(argv)}
         args.out.write_text(json.dumps(record, indent=1))
     for r in out:
         for e in r["errors"]:

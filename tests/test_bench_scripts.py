@@ -29,6 +29,7 @@ def test_bench_broadcast_quick(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stdout + res.stderr
     data = json.loads(out.read_text())
     assert {"date", "command", "timed", "backend"} <= set(data["meta"])
+    _check_run(data, "bench_broadcast.py")
     methods = {r["method"] for r in data["results"]}
     assert methods == {"cpmeta", "cpmeta+p", "bol", "tdict", "floor"}
     for r in data["results"]:
@@ -48,4 +49,28 @@ def test_other_benchmarks_quick(tmp_path: Path, script: str, args: list[str]) ->
     out = tmp_path / "o.json"
     res = _run(script, *args, "--out", str(out))
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
-    json.loads(out.read_text())  # well-formed
+    _check_run(json.loads(out.read_text()), script)
+
+
+def _check_run(data: dict, script: str) -> None:
+    """Every result file carries the run block (scripts/bench_meta.py): the command with the
+    script's path, the date, the machine's facts and the label made of them (never the
+    hostname), and the commit of this checkout."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_meta import host_label
+
+    run = data["run"]
+    assert run["command"].startswith(f"python scripts/{script} ") and "--out" in run["command"]
+    assert run["date"][:4].isdigit() and run["machine"]["cpus"] == os.cpu_count()
+    assert run["host"] == host_label(run["machine"]) and f"{os.cpu_count()} cpus" in run["host"]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert run["commit"] == (head or None)
+
+
+def test_host_label_is_made_of_facts() -> None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_meta import host_label
+
+    assert host_label({"cpus": 2}) == "2 cpus, no GPU"
+    assert host_label({"cpus": 16, "gpus": ["NVIDIA H200"]}) == "NVIDIA H200 x1, 16 cpus"
+    assert host_label({"cpus": 32, "gpus": ["NVIDIA H200", "NVIDIA H200"]}) == "NVIDIA H200 x2, 32 cpus"
