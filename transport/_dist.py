@@ -36,7 +36,7 @@ from .codec import CodecError
 from .coalesce import tensor_memoryview
 
 __all__ = ["group_ranks", "gloo_group", "cpu_group", "host_key", "host_label", "wait_work",
-           "bcast_frame", "send_abort", "post_reason", "fetch_reason", "RemoteFailure",
+           "bcast_frame", "send_abort", "post_reason", "fetch_reason", "store_of", "RemoteFailure",
            "RemoteAbort", "REMOTE_INLINE_BYTES", "HOST_KEY_BYTES"]
 
 HOST_KEY_BYTES = 256  # most bytes of a host key (the setup exchange carries it)
@@ -145,7 +145,7 @@ def _head(n: int, data: Optional[torch.Tensor] = None, text: bytes = b"") -> tor
     return head
 
 
-def _store() -> Any:
+def store_of() -> Any:
     """torch.distributed's default store (the rendezvous TCPStore every rank holds), or None."""
     try:
         return dist.distributed_c10d._get_default_store()
@@ -165,7 +165,7 @@ def post_reason(key: str, reason: str, wait_s: float = ABORT_WAIT_S) -> None:
     """``src``, after a failure that closed the process group (gloo closes every connection of
     a group whose wait timed out): leave ``reason`` under ``key`` in the default store, where
     :func:`fetch_reason` finds it. Best effort, at most ``wait_s``; never raises."""
-    store = _store()
+    store = store_of()
     if store is None:
         return
 
@@ -181,7 +181,7 @@ def post_reason(key: str, reason: str, wait_s: float = ABORT_WAIT_S) -> None:
 def fetch_reason(key: str, wait_s: float = ABORT_WAIT_S) -> Optional[str]:
     """A follower whose connection to ``src`` closed: ``src``'s reason under ``key`` if it
     arrives within ``wait_s`` (None otherwise: ``src`` died, or cannot reach the store)."""
-    store = _store()
+    store = store_of()
     if store is None:
         return None
     box: list[str] = []

@@ -1,46 +1,50 @@
 """The setup exchange of ``ObjectChannel``: who is in the group, where, and do they agree.
 
-Collective over a gloo group; every wait ends within the caller's timeout (the process group's
-own timeout, 30 min by default for gloo, never decides). Point-to-point with the group's
-LEADER (its first rank), so that whoever is missing is named::
+Every member leaves one record in torch.distributed's default store (the rendezvous store every
+rank already holds) and waits for the others' records, every wait bounded by the caller's
+timeout -- never by the process group's own (gloo's default: 30 min) -- and never on a gloo
+operation, whose timeout would close the group's connections::
 
-    member r != leader:  isend(record_r) ----------> leader: irecv from every member
-                                                     (waits until 0.8 x timeout), checks
-                         irecv(table)   <----------  isend(table) to every member that came
-    table = every record, or the error: "rank 3 did not join ...", "src differs: ..."
+    rank r:  store.set("cpmeta/setup/<group>/<n>/<r>", record_r)
+             store.wait(every member's key, timeout)   -> missing keys name the absent ranks
+             records = store.get(every key)            -> every rank checks them the same way
 
-A record is strict codec bytes (no pickle) in a fixed 2 KiB buffer: host key, pid, the ``src``
-this rank passed, how many channels it set up on this group before (``seq``: a rank that skipped
-or repeated a construction would pair the wrong channels) and the settings the caller asks to
-cross-check (``agree``, e.g. ``{"checksum": True}``). Every rank that gets the table raises the
-same error: ``ValueError`` for a disagreement, ``TimeoutError`` for a rank that did not come.
+``<n>`` counts the channels this process set up on the group before, so consecutive channels on
+one group never read each other's records (a rank that skipped or repeated a construction looks
+absent). A record is strict codec bytes (no pickle): host key, pid, the ``src`` this rank passed
+and the settings the caller asks to cross-check (``agree``, e.g. ``{"checksum": True}``). Every
+member runs the same check on the same records and so raises the same error: ``ValueError`` for
+a disagreement, ``TimeoutError`` naming the members that did not come.
 
 Example, group [0, 1, 2], rank 2 passes ``src=1``: all three raise ``ValueError("src differs
 across the group: src=0 at ranks [0, 1], src=1 at ranks [2] ...")``; rank 2 never constructs:
-ranks 0 and 1 raise ``TimeoutError("rank 2 did not join the setup within 4 s ...")``.
+ranks 0 and 1 raise ``TimeoutError("rank(s) 2 did not join the setup within 5 s ...")``.
+
+Without a default store (a process group built by hand on its own store) the records travel in
+one gloo ``all_gather`` instead, bounded by the timeout but unable to say who is missing.
 """
 
 from __future__ import annotations
 
 import os
 import struct
+import threading
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 
-from ._dist import MIN_WAIT_S, group_ranks, wait_work
+from ._dist import group_ranks, store_of, wait_work
 from .codec import CodecError, decode_body, encode_body
 from .coalesce import tensor_memoryview
 
 __all__ = ["Member", "exchange", "Scalar"]
 
-SETUP_TAG = 0x43504D53  # point-to-point tag of the setup exchange ("CPMS")
-RECORD_BYTES = 2048  # one member's record buffer
-TABLE_EXTRA_BYTES = 8192  # the table's room for an error text
-LEADER_SHARE = 0.8  # the leader collects for this share of the timeout, then answers
+RECORD_BYTES = 2048  # most bytes of one member's record
+STORE_GRACE_S = 1.0  # a store that does not answer at all: given up this long after the timeout
 _LEN = struct.Struct("<I")
 Scalar = Union[None, bool, int, float, str]
 _seq: dict[str, int] = {}  # group name -> channels set up on it by this process
@@ -58,7 +62,11 @@ class Member:
     agree: dict[str, Scalar] = field(default_factory=dict)
 
     def body(self) -> bytes:
-        return encode_body([self.rank, self.host, self.pid, self.src, self.seq, dict(self.agree)])
+        body = encode_body([self.rank, self.host, self.pid, self.src, self.seq, dict(self.agree)])
+        if len(body) > RECORD_BYTES - _LEN.size:
+            raise ValueError(f"setup: a record of {len(body)} bytes exceeds "
+                             f"{RECORD_BYTES - _LEN.size} (shorten the agree= settings)")
+        return body
 
     @classmethod
     def parse(cls, data: Any) -> "Member":
@@ -67,25 +75,6 @@ class Member:
                 or not all(type(x) is int for x in (f[0], f[2], f[3], f[4])) or type(f[5]) is not dict):
             raise CodecError("setup record: expected [rank, host, pid, src, seq, agree]")
         return cls(f[0], f[1], f[2], f[3], f[4], f[5])
-
-
-def _pack(body: bytes, size: int) -> torch.Tensor:
-    if _LEN.size + len(body) > size:
-        raise ValueError(f"setup: a record of {len(body)} bytes exceeds {size - _LEN.size} "
-                         "(shorten the agree= settings)")
-    buf = torch.zeros(size, dtype=torch.uint8)
-    view = tensor_memoryview(buf)
-    _LEN.pack_into(view, 0, len(body))
-    view[_LEN.size:_LEN.size + len(body)] = body
-    return buf
-
-
-def _unpack(buf: torch.Tensor) -> memoryview:
-    view = tensor_memoryview(buf)
-    (n,) = _LEN.unpack_from(view, 0)
-    if _LEN.size + n > view.nbytes:
-        raise CodecError(f"setup: a block declares {n} bytes, the buffer holds {view.nbytes}")
-    return view[_LEN.size:_LEN.size + n]
 
 
 def _spread(values: dict[int, Any], name: str, fmt: Any = repr) -> Optional[str]:
@@ -100,7 +89,7 @@ def _spread(values: dict[int, Any], name: str, fmt: Any = repr) -> Optional[str]
 
 
 def _onoff(v: Any) -> str:
-    return {True: "on", False: "off"}.get(v, repr(v)) if type(v) is bool else repr(v)
+    return ("on" if v else "off") if type(v) is bool else repr(v)
 
 
 def _verdict(members: list[Member]) -> Optional[str]:
@@ -109,10 +98,6 @@ def _verdict(members: list[Member]) -> Optional[str]:
     if problem:
         return (f"{problem} (every rank must name the same driver: the same global src, or "
                 "group_src)")
-    problem = _spread({m.rank: m.seq for m in members}, "the count of channels set up on this "
-                      "group before", str)
-    if problem:
-        return f"{problem} (a rank skipped or repeated a construction: they would pair wrongly)"
     for key in sorted({k for m in members for k in m.agree}):
         problem = _spread({m.rank: m.agree.get(key) for m in members}, key, _onoff)
         if problem:
@@ -120,92 +105,78 @@ def _verdict(members: list[Member]) -> Optional[str]:
     return None
 
 
-def _table(members: list[Member], error: Optional[list[str]], n: int) -> torch.Tensor:
-    body = encode_body({"error": error, "members": [m.body() for m in members]})
-    return _pack(body, RECORD_BYTES * n + TABLE_EXTRA_BYTES)
-
-
 def exchange(group: Any, src: int, agree: dict[str, Scalar], host: bytes,
              timeout_s: float) -> list[Member]:
-    """Collective over the gloo ``group`` (every member calls it, once per channel it sets up):
-    every member's :class:`Member`, in group-rank order. Raises on EVERY rank that gets the
-    leader's table: ``ValueError`` when members disagree (``src``, ``seq``, ``agree``),
-    ``TimeoutError`` naming the members that did not come within ``timeout_s``; a member whose
-    leader does not answer raises ``TimeoutError`` naming the leader."""
+    """Collective over ``group`` (every member calls it, once per channel it sets up; any
+    backend): every member's :class:`Member`, in group-rank order. Raises on every member:
+    ``ValueError`` when members disagree (``src``, ``agree``), ``TimeoutError`` naming the
+    members that did not come within ``timeout_s``."""
     ranks = group_ranks(group)
-    me, leader, n = dist.get_rank(), ranks[0], len(ranks)
-    name = str(getattr(group, "group_name", ranks))
-    mine = Member(me, host, os.getpid(), src, _seq.get(name, 0), dict(agree))
-    start = time.monotonic()
-    if me == leader:
-        members = _collect(group, mine, ranks, start + LEADER_SHARE * timeout_s, timeout_s)
+    name = str(getattr(group, "group_name", "_".join(map(str, ranks))))
+    mine = Member(dist.get_rank(), host, os.getpid(), src, _seq.get(name, 0), dict(agree))
+    body = mine.body()
+    store = store_of()
+    if store is None:
+        members = _gather(group, ranks, body, timeout_s)
     else:
-        members = _ask(group, mine, leader, n, start + timeout_s, timeout_s)
+        members = _via_store(store, f"cpmeta/setup/{name}/{mine.seq}", ranks, mine.rank, body,
+                             timeout_s)
+    problem = _verdict(members)
+    if problem:
+        raise ValueError(problem)
     _seq[name] = mine.seq + 1
     return members
 
 
-def _collect(group: Any, mine: Member, ranks: list[int], deadline: float,
-             timeout_s: float) -> list[Member]:
-    bufs = {r: torch.empty(RECORD_BYTES, dtype=torch.uint8) for r in ranks if r != mine.rank}
-    works = {r: dist.irecv(b, src=r, group=group, tag=SETUP_TAG) for r, b in bufs.items()}
-    got, absent = {mine.rank: mine}, []
-    for r, work in works.items():
+def _via_store(store: Any, prefix: str, ranks: list[int], me: int, body: bytes,
+               timeout_s: float) -> list[Member]:
+    """Set this rank's record, wait for every member's, read them (on a helper thread, so that
+    a store on an unreachable host cannot hold the caller past the timeout)."""
+    keys = [f"{prefix}/{r}" for r in ranks]
+    box: dict[str, Any] = {}
+
+    def run() -> None:
         try:
-            if wait_work(work, deadline, bufs[r]):
-                got[r] = Member.parse(_unpack(bufs[r]))
-                continue
-        except (RuntimeError, CodecError):
-            pass
-        absent.append(r)
-    members = [got[r] for r in ranks if r in got]
-    error: Optional[list[str]] = None
-    if absent:
-        error = ["absent", f"rank(s) {', '.join(map(str, absent))} did not join the setup within "
-                 f"{LEADER_SHARE * timeout_s:g} s (never constructed the channel / broadcaster "
-                 "on this group, constructed it on another group, or died)"]
-    else:
-        problem = _verdict(members)
-        error = ["disagree", problem] if problem else None
-    table = _table(members, error, len(ranks))
-    end = time.monotonic() + max(MIN_WAIT_S, (1 - LEADER_SHARE) * timeout_s)
-    sends = [dist.isend(table, dst=m.rank, group=group, tag=SETUP_TAG) for m in members
-             if m.rank != mine.rank]
-    for work in sends:
-        try:
-            wait_work(work, end, table)
-        except RuntimeError:
-            pass  # that member died after sending its record: its own wait says so
-    _raise(error)
+            store.set(keys[ranks.index(me)], body)
+            try:
+                store.wait(keys, timedelta(seconds=timeout_s))
+            except Exception:  # noqa: BLE001 - torch raises DistStoreError or RuntimeError
+                box["absent"] = [r for r, k in zip(ranks, keys) if not store.check([k])]
+                return
+            box["members"] = [Member.parse(bytes(store.get(k))) for k in keys]
+        except Exception as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="cpmeta-setup", daemon=True)
+    t.start()
+    t.join(timeout_s + STORE_GRACE_S)
+    if "members" in box:
+        return box["members"]
+    if box.get("absent"):
+        who = ", ".join(map(str, box["absent"]))
+        raise TimeoutError(f"rank(s) {who} did not join the setup within {timeout_s:g} s (never "
+                           "constructed the channel / broadcaster on this group, did so another "
+                           "number of times, or died)")
+    if "error" in box:
+        raise box["error"]
+    raise TimeoutError(f"the rendezvous store did not answer within {timeout_s:g} s (its host "
+                       "is unreachable?)")
+
+
+def _gather(group: Any, ranks: list[int], body: bytes, timeout_s: float) -> list[Member]:
+    """No default store: one bounded gloo all_gather of fixed-size records (``group`` gloo)."""
+    mine = torch.zeros(RECORD_BYTES, dtype=torch.uint8)
+    view = tensor_memoryview(mine)
+    _LEN.pack_into(view, 0, len(body))
+    view[_LEN.size:_LEN.size + len(body)] = body
+    out = [torch.empty_like(mine) for _ in ranks]
+    work = dist.all_gather(out, mine, group=group, async_op=True)
+    if not wait_work(work, time.monotonic() + timeout_s, out):
+        raise TimeoutError(f"the setup exchange of ranks {ranks} did not complete within "
+                           f"{timeout_s:g} s (a member did not construct the channel)")
+    members = []
+    for t in out:
+        v = tensor_memoryview(t)
+        (n,) = _LEN.unpack_from(v, 0)
+        members.append(Member.parse(v[_LEN.size:_LEN.size + min(n, RECORD_BYTES - _LEN.size)]))
     return members
-
-
-def _ask(group: Any, mine: Member, leader: int, n: int, deadline: float,
-         timeout_s: float) -> list[Member]:
-    record = _pack(mine.body(), RECORD_BYTES)
-    table = torch.empty(RECORD_BYTES * n + TABLE_EXTRA_BYTES, dtype=torch.uint8)
-    sent = dist.isend(record, dst=leader, group=group, tag=SETUP_TAG)
-    answer = dist.irecv(table, src=leader, group=group, tag=SETUP_TAG)
-    for work, buf, what in ((sent, record, "did not take this rank's record"),
-                            (answer, table, "sent no answer")):
-        try:
-            done = wait_work(work, deadline, buf)
-        except RuntimeError as e:
-            raise TimeoutError(f"setup leader rank {leader} {what}: its connection failed "
-                               f"({e})") from None
-        if not done:
-            raise TimeoutError(f"setup leader rank {leader} {what} within {timeout_s:g} s (it "
-                               "has not constructed the channel / broadcaster on this group, "
-                               "or gave up waiting for this rank)")
-    msg = decode_body(_unpack(table), max_bytes=table.numel())
-    if type(msg) is not dict or type(msg.get("members")) is not list:
-        raise CodecError("setup: malformed answer from the leader")
-    _raise(msg.get("error"))
-    return [Member.parse(b) for b in msg["members"]]
-
-
-def _raise(error: Optional[list[str]]) -> None:
-    if error is None:
-        return
-    kind, text = error
-    raise (TimeoutError if kind == "absent" else ValueError)(text)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from . import envs
 from ._dist import (RemoteAbort, RemoteFailure, bcast_frame, cpu_group, fetch_reason, group_ranks,
-                    host_key, host_label, post_reason, send_abort)
+                    host_key, host_label, post_reason, send_abort, store_of)
 from ._segment import PeerWatch
 from ._setup import Member, Scalar, exchange
 from .coalesce import copy_into, plan, tensor_memoryview, views_of
@@ -49,8 +49,8 @@ class ObjectChannel:
 
     Collective constructor: every member of ``group`` (default WORLD) calls it with the same
     ``src``. It gathers every member's host key (``CPMETA_HOST_ID``, else hostname + boot id),
-    pid, ``src`` and ``agree`` settings at the group's first rank, which checks them
-    (:mod:`transport._setup`), then sets up a shared-memory ring for the followers on ``src``'s
+    pid, ``src`` and ``agree`` settings through the rendezvous store, where every member checks
+    them (:mod:`transport._setup`), then sets up a shared-memory ring for the followers on ``src``'s
     host; the others get every message point-to-point over the (gloo) control group, one send
     per follower (``transport._dist.bcast_frame``). Every setup wait ends within ``timeout``: a member
     that never constructs is a ``TimeoutError`` naming it, members that disagree on ``src`` or
@@ -99,8 +99,12 @@ class ObjectChannel:
         self.remote_ranks: list[int] = []
         force = envs.force_remote() if force_remote is None else bool(force_remote)
         try:
-            self.ctrl = cpu_group(self.group, self.timeout)
-            members = exchange(self.ctrl, src, dict(agree or {}), key, self.timeout)
+            if store_of() is None:  # the exchange falls back to a gloo all_gather
+                self.ctrl = cpu_group(self.group, self.timeout)
+                members = exchange(self.ctrl, src, dict(agree or {}), key, self.timeout)
+            else:  # first: it names a rank that never came, before any gloo group waits for it
+                members = exchange(self.group, src, dict(agree or {}), key, self.timeout)
+                self.ctrl = cpu_group(self.group, self.timeout)
             self._connect(members, key, force, slot_size, num_slots)
         except (TimeoutError, ValueError) as e:
             self.close()
@@ -117,7 +121,7 @@ class ObjectChannel:
         src = self.src
         keys = {m.rank: m.host for m in members}
         seq = next(m.seq for m in members if m.rank == src)  # agreed by every member
-        self._reason_key = f"cpmeta/reason/{getattr(self.ctrl, 'group_name', '?')}/{seq}/{src}"
+        self._reason_key = f"cpmeta/reason/{getattr(self.group, 'group_name', '?')}/{seq}/{src}"
         self.hosts = {m.rank: host_label(m.host) for m in members}
         local = [] if force else [r for r in self.ranks if r != src and keys[r] == keys[src]]
         self.ring, attached = ring_from_process_group(
