@@ -15,7 +15,11 @@ every rank builds its own. This is that design on cpmeta's transport and frame c
 
 Each driver call is validated by the driver's own ``BatchState`` first: a call it refuses (bad
 request, a capacity) raises there, changes nothing and is never sent, so every replica stays
-unchanged by it. Divergence is impossible to miss: every frame carries its step number (a gap
+unchanged by it. A step's frame ends with its batch spec: calls the driver makes after
+``decode_batch`` / ``prompt_batch`` (the step's results, arriving early) are applied to the
+driver's replica at once but travel with the NEXT step, so after ``sync()`` every follower's
+replica stands exactly where the driver's stood when it made the batch (``rep.spec`` holds the
+spec's arguments on every rank, for engines that stage from the state: ``stage_decode``). Divergence is impossible to miss: every frame carries its step number (a gap
 or a replay is refused), every step the follower's batch is compared with the driver's by
 per-sequence digests, and every ``check_every`` steps the ranks compare digests of their whole
 replicas (``cpmeta.replicate.digest``); a mismatch is a ``RuntimeError`` naming the rank, the
@@ -25,7 +29,7 @@ step and the first differing request, after which that replica refuses every fur
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Hashable, Optional, Sequence
+from typing import Any, Hashable, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -41,7 +45,7 @@ from .digest import N_BANDS, batch_digest, fold, replica_digest
 from .ops import BLK, CMP, SID, SVS, TOK, OpLog
 from .step_frame import STEP_SCHEMA, column_dims, read_columns, step_key, write_columns
 
-__all__ = ["ReplicatedBatchState", "DEFAULT_CHECK_EVERY"]
+__all__ = ["ReplicatedBatchState", "StepSpec", "DEFAULT_CHECK_EVERY"]
 
 #: steps between two whole-replica digest comparisons (a collective over the gloo group)
 DEFAULT_CHECK_EVERY = 64
@@ -103,8 +107,13 @@ class ReplicatedBatchState:
                                 timeout=timeout, force_remote=force_remote, checksum=ch_sum,
                                 agree={"state setting": fp, "check_every setting": check_every})
         self._key = step_key()
-        self._log = OpLog()
+        self._log = OpLog()  # this step's calls, up to and with its batch spec
+        self._next = OpLog()  # calls made after the spec: the next step's first ops
         self._batch: Optional[SequenceBatch] = None
+        #: the last synced step's batch spec on every rank (None for a step without one)
+        self.spec: Optional[StepSpec] = None
+        self._pending_spec: Optional[StepSpec] = None
+        self._spec_digest: Optional[np.ndarray] = None  # driver: the replica digest at spec time
         self._broken: Optional[str] = None  # why this replica refuses further steps
         self.step = 0  # steps synced so far
         self._closed = False
@@ -124,7 +133,7 @@ class ReplicatedBatchState:
         s = st.add_request(rid, prompt_token_ids, block_table, state_id,
                            compressed_token_ids=compressed_token_ids, swa_valid_start=swa_valid_start,
                            num_computed=num_computed)
-        self._log.add(s, rid, st.token_ids[s, :st.num_tokens[s]].copy(),
+        self._rec.add(s, rid, st.token_ids[s, :st.num_tokens[s]].copy(),
                       st.block_table[s, :st.num_blocks[s]].copy(),
                       st.compressed[s, :st.num_compressed[s]].copy(), int(st.state_id[s]),
                       int(st.swa_valid_start[s]), int(st.num_computed[s]))
@@ -136,13 +145,13 @@ class ReplicatedBatchState:
         n0 = int(st.num_tokens[int(slot)]) if 0 <= int(slot) < st.max_seqs else 0
         st.append_tokens(slot, tokens)
         n1 = int(st.num_tokens[slot])
-        self._log.ragged(TOK, np.array([slot], np.int64), np.array([n1 - n0], np.int64),
+        self._rec.ragged(TOK, np.array([slot], np.int64), np.array([n1 - n0], np.int64),
                          st.token_ids[slot, n0:n1].copy())
 
     def append_tokens_batch(self, slots: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> None:
         self._driver("append_tokens_batch")
         self.state.append_tokens_batch(slots, tokens, counts)
-        self._log.ragged(TOK, np.array(slots, np.int64), np.array(counts, np.int64),
+        self._rec.ragged(TOK, np.array(slots, np.int64), np.array(counts, np.int64),
                          np.array(tokens, np.int64))
 
     def append_blocks(self, slot: int, blocks: Sequence[int]) -> None:
@@ -159,23 +168,23 @@ class ReplicatedBatchState:
         n0 = int(getattr(st, counts)[int(slot)]) if 0 <= int(slot) < st.max_seqs else 0
         apply(slot, values)
         n1 = int(getattr(st, counts)[slot])
-        self._log.ragged(code, np.array([slot], np.int64), np.array([n1 - n0], np.int64),
+        self._rec.ragged(code, np.array([slot], np.int64), np.array([n1 - n0], np.int64),
                          getattr(st, rows)[slot, n0:n1].copy())
 
     def set_state_id(self, slot: int, state_id: int) -> None:
         self._driver("set_state_id")
         self.state.set_state_id(slot, state_id)
-        self._log.pair(SID, int(slot), int(self.state.state_id[slot]))
+        self._rec.pair(SID, int(slot), int(self.state.state_id[slot]))
 
     def set_swa_valid_start(self, slot: int, swa_valid_start: int) -> None:
         self._driver("set_swa_valid_start")
         self.state.set_swa_valid_start(slot, swa_valid_start)
-        self._log.pair(SVS, int(slot), int(self.state.swa_valid_start[slot]))
+        self._rec.pair(SVS, int(slot), int(self.state.swa_valid_start[slot]))
 
     def finish(self, slot: int) -> None:
         self._driver("finish")
         self.state.finish(slot)
-        self._log.finish(int(slot))
+        self._rec.finish(int(slot))
 
     def prompt_batch(self, slots: np.ndarray, chunk_lens: np.ndarray, *, num_placeholders: int = 0,
                      advance: bool = True) -> None:
@@ -187,6 +196,8 @@ class ReplicatedBatchState:
         self._batch = self.state.prompt_batch(slots_a, lens, num_placeholders=num_placeholders,
                                               advance=advance)
         self._log.batch_spec(True, slots_a, lens, _NO_DIGEST, num_placeholders, advance, -2)
+        self._pending_spec = StepSpec(True, slots_a, lens, None, None, int(num_placeholders), bool(advance))
+        self._at_spec()
 
     def decode_batch(self, slots: np.ndarray, draft_tokens: Optional[np.ndarray] = None,
                      num_drafts: Optional[np.ndarray | int] = None, *, num_placeholders: int = 0) -> None:
@@ -198,8 +209,10 @@ class ReplicatedBatchState:
         uniform = -2 if num_drafts is None else (int(num_drafts) if np.ndim(num_drafts) == 0 else -1)
         lens = np.array(num_drafts, np.int64).reshape(-1) if uniform == -1 else _NO_DIGEST
         drafts = _NO_DIGEST if draft_tokens is None else np.array(draft_tokens, np.int64).reshape(-1)
-        self._log.batch_spec(False, np.array(slots, np.int64).reshape(-1), lens, drafts,
-                             num_placeholders, True, uniform)
+        slots_a = np.array(slots, np.int64).reshape(-1)
+        self._log.batch_spec(False, slots_a, lens, drafts, num_placeholders, True, uniform)
+        self._pending_spec = _decode_spec(slots_a, lens, drafts, uniform, int(num_placeholders))
+        self._at_spec()
 
     # ---- every rank -----------------------------------------------------------------------
     def sync(self) -> Optional[SequenceBatch]:
@@ -236,6 +249,23 @@ class ReplicatedBatchState:
         self.close()
 
     # ---- internals ----------------------------------------------------------------------------
+    @property
+    def _rec(self) -> OpLog:
+        """Where the driver's next call is recorded: after the step's spec, the next step's log
+        (a step's frame ends with its spec, so every replica stands where the driver stood when
+        it made the batch)."""
+        return self._next if self._log.spec is not None else self._log
+
+    def _at_spec(self) -> None:
+        """Driver: when the coming sync compares replicas, digest this replica NOW -- where every
+        follower's will stand after applying the step (calls after the spec travel later)."""
+        step = self.step + 1
+        if self.check_every and step % self.check_every == 0:
+            self._spec_digest = replica_digest(self.state, self._band(step))
+
+    def _band(self, step: int) -> int:
+        return (step // max(self.check_every, 1)) % N_BANDS
+
     def _driver(self, what: str) -> None:
         if not self.is_src:
             raise RuntimeError(f"rank {self.rank}: {what} is the driver's call (src={self.src}); "
@@ -258,8 +288,9 @@ class ReplicatedBatchState:
             write_columns(addr + data_at, cols)
 
         self._ch.publish(prep, FLAG_PACKED, prep.exact, prep.region, write)
+        self._log, self._next = self._next, log
         log.clear()
-        self._batch = None
+        self.spec, self._pending_spec, self._batch = self._pending_spec, None, None
         return batch
 
     def _receive(self, step: int) -> Optional[SequenceBatch]:
@@ -276,6 +307,7 @@ class ReplicatedBatchState:
             raise RuntimeError(f"rank {self.rank}: step frame {got_step} from src={self.src} where "
                                f"step {step} was expected ({'a replay' if got_step < step else 'a gap'}"
                                "); the replica refuses it")
+        self.spec = _spec_of(cols, spec) if spec else None
         try:
             batch = apply_step(self.state, cols, req_ids, spec or None)
         except (ReplicaError, ValueError, IndexError) as e:
@@ -304,8 +336,9 @@ class ReplicatedBatchState:
         per-slot digests name the first differing request, and EVERY rank raises."""
         ctrl = self._ch.objects.ctrl
         ranks = dist.get_process_group_ranks(ctrl)
-        band = (step // max(self.check_every, 1)) % N_BANDS
-        per_slot = replica_digest(self.state, band)
+        per_slot = self._spec_digest if self._spec_digest is not None else replica_digest(
+            self.state, self._band(step))
+        self._spec_digest = None
         mine = torch.tensor([fold(per_slot)], dtype=torch.int64)
         got = [torch.zeros(1, dtype=torch.int64) for _ in ranks]
         dist.all_gather(got, mine, group=ctrl)
@@ -322,6 +355,36 @@ class ReplicatedBatchState:
         self._broken = f"step {step}: replica digests differ"
         raise RuntimeError(f"rank {self.rank}: step {step}: replica digests differ from the "
                            f"driver's (rank {self.src}): {where}")
+
+
+class StepSpec(NamedTuple):
+    """A step's batch spec as every rank knows it after ``sync()`` (``rep.spec``): the
+    arguments of its ``prompt_batch`` (``chunk_lens``, ``advance``) or ``decode_batch``
+    (``draft_tokens``, ``num_drafts``: one int, an array or None). An in-place decode engine
+    stages from it on every rank: ``cpmeta.stage_decode(staging, rep.state, spec.slots,
+    spec.draft_tokens, spec.num_drafts, num_placeholders=spec.num_placeholders)``."""
+
+    is_prompt: bool
+    slots: np.ndarray
+    chunk_lens: Optional[np.ndarray]
+    draft_tokens: Optional[np.ndarray]
+    num_drafts: Optional[np.ndarray | int]
+    num_placeholders: int
+    advance: bool
+
+
+def _decode_spec(slots: np.ndarray, lens: np.ndarray, drafts: np.ndarray, uniform: int,
+                 n_ph: int) -> StepSpec:
+    nd: Optional[np.ndarray | int] = uniform if uniform >= 0 else (lens if uniform == -1 else None)
+    return StepSpec(False, slots, None, drafts if len(drafts) or nd is not None else None, nd, n_ph, True)
+
+
+def _spec_of(cols: dict[str, np.ndarray], spec: list[int]) -> StepSpec:
+    """A follower's :class:`StepSpec` of a received step (its spec values and columns)."""
+    is_prompt, n_ph, advance, uniform = spec
+    if is_prompt:
+        return StepSpec(True, cols["spec_slots"], cols["spec_lens"], None, None, n_ph, bool(advance))
+    return _decode_spec(cols["spec_slots"], cols["spec_lens"], cols["spec_drafts"], uniform, n_ph)
 
 
 def _state_fingerprint(cfg: MetadataConfig, *caps: int) -> str:
