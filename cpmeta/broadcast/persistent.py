@@ -166,9 +166,10 @@ class PersistentArenas:
             if type(is_prompt) is not bool or ("prompt" if is_prompt else "decode") not in kinds:
                 return False
         if self._min_repeats > 1:
-            n = self._seen.pop(key, 0) + 1
+            layout = key[:2]  # a follower counts packed and span frames of a layout together
+            n = self._seen.pop(layout, 0) + 1
             if n < self._min_repeats:
-                self._seen[key] = n
+                self._seen[layout] = n
                 if len(self._seen) > SEEN_LAYOUTS:
                     self._seen.popitem(last=False)
                 return False
