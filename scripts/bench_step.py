@@ -307,8 +307,9 @@ def git_commit() -> dict:
     def git(*a: str) -> str:
         return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
-    mine = ["scripts/bench_step.py", "scripts/step_methods.py"]
-    return {"commit": git("rev-parse", "HEAD"), "bench_files_modified": bool(git("status", "--porcelain", *mine))}
+    # a shared checkout: the code that ran is HEAD plus these uncommitted changes
+    dirty = git("diff", "--name-only", "HEAD", "--", "cpmeta", "transport", "launch", "scripts").split()
+    return {"commit": git("rev-parse", "HEAD"), "uncommitted_code": dirty}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
