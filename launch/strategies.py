@@ -55,6 +55,10 @@ class _Broadcast:
         got = self.bc.broadcast(md)
         return got, t1 - t0, time.perf_counter() - t1, batch
 
+    def metrics(self) -> Optional[list[float]]:
+        """This rank's ``bc.stats()`` as one row (``cpmeta.broadcast.metrics.STATS_ROW``)."""
+        return self.bc.stats().row()
+
     def close(self) -> None:
         self.bc.close()
 
@@ -79,6 +83,9 @@ class _Replicate:
         if md.positions is not None and md.positions.device != self.rep.device:
             md = md.to(self.rep.device)
         return md, time.perf_counter() - t1, t1 - t0, batch if self.sched is not None else None
+
+    def metrics(self) -> Optional[list[float]]:
+        return None  # the replicated state's channel keeps no broadcast metrics
 
     def close(self) -> None:
         self.rep.close()

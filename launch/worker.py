@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", choices=STRATEGIES, default="broadcast",
                    help="broadcast = the driver builds and broadcasts the metadata; replicate = every rank "
                         "keeps the BatchState, the driver sends the step's ops, every rank builds")
+    p.add_argument("--metrics", action="store_true",
+                   help="print every rank's broadcast metrics (MetadataBroadcaster.stats(): steps, bytes, "
+                        "layouts, send/wait/land p50/p99, follower lag, refusals, arenas)")
     return p
 
 
@@ -224,10 +227,11 @@ def run_steps(args: Any, rank: int, world: int, device: torch.device) -> dict[st
                 kind = "prefill" if got.is_prompt else "decode"
                 attn_err[kind] = max(attn_err[kind], check_step(
                     got, mine, rank, world, device, cfg.block_size, args.kv_interleave or 1, step))
+        metrics = strategy.metrics() if args.metrics else None
     finally:
         strategy.close()
     return {"build": t_build, "broadcast": t_bcast, "mirror": t_mirror, "bytes": nbytes,
-            "attn_err": attn_err}
+            "attn_err": attn_err, "metrics": metrics}
 
 
 def _pct(xs: Sequence[float], q: float) -> float:
@@ -331,6 +335,14 @@ def _run(args: Any) -> int:
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump(summary, f, indent=1)
+        if args.metrics:  # every rank's bc.stats() row, gathered and printed by rank 0
+            from cpmeta.broadcast.metrics import format_table
+
+            row = stats["metrics"]
+            rows = comm.all_gather(torch.tensor(row or [float("nan")], dtype=torch.float64, device=device))
+            if rank == 0:
+                print(format_table([r.cpu().tolist() for r in rows]) if row is not None else
+                      "--metrics: --strategy replicate has no MetadataBroadcaster to report", flush=True)
         return 0
     finally:
         dist.destroy_process_group()
