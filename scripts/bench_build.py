@@ -13,7 +13,7 @@ decode) are added with ``@case("name")`` and a function ``(BenchContext) -> dict
     python scripts/bench_build.py --quick               # smoke run (fewer repeats, small reference)
     python scripts/bench_build.py --only decode_256     # cases whose name contains the string
     python scripts/bench_build.py --device cuda         # compute_attn_info cases on the GPU
-    python scripts/bench_build.py --only state_ --out docs/benchmarks/build_array_input.json
+    python scripts/bench_build.py --only state_ --out docs/benchmarks/build_state.json
                                                         # array input: BatchState vs list, same run
     python scripts/bench_build.py --only plain_vs_seed --out docs/benchmarks/build_plain.json
                                                         # a plain paged-KV config vs the seed's, same batches

@@ -49,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # mq: the vllm bundle imports without CUDA
 
 from bench_broadcast import init_rank, latency_us, run_world_procs  # noqa: E402  (scripts/ on sys.path)
+from bench_meta import run_meta  # noqa: E402  (scripts/bench_meta.py: the run block)
 from step_methods import (APPLY, BUILD, END, H2D, RECV, SEND, SEND0, STRATEGIES, T0,  # noqa: E402
                           WORKLOADS, StepTrace, apply_ops, build, install_apply_timer, make_strategy)
 
@@ -352,7 +353,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     cold = [r["cold"] for r in results if "cold" in r]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "results": cells, "skipped": [r for r in results if "skipped" in r],
+    out.write_text(json.dumps({"run": run_meta(argv), "meta": meta, "results": cells, "skipped": [r for r in results if "skipped" in r],
                                "best": [{"world": k[0], "workload": k[1], "strategy": c["strategy"]}
                                         for k, c in best_of(cells).items()], "cold": cold}, indent=1))
     print_table(cells, cold)
