@@ -1,0 +1,202 @@
+"""Reader half of ``ShmRing``'s data path: wait for the next message, hand it to a consumer
+(a zero-copy view of the slots, or a private buffer for a message larger than the ring), give
+the slots back and wake a waiting writer; plus the helpers both halves use.
+
+``RingReader`` is a mixin over the mapped words (the layout and the flag protocol are drawn in
+``transport/shm_ring.py``); it declares the attributes it reads as class annotations and
+``ShmRing.__init__`` sets them. The writer half (``transport/_ring_io.py``, ``RingIO``) builds on it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, Optional, TypeVar
+
+from ._futex import HAVE_FENCE, NEEDS_RELEASE_FENCE, fence, futex_wait, futex_wake
+from ._ring_layout import (ANNOUNCE_SPIN_S, KIND_DATA, KIND_PAD, LIVENESS_SLICE_S, MSG_HEADER,
+                           RingHandleFields, RingWords, cdiv)
+from ._segment import PeerWatch
+from .errors import PeerError, RingClosedError
+
+__all__ = ["RingReader"]
+
+T = TypeVar("T")
+_HDR_LEN = MSG_HEADER.size
+
+
+class RingReader:
+    """Mixin: the reader's side of the message protocol, and what both sides share.
+
+    The state below is set by the concrete ring's ``__init__`` (``ShmRing``).
+    """
+
+    handle: RingHandleFields
+    reader_index: Optional[int]  # None: the writer end
+    timeout: float  # seconds a call blocks by default before TimeoutError
+    _w: RingWords  # the control words (head, announce, per reader tails, states, ...)
+    _buf: memoryview  # the whole mapping
+    _head_addr: int  # futex addresses as plain ints
+    _tail_addrs: list[int]
+    _data_at: int  # byte offset of slot 0 in the mapping
+    _ring_bytes: int  # slot_size * num_slots
+    _spin_s: float  # reader: seconds to spin before parking (0: park at once)
+    _yield_spin: bool  # reader: yield the core while spinning (fewer cores than ring processes)
+    _watch: dict[int, PeerWatch]  # per reader index, -1 = the writer
+    _max_bytes: int  # reader: largest message accepted
+    _announce_seen: int  # reader: announce count already acted on
+
+    def _label(self, i: Optional[int]) -> str:
+        """``i`` as an error message names it: "rank 2 (reader 1)" or "rank 0 (writer)"."""
+        return f"rank {self.handle.reader_ranks[i]} (reader {i})" if i is not None else \
+            f"rank {self.handle.writer_rank} (writer)"
+
+    def _ring_pos(self, start_slot: int, msg_offset: int) -> int:
+        """Ring byte offset of byte ``msg_offset`` of the message starting at slot ``start_slot``.
+
+        Example: 4 slots of 64 B (ring 256 B), start slot 6 (index 2 = byte 128), offset 200:
+        (128 + 200) % 256 = 72.
+        """
+        return ((start_slot % self.handle.num_slots) * self.handle.slot_size + msg_offset) % self._ring_bytes
+
+    @staticmethod
+    def _left(deadline: float) -> float:
+        return max(1e-4, deadline - time.monotonic())
+
+
+    def read(self, consumer: Callable[[memoryview, bool], T], *, timeout: Optional[float] = None) -> T:
+        """Reader: wait for the next message and return ``consumer(view, owned)``.
+
+        ``owned`` False: ``view`` points into shared memory, valid only during the call (it is
+        released afterwards: copy what you keep). ``owned`` True: ``view`` is a private buffer
+        (a message larger than the ring) that the consumer may keep."""
+        i = self.reader_index
+        if i is None:
+            raise RuntimeError("ShmRing.read: this end is the writer")
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        size, n = self.handle.slot_size, self.handle.num_slots
+        tail = self._w.tails[i].value
+        while True:
+            self._wait_data(tail + 1, deadline)
+            pos = self._data_at + (tail % n) * size
+            length, kind, pad = MSG_HEADER.unpack_from(self._buf, pos)
+            if kind == KIND_PAD and 1 <= pad <= n:
+                tail += pad
+                self._release(tail)
+                continue
+            if kind != KIND_DATA:
+                raise RuntimeError(f"ShmRing reader: corrupt message header at slot {tail}")
+            break
+        limit = self._max_bytes
+        if length > limit:
+            raise ValueError(f"ShmRing reader: message of {length} bytes exceeds "
+                             f"CPMETA_MAX_MESSAGE_BYTES={limit}")
+        k = cdiv(_HDR_LEN + length, size)
+        if k > n:
+            return consumer(self._stream_in(tail, length, k, deadline), True)
+        self._wait_data(tail + k, deadline)
+        view = self._buf[pos + _HDR_LEN:pos + _HDR_LEN + length]
+        try:
+            return consumer(view, False)
+        finally:
+            try:
+                view.release()
+            except BufferError:
+                raise BufferError("ShmRing.read: the consumer kept a view of the shared slot "
+                                  "(copy the data instead)") from None
+            finally:
+                self._release(tail + k)
+
+    def read_bytes(self, *, timeout: Optional[float] = None) -> bytes:
+        """Reader: the next message as ``bytes`` (a private copy)."""
+        return self.read(lambda view, owned: bytes(view), timeout=timeout)
+
+    def _stream_in(self, start: int, length: int, k: int, deadline: float) -> memoryview:
+        size = self.handle.slot_size
+        out = memoryview(bytearray(length))
+        tail, done, total = start, _HDR_LEN, _HDR_LEN + length
+        while done < total:
+            head = self._wait_data(tail + 1, deadline)
+            n = min(head - tail, k - (tail - start))
+            end = min(total, (tail - start + n) * size)
+            pos = self._ring_pos(start, done)
+            first = min(end - done, self._ring_bytes - pos)
+            at = self._data_at + pos
+            out[done - _HDR_LEN:done - _HDR_LEN + first] = self._buf[at:at + first]
+            rest = end - done - first
+            if rest:
+                out[done - _HDR_LEN + first:end - _HDR_LEN] = self._buf[self._data_at:self._data_at + rest]
+            done, tail = end, tail + n
+            self._release(tail)
+        return out
+
+    def _release(self, tail: int) -> None:
+        i = self.reader_index
+        assert i is not None  # only the read path (a reader end) gets here
+        if NEEDS_RELEASE_FENCE:
+            fence()  # finish reading the slots before handing them back
+        self._w.tails[i].value = tail
+        fence()  # tail store before loading writer_waiting (StoreLoad)
+        if not HAVE_FENCE or self._w.writer_waiting.value:
+            futex_wake(self._tail_addrs[i])
+
+    def _wait_data(self, target: int, deadline: float) -> int:
+        """Block until ``head >= target``; return head. After an ``announce`` the reader spins
+        (yielding its core on an oversubscribed host) instead of parking, for a while."""
+        w = self._w  # (no local ctypes words: a traceback would pin the mapping)
+        h = w.head.value
+        if h >= target:
+            return self._acquired(h)
+        if self._spin_s:
+            end = time.perf_counter() + self._spin_s
+            while time.perf_counter() < end:
+                h = w.head.value
+                if h >= target:
+                    return self._acquired(h)
+        me = self.reader_index
+        assert me is not None  # only the read path (a reader end) gets here
+        while True:
+            if w.announce.value != self._announce_seen:
+                self._announce_seen = w.announce.value
+                h = self._spin_announced(target)
+                if h >= target:
+                    return self._acquired(h)
+            w.waiting[me].value = 1
+            fence()  # flag store before re-reading head (pairs with the writer's fence)
+            h = w.head.value
+            if h < target and not w.closed.value and w.announce.value == self._announce_seen:
+                futex_wait(self._head_addr, h, min(LIVENESS_SLICE_S, self._left(deadline)))
+                h = w.head.value
+            w.waiting[me].value = 0
+            if h >= target:
+                return self._acquired(h)
+            if w.announce.value == self._announce_seen:
+                self._check_writer(target, deadline)
+
+    def _spin_announced(self, target: int) -> int:
+        """Spin on ``head`` for up to ``ANNOUNCE_SPIN_S`` (a step was announced); return head."""
+        w, yield_core = self._w, self._yield_spin
+        end = time.perf_counter() + ANNOUNCE_SPIN_S
+        h = w.head.value
+        while h < target and not w.closed.value and time.perf_counter() < end:
+            if yield_core:
+                os.sched_yield()
+            h = w.head.value
+        return h
+
+    @staticmethod
+    def _acquired(h: int) -> int:
+        if NEEDS_RELEASE_FENCE:
+            fence()  # head load before the payload loads
+        return h
+
+    def _check_writer(self, target: int, deadline: float) -> None:
+        who = f"writer rank {self.handle.writer_rank}"
+        me = self._label(self.reader_index)
+        if self._w.closed.value:
+            raise RingClosedError(f"ShmRing reader {me}: {who} closed the ring")
+        if self._watch[-1].dead():
+            raise PeerError(f"ShmRing reader {me}: {who}, pid {self.handle.writer_pid}, died")
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"ShmRing reader {me}: timed out waiting for {who} "
+                               f"(slot {target - 1} not yet published)")
