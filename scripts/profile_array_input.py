@@ -10,7 +10,7 @@ each round so machine load hits them alike), and the whole step for reference:
 
 Phases: ``batch`` (``BatchState.decode_batch`` / ``prompt_batch``), ``extract`` (``extract_batch``
 of that already validated batch), ``fill_common``, then the path's own fields, ``metadata``
-(``InputMetadata(**fields)``), and ``staging`` (``write_staging`` of the extracted arrays, the
+(``InputMetadata(**fields)``), and ``staging`` (``StagingLayout.write_batch`` of the extracted arrays, the
 host side of ``prepare_decode_inplace`` after the batch), ``inplace_host`` (batch + extract +
 staging) and ``stage_decode`` (``cpmeta.gpu.stage_decode``: the same staging bytes written straight
 from the state arrays, no batch, plus its checks and the (CPU: no-op) upload). The phase sum
