@@ -38,7 +38,8 @@ def build(batch: cpmeta.SequenceBatch, cfg: cpmeta.MetadataConfig, attn_info: bo
 class _Broadcast:
     def __init__(self, args: Any, rank: int, cfg: cpmeta.MetadataConfig, device: torch.device) -> None:
         self.cfg, self.attn = cfg, args.attn_info
-        self.bc = cpmeta.MetadataBroadcaster(device=device, timeout=args.timeout)
+        self.bc = cpmeta.MetadataBroadcaster(device=device, timeout=args.timeout,
+                                             metrics=getattr(args, "metrics", False))
         self.sched = SyntheticScheduler(args.seed, cfg, args.workload, decode_seqs=args.decode_seqs,
                                         prompt_seqs=args.prompt_seqs, max_prompt=args.max_prompt) \
             if rank == 0 else None

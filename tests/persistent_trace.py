@@ -101,7 +101,8 @@ def run_trace(rank: int, world: int, kind: str, policy: Any, seed: int = 3,
         steps_md = iter([None] * steps)
     rss0 = rss_bytes()
     peak = 0
-    with cpmeta.MetadataBroadcaster(src=0, timeout=120, persistent_outputs=policy) as bc:
+    with cpmeta.MetadataBroadcaster(src=0, timeout=120, persistent_outputs=policy,
+                                    metrics=True) as bc:
         for i, md in enumerate(steps_md):
             got = bc.broadcast(md)
             assert got.total_q == (md.total_q if md is not None else got.total_q)

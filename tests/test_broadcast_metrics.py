@@ -43,7 +43,8 @@ def _expected_bytes() -> tuple[int, int]:
 def _counted(rank: int, world: int, persistent: bool) -> dict:
     import cpmeta
 
-    with cpmeta.MetadataBroadcaster(src=0, timeout=60, persistent_outputs=persistent) as bc:
+    with cpmeta.MetadataBroadcaster(src=0, timeout=60, persistent_outputs=persistent,
+                                    metrics=True) as bc:
         for i, (n, p) in enumerate(TRACE):
             got = bc.broadcast(_md(n, p, i) if rank == 0 else None)
             assert got.positions.tolist() == list(range(i, i + n))
@@ -55,6 +56,10 @@ def _counted(rank: int, world: int, persistent: bool) -> dict:
                 bc.broadcast(_md(2, False, 0))  # a follower passing metadata
         st = bc.stats()
         row = st.row()
+    with cpmeta.MetadataBroadcaster(src=0, timeout=60) as plain:  # the default: nothing kept
+        plain.broadcast(_md(3, False, 0) if rank == 0 else None)
+        with pytest.raises(RuntimeError, match="metrics=True"):
+            plain.stats()
     return dict(st=st.as_dict(), row=row)
 
 
@@ -119,7 +124,7 @@ def _scraped(rank: int, world: int) -> str:
     from cpmeta.broadcast.metrics import prometheus_collector
     from prometheus_client import CollectorRegistry, generate_latest
 
-    with cpmeta.MetadataBroadcaster(src=0, timeout=60, persistent_outputs=True) as bc:
+    with cpmeta.MetadataBroadcaster(src=0, timeout=60, persistent_outputs=True, metrics=True) as bc:
         for i, (n, p) in enumerate(TRACE):
             bc.broadcast(_md(n, p, i) if rank == 0 else None)
         reg = CollectorRegistry()

@@ -63,7 +63,7 @@ def _admission(rank: int, world: int) -> list:
 
     out = []
     pol = PersistentPolicy(min_repeats=2, kinds=("decode",))
-    with cpmeta.MetadataBroadcaster(src=0, timeout=60, persistent_outputs=pol) as bc:
+    with cpmeta.MetadataBroadcaster(src=0, timeout=60, persistent_outputs=pol, metrics=True) as bc:
         prev: dict = {}
         # layouts (length, is_prompt): 3 d, 3 d, 3 d, 5 d, 4 p, 4 p, 5 d, 3 d
         for i, (n, p) in enumerate([(3, 0), (3, 0), (3, 0), (5, 0), (4, 1), (4, 1), (5, 0), (3, 0)]):
@@ -94,7 +94,7 @@ def _lru(rank: int, world: int) -> list:
     # a one-tensor step is a span frame: a 16-byte offsets table + 4 bytes per position
     size = {n: 16 + 4 * n for n in (13, 14, 15, 16)}
     pol = PersistentPolicy(max_bytes=size[16] + size[15] + size[14])  # 228: a, b, c fit
-    with cpmeta.MetadataBroadcaster(src=0, timeout=60, persistent_outputs=pol) as bc:
+    with cpmeta.MetadataBroadcaster(src=0, timeout=60, persistent_outputs=pol, metrics=True) as bc:
         def step(n: int, v: int):
             return bc.broadcast(_tiny(n, v) if rank == 0 else None)
 
@@ -147,7 +147,7 @@ def _depth(rank: int, world: int, depth: int) -> list:
     from cpmeta.broadcast import PersistentPolicy
 
     pol = PersistentPolicy(depth=depth)
-    with cpmeta.MetadataBroadcaster(src=0, timeout=60, persistent_outputs=pol) as bc:
+    with cpmeta.MetadataBroadcaster(src=0, timeout=60, persistent_outputs=pol, metrics=True) as bc:
         r = [bc.broadcast(_tiny(8, 100 * i) if rank == 0 else None) for i in range(1)]
         kept = []
         for i in range(1, 6):  # same layout every step
@@ -224,7 +224,7 @@ def _poisoned(rank: int, world: int) -> list:
 
     steps = [_decode_md(1000 * i, [20 + i, 33 + i]) for i in range(3)]
     cfg = steps[0][0]
-    with cpmeta.MetadataBroadcaster(src=0, timeout=60,
+    with cpmeta.MetadataBroadcaster(src=0, timeout=60, metrics=True,
                                     persistent_outputs=PersistentPolicy(depth=1)) as bc:
         md0 = bc.broadcast(steps[0][1] if rank == 0 else None)
         plan = cpmeta.cp_kv_read_plan(md0, cfg, cp_rank=0)

@@ -92,8 +92,9 @@ class MetadataBroadcaster:
             (``cpmeta.broadcast.persistent``). The policy bounds the bytes and layouts held and
             persists only what repeats (``min_repeats``, step ``kinds``); other steps get fresh
             tensors. Default ``False``: fresh tensors every call.
-
-    ``stats()`` returns this rank's counters and latency summaries (``cpmeta.broadcast.metrics``).
+        metrics: keep per-step counters and latencies for :meth:`stats` (``cpmeta.broadcast.
+            metrics``; about 1 us a step, plus ~0.4 us per same-host follower on the driver for
+            the ring lag: docs/metrics.md). Default off: nothing is kept on the hot path.
     """
 
     def __init__(
@@ -109,6 +110,7 @@ class MetadataBroadcaster:
         force_remote: Optional[bool] = None,
         checksum: Optional[bool] = None,
         persistent_outputs: bool | PersistentPolicy = False,
+        metrics: bool = False,
     ) -> None:
         self.schema: Schema | DictSchema = (INPUT_METADATA if schema is InputMetadata else DictSchema()
                                             if schema is dict else Schema.of(schema))
@@ -145,7 +147,7 @@ class MetadataBroadcaster:
 
             assert isinstance(self.schema, Schema)
             self._persist = PersistentArenas(self.device, self.schema, policy)
-        self._metrics = BroadcastMetrics()
+        self._metrics = BroadcastMetrics() if metrics else None
         self._mark = 0.0  # this step: when the frame was published (driver) / arrived (follower)
         self._info: tuple[int, bool] = (0, False)  # this step: payload bytes, layout block sent
         self._closed = False
@@ -173,19 +175,26 @@ class MetadataBroadcaster:
         larger first dim -- and the result holds those views (same addresses). A path with no
         buffer, or another dtype / trailing shape, is a ``ValueError`` naming the path.
         """
+        m = self._metrics
+        if m is None:
+            return self._broadcast(md, out)
         t0 = self._mark = perf_counter()
         try:
             got = self._broadcast(md, out)
         except BaseException as e:
-            self._metrics.refused(e)
+            m.refused(e)
             raise
-        self._metrics.step(t0, self._mark, perf_counter(), *self._info)
+        m.step(t0, self._mark, perf_counter(), *self._info)
         return got
 
     def stats(self) -> BroadcastStats:
         """This rank's counters and latency summaries (``cpmeta.broadcast.metrics``): steps,
         payload bytes, layouts sent / plans built, time in send (driver) or wait (followers) and
-        land, refusals by kind, the driver's ring lag, the persistent arenas' bytes and counts."""
+        land, refusals by kind, the driver's ring lag, the persistent arenas' bytes and counts.
+        Needs ``metrics=True`` at construction (``RuntimeError`` otherwise)."""
+        if self._metrics is None:
+            raise RuntimeError("MetadataBroadcaster.stats(): constructed with metrics=False (the "
+                               "default); pass metrics=True to keep per-step counters")
         p, ring = self._persist, self._objects.ring
         arenas = None if p is None else dict(
             layouts=len(p), arenas=sum(1 for _ in p.arenas()), host_bytes=p.host_bytes,
@@ -243,7 +252,7 @@ class MetadataBroadcaster:
 
     def _send(self, md: Any, out: Any) -> Any:
         ring = self._objects.ring
-        if ring is not None:
+        if ring is not None and self._metrics is not None:
             self._metrics.backlog(ring.backlog())
         key, tensors, values, dims = (*self._collect(md), None) if self._persist is None else \
             self._persist.collect.step(md)
