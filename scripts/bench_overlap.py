@@ -196,8 +196,10 @@ def _cell(rank: int, device: torch.device, args: argparse.Namespace, mode: str, 
         times, sent = run_loop(bc, rank, steps, make, fwd, mode == "overlap", args.streams)
         st = bc.stats()
     want = torch.tensor(sent if rank == 0 else [0] * steps, dtype=torch.int64)
+    if dist.get_backend() == "nccl":  # a plain NCCL group moves CUDA tensors only
+        want = want.to(device)
     dist.broadcast(want, src=0)
-    got = fwd.sums.cpu()
+    want, got = want.cpu(), fwd.sums.cpu()
     wrong = int((got != want).sum())
     timed = sorted(times[args.warmup:])
     step_s = sum(timed) / len(timed)
