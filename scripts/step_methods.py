@@ -137,9 +137,13 @@ class StepTrace:
         st, d = self.state, self.drafts
         slots = np.array(self.dec, np.int64)
         need = blocks_needed_array(st.num_tokens[slots] + d, self.cfg)
-        for s, have, want in zip(slots.tolist(), st.num_blocks[slots].tolist(), need.tolist()):
-            if want > have:
-                self._do("append_blocks", s, self.home[s] * self.per_req + np.arange(have, want))
+        grow = np.flatnonzero(need > st.num_blocks[slots])
+        if len(grow):  # every growing table in one call, as an engine with arrays makes it
+            gs, have = slots[grow], st.num_blocks[slots[grow]]
+            counts = need[grow] - have
+            blocks = np.concatenate([self.home[int(s)] * self.per_req + np.arange(h, h + c)
+                                     for s, h, c in zip(gs.tolist(), have.tolist(), counts.tolist())])
+            self._do("append_blocks_batch", gs, blocks, counts)
         self._do("decode_batch", slots, self.rng.integers(1, VOCAB, d * len(slots)), d)
         counts = self.rng.integers(1, d + 2, len(slots))
         return slots, self.rng.integers(1, VOCAB, int(counts.sum())), counts

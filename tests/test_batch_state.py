@@ -331,3 +331,42 @@ def test_decode_2d_table_follows_appends_and_reuse() -> None:
     _assert_bt2d(batch, CFG)
     assert _rows(batch, CFG)[0].tolist() == [3] + [-1] * (mnb - 1)
     assert _rows(st.decode_batch(np.array([c]), num_placeholders=1), CFG) is None  # placeholders: the flat path
+
+
+@pytest.mark.parametrize("cfg_name", ["seed", "plain"])
+def test_vectorized_appends_equal_one_call_per_request(cfg_name: str) -> None:
+    """``append_blocks_batch`` / ``append_compressed_batch`` leave the state exactly as one
+    ``append_blocks`` / ``append_compressed`` call per request would (every array, the int32
+    mirrors and the decode fast path's caps), and refuse what the loop refuses, changing nothing."""
+    from launch.scheduler import default_config, plain_config
+
+    cfg = default_config(max_model_len=2048) if cfg_name == "seed" else plain_config(max_model_len=2048)
+    rng = np.random.default_rng(5)
+    a, b = (BatchState(cfg, 6, max_tokens=2048, max_blocks=64, max_compressed=64) for _ in range(2))
+    for st in (a, b):
+        for i in range(5):
+            st.add_request(i, list(range(1, 41 + 9 * i)), [7] * blocks_needed(40 + 9 * i, cfg), i,
+                           num_computed=40 + 9 * i)
+            st.append_tokens(i, [3])
+    for _ in range(20):
+        slots = rng.permutation(5)[:rng.integers(1, 6)]
+        counts = rng.integers(0, 3, len(slots))
+        blocks = rng.integers(-1, 5000, int(counts.sum()))  # a -1 makes a table unvouched
+        ids = rng.integers(0, 99, int(counts.sum()))
+        at = 0
+        for s, c in zip(slots.tolist(), counts.tolist()):
+            a.append_blocks(s, blocks[at:at + c])
+            a.append_compressed(s, ids[at:at + c])
+            at += c
+        b.append_blocks_batch(slots, blocks, counts)
+        b.append_compressed_batch(slots, ids, counts)
+    for name in ("block_table", "num_blocks", "compressed", "num_compressed", "block_rows32"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    for s in range(5):
+        assert (a.vouch_decode(np.array([s])) is None) == (b.vouch_decode(np.array([s])) is None), s
+    before = b.block_table.copy(), b.num_blocks.copy()
+    for bad in (([0, 0], [1, 2], [1, 1]), ([0, 9], [1, 2], [1, 1]), ([0], [1], [2]),
+                ([0], list(range(b.max_blocks)), [b.max_blocks])):
+        with pytest.raises(ValueError):
+            b.append_blocks_batch(np.array(bad[0]), np.array(bad[1]), np.array(bad[2]))
+    assert np.array_equal(before[0], b.block_table) and np.array_equal(before[1], b.num_blocks)

@@ -43,18 +43,21 @@ def test_readme_main_job_passes(tmp_path: Path) -> None:
 def test_launch_workloads_with_attn_info(workload: str) -> None:
     res = _launch("--nproc-per-node", "2", "--workload", workload, "--steps", "4", "--warmup", "1",
                   "--cp-mirror", "--attn-info", "--verify", "--decode-seqs", "16",
-                  "--max-prompt", "1024")
+                  "--max-prompt", "1024", *(["--strategy", "replicate"] if workload == "prompt" else []))
     assert res.returncode == 0, res.stdout + res.stderr
 
 
-def test_launch_plain_model_verify_and_attention_check() -> None:
-    """``--model plain`` (DESIGN 14): the metadata carries only the common fields, broadcasts,
-    mirrors and verifies bit for bit, and CP attention equals one rank's, at 2 ranks."""
+@pytest.mark.parametrize("strategy", ["broadcast", "replicate"])
+def test_launch_plain_model_verify_and_attention_check(strategy: str) -> None:
+    """``--model plain`` (DESIGN 14): the metadata carries only the common fields, broadcasts
+    (or, replicated, every rank builds it from its own state), mirrors and verifies bit for bit,
+    and CP attention equals one rank's, at 2 ranks."""
     res = _launch("--nproc-per-node", "2", "--model", "plain", "--workload", "mixed", "--steps", "5",
                   "--warmup", "1", "--cp-mirror", "--verify", "--attention-check", "--kv-interleave", "4",
-                  "--decode-seqs", "8", "--max-prompt", "700")
+                  "--decode-seqs", "8", "--max-prompt", "700", "--strategy", strategy)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "model=plain" in res.stdout and "bit-identical" in res.stdout
+    assert f"strategy={strategy}" in res.stdout
     assert "CP result equals single-rank attention on all 5 steps" in res.stdout
 
 

@@ -202,20 +202,26 @@ def _follower_api(rank: int, world: int) -> list[str]:
                 rep.add_request(object(), [1], [0], 0)  # type: ignore[arg-type]
             except TypeError as e:
                 res.append(str(e))
-            rep.add_request("a", [1, 2], [0], 0)
-            rep.prompt_batch([0], [1])
-            try:
-                rep.prompt_batch([0], [1])
-            except ValueError as e:
-                res.append(str(e))
-        res.append(str(len(rep.sync())))
+            rep.add_request("a", [1, 2, 3], [0], 0)
+            rep.add_request("b", [4, 5], [1], 1, num_computed=2)
+            rep.append_tokens(1, [6])
+            rep.prompt_batch([0], [1])  # a mixed step: a prompt chunk ...
+            rep.append_tokens(1, [7])   # (a call between the two specs stays in this step)
+            rep.decode_batch([1])       # ... and a decode batch
+            rep.append_tokens(1, [8])   # after the last spec: travels with the next step
+        got = rep.sync()
+        assert isinstance(got, tuple), got
+        res.append(",".join(f"{b.is_prompt}:{b.seqlen_k.tolist()}" for b in got))
+        res.append(str(int(rep.state.num_tokens[1])))
+        assert rep.spec is not None and rep.spec.is_prompt and len(rep.specs) == 2
     return res
 
 
-def test_followers_cannot_mutate_and_one_spec_per_step() -> None:
+def test_followers_cannot_mutate_and_mixed_steps() -> None:
     drv, fol = run_ranks(_follower_api, 2, timeout=90)
-    assert "int or a str" in drv[0] and "one batch spec per step" in drv[1] and drv[2] == "1", drv
-    assert all("driver's call" in m for m in fol[:3]) and fol[3] == "1", fol
+    assert "int or a str" in drv[0] and drv[1] == "True:[1],False:[4]" and drv[2] == "5", drv
+    # the follower stands where the driver stood at its last spec: token 8 comes next step
+    assert all("driver's call" in m for m in fol[:3]) and fol[3:] == ["True:[1],False:[4]", "4"], fol
 
 
 def _mismatched_config(rank: int, world: int) -> str:

@@ -14,7 +14,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..state import BatchState, SequenceBatch
-from .ops import ADD, BLK, CMP, FIN, SID, SPEC, SVS, TOK
+from .ops import ADD, BLK, CMP, FIN, SID, SPEC, SPEC_WORDS, SVS, TOK
 
 __all__ = ["apply_step", "ReplicaError"]
 
@@ -46,15 +46,18 @@ class _Cursor:
 
 
 def apply_step(state: BatchState, cols: dict[str, np.ndarray], req_ids: list[Any],
-               spec: Optional[list[int]]) -> Optional[SequenceBatch]:
-    """Apply the step's runs to ``state`` in order; return the spec's batch (None without one).
+               spec: list[int]) -> list[SequenceBatch]:
+    """Apply the step's runs to ``state`` in order; return the specs' batches (in call order).
 
     ``cols`` maps every name of :data:`cpmeta.replicate.ops.COLUMNS` to its int64 array (as the
-    frame carried it); ``req_ids`` the added requests' ids in order; ``spec`` the batch spec
-    values ``[is_prompt, num_placeholders, advance, uniform drafts]`` or None.
+    frame carried it); ``req_ids`` the added requests' ids in order; ``spec`` the batch specs'
+    values, ``SPEC_WORDS`` per spec (``[is_prompt, num_placeholders, advance, uniform drafts,
+    #slots, #lens, #drafts]``).
     """
+    if len(spec) % SPEC_WORDS:
+        raise ReplicaError(f"step frame: {len(spec)} spec values, not a multiple of {SPEC_WORDS}")
     cur = _Cursor(cols)
-    batch: Optional[SequenceBatch] = None
+    batches: list[SequenceBatch] = []
     adds = iter(req_ids)
     for code, n in cols["runs"].tolist():
         if code == TOK or code == BLK or code == CMP:
@@ -71,25 +74,24 @@ def apply_step(state: BatchState, cols: dict[str, np.ndarray], req_ids: list[Any
         elif code == FIN:
             for slot in cur.take("fin_slots", n).tolist():
                 state.finish(slot)
-        elif code == SPEC and n == 1 and spec is not None and batch is None:
-            batch = _spec(state, cur, spec)
+        elif code == SPEC and n == 1 and len(spec) > SPEC_WORDS * len(batches):
+            at = SPEC_WORDS * len(batches)
+            batches.append(_spec(state, cur, spec[at:at + SPEC_WORDS]))
         else:
             raise ReplicaError(f"step frame: unknown run ({code}, {n})")
     cur.done()
-    if sum(1 for c, _ in cols["runs"].tolist() if c == ADD) and next(adds, None) is not None:
-        raise ReplicaError("step frame: more request ids than added requests")
-    return batch
+    if next(adds, None) is not None or len(spec) != SPEC_WORDS * len(batches):
+        raise ReplicaError("step frame: more request ids or specs than its runs use")
+    return batches
 
 
 def _ragged(state: BatchState, code: int, slots: np.ndarray, counts: np.ndarray, flat: np.ndarray) -> None:
     if code == TOK:
         state.append_tokens_batch(slots, flat, counts)
-        return
-    at = 0
-    f: Any = state.append_blocks if code == BLK else state.append_compressed
-    for s, c in zip(slots.tolist(), counts.tolist()):
-        f(s, flat[at:at + c])
-        at += c
+    elif code == BLK:
+        state.append_blocks_batch(slots, flat, counts)
+    else:
+        state.append_compressed_batch(slots, flat, counts)
 
 
 def _add(state: BatchState, cur: _Cursor, meta: list[int], req_id: Any) -> None:
@@ -103,10 +105,10 @@ def _add(state: BatchState, cur: _Cursor, meta: list[int], req_id: Any) -> None:
 
 
 def _spec(state: BatchState, cur: _Cursor, spec: list[int]) -> SequenceBatch:
-    is_prompt, n_ph, advance, uniform = spec
-    slots = cur.take("spec_slots", len(cur.cols["spec_slots"]))
-    lens = cur.take("spec_lens", len(cur.cols["spec_lens"]))
-    drafts = cur.take("spec_drafts", len(cur.cols["spec_drafts"]))
+    is_prompt, n_ph, advance, uniform, n_slots, n_lens, n_drafts = spec
+    slots = cur.take("spec_slots", n_slots)
+    lens = cur.take("spec_lens", n_lens)
+    drafts = cur.take("spec_drafts", n_drafts)
     if is_prompt:
         return state.prompt_batch(slots, lens, num_placeholders=n_ph, advance=bool(advance))
     nd: Any = uniform if uniform >= 0 else (lens if uniform == -1 else None)

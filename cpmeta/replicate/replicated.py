@@ -29,7 +29,7 @@ step and the first differing request, after which that replica refuses every fur
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Hashable, NamedTuple, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -41,8 +41,9 @@ from ..state import BatchState, SequenceBatch
 from ..broadcast.channel import FrameChannel, resolve_src
 from ..broadcast.wire import FLAG_PACKED, Frame, WireError
 from .apply import ReplicaError, apply_step
-from .digest import N_BANDS, batch_digest, fold, replica_digest
-from .ops import BLK, CMP, SID, SVS, TOK, OpLog
+from .digest import N_BANDS, batch_check, check_mismatch, replica_digest, slot_digests, snapshot
+from .ops import SPEC_WORDS
+from .recorder import Recorder, StepSpec, decode_spec
 from .step_frame import STEP_SCHEMA, column_dims, read_columns, step_key, write_columns
 
 __all__ = ["ReplicatedBatchState", "StepSpec", "DEFAULT_CHECK_EVERY"]
@@ -52,14 +53,17 @@ DEFAULT_CHECK_EVERY = 64
 _NO_DIGEST = np.zeros(0, np.int64)
 
 
-class ReplicatedBatchState:
+class ReplicatedBatchState(Recorder):
     """One ``BatchState`` per rank, kept equal by sending each step's ops from the driver.
 
     Collective constructor: every rank of ``group`` constructs it with the same ``cfg`` and
     capacities (checked: ``ValueError`` naming the ranks). The driver (``src`` global rank, or
     ``group_src`` inside the group; default rank 0 of the group) calls ``BatchState``'s mutating
-    methods and one batch spec per step on it; EVERY rank calls :meth:`sync` once per step and
-    gets that step's ``SequenceBatch`` from its own replica (``None`` for a step without a spec).
+    methods (plus ``append_blocks_batch`` / ``append_compressed_batch``) and the step's batch
+    spec on it (``prompt_batch`` / ``decode_batch``; a mixed step may make one of each); EVERY
+    rank calls :meth:`sync` once per step and gets that step's ``SequenceBatch`` from its own
+    replica (``None`` for a step without a spec, a tuple of batches in call order for a step
+    with several).
     Per-rank example (2 ranks)::
 
         rep = ReplicatedBatchState(cfg, max_seqs=256, group=cp_group, group_src=0)  # both
@@ -107,119 +111,33 @@ class ReplicatedBatchState:
                                 timeout=timeout, force_remote=force_remote, checksum=ch_sum,
                                 agree={"state setting": fp, "check_every setting": check_every})
         self._key = step_key()
-        self._log = OpLog()  # this step's calls, up to and with its batch spec
-        self._next = OpLog()  # calls made after the spec: the next step's first ops
-        self._batch: Optional[SequenceBatch] = None
-        #: the last synced step's batch spec on every rank (None for a step without one)
-        self.spec: Optional[StepSpec] = None
-        self._pending_spec: Optional[StepSpec] = None
-        self._spec_digest: Optional[np.ndarray] = None  # driver: the replica digest at spec time
+        self._init_recorder()
+        #: the last synced step's batch specs on every rank, in call order (``rep.spec``: the one)
+        self.specs: tuple[StepSpec, ...] = ()
+        self._spec_digest: Optional[int] = None  # driver: the replica digest at spec time
+        self._spec_snap: Any = None  # driver: what it covered (digest.snapshot)
         self._broken: Optional[str] = None  # why this replica refuses further steps
         self.step = 0  # steps synced so far
         self._closed = False
 
-    # ---- the driver's calls (BatchState's mutating API + the batch spec) --------------------
-    def add_request(self, req_id: Hashable, prompt_token_ids: Sequence[int], block_table: Sequence[int],
-                    state_id: int, *, compressed_token_ids: Sequence[int] = (), swa_valid_start: int = 0,
-                    num_computed: int = 0) -> int:
-        """``BatchState.add_request`` on the driver's replica, recorded for the step (request ids:
-        int or str, they travel in the frame)."""
-        self._driver("add_request")
-        if type(req_id) is not str and not isinstance(req_id, (int, np.integer)) or isinstance(req_id, bool):
-            raise TypeError(f"request {req_id!r}: a replicated request id is an int or a str, got "
-                            f"{type(req_id).__name__}")
-        rid = req_id if type(req_id) is str else int(req_id)
-        st = self.state
-        s = st.add_request(rid, prompt_token_ids, block_table, state_id,
-                           compressed_token_ids=compressed_token_ids, swa_valid_start=swa_valid_start,
-                           num_computed=num_computed)
-        self._rec.add(s, rid, st.token_ids[s, :st.num_tokens[s]].copy(),
-                      st.block_table[s, :st.num_blocks[s]].copy(),
-                      st.compressed[s, :st.num_compressed[s]].copy(), int(st.state_id[s]),
-                      int(st.swa_valid_start[s]), int(st.num_computed[s]))
-        return s
-
-    def append_tokens(self, slot: int, tokens: Sequence[int]) -> None:
-        self._driver("append_tokens")
-        st = self.state
-        n0 = int(st.num_tokens[int(slot)]) if 0 <= int(slot) < st.max_seqs else 0
-        st.append_tokens(slot, tokens)
-        n1 = int(st.num_tokens[slot])
-        self._rec.ragged(TOK, np.array([slot], np.int64), np.array([n1 - n0], np.int64),
-                         st.token_ids[slot, n0:n1].copy())
-
-    def append_tokens_batch(self, slots: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> None:
-        self._driver("append_tokens_batch")
-        self.state.append_tokens_batch(slots, tokens, counts)
-        self._rec.ragged(TOK, np.array(slots, np.int64), np.array(counts, np.int64),
-                         np.array(tokens, np.int64))
-
-    def append_blocks(self, slot: int, blocks: Sequence[int]) -> None:
-        self._driver("append_blocks")
-        self._append_one(BLK, slot, blocks, self.state.append_blocks, "block_table", "num_blocks")
-
-    def append_compressed(self, slot: int, ids: Sequence[int]) -> None:
-        self._driver("append_compressed")
-        self._append_one(CMP, slot, ids, self.state.append_compressed, "compressed", "num_compressed")
-
-    def _append_one(self, code: int, slot: int, values: Sequence[int], apply: Any, rows: str,
-                    counts: str) -> None:
-        st = self.state
-        n0 = int(getattr(st, counts)[int(slot)]) if 0 <= int(slot) < st.max_seqs else 0
-        apply(slot, values)
-        n1 = int(getattr(st, counts)[slot])
-        self._rec.ragged(code, np.array([slot], np.int64), np.array([n1 - n0], np.int64),
-                         getattr(st, rows)[slot, n0:n1].copy())
-
-    def set_state_id(self, slot: int, state_id: int) -> None:
-        self._driver("set_state_id")
-        self.state.set_state_id(slot, state_id)
-        self._rec.pair(SID, int(slot), int(self.state.state_id[slot]))
-
-    def set_swa_valid_start(self, slot: int, swa_valid_start: int) -> None:
-        self._driver("set_swa_valid_start")
-        self.state.set_swa_valid_start(slot, swa_valid_start)
-        self._rec.pair(SVS, int(slot), int(self.state.swa_valid_start[slot]))
-
-    def finish(self, slot: int) -> None:
-        self._driver("finish")
-        self.state.finish(slot)
-        self._rec.finish(int(slot))
-
-    def prompt_batch(self, slots: np.ndarray, chunk_lens: np.ndarray, *, num_placeholders: int = 0,
-                     advance: bool = True) -> None:
-        """The step's batch spec: ``BatchState.prompt_batch`` (made on the driver now, on every
-        follower when it applies the step); :meth:`sync` returns the batch on every rank."""
-        self._driver("prompt_batch")
-        self._spec_free()
-        slots_a, lens = np.array(slots, np.int64), np.array(chunk_lens, np.int64)
-        self._batch = self.state.prompt_batch(slots_a, lens, num_placeholders=num_placeholders,
-                                              advance=advance)
-        self._log.batch_spec(True, slots_a, lens, _NO_DIGEST, num_placeholders, advance, -2)
-        self._pending_spec = StepSpec(True, slots_a, lens, None, None, int(num_placeholders), bool(advance))
-        self._at_spec()
-
-    def decode_batch(self, slots: np.ndarray, draft_tokens: Optional[np.ndarray] = None,
-                     num_drafts: Optional[np.ndarray | int] = None, *, num_placeholders: int = 0) -> None:
-        """The step's batch spec: ``BatchState.decode_batch`` (see :meth:`prompt_batch`)."""
-        self._driver("decode_batch")
-        self._spec_free()
-        self._batch = self.state.decode_batch(slots, draft_tokens, num_drafts,
-                                              num_placeholders=num_placeholders)
-        uniform = -2 if num_drafts is None else (int(num_drafts) if np.ndim(num_drafts) == 0 else -1)
-        lens = np.array(num_drafts, np.int64).reshape(-1) if uniform == -1 else _NO_DIGEST
-        drafts = _NO_DIGEST if draft_tokens is None else np.array(draft_tokens, np.int64).reshape(-1)
-        slots_a = np.array(slots, np.int64).reshape(-1)
-        self._log.batch_spec(False, slots_a, lens, drafts, num_placeholders, True, uniform)
-        self._pending_spec = _decode_spec(slots_a, lens, drafts, uniform, int(num_placeholders))
-        self._at_spec()
-
     # ---- every rank -----------------------------------------------------------------------
-    def sync(self) -> Optional[SequenceBatch]:
+    @property
+    def spec(self) -> Optional[StepSpec]:
+        """The last synced step's batch spec (``None`` without one; the first of several)."""
+        return self.specs[0] if self.specs else None
+
+    def begin_step(self) -> None:
+        """Driver: announce the next :meth:`sync` before recording the step (optional), so
+        same-host followers parked in ``sync()`` wake now and spin instead of paying their OS
+        wake-up when the frame lands (as ``MetadataBroadcaster.begin_step``)."""
+        if self.is_src and not self._closed:
+            self._ch.announce()
+
+    def sync(self) -> Optional[SequenceBatch | tuple[SequenceBatch, ...]]:
         """Every rank, once per step: the step's ``SequenceBatch`` from this rank's replica
-        (``None`` for a step without a batch spec). The driver sends the step's ops as one
-        frame; followers apply them. A diverged replica is a ``RuntimeError`` naming the rank,
-        the step and the first differing request (see the module docstring)."""
+        (``None`` for a step without a batch spec, a tuple for a step with several). The driver
+        sends the step's ops as one frame; followers apply them. A diverged replica is a
+        ``RuntimeError`` naming the rank, the step and what differs (see the module docstring)."""
         if self._closed:
             raise RuntimeError("ReplicatedBatchState: sync() after close()")
         if self._broken is not None:
@@ -227,14 +145,11 @@ class ReplicatedBatchState:
                                "rebuild the ReplicatedBatchState")
         step = self.step + 1
         check = bool(self.check_every) and step % self.check_every == 0
-        if self.is_src:
-            batch = self._send(step, check)
-        else:
-            batch = self._receive(step)
+        batches = self._send(step, check) if self.is_src else self._receive(step)
         self.step = step
         if check:
             self._check_replicas(step)
-        return batch
+        return None if not batches else batches[0] if len(batches) == 1 else tuple(batches)
 
     def close(self) -> None:
         """Release the shared-memory ring (idempotent)."""
@@ -249,19 +164,13 @@ class ReplicatedBatchState:
         self.close()
 
     # ---- internals ----------------------------------------------------------------------------
-    @property
-    def _rec(self) -> OpLog:
-        """Where the driver's next call is recorded: after the step's spec, the next step's log
-        (a step's frame ends with its spec, so every replica stands where the driver stood when
-        it made the batch)."""
-        return self._next if self._log.spec is not None else self._log
-
     def _at_spec(self) -> None:
         """Driver: when the coming sync compares replicas, digest this replica NOW -- where every
         follower's will stand after applying the step (calls after the spec travel later)."""
         step = self.step + 1
         if self.check_every and step % self.check_every == 0:
             self._spec_digest = replica_digest(self.state, self._band(step))
+            self._spec_snap = snapshot(self.state, self._band(step))  # for the slow path
 
     def _band(self, step: int) -> int:
         return (step // max(self.check_every, 1)) % N_BANDS
@@ -273,27 +182,22 @@ class ReplicatedBatchState:
         if self._closed:
             raise RuntimeError(f"ReplicatedBatchState: {what} after close()")
 
-    def _spec_free(self) -> None:
-        if self._log.spec is not None:
-            raise ValueError("one batch spec per step: prompt_batch / decode_batch was already "
-                             "called since the last sync()")
-
-    def _send(self, step: int, check: bool) -> Optional[SequenceBatch]:
-        batch, log = self._batch, self._log
-        cols = log.arrays(batch_digest(batch) if batch is not None else _NO_DIGEST)
-        values = [step, check, list(log.req_ids), list(log.spec or [])]
+    def _send(self, step: int, check: bool) -> list[SequenceBatch]:
+        batches, log = self._batches, self._log
+        cols = log.arrays(_checks(batches))
+        values = [step, check, list(log.req_ids), list(log.specs)]
         prep = self._ch.prepare(self._key, values, column_dims(cols))
 
         def write(view: memoryview, addr: int, data_at: int) -> None:
             write_columns(addr + data_at, cols)
 
         self._ch.publish(prep, FLAG_PACKED, prep.exact, prep.region, write)
-        self._log, self._next = self._next, log
+        self._log, self._next = self._next, log  # calls after the last spec open the next step
         log.clear()
-        self.spec, self._pending_spec, self._batch = self._pending_spec, None, None
-        return batch
+        self.specs, self._pending, self._batches = tuple(self._pending), [], []
+        return batches
 
-    def _receive(self, step: int) -> Optional[SequenceBatch]:
+    def _receive(self, step: int) -> list[SequenceBatch]:
         def handler(frame: Frame, view: memoryview) -> tuple[dict[str, np.ndarray], list[Any]]:
             h = frame.head
             if not h.flags & FLAG_PACKED:
@@ -307,44 +211,40 @@ class ReplicatedBatchState:
             raise RuntimeError(f"rank {self.rank}: step frame {got_step} from src={self.src} where "
                                f"step {step} was expected ({'a replay' if got_step < step else 'a gap'}"
                                "); the replica refuses it")
-        self.spec = _spec_of(cols, spec) if spec else None
+        self.specs = _specs_of(cols, spec)
         try:
-            batch = apply_step(self.state, cols, req_ids, spec or None)
+            batches = apply_step(self.state, cols, req_ids, spec)
         except (ReplicaError, ValueError, IndexError) as e:
             self._broken = f"step {step}: {e}"
             raise RuntimeError(f"rank {self.rank}: step {step}: this replica cannot apply the "
                                f"driver's step (diverged): {type(e).__name__}: {e}") from None
-        want = cols["batch_digest"]
-        mine = batch_digest(batch) if batch is not None else _NO_DIGEST
-        if not np.array_equal(mine, want):
-            i = int(np.flatnonzero(mine != want)[0]) if len(mine) == len(want) else min(len(mine), len(want))
+        where = check_mismatch(_checks(batches), cols["batch_digest"])
+        if where:
             self._broken = f"step {step}: batch differs from the driver's"
             raise RuntimeError(f"rank {self.rank}: step {step}: this replica's batch differs from "
-                               f"the driver's at sequence {i} ({self._name_seq(batch, cols, i)}): "
-                               "the replicas diverged")
-        return batch
+                               f"the driver's in {where} (requests {self._names(cols)}): the "
+                               "replicas diverged")
+        return batches
 
-    def _name_seq(self, batch: Optional[SequenceBatch], cols: dict[str, np.ndarray], i: int) -> str:
-        slots = cols["spec_slots"]
-        if i < len(slots):
-            s = int(slots[i])
-            return f"request {self.state.request_of(s)!r}, slot {s}"
-        return "a placeholder or a sequence only one side has"
+    def _names(self, cols: dict[str, np.ndarray]) -> str:
+        """The step's scheduled requests (``"'a', 'b', ..."``), for a batch mismatch."""
+        ids = [repr(self.state.request_of(int(s))) for s in cols["spec_slots"][:4]]
+        return ", ".join(ids) + (", ..." if len(cols["spec_slots"]) > 4 else "")
 
     def _check_replicas(self, step: int) -> None:
         """Collective over the gloo group: every rank's folded replica digest; on a mismatch the
         per-slot digests name the first differing request, and EVERY rank raises."""
         ctrl = self._ch.objects.ctrl
         ranks = dist.get_process_group_ranks(ctrl)
-        per_slot = self._spec_digest if self._spec_digest is not None else replica_digest(
-            self.state, self._band(step))
-        self._spec_digest = None
-        mine = torch.tensor([fold(per_slot)], dtype=torch.int64)
+        band = self._band(step)
+        digest = self._spec_digest if self._spec_digest is not None else replica_digest(self.state, band)
+        held, self._spec_digest, self._spec_snap = self._spec_snap, None, None
         got = [torch.zeros(1, dtype=torch.int64) for _ in ranks]
-        dist.all_gather(got, mine, group=ctrl)
-        folded = [int(t.item()) for t in got]
-        if len(set(folded)) == 1:
+        dist.all_gather(got, torch.tensor([digest], dtype=torch.int64), group=ctrl)
+        if len({int(t.item()) for t in got}) == 1:
             return
+        # the slow path: every rank's per-slot digests (the driver's as of the step's spec)
+        per_slot = slot_digests(held if held is not None else snapshot(self.state, band))
         rows = [torch.zeros(self.state.max_seqs, dtype=torch.int64) for _ in ranks]
         dist.all_gather(rows, torch.from_numpy(per_slot), group=ctrl)
         ref = rows[ranks.index(self.src)].numpy()
@@ -357,34 +257,25 @@ class ReplicatedBatchState:
                            f"driver's (rank {self.src}): {where}")
 
 
-class StepSpec(NamedTuple):
-    """A step's batch spec as every rank knows it after ``sync()`` (``rep.spec``): the
-    arguments of its ``prompt_batch`` (``chunk_lens``, ``advance``) or ``decode_batch``
-    (``draft_tokens``, ``num_drafts``: one int, an array or None). An in-place decode engine
-    stages from it on every rank: ``cpmeta.stage_decode(staging, rep.state, spec.slots,
-    spec.draft_tokens, spec.num_drafts, num_placeholders=spec.num_placeholders)``."""
-
-    is_prompt: bool
-    slots: np.ndarray
-    chunk_lens: Optional[np.ndarray]
-    draft_tokens: Optional[np.ndarray]
-    num_drafts: Optional[np.ndarray | int]
-    num_placeholders: int
-    advance: bool
+def _checks(batches: list[SequenceBatch]) -> np.ndarray:
+    """The step's per-step check words: :func:`digest.batch_check` of every batch, in order."""
+    if not batches:
+        return _NO_DIGEST
+    return batch_check(batches[0]) if len(batches) == 1 else np.concatenate([batch_check(b) for b in batches])
 
 
-def _decode_spec(slots: np.ndarray, lens: np.ndarray, drafts: np.ndarray, uniform: int,
-                 n_ph: int) -> StepSpec:
-    nd: Optional[np.ndarray | int] = uniform if uniform >= 0 else (lens if uniform == -1 else None)
-    return StepSpec(False, slots, None, drafts if len(drafts) or nd is not None else None, nd, n_ph, True)
-
-
-def _spec_of(cols: dict[str, np.ndarray], spec: list[int]) -> StepSpec:
-    """A follower's :class:`StepSpec` of a received step (its spec values and columns)."""
-    is_prompt, n_ph, advance, uniform = spec
-    if is_prompt:
-        return StepSpec(True, cols["spec_slots"], cols["spec_lens"], None, None, n_ph, bool(advance))
-    return _decode_spec(cols["spec_slots"], cols["spec_lens"], cols["spec_drafts"], uniform, n_ph)
+def _specs_of(cols: dict[str, np.ndarray], spec: list[int]) -> tuple[StepSpec, ...]:
+    """A follower's :class:`StepSpec` s of a received step (its spec values and columns)."""
+    out, at = [], [0, 0, 0]
+    for i in range(0, len(spec) - SPEC_WORDS + 1, SPEC_WORDS):
+        is_prompt, n_ph, advance, uniform, ns, nl, nd = spec[i:i + SPEC_WORDS]
+        slots = cols["spec_slots"][at[0]:at[0] + ns]
+        lens = cols["spec_lens"][at[1]:at[1] + nl]
+        drafts = cols["spec_drafts"][at[2]:at[2] + nd]
+        at = [at[0] + ns, at[1] + nl, at[2] + nd]
+        out.append(StepSpec(True, slots, lens, None, None, n_ph, bool(advance)) if is_prompt
+                   else decode_spec(slots, lens, drafts, uniform, n_ph))
+    return tuple(out)
 
 
 def _state_fingerprint(cfg: MetadataConfig, *caps: int) -> str:

@@ -8,7 +8,7 @@ plus the Engram look-back; decode: look-back + the last confirmed token + drafts
 
 from __future__ import annotations
 
-from typing import Hashable, Optional, Sequence
+from typing import Any, Hashable, Optional, Sequence
 
 import numpy as np
 
@@ -193,6 +193,47 @@ class BatchState(StateStore):
         mnb = self._bt32.shape[1]
         if n0 < mnb:
             self._bt32[slot, n0:n0 + len(b)] = b[:mnb - n0]
+
+    def append_blocks_batch(self, slots: np.ndarray, blocks: np.ndarray, counts: np.ndarray) -> None:
+        """Vectorized :meth:`append_blocks`: request ``slots[i]`` gets the next ``counts[i]`` ids
+        of the flat ``blocks`` (slots distinct). Example: slots ``[4, 0]``, counts ``[2, 0]``,
+        blocks ``[17, 3]`` -> slot 4's table grows by ``[17, 3]``, slot 0's is unchanged. Every
+        check before any write, as :meth:`append_tokens_batch`."""
+        slots, blocks, counts = self._ragged_args(slots, blocks, counts, self.num_blocks,
+                                                  self.max_blocks, "block ids", "max_blocks")
+        _, seq, k = _ragged_index(counts)
+        rows, pos = slots[seq], self.num_blocks[slots][seq] + k
+        self.block_table[rows, pos] = blocks
+        mirror = pos < self._bt32.shape[1]
+        self._bt32[rows[mirror], pos[mirror]] = blocks[mirror]
+        if len(blocks) and (int(blocks.min()) < 0 or int(blocks.max()) > self._bt_max):
+            self._bt_ok[rows[(blocks < 0) | (blocks > self._bt_max)]] = False
+        self.num_blocks[slots] += counts
+        self._set_fast_many(slots)
+
+    def append_compressed_batch(self, slots: np.ndarray, ids: np.ndarray, counts: np.ndarray) -> None:
+        """Vectorized :meth:`append_compressed` (as :meth:`append_blocks_batch`)."""
+        slots, ids, counts = self._ragged_args(slots, ids, counts, self.num_compressed,
+                                               self.max_compressed, "compressed ids", "max_compressed")
+        _, seq, k = _ragged_index(counts)
+        self.compressed[slots[seq], self.num_compressed[slots][seq] + k] = ids
+        self.num_compressed[slots] += counts
+
+    def _ragged_args(self, slots: Any, values: Any, counts: Any, have: np.ndarray, cap: int,
+                     what: str, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The checked int64 ``(slots, values, counts)`` of a vectorized append: live distinct
+        slots, counts >= 0 adding up to the values, every row within ``cap`` (ValueError naming
+        the request and the limit; nothing written)."""
+        slots, counts = as_int_array("slots", slots), as_int_array("counts", counts)
+        values = as_int_array(what, values)
+        self._check_slots(slots)
+        if counts.shape != slots.shape or (counts < 0).any() or counts.sum() != len(values):
+            raise ValueError(f"counts: expected {len(slots)} counts >= 0 summing to {len(values)} {what}")
+        over = np.flatnonzero(have[slots] + counts > cap)
+        if over.size:
+            i = int(over[0])
+            self._fits(self._req[int(slots[i])], what, int(have[slots[i]] + counts[i]), cap, name)
+        return slots, values, counts
 
     def append_compressed(self, slot: int, ids: Sequence[int]) -> None:
         """Engram history ids (``compressed_token_ids``) appended for the request."""

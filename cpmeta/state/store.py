@@ -189,6 +189,15 @@ class StateStore:
         ok = self._fast[s] and self.active[s] and self.num_computed[s] >= self.prompt_len[s]
         self._dec_cap[s] = int(self._table_cap(int(self.num_blocks[s]))) if ok else -1
 
+    def _set_fast_many(self, slots: np.ndarray) -> None:
+        """:meth:`_set_fast` for distinct live ``slots`` at once (a few vectorized passes)."""
+        st = self.state_id[slots]
+        fast = self._bt_ok[slots] & self._tok_ok[slots] & (st >= 0) & (st <= self._state_max) & (
+            self.swa_valid_start[slots] >= 0)
+        self._fast[slots] = fast
+        ok = fast & self.active[slots] & (self.num_computed[slots] >= self.prompt_len[slots])
+        self._dec_cap[slots] = np.where(ok, self._table_cap(self.num_blocks[slots]), -1)
+
     def _check_slots(self, slots: np.ndarray) -> None:
         """``slots`` (int64) are distinct slots of live requests, else ``ValueError("slots: ...")``."""
         # one unsigned comparison catches negative slots (huge as uint64) and slots >= max_seqs

@@ -1,0 +1,180 @@
+"""The driver's side of a ``ReplicatedBatchState``: ``BatchState``'s calls, applied and recorded.
+
+Every call is made on the driver's own replica first -- a call the state refuses raises there
+and is never recorded -- then recorded into the step's :class:`~cpmeta.replicate.ops.OpLog`
+with the values the state now holds. A step's frame ends with its LAST batch spec: calls made
+after a spec are recorded into the next step's log (``_next``); a further spec in the same step
+(a mixed step: a prompt chunk batch and a decode batch) pulls them back in before itself.
+Worked example: ``decode_batch(...)``, ``append_tokens_batch(...)`` (this step's results),
+``sync()`` -> the frame holds the decode spec; the appends open the next step's frame.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Hashable, NamedTuple, Optional, Sequence
+
+import numpy as np
+
+from ..state import BatchState, SequenceBatch
+from .ops import BLK, CMP, SID, SVS, TOK, OpLog
+
+__all__ = ["Recorder", "StepSpec"]
+
+_EMPTY = np.zeros(0, np.int64)
+
+
+class StepSpec(NamedTuple):
+    """A batch spec as every rank knows it after ``sync()`` (``rep.specs``): the arguments of
+    its ``prompt_batch`` (``chunk_lens``, ``advance``) or ``decode_batch`` (``draft_tokens``,
+    ``num_drafts``: one int, an array or None). An in-place decode engine stages from it on
+    every rank: ``cpmeta.stage_decode(staging, rep.state, spec.slots, spec.draft_tokens,
+    spec.num_drafts, num_placeholders=spec.num_placeholders)``."""
+
+    is_prompt: bool
+    slots: np.ndarray
+    chunk_lens: Optional[np.ndarray]
+    draft_tokens: Optional[np.ndarray]
+    num_drafts: Optional[np.ndarray | int]
+    num_placeholders: int
+    advance: bool
+
+
+def decode_spec(slots: np.ndarray, lens: np.ndarray, drafts: np.ndarray, uniform: int, n_ph: int) -> StepSpec:
+    """The :class:`StepSpec` of a decode spec's columns (``uniform``: the one draft count, -1 =
+    per-sequence counts in ``lens``, -2 = none given)."""
+    nd: Optional[np.ndarray | int] = uniform if uniform >= 0 else (lens if uniform == -1 else None)
+    return StepSpec(False, slots, None, drafts if len(drafts) or nd is not None else None, nd, n_ph, True)
+
+
+def _ints(values: Any) -> np.ndarray:
+    """A private flat int64 copy of values the driver's state just accepted."""
+    return np.array(values, np.int64).reshape(-1)
+
+
+class Recorder(ABC):
+    """The driver's calls of a ``ReplicatedBatchState`` (see the module docstring)."""
+
+    state: BatchState
+
+    def _init_recorder(self) -> None:
+        n = self.state.max_seqs
+        self._log = OpLog(n)  # this step's calls, up to and with its last batch spec
+        self._next = OpLog(n)  # calls made after the last spec: the next step's first ops
+        self._batches: list[SequenceBatch] = []
+        self._pending: list[StepSpec] = []
+
+    @abstractmethod
+    def _driver(self, what: str) -> None:
+        """Refuse ``what`` on a follower or after close (the replicated state's rule)."""
+
+    @property
+    def _rec(self) -> OpLog:
+        """Where the next call is recorded: after the step's (last) spec, the next step's log."""
+        return self._next if self._batches else self._log
+
+    def add_request(self, req_id: Hashable, prompt_token_ids: Sequence[int], block_table: Sequence[int],
+                    state_id: int, *, compressed_token_ids: Sequence[int] = (), swa_valid_start: int = 0,
+                    num_computed: int = 0) -> int:
+        """``BatchState.add_request`` on the driver's replica, recorded for the step (request ids:
+        int or str, they travel in the frame)."""
+        self._driver("add_request")
+        if type(req_id) is not str and not isinstance(req_id, (int, np.integer)) or isinstance(req_id, bool):
+            raise TypeError(f"request {req_id!r}: a replicated request id is an int or a str, got "
+                            f"{type(req_id).__name__}")
+        rid = req_id if type(req_id) is str else int(req_id)
+        st = self.state
+        s = st.add_request(rid, prompt_token_ids, block_table, state_id,
+                           compressed_token_ids=compressed_token_ids, swa_valid_start=swa_valid_start,
+                           num_computed=num_computed)
+        self._rec.add(s, rid, st.token_ids[s, :st.num_tokens[s]].copy(),
+                      st.block_table[s, :st.num_blocks[s]].copy(),
+                      st.compressed[s, :st.num_compressed[s]].copy(), int(st.state_id[s]),
+                      int(st.swa_valid_start[s]), int(st.num_computed[s]))
+        return s
+
+    def append_tokens(self, slot: int, tokens: Sequence[int]) -> None:
+        self._driver("append_tokens")
+        self.state.append_tokens(slot, tokens)
+        t = _ints(tokens)
+        self._rec.ragged(TOK, int(slot), len(t), t)
+
+    def append_tokens_batch(self, slots: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> None:
+        self._driver("append_tokens_batch")
+        self.state.append_tokens_batch(slots, tokens, counts)
+        self._rec.ragged(TOK, _ints(slots), _ints(counts), _ints(tokens))
+
+    def append_blocks(self, slot: int, blocks: Sequence[int]) -> None:
+        self._driver("append_blocks")
+        self.state.append_blocks(slot, blocks)
+        b = _ints(blocks)
+        self._rec.ragged(BLK, int(slot), len(b), b)
+
+    def append_blocks_batch(self, slots: np.ndarray, blocks: np.ndarray, counts: np.ndarray) -> None:
+        """``BatchState.append_blocks_batch``: every request's new block ids in one call."""
+        self._driver("append_blocks_batch")
+        self.state.append_blocks_batch(slots, blocks, counts)
+        self._rec.ragged(BLK, _ints(slots), _ints(counts), _ints(blocks))
+
+    def append_compressed(self, slot: int, ids: Sequence[int]) -> None:
+        self._driver("append_compressed")
+        self.state.append_compressed(slot, ids)
+        c = _ints(ids)
+        self._rec.ragged(CMP, int(slot), len(c), c)
+
+    def append_compressed_batch(self, slots: np.ndarray, ids: np.ndarray, counts: np.ndarray) -> None:
+        self._driver("append_compressed_batch")
+        self.state.append_compressed_batch(slots, ids, counts)
+        self._rec.ragged(CMP, _ints(slots), _ints(counts), _ints(ids))
+
+    def set_state_id(self, slot: int, state_id: int) -> None:
+        self._driver("set_state_id")
+        self.state.set_state_id(slot, state_id)
+        self._rec.pair(SID, int(slot), int(self.state.state_id[slot]))
+
+    def set_swa_valid_start(self, slot: int, swa_valid_start: int) -> None:
+        self._driver("set_swa_valid_start")
+        self.state.set_swa_valid_start(slot, swa_valid_start)
+        self._rec.pair(SVS, int(slot), int(self.state.swa_valid_start[slot]))
+
+    def finish(self, slot: int) -> None:
+        self._driver("finish")
+        self.state.finish(slot)
+        self._rec.finish(int(slot))
+
+    def prompt_batch(self, slots: np.ndarray, chunk_lens: np.ndarray, *, num_placeholders: int = 0,
+                     advance: bool = True) -> None:
+        """A batch spec of the step: ``BatchState.prompt_batch`` (made on the driver now, on every
+        follower when it applies the step); :meth:`sync` returns the batch on every rank."""
+        self._driver("prompt_batch")
+        slots_a, lens = _ints(slots), _ints(chunk_lens)
+        batch = self.state.prompt_batch(slots_a, lens, num_placeholders=num_placeholders, advance=advance)
+        self._spec_recorded(batch, StepSpec(True, slots_a, lens, None, None, int(num_placeholders),
+                                            bool(advance)))
+        self._log.batch_spec(True, slots_a, lens, _EMPTY, num_placeholders, advance, -2)
+
+    def decode_batch(self, slots: np.ndarray, draft_tokens: Optional[np.ndarray] = None,
+                     num_drafts: Optional[np.ndarray | int] = None, *, num_placeholders: int = 0) -> None:
+        """A batch spec of the step: ``BatchState.decode_batch`` (see :meth:`prompt_batch`)."""
+        self._driver("decode_batch")
+        batch = self.state.decode_batch(slots, draft_tokens, num_drafts, num_placeholders=num_placeholders)
+        uniform = -2 if num_drafts is None else (int(num_drafts) if np.ndim(num_drafts) == 0 else -1)
+        lens = _ints(num_drafts) if uniform == -1 else _EMPTY
+        drafts = _EMPTY if draft_tokens is None else _ints(draft_tokens)
+        slots_a = _ints(slots)
+        self._spec_recorded(batch, decode_spec(slots_a, lens, drafts, uniform, int(num_placeholders)))
+        self._log.batch_spec(False, slots_a, lens, drafts, num_placeholders, True, uniform)
+
+    def _spec_recorded(self, batch: SequenceBatch, spec: StepSpec) -> None:
+        """A spec was made: the calls since the previous spec of this step (if any) belong before
+        it; the batch and spec wait for sync()."""
+        if self._batches:
+            self._log.extend(self._next)
+            self._next.clear()
+        self._batches.append(batch)
+        self._pending.append(spec)
+        self._at_spec()
+
+    @abstractmethod
+    def _at_spec(self) -> None:
+        """What the replicated state does once a spec is made (its check-step digest)."""
