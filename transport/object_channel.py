@@ -194,9 +194,9 @@ class ObjectChannel:
         """``src``: name the followers of ``e``, tell the healthy ones, return the error."""
         parts = [f"{self._who(r)} did not take message {self._count} within {e.timeout_s:g} s "
                  "(stalled, stopped or unreachable)" for r in e.stalled]
+        dead = self._dead_among(list(e.broken))
         for r, msg in sorted(e.broken.items()):
-            w = self._watch.get(r)
-            how = (f"died (pid {w.pid})" if w is not None and w.dead() else
+            how = (f"died (pid {self._watch[r].pid})" if r in dead else
                    "closed its connection (its process died, or its host reset the link)")
             parts.append(f"{self._who(r)} {how}: {msg}")
         text = "; ".join(parts)
@@ -211,13 +211,20 @@ class ObjectChannel:
         """``rank 0 (src)`` in a transport message -> ``rank 0 (src, host a)``."""
         return text.replace(f"rank {self.src} (src)", self._who(self.src))
 
-    def _peer_failure(self, e: Exception) -> PeerError:
-        deadline = time.monotonic() + DEAD_PEER_GRACE_S  # a peer's sockets close before it is reaped
+    def _dead_among(self, ranks: list[int]) -> list[int]:
+        """The same-host peers among ``ranks`` whose process is gone, looked for a moment (a
+        peer's sockets close before the kernel reaps it)."""
+        watched = [r for r in ranks if r in self._watch]
+        deadline = time.monotonic() + DEAD_PEER_GRACE_S
         dead: list[int] = []
-        while not dead and time.monotonic() < deadline:
-            dead = [r for r, w in self._watch.items() if w.dead()]
+        while watched and not dead and time.monotonic() < deadline:
+            dead = [r for r in watched if self._watch[r].dead()]
             if not dead:
                 time.sleep(1e-3)
+        return dead
+
+    def _peer_failure(self, e: Exception) -> PeerError:
+        dead = self._dead_among(list(self._watch))
         members = sorted([self.src, *self.remote_ranks])
         if dead:
             who = ", ".join(f"rank {r} (pid {self._watch[r].pid}) died" for r in dead)
