@@ -18,7 +18,7 @@ __all__ = ["fill_common", "check_common_int32", "compressed_slots"]
 
 
 def fill_common(
-    b: BatchArrays, cfg: MetadataConfig, out: AllocOut
+    b: BatchArrays, cfg: MetadataConfig, out: AllocOut, *, ngram: bool = True
 ) -> dict[str, Any]:
     """Fields shared by prompt and decode (DESIGN section 4, "Common"), as InputMetadata kwargs.
 
@@ -58,7 +58,7 @@ def fill_common(
         a[ph_row] = PLACEHOLDER_QUERY_INDEX
     f["slot_mapping_store_swa"] = _swa_slots(b, cfg, out, pos, ph_row, f["max_seqlen_q"]) if cfg.has_swa else None
     f["ngram_token_ids"] = None
-    if cfg.max_ngram_size > 0:
+    if cfg.max_ngram_size > 0 and ngram:  # (ngram False: a CP rank builds its own rows later)
         f["ngram_token_ids"] = fill_ngram_token_ids(b, cfg, out)
     return f
 

@@ -33,7 +33,7 @@ from .extract import BatchInput, extract_batch
 from .load_plan import paged_load_segments, swa_load_segments
 from .yoco import build_yoco_fields
 
-__all__ = ["prepare_prompt"]
+__all__ = ["prepare_prompt", "prompt_fields"]
 
 logger = logging.getLogger(__name__)
 
@@ -210,10 +210,17 @@ def prepare_prompt(
     if out is not None and not isinstance(out, dict):  # prompt shapes depend on the fill: no arena layout
         raise TypeError(f"out: prepare_prompt takes None or a dict of tensors, got {type(out).__name__} "
                         "(an OutputBuffers arena serves prepare_decode, whose shapes are known from the batch)")
-    b = extract_batch(seqs, cfg, is_prompt=True)
+    return InputMetadata(**prompt_fields(extract_batch(seqs, cfg, is_prompt=True), cfg, out))
+
+
+def prompt_fields(b: BatchArrays, cfg: MetadataConfig, out: Out = None, *, ngram: bool = True
+                  ) -> dict[str, Any]:
+    """Every prompt field of an extracted batch (:func:`prepare_prompt`'s work) as kwargs;
+    ``ngram=False`` leaves ``ngram_token_ids`` out (``cpmeta.prepare_prompt_cp`` builds one
+    rank's rows of it)."""
     cu_ck = {n: prefix(loaded_compressed_len(b.seqlen_k, n)) for n in cfg.ca_ratios}
     _check_prompt_int32(b, cfg, cu_ck)
-    f = fill_common(b, cfg, out)
+    f = fill_common(b, cfg, out, ngram=ngram)
     # a disabled feature's fields are not built at all (they stay None: DESIGN 14)
     if cfg.has_compressed_kv:
         _fill_compressed_writes(b, cfg, out, f)
@@ -227,5 +234,5 @@ def prepare_prompt(
     f["seq_block_tables"] = _fill_seq_block_tables(b, out)
     if cfg.yoco_keep_tokens is not None:  # YoCo truncation fields (DESIGN 10), built in builders/yoco.py
         f.update(build_yoco_fields(f, b, cfg, out=out))
-    return InputMetadata(**f)
+    return f
 

@@ -6,6 +6,7 @@ module                     holds
 ``zigzag``                 :func:`prepare_cp_mirror`, :func:`mirror_rows`, :func:`unmirror`: the index plan
 ``mirror_plan``            its vectorized host computation and argument checks
 ``mirror``                 :func:`prepare_for_mirror_cp`: a rank's share of prompt ``InputMetadata``
+``prompt_share``           :func:`prepare_prompt_cp`: that share built for the rank (Engram rows its own)
 ``yoco_cp``                YoCo compact + CP indices (contrib / boundary)
 ``yoco_views``             ``md.get_mask_view()`` / ``md.get_consumer_view()``
 ``slot_mapping``           :func:`compute_slot_mapping` with CP-interleaved KV (CPU path + dispatch)
@@ -22,6 +23,7 @@ from __future__ import annotations
 from .kv_read_plan import KVReadPlan, cp_kv_read_plan
 from .kv_shard import cp_local_seqlens
 from .mirror import prepare_for_mirror_cp
+from .prompt_share import prepare_prompt_cp
 from .slot_mapping import compute_slot_mapping
 from .slot_mapping_metadata import compute_slot_mapping_from_metadata
 from .slot_mapping_groups import KVCacheGroup, compute_slot_mapping_groups
@@ -30,6 +32,7 @@ from .zigzag import mirror_rows, prepare_cp_mirror, unmirror
 __all__ = [
     "prepare_cp_mirror",
     "prepare_for_mirror_cp",
+    "prepare_prompt_cp",
     "mirror_rows",
     "unmirror",
     "compute_slot_mapping",

@@ -1,0 +1,45 @@
+"""``prepare_prompt_cp``: one CP rank's zigzag share of prompt metadata, built for that rank.
+
+In the replicated design (``cpmeta.ReplicatedBatchState``) every rank builds its own prompt
+metadata; what it reads is ``prepare_for_mirror_cp(prepare_prompt(batch, cfg), r, p)``. Most of
+that object is FULL-order and must be built whole on every rank: the per-sequence fields
+(prefix sums, load plans, block tables) and the per-row fields every rank reads for every row --
+KV write slots (each rank writes the keys it owns, whatever row produced them), the compressed-KV
+write rows, ``input_ids`` and ``query_indices`` (the rows are gathered later by
+``mirror_cp_index``), the SWA pivots and compressed-KV offsets (expanded after the mirror, on the
+full layout, then gathered: DESIGN 5). The fields the mirror GATHERS are this rank's rows only:
+``positions``, ``valid_token_mask``, ``gate_force_random_cp``, ``ks`` / ``ke`` (recomputed per
+mirror row) and ``ngram_token_ids`` -- and the Engram look-back is the one costly field among
+them (about half of a seed-config prompt build: docs/replicate.md), so this function computes
+it for this rank's rows only (``builders.ngram.ngram_rows``) instead of for every row and then
+gathering. Everything else is ``prepare_for_mirror_cp``'s own work: the result equals it field
+for field. Example: 8 x 4096 prompt rows, CP 4: the look-back of 8192 rows instead of 32768.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..builders.extract import BatchInput, extract_batch
+from ..builders.ngram import ngram_rows
+from ..builders.prompt import prompt_fields
+from ..config import MetadataConfig
+from ..metadata import InputMetadata
+from .mirror import prepare_for_mirror_cp
+
+__all__ = ["prepare_prompt_cp"]
+
+
+def prepare_prompt_cp(seqs: BatchInput, cfg: MetadataConfig, cp_rank: int, cp_size: int) -> InputMetadata:
+    """Rank ``cp_rank``'s share of the prompt metadata of ``seqs`` (a list of
+    ``SequenceMetadata`` or a prompt ``SequenceBatch``): equal, field for field, to
+    ``prepare_for_mirror_cp(prepare_prompt(seqs, cfg), cp_rank, cp_size)``, with the Engram
+    look-back built for this rank's rows only (see the module docstring)."""
+    b = extract_batch(seqs, cfg, is_prompt=True)
+    ngram = cfg.max_ngram_size > 0
+    mine = prepare_for_mirror_cp(InputMetadata(**prompt_fields(b, cfg, ngram=not ngram)), cp_rank, cp_size)
+    if ngram:
+        assert mine.mirror_cp_index is not None
+        rows = mine.mirror_cp_index.cpu().numpy().astype("int64")
+        mine.ngram_token_ids = torch.from_numpy(ngram_rows(b, cfg, rows).astype("int32"))
+    return mine
