@@ -37,6 +37,8 @@ from .state import BatchState, SequenceBatch
 
 if TYPE_CHECKING:
     from .broadcast import MetadataBroadcaster, broadcast_tensor_dict, close_tensor_dict_channels
+    from .broadcast.policy import PersistentPolicy
+    from .lifetime import StaleResultError
     from .replicate import ReplicatedBatchState
     from .builders import compute_attn_info, prepare_decode, prepare_prompt
     from .cp import (
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
         mirror_rows,
         prepare_cp_mirror,
         prepare_for_mirror_cp,
+        prepare_prompt_cp,
         unmirror,
     )
     from .diff import metadata_diff
@@ -70,6 +73,9 @@ _LAZY: dict[str, str] = {
     "compute_attn_info": "cpmeta.builders.attn_info",
     "prepare_cp_mirror": "cpmeta.cp.zigzag",
     "prepare_for_mirror_cp": "cpmeta.cp.mirror",
+    "prepare_prompt_cp": "cpmeta.cp.prompt_share",
+    "PersistentPolicy": "cpmeta.broadcast.policy",
+    "StaleResultError": "cpmeta.lifetime",
     "unmirror": "cpmeta.cp.zigzag",
     "mirror_rows": "cpmeta.cp.zigzag",
     "compute_slot_mapping": "cpmeta.cp.slot_mapping",
@@ -110,6 +116,9 @@ __all__ = [
     "BatchState",
     "prepare_cp_mirror",
     "prepare_for_mirror_cp",
+    "prepare_prompt_cp",
+    "PersistentPolicy",
+    "StaleResultError",
     "unmirror",
     "mirror_rows",
     "compute_slot_mapping",
