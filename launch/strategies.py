@@ -79,7 +79,8 @@ class _Replicate:
         t0 = time.perf_counter()
         batch = self.rep.sync()
         t1 = time.perf_counter()
-        assert batch is not None  # the synthetic scheduler makes a batch every step
+        # the synthetic scheduler makes one batch spec every step
+        assert isinstance(batch, cpmeta.SequenceBatch)
         md = build(batch, self.cfg, self.attn)
         if md.positions is not None and md.positions.device != self.rep.device:
             md = md.to(self.rep.device)

@@ -14,8 +14,10 @@ module              holds
                     tensor bytes), layout ids sent once, values, shapes; ``FrameWriter`` /
                     ``FrameReader`` (write, strict parse, the follower's plan cache)
 ``plan``            ``Plan``: one layout's sizes, proofs, views, packing and assembly
-``schema``          a dataclass (or a tensor dict) as a schema: field kinds, keys, value types and
-                    bounds, pinned dtypes / ranks; ``INPUT_METADATA``; per-layout value checks
+``schema``          a dataclass as a schema: field kinds, keys, value types and bounds, pinned
+                    dtypes / ranks; ``INPUT_METADATA``
+``dict_schema``     ``DictSchema``: a plain tensor dict's keys as paths (``broadcast_tensor_dict``)
+``value_check``     the per-frame value checks, compiled per layout
 ``collect``         ``collect`` / ``collect_dict``: the driver's split by path (layout key,
                     tensors, values), cached per tuple of field types
 ``collect_memo``    ``CollectMemo``: the persistent driver's ``collect`` when a step reuses the last

@@ -40,7 +40,8 @@ from .metrics import BroadcastMetrics, BroadcastStats
 from .outputs import copy_out_of_frame, copy_to_out
 from .persistent import land_span
 from .policy import PersistentPolicy
-from .schema import INPUT_METADATA, SCHEMA_FINGERPRINT, DictSchema, Schema
+from .dict_schema import DictSchema
+from .schema import INPUT_METADATA, SCHEMA_FINGERPRINT, Schema
 from .wire import FLAG_PACKED, FLAG_SPAN, Frame, WireError
 
 __all__ = ["MetadataBroadcaster", "SCHEMA_FINGERPRINT", "MESSAGE_VERSION"]

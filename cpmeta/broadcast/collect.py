@@ -15,7 +15,8 @@ from typing import Any, Optional
 
 import torch
 
-from .schema import INPUT_METADATA, Schema, check_dict_key
+from .dict_schema import check_dict_key
+from .schema import INPUT_METADATA, Schema
 from .wire import ALIAS_SEP, DTYPE_CODE, MAX_LAYOUTS, PATH_SEP, WIRE_DTYPES, getter
 
 __all__ = ["collect", "collect_dict", "Walk", "field_kinds"]

@@ -25,7 +25,8 @@ from typing import Any, Optional
 
 import torch
 
-from .schema import DictSchema, Schema
+from .dict_schema import DictSchema
+from .schema import Schema
 from .wire import (ALIAS_SEP, ELEMENT_SIZE, MAX_COLLECTIVE_BYTES, MAX_DIM, MAX_NDIM, PACK_ALIGN,
                    PATH_SEP, WIRE_DTYPES, WireError, getter)
 from .schema import MAX_LAYOUT_PATHS

@@ -27,17 +27,10 @@ Dict keys: ``dict_keys="ratio"`` (``InputMetadata``: the canonical decimal of a 
 ``"4"``, ``"128"``) or ``"name"`` (any other dataclass: 1-64 printable ASCII characters without
 ``.``, ``;`` or ``,``).
 
-:class:`DictSchema` is the schema of a plain ``dict[str, Tensor | value]``
-(``cpmeta.broadcast_tensor_dict``): its keys are the paths, a layout fixes which keys hold
-tensors (with their dtype and rank) and the driver's key order, and every value is checked per
-frame to be a plain value (``None``, bool, int, float, str, or lists / tuples of those).
-
-A layout is checked ONCE, when its plan is built (:meth:`Schema.check_layout`); its values are
-then checked every frame by the :class:`ValueCheck` compiled for it: one comparison of the
-values' type tuple, one pass over the ints for bounds. Worked example: value paths
-``["is_prompt", "num_seqs", "total_k_compressed.4"]`` compile to types ``(bool, int, int)``, int
-positions ``[1, 2]`` with lows ``(0, 0)``; the values ``[True, 3, 17]`` pass with
-``(bool, int, int) == (bool, int, int)`` and ``0 <= 3, 0 <= 17``.
+``cpmeta.broadcast.dict_schema.DictSchema`` is the schema of a plain tensor dict
+(``cpmeta.broadcast_tensor_dict``). A layout is checked ONCE, when its plan is built
+(:meth:`Schema.check_layout`); its values are then checked every frame by the
+``cpmeta.broadcast.value_check.ValueCheck`` compiled for it (worked example there).
 """
 
 from __future__ import annotations
@@ -52,26 +45,18 @@ from typing import Any, Callable, Optional, Union, cast
 
 import torch
 
-__all__ = ["FieldSpec", "Schema", "DictSchema", "LayoutError", "ValueCheck", "check_key",
-           "MAX_LAYOUT_PATHS", "MAX_KEY_DIGITS", "MAX_NAME_KEY", "MAX_INT", "MIN_INT", "TENSOR",
-           "TENSOR_DICT", "VALUE", "VALUE_DICT", "PLAIN_TYPES", "INPUT_METADATA", "SCHEMA_FINGERPRINT"]
+from .value_check import MAX_INT, MIN_INT, TENSOR, TENSOR_DICT, VALUE, VALUE_DICT, LayoutError, ValueCheck
 
-TENSOR, TENSOR_DICT, VALUE, VALUE_DICT = "tensor", "tensor_dict", "value", "value_dict"
+__all__ = ["FieldSpec", "Schema", "check_key", "classify", "MAX_LAYOUT_PATHS", "MAX_KEY_DIGITS",
+           "MAX_NAME_KEY", "TENSOR", "TENSOR_DICT", "VALUE", "VALUE_DICT", "INPUT_METADATA",
+           "SCHEMA_FINGERPRINT"]
+
 MAX_LAYOUT_PATHS = 1024  # tensor paths (aliases counted) + value paths of one layout
 MAX_KEY_DIGITS = 10  # ratio keys: "1" .. "9999999999"
 MAX_NAME_KEY = 64  # characters of a "name" dict key / a DictSchema key (256)
-MAX_INT = (1 << 63) - 1  # every int value fits int64
-MIN_INT = -(1 << 63)
 SCALARS: tuple[type, ...] = (bool, int, float, str)
-#: value types a DictSchema value may have (containers hold the same, nested)
-PLAIN_TYPES = frozenset({type(None), bool, int, float, str, list, tuple})
 _NONE = type(None)
 _FORBIDDEN_KEY_CHARS = frozenset(".;,")
-_DICT_KEY_MAX = 256
-
-
-class LayoutError(ValueError):
-    """A layout or a value that the schema does not allow (names the path)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,189 +264,6 @@ class Schema:
         if self.positional:
             return self.cls(*row)
         return self.cls(**dict(zip(self.field_names, row)))
-
-
-class ValueCheck:
-    """The per-frame check of one layout's values block, compiled once per layout.
-
-    ``check(values)`` costs one ``tuple(map(type, values))`` comparison, one gather of the int
-    values with a bound test, and one truthiness test per empty-dict value; union-typed and list
-    values are checked one by one. It raises :class:`LayoutError` naming the first bad path. See
-    the module docstring for an example.
-    """
-
-    def __init__(self, schema: Schema, targets: list[tuple[str, Optional[str]]]) -> None:
-        self.paths = [n if k is None else f"{n}.{k}" for n, k in targets]
-        self.types: tuple[type, ...]
-        types_: list[type] = []
-        ints: list[int] = []
-        lows: list[int] = []
-        self._empties: list[int] = []
-        self._loose: list[tuple[int, tuple[type, ...], Optional[type], int]] = []  # unions, lists
-        for i, (name, key) in enumerate(targets):
-            spec = schema.specs[name]
-            if spec.kind in (TENSOR_DICT, VALUE_DICT) and key is None:
-                types_.append(dict)  # an empty dict (the absence of keys is information)
-                self._empties.append(i)
-                continue
-            assert spec.vtype is not None
-            if spec.container is not None:
-                types_.append(spec.container)
-                self._loose.append((i, spec.vtype, spec.container, spec.low))
-            elif len(spec.vtype) > 1:
-                types_.append(object)  # checked in _loose
-                self._loose.append((i, spec.vtype, None, spec.low))
-            else:
-                types_.append(spec.vtype[0])
-                if spec.vtype[0] is int:
-                    ints.append(i)
-                    lows.append(spec.low)
-        self.types = tuple(types_)
-        self.n = len(types_)
-        self._union_at = [i for i, _, c, _ in self._loose if c is None]
-        self._ints: Callable[[list], Any] = operator.itemgetter(*ints) if ints else (lambda v: ())
-        self._one_int = len(ints) == 1
-        self._int_idx = ints
-        self._lows = tuple(lows)
-        self._min_low = min(lows) if lows else 0
-        self._uniform = all(x == self._min_low for x in lows)
-
-    def __call__(self, values: Any) -> None:
-        if type(values) is not list or len(values) != self.n:
-            raise LayoutError(f"values block: expected a list of {self.n} values, got "
-                              f"{type(values).__name__}" + (f" of {len(values)}" if isinstance(
-                                  values, list) else ""))
-        got = tuple(map(type, values))
-        if got != self.types and not self._union_match(got):
-            self._explain(values)
-        if self._lows:
-            ints = self._ints(values)
-            if self._one_int:
-                ints = (ints,)
-            if self._uniform:
-                ok = min(ints) >= self._min_low and max(ints) <= MAX_INT
-            else:
-                ok = all(map(operator.le, self._lows, ints)) and max(ints) <= MAX_INT
-            if not ok:
-                self._explain(values)
-        for i in self._empties:
-            if values[i]:
-                self._explain(values)
-        for i, vt, c, low in self._loose:
-            v = values[i]
-            if not _ok_items(v if c is not None else (v,), vt, low):
-                self._explain(values)
-
-    def _union_match(self, got: tuple[type, ...]) -> bool:
-        """The type tuple matches once the union-typed positions are left to ``_loose``."""
-        if not self._union_at:
-            return False
-        g = list(got)
-        for i in self._union_at:
-            g[i] = object
-        return tuple(g) == self.types
-
-    def _explain(self, values: list[Any]) -> None:
-        """Raise for the first bad value (slow path, only on a refusal)."""
-        lows = dict(zip(self._int_idx, self._lows))
-        loose = {i: (vt, c, low) for i, vt, c, low in self._loose}
-        for i, (path, want, v) in enumerate(zip(self.paths, self.types, values)):
-            if i in loose:
-                vt, c, low = loose[i]
-                if c is not None and type(v) is not c:
-                    raise LayoutError(f"{path}: expected {c.__name__}, got {type(v).__name__} {v!r:.60}")
-                if not _ok_items(v if c is not None else (v,), vt, low):
-                    bad = v if c is None else next(x for x in v if not _ok_items((x,), vt, low))
-                    raise LayoutError(f"{path}: {'element ' if c is not None else ''}{bad!r:.60} is not "
-                                      f"{' or '.join(t.__name__ for t in vt)}"
-                                      + (f" >= {low}" if int in vt and low > MIN_INT else ""))
-                continue
-            if type(v) is not want:
-                raise LayoutError(f"{path}: expected {want.__name__}, got {type(v).__name__} {v!r:.60}")
-            if i in lows and not lows[i] <= cast(int, v) <= MAX_INT:
-                raise LayoutError(f"{path}: {v} is out of range [{lows[i]}, 2**63)")
-            if want is dict and v:
-                raise LayoutError(f"{path}: expected an empty dict (entries travel as {path}.<key>)")
-        raise AssertionError("ValueCheck._explain found nothing to refuse")  # pragma: no cover
-
-
-def _ok_items(items: Any, vt: tuple[type, ...], low: int) -> bool:
-    """Every one of ``items`` (a container's items, or ``(value,)`` of a union-typed field) has
-    one of the types ``vt`` exactly, ints in ``[low, 2**63)``."""
-    for x in items:
-        t = type(x)
-        if t not in vt or (t is int and not low <= x <= MAX_INT):
-            return False
-    return True
-
-
-class DictSchema:
-    """The schema of a plain ``dict[str, Tensor | value]`` (``cpmeta.broadcast_tensor_dict``).
-
-    Keys are the paths (1-256 printable ASCII characters without ``;`` or ``,``); a layout
-    fixes which keys hold tensors, their dtypes and ranks, and the driver's key order; every
-    value is a plain value (:data:`PLAIN_TYPES`, containers nested at most 8 deep), checked per
-    frame. ``None`` is a value here (the key is kept). Example: ``{"input_ids": t, "num_seqs":
-    3, "lens": (1, 2)}`` -> tensor path ``input_ids``, value paths ``num_seqs``, ``lens``.
-    """
-
-    name = "dict"
-    dict_keys = "dict"
-    fingerprint = hashlib.sha256(b"v1|cpmeta.tensor_dict").hexdigest()[:16]
-
-    def check_layout(self, tensor_paths: list[list[str]], value_paths: list[str]
-                     ) -> tuple[list[list[tuple[str, Optional[str]]]], list[tuple[str, Optional[str]]]]:
-        n = sum(map(len, tensor_paths)) + len(value_paths)
-        if n > MAX_LAYOUT_PATHS:
-            raise LayoutError(f"layout has {n} paths, more than MAX_LAYOUT_PATHS={MAX_LAYOUT_PATHS}")
-        seen: set[str] = set()
-        for p in [p for ps in tensor_paths for p in ps] + value_paths:
-            check_dict_key(p)
-            if p in seen:
-                raise LayoutError(f"{p}: key appears twice in the layout")
-            seen.add(p)
-        return [[(p, None) for p in ps] for ps in tensor_paths], [(p, None) for p in value_paths]
-
-    def check_tensors(self, targets: Any, dtypes: Any, ndims: Any) -> None:
-        return None
-
-    def value_check(self, targets: list[tuple[str, Optional[str]]]) -> "PlainValueCheck":
-        return PlainValueCheck([p for p, _ in targets])
-
-
-def check_dict_key(key: Any) -> None:
-    """Refuse a tensor-dict key that is not 1-256 printable ASCII characters without ``;``/``,``."""
-    if not (type(key) is str and 0 < len(key) <= _DICT_KEY_MAX and key.isascii() and key.isprintable()
-            and ";" not in key and "," not in key):
-        raise LayoutError(f"key {key!r:.80}: expected a str of 1-{_DICT_KEY_MAX} printable ASCII "
-                          "characters without ';' or ','")
-
-
-class PlainValueCheck:
-    """Per frame: every value of a :class:`DictSchema` layout is a plain value (module doc)."""
-
-    def __init__(self, paths: list[str]) -> None:
-        self.paths = paths
-        self.n = len(paths)
-
-    def __call__(self, values: Any) -> None:
-        if type(values) is not list or len(values) != self.n:
-            raise LayoutError(f"values block: expected a list of {self.n} values")
-        for p, v in zip(self.paths, values):
-            if not plain(v):
-                raise LayoutError(f"{p}: {type(v).__name__} {v!r:.60} is not a plain value (None, "
-                                  "bool, int, float, str, or lists / tuples of those)")
-
-
-def plain(v: Any, depth: int = 0) -> bool:
-    """Whether ``v`` is a plain value: a scalar of :data:`PLAIN_TYPES` (ints in int64 range) or a
-    list / tuple of plain values at most 8 deep."""
-    t = type(v)
-    if t is int:
-        return MIN_INT <= v <= MAX_INT
-    if t in (list, tuple):
-        return depth < 8 and all(plain(x, depth + 1) for x in v)
-    return t in PLAIN_TYPES
 
 
 def _fields_getter(names: tuple[str, ...]) -> Callable[[Any], tuple]:

@@ -118,18 +118,19 @@ def ngram_rows(b: BatchArrays, cfg: MetadataConfig, rows: np.ndarray) -> np.ndar
     vals = R[Fc]
     ok = np.ones(Fc.shape, bool)
     use_c = None
+    comp_len = b.comp_len
     if len(b.comp_flat):
-        assert b.comp_len is not None
+        assert comp_len is not None  # extract_batch sets it whenever max_ngram_size > 0
         k = Fc - wcu[seq][:, None]  # index inside the sequence's window
-        use_c = k < b.comp_len[seq][:, None]
+        use_c = k < comp_len[seq][:, None]
     table = cfg.ngram_lookup
     if table is not None:
         tab = table.detach().cpu().to(torch.int64).numpy()
         ok = (vals >= 0) & (vals < len(tab))
         vals = tab[np.where(ok, vals, 0)] if len(tab) else np.zeros_like(vals)
-    if use_c is not None:
+    if use_c is not None and comp_len is not None:
         ccu = np.zeros(b.n_seq + 1, np.int64)
-        np.cumsum(b.comp_len, out=ccu[1:])
+        np.cumsum(comp_len, out=ccu[1:])
         at = np.where(use_c, ccu[seq][:, None] + k, 0)
         vals = np.where(use_c, b.comp_flat[np.minimum(at, len(b.comp_flat) - 1)], vals)
         ok |= use_c
