@@ -198,8 +198,8 @@ def test_partitioned_host_is_named_on_both_sides(run: dict[str, Any]) -> None:
     recs = _expect(run, "partition")
     assert "rank 4 (host c) did not take message" in recs[0]["error"], recs[0]
     assert "rank 2 " not in recs[0]["error"] and "rank 3 " not in recs[0]["error"], recs[0]
-    assert recs[4]["etype"] == "TimeoutError", recs[4]
-    assert "rank 0 (src, host a) sent no message" in recs[4]["error"], recs[4]
+    assert recs[4]["etype"] == "TimeoutError", recs[4]  # no message, or cut in mid-frame
+    assert "rank 0 (src, host a) " in recs[4]["error"] and "within 3 s" in recs[4]["error"], recs[4]
     for r in (2, 3):
         assert "rank 4 (host c)" in recs[r]["error"], recs[r]
 
@@ -208,9 +208,10 @@ def test_driver_host_cut_off_is_named_by_every_remote_follower(run: dict[str, An
     """Host a (driver and rank 1) cut off: every follower on b and c names rank 0 (host a);
     the driver names every remote follower (from its side they all vanished)."""
     recs = _expect(run, "driver-cut")
-    for r in (2, 3, 4):
+    for r in (2, 3, 4):  # "sent no message", or "did not send the rest" when cut mid-frame
         assert recs[r]["etype"] == "TimeoutError", recs[r]
-        assert "rank 0 (src, host a) sent no message" in recs[r]["error"], recs[r]
+        assert "rank 0 (src, host a) " in recs[r]["error"], recs[r]
+        assert "within 3 s" in recs[r]["error"], recs[r]
     for r in (2, 3, 4):
         assert f"rank {r} (host {ph.LAYOUT[r]})" in recs[0]["error"], recs[0]
 
