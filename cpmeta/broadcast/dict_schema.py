@@ -49,6 +49,9 @@ class DictSchema:
     def check_tensors(self, targets: Any, dtypes: Any, ndims: Any) -> None:
         return None
 
+    def fixed_dims(self, targets: Any, ndims: Any) -> list[tuple[int, int, str]]:
+        return []
+
     def value_check(self, targets: list[tuple[str, Optional[str]]]) -> "PlainValueCheck":
         return PlainValueCheck([p for p, _ in targets])
 

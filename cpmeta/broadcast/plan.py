@@ -98,6 +98,7 @@ class Plan:
         self.targets = targets
         self.value_targets = value_targets
         self.check_values = schema.value_check(value_targets)
+        self.fixed = schema.fixed_dims(targets, ndims)  # dims the schema fixes, checked per new dims
         self.tensor_paths = [ps[0] for ps in tpaths]  # for error messages
         self._last: tuple[tuple, tuple] = ((-1,), ())  # dims of the last sizes() -> its result
         # split: dims index of each tensor's first dim (1-D tensors: that dim is the numel)
@@ -156,6 +157,10 @@ class Plan:
         last = self._last
         if last[0] == dims:
             return last[1]
+        for at, size, path in self.fixed:
+            if dims[at] != size:
+                raise WireError(f"{path}: dim {dims[at]} where {self.schema.name} fixes {size} "
+                                f"({self._shapes_text(dims)})")
         if self.all_1d:
             numels = list(dims)
         else:

@@ -63,7 +63,9 @@ _FORBIDDEN_KEY_CHARS = frozenset(".;,")
 class FieldSpec:
     """One field: ``kind`` (tensor / tensor_dict / value / value_dict), the Python type(s) of a
     value (of a value_dict entry, of a list element when ``container`` is list or tuple), its
-    lower bound for ints, and for tensors the pinned ``dtype`` / ``ndim`` (None: free)."""
+    lower bound for ints, and for tensors the pinned ``dtype`` / ``ndim`` (None: free) and
+    ``fixed``: ``(axis, size)`` of every dim the field's shape rule fixes in every step kind
+    (``load_segments_swa`` [num_segments, 4] -> ``((1, 4),)``)."""
 
     name: str
     kind: str
@@ -72,6 +74,19 @@ class FieldSpec:
     container: Optional[type] = None
     dtype: Optional[torch.dtype] = None
     ndim: Optional[int] = None
+    fixed: tuple[tuple[int, int], ...] = ()
+
+
+def _fixed_dims(info: Any) -> tuple[tuple[int, int], ...]:
+    """``(axis, size)`` of the int dims of a field-table shape rule that every step kind shares
+    (``info.shape`` / ``info.prompt_shape``; any other record: none). Example: shape
+    ``("total_q", 4)`` -> ``((1, 4),)``."""
+    shapes = [s for s in (getattr(info, "shape", None), getattr(info, "prompt_shape", None))
+              if isinstance(s, tuple) and s]
+    if not shapes or len({len(s) for s in shapes}) != 1:
+        return ()
+    return tuple((ax, d) for ax, d in enumerate(shapes[0])
+                 if type(d) is int and all(s[ax] == d for s in shapes))
 
 
 def _strip_optional(tp: Any) -> tuple[Any, tuple[Any, ...]]:
@@ -167,9 +182,11 @@ class Schema:
             kind, vtype, container = classify(f"{self.name}.{f.name}", hints[f.name])
             info = f.metadata.get("cpmeta") if f.metadata else None
             low = (lows or {}).get(f.name, int_low)
+            tensor = kind in (TENSOR, TENSOR_DICT)
             specs[f.name] = FieldSpec(f.name, kind, vtype, low, container,
-                                      getattr(info, "dtype", None) if kind in (TENSOR, TENSOR_DICT) else None,
-                                      getattr(info, "ndim", None) if kind in (TENSOR, TENSOR_DICT) else None)
+                                      getattr(info, "dtype", None) if tensor else None,
+                                      getattr(info, "ndim", None) if tensor else None,
+                                      _fixed_dims(info) if tensor else ())
         self.specs = specs
         self.field_names: tuple[str, ...] = tuple(f.name for f in fs)
         self.positions = {n: i for i, n in enumerate(self.field_names)}
@@ -177,7 +194,7 @@ class Schema:
         # a positional row rebuilds the object when every field defaults to None
         self.positional = all(f.default is None for f in fs)
         desc = ";".join(f"{s.name}:{s.kind}:{_tname(s.vtype)}:{s.container and s.container.__name__}"
-                        f":{s.dtype}:{s.ndim}:{s.low}" for s in specs.values())
+                        f":{s.dtype}:{s.ndim}:{s.low}:{s.fixed}" for s in specs.values())
         self.fingerprint = hashlib.sha256(
             f"v{version}|{cls.__module__}.{self.name}|{dict_keys}|{desc}".encode()).hexdigest()[:16]
         self.walks: dict[tuple, Any] = {}  # collect's per-field-types walks (cpmeta.broadcast.collect)
@@ -254,6 +271,20 @@ class Schema:
                         f"{path}: {str(dt).replace('torch.', '')} rank {nd}, {self.name} pins "
                         f"{str(spec.dtype or 'any dtype').replace('torch.', '')} rank "
                         f"{spec.ndim if spec.ndim is not None else 'any'}")
+
+    def fixed_dims(self, targets: list[list[tuple[str, Optional[str]]]], ndims: list[int]
+                   ) -> list[tuple[int, int, str]]:
+        """``(flat dims index, size, path)`` of every dim the layout's fields fix (once per
+        layout). Example: ``load_segments_swa`` rank 2 as the second tensor after a 1-D one ->
+        ``[(2, 4, "load_segments_swa")]``."""
+        out, at = [], 0
+        for ts, nd in zip(targets, ndims):
+            name, key = ts[0]
+            for ax, size in self.specs[name].fixed:
+                if ax < nd:
+                    out.append((at + ax, size, name if key is None else f"{name}.{key}"))
+            at += nd
+        return out
 
     def value_check(self, targets: list[tuple[str, Optional[str]]]) -> "ValueCheck":
         return ValueCheck(self, targets)
