@@ -432,3 +432,56 @@ def test_two_ranks_refuse_shape_and_cleared_flag(remote: bool) -> None:
     assert path == ("remote" if remote else "ring")
     assert "rank 1" in shape and "tensor shapes declare" in shape, shape
     assert "rank 1" in flag and "no crc32" in flag, flag
+
+
+def _redeclared(frame: bytes) -> list[tuple[str, str, bytes]]:
+    """Sealed frames that re-declare a real frame's tensors with the SAME bytes: every run of a
+    dtype as another dtype of its element size, every tensor one rank higher (``[d] -> [d, 1]``),
+    every ``[n, 4]`` / ``[n, 2]`` tensor reshaped to keep its numel (``[n, 4] -> [2n, 2]``). The
+    exact sizes cannot see any of these; the schema's pinned dtypes, ranks and fixed dims must."""
+    from transport import decode_body
+
+    p = parts(frame)
+    paths, codes, ndims, vpaths = decode_body(frame[HEADER.size:HEADER.size + p["llen"]])
+    vals = decode_body(frame[HEADER.size + p["llen"]:HEADER.size + p["llen"] + p["vlen"]])
+    data, dims = frame[p["data_at"]:], p["dims"]
+
+    def f(c: list = codes, nd: list = ndims, d: list = dims) -> bytes:
+        return build([paths, c, nd, vpaths], vals, d, data, p["flags"], tbytes=p["tbytes"])
+
+    names = [x.split(",")[0] for x in paths.split(";")]
+    same_size = {0: 1, 4: 8, 5: 9}  # bool -> uint8, int32 -> float32, int64 -> float64
+    out = []
+    for code, other in same_size.items():
+        if code in codes:
+            first = names[codes.index(code)]
+            out.append((f"run of code {code} as {other}", first, f(c=[other if x == code else x for x in codes])))
+    at = 0
+    for i, (name, nd) in enumerate(zip(names, ndims)):
+        if nd == 1:
+            out.append((f"{name} one rank higher", name,
+                        f(nd=ndims[:i] + [2] + ndims[i + 1:], d=dims[:at + 1] + [1] + dims[at + 1:])))
+        if nd == 2 and dims[at + 1] in (2, 4) and dims[at] % 2 == 0 and dims[at]:
+            out.append((f"{name} reshaped", name,
+                        f(d=dims[:at] + [dims[at] * 2, dims[at + 1] // 2] + dims[at + 2:])))
+        at += nd
+    return out
+
+
+def test_redeclared_dtypes_ranks_and_fixed_dims_are_refused_by_path() -> None:
+    """Issue 33: a writer that recomputes the crcs could re-declare int32 tensors as float32
+    (152 of 152 such changes were accepted before the schema pinned dtypes and ranks)."""
+    md = payloads()[0][1]  # a real prompt step: [n, 4] load plans and pivots, bool masks, int32
+    with loopback() as make:
+        drv = make(0, False)
+        drv.broadcast(md)
+        frame = drv._objects.frames[-1]
+        hostile = _redeclared(frame)
+        assert sum("reshaped" in n for n, _, _ in hostile) >= 1 and len(hostile) > 10, [n for n, _, _ in hostile]
+        for name, want, bad in hostile:
+            fol = make(1, False)
+            with pytest.raises(RuntimeError) as e:
+                receive(fol, bad)
+            msg = str(e.value)
+            assert "rank 1" in msg and want in msg and ("pins" in msg or "fixes" in msg), (name, msg)
+            assert compare(md, receive(fol, frame)) == "equal", name  # and the next frame is fine
