@@ -11,6 +11,7 @@ first); each phase ends with ``done.<phase>.<rank>``.
 |---|---|---|
 | equiv-2x2 | ranks 0-3 (2 hosts x 2 ranks) | none: 1,000 steps, per-step digests of what every rank holds |
 | equiv-3x1 | ranks 0, 2, 4 (3 hosts x 1 rank) | same |
+| replicate-2x2, replicate-3x1 | as the two above | none: the step replicated (ReplicatedBatchState), every rank builds |
 | outage | all 5 | host b's link down for ``OUTAGE_S`` (< timeout), then up: nothing may be lost |
 | sigstop | all 5 | SIGSTOP rank 3 (host b), SIGCONT after the others are done |
 | partition | all 5 | host c's link down until every rank is done, then up |
@@ -43,8 +44,11 @@ from test_faults import _mark, _step, _wait_mark
 __all__ = ["LAYOUT", "PHASES", "EQUIV", "world", "record_path", "fast_digest", "TIMEOUT_S", "STEPS"]
 
 LAYOUT = "aabbc"
-EQUIV = {"equiv-2x2": [0, 1, 2, 3], "equiv-3x1": [0, 2, 4]}
-PHASES = ("equiv-2x2", "equiv-3x1", "outage", "sigstop", "partition", "driver-cut", "sigkill")
+EQUIV = {"equiv-2x2": [0, 1, 2, 3], "equiv-3x1": [0, 2, 4],
+         # the same with the step replicated (ReplicatedBatchState): every rank builds its own
+         "replicate-2x2": [0, 1, 2, 3], "replicate-3x1": [0, 2, 4]}
+PHASES = ("equiv-2x2", "equiv-3x1", "replicate-2x2", "replicate-3x1", "outage", "sigstop",
+          "partition", "driver-cut", "sigkill")
 STEPS = 1000  # per equivalence phase
 TIMEOUT_S = 3.0  # the broadcaster's timeout in fault phases
 EQUIV_TIMEOUT_S = 60.0  # healthy phases: generous (a loaded 2-core machine)
@@ -114,6 +118,8 @@ def _equivalence(rank: int, world: int, tmp: str, seed: int, phase: str) -> Opti
     sent = torch.zeros(STEPS, len(names) + 1, dtype=torch.int64)
     got_d = torch.zeros_like(sent)
     prompts = 0
+    if phase.startswith("replicate"):
+        return _replicated(rank, g, cfg, seed, names, split)
     with cpmeta.MetadataBroadcaster(group=g, src=0, timeout=EQUIV_TIMEOUT_S,
                                     persistent_outputs=True) as bc:
         for step in range(STEPS):
@@ -126,6 +132,31 @@ def _equivalence(rank: int, world: int, tmp: str, seed: int, phase: str) -> Opti
             got_d[step] = torch.tensor(fast_digest(got, names), dtype=torch.int64)
             prompts += bool(got.is_prompt)
     return {"split": split, "got": got_d, "sent": sent if rank == 0 else None,
+            "prompt_steps": prompts, "names": list(names)}
+
+
+def _replicated(rank: int, g: Any, cfg: Any, seed: int, names: tuple[str, ...], split: dict) -> dict:
+    """Driver: the scheduler's calls recorded into a ReplicatedBatchState; everyone: the step
+    synced (ring on the driver's host, the process group across hosts), its metadata built
+    from the rank's own replica and digested (the driver's digest is the reference)."""
+    import cpmeta
+    from launch.scheduler import SyntheticScheduler
+
+    got_d = torch.zeros(STEPS, len(names) + 1, dtype=torch.int64)
+    prompts = 0
+    n = SyntheticScheduler.max_seqs(8, 2)
+    with cpmeta.ReplicatedBatchState(cfg, n, group=g, group_src=0, timeout=EQUIV_TIMEOUT_S,
+                                     check_every=50) as rep:
+        sched = SyntheticScheduler(seed, cfg, "mixed", decode_seqs=8, prompt_seqs=2, max_prompt=600,
+                                   replicated=rep) if rank == 0 else None
+        for step in range(STEPS):
+            if sched is not None:
+                sched.next_batch()
+            batch = rep.sync()
+            md = cpmeta.prepare_prompt(batch, cfg) if batch.is_prompt else cpmeta.prepare_decode(batch, cfg)
+            got_d[step] = torch.tensor(fast_digest(md, names), dtype=torch.int64)
+            prompts += bool(md.is_prompt)
+    return {"split": split, "got": got_d, "sent": got_d.clone() if rank == 0 else None,
             "prompt_steps": prompts, "names": list(names)}
 
 
