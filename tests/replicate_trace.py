@@ -37,10 +37,25 @@ def _free_state_id(st: BatchState, rng: random.Random) -> int:
     return rng.choice(free)
 
 
-def drive(target: Any, cfg: MetadataConfig, rng: random.Random, refusals: Optional[list] = None
-          ) -> tuple[Optional[bool], Any]:
-    """One step of calls on ``target`` (see the module docstring)."""
+def _result(target: Any, results: Optional[list], name: str, *args: Any) -> None:
+    """A call that reports the step's outcome (sampled / accepted tokens): made now, or -- with
+    ``results`` a list -- kept there for the caller to make before the next step's calls (an
+    engine's order: the forward runs between the spec and its results)."""
+    if results is None:
+        getattr(target, name)(*args)
+    else:
+        results.append((name, args))
+
+
+def drive(target: Any, cfg: MetadataConfig, rng: random.Random, refusals: Optional[list] = None,
+          results: Optional[list] = None) -> tuple[Optional[bool], Any]:
+    """One step of calls on ``target`` (see the module docstring); ``results``: see
+    :func:`_result` (its pending calls, if any, are made first)."""
     st = _state(target)
+    if results:
+        for name, args in results:
+            getattr(target, name)(*args)
+        results.clear()
     live = [int(s) for s in np.flatnonzero(st.active)]
     # finishes (their slots are reused by later adds)
     for s in live:
@@ -69,11 +84,11 @@ def drive(target: Any, cfg: MetadataConfig, rng: random.Random, refusals: Option
         got = target.prompt_batch(np.array(slots), np.array(lens), num_placeholders=n_ph)
         for s in slots:  # the prompt done: its first sampled token
             if st.num_computed[s] >= st.prompt_len[s]:
-                target.append_tokens(s, [rng.randrange(1, 999)])
+                _result(target, results, "append_tokens", s, [rng.randrange(1, 999)])
         return True, got
     if not decoding:
         return None, None
-    return False, _decode(target, cfg, st, decoding, n_ph, rng)
+    return False, _decode(target, cfg, st, decoding, n_ph, rng, results)
 
 
 def _moves(target: Any, st: BatchState, live: list[int], rng: random.Random) -> None:
@@ -89,7 +104,7 @@ def _moves(target: Any, st: BatchState, live: list[int], rng: random.Random) -> 
 
 
 def _decode(target: Any, cfg: MetadataConfig, st: BatchState, decoding: list[int], n_ph: int,
-            rng: random.Random) -> Any:
+            rng: random.Random, results: Optional[list] = None) -> Any:
     mode = rng.randrange(3)  # no drafts / 2 drafts each (one count) / 0-2 drafts each
     pairs = [(s, 0 if mode == 0 else 2 if mode == 1 else rng.randint(0, 2))
              for s in rng.sample(decoding, rng.randint(1, len(decoding)))]
@@ -111,7 +126,8 @@ def _decode(target: Any, cfg: MetadataConfig, st: BatchState, decoding: list[int
     else:
         got = target.decode_batch(np.array(slots), drafts, np.array(counts), num_placeholders=n_ph)
     acc = [rng.randint(1, c + 1) for c in counts]  # accepted drafts + the bonus token
-    target.append_tokens_batch(np.array(slots), np.array([rng.randrange(1, 999) for _ in range(sum(acc))]),
+    _result(target, results, "append_tokens_batch", np.array(slots),
+            np.array([rng.randrange(1, 999) for _ in range(sum(acc))]),
                                np.array(acc))
     return got
 
