@@ -16,6 +16,10 @@ default config, ``seqlen_k`` uniform in ``[1, 8192]``), every step timed as
              as ``staged``, but the driver keeps the batch in a ``BatchState`` (filled once from
              the same sequences, untimed: ``bench_build._state_from``) and stages straight from
              its arrays (``stage_decode(upload=False)``); followers still ``broadcast(None)``
+  replicate_inplace
+             every rank keeps the requests in a ``ReplicatedBatchState``; the driver records the
+             step's ``decode_batch``, ``sync()`` sends only that spec, every rank stages from its
+             own replica (``stage_decode``) and runs the kernels: no metadata or staging moved
   bcast      ``MetadataBroadcaster.broadcast(prepare_decode(seqs, cfg))``: the driver builds on
              the CPU, ~20 tensors travel (in the ring message; on CUDA + NCCL one collective)
 
@@ -53,7 +57,7 @@ from bench_broadcast import Method, init_rank, latency_us, run_world_procs, time
 from bench_build import _state_from, decode_batch  # noqa: E402  (same batches and states as the builders' bench)
 
 TARGET_US = 150.0
-METHODS = ("staged", "staged_state", "bcast")
+METHODS = ("staged", "staged_state", "replicate_inplace", "bcast")
 
 
 class StagedMethod(Method):
@@ -88,6 +92,45 @@ class StagedStateMethod(StagedMethod):
         return self.sb.broadcast_state(self.state, self.slots, self.drafts, self.nd, out=self.out)
 
 
+class ReplicateInplaceMethod(Method):
+    """Nothing built moves: every rank keeps the requests (``ReplicatedBatchState``, filled once
+    from the same sequences, untimed), the driver records ``decode_batch`` and ``sync()`` sends
+    the step, every rank stages it straight from ITS replica (``stage_decode`` at ``rep.spec``)
+    and runs the kernels (or the cached graph) into its own buffers."""
+
+    def __init__(self, rank: int, device: torch.device, cfg: Any, seqs: list) -> None:
+        super().__init__(rank, device, None)
+        import cpmeta
+        from cpmeta.gpu import DecodeStaging, staging_capacity
+        from cpmeta.gpu.decode_inplace import finish_staged
+
+        n, tq = len(seqs), sum(s.seqlen_q for s in seqs)
+        self.cfg, self.out, self.finish, self.stage = cfg, {}, finish_staged, cpmeta.stage_decode
+        self.staging = DecodeStaging(device, staging_capacity(cfg, n, tq), fixed=True)
+        self.rep = cpmeta.ReplicatedBatchState(cfg, n, device=device, timeout=120)
+        if rank == 0:
+            for i, s in enumerate(seqs):
+                self.rep.add_request(i, s.token_ids, s.block_table, s.state_id, num_computed=len(s.token_ids),
+                                     swa_valid_start=s.swa_valid_start)
+            self.slots = np.arange(n)
+            self.drafts = np.array([t for s in seqs for t in s.draft_tokens], np.int64)
+            self.nd = np.array([len(s.draft_tokens) for s in seqs])
+        self.rep.sync()  # the requests travel once, untimed
+        self.step(seqs if rank == 0 else None)  # allocate + compile + capture
+
+    def step(self, seqs: Any) -> Any:
+        rep = self.rep
+        if seqs is not None:
+            rep.decode_batch(self.slots, self.drafts, self.nd)
+        rep.sync()
+        spec = rep.spec
+        staged = self.stage(self.staging, rep.state, spec.slots, spec.draft_tokens, spec.num_drafts)
+        return self.finish(self.staging, staged, self.cfg, out=self.out, device=self.device, backend="auto")
+
+    def close(self) -> None:
+        self.rep.close()
+
+
 class BcastMethod(Method):
     def __init__(self, rank: int, device: torch.device, cfg: Any) -> None:
         super().__init__(rank, device, None)
@@ -115,8 +158,9 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_pa
             s.block_table = np.asarray(s.block_table, dtype=np.int32)
     results = []
     for name in args.methods:
-        method = (BcastMethod(rank, device, cfg) if name == "bcast"
-                  else (StagedStateMethod if name == "staged_state" else StagedMethod)(rank, device, cfg, seqs))
+        method = (BcastMethod(rank, device, cfg) if name == "bcast" else
+                  {"staged_state": StagedStateMethod, "replicate_inplace": ReplicateInplaceMethod}.get(
+                      name, StagedMethod)(rank, device, cfg, seqs))
         lat = sorted(time_cell(method, seqs, args.steps, args.warmup, args.budget))
         method.close()
         if rank == 0:
