@@ -59,7 +59,7 @@ sys.path.insert(0, str(ROOT))
 from cpmeta.metadata import InputMetadata  # noqa: E402
 from bench_meta import run_meta  # noqa: E402  (scripts/bench_meta.py: the run block)
 
-METHODS = ("cpmeta", "cpmeta+bs", "cpmeta+p", "bol", "tdict", "mq", "floor")
+METHODS = ("cpmeta", "cpmeta+bs", "cpmeta+p", "cpmeta-tdict", "bol", "tdict", "mq", "floor")
 MODES = ("barrier", "engine")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # mq: the vllm bundle imports without CUDA
 
@@ -282,7 +282,8 @@ def print_table(results: list[dict]) -> None:
     for r in results:
         cells.setdefault((r["world"], r["payload"], r["attn_info"], r["bytes"], r.get("mode", "barrier")),
                          {})[r["method"]] = r
-    ratios = [(a, b) for a in ("cpmeta", "cpmeta+p") for b in ("mq", "floor")]
+    ratios = [(a, b) for a in ("cpmeta", "cpmeta+p") for b in ("mq", "floor")] + [
+        ("cpmeta-tdict", "tdict"), ("cpmeta-tdict", "mq")]
     hdr = f"{'world':>5} {'payload':>11} {'attn':>4} {'bytes':>9} {'mode':>7}" + "".join(
         f" {m:>10}" for m in METHODS) + "".join(f" {a + '/' + b:>15}" for a, b in ratios)
     print(hdr)

@@ -124,6 +124,27 @@ class TensorDictMethod(Method):
         return InputMetadata.from_flatten_dict(out)
 
 
+class CpmetaTensorDictMethod(Method):
+    """``cpmeta.broadcast_tensor_dict`` (the drop-in for vLLM's ``GroupCoordinator.
+    broadcast_tensor_dict``) carrying ``md.to_flatten_dict()``: one frame, the layout cached by
+    the dict's keys and kinds (empty-dict fields are left out: a tensor dict's values are plain)."""
+
+    def step(self, md: Any) -> Any:
+        import cpmeta
+        from cpmeta.metadata import InputMetadata
+
+        flat = None
+        if self.rank == 0:
+            flat = {k: v for k, v in md.to_flatten_dict().items() if v is not None and not isinstance(v, dict)}
+        got = cpmeta.broadcast_tensor_dict(flat, src=0)
+        return md if self.rank == 0 else InputMetadata.from_flatten_dict(got)
+
+    def close(self) -> None:
+        import cpmeta
+
+        cpmeta.close_tensor_dict_channels()
+
+
 class FloorMethod(Method):
     """One broadcast of a preallocated buffer of the payload's bytes + one 4 KiB message."""
 
@@ -166,6 +187,7 @@ def make_method(name: str, rank: int, device: torch.device) -> Optional[Method]:
 
     cls = {"cpmeta": CpmetaMethod, "cpmeta+bs": CpmetaBeginStepMethod,
            "cpmeta+p": CpmetaPersistentMethod, "bol": BolMethod, "tdict": TensorDictMethod,
+           "cpmeta-tdict": CpmetaTensorDictMethod,
            "floor": FloorMethod, "mq": MessageQueueMethod}[name]
     if name == "mq":
         ok = torch.tensor([1])
