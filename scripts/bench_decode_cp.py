@@ -102,10 +102,11 @@ class ReplicateInplaceMethod(Method):
         super().__init__(rank, device, None)
         import cpmeta
         from cpmeta.gpu import DecodeStaging, staging_capacity
-        from cpmeta.gpu.decode_inplace import finish_staged
+        from cpmeta.gpu.decode_inplace import finish_staged, resolve_backend
 
         n, tq = len(seqs), sum(s.seqlen_q for s in seqs)
         self.cfg, self.out, self.finish, self.stage = cfg, {}, finish_staged, cpmeta.stage_decode
+        self.backend = resolve_backend("auto", device)  # Triton on CUDA, the emulation on CPU
         self.staging = DecodeStaging(device, staging_capacity(cfg, n, tq), fixed=True)
         self.rep = cpmeta.ReplicatedBatchState(cfg, n, device=device, timeout=120)
         if rank == 0:
@@ -124,8 +125,9 @@ class ReplicateInplaceMethod(Method):
             rep.decode_batch(self.slots, self.drafts, self.nd)
         rep.sync()
         spec = rep.spec
-        staged = self.stage(self.staging, rep.state, spec.slots, spec.draft_tokens, spec.num_drafts)
-        return self.finish(self.staging, staged, self.cfg, out=self.out, device=self.device, backend="auto")
+        staged = self.stage(self.staging, rep.state, spec.slots, spec.draft_tokens, spec.num_drafts,
+                            upload=False)  # finish_staged uploads
+        return self.finish(self.staging, staged, self.cfg, out=self.out, device=self.device, backend=self.backend)
 
     def close(self) -> None:
         self.rep.close()

@@ -247,6 +247,11 @@ class Broadcast(_Strategy):
         self.bc.close()
 
 
+def _batches(got: Any) -> list[Any]:
+    """``sync()``'s result as a list (None: no spec; a tuple: a mixed step's specs)."""
+    return [] if got is None else list(got) if isinstance(got, tuple) else [got]
+
+
 class Replicate(_Strategy):
     def __init__(self, rank: int, cfg: Any, device: torch.device, max_seqs: int, n_specs: int,
                  timeout: float) -> None:
@@ -263,23 +268,22 @@ class Replicate(_Strategy):
         return to_device(mds, self.device, rec)
 
     def driver(self, ops: list[tuple], rec: np.ndarray) -> list[Any]:
-        batches, t = [], pc()
+        t = pc()
+        self.rep.begin_step()  # parked followers wake and spin while the driver records
         for name, args, kw in ops:  # each call applied to the driver's replica and recorded
             getattr(self.rep, name)(*args, **kw)
-            if name in SPECS:  # one spec per sync(): a mixed step sends two frames
-                t1 = pc()
-                rec[APPLY] += t1 - t
-                rec[SEND0] = rec[SEND0] or t1
-                batches.append(self.rep.sync())
-                t = pc()
-                rec[SEND] += t - t1
-        return self._build(batches, rec)
+        t1 = pc()
+        rec[APPLY] += t1 - t
+        rec[SEND0] = rec[SEND0] or t1
+        got = self.rep.sync()  # ONE frame per step (a mixed step's two specs included)
+        rec[SEND] += pc() - t1
+        return self._build(_batches(got), rec)
 
     def follower(self, rec: np.ndarray) -> list[Any]:
         _TIMER["first"] = _TIMER["total"] = 0.0
-        batches = [self.rep.sync() for _ in range(self.n_specs)]
+        got = self.rep.sync()
         rec[RECV], rec[APPLY] = _TIMER["first"], _TIMER["total"]
-        return self._build(batches, rec)
+        return self._build(_batches(got), rec)
 
     def close(self) -> None:
         self.rep.close()

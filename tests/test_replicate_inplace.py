@@ -22,7 +22,7 @@ HAS_CUDA = torch.cuda.is_available()
 
 def _rank(rank: int, world: int, device: str, seed: int) -> int:
     import cpmeta
-    from cpmeta.gpu.decode_inplace import finish_staged
+    from cpmeta.gpu.decode_inplace import finish_staged, resolve_backend
     from launch.scheduler import plain_config
     from replicate_trace import drive
 
@@ -43,8 +43,10 @@ def _rank(rank: int, world: int, device: str, seed: int) -> int:
             if batch is None or spec is None or spec.is_prompt:
                 continue
             staged = cpmeta.stage_decode(staging, rep.state, spec.slots, spec.draft_tokens,
-                                         spec.num_drafts, num_placeholders=spec.num_placeholders)
-            md = finish_staged(staging, staged, cfg, out=None, device=dev, backend="auto")
+                                         spec.num_drafts, num_placeholders=spec.num_placeholders,
+                                         upload=False)  # finish_staged uploads
+            md = finish_staged(staging, staged, cfg, out=None, device=dev,
+                               backend=resolve_backend("auto", dev))  # Triton on CUDA
             want = cpmeta.prepare_decode(batch, cfg)  # this rank's batch (== the driver's: checked)
             assert cpmeta.metadata_diff(md.to("cpu"), want, cfg=cfg) == [], (rank, n)
             n += 1

@@ -199,7 +199,9 @@ def finish_staged(
 ) -> InputMetadata:
     """The device half of :func:`prepare_decode_inplace` for a batch already in ``st``'s host buffer:
     capacity check against ``out`` (``ValueError`` before anything reaches the device), buffers,
-    ONE upload, the kernels (or their cached graph). Shared with the CP path (``decode_cp``)."""
+    ONE upload, the kernels (or their cached graph). Shared with the CP path (``decode_cp``).
+    ``backend`` as for :func:`prepare_decode_inplace` (``"auto"``: Triton on CUDA)."""
+    backend = resolve_backend(backend, device)  # "auto" must never mean the emulation on CUDA
     cache = None
     if out is None:
         bufs, views = make_buffers({}, cfg, staged.num_seqs, staged.total_q, device)
