@@ -316,7 +316,37 @@ def _history(folder: Path) -> str:
 
 
 #: Generated blocks: name -> (doc, text of the block from the folder).
+def _step_h200(folder: Path) -> str:
+    """The end-to-end step on the H200 host (``h200_step.json``'s current run): p50 / p90 per
+    strategy, the ratios, the best strategy's phases, the driver's cold step."""
+    rid, run, d = runs("h200_step.json", folder)[-1]
+    strat = ("broadcast", "replicate", "mq-replicate", "mq-broadcast")
+    cell: dict[tuple, dict[str, Any]] = {}
+    for r in d["results"]:
+        cell.setdefault((r["world"], r["workload"]), {})[r["strategy"]] = r
+    out = [f"Run {rid} ({run['date']}, {run['host']}, commit {str(run['commit'])[:7]}): `{run['command']}`", "",
+           "| world | workload | " + " | ".join(f"{s} p50 / p90" for s in strat) + " | replicate / mq-replicate "
+           "| best / mq-broadcast | best: phases p50 (driver apply, driver build, send, wake + receive, "
+           "apply, build) |", "|---" * 9 + "|"]
+    order = {w: i for i, w in enumerate(("decode-64", "decode-256", "mixed", "prompt"))}
+    for (w, wl), ms in sorted(cell.items(), key=lambda kv: (kv[0][0], order.get(kv[0][1], 9))):
+        best = min(ms, key=lambda s: ms[s]["p50_us"])
+        ph = ms[best]["phases_p50_us"]
+        row = [f"{ms[s]['p50_us']:.0f} / {ms[s]['p90_us']:.0f} µs" if s in ms else "-" for s in strat]
+        rr = ms["replicate"]["p50_us"] / ms["mq-replicate"]["p50_us"] if "mq-replicate" in ms else float("nan")
+        rb = ms[best]["p50_us"] / ms["mq-broadcast"]["p50_us"] if "mq-broadcast" in ms else float("nan")
+        out.append(f"| {w} | {wl} | " + " | ".join(row) + f" | {rr:.2f} | {best} {rb:.2f} | " + ", ".join(
+            f"{ph[k]:.0f}" for k in ("driver_apply", "driver_build", "send", "wake_recv", "apply", "build")) + " µs |")
+    out += ["", "Cold step on the driver (p50 apply / build): " + "; ".join(
+        f"{c['workload']} back to back {c['back_to_back']['apply_p50_us']:.0f} / {c['back_to_back']['build_p50_us']:.0f} µs, "
+        f"after 3 ms {c['gap_3ms']['apply_p50_us']:.0f} / {c['gap_3ms']['build_p50_us']:.0f} µs, after 30 ms "
+        f"{c['gap_30ms']['apply_p50_us']:.0f} / {c['gap_30ms']['build_p50_us']:.0f} µs (warm-loop build "
+        f"{c['warm_loop']['build_p50_us']:.0f} µs)" for c in d["cold"]) + "."]
+    return "\n".join(out) + "\n"
+
+
 BLOCKS: dict[str, tuple[Path, Callable[[Path], str]]] = {
+    "step-h200": (DOCS[1], _step_h200),
     "readme-measured": (DOCS[0], _readme_measured),
     "readme-plain": (DOCS[0], _readme_plain),
     "readme-gaps": (DOCS[0], _readme_gaps),
