@@ -137,38 +137,43 @@ def test_subgroup_with_nonzero_src() -> None:
     assert run_ranks(_subgroup, 4, 5, timeout=180) == [-1, 4, 4, 4]
 
 
-def _schema_mismatch(rank: int, world: int) -> list[str]:
+def _schema_mismatch(rank: int, world: int) -> str:
     import cpmeta
     from cpmeta.broadcast import schema
 
-    res = []
-    fp = schema.INPUT_METADATA.fingerprint
     if rank == 1:  # pretend this follower runs another cpmeta version: refused at construction
         schema.INPUT_METADATA.fingerprint = "0" * 16
     try:
         cpmeta.MetadataBroadcaster(src=0, timeout=30)
-        res.append("constructed")
     except ValueError as e:
-        res.append(str(e))
-    schema.INPUT_METADATA.fingerprint = fp
-    with cpmeta.MetadataBroadcaster(src=0, timeout=30) as bc:  # the same check per frame
+        return str(e)
+    return "constructed"
+
+
+def test_schema_mismatch_is_refused_at_construction() -> None:
+    for msg in run_ranks(_schema_mismatch, 2, timeout=120):  # both ranks, naming the ranks
+        assert "MetadataBroadcaster schema setting differs" in msg and "at ranks [0]" in msg \
+            and "at ranks [1]" in msg, msg
+
+
+def _schema_skew_per_frame(rank: int, world: int) -> str:
+    import cpmeta
+
+    with cpmeta.MetadataBroadcaster(src=0, timeout=30) as bc:  # the same check on every frame
         if rank == 1:
             bc._ch.reader.fingerprint = b"0" * 16
         cfg, local = _random_case(3, 0, False)
         try:
             bc.broadcast(local if rank == 0 else None)
-            res.append("ok")
         except RuntimeError as e:
-            res.append(str(e))
-    return res
+            return str(e)
+        return "ok"
 
 
 def test_schema_mismatch_is_an_error_on_the_follower() -> None:
-    out = run_ranks(_schema_mismatch, 2, timeout=120)
-    for msg in (out[0][0], out[1][0]):  # both ranks refuse to construct, naming the ranks
-        assert "MetadataBroadcaster schema setting differs" in msg and "at ranks [0]" in msg and "at ranks [1]" in msg, msg
-    assert out[0][1] == "ok"
-    assert "schema" in out[1][1] and "mismatch" in out[1][1] and "rank 1" in out[1][1], out[1][1]
+    out = run_ranks(_schema_skew_per_frame, 2, timeout=120)
+    assert out[0] == "ok"
+    assert "schema" in out[1] and "mismatch" in out[1] and "rank 1" in out[1], out[1]
 
 
 def _bad_calls(rank: int, world: int) -> list[str]:

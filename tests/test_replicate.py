@@ -237,3 +237,54 @@ def _mismatched_config(rank: int, world: int) -> str:
 def test_replicas_must_agree_on_config_and_capacity() -> None:
     for msg in run_ranks(_mismatched_config, 2, timeout=60):
         assert "state setting differs" in msg and "[0]" in msg and "[1]" in msg, msg
+
+
+def _fault_rank(rank: int, world: int, fault: str) -> dict:
+    """A replicated trace where rank 2 dies (SIGKILL) or freezes (sleeps past the timeout) at
+    step 20; what every other rank sees, how soon, and whether it still holds a segment."""
+    import os
+    import signal
+    import time as _time
+
+    import cpmeta
+    from reliability_cases import project_fds, project_mappings
+    from replicate_trace import drive
+
+    cfg = _config("plain")
+    rng = random.Random(3)
+    out: dict = {"etype": None, "error": None, "t_fault": None, "t_err": None}
+    rep = cpmeta.ReplicatedBatchState(cfg, 6, max_tokens=1024, timeout=3.0)
+    try:
+        for step in range(1, 2000):
+            if rank == 2 and step == 20:
+                if fault == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                _time.sleep(8)  # stalled well past the 3 s timeout
+            if rank == 0:
+                drive(rep, cfg, rng, [])
+            if step == 20:
+                out["t_fault"] = _time.monotonic()
+            rep.sync()
+    except Exception as e:  # noqa: BLE001 - the injected fault, by whatever name it surfaces
+        out.update(etype=type(e).__name__, error=str(e)[:300], t_err=_time.monotonic())
+    rep.close()
+    out["held"] = (project_fds(), project_mappings())
+    return out
+
+
+@pytest.mark.parametrize("fault", ["kill", "stall"])
+def test_dead_or_stalled_follower_is_named(fault: str) -> None:
+    from multiproc import spawn_ranks
+    from reliability_cases import project_shm_entries
+
+    with spawn_ranks(_fault_rank, 3, fault, timeout=120) as g:
+        if fault == "stall":
+            out = g.results(allow_dead=(1, 2))
+        else:
+            out = g.results(allow_dead=(2,))
+    drv = out[0]
+    assert drv["etype"] in ("PeerError", "TimeoutError"), drv
+    assert "rank 2" in drv["error"], drv
+    assert drv["t_err"] - drv["t_fault"] < 10.0, drv  # within the 3 s timeout (plus the ring's slack)
+    assert drv["held"] == ([], []), drv
+    assert not project_shm_entries()

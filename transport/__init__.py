@@ -9,6 +9,7 @@
 
 from .codec import CodecError, TensorDesc, decode, decode_body, encode, encode_body, schema_fingerprint
 from .errors import PeerError, RingClosedError
+from .gather import gather_ints
 from .object_channel import ObjectChannel
 from .shm_ring import ShmRing, ShmRingHandle, ring_from_process_group
 from .tensor_channel import TensorChannel
@@ -27,5 +28,6 @@ __all__ = [
     "ShmRingHandle",
     "ring_from_process_group",
     "ObjectChannel",
+    "gather_ints",
     "TensorChannel",
 ]

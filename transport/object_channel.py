@@ -137,7 +137,12 @@ class ObjectChannel:
             self._watch = {r: PeerWatch(pids[r]) for r in [src, *self.remote_ranks]
                            if r != self.rank and keys[r] == key}
 
-    def _who(self, rank: int) -> str:
+    @property
+    def channel_key(self) -> str:
+        """A store key prefix unique to this channel, the same on every member (``gather``)."""
+        return self._reason_key.replace("/reason/", "/chan/", 1)
+
+    def who(self, rank: int) -> str:
         """``"rank 4 (host c)"`` (``src`` marked as such)."""
         role = "src, " if rank == self.src else ""
         return f"rank {rank} ({role}host {self.hosts.get(rank, '?')})"
@@ -179,26 +184,26 @@ class ObjectChannel:
         except RemoteFailure as e:
             err: Exception = self._followers_failed(e)
         except RemoteAbort as e:
-            err = PeerError(f"{self._me}: {self._who(self.src)} stopped the channel at message "
+            err = PeerError(f"{self._me}: {self.who(self.src)} stopped the channel at message "
                             f"{self._count}: {e.reason}")
         except TimeoutError as e:
             err = TimeoutError(f"{self._me}: message {self._count}: {self._label_ranks(str(e))}")
         except RuntimeError as e:
             reason = fetch_reason(self._reason_key) if self.rank != self.src else None
-            err = (PeerError(f"{self._me}: {self._who(self.src)} stopped the channel at message "
+            err = (PeerError(f"{self._me}: {self.who(self.src)} stopped the channel at message "
                              f"{self._count}: {reason}") if reason else self._peer_failure(e))
         self.failure = str(err)
         raise err
 
     def _followers_failed(self, e: RemoteFailure) -> Exception:
         """``src``: name the followers of ``e``, tell the healthy ones, return the error."""
-        parts = [f"{self._who(r)} did not take message {self._count} within {e.timeout_s:g} s "
+        parts = [f"{self.who(r)} did not take message {self._count} within {e.timeout_s:g} s "
                  "(stalled, stopped or unreachable)" for r in e.stalled]
         dead = self._dead_among(list(e.broken))
         for r, msg in sorted(e.broken.items()):
             how = (f"died (pid {self._watch[r].pid})" if r in dead else
                    "closed its connection (its process died, or its host reset the link)")
-            parts.append(f"{self._who(r)} {how}: {msg}")
+            parts.append(f"{self.who(r)} {how}: {msg}")
         text = "; ".join(parts)
         post_reason(self._reason_key, text)  # for followers that see the group close
         if not e.stalled:  # no wait timed out: the group is still open, tell them over it
@@ -209,7 +214,7 @@ class ObjectChannel:
 
     def _label_ranks(self, text: str) -> str:
         """``rank 0 (src)`` in a transport message -> ``rank 0 (src, host a)``."""
-        return text.replace(f"rank {self.src} (src)", self._who(self.src))
+        return text.replace(f"rank {self.src} (src)", self.who(self.src))
 
     def _dead_among(self, ranks: list[int]) -> list[int]:
         """The same-host peers among ``ranks`` whose process is gone, looked for a moment (a
@@ -229,7 +234,7 @@ class ObjectChannel:
         if dead:
             who = ", ".join(f"rank {r} (pid {self._watch[r].pid}) died" for r in dead)
         elif self.rank != self.src:
-            who = f"{self._who(self.src)} closed its connection (died, or its host reset the link)"
+            who = f"{self.who(self.src)} closed its connection (died, or its host reset the link)"
         else:
             who = f"a peer among ranks {members} failed or is unreachable"
         return PeerError(f"{self._me} (src {self.src}): process-group broadcast failed at "

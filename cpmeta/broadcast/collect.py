@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..cache import BoundedCache
 from .dict_schema import check_dict_key
 from .schema import INPUT_METADATA, Schema
 from .wire import ALIAS_SEP, DTYPE_CODE, MAX_LAYOUTS, PATH_SEP, WIRE_DTYPES, getter
@@ -38,12 +39,9 @@ def collect(md: Any, schema: Schema = INPUT_METADATA) -> tuple[tuple, list[torch
         raise TypeError(f"expected {schema.name}, got {type(md).__name__}")
     vals = schema.get_all(md)
     sig = tuple(map(type, vals))
-    walks = schema.walks
-    w = walks.get(sig)
+    w = schema.walks.get(sig)
     if w is None:
-        if len(walks) >= MAX_LAYOUTS:
-            walks.clear()
-        w = walks[sig] = Walk(sig, schema.field_names)
+        w = schema.walks.put(sig, Walk(sig, schema.field_names))
     return w(vals)
 
 
@@ -64,13 +62,11 @@ def collect_dict(d: Any) -> tuple[tuple, list[torch.Tensor], list[Any]]:
     if w is None:
         for k in keys:
             check_dict_key(k)
-        if len(_DICT_WALKS) >= MAX_LAYOUTS:
-            _DICT_WALKS.clear()
-        w = _DICT_WALKS[sig] = Walk(sig[1], keys, order=keys)
+        w = _DICT_WALKS.put(sig, Walk(sig[1], keys, order=keys))
     return w(vals)
 
 
-_DICT_WALKS: dict[tuple, "Walk"] = {}
+_DICT_WALKS: BoundedCache[tuple, "Walk"] = BoundedCache(MAX_LAYOUTS)
 
 
 def field_kinds(sig: tuple[type, ...]) -> tuple[list[int], list[int], list[int], list[int]]:
@@ -114,8 +110,8 @@ class Walk:
         self.dicts = [(i, names[i]) for i in didx]
         self.get_t = getter(tidx)
         self.get_v = getter(vidx)
-        self.subs: dict[tuple, tuple] = {}  # dict keys + entry types -> _entries()
-        self.keys: dict[tuple, tuple] = {}  # step key -> (layout key, order)
+        self.subs: BoundedCache[tuple, tuple] = BoundedCache(MAX_LAYOUTS)  # dict keys + entry types -> _entries()
+        self.keys: BoundedCache[tuple, tuple] = BoundedCache(MAX_LAYOUTS)  # step key -> (layout key, order)
 
     def __call__(self, vals: tuple) -> tuple[tuple, list[torch.Tensor], list[Any]]:
         objs = self.get_t(vals)
@@ -126,9 +122,7 @@ class Walk:
             dkey: tuple = (tuple(map(tuple, ds)), tuple(map(type, dvals)))
             sub = self.subs.get(dkey)
             if sub is None:
-                if len(self.subs) >= MAX_LAYOUTS:
-                    self.subs.clear()
-                sub = self.subs[dkey] = self._entries(dkey)
+                sub = self.subs.put(dkey, self._entries(dkey))
             objs += sub[0](dvals)
             values += sub[1](dvals)
             if sub[2]:
@@ -141,9 +135,7 @@ class Walk:
         skey = (dkey, alias, tuple(map(_DTYPE, objs)), tuple(map(_DIM, objs)))
         hit = self.keys.get(skey)
         if hit is None:
-            if len(self.keys) >= MAX_LAYOUTS:
-                self.keys.clear()
-            hit = self.keys[skey] = self._layout(skey, objs)
+            hit = self.keys.put(skey, self._layout(skey, objs))
         key, order = hit
         return key, (order(objs) if order is not None else objs), values
 

@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..cache import BoundedCache
 from .collect import collect, field_kinds
 from .schema import Schema
 from .wire import MAX_LAYOUTS
@@ -130,7 +131,7 @@ class CollectMemo:
 
     def __init__(self, schema: Schema) -> None:
         self.schema = schema
-        self._by_sig: dict[tuple, Optional[_Entry]] = {}
+        self._by_sig: BoundedCache[tuple, Optional[_Entry]] = BoundedCache(MAX_LAYOUTS)
         self._last: Optional[_Entry] = None  # the entry of the last hit, tried first
 
     def __call__(self, md: Any) -> tuple[tuple, list[torch.Tensor], list[Any]]:
@@ -157,8 +158,6 @@ class CollectMemo:
         elif sig in self._by_sig:  # disabled for these field types
             return (*collect(md, self.schema), None)
         key, tensors, values = collect(md, self.schema)
-        if len(self._by_sig) >= MAX_LAYOUTS:
-            self._by_sig.clear()
         self._last = None
         e = _Entry(self.schema.field_names, sig, vals, key, tensors)
         flat = list(chain.from_iterable(map(dict.values, e.dget(md))))
@@ -166,5 +165,5 @@ class CollectMemo:
         ok = len(again) == len(values) and all(
             a is b or (type(a) is dict and type(b) is dict and not a and not b)
             for a, b in zip(again, values))
-        self._by_sig[sig] = e if ok and type(tensors) is list else None
+        self._by_sig.put(sig, e if ok and type(tensors) is list else None)
         return key, tensors, values, None

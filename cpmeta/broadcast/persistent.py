@@ -42,6 +42,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from ..cache import BoundedCache
 from .. import envs
 from .arena import LayoutArena
 from .collect_memo import CollectMemo
@@ -87,7 +88,8 @@ class PersistentArenas:
         if policy.kinds is not None and "is_prompt" not in schema.field_names:
             raise ValueError(f"PersistentPolicy.kinds: {schema.name} has no is_prompt field to tell "
                              "a step's kind; use kinds=None")
-        self._kind_at: dict[Any, Optional[int]] = {}  # plan -> index of is_prompt in its values
+        # plan -> index of is_prompt in its values
+        self._kind_at: BoundedCache[Any, Optional[int]] = BoundedCache(SEEN_LAYOUTS)
         self._depth, self._min_repeats = policy.depth, policy.min_repeats
         self._poison = envs.poison_arenas()
         self._rings: "OrderedDict[tuple, _Ring]" = OrderedDict()
@@ -181,9 +183,7 @@ class PersistentArenas:
         names = schema.field_names
         at = next((i for i, (pos, sub) in enumerate(plan.value_slots)
                    if sub is None and names[pos] == "is_prompt"), None)
-        if len(self._kind_at) >= SEEN_LAYOUTS:
-            self._kind_at.clear()
-        self._kind_at[plan] = at
+        self._kind_at.put(plan, at)
         return at
 
     def _new(self, key: tuple, plan: Plan, dims: tuple[int, ...], numels: list[int],

@@ -45,6 +45,7 @@ from typing import Any, Callable, Optional, Union, cast
 
 import torch
 
+from ..cache import BoundedCache
 from .value_check import MAX_INT, MIN_INT, TENSOR, TENSOR_DICT, VALUE, VALUE_DICT, LayoutError, ValueCheck
 
 __all__ = ["FieldSpec", "Schema", "check_key", "classify", "MAX_LAYOUT_PATHS", "MAX_KEY_DIGITS",
@@ -52,6 +53,7 @@ __all__ = ["FieldSpec", "Schema", "check_key", "classify", "MAX_LAYOUT_PATHS", "
            "SCHEMA_FINGERPRINT"]
 
 MAX_LAYOUT_PATHS = 1024  # tensor paths (aliases counted) + value paths of one layout
+MAX_LAYOUTS_CACHED = 256  # field-type walks a schema keeps (wire.MAX_LAYOUTS)
 MAX_KEY_DIGITS = 10  # ratio keys: "1" .. "9999999999"
 MAX_NAME_KEY = 64  # characters of a "name" dict key / a DictSchema key (256)
 SCALARS: tuple[type, ...] = (bool, int, float, str)
@@ -197,7 +199,8 @@ class Schema:
                         f":{s.dtype}:{s.ndim}:{s.low}:{s.fixed}" for s in specs.values())
         self.fingerprint = hashlib.sha256(
             f"v{version}|{cls.__module__}.{self.name}|{dict_keys}|{desc}".encode()).hexdigest()[:16]
-        self.walks: dict[tuple, Any] = {}  # collect's per-field-types walks (cpmeta.broadcast.collect)
+        # collect's per-field-types walks (cpmeta.broadcast.collect)
+        self.walks: BoundedCache[tuple, Any] = BoundedCache(MAX_LAYOUTS_CACHED)
 
     @classmethod
     def of(cls, dc: type, **kw: Any) -> "Schema":

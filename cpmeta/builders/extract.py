@@ -14,6 +14,8 @@ from typing import Sequence, Union
 
 import numpy as np
 
+from ..cache import BoundedCache
+
 from ..config import MetadataConfig, blocks_needed_array
 from ..sequence import SequenceMetadata
 from .batch_arrays import BatchArrays, arange_ro, expand_rows
@@ -40,7 +42,7 @@ def as_sequence_batch(seqs: BatchInput, cfg: MetadataConfig, *, is_prompt: bool)
 
 
 #: ``n -> (arange(n), zeros(n))`` read-only: ``row_seq`` / ``row_j`` of a one-row-per-sequence batch.
-_IDENTITY: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+_IDENTITY: BoundedCache[int, tuple[np.ndarray, np.ndarray]] = BoundedCache(64)
 
 
 def _identity(n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -48,9 +50,7 @@ def _identity(n: int) -> tuple[np.ndarray, np.ndarray]:
     one-row-per-sequence batch (and ``arange(n + 1)`` its ``cu_q``)."""
     hit = _IDENTITY.get(n)
     if hit is None:
-        if len(_IDENTITY) > 64:
-            _IDENTITY.clear()
-        hit = _IDENTITY[n] = (np.arange(n, dtype=np.int64), np.zeros(n, np.int64))
+        hit = _IDENTITY.put(n, (np.arange(n, dtype=np.int64), np.zeros(n, np.int64)))
         for a in hit:
             a.flags.writeable = False
     return hit

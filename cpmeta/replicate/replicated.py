@@ -232,16 +232,24 @@ class ReplicatedBatchState(Recorder):
         return ", ".join(ids) + (", ..." if len(cols["spec_slots"]) > 4 else "")
 
     def _check_replicas(self, step: int) -> None:
-        """Collective over the gloo group: every rank's folded replica digest; on a mismatch the
-        per-slot digests name the first differing request, and EVERY rank raises."""
+        """Collective: every rank's replica digest (``transport.gather_ints``: bounded by the
+        timeout, an absent rank named); on a mismatch the per-slot digests (one gloo all_gather:
+        every rank is alive, it just reported) name the first differing request, and EVERY rank
+        raises."""
         ctrl = self._ch.objects.ctrl
         ranks = dist.get_process_group_ranks(ctrl)
         band = self._band(step)
         digest = self._spec_digest if self._spec_digest is not None else replica_digest(self.state, band)
         held, self._spec_digest, self._spec_snap = self._spec_snap, None, None
-        got = [torch.zeros(1, dtype=torch.int64) for _ in ranks]
-        dist.all_gather(got, torch.tensor([digest], dtype=torch.int64), group=ctrl)
-        if len({int(t.item()) for t in got}) == 1:
+        from transport import gather_ints  # cpmeta -> transport only
+
+        try:  # bounded by the timeout; a rank that never reports is named
+            got = gather_ints(self._ch.objects, f"replica-check-{step}", digest)
+        except TimeoutError as e:
+            self._broken = f"step {step}: replica check: {e}"
+            raise TimeoutError(f"ReplicatedBatchState rank {self.rank}: step {step}: replica check: "
+                               f"{e}") from None
+        if len(set(got.values())) == 1:
             return
         # the slow path: every rank's per-slot digests (the driver's as of the step's spec)
         per_slot = slot_digests(held if held is not None else snapshot(self.state, band))

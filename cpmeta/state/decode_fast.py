@@ -26,6 +26,8 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
+from ..cache import BoundedCache
+
 from .batch import prefix
 from .checks import ids_in_int32
 from .store import StateStore
@@ -35,7 +37,7 @@ from .vouched import StateDecodeBatch, vouched_decode_batch
 __all__ = ["decode_batch_fast", "is_draft_count", "vouch_decode_step", "VouchedStep"]
 
 #: ``n -> read-only arrays`` shared by every fast batch of n sequences (a batch is immutable).
-_CONST: dict[int, tuple[np.ndarray, ...]] = {}
+_CONST: BoundedCache[int, tuple[np.ndarray, ...]] = BoundedCache(64)
 
 
 def _consts(n: int) -> tuple[np.ndarray, ...]:
@@ -44,17 +46,15 @@ def _consts(n: int) -> tuple[np.ndarray, ...]:
     ``compressed_offsets`` and ``compressed``."""
     hit = _CONST.get(n)
     if hit is None:
-        if len(_CONST) > 64:
-            _CONST.clear()
-        hit = _CONST[n] = (np.ones(n, np.int64), np.zeros(n, bool), np.arange(n + 1, dtype=np.int64),
-                           np.zeros(n + 1, np.int64), np.zeros(0, np.int64))
+        hit = _CONST.put(n, (np.ones(n, np.int64), np.zeros(n, bool), np.arange(n + 1, dtype=np.int64),
+                             np.zeros(n + 1, np.int64), np.zeros(0, np.int64)))
         for a in hit:
             a.flags.writeable = False
     return hit
 
 
 #: ``(n, k) -> bytes`` of ``np.full(n, k, np.int64)``: the counts of a step where every request has k drafts.
-_UNIFORM: dict[tuple[int, int], bytes] = {}
+_UNIFORM: BoundedCache[tuple[int, int], bytes] = BoundedCache(64)
 
 
 def _uniform_counts(n: int, k: int) -> bytes:
@@ -62,9 +62,7 @@ def _uniform_counts(n: int, k: int) -> bytes:
     them iff every request has ``k`` drafts. Example: ``(2, 1)`` -> the 16 bytes of ``[1, 1]``."""
     hit = _UNIFORM.get((n, k))
     if hit is None:
-        if len(_UNIFORM) > 64:
-            _UNIFORM.clear()
-        hit = _UNIFORM[n, k] = np.full(n, k, np.int64).tobytes()
+        hit = _UNIFORM.put((n, k), np.full(n, k, np.int64).tobytes())
     return hit
 
 

@@ -1,0 +1,71 @@
+"""``gather_ints``: every member's int, bounded by a timeout, a missing member named by rank.
+
+For checks that run now and then between the members of an ``ObjectChannel`` (e.g. a replicated
+state's digests, ``cpmeta.ReplicatedBatchState``): a gloo ``all_gather`` with a dead or stalled
+member would end in gloo's own error after the process group's timeout, naming a socket. Here
+every member sets its value under ``<channel key>/<tag>/<rank>`` in torch.distributed's default
+store and waits for the others' within ``timeout`` on a helper thread; a member whose key never
+came is named (``TimeoutError``: "rank 2 (host b) did not report ..."). Without a default store
+it falls back to a gloo all_gather bounded by the same timeout (which cannot say who is missing).
+
+Example: ranks [0, 1, 2] of a channel, tag "check-64": every rank calls
+``gather_ints(ch, "check-64", digest)`` and gets ``{0: d0, 1: d1, 2: d2}``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._dist import store_of, wait_work
+
+__all__ = ["gather_ints"]
+
+_GRACE_S = 1.0  # a store op that outlives the wait by this much is abandoned (cut-off host)
+
+
+def gather_ints(ch: Any, tag: str, value: int) -> dict[int, int]:
+    """Collective over the members of ObjectChannel ``ch`` (every member calls it with the same
+    ``tag``, once per tag): ``{global rank: value}`` of every member (see the module doc)."""
+    ranks, me, timeout_s = ch.ranks, ch.rank, ch.timeout
+    store = store_of()
+    if store is None:
+        mine = torch.tensor([value], dtype=torch.int64)
+        out = [torch.zeros(1, dtype=torch.int64) for _ in ranks]
+        work = dist.all_gather(out, mine, group=ch.ctrl, async_op=True)
+        if not wait_work(work, time.monotonic() + timeout_s, out):
+            raise TimeoutError(f"rank {me}: {tag}: the ranks {ranks} did not all report within "
+                               f"{timeout_s:g} s")
+        return {r: int(t.item()) for r, t in zip(ranks, out)}
+    keys = {r: f"{ch.channel_key}/{tag}/{r}" for r in ranks}
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            store.set(keys[me], str(value))
+            try:
+                store.wait(list(keys.values()), timedelta(seconds=timeout_s))
+            except Exception:  # noqa: BLE001 - torch raises DistStoreError or RuntimeError
+                box["absent"] = [r for r, k in keys.items() if not store.check([k])]
+                return
+            box["got"] = {r: int(bytes(store.get(k))) for r, k in keys.items()}
+        except Exception as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="cpmeta-gather", daemon=True)
+    t.start()
+    t.join(timeout_s + _GRACE_S)
+    if "got" in box:
+        return box["got"]
+    if box.get("absent"):
+        who = ", ".join(ch.who(r) for r in box["absent"])
+        raise TimeoutError(f"rank {me}: {tag}: {who} did not report within {timeout_s:g} s (died, "
+                           "stalled or cut off)")
+    if "error" in box:
+        raise box["error"]
+    raise TimeoutError(f"rank {me}: {tag}: the rendezvous store did not answer within {timeout_s:g} s")
