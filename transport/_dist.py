@@ -201,9 +201,14 @@ def _send_all(parts: list[torch.Tensor], followers: list[int], group: Any, deadl
               timeout_s: float) -> None:
     """Point-to-point sends of ``parts`` (in order) to every follower, each waited for until
     ``deadline``; :class:`RemoteFailure` naming every follower that did not take them all."""
-    works = [(r, [dist.isend(t, dst=r, group=group, tag=HEAD_TAG) for t in parts])
-             for r in followers]
-    stalled, broken = [], {}
+    stalled: list[int] = []
+    broken: dict[int, str] = {}
+    works = []
+    for r in followers:  # a peer whose connection gloo already saw close fails at the isend
+        try:
+            works.append((r, [dist.isend(t, dst=r, group=group, tag=HEAD_TAG) for t in parts]))
+        except RuntimeError as e:
+            broken[r] = _first_line(e)
     for r, mine in works:
         try:
             if not all([wait_work(w, deadline, t) for w, t in zip(mine, parts)]):
@@ -212,9 +217,13 @@ def _send_all(parts: list[torch.Tensor], followers: list[int], group: Any, deadl
             if stalled:  # gloo closed the group at the first timeout: this one was not done
                 stalled.append(r)
             else:
-                broken[r] = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                broken[r] = _first_line(e)
     if stalled or broken:
         raise RemoteFailure(stalled, broken, timeout_s)
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def _recv(t: torch.Tensor, src: int, group: Any, deadline: float, timeout_s: float,
