@@ -313,6 +313,25 @@ def test_int32_limits_and_draft_ids(monkeypatch: pytest.MonkeyPatch) -> None:
     assert len(slow_calls) == 3
 
 
+@pytest.mark.parametrize("max_model_len", [4096, 2**21 + 1, 2**29])
+def test_blocks_of_equals_blocks_needed(max_model_len: int) -> None:
+    """The follower's check gathers ``blocks_needed`` from a table of every length while that
+    table is small, and computes it past ``NEED_TABLE_MAX`` (a 2**29 table would be 4 GiB):
+    either way every length's ``blocks_needed``, sharded KV included."""
+    from cpmeta.gpu.staging_layout import NEED_TABLE_MAX
+
+    compressed = dict(window_size=4, swa_block_size=8, dense_compress_ratios=(4,), sparse_compress_ratios=())
+    sharded = dict(window_size=0, dense_compress_ratios=(), sparse_compress_ratios=(), kv_cp_world_size=3,
+                   kv_cp_interleave=2)  # the KV sharded like the CP group (plain attention only)
+    for kw in (compressed, sharded):
+        cfg = MetadataConfig(block_size=16, max_model_len=max_model_len, **kw)
+        k = np.unique(np.r_[0, 1, 15, 16, 17, 63, 64, 65, np.random.default_rng(0).integers(0, max_model_len + 1, 200),
+                            max_model_len])
+        got = StagingLayout.of(cfg).blocks_of(k)
+        assert got.tolist() == [blocks_needed(int(v), cfg) for v in k]
+    assert (max_model_len > NEED_TABLE_MAX) == (StagingLayout.of(cfg)._need is None)
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_triton_kernels_in_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}

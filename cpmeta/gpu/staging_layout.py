@@ -36,9 +36,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import numpy as np
+import torch
 
 from ..cache import IdentityCache
-import torch
 
 from ..config import MetadataConfig, blocks_needed_array
 from ..constants import INT32_MAX
@@ -48,6 +48,10 @@ from .staging_header import (
     H_OFF_IDS, H_OFF_NGB, H_OFF_NGV, H_OFF_SEQ, H_TOTAL_K, H_TOTAL_Q, HEADER_FIXED, SEQ_FIELDS, StagedDecode,
 )
 from .staging_state import StateStagingCache, state_plan, write_state_rows
+
+#: the longest ``max_model_len`` for which :meth:`StagingLayout.blocks_of` gathers from a table
+#: of every length (2**21 + 1 int64: 16 MiB)
+NEED_TABLE_MAX = 1 << 21
 
 if TYPE_CHECKING:
     from ..builders.batch_arrays import BatchArrays
@@ -93,12 +97,16 @@ class StagingLayout:
         hit = _LAYOUTS.get(cfg)
         return hit if hit is not None else _LAYOUTS.put(cfg, StagingLayout(cfg))
 
-    def need_table(self) -> np.ndarray:
-        """``blocks_needed(k)`` for every ``k`` in ``[0, max_model_len]`` (int64, made on the first
-        :meth:`validate`: a follower's per-step check is then one gather)."""
+    def blocks_of(self, k: np.ndarray) -> np.ndarray:
+        """``blocks_needed`` of every ``k`` (int64 array, entries in ``[0, max_model_len]``): one
+        gather from a table of every length, made on the first call, while the table stays
+        small (``max_model_len <= NEED_TABLE_MAX``, 16 MiB); the arithmetic itself past that (a
+        table for ``max_model_len`` 2**29 would be 4 GiB)."""
+        if self.cfg.max_model_len > NEED_TABLE_MAX:
+            return blocks_needed_array(k, self.cfg)
         if self._need is None:
             self._need = blocks_needed_array(np.arange(self.cfg.max_model_len + 1, dtype=np.int64), self.cfg)
-        return self._need
+        return self._need.take(k)
 
     def capacity(self, max_seqs: int, max_total_q: int) -> int:
         """Int32 elements any batch of ``<= max_seqs`` / ``<= max_total_q`` needs (either writer).
@@ -206,12 +214,12 @@ class StagingLayout:
             return "negative state id or placeholder flag not 0/1"
         if max_k > cfg.max_model_len:
             return f"seqlen_k {max_k} exceeds max_model_len {cfg.max_model_len}"
-        need = self.need_table()
-        nb = need.take(k)  # blocks_needed per sequence (k in [1, max_model_len])
+        nb = self.blocks_of(k)  # blocks_needed per sequence (k in [1, max_model_len])
         if lo[F_BT_OFFSET] < 0 or np.count_nonzero(blk[F_BT_OFFSET] + nb > off_ngv - (off_ids + tq)):
             return "a block-table offset points outside the block-table section"
-        if int(need[max_k]) != staged.max_blocks or staged.max_blocks > cfg.max_num_blocks:  # need is monotone
-            return f"max_blocks {staged.max_blocks} differs from the tables ({int(need[max_k])}) or the config"
+        most = int(nb.max())  # blocks_needed is monotone: the longest sequence's
+        if most != staged.max_blocks or staged.max_blocks > cfg.max_num_blocks:
+            return f"max_blocks {staged.max_blocks} differs from the tables ({most}) or the config"
         return None
 
     def unpack(self, a: np.ndarray, staged: StagedDecode) -> dict[str, object]:
