@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from cpmeta import BatchState, MetadataConfig, SequenceMetadata, metadata_diff, prepare_decode, prepare_prompt
+from cpmeta import BatchState, MetadataConfig, SequenceBatch, SequenceMetadata, metadata_diff, prepare_decode, prepare_prompt
 from cpmeta.sequence import blocks_needed
 from cpmeta.state.vouched import StateDecodeBatch
 
@@ -159,7 +159,10 @@ def _run(cfg: MetadataConfig, seed: int, steps: int) -> dict[str, int]:
             _assert_bt2d(batch, cfg)
             if isinstance(batch, StateDecodeBatch):
                 seen["fast"] += 1
+                ends = batch.block_table_ends()  # from the 2-D rows, before the flat tables exist
                 _assert_same_batch(batch, st, sel)
+                flat = SequenceBatch.block_table_ends(batch)  # from the flat tables
+                assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(ends, flat)), (ends, flat)
             assert metadata_diff(prepare_decode(batch, cfg), prepare_decode(seqs, cfg), cfg=cfg) == []
             acc = [r.drafts[: rng.randint(0, len(r.drafts))] + [rng.randrange(8)] for r in sel]
             st.append_tokens_batch(np.array([r.slot for r in sel]), np.array([t for a in acc for t in a]),

@@ -32,8 +32,8 @@ __all__ = ["batch_check", "replica_digest", "snapshot", "slot_digests", "check_m
 N_BANDS = 8  # row bands of replica_digest
 #: what batch_check covers, one crc32 each, in order
 CHECK_FIELDS = ("seqlen_q", "seqlen_k", "state_id", "swa_valid_start", "is_placeholder",
-                "num_tokens", "block_table_offsets", "last blocks", "tokens", "compressed", "is_prompt")
-_CRC_FIELDS = CHECK_FIELDS[:7]
+                "num_tokens", "block table lengths", "last blocks", "tokens", "compressed", "is_prompt")
+_CRC_FIELDS = CHECK_FIELDS[:6]
 _WINDOW = 8  # ids per sequence up to which a window is hashed whole (decode); past it, its ends
 
 
@@ -47,15 +47,17 @@ def _ends(flat: np.ndarray, off: np.ndarray, n: int) -> np.ndarray:
 
 def batch_check(b: SequenceBatch) -> np.ndarray:
     """``[11]`` int64: one crc32 per field of the batch (:data:`CHECK_FIELDS`): the per-sequence
-    arrays whole, the block tables by their lengths and last ids (what a step appends to), the
+    arrays whole, the block tables by their lengths and last ids (what a step appends to;
+    ``SequenceBatch.block_table_ends``, which a decode batch of the state answers from its 2-D
+    rows: the flat tables, which its build does not read, are never made for the check), the
     token window and Engram ids whole for a decode step and by their last ids for a prompt
     chunk (the history itself is the periodic replica check's). About 11 crc32 calls over a few
     KB. Example: a replica whose ``seqlen_k`` of one sequence is off by one differs in word 1."""
     crc = _crc
     out = [crc(getattr(b, f)) for f in _CRC_FIELDS]
     n = len(b.seqlen_q)
-    bt = b.block_tables
-    out.append(crc(bt[b.block_table_offsets[1:] - 1]) if len(bt) and n else 0)
+    lens, last = b.block_table_ends()  # from a decode batch's 2-D rows: its flat tables stay unmade
+    out += [crc(lens), crc(last)]
     out.append(crc(_ends(b.tokens, b.token_offsets, n)) if len(b.tokens) else 0)
     out.append(crc(_ends(b.compressed, b.compressed_offsets, n)) if len(b.compressed) else 0)
     out.append(int(b.is_prompt))

@@ -73,6 +73,15 @@ class StateDecodeBatch(SequenceBatch):
         _BT.__set__(self, bt2d[np.arange(bt2d.shape[1]) < nb[:, None]].astype(np.int64))
         _BT_OFF.__set__(self, prefix(nb))
 
+    def block_table_ends(self) -> tuple[np.ndarray, np.ndarray]:
+        """As ``SequenceBatch.block_table_ends``, read from the 2-D rows (the flat tables, which
+        the builders do not read on this path, stay unmade)."""
+        bt2d, nb = self._rows
+        nb = np.asarray(nb, np.int64)
+        last = bt2d[np.arange(len(nb)), np.maximum(nb - 1, 0)].astype(np.int64) if bt2d.shape[1] else \
+            np.zeros(len(nb), np.int64)
+        return nb, np.where(nb > 0, last, -1)
+
     block_tables = _made_on_first_read(_BT)
     block_table_offsets = _made_on_first_read(_BT_OFF)
 
