@@ -54,9 +54,10 @@ from step_methods import (APPLY, BUILD, END, H2D, RECV, SEND, SEND0, STRATEGIES,
                           WORKLOADS, StepTrace, apply_ops, build, install_apply_timer, make_strategy)
 
 PHASES = ("driver_apply", "driver_build", "send", "wake_recv", "apply", "build", "h2d")
-PHASE_NOTE = ("driver_apply: the driver applies (broadcast, mq-*) or records (replicate) the ops; "
+PHASE_NOTE = ("driver_apply: the driver applies (broadcast, mq-*), applies and records (replicate) or only "
+              "records (replicate-defer) the ops; "
               "driver_build: its build (before the send for broadcast / mq-broadcast, after it "
-              "otherwise); send: its send call(s); wake_recv: driver's first send start -> the "
+              "otherwise); send: its send call(s) (replicate-defer: its sync(), the own apply after the send included); wake_recv: driver's first send start -> the "
               "slowest follower holds the bytes (broadcast / mq-broadcast: the metadata, replicate: "
               "the parsed frame, mq-replicate: the unpickled ops); apply, build: the slowest "
               "follower's replay of the ops and build; h2d: the slowest rank's copy to the device")
@@ -228,13 +229,16 @@ def best_of(cells: list[dict]) -> dict[tuple, dict]:
     return best
 
 
+_SHORT = {"replicate": "repl", "replicate-defer": "rdef", "broadcast": "broa"}
+
+
 def print_table(cells: list[dict], cold: list[dict]) -> None:
     by = {(c["world"], c["workload"], c["strategy"]): c for c in cells}
     keys = sorted({(c["world"], c["workload"]) for c in cells}, key=lambda k: (k[0], list(WORKLOADS).index(k[1])))
-    ratios = (("replicate", "broadcast"), ("replicate", "mq-replicate"), ("replicate", "mq-broadcast"),
-              ("broadcast", "mq-broadcast"))
+    ratios = (("replicate", "broadcast"), ("replicate", "mq-replicate"), ("replicate-defer", "mq-replicate"),
+              ("replicate", "mq-broadcast"), ("broadcast", "mq-broadcast"))
     print(f"{'world':>5} {'workload':>10}" + "".join(f" {s + ' p50/p90':>22}" for s in STRATEGIES)
-          + "".join(f" {a[:4] + '/' + b:>16}" for a, b in ratios))
+          + "".join(f" {_SHORT.get(a, a) + '/' + b:>16}" for a, b in ratios))
     for w, wl in keys:
         line = f"{w:>5} {wl:>10}"
         for s in STRATEGIES:

@@ -42,7 +42,7 @@ SPECS = ("prompt_batch", "decode_batch")
 WORKLOADS: dict[str, tuple[int, int, int, int]] = {
     "decode-64": (64, 2, 0, 0), "decode-256": (256, 2, 0, 0),
     "mixed": (64, 2, 8, 1024), "prompt": (0, 0, 8, 4096)}
-STRATEGIES = ("broadcast", "replicate", "mq-replicate", "mq-broadcast")
+STRATEGIES = ("broadcast", "replicate", "replicate-defer", "mq-replicate", "mq-broadcast")
 #: one step's record columns per rank: t0 (the driver holds the ops), send0 (its first send
 #: starts), recv (a follower holds the step's bytes), end (the rank holds its metadata) are
 #: perf_counter times; send, apply, build, h2d durations (s)
@@ -253,10 +253,15 @@ def _batches(got: Any) -> list[Any]:
 
 
 class Replicate(_Strategy):
+    """``replicate``: each call applied to the driver's replica as it is recorded, the frame sent
+    at ``sync()``; ``replicate-defer`` (``defer_apply=True``): the calls only recorded (the
+    trace's own state, the scheduler's, validated them), the driver's replica applies the step
+    after sending it, alongside the followers."""
+
     def __init__(self, rank: int, cfg: Any, device: torch.device, max_seqs: int, n_specs: int,
-                 timeout: float) -> None:
+                 timeout: float, defer: bool = False) -> None:
         super().__init__(rank, cfg, device, max_seqs, n_specs, timeout)
-        self.rep = cpmeta.ReplicatedBatchState(cfg, max_seqs, device=device, timeout=timeout)
+        self.rep = cpmeta.ReplicatedBatchState(cfg, max_seqs, device=device, timeout=timeout, defer_apply=defer)
 
     def local_state(self, rank: int) -> bool:
         return False
@@ -332,8 +337,8 @@ def make_strategy(name: str, rank: int, cfg: Any, device: torch.device, max_seqs
     a = (rank, cfg, device, max_seqs, n_specs, timeout)
     if name == "broadcast":
         return Broadcast(*a)
-    if name == "replicate":
-        return Replicate(*a)
+    if name in ("replicate", "replicate-defer"):
+        return Replicate(*a, defer=name == "replicate-defer")
     from broadcast_methods import make_method  # scripts/ is on sys.path
 
     mq = make_method("mq", rank, device)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STRATEGIES = {"broadcast", "replicate", "mq-replicate", "mq-broadcast"}
+STRATEGIES = {"broadcast", "replicate", "replicate-defer", "mq-replicate", "mq-broadcast"}
 WORKLOADS = {"decode-64", "decode-256", "mixed", "prompt"}
 
 pytestmark = pytest.mark.timeout(120)

@@ -45,18 +45,41 @@ def _digest(md: Any) -> int:
     return hash(tuple(metadata_digest(md).tolist()))
 
 
-def _trace_rank(rank: int, world: int, seed: int, cfg_name: str, steps: int, max_seqs: int) -> dict:
+class _Scheduled:
+    """A ``defer_apply`` driver as an engine runs it: its scheduler keeps its own state (a plain
+    ``BatchState`` here), which validates every call and answers what the trace reads; each
+    call it takes is then made on the replicated state, and ``add_request``'s predicted slot
+    must be the scheduler's."""
+
+    def __init__(self, sched: Any, rep: Any) -> None:
+        self.state, self.rep, self.sync = sched, rep, rep.sync
+
+    def __getattr__(self, name: str) -> Any:
+        def call(*args: Any, **kw: Any) -> Any:
+            got = getattr(self.state, name)(*args, **kw)  # a refused call raises here, never sent
+            slot = getattr(self.rep, name)(*args, **kw)
+            if name == "add_request":
+                assert slot == got, f"defer_apply predicted slot {slot}, the state gave {got}"
+            return None if name in ("decode_batch", "prompt_batch") else got  # sync() gives the batch
+
+        return call
+
+
+def _trace_rank(rank: int, world: int, seed: int, cfg_name: str, steps: int, max_seqs: int,
+                defer: bool = False) -> dict:
     import cpmeta
     from replicate_trace import drive
 
     cfg = _config(cfg_name)
     out: dict = {"digests": [], "refusals": [], "ref": [], "mine": [], "mirrors": []}
-    with cpmeta.ReplicatedBatchState(cfg, max_seqs, max_tokens=1024, check_every=16, timeout=60) as rep:
+    with cpmeta.ReplicatedBatchState(cfg, max_seqs, max_tokens=1024, check_every=16, timeout=60,
+                                     defer_apply=defer) as rep:
         ref = cpmeta.BatchState(cfg, max_seqs, max_tokens=1024) if rank == 0 else None
+        target = _Scheduled(cpmeta.BatchState(cfg, max_seqs, max_tokens=1024), rep) if defer else rep
         rng, rng_ref = random.Random(seed), random.Random(seed)
         for _ in range(steps):
             if rank == 0:
-                drive(rep, cfg, rng, out["refusals"])
+                drive(target, cfg, rng, out["refusals"])
                 _, want = drive(ref, cfg, rng_ref, [])
                 out["ref"].append(_digest(_build(want, cfg)))
             batch = rep.sync()
@@ -81,9 +104,12 @@ def _check_trace(out: list[dict]) -> None:
     assert all(not k.endswith("accepted") for k in drv["refusals"]), drv["refusals"]
 
 
-@pytest.mark.parametrize("cfg_name,world", [("seed", 2), ("plain", 3)])
-def test_named_trace_every_rank_builds_the_drivers_metadata(cfg_name: str, world: int) -> None:
-    out = run_ranks(_trace_rank, world, 7, cfg_name, 240, 9, timeout=240)
+@pytest.mark.parametrize("cfg_name,world,defer", [("seed", 2, False), ("plain", 3, False), ("seed", 3, True),
+                                                  ("plain", 2, True)])
+def test_named_trace_every_rank_builds_the_drivers_metadata(cfg_name: str, world: int, defer: bool) -> None:
+    """Every rank's metadata equals the driver's every step; ``defer``: the driver records only
+    and applies after sending (``defer_apply``), its calls validated by its scheduler's state."""
+    out = run_ranks(_trace_rank, world, 7, cfg_name, 240, 9, defer, timeout=240)
     _check_trace(out)
     assert sum(1 for d in out[0]["digests"] if d) > 150  # most steps carried a batch
 
@@ -288,3 +314,38 @@ def test_dead_or_stalled_follower_is_named(fault: str) -> None:
     assert drv["t_err"] - drv["t_fault"] < 10.0, drv  # within the 3 s timeout (plus the ring's slack)
     assert drv["held"] == ([], []), drv
     assert not project_shm_entries()
+
+
+def _deferred_refusal(rank: int, world: int) -> list[str]:
+    """``defer_apply``: a call the state refuses is only found at ``sync()``, on every rank."""
+    import cpmeta
+
+    cfg = _config("plain")
+    seen = []
+    with cpmeta.ReplicatedBatchState(cfg, 4, max_tokens=1024, timeout=30, defer_apply=True) as rep:
+        if rank == 0:
+            a = rep.add_request("a", [1, 2, 3], [5], 0, num_computed=3)
+            seen.append(f"slot {a}")
+            rep.decode_batch([a])
+        batch = rep.sync()
+        seen.append(f"n={len(batch)}")
+        if rank == 0:
+            rep.append_tokens(3, [7])  # slot 3 holds no request: recorded, sent, refused by every state
+        for _ in range(2):
+            try:
+                rep.sync()
+                seen.append("synced")
+            except (ValueError, RuntimeError) as e:
+                seen.append(f"{type(e).__name__}: {e}")
+    return seen
+
+
+def test_deferred_apply_refused_call_breaks_every_replica() -> None:
+    out = run_ranks(_deferred_refusal, 2, timeout=120)
+    assert out[0][:2] == ["slot 0", "n=1"] and out[1][0] == "n=1", out
+    assert out[0][2].startswith("ValueError: ReplicatedBatchState (defer_apply): step 2: the state refused"), out[0]
+    assert "got [3] without one" in out[0][2] and "rebuild" in out[0][2], out[0]
+    assert out[1][1].startswith("RuntimeError: rank 1: step 2: this replica cannot apply") and \
+        "refused it too" in out[1][1], out[1]
+    for seen in out:  # and every later step is refused
+        assert seen[-1].startswith("RuntimeError: rank ") and "diverged earlier" in seen[-1], seen

@@ -57,11 +57,15 @@ class Recorder(ABC):
 
     state: BatchState
 
-    def _init_recorder(self) -> None:
+    def _init_recorder(self, defer: bool = False) -> None:
         n = self.state.max_seqs
+        #: defer_apply: calls are only recorded; the driver applies the step after sending it
+        #: (``_free_model`` predicts ``add_request``'s slots: the state's hand-out order)
+        self._defer = defer
+        self._free_model = self.state.free_slots()
         self._log = OpLog(n)  # this step's calls, up to and with its last batch spec
         self._next = OpLog(n)  # calls made after the last spec: the next step's first ops
-        self._batches: list[SequenceBatch] = []
+        self._batches: list[Optional[SequenceBatch]] = []  # None: deferred (made at sync)
         self._pending: list[StepSpec] = []
 
     @abstractmethod
@@ -83,6 +87,13 @@ class Recorder(ABC):
             raise TypeError(f"request {req_id!r}: a replicated request id is an int or a str, got "
                             f"{type(req_id).__name__}")
         rid = req_id if type(req_id) is str else int(req_id)
+        if self._defer:
+            if not self._free_model:
+                raise ValueError(f"request {rid!r}: all max_seqs={self.state.max_seqs} slots are in use")
+            s = self._free_model.pop()
+            self._rec.add(s, rid, _ints(prompt_token_ids), _ints(block_table), _ints(compressed_token_ids),
+                          int(state_id), int(swa_valid_start), int(num_computed))
+            return s
         st = self.state
         s = st.add_request(rid, prompt_token_ids, block_table, state_id,
                            compressed_token_ids=compressed_token_ids, swa_valid_start=swa_valid_start,
@@ -95,51 +106,66 @@ class Recorder(ABC):
 
     def append_tokens(self, slot: int, tokens: Sequence[int]) -> None:
         self._driver("append_tokens")
-        self.state.append_tokens(slot, tokens)
+        if not self._defer:
+            self.state.append_tokens(slot, tokens)
         t = _ints(tokens)
         self._rec.ragged(TOK, int(slot), len(t), t)
 
     def append_tokens_batch(self, slots: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> None:
         self._driver("append_tokens_batch")
-        self.state.append_tokens_batch(slots, tokens, counts)
+        if not self._defer:
+            self.state.append_tokens_batch(slots, tokens, counts)
         self._rec.ragged(TOK, _ints(slots), _ints(counts), _ints(tokens))
 
     def append_blocks(self, slot: int, blocks: Sequence[int]) -> None:
         self._driver("append_blocks")
-        self.state.append_blocks(slot, blocks)
+        if not self._defer:
+            self.state.append_blocks(slot, blocks)
         b = _ints(blocks)
         self._rec.ragged(BLK, int(slot), len(b), b)
 
     def append_blocks_batch(self, slots: np.ndarray, blocks: np.ndarray, counts: np.ndarray) -> None:
         """``BatchState.append_blocks_batch``: every request's new block ids in one call."""
         self._driver("append_blocks_batch")
-        self.state.append_blocks_batch(slots, blocks, counts)
+        if not self._defer:
+            self.state.append_blocks_batch(slots, blocks, counts)
         self._rec.ragged(BLK, _ints(slots), _ints(counts), _ints(blocks))
 
     def append_compressed(self, slot: int, ids: Sequence[int]) -> None:
         self._driver("append_compressed")
-        self.state.append_compressed(slot, ids)
+        if not self._defer:
+            self.state.append_compressed(slot, ids)
         c = _ints(ids)
         self._rec.ragged(CMP, int(slot), len(c), c)
 
     def append_compressed_batch(self, slots: np.ndarray, ids: np.ndarray, counts: np.ndarray) -> None:
         self._driver("append_compressed_batch")
-        self.state.append_compressed_batch(slots, ids, counts)
+        if not self._defer:
+            self.state.append_compressed_batch(slots, ids, counts)
         self._rec.ragged(CMP, _ints(slots), _ints(counts), _ints(ids))
 
     def set_state_id(self, slot: int, state_id: int) -> None:
         self._driver("set_state_id")
+        if self._defer:
+            self._rec.pair(SID, int(slot), int(state_id))
+            return
         self.state.set_state_id(slot, state_id)
         self._rec.pair(SID, int(slot), int(self.state.state_id[slot]))
 
     def set_swa_valid_start(self, slot: int, swa_valid_start: int) -> None:
         self._driver("set_swa_valid_start")
+        if self._defer:
+            self._rec.pair(SVS, int(slot), int(swa_valid_start))
+            return
         self.state.set_swa_valid_start(slot, swa_valid_start)
         self._rec.pair(SVS, int(slot), int(self.state.swa_valid_start[slot]))
 
     def finish(self, slot: int) -> None:
         self._driver("finish")
-        self.state.finish(slot)
+        if self._defer:
+            self._free_model.append(int(slot))
+        else:
+            self.state.finish(slot)
         self._rec.finish(int(slot))
 
     def prompt_batch(self, slots: np.ndarray, chunk_lens: np.ndarray, *, num_placeholders: int = 0,
@@ -148,7 +174,8 @@ class Recorder(ABC):
         follower when it applies the step); :meth:`sync` returns the batch on every rank."""
         self._driver("prompt_batch")
         slots_a, lens = _ints(slots), _ints(chunk_lens)
-        batch = self.state.prompt_batch(slots_a, lens, num_placeholders=num_placeholders, advance=advance)
+        batch = None if self._defer else \
+            self.state.prompt_batch(slots_a, lens, num_placeholders=num_placeholders, advance=advance)
         self._spec_recorded(batch, StepSpec(True, slots_a, lens, None, None, int(num_placeholders),
                                             bool(advance)))
         self._log.batch_spec(True, slots_a, lens, _EMPTY, num_placeholders, advance, -2)
@@ -157,7 +184,8 @@ class Recorder(ABC):
                      num_drafts: Optional[np.ndarray | int] = None, *, num_placeholders: int = 0) -> None:
         """A batch spec of the step: ``BatchState.decode_batch`` (see :meth:`prompt_batch`)."""
         self._driver("decode_batch")
-        batch = self.state.decode_batch(slots, draft_tokens, num_drafts, num_placeholders=num_placeholders)
+        batch = None if self._defer else \
+            self.state.decode_batch(slots, draft_tokens, num_drafts, num_placeholders=num_placeholders)
         uniform = -2 if num_drafts is None else (int(num_drafts) if np.ndim(num_drafts) == 0 else -1)
         lens = _ints(num_drafts) if uniform == -1 else _EMPTY
         drafts = _EMPTY if draft_tokens is None else _ints(draft_tokens)
@@ -165,7 +193,7 @@ class Recorder(ABC):
         self._spec_recorded(batch, decode_spec(slots_a, lens, drafts, uniform, int(num_placeholders)))
         self._log.batch_spec(False, slots_a, lens, drafts, num_placeholders, True, uniform)
 
-    def _spec_recorded(self, batch: SequenceBatch, spec: StepSpec) -> None:
+    def _spec_recorded(self, batch: Optional[SequenceBatch], spec: StepSpec) -> None:
         """A spec was made: the calls since the previous spec of this step (if any) belong before
         it; the batch and spec wait for sync()."""
         if self._batches:

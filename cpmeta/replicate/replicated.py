@@ -42,7 +42,7 @@ from ..broadcast.channel import FrameChannel, resolve_src
 from ..broadcast.wire import FLAG_PACKED, Frame, WireError
 from .apply import ReplicaError, apply_step
 from .digest import N_BANDS, batch_check, check_mismatch, replica_digest, slot_digests, snapshot
-from .ops import SPEC_WORDS
+from .ops import COLUMNS, SPEC_WORDS
 from .recorder import Recorder, StepSpec, decode_spec
 from .step_frame import STEP_SCHEMA, column_dims, read_columns, step_key, write_columns
 
@@ -81,6 +81,14 @@ class ReplicatedBatchState(Recorder):
             device for an NCCL group, else CPU): the replica itself is host arrays.
         check_every: steps between whole-replica digest comparisons (0 = never; the per-step
             batch digest always runs).
+        defer_apply: the driver only RECORDS its calls (``add_request``'s slot predicted from
+            the state's hand-out order), sends the step at :meth:`sync`, then applies it to its
+            own replica like every follower, in parallel with them (vLLM's order: its workers
+            update their ``InputBatch`` after the broadcast). Faster end to end (the driver's
+            apply leaves the critical path), but a call the state refuses surfaces at ``sync()``
+            on EVERY rank and leaves every replica refusing further steps (rebuild), and the
+            per-step batch check of step ``k`` is compared at step ``k + 1``. Use it when the
+            scheduler vouches for its calls; the default validates each call on the driver first.
         timeout, force_remote, checksum: as for ``MetadataBroadcaster``.
     """
 
@@ -89,7 +97,8 @@ class ReplicatedBatchState(Recorder):
                  device: Optional[torch.device | str] = None, check_every: int = DEFAULT_CHECK_EVERY,
                  max_tokens: Optional[int] = None, max_blocks: Optional[int] = None,
                  max_compressed: Optional[int] = None, timeout: Optional[float] = None,
-                 force_remote: Optional[bool] = None, checksum: Optional[bool] = None) -> None:
+                 force_remote: Optional[bool] = None, checksum: Optional[bool] = None,
+                 defer_apply: bool = False) -> None:
         if type(check_every) is not int or check_every < 0:
             raise ValueError(f"check_every: expected an int >= 0, got {check_every!r}")
         self.cfg = cfg
@@ -109,9 +118,11 @@ class ReplicatedBatchState(Recorder):
         fp = _state_fingerprint(cfg, st.max_seqs, st.max_tokens, st.max_blocks, st.max_compressed)
         self._ch = FrameChannel(self.group, self.src, STEP_SCHEMA, what="ReplicatedBatchState",
                                 timeout=timeout, force_remote=force_remote, checksum=ch_sum,
-                                agree={"state setting": fp, "check_every setting": check_every})
+                                agree={"state setting": fp, "check_every setting": check_every,
+                                       "defer_apply setting": bool(defer_apply)})
         self._key = step_key()
-        self._init_recorder()
+        self._init_recorder(bool(defer_apply))
+        self._prev_check = _NO_DIGEST  # defer_apply: this rank's batch check of the last step
         #: the last synced step's batch specs on every rank, in call order (``rep.spec``: the one)
         self.specs: tuple[StepSpec, ...] = ()
         self._spec_digest: Optional[int] = None  # driver: the replica digest at spec time
@@ -168,7 +179,7 @@ class ReplicatedBatchState(Recorder):
         """Driver: when the coming sync compares replicas, digest this replica NOW -- where every
         follower's will stand after applying the step (calls after the spec travel later)."""
         step = self.step + 1
-        if self.check_every and step % self.check_every == 0:
+        if self.check_every and step % self.check_every == 0 and not self._defer:
             self._spec_digest = replica_digest(self.state, self._band(step))
             self._spec_snap = snapshot(self.state, self._band(step))  # for the slow path
 
@@ -183,18 +194,40 @@ class ReplicatedBatchState(Recorder):
             raise RuntimeError(f"ReplicatedBatchState: {what} after close()")
 
     def _send(self, step: int, check: bool) -> list[SequenceBatch]:
-        batches, log = self._batches, self._log
-        cols = log.arrays(_checks(batches))
-        values = [step, check, list(log.req_ids), list(log.specs)]
+        log = self._log
+        # default: the specs' batches, made at the calls; defer_apply: made by the apply below
+        batches = [] if self._defer else [b for b in self._batches if b is not None]
+        cols = log.arrays(self._prev_check if self._defer else _checks(batches))
+        req_ids, specs = list(log.req_ids), list(log.specs)
+        values: list[Any] = [step, check, req_ids, specs]
         prep = self._ch.prepare(self._key, values, column_dims(cols))
 
         def write(view: memoryview, addr: int, data_at: int) -> None:
             write_columns(addr + data_at, cols)
 
         self._ch.publish(prep, FLAG_PACKED, prep.exact, prep.region, write)
+        if self._defer:  # sent: now the driver's replica takes the step, as every follower's
+            batches = self._apply_deferred(step, check, dict(zip(COLUMNS, cols)), req_ids, specs)
         self._log, self._next = self._next, log  # calls after the last spec open the next step
         log.clear()
         self.specs, self._pending, self._batches = tuple(self._pending), [], []
+        return batches
+
+    def _apply_deferred(self, step: int, check: bool, cols: dict[str, np.ndarray], req_ids: list[Any],
+                        spec: list[int]) -> list[SequenceBatch]:
+        """``defer_apply`` driver, after sending: its own replica applies the step; a call the
+        state refuses is the driver's ``ValueError`` (every follower refuses it the same way)."""
+        try:
+            batches = apply_step(self.state, cols, req_ids, spec)
+        except (ReplicaError, ValueError, IndexError) as e:
+            self._broken = f"step {step}: a call the state refused: {e}"
+            raise ValueError(f"ReplicatedBatchState (defer_apply): step {step}: the state refused a "
+                             f"call already sent: {e}; every replica refuses further steps "
+                             "(rebuild the ReplicatedBatchState)") from None
+        self._prev_check = _checks(batches)
+        if check:
+            self._spec_digest = replica_digest(self.state, self._band(step))
+            self._spec_snap = snapshot(self.state, self._band(step))
         return batches
 
     def _receive(self, step: int) -> list[SequenceBatch]:
@@ -216,14 +249,19 @@ class ReplicatedBatchState(Recorder):
             batches = apply_step(self.state, cols, req_ids, spec)
         except (ReplicaError, ValueError, IndexError) as e:
             self._broken = f"step {step}: {e}"
+            why = ("the driver's replica refused it too (defer_apply: a bad call)" if self._defer
+                   else "diverged")
             raise RuntimeError(f"rank {self.rank}: step {step}: this replica cannot apply the "
-                               f"driver's step (diverged): {type(e).__name__}: {e}") from None
-        where = check_mismatch(_checks(batches), cols["batch_digest"])
+                               f"driver's step ({why}): {type(e).__name__}: {e}") from None
+        mine, at = (self._prev_check, step - 1) if self._defer else (_checks(batches), step)
+        where = check_mismatch(mine, cols["batch_digest"])
         if where:
-            self._broken = f"step {step}: batch differs from the driver's"
-            raise RuntimeError(f"rank {self.rank}: step {step}: this replica's batch differs from "
+            self._broken = f"step {at}: batch differs from the driver's"
+            raise RuntimeError(f"rank {self.rank}: step {at}: this replica's batch differs from "
                                f"the driver's in {where} (requests {self._names(cols)}): the "
                                "replicas diverged")
+        if self._defer:
+            self._prev_check = _checks(batches)
         return batches
 
     def _names(self, cols: dict[str, np.ndarray]) -> str:

@@ -125,6 +125,12 @@ class BatchState(StateStore):
                 f"request {req_id!r}: state_id {state_id} is held by request {self._req[other]!r} (slot "
                 f"{other}); two live requests would write the same slot_mapping_store_swa slots")
 
+    def free_slots(self) -> list[int]:
+        """The free slots in the order ``add_request`` hands them out, LAST first (a copy):
+        ``add_request`` takes ``free_slots()[-1]``, ``finish`` puts its slot at the end.
+        Example: a new state of 3 -> ``[2, 1, 0]``; after one add and ``finish(0)`` -> ``[2, 1, 0]``."""
+        return list(self._free)
+
     def finish(self, slot: int) -> None:
         """Remove the request in ``slot``; the slot is reused by a later ``add_request``."""
         req = self._live(slot)
