@@ -194,7 +194,7 @@ def _readme_plain(folder: Path) -> str:
 
 def _readme_step(folder: Path) -> str:
     """README rows of this round's H200 run: the end-to-end step and the tensor-dict broadcast."""
-    rid, _, d = runs("h200_step.json", folder)[-1]
+    rid, _, d = _step_run(folder, STEP_FULL)
     p50 = {(r["world"], r["workload"], r["strategy"]): r["p50_us"] for r in d["results"]}
     dec = [(w, wl) for w in (2, 4, 8) for wl in ("decode-64", "decode-256")]
     rep = span((p50[(w, wl, "replicate")] for w, wl in dec))
@@ -223,7 +223,7 @@ def _readme_gaps(folder: Path) -> str:
     ratio = span((_bcast(bc, w, p, "cpmeta+p") / _bcast(bc, w, p, "mq") for w, p in dec), "{:.2f}")
     n = run_of("h200_broadcast_nccl.json", "r5d", folder)
     floor = _bcast(n, 1, "decode-64", "cpmeta+p", None) / _bcast(n, 1, "decode-64", "floor", None)
-    s = runs("h200_step.json", folder)[-1][2]
+    s = _step_run(folder, STEP_FULL)[2]
     d64 = {r["strategy"]: r["p50_us"] for r in s["results"] if r["world"] == 8 and r["workload"] == "decode-64"}
     return (f"- End to end (H200 host): decode-64 to 8 ranks takes {min(d64.values()):.0f} µs at best "
             f"({min(d64, key=lambda k: d64[k])}; goal 150 µs); cpmeta's `replicate` is slower than the\n"
@@ -346,10 +346,46 @@ def _history(folder: Path) -> str:
 
 
 #: Generated blocks: name -> (doc, text of the block from the folder).
+#: the run of h200_step.json with every workload and strategy (the tables of r6a); later runs of
+#: that file that measure a subset (r6b-defer: defer_apply) render in their own block
+STEP_FULL = "r6a"
+STEP_DEFER = "r6b-defer"
+
+
+def _step_run(folder: Path, rid: str) -> Run:
+    for r in runs("h200_step.json", folder):
+        if r[0] == rid:
+            return r
+    raise KeyError(f"h200_step.json: no run {rid!r}")
+
+
+def _step_defer_h200(folder: Path) -> str:
+    """``defer_apply`` on the H200 host (run r6b-defer): p50 / p90 per strategy and its ratios."""
+    rid, run, d = _step_run(folder, STEP_DEFER)
+    strat = ("broadcast", "replicate", "replicate-defer", "mq-replicate")
+    cell: dict[tuple, dict[str, Any]] = {}
+    for r in d["results"]:
+        cell.setdefault((r["world"], r["workload"]), {})[r["strategy"]] = r
+    out = [f"Run {rid} ({run['date']}, {run['host']}, commit {str(run['commit'])[:7]}): `{run['command']}`", "",
+           "| world | workload | " + " | ".join(f"{s} p50 / p90" for s in strat) + " | replicate-defer / "
+           "replicate | replicate-defer / mq-replicate | replicate-defer / broadcast | replicate-defer: phases "
+           "p50 (driver record, driver build, send + own apply, wake + receive, apply, build) |", "|---" * 10 + "|"]
+    order = {w: i for i, w in enumerate(("decode-64", "decode-256", "mixed", "prompt"))}
+    for (w, wl), ms in sorted(cell.items(), key=lambda kv: (kv[0][0], order.get(kv[0][1], 9))):
+        p = {s: ms[s]["p50_us"] for s in strat}
+        ph = ms["replicate-defer"]["phases_p50_us"]
+        row = [f"{ms[s]['p50_us']:.0f} / {ms[s]['p90_us']:.0f} µs" for s in strat]
+        out.append(f"| {w} | {wl} | " + " | ".join(row) + " | " + " | ".join(
+            f"{p['replicate-defer'] / p[b]:.2f}" for b in ("replicate", "mq-replicate", "broadcast")) + " | " +
+            ", ".join(f"{ph[k]:.0f}" for k in ("driver_apply", "driver_build", "send", "wake_recv", "apply",
+                                                "build")) + " µs |")
+    return "\n".join(out) + "\n"
+
+
 def _step_h200(folder: Path) -> str:
     """The end-to-end step on the H200 host (``h200_step.json``'s current run): p50 / p90 per
     strategy, the ratios, the best strategy's phases, the driver's cold step."""
-    rid, run, d = runs("h200_step.json", folder)[-1]
+    rid, run, d = _step_run(folder, STEP_FULL)
     strat = ("broadcast", "replicate", "mq-replicate", "mq-broadcast")
     cell: dict[tuple, dict[str, Any]] = {}
     for r in d["results"]:
@@ -377,6 +413,7 @@ def _step_h200(folder: Path) -> str:
 
 BLOCKS: dict[str, tuple[Path, Callable[[Path], str]]] = {
     "step-h200": (DOCS[1], _step_h200),
+    "step-defer-h200": (DOCS[1], _step_defer_h200),
     "readme-measured": (DOCS[0], _readme_measured),
     "readme-plain": (DOCS[0], _readme_plain),
     "readme-gaps": (DOCS[0], _readme_gaps),
