@@ -39,7 +39,7 @@ def test_bench_broadcast_quick(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("script,args", [
     ("bench_build.py", ["--quick", "--only", "decode", "--repeat", "3"]),
-    ("bench_transport.py", ["--quick"]),
+    ("bench_transport.py", ["--quick", "--max-readers", "2"]),  # worlds 2 and 3: the smoke, not the sweep
     ("bench_decode_inplace.py", ["--quick", "--repeat", "3"]),
     ("bench_slot_mapping.py", ["--quick"]),
     ("profile_array_input.py", ["--repeat", "3"]),  # per-phase profile: follows the builders' internals
