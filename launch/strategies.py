@@ -5,6 +5,10 @@
 - ``replicate`` (the field's design: vLLM v1, SGLang, TensorRT-LLM): every rank keeps the same
   ``BatchState`` (``ReplicatedBatchState``); the driver's scheduler records the step's calls,
   ``sync()`` moves them as one frame, and EVERY rank builds its own metadata from its replica.
+- ``replicate-defer``: the same with ``defer_apply=True`` (vLLM's order): the driver's scheduler
+  keeps its own ``BatchState``, which validates each call and answers what it reads; the
+  replicated state only records the call, sends the step, then applies it on every rank, the
+  driver's included (:class:`SchedulerTee`).
 
 Both give every rank bit-identical metadata (``--verify`` checks it against the driver's
 independent rebuild). ``step()`` returns ``(metadata, build seconds, move seconds, batch)``, the
@@ -23,9 +27,31 @@ from cpmeta.metadata import InputMetadata
 
 from .scheduler import SyntheticScheduler
 
-__all__ = ["STRATEGIES", "make_strategy", "build"]
+__all__ = ["STRATEGIES", "SchedulerTee", "make_strategy", "build"]
 
-STRATEGIES = ("broadcast", "replicate")
+STRATEGIES = ("broadcast", "replicate", "replicate-defer")
+
+
+class SchedulerTee:
+    """A ``defer_apply`` driver as an engine runs it: ``state`` (the scheduler's own
+    ``BatchState``) takes each call first -- a call it refuses raises and is never sent -- then
+    ``rep`` records it; ``add_request``'s slot predicted by ``rep`` must be the state's."""
+
+    def __init__(self, state: cpmeta.BatchState, rep: cpmeta.ReplicatedBatchState) -> None:
+        self.state, self.rep = state, rep
+
+    def __getattr__(self, name: str) -> Any:
+        mine, recorded = getattr(self.state, name), getattr(self.rep, name)
+
+        def call(*args: Any, **kw: Any) -> Any:
+            got = mine(*args, **kw)
+            slot = recorded(*args, **kw)
+            if name == "add_request" and slot != got:
+                raise RuntimeError(f"defer_apply predicted slot {slot} for a request the scheduler's "
+                                   f"state put in slot {got}")
+            return got
+
+        return call
 
 
 def build(batch: cpmeta.SequenceBatch, cfg: cpmeta.MetadataConfig, attn_info: bool) -> InputMetadata:
@@ -65,13 +91,15 @@ class _Broadcast:
 
 
 class _Replicate:
-    def __init__(self, args: Any, rank: int, cfg: cpmeta.MetadataConfig, device: torch.device) -> None:
+    def __init__(self, args: Any, rank: int, cfg: cpmeta.MetadataConfig, device: torch.device,
+                 defer: bool = False) -> None:
         self.cfg, self.attn = cfg, args.attn_info
         n = SyntheticScheduler.max_seqs(args.decode_seqs, args.prompt_seqs)
-        self.rep = cpmeta.ReplicatedBatchState(cfg, n, device=device, timeout=args.timeout)
+        self.rep = cpmeta.ReplicatedBatchState(cfg, n, device=device, timeout=args.timeout, defer_apply=defer)
+        ops: Any = SchedulerTee(cpmeta.BatchState(cfg, n), self.rep) if defer else self.rep
         self.sched = SyntheticScheduler(args.seed, cfg, args.workload, decode_seqs=args.decode_seqs,
                                         prompt_seqs=args.prompt_seqs, max_prompt=args.max_prompt,
-                                        replicated=self.rep) if rank == 0 else None
+                                        replicated=ops) if rank == 0 else None
 
     def step(self) -> tuple[InputMetadata, float, float, Optional[cpmeta.SequenceBatch]]:
         if self.sched is not None:
@@ -96,4 +124,6 @@ class _Replicate:
 def make_strategy(name: str, args: Any, rank: int, cfg: cpmeta.MetadataConfig, device: torch.device) -> Any:
     if name not in STRATEGIES:
         raise ValueError(f"strategy: expected one of {STRATEGIES}, got {name!r}")
-    return (_Broadcast if name == "broadcast" else _Replicate)(args, rank, cfg, device)
+    if name == "broadcast":
+        return _Broadcast(args, rank, cfg, device)
+    return _Replicate(args, rank, cfg, device, defer=name == "replicate-defer")

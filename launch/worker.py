@@ -79,7 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before a stuck peer is an error")
     p.add_argument("--strategy", choices=STRATEGIES, default="broadcast",
                    help="broadcast = the driver builds and broadcasts the metadata; replicate = every rank "
-                        "keeps the BatchState, the driver sends the step's ops, every rank builds")
+                        "keeps the BatchState, the driver sends the step's ops, every rank builds; "
+                        "replicate-defer = the same, the driver applying its ops after the send "
+                        "(defer_apply)")
     p.add_argument("--metrics", action="store_true",
                    help="print every rank's broadcast metrics (MetadataBroadcaster.stats(): steps, bytes, "
                         "layouts, send/wait/land p50/p99, follower lag, refusals, arenas)")
@@ -207,7 +209,7 @@ def run_steps(args: Any, rank: int, world: int, device: torch.device) -> dict[st
                     mine.compute_attn_info(cfg)
             t3 = time.perf_counter()
             if step >= args.warmup:
-                if rank == 0 or args.strategy == "replicate":  # who builds
+                if rank == 0 or args.strategy != "broadcast":  # who builds
                     t_build.append(dt_build)
                 t_bcast.append(dt_move)
                 if mine is not None:
@@ -342,7 +344,7 @@ def _run(args: Any) -> int:
             rows = comm.all_gather(torch.tensor(row or [float("nan")], dtype=torch.float64, device=device))
             if rank == 0:
                 print(format_table([r.cpu().tolist() for r in rows]) if row is not None else
-                      "--metrics: --strategy replicate has no MetadataBroadcaster to report", flush=True)
+                      f"--metrics: --strategy {args.strategy} has no MetadataBroadcaster to report", flush=True)
         return 0
     finally:
         dist.destroy_process_group()

@@ -47,11 +47,12 @@ def test_launch_workloads_with_attn_info(workload: str) -> None:
     assert res.returncode == 0, res.stdout + res.stderr
 
 
-@pytest.mark.parametrize("strategy", ["broadcast", "replicate"])
+@pytest.mark.parametrize("strategy", ["broadcast", "replicate", "replicate-defer"])
 def test_launch_plain_model_verify_and_attention_check(strategy: str) -> None:
     """``--model plain`` (DESIGN 14): the metadata carries only the common fields, broadcasts
-    (or, replicated, every rank builds it from its own state), mirrors and verifies bit for bit,
-    and CP attention equals one rank's, at 2 ranks."""
+    (or, replicated, every rank builds it from its own state; deferred, the driver's scheduler
+    validating with its own state), mirrors and verifies bit for bit, and CP attention equals
+    one rank's, at 2 ranks."""
     res = _launch("--nproc-per-node", "2", "--model", "plain", "--workload", "mixed", "--steps", "5",
                   "--warmup", "1", "--cp-mirror", "--verify", "--attention-check", "--kv-interleave", "4",
                   "--decode-seqs", "8", "--max-prompt", "700", "--strategy", strategy)
