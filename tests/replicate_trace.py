@@ -23,7 +23,9 @@ REFUSALS = ("too many blocks", "unknown slot", "prefill decode", "too many token
 
 
 def _state(target: Any) -> BatchState:
-    return target.state if hasattr(target, "sync") else target
+    """The state the trace reads: a ``BatchState`` itself, or the ``.state`` of a replicated
+    driver (or of ``launch.strategies.SchedulerTee``, the scheduler's own state)."""
+    return target if isinstance(target, BatchState) else target.state
 
 
 def _blocks(rng: random.Random, n: int) -> list[int]:

@@ -45,29 +45,10 @@ def _digest(md: Any) -> int:
     return hash(tuple(metadata_digest(md).tolist()))
 
 
-class _Scheduled:
-    """A ``defer_apply`` driver as an engine runs it: its scheduler keeps its own state (a plain
-    ``BatchState`` here), which validates every call and answers what the trace reads; each
-    call it takes is then made on the replicated state, and ``add_request``'s predicted slot
-    must be the scheduler's."""
-
-    def __init__(self, sched: Any, rep: Any) -> None:
-        self.state, self.rep, self.sync = sched, rep, rep.sync
-
-    def __getattr__(self, name: str) -> Any:
-        def call(*args: Any, **kw: Any) -> Any:
-            got = getattr(self.state, name)(*args, **kw)  # a refused call raises here, never sent
-            slot = getattr(self.rep, name)(*args, **kw)
-            if name == "add_request":
-                assert slot == got, f"defer_apply predicted slot {slot}, the state gave {got}"
-            return None if name in ("decode_batch", "prompt_batch") else got  # sync() gives the batch
-
-        return call
-
-
 def _trace_rank(rank: int, world: int, seed: int, cfg_name: str, steps: int, max_seqs: int,
                 defer: bool = False) -> dict:
     import cpmeta
+    from launch.strategies import SchedulerTee
     from replicate_trace import drive
 
     cfg = _config(cfg_name)
@@ -75,7 +56,8 @@ def _trace_rank(rank: int, world: int, seed: int, cfg_name: str, steps: int, max
     with cpmeta.ReplicatedBatchState(cfg, max_seqs, max_tokens=1024, check_every=16, timeout=60,
                                      defer_apply=defer) as rep:
         ref = cpmeta.BatchState(cfg, max_seqs, max_tokens=1024) if rank == 0 else None
-        target = _Scheduled(cpmeta.BatchState(cfg, max_seqs, max_tokens=1024), rep) if defer else rep
+        # deferred: driven as an engine drives it, the scheduler's own state validating each call
+        target = SchedulerTee(cpmeta.BatchState(cfg, max_seqs, max_tokens=1024), rep) if defer else rep
         rng, rng_ref = random.Random(seed), random.Random(seed)
         for _ in range(steps):
             if rank == 0:
