@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "docs" / "benchmarks"
 DOCS = (ROOT / "README.md", ROOT / "docs" / "benchmarks.md", ROOT / "docs" / "slot_mapping.md", ROOT / "docs" / "features.md")
 
-__all__ = ["runs", "run_of", "add", "render", "BLOCKS"]
+__all__ = ["runs", "run_entry", "run_of", "add", "render", "BLOCKS"]
 
 Run = tuple[str, dict[str, Any], Any]  # (run id, run block, data)
 
@@ -49,15 +49,20 @@ def runs(name: str, folder: Path = BENCH) -> list[Run]:
     return [("current", doc.get("run", {}), doc)]
 
 
-def run_of(name: str, rid: Optional[str] = None, folder: Path = BENCH) -> Any:
-    """The data of run ``rid`` (default: the current one) of ``folder/name``."""
+def run_entry(name: str, rid: Optional[str] = None, folder: Path = BENCH) -> Run:
+    """Run ``rid`` (default: the current one) of ``folder/name``: (id, run block, data)."""
     all_runs = runs(name, folder)
     if rid is None:
-        return all_runs[-1][2]
-    for i, _, d in all_runs:
-        if i == rid:
-            return d
+        return all_runs[-1]
+    for r in all_runs:
+        if r[0] == rid:
+            return r
     raise KeyError(f"{name}: no run {rid!r} (runs: {[i for i, _, _ in all_runs]})")
+
+
+def run_of(name: str, rid: Optional[str] = None, folder: Path = BENCH) -> Any:
+    """The data of run ``rid`` (default: the current one) of ``folder/name``."""
+    return run_entry(name, rid, folder)[2]
 
 
 def add(out: Path, rid: str, folder: Path = BENCH, *, new: bool = False) -> list[str]:
@@ -194,7 +199,7 @@ def _readme_plain(folder: Path) -> str:
 
 def _readme_step(folder: Path) -> str:
     """README rows of this round's H200 run: the end-to-end step and the tensor-dict broadcast."""
-    rid, _, d = _step_run(folder, STEP_FULL)
+    rid, _, d = run_entry("h200_step.json", STEP_FULL, folder)
     p50 = {(r["world"], r["workload"], r["strategy"]): r["p50_us"] for r in d["results"]}
     dec = [(w, wl) for w in (2, 4, 8) for wl in ("decode-64", "decode-256")]
     rep = span((p50[(w, wl, "replicate")] for w, wl in dec))
@@ -223,7 +228,7 @@ def _readme_gaps(folder: Path) -> str:
     ratio = span((_bcast(bc, w, p, "cpmeta+p") / _bcast(bc, w, p, "mq") for w, p in dec), "{:.2f}")
     n = run_of("h200_broadcast_nccl.json", "r5d", folder)
     floor = _bcast(n, 1, "decode-64", "cpmeta+p", None) / _bcast(n, 1, "decode-64", "floor", None)
-    s = _step_run(folder, STEP_FULL)[2]
+    s = run_entry("h200_step.json", STEP_FULL, folder)[2]
     d64 = {r["strategy"]: r["p50_us"] for r in s["results"] if r["world"] == 8 and r["workload"] == "decode-64"}
     return (f"- End to end (H200 host): decode-64 to 8 ranks takes {min(d64.values()):.0f} µs at best "
             f"({min(d64, key=lambda k: d64[k])}; goal 150 µs); cpmeta's `replicate` is slower than the\n"
@@ -352,57 +357,59 @@ STEP_FULL = "r6a"
 STEP_DEFER = "r6b-defer"
 
 
-def _step_run(folder: Path, rid: str) -> Run:
-    for r in runs("h200_step.json", folder):
-        if r[0] == rid:
-            return r
-    raise KeyError(f"h200_step.json: no run {rid!r}")
+_PHASES = ("driver_apply", "driver_build", "send", "wake_recv", "apply", "build")
+
+
+def _step_table(folder: Path, rid: str, strat: tuple[str, ...], extra: str,
+                row_tail: Callable[[dict[str, dict[str, Any]]], str]) -> list[str]:
+    """The lines of a step table of ``h200_step.json``'s run ``rid``: its run line, then per
+    (world, workload) every strategy's p50 / p90 and ``row_tail(cells by strategy)`` under the
+    ``extra`` column heads (``" | a | b"``)."""
+    rid, run, d = run_entry("h200_step.json", rid, folder)
+    cell: dict[tuple, dict[str, Any]] = {}
+    for r in d["results"]:
+        cell.setdefault((r["world"], r["workload"]), {})[r["strategy"]] = r
+    out = [f"Run {rid} ({run['date']}, {run['host']}, commit {str(run['commit'])[:7]}): `{run['command']}`", "",
+           "| world | workload | " + " | ".join(f"{s} p50 / p90" for s in strat) + extra + " |",
+           "|---" * (2 + len(strat) + extra.count("|")) + "|"]
+    order = {w: i for i, w in enumerate(("decode-64", "decode-256", "mixed", "prompt"))}
+    for (w, wl), ms in sorted(cell.items(), key=lambda kv: (kv[0][0], order.get(kv[0][1], 9))):
+        row = [f"{ms[s]['p50_us']:.0f} / {ms[s]['p90_us']:.0f} µs" if s in ms else "-" for s in strat]
+        out.append(f"| {w} | {wl} | " + " | ".join(row) + " | " + row_tail(ms) + " |")
+    return out
+
+
+def _phases(ms: dict[str, Any]) -> str:
+    return ", ".join(f"{ms['phases_p50_us'][k]:.0f}" for k in _PHASES) + " µs"
 
 
 def _step_defer_h200(folder: Path) -> str:
     """``defer_apply`` on the H200 host (run r6b-defer): p50 / p90 per strategy and its ratios."""
-    rid, run, d = _step_run(folder, STEP_DEFER)
-    strat = ("broadcast", "replicate", "replicate-defer", "mq-replicate")
-    cell: dict[tuple, dict[str, Any]] = {}
-    for r in d["results"]:
-        cell.setdefault((r["world"], r["workload"]), {})[r["strategy"]] = r
-    out = [f"Run {rid} ({run['date']}, {run['host']}, commit {str(run['commit'])[:7]}): `{run['command']}`", "",
-           "| world | workload | " + " | ".join(f"{s} p50 / p90" for s in strat) + " | replicate-defer / "
-           "replicate | replicate-defer / mq-replicate | replicate-defer / broadcast | replicate-defer: phases "
-           "p50 (driver record, driver build, send + own apply, wake + receive, apply, build) |", "|---" * 10 + "|"]
-    order = {w: i for i, w in enumerate(("decode-64", "decode-256", "mixed", "prompt"))}
-    for (w, wl), ms in sorted(cell.items(), key=lambda kv: (kv[0][0], order.get(kv[0][1], 9))):
-        p = {s: ms[s]["p50_us"] for s in strat}
-        ph = ms["replicate-defer"]["phases_p50_us"]
-        row = [f"{ms[s]['p50_us']:.0f} / {ms[s]['p90_us']:.0f} µs" for s in strat]
-        out.append(f"| {w} | {wl} | " + " | ".join(row) + " | " + " | ".join(
-            f"{p['replicate-defer'] / p[b]:.2f}" for b in ("replicate", "mq-replicate", "broadcast")) + " | " +
-            ", ".join(f"{ph[k]:.0f}" for k in ("driver_apply", "driver_build", "send", "wake_recv", "apply",
-                                                "build")) + " µs |")
+    def tail(ms: dict[str, dict[str, Any]]) -> str:
+        p = {s: c["p50_us"] for s, c in ms.items()}
+        return " | ".join(f"{p['replicate-defer'] / p[b]:.2f}" for b in ("replicate", "mq-replicate", "broadcast")) \
+            + " | " + _phases(ms["replicate-defer"])
+
+    out = _step_table(folder, STEP_DEFER, ("broadcast", "replicate", "replicate-defer", "mq-replicate"),
+                      " | replicate-defer / replicate | replicate-defer / mq-replicate | replicate-defer / "
+                      "broadcast | replicate-defer: phases p50 (driver record, driver build, send + own apply, "
+                      "wake + receive, apply, build)", tail)
     return "\n".join(out) + "\n"
 
 
 def _step_h200(folder: Path) -> str:
-    """The end-to-end step on the H200 host (``h200_step.json``'s current run): p50 / p90 per
+    """The end-to-end step on the H200 host (``h200_step.json``'s run r6a): p50 / p90 per
     strategy, the ratios, the best strategy's phases, the driver's cold step."""
-    rid, run, d = _step_run(folder, STEP_FULL)
-    strat = ("broadcast", "replicate", "mq-replicate", "mq-broadcast")
-    cell: dict[tuple, dict[str, Any]] = {}
-    for r in d["results"]:
-        cell.setdefault((r["world"], r["workload"]), {})[r["strategy"]] = r
-    out = [f"Run {rid} ({run['date']}, {run['host']}, commit {str(run['commit'])[:7]}): `{run['command']}`", "",
-           "| world | workload | " + " | ".join(f"{s} p50 / p90" for s in strat) + " | replicate / mq-replicate "
-           "| best / mq-broadcast | best: phases p50 (driver apply, driver build, send, wake + receive, "
-           "apply, build) |", "|---" * 9 + "|"]
-    order = {w: i for i, w in enumerate(("decode-64", "decode-256", "mixed", "prompt"))}
-    for (w, wl), ms in sorted(cell.items(), key=lambda kv: (kv[0][0], order.get(kv[0][1], 9))):
+    def tail(ms: dict[str, dict[str, Any]]) -> str:
         best = min(ms, key=lambda s: ms[s]["p50_us"])
-        ph = ms[best]["phases_p50_us"]
-        row = [f"{ms[s]['p50_us']:.0f} / {ms[s]['p90_us']:.0f} µs" if s in ms else "-" for s in strat]
         rr = ms["replicate"]["p50_us"] / ms["mq-replicate"]["p50_us"] if "mq-replicate" in ms else float("nan")
         rb = ms[best]["p50_us"] / ms["mq-broadcast"]["p50_us"] if "mq-broadcast" in ms else float("nan")
-        out.append(f"| {w} | {wl} | " + " | ".join(row) + f" | {rr:.2f} | {best} {rb:.2f} | " + ", ".join(
-            f"{ph[k]:.0f}" for k in ("driver_apply", "driver_build", "send", "wake_recv", "apply", "build")) + " µs |")
+        return f"{rr:.2f} | {best} {rb:.2f} | " + _phases(ms[best])
+
+    d = run_of("h200_step.json", STEP_FULL, folder)
+    out = _step_table(folder, STEP_FULL, ("broadcast", "replicate", "mq-replicate", "mq-broadcast"),
+                      " | replicate / mq-replicate | best / mq-broadcast | best: phases p50 (driver apply, "
+                      "driver build, send, wake + receive, apply, build)", tail)
     out += ["", "Cold step on the driver (p50 apply / build): " + "; ".join(
         f"{c['workload']} back to back {c['back_to_back']['apply_p50_us']:.0f} / {c['back_to_back']['build_p50_us']:.0f} µs, "
         f"after 3 ms {c['gap_3ms']['apply_p50_us']:.0f} / {c['gap_3ms']['build_p50_us']:.0f} µs, after 30 ms "

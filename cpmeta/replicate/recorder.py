@@ -12,7 +12,7 @@ Worked example: ``decode_batch(...)``, ``append_tokens_batch(...)`` (this step's
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Hashable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Hashable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -68,6 +68,12 @@ class Recorder(ABC):
         self._batches: list[Optional[SequenceBatch]] = []  # None: deferred (made at sync)
         self._pending: list[StepSpec] = []
 
+    def _on_state(self, call: Callable[..., Any], *args: Any) -> None:
+        """The call on the driver's replica now (it validates: a refused call raises before it
+        is recorded); with ``defer_apply`` nothing yet (the replica applies the step at sync)."""
+        if not self._defer:
+            call(*args)
+
     @abstractmethod
     def _driver(self, what: str) -> None:
         """Refuse ``what`` on a follower or after close (the replicated state's rule)."""
@@ -106,42 +112,36 @@ class Recorder(ABC):
 
     def append_tokens(self, slot: int, tokens: Sequence[int]) -> None:
         self._driver("append_tokens")
-        if not self._defer:
-            self.state.append_tokens(slot, tokens)
+        self._on_state(self.state.append_tokens, slot, tokens)
         t = _ints(tokens)
         self._rec.ragged(TOK, int(slot), len(t), t)
 
     def append_tokens_batch(self, slots: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> None:
         self._driver("append_tokens_batch")
-        if not self._defer:
-            self.state.append_tokens_batch(slots, tokens, counts)
+        self._on_state(self.state.append_tokens_batch, slots, tokens, counts)
         self._rec.ragged(TOK, _ints(slots), _ints(counts), _ints(tokens))
 
     def append_blocks(self, slot: int, blocks: Sequence[int]) -> None:
         self._driver("append_blocks")
-        if not self._defer:
-            self.state.append_blocks(slot, blocks)
+        self._on_state(self.state.append_blocks, slot, blocks)
         b = _ints(blocks)
         self._rec.ragged(BLK, int(slot), len(b), b)
 
     def append_blocks_batch(self, slots: np.ndarray, blocks: np.ndarray, counts: np.ndarray) -> None:
         """``BatchState.append_blocks_batch``: every request's new block ids in one call."""
         self._driver("append_blocks_batch")
-        if not self._defer:
-            self.state.append_blocks_batch(slots, blocks, counts)
+        self._on_state(self.state.append_blocks_batch, slots, blocks, counts)
         self._rec.ragged(BLK, _ints(slots), _ints(counts), _ints(blocks))
 
     def append_compressed(self, slot: int, ids: Sequence[int]) -> None:
         self._driver("append_compressed")
-        if not self._defer:
-            self.state.append_compressed(slot, ids)
+        self._on_state(self.state.append_compressed, slot, ids)
         c = _ints(ids)
         self._rec.ragged(CMP, int(slot), len(c), c)
 
     def append_compressed_batch(self, slots: np.ndarray, ids: np.ndarray, counts: np.ndarray) -> None:
         self._driver("append_compressed_batch")
-        if not self._defer:
-            self.state.append_compressed_batch(slots, ids, counts)
+        self._on_state(self.state.append_compressed_batch, slots, ids, counts)
         self._rec.ragged(CMP, _ints(slots), _ints(counts), _ints(ids))
 
     def set_state_id(self, slot: int, state_id: int) -> None:

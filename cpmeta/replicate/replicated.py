@@ -180,8 +180,13 @@ class ReplicatedBatchState(Recorder):
         follower's will stand after applying the step (calls after the spec travel later)."""
         step = self.step + 1
         if self.check_every and step % self.check_every == 0 and not self._defer:
-            self._spec_digest = replica_digest(self.state, self._band(step))
-            self._spec_snap = snapshot(self.state, self._band(step))  # for the slow path
+            self._hold_digest(step)
+
+    def _hold_digest(self, step: int) -> None:
+        """Driver: this replica's digest for step ``step``'s check, and what it covered (the
+        slow path names the first differing request from it)."""
+        self._spec_digest = replica_digest(self.state, self._band(step))
+        self._spec_snap = snapshot(self.state, self._band(step))
 
     def _band(self, step: int) -> int:
         return (step // max(self.check_every, 1)) % N_BANDS
@@ -225,9 +230,8 @@ class ReplicatedBatchState(Recorder):
                              f"call already sent: {e}; every replica refuses further steps "
                              "(rebuild the ReplicatedBatchState)") from None
         self._prev_check = _checks(batches)
-        if check:
-            self._spec_digest = replica_digest(self.state, self._band(step))
-            self._spec_snap = snapshot(self.state, self._band(step))
+        if check:  # the replica now stands where it stood at the step's spec
+            self._hold_digest(step)
         return batches
 
     def _receive(self, step: int) -> list[SequenceBatch]:
