@@ -15,7 +15,7 @@ The 1 MiB default comes from ``scripts/bench_broadcast.py --backend nccl --world
 
 from __future__ import annotations
 
-from transport.envs import env_bool, env_choice, env_int
+from cpmeta.transport.envs import env_bool, env_choice, env_int
 
 __all__ = ["tensor_path", "packed_max_bytes", "checksum", "poison_arenas", "TENSOR_PATHS", "CHECKSUM",
            "POISON_ARENAS"]

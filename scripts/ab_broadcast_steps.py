@@ -41,7 +41,7 @@ def main() -> int:
     from bench_broadcast import make_payload
     from cpmeta.broadcast.broadcaster import MetadataBroadcaster
     from cpmeta.broadcast.persistent import PersistentArenas
-    from transport.shm_ring import ShmRing
+    from cpmeta.transport.shm_ring import ShmRing
 
     torch.set_num_threads(1)
     _, md = make_payload(args.payload, False)

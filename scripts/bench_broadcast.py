@@ -86,7 +86,7 @@ def _prompt_seqs(total_q: int, n_seqs: int, cfg: Any) -> list:
 def make_payload(name: str, attn_info: bool) -> tuple[Any, Any]:
     """``(cfg, InputMetadata)`` for a named payload (deterministic, identical on every rank)."""
     import cpmeta
-    from launch.scheduler import SyntheticScheduler, default_config
+    from cpmeta.launch.scheduler import SyntheticScheduler, default_config
 
     cfg = default_config()
     kind, n = name.split("-")

@@ -165,7 +165,7 @@ def decode_steps(n_seqs: int) -> Callable[[int], Any]:
     sequence one token longer per step), built by ``prepare_decode``: a fixed batch size, so every
     step has one layout (an engine padding to a captured size) and fresh tensors."""
     import cpmeta
-    from launch.scheduler import default_config
+    from cpmeta.launch.scheduler import default_config
 
     cfg = default_config()
     base = [300 + 37 * i for i in range(n_seqs)]

@@ -64,7 +64,7 @@ PHASE_NOTE = ("driver_apply: the driver applies (broadcast, mq-*), applies and r
 
 
 def _config(model: str) -> Any:
-    from launch.scheduler import default_config, plain_config
+    from cpmeta.launch.scheduler import default_config, plain_config
 
     return plain_config() if model == "plain" else default_config()
 
@@ -86,7 +86,7 @@ def run_workload(rank: int, world: int, wl: str, args: argparse.Namespace, devic
     cells (others: empty) and the strategies skipped."""
     import torch.distributed as dist
 
-    from launch.verify import metadata_digest
+    from cpmeta.launch.verify import metadata_digest
 
     cfg = _config(args.model)
     trace = StepTrace(cfg, wl, args.seed) if rank == 0 else None
@@ -313,7 +313,7 @@ def git_commit() -> dict:
         return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
     # a shared checkout: the code that ran is HEAD plus these uncommitted changes
-    dirty = git("diff", "--name-only", "HEAD", "--", "cpmeta", "transport", "launch", "scripts").split()
+    dirty = git("diff", "--name-only", "HEAD", "--", "cpmeta", "scripts").split()
     return {"commit": git("rev-parse", "HEAD"), "uncommitted_code": dirty}
 
 

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
-from transport import ObjectChannel, TensorChannel
+from cpmeta.transport import ObjectChannel, TensorChannel
 from bench_meta import run_meta  # noqa: E402  (scripts/bench_meta.py: the run block)
 
 SIZES = [256, 4096, 65536, 1 << 20, 4 << 20]

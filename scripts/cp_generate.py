@@ -66,8 +66,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cpmeta  # noqa: E402
 from cpmeta import InputMetadata, MetadataConfig  # noqa: E402
 
-from launch import envs as launch_envs  # noqa: E402
-from launch.comm import all_gather, broadcast  # noqa: E402
+from cpmeta.launch import envs as launch_envs  # noqa: E402
+from cpmeta.launch.comm import all_gather, broadcast  # noqa: E402
 from cp_llama import (NO_GROUP, PagedKVCache, build_model, combine_lse,  # noqa: E402
                       forward_rows, partial_attention)
 
@@ -361,9 +361,9 @@ def launch(o: GenOptions) -> dict[str, Any]:
     """Run the example on ``o.cp`` spawned processes; returns rank 0's report. Spawning is
     ``launch.spawn.run_ranks`` (free port, process group, exit without interpreter teardown,
     whose library threads aborted a finished rank once in ten runs; part of the wheel)."""
-    from launch.spawn import run_ranks
+    from cpmeta.launch.spawn import run_ranks
 
-    for k, v in launch_envs.MULTICAST_OFF.items():  # as python -m launch: NVLink multicast off
+    for k, v in launch_envs.MULTICAST_OFF.items():  # as python -m cpmeta.launch: NVLink multicast off
         launch_envs.set_default(k, v)  # before the spawn: the ranks inherit it
     backend = "nccl" if o.device == "cuda" and o.cp == 1 else "gloo"
     return run_ranks(_rank, o.cp, o, backend=backend, timeout=300)[0]

@@ -40,17 +40,17 @@ tests)  # ~9 min: GPU tests of every device path, NCCL / gloo-on-cuda launch che
   # in-place decode across ranks: the staged broadcast and the replicated in-place path; overlap
   TAILN=4 step gpu_decode_cp 150 python3 -m pytest -q -p no:cacheprovider tests/test_decode_cp.py \
     tests/test_decode_capacity.py tests/test_replicate_inplace.py tests/test_overlap.py
-  TAILN=3 step attn_nccl1_seed 60 python3 -m launch --backend nccl --nproc-per-node 1 --model seed --workload mixed --cp-mirror --verify --attention-check --kv-interleave 16 --steps 12 --decode-seqs 16
+  TAILN=3 step attn_nccl1_seed 60 python3 -m cpmeta.launch --backend nccl --nproc-per-node 1 --model seed --workload mixed --cp-mirror --verify --attention-check --kv-interleave 16 --steps 12 --decode-seqs 16
   for S in broadcast replicate; do  # the bf16 CP attention check, gloo ranks sharing cuda:0
-    TAILN=3 step attn_gloo_cuda0_cp3_$S 90 python3 -m launch --backend gloo --device cuda --nproc-per-node 3 --model plain --workload mixed --cp-mirror --verify --attention-check --kv-interleave 16 --steps 12 --decode-seqs 16 --strategy $S
+    TAILN=3 step attn_gloo_cuda0_cp3_$S 90 python3 -m cpmeta.launch --backend gloo --device cuda --nproc-per-node 3 --model plain --workload mixed --cp-mirror --verify --attention-check --kv-interleave 16 --steps 12 --decode-seqs 16 --strategy $S
   done
   for A in "--cp 1 --dtype float32" "--cp 2 --dtype float32 --interleave 16" "--cp 2 --dtype float32 --strategy replicate"; do
     n=$(echo "$A" | tr -d ' -'); TAILN=3 step gen_$n 60 python3 scripts/cp_generate.py --device cuda $A --json "$OUT/gen_$n.json"
   done
-  step launch_nccl1_replicate 50 python3 -m launch --backend nccl --nproc-per-node 1 --workload mixed --cp-mirror --attn-info --steps 100 --verify --strategy replicate
+  step launch_nccl1_replicate 50 python3 -m cpmeta.launch --backend nccl --nproc-per-node 1 --workload mixed --cp-mirror --attn-info --steps 100 --verify --strategy replicate
   if [ "$NGPU" -ge 2 ]; then
-    TAILN=3 step attn_nccl${NGPU} 150 python3 -m launch --backend nccl --nproc-per-node "$NGPU" --workload mixed --cp-mirror --verify --attention-check --kv-interleave 128 --steps 12 --decode-seqs 16
-    TAILN=8 step launch_nccl$NGPU 120 python3 -m launch --backend nccl --nproc-per-node "$NGPU" --workload mixed --cp-mirror --attn-info --kv-interleave 16 --steps 200 --verify
+    TAILN=3 step attn_nccl${NGPU} 150 python3 -m cpmeta.launch --backend nccl --nproc-per-node "$NGPU" --workload mixed --cp-mirror --verify --attention-check --kv-interleave 128 --steps 12 --decode-seqs 16
+    TAILN=8 step launch_nccl$NGPU 120 python3 -m cpmeta.launch --backend nccl --nproc-per-node "$NGPU" --workload mixed --cp-mirror --attn-info --kv-interleave 16 --steps 200 --verify
   fi
   ;;
 bench-gpu)  # ~9 min: device-resident figures

@@ -54,24 +54,24 @@ PHASES: list[tuple[str, str, str]] = [
     ("D sizes (run offsets)", "cpmeta.broadcast.plan", "Plan.sizes"),
     ("D pack tensors", "cpmeta.broadcast.broadcaster", "_pack"),
     ("D pack tensors", "cpmeta.broadcast.broadcaster", "pack_tensors"),
-    ("D encode (codec)", "transport.object_channel", "encode"),
-    ("D encode values", "transport", "encode_body"),
+    ("D encode (codec)", "cpmeta.transport.object_channel", "encode"),
+    ("D encode values", "cpmeta.transport", "encode_body"),
     ("D frame crc32", "cpmeta.broadcast.broadcaster", "frame_crc"),
     ("D seal (meta crc, + crc32 with checksum)", "cpmeta.broadcast.wire", "seal"),
     ("C check values (schema; both sides)", "cpmeta.broadcast.schema", "ValueCheck.__call__"),
     ("F check frame (limits, policy, crcs)", "cpmeta.broadcast.wire", "read_head"),
     ("F check tensors (exact sizes)", "cpmeta.broadcast.plan", "Plan.check_tensors"),
-    ("D ring write (copy+publish)", "transport._ring_io", "RingIO.write"),
-    ("D ring reserve", "transport._ring_io", "RingIO.reserve"),
-    ("D ring commit (publish)", "transport._ring_io", "RingIO.commit"),
-    ("D wake syscall", "transport._ring_io", "futex_wake"),
-    ("D liveness poll", "transport._ring_io", "RingIO._check_alive_readers"),
+    ("D ring write (copy+publish)", "cpmeta.transport._ring_io", "RingIO.write"),
+    ("D ring reserve", "cpmeta.transport._ring_io", "RingIO.reserve"),
+    ("D ring commit (publish)", "cpmeta.transport._ring_io", "RingIO.commit"),
+    ("D wake syscall", "cpmeta.transport._ring_io", "futex_wake"),
+    ("D liveness poll", "cpmeta.transport._ring_io", "RingIO._check_alive_readers"),
     ("F receive (total)", "cpmeta.broadcast.broadcaster", "MetadataBroadcaster._receive"),
-    ("F wait for data", "transport._ring_io", "RingIO._wait_data"),
-    ("F decode (codec)", "transport.object_channel", "ObjectChannel._decode"),
-    ("F copy out + views", "transport.object_channel", "ObjectChannel._unpack"),
+    ("F wait for data", "cpmeta.transport._ring_io", "RingIO._wait_data"),
+    ("F decode (codec)", "cpmeta.transport.object_channel", "ObjectChannel._decode"),
+    ("F copy out + views", "cpmeta.transport.object_channel", "ObjectChannel._unpack"),
     ("F check+parse frame, copy out", "cpmeta.broadcast.broadcaster", "MetadataBroadcaster._consume"),
-    ("F decode (codec)", "transport", "decode_body"),
+    ("F decode (codec)", "cpmeta.transport", "decode_body"),
     ("F validate", "cpmeta.broadcast.broadcaster", "_check_message"),
     ("F validate", "cpmeta.broadcast.broadcaster", "_parse_layout"),
     ("F validate", "cpmeta.broadcast.broadcaster", "_check_packed_bounds"),
@@ -105,7 +105,7 @@ def _install(log: dict[str, list[int]], marks: dict[str, int]) -> None:
         if fn is None or getattr(fn, "_profiled", False):
             continue
         setattr(owner, name, _timed(fn, label, log, marks))
-    ring_io = importlib.import_module("transport._ring_io")
+    ring_io = importlib.import_module("cpmeta.transport._ring_io")
     pub = ring_io.RingIO._publish
 
     def publish(self: Any, head: int) -> None:

@@ -65,7 +65,7 @@ MARK_TIMEOUT_S = 240.0  # a rank waits this long for the parent's go mark
 def fast_digest(md: Any, names: tuple[str, ...]) -> list[int]:
     """One 32-bit digest per field (``names`` in order) of dtype, shape and bytes (tensors),
     every key and value (dicts) or ``repr`` (values), then one of the aliasing (which paths
-    share a tensor object): launch/verify.py's digest, with crc32 instead of BLAKE2b so that
+    share a tensor object): cpmeta/launch/verify.py's digest, with crc32 instead of BLAKE2b so that
     1,000 steps on every rank stay cheap (~0.1 ms a step against ~2-3 ms)."""
     out = [_feed(v) for v in attrgetter(*names)(md)]
     groups: dict[int, list[str]] = {}
@@ -102,8 +102,8 @@ def _equivalence(rank: int, world: int, tmp: str, seed: int, phase: str) -> Opti
     """Driver: scheduler steps built, digested, broadcast; everyone: digest of what it got."""
     import cpmeta
     from cpmeta.metadata import InputMetadata
-    from launch.scheduler import SyntheticScheduler, default_config
-    from transport import ObjectChannel
+    from cpmeta.launch.scheduler import SyntheticScheduler, default_config
+    from cpmeta.transport import ObjectChannel
 
     members = EQUIV[phase]
     g = _group(members, GROUP_TIMEOUT_S)
@@ -140,7 +140,7 @@ def _replicated(rank: int, g: Any, cfg: Any, seed: int, names: tuple[str, ...], 
     synced (ring on the driver's host, the process group across hosts), its metadata built
     from the rank's own replica and digested (the driver's digest is the reference)."""
     import cpmeta
-    from launch.scheduler import SyntheticScheduler
+    from cpmeta.launch.scheduler import SyntheticScheduler
 
     got_d = torch.zeros(STEPS, len(names) + 1, dtype=torch.int64)
     prompts = 0

@@ -35,7 +35,7 @@ def rss_bytes() -> int:
 
 def _seed_prompt() -> Any:
     import cpmeta
-    from launch.scheduler import default_config
+    from cpmeta.launch.scheduler import default_config
 
     cfg = default_config(max_model_len=65536)
     seqs, per = [], 2048
@@ -49,7 +49,7 @@ def _seed_prompt() -> Any:
 
 def _seed_decode() -> Any:
     import cpmeta
-    from launch.scheduler import SyntheticScheduler, default_config
+    from cpmeta.launch.scheduler import SyntheticScheduler, default_config
 
     cfg = default_config()
     _, seqs = SyntheticScheduler(0, cfg, "decode", decode_seqs=DECODE_SEQS[1],

@@ -31,7 +31,7 @@ from typing import Any, Optional
 import torch
 
 from cpmeta.metadata import InputMetadata
-from transport._segment import SEGMENT_PREFIX, is_segment_path
+from cpmeta.transport._segment import SEGMENT_PREFIX, is_segment_path
 
 __all__ = [
     "CHECKSUM_FIELD",

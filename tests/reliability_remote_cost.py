@@ -39,7 +39,7 @@ def _old_bcast_frame(frame: Any, src: int, group: Any, timeout_s: float) -> Any:
     import torch
     import torch.distributed as dist
 
-    from transport.coalesce import tensor_memoryview
+    from cpmeta.transport.coalesce import tensor_memoryview
 
     length = struct.Struct("<Q")
 
@@ -69,7 +69,7 @@ def _rank(rank: int, world: int, steps: int, rounds: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from transport._dist import bcast_frame
+    from cpmeta.transport._dist import bcast_frame
 
     group = dist.new_group(list(range(world)), backend="gloo")
     out: dict = {}

@@ -30,7 +30,7 @@ from typing import Any, Iterator
 import torch
 
 from reliability_cases import make_payload, verify_payload
-from transport import decode_body, encode_body
+from cpmeta.transport import decode_body, encode_body
 
 __all__ = ["RING_ENV", "RING_BYTES", "CAPTURE_STEPS", "MUTATED_FRAMES", "N_CRAFTED",
            "wire_rank", "FRAME_LEN", "HEADER", "AT", "FMT", "FLAG_LAYOUT", "FLAG_CRC",
@@ -85,7 +85,7 @@ def build(layout: list, values: list, dims: list[int], data: bytes, flags: int, 
     """A sealed v5 frame from its parts (the layout id = crc32 of the encoded block)."""
     from cpmeta.broadcast import SCHEMA_FINGERPRINT
     from cpmeta.broadcast.wire import MESSAGE_VERSION
-    from transport import encode_body
+    from cpmeta.transport import encode_body
 
     lblock = encode_body(layout) if flags & FLAG_LAYOUT else b""
     vblock = encode_body(values)
@@ -110,7 +110,7 @@ class _Loop:
         self.has_readers = True  # the test reads every frame the driver sends
 
     def send_frame(self, nbytes: int, fill: Any) -> None:
-        from transport.coalesce import tensor_memoryview
+        from cpmeta.transport.coalesce import tensor_memoryview
 
         t = torch.zeros(nbytes, dtype=torch.uint8)
         fill(tensor_memoryview(t), t.data_ptr())
@@ -133,7 +133,7 @@ def loopback() -> Iterator[Any]:
     from unittest import mock
 
     import torch.distributed as dist
-    import transport
+    import cpmeta.transport as transport
     from cpmeta import MetadataBroadcaster
 
     rank = [0]

@@ -1,4 +1,4 @@
-"""``--attention-check`` (launch/attention_check.py): CP attention from the broadcast alone equals
+"""``--attention-check`` (cpmeta/launch/attention_check.py): CP attention from the broadcast alone equals
 single-rank attention -- prefill zigzag (bit-exact in float64) and interleaved-KV decode combined
 by log-sum-exp (within 1e-12) -- at CP 2, 3 and 4; and it FAILS when the metadata is wrong.
 """
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ])
 def test_launch_attention_check(world: int, interleave: int, extra: tuple[str, ...]) -> None:
     # mixed: step 1 and 5 are prompt (chunked prefill: chunks of 256..2048), 2-4 decode
-    cmd = [sys.executable, "-m", "launch", "--nproc-per-node", str(world), "--workload", "mixed",
+    cmd = [sys.executable, "-m", "cpmeta.launch", "--nproc-per-node", str(world), "--workload", "mixed",
            "--steps", "5", "--warmup", "1", "--attention-check", "--kv-interleave", str(interleave),
            "--decode-seqs", "4", "--prompt-seqs", "2", "--max-prompt", "700", *extra]
     res = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -38,7 +38,7 @@ def test_launch_attention_check(world: int, interleave: int, extra: tuple[str, .
 def test_launch_attention_check_plain_model(world: int, interleave: int) -> None:
     """``--model plain`` (DESIGN 14): no compressed or sliding-window field in the metadata, the
     KV sharded over the ranks (tables of rank 0's share); verify + attention check pass."""
-    cmd = [sys.executable, "-m", "launch", "--nproc-per-node", str(world), "--model", "plain",
+    cmd = [sys.executable, "-m", "cpmeta.launch", "--nproc-per-node", str(world), "--model", "plain",
            "--workload", "mixed", "--steps", "5", "--warmup", "1", "--attention-check", "--verify",
            "--cp-mirror", "--attn-info", "--kv-interleave", str(interleave), "--decode-seqs", "4",
            "--prompt-seqs", "2", "--max-prompt", "700"]
@@ -73,8 +73,8 @@ def _direct(rank: int, world: int) -> list[str]:
     import torch
 
     import cpmeta
-    from launch.attention_check import check_step
-    from launch.verify import VerifyError
+    from cpmeta.launch.attention_check import check_step
+    from cpmeta.launch.verify import VerifyError
 
     cfg = cpmeta.MetadataConfig(block_size=16, window_size=4, swa_block_size=8, dense_compress_ratios=(4,),
                                 sparse_compress_ratios=(4,), max_model_len=256)

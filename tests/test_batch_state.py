@@ -341,7 +341,7 @@ def test_vectorized_appends_equal_one_call_per_request(cfg_name: str) -> None:
     """``append_blocks_batch`` / ``append_compressed_batch`` leave the state exactly as one
     ``append_blocks`` / ``append_compressed`` call per request would (every array, the int32
     mirrors and the decode fast path's caps), and refuse what the loop refuses, changing nothing."""
-    from launch.scheduler import default_config, plain_config
+    from cpmeta.launch.scheduler import default_config, plain_config
 
     cfg = default_config(max_model_len=2048) if cfg_name == "seed" else plain_config(max_model_len=2048)
     rng = np.random.default_rng(5)

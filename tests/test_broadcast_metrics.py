@@ -28,7 +28,7 @@ def _expected_bytes() -> tuple[int, int]:
     from cpmeta.broadcast.plan import Plan
     from cpmeta.broadcast.schema import INPUT_METADATA
     from cpmeta.broadcast.wire import FrameWriter
-    from transport.codec import encode_body
+    from cpmeta.transport.codec import encode_body
 
     writer = FrameWriter(INPUT_METADATA, Plan)
     total, layouts = 0, 0
@@ -98,7 +98,7 @@ def test_stats_count_a_known_trace(persistent: bool) -> None:
 def test_refusal_kinds() -> None:
     from cpmeta.broadcast.metrics import refusal_kind
     from cpmeta.broadcast.wire import ChecksumError, FrameMismatch, WireError
-    from transport.errors import PeerError
+    from cpmeta.transport.errors import PeerError
 
     def wrapped(inner: BaseException) -> RuntimeError:  # as FrameChannel.receive re-raises
         try:

@@ -4,7 +4,7 @@ gloo group never waits past its timeout, and ranks that disagree get a clear err
 Before: the setup collectives ran on the user's group with only the process group's timeout
 (gloo's default: 30 min): ranks that disagreed on ``src`` hung in the ring setup, a rank that
 never constructed left the others waiting 40 s with ``timeout=5``. Now the setup exchange
-(``transport/_setup.py``) puts every member's ``src`` and ``agree=`` settings in the rendezvous
+(``cpmeta/transport/_setup.py``) puts every member's ``src`` and ``agree=`` settings in the rendezvous
 store, where every member checks them, every wait bounded.
 
 One world of 3 real gloo ranks runs every scenario in order, each on a fresh gloo group (a timed
@@ -34,7 +34,7 @@ SCENARIOS = ("src", "src-broadcaster", "agree", "absent", "driver-absent", "late
 def _construct(scenario: str, rank: int, group: Any) -> Any:
     """What rank ``rank`` builds in ``scenario`` (None: it does not take part)."""
     import cpmeta
-    from transport import ObjectChannel
+    from cpmeta.transport import ObjectChannel
 
     if scenario == "src":
         return ObjectChannel(group, src=1 if rank == 2 else 0, timeout=TIMEOUT_S)

@@ -16,8 +16,8 @@ import signal
 import time
 
 from multiproc import run_ranks, spawn_ranks
-from transport import CodecError, ObjectChannel, PeerError, TensorChannel, TensorDesc
-from transport.codec import DTYPES
+from cpmeta.transport import CodecError, ObjectChannel, PeerError, TensorChannel, TensorDesc
+from cpmeta.transport.codec import DTYPES
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -247,7 +247,7 @@ def _platforms(rank: int, world_size: int) -> dict:
     arrive, and how many 'ShmRing refused' warnings this process logged (two channels/case)."""
     import logging
 
-    import transport._futex as futex
+    import cpmeta.transport._futex as futex
 
     records: list[str] = []
 
@@ -256,7 +256,7 @@ def _platforms(rank: int, world_size: int) -> dict:
             if "refused" in record.getMessage():
                 records.append(record.getMessage())
 
-    logging.getLogger("transport").addHandler(_Catch())
+    logging.getLogger("cpmeta.transport").addHandler(_Catch())
     saved = {k: getattr(futex, k) for k in PLATFORM_CASES["s390x"][0]}
     out = {}
     for name, (facts, _) in PLATFORM_CASES.items():
@@ -285,8 +285,8 @@ def test_ring_refused_on_unsupported_platforms() -> None:
 
 
 def test_ring_unsupported_reason(monkeypatch: pytest.MonkeyPatch) -> None:
-    import transport._futex as futex
-    from transport import ShmRing
+    import cpmeta.transport._futex as futex
+    from cpmeta.transport import ShmRing
 
     monkeypatch.setattr(futex, "BIG_ENDIAN", False)
     monkeypatch.setattr(futex, "NEEDS_RELEASE_FENCE", True)

@@ -12,8 +12,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from transport import CodecError, TensorDesc, decode, encode
-from transport.codec import (DTYPES, EXT_TENSOR_DESC, EXT_TUPLE, MAGIC, MAX_DEPTH, PROTOCOL_VERSION,
+from cpmeta.transport import CodecError, TensorDesc, decode, encode
+from cpmeta.transport.codec import (DTYPES, EXT_TENSOR_DESC, EXT_TUPLE, MAGIC, MAX_DEPTH, PROTOCOL_VERSION,
                              schema_fingerprint)
 
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -247,7 +247,7 @@ def test_mutated_messages_raise_only_codec_error(obj: object, data: st.DataObjec
 
 
 def test_env_registry(monkeypatch: pytest.MonkeyPatch) -> None:
-    from transport import envs
+    from cpmeta.transport import envs
 
     monkeypatch.setenv(envs.FORCE_REMOTE, "yes")
     monkeypatch.setenv(envs.SHM_SLOT_SIZE, "4096")

@@ -8,9 +8,9 @@ from typing import Any, Callable
 import pytest
 
 from cpmeta import envs as cpmeta_envs
-from launch import envs as launch_envs
-from transport import envs
-from transport.envs import env_bool, env_choice, env_float, env_int, env_str
+from cpmeta.launch import envs as launch_envs
+from cpmeta.transport import envs
+from cpmeta.transport.envs import env_bool, env_choice, env_float, env_int, env_str
 
 VAR = "CPMETA_TEST_ENV_VALUE"
 CHOICES = ("auto", "packed", "collective")

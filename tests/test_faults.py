@@ -36,7 +36,7 @@ import pytest
 from multiproc import RankGroup, spawn_ranks
 from reliability_cases import (make_payload, project_fds, project_mappings, project_shm_entries,
                                verify_payload)
-from transport._segment import is_segment_path
+from cpmeta.transport._segment import is_segment_path
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -242,7 +242,7 @@ def _stalls(rank: int, world: int, tmp: str, seed: int, frozen: bool) -> dict:
 def _driver_killed_in_setup(rank: int, world: int, tmp: str, named: bool) -> dict:
     """The driver SIGKILLs itself right after creating the ring, before any reader attached."""
     import cpmeta
-    from transport.shm_ring import ShmRing
+    from cpmeta.transport.shm_ring import ShmRing
 
     if named:
         _force_named_segments()

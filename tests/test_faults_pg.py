@@ -105,7 +105,7 @@ def test_segment_identification_on_this_process(tmp_path: Path) -> None:
     a live ring's segment is, and nothing is left after close."""
     import mmap
 
-    from transport import ShmRing
+    from cpmeta.transport import ShmRing
 
     lib = tmp_path / "cpmeta" / ".venv" / "lib" / "libfake.so"
     lib.parent.mkdir(parents=True)

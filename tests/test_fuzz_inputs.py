@@ -37,7 +37,7 @@ from cpmeta.sequence import validate_batch
 from multiproc import run_ranks
 from reliability_wire import FRAME_HEADER, MUTATED_FRAMES, N_CRAFTED, RING_ENV, wire_rank
 from strategies import random_config, random_decode_batch, random_prompt_batch
-from transport import CodecError, decode, decode_body, encode
+from cpmeta.transport import CodecError, decode, decode_body, encode
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _launch(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "launch", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "cpmeta.launch", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -23,7 +23,7 @@ def _readme_main_job() -> list[str]:
     first = (ROOT / "README.md").read_text().split("```bash", 1)[1].split("```", 1)[0]
     line = first.strip().splitlines()[0]
     cmd = line.split("&&", 1)[1].split()
-    assert cmd[:3] == ["python", "-m", "launch"], line
+    assert cmd[:3] == ["python", "-m", "cpmeta.launch"], line
     return cmd[3:]
 
 
@@ -99,7 +99,7 @@ def test_bad_input_exits_2_before_spawning(case: str, monkeypatch: pytest.Monkey
     import torch
     import torch.distributed.run as trun
 
-    from launch.__main__ import main
+    from cpmeta.launch.__main__ import main
 
     argv, want = BAD_INPUTS[case]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -108,13 +108,13 @@ def test_bad_input_exits_2_before_spawning(case: str, monkeypatch: pytest.Monkey
         main(argv)
     err = capsys.readouterr().err
     assert exc.value.code == 2 and want in err, err
-    assert err.strip().splitlines()[-1].startswith("python -m launch: error: "), err
+    assert err.strip().splitlines()[-1].startswith("python -m cpmeta.launch: error: "), err
 
 
 def test_good_input_passes_validation(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.distributed.run as trun
 
-    from launch.__main__ import main
+    from cpmeta.launch.__main__ import main
 
     called = []
     monkeypatch.setattr(trun, "run", lambda targs: called.append(targs))
@@ -126,7 +126,7 @@ def test_failing_rank_error_shown_once_first() -> None:
     """A rank that raises (here: a malformed transport variable) is summarized on the first
     line, above torchrun's report, and its traceback appears once (in the report)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "CPMETA_FORCE_REMOTE": "maybe"}
-    res = subprocess.run([sys.executable, "-m", "launch", "--nproc-per-node", "1", "--steps", "2"],
+    res = subprocess.run([sys.executable, "-m", "cpmeta.launch", "--nproc-per-node", "1", "--steps", "2"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert res.returncode == 1, res.stderr
     summary = "launch: rank 0 failed first: ValueError: CPMETA_FORCE_REMOTE: expected 0/1/true/false"

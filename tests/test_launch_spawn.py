@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.spawn import run_ranks
+from cpmeta.launch.spawn import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 

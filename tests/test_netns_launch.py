@@ -1,4 +1,4 @@
-"""``python -m launch`` across two nodes: the README's two-node command, run for real on two
+"""``python -m cpmeta.launch`` across two nodes: the README's two-node command, run for real on two
 network-namespace hosts (tests/netns.py), and the multi-node options validated before anything
 is spawned.
 
@@ -29,13 +29,13 @@ RDZV_PORT = "29500"  # inside host a's namespace: no other process there
 
 
 def readme_two_node_command() -> list[str]:
-    """The argv after ``python -m launch`` of the README's two-node block."""
+    """The argv after ``python -m cpmeta.launch`` of the README's two-node block."""
     text = (ROOT / "README.md").read_text()
     block = text.split("## Two nodes", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
-    lines = [ln.strip() for ln in block.strip().splitlines() if ln.strip().startswith("python -m launch")]
+    lines = [ln.strip() for ln in block.strip().splitlines() if ln.strip().startswith("python -m cpmeta.launch")]
     assert len(lines) == 1, block
     argv = lines[0].split()
-    assert argv[:3] == ["python", "-m", "launch"] and "--nnodes" in argv, lines[0]
+    assert argv[:3] == ["python", "-m", "cpmeta.launch"] and "--nnodes" in argv, lines[0]
     return argv[3:]
 
 
@@ -55,7 +55,7 @@ def test_readme_two_node_run_on_namespace_hosts(hosts: NetnsHosts, tmp_path: Pat
     for host in "ab":
         env = {**os.environ, "CPMETA_HOST_ID": host, "GLOO_SOCKET_IFNAME": "eth0",
                "PYTHONUNBUFFERED": "1", "TORCH_CPP_LOG_LEVEL": "ERROR"}
-        node = [sys.executable, "-m", "launch", *argv, "--warmup", "2", "--timeout", "60",
+        node = [sys.executable, "-m", "cpmeta.launch", *argv, "--warmup", "2", "--timeout", "60",
                 "--local-addr", hosts.addr(host), "--rdzv-conf", f"is_host={int(host == 'a')}"]
         log = open(tmp_path / f"node-{host}.log", "w")
         procs.append((host, log, subprocess.Popen(hosts.exec_argv(host, node), cwd=ROOT, env=env,
@@ -81,7 +81,7 @@ def test_readme_two_node_run_on_namespace_hosts(hosts: NetnsHosts, tmp_path: Pat
 def _main(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
     import torch.distributed.run as trun
 
-    from launch.__main__ import main
+    from cpmeta.launch.__main__ import main
 
     seen: list[list[str]] = []
     real = trun.parse_args
@@ -103,7 +103,7 @@ def test_two_node_options_reach_torchrun(monkeypatch: pytest.MonkeyPatch) -> Non
     assert args[:args.index("-m")] == [
         "--nnodes=2", "--nproc-per-node=2", "--max-restarts=0", "--rdzv-backend=c10d",
         "--rdzv-endpoint=10.0.0.1:29500", "--rdzv-id=job1", "--local-addr=10.0.0.2"], args
-    assert args[args.index("-m"):] == ["-m", "launch.worker", "--steps", "3"]
+    assert args[args.index("-m"):] == ["-m", "cpmeta.launch.worker", "--steps", "3"]
     (static,) = _main(["--nnodes", "2", "--master-addr", "10.0.0.1", "--node-rank", "1",
                        "--steps", "3"], monkeypatch)
     assert "--rdzv-backend=static" in static and "--node-rank=1" in static, static
@@ -129,7 +129,7 @@ def test_bad_node_options_exit_2_before_spawning(case: str, monkeypatch: pytest.
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     import torch.distributed.run as trun
 
-    from launch.__main__ import main
+    from cpmeta.launch.__main__ import main
 
     argv, want = BAD_NODES[case]
     monkeypatch.setattr(trun, "run", lambda *a, **k: pytest.fail("spawned despite bad input"))

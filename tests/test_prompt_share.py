@@ -46,7 +46,7 @@ def test_engram_heavy_batches(seed: int) -> None:
 
 def test_array_input_from_a_batch_state() -> None:
     import cpmeta
-    from launch.scheduler import default_config
+    from cpmeta.launch.scheduler import default_config
 
     cfg = default_config(max_model_len=2048)
     st = cpmeta.BatchState(cfg, 4)

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def _config(name: str) -> Any:
-    from launch.scheduler import default_config, plain_config
+    from cpmeta.launch.scheduler import default_config, plain_config
 
     return plain_config(max_model_len=1024) if name == "plain" else default_config(max_model_len=1024)
 
@@ -38,7 +38,7 @@ def _build(batch: Any, cfg: Any) -> Any:
 
 
 def _digest(md: Any) -> int:
-    from launch.verify import metadata_digest
+    from cpmeta.launch.verify import metadata_digest
 
     if md is None:
         return 0
@@ -48,7 +48,7 @@ def _digest(md: Any) -> int:
 def _trace_rank(rank: int, world: int, seed: int, cfg_name: str, steps: int, max_seqs: int,
                 defer: bool = False) -> dict:
     import cpmeta
-    from launch.strategies import SchedulerTee
+    from cpmeta.launch.strategies import SchedulerTee
     from replicate_trace import drive
 
     cfg = _config(cfg_name)

@@ -23,7 +23,7 @@ HAS_CUDA = torch.cuda.is_available()
 def _rank(rank: int, world: int, device: str, seed: int) -> int:
     import cpmeta
     from cpmeta.gpu.decode_inplace import finish_staged, resolve_backend
-    from launch.scheduler import plain_config
+    from cpmeta.launch.scheduler import plain_config
     from replicate_trace import drive
 
     cfg = plain_config(max_model_len=1024)

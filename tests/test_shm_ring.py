@@ -13,8 +13,8 @@ import pytest
 import torch.distributed as dist
 
 from multiproc import spawn_ranks, run_ranks
-from transport import PeerError, RingClosedError, ShmRing, ShmRingHandle
-from transport.shm_ring import ABSENT, ATTACHED, CLOSED
+from cpmeta.transport import PeerError, RingClosedError, ShmRing, ShmRingHandle
+from cpmeta.transport.shm_ring import ABSENT, ATTACHED, CLOSED
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -83,8 +83,8 @@ def test_wraparound_thousands_with_slow_reader() -> None:
 
 def test_portable_fallback_without_futex_or_fence(monkeypatch: pytest.MonkeyPatch) -> None:
     """Off Linux (no futex: sleep-polling) and without libatomic (always wake) it still works."""
-    import transport._futex as futex
-    import transport._ring_io as ring_io
+    import cpmeta.transport._futex as futex
+    import cpmeta.transport._ring_io as ring_io
 
     monkeypatch.setattr(futex, "_WAIT", None)
     monkeypatch.setattr(futex, "_WAKE", None)
@@ -349,7 +349,7 @@ def test_peer_watch_with_a_pidfd_above_1024() -> None:
     import subprocess
     import sys
 
-    from transport._segment import PeerWatch
+    from cpmeta.transport._segment import PeerWatch
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard < 1400:

@@ -258,7 +258,7 @@ def _base() -> tuple[Any, bytes]:
 
 def _crafted(frame: bytes) -> list[tuple[str, str, bytes]]:
     """(name, text the refusal must contain, sealed frame) built from one valid first frame."""
-    from transport import decode_body
+    from cpmeta.transport import decode_body
 
     p = parts(frame)
     lay = decode_body(frame[HEADER.size:HEADER.size + p["llen"]])
@@ -384,7 +384,7 @@ def _hostile_rank(rank: int, world: int, seed: int) -> list[str]:
     process group: a shape word +1, and FLAG_CRC cleared (the group runs with the checksum)."""
     import cpmeta
     from reliability_cases import make_payload, verify_payload
-    from transport._dist import bcast_frame
+    from cpmeta.transport._dist import bcast_frame
 
     out = []
     with cpmeta.MetadataBroadcaster(src=0, timeout=30.0) as bc:
@@ -439,7 +439,7 @@ def _redeclared(frame: bytes) -> list[tuple[str, str, bytes]]:
     dtype as another dtype of its element size, every tensor one rank higher (``[d] -> [d, 1]``),
     every ``[n, 4]`` / ``[n, 2]`` tensor reshaped to keep its numel (``[n, 4] -> [2n, 2]``). The
     exact sizes cannot see any of these; the schema's pinned dtypes, ranks and fixed dims must."""
-    from transport import decode_body
+    from cpmeta.transport import decode_body
 
     p = parts(frame)
     paths, codes, ndims, vpaths = decode_body(frame[HEADER.size:HEADER.size + p["llen"]])

@@ -29,7 +29,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from transport.coalesce import tensor_memoryview
+from cpmeta.transport.coalesce import tensor_memoryview
 
 from .. import envs
 from ..metadata import InputMetadata
@@ -246,7 +246,7 @@ class MetadataBroadcaster:
 
     def _tensor_channel(self) -> Any:
         if self._tensors is None:
-            from transport import TensorChannel
+            from cpmeta.transport import TensorChannel
 
             self._tensors = TensorChannel(self.group, self.src, self.device, timeout=self._ch.timeout)
         return self._tensors

@@ -31,7 +31,7 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 
-from transport.codec import CodecError, encode_body  # cpmeta -> transport only
+from cpmeta.transport.codec import CodecError, encode_body  # cpmeta -> transport only
 
 from .plan import Plan
 from .wire import (FLAG_CRC, FLAG_LAYOUT, FLAG_PACKED, Frame, FrameMismatch, FrameReader,
@@ -72,7 +72,7 @@ class FrameChannel:
     def __init__(self, group: Any, src: int, schema: Any, *, what: str, timeout: Optional[float],
                  force_remote: Optional[bool], checksum: bool,
                  agree: Optional[dict[str, Any]] = None) -> None:
-        from transport import ObjectChannel  # cpmeta -> transport, never the reverse
+        from cpmeta.transport import ObjectChannel  # cpmeta -> transport, never the reverse
 
         self.group, self.src, self.schema, self.what = group, src, schema, what
         self.rank = dist.get_rank()

@@ -26,8 +26,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple, Optional
 
-from transport.codec import CodecError
-from transport.errors import PeerError
+from cpmeta.transport.codec import CodecError
+from cpmeta.transport.errors import PeerError
 
 from .wire import ChecksumError, FrameMismatch, WireError
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from transport.coalesce import tensor_memoryview
+from cpmeta.transport.coalesce import tensor_memoryview
 
 from .plan import Plan
 

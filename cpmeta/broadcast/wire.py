@@ -48,7 +48,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
-from transport.codec import decode_body, encode_body  # cpmeta -> transport only
+from cpmeta.transport.codec import decode_body, encode_body  # cpmeta -> transport only
 
 __all__ = ["MESSAGE_VERSION", "FRAME_MAGIC", "HEADER", "WIRE_DTYPES", "DTYPE_CODE", "FLAG_LAYOUT",
            "FLAG_CRC", "FLAG_PACKED", "FLAG_SPAN", "KNOWN_FLAGS", "WireError", "ChecksumError",

@@ -283,7 +283,7 @@ class ReplicatedBatchState(Recorder):
         band = self._band(step)
         digest = self._spec_digest if self._spec_digest is not None else replica_digest(self.state, band)
         held, self._spec_digest, self._spec_snap = self._spec_snap, None, None
-        from transport import gather_ints  # cpmeta -> transport only
+        from cpmeta.transport import gather_ints  # cpmeta -> transport only
 
         try:  # bounded by the timeout; a rank that never reports is named
             got = gather_ints(self._ch.objects, f"replica-check-{step}", digest)

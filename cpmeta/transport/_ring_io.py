@@ -1,8 +1,8 @@
 """Writer half of ``ShmRing``'s data path (``write`` / ``reserve`` + ``commit`` / ``announce``,
 streaming a message larger than the ring, waiting for the slowest reader, reader liveness),
-and ``RingIO``: the writer half on top of the reader half (``transport/_ring_read.py``).
+and ``RingIO``: the writer half on top of the reader half (``cpmeta/transport/_ring_read.py``).
 
-Mixins over the mapped words (layout and flag protocol drawn in ``transport/shm_ring.py``):
+Mixins over the mapped words (layout and flag protocol drawn in ``cpmeta/transport/shm_ring.py``):
 each declares the attributes it reads as class annotations, ``ShmRing.__init__`` sets them.
 Annotations only: no run-time cost, and a type checker follows every access.
 """

@@ -1,8 +1,8 @@
 """Per-rank step loop: the step's metadata on every rank, mirror, verify, report.
 
-Run under torchrun (or ``python -m launch``, which calls torchrun's machinery)::
+Run under torchrun (or ``python -m cpmeta.launch``, which calls torchrun's machinery)::
 
-    torchrun --nproc-per-node 2 -m launch.worker --workload mixed --steps 50 --verify
+    torchrun --nproc-per-node 2 -m cpmeta.launch.worker --workload mixed --steps 50 --verify
 
 Rank 0 (the driver) alone runs the seeded :class:`~launch.scheduler.SyntheticScheduler`; the
 followers never see a scheduler object. ``--strategy broadcast`` (default): the driver builds
@@ -50,7 +50,7 @@ MIN_PROMPT = 16  # SyntheticScheduler draws prompt lengths from [16, --max-promp
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="launch.worker", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="cpmeta.launch.worker", description=__doc__.split("\n")[0])
     p.add_argument("--workload", choices=WORKLOADS, default="mixed")
     p.add_argument("--model", choices=MODELS, default="seed",
                    help="seed = compressed KV, sliding window, Engram (block 128); plain = a paged-KV model "
@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(args: Any, nproc: int) -> Optional[str]:
     """The first problem with the parsed ``args`` for ``nproc`` ranks on this node, or None.
 
-    Checked before anything is spawned (``python -m launch``) and again in every rank: ranges,
+    Checked before anything is spawned (``python -m cpmeta.launch``) and again in every rank: ranges,
     ``--kv-interleave`` dividing the KV block size the slot mapping uses (``block_size`` of the
     ``--model``'s config: seed 128, so 0 = off, 1, 2, 4, ..., 128 pass and 3 fails; plain 16),
     ``--model plain`` with the ``yoco`` workload (no sliding window to truncate), ``--backend

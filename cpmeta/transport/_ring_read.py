@@ -3,8 +3,8 @@
 the slots back and wake a waiting writer; plus the helpers both halves use.
 
 ``RingReader`` is a mixin over the mapped words (the layout and the flag protocol are drawn in
-``transport/shm_ring.py``); it declares the attributes it reads as class annotations and
-``ShmRing.__init__`` sets them. The writer half (``transport/_ring_io.py``, ``RingIO``) builds on it.
+``cpmeta/transport/shm_ring.py``); it declares the attributes it reads as class annotations and
+``ShmRing.__init__`` sets them. The writer half (``cpmeta/transport/_ring_io.py``, ``RingIO``) builds on it.
 """
 
 from __future__ import annotations

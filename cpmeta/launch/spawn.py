@@ -1,6 +1,6 @@
 """Run a function on N local processes with ``torch.distributed`` initialised (for examples).
 
-``python -m launch`` starts its ranks with torchrun; an example that wants a Python function on
+``python -m cpmeta.launch`` starts its ranks with torchrun; an example that wants a Python function on
 every rank and its results back in the parent (``scripts/cp_generate.py``) uses :func:`run_ranks`
 instead, from an installed wheel (the test suite's own helper, ``tests/multiproc.py``, is not
 part of it). Per-rank example (every rank runs ``_rank``; the parent gets the list)::
@@ -126,9 +126,9 @@ def _collect(procs: list[Any], conns: list[Any], deadline: float) -> list[Any]:
             if rank in got and "error" in got[rank] and first_fail is None:
                 first_fail, fail_at = (rank, got[rank]["error"]), time.monotonic() + FAIL_GRACE_S
     if first_fail is not None:
-        raise RuntimeError(f"launch.spawn: rank {first_fail[0]} failed first:\n{first_fail[1]}")
+        raise RuntimeError(f"cpmeta.launch.spawn: rank {first_fail[0]} failed first:\n{first_fail[1]}")
     if len(got) < len(procs):
         missing = sorted(set(range(len(procs))) - set(got))
-        raise RuntimeError(f"launch.spawn: deadline exceeded; ranks {missing} did not report")
+        raise RuntimeError(f"cpmeta.launch.spawn: deadline exceeded; ranks {missing} did not report")
     return [got[r]["ok"] for r in range(len(procs))]
 

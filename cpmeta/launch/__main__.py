@@ -1,9 +1,9 @@
-"""``python -m launch`` / ``cpmeta-launch``: start a CP group with torchrun, on one node or several.
+"""``python -m cpmeta.launch`` / ``cpmeta-launch``: start a CP group with torchrun, on one node or several.
 
-    python -m launch --nproc-per-node 2 --workload mixed --steps 50 --verify
+    python -m cpmeta.launch --nproc-per-node 2 --workload mixed --steps 50 --verify
 
     # two nodes, the usual c10d rendezvous (run on each node; HOST = node 0's address)
-    python -m launch --nnodes 2 --nproc-per-node 2 --rdzv-endpoint HOST:29500 --rdzv-id job1 --verify
+    python -m cpmeta.launch --nnodes 2 --nproc-per-node 2 --rdzv-endpoint HOST:29500 --rdzv-id job1 --verify
 
 The torchrun options below (``--nproc-per-node``, ``--nnodes``, ``--node-rank``,
 ``--rdzv-endpoint``, ``--rdzv-id``, ``--rdzv-conf``, ``--master-addr``, ``--master-port``,
@@ -12,7 +12,7 @@ to ``torch.distributed.run`` (the torchrun machinery): with none of the multi-no
 a standalone rendezvous on this machine, with ``--rdzv-endpoint`` the c10d rendezvous (node
 ranks assigned as nodes join), with ``--master-addr`` + ``--node-rank`` the static one. Every
 other option is passed to :mod:`launch.worker` (see its ``--help``), so the same loop also runs
-as ``torchrun ... -m launch.worker``. Across nodes, ranks on the driver's host read its frames
+as ``torchrun ... -m cpmeta.launch.worker``. Across nodes, ranks on the driver's host read its frames
 from shared memory and the others get them over the process group; nodes that share a hostname
 and boot id (containers, network namespaces) need ``CPMETA_HOST_ID`` set per node, and gloo
 binds the interface of ``GLOO_SOCKET_IFNAME`` when the hostname does not resolve to the address
@@ -37,7 +37,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ValueError: ...``), above torchrun's report, which carries its traceback; exit code 1.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    p = argparse.ArgumentParser(prog="python -m launch", add_help=False)
+    p = argparse.ArgumentParser(prog="python -m cpmeta.launch", add_help=False)
     p.add_argument("--nproc-per-node", type=int, default=2)
     p.add_argument("--nnodes", default="1", help="nodes (N or MIN:MAX), torchrun's --nnodes")
     p.add_argument("--node-rank", type=int, default=None)
@@ -72,7 +72,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    targs = parse_args([*nodes, "-m", "launch.worker", *rest])
+    targs = parse_args([*nodes, "-m", "cpmeta.launch.worker", *rest])
     try:
         run(targs)
     except ChildFailedError as e:

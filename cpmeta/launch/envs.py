@@ -2,7 +2,7 @@
 by ``transport.envs``'s helpers).
 
 torchrun sets ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` and ``TORCHELASTIC_ERROR_FILE`` for every rank;
-``python -m launch`` sets :data:`MULTICAST_OFF` and ``OMP_NUM_THREADS`` (unless already set)
+``python -m cpmeta.launch`` sets :data:`MULTICAST_OFF` and ``OMP_NUM_THREADS`` (unless already set)
 before it starts them.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from transport.envs import env_int, env_str
+from cpmeta.transport.envs import env_int, env_str
 
 __all__ = ["local_rank", "local_world_size", "error_file", "set_default", "MULTICAST_OFF"]
 

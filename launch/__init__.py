@@ -1,1 +1,0 @@
-"""launch: ``python -m launch`` spawns a CP group; ``launch.worker`` is the per-rank step loop."""
