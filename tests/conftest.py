@@ -60,3 +60,12 @@ def _seed_global_rngs(request: pytest.FixtureRequest) -> None:
 
 def pytest_report_header(config: pytest.Config) -> str:
     return f"cpmeta: hypothesis profile {PROFILE!r}, base seed {SEED_ENV}={BASE_SEED}"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Compile (or load from the on-disk cache) every compiled kernel once, in the pytest process,
+    before any test spawns ranks: spawned processes then load the cache instead of compiling."""
+    import cpmeta.jit
+
+    cpmeta.jit.warm_all()
+

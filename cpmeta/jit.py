@@ -1,0 +1,79 @@
+"""The compiled per-step kernels' one decorator, error convention and cache warm-up.
+
+Every per-step stage (the step's ``BatchState`` mutations, the decode build, the prompt build, the
+per-rank work on what a rank received) is ONE call of a numba kernel that writes into
+preallocated numpy arrays: plain loops, no Python objects, no allocation per step. The kernels
+are compiled on first use and cached on disk (``cache=True``): next to the module when its
+folder is writable (a checkout), else in numba's per-user cache directory (a wheel installed
+into a read-only site-packages), or wherever ``NUMBA_CACHE_DIR`` points. A process that finds
+the cache loads the machine code instead of compiling it (:func:`warm_all` measures both).
+
+Errors: a kernel never raises. It returns an int code (:data:`OK` = 0) and writes what went
+wrong into a small int64 array ``err`` (:func:`error_slot`): ``err[0]`` the code, ``err[1]`` the
+sequence (or slot / row) index, ``err[2]`` the offending value, ``err[3]`` the limit it broke.
+The Python wrapper of each kernel owns the table from code to message and raises the named
+``ValueError`` (field, sequence, limit) -- the same words the per-token references in ``tests/``
+expect.
+
+Warm-up: kernel modules are named ``*_njit.py`` (found by that name, nothing to list); each
+registers a function that calls its kernels once on a tiny input (:func:`warmer`);
+:func:`warm_all` imports every kernel module (:func:`kernel_modules`) and runs them, so one process (the test session, an engine at start-up) pays the compile or
+the cache load before the step loop -- and spawned test processes only load.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import time
+from typing import Any, Callable, TypeVar
+
+import numba
+import numpy as np
+
+__all__ = ["kernel", "OK", "error_slot", "warmer", "warm_all", "kernel_modules"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: The code a kernel returns when every check passed.
+OK = 0
+
+_WARMERS: dict[str, Callable[[], None]] = {}
+
+
+def kernel(fn: F) -> F:
+    """``numba.njit(cache=True, nogil=True)``: the one way a per-step kernel is compiled
+    (``nogil``: an engine may overlap the build with another thread)."""
+    return numba.njit(cache=True, nogil=True)(fn)  # type: ignore[no-any-return]
+
+
+def error_slot() -> np.ndarray:
+    """A zeroed ``int64[4]`` for a kernel's error report: ``[code, index, value, limit]``."""
+    return np.zeros(4, np.int64)
+
+
+def warmer(fn: Callable[[], None]) -> Callable[[], None]:
+    """Register ``fn`` (no arguments: it calls its module's kernels once on a tiny input)."""
+    _WARMERS[f"{fn.__module__}.{fn.__qualname__}"] = fn
+    return fn
+
+
+def kernel_modules() -> list[str]:
+    """Every ``cpmeta`` module whose name ends in ``_njit`` (the kernel modules), sorted."""
+    import cpmeta
+
+    return sorted(m.name for m in pkgutil.walk_packages(cpmeta.__path__, "cpmeta.")
+                  if m.name.rsplit(".", 1)[-1].endswith("_njit"))
+
+
+def warm_all() -> dict[str, float]:
+    """Import every kernel module and run its warmers; returns ``{warmer: seconds}`` (the first
+    process compiles and writes the cache; later ones load it -- the README states both times)."""
+    for mod in kernel_modules():
+        importlib.import_module(mod)
+    took: dict[str, float] = {}
+    for name, fn in list(_WARMERS.items()):
+        t0 = time.perf_counter()
+        fn()
+        took[name] = time.perf_counter() - t0
+    return took
