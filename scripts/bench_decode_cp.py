@@ -101,11 +101,11 @@ class ReplicateInplaceMethod(Method):
     def __init__(self, rank: int, device: torch.device, cfg: Any, seqs: list) -> None:
         super().__init__(rank, device, None)
         import cpmeta
-        from cpmeta.gpu import DecodeStaging, staging_capacity
+        from cpmeta.gpu import DecodeStaging, stage_decode, staging_capacity
         from cpmeta.gpu.decode_inplace import finish_staged, resolve_backend
 
         n, tq = len(seqs), sum(s.seqlen_q for s in seqs)
-        self.cfg, self.out, self.finish, self.stage = cfg, {}, finish_staged, cpmeta.stage_decode
+        self.cfg, self.out, self.finish, self.stage = cfg, {}, finish_staged, stage_decode
         self.backend = resolve_backend("auto", device)  # Triton on CUDA, the emulation on CPU
         self.staging = DecodeStaging(device, staging_capacity(cfg, n, tq), fixed=True)
         self.rep = cpmeta.ReplicatedBatchState(cfg, n, device=device, timeout=120)

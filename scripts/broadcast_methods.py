@@ -140,9 +140,9 @@ class CpmetaTensorDictMethod(Method):
         return md if self.rank == 0 else InputMetadata.from_flatten_dict(got)
 
     def close(self) -> None:
-        import cpmeta
+        from cpmeta.broadcast import close_tensor_dict_channels
 
-        cpmeta.close_tensor_dict_channels()
+        close_tensor_dict_channels()
 
 
 class FloorMethod(Method):

@@ -64,6 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cpmeta  # noqa: E402
+import cpmeta.cp
 from cpmeta import InputMetadata, MetadataConfig  # noqa: E402
 
 from cpmeta.launch import envs as launch_envs  # noqa: E402
@@ -199,7 +200,7 @@ def _gather_unmirror(rows: torch.Tensor, mine: InputMetadata) -> torch.Tensor:
 
 def _write_slots(md: InputMetadata, cfg: MetadataConfig, rank: int) -> torch.Tensor:
     """[total_q] slots of the FULL-ORDER rows in this rank's cache (-1: not its key, placeholder)."""
-    return cpmeta.compute_slot_mapping_from_metadata(md, cfg, cp_rank=rank)  # KV sharding from cfg
+    return cpmeta.cp.compute_slot_mapping_from_metadata(md, cfg, cp_rank=rank)  # KV sharding from cfg
 
 
 def _pad(t: torch.Tensor, n: int, value: float) -> torch.Tensor:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cpmeta import PLACEHOLDER_QUERY_INDEX, InputMetadata, MetadataConfig
+from cpmeta import InputMetadata, MetadataConfig
+from cpmeta.constants import PLACEHOLDER_QUERY_INDEX
 
 __all__ = ["RefPlan", "ref_read_plan", "ref_entries"]
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from cpmeta import BatchState, MetadataConfig, SequenceBatch, SequenceMetadata, metadata_diff, prepare_decode, prepare_prompt
+from cpmeta import BatchState, MetadataConfig, SequenceBatch, SequenceMetadata, prepare_decode, prepare_prompt
+from cpmeta.diff import metadata_diff
 from cpmeta.sequence import blocks_needed
 from cpmeta.state.vouched import StateDecodeBatch
 

@@ -211,7 +211,8 @@ def test_output_arenas_refill_one_arena_per_shape() -> None:
     """``out=OutputArenas()``: every call with a batch shape refills that shape's arena (the same
     tensor objects, values equal to a fresh build); other shapes get their own arena; the oldest
     is dropped past ``max_shapes``."""
-    from cpmeta import OutputArenas, metadata_diff
+    from cpmeta import OutputArenas
+    from cpmeta.diff import metadata_diff
 
     cfg = MetadataConfig(dense_compress_ratios=(4, 128), max_ngram_size=2)
     rng = random.Random(2)
@@ -236,7 +237,9 @@ def test_caller_owned_output_buffers_protocol() -> None:
     and writes there (here: a caller's own bytes, every tensor inside them, values equal to a
     fresh build); anything that is neither None, a dict nor an ``OutputBuffers`` is a TypeError,
     and ``prepare_prompt`` (shapes known only after its fill) refuses an arena."""
-    from cpmeta import OutputBuffers, metadata_diff, prepare_prompt
+    from cpmeta import prepare_prompt
+    from cpmeta.buffers import OutputBuffers
+    from cpmeta.diff import metadata_diff
     from cpmeta.buffers import ArenaLayout, HostArena
 
     class OneArena(OutputBuffers):

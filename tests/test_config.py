@@ -10,7 +10,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from cpmeta import PAD_SLOT_ID, PLACEHOLDER_QUERY_INDEX, MetadataConfig
+from cpmeta import MetadataConfig
+from cpmeta.constants import PAD_SLOT_ID, PLACEHOLDER_QUERY_INDEX
 from cpmeta.constants import INT32_MAX
 from strategies import configs
 

@@ -163,7 +163,7 @@ def test_contract_corruptions_are_named(seed: int, is_prompt: bool, kind: str, d
     bad_id = data.draw(st.sampled_from([-1, -2**31, -2**40, 2**31, 2**40]))
     if kind == "numpy_scalars":
         npy = [_to_numpy_scalars(s, rng) for s in seqs]
-        from cpmeta import metadata_diff
+        from cpmeta.diff import metadata_diff
 
         assert metadata_diff(build(npy, cfg), build(seqs, cfg), cfg=cfg) == []
         return

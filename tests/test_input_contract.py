@@ -21,8 +21,8 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 
-from cpmeta import (BatchState, MetadataConfig, SequenceBatch, SequenceMetadata, blocks_needed, metadata_diff,
-                    prepare_decode, prepare_prompt)
+from cpmeta import BatchState, MetadataConfig, SequenceBatch, SequenceMetadata, blocks_needed, prepare_decode, prepare_prompt
+from cpmeta.diff import metadata_diff
 from cpmeta.sequence import validate_batch
 
 #: the SWA state cache on (W = S = 4), block 16, ratios 4 / 8

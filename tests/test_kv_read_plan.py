@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import cpmeta
+import cpmeta.cp
 from cpmeta import InputMetadata, MetadataConfig, SequenceMetadata
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -49,7 +50,7 @@ def uncompressed_tables(seqs: list[SequenceMetadata], cfg: MetadataConfig, rng: 
     return out
 
 
-def check_against_reference(md: InputMetadata, cfg: MetadataConfig, rank: int) -> cpmeta.KVReadPlan:
+def check_against_reference(md: InputMetadata, cfg: MetadataConfig, rank: int) -> cpmeta.cp.KVReadPlan:
     plan = cpmeta.cp_kv_read_plan(md, cfg, cp_rank=rank)
     ref = ref_read_plan(md, cfg, rank)
     assert plan.seqlens.dtype == I32 and plan.cu_seqlens.dtype == I32 and plan.block_tables.dtype == I32

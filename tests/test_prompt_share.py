@@ -22,12 +22,14 @@ from strategies import prompt_cases, random_config, random_prompt_batch
 
 def _check(cfg, seqs, cp_size: int) -> None:
     import cpmeta
+    import cpmeta.cp
+    import cpmeta.diff
 
     full = cpmeta.prepare_prompt(seqs, cfg)
     for r in range(cp_size):
         want = cpmeta.prepare_for_mirror_cp(full, r, cp_size)
-        got = cpmeta.prepare_prompt_cp(seqs, cfg, r, cp_size)
-        assert cpmeta.metadata_diff(want, got, cfg=cfg) == [], (r, cp_size)
+        got = cpmeta.cp.prepare_prompt_cp(seqs, cfg, r, cp_size)
+        assert cpmeta.diff.metadata_diff(want, got, cfg=cfg) == [], (r, cp_size)
 
 
 @settings(max_examples=40, deadline=None)
@@ -46,6 +48,8 @@ def test_engram_heavy_batches(seed: int) -> None:
 
 def test_array_input_from_a_batch_state() -> None:
     import cpmeta
+    import cpmeta.cp
+    import cpmeta.diff
     from cpmeta.launch.scheduler import default_config
 
     cfg = default_config(max_model_len=2048)
@@ -65,6 +69,8 @@ def test_ngram_rows_is_the_gathered_look_back() -> None:
     from cpmeta.builders.extract import extract_batch
     from cpmeta.builders.ngram import ngram_rows
     import cpmeta
+    import cpmeta.cp
+    import cpmeta.diff
 
     rng = random.Random(9)
     cfg = random_config(rng, max_ngram_size=4)

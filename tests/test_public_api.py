@@ -1,7 +1,9 @@
-"""The top-level API: one rule for what is exported, every name documented, typed for checkers.
+"""The top-level API: at most twelve names, one job each, every name documented, typed for checkers.
 
-Rule (``cpmeta/__init__.py``): every name an engine calls or constructs in its step loop is
-top-level, whatever room defines it; the rooms hold the same names plus their internals.
+Rule (``cpmeta/__init__.py``): ``__all__`` is the front door (the README's "Which one do I use?"
+table names each); everything else lives in its room (``cpmeta.gpu``, ``cpmeta.cp``, ...). The
+names the design contract calls as ``cpmeta.<name>`` stay attributes, the same objects as their
+room's.
 """
 
 from __future__ import annotations
@@ -14,9 +16,16 @@ import cpmeta
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: The in-place decode API an engine drives (DESIGN 12): top-level, not only in cpmeta.gpu.
+#: The in-place decode API an engine drives (docs/design.md section 12), in its room.
 IN_PLACE_DECODE = ("prepare_decode_inplace", "launch_decode_inplace", "capture_decode_graph",
                    "DecodeStaging", "staging_capacity", "stage_decode", "StagedDecodeBroadcaster")
+
+#: Names the design contract calls as ``cpmeta.<name>`` (attributes, not all in ``__all__``).
+CONTRACT = ("MetadataConfig", "SequenceMetadata", "InputMetadata", "prepare_prompt", "prepare_decode",
+            "compute_attn_info", "MetadataBroadcaster", "prepare_cp_mirror", "prepare_for_mirror_cp",
+            "SequenceBatch", "BatchState", "blocks_needed", "cp_kv_read_plan", "mirror_rows", "unmirror",
+            "ReplicatedBatchState", "broadcast_tensor_dict", "compute_slot_mapping", "cp_local_seqlens",
+            "prepare_decode_inplace", "get_or_create_tensor", "get_or_create_stacked")
 
 
 def test_every_exported_name_resolves_and_is_documented() -> None:
@@ -31,14 +40,42 @@ def test_every_exported_name_resolves_and_is_documented() -> None:
 def test_internals_are_not_exported() -> None:
     assert "INT32_MAX" not in cpmeta.__all__
     assert not [n for n in cpmeta.__all__ if n.startswith("_")]
+    assert len(cpmeta.__all__) <= 12, cpmeta.__all__
 
 
-def test_in_place_decode_api_is_top_level_and_same_objects_as_the_gpu_room() -> None:
+def test_in_place_decode_api_lives_in_the_gpu_room() -> None:
     import cpmeta.gpu as gpu
 
     for name in IN_PLACE_DECODE:
-        assert name in cpmeta.__all__, name
-        assert getattr(cpmeta, name) is getattr(gpu, name), name
+        assert name in gpu.__all__, name
+    assert cpmeta.prepare_decode_inplace is gpu.prepare_decode_inplace
+
+
+def test_contract_names_resolve_to_their_rooms_objects() -> None:
+    import importlib
+
+    for name in CONTRACT:
+        obj = getattr(cpmeta, name)
+        mod = importlib.import_module(obj.__module__)
+        assert getattr(mod, name) is obj, name
+
+
+def test_prepare_dispatches_on_the_batch() -> None:
+    import pytest
+
+    cfg = cpmeta.MetadataConfig(block_size=16, max_model_len=256, dense_compress_ratios=(),
+                                sparse_compress_ratios=(), window_size=0)
+    seq = cpmeta.SequenceMetadata(seqlen_q=3, seqlen_k=3, block_table=[2], state_id=0, token_ids=[5, 6, 7])
+    got = cpmeta.prepare([seq], cfg, is_prompt=True)
+    assert got.is_prompt and got.positions.tolist() == [0, 1, 2]
+    batch = cpmeta.SequenceBatch.from_sequences([seq], cfg, is_prompt=True)
+    assert cpmeta.prepare(batch, cfg).is_prompt
+    both = cpmeta.prepare((batch, batch), cfg)
+    assert isinstance(both, tuple) and len(both) == 2
+    with pytest.raises(ValueError, match="is_prompt: required"):
+        cpmeta.prepare([seq], cfg)
+    with pytest.raises(ValueError, match="is_prompt=False but the SequenceBatch is a prompt batch"):
+        cpmeta.prepare(batch, cfg, is_prompt=False)
 
 
 def test_type_checkers_see_every_lazy_name() -> None:

@@ -1,7 +1,7 @@
 """The replicated in-place decode path (issue 30): no metadata moved, every rank stages its own.
 
 Every rank keeps the same ``ReplicatedBatchState``; after ``sync()`` each stages the decode
-step straight from ITS replica (``cpmeta.stage_decode(staging, rep.state, *rep.spec...)``) and
+step straight from ITS replica (``cpmeta.gpu.stage_decode(staging, rep.state, *rep.spec...)``) and
 runs the in-place kernels into its own buffers (CPU: the torch emulation of the kernels; CUDA:
 the Triton kernels, one GPU shared by the ranks). Every rank's rows must equal
 ``prepare_decode`` of the driver's batch, step for step, while requests come, go, draft and grow.
@@ -22,6 +22,8 @@ HAS_CUDA = torch.cuda.is_available()
 
 def _rank(rank: int, world: int, device: str, seed: int) -> int:
     import cpmeta
+    import cpmeta.diff
+    import cpmeta.gpu
     from cpmeta.gpu.decode_inplace import finish_staged, resolve_backend
     from cpmeta.launch.scheduler import plain_config
     from replicate_trace import drive
@@ -30,7 +32,7 @@ def _rank(rank: int, world: int, device: str, seed: int) -> int:
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    staging = cpmeta.DecodeStaging(dev)
+    staging = cpmeta.gpu.DecodeStaging(dev)
     rng = random.Random(seed)
     results: list = []  # the step's outcome arrives after its forward: the next step's first calls
     n = 0
@@ -42,13 +44,13 @@ def _rank(rank: int, world: int, device: str, seed: int) -> int:
             spec = rep.spec
             if batch is None or spec is None or spec.is_prompt:
                 continue
-            staged = cpmeta.stage_decode(staging, rep.state, spec.slots, spec.draft_tokens,
+            staged = cpmeta.gpu.stage_decode(staging, rep.state, spec.slots, spec.draft_tokens,
                                          spec.num_drafts, num_placeholders=spec.num_placeholders,
                                          upload=False)  # finish_staged uploads
             md = finish_staged(staging, staged, cfg, out=None, device=dev,
                                backend=resolve_backend("auto", dev))  # Triton on CUDA
             want = cpmeta.prepare_decode(batch, cfg)  # this rank's batch (== the driver's: checked)
-            assert cpmeta.metadata_diff(md.to("cpu"), want, cfg=cfg) == [], (rank, n)
+            assert cpmeta.diff.metadata_diff(md.to("cpu"), want, cfg=cfg) == [], (rank, n)
             n += 1
     return n
 

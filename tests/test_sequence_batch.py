@@ -17,7 +17,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from builder_cases import NAMED_CASES, NamedCase
-from cpmeta import MetadataConfig, SequenceBatch, SequenceMetadata, metadata_diff, prepare_decode, prepare_prompt
+from cpmeta import MetadataConfig, SequenceBatch, SequenceMetadata, prepare_decode, prepare_prompt
+from cpmeta.diff import metadata_diff
 from cpmeta.builders.yoco import build_yoco_fields
 from strategies import decode_cases, prompt_cases
 from test_validation import BAD, CASES, CFG, _batch

@@ -18,7 +18,9 @@ import pytest
 import torch
 
 import cpmeta
-from cpmeta import KVCacheGroup, compute_slot_mapping, compute_slot_mapping_groups
+import cpmeta.cp
+from cpmeta import compute_slot_mapping
+from cpmeta.cp import KVCacheGroup, compute_slot_mapping_groups
 
 CUDA = torch.cuda.is_available()
 try:
@@ -73,7 +75,7 @@ def test_docstring_example() -> None:
               KVCacheGroup(torch.tensor([[2]], dtype=torch.int32), 64)]
     got = compute_slot_mapping_groups(qsl, pos, groups, max_num_tokens=4)
     assert got.tolist() == [[80, 97, 120, -1], [128, 145, 168, -1]]
-    assert cpmeta.compute_slot_mapping_groups is compute_slot_mapping_groups
+    assert cpmeta.cp.compute_slot_mapping_groups is compute_slot_mapping_groups
 
 
 @pytest.mark.parametrize("seed", range(40))

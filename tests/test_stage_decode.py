@@ -24,7 +24,8 @@ import numpy as np
 import pytest
 import torch
 
-from cpmeta import BatchState, MetadataConfig, SequenceBatch, metadata_diff, prepare_decode
+from cpmeta import BatchState, MetadataConfig, SequenceBatch, prepare_decode
+from cpmeta.diff import metadata_diff
 from cpmeta.gpu.decode_inplace import DecodeStaging, launch_decode_inplace, prepare_decode_inplace
 from cpmeta.gpu.decode_inplace import finish_staged
 from cpmeta.sequence import blocks_needed

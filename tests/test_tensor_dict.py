@@ -60,13 +60,14 @@ def equal(a: dict[str, Any], b: dict[str, Any]) -> str:
 
 def _rank(rank: int, world: int) -> list[str]:
     import cpmeta
+    import cpmeta.broadcast
 
     out = []
     for step in range(14):
         want = make_dict(step)
         got = cpmeta.broadcast_tensor_dict(want if rank == 0 else None, src=0)
         out.append("equal" if rank == 0 and got is want else equal(want, got))
-    cpmeta.close_tensor_dict_channels()
+    cpmeta.broadcast.close_tensor_dict_channels()
     return out
 
 
@@ -78,6 +79,7 @@ def test_every_rank_returns_an_equal_dict(world: int) -> None:
 
 def _refusals(rank: int, world: int) -> list[str]:
     import cpmeta
+    import cpmeta.broadcast
 
     res = []
     if rank == 0:  # refused on the driver before anything is sent: the followers wait on
@@ -89,7 +91,7 @@ def _refusals(rank: int, world: int) -> list[str]:
                 res.append(type(e).__name__ + ": " + str(e)[:80])
     ok = cpmeta.broadcast_tensor_dict({"ok": 1} if rank == 0 else None)  # the next call is fine
     res.append(str(ok))
-    cpmeta.close_tensor_dict_channels()
+    cpmeta.broadcast.close_tensor_dict_channels()
     return res
 
 
@@ -106,6 +108,8 @@ def _vllm_rank(rank: int, world: int) -> list[str]:
 
     import cpmeta
 
+    import cpmeta.broadcast
+
     gc = GroupCoordinator([list(range(world))], rank, "gloo", False, False, group_name="cmp")
     out = []
     for step in range(8):
@@ -113,7 +117,7 @@ def _vllm_rank(rank: int, world: int) -> list[str]:
         ours = cpmeta.broadcast_tensor_dict(want if rank == 0 else None, src=0)
         theirs = gc.broadcast_tensor_dict(want if rank == 0 else None, src=0)
         out.append(equal(theirs, ours))
-    cpmeta.close_tensor_dict_channels()
+    cpmeta.broadcast.close_tensor_dict_channels()
     dist.barrier()
     return out
 

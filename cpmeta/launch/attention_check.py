@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 import cpmeta
+import cpmeta.constants
 from cpmeta.metadata import InputMetadata
 
 from . import comm
@@ -170,7 +171,7 @@ def decode_check(md: InputMetadata, rank: int, world: int, device: torch.device,
     kpos = torch.arange(kseq.shape[0], device=device) - qsl[kseq]
     slots = cpmeta.compute_slot_mapping(qsl, kpos, table, block_size, max_num_tokens=kseq.shape[0],
                                         cp_world_size=world, cp_rank=rank, cp_interleave=interleave)
-    own = slots != cpmeta.PAD_SLOT_ID
+    own = slots != cpmeta.constants.PAD_SLOT_ID
     where = slots[own].to(torch.int64)
     if where.numel() and (int(where.min()) < 0 or where.unique().numel() != where.numel()):
         return float("inf")

@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 
 import cpmeta
+import cpmeta.cp
+import cpmeta.constants
 from cpmeta.metadata import InputMetadata
 
 from . import comm
@@ -179,9 +181,9 @@ def _verify_slot_mapping(md: InputMetadata, args: Any, rank: int, world: int, cf
     is read. Summed over ranks, every real token must be owned exactly once and a
     placeholder's never.
     """
-    sm = cpmeta.compute_slot_mapping_from_metadata(md, cfg.block_size, cp_world_size=world, cp_rank=rank,
+    sm = cpmeta.cp.compute_slot_mapping_from_metadata(md, cfg.block_size, cp_world_size=world, cp_rank=rank,
                                                    cp_interleave=args.kv_interleave)
-    owned = comm.all_reduce((sm != cpmeta.PAD_SLOT_ID).to(torch.int32).to(device))
+    owned = comm.all_reduce((sm != cpmeta.constants.PAD_SLOT_ID).to(torch.int32).to(device))
     assert md.valid_token_mask is not None  # every step's metadata carries it (DESIGN 4)
     want = md.valid_token_mask.to(device=device, dtype=torch.int32)
     bad = int((owned != want).sum())
