@@ -7,6 +7,7 @@ parsers this module uses; unset or blank means the default).
 | ``CPMETA_CHECKSUM`` | ``1``: the driver stamps a crc32 of every broadcast frame; followers verify it and refuse a frame without one (a mismatch is a ``RuntimeError`` naming the rank). Every rank must set it alike (compared at construction). Costs a few us per step (docs/transport.md) | ``0`` |
 | ``CPMETA_POISON_ARENAS`` | ``1`` (debug): a persistent arena's previous result is retired when its turn comes again -- its tensors filled with poison (integers their dtype's max, floats NaN, bools True) and its derived objects refused -- and the step lands in new buffers, so a result read past its lifetime fails loudly instead of showing the next step's values (``cpmeta.broadcast.persistent``). Costs an allocation per step: off in production | ``0`` |
 | ``CPMETA_PACKED_MAX_BYTES`` | with ``auto`` and a CUDA device, CPU-built payloads up to this many bytes ride inside the object message and each rank copies them to its GPU with one H2D copy (larger ones: one NCCL broadcast) | ``1048576`` |
+| ``CPMETA_TEST_SEED`` | ``cpmeta.testing``: the seed every spawned rank seeds ``random`` and torch with (printed by each run; set it to reproduce one); 0 or unset = a fresh one per run | ``0`` |
 
 The 1 MiB default comes from ``scripts/bench_broadcast.py --backend nccl --worlds 1`` on an H200
 (2026-11-29): packed 331 us vs collective 634 us for decode-64, 512 vs 1002 us for prompt-8k
@@ -18,7 +19,7 @@ from __future__ import annotations
 from cpmeta.transport.envs import env_bool, env_choice, env_int
 
 __all__ = ["tensor_path", "packed_max_bytes", "checksum", "poison_arenas", "TENSOR_PATHS", "CHECKSUM",
-           "POISON_ARENAS"]
+           "POISON_ARENAS", "testing_seed", "TEST_SEED"]
 
 TENSOR_PATHS = ("auto", "packed", "collective")
 DEFAULT_PACKED_MAX_BYTES = 1 << 20
@@ -26,6 +27,7 @@ TENSOR_PATH = "CPMETA_TENSOR_PATH"
 PACKED_MAX_BYTES = "CPMETA_PACKED_MAX_BYTES"
 CHECKSUM = "CPMETA_CHECKSUM"
 POISON_ARENAS = "CPMETA_POISON_ARENAS"
+TEST_SEED = "CPMETA_TEST_SEED"
 
 
 def tensor_path() -> str:
@@ -46,3 +48,8 @@ def checksum() -> bool:
 def poison_arenas() -> bool:
     """``CPMETA_POISON_ARENAS``: retire and poison a persistent arena's result when it expires."""
     return env_bool(POISON_ARENAS, False)
+
+
+def testing_seed() -> int:
+    """``CPMETA_TEST_SEED``: the seed ``cpmeta.testing`` gives every spawned rank (0 = draw one)."""
+    return env_int(TEST_SEED, 0, minimum=0)

@@ -1,4 +1,5 @@
-"""Self-tests of the shared N-process helper ``tests/multiproc.py``."""
+"""Self-tests of the one N-process helper, ``cpmeta.testing`` (``tests/multiproc.py`` is its name in
+the test suite)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from multiproc import RankFailure, run_ranks, spawn_ranks
+import multiproc
+from cpmeta.testing import RankFailure, run_ranks, spawn_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -61,10 +63,17 @@ def test_spawn_ranks_kill() -> None:
         assert group.results(allow_dead=[1]) == [0, None]
 
 
+def test_multiproc_is_cpmeta_testing() -> None:
+    import cpmeta.testing
+
+    for name in multiproc.__all__:
+        assert getattr(multiproc, name) is getattr(cpmeta.testing, name), name
+
+
 def test_default_run_is_reproducible(request: pytest.FixtureRequest) -> None:
     """conftest: hypothesis draws the same examples every run (unless the explore profile is
     chosen), and ``random``/torch start from a seed fixed by the test's id, so the seed
-    multiproc draws for its ranks repeats too."""
+    ``cpmeta.testing`` draws for its ranks repeats too."""
     import random
 
     from hypothesis import settings

@@ -1,0 +1,124 @@
+"""``cpmeta.testing``: its docstring example runs as written; ``assert_same`` and
+``assert_same_on_ranks`` name the rank, the field and the first differing index."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import cpmeta.testing
+from cpmeta import MetadataConfig, SequenceMetadata, prepare_prompt
+from cpmeta.testing import RankFailure, assert_same, run_ranks
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _docstring_example() -> str:
+    """The module docstring's code block (the lines after ``::``, dedented by four spaces)."""
+    doc = cpmeta.testing.__doc__
+    assert doc is not None
+    block = doc.split("::\n", 1)[1].split("\n\nWhen a rank", 1)[0]
+    return "\n".join(line[4:] for line in block.splitlines()) + "\n"
+
+
+def test_docstring_example_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The example is written to a file and imported like a test module (spawned ranks import it
+    by name through the parent's ``sys.path``), then its test runs, plus the rank function on 2 ranks."""
+    (tmp_path / "example_equivalence.py").write_text(_docstring_example())
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mod = importlib.import_module("example_equivalence")
+    try:
+        mod.test_every_rank_holds_the_drivers_metadata()
+        assert run_ranks(mod._step, 2, 7) == [6, 6]
+    finally:
+        sys.modules.pop("example_equivalence", None)
+
+
+def _md(seqlen: int = 20):
+    seqs = [SequenceMetadata(seqlen_q=seqlen, seqlen_k=seqlen, block_table=[7, 3], state_id=0,
+                             token_ids=list(range(seqlen)))]
+    return prepare_prompt(seqs, MetadataConfig())
+
+
+def test_assert_same_names_field_and_first_index() -> None:
+    a, b = _md(), _md()
+    assert_same(a, b)  # two builds of one batch: bit-identical
+    b.positions[4] = 99
+    with pytest.raises(AssertionError, match=re.escape(
+            "'positions' differs from expected: 1 of 20 elements, first at index (4,): 4 here, "
+            "99 on expected")):
+        assert_same(a, b)
+    with pytest.raises(AssertionError, match=re.escape("'x' missing here")):
+        assert_same({"y": 1}, {"x": 1, "y": 1})
+    with pytest.raises(AssertionError, match=re.escape("'k.3' not in expected")):
+        assert_same({"k": {3: torch.zeros(2)}}, {"k": {}})
+    with pytest.raises(AssertionError, match=re.escape("torch.int32(2,) here, torch.int64(2,) on expected")):
+        assert_same({"t": torch.zeros(2, dtype=torch.int32)}, {"t": torch.zeros(2, dtype=torch.int64)})
+    with pytest.raises(AssertionError, match=re.escape("first at index (1, 0): -0.0 here, 0.0")):
+        assert_same([torch.zeros(2, 2).index_fill(0, torch.tensor([1]), -0.0)], [torch.zeros(2, 2)])
+    t = torch.arange(3)
+    with pytest.raises(AssertionError, match=re.escape("'<aliasing>' differs")):
+        assert_same({"a": t, "b": t}, {"a": t.clone(), "b": t.clone()})
+
+
+def _scenarios(rank: int, world_size: int) -> list[str]:
+    """Each case on every rank: the message it raised ('' when it passed)."""
+    import torch.distributed as dist
+
+    from cpmeta.testing import assert_same_on_ranks
+
+    sub = dist.new_group([1, 2])  # collective: every rank creates it, ranks 1 and 2 are in it
+    p = torch.arange(20, dtype=torch.int32)
+    cases = [
+        lambda: assert_same_on_ranks(_md()),  # every rank built the same metadata
+        lambda: assert_same_on_ranks({"pos": p.index_fill(0, torch.tensor([2]), 9) if rank == 1 else p}),
+        lambda: assert_same_on_ranks({"pos": p, **({} if rank == 0 else {"n": 1}),
+                                      **({"extra": 1} if rank == 2 else {})}, src=1),
+        lambda: assert_same_on_ranks({"n": rank == 2, "t": p.long() if rank == 1 else p}),
+    ]
+    if rank in (1, 2):  # the subgroup's rank 1 (global rank 2) is the reference
+        cases.append(lambda: assert_same_on_ranks([p + (rank == 1)], src=1, group=sub))
+    out = []
+    for case in cases:
+        try:
+            case()
+            out.append("")
+        except AssertionError as e:
+            out.append(str(e))
+    return out
+
+
+def test_assert_same_on_ranks_same_message_on_every_rank() -> None:
+    res = run_ranks(_scenarios, 3)
+    for case in range(4):
+        assert res[0][case] == res[1][case] == res[2][case], case
+    assert res[1][4] == res[2][4]
+    ok, tampered, keys, kinds, sub = res[1]
+    assert ok == ""
+    assert tampered == ("rank 1: 'pos' differs from rank 0's: 1 of 20 elements, first at index (2,): "
+                        "9 here, 2 on rank 0")
+    assert keys == "rank 0: 'n' missing here (rank 1 has it); rank 2: 'extra' not on rank 1"
+    assert kinds == ("rank 1: 't' differs from rank 0's: torch.int64(20,) here, torch.int32(20,) on rank 0; "
+                     "rank 2: 'n' differs from rank 0's: True here, False on rank 0")
+    assert sub == "rank 0: '0' differs from rank 1's: 20 of 20 elements, first at index (0,): 1 here, 0 on rank 1"
+
+
+def _diverge(rank: int, world_size: int) -> None:
+    from cpmeta.testing import assert_same_on_ranks
+
+    assert_same_on_ranks({"slot_mapping": torch.tensor([5, 6, 7 + rank])})
+
+
+def test_run_ranks_reports_every_ranks_failure() -> None:
+    with pytest.raises(RankFailure) as info:
+        run_ranks(_diverge, 2, timeout=60)
+    text = str(info.value)
+    assert "--- rank 0 FAILED ---" in text and "--- rank 1 FAILED ---" in text
+    assert text.count("rank 1: 'slot_mapping' differs from rank 0's: 1 of 3 elements, first at index (2,): "
+                      "8 here, 7 on rank 0") == 2
+    assert "seed=" in text
