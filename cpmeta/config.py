@@ -30,6 +30,11 @@ _INT_FIELDS = ("block_size", "window_size", "swa_block_size", "max_model_len", "
                "kv_cp_interleave")
 
 
+#: :meth:`MetadataConfig.compressed_swa`'s values (the fields it sets; the rest keep their defaults).
+_COMPRESSED_SWA: dict[str, Any] = {"block_size": 128, "window_size": 128, "swa_block_size": 128,
+                                   "dense_compress_ratios": (4,), "sparse_compress_ratios": (4,)}
+
+
 def _is_int(x: object) -> bool:
     """A Python or numpy integer (``np.int64(7)`` counts; ``True`` and ``np.True_`` do not)."""
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
@@ -162,6 +167,19 @@ class MetadataConfig:
                 f"yoco_keep_tokens: YoCo limits the sliding window, so it needs window_size > 0; "
                 f"got yoco_keep_tokens={k} with window_size=0"
             )
+
+    @classmethod
+    def compressed_swa(cls, **overrides: Any) -> "MetadataConfig":
+        """The compressed-KV + sliding-window model (DeepSeek-V4-like): core-attention and top-k
+        sparse compressed KV at ratio 4 (``dense_compress_ratios=(4,)``,
+        ``sparse_compress_ratios=(4,)``), a 128-token sliding window kept in a 128-slot state ring
+        per sequence (``window_size=128``, ``swa_block_size=128``), 128-token blocks (every ratio
+        must divide ``block_size``); ``overrides`` replace any of these or set the other fields.
+
+        Example: ``MetadataConfig.compressed_swa(max_ngram_size=3)`` adds Engram; its
+        ``min_ratio == 4`` and ``max_num_blocks == cdiv(8192 // 4, 128 // 4) == 64``.
+        """
+        return cls(**{**_COMPRESSED_SWA, **overrides})
 
     @property
     def ca_ratios(self) -> tuple[int, ...]:
