@@ -162,7 +162,7 @@ def _decode_case(n: int, drafts: int, numpy_tables: bool = False) -> CaseFn:
 
         from cpmeta import prepare_decode
 
-        cfg = MetadataConfig()
+        cfg = MetadataConfig.compressed_swa()
         seqs = decode_batch(ctx.rng, cfg, n, drafts)
         if numpy_tables:
             for s in seqs:
@@ -177,7 +177,7 @@ def _prompt_case(n: int, q: int) -> CaseFn:
     def run(ctx: BenchContext) -> dict[str, Any]:
         from cpmeta import prepare_prompt
 
-        cfg = MetadataConfig()
+        cfg = MetadataConfig.compressed_swa()
         seqs = prompt_batch(ctx.rng, cfg, n, q)
         ref = ctx.ref.ref_prepare_prompt if ctx.ref else None
         return _builder_vs_ref(ctx, prepare_prompt, ref, seqs, cfg, ">= 50x reference (32768 rows)")
@@ -222,7 +222,7 @@ def _array_case(is_prompt: bool, n: int, q: int) -> CaseFn:
     def run(ctx: BenchContext) -> dict[str, Any]:
         from cpmeta import prepare_decode, prepare_prompt
 
-        cfg = MetadataConfig()
+        cfg = MetadataConfig.compressed_swa()
         seqs = prompt_batch(ctx.rng, cfg, n, q) if is_prompt else decode_batch(ctx.rng, cfg, n, q)
         st, slots, (lens, drafts, nd) = _state_from(seqs, cfg, is_prompt)
         if is_prompt:
@@ -279,7 +279,7 @@ def _plain_vs_seed_case(path: str, n: int, q: int) -> CaseFn:
         from cpmeta import OutputArenas, prepare_decode, prepare_prompt
         from cpmeta.gpu import DecodeStaging, stage_decode
 
-        seed_cfg = MetadataConfig()
+        seed_cfg = MetadataConfig.compressed_swa()
         seqs = (prompt_batch if path == "prompt" else decode_batch)(ctx.rng, PLAIN, n, q)
         rep = ctx.repeat // (4 if path == "prompt" else 1)
         timed: dict[str, Callable[[MetadataConfig], Callable[[], Any]]] = {}
@@ -327,7 +327,7 @@ def _attn_case(is_prompt: bool, n: int, q: int) -> CaseFn:
         from cpmeta import prepare_decode, prepare_prompt
         from cpmeta.builders.attn_info import compute_attn_info
 
-        cfg = MetadataConfig()
+        cfg = MetadataConfig.compressed_swa()
         if is_prompt:
             md = prepare_prompt(prompt_batch(ctx.rng, cfg, n, q), cfg)
         else:
@@ -355,7 +355,7 @@ def _mirror_case(n: int, q: int, cp: int) -> CaseFn:
         from cpmeta.cp.mirror import prepare_for_mirror_cp
         from cpmeta.cp.zigzag import cp_mirror_len, prepare_cp_mirror
 
-        cfg = MetadataConfig()
+        cfg = MetadataConfig.compressed_swa()
         seqs = prompt_batch(ctx.rng, cfg, n, q)
         md = prepare_prompt(seqs, cfg).to(ctx.device)
         cuda = ctx.device.startswith("cuda")
@@ -401,7 +401,7 @@ def _yoco_case(n: int, q: int, mode: str, cp: int, keep: int = 512) -> CaseFn:
         from cpmeta import prepare_for_mirror_cp, prepare_prompt
         from cpmeta.builders.yoco import build_yoco_fields
 
-        plain = MetadataConfig()
+        plain = MetadataConfig.compressed_swa()
         cfg = dataclasses.replace(plain, yoco_keep_tokens=keep, yoco_mode=mode)
         seqs = prompt_batch(ctx.rng, cfg, n, q)
         md, md0 = prepare_prompt(seqs, cfg), prepare_prompt(seqs, plain)
