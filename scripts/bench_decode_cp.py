@@ -153,7 +153,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_pa
     from cpmeta import MetadataConfig
 
     device = init_rank(rank, world, port, args.backend, cuda_with_gloo=args.device == "cuda")
-    cfg = MetadataConfig()
+    cfg = MetadataConfig.compressed_swa()
     seqs = decode_batch(random.Random(args.seed), cfg, args.n_seqs, args.drafts)
     if args.np_tables:
         for s in seqs:
