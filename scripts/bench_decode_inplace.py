@@ -120,7 +120,7 @@ def _graph_fn(st: DecodeStaging, cfg: MetadataConfig, out: dict) -> Optional[Cal
 
 def run_case(n: int, drafts: int, dev: torch.device, repeat: int, rng: random.Random,
              np_tables: bool = False) -> dict[str, Any]:
-    cfg = MetadataConfig()
+    cfg = MetadataConfig.compressed_swa()
     seqs = decode_batch(rng, cfg, n, drafts)
     if np_tables:  # an engine that keeps block tables as int32 arrays: one np.concatenate
         for s in seqs:
