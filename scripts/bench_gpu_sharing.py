@@ -64,7 +64,7 @@ def _step_fn(method: str, dev: torch.device) -> Callable[[], None]:
         DecodeStaging, capture_decode_graph, launch_decode_inplace, prepare_decode_inplace, staging_capacity,
     )
 
-    cfg = MetadataConfig()
+    cfg = MetadataConfig.compressed_swa()
     seqs = decode_batch(random.Random(0), cfg, 256, 0)
     bs, slots, (_, dr, nd) = _state_from(seqs, cfg, False)
     st = DecodeStaging(dev, staging_capacity(cfg, 256, 256), fixed=True)
