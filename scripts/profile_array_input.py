@@ -110,7 +110,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--out", default="", help="JSON output path ('' = none)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    cfg, rng = MetadataConfig(), random.Random(0)
+    cfg, rng = MetadataConfig.compressed_swa(), random.Random(0)
     load0 = os.getloadavg()[0]
     res = {f"decode_256_d{d}": _decode_phases(cfg, 256, d, args.repeat, rng) for d in (0, 2)}
     res["prompt_8x4096"] = _prompt_phases(cfg, 8, 4096, max(args.repeat // 10, 20), rng)
