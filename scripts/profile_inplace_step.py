@@ -81,7 +81,7 @@ def _interleaved(fns: dict[str, Callable[[], Any]], repeat: int, sync: Callable[
 def run_case(drafts: int, repeat: int, dev: torch.device, count: bool = False) -> dict[str, Any]:
     """``count``: the drafts as an engine with a fixed MTP depth passes them -- ONE count for all
     requests (``num_drafts=drafts``) and int32 ids -- instead of a count per request and int64 ids."""
-    cfg = MetadataConfig()
+    cfg = MetadataConfig.compressed_swa()
     seqs = decode_batch(random.Random(drafts), cfg, 256, drafts)
     bs, slots, (_, dr, nd) = _state_from(seqs, cfg, False)
     if count:
@@ -149,7 +149,7 @@ def run_cp(drafts: int, repeat: int, dev: torch.device) -> dict[str, Any]:
     os.environ.setdefault("MASTER_PORT", "29517")
     if not dist.is_initialized():
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=0, world_size=1)
-    cfg = MetadataConfig()
+    cfg = MetadataConfig.compressed_swa()
     seqs = decode_batch(random.Random(drafts), cfg, 256, drafts)
     bs, slots, (_, dr, nd) = _state_from(seqs, cfg, False)
     st = DecodeStaging(dev, staging_capacity(cfg, 256, 256 * (1 + drafts)), fixed=True)
