@@ -43,7 +43,7 @@ def main() -> int:
     from bench_build import decode_batch
     from bench_decode_cp import ReplicateInplaceMethod, StagedStateMethod
 
-    cfg = cpmeta.MetadataConfig()
+    cfg = cpmeta.MetadataConfig.compressed_swa()
     seqs = decode_batch(random.Random(0), cfg, 256, 2)
     for cls in (StagedStateMethod, ReplicateInplaceMethod):
         m = cls(0, device, cfg, seqs)
