@@ -64,7 +64,7 @@ def _equivalence(rank: int, world: int, seed: int, force_remote: bool) -> int:
         # empty dicts survive: a config with no sparse ratios has ks == {}
         from strategies import random_prompt_batch
 
-        cfg0 = cpmeta.MetadataConfig(dense_compress_ratios=(4,), sparse_compress_ratios=())
+        cfg0 = cpmeta.MetadataConfig.compressed_swa(dense_compress_ratios=(4,), sparse_compress_ratios=())
         seqs = random_prompt_batch(random.Random(seed), cfg0, max_total_q=300)
         local = cpmeta.prepare_prompt(seqs, cfg0)
         assert local.ks == {}
