@@ -65,7 +65,7 @@ def _pool(seed: int) -> list:
     pool.append(md.replace(positions_cp=md.positions))  # aliasing
     md = _random_case(seed, 0, False)[1]
     pool.append(md.replace(positions_cp=md.positions[1:]))  # two views sharing bytes
-    cfg0 = cpmeta.MetadataConfig(dense_compress_ratios=(4,), sparse_compress_ratios=())
+    cfg0 = cpmeta.MetadataConfig.compressed_swa(dense_compress_ratios=(4,), sparse_compress_ratios=())
     md0 = cpmeta.prepare_prompt(random_prompt_batch(random.Random(seed), cfg0, max_total_q=200), cfg0)
     assert md0.ks == {}
     pool.append(md0)  # empty dicts
