@@ -279,7 +279,7 @@ def test_compute_attn_info_fills_only_none_fields() -> None:
 
 
 def test_builders_validate_input() -> None:
-    cfg = MetadataConfig(block_size=16, window_size=4, swa_block_size=4, max_model_len=64)
+    cfg = MetadataConfig.compressed_swa(block_size=16, window_size=4, swa_block_size=4, max_model_len=64)
     good = SequenceMetadata(2, 5, [1], 0, [1, 2, 3, 4, 5])
     with pytest.raises(ValueError, match=re.escape("seqs[1].draft_tokens")):
         cpmeta.prepare_prompt([good, dataclasses.replace(good, draft_tokens=[9])], cfg)
@@ -317,7 +317,7 @@ def test_decode_kv_ca_offset_overflow_bound() -> None:
 @pytest.mark.parametrize("is_prompt", [True, False], ids=["prompt", "decode"])
 def test_slot_overflow(is_prompt: bool) -> None:
     # SWA slot state_id * S + pos % S: state 2**24 with S = 128 reaches 2**31 at pos 0.
-    cfg = MetadataConfig(block_size=128, window_size=128, swa_block_size=128, max_model_len=1024)
+    cfg = MetadataConfig.compressed_swa(block_size=128, window_size=128, swa_block_size=128, max_model_len=1024)
     seq = SequenceMetadata(1, 1, [0], 2**24, [1])
     with pytest.raises(ValueError, match=_OVERFLOW_MSG):
         _build([seq], cfg, is_prompt)
@@ -334,7 +334,7 @@ def test_slot_overflow(is_prompt: bool) -> None:
 
 def test_prompt_swa_buffer_overflow() -> None:
     # pivots P2 = n_seq * W + cu_seqlens_q[s] + k_lo: W = 2**28 with 8 sequences reaches 2**31.
-    cfg = MetadataConfig(block_size=128, window_size=2**28, swa_block_size=2**28, max_model_len=1024)
+    cfg = MetadataConfig.compressed_swa(block_size=128, window_size=2**28, swa_block_size=2**28, max_model_len=1024)
     seqs = [SequenceMetadata(1, 1, [0], i, [1]) for i in range(8)]
     with pytest.raises(ValueError, match=_OVERFLOW_MSG):
         cpmeta.prepare_prompt(seqs, cfg)
