@@ -29,7 +29,7 @@ CUDA = torch.cuda.is_available()
 
 
 def _seq(q: int, k: int, *, state: int = 0, table=None, cfg=None, prompt=True, **kw) -> SequenceMetadata:
-    cfg = cfg or MetadataConfig()
+    cfg = cfg or MetadataConfig.compressed_swa()
     table = list(range(10, 10 + blocks_needed(k, cfg))) if table is None else table
     toks = list(range(100, 100 + (k if prompt else k - q + 1)))
     drafts = [] if prompt else list(range(900, 900 + q - 1))
@@ -44,7 +44,7 @@ def test_loaded_compressed_len_one_helper_for_all_types() -> None:
 
 
 def test_decode_docstring_example() -> None:
-    cfg = MetadataConfig()
+    cfg = MetadataConfig.compressed_swa()
     md = prepare_decode([_seq(2, 8, state=3, table=[5], prompt=False)], cfg)
     assert md.positions.tolist() == [6, 7] and md.context_lens.tolist() == [7, 8]
     assert md.input_ids.tolist() == [106, 900]
@@ -58,7 +58,7 @@ def test_decode_docstring_example() -> None:
 
 
 def test_prompt_docstring_example() -> None:
-    cfg = MetadataConfig(window_size=4, swa_block_size=4, block_size=8)
+    cfg = MetadataConfig.compressed_swa(window_size=4, swa_block_size=4, block_size=8)
     md = prepare_prompt([_seq(3, 9, cfg=cfg)], cfg)
     assert md.positions.tolist() == [6, 7, 8]
     assert md.ks["4"].tolist() == [0, 0, 0] and md.ke["4"].tolist() == [1, 2, 2]
@@ -70,7 +70,7 @@ def test_prompt_docstring_example() -> None:
 
 
 def test_swa_load_plan_examples() -> None:
-    cfg = MetadataConfig(window_size=8, swa_block_size=8, block_size=8)
+    cfg = MetadataConfig.compressed_swa(window_size=8, swa_block_size=8, block_size=8)
     seqs = [_seq(1, 1, cfg=cfg), _seq(1, 12, state=2, cfg=cfg), _seq(1, 6, state=3, cfg=cfg)]
     b = extract_batch(seqs, cfg, is_prompt=True)
     segs = swa_load_segments(b, cfg, None).tolist()
@@ -79,7 +79,7 @@ def test_swa_load_plan_examples() -> None:
 
 
 def test_paged_load_plan_example() -> None:
-    cfg = MetadataConfig(block_size=128, dense_compress_ratios=(4,), sparse_compress_ratios=())
+    cfg = MetadataConfig.compressed_swa(block_size=128, dense_compress_ratios=(4,), sparse_compress_ratios=())
     seqs = [_seq(1, 3, table=[1]), _seq(1, 280, table=[9, 4, 6], state=1)]
     b = extract_batch(seqs, cfg, is_prompt=True)
     segs = paged_load_segments(b, cfg, 4, np.array([0, 1]), None).tolist()
@@ -87,7 +87,7 @@ def test_paged_load_plan_example() -> None:
 
 
 def test_ngram_docstring_example() -> None:
-    cfg = MetadataConfig(max_ngram_size=3, image_token_id=77, ngram_pad_token=-5)
+    cfg = MetadataConfig.compressed_swa(max_ngram_size=3, image_token_id=77, ngram_pad_token=-5)
     s = SequenceMetadata(seqlen_q=4, seqlen_k=4, block_table=[0], state_id=0, token_ids=[5, 7, 77, 8])
     assert prepare_prompt([s], cfg).ngram_token_ids.tolist() == [
         [5, -5, -5], [7, 5, -5], [-5, -5, -5], [8, -5, -5]]
@@ -142,7 +142,7 @@ BAD_CASES = {
 @pytest.mark.parametrize("name", sorted(BAD_CASES))
 @pytest.mark.parametrize("prompt", [True, False])
 def test_fast_validation_raises_the_validate_batch_error(name: str, prompt: bool) -> None:
-    cfg = MetadataConfig(max_model_len=1024)
+    cfg = MetadataConfig.compressed_swa(max_model_len=1024)
     good = [_seq(1, 300, state=1, prompt=prompt), _seq(1, 200, state=2, prompt=prompt)]
     fields = {f: getattr(good[1], f) for f in SequenceMetadata.__slots__}
     fields.update(BAD_CASES[name])
@@ -157,18 +157,18 @@ def test_fast_validation_raises_the_validate_batch_error(name: str, prompt: bool
 
 def test_empty_batch_and_wrong_type() -> None:
     with pytest.raises(ValueError, match="seqs"):
-        prepare_decode([], MetadataConfig())
+        prepare_decode([], MetadataConfig.compressed_swa())
     with pytest.raises(TypeError, match=r"seqs\[0\]"):
-        prepare_prompt([object()], MetadataConfig())  # type: ignore[list-item]
+        prepare_prompt([object()], MetadataConfig.compressed_swa())  # type: ignore[list-item]
 
 
 def test_negative_block_id_named() -> None:
     with pytest.raises(ValueError, match=r"seqs\[1\]\.block_table"):
-        prepare_decode([_seq(1, 5, prompt=False), _seq(1, 5, table=[-3], state=1, prompt=False)], MetadataConfig())
+        prepare_decode([_seq(1, 5, prompt=False), _seq(1, 5, table=[-3], state=1, prompt=False)], MetadataConfig.compressed_swa())
 
 
 def test_decode_offset_overflow_checked_before_allocation() -> None:
-    cfg = MetadataConfig(block_size=2048, dense_compress_ratios=(1,), sparse_compress_ratios=(),
+    cfg = MetadataConfig.compressed_swa(block_size=2048, dense_compress_ratios=(1,), sparse_compress_ratios=(),
                          max_model_len=131072)
     # max_num_blocks = 64, block_size // 1 = 2048 -> 131072 per row; 16384 rows reach 2**31
     seqs = [_seq(1, 2, state=i, cfg=cfg, prompt=False) for i in range(16384)]
@@ -180,7 +180,7 @@ def test_decode_offset_overflow_checked_before_allocation() -> None:
 
 
 def test_prompt_slot_overflow() -> None:
-    cfg = MetadataConfig()
+    cfg = MetadataConfig.compressed_swa()
     with pytest.raises(ValueError, match="slot_mapping_store_swa.*overflow"):
         prepare_prompt([_seq(1, 5, state=2**24)], cfg)
     with pytest.raises(ValueError, match="slot_mapping_store_ca.*overflow"):
@@ -188,7 +188,7 @@ def test_prompt_slot_overflow() -> None:
 
 
 def test_out_refills_same_tensors_and_rejects_mismatch() -> None:
-    cfg = MetadataConfig(dense_compress_ratios=(4, 128), max_ngram_size=2)
+    cfg = MetadataConfig.compressed_swa(dense_compress_ratios=(4, 128), max_ngram_size=2)
     rng = random.Random(1)
     mk = lambda: [_seq(3, rng.randint(3, 900), state=i, prompt=False) for i in range(5)]  # noqa: E731
     out: dict[str, torch.Tensor] = {}
@@ -214,7 +214,7 @@ def test_output_arenas_refill_one_arena_per_shape() -> None:
     from cpmeta import OutputArenas
     from cpmeta.diff import metadata_diff
 
-    cfg = MetadataConfig(dense_compress_ratios=(4, 128), max_ngram_size=2)
+    cfg = MetadataConfig.compressed_swa(dense_compress_ratios=(4, 128), max_ngram_size=2)
     rng = random.Random(2)
     mk = lambda n, q: [_seq(q, rng.randint(q, 900), state=i, prompt=False) for i in range(n)]  # noqa: E731
     arenas = OutputArenas(max_shapes=2)
@@ -251,7 +251,7 @@ def test_caller_owned_output_buffers_protocol() -> None:
             self.layouts.append(layout)
             return HostArena(layout, raw=self.raw)
 
-    cfg = MetadataConfig(dense_compress_ratios=(4, 128), max_ngram_size=2)
+    cfg = MetadataConfig.compressed_swa(dense_compress_ratios=(4, 128), max_ngram_size=2)
     rng = random.Random(3)
     seqs = [_seq(2, rng.randint(2, 900), state=i, prompt=False) for i in range(4)]
     mine = OneArena(1 << 16)
@@ -273,7 +273,7 @@ def test_decode_out_schema_is_stacked_on_both_paths() -> None:
     """One out= schema: per-ratio keys ("klen.4") are refused by the eager and in-place paths."""
     from cpmeta.gpu.decode_inplace import prepare_decode_inplace
 
-    cfg = MetadataConfig(dense_compress_ratios=(4, 128))
+    cfg = MetadataConfig.compressed_swa(dense_compress_ratios=(4, 128))
     seqs = [_seq(1, 40 + i, state=i, prompt=False) for i in range(3)]
     out: dict[str, torch.Tensor] = {}
     prepare_decode(seqs, cfg, out=out)
@@ -286,18 +286,18 @@ def test_decode_out_schema_is_stacked_on_both_paths() -> None:
 
 
 def test_empty_ratio_sets_are_empty_dicts() -> None:
-    cfg = MetadataConfig(dense_compress_ratios=(), sparse_compress_ratios=(8,))
+    cfg = MetadataConfig.compressed_swa(dense_compress_ratios=(), sparse_compress_ratios=(8,))
     p = prepare_prompt([_seq(5, 20, cfg=cfg)], cfg)
     assert p.kv_ca_index_offset_len == {} and set(p.ks) == {"8"}
     compute_attn_info(p, cfg)
     assert p.kv_ca_index == {} and p.kv_ca_index_len == {}
-    cfg2 = MetadataConfig(dense_compress_ratios=(8,), sparse_compress_ratios=())
+    cfg2 = MetadataConfig.compressed_swa(dense_compress_ratios=(8,), sparse_compress_ratios=())
     d = prepare_decode([_seq(1, 20, cfg=cfg2, prompt=False)], cfg2)
     assert d.klen == {} and set(d.kv_ca_index_offset_len) == {"8"}
 
 
 def test_dtypes() -> None:
-    cfg = MetadataConfig(max_ngram_size=1)
+    cfg = MetadataConfig.compressed_swa(max_ngram_size=1)
     for md in (prepare_prompt([_seq(4, 40)], cfg), prepare_decode([_seq(2, 40, prompt=False)], cfg)):
         compute_attn_info(md, cfg)
         for path, t in md.tensors():
@@ -306,7 +306,7 @@ def test_dtypes() -> None:
 
 
 def test_attn_info_idempotent_and_clean() -> None:
-    cfg = MetadataConfig()
+    cfg = MetadataConfig.compressed_swa()
     md = prepare_prompt([_seq(7, 300)], cfg)
     compute_attn_info(md, cfg)
     before = [id(md.kv_ca_index["4"]), id(md.kv_ca_index_len), id(md.kv_swa_full_index)]
@@ -318,7 +318,7 @@ def test_attn_info_idempotent_and_clean() -> None:
 
 
 def test_attn_info_mirror_gathers_full_rows() -> None:
-    cfg = MetadataConfig(window_size=8, swa_block_size=8, block_size=16)
+    cfg = MetadataConfig.compressed_swa(window_size=8, swa_block_size=8, block_size=16)
     md = prepare_prompt([_seq(5, 40, cfg=cfg), _seq(3, 3, state=1, cfg=cfg)], cfg)
     full = compute_attn_info(md.replace(), cfg)
     mirror = torch.tensor([4, -1, 0, 6, -1], dtype=torch.int32)
@@ -336,7 +336,7 @@ def test_attn_info_mirror_gathers_full_rows() -> None:
 @pytest.mark.parametrize("seed", range(5))
 def test_attn_info_cuda_equals_cpu(seed: int) -> None:
     rng = random.Random(seed)
-    cfg = MetadataConfig(dense_compress_ratios=(4, 128), sparse_compress_ratios=(4,), max_model_len=4096)
+    cfg = MetadataConfig.compressed_swa(dense_compress_ratios=(4, 128), sparse_compress_ratios=(4,), max_model_len=4096)
     pro = [_seq(rng.randint(1, 300), rng.randint(300, 4000), state=i) for i in range(4)]
     dec = [_seq(1 + rng.randint(0, 2), rng.randint(3, 4000), state=i, prompt=False) for i in range(9)]
     for md in (prepare_prompt(pro, cfg), prepare_decode(dec, cfg)):
@@ -384,7 +384,7 @@ def test_non_power_of_two_sizes_match_reference(seed: int) -> None:
 def test_decode_block_tables_carry_the_whole_table() -> None:
     """Columns past the compressed need hold the rest of the sequence's table (a full-attention KV
     cache reads them through the slot mapping), cut to max_num_blocks; -1 after the table."""
-    cfg = MetadataConfig(max_model_len=1024)  # max_num_blocks = 8
+    cfg = MetadataConfig.compressed_swa(max_model_len=1024)  # max_num_blocks = 8
     seqs = [_seq(1, 130, state=0, prompt=False), _seq(2, 300, state=1, prompt=False)]
     seqs[0] = dataclasses.replace(seqs[0], block_table=list(range(10, 20)))  # 10 blocks > 8 columns
     seqs[1] = dataclasses.replace(seqs[1], block_table=[5, 6, 7])
