@@ -17,7 +17,7 @@ from strategies import configs
 
 
 def test_defaults_match_design_table() -> None:
-    cfg = MetadataConfig()
+    cfg = MetadataConfig.compressed_swa()
     assert (cfg.block_size, cfg.window_size, cfg.swa_block_size) == (128, 128, 128)
     assert cfg.dense_compress_ratios == (4,) and cfg.sparse_compress_ratios == (4,)
     assert cfg.max_model_len == 8192
@@ -33,17 +33,17 @@ def test_named_constants() -> None:
 
 
 def test_ca_ratios_is_the_sorted_union() -> None:
-    cfg = MetadataConfig(dense_compress_ratios=[128, 4], sparse_compress_ratios=(8, 4))
+    cfg = MetadataConfig.compressed_swa(dense_compress_ratios=[128, 4], sparse_compress_ratios=(8, 4))
     assert cfg.dense_compress_ratios == (128, 4)  # lists become tuples, order kept
     assert cfg.ca_ratios == (4, 8, 128)
     assert cfg.min_ratio == 4
-    only_sparse = MetadataConfig(dense_compress_ratios=(), sparse_compress_ratios=(16,))
+    only_sparse = MetadataConfig.compressed_swa(dense_compress_ratios=(), sparse_compress_ratios=(16,))
     assert only_sparse.ca_ratios == (16,) and only_sparse.min_ratio == 16
 
 
 def test_derived_widths() -> None:
     # defaults: max_num_blocks = cdiv(8192 // 4, 128 // 4) = 64; width_4 = cdiv(2048, 128) * 128.
-    cfg = MetadataConfig()
+    cfg = MetadataConfig.compressed_swa()
     assert cfg.max_num_blocks == 64
     assert cfg.attn_index_width(4) == 2048
     # bs 16, min ratio 16, max_model_len 100: cdiv(100 // 16, 1) = 6 blocks; width cdiv(6, 128)*128.
@@ -52,7 +52,7 @@ def test_derived_widths() -> None:
     assert small.max_num_blocks == 6
     assert small.attn_index_width(16) == 128
     # ratio 1, 1000 tokens: width cdiv(1000, 128) * 128 = 1024.
-    assert MetadataConfig(dense_compress_ratios=(1,), max_model_len=1000).attn_index_width(1) == 1024
+    assert MetadataConfig.compressed_swa(dense_compress_ratios=(1,), max_model_len=1000).attn_index_width(1) == 1024
 
 
 PLAIN = dict(dense_compress_ratios=(), sparse_compress_ratios=(), window_size=0)
@@ -66,15 +66,15 @@ def test_plain_model_switches_every_feature_off() -> None:
         False, False, False, False, False)
     assert cfg.max_num_blocks == 256  # cdiv(4096, 16)
     assert MetadataConfig(block_size=16, max_model_len=4097, **PLAIN).max_num_blocks == 257
-    seed = MetadataConfig(max_ngram_size=2, yoco_keep_tokens=8)
+    seed = MetadataConfig.compressed_swa(max_ngram_size=2, yoco_keep_tokens=8)
     assert (seed.has_compressed_kv, seed.has_swa, seed.has_engram, seed.has_yoco) == (True, True, True, True)
     # SWA without compressed KV, and compressed KV without SWA, are both valid configs
-    assert MetadataConfig(dense_compress_ratios=(), sparse_compress_ratios=(), window_size=8).has_swa
-    assert not MetadataConfig(window_size=0).has_swa
+    assert MetadataConfig.compressed_swa(dense_compress_ratios=(), sparse_compress_ratios=(), window_size=8).has_swa
+    assert not MetadataConfig.compressed_swa(window_size=0).has_swa
 
 
 def test_kv_sharding_fields() -> None:
-    cfg = MetadataConfig()
+    cfg = MetadataConfig.compressed_swa()
     assert (cfg.kv_cp_world_size, cfg.kv_cp_interleave) == (1, 1)
     # W=3, I=1, block 16, 300 tokens: rank 0 holds 100 -> 7 blocks wide decode tables
     sharded = MetadataConfig(block_size=16, max_model_len=300, kv_cp_world_size=3, **PLAIN)
@@ -82,23 +82,23 @@ def test_kv_sharding_fields() -> None:
     # W=2, I=16: 300 = 9 full cycles of 32 (16 each) + 12 -> rank 0 holds 144 + 12 = 156 -> 10 blocks
     inter = MetadataConfig(block_size=16, max_model_len=300, kv_cp_world_size=2, kv_cp_interleave=16, **PLAIN)
     assert inter.max_num_blocks == 10
-    MetadataConfig(kv_cp_interleave=128)  # divides block_size; unsharded compressed is fine
+    MetadataConfig.compressed_swa(kv_cp_interleave=128)  # divides block_size; unsharded compressed is fine
     with pytest.raises(ValueError, match="until defined"):
-        MetadataConfig(kv_cp_world_size=2)
+        MetadataConfig.compressed_swa(kv_cp_world_size=2)
 
 
 def test_frozen() -> None:
-    cfg = MetadataConfig()
+    cfg = MetadataConfig.compressed_swa()
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.block_size = 64  # type: ignore[misc]
 
 
 def test_valid_edge_values() -> None:
-    MetadataConfig(window_size=128, swa_block_size=128)  # S == W is allowed
-    MetadataConfig(dense_compress_ratios=(4,), sparse_compress_ratios=())  # one side empty
-    MetadataConfig(dense_compress_ratios=(1, 128), sparse_compress_ratios=(4,))  # ratio == block_size
-    MetadataConfig(yoco_keep_tokens=1, yoco_mode="mask")
-    MetadataConfig(max_ngram_size=3, ngram_lookup=torch.arange(10), image_token_id=7)
+    MetadataConfig.compressed_swa(window_size=128, swa_block_size=128)  # S == W is allowed
+    MetadataConfig.compressed_swa(dense_compress_ratios=(4,), sparse_compress_ratios=())  # one side empty
+    MetadataConfig.compressed_swa(dense_compress_ratios=(1, 128), sparse_compress_ratios=(4,))  # ratio == block_size
+    MetadataConfig.compressed_swa(yoco_keep_tokens=1, yoco_mode="mask")
+    MetadataConfig.compressed_swa(max_ngram_size=3, ngram_lookup=torch.arange(10), image_token_id=7)
 
 
 # (overrides, field the message must name); every one is a ValueError.
@@ -139,7 +139,7 @@ BAD_VALUES: list[tuple[dict[str, Any], str]] = [
 @pytest.mark.parametrize("overrides,field", BAD_VALUES, ids=[f"{f}-{i}" for i, (_, f) in enumerate(BAD_VALUES)])
 def test_bad_value_names_the_field(overrides: dict[str, Any], field: str) -> None:
     with pytest.raises(ValueError, match=re.escape(field)):
-        MetadataConfig(**overrides)
+        MetadataConfig.compressed_swa(**overrides)
 
 
 # Wrong types: ValueError or TypeError, still naming the field.
@@ -159,7 +159,7 @@ BAD_TYPES: list[tuple[dict[str, Any], str]] = [
 @pytest.mark.parametrize("overrides,field", BAD_TYPES, ids=[f"{f}-{i}" for i, (_, f) in enumerate(BAD_TYPES)])
 def test_bad_type_names_the_field(overrides: dict[str, Any], field: str) -> None:
     with pytest.raises((ValueError, TypeError), match=re.escape(field)):
-        MetadataConfig(**overrides)
+        MetadataConfig.compressed_swa(**overrides)
 
 
 @settings(max_examples=50, deadline=None)
