@@ -81,13 +81,13 @@ def assert_same(ref: InputMetadata, got: InputMetadata, cfg: MetadataConfig, *, 
 def _named_cases() -> dict[str, tuple[MetadataConfig, list[SequenceMetadata]]]:
     lookup = torch.tensor([(5 * i + 1) % 40 for i in range(50)], dtype=torch.int32)
     return {
-        "one_row_each": (MetadataConfig(), [_seq(1, 5, [3], 2), _seq(1, 300, [9, 8, 7], 0)]),
+        "one_row_each": (MetadataConfig.compressed_swa(), [_seq(1, 5, [3], 2), _seq(1, 300, [9, 8, 7], 0)]),
         "drafts_mixed": (
-            MetadataConfig(block_size=16, dense_compress_ratios=(4, 16), sparse_compress_ratios=(2,)),
+            MetadataConfig.compressed_swa(block_size=16, dense_compress_ratios=(4, 16), sparse_compress_ratios=(2,)),
             [_seq(3, 40, [1, 2, 3], 4), _seq(1, 17, [5, 6], 1), _seq(2, 2, [0], 3)],
         ),
         "placeholder_rows": (
-            MetadataConfig(block_size=8, window_size=4, swa_block_size=5),
+            MetadataConfig.compressed_swa(block_size=8, window_size=4, swa_block_size=5),
             [_seq(2, 16, [4, 5], 1, ph=True), _seq(3, 24, [7, 8, 9], 2)],
         ),
         "ring_wrap_small_S": (
@@ -96,21 +96,21 @@ def _named_cases() -> dict[str, tuple[MetadataConfig, list[SequenceMetadata]]]:
             [_seq(3, 9, list(range(20, 29)), 6)],
         ),
         "below_min_ratio": (
-            MetadataConfig(block_size=32, dense_compress_ratios=(8,), sparse_compress_ratios=(16,)),
+            MetadataConfig.compressed_swa(block_size=32, dense_compress_ratios=(8,), sparse_compress_ratios=(16,)),
             [_seq(1, 3, [], 0), _seq(2, 7, [], 1), _seq(1, 40, [11, 12], 2)],
         ),
         "no_dense": (
-            MetadataConfig(block_size=16, dense_compress_ratios=(), sparse_compress_ratios=(4,)),
+            MetadataConfig.compressed_swa(block_size=16, dense_compress_ratios=(), sparse_compress_ratios=(4,)),
             [_seq(2, 33, [1, 2, 3], 0)],
         ),
         "engram_image_lookup_history": (
-            MetadataConfig(block_size=8, max_ngram_size=3, ngram_pad_token=1000, ngram_lookup=lookup,
+            MetadataConfig.compressed_swa(block_size=8, max_ngram_size=3, ngram_pad_token=1000, ngram_lookup=lookup,
                            image_token_id=5, force_load_balance=True),
             [_seq(3, 12, [1, 2], 0, tokens=[1, 2, 5, 4, 9, 8, 7, 6, 3, 2, 5, 9], comp=(30, 31, 32, 33)),
              _seq(1, 1, [0], 1), _seq(2, 3, [4], 2, comp=(9,))],
         ),
         "engram_identity": (
-            MetadataConfig(block_size=8, max_ngram_size=2),
+            MetadataConfig.compressed_swa(block_size=8, max_ngram_size=2),
             [_seq(2, 6, [3], 0), _seq(1, 9, [1, 2], 1)],
         ),
         # DESIGN 14: a plain paged-KV model (no ratios, no sliding window), its KV sharded over 3
@@ -313,7 +313,7 @@ def test_staging_capacity_bounds_any_batch() -> None:
     dict(draft_tokens=()), dict(token_ids=[1]),
 ])
 def test_invalid_input_same_error_as_prepare_decode(bad: dict[str, Any]) -> None:
-    cfg = MetadataConfig(block_size=16)
+    cfg = MetadataConfig.compressed_swa(block_size=16)
     seqs = [_seq(1, 5, [1], 0), _seq(2, 40, [1, 2, 3], 1)]
     fields = {f: getattr(seqs[1], f) for f in SequenceMetadata.__slots__}
     seqs[1] = SequenceMetadata(**{**fields, **bad})
@@ -326,7 +326,7 @@ def test_invalid_input_same_error_as_prepare_decode(bad: dict[str, Any]) -> None
 
 
 def test_int32_overflow_checked_before_writing() -> None:
-    cfg = MetadataConfig(block_size=128, dense_compress_ratios=(1,), sparse_compress_ratios=(),
+    cfg = MetadataConfig.compressed_swa(block_size=128, dense_compress_ratios=(1,), sparse_compress_ratios=(),
                          max_model_len=2**20)
     seqs = [_seq(1, 2, [0], i) for i in range(2048)]
     with pytest.raises(ValueError, match="kv_ca_index_offset_len"):
@@ -334,7 +334,7 @@ def test_int32_overflow_checked_before_writing() -> None:
     big_block = [_seq(1, 8, [2**26], 0)]  # 2**26 * (128 // 4) overflows the compressed slot
     for build in (prepare_decode, lambda s, c: prepare_decode_inplace(s, c, device="cpu")):
         with pytest.raises(ValueError, match="slot_mapping_store_ca"):
-            build(big_block, MetadataConfig())
+            build(big_block, MetadataConfig.compressed_swa())
 
 
 def test_bad_backend_and_device() -> None:
