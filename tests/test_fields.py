@@ -115,7 +115,7 @@ def test_table_order_after_the_mirror_and_yoco(mode: str, seed: int) -> None:
 
 
 def test_staged_ratio_order() -> None:
-    cfg = cpmeta.MetadataConfig(dense_compress_ratios=(4,), sparse_compress_ratios=(4, 8))
+    cfg = cpmeta.MetadataConfig.compressed_swa(dense_compress_ratios=(4,), sparse_compress_ratios=(4, 8))
     assert staged_ratios(cfg) == (4, 8, 4, 8, 4)  # ca (4, 8), sparse (4, 8), dense (4,)
 
 
@@ -149,7 +149,7 @@ def test_one_table_edit_reaches_every_generated_layout() -> None:
     from cpmeta.gpu.decode_buffers import make_buffers, row_specs
 
     table = _table_with_extra_fields()
-    cfg = cpmeta.MetadataConfig(dense_compress_ratios=(4, 8), sparse_compress_ratios=(4,))
+    cfg = cpmeta.MetadataConfig.compressed_swa(dense_compress_ratios=(4, 8), sparse_compress_ratios=(4,))
     lay = _make_decode_layout(cfg, 5, 3, table)
     assert lay.fields["extra_rows"][2] == (5, 3) and lay.fields["extra_per_ratio"][2] == (2, 5)
     assert "extra_per_ratio" in lay.stacked and "extra_per_ratio" in stacked_fields(table, DECODE)
