@@ -97,7 +97,7 @@ def test_config_garbage_fields(data: st.DataObject) -> None:
     names = data.draw(st.lists(st.sampled_from(_CONFIG_FIELDS), min_size=1, max_size=3, unique=True))
     kw = {n: data.draw(garbage(), label=n) for n in names}
     try:
-        cfg = MetadataConfig(**kw)
+        cfg = MetadataConfig.compressed_swa(**kw)
     except (ValueError, TypeError):
         return
     # accepted: the derived values hold and a one-token batch either builds or is refused cleanly
@@ -196,7 +196,7 @@ def test_contract_corruptions_are_named(seed: int, is_prompt: bool, kind: str, d
 @pytest.mark.parametrize("seqs", [None, "abc", {"a": 1}, 5, torch.zeros(3), (x for x in ()), [None],
                                   [1, 2], [[]], []], ids=lambda v: type(v).__name__)
 def test_garbage_batch_containers(seqs: Any) -> None:
-    cfg = MetadataConfig()
+    cfg = MetadataConfig.compressed_swa()
     for fn in (prepare_prompt, prepare_decode):
         assert isinstance(_call(fn, seqs, cfg), (ValueError, TypeError))
 
@@ -209,7 +209,7 @@ def _seq(**kw: Any) -> SequenceMetadata:
 @pytest.mark.parametrize("field", ["token_ids", "block_table"])
 def test_id_beyond_int64_is_a_value_error(field: str) -> None:
     with pytest.raises(ValueError, match=field):
-        prepare_prompt([_seq(**{field: [2**70] * 4})], MetadataConfig())
+        prepare_prompt([_seq(**{field: [2**70] * 4})], MetadataConfig.compressed_swa())
 
 
 @pytest.mark.parametrize("field", [
@@ -218,12 +218,12 @@ def test_id_beyond_int64_is_a_value_error(field: str) -> None:
 ])
 def test_tensor_in_a_flag_or_list_field_is_refused_by_name(field: str) -> None:
     with pytest.raises((TypeError, ValueError), match=field):
-        prepare_prompt([_seq(**{field: torch.tensor([1, 0])})], MetadataConfig())
+        prepare_prompt([_seq(**{field: torch.tensor([1, 0])})], MetadataConfig.compressed_swa())
 
 
 def test_non_bool_placeholder_flag_is_refused() -> None:
     with pytest.raises((TypeError, ValueError), match="is_placeholder"):
-        prepare_prompt([_seq(is_placeholder="no")], MetadataConfig())
+        prepare_prompt([_seq(is_placeholder="no")], MetadataConfig.compressed_swa())
 
 
 # ----------------------------------------------------------------------------- codec: allocation
