@@ -306,4 +306,4 @@ def test_blocks_needed_refuses_floats_and_negative_counts() -> None:
         with pytest.raises(TypeError, match=r"seqlen_k: expected an int"):
             blocks_needed(bad, SWA)  # type: ignore[arg-type]
     assert blocks_needed(0, SWA) == 0 and blocks_needed(np.uint32(17), SWA) == 1
-    assert type(blocks_needed(np.int64(300), MetadataConfig())) is int
+    assert type(blocks_needed(np.int64(300), MetadataConfig.compressed_swa())) is int
