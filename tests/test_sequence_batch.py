@@ -153,7 +153,7 @@ def test_batch_misuse_is_named() -> None:
 
 
 def test_docstring_example() -> None:
-    cfg = MetadataConfig(block_size=128, max_ngram_size=3)
+    cfg = MetadataConfig.compressed_swa(block_size=128, max_ngram_size=3)
     p = SequenceMetadata(3, 5, [7], 0, [11, 12, 13, 14, 15, 16], compressed_token_ids=[90, 91])
     d = SequenceMetadata(2, 9, [4, 6], 1, list(range(20, 28)), draft_tokens=[50])
     bp = SequenceBatch.from_sequences([p], cfg, is_prompt=True)
@@ -175,4 +175,4 @@ def test_validated_marker_is_not_a_constructor_argument() -> None:
     b = _by_hand(_batch(True), CFG, True)
     assert b.vouch_for(CFG) is None
     b.validate(CFG)
-    assert b.vouch_for(CFG) is not None and b.vouch_for(MetadataConfig()) is None
+    assert b.vouch_for(CFG) is not None and b.vouch_for(MetadataConfig.compressed_swa()) is None
