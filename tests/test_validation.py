@@ -113,7 +113,7 @@ def test_not_a_list_of_sequences() -> None:
 
 def test_blocks_needed_is_the_max_over_ratios() -> None:
     # docstring example: bs 128, ratios (4, 128), seqlen_k 300 -> max(cdiv(75, 32), cdiv(2, 1)) = 3.
-    cfg = MetadataConfig(dense_compress_ratios=(4, 128), sparse_compress_ratios=())
+    cfg = MetadataConfig.compressed_swa(dense_compress_ratios=(4, 128), sparse_compress_ratios=())
     assert blocks_needed(300, cfg) == 3
     # bs 16, ratios (4, 16): seqlen_k 3 -> 0 (nothing compressed yet); 17 -> cdiv(4, 4) = 1 vs
     # cdiv(1, 1) = 1; 20 -> cdiv(5, 4) = 2 vs 1.
@@ -164,7 +164,7 @@ def test_blocks_needed_plain_and_sharded() -> None:
                 assert cfg.max_num_blocks == _brute_blocks(cfg.max_model_len, bs, (), world, inter)
                 for nb in range(6):  # the inverse: the largest k a table of nb blocks covers
                     assert seqlen_k_covered(nb, cfg) == max(x for x in sk.tolist() if want[x] <= nb)
-    seed = MetadataConfig(block_size=128, dense_compress_ratios=(4,))
+    seed = MetadataConfig.compressed_swa(block_size=128, dense_compress_ratios=(4,))
     assert seqlen_k_covered(2, seed) == 259 and cpmeta.blocks_needed(260, seed) == 3
 
 
@@ -244,7 +244,7 @@ def test_random_corruption_names_the_sequence(seed: int, is_prompt: bool, kind: 
 def test_non_int_ids_name_their_field(field: str) -> None:
     """A None among the ids is a ValueError naming seqs[i].<field> (the Engram history once said
     only 'seqs[0] ids')."""
-    cfg = MetadataConfig(max_ngram_size=3)
+    cfg = MetadataConfig.compressed_swa(max_ngram_size=3)
     kw = dict(seqlen_q=4, seqlen_k=4, block_table=[1], state_id=0, token_ids=[1, 2, 3, 4])
     kw[field] = [None, None] if field != "token_ids" else [1, 2, None, 4]
     good = SequenceMetadata(seqlen_q=1, seqlen_k=1, block_table=[0], state_id=1, token_ids=[5])
