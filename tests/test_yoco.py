@@ -229,13 +229,13 @@ def test_view_of_the_other_mode_is_an_error() -> None:
 @pytest.mark.parametrize("bad", [0, -3, 1.5, True, "8"])
 def test_config_validation_keep_tokens(bad: Any) -> None:
     with pytest.raises(ValueError, match="yoco_keep_tokens"):
-        MetadataConfig(yoco_keep_tokens=bad)
+        MetadataConfig.compressed_swa(yoco_keep_tokens=bad)
 
 
 @pytest.mark.parametrize("bad", ["Mask", "full", None])
 def test_config_validation_mode(bad: Any) -> None:
     with pytest.raises(ValueError, match="yoco_mode"):
-        MetadataConfig(yoco_keep_tokens=4, yoco_mode=bad)
+        MetadataConfig.compressed_swa(yoco_keep_tokens=4, yoco_mode=bad)
 
 
 def test_build_rejects_mismatched_sequences() -> None:
