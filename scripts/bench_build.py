@@ -18,7 +18,7 @@ decode) are added with ``@case("name")`` and a function ``(BenchContext) -> dict
     python scripts/bench_build.py --only plain_vs_seed --out docs/benchmarks/build_plain.json
                                                         # a plain paged-KV config vs the seed's, same batches
 
-Batches (default ``MetadataConfig()``: block 128, W = S = 128, ratios dense (4,) sparse (4,),
+Batches (``MetadataConfig.compressed_swa()``: block 128, W = S = 128, ratios dense (4,) sparse (4,),
 max_model_len 8192): decode ``seqlen_k`` uniform in ``[1 + d, 8192]`` with ``d`` drafts, block
 tables of exactly ``blocks_needed`` random ids; prompt chunks of ``seqlen_q`` rows at a random
 ``q_start`` in ``[0, 8192 - seqlen_q]``, every 4th sequence a first chunk.
@@ -262,8 +262,9 @@ for _d in (0, 2):
 case("state_prompt_8x4096")(_array_case(True, 8, 4096))
 
 
-#: The plain paged-KV model of DESIGN 14 next to the seed's config (``MetadataConfig()``): same
-#: block size and max_model_len, no compressed KV, no sliding window, so one batch is valid for both.
+#: The plain paged-KV model of DESIGN 14 next to the compressed-KV + sliding-window config
+#: (``MetadataConfig.compressed_swa()``): same block size and max_model_len, no compressed KV, no
+#: sliding window, so one batch is valid for both.
 PLAIN = MetadataConfig(block_size=128, window_size=0, dense_compress_ratios=(), sparse_compress_ratios=())
 
 
