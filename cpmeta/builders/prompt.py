@@ -1,9 +1,13 @@
-"""``prepare_prompt``: prefill / chunked-prefill ``InputMetadata`` on the CPU, vectorized.
+"""``prepare_prompt``: prefill / chunked-prefill ``InputMetadata`` on the CPU, two compiled calls.
 
-DESIGN sections 3 and 4. Rows are query rows in varlen order; per-ratio fields are dicts keyed by
-``str(ratio)``. The compressed KV of a sequence is loaded into one contiguous buffer per ratio with
-``loaded_compressed_len(seqlen_k, n) = max(1, seqlen_k // n)`` rows per sequence; ``ks``/``ke`` and
-``kv_ca_index_offset_len`` index that buffer, the SWA pivots index the buffer
+DESIGN sections 4, 10 and 17. Rows are query rows in varlen order; per-ratio fields are dicts keyed
+by ``str(ratio)``. The sizes of a prompt step depend on the data, so the build is the seed's two
+passes (:mod:`.prompt_njit`): ``prompt_count`` checks the bounds and counts (load segments,
+compressed rows per ratio, the widest block table, YoCo's kept rows); the arena layout of those
+sizes is generated from the field table (``cpmeta/fields.py``) and cached per (config, sizes);
+``prompt_fill`` writes every field into the arena's bytes. The compressed KV of a sequence is
+loaded into one contiguous buffer per ratio with ``max(1, seqlen_k // n)`` rows per sequence;
+``ks``/``ke`` and ``kv_ca_index_offset_len`` index that buffer, the SWA pivots index the buffer
 ``[history: n_seq * W rows ; this chunk's new keys: total_q rows]``.
 
 Worked example (W = 4, ratio 4, one sequence ``seqlen_q = 3``, ``seqlen_k = 9``, so q_start 6):
@@ -15,174 +19,129 @@ at slot 3 - (6 - 4) = 1 -> ``(P0, P1, P2, P3) = (1, 3, 4, 1)``.
 
 from __future__ import annotations
 
-import logging
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
 
+from ..buffers import ArenaLayout, HostArena, OutputBuffers, alloc
+from ..cache import BoundedCache, IdentityCache
 from ..config import MetadataConfig
-from ..metadata import InputMetadata
-from ..constants import INT32_MAX
-from ..state.batch import prefix
-from ..buffers import alloc
-from .batch_arrays import BatchArrays, arange_ro, expand_rows
-from .common_fields import check_common_int32, compressed_slots, fill_common
-from .int_ops import check_int32, fdiv, loaded_compressed_len
-from .extract import BatchInput, extract_batch
-from .load_plan import paged_load_segments, swa_load_segments
-from .yoco import build_yoco_fields
+from ..fields import PROMPT, OutputSpec, step_outputs
+from ..jit import error_slot
+from ..metadata import FIELDS, InputMetadata
+from ..state.batch import SequenceBatch
+from .common_njit import raise_common
+from .extract import BatchInput, as_sequence_batch
+from .int_ops import check_int32
+from .prompt_njit import (
+    CNT_MAX_K, CNT_MAX_Q, CNT_RATIOS, CNT_SEG_SWA, CNT_T, CNT_TOTAL_C, CNT_WIDTH, E_CU_COMPRESSED_K, E_PIVOTS,
+    E_TABLE_ID, count_slots, field_offsets, prompt_consts, prompt_count, prompt_fill,
+)
 
-__all__ = ["prepare_prompt", "prompt_fields"]
-
-logger = logging.getLogger(__name__)
-
-Out = Optional[dict[str, torch.Tensor]]
-
-
-def _check_prompt_int32(b: BatchArrays, cfg: MetadataConfig, cu_ck: dict[int, np.ndarray]) -> None:
-    """Overflow checks before allocation: totals, buffer offsets and slot values."""
-    check_common_int32(b, cfg)
-    W = cfg.window_size
-    if W:  # the SWA pivots' buffer offsets (sliding-window state cache only)
-        check_int32(
-            "kv_swa_full_index_pivots", b.n_seq * W + b.total_q,
-            f"n_seq ({b.n_seq}) * window_size ({W}) + total_q ({b.total_q})",
-        )
-    for n, cu in cu_ck.items():
-        check_int32(
-            f"cu_compressed_seqlens_k.{n}", int(cu[-1]),
-            f"sum over sequences of max(1, seqlen_k // {n})",
-        )
-
-
-def _fill_compressed_writes(b: BatchArrays, cfg: MetadataConfig, out: Out, f: dict[str, Any]) -> None:
-    """``positions_c``, ``slot_mapping_store_ca``, ``cu_compressed_seqlens_q`` for every ca ratio.
-
-    Sequence s writes compressed tokens ``c in [q_start // n, seqlen_k // n)``, at least one row
-    (``n_cq = max(1, seqlen_k//n - q_start//n)``); a sequence with none gets one row
-    ``(positions_c = 0, slot = -1)``. Example: n = 4, q_start 6, seqlen_k 9 -> one row c = 1
-    (position 4); q_start 5, seqlen_k 7 -> no token, one ``(0, -1)`` row.
-    """
-    writes = ~b.is_placeholder
-    f["positions_c"], f["slot_mapping_store_ca"], f["cu_compressed_seqlens_q"] = {}, {}, {}
-    for n in cfg.ca_ratios:
-        k = str(n)
-        c_lo, c_hi = b.q_start // n, b.seqlen_k // n
-        n_cq = np.maximum(c_hi - c_lo, 1)
-        cu = prefix(n_cq)
-        R = int(cu[-1])
-        seq = np.repeat(np.arange(b.n_seq), n_cq)
-        c = expand_rows(c_lo - cu[:-1], n_cq, seq) + arange_ro(R)
-        valid = c < expand_rows(c_hi, n_cq, seq)
-        f["positions_c"][k], a = alloc(out, f"positions_c.{k}", (R,), torch.int32)
-        a[:] = np.where(valid, c * n, 0)
-        f["slot_mapping_store_ca"][k], a = alloc(out, f"slot_mapping_store_ca.{k}", (R,), torch.int32)
-        a[:] = compressed_slots(b, seq, c, valid & expand_rows(writes, n_cq, seq), n, cfg)
-        name = f"cu_compressed_seqlens_q.{k}"
-        f["cu_compressed_seqlens_q"][k], a = alloc(out, name, (b.n_seq + 1,), torch.int32)
-        a[:] = cu
-
-
-def _fill_compressed_reads(
-    b: BatchArrays, cfg: MetadataConfig, out: Out, f: dict[str, Any], cu_ck: dict[int, np.ndarray]
-) -> None:
-    """``cu_compressed_seqlens_k``, ``load_segments_ca``, ``total_k_compressed``, ``ks``/``ke``
-    (sparse ratios) and ``kv_ca_index_offset_len`` (dense ratios).
-
-    Row of sequence s at position pos sees loaded compressed rows
-    ``[base, base + (pos + 1) // n)`` with ``base = cu_compressed_seqlens_k[n][s]``.
-    """
-    T = b.total_q
-    pos1 = b.row_pos + 1
-    f["cu_compressed_seqlens_k"], f["load_segments_ca"], f["total_k_compressed"] = {}, {}, {}
-    for n in cfg.ca_ratios:
-        k = str(n)
-        name = f"cu_compressed_seqlens_k.{k}"
-        f["cu_compressed_seqlens_k"][k], a = alloc(out, name, (b.n_seq + 1,), torch.int32)
-        a[:] = cu_ck[n]
-        f["load_segments_ca"][k] = paged_load_segments(b, cfg, n, cu_ck[n][:-1], out)
-        f["total_k_compressed"][k] = int(cu_ck[n][-1])
-    f["ks"], f["ke"] = {}, {}
-    for r in cfg.sparse_compress_ratios:
-        k = str(r)
-        base = b.per_row(cu_ck[r][:-1])
-        f["ks"][k], a = alloc(out, f"ks.{k}", (T,), torch.int32)
-        a[:] = base
-        f["ke"][k], a = alloc(out, f"ke.{k}", (T,), torch.int32)
-        a[:] = base + fdiv(pos1, r)
-    f["kv_ca_index_offset_len"] = {}
-    for n in cfg.dense_compress_ratios:
-        k = str(n)
-        f["kv_ca_index_offset_len"][k], a = alloc(out, f"kv_ca_index_offset_len.{k}", (T, 2), torch.int32)
-        a[:, 0] = b.per_row(cu_ck[n][:-1])
-        fdiv(pos1, n, out=a[:, 1])
-
-
-def _fill_swa_pivots(b: BatchArrays, cfg: MetadataConfig, out: Out) -> torch.Tensor:
-    """``kv_swa_full_index_pivots`` [total_q, 4] int32 ``(P0, P1, P2, P3)`` (DESIGN section 4).
-
-    Row j of sequence s (pos = q_start + j) sees ``[abs_lo, pos]`` with
-    ``abs_lo = clamp(max(pos - W + 1, swa_valid_start), 0, pos + 1)``: history part
-    ``P0 = s*W + start_slot``, ``P1 = W - start_slot`` with
-    ``start_slot = min(abs_lo, q_start) - (q_start - W)``; chunk part
-    ``P2 = n_seq*W + cu_seqlens_q[s] + k_lo``, ``P3 = j - k_lo + 1``, ``k_lo = max(0, abs_lo - q_start)``.
-    Example: W = 4, s = 0, q_start = 6, j = 2 (pos 8, sees 5..8): start_slot 3, ``P0 = 3``,
-    ``P1 = 1``, ``P2 = 4``, ``P3 = 3`` with n_seq = 1.
-    """
-    W, n, sq = cfg.window_size, b.n_seq, b.seqlen_q
-    t, a = alloc(out, "kv_swa_full_index_pivots", (b.total_q, 4), torch.int32)
-    # swa_visibility_pivots' rule (builders/swa_pivots.py, shared with YoCo) rewritten per row with
-    # d = abs_lo - q_start = min(max(j - W + 1, m_s), j + 1), m_s = max(swa_valid_start - q_start,
-    # -q_start): start_slot = W + min(d, 0), k_lo = max(d, 0). Per-row work is int32 (every value
-    # is bounded by max_model_len or the checked n_seq * W + total_q); m_s is clipped to
-    # seqlen_q first (any m_s >= j + 1 gives the same d), so it fits as well.
-    m = np.maximum(b.swa_valid_start - b.q_start, -b.q_start)
-    np.minimum(m, sq, out=m)
-    j1 = np.add(b.row_j, 1, dtype=np.int32, casting="unsafe")  # j + 1
-    d = np.repeat(m.astype(np.int32), sq)
-    np.maximum(d, j1 - W, out=d)
-    np.minimum(d, j1, out=d)
-    lo = np.minimum(d, 0)  # start_slot - W
-    np.maximum(d, 0, out=d)  # k_lo
-    seq = np.arange(1, n + 1, dtype=np.int64)
-    seq *= W
-    np.add(np.repeat(seq.astype(np.int32), sq), lo, out=a[:, 0])  # P0 = s*W + start_slot
-    np.negative(lo, out=a[:, 1])  # P1 = W - start_slot
-    np.add(np.repeat((b.cu_q[:-1] + n * W).astype(np.int32), sq), d, out=a[:, 2])  # P2
-    np.subtract(j1, d, out=a[:, 3])  # P3 = j - k_lo + 1
-    return t
-
+__all__ = ["prepare_prompt", "prompt_fields", "SEQ_BLOCK_TABLE_PAD"]
 
 #: Fill value of ``seq_block_tables`` past a sequence's own blocks (never a real block id).
 SEQ_BLOCK_TABLE_PAD: int = -1
 
+Out = Union[dict[str, torch.Tensor], OutputBuffers, None]
 
-def _fill_seq_block_tables(b: BatchArrays, out: Out) -> torch.Tensor:
-    """``seq_block_tables`` [n_seq, width] int32: each sequence's WHOLE ``block_table``, -1 padded.
-
-    ``width = max len(block_table)`` (not only the ``blocks_needed`` prefix the compressed fields
-    read): a follower rank derives its own KV slot mapping from it (DESIGN 4 and 11), with no
-    access to the scheduler. Example: tables ``[[7, 3, 9], [4]]`` -> ``[[7, 3, 9], [4, -1, -1]]``.
-    """
-    flat, whole_off = b.bt_whole, b.bt_whole_off
-    # a prompt batch: extract_batch leaves the whole tables None only for prepare_decode (flat_tables=False)
-    assert flat is not None and whole_off is not None
-    lengths = np.diff(whole_off)
-    width = int(lengths.max()) if b.n_seq else 0
-    if flat.size and (flat.min() < 0 or flat.max() > INT32_MAX):
-        bad = int(np.searchsorted(whole_off[1:], int(np.argmax((flat < 0) | (flat > INT32_MAX))),
-                                  side="right"))
-        raise ValueError(f"seqs[{bad}].block_table: expected block ids in [0, 2**31 - 1]")
-    t, a = alloc(out, "seq_block_tables", (b.n_seq, width), torch.int32)
-    a.fill(SEQ_BLOCK_TABLE_PAD)
-    a[np.arange(width)[None, :] < lengths[:, None]] = flat
-    return t
+_NP = {torch.int32: np.int32, torch.bool: np.bool_}
 
 
-def prepare_prompt(
-    seqs: BatchInput, cfg: MetadataConfig, *, out: Out = None
-) -> InputMetadata:
+class _Plan:
+    """One arena layout of a config's prompt build: the layout, the kernel's field offsets and
+    ``(field, keys, arena names)`` of every tensor field, in field-table order."""
+
+    __slots__ = ("layout", "fo", "entries")
+
+    def __init__(self, layout: ArenaLayout, fo: np.ndarray,
+                 entries: list[tuple[str, Optional[tuple[str, ...]], tuple[str, ...]]]) -> None:
+        self.layout, self.fo, self.entries = layout, fo, entries
+
+
+class _Consts:
+    """What every prompt build of one config reads: the kernel constants, the Engram table as
+    int64, the field specs, and the plans per (sizes, with Engram rows)."""
+
+    __slots__ = ("k", "table", "specs", "ncnt", "plans")
+
+    def __init__(self, cfg: MetadataConfig) -> None:
+        self.k = prompt_consts(cfg)
+        t = cfg.ngram_lookup
+        self.table = np.zeros(0, np.int64) if t is None else t.detach().cpu().to(torch.int64).numpy()
+        self.specs = step_outputs(FIELDS, cfg, PROMPT)
+        self.ncnt = count_slots(cfg)
+        self.plans: BoundedCache[tuple[Any, ...], _Plan] = BoundedCache(64)
+
+
+_CONSTS: IdentityCache[MetadataConfig, _Consts] = IdentityCache(64)
+
+
+def _shape(spec: OutputSpec, a: int, sizes: list[int]) -> tuple[int, ...]:
+    """Concrete shape of ``spec`` (its ``a``-th ratio for a per-ratio field) from the counted sizes."""
+    dims = []
+    for d in spec.shape:
+        if not isinstance(d, str):
+            dims.append(d)
+            continue
+        if d == "total_q":
+            dims.append(sizes[CNT_T])
+        elif d == "n_seq+1":
+            dims.append(sizes[-1] + 1)
+        elif d == "n_seq":
+            dims.append(sizes[-1])
+        elif d == "rows_n":
+            dims.append(sizes[CNT_RATIOS + 3 * a])
+        elif d == "num_segments":
+            dims.append(sizes[CNT_SEG_SWA] if spec.keys is None else sizes[CNT_RATIOS + 3 * a + 1])
+        elif d == "max_table_len":
+            dims.append(sizes[CNT_WIDTH])
+        elif d == "total_q_c":
+            dims.append(sizes[CNT_TOTAL_C])
+        else:  # pragma: no cover - a new symbol in the field table
+            raise AssertionError(f"{spec.name}: unknown prompt dim {d!r}")
+    return tuple(dims)
+
+
+def _make_plan(c: _Consts, cfg: MetadataConfig, sizes: list[int], ngram: bool) -> _Plan:
+    """The arena layout of one prompt build: every tensor of ``step_outputs(FIELDS, cfg, PROMPT)``
+    (per-ratio fields one entry per ratio, ``"ks.4"``), shapes from the counted ``sizes``
+    (``cnt`` then ``n_seq``). Example: plain config, 2 sequences of 3 rows, tables of 1 block ->
+    positions (6,), ..., cu_seqlens_q (3,), seq_block_tables (2, 1)."""
+    spec_list, entries = [], []
+    for spec in c.specs:
+        if spec.name == "ngram_token_ids" and not ngram:
+            continue
+        if spec.keys is None:
+            spec_list.append((spec.name, _shape(spec, 0, sizes), spec.dtype))
+            entries.append((spec.name, None, (spec.name,)))
+        else:
+            names = tuple(f"{spec.name}.{key}" for key in spec.keys)
+            ca = [str(r) for r in cfg.ca_ratios]
+            for key, name in zip(spec.keys, names):
+                spec_list.append((name, _shape(spec, ca.index(key), sizes), spec.dtype))
+            entries.append((spec.name, spec.keys, names))
+    layout = ArenaLayout(spec_list)
+    return _Plan(layout, field_offsets(layout, cfg), entries)
+
+
+def _raise(err: np.ndarray, cfg: MetadataConfig) -> None:
+    """The named ``ValueError`` of a kernel's error code (the messages of the numpy builder)."""
+    raise_common(err, cfg)
+    code, i, v, lim = (int(x) for x in err)
+    if code == E_PIVOTS:
+        check_int32("kv_swa_full_index_pivots", v,
+                    f"n_seq ({i}) * window_size ({cfg.window_size}) + total_q ({lim})")
+    elif code == E_CU_COMPRESSED_K:
+        n = cfg.ca_ratios[i]
+        check_int32(f"cu_compressed_seqlens_k.{n}", v, f"sum over sequences of max(1, seqlen_k // {n})")
+    elif code == E_TABLE_ID:
+        raise ValueError(f"seqs[{i}].block_table: expected block ids in [0, 2**31 - 1]")
+    raise AssertionError(f"prompt kernel: unknown error code {code}")  # pragma: no cover
+
+
+def prepare_prompt(seqs: BatchInput, cfg: MetadataConfig, *, out: Out = None) -> InputMetadata:
     """Build prompt (prefill chunk) ``InputMetadata`` (CPU tensors; pinned when CUDA is available).
 
     Args:
@@ -190,9 +149,11 @@ def prepare_prompt(
             tokens, no drafts), or the same as a prompt ``SequenceBatch`` (bit-identical
             result). Bad input raises ``ValueError`` naming ``seqs[i].field``.
         cfg: the engine's ``MetadataConfig``.
-        out: optional dict of preallocated tensors keyed by flattened path (``"positions"``,
-            ``"ks.4"``, ``"load_segments_ca.4"``, ...), filled in place; missing ones are
-            allocated and stored; a shape/dtype mismatch is a ``ValueError``.
+        out: ``None`` (one new arena per call); a dict of preallocated tensors keyed by
+            flattened path (``"positions"``, ``"ks.4"``, ``"load_segments_ca.4"``, ...), filled
+            in place, missing ones allocated and stored, a shape/dtype mismatch a ``ValueError``;
+            or an :class:`~cpmeta.buffers.OutputBuffers` (e.g. :class:`cpmeta.OutputArenas`:
+            one arena per batch shape, refilled by every call with that shape).
 
     Returns every prompt field of DESIGN section 4: common fields ([total_q] rows),
     ``positions_c[n]`` / ``slot_mapping_store_ca[n]`` [sum n_cq], ``cu_compressed_seqlens_q[n]`` /
@@ -200,39 +161,69 @@ def prepare_prompt(
     ``load_segments_swa`` / ``load_segments_ca[n]`` [num_segments, 4], ``total_k_compressed[n]``,
     ``ks[r]`` / ``ke[r]`` [total_q], ``kv_ca_index_offset_len[n]`` [total_q, 2],
     ``kv_swa_full_index_pivots`` [total_q, 4], ``seq_block_tables`` [n_seq, max len(block_table)]
-    (whole tables, -1 padded). Decode-only fields are ``None``, and so are the fields of a
-    feature the config switches off (DESIGN 14): without compressed KV (``ca_ratios == ()``)
-    every per-ratio field; without the sliding-window state cache (``window_size == 0``)
-    ``slot_mapping_store_swa``, ``state_block_idx``, ``total_k_swa``, ``load_segments_swa`` and
-    ``kv_swa_full_index_pivots``. A plain config keeps the common fields and ``seq_block_tables``.
-    Int32 overflow of any total, offset or slot raises ``ValueError`` before allocation.
+    (whole tables, -1 padded), and with ``yoco_keep_tokens`` set the YoCo fields of its mode
+    (section 10). Decode-only fields are ``None``, and so are the fields of a feature the config
+    switches off (DESIGN 14): without compressed KV (``ca_ratios == ()``) every per-ratio field;
+    without the sliding-window state cache (``window_size == 0``) ``slot_mapping_store_swa``,
+    ``state_block_idx``, ``total_k_swa``, ``load_segments_swa`` and ``kv_swa_full_index_pivots``.
+    Int32 overflow of any total, offset or slot raises ``ValueError`` before anything is written.
     """
-    if out is not None and not isinstance(out, dict):  # prompt shapes depend on the fill: no arena layout
-        raise TypeError(f"out: prepare_prompt takes None or a dict of tensors, got {type(out).__name__} "
-                        "(an OutputBuffers arena serves prepare_decode, whose shapes are known from the batch)")
-    return InputMetadata(**prompt_fields(extract_batch(seqs, cfg, is_prompt=True), cfg, out))
+    return InputMetadata(**prompt_fields(as_sequence_batch(seqs, cfg, is_prompt=True), cfg, out))
 
 
-def prompt_fields(b: BatchArrays, cfg: MetadataConfig, out: Out = None, *, ngram: bool = True
+def prompt_fields(sb: SequenceBatch, cfg: MetadataConfig, out: Out = None, *, ngram: bool = True
                   ) -> dict[str, Any]:
-    """Every prompt field of an extracted batch (:func:`prepare_prompt`'s work) as kwargs;
+    """Every prompt field of a validated prompt batch (:func:`prepare_prompt`'s work) as kwargs;
     ``ngram=False`` leaves ``ngram_token_ids`` out (``cpmeta.prepare_prompt_cp`` builds one
     rank's rows of it)."""
-    cu_ck = {n: prefix(loaded_compressed_len(b.seqlen_k, n)) for n in cfg.ca_ratios}
-    _check_prompt_int32(b, cfg, cu_ck)
-    f = fill_common(b, cfg, out, ngram=ngram)
-    # a disabled feature's fields are not built at all (they stay None: DESIGN 14)
-    if cfg.has_compressed_kv:
-        _fill_compressed_writes(b, cfg, out, f)
-        _fill_compressed_reads(b, cfg, out, f, cu_ck)
+    if out is not None and not isinstance(out, (dict, OutputBuffers)):
+        raise TypeError(f"out: expected None, a dict of tensors or an OutputBuffers (e.g. cpmeta.OutputArenas), "
+                        f"got {type(out).__name__}")
+    c = _CONSTS.get(cfg)
+    if c is None:
+        c = _CONSTS.put(cfg, _Consts(cfg))
+    n = len(sb)
+    cnt = np.empty(c.ncnt, np.int64)
+    err = error_slot()
+    if prompt_count(sb.seqlen_q, sb.seqlen_k, sb.state_id, sb.swa_valid_start, sb.num_tokens, sb.block_tables,
+                    sb.block_table_offsets, c.k, cnt, err):
+        _raise(err, cfg)
+    sizes = cnt.tolist()
+    sizes.append(n)
+    key = (*sizes, ngram)
+    plan = c.plans.get(key)
+    if plan is None:
+        plan = c.plans.put(key, _make_plan(c, cfg, sizes, ngram))
+    arena = out.arena(plan.layout) if isinstance(out, OutputBuffers) else \
+        HostArena(plan.layout) if out is None else None
+    raw = arena.raw.numpy() if arena is not None else np.empty(plan.layout.nbytes, np.uint8)
+    if prompt_fill(sb.seqlen_q, sb.seqlen_k, sb.state_id, sb.swa_valid_start, sb.is_placeholder, sb.num_tokens,
+                   sb.tokens, sb.token_offsets, sb.compressed, sb.compressed_offsets, sb.block_tables,
+                   sb.block_table_offsets, c.k, c.table, cnt, raw, plan.fo, err):
+        _raise(err, cfg)
+    f: dict[str, Any] = {
+        "is_prompt": True, "num_seqs": n, "total_q": sizes[CNT_T], "max_seqlen_q": sizes[CNT_MAX_Q],
+        "max_seqlen_k": sizes[CNT_MAX_K],
+    }
+    if arena is not None:
+        take = arena.take
+        for name, keys, names in plan.entries:
+            f[name] = take(name)[0] if keys is None else {k: take(a)[0] for k, a in zip(keys, names)}  # type: ignore[index]
+    else:  # the caller's dict: its tensors (made on the first call), copied from the filled bytes
+        assert isinstance(out, dict)
+        fields = plan.layout.fields
+        for name, keys, names in plan.entries:
+            got = {}
+            for a in names:
+                start, size, shape, _, dtype = fields[a]
+                t, dst = alloc(out, a, shape, dtype)
+                np.copyto(dst, raw.view(_NP[dtype])[start:start + size].reshape(shape))
+                got[a] = t
+            f[name] = got[name] if keys is None else {k: got[a] for k, a in zip(keys, names)}
     if cfg.has_swa:
-        f["state_block_idx"], a = alloc(out, "state_block_idx", (b.n_seq,), torch.int32)
-        a[:] = b.state_id
-        f["total_k_swa"] = b.n_seq * cfg.window_size
-        f["load_segments_swa"] = swa_load_segments(b, cfg, out)
-        f["kv_swa_full_index_pivots"] = _fill_swa_pivots(b, cfg, out)
-    f["seq_block_tables"] = _fill_seq_block_tables(b, out)
-    if cfg.yoco_keep_tokens is not None:  # YoCo truncation fields (DESIGN 10), built in builders/yoco.py
-        f.update(build_yoco_fields(f, b, cfg, out=out))
+        f["total_k_swa"] = n * cfg.window_size
+    if cfg.has_compressed_kv:
+        f["total_k_compressed"] = {str(r): sizes[CNT_RATIOS + 3 * a + 2] for a, r in enumerate(cfg.ca_ratios)}
+    if cfg.yoco_keep_tokens is not None and cfg.yoco_mode == "compact":
+        f["yoco_consumer_total_q"] = sizes[CNT_TOTAL_C]
     return f
-

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..builders.extract import BatchInput, extract_batch
+from ..builders.extract import BatchInput, as_sequence_batch, extract_batch
 from ..builders.ngram import ngram_rows
 from ..builders.prompt import prompt_fields
 from ..config import MetadataConfig
@@ -35,11 +35,12 @@ def prepare_prompt_cp(seqs: BatchInput, cfg: MetadataConfig, cp_rank: int, cp_si
     ``SequenceMetadata`` or a prompt ``SequenceBatch``): equal, field for field, to
     ``prepare_for_mirror_cp(prepare_prompt(seqs, cfg), cp_rank, cp_size)``, with the Engram
     look-back built for this rank's rows only (see the module docstring)."""
-    b = extract_batch(seqs, cfg, is_prompt=True)
+    sb = as_sequence_batch(seqs, cfg, is_prompt=True)
     ngram = cfg.max_ngram_size > 0
-    mine = prepare_for_mirror_cp(InputMetadata(**prompt_fields(b, cfg, ngram=not ngram)), cp_rank, cp_size)
+    mine = prepare_for_mirror_cp(InputMetadata(**prompt_fields(sb, cfg, ngram=not ngram)), cp_rank, cp_size)
     if ngram:
         assert mine.mirror_cp_index is not None
+        b = extract_batch(sb, cfg, is_prompt=True)
         rows = mine.mirror_cp_index.cpu().numpy().astype("int64")
         mine.ngram_token_ids = torch.from_numpy(ngram_rows(b, cfg, rows).astype("int32"))
     return mine

@@ -1,0 +1,487 @@
+"""The prompt build as two compiled calls: count the data-dependent sizes, then fill one arena.
+
+A prompt step's output sizes depend on the data (the load plans' segment counts, each ratio's
+compressed rows, the widest block table, YoCo's kept rows), so the build is the seed's two
+passes: :func:`prompt_count` checks every bound the builder guarantees and writes the sizes into
+``cnt``; the Python wrapper (:func:`cpmeta.builders.prompt.prepare_prompt`) makes the arena of
+those sizes; :func:`prompt_fill` writes every field of DESIGN sections 4 ("Common", "Prompt
+only") and 10 (YoCo) into the arena's bytes at the element offsets :func:`field_offsets` reads
+from its layout. Both read a prompt ``SequenceBatch``'s arrays and the config's constants
+(:func:`prompt_consts`); the common per-row fields come from :mod:`.common_njit`.
+
+Worked example (W = S = 4, block_size 16, ratio 4, one sequence ``seqlen_q = 3``, ``seqlen_k =
+9`` (q_start 6), state 2, table ``[7]``, swa_valid_start 0): positions ``6, 7, 8``; SWA slots
+``[8 + 2, 8 + 3, 8 + 0] = [10, 11, 8]``; loaded compressed rows ``max(1, 9 // 4) = 2``:
+``cu_compressed_seqlens_k["4"] = [0, 2]``, ``ks["4"] = [0, 0, 0]``, ``ke["4"] = [1, 2, 2]``;
+compressed rows written ``c in [6 // 4, 9 // 4) = [1, 2)``: ``positions_c["4"] = [4]``, slot
+``7 * 4 + 1 = 29``; paged plan ``[[7, 0, 2, 0]]``; SWA history positions ``2..5`` at ring slots
+``2, 3`` then ``0, 1``: ``load_segments_swa = [[2, 2, 4, 0], [2, 0, 2, 2]]``; pivots of row j = 0
+(pos 6 sees 3..6): ``(1, 3, 4, 1)``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..buffers import ArenaLayout
+from ..config import MetadataConfig
+from ..constants import INT32_MAX, NO_SOURCE_BLOCK, PAD_SLOT_ID
+from ..jit import OK, kernel, warmer
+from .common_njit import (
+    COMMON_CODES_END, E_CU_SEQLENS_K, E_NGRAM_TABLE, blocks_needed_one, check_block_table, check_state_id,
+    compressed_slot, fail, fill_common_rows, fill_cu_seqlens, fill_ngram_rows,
+)
+
+__all__ = [
+    "prompt_count", "prompt_fill", "prompt_consts", "field_offsets", "PROMPT_FIELDS", "count_slots",
+    "E_PIVOTS", "E_CU_COMPRESSED_K", "E_TABLE_ID", "CNT_T", "CNT_SUM_K", "CNT_MAX_Q", "CNT_MAX_K",
+    "CNT_WIDTH", "CNT_SEG_SWA", "CNT_TOTAL_C", "CNT_RATIOS",
+]
+
+#: ``n_seq * W + total_q`` (the SWA pivots' buffer offsets) passes int32: ``err[1]`` n_seq,
+#: ``err[2]`` the bound, ``err[3]`` total_q.
+E_PIVOTS = COMMON_CODES_END
+#: ``sum max(1, seqlen_k // n)`` of ca ratio ``n`` passes int32: ``err[1]`` the ratio's index in
+#: ``ca_ratios``, ``err[2]`` the sum.
+E_CU_COMPRESSED_K = COMMON_CODES_END + 1
+#: A block id of a WHOLE table (``seq_block_tables``) outside ``[0, 2**31 - 1]``: ``err[1]`` sequence.
+E_TABLE_ID = COMMON_CODES_END + 2
+
+#: The prompt fields in the order of :func:`field_offsets` (kernel slot = index here); a per-ratio
+#: field takes one column per ratio of its set (ca, sparse or dense, config order).
+PROMPT_FIELDS: tuple[str, ...] = (
+    "positions", "input_ids", "gate_force_random", "ngram_token_ids", "cu_seqlens_q", "cu_seqlens_k",
+    "valid_token_mask", "query_indices", "positions_c", "slot_mapping_store_ca", "slot_mapping_store_swa",
+    "cu_compressed_seqlens_q", "state_block_idx", "load_segments_swa", "cu_compressed_seqlens_k",
+    "load_segments_ca", "ks", "ke", "kv_ca_index_offset_len", "kv_swa_full_index_pivots", "seq_block_tables",
+    "yoco_mask_swa_index_pivots", "yoco_consumer_cu_seqlens_q", "yoco_consumer_query_indices",
+    "yoco_consumer_positions", "yoco_consumer_slot_mapping_store_swa", "yoco_consumer_ks", "yoco_consumer_ke",
+    "yoco_consumer_kv_ca_index_offset_len", "yoco_consumer_kv_swa_full_index_pivots",
+)
+(_POS, _IDS, _GATE, _NGRAM, _CUQ, _CUK, _VALID, _QIDX, _PC, _SLCA, _SWA, _CUCQ, _STATE, _SEGSWA, _CUCK, _SEGCA,
+ _KS, _KE, _KVCA, _PIV, _SBT, _YMASK, _YCU, _YQI, _YPOS, _YSLOT, _YKS, _YKE, _YKVCA, _YPIV) = range(len(PROMPT_FIELDS))
+
+# prompt_consts slots
+(_BS, _MINR, _CYCLE, _INTER, _MAXBID, _W, _S, _FORCE, _N, _PAD, _IMG, _HAS_IMG, _KEEP, _COMPACT, _NSP, _NCA,
+ _NDE) = range(17)
+#: Where the ratios start in :func:`prompt_consts`: ca ratios, then each sparse ratio's and each
+#: dense ratio's index in ca.
+_RATIOS = 17
+
+# cnt slots (prompt_count's sizes), then 3 per ca ratio: compressed rows, paged segments, loaded rows
+CNT_T, CNT_SUM_K, CNT_MAX_Q, CNT_MAX_K, CNT_WIDTH, CNT_SEG_SWA, CNT_TOTAL_C = range(7)
+CNT_RATIOS = 7
+
+
+def count_slots(cfg: MetadataConfig) -> int:
+    """Length of :func:`prompt_count`'s ``cnt``: 7 sizes + 3 per ca ratio. Example: defaults -> 10."""
+    return CNT_RATIOS + 3 * len(cfg.ca_ratios)
+
+
+def prompt_consts(cfg: MetadataConfig) -> np.ndarray:
+    """The config as one read-only int64 array: block_size, min_ratio, KV-CP cycle and interleave,
+    max_block_id, W, S, force_load_balance, max_ngram_size, pad id, image id, has image, YoCo keep
+    (-1 off), compact (1) / mask (0), the counts of sparse / ca / dense ratios, then the ca ratios,
+    each sparse ratio's index in them, each dense ratio's index in them. Example: defaults ->
+    ``[128, 4, 1, 1, 67108863, 128, 128, 0, 0, 0, -1, 0, -1, 1, 1, 1, 1, 4, 0, 0]``."""
+    img = cfg.image_token_id
+    ca = list(cfg.ca_ratios)
+    head = [cfg.block_size, cfg.min_ratio, cfg.kv_cp_world_size * cfg.kv_cp_interleave, cfg.kv_cp_interleave,
+            cfg.max_block_id, cfg.window_size, cfg.swa_block_size, int(cfg.force_load_balance), cfg.max_ngram_size,
+            cfg.ngram_pad_token, -1 if img is None else img, int(img is not None),
+            -1 if cfg.yoco_keep_tokens is None else cfg.yoco_keep_tokens, int(cfg.yoco_mode == "compact"),
+            len(cfg.sparse_compress_ratios), len(ca), len(cfg.dense_compress_ratios)]
+    idx = [ca.index(r) for r in cfg.sparse_compress_ratios] + [ca.index(r) for r in cfg.dense_compress_ratios]
+    c = np.array(head + ca + idx, np.int64)
+    c.flags.writeable = False
+    return c
+
+
+def field_offsets(layout: ArenaLayout, cfg: MetadataConfig) -> np.ndarray:
+    """``[len(PROMPT_FIELDS), max(1, n_ca)]`` int64: each field's start in the arena in elements of
+    its dtype (int32 or bool views of the same bytes), one column per ratio of a per-ratio field
+    (layout names ``"ks.4"``), -1 where the layout lacks it. Example: a plain layout -> row
+    ``positions`` ``[0]``, row ``ks`` ``[-1]``."""
+    from ..fields import ratios_of
+    from ..metadata import FIELDS
+
+    fo = np.full((len(PROMPT_FIELDS), max(1, len(cfg.ca_ratios))), -1, np.int64)
+    for k, name in enumerate(PROMPT_FIELDS):
+        rs = FIELDS[name].ratios
+        keys = [name] if rs is None else [f"{name}.{r}" for r in ratios_of(cfg, rs)]
+        for a, key in enumerate(keys):
+            f = layout.fields.get(key)
+            if f is not None:
+                fo[k, a] = f[0]
+    fo.flags.writeable = False
+    return fo
+
+
+@kernel
+def swa_run(q0: int, valid_start: int, W: int, S: int) -> tuple[int, int, int, int]:
+    """One sequence's SWA history ``[q0 - W, q0)`` as ``(pad, a % S, first, second)``: ``pad =
+    clamp(swa_valid_start - (q0 - W), 0, W)`` zero-filled rows, then the ring run from position
+    ``a = q0 - W + pad``: ``first`` rows from slot ``a % S``, ``second`` more from slot 0 (the
+    wrap). Example: W = S = 8, q0 = 11, valid start 0 -> ``(0, 3, 5, 3)``; q0 = 5 -> ``(3, 0, 5, 0)``."""
+    pad = min(max(valid_start - (q0 - W), 0), W)
+    a = q0 - W + pad
+    length = q0 - a
+    a_mod = a % S
+    first = min(length, S - a_mod)
+    return pad, a_mod, first, length - first
+
+
+@kernel
+def prompt_count(seqlen_q: np.ndarray, seqlen_k: np.ndarray, state_id: np.ndarray, valid_start: np.ndarray,
+                 num_tokens: np.ndarray, bt: np.ndarray, bt_off: np.ndarray, k: np.ndarray, cnt: np.ndarray,
+                 err: np.ndarray) -> int:
+    """Pass 1: check the bounds and write the sizes of one prompt batch into ``cnt``.
+
+    Checks, in the numpy builder's order (the first failure returns its code, ``err`` filled):
+    every needed block id (``blocks_needed(seqlen_k)``) in ``[0, max_block_id]``; ``sum(seqlen_k)``,
+    with the state cache the SWA ring slot of every state and ``n_seq * W + total_q``, and each
+    ratio's ``sum max(1, seqlen_k // n)`` in int32; every id of every WHOLE table in ``[0, 2**31 -
+    1]`` (:data:`E_TABLE_ID`). Sizes (``cnt``): ``total_q``, ``sum(seqlen_k)``, the largest
+    ``seqlen_q`` / ``seqlen_k`` / table length, the SWA plan's segments (per sequence a zero fill
+    when ``pad > 0``, then the ring run split at the wrap: :func:`swa_run`), YoCo compact's kept
+    rows (``seqlen_q - clip_prefix``); per ca ratio n (``b_c = block_size // n``): compressed
+    rows ``max(1, seqlen_k // n - q_start // n)``, paged segments ``max(1, cdiv(seqlen_k // n,
+    b_c))``, loaded rows ``max(1, seqlen_k // n)``.
+    Example (W = S = 4, block 16, ratio 4, one sequence q 3, k 9, state 2, table [7]): ``cnt = [3,
+    9, 3, 9, 1, 2, 0, 1, 1, 2]``.
+    """
+    n = seqlen_q.shape[0]
+    bs = k[_BS]
+    W = k[_W]
+    S = k[_S]
+    T = 0
+    tk = 0
+    mq = 0
+    mk = 0
+    width = 0
+    for s in range(n):
+        need = blocks_needed_one(seqlen_k[s], bs, k[_MINR], k[_CYCLE], k[_INTER])
+        code = check_block_table(s, bt, bt_off[s], need, k[_MAXBID], err)
+        if code != OK:
+            return code
+        T += seqlen_q[s]
+        tk += seqlen_k[s]
+        mq = max(mq, seqlen_q[s])
+        mk = max(mk, seqlen_k[s])
+        width = max(width, bt_off[s + 1] - bt_off[s])
+    if tk > INT32_MAX:
+        return fail(err, E_CU_SEQLENS_K, -1, tk, INT32_MAX)
+    nseg = 0
+    total_c = 0
+    if W > 0:
+        for s in range(n):
+            code = check_state_id(s, state_id[s], S, err)
+            if code != OK:
+                return code
+        if n * W + T > INT32_MAX:
+            return fail(err, E_PIVOTS, n, n * W + T, T)
+        for s in range(n):
+            pad, _, first, second = swa_run(seqlen_k[s] - seqlen_q[s], valid_start[s], W, S)
+            nseg += (1 if pad > 0 else 0) + (1 if first > 0 else 0) + (1 if second > 0 else 0)
+        keep = k[_KEEP]
+        if keep >= 0 and k[_COMPACT] != 0:
+            for s in range(n):
+                q = seqlen_q[s]
+                total_c += q - min(max(num_tokens[s] - keep - (seqlen_k[s] - q), 0), q - 1)
+    for a in range(k[_NCA]):
+        m = k[_RATIOS + a]
+        bc = bs // m
+        rows = 0
+        segs = 0
+        loaded = 0
+        for s in range(n):
+            c_hi = seqlen_k[s] // m
+            rows += max(c_hi - (seqlen_k[s] - seqlen_q[s]) // m, 1)
+            segs += max((c_hi + bc - 1) // bc, 1)
+            loaded += max(c_hi, 1)
+        if loaded > INT32_MAX:
+            return fail(err, E_CU_COMPRESSED_K, a, loaded, INT32_MAX)
+        cnt[CNT_RATIOS + 3 * a] = rows
+        cnt[CNT_RATIOS + 3 * a + 1] = segs
+        cnt[CNT_RATIOS + 3 * a + 2] = loaded
+    for s in range(n):
+        for b in range(bt_off[s], bt_off[s + 1]):
+            if bt[b] < 0 or bt[b] > INT32_MAX:
+                return fail(err, E_TABLE_ID, s, bt[b], INT32_MAX)
+    cnt[CNT_T] = T
+    cnt[CNT_SUM_K] = tk
+    cnt[CNT_MAX_Q] = mq
+    cnt[CNT_MAX_K] = mk
+    cnt[CNT_WIDTH] = width
+    cnt[CNT_SEG_SWA] = nseg
+    cnt[CNT_TOTAL_C] = total_c
+    return OK
+
+
+@kernel
+def pivot_row(a32: np.ndarray, o: int, s: int, j: int, q0: int, lower: int, W: int, sec2: int) -> None:
+    """SWA pivots ``(P0, P1, P2, P3)`` of row ``j`` of sequence ``s`` into ``a32[o:o + 4]`` (DESIGN
+    4 and 10; ``lower``: ``swa_valid_start``, with YoCo ``max(rect_lo, swa_valid_start)``;
+    ``sec2 = n_seq * W + cu_seqlens_q[s]``): ``abs_lo = clamp(max(pos - W + 1, lower), 0, pos +
+    1)``, ``start_slot = min(abs_lo, q0) - (q0 - W)``, ``P0 = s * W + start_slot``, ``P1 = W -
+    start_slot``, ``k_lo = max(0, abs_lo - q0)``, ``P2 = sec2 + k_lo``, ``P3 = j - k_lo + 1``.
+    Example: W = 4, s = 1, q0 = 5, sec2 = 11, j = 1 (pos 6): lower 0 -> ``(6, 2, 11, 2)``; lower 6
+    -> ``(8, 0, 12, 1)``; lower 9 -> ``(8, 0, 13, 0)`` (nothing visible)."""
+    pos = q0 + j
+    abs_lo = min(max(max(pos - W + 1, lower), 0), pos + 1)
+    start_slot = min(abs_lo, q0) - (q0 - W)
+    k_lo = max(0, abs_lo - q0)
+    a32[o] = s * W + start_slot
+    a32[o + 1] = W - start_slot
+    a32[o + 2] = sec2 + k_lo
+    a32[o + 3] = j - k_lo + 1
+
+
+@kernel
+def prompt_fill(seqlen_q: np.ndarray, seqlen_k: np.ndarray, state_id: np.ndarray, valid_start: np.ndarray,
+                is_ph: np.ndarray, num_tokens: np.ndarray, tokens: np.ndarray, tok_off: np.ndarray,
+                comp: np.ndarray, comp_off: np.ndarray, bt: np.ndarray, bt_off: np.ndarray, k: np.ndarray,
+                table: np.ndarray, cnt: np.ndarray, raw: np.ndarray, fo: np.ndarray, err: np.ndarray) -> int:
+    """Pass 2: every prompt field of a batch :func:`prompt_count` accepted into ``raw`` (the arena's
+    uint8 bytes) at the offsets ``fo`` (:func:`field_offsets`; a field at -1 is not written).
+
+    Per sequence s (rows ``[r0, r0 + q)``, ``q0 = seqlen_k - q``, row j at ``pos = q0 + j``):
+    the common fields (:mod:`.common_njit`); ``state_block_idx = state``; the SWA plan
+    (:func:`swa_run`: ``[-1, 0, pad, s*W]``, ``[state, a % S, a % S + first, s*W + pad]``,
+    ``[state, 0, second, s*W + pad + first]``, empty ones left out); the pivots
+    (:func:`pivot_row`); ``seq_block_tables`` row = the whole table, -1 after. Per ca ratio n
+    (``b_c = block_size // n``): ``cu_compressed_seqlens_k`` sums ``max(1, seqlen_k // n)``
+    (``base`` = the sequence's entry); compressed rows ``c in [q0 // n, seqlen_k // n)`` with
+    ``positions_c = c * n`` and slot ``table[c // b_c] * b_c + c % b_c`` (-1 on placeholders), one
+    ``(0, -1)`` row when there is none; paged plan ``[table[i], 0, min(b_c, m - i*b_c), base +
+    i*b_c]`` over ``m = seqlen_k // n`` (``[-1, 0, 1, base]`` when m = 0). ``ks[r] = base``,
+    ``ke[r] = base + (pos + 1) // r``; ``kv_ca_index_offset_len[n] = (base, (pos + 1) // n)``.
+    YoCo (``rect_lo = max(0, num_tokens - keep)``, pivots with ``lower = max(rect_lo,
+    swa_valid_start)``): mask pivots on every row; compact keeps rows ``j >= clip = min(max(
+    num_tokens - keep - q0, 0), q - 1)`` with their full row, position, SWA slot (-1 before
+    rect_lo), ks / ke / offsets and pivots. Returns OK, or an Engram code (table error first).
+    Example: see the module doc.
+    """
+    n = seqlen_q.shape[0]
+    T = cnt[CNT_T]
+    bs = k[_BS]
+    W = k[_W]
+    S = k[_S] if W > 0 else 0
+    N = k[_N]
+    keep = k[_KEEP]
+    nsp = k[_NSP]
+    nca = k[_NCA]
+    nde = k[_NDE]
+    width = cnt[CNT_WIDTH]
+    a32 = raw.view(np.int32)
+    ab = raw.view(np.bool_)
+    code = fill_cu_seqlens(seqlen_q, seqlen_k, a32[fo[_CUQ, 0]:fo[_CUQ, 0] + n + 1],
+                           a32[fo[_CUK, 0]:fo[_CUK, 0] + n + 1], err)
+    if code != OK:
+        return code
+    cu_q = a32[fo[_CUQ, 0]:fo[_CUQ, 0] + n + 1]
+    positions = a32[fo[_POS, 0]:fo[_POS, 0] + T]
+    input_ids = a32[fo[_IDS, 0]:fo[_IDS, 0] + T]
+    gate = ab[fo[_GATE, 0]:fo[_GATE, 0] + T]
+    valid = ab[fo[_VALID, 0]:fo[_VALID, 0] + T]
+    qidx = a32[fo[_QIDX, 0]:fo[_QIDX, 0] + T]
+    swa = a32[fo[_SWA, 0]:fo[_SWA, 0] + T] if S > 0 else a32[0:0]
+    ngram_on = fo[_NGRAM, 0] >= 0
+    ngram = a32[fo[_NGRAM, 0]:fo[_NGRAM, 0] + T * N].reshape((T, N)) if ngram_on else a32[0:0].reshape((0, 0))
+    force = k[_FORCE] != 0
+    r0 = 0
+    for s in range(n):
+        q = seqlen_q[s]
+        sk = seqlen_k[s]
+        fill_common_rows(s, r0, q, sk, state_id[s], is_ph[s], tokens, tok_off[s + 1], S, force, positions,
+                         input_ids, gate, valid, qidx, swa)
+        if ngram_on:
+            code = fill_ngram_rows(r0, q, sk - q, tokens, tok_off[s], sk - (tok_off[s + 1] - tok_off[s]), comp,
+                                   comp_off[s], comp_off[s + 1] - comp_off[s], k[_PAD], k[_IMG], k[_HAS_IMG] != 0,
+                                   table, table.shape[0] > 0, ngram, err)
+            if code == E_NGRAM_TABLE:
+                return code
+        r0 += q
+    # ---- the sliding-window state cache: state slots, SWA load plan, pivots (and YoCo's)
+    if W > 0:
+        o_st, o_seg, o_piv = fo[_STATE, 0], fo[_SEGSWA, 0], fo[_PIV, 0]
+        g = o_seg
+        for s in range(n):
+            st = state_id[s]
+            a32[o_st + s] = st
+            q0 = seqlen_k[s] - seqlen_q[s]
+            pad, a_mod, first, second = swa_run(q0, valid_start[s], W, S)
+            dst = s * W
+            if pad > 0:
+                a32[g] = NO_SOURCE_BLOCK
+                a32[g + 1] = 0
+                a32[g + 2] = pad
+                a32[g + 3] = dst
+                g += 4
+            if first > 0:
+                a32[g] = st
+                a32[g + 1] = a_mod
+                a32[g + 2] = a_mod + first
+                a32[g + 3] = dst + pad
+                g += 4
+            if second > 0:
+                a32[g] = st
+                a32[g + 1] = 0
+                a32[g + 2] = second
+                a32[g + 3] = dst + pad + first
+                g += 4
+            sec2 = n * W + cu_q[s]
+            for j in range(seqlen_q[s]):
+                pivot_row(a32, o_piv + 4 * (cu_q[s] + j), s, j, q0, valid_start[s], W, sec2)
+    # ---- compressed KV, per ca ratio
+    for a in range(nca):
+        m = k[_RATIOS + a]
+        bc = bs // m
+        o_ck, o_cq, o_pc, o_sl, o_seg = fo[_CUCK, a], fo[_CUCQ, a], fo[_PC, a], fo[_SLCA, a], fo[_SEGCA, a]
+        a32[o_ck] = 0
+        a32[o_cq] = 0
+        rc = 0
+        g = o_seg
+        for s in range(n):
+            sk = seqlen_k[s]
+            c_lo = (sk - seqlen_q[s]) // m
+            c_hi = sk // m
+            base = a32[o_ck + s]
+            a32[o_ck + s + 1] = base + max(c_hi, 1)
+            if c_hi <= c_lo:
+                a32[o_pc + rc] = 0
+                a32[o_sl + rc] = PAD_SLOT_ID
+                rc += 1
+            else:
+                for c in range(c_lo, c_hi):
+                    a32[o_pc + rc] = c * m
+                    a32[o_sl + rc] = PAD_SLOT_ID if is_ph[s] else compressed_slot(bt, bt_off[s], c, bc)
+                    rc += 1
+            a32[o_cq + s + 1] = rc
+            if c_hi == 0:
+                a32[g] = NO_SOURCE_BLOCK
+                a32[g + 1] = 0
+                a32[g + 2] = 1
+                a32[g + 3] = base
+                g += 4
+            for i in range((c_hi + bc - 1) // bc):
+                a32[g] = bt[bt_off[s] + i]
+                a32[g + 1] = 0
+                a32[g + 2] = min(bc, c_hi - i * bc)
+                a32[g + 3] = base + i * bc
+                g += 4
+    for a in range(nsp):
+        ci = k[_RATIOS + nca + a]  # the sparse ratio's index in ca
+        r = k[_RATIOS + ci]
+        o_ck = fo[_CUCK, ci]
+        o_ks, o_ke = fo[_KS, a], fo[_KE, a]
+        for s in range(n):
+            base = a32[o_ck + s]
+            q0 = seqlen_k[s] - seqlen_q[s]
+            for j in range(seqlen_q[s]):
+                row = cu_q[s] + j
+                a32[o_ks + row] = base
+                a32[o_ke + row] = base + (q0 + j + 1) // r
+    for a in range(nde):
+        ci = k[_RATIOS + nca + nsp + a]
+        r = k[_RATIOS + ci]
+        o_ck = fo[_CUCK, ci]
+        o_ol = fo[_KVCA, a]
+        for s in range(n):
+            base = a32[o_ck + s]
+            q0 = seqlen_k[s] - seqlen_q[s]
+            for j in range(seqlen_q[s]):
+                row = 2 * (cu_q[s] + j)
+                a32[o_ol + row] = base
+                a32[o_ol + row + 1] = (q0 + j + 1) // r
+    # ---- whole block tables, -1 padded
+    o_sbt = fo[_SBT, 0]
+    for s in range(n):
+        row = o_sbt + s * width
+        b0 = bt_off[s]
+        blen = bt_off[s + 1] - b0
+        for c in range(blen):
+            a32[row + c] = bt[b0 + c]
+        for c in range(blen, width):
+            a32[row + c] = -1
+    # ---- YoCo (needs the state cache: the config refuses it without)
+    if keep >= 0 and W > 0:
+        if fo[_YMASK, 0] >= 0:
+            o_y = fo[_YMASK, 0]
+            for s in range(n):
+                q0 = seqlen_k[s] - seqlen_q[s]
+                lower = max(max(num_tokens[s] - keep, 0), valid_start[s])
+                sec2 = n * W + cu_q[s]
+                for j in range(seqlen_q[s]):
+                    pivot_row(a32, o_y + 4 * (cu_q[s] + j), s, j, q0, lower, W, sec2)
+        if fo[_YCU, 0] >= 0:
+            _yoco_compact(seqlen_q, seqlen_k, state_id, valid_start, is_ph, num_tokens, k, cu_q, a32, fo)
+    return err[0]  # OK, or an Engram id outside int32 recorded on the way
+
+
+@kernel
+def _yoco_compact(seqlen_q: np.ndarray, seqlen_k: np.ndarray, state_id: np.ndarray, valid_start: np.ndarray,
+                  is_ph: np.ndarray, num_tokens: np.ndarray, k: np.ndarray, cu_q: np.ndarray, a32: np.ndarray,
+                  fo: np.ndarray) -> None:
+    """YoCo compact's consumer rows (DESIGN 10): per sequence the rows ``j in [clip, q)``, ``clip =
+    min(max(num_tokens - keep - q0, 0), q - 1)``, each with its full-layout row ``cu_q[s] + j``,
+    position, SWA slot (the full one, -1 before ``rect_lo = max(0, num_tokens - keep)``), ks / ke /
+    kv_ca_index_offset_len (the full ones) and pivots (lower ``max(rect_lo, swa_valid_start)``).
+    Example (k = 2; prompts of 3 and 5 tokens, whole chunks): ``rect_lo = (1, 3)``, clip ``(1,
+    3)``, consumer cu ``[0, 2, 4]``, query indices ``[1, 2, 6, 7]``, positions ``[1, 2, 3, 4]``."""
+    n = seqlen_q.shape[0]
+    W = k[_W]
+    S = k[_S]
+    keep = k[_KEEP]
+    nsp = k[_NSP]
+    nca = k[_NCA]
+    nde = k[_NDE]
+    o_cu, o_qi, o_pos, o_sl, o_piv = fo[_YCU, 0], fo[_YQI, 0], fo[_YPOS, 0], fo[_YSLOT, 0], fo[_YPIV, 0]
+    a32[o_cu] = 0
+    rc = 0
+    for s in range(n):
+        q = seqlen_q[s]
+        q0 = seqlen_k[s] - q
+        rect_lo = max(num_tokens[s] - keep, 0)
+        lower = max(rect_lo, valid_start[s])
+        clip = min(max(num_tokens[s] - keep - q0, 0), q - 1)
+        sec2 = n * W + cu_q[s]
+        base_st = state_id[s] * S
+        for j in range(clip, q):
+            pos = q0 + j
+            full = cu_q[s] + j
+            a32[o_qi + rc] = full
+            a32[o_pos + rc] = pos
+            a32[o_sl + rc] = PAD_SLOT_ID if (is_ph[s] or q - j > S or pos < rect_lo) else base_st + pos % S
+            pivot_row(a32, o_piv + 4 * rc, s, j, q0, lower, W, sec2)
+            for a in range(nsp):
+                ci = k[_RATIOS + nca + a]
+                r = k[_RATIOS + ci]
+                base = a32[fo[_CUCK, ci] + s]
+                a32[fo[_YKS, a] + rc] = base
+                a32[fo[_YKE, a] + rc] = base + (pos + 1) // r
+            for a in range(nde):
+                ci = k[_RATIOS + nca + nsp + a]
+                r = k[_RATIOS + ci]
+                a32[fo[_YKVCA, a] + 2 * rc] = a32[fo[_CUCK, ci] + s]
+                a32[fo[_YKVCA, a] + 2 * rc + 1] = (pos + 1) // r
+            rc += 1
+        a32[o_cu + s + 1] = rc
+
+
+@warmer
+def _warm() -> None:
+    """Both passes once: the default config with YoCo compact, one sequence (q 3, k 9, state 2)."""
+    from .prompt import prepare_prompt
+    from ..state.batch import SequenceBatch
+
+    cfg = MetadataConfig.compressed_swa(block_size=16, window_size=4, swa_block_size=4, max_model_len=64, yoco_keep_tokens=2)
+    i64 = np.int64
+    one = np.array([0, 1], i64)
+    sb = SequenceBatch(is_prompt=True, seqlen_q=np.array([3], i64), seqlen_k=np.array([9], i64),
+                       state_id=np.array([2], i64), swa_valid_start=np.zeros(1, i64),
+                       is_placeholder=np.zeros(1, np.bool_), num_tokens=np.array([9], i64),
+                       block_tables=np.array([7], i64), block_table_offsets=one,
+                       tokens=np.arange(3, dtype=i64), token_offsets=np.array([0, 3], i64),
+                       compressed=np.zeros(0, i64), compressed_offsets=np.zeros(2, i64), lookback=0)
+    prepare_prompt(sb, cfg)
