@@ -57,19 +57,23 @@ def _ratio_tuple(name: str, value: object) -> tuple[int, ...]:
 class MetadataConfig:
     """Model and cache constants for one engine (validated on construction).
 
-    ``ca_ratios`` is the sorted union of dense and sparse compression ratios; every ratio must
-    divide ``block_size``. Dict-valued metadata fields are keyed by ``str(ratio)``.
-
-    Example: ``MetadataConfig(block_size=128, dense_compress_ratios=(4, 128),
-    sparse_compress_ratios=(4,))`` has ``ca_ratios == (4, 128)`` and ``min_ratio == 4``.
+    The defaults are a plain paged-KV model (Llama, Qwen, Mistral, ...): 16-token blocks (vLLM's
+    default block size on GPUs), 8192 tokens per sequence (pass your engine's
+    ``max_model_len``; it sizes the decode ``block_tables``: ``cdiv(8192, 16) = 512`` columns),
+    no compressed KV, no sliding window. ``MetadataConfig(block_size=16, max_model_len=4096)`` is
+    a plain model of 4096 tokens: a block holds ``block_size`` uncompressed tokens and every rule
+    that uses the smallest ratio uses 1 (``min_ratio == 1``).
 
     Features are switched by the config (DESIGN section 14): compressed KV (``ca_ratios``
     non-empty), the sliding-window state cache (``window_size > 0``), Engram
     (``max_ngram_size > 0``) and YoCo (``yoco_keep_tokens`` set; it limits the sliding window,
-    so it needs ``window_size > 0``). A plain paged-KV model (Llama, Qwen, ...) is
-    ``MetadataConfig(block_size=16, max_model_len=4096, dense_compress_ratios=(),
-    sparse_compress_ratios=(), window_size=0)``: a block holds ``block_size`` uncompressed tokens
-    and every rule that uses the smallest ratio uses 1 (``min_ratio == 1``).
+    so it needs ``window_size > 0``). :meth:`compressed_swa` is the compressed-KV +
+    sliding-window model (block 128, ratios 4, window 128).
+
+    ``ca_ratios`` is the sorted union of dense and sparse compression ratios; every ratio must
+    divide ``block_size``. Dict-valued metadata fields are keyed by ``str(ratio)``.
+    Example: ``MetadataConfig(block_size=128, dense_compress_ratios=(4, 128),
+    sparse_compress_ratios=(4,))`` has ``ca_ratios == (4, 128)`` and ``min_ratio == 4``.
 
     KV sharded over the CP group (plain configs only for now): ``kv_cp_world_size=W`` ranks each
     hold the positions ``p`` with ``(p // kv_cp_interleave) % W == rank`` in their paged cache, so
@@ -77,11 +81,11 @@ class MetadataConfig:
     max_model_len=300`` -> rank 0 holds 100 keys -> ``max_num_blocks == 7``.
     """
 
-    block_size: int = 128  # paged KV block size, in tokens of the uncompressed sequence
-    window_size: int = 128  # W: sliding-window length (0 = no sliding-window state cache)
-    swa_block_size: int = 128  # S: SWA ring length per state slot, S >= W
-    dense_compress_ratios: tuple[int, ...] = (4,)  # ratios n of core-attention compressed KV
-    sparse_compress_ratios: tuple[int, ...] = (4,)  # ratios r of top-k sparse compressed KV
+    block_size: int = 16  # paged KV block size, in tokens of the uncompressed sequence
+    window_size: int = 0  # W: sliding-window length (0 = no sliding-window state cache)
+    swa_block_size: int = 128  # S: SWA ring length per state slot, S >= W (read only when W > 0)
+    dense_compress_ratios: tuple[int, ...] = ()  # ratios n of core-attention compressed KV
+    sparse_compress_ratios: tuple[int, ...] = ()  # ratios r of top-k sparse compressed KV
     max_model_len: int = 8192  # max tokens per sequence
     max_ngram_size: int = 0  # Engram look-back width (0 = off)
     ngram_pad_token: int = 0  # pad id written into ngram_token_ids
@@ -197,7 +201,8 @@ class MetadataConfig:
         """Columns of decode ``block_tables``: ``blocks_needed(max_model_len, self)``, i.e.
         ``cdiv(max_model_len // m, block_size // m)`` (m = ``min_ratio``) of rank 0's KV share.
 
-        Examples: defaults -> ``cdiv(2048, 32) = 64``; plain, block 16, 4096 tokens -> 256;
+        Examples: defaults (plain, block 16, 8192 tokens) -> 512; :meth:`compressed_swa` ->
+        ``cdiv(8192 // 4, 128 // 4) = cdiv(2048, 32) = 64``; plain, block 16, 4096 tokens -> 256;
         plain, block 16, 300 tokens, ``kv_cp_world_size=3`` -> rank 0 holds 100 -> 7."""
         return self._max_num_blocks
 
@@ -207,8 +212,8 @@ class MetadataConfig:
         ``b_c = block_size // min_ratio`` (slot ``id * b_c + c % b_c``: the compressed-KV write
         slot, or a plain config's paged-KV slot with ``b_c = block_size``).
 
-        Examples: defaults, ``b_c = 128 // 4 = 32`` -> ``2**26 - 1 = 67108863`` (id ``2**26``
-        reaches slot ``2**31``); plain, block 16 -> ``2**27 - 1``."""
+        Examples: :meth:`compressed_swa`, ``b_c = 128 // 4 = 32`` -> ``2**26 - 1 = 67108863`` (id
+        ``2**26`` reaches slot ``2**31``); defaults (plain, block 16) -> ``2**27 - 1``."""
         bc = self.block_size // self._min_ratio
         return (INT32_MAX - (bc - 1)) // bc
 

@@ -1,4 +1,4 @@
-"""``MetadataConfig``: defaults, derived properties and every bad input (DESIGN section 3)."""
+"""``MetadataConfig``: defaults (a plain paged-KV model), the ``compressed_swa`` preset, derived properties and every bad input (DESIGN section 3)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,20 @@ from cpmeta.constants import PAD_SLOT_ID, PLACEHOLDER_QUERY_INDEX
 from cpmeta.constants import INT32_MAX
 from strategies import configs
 
+PLAIN = dict(dense_compress_ratios=(), sparse_compress_ratios=(), window_size=0)
 
-def test_defaults_match_design_table() -> None:
+
+def test_defaults_are_a_plain_paged_kv_model() -> None:
+    cfg = MetadataConfig()
+    assert (cfg.block_size, cfg.window_size, cfg.max_model_len) == (16, 0, 8192)
+    assert cfg.dense_compress_ratios == () and cfg.sparse_compress_ratios == ()
+    assert (cfg.has_compressed_kv, cfg.has_swa, cfg.has_engram, cfg.has_yoco, cfg.kv_sharded) == (
+        False, False, False, False, False)
+    assert cfg.min_ratio == 1 and cfg.max_num_blocks == 512  # cdiv(8192, 16)
+    assert cfg == MetadataConfig(block_size=16, max_model_len=8192, **PLAIN)
+
+
+def test_compressed_swa_preset_matches_design_table() -> None:
     cfg = MetadataConfig.compressed_swa()
     assert (cfg.block_size, cfg.window_size, cfg.swa_block_size) == (128, 128, 128)
     assert cfg.dense_compress_ratios == (4,) and cfg.sparse_compress_ratios == (4,)
@@ -24,6 +36,12 @@ def test_defaults_match_design_table() -> None:
     assert (cfg.max_ngram_size, cfg.ngram_pad_token, cfg.ngram_lookup, cfg.image_token_id) == (0, 0, None, None)
     assert cfg.force_load_balance is False
     assert cfg.yoco_keep_tokens is None and cfg.yoco_mode == "compact"
+    # overrides replace the preset's values or set other fields; a bad one names the field
+    assert MetadataConfig.compressed_swa(block_size=64, max_ngram_size=3) == MetadataConfig(
+        block_size=64, window_size=128, swa_block_size=128, dense_compress_ratios=(4,),
+        sparse_compress_ratios=(4,), max_ngram_size=3)
+    with pytest.raises(ValueError, match="block_size 6"):
+        MetadataConfig.compressed_swa(block_size=6)
 
 
 def test_named_constants() -> None:
@@ -53,9 +71,6 @@ def test_derived_widths() -> None:
     assert small.attn_index_width(16) == 128
     # ratio 1, 1000 tokens: width cdiv(1000, 128) * 128 = 1024.
     assert MetadataConfig.compressed_swa(dense_compress_ratios=(1,), max_model_len=1000).attn_index_width(1) == 1024
-
-
-PLAIN = dict(dense_compress_ratios=(), sparse_compress_ratios=(), window_size=0)
 
 
 def test_plain_model_switches_every_feature_off() -> None:
