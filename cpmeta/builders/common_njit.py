@@ -76,12 +76,17 @@ def check_block_table(s: int, bt: np.ndarray, b0: int, need: int, max_block_id: 
     """The first ``need`` ids of sequence ``s``'s table (``bt[b0:b0 + need]``) in ``[0,
     max_block_id]``, else :data:`E_BLOCK_NEGATIVE` / :data:`E_BLOCK_TOO_LARGE` (``err[3]`` = the
     index in the table). Example: table ``[7, -2]``, need 2 -> code 3, ``err = [3, s, -2, 1]``."""
+    ids = bt[b0:b0 + need]  # a slice indexed by the range variable: no negative-index fix-up
+    bad = False
     for k in range(need):
-        v = bt[b0 + k]
-        if v < 0:
-            return fail(err, E_BLOCK_NEGATIVE, s, v, k)
-        if v > max_block_id:
-            return fail(err, E_BLOCK_TOO_LARGE, s, v, k)
+        bad |= (ids[k] < 0) | (ids[k] > max_block_id)
+    if bad:  # error path: find the first
+        for k in range(need):
+            v = ids[k]
+            if v < 0:
+                return fail(err, E_BLOCK_NEGATIVE, s, v, k)
+            if v > max_block_id:
+                return fail(err, E_BLOCK_TOO_LARGE, s, v, k)
     return OK
 
 
