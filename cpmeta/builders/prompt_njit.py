@@ -33,7 +33,7 @@ from .common_njit import (
 )
 
 __all__ = [
-    "prompt_count", "prompt_fill", "prompt_consts", "field_offsets", "PROMPT_FIELDS", "count_slots",
+    "prompt_count", "prompt_fill", "swa_run", "pivot_rows", "yoco_compact", "ratio_shift", "fdiv", "prompt_consts", "field_offsets", "PROMPT_FIELDS", "count_slots",
     "E_PIVOTS", "E_CU_COMPRESSED_K", "E_TABLE_ID", "CNT_T", "CNT_SUM_K", "CNT_MAX_Q", "CNT_MAX_K",
     "CNT_WIDTH", "CNT_SEG_SWA", "CNT_TOTAL_C", "CNT_RATIOS",
 ]
@@ -219,22 +219,42 @@ def prompt_count(seqlen_q: np.ndarray, seqlen_k: np.ndarray, state_id: np.ndarra
 
 
 @kernel
-def pivot_row(a32: np.ndarray, o: int, s: int, j: int, q0: int, lower: int, W: int, sec2: int) -> None:
-    """SWA pivots ``(P0, P1, P2, P3)`` of row ``j`` of sequence ``s`` into ``a32[o:o + 4]`` (DESIGN
-    4 and 10; ``lower``: ``swa_valid_start``, with YoCo ``max(rect_lo, swa_valid_start)``;
-    ``sec2 = n_seq * W + cu_seqlens_q[s]``): ``abs_lo = clamp(max(pos - W + 1, lower), 0, pos +
-    1)``, ``start_slot = min(abs_lo, q0) - (q0 - W)``, ``P0 = s * W + start_slot``, ``P1 = W -
-    start_slot``, ``k_lo = max(0, abs_lo - q0)``, ``P2 = sec2 + k_lo``, ``P3 = j - k_lo + 1``.
-    Example: W = 4, s = 1, q0 = 5, sec2 = 11, j = 1 (pos 6): lower 0 -> ``(6, 2, 11, 2)``; lower 6
-    -> ``(8, 0, 12, 1)``; lower 9 -> ``(8, 0, 13, 0)`` (nothing visible)."""
-    pos = q0 + j
-    abs_lo = min(max(max(pos - W + 1, lower), 0), pos + 1)
-    start_slot = min(abs_lo, q0) - (q0 - W)
-    k_lo = max(0, abs_lo - q0)
-    a32[o] = s * W + start_slot
-    a32[o + 1] = W - start_slot
-    a32[o + 2] = sec2 + k_lo
-    a32[o + 3] = j - k_lo + 1
+def ratio_shift(d: int) -> int:
+    """``log2(d)`` when ``d`` is a power of two, else -1 (:func:`fdiv` then divides). Example:
+    ``ratio_shift(128) == 7``, ``ratio_shift(12) == -1``."""
+    sh = 0
+    while (1 << sh) < d:
+        sh += 1
+    return sh if (1 << sh) == d else -1
+
+
+@kernel
+def fdiv(x: int, d: int, sh: int) -> int:
+    """``x // d`` for ``x >= 0``: a shift when ``sh = ratio_shift(d) >= 0``. Example: ``fdiv(9, 4,
+    2) == 2``."""
+    return x >> sh if sh >= 0 else x // d
+
+
+@kernel
+def pivot_rows(piv: np.ndarray, s: int, j0: int, j1: int, q0: int, lower: int, W: int, sec2: int) -> None:
+    """SWA pivots ``(P0, P1, P2, P3)`` of rows ``j0 <= j < j1`` of sequence ``s`` into ``piv``
+    (``[4 * (j1 - j0)]``,
+    DESIGN 4 and 10; ``lower``: ``swa_valid_start``, with YoCo ``max(rect_lo, swa_valid_start)``;
+    ``sec2 = n_seq * W + cu_seqlens_q[s]``). Row j, ``pos = q0 + j``: ``abs_lo = clamp(max(pos - W
+    + 1, lower), 0, pos + 1)``, ``start_slot = min(abs_lo, q0) - (q0 - W)``, ``P0 = s * W +
+    start_slot``, ``P1 = W - start_slot``, ``k_lo = max(0, abs_lo - q0)``, ``P2 = sec2 + k_lo``,
+    ``P3 = j - k_lo + 1``. Example: W = 4, s = 1, q0 = 5, sec2 = 11, row j = 1 (pos 6): lower 0 ->
+    ``(6, 2, 11, 2)``; lower 6 -> ``(8, 0, 12, 1)``; lower 9 -> ``(8, 0, 13, 0)`` (nothing visible)."""
+    for i in range(j1 - j0):
+        j = j0 + i
+        pos = q0 + j
+        abs_lo = min(max(max(pos - W + 1, lower), 0), pos + 1)
+        start_slot = min(abs_lo, q0) - (q0 - W)
+        k_lo = max(0, abs_lo - q0)
+        piv[4 * i] = s * W + start_slot
+        piv[4 * i + 1] = W - start_slot
+        piv[4 * i + 2] = sec2 + k_lo
+        piv[4 * i + 3] = j - k_lo + 1
 
 
 @kernel
@@ -249,7 +269,7 @@ def prompt_fill(seqlen_q: np.ndarray, seqlen_k: np.ndarray, state_id: np.ndarray
     the common fields (:mod:`.common_njit`); ``state_block_idx = state``; the SWA plan
     (:func:`swa_run`: ``[-1, 0, pad, s*W]``, ``[state, a % S, a % S + first, s*W + pad]``,
     ``[state, 0, second, s*W + pad + first]``, empty ones left out); the pivots
-    (:func:`pivot_row`); ``seq_block_tables`` row = the whole table, -1 after. Per ca ratio n
+    (:func:`pivot_rows`); ``seq_block_tables`` row = the whole table, -1 after. Per ca ratio n
     (``b_c = block_size // n``): ``cu_compressed_seqlens_k`` sums ``max(1, seqlen_k // n)``
     (``base`` = the sequence's entry); compressed rows ``c in [q0 // n, seqlen_k // n)`` with
     ``positions_c = c * n`` and slot ``table[c // b_c] * b_c + c % b_c`` (-1 on placeholders), one
@@ -258,9 +278,10 @@ def prompt_fill(seqlen_q: np.ndarray, seqlen_k: np.ndarray, state_id: np.ndarray
     ``ke[r] = base + (pos + 1) // r``; ``kv_ca_index_offset_len[n] = (base, (pos + 1) // n)``.
     YoCo (``rect_lo = max(0, num_tokens - keep)``, pivots with ``lower = max(rect_lo,
     swa_valid_start)``): mask pivots on every row; compact keeps rows ``j >= clip = min(max(
-    num_tokens - keep - q0, 0), q - 1)`` with their full row, position, SWA slot (-1 before
-    rect_lo), ks / ke / offsets and pivots. Returns OK, or an Engram code (table error first).
-    Example: see the module doc.
+    num_tokens - keep - q0, 0), q - 1)`` (:func:`yoco_compact`). Returns OK, or an Engram code
+    (a table error first). Rows are written through per-sequence slices indexed from 0 (numba
+    checks a possibly negative index on every access; ``row0 + j`` would cost ~3x). Example: see
+    the module doc.
     """
     n = seqlen_q.shape[0]
     T = cnt[CNT_T]
@@ -275,11 +296,10 @@ def prompt_fill(seqlen_q: np.ndarray, seqlen_k: np.ndarray, state_id: np.ndarray
     width = cnt[CNT_WIDTH]
     a32 = raw.view(np.int32)
     ab = raw.view(np.bool_)
-    code = fill_cu_seqlens(seqlen_q, seqlen_k, a32[fo[_CUQ, 0]:fo[_CUQ, 0] + n + 1],
-                           a32[fo[_CUK, 0]:fo[_CUK, 0] + n + 1], err)
+    cu_q = a32[fo[_CUQ, 0]:fo[_CUQ, 0] + n + 1]
+    code = fill_cu_seqlens(seqlen_q, seqlen_k, cu_q, a32[fo[_CUK, 0]:fo[_CUK, 0] + n + 1], err)
     if code != OK:
         return code
-    cu_q = a32[fo[_CUQ, 0]:fo[_CUQ, 0] + n + 1]
     positions = a32[fo[_POS, 0]:fo[_POS, 0] + T]
     input_ids = a32[fo[_IDS, 0]:fo[_IDS, 0] + T]
     gate = ab[fo[_GATE, 0]:fo[_GATE, 0] + T]
@@ -289,146 +309,143 @@ def prompt_fill(seqlen_q: np.ndarray, seqlen_k: np.ndarray, state_id: np.ndarray
     ngram_on = fo[_NGRAM, 0] >= 0
     ngram = a32[fo[_NGRAM, 0]:fo[_NGRAM, 0] + T * N].reshape((T, N)) if ngram_on else a32[0:0].reshape((0, 0))
     force = k[_FORCE] != 0
-    r0 = 0
     for s in range(n):
         q = seqlen_q[s]
         sk = seqlen_k[s]
-        fill_common_rows(s, r0, q, sk, state_id[s], is_ph[s], tokens, tok_off[s + 1], S, force, positions,
-                         input_ids, gate, valid, qidx, swa)
+        r0 = cu_q[s]
+        r1 = r0 + q
+        fill_common_rows(s, 0, q, sk, state_id[s], is_ph[s], tokens, tok_off[s + 1], S, force, positions[r0:r1],
+                         input_ids[r0:r1], gate[r0:r1], valid[r0:r1], qidx[r0:r1], swa[r0:r1] if S > 0 else swa)
         if ngram_on:
-            code = fill_ngram_rows(r0, q, sk - q, tokens, tok_off[s], sk - (tok_off[s + 1] - tok_off[s]), comp,
+            code = fill_ngram_rows(0, q, sk - q, tokens, tok_off[s], sk - (tok_off[s + 1] - tok_off[s]), comp,
                                    comp_off[s], comp_off[s + 1] - comp_off[s], k[_PAD], k[_IMG], k[_HAS_IMG] != 0,
-                                   table, table.shape[0] > 0, ngram, err)
+                                   table, table.shape[0] > 0, ngram[r0:r1], err)
             if code == E_NGRAM_TABLE:
                 return code
-        r0 += q
-    # ---- the sliding-window state cache: state slots, SWA load plan, pivots (and YoCo's)
+    # ---- the sliding-window state cache: state slots, SWA load plan, pivots (and YoCo mask's)
     if W > 0:
-        o_st, o_seg, o_piv = fo[_STATE, 0], fo[_SEGSWA, 0], fo[_PIV, 0]
-        g = o_seg
+        o_st, o_piv, o_y = fo[_STATE, 0], fo[_PIV, 0], fo[_YMASK, 0]
+        seg = a32[fo[_SEGSWA, 0]:fo[_SEGSWA, 0] + 4 * cnt[CNT_SEG_SWA]]
+        g = 0
         for s in range(n):
             st = state_id[s]
             a32[o_st + s] = st
-            q0 = seqlen_k[s] - seqlen_q[s]
+            q = seqlen_q[s]
+            q0 = seqlen_k[s] - q
             pad, a_mod, first, second = swa_run(q0, valid_start[s], W, S)
             dst = s * W
             if pad > 0:
-                a32[g] = NO_SOURCE_BLOCK
-                a32[g + 1] = 0
-                a32[g + 2] = pad
-                a32[g + 3] = dst
+                seg[g], seg[g + 1], seg[g + 2], seg[g + 3] = NO_SOURCE_BLOCK, 0, pad, dst
                 g += 4
             if first > 0:
-                a32[g] = st
-                a32[g + 1] = a_mod
-                a32[g + 2] = a_mod + first
-                a32[g + 3] = dst + pad
+                seg[g], seg[g + 1], seg[g + 2], seg[g + 3] = st, a_mod, a_mod + first, dst + pad
                 g += 4
             if second > 0:
-                a32[g] = st
-                a32[g + 1] = 0
-                a32[g + 2] = second
-                a32[g + 3] = dst + pad + first
+                seg[g], seg[g + 1], seg[g + 2], seg[g + 3] = st, 0, second, dst + pad + first
                 g += 4
-            sec2 = n * W + cu_q[s]
-            for j in range(seqlen_q[s]):
-                pivot_row(a32, o_piv + 4 * (cu_q[s] + j), s, j, q0, valid_start[s], W, sec2)
-    # ---- compressed KV, per ca ratio
+            r0 = cu_q[s]
+            pivot_rows(a32[o_piv + 4 * r0:o_piv + 4 * (r0 + q)], s, 0, q, q0, valid_start[s], W, n * W + r0)
+            if keep >= 0 and o_y >= 0:
+                lower = max(max(num_tokens[s] - keep, 0), valid_start[s])
+                pivot_rows(a32[o_y + 4 * r0:o_y + 4 * (r0 + q)], s, 0, q, q0, lower, W, n * W + r0)
+    # ---- compressed KV writes, loaded rows and paged load plan, per ca ratio
     for a in range(nca):
         m = k[_RATIOS + a]
         bc = bs // m
-        o_ck, o_cq, o_pc, o_sl, o_seg = fo[_CUCK, a], fo[_CUCQ, a], fo[_PC, a], fo[_SLCA, a], fo[_SEGCA, a]
-        a32[o_ck] = 0
-        a32[o_cq] = 0
+        cuck = a32[fo[_CUCK, a]:fo[_CUCK, a] + n + 1]
+        cucq = a32[fo[_CUCQ, a]:fo[_CUCQ, a] + n + 1]
+        nrows = cnt[CNT_RATIOS + 3 * a]
+        pc = a32[fo[_PC, a]:fo[_PC, a] + nrows]
+        sl = a32[fo[_SLCA, a]:fo[_SLCA, a] + nrows]
+        seg = a32[fo[_SEGCA, a]:fo[_SEGCA, a] + 4 * cnt[CNT_RATIOS + 3 * a + 1]]
+        cuck[0] = 0
+        cucq[0] = 0
         rc = 0
-        g = o_seg
+        g = 0
         for s in range(n):
             sk = seqlen_k[s]
             c_lo = (sk - seqlen_q[s]) // m
             c_hi = sk // m
-            base = a32[o_ck + s]
-            a32[o_ck + s + 1] = base + max(c_hi, 1)
+            base = cuck[s]
+            cuck[s + 1] = base + max(c_hi, 1)
             if c_hi <= c_lo:
-                a32[o_pc + rc] = 0
-                a32[o_sl + rc] = PAD_SLOT_ID
+                pc[rc] = 0
+                sl[rc] = PAD_SLOT_ID
                 rc += 1
             else:
-                for c in range(c_lo, c_hi):
-                    a32[o_pc + rc] = c * m
-                    a32[o_sl + rc] = PAD_SLOT_ID if is_ph[s] else compressed_slot(bt, bt_off[s], c, bc)
-                    rc += 1
-            a32[o_cq + s + 1] = rc
+                pcs = pc[rc:rc + c_hi - c_lo]
+                sls = sl[rc:rc + c_hi - c_lo]
+                for i in range(c_hi - c_lo):
+                    c = c_lo + i
+                    pcs[i] = c * m
+                    sls[i] = PAD_SLOT_ID if is_ph[s] else compressed_slot(bt, bt_off[s], c, bc)
+                rc += c_hi - c_lo
+            cucq[s + 1] = rc
             if c_hi == 0:
-                a32[g] = NO_SOURCE_BLOCK
-                a32[g + 1] = 0
-                a32[g + 2] = 1
-                a32[g + 3] = base
+                seg[g], seg[g + 1], seg[g + 2], seg[g + 3] = NO_SOURCE_BLOCK, 0, 1, base
                 g += 4
             for i in range((c_hi + bc - 1) // bc):
-                a32[g] = bt[bt_off[s] + i]
-                a32[g + 1] = 0
-                a32[g + 2] = min(bc, c_hi - i * bc)
-                a32[g + 3] = base + i * bc
+                seg[g], seg[g + 1], seg[g + 2], seg[g + 3] = bt[bt_off[s] + i], 0, min(bc, c_hi - i * bc), base + i * bc
                 g += 4
+    # ---- per-row compressed-KV read ranges: ks / ke (sparse), kv_ca_index_offset_len (dense)
     for a in range(nsp):
         ci = k[_RATIOS + nca + a]  # the sparse ratio's index in ca
         r = k[_RATIOS + ci]
-        o_ck = fo[_CUCK, ci]
-        o_ks, o_ke = fo[_KS, a], fo[_KE, a]
+        sh = ratio_shift(r)
+        cuck = a32[fo[_CUCK, ci]:fo[_CUCK, ci] + n + 1]
+        ks = a32[fo[_KS, a]:fo[_KS, a] + T]
+        ke = a32[fo[_KE, a]:fo[_KE, a] + T]
         for s in range(n):
-            base = a32[o_ck + s]
-            q0 = seqlen_k[s] - seqlen_q[s]
-            for j in range(seqlen_q[s]):
-                row = cu_q[s] + j
-                a32[o_ks + row] = base
-                a32[o_ke + row] = base + (q0 + j + 1) // r
+            base = cuck[s]
+            q = seqlen_q[s]
+            q1 = seqlen_k[s] - q + 1
+            r0 = cu_q[s]
+            kss = ks[r0:r0 + q]
+            kes = ke[r0:r0 + q]
+            for j in range(q):
+                kss[j] = base
+                kes[j] = base + fdiv(q1 + j, r, sh)
     for a in range(nde):
         ci = k[_RATIOS + nca + nsp + a]
         r = k[_RATIOS + ci]
-        o_ck = fo[_CUCK, ci]
-        o_ol = fo[_KVCA, a]
+        sh = ratio_shift(r)
+        cuck = a32[fo[_CUCK, ci]:fo[_CUCK, ci] + n + 1]
+        ol = a32[fo[_KVCA, a]:fo[_KVCA, a] + 2 * T]
         for s in range(n):
-            base = a32[o_ck + s]
-            q0 = seqlen_k[s] - seqlen_q[s]
-            for j in range(seqlen_q[s]):
-                row = 2 * (cu_q[s] + j)
-                a32[o_ol + row] = base
-                a32[o_ol + row + 1] = (q0 + j + 1) // r
+            base = cuck[s]
+            q = seqlen_q[s]
+            q1 = seqlen_k[s] - q + 1
+            r0 = cu_q[s]
+            ols = ol[2 * r0:2 * (r0 + q)]
+            for j in range(q):
+                ols[2 * j] = base
+                ols[2 * j + 1] = fdiv(q1 + j, r, sh)
     # ---- whole block tables, -1 padded
-    o_sbt = fo[_SBT, 0]
+    sbt = a32[fo[_SBT, 0]:fo[_SBT, 0] + n * width]
     for s in range(n):
-        row = o_sbt + s * width
         b0 = bt_off[s]
         blen = bt_off[s + 1] - b0
+        row = sbt[s * width:(s + 1) * width]
         for c in range(blen):
-            a32[row + c] = bt[b0 + c]
+            row[c] = bt[b0 + c]
         for c in range(blen, width):
-            a32[row + c] = -1
-    # ---- YoCo (needs the state cache: the config refuses it without)
-    if keep >= 0 and W > 0:
-        if fo[_YMASK, 0] >= 0:
-            o_y = fo[_YMASK, 0]
-            for s in range(n):
-                q0 = seqlen_k[s] - seqlen_q[s]
-                lower = max(max(num_tokens[s] - keep, 0), valid_start[s])
-                sec2 = n * W + cu_q[s]
-                for j in range(seqlen_q[s]):
-                    pivot_row(a32, o_y + 4 * (cu_q[s] + j), s, j, q0, lower, W, sec2)
-        if fo[_YCU, 0] >= 0:
-            _yoco_compact(seqlen_q, seqlen_k, state_id, valid_start, is_ph, num_tokens, k, cu_q, a32, fo)
+            row[c] = -1
+    if keep >= 0 and W > 0 and fo[_YCU, 0] >= 0:
+        yoco_compact(seqlen_q, seqlen_k, state_id, valid_start, is_ph, num_tokens, k, cu_q, a32, fo)
     return err[0]  # OK, or an Engram id outside int32 recorded on the way
 
 
 @kernel
-def _yoco_compact(seqlen_q: np.ndarray, seqlen_k: np.ndarray, state_id: np.ndarray, valid_start: np.ndarray,
-                  is_ph: np.ndarray, num_tokens: np.ndarray, k: np.ndarray, cu_q: np.ndarray, a32: np.ndarray,
-                  fo: np.ndarray) -> None:
+def yoco_compact(seqlen_q: np.ndarray, seqlen_k: np.ndarray, state_id: np.ndarray, valid_start: np.ndarray,
+                 is_ph: np.ndarray, num_tokens: np.ndarray, k: np.ndarray, cu_q: np.ndarray, a32: np.ndarray,
+                 fo: np.ndarray) -> None:
     """YoCo compact's consumer rows (DESIGN 10): per sequence the rows ``j in [clip, q)``, ``clip =
     min(max(num_tokens - keep - q0, 0), q - 1)``, each with its full-layout row ``cu_q[s] + j``,
     position, SWA slot (the full one, -1 before ``rect_lo = max(0, num_tokens - keep)``), ks / ke /
-    kv_ca_index_offset_len (the full ones) and pivots (lower ``max(rect_lo, swa_valid_start)``).
-    Example (k = 2; prompts of 3 and 5 tokens, whole chunks): ``rect_lo = (1, 3)``, clip ``(1,
-    3)``, consumer cu ``[0, 2, 4]``, query indices ``[1, 2, 6, 7]``, positions ``[1, 2, 3, 4]``."""
+    kv_ca_index_offset_len (the full ones: ``cu_compressed_seqlens_k`` is filled) and pivots
+    (lower ``max(rect_lo, swa_valid_start)``). Example (k = 2; prompts of 3 and 5 tokens, whole
+    chunks): ``rect_lo = (1, 3)``, clip ``(1, 3)``, consumer cu ``[0, 2, 4]``, query indices ``[1,
+    2, 6, 7]``, positions ``[1, 2, 3, 4]``."""
     n = seqlen_q.shape[0]
     W = k[_W]
     S = k[_S]
@@ -443,28 +460,26 @@ def _yoco_compact(seqlen_q: np.ndarray, seqlen_k: np.ndarray, state_id: np.ndarr
         q = seqlen_q[s]
         q0 = seqlen_k[s] - q
         rect_lo = max(num_tokens[s] - keep, 0)
-        lower = max(rect_lo, valid_start[s])
         clip = min(max(num_tokens[s] - keep - q0, 0), q - 1)
-        sec2 = n * W + cu_q[s]
+        kept = q - clip
+        pivot_rows(a32[o_piv + 4 * rc:o_piv + 4 * (rc + kept)], s, clip, q, q0, max(rect_lo, valid_start[s]), W,
+                   n * W + cu_q[s])
         base_st = state_id[s] * S
-        for j in range(clip, q):
+        for i in range(kept):
+            j = clip + i
             pos = q0 + j
-            full = cu_q[s] + j
-            a32[o_qi + rc] = full
+            a32[o_qi + rc] = cu_q[s] + j
             a32[o_pos + rc] = pos
             a32[o_sl + rc] = PAD_SLOT_ID if (is_ph[s] or q - j > S or pos < rect_lo) else base_st + pos % S
-            pivot_row(a32, o_piv + 4 * rc, s, j, q0, lower, W, sec2)
             for a in range(nsp):
                 ci = k[_RATIOS + nca + a]
-                r = k[_RATIOS + ci]
                 base = a32[fo[_CUCK, ci] + s]
                 a32[fo[_YKS, a] + rc] = base
-                a32[fo[_YKE, a] + rc] = base + (pos + 1) // r
+                a32[fo[_YKE, a] + rc] = base + (pos + 1) // k[_RATIOS + ci]
             for a in range(nde):
                 ci = k[_RATIOS + nca + nsp + a]
-                r = k[_RATIOS + ci]
                 a32[fo[_YKVCA, a] + 2 * rc] = a32[fo[_CUCK, ci] + s]
-                a32[fo[_YKVCA, a] + 2 * rc + 1] = (pos + 1) // r
+                a32[fo[_YKVCA, a] + 2 * rc + 1] = (pos + 1) // k[_RATIOS + ci]
             rc += 1
         a32[o_cu + s + 1] = rc
 
