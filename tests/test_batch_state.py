@@ -14,11 +14,11 @@ import pytest
 from cpmeta import BatchState, MetadataConfig, SequenceBatch, SequenceMetadata, prepare_decode, prepare_prompt
 from cpmeta.diff import metadata_diff
 from cpmeta.sequence import blocks_needed
-from cpmeta.state.vouched import StateDecodeBatch
+from cpmeta.state.state_njit import _blocks_needed, state_params
 
 CFG = MetadataConfig(block_size=16, window_size=4, swa_block_size=6, dense_compress_ratios=(4,),
                      sparse_compress_ratios=(4, 8), max_model_len=96, max_ngram_size=3, image_token_id=5)
-#: no Engram: decode steps take BatchState's fast path (cpmeta/state/decode_fast.py)
+#: no Engram: a decode window is the last confirmed token and the drafts
 PLAIN = MetadataConfig(block_size=16, window_size=4, swa_block_size=6, dense_compress_ratios=(4,),
                        sparse_compress_ratios=(4, 8), max_model_len=96)
 #: a plain paged-KV model (DESIGN 14: no ratios, no sliding window), and its KV sharded over 3
@@ -55,40 +55,17 @@ def _grow(st: BatchState, r: _Req, k: int, cfg: MetadataConfig, rng: random.Rand
         r.blocks += new
 
 
-def _rows(batch, cfg: MetadataConfig):
-    """The 2-D padded table a batch is vouched to carry (``Vouch.block_rows32``), or None."""
-    v = batch.vouch_for(cfg)
-    return None if v is None else v.block_rows32
+FIELDS = ("seqlen_q", "seqlen_k", "state_id", "swa_valid_start", "is_placeholder", "num_tokens", "block_tables",
+          "block_table_offsets", "tokens", "token_offsets", "compressed", "compressed_offsets")
 
 
-def _assert_bt2d(batch, cfg: MetadataConfig) -> None:
-    """The 2-D padded table a decode batch carries (``Vouch.block_rows32``) equals its flat tables."""
-    rows = _rows(batch, cfg)
-    if rows is None:
-        return
-    assert not rows.flags.writeable
-    want = np.full((len(batch), cfg.max_num_blocks), -1, np.int32)
-    off = batch.block_table_offsets
-    for s in range(len(batch)):
-        row = batch.block_tables[off[s]:off[s + 1]][: cfg.max_num_blocks]
-        want[s, : len(row)] = row
-    np.testing.assert_array_equal(rows, want)
-
-
-def _assert_same_batch(batch: StateDecodeBatch, st: BatchState, sel: list[_Req]) -> None:
-    """The fast path's batch equals the general path's (``BatchState._batch``) array by array,
-    the lazily made flat tables included."""
-    slots = np.array([r.slot for r in sel])
-    nd = np.array([len(r.drafts) for r in sel], np.int64)
-    want = st._batch(False, slots, 1 + nd, st.num_tokens[slots] + nd,
-                     np.array([t for r in sel for t in r.drafts], np.int64), 0)
-    for name in ("seqlen_q", "seqlen_k", "state_id", "swa_valid_start", "is_placeholder", "num_tokens",
-                 "block_tables", "block_table_offsets", "tokens", "token_offsets", "compressed",
-                 "compressed_offsets"):
+def _assert_same_batch(batch: SequenceBatch, want: SequenceBatch) -> None:
+    """The state's batch equals the list path's (``SequenceBatch.from_sequences``, which reads
+    every field sequence by sequence) array by array, dtypes included."""
+    for name in FIELDS:
         a, b = getattr(batch, name), getattr(want, name)
-        assert a.dtype == b.dtype and np.array_equal(a, b), name
-    assert batch.lookback == want.lookback and batch.is_prompt is False
-    np.testing.assert_array_equal(_rows(batch, st.cfg), _rows(want, st.cfg))
+        assert a.dtype == b.dtype and np.array_equal(a, b), (name, a, b)
+    assert batch.lookback == want.lookback and batch.is_prompt is want.is_prompt
 
 
 def _free_state(rng: random.Random, reqs: dict[int, _Req]) -> int:
@@ -100,7 +77,7 @@ def _run(cfg: MetadataConfig, seed: int, steps: int) -> dict[str, int]:
     rng = random.Random(seed)
     st = BatchState(cfg, max_seqs=6, max_tokens=cfg.max_model_len)
     reqs: dict[int, _Req] = {}
-    seen = {"prompt": 0, "decode": 0, "errors": 0, "finished": 0, "fast": 0}
+    seen = {"prompt": 0, "decode": 0, "errors": 0, "finished": 0, "vouched": 0}
     next_id = 0
     for _ in range(steps):
         if rng.random() < 0.4:  # joins (some beyond max_seqs: refused, state unchanged)
@@ -138,6 +115,8 @@ def _run(cfg: MetadataConfig, seed: int, steps: int) -> dict[str, int]:
                     for r, q in zip(sel, lens)]
             seqs += [SequenceMetadata(1, 1, [0] * blocks_needed(1, cfg), 0, [0], is_placeholder=True)] * n_ph
             batch = st.prompt_batch(np.array([r.slot for r in sel]), np.array(lens), num_placeholders=n_ph)
+            _assert_same_batch(batch, SequenceBatch.from_sequences(seqs, cfg, is_prompt=True))
+            seen["vouched"] += batch.vouch_for(cfg) is not None
             assert metadata_diff(prepare_prompt(batch, cfg), prepare_prompt(seqs, cfg), cfg=cfg) == []
             for r, q in zip(sel, lens):
                 r.done += q
@@ -157,13 +136,8 @@ def _run(cfg: MetadataConfig, seed: int, steps: int) -> dict[str, int]:
             seqs += [SequenceMetadata(1, 1, [0] * blocks_needed(1, cfg), 0, [0], is_placeholder=True)] * n_ph
             batch = st.decode_batch(np.array([r.slot for r in sel]), np.array([t for r in sel for t in r.drafts]),
                                     np.array([len(r.drafts) for r in sel]), num_placeholders=n_ph)
-            _assert_bt2d(batch, cfg)
-            if isinstance(batch, StateDecodeBatch):
-                seen["fast"] += 1
-                ends = batch.block_table_ends()  # from the 2-D rows, before the flat tables exist
-                _assert_same_batch(batch, st, sel)
-                flat = SequenceBatch.block_table_ends(batch)  # from the flat tables
-                assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(ends, flat)), (ends, flat)
+            _assert_same_batch(batch, SequenceBatch.from_sequences(seqs, cfg, is_prompt=False))
+            seen["vouched"] += batch.vouch_for(cfg) is not None
             assert metadata_diff(prepare_decode(batch, cfg), prepare_decode(seqs, cfg), cfg=cfg) == []
             acc = [r.drafts[: rng.randint(0, len(r.drafts))] + [rng.randrange(8)] for r in sel]
             st.append_tokens_batch(np.array([r.slot for r in sel]), np.array([t for a in acc for t in a]),
@@ -178,95 +152,109 @@ def _run(cfg: MetadataConfig, seed: int, steps: int) -> dict[str, int]:
 def test_random_engine_matches_lists(seed: int) -> None:
     seen = _run(CFG, seed, 250)
     assert seen["prompt"] > 30 and seen["decode"] > 30 and seen["finished"] > 5 and seen["errors"] > 0, seen
-    assert seen["fast"] == 0  # Engram: the general path
+    assert seen["vouched"] > 40, seen
 
 
 @pytest.mark.parametrize("cfg", [PAGED, PAGED_KV3], ids=["plain", "plain_kv_sharded"])
 def test_random_engine_plain_config_matches_lists(cfg: MetadataConfig) -> None:
     """A plain paged-KV config (its KV sharded too): the state's batches build what the lists do,
-    decode through the fast path, with tables of ``blocks_needed`` blocks."""
+    with tables of ``blocks_needed`` blocks."""
     seen = _run(cfg, 3, 200)
-    assert seen["prompt"] > 20 and seen["decode"] > 20 and seen["fast"] > 10, seen
+    assert seen["prompt"] > 20 and seen["decode"] > 20 and seen["vouched"] > 30, seen
 
 
 @pytest.mark.parametrize("seed", [1, 2])
-def test_random_engine_fast_decode_matches_lists(seed: int) -> None:
-    """Without Engram the decode steps without placeholders take the fast path; every batch it
-    makes equals the general path's and builds the list path's metadata."""
+def test_random_engine_no_lookback_matches_lists(seed: int) -> None:
+    """Without Engram (decode windows without look-back) every batch equals the list path's and
+    builds its metadata."""
     seen = _run(PLAIN, seed, 250)
-    assert seen["decode"] > 30 and seen["fast"] > 15 and seen["finished"] > 5, seen
+    assert seen["decode"] > 30 and seen["vouched"] > 40 and seen["finished"] > 5, seen
 
 
-def test_table_cap_is_the_largest_covered_seqlen() -> None:
-    """``_table_cap`` (behind ``_dec_cap``: one gather replaces blocks_needed per step) equals a
-    brute-force search."""
+def test_kernel_block_rule_is_blocks_needed() -> None:
+    """The gather's and the staging vouch's block rule (``state_njit._blocks_needed``) equals
+    ``blocks_needed`` of the config, KV-sharded and compressed configs included."""
     sharded = [MetadataConfig(block_size=bs, window_size=0, dense_compress_ratios=(), sparse_compress_ratios=(),
                               max_model_len=mml, kv_cp_world_size=w, kv_cp_interleave=i)
                for bs, mml, w, i in ((16, 300, 3, 1), (8, 200, 3, 4), (8, 97, 2, 8), (4, 50, 4, 2), (16, 64, 1, 4))]
     for cfg in (PLAIN, CFG, PAGED, *sharded,
-                MetadataConfig.compressed_swa(block_size=32, dense_compress_ratios=(4, 32), sparse_compress_ratios=(8,),
+                MetadataConfig(block_size=32, dense_compress_ratios=(4, 32), sparse_compress_ratios=(8,),
                                max_model_len=200)):
-        st = BatchState(cfg, max_seqs=1)
-        for nb in range(0, blocks_needed(cfg.max_model_len, cfg) + 2):
-            want = max(k for k in range(cfg.max_model_len + 1) if blocks_needed(k, cfg) <= nb)
-            assert st._table_cap(nb) == want, (cfg, nb)
+        p = state_params(cfg, 0)
+        for k in range(cfg.max_model_len + 2):
+            assert _blocks_needed(k, p) == blocks_needed(k, cfg), (cfg, k)
 
 
-def test_fast_batch_tables_are_a_snapshot() -> None:
-    """A fast batch's flat tables (made on first read) are those of its step, whatever the state
-    does afterwards (appends, finish and slot reuse)."""
+def test_batches_are_snapshots() -> None:
+    """A batch holds its step's values whatever the state does afterwards (appends, finish, slot
+    reuse, the next step's gather)."""
     st = BatchState(PLAIN, max_seqs=2)
     a = st.add_request("a", [1, 2, 3], [9], 0, num_computed=3)
-    b = st.add_request("b", [4, 5], [6], 1, num_computed=2)
-    batch = st.decode_batch(np.array([b, a]))
-    assert isinstance(batch, StateDecodeBatch)
+    b = st.add_request("b", [4, 5], [6], 1, num_computed=1)
+    pre = st.prompt_batch(np.array([b]), np.array([1]), num_placeholders=1)
+    dec = st.decode_batch(np.array([b, a]), np.array([7, 8]), 1)
+    want = {n: getattr(dec, n).copy() for n in FIELDS}
+    want_pre = {n: getattr(pre, n).copy() for n in FIELDS}
     st.append_blocks(a, [7])
+    st.append_tokens_batch(np.array([a, b]), np.array([5, 6]), np.array([1, 1]))
     st.finish(b)
     assert st.add_request("c", [8], [2, 3], 1, num_computed=1) == b
-    assert batch.block_tables.tolist() == [6, 9] and batch.block_table_offsets.tolist() == [0, 1, 2]
+    st.decode_batch(np.array([b, a]), np.array([1, 2]), 1)
+    for n in FIELDS:
+        assert np.array_equal(getattr(dec, n), want[n]) and np.array_equal(getattr(pre, n), want_pre[n]), n
+    assert dec.block_tables.tolist() == [6, 9] and dec.tokens.tolist() == [5, 7, 3, 8]
 
 
-def test_fast_path_refuses_what_it_cannot_vouch_for() -> None:
-    """A state id, valid start or block id out of the fast path's range (set at add_request, by a
-    setter or by an append), a prefill not done, a too-short table: the general path runs and the
-    builder raises its usual message."""
+def test_unvouched_batches_are_named_by_the_builders() -> None:
+    """A state id, valid start or block table out of range (set at add_request, by a setter or by
+    an append), a table too short, a window token past int32: the batch comes back unchecked and
+    the builder raises its usual message; ``vouch_decode`` (the GPU staging's fast path) declines."""
     st = BatchState(PLAIN, max_seqs=5)
     a = st.add_request("a", [1, 2, 3], [9], -1, num_computed=3)  # bad state id from add_request
     b = st.add_request("b", [4, 5], [6], 1, num_computed=2)
-    assert not isinstance(st.decode_batch(np.array([a])), StateDecodeBatch)
+    assert st.decode_batch(np.array([a])).vouch_for(PLAIN) is None and st.vouch_decode(np.array([a])) is None
     with pytest.raises(ValueError, match=r"seqs\[0\]\.state_id"):
         prepare_decode(st.decode_batch(np.array([a])), PLAIN)
-    assert isinstance(st.decode_batch(np.array([b])), StateDecodeBatch)
+    assert st.decode_batch(np.array([b])).vouch_for(PLAIN) is not None and st.vouch_decode(np.array([b]))
     st.set_swa_valid_start(b, -2)
-    assert not isinstance(st.decode_batch(np.array([b])), StateDecodeBatch)
+    assert st.decode_batch(np.array([b])).vouch_for(PLAIN) is None and st.vouch_decode(np.array([b])) is None
     st.set_swa_valid_start(b, 0)
-    st.append_blocks(b, [-3])
-    assert not isinstance(st.decode_batch(np.array([b])), StateDecodeBatch)
+    st.append_blocks(b, [-3])  # past the needed block: the batch is valid, the staging declines
+    assert st.decode_batch(np.array([b])).vouch_for(PLAIN) is not None and st.vouch_decode(np.array([b])) is not None
+    assert st.vouch_decode(np.array([b]), np.array([1] * 18), 18) is None  # seqlen_k 20 reads block -3
     c = st.add_request("c", list(range(16)), [1], 2, num_computed=4)
     with pytest.raises(ValueError, match="still in prefill"):
         st.decode_batch(np.array([c]))
+    assert st.vouch_decode(np.array([c])) is None
     st.prompt_batch(np.array([c]), np.array([12]))
-    assert isinstance(st.decode_batch(np.array([c])), StateDecodeBatch)
+    assert st.decode_batch(np.array([c])).vouch_for(PLAIN) is not None
     st.append_tokens(c, [5] * 3)  # 19 tokens: one 16-token block covers seqlen_k <= 19
-    assert isinstance(st.decode_batch(np.array([c])), StateDecodeBatch)
+    assert st.decode_batch(np.array([c])).vouch_for(PLAIN) is not None and st.vouch_decode(np.array([c]))
     st.append_tokens(c, [5])  # 20 tokens need a second block
-    assert not isinstance(st.decode_batch(np.array([c])), StateDecodeBatch)
+    assert st.decode_batch(np.array([c])).vouch_for(PLAIN) is None and st.vouch_decode(np.array([c])) is None
     with pytest.raises(ValueError, match=r"seqs\[0\]\.block_table"):
         prepare_decode(st.decode_batch(np.array([c])), PLAIN)
     d = st.add_request("d", [1, 2], [1], 3, num_computed=2)
-    assert isinstance(st.decode_batch(np.array([d])), StateDecodeBatch)
+    assert st.decode_batch(np.array([d])).vouch_for(PLAIN) is not None
     st.append_tokens_batch(np.array([d]), np.array([2**31]), np.array([1]))  # a token past int32
-    assert not isinstance(st.decode_batch(np.array([d])), StateDecodeBatch)
+    assert st.decode_batch(np.array([d])).vouch_for(PLAIN) is None and st.vouch_decode(np.array([d])) is None
     with pytest.raises(ValueError, match=r"seqs\[0\]\.token_ids: expected ids in \[0, 2\*\*31 - 1\] \(input_ids"):
         prepare_decode(st.decode_batch(np.array([d])), PLAIN)  # the validation names the sequence
+    st.append_tokens(d, [3])  # the id past int32 leaves the window: valid again
+    assert st.decode_batch(np.array([d])).vouch_for(PLAIN) is not None and st.vouch_decode(np.array([d]))
     e = st.add_request("e", [1, 2], [1], 4, num_computed=2)
     for bad in (-2**31 - 1, 2**31):  # a draft past int32: decode_batch names the request
         msg = rf"request 'e': draft_tokens: expected ids in \[0, 2\*\*31 - 1\], got {bad}"
         with pytest.raises(ValueError, match=msg):
             st.decode_batch(np.array([e]), np.array([bad]), np.array([1]))
-    for bad in (7, 5, -1, -5, -6, -11):  # past max_seqs, or negative (wraps into the -1 half)
+        assert st.vouch_decode(np.array([e]), np.array([bad]), np.array([1])) is None
+    for bad in (7, 5, -1, -5, -6, -11):  # past max_seqs, or negative
         with pytest.raises(ValueError, match="slots"):
             st.decode_batch(np.array([bad]))
+        assert st.vouch_decode(np.array([bad])) is None
+    with pytest.raises(ValueError, match=r"slots: request 'e' \(slot 4\) appears twice in one step"):
+        st.decode_batch(np.array([e, d, e]))
+    assert st.vouch_decode(np.array([e, d, e])) is None
 
 
 def test_random_engine_yoco_prompts() -> None:
@@ -318,30 +306,63 @@ def test_decode_window_is_short() -> None:
     assert batch.tokens.tolist() == [77, 78, 79, 7, 7]
 
 
-def test_decode_2d_table_follows_appends_and_reuse() -> None:
-    """The 2-D padded table (``SequenceBatch._bt2d``) follows appends past max_num_blocks and slot reuse."""
+def test_int32_mirrors_follow_appends_and_reuse() -> None:
+    """The int32 mirrors the GPU staging copies (``block_rows32``: each table's first
+    ``max_num_blocks`` ids, -1 padded; ``last_tokens32``; ``state_ids32``) follow adds, appends
+    past ``max_num_blocks``, moves and slot reuse."""
     mnb = CFG.max_num_blocks
     st = BatchState(CFG, max_seqs=2, max_blocks=mnb + 3)
     a = st.add_request("a", [1, 2, 3], [9] * (mnb - 1), 0, num_computed=3)
     b = st.add_request("b", [4], [5, 6], 1, num_computed=1)
-    st.append_blocks(a, [7, 8, 9])  # crosses max_num_blocks: the 2-D table keeps the first mnb
-    batch = st.decode_batch(np.array([b, a]))
-    assert _rows(batch, CFG) is not None
-    _assert_bt2d(batch, CFG)
+    st.append_blocks_batch(np.array([a]), np.array([7, 8, 9]), np.array([3]))  # crosses max_num_blocks
+    assert st.block_rows32[a].tolist() == [9] * (mnb - 1) + [7]
+    assert st.block_rows32[b].tolist() == [5, 6] + [-1] * (mnb - 2)
+    st.append_tokens_batch(np.array([b, a]), np.array([11, 12, 13]), np.array([2, 1]))
+    st.set_state_id(b, 7)
+    assert st.last_tokens32.tolist() == [13, 12] and st.state_ids32.tolist() == [0, 7]
     st.finish(a)
     c = st.add_request("c", [4, 4], [3], 2, num_computed=2)
-    assert c == a
-    batch = st.decode_batch(np.array([c, b]), np.array([1]), np.array([0, 1]))
-    _assert_bt2d(batch, CFG)
-    assert _rows(batch, CFG)[0].tolist() == [3] + [-1] * (mnb - 1)
-    assert _rows(st.decode_batch(np.array([c]), num_placeholders=1), CFG) is None  # placeholders: the flat path
+    assert c == a and st.block_rows32[c].tolist() == [3] + [-1] * (mnb - 1)
+    assert st.last_tokens32[c] == 4 and st.state_ids32[c] == 2
+    assert not st.block_rows32.flags.writeable and not st.last_tokens32.flags.writeable
+
+
+def test_append_errors_name_the_request_and_change_nothing() -> None:
+    """The batch appends' checks (slots, counts, capacity, token ids) come before any write."""
+    st = BatchState(PAGED, max_seqs=3, max_tokens=8, max_blocks=2)
+    a = st.add_request("a", [1, 2], [3], 0)
+    b = st.add_request("b", [4], [5], 1)
+    before = [x.copy() for x in (st.token_ids, st.block_table, st._meta, st.block_rows32, st.last_tokens32)]
+    bad = [
+        ("append_tokens_batch", [a, 2], [1, 2], [1, 1], r"slots: expected slots of live requests, got \[2\] without one"),
+        ("append_tokens_batch", [a, -1, 7], [1, 2], [1, 1, 0], r"got \[-1, 7\] without one"),
+        ("append_blocks_batch", [b, a, b], [1, 2], [1, 1, 0], r"slots: request 'b' \(slot 1\) appears twice"),
+        ("append_tokens_batch", [a, b], [1, 2], [1, 2], r"counts: expected 2 counts >= 0 summing to 2 tokens"),
+        ("append_blocks_batch", [a, b], [1, 2], [3, -1], r"counts: expected 2 counts >= 0 summing to 2 block ids"),
+        ("append_compressed_batch", [a], [1], [1, 0], r"counts: expected 1 counts >= 0 summing to 1 compressed ids"),
+        ("append_tokens_batch", [b, a], [1] * 8, [1, 7], r"request 'a': 9 tokens exceed max_tokens=8"),
+        ("append_blocks_batch", [a, b], [1, 2], [0, 2], r"request 'b': 3 block ids exceed max_blocks=2"),
+        ("append_compressed_batch", [a], [1], [1], r"request 'a': 1 compressed ids exceed max_compressed=0"),
+        ("append_tokens_batch", [a, b], [1, 2, -4], [1, 2], r"request 'b': tokens: expected ids >= 0, got -4 at index 1"),
+    ]
+    for name, slots, vals, counts, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            getattr(st, name)(np.array(slots), np.array(vals), np.array(counts))
+    with pytest.raises(ValueError, match=r"request 'a': tokens: expected ids >= 0, got -1 at index 9"):
+        st.append_tokens(a, [1] * 9 + [-1])  # the ids are named before the capacity
+    with pytest.raises(ValueError, match=r"request 'a': 12 tokens exceed max_tokens=8"):
+        st.append_tokens(a, [1] * 10)
+    with pytest.raises(ValueError, match=r"slot 2: no live request there"):
+        st.append_blocks(2, [1])
+    for x, y in zip(before, (st.token_ids, st.block_table, st._meta, st.block_rows32, st.last_tokens32)):
+        assert np.array_equal(x, y)
 
 
 @pytest.mark.parametrize("cfg_name", ["seed", "plain"])
 def test_vectorized_appends_equal_one_call_per_request(cfg_name: str) -> None:
     """``append_blocks_batch`` / ``append_compressed_batch`` leave the state exactly as one
     ``append_blocks`` / ``append_compressed`` call per request would (every array, the int32
-    mirrors and the decode fast path's caps), and refuse what the loop refuses, changing nothing."""
+    mirrors, what the staging vouches for), and refuse what the loop refuses, changing nothing."""
     from cpmeta.launch.scheduler import default_config, plain_config
 
     cfg = default_config(max_model_len=2048) if cfg_name == "seed" else plain_config(max_model_len=2048)

@@ -106,9 +106,9 @@ def test_shared_state_id_allowed_without_the_state_cache_and_for_placeholders(is
 
 
 def _snapshot(st: BatchState) -> dict[str, Any]:
-    """Every attribute of the state (deep copies), but the scratch of the repeated-slot check,
-    which holds nothing between calls."""
-    return {k: copy.deepcopy(v) for k, v in vars(st).items() if k != "_seen"}
+    """Every attribute of the state (deep copies), but the kernels' scratch (the repeated-slot
+    check's, a single-slot call's arguments) and error slot, which hold nothing between calls."""
+    return {k: copy.deepcopy(v) for k, v in vars(st).items() if k not in ("_seen", "_err", "_one", "_one_count")}
 
 
 def _assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:

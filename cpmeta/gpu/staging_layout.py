@@ -56,7 +56,7 @@ NEED_TABLE_MAX = 1 << 21
 if TYPE_CHECKING:
     from ..builders.batch_arrays import BatchArrays
     from ..state.batch_state import BatchState
-    from ..state.decode_fast import VouchedStep
+    from ..state.batch_state import VouchedStep
 
 __all__ = [
     "HEADER_FIXED", "SEQ_FIELDS",

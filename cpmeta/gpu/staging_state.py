@@ -28,7 +28,7 @@ from .staging_header import (
 
 if TYPE_CHECKING:
     from ..state.batch_state import BatchState
-    from ..state.decode_fast import VouchedStep
+    from ..state.batch_state import VouchedStep
 
 __all__ = ["StateStagingCache", "state_plan", "write_state_rows"]
 

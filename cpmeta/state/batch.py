@@ -47,25 +47,19 @@ def prefix(lengths: np.ndarray) -> np.ndarray:
 
 class Vouch(NamedTuple):
     """What the maker of a :class:`SequenceBatch` vouches for, under ONE config ``cfg``
-    (immutable; a tuple because the decode fast path makes one per step).
+    (immutable).
 
     Every vouched batch passed ``SequenceBatch.validate(cfg)``'s checks (or its maker's
-    invariants cover them): its builders skip ``validate`` and may rely on its token windows
-    holding ids in ``[0, 2**31 - 1]``. Two optional arrays a ``BatchState`` knows already, so
-    the builders do not recompute them (read-only numpy arrays, flagged so by the named
-    constructors of ``cpmeta/state/vouched.py``):
-
-    - ``blocks_needed`` ``[n_seq]`` int64: ``blocks_needed(seqlen_k)`` of every sequence;
-    - ``block_rows32`` ``[n_seq, cfg.max_num_blocks]`` int32: each sequence's first
-      ``max_num_blocks`` block ids, -1 padded (the flat tables as a padded 2-D table, equal to
-      them); set only when every state id is in ``[0, cfg.max_state_id]`` and every block id in
-      ``[0, cfg.max_block_id]``, so the builders' int32 bounds on those hold. Example: tables
-      ``[[7, 8], [4]]``, 3 columns -> ``[[7, 8, -1], [4, -1, -1]]``.
+    invariants and per-step checks cover them: ``BatchState``'s gather kernel): its builders
+    skip ``validate`` and may rely on its token windows holding ids in ``[0, 2**31 - 1]``.
+    ``blocks_needed`` and ``block_rows32`` are no longer set by any maker (the state's gather
+    writes the flat arrays only); they stay ``None`` until ``cpmeta/builders/extract.py``, which
+    still reads them, stops doing so.
     """
 
     cfg: MetadataConfig
-    blocks_needed: Optional[np.ndarray] = None  # [n_seq] int64, blocks_needed(seqlen_k) under cfg
-    block_rows32: Optional[np.ndarray] = None  # [n_seq, max_num_blocks] int32, -1 padded
+    blocks_needed: Optional[np.ndarray] = None  # unset (see above)
+    block_rows32: Optional[np.ndarray] = None  # unset (see above)
 
 
 @dataclass(slots=True, eq=False)
@@ -123,8 +117,8 @@ class SequenceBatch:
     compressed_offsets: np.ndarray  # [n_seq+1] int64
     lookback: int  # window reaches lookback positions before q_start (max_ngram_size - 1)
     # what the batch is vouched for, for ONE config (``Vouch``): set by from_sequences and
-    # validate(), and by the state room's named constructors (``cpmeta/state/vouched.py``) for
-    # the batches BatchState makes. NOT a constructor argument, so a batch built from user arrays
+    # validate(), and by the state room's gather (``cpmeta/state/gather.py``) for the batches
+    # BatchState makes. NOT a constructor argument, so a batch built from user arrays
     # always starts unchecked; other rooms read it through ``vouch_for`` only.
     _vouch: Optional["Vouch"] = field(default=None, init=False, repr=False)
 

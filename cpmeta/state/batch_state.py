@@ -4,37 +4,57 @@ A request is added once; each step only applies deltas and asks for the step's
 :class:`~cpmeta.state.batch.SequenceBatch`. No step does work proportional to a sequence's
 length: the token history stays here, a step gathers only its token windows (prompt: the chunk
 plus the Engram look-back; decode: look-back + the last confirmed token + drafts) and block tables.
+A step's appends and its gather are one compiled call each (:mod:`cpmeta.state.state_njit`);
+this module checks the argument types, calls the kernel and turns its error code into the
+named ``ValueError``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Optional, Sequence
+from typing import Any, Hashable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from ..constants import INT32_MAX
-from .batch import SequenceBatch, prefix
+from .batch import SequenceBatch
 from .checks import as_int_array, bad_id, check_int_arg, ids_in_int32
-from .decode_fast import VouchedStep, decode_batch_fast, is_draft_count, vouch_decode_step
-from .gather import gather_batch
+from .gather import batch_of
+from .state_njit import (
+    E_CHUNK, E_CHUNK_PASSES, E_DRAFT_ID, E_NEGATIVE_ID, E_NUM_DRAFTS, E_PREFILL, E_REPEAT, E_SLOT, K_BLOCKS,
+    K_COMPRESSED, K_TOKENS, append_rows, gather_step, vouch_step,
+)
 from .store import StateStore
 
-__all__ = ["BatchState"]
+__all__ = ["BatchState", "VouchedStep"]
 
-
-def _ragged_index(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(offsets [n+1], seq [total], k [total])``: entry i of the flat layout is element ``k[i]``
-    of sequence ``seq[i]``. Example: lengths ``[2, 1]`` -> offsets ``[0, 2, 3]``, seq
-    ``[0, 0, 1]``, k ``[0, 1, 0]``."""
-    off = prefix(lengths)
-    seq = np.repeat(np.arange(len(lengths)), lengths)
-    return off, seq, np.arange(int(off[-1])) - off[:-1][seq]
+_EMPTY = np.zeros(0, np.int64)
+_EMPTY.flags.writeable = False
 
 
 def _check_placeholders(n: object) -> None:
     """``num_placeholders``: an int >= 0 (numpy integers count, bools do not)."""
     if type(n) is not int or n < 0:
         check_int_arg("num_placeholders", n, lo=0)
+
+
+def is_draft_count(num_drafts: Any) -> bool:
+    """``num_drafts`` given as ONE count for every request of the step (an int, not a bool)
+    rather than one count per request."""
+    return isinstance(num_drafts, (int, np.integer)) and not isinstance(num_drafts, (bool, np.bool_))
+
+
+class VouchedStep(NamedTuple):
+    """A decode step the state vouches for (:meth:`BatchState.vouch_decode`): int64 ``slots``,
+    each slot's confirmed tokens ``nt`` and ``seqlen_k`` ``sk``, the ``drafts`` (int32 or int64)
+    and per-slot counts ``nd`` (``None`` without drafts or with one count for all), the largest
+    count ``k_hi`` and whether every slot has it."""
+
+    slots: np.ndarray
+    nt: np.ndarray
+    sk: np.ndarray
+    drafts: Optional[np.ndarray]
+    nd: Optional[np.ndarray]
+    k_hi: int
+    uniform: bool
 
 
 class BatchState(StateStore):
@@ -91,27 +111,23 @@ class BatchState(StateStore):
             raise ValueError(f"request {req_id!r}: expected a non-empty prompt")
         if not 0 <= num_computed <= len(toks):
             raise ValueError(f"request {req_id!r}: num_computed {num_computed} outside [0, {len(toks)}]")
-        tok_ok = ids_in_int32(toks)
-        if not tok_ok:
+        if not ids_in_int32(toks):
             bad_id("prompt_token_ids", toks, None, req_id, negative_only=True)
         self._check_state_free(req_id, state_id, -1)
         s = self._free.pop()
         self._slot[req_id], self._req[s], self.active[s] = s, req_id, True
         self.token_ids[s, :len(toks)] = toks
         self.num_tokens[s] = self.prompt_len[s] = len(toks)
-        self._last[s:s + 1] = toks[-1:]
-        self._tok_ok[s] = tok_ok
         self.num_computed[s] = num_computed
         self.block_table[s, :len(bt)] = bt
         self.num_blocks[s] = len(bt)
-        self._bt32[s] = -1
-        self._bt32[s, :len(bt)] = bt[:self._bt32.shape[1]]
-        self._bt_ok[s] = len(bt) == 0 or (int(bt.min()) >= 0 and int(bt.max()) <= self._bt_max)
         self.compressed[s, :len(comp)] = comp
         self.num_compressed[s] = len(comp)
         self.state_id[s], self.swa_valid_start[s] = state_id, swa_valid_start
+        self._last[s:s + 1] = toks[-1:]  # the int32 mirrors (wrapping: vouch_decode checks the values)
         self._state32[s:s + 1] = self.state_id[s:s + 1]
-        self._set_fast(s)  # after state_id / swa_valid_start: it reads them
+        self._bt32[s] = -1
+        self._bt32[s, :len(bt)] = bt[:self._bt32.shape[1]]
         return s
 
     def _check_state_free(self, req_id: Hashable, state_id: int, slot: int) -> None:
@@ -136,128 +152,75 @@ class BatchState(StateStore):
         req = self._live(slot)
         del self._slot[req]
         self._req[slot], self.active[slot] = None, False
-        self._dec_cap[slot] = -1
         self.num_tokens[slot] = self.num_blocks[slot] = self.num_compressed[slot] = 0
         self._free.append(slot)
 
-    # ---- per-step deltas --------------------------------------------------------------------
+    # ---- per-step deltas: one append_rows call each -----------------------------------------
     def append_tokens(self, slot: int, tokens: Sequence[int]) -> None:
         """Confirmed tokens (sampled / accepted drafts + bonus) of one request; ids ``>= 0``."""
         req = self._live(slot)
         t = as_int_array("tokens", tokens, req)
-        fits = ids_in_int32(t)
-        if not fits:
-            bad_id("tokens", t, None, req, negative_only=True)
-        self._append(req, slot, t, self.token_ids, self.num_tokens, "tokens", self.max_tokens, "max_tokens")
-        if len(t):
-            self._last[slot:slot + 1] = t[-1:]
-            if not fits:
-                self._tokens_past_int32(slot)
+        if self._append_one(K_TOKENS, slot, t, self.token_ids, self.num_tokens):
+            bad_id("tokens", t, None, req, negative_only=True)  # the ids first, then the capacity
+            self._fits(req, "tokens", int(self.num_tokens[slot]) + len(t), self.max_tokens, "max_tokens")
 
     def append_tokens_batch(self, slots: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> None:
         """Vectorized :meth:`append_tokens`: request ``slots[i]`` gets the next ``counts[i]`` ids
         of the flat ``tokens`` (ids ``>= 0``; slots distinct). Example: slots ``[4, 0]``, counts
-        ``[2, 1]``, tokens ``[8, 9, 5]`` -> slot 4 gets ``[8, 9]``, slot 0 gets ``[5]``. Checks
-        before any write: live distinct slots (one scatter + gather), counts, capacity, ids
-        (one reduction)."""
+        ``[2, 1]``, tokens ``[8, 9, 5]`` -> slot 4 gets ``[8, 9]``, slot 0 gets ``[5]``. Every
+        check (live distinct slots, counts, capacity, ids) before any write."""
         slots, counts = as_int_array("slots", slots), as_int_array("counts", counts)
         tokens = as_int_array("tokens", tokens)
-        self._check_slots(slots)
-        if counts.shape != slots.shape or (counts < 0).any() or counts.sum() != len(tokens):
-            raise ValueError(f"counts: expected {len(slots)} counts >= 0 summing to {len(tokens)} tokens")
-        new = self.num_tokens[slots] + counts
-        over = np.flatnonzero(new > self.max_tokens)
-        if over.size:
-            i = int(over[0])
-            self._fits(self._req[int(slots[i])], "tokens", int(new[i]), self.max_tokens, "max_tokens")
-        fits = ids_in_int32(tokens)
-        if not fits:
-            bad_id("tokens", tokens, counts, [self._req[s] for s in slots.tolist()], negative_only=True)
-        _, seq, k = _ragged_index(counts)
-        self.token_ids[slots[seq], self.num_tokens[slots][seq] + k] = tokens
-        self.num_tokens[slots] = new
-        self._last[slots] = self.token_ids[slots, new - 1]
-        if not fits:
-            for s in np.unique(slots[seq][tokens > INT32_MAX]).tolist():
-                self._tokens_past_int32(s)
-
-    def _tokens_past_int32(self, slot: int) -> None:
-        """A confirmed token of ``slot`` does not fit int32: the decode fast paths no longer vouch
-        for it (the builders then raise their ``input_ids`` message if it is read)."""
-        self._tok_ok[slot] = False
-        self._set_fast(slot)
+        code = append_rows(K_TOKENS, slots, tokens, counts, self.token_ids, self.num_tokens, self.active,
+                           self._seen, self._bt32, self._last, self._err)
+        if code == E_NEGATIVE_ID:
+            _, i, v, at = self._err.tolist()
+            raise ValueError(f"request {self._req[int(slots[i])]!r}: tokens: expected ids >= 0, got {v} at index {at}")
+        if code:
+            self._raise_append(code, slots, len(tokens), "tokens", "max_tokens")
 
     def append_blocks(self, slot: int, blocks: Sequence[int]) -> None:
         """Block ids newly allocated to the request, appended to its table."""
         req = self._live(slot)
         b = as_int_array("blocks", blocks, req)
-        n0 = self._append(req, slot, b, self.block_table, self.num_blocks, "block ids", self.max_blocks,
-                          "max_blocks")
-        if len(b) and (int(b.min()) < 0 or int(b.max()) > self._bt_max):
-            self._bt_ok[slot] = False
-        self._set_fast(slot)
-        mnb = self._bt32.shape[1]
-        if n0 < mnb:
-            self._bt32[slot, n0:n0 + len(b)] = b[:mnb - n0]
+        if self._append_one(K_BLOCKS, slot, b, self.block_table, self.num_blocks):
+            self._fits(req, "block ids", int(self.num_blocks[slot]) + len(b), self.max_blocks, "max_blocks")
 
     def append_blocks_batch(self, slots: np.ndarray, blocks: np.ndarray, counts: np.ndarray) -> None:
         """Vectorized :meth:`append_blocks`: request ``slots[i]`` gets the next ``counts[i]`` ids
         of the flat ``blocks`` (slots distinct). Example: slots ``[4, 0]``, counts ``[2, 0]``,
         blocks ``[17, 3]`` -> slot 4's table grows by ``[17, 3]``, slot 0's is unchanged. Every
         check before any write, as :meth:`append_tokens_batch`."""
-        slots, blocks, counts = self._ragged_args(slots, blocks, counts, self.num_blocks,
-                                                  self.max_blocks, "block ids", "max_blocks")
-        _, seq, k = _ragged_index(counts)
-        rows, pos = slots[seq], self.num_blocks[slots][seq] + k
-        self.block_table[rows, pos] = blocks
-        mirror = pos < self._bt32.shape[1]
-        self._bt32[rows[mirror], pos[mirror]] = blocks[mirror]
-        if len(blocks) and (int(blocks.min()) < 0 or int(blocks.max()) > self._bt_max):
-            self._bt_ok[rows[(blocks < 0) | (blocks > self._bt_max)]] = False
-        self.num_blocks[slots] += counts
-        self._set_fast_many(slots)
-
-    def append_compressed_batch(self, slots: np.ndarray, ids: np.ndarray, counts: np.ndarray) -> None:
-        """Vectorized :meth:`append_compressed` (as :meth:`append_blocks_batch`)."""
-        slots, ids, counts = self._ragged_args(slots, ids, counts, self.num_compressed,
-                                               self.max_compressed, "compressed ids", "max_compressed")
-        _, seq, k = _ragged_index(counts)
-        self.compressed[slots[seq], self.num_compressed[slots][seq] + k] = ids
-        self.num_compressed[slots] += counts
-
-    def _ragged_args(self, slots: Any, values: Any, counts: Any, have: np.ndarray, cap: int,
-                     what: str, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The checked int64 ``(slots, values, counts)`` of a vectorized append: live distinct
-        slots, counts >= 0 adding up to the values, every row within ``cap`` (ValueError naming
-        the request and the limit; nothing written)."""
-        slots, counts = as_int_array("slots", slots), as_int_array("counts", counts)
-        values = as_int_array(what, values)
-        self._check_slots(slots)
-        if counts.shape != slots.shape or (counts < 0).any() or counts.sum() != len(values):
-            raise ValueError(f"counts: expected {len(slots)} counts >= 0 summing to {len(values)} {what}")
-        over = np.flatnonzero(have[slots] + counts > cap)
-        if over.size:
-            i = int(over[0])
-            self._fits(self._req[int(slots[i])], what, int(have[slots[i]] + counts[i]), cap, name)
-        return slots, values, counts
+        self._append_batch(K_BLOCKS, slots, blocks, counts, self.block_table, self.num_blocks, "block ids",
+                           "max_blocks")
 
     def append_compressed(self, slot: int, ids: Sequence[int]) -> None:
         """Engram history ids (``compressed_token_ids``) appended for the request."""
         req = self._live(slot)
-        self._append(req, slot, as_int_array("compressed ids", ids, req), self.compressed, self.num_compressed,
-                     "compressed ids", self.max_compressed, "max_compressed")
+        c = as_int_array("compressed ids", ids, req)
+        if self._append_one(K_COMPRESSED, slot, c, self.compressed, self.num_compressed):
+            self._fits(req, "compressed ids", int(self.num_compressed[slot]) + len(c), self.max_compressed,
+                       "max_compressed")
 
-    def _append(self, req: Hashable, slot: int, a: np.ndarray, rows: np.ndarray, counts: np.ndarray, what: str,
-                cap: int, name: str) -> int:
-        """Append the int64 ids ``a`` to the live ``slot``'s row of ``rows`` after its
-        ``counts[slot]`` entries (``ValueError`` past ``cap`` before anything changes); returns
-        the old count. Example: count 3, ids ``[8, 9]`` -> ``rows[slot, 3:5] = [8, 9]``, count
-        5, returns 3."""
-        n0 = int(counts[slot])
-        self._fits(req, what, n0 + len(a), cap, name)
-        rows[slot, n0:n0 + len(a)] = a
-        counts[slot] = n0 + len(a)
-        return n0
+    def append_compressed_batch(self, slots: np.ndarray, ids: np.ndarray, counts: np.ndarray) -> None:
+        """Vectorized :meth:`append_compressed` (as :meth:`append_blocks_batch`)."""
+        self._append_batch(K_COMPRESSED, slots, ids, counts, self.compressed, self.num_compressed,
+                           "compressed ids", "max_compressed")
+
+    def _append_one(self, kind: int, slot: int, values: np.ndarray, rows: np.ndarray, have: np.ndarray) -> int:
+        """:func:`append_rows` for the live ``slot`` alone; its error code (the caller names it)."""
+        self._one[0], self._one_count[0] = slot, len(values)
+        return append_rows(kind, self._one, values, self._one_count, rows, have, self.active, self._seen,
+                           self._bt32, self._last, self._err)
+
+    def _append_batch(self, kind: int, slots: Any, values: Any, counts: Any, rows: np.ndarray, have: np.ndarray,
+                      what: str, name: str) -> None:
+        slots, counts = as_int_array("slots", slots), as_int_array("counts", counts)
+        values = as_int_array(what, values)
+        code = append_rows(kind, slots, values, counts, rows, have, self.active, self._seen, self._bt32,
+                           self._last, self._err)
+        if code:
+            self._raise_append(code, slots, len(values), what, name)
 
     def set_state_id(self, slot: int, state_id: int) -> None:
         """The request's SWA / state slot moved. With the sliding-window state cache no other live
@@ -268,15 +231,13 @@ class BatchState(StateStore):
         self._check_state_free(req, state_id, slot)
         self.state_id[slot] = state_id
         self._state32[slot:slot + 1] = self.state_id[slot:slot + 1]
-        self._set_fast(slot)
 
     def set_swa_valid_start(self, slot: int, swa_valid_start: int) -> None:
         req = self._live(slot)
         check_int_arg("swa_valid_start", swa_valid_start, req)
         self.swa_valid_start[slot] = swa_valid_start
-        self._set_fast(slot)
 
-    # ---- the step's batch -------------------------------------------------------------------
+    # ---- the step's batch: one gather_step call ---------------------------------------------
     def prompt_batch(self, slots: np.ndarray, chunk_lens: np.ndarray, *, num_placeholders: int = 0,
                      advance: bool = True) -> SequenceBatch:
         """A prompt ``SequenceBatch``: request ``slots[i]`` prefills its next ``chunk_lens[i]``
@@ -284,22 +245,7 @@ class BatchState(StateStore):
         Example: a 10-token prompt, chunks ``[4]`` then ``[6]`` -> seqlen (q, k) = (4, 4), (6, 10)."""
         _check_placeholders(num_placeholders)
         slots, q = as_int_array("slots", slots), as_int_array("chunk_lens", chunk_lens)
-        self._check_slots(slots)
-        if q.shape != slots.shape or (q < 1).any():
-            raise ValueError(f"chunk_lens: expected {len(slots)} chunk lengths >= 1, got {q.tolist()[:8]}")
-        q_start = self.num_computed[slots]
-        k = q_start + q
-        over = np.flatnonzero(k > self.num_tokens[slots])
-        if over.size:
-            i = int(over[0])
-            raise ValueError(f"request {self._req[int(slots[i])]!r}: chunk of {int(q[i])} tokens from "
-                             f"{int(q_start[i])} passes its {int(self.num_tokens[slots[i]])} tokens")
-        batch = self._batch(True, slots, q, k, None, num_placeholders)
-        if advance:
-            self.num_computed[slots] = k
-            cap = self._table_cap(self.num_blocks[slots])
-            self._dec_cap[slots] = np.where(self._fast[slots] & (k >= self.prompt_len[slots]), cap, -1)
-        return batch
+        return self._gather(True, slots, q, -1, _EMPTY, num_placeholders, bool(advance))
 
     def decode_batch(self, slots: np.ndarray, draft_tokens: Optional[np.ndarray] = None,
                      num_drafts: Optional[np.ndarray | int] = None, *, num_placeholders: int = 0) -> SequenceBatch:
@@ -310,56 +256,104 @@ class BatchState(StateStore):
         drafts, 2)`` with ``2 * len(slots)`` drafts). Draft ids must be in ``[0, 2**31 - 1]``
         (``ValueError`` naming the request); slots distinct."""
         _check_placeholders(num_placeholders)
-        if not (num_placeholders or self.lookback or self.max_compressed or self._lazy_no):
-            batch = decode_batch_fast(self, slots, draft_tokens, num_drafts)
-            if batch is not None:
-                return batch
-        slots, drafts, nd = self._decode_args(slots, draft_tokens, num_drafts)
-        k = self.num_tokens[slots] + nd
-        return self._batch(False, slots, 1 + nd, k, drafts, num_placeholders)
+        slots = as_int_array("slots", slots)
+        try:
+            drafts = _EMPTY if draft_tokens is None else as_int_array("draft_tokens", draft_tokens)
+        except (TypeError, ValueError):
+            self._raise_slots(slots)  # the slots' error comes first
+            raise
+        k_all, q = self._draft_counts(slots, drafts, num_drafts)
+        return self._gather(False, slots, q, k_all, drafts, num_placeholders, False)
+
+    def _draft_counts(self, slots: np.ndarray, drafts: np.ndarray, num_drafts: Any) -> tuple[int, np.ndarray]:
+        """``(k_all, q)`` of :func:`gather_step`: one count for all (``q`` unread) or per slot
+        (``k_all = -1``); a count of the wrong kind is named here (after the slots' checks)."""
+        if num_drafts is None:
+            if not len(drafts):
+                return 0, _EMPTY
+            self._raise_slots(slots)
+            raise ValueError(f"num_drafts: expected {len(slots)} counts >= 0 summing to {len(drafts)} drafts")
+        if is_draft_count(num_drafts):
+            if num_drafts >= 0:
+                return int(num_drafts), _EMPTY
+        else:
+            nd = np.asarray(num_drafts)
+            if nd.shape == slots.shape and nd.dtype.kind in "iu":
+                return -1, nd.astype(np.int64, copy=False)
+        self._raise_slots(slots)
+        raise ValueError(f"num_drafts: expected {len(slots)} counts >= 0 (or one count for all) "
+                         f"summing to {len(drafts)} drafts")
+
+    def _gather(self, is_prompt: bool, slots: np.ndarray, q: np.ndarray, k_all: int, drafts: np.ndarray,
+                n_ph: int, advance: bool) -> SequenceBatch:
+        buf, ph, vouched = gather_step(is_prompt, slots, q, k_all, drafts, n_ph, advance, self._meta, self.active,
+                                       self.token_ids, self.block_table, self.compressed, self._p, self._seen,
+                                       self._err)
+        if len(ph) == len(slots) + n_ph:
+            return batch_of(buf, ph, vouched, is_prompt, self.lookback, self.cfg)
+        code, i, v, lim = self._err.tolist()
+        if code in (E_SLOT, E_REPEAT):
+            self._raise_slots(slots)
+        if code == E_CHUNK:
+            raise ValueError(f"chunk_lens: expected {len(slots)} chunk lengths >= 1, got {q.tolist()[:8]}")
+        if code == E_NUM_DRAFTS:
+            raise ValueError(f"num_drafts: expected {len(slots)} counts >= 0 (or one count for all) "
+                             f"summing to {len(drafts)} drafts")
+        req = self._req[int(slots[i])]
+        if code == E_CHUNK_PASSES:
+            raise ValueError(f"request {req!r}: chunk of {v} tokens from {lim} passes its "
+                             f"{int(self.num_tokens[slots[i]])} tokens")
+        if code == E_DRAFT_ID:
+            raise ValueError(f"request {req!r}: draft_tokens: expected ids in [0, 2**31 - 1], got {v} at index {lim}")
+        assert code == E_PREFILL, code
+        raise ValueError(f"request {req!r}: still in prefill ({v} of {lim} prompt tokens computed)")
 
     def vouch_decode(self, slots: np.ndarray, draft_tokens: Optional[np.ndarray] = None,
                      num_drafts: Optional[np.ndarray | int] = None) -> Optional[VouchedStep]:
-        """The decode step ``decode_batch(slots, draft_tokens, num_drafts)`` when the state vouches
-        for it without a per-step check (every slot live and given once, done with its prefill,
-        its ids and the drafts in ``[0, 2**31 - 1]``, ``seqlen_k`` within its table's reach and
-        ``max_model_len``; draft counts adding up), else ``None`` (``decode_batch`` then raises
-        the precise error). For writers that lay
-        out a decode step themselves from :attr:`block_rows32`, :attr:`last_tokens32` and
-        :attr:`state_ids32` (``cpmeta.gpu.stage_decode``). Example: slots ``[0, 1]`` holding 5
-        and 9 tokens, ``num_drafts=2`` with 4 drafts -> ``sk = [7, 11]``, ``k_hi = 2``."""
-        return vouch_decode_step(self, slots, draft_tokens, num_drafts)
-
-    def _decode_args(self, slots: np.ndarray, draft_tokens: Optional[np.ndarray],
-                     num_drafts: Optional[np.ndarray | int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``decode_batch``'s argument checks (live slots, draft counts, prefill done); returns
-        ``(slots, drafts, num_drafts)`` as int64 arrays; draft ids outside ``[0, 2**31 - 1]``
-        are a ``ValueError`` naming the request they belong to."""
-        slots = as_int_array("slots", slots)
-        self._check_slots(slots)
-        drafts = np.zeros(0, np.int64) if draft_tokens is None else as_int_array("draft_tokens", draft_tokens)
-        if num_drafts is None:
-            if len(drafts):
-                raise ValueError(f"num_drafts: expected {len(slots)} counts >= 0 summing to {len(drafts)} drafts")
-            nd = np.zeros(len(slots), np.int64)
+        """The decode step ``decode_batch(slots, draft_tokens, num_drafts)`` when the in-place GPU
+        staging may lay it out straight from :attr:`block_rows32`, :attr:`last_tokens32` and
+        :attr:`state_ids32` (``cpmeta.gpu.stage_decode``): int64 slots, every one live and given
+        once, done with its prefill, its state id, valid start, last token and the needed block
+        ids in range (:func:`~cpmeta.state.state_njit.vouch_step`), draft counts adding up and
+        draft ids in ``[0, 2**31 - 1]``; else ``None`` (``decode_batch`` then raises the precise
+        error). Example: slots ``[0, 1]`` holding 5 and 9 tokens, ``num_drafts=2`` with 4 drafts
+        -> ``sk = [7, 11]``, ``k_hi = 2``."""
+        slots = np.asarray(slots)
+        if slots.dtype != np.int64 or slots.ndim != 1 or len(slots) == 0:
+            return None
+        count = is_draft_count(num_drafts)
+        nd: Optional[np.ndarray] = None
+        if draft_tokens is None or len(draft_tokens) == 0:
+            if num_drafts is not None and (num_drafts if count else not _zero_counts(num_drafts, slots)):
+                return None
+            drafts, k_all, k_hi, uniform = None, 0, 0, True
         else:
-            nd = np.full(len(slots), int(num_drafts), np.int64) if is_draft_count(num_drafts) \
-                else np.asarray(num_drafts)
-            if nd.shape != slots.shape or nd.dtype.kind not in "iu" or (nd < 0).any() \
-                    or int(nd.sum()) != len(drafts):
-                raise ValueError(f"num_drafts: expected {len(slots)} counts >= 0 (or one count for all) "
-                                 f"summing to {len(drafts)} drafts")
-            nd = nd.astype(np.int64, copy=False)
-        if not ids_in_int32(drafts):
-            bad_id("draft_tokens", drafts, nd, [self._req[s] for s in slots.tolist()], negative_only=False)
-        in_prefill = self.num_computed[slots] < self.prompt_len[slots]
-        if in_prefill.any():
-            s = int(slots[np.argmax(in_prefill)])
-            raise ValueError(f"request {self._req[s]!r}: still in prefill ({int(self.num_computed[s])} of "
-                             f"{int(self.prompt_len[s])} prompt tokens computed)")
-        return slots, drafts, nd
+            drafts = np.asarray(draft_tokens)
+            if num_drafts is None or drafts.ndim != 1 or drafts.dtype.kind not in "iu":
+                return None  # floats, bools: decode_batch refuses them by name
+            if drafts.dtype != np.int32:  # int32 ids stay int32; anything else as int64
+                drafts = np.asarray(drafts, np.int64)
+            if count:  # one count for every request (the common MTP step)
+                k_all = k_lo = k_hi = int(num_drafts)
+                uniform, total = True, k_all * len(slots)
+            else:
+                nd = np.asarray(num_drafts)
+                if nd.shape != slots.shape or nd.dtype.kind not in "iu":
+                    return None
+                nd = nd.astype(np.int64, copy=False)
+                k_lo, k_hi = int(nd.min()), int(nd.max())
+                uniform, total = k_lo == k_hi, int(nd.sum())
+                k_all = k_hi if uniform else -1
+            if k_lo < 0 or total != len(drafts) or not ids_in_int32(drafts):
+                return None
+        nt, sk = np.empty(len(slots), np.int64), np.empty(len(slots), np.int64)
+        if not vouch_step(slots, _EMPTY if k_all >= 0 or nd is None else nd, k_all, self._meta, self.active, self.token_ids,
+                          self.block_table, self._p, self._seen, nt, sk):
+            return None
+        return VouchedStep(slots, nt, sk, drafts, nd, k_hi, uniform)
 
-    def _batch(self, is_prompt: bool, slots: np.ndarray, sq: np.ndarray, sk: np.ndarray,
-               drafts: Optional[np.ndarray], n_ph: int) -> SequenceBatch:
-        """The general gather of a step's ``SequenceBatch``: :func:`cpmeta.state.gather.gather_batch`."""
-        return gather_batch(self, is_prompt, slots, sq, sk, drafts, n_ph)
+
+def _zero_counts(num_drafts: Any, slots: np.ndarray) -> bool:
+    """Per-slot draft counts (ints, one per slot) that are all 0."""
+    nd = np.asarray(num_drafts)
+    return nd.shape == slots.shape and nd.dtype.kind in "iu" and not np.count_nonzero(nd)
