@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_build import _state_from, decode_batch, prompt_batch  # noqa: E402
 from cpmeta import MetadataConfig, prepare_decode, prepare_prompt  # noqa: E402
-from cpmeta.builders import common_fields as common, decode, prompt  # noqa: E402
+from cpmeta.builders import common_fields as common, decode  # noqa: E402
 from cpmeta.builders.extract import extract_batch  # noqa: E402
 from cpmeta.gpu.decode_staging import DecodeStaging, stage_decode, staging_capacity  # noqa: E402
 from cpmeta.gpu.staging_layout import StagingLayout  # noqa: E402
@@ -98,8 +98,6 @@ def _prompt_phases(cfg: MetadataConfig, n: int, q: int, repeat: int, rng: random
         "batch": step,
         "extract": lambda: extract_batch(sb, cfg, is_prompt=True),
         "fill_common": lambda: common.fill_common(b, cfg, None),
-        "compressed_writes": lambda: prompt._fill_compressed_writes(b, cfg, None, {}),
-        "swa_pivots": lambda: prompt._fill_swa_pivots(b, cfg, None),
     }
     return _interleaved(phases, repeat)
 

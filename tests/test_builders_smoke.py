@@ -14,8 +14,6 @@ import torch
 
 from cpmeta import MetadataConfig, SequenceMetadata, prepare_decode, prepare_prompt
 from cpmeta.builders.int_ops import loaded_compressed_len
-from cpmeta.builders.extract import extract_batch
-from cpmeta.builders.load_plan import paged_load_segments, swa_load_segments
 from cpmeta.builders.attn_info import (
     compute_attn_info,
     expand_offset_len,
@@ -72,8 +70,7 @@ def test_prompt_docstring_example() -> None:
 def test_swa_load_plan_examples() -> None:
     cfg = MetadataConfig.compressed_swa(window_size=8, swa_block_size=8, block_size=8)
     seqs = [_seq(1, 1, cfg=cfg), _seq(1, 12, state=2, cfg=cfg), _seq(1, 6, state=3, cfg=cfg)]
-    b = extract_batch(seqs, cfg, is_prompt=True)
-    segs = swa_load_segments(b, cfg, None).tolist()
+    segs = prepare_prompt(seqs, cfg).load_segments_swa.tolist()
     # seq 0: q_start 0 -> all 8 rows zero-filled; seq 1: q_start 11 -> ring wraps; seq 2: q_start 5
     assert segs == [[-1, 0, 8, 0], [2, 3, 8, 8], [2, 0, 3, 13], [-1, 0, 3, 16], [3, 0, 5, 19]]
 
@@ -81,8 +78,7 @@ def test_swa_load_plan_examples() -> None:
 def test_paged_load_plan_example() -> None:
     cfg = MetadataConfig.compressed_swa(block_size=128, dense_compress_ratios=(4,), sparse_compress_ratios=())
     seqs = [_seq(1, 3, table=[1]), _seq(1, 280, table=[9, 4, 6], state=1)]
-    b = extract_batch(seqs, cfg, is_prompt=True)
-    segs = paged_load_segments(b, cfg, 4, np.array([0, 1]), None).tolist()
+    segs = prepare_prompt(seqs, cfg).load_segments_ca["4"].tolist()  # dst bases: cu_compressed_seqlens_k [0, 1]
     assert segs == [[-1, 0, 1, 0], [9, 0, 32, 1], [4, 0, 32, 33], [6, 0, 6, 65]]
 
 
@@ -265,8 +261,13 @@ def test_caller_owned_output_buffers_protocol() -> None:
         prepare_decode(seqs, cfg, out=OneArena(16))  # too small for the layout
     with pytest.raises(TypeError, match="OutputBuffers"):
         prepare_decode(seqs, cfg, out=[])  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="prepare_prompt"):
-        prepare_prompt([_seq(3, 9, state=0, prompt=True)], cfg, out=mine)  # type: ignore[arg-type]
+    pseqs = [_seq(3, 9, state=0, prompt=True)]  # the prompt build writes into the caller's arena too
+    pmd = prepare_prompt(pseqs, cfg, out=mine)
+    for path, t in pmd.tensors():
+        assert lo <= t.data_ptr() < hi, path
+    assert metadata_diff(pmd, prepare_prompt(pseqs, cfg), cfg=cfg) == []
+    with pytest.raises(TypeError, match="OutputBuffers"):
+        prepare_prompt(pseqs, cfg, out=[])  # type: ignore[arg-type]
 
 
 def test_decode_out_schema_is_stacked_on_both_paths() -> None:

@@ -19,8 +19,7 @@ from hypothesis import strategies as st
 
 import cpmeta
 from cpmeta import MetadataConfig, SequenceMetadata
-from cpmeta.builders.swa_pivots import swa_visibility_pivots
-from cpmeta.builders.yoco import YOCO_COMPACT_FIELDS, build_yoco_fields
+from cpmeta.builders.yoco import YOCO_COMPACT_FIELDS
 from cpmeta.cp.yoco_views import get_consumer_view
 from cpmeta.fields import consumer_cleared
 from cpmeta.metadata import FIELDS
@@ -199,10 +198,14 @@ def test_two_sequences_offsets() -> None:
 
 
 def test_visibility_helper_docstring_example() -> None:
-    t = lambda *v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    import numpy as np
+
+    from cpmeta.builders.prompt_njit import pivot_rows
+
     for lower, want in ((0, [6, 2, 11, 2]), (6, [8, 0, 12, 1]), (9, [8, 0, 13, 0])):
-        got = swa_visibility_pivots(t(6), t(1), t(5), t(lower), t(4), t(11), 4)
-        assert got.tolist() == [want], lower
+        got = np.zeros(4, np.int32)
+        pivot_rows(got, 1, 1, 2, 5, lower, 4, 11)  # W = 4, s = 1, q0 = 5, sec2 = 11, row j = 1 (pos 6)
+        assert got.tolist() == want, lower
 
 
 def test_off_leaves_every_yoco_field_none() -> None:
@@ -238,18 +241,11 @@ def test_config_validation_mode(bad: Any) -> None:
         MetadataConfig.compressed_swa(yoco_keep_tokens=4, yoco_mode=bad)
 
 
-def test_build_rejects_mismatched_sequences() -> None:
-    cfg, seqs = _cfg(6), [_seq(10, 2, 6)]
-    md = cpmeta.prepare_prompt(seqs, cfg)
-    with pytest.raises(ValueError, match="seqs"):
-        build_yoco_fields(md, seqs * 2, cfg)
+def test_build_rejects_a_short_prompt() -> None:
     short = [_seq(10, 2, 6)]
     short[0].token_ids = short[0].token_ids[:7]  # fewer than seqlen_k = 8
     with pytest.raises(ValueError, match=r"seqs\[0\].token_ids"):
-        build_yoco_fields(md, short, cfg)
-    with pytest.raises(ValueError, match="is_prompt"):
-        build_yoco_fields(md.replace(is_prompt=False), seqs, cfg)
-    assert build_yoco_fields(md, seqs, _cfg(None)) == {}
+        cpmeta.prepare_prompt(short, _cfg(6))
 
 
 @pytest.mark.parametrize("mode", ["mask", "compact"])
@@ -370,27 +366,3 @@ def test_truncation_drops_exactly_the_keys_before_rect_lo(seed: int) -> None:
             want = [b for b in full if abs_pos(b) >= rect_lo]
             assert [b for b in mask_idx[row].tolist() if b >= 0] == want, (s, _j)
             row += 1
-
-
-def test_prompt_pivots_equal_the_shared_visibility_rule() -> None:
-    """``prepare_prompt``'s int32 per-row pivots (``_fill_swa_pivots``) are the shared helper's rule."""
-    import numpy as np
-
-    from cpmeta.builders.extract import extract_batch
-    from cpmeta.builders.prompt import _fill_swa_pivots
-    rng = np.random.default_rng(0)
-    for W in (1, 3, 8):
-        cfg = MetadataConfig(block_size=16, window_size=W, swa_block_size=8, dense_compress_ratios=(4,),
-                             sparse_compress_ratios=(4,), max_model_len=96)
-        for _ in range(20):
-            seqs = []
-            for _ in range(int(rng.integers(1, 5))):
-                k = int(rng.integers(1, 96))
-                q = int(rng.integers(1, k + 1))
-                seqs.append(SequenceMetadata(q, k, [1] * 6, len(seqs), [3] * k,  # distinct state slots
-                                             swa_valid_start=int(rng.integers(0, 100))))
-            b = extract_batch(seqs, cfg, is_prompt=True)
-            rs = b.row_seq
-            want = swa_visibility_pivots(b.row_pos, b.row_j, b.q_start[rs], b.swa_valid_start[rs], rs * W,
-                                         b.n_seq * W + b.cu_q[rs], W)
-            np.testing.assert_array_equal(_fill_swa_pivots(b, cfg, None).numpy(), want)
