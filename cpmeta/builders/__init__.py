@@ -15,12 +15,12 @@ module               holds
 ``decode``           :func:`prepare_decode` (decode metadata, MTP drafts)
 ``extract``          ``SequenceBatch`` (``cpmeta/state/batch.py``; a list converts to it) -> ``BatchArrays``
 ``batch_arrays``     ``BatchArrays`` (one batch as int64 numpy arrays) and its row helpers
-``int_ops``          floor / ceiling division, floor modulo, int32 checks, ``loaded_compressed_len``
-``common_fields``    the fields prompt and decode share, their int32 checks, compressed-KV slots
-``ngram``            Engram look-back ids (``ngram_token_ids``)
-``load_plan``        SWA and paged compressed-KV load segments
-``swa_pivots``       the one SWA visibility rule (pivots P0..P3)
-``yoco``             the YoCo (prefill truncation) fields
+``int_ops``          ceiling division, int32 checks, ``loaded_compressed_len``
+``common_njit``      the compiled fields prompt and decode share, their checks and error codes
+``decode_njit``      the decode build's one kernel
+``ngram``            Engram look-back ids of chosen rows (a CP rank's ``ngram_token_ids``)
+``prompt_njit``      the compiled prompt build: count pass (checks, sizes), fill pass (every field)
+``yoco``             the names of the YoCo (prefill truncation) fields
 ``attn_info``        :func:`compute_attn_info`, the lazy expansion to dense indices
 ===================  ===========================================================================
 """

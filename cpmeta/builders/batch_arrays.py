@@ -1,10 +1,9 @@
 """``BatchArrays``: one batch as per-sequence and per-row int64 numpy arrays, and its row helpers.
 
-Every builder turns its input into ONE ``BatchArrays`` (:func:`cpmeta.builders.extract.extract_batch`);
-everything after that is vectorized numpy over all sequences / rows at once, with no loop over
-rows, segments or tokens. Results are written straight into the output tensors through their
-``.numpy()`` views (:func:`cpmeta.buffers.alloc`), so no intermediate torch tensors are created
-on the hot path.
+The numpy readers of a batch (the in-place GPU path's staging, a CP rank's Engram rows, YoCo's
+plan) turn it into ONE ``BatchArrays`` (:func:`cpmeta.builders.extract.extract_batch`) and work
+vectorized over all sequences / rows at once; the builders' kernels read the ``SequenceBatch``
+itself.
 
 Row layout: rows are query rows in varlen order. For sequence ``s`` with ``seqlen_q = 3`` and
 ``seqlen_k = 10`` the rows hold local index ``j = 0, 1, 2`` and absolute positions ``7, 8, 9``
@@ -72,11 +71,9 @@ class BatchArrays:
     is_placeholder: np.ndarray  # [n_seq] bool
     cu_q: np.ndarray  # [n_seq+1] int64, exclusive prefix sums of seqlen_q
     cu_k: np.ndarray  # [n_seq+1] int64, exclusive prefix sums of seqlen_k
-    # the three bt_* below and bt_whole / bt_whole_off are None when extract_batch was called with
-    # flat_tables=False for a batch carrying bt2d (prepare_decode reads bt2d only)
-    bt_flat: Optional[np.ndarray]  # [sum(bt_need) + 1] int64, needed block ids + a trailing 0
-    bt_start: Optional[np.ndarray]  # [n_seq] int64, offset of each table in bt_flat
-    bt_need: Optional[np.ndarray]  # [n_seq] int64, blocks_needed(seqlen_k)
+    bt_flat: np.ndarray  # [sum(bt_need) + 1] int64, needed block ids + a trailing 0
+    bt_start: np.ndarray  # [n_seq] int64, offset of each table in bt_flat
+    bt_need: np.ndarray  # [n_seq] int64, blocks_needed(seqlen_k)
     input_ids: np.ndarray  # [total_q] int64
     row_seq: np.ndarray  # [total_q] int64, sequence of each row
     row_j: np.ndarray  # [total_q] int64, local index j
@@ -87,19 +84,4 @@ class BatchArrays:
     comp_flat: np.ndarray  # [sum comp_len] int64, Engram compressed ids of positions [tok_lo, tok_lo + comp_len)
     comp_len: Optional[np.ndarray]  # [n_seq] int64; None without Engram (max_ngram_size == 0)
     data_len: np.ndarray  # [n_seq] int64, len(token_ids) (YoCo: the whole prompt)
-    bt_whole: Optional[np.ndarray]  # [sum len(block_table)] int64, every WHOLE table back to back (seq_block_tables)
-    bt_whole_off: Optional[np.ndarray]  # [n_seq+1] int64, offsets of the whole tables in bt_whole
     is_prompt: bool
-    # [n_seq, max_num_blocks] int32: first max_num_blocks ids of each WHOLE table, -1 padded (the
-    # flat bt_whole as a 2-D table), when the batch came with one (BatchState decode); else None
-    bt2d: Optional[np.ndarray] = None
-    # is_placeholder.any(), computed once by extract_batch (True is always safe: the placeholder
-    # branches then run and find no placeholder rows)
-    any_placeholder: bool = True
-    # every input id is known to fit int32 (SequenceBatch._ids_ok): the int32 check skips them
-    ids_ok: bool = False
-
-    def per_row(self, x: np.ndarray) -> np.ndarray:
-        """``x[row_seq]`` for a per-sequence array; ``x`` itself (not a copy: do not modify it)
-        when every sequence has exactly one row, the common decode case."""
-        return x if self.total_q == self.n_seq else expand_rows(x, self.seqlen_q, self.row_seq)

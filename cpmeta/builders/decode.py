@@ -27,7 +27,6 @@ from ..fields import DECODE, FieldTable, stacked_fields, step_outputs
 from ..metadata import FIELDS, InputMetadata
 from ..buffers import ArenaLayout, HostArena, OutputBuffers, get_or_create_stacked, get_or_create_tensor
 from .batch_arrays import BatchArrays
-from .common_fields import check_common_int32
 from .common_njit import raise_common
 from .decode_njit import E_KV_CA_OFFSET, decode_consts, decode_fill, field_offsets
 from .int_ops import check_int32
@@ -50,20 +49,28 @@ Out = Optional[dict[str, torch.Tensor]]
 
 
 def check_decode_int32(b: BatchArrays, cfg: MetadataConfig) -> None:
-    """Overflow checks before allocation; the decode offset bound is DESIGN section 3's."""
-    check_common_int32(b, cfg)
+    """The int32 bounds of a decode batch that ``extract_batch``'s validation leaves (the
+    in-place GPU path's host check; :func:`prepare_decode` checks the same in its kernel):
+    ``sum(seqlen_k)`` (``cu_seqlens_k``) and DESIGN section 3's offset bound ``total_q *
+    max_num_blocks * (block_size // min(dense ratios))``. (State ids, block ids and token ids are
+    in range once validated.) Example: defaults of ``compressed_swa``, 2**20 rows -> ``2**20 *
+    64 * 32 > 2**31 - 1``: ``ValueError`` naming ``kv_ca_index_offset_len``."""
+    if int(b.cu_k[-1]) > INT32_MAX:  # the messages are only formatted for a failing bound
+        check_int32("cu_seqlens_k", int(b.cu_k[-1]), "sum(seqlen_k)")
     if cfg.dense_compress_ratios:
-        mnb, md = cfg.max_num_blocks, min(cfg.dense_compress_ratios)
-        v = b.total_q * mnb * (cfg.block_size // md)
-        if v <= INT32_MAX:  # the message is only formatted for a failing bound
-            return
-        check_int32(
-            "kv_ca_index_offset_len",
-            v,
-            f"total_q ({b.total_q}) * max_num_blocks ({mnb}, from max_model_len="
-            f"{cfg.max_model_len}) * (block_size // min(dense_compress_ratios)) "
-            f"({cfg.block_size}//{md})",
-        )
+        v = b.total_q * cfg.max_num_blocks * (cfg.block_size // min(cfg.dense_compress_ratios))
+        if v > INT32_MAX:
+            _kv_ca_error(cfg, b.total_q, v)
+
+
+def _kv_ca_error(cfg: MetadataConfig, T: int, v: int) -> None:
+    """The ``kv_ca_index_offset_len`` int32 error of ``T`` rows (the bound ``v``)."""
+    check_int32(
+        "kv_ca_index_offset_len", v,
+        f"total_q ({T}) * max_num_blocks ({cfg.max_num_blocks}, from max_model_len="
+        f"{cfg.max_model_len}) * (block_size // min(dense_compress_ratios)) "
+        f"({cfg.block_size}//{min(cfg.dense_compress_ratios)})",
+    )
 
 
 class _Plan:
@@ -211,13 +218,7 @@ def _raise(err: np.ndarray, cfg: MetadataConfig) -> None:
     """The named ``ValueError`` of a kernel error code (:mod:`.common_njit`, :mod:`.decode_njit`)."""
     raise_common(err, cfg)
     if int(err[0]) == E_KV_CA_OFFSET:
-        T, mnb, md = int(err[1]), cfg.max_num_blocks, min(cfg.dense_compress_ratios)
-        check_int32(
-            "kv_ca_index_offset_len", int(err[2]),
-            f"total_q ({T}) * max_num_blocks ({mnb}, from max_model_len="
-            f"{cfg.max_model_len}) * (block_size // min(dense_compress_ratios)) "
-            f"({cfg.block_size}//{md})",
-        )
+        _kv_ca_error(cfg, int(err[1]), int(err[2]))
     raise AssertionError(f"decode_fill: unknown error code {err.tolist()}")  # pragma: no cover
 
 

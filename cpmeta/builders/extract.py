@@ -64,13 +64,9 @@ def _row_arrays(n: int, total_q: int, sq: np.ndarray, cu_q: np.ndarray) -> tuple
     return row_seq, arange_ro(total_q) - expand_rows(cu_q[:-1], sq, row_seq)
 
 
-def extract_batch(seqs: BatchInput, cfg: MetadataConfig, *, is_prompt: bool, flat_tables: bool = True) -> BatchArrays:
-    """Validate ``seqs`` (same errors as ``validate_batch``) and derive every array the builders use.
-
-    ``flat_tables=False`` (``prepare_decode``): a batch carrying ``BatchState``'s 2-D table rows
-    (``Vouch.block_rows32``, read through ``SequenceBatch.vouch_for``) gets ``bt2d`` only --
-    ``bt_flat`` / ``bt_start`` / ``bt_whole`` are ``None`` and its flat tables are not read; any
-    other batch gets every array as usual.
+def extract_batch(seqs: BatchInput, cfg: MetadataConfig, *, is_prompt: bool) -> BatchArrays:
+    """Validate ``seqs`` (same errors as ``validate_batch``) and derive the arrays the numpy
+    readers of a batch use (the in-place GPU path's staging, a CP rank's Engram rows).
 
     Example: 2 decode sequences ``(seqlen_q, seqlen_k) = (1, 5), (3, 9)`` give ``cu_q = [0, 1, 4]``,
     ``row_seq = [0, 1, 1, 1]``, ``row_j = [0, 0, 1, 2]``, ``row_pos = [4, 6, 7, 8]``; without
@@ -89,15 +85,8 @@ def extract_batch(seqs: BatchInput, cfg: MetadataConfig, *, is_prompt: bool, fla
         np.add.accumulate(sq, out=cu_q[1:])
         total_q = int(cu_q[-1])
     q_start = sk - sq
-    vouch = sb.vouch_for(cfg)  # set: as_sequence_batch validated sb for cfg
-    bt2d = vouch.block_rows32 if vouch is not None else None
-    if bt2d is not None and not flat_tables:  # prepare_decode copies the 2-D rows: no flat tables
-        need = bt_flat = bt_start = bt_whole = bt_whole_off = None
-    else:
-        known = vouch.blocks_needed if vouch is not None else None
-        need = known if known is not None else blocks_needed_array(sk, cfg)
-        bt_flat, bt_start = _flat_tables(sb, need, cfg)
-        bt_whole, bt_whole_off = sb.block_tables, sb.block_table_offsets
+    need = blocks_needed_array(sk, cfg)
+    bt_flat, bt_start = _flat_tables(sb, need, cfg)
     row_seq, row_j = _row_arrays(n, total_q, sq, cu_q)
     row_pos = q_start if total_q == n else expand_rows(q_start, sq, row_seq) + row_j  # one row each: q_start
     toks, tok_off = sb.tokens, sb.token_offsets
@@ -117,10 +106,6 @@ def extract_batch(seqs: BatchInput, cfg: MetadataConfig, *, is_prompt: bool, fla
         tok_flat=toks, tok_off=tok_off, tok_lo=tok_lo,
         comp_flat=sb.compressed, data_len=sb.num_tokens, is_prompt=is_prompt,
         comp_len=np.diff(sb.compressed_offsets) if cfg.max_ngram_size > 0 else None,  # Engram only
-        bt_whole=bt_whole, bt_whole_off=bt_whole_off, bt2d=bt2d,
-        # BatchState vouches for block_rows32 only for a batch without placeholders; a validated
-        # batch's token windows (the input ids among them) hold ids in [0, 2**31 - 1]
-        any_placeholder=False if bt2d is not None else bool(sb.is_placeholder.any()), ids_ok=True,
     )
 
 

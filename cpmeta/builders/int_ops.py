@@ -1,21 +1,20 @@
-"""Integer helpers of the host builders (DESIGN sections 3 and 4): floor / ceiling division,
-floor modulo, the int32 bound check, and the one loaded-compressed-length rule.
+"""Integer helpers of the host builders (DESIGN sections 3 and 4): ceiling division, the int32
+bound check's message, and the one loaded-compressed-length rule.
 
-Vectorized over numpy arrays (also ``int`` and torch tensors where noted), power-of-two divisors
-taken by shifts and masks. Example: ``fdiv(np.array([-1, 7, 8]), 4) -> [-1, 1, 2]``,
-``fmod(np.array([-1, 9]), 4) -> [3, 1]``, ``cdiv(75, 32) == 3``.
+Elementwise over numpy arrays (also ``int`` and torch tensors where noted). Example:
+``cdiv(75, 32) == 3``, ``loaded_compressed_len(np.array([3, 8]), 4) -> [1, 2]``.
 """
 
 from __future__ import annotations
 
-from typing import Optional, TypeVar
+from typing import TypeVar
 
 import numpy as np
 import torch
 
 from ..constants import INT32_MAX
 
-__all__ = ["loaded_compressed_len", "cdiv", "fdiv", "fmod", "check_int32", "IntLike"]
+__all__ = ["loaded_compressed_len", "cdiv", "check_int32", "IntLike"]
 
 IntLike = TypeVar("IntLike", int, np.ndarray, torch.Tensor)
 
@@ -33,24 +32,6 @@ def loaded_compressed_len(seqlen_k: IntLike, r: int) -> IntLike:
     if isinstance(seqlen_k, np.ndarray):
         return np.maximum(seqlen_k // r, 1)
     return max(1, seqlen_k // r)
-
-
-def fdiv(x: np.ndarray, d: int, out: Optional[np.ndarray] = None) -> np.ndarray:
-    """Elementwise floor ``x // d``; an arithmetic right shift when ``d`` is a power of two
-    (exact for negative ``x`` too, and 2-3x faster than numpy's integer divide).
-    Example: ``fdiv(np.array([-1, 7, 8]), 4) -> [-1, 1, 2]``."""
-    if d & (d - 1) == 0:
-        return np.right_shift(x, d.bit_length() - 1, out=out, casting="unsafe")
-    return np.floor_divide(x, d, out=out, casting="unsafe")
-
-
-def fmod(x: np.ndarray, d: int, out: Optional[np.ndarray] = None) -> np.ndarray:
-    """Elementwise floor modulo ``x % d`` (in ``[0, d)``); a bitwise and when ``d`` is a power of
-    two (about 10x faster than numpy's integer remainder). Example: ``fmod(np.array([-1, 9]), 4)
-    -> [3, 1]``."""
-    if d & (d - 1) == 0:
-        return np.bitwise_and(x, d - 1, out=out, casting="unsafe")
-    return np.remainder(x, d, out=out, casting="unsafe")
 
 
 def cdiv(a: IntLike, b: int) -> IntLike:
