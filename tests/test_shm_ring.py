@@ -127,10 +127,19 @@ def test_writer_timeout_names_lagging_reader() -> None:
             r.close()
 
 
-def test_reader_timeout_and_writer_close() -> None:
+def test_reader_idle_is_not_a_timeout_and_writer_close() -> None:
+    """A reader waits for the next message as long as the writer lives, whatever the timeout
+    (on 4ac8a65: ``TimeoutError ... slot 0 not yet published`` after 0.2 s); published data is
+    still delivered after the writer closes, then ``RingClosedError``."""
     w, readers = _ring(1, timeout=0.2)
-    with pytest.raises(TimeoutError, match="rank 0 .*not yet published"):
-        readers[0].read_bytes()
+    got: list[bytes] = []
+    t = threading.Thread(target=lambda: got.append(readers[0].read_bytes()))
+    t.start()
+    time.sleep(0.6)  # three times the timeout, idle
+    assert t.is_alive() and not got
+    w.write(b"late")
+    t.join(5.0)
+    assert got == [b"late"]
     w.write(b"last")
     w.close()
     assert readers[0].read_bytes() == b"last"  # published data is still delivered
@@ -139,14 +148,48 @@ def test_reader_timeout_and_writer_close() -> None:
     readers[0].close()
 
 
-def test_closed_reader_reported() -> None:
+def test_reader_timeout_in_the_middle_of_a_message() -> None:
+    """A message in flight is bounded: a streamed message whose rest does not come (the writer
+    waits on a reader that never reads) is a ``TimeoutError`` naming the writer on the reader
+    that got its start, and naming the lagging reader on the writer."""
+    w, readers = _ring(2, timeout=0.3)
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            w.write(b"m" * 1000)  # 1000 B through a 256 B ring: streamed
+        except BaseException as e:  # noqa: BLE001 - checked below
+            errors.append(e)
+
+    t = threading.Thread(target=write)
+    t.start()
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="waiting for writer rank 0 in the middle of a message"):
+        readers[0].read_bytes()
+    assert time.monotonic() - t0 < 3.0
+    t.join(5.0)
+    assert len(errors) == 1 and isinstance(errors[0], TimeoutError), errors
+    assert "rank 2 (reader 1)" in str(errors[0])
+    for r in (w, *readers):
+        r.close()
+
+
+def test_closed_reader_reported_at_the_next_message() -> None:
+    """A reader that closes its end (its process living on) is named by the very next write,
+    which publishes nothing (on 4ac8a65: only once the ring filled up, ``num_slots`` messages
+    later, and the messages before reached the other readers)."""
     w, readers = _ring(2, timeout=5.0)
+    w.write(b"before")
     readers[1].close()
     assert w.states() == [ATTACHED, CLOSED]
-    with pytest.raises(PeerError, match=r"rank 2 \(reader 1\) closed"):
-        for _ in range(10):
-            w.write(b"z" * 100)
+    head = w.backlog()
+    with pytest.raises(PeerError, match=r"rank 2 \(reader 1\) closed the ring"):
+        w.write(b"z")
+    assert w.backlog() == head  # nothing published
+    assert readers[0].read_bytes() == b"before"
     w.close()
+    with pytest.raises(RingClosedError):
+        readers[0].read_bytes()
     readers[0].close()
 
 

@@ -8,6 +8,7 @@
 """
 
 from .codec import CodecError, TensorDesc, decode, decode_body, encode, encode_body, schema_fingerprint
+from .envs import ENV_TIMEOUT
 from .errors import PeerError, RingClosedError
 from .gather import gather_ints
 from .object_channel import ObjectChannel
@@ -22,6 +23,7 @@ __all__ = [
     "encode_body",
     "decode_body",
     "schema_fingerprint",
+    "ENV_TIMEOUT",
     "PeerError",
     "RingClosedError",
     "ShmRing",

@@ -67,7 +67,8 @@ class RingIO(RingReader):
         parts = [memoryview(p).cast("B") for p in raw]
         length = sum(p.nbytes for p in parts)
         if cdiv(_HDR_LEN + length, self.handle.slot_size) > self.handle.num_slots:
-            deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+            deadline = self._deadline(timeout)
+            self._check_open_readers()
             self._check_alive_readers()
             self._stream_out(parts, length, cdiv(_HDR_LEN + length, self.handle.slot_size),
                              self._w.head.value, deadline)
@@ -101,11 +102,11 @@ class RingIO(RingReader):
         k = -(-(_HDR_LEN + length) // size)  # slots of the message (cdiv, inlined)
         if k > n:
             raise ValueError(f"ShmRing.reserve: {length} bytes do not fit the ring; use write()")
-        wait = self.timeout if timeout is None else timeout
+        self._check_open_readers()
         head = self._w.head.value
         first = head % n
         if first + k > n:  # keep the message contiguous: pad to the end of the ring
-            wait = time.monotonic() + wait  # one deadline for both waits
+            wait = self._deadline(timeout)  # one deadline for both waits
             self._wait_space(head, n - first, wait)
             MSG_HEADER.pack_into(self._buf, self._data_at + first * size, 0, KIND_PAD, n - first)
             head += n - first
@@ -113,7 +114,7 @@ class RingIO(RingReader):
             first = 0
             self._wait_space(head, k, wait)
         elif head + k - self._tail_floor > n:  # tails only grow: the floor proves room
-            self._wait_space(head, k, time.monotonic() + wait)
+            self._wait_space(head, k, self._deadline(timeout))
         pos = self._data_at + first * size
         MSG_HEADER.pack_into(self._buf, pos, length, KIND_DATA, 0)
         pos += _HDR_LEN
@@ -210,6 +211,18 @@ class RingIO(RingReader):
                 if best is None or t < best_tail:
                     best, best_tail = i, t
         return best, best_tail
+
+    def _check_open_readers(self) -> None:
+        """Raise ``PeerError`` if a reader closed its end (its process may live on): checked
+        before each message is written, so the message after the close is refused whole --
+        no reader sees it -- instead of once the ring has filled ``num_slots`` messages later.
+        One load per reader (``states``), no syscall."""
+        states = list(map(_VALUE, self._w.states))
+        if CLOSED in states:
+            i = states.index(CLOSED)
+            behind = self._w.head.value - self._w.tails[i].value
+            raise PeerError(f"ShmRing writer: {self._label(i)} closed the ring "
+                            f"{behind} slot(s) behind")
 
     def _check_alive_readers(self) -> None:
         """Raise ``PeerError`` if an attached reader's process has died.

@@ -9,6 +9,7 @@ the slots back and wake a waiting writer; plus the helpers both halves use.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Callable, Optional, TypeVar
@@ -33,7 +34,7 @@ class RingReader:
 
     handle: RingHandleFields
     reader_index: Optional[int]  # None: the writer end
-    timeout: float  # seconds a call blocks by default before TimeoutError
+    timeout: Optional[float]  # seconds a message in flight may take (None: no bound)
     _w: RingWords  # the control words (head, announce, per reader tails, states, ...)
     _buf: memoryview  # the whole mapping
     _head_addr: int  # futex addresses as plain ints
@@ -60,12 +61,27 @@ class RingReader:
         return ((start_slot % self.handle.num_slots) * self.handle.slot_size + msg_offset) % self._ring_bytes
 
     @staticmethod
-    def _left(deadline: float) -> float:
+    def _left(deadline: Optional[float]) -> float:
+        """Seconds to the deadline (at least 0.1 ms); one liveness slice when there is none."""
+        if deadline is None:
+            return LIVENESS_SLICE_S
         return max(1e-4, deadline - time.monotonic())
+
+    def _deadline(self, timeout: Optional[float]) -> float:
+        """CLOCK_MONOTONIC deadline of a wait bounded by ``timeout`` (None: the ring's own; the
+        ring's None: ``inf``, never reached)."""
+        t = self.timeout if timeout is None else timeout
+        return math.inf if t is None else time.monotonic() + t
 
 
     def read(self, consumer: Callable[[memoryview, bool], T], *, timeout: Optional[float] = None) -> T:
         """Reader: wait for the next message and return ``consumer(view, owned)``.
+
+        The wait for the message to START has no deadline: it lasts as long as the writer lives
+        (an idle driver is not a dead one); a dead writer is ``PeerError``, a closed ring
+        ``RingClosedError``, both within ``LIVENESS_SLICE_S``. Once the message's first slot is
+        published, the rest must arrive within ``timeout`` (default: the ring's; None on the
+        ring: no bound), else ``TimeoutError`` naming the writer.
 
         ``owned`` False: ``view`` points into shared memory, valid only during the call (it is
         released afterwards: copy what you keep). ``owned`` True: ``view`` is a private buffer
@@ -73,11 +89,10 @@ class RingReader:
         i = self.reader_index
         if i is None:
             raise RuntimeError("ShmRing.read: this end is the writer")
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         size, n = self.handle.slot_size, self.handle.num_slots
         tail = self._w.tails[i].value
         while True:
-            self._wait_data(tail + 1, deadline)
+            self._wait_data(tail + 1, None)  # idle: bounded by the writer's life, not a clock
             pos = self._data_at + (tail % n) * size
             length, kind, pad = MSG_HEADER.unpack_from(self._buf, pos)
             if kind == KIND_PAD and 1 <= pad <= n:
@@ -92,6 +107,7 @@ class RingReader:
             raise ValueError(f"ShmRing reader: message of {length} bytes exceeds "
                              f"CPMETA_MAX_MESSAGE_BYTES={limit}")
         k = cdiv(_HDR_LEN + length, size)
+        deadline = self._deadline(timeout)  # the message is in flight from here on
         if k > n:
             return consumer(self._stream_in(tail, length, k, deadline), True)
         self._wait_data(tail + k, deadline)
@@ -140,8 +156,10 @@ class RingReader:
         if not HAVE_FENCE or self._w.writer_waiting.value:
             futex_wake(self._tail_addrs[i])
 
-    def _wait_data(self, target: int, deadline: float) -> int:
-        """Block until ``head >= target``; return head. After an ``announce`` the reader spins
+    def _wait_data(self, target: int, deadline: Optional[float]) -> int:
+        """Block until ``head >= target``; return head. ``deadline`` None: the wait for the next
+        message, which only the writer's death or close ends (futex sleeps of
+        ``LIVENESS_SLICE_S``: ~0 CPU while idle). After an ``announce`` the reader spins
         (yielding its core on an oversubscribed host) instead of parking, for a while."""
         w = self._w  # (no local ctypes words: a traceback would pin the mapping)
         h = w.head.value
@@ -190,13 +208,13 @@ class RingReader:
             fence()  # head load before the payload loads
         return h
 
-    def _check_writer(self, target: int, deadline: float) -> None:
+    def _check_writer(self, target: int, deadline: Optional[float]) -> None:
         who = f"writer rank {self.handle.writer_rank}"
         me = self._label(self.reader_index)
         if self._w.closed.value:
             raise RingClosedError(f"ShmRing reader {me}: {who} closed the ring")
         if self._watch[-1].dead():
             raise PeerError(f"ShmRing reader {me}: {who}, pid {self.handle.writer_pid}, died")
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"ShmRing reader {me}: timed out waiting for {who} "
-                               f"(slot {target - 1} not yet published)")
+        if deadline is not None and time.monotonic() >= deadline:
+            raise TimeoutError(f"ShmRing reader {me}: timed out waiting for {who} in the middle "
+                               f"of a message (slot {target - 1} not yet published)")

@@ -10,7 +10,7 @@ and ``launch.envs`` use them too. Bad values raise ``ValueError("NAME: expected 
 | variable | meaning | default |
 |---|---|---|
 | ``CPMETA_FORCE_REMOTE`` | ``1``: ObjectChannel sends every follower's bytes over the gloo group (no shared memory) | ``0`` |
-| ``CPMETA_TRANSPORT_TIMEOUT`` | seconds any transport wait may block before ``TimeoutError`` | ``300`` |
+| ``CPMETA_TRANSPORT_TIMEOUT`` | seconds setup, or a message in flight, may take before ``TimeoutError`` (a follower waits for the NEXT message as long as the driver lives); default of every ``timeout=`` (``timeout=None``: no bound) | ``300`` |
 | ``CPMETA_SHM_SLOT_SIZE`` | bytes per shared-memory ring slot | ``65536`` |
 | ``CPMETA_SHM_NUM_SLOTS`` | slots per ring | ``64`` |
 | ``CPMETA_SHM_SPIN_US`` | microseconds a reader spins before blocking in ``FUTEX_WAIT``; unset = automatic (spin only when every ring process can have its own core) | auto |
@@ -20,8 +20,10 @@ and ``launch.envs`` use them too. Bad values raise ``ValueError("NAME: expected 
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 __all__ = [
     "FORCE_REMOTE",
@@ -38,6 +40,10 @@ __all__ = [
     "shm_spin_us",
     "max_message_bytes",
     "host_id",
+    "ENV_TIMEOUT",
+    "Timeout",
+    "resolve_timeout",
+    "wait_seconds",
     "env_str",
     "env_bool",
     "env_int",
@@ -57,6 +63,7 @@ DEFAULT_TIMEOUT_S = 300.0
 DEFAULT_SLOT_SIZE = 64 * 1024
 DEFAULT_NUM_SLOTS = 64
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+FOREVER_S = 10 * 365 * 86400.0  # what "no timeout" becomes where an API needs a number (10 years)
 MAX_HOST_ID_BYTES = 200  # a host id travels in a fixed 256-byte field (transport._dist)
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -159,8 +166,49 @@ def force_remote() -> bool:
 
 
 def transport_timeout() -> float:
-    """``CPMETA_TRANSPORT_TIMEOUT`` in seconds (float > 0)."""
-    return env_float(TRANSPORT_TIMEOUT, DEFAULT_TIMEOUT_S, positive=True)
+    """``CPMETA_TRANSPORT_TIMEOUT`` in seconds (a finite float > 0: ``inf`` / ``nan`` are refused;
+    ``timeout=None`` on a constructor is how a caller asks for no bound)."""
+    value = env_float(TRANSPORT_TIMEOUT, DEFAULT_TIMEOUT_S, positive=True)
+    if not math.isfinite(value):
+        raise _bad(TRANSPORT_TIMEOUT, "a finite float > 0", str(_raw(TRANSPORT_TIMEOUT)))
+    return value
+
+
+class _EnvTimeout:
+    """Type of :data:`ENV_TIMEOUT` (one instance)."""
+
+    def __repr__(self) -> str:
+        return "ENV_TIMEOUT"
+
+
+#: Default of every transport ``timeout=`` argument: ``CPMETA_TRANSPORT_TIMEOUT``, read when the
+#: object is built. ``None`` means no bound at all; a number is that many seconds.
+ENV_TIMEOUT = _EnvTimeout()
+Timeout = Union[float, None, _EnvTimeout]
+
+
+def resolve_timeout(value: Timeout, name: str = "timeout") -> Optional[float]:
+    """A constructor's ``timeout=`` as seconds, or None (wait forever), checked at once.
+
+    ``ENV_TIMEOUT`` -> ``CPMETA_TRANSPORT_TIMEOUT`` (300.0 unset); ``None`` -> None; ``2`` ->
+    2.0; ``0``, ``-1``, ``float('inf')``, ``float('nan')``, ``True`` or ``"5"`` -> ``ValueError(
+    "timeout: expected a finite number of seconds > 0, or None to wait forever, got inf")``.
+    """
+    if value is ENV_TIMEOUT:
+        return transport_timeout()
+    if value is None:
+        return None
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+            or not math.isfinite(float(value)) or float(value) <= 0):
+        raise ValueError(f"{name}: expected a finite number of seconds > 0, or None to wait "
+                         f"forever, got {value!r}")
+    return float(value)
+
+
+def wait_seconds(timeout: Optional[float]) -> float:
+    """``timeout`` for an API that needs a number of seconds (a ``timedelta``, a thread join, a
+    deadline): itself, or ``FOREVER_S`` (ten years) for None. ``wait_seconds(None) == 315360000.0``."""
+    return FOREVER_S if timeout is None else timeout
 
 
 def shm_slot_size() -> int:

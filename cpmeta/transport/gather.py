@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import envs
 from ._dist import store_of, wait_work
 
 __all__ = ["gather_ints"]
@@ -32,7 +33,7 @@ _GRACE_S = 1.0  # a store op that outlives the wait by this much is abandoned (c
 def gather_ints(ch: Any, tag: str, value: int) -> dict[int, int]:
     """Collective over the members of ObjectChannel ``ch`` (every member calls it with the same
     ``tag``, once per tag): ``{global rank: value}`` of every member (see the module doc)."""
-    ranks, me, timeout_s = ch.ranks, ch.rank, ch.timeout
+    ranks, me, timeout_s = ch.ranks, ch.rank, envs.wait_seconds(ch.timeout)
     store = store_of()
     if store is None:
         mine = torch.tensor([value], dtype=torch.int64)

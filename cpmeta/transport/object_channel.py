@@ -72,7 +72,7 @@ class ObjectChannel:
     """
 
     def __init__(self, group: Any = None, src: int = 0, *, force_remote: Optional[bool] = None,
-                 timeout: Optional[float] = None, schema: bytes = b"",
+                 timeout: envs.Timeout = envs.ENV_TIMEOUT, schema: bytes = b"",
                  slot_size: Optional[int] = None, num_slots: Optional[int] = None,
                  agree: Optional[Mapping[str, Scalar]] = None) -> None:
         self.group = dist.group.WORLD if group is None else group
@@ -83,7 +83,8 @@ class ObjectChannel:
             raise ValueError(f"src: global ranks {src} (src) and {self.rank} (caller) must both be "
                              f"in the group {self.ranks}")
         self.schema = schema
-        self.timeout = envs.transport_timeout() if timeout is None else float(timeout)
+        self.timeout = envs.resolve_timeout(timeout)  # None: no bound
+        wait_s = envs.wait_seconds(self.timeout)  # for the setup APIs that need a number
         self._max_bytes = envs.max_message_bytes()
         self.failure: Optional[str] = None  # why the process-group path stopped, if it did
         self._count = 0  # messages sent / received: named in errors
@@ -100,11 +101,11 @@ class ObjectChannel:
         force = envs.force_remote() if force_remote is None else bool(force_remote)
         try:
             if store_of() is None:  # the exchange falls back to a gloo all_gather
-                self.ctrl = cpu_group(self.group, self.timeout)
-                members = exchange(self.ctrl, src, dict(agree or {}), key, self.timeout)
+                self.ctrl = cpu_group(self.group, wait_s)
+                members = exchange(self.ctrl, src, dict(agree or {}), key, wait_s)
             else:  # first: it names a rank that never came, before any gloo group waits for it
-                members = exchange(self.group, src, dict(agree or {}), key, self.timeout)
-                self.ctrl = cpu_group(self.group, self.timeout)
+                members = exchange(self.group, src, dict(agree or {}), key, wait_s)
+                self.ctrl = cpu_group(self.group, wait_s)
             self._connect(members, key, force, slot_size, num_slots)
         except (TimeoutError, ValueError) as e:
             self.close()
@@ -171,15 +172,17 @@ class ObjectChannel:
         return self._decode(tensor_memoryview(frame))
 
     def _remote(self, frame: Optional[torch.Tensor]) -> torch.Tensor:
-        """``bcast_frame`` over the gloo path, every wait bounded by ``self.timeout``. Any failure
+        """``bcast_frame`` over the gloo path, every wait bounded by ``self.timeout`` (None: not
+        bounded; a follower's wait for the head too: see "Idle" in docs/transport.md). Any failure
         spends the channel (:attr:`failure`) and is raised naming rank and host: on ``src`` the
         followers that did not take the message (each one's send is its own work handle) --
         the others then get ``src``'s reason instead of waiting out their own timeout; on a
         follower ``src``."""
         self._count += 1
         try:
-            return bcast_frame(frame, self.src, self._remote_group, self.timeout,
-                               margin_s=min(SRC_MARGIN_S, SRC_MARGIN_SHARE * self.timeout),
+            wait_s = envs.wait_seconds(self.timeout)
+            return bcast_frame(frame, self.src, self._remote_group, wait_s,
+                               margin_s=min(SRC_MARGIN_S, SRC_MARGIN_SHARE * wait_s),
                                followers=self.remote_ranks)
         except RemoteFailure as e:
             err: Exception = self._followers_failed(e)

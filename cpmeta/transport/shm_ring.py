@@ -160,7 +160,7 @@ class ShmRing(RingIO):
                  unlink_path: Optional[str], timeout: Optional[float]) -> None:
         self.handle = handle
         self.reader_index = reader_index
-        self.timeout = envs.transport_timeout() if timeout is None else float(timeout)
+        self.timeout = timeout  # resolved by create / attach
         self._data_at = data_offset(handle.num_readers)
         self._ring_bytes = handle.slot_size * handle.num_slots
         try:
@@ -188,12 +188,16 @@ class ShmRing(RingIO):
 
     @classmethod
     def create(cls, num_readers: int, *, slot_size: Optional[int] = None,
-               num_slots: Optional[int] = None, timeout: Optional[float] = None,
+               num_slots: Optional[int] = None, timeout: envs.Timeout = envs.ENV_TIMEOUT,
                writer_rank: int = 0, reader_ranks: Optional[Sequence[int]] = None,
                use_memfd: bool = True) -> "ShmRing":
         """Create a ring as its writer. ``slot_size``/``num_slots`` default to the env values;
         ``reader_ranks`` (default 1..num_readers) label the readers in error messages.
+        ``timeout`` (default ``CPMETA_TRANSPORT_TIMEOUT``; None: no bound) bounds a message in
+        flight and the wait for room, never a reader's wait for the next message; anything
+        but a finite number > 0 or None is a ``ValueError`` here.
         ``OSError(ENOTSUP)`` on a platform the ring refuses (``_futex.ring_unsupported_reason``)."""
+        timeout_s = envs.resolve_timeout(timeout)
         slot_size = envs.shm_slot_size() if slot_size is None else slot_size
         num_slots = envs.shm_num_slots() if num_slots is None else num_slots
         ranks = tuple(range(1, num_readers + 1)) if reader_ranks is None else tuple(reader_ranks)
@@ -209,19 +213,21 @@ class ShmRing(RingIO):
         seg = create_segment(data_offset(num_readers) + slot_size * num_slots, use_memfd=use_memfd)
         handle = ShmRingHandle(seg.path, secrets.token_bytes(16), num_readers, slot_size, num_slots,
                                os.getpid(), writer_rank, ranks)
-        ring = cls(handle, seg.fd, reader_index=None, unlink_path=seg.unlink_path, timeout=timeout)
+        ring = cls(handle, seg.fd, reader_index=None, unlink_path=seg.unlink_path, timeout=timeout_s)
         HDR.pack_into(ring._res.mm, 0, MAGIC, VERSION, num_readers, slot_size, num_slots,
                       handle.nonce, handle.writer_pid, 0)
         return ring
 
     @classmethod
     def attach(cls, handle: ShmRingHandle, reader_index: int, *,
-               timeout: Optional[float] = None) -> "ShmRing":
-        """Attach as reader ``reader_index`` (0-based) of the ring described by ``handle``."""
+               timeout: envs.Timeout = envs.ENV_TIMEOUT) -> "ShmRing":
+        """Attach as reader ``reader_index`` (0-based) of the ring described by ``handle``
+        (``timeout`` as for :meth:`create`)."""
+        timeout_s = envs.resolve_timeout(timeout)
         if not 0 <= reader_index < handle.num_readers:
             raise ValueError(f"reader_index: expected 0..{handle.num_readers - 1}, got {reader_index}")
         ring = cls(handle, open_segment(handle.path), reader_index=reader_index, unlink_path=None,
-                   timeout=timeout)
+                   timeout=timeout_s)
         found = HDR.unpack_from(ring._res.mm, 0)[:7]
         want = (MAGIC, VERSION, handle.num_readers, handle.slot_size, handle.num_slots,
                 handle.nonce, handle.writer_pid)
@@ -270,7 +276,7 @@ class ShmRing(RingIO):
     def wait_attached(self, timeout: Optional[float] = None) -> None:
         """Writer: block until every reader attached (or is absent), then drop the segment's
         name / fd so that nothing can outlive the processes."""
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        deadline = self._deadline(timeout)
         while EMPTY in self.states():
             if time.monotonic() > deadline:
                 missing = [self._label(i) for i, s in enumerate(self.states()) if s == EMPTY]
@@ -311,7 +317,7 @@ class ShmRing(RingIO):
 
 def ring_from_process_group(group: Any, src: int, *, readers: Optional[Sequence[int]] = None,
                             slot_size: Optional[int] = None, num_slots: Optional[int] = None,
-                            timeout: Optional[float] = None,
+                            timeout: envs.Timeout = envs.ENV_TIMEOUT,
                             use_memfd: bool = True) -> tuple[Optional[ShmRing], list[int]]:
     """Collective over the gloo ``group`` (EVERY member calls it with the same arguments).
 
@@ -324,6 +330,8 @@ def ring_from_process_group(group: Any, src: int, *, readers: Optional[Sequence[
     """
     from .ring_group import exchange_ring  # torch.distributed: imported only by this collective
 
+    timeout = envs.resolve_timeout(timeout)
+
     def create(reader_ranks: list[int]) -> ShmRing:
         return ShmRing.create(len(reader_ranks), slot_size=slot_size, num_slots=num_slots,
                               timeout=timeout, writer_rank=src, reader_ranks=reader_ranks,
@@ -332,4 +340,4 @@ def ring_from_process_group(group: Any, src: int, *, readers: Optional[Sequence[
     def attach(blob: bytes, index: int) -> ShmRing:
         return ShmRing.attach(ShmRingHandle.from_bytes(blob), index, timeout=timeout)
 
-    return exchange_ring(group, src, readers, create, attach, timeout=timeout)
+    return exchange_ring(group, src, readers, create, attach, timeout=envs.wait_seconds(timeout))

@@ -58,7 +58,8 @@ class TensorChannel:
     tensors bound for CUDA are staged through one reused pinned buffer and copied with one
     host-to-device copy. ``reuse_buffers=True`` also reuses the device buffer (the views returned
     by one call are then overwritten by the next). ``timeout`` (default
-    ``CPMETA_TRANSPORT_TIMEOUT``) bounds each broadcast on a non-NCCL group.
+    ``CPMETA_TRANSPORT_TIMEOUT``; None: no bound; anything but a finite number > 0 or None is a
+    ``ValueError`` at construction) bounds each broadcast on a non-NCCL group.
 
     Per-rank example (ranks 0 and 1, src 0)::
 
@@ -68,7 +69,8 @@ class TensorChannel:
 
     def __init__(self, group: Any = None, src: int = 0, device: Optional[Union[str, torch.device]] = None,
                  *, verify: Optional[bool] = None, reuse_buffers: bool = False,
-                 timeout: Optional[float] = None) -> None:
+                 timeout: envs.Timeout = envs.ENV_TIMEOUT) -> None:
+        self.timeout = envs.resolve_timeout(timeout)  # first: a bad value is refused before any use
         self.group = dist.group.WORLD if group is None else group
         self.src = src
         self.rank = dist.get_rank()
@@ -76,7 +78,6 @@ class TensorChannel:
         if src not in ranks:
             raise ValueError(f"src: global rank {src} is not in the group {ranks}")
         self.ranks = ranks
-        self.timeout = envs.transport_timeout() if timeout is None else float(timeout)
         if device is None:
             nccl = "nccl" in str(dist.get_backend(self.group)).lower()
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
@@ -127,7 +128,7 @@ class TensorChannel:
             return
         work = dist.broadcast(buf, src=self.src, group=self.group, async_op=True)
         try:
-            work.wait(timedelta(seconds=self.timeout))
+            work.wait(timedelta(seconds=envs.wait_seconds(self.timeout)))
         except RuntimeError as e:
             if "timed out" not in str(e).lower():
                 raise
