@@ -85,8 +85,9 @@ class BatchState(StateStore):
     """
 
     # ---- requests ---------------------------------------------------------------------------
-    def add_request(self, req_id: Hashable, prompt_token_ids: Sequence[int], block_table: Sequence[int],
-                    state_id: int, *, compressed_token_ids: Sequence[int] = (), swa_valid_start: int = 0,
+    def add_request(self, req_id: Hashable, prompt_token_ids: Sequence[int] | np.ndarray,
+                    block_table: Sequence[int] | np.ndarray, state_id: int, *,
+                    compressed_token_ids: Sequence[int] | np.ndarray = (), swa_valid_start: int = 0,
                     num_computed: int = 0) -> int:
         """Add a request (once); returns its slot. ``num_computed``: prompt tokens already in the
         KV cache (e.g. a prefix-cache hit). Ints may be numpy integers (never bools); token ids
@@ -290,7 +291,7 @@ class BatchState(StateStore):
                                        self.token_ids, self.block_table, self.compressed, self._p, self._seen,
                                        self._err)
         if len(ph) == len(slots) + n_ph:
-            return batch_of(buf, ph, vouched, is_prompt, self.lookback, self.cfg)
+            return batch_of(buf, ph, self._vouch if vouched else None, is_prompt, self.lookback)
         code, i, v, lim = self._err.tolist()
         if code in (E_SLOT, E_REPEAT):
             self._raise_slots(slots)

@@ -43,7 +43,7 @@ from typing import Any, Hashable, Optional
 import numpy as np
 
 from ..config import MetadataConfig, blocks_needed
-from .batch import window_lookback
+from .batch import Vouch, window_lookback
 from .state_njit import (
     E_CAPACITY, E_COUNTS, E_REPEAT, E_SLOT, M_BLOCKS, M_COMPRESSED, M_COMPUTED, M_PROMPT, M_STATE, M_TOKENS,
     M_VALID_START, N_META, state_params,
@@ -101,6 +101,7 @@ class StateStore:
         self.last_tokens32 = _read_only(self._last)
         self.state_ids32 = _read_only(self._state32)
         self._p = state_params(cfg, self.lookback)
+        self._vouch = Vouch(cfg)  # what a batch the gather vouched for carries (immutable)
         self._seen = np.zeros(n, np.int64)  # the kernels' repeated-slot scratch
         self._err = np.zeros(4, np.int64)
         self._one, self._one_count = np.zeros(1, np.int64), np.zeros(1, np.int64)  # a single-slot call
