@@ -15,7 +15,7 @@ module               holds
 ``decode``           :func:`prepare_decode` (decode metadata, MTP drafts)
 ``extract``          ``SequenceBatch`` (``cpmeta/state/batch.py``; a list converts to it) -> ``BatchArrays``
 ``batch_arrays``     ``BatchArrays`` (one batch as int64 numpy arrays) and its row helpers
-``int_ops``          ceiling division, int32 checks, ``loaded_compressed_len``
+``int_ops``          int32 checks, ``loaded_compressed_len``
 ``common_njit``      the compiled fields prompt and decode share, their checks and error codes
 ``decode_njit``      the decode build's one kernel
 ``ngram``            Engram look-back ids of chosen rows (a CP rank's ``ngram_token_ids``)

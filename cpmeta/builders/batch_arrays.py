@@ -67,7 +67,6 @@ class BatchArrays:
     seqlen_k: np.ndarray  # [n_seq] int64
     q_start: np.ndarray  # [n_seq] int64, seqlen_k - seqlen_q
     state_id: np.ndarray  # [n_seq] int64
-    swa_valid_start: np.ndarray  # [n_seq] int64
     is_placeholder: np.ndarray  # [n_seq] bool
     cu_q: np.ndarray  # [n_seq+1] int64, exclusive prefix sums of seqlen_q
     cu_k: np.ndarray  # [n_seq+1] int64, exclusive prefix sums of seqlen_k
@@ -76,12 +75,10 @@ class BatchArrays:
     bt_need: np.ndarray  # [n_seq] int64, blocks_needed(seqlen_k)
     input_ids: np.ndarray  # [total_q] int64
     row_seq: np.ndarray  # [total_q] int64, sequence of each row
-    row_j: np.ndarray  # [total_q] int64, local index j
     row_pos: np.ndarray  # [total_q] int64, absolute position q_start + j
     tok_flat: np.ndarray  # [sum window] int64, token window [tok_lo, seqlen_k) of each sequence
     tok_off: np.ndarray  # [n_seq+1] int64, offsets of the windows in tok_flat
     tok_lo: np.ndarray  # [n_seq] int64, first position of each window, max(0, q_start - lookback)
     comp_flat: np.ndarray  # [sum comp_len] int64, Engram compressed ids of positions [tok_lo, tok_lo + comp_len)
     comp_len: Optional[np.ndarray]  # [n_seq] int64; None without Engram (max_ngram_size == 0)
-    data_len: np.ndarray  # [n_seq] int64, len(token_ids) (YoCo: the whole prompt)
     is_prompt: bool

@@ -1,7 +1,9 @@
 """``extract_batch``: a batch (list of ``SequenceMetadata`` or ``SequenceBatch``) -> ``BatchArrays``.
 
 A list is first read into a :class:`~cpmeta.state.batch.SequenceBatch` (ONE Python pass, the
-checks of ``validate_batch`` vectorized), so both inputs share one array path. From a
+checks of ``validate_batch`` vectorized), so both inputs share one array path
+(:func:`as_sequence_batch`, what the compiled builders call; ``extract_batch`` serves the numpy
+readers: the in-place GPU path's staging and a CP rank's Engram rows). From a
 ``SequenceBatch`` the extraction is a handful of numpy operations over ``[n_seq]`` arrays: prefix
 sums, the row index arrays, a gather of the input ids out of the token windows, and (only when a
 table is longer than needed) a compaction of the block tables. No Python loop over sequences.
@@ -69,7 +71,7 @@ def extract_batch(seqs: BatchInput, cfg: MetadataConfig, *, is_prompt: bool) -> 
     readers of a batch use (the in-place GPU path's staging, a CP rank's Engram rows).
 
     Example: 2 decode sequences ``(seqlen_q, seqlen_k) = (1, 5), (3, 9)`` give ``cu_q = [0, 1, 4]``,
-    ``row_seq = [0, 1, 1, 1]``, ``row_j = [0, 0, 1, 2]``, ``row_pos = [4, 6, 7, 8]``; without
+    ``row_seq = [0, 1, 1, 1]``, ``row_pos = [4, 6, 7, 8]``; without
     Engram their token windows are ``[t4]`` and ``[t6, d0, d1]`` (positions q_start..seqlen_k-1),
     which ARE the input ids, so no gather is needed.
     """
@@ -99,12 +101,12 @@ def extract_batch(seqs: BatchInput, cfg: MetadataConfig, *, is_prompt: bool) -> 
             toks[tok_off[:-1] - tok_lo + row_pos]
     return BatchArrays(
         n_seq=n, total_q=total_q, seqlen_q=sq, seqlen_k=sk, q_start=q_start,
-        state_id=sb.state_id, swa_valid_start=sb.swa_valid_start,
+        state_id=sb.state_id,
         is_placeholder=sb.is_placeholder, cu_q=cu_q, cu_k=cu_k,
         bt_flat=bt_flat, bt_start=bt_start, bt_need=need, input_ids=input_ids,
-        row_seq=row_seq, row_j=row_j, row_pos=row_pos,
+        row_seq=row_seq, row_pos=row_pos,
         tok_flat=toks, tok_off=tok_off, tok_lo=tok_lo,
-        comp_flat=sb.compressed, data_len=sb.num_tokens, is_prompt=is_prompt,
+        comp_flat=sb.compressed, is_prompt=is_prompt,
         comp_len=np.diff(sb.compressed_offsets) if cfg.max_ngram_size > 0 else None,  # Engram only
     )
 

@@ -1,8 +1,6 @@
-"""Integer helpers of the host builders (DESIGN sections 3 and 4): ceiling division, the int32
-bound check's message, and the one loaded-compressed-length rule.
-
-Elementwise over numpy arrays (also ``int`` and torch tensors where noted). Example:
-``cdiv(75, 32) == 3``, ``loaded_compressed_len(np.array([3, 8]), 4) -> [1, 2]``.
+"""Integer helpers of the host builders (DESIGN sections 3 and 4): the int32 bound check's message
+and the one loaded-compressed-length rule (``int``, numpy arrays and torch tensors). Example:
+``loaded_compressed_len(np.array([3, 8]), 4) -> [1, 2]``.
 """
 
 from __future__ import annotations
@@ -14,7 +12,7 @@ import torch
 
 from ..constants import INT32_MAX
 
-__all__ = ["loaded_compressed_len", "cdiv", "check_int32", "IntLike"]
+__all__ = ["loaded_compressed_len", "check_int32", "IntLike"]
 
 IntLike = TypeVar("IntLike", int, np.ndarray, torch.Tensor)
 
@@ -32,11 +30,6 @@ def loaded_compressed_len(seqlen_k: IntLike, r: int) -> IntLike:
     if isinstance(seqlen_k, np.ndarray):
         return np.maximum(seqlen_k // r, 1)
     return max(1, seqlen_k // r)
-
-
-def cdiv(a: IntLike, b: int) -> IntLike:
-    """Ceiling division ``-(-a // b)`` (elementwise for arrays). Example: ``cdiv(75, 32) == 3``."""
-    return -(-a // b)
 
 
 def check_int32(what: str, value: int, why: str) -> None:
