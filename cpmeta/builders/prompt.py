@@ -69,7 +69,10 @@ class _Consts:
     def __init__(self, cfg: MetadataConfig) -> None:
         self.k = prompt_consts(cfg)
         t = cfg.ngram_lookup
-        self.table = np.zeros(0, np.int64) if t is None else t.detach().cpu().to(torch.int64).numpy()
+        # an int64 CPU table is read through a view (its in-place edits show); any other is
+        # converted by every build (None here)
+        self.table: Optional[np.ndarray] = np.zeros(0, np.int64) if t is None else \
+            t.detach().numpy() if t.dtype == torch.int64 and t.device.type == "cpu" and t.is_contiguous() else None
         self.specs = step_outputs(FIELDS, cfg, PROMPT)
         self.ncnt = count_slots(cfg)
         self.plans: BoundedCache[tuple[Any, ...], _Plan] = BoundedCache(64)
@@ -109,7 +112,8 @@ def _make_plan(c: _Consts, cfg: MetadataConfig, sizes: list[int], ngram: bool) -
     (per-ratio fields one entry per ratio, ``"ks.4"``), shapes from the counted ``sizes``
     (``cnt`` then ``n_seq``). Example: plain config, 2 sequences of 3 rows, tables of 1 block ->
     positions (6,), ..., cu_seqlens_q (3,), seq_block_tables (2, 1)."""
-    spec_list, entries = [], []
+    spec_list: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+    entries: list[tuple[str, Optional[tuple[str, ...]], tuple[str, ...]]] = []
     for spec in c.specs:
         if spec.name == "ngram_token_ids" and not ngram:
             continue
@@ -197,9 +201,13 @@ def prompt_fields(sb: SequenceBatch, cfg: MetadataConfig, out: Out = None, *, ng
     arena = out.arena(plan.layout) if isinstance(out, OutputBuffers) else \
         HostArena(plan.layout) if out is None else None
     raw = arena.raw.numpy() if arena is not None else np.empty(plan.layout.nbytes, np.uint8)
+    table = c.table
+    if table is None:
+        assert cfg.ngram_lookup is not None
+        table = cfg.ngram_lookup.detach().cpu().to(torch.int64).numpy()
     if prompt_fill(sb.seqlen_q, sb.seqlen_k, sb.state_id, sb.swa_valid_start, sb.is_placeholder, sb.num_tokens,
                    sb.tokens, sb.token_offsets, sb.compressed, sb.compressed_offsets, sb.block_tables,
-                   sb.block_table_offsets, c.k, c.table, cnt, raw, plan.fo, err):
+                   sb.block_table_offsets, c.k, table, cnt, raw, plan.fo, err):
         _raise(err, cfg)
     f: dict[str, Any] = {
         "is_prompt": True, "num_seqs": n, "total_q": sizes[CNT_T], "max_seqlen_q": sizes[CNT_MAX_Q],
