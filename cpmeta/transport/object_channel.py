@@ -58,7 +58,10 @@ class ObjectChannel:
     each side -- on every rank that took part. ``group`` may be NCCL (a gloo group over the
     same ranks is created for the control traffic) and ``src`` need not be rank 0.
     ``force_remote`` (default ``CPMETA_FORCE_REMOTE``) sends every follower's bytes over gloo.
-    ``schema`` is stamped into / checked against every message header.
+    ``schema`` is stamped into / checked against every message header. ``timeout`` (default
+    ``CPMETA_TRANSPORT_TIMEOUT``; None: no bound; anything but a finite number > 0 or None is a
+    ``ValueError`` here) bounds the setup and a message in flight; a ring follower waits for
+    the next message as long as ``src`` lives (docs/transport.md, "Timeouts and idle").
 
     After a failure on the process-group path (a ``TimeoutError`` or ``PeerError`` from any
     call) the channel is spent: :attr:`failure` says why, and every later call raises

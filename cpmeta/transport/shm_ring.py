@@ -37,7 +37,9 @@ Protocol (``head`` and every ``tail`` count slots since creation, they never wra
   writer if ``writer_waiting``.
 - every wait is sliced (``LIVENESS_SLICE_S``); between slices the waiter checks the deadline and
   the peers: a writer checks the lagging readers' pids, a reader the writer's pid, so a dead peer
-  is reported by rank well before the timeout.
+  is reported by rank well before the timeout. A reader's wait for the NEXT message has no
+  deadline (an idle writer is not a dead one); the timeout starts once a message's first slot is
+  published. The writer refuses to write while a reader is CLOSED (named at the next message).
 
 Flag state machine of a reader block: EMPTY --attach--> ATTACHED --close--> CLOSED; the writer
 may set EMPTY --mark_absent--> ABSENT (a reader that could not attach; never waited for).
