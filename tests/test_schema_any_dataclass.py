@@ -5,14 +5,17 @@ FlashAttention ``AttentionMetadata``): tensors, optional tensors, a dict of tens
 values of several types (ints, a bool, a float, a str, a tuple, a union). It is broadcast on real
 gloo ranks by every path (packed, process group, persistent, ``out=``) and must equal the
 driver's object field for field; a field the schema cannot classify is refused at construction,
-naming it; a pinned dtype / rank of ``InputMetadata`` is refused on the driver, naming the field.
+naming it; a pinned dtype / ndim of ``InputMetadata`` is refused on the driver, naming the field.
+Per-layer metadata keyed by layer index (``Dict[int, Tensor]``) keeps int keys on every rank; a
+class without fields, or a pin that cannot hold, is refused by ``Schema.of`` saying what is wrong.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Dict, Optional
 
 import pytest
 import torch
@@ -141,42 +144,147 @@ def test_unclassifiable_dataclass_refused_by_the_broadcaster_on_every_rank() -> 
     assert all("callback" in m for m in run_ranks(_refused_at_construction, 2, timeout=60))
 
 
-def test_pinned_dtype_and_rank_refused_by_path() -> None:
-    """InputMetadata's field table pins dtypes and ranks: a float64 ``positions`` (or a 2-D
-    one) is refused when the layout's plan is built -- on the driver before anything is sent."""
+def test_pinned_dtype_and_ndim_refused_by_path() -> None:
+    """InputMetadata's field table pins dtypes and ndims: a float64 ``positions`` (or a 2-D
+    one) is refused when the layout's plan is built -- on the driver before anything is sent.
+    The message says "ndim" (at 4ac8a65 it said "rank", the word cpmeta uses for a process)."""
     from cpmeta.broadcast.collect import collect
     from cpmeta.broadcast.plan import Plan
     from cpmeta.broadcast.schema import INPUT_METADATA
     from cpmeta.metadata import InputMetadata
 
-    for bad, what in ((torch.zeros(4, dtype=torch.float64), "float64 rank 1"),
-                      (torch.zeros(2, 2, dtype=torch.int32), "int32 rank 2")):
+    for bad, what in ((torch.zeros(4, dtype=torch.float64), "float64 ndim 1"),
+                      (torch.zeros(2, 2, dtype=torch.int32), "int32 ndim 2")):
         key, _, _ = collect(InputMetadata(is_prompt=False, positions=bad))
-        with pytest.raises(ValueError, match=rf"positions: {what}, InputMetadata pins int32 rank 1"):
+        with pytest.raises(ValueError, match=rf"positions: {what}, InputMetadata pins int32 ndim 1"):
             Plan(INPUT_METADATA, key[0], list(key[1]), list(key[2]), key[3])
 
 
-def _float_positions(rank: int, world: int) -> str:
+def _float_positions(rank: int, world: int) -> list[str]:
     import cpmeta
     from cpmeta.metadata import InputMetadata
 
+    out = []
     with cpmeta.MetadataBroadcaster(timeout=30) as bc:
         md = InputMetadata(is_prompt=False, positions=torch.zeros(4, dtype=torch.float64))
-        if rank == 0:
-            try:
-                bc.broadcast(md)
-            except ValueError as e:
-                msg = str(e)
-            else:
-                msg = "sent"
-            ok = InputMetadata(is_prompt=False, positions=torch.zeros(4, dtype=torch.int32))
-            bc.broadcast(ok)  # nothing reached the followers: the next step is the first
-            return msg
-        got = bc.broadcast(None)
-        return str(got.positions.dtype)
+        try:  # refused on the driver before its frame is written: the followers' call of the
+            bc.broadcast(md if rank == 0 else None)  # step raises the same error, naming it
+            out.append("sent")
+        except ValueError as e:
+            out.append(str(e))
+        ok = InputMetadata(is_prompt=False, positions=torch.zeros(4, dtype=torch.int32))
+        got = bc.broadcast(ok if rank == 0 else None)  # the next step is fine on every rank
+        out.append(str(got.positions.dtype))
+    return out
 
 
 def test_float_positions_never_reach_a_follower() -> None:
     drv, fol = run_ranks(_float_positions, 2, timeout=60)
-    assert "positions: float64" in drv and "pins int32" in drv, drv
-    assert fol == "torch.int32"
+    assert "positions: float64" in drv[0] and "pins int32" in drv[0], drv
+    assert "positions: float64" in fol[0] and "pins int32" in fol[0], fol
+    assert drv[1] == fol[1] == "torch.int32", (drv, fol)
+
+
+@dataclass
+class PerLayerMetadata:
+    """Per-layer metadata keyed by layer index, as an engine with per-layer KV groups keeps it."""
+
+    num_tokens: int
+    slot_mapping: torch.Tensor
+    layer_block_tables: Dict[int, torch.Tensor]
+    layer_window: Optional[Dict[int, int]] = None
+
+
+def make_layers(step: int) -> PerLayerMetadata:
+    g = torch.Generator().manual_seed(500 + step)
+    n = 2 + step % 3
+    layers = (0, 1, 2, 61) if step % 2 else (0, 5, -1)
+    return PerLayerMetadata(
+        num_tokens=n, slot_mapping=torch.randint(0, 999, (n,), generator=g),
+        layer_block_tables={i: torch.randint(0, 99, (n, 4), generator=g, dtype=torch.int32)
+                            for i in layers},
+        layer_window={i: 128 * (i + 2) for i in layers} if step % 3 else None)
+
+
+def same_layers(a: PerLayerMetadata, b: PerLayerMetadata) -> Optional[str]:
+    if (a.num_tokens, a.layer_window) != (b.num_tokens, b.layer_window) or not torch.equal(
+            a.slot_mapping, b.slot_mapping):
+        return f"plain fields or slot_mapping: {b!r:.120}"
+    if sorted(a.layer_block_tables) != sorted(b.layer_block_tables) or not all(
+            type(k) is int for k in b.layer_block_tables):
+        return f"layer keys {list(b.layer_block_tables)!r}"
+    for k, t in a.layer_block_tables.items():
+        if not torch.equal(t, b.layer_block_tables[k]):
+            return f"layer_block_tables[{k}]"
+    return None
+
+
+def _layers_rank(rank: int, world: int) -> list[Optional[str]]:
+    import cpmeta
+
+    res: list[Optional[str]] = []
+    for kw in ({}, {"persistent_outputs": True}):
+        with cpmeta.MetadataBroadcaster(group_src=world - 1, schema=PerLayerMetadata, timeout=60,
+                                        **kw) as bc:
+            for step in range(6):
+                want = make_layers(step)
+                got = bc.broadcast(want if rank == world - 1 else None)
+                res.append(same_layers(want, got))
+            bad = PerLayerMetadata(1, torch.zeros(1, dtype=torch.int64), {"3": torch.zeros(1, 4)})
+            try:  # a str key in an int-keyed field: refused on the driver, named on every rank
+                bc.broadcast(bad if rank == world - 1 else None)
+                res.append("a str key sent as an int")
+            except TypeError as e:
+                res.append(None if "PerLayerMetadata.layer_block_tables: dict key '3' is str" in str(e)
+                           else str(e))
+            got = bc.broadcast(make_layers(9) if rank == world - 1 else None)  # the next step is fine
+            res.append(same_layers(make_layers(9), got))
+    return res
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_dict_int_tensor_field_keys_arrive_as_ints(world: int) -> None:
+    """Fails at 4ac8a65: ``Schema.of`` refused ``Dict[int, Tensor]`` (only str keys), so the
+    broadcaster could not be constructed. Now the layer indices (negative ones too) arrive as
+    ints on every rank, on the fresh and the persistent path, and a driver whose dict holds the
+    key ``"3"`` (which would arrive as the int 3) is refused naming the field."""
+    out = run_ranks(_layers_rank, world, timeout=240)
+    assert all(r is None for rank in out for r in rank), out
+
+
+@dataclass
+class _NoFields:
+    pass
+
+
+def _pinned(info: object) -> type:
+    @dataclass
+    class Pinned:
+        positions: torch.Tensor = field(metadata={"cpmeta": info})
+    return Pinned
+
+
+@dataclass
+class _PinnedValue:
+    count: int = field(default=0, metadata={"cpmeta": SimpleNamespace(dtype=torch.int32, ndim=None)})
+
+
+def test_fieldless_and_mispinned_schemas_refused_saying_what_is_wrong() -> None:
+    """Fails at 4ac8a65: a field-less class raised ``attrgetter expected 1 argument`` and every
+    pin below was accepted (to be refused, if ever, by a confusing layout error at a step)."""
+    from cpmeta.broadcast.schema import Schema
+
+    with pytest.raises(TypeError, match="_NoFields: a dataclass without fields has nothing to broadcast"):
+        Schema.of(_NoFields)
+    cases = [(SimpleNamespace(dtype="int32", ndim=None), r"positions: pins dtype 'int32', expected None or one of"),
+             (SimpleNamespace(dtype=torch.complex64, ndim=1), r"pins dtype torch.complex64"),
+             (SimpleNamespace(dtype=None, ndim=-1), r"positions: pins ndim -1, expected None or an int in 0..16"),
+             (SimpleNamespace(dtype=torch.int32, ndim=True), r"pins ndim True")]
+    for info, msg in cases:
+        with pytest.raises(TypeError, match=msg):
+            Schema.of(_pinned(info))
+    with pytest.raises(TypeError, match=r"_PinnedValue.count: pins dtype torch.int32 / ndim None, but "
+                                        r"only a tensor field"):
+        Schema.of(_PinnedValue)
+    ok = Schema.of(_pinned(SimpleNamespace(dtype=torch.int32, ndim=1)))
+    assert (ok.specs["positions"].dtype, ok.specs["positions"].ndim) == (torch.int32, 1)

@@ -1,31 +1,39 @@
-"""What a frame may carry: a dataclass's fields (or a str-keyed dict's entries) as a schema.
+"""What a frame may carry: a dataclass's fields as a schema.
 
 A :class:`Schema` is derived once from a dataclass's annotations (``Schema.of(cls)``) and is
 what every layout of that class is checked against. Each field gets one :class:`FieldSpec`:
 
-==================================  ==============  ============================================
-annotation (``Optional[...]`` ok)    kind            wire form
-==================================  ==============  ============================================
-``Tensor``                          ``tensor``      one tensor path ``name``
-``dict[str, Tensor]``               ``tensor_dict`` tensor paths ``name.<key>``; ``{}`` = value ``name``
-``bool`` / ``int`` / ``float`` /    ``value``       value ``name``: exactly that type (an ``int``
-``str`` (or a union of them)                        is never a bool; ``low <= v < 2**63``)
-``list[T]`` / ``tuple[T, ...]``     ``value``       value ``name``: a list (tuple) of ``T``, ``T``
-(``T`` a scalar type or union)                      a scalar type or a union of them
-``dict[str, T]`` (``T`` scalar)     ``value_dict``  values ``name.<key>``; ``{}`` = value ``name``
-==================================  ==============  ============================================
+====================================  ==============  ==========================================
+annotation (``Optional[...]`` ok)      kind            wire form
+====================================  ==============  ==========================================
+``Tensor``                            ``tensor``      one tensor path ``name``
+``dict[str, Tensor]`` /               ``tensor_dict`` tensor paths ``name.<key>``; ``{}`` =
+``dict[int, Tensor]``                                 value ``name``
+``bool`` / ``int`` / ``float`` /      ``value``       value ``name``: exactly that type (an
+``str`` (or a union of them)                          ``int`` is never a bool; ``low <= v <
+                                                      2**63``)
+``list[T]`` / ``tuple[T, ...]``       ``value``       value ``name``: a list (tuple) of ``T``,
+(``T`` a scalar type or union)                        ``T`` a scalar type or a union of them
+``dict[str, T]`` / ``dict[int, T]``   ``value_dict``  values ``name.<key>``; ``{}`` = value
+(``T`` scalar)                                        ``name``
+====================================  ==============  ==========================================
 
 Any other annotation is refused when the schema is made (``TypeError`` naming the field), so a
 field that cannot travel is found at construction, not at the first step. ``None`` is never
 sent: a ``None`` field or dict entry is left out of the layout (the receiver's field is then
-``None``), so a ``None`` value is refused. A tensor field may pin its dtype and rank through its
-dataclass field metadata ``{"cpmeta": info}`` with ``info.dtype`` / ``info.ndim`` (``None`` = not
-fixed; ``InputMetadata``'s field table does this): a layout that declares another dtype or rank
-is refused once, when its plan is built, on the driver as on every follower.
+``None``), so a ``None`` value is refused. A tensor field may pin its dtype and ndim (number of
+dimensions) through its dataclass field metadata ``{"cpmeta": info}`` with ``info.dtype`` /
+``info.ndim`` (``None`` = not fixed; ``InputMetadata``'s field table does this): a layout that
+declares another dtype or ndim is refused once, when its plan is built, on the driver as on every
+follower. A pin that cannot hold (a dtype the frame cannot carry, an ndim outside 0..16, a pin on
+a field that is not a tensor), a class without fields, or a field with ``init=False`` is refused
+by ``Schema.of`` itself, naming the field.
 
-Dict keys: ``dict_keys="ratio"`` (``InputMetadata``: the canonical decimal of a positive int,
-``"4"``, ``"128"``) or ``"name"`` (any other dataclass: 1-64 printable ASCII characters without
-``.``, ``;`` or ``,``).
+Dict keys: ``dict[int, ...]`` keys are ints (int64; the path carries the canonical decimal,
+``layers.3``, ``layers.-1``; they arrive as ints, and a driver whose dict holds a key of another
+type is refused before anything is sent). ``dict[str, ...]`` keys follow ``dict_keys="ratio"``
+(``InputMetadata``: the canonical decimal of a positive int, ``"4"``, ``"128"``) or ``"name"``
+(any other dataclass: 1-64 printable ASCII characters without ``.``, ``;`` or ``,``).
 
 ``cpmeta.broadcast.dict_schema.DictSchema`` is the schema of a plain tensor dict
 (``cpmeta.broadcast_tensor_dict``). A layout is checked ONCE, when its plan is built
@@ -47,6 +55,7 @@ import torch
 
 from ..cache import BoundedCache
 from .value_check import MAX_INT, MIN_INT, TENSOR, TENSOR_DICT, VALUE, VALUE_DICT, LayoutError, ValueCheck
+from .wire import MAX_NDIM, WIRE_DTYPES
 
 __all__ = ["FieldSpec", "Schema", "check_key", "classify", "MAX_LAYOUT_PATHS", "MAX_KEY_DIGITS",
            "MAX_NAME_KEY", "TENSOR", "TENSOR_DICT", "VALUE", "VALUE_DICT", "INPUT_METADATA",
@@ -65,9 +74,10 @@ _FORBIDDEN_KEY_CHARS = frozenset(".;,")
 class FieldSpec:
     """One field: ``kind`` (tensor / tensor_dict / value / value_dict), the Python type(s) of a
     value (of a value_dict entry, of a list element when ``container`` is list or tuple), its
-    lower bound for ints, and for tensors the pinned ``dtype`` / ``ndim`` (None: free) and
+    lower bound for ints, for tensors the pinned ``dtype`` / ``ndim`` (None: free) and
     ``fixed``: ``(axis, size)`` of every dim the field's shape rule fixes in every step kind
-    (``load_segments_swa`` [num_segments, 4] -> ``((1, 4),)``)."""
+    (``load_segments_swa`` [num_segments, 4] -> ``((1, 4),)``), and for dict kinds the type of
+    their keys (``str`` or ``int``)."""
 
     name: str
     kind: str
@@ -77,6 +87,7 @@ class FieldSpec:
     dtype: Optional[torch.dtype] = None
     ndim: Optional[int] = None
     fixed: tuple[tuple[int, int], ...] = ()
+    key: Optional[type] = None
 
 
 def _fixed_dims(info: Any) -> tuple[tuple[int, int], ...]:
@@ -111,40 +122,72 @@ def _scalar_types(tp: Any) -> Optional[tuple[type, ...]]:
     return None
 
 
-def classify(name: str, tp: Any) -> tuple[str, Optional[tuple[type, ...]], Optional[type]]:
-    """``(kind, value types, container)`` of a field annotation; ``TypeError`` naming the field
-    for an annotation that cannot travel. Examples: ``Optional[Tensor]`` -> ``("tensor", None,
-    None)``; ``dict[str, int]`` -> ``("value_dict", (int,), None)``; ``tuple[int, ...]`` ->
-    ``("value", (int,), tuple)``."""
+def classify(name: str, tp: Any) -> tuple[str, Optional[tuple[type, ...]], Optional[type], Optional[type]]:
+    """``(kind, value types, container, key type)`` of a field annotation; ``TypeError`` naming
+    the field for an annotation that cannot travel. Examples: ``Optional[Tensor]`` ->
+    ``("tensor", None, None, None)``; ``dict[str, int]`` -> ``("value_dict", (int,), None,
+    str)``; ``Dict[int, Tensor]`` -> ``("tensor_dict", None, None, int)``; ``tuple[int, ...]``
+    -> ``("value", (int,), tuple, None)``."""
     base, _ = _strip_optional(tp)
     if isinstance(base, type) and issubclass(base, torch.Tensor):
-        return TENSOR, None, None
+        return TENSOR, None, None, None
     scalars = _scalar_types(tp)
     if scalars is not None:
-        return VALUE, scalars, None
+        return VALUE, scalars, None, None
     origin, args = typing.get_origin(base), typing.get_args(base)
-    if origin is dict and len(args) == 2 and args[0] is str:
+    if origin is dict and len(args) == 2 and args[0] in (str, int):
         vbase, _ = _strip_optional(args[1])
         if isinstance(vbase, type) and issubclass(vbase, torch.Tensor):
-            return TENSOR_DICT, None, None
+            return TENSOR_DICT, None, None, args[0]
         inner = _scalar_types(args[1])
         if inner is not None:
-            return VALUE_DICT, inner, None
+            return VALUE_DICT, inner, None, args[0]
     if origin is list and len(args) == 1:
         inner = _scalar_types(args[0])
         if inner is not None:
-            return VALUE, inner, list
+            return VALUE, inner, list, None
     if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
         inner = _scalar_types(args[0])
         if inner is not None:
-            return VALUE, inner, tuple
+            return VALUE, inner, tuple, None
     raise TypeError(f"{name}: declared type {tp} cannot be broadcast (supported: Tensor, "
-                    "dict[str, Tensor], bool / int / float / str or a union of them, list[...] / "
-                    "tuple[..., ...] and dict[str, ...] of those; each optionally Optional)")
+                    "dict[str, Tensor] / dict[int, Tensor], bool / int / float / str or a union of "
+                    "them, list[...] / tuple[..., ...] and dict[str, ...] / dict[int, ...] of "
+                    "those; each optionally Optional)")
 
 
-def check_key(path: str, key: str, rule: str) -> None:
-    """Refuse a dict key the ``rule`` does not allow, naming the path (see the module doc)."""
+def _pins(name: str, info: Any, tensor: bool) -> tuple[Optional[torch.dtype], Optional[int]]:
+    """The ``(dtype, ndim)`` a field's metadata pins, refused when it cannot hold: a dtype the
+    frame cannot carry, an ndim outside ``0..MAX_NDIM``, or any pin on a field that is not a
+    tensor. Example: ``info.dtype=torch.int32, info.ndim=1`` on a tensor -> ``(torch.int32, 1)``;
+    ``info.ndim=-1`` -> ``TypeError("Meta.pos: pins ndim -1 ...")``."""
+    dtype, ndim = getattr(info, "dtype", None), getattr(info, "ndim", None)
+    if dtype is None and ndim is None:
+        return None, None
+    if not tensor:
+        raise TypeError(f"{name}: pins dtype {dtype} / ndim {ndim}, but only a tensor field (Tensor, "
+                        "dict[..., Tensor]) can pin them")
+    if dtype is not None and dtype not in WIRE_DTYPES:
+        raise TypeError(f"{name}: pins dtype {dtype!r:.60}, expected None or one of "
+                        f"{', '.join(str(d).replace('torch.', '') for d in WIRE_DTYPES)}")
+    if ndim is not None and not (type(ndim) is int and 0 <= ndim <= MAX_NDIM):
+        raise TypeError(f"{name}: pins ndim {ndim!r:.60}, expected None or an int in 0..{MAX_NDIM} "
+                        "(the number of dimensions)")
+    return dtype, ndim
+
+
+def check_key(path: str, key: str, rule: str) -> Any:
+    """The dict key a path's ``key`` text stands for under ``rule`` (``"int"``: the int; else the
+    str itself); a key the rule does not allow is a :class:`LayoutError` naming the path (see the
+    module doc). Examples: ``("layers.3", "3", "int")`` -> ``3``; ``("klen.4", "4", "ratio")`` ->
+    ``"4"``; ``("layers.03", "03", "int")`` -> refused (not canonical)."""
+    if rule == "int":
+        digits = key[1:] if key[:1] == "-" else key
+        if not (0 < len(digits) <= 19 and digits.isascii() and digits.isdigit()
+                and (digits[0] != "0" or key == "0") and MIN_INT <= int(key) <= MAX_INT):
+            raise LayoutError(f"{path}: dict key {key!r:.40} is not an int (the canonical decimal "
+                              "of an int64)")
+        return int(key)
     if rule == "ratio":
         if not (0 < len(key) <= MAX_KEY_DIGITS and key.isascii() and key.isdigit() and key[0] != "0"):
             raise LayoutError(f"{path}: dict key {key!r} is not a ratio (the decimal string of a "
@@ -153,14 +196,15 @@ def check_key(path: str, key: str, rule: str) -> None:
               and not _FORBIDDEN_KEY_CHARS.intersection(key)):
         raise LayoutError(f"{path}: dict key {key!r} is not a name (1-{MAX_NAME_KEY} printable "
                           "ASCII characters without '.', ';' or ',')")
+    return key
 
 
 class Schema:
     """The wire schema of one dataclass (see the module docstring); made once per class.
 
     ``fingerprint`` (16 hex digits) hashes the class's qualified name, every field's name, kind,
-    value types and pinned dtype / rank: two ranks whose classes differ in any of those refuse
-    each other's frames. ``Schema.of(cls)`` caches the schema per class and arguments.
+    value types, key type and pinned dtype / ndim: two ranks whose classes differ in any of
+    those refuse each other's frames. ``Schema.of(cls)`` caches the schema per class and arguments.
     """
 
     _CACHE: dict[tuple, "Schema"] = {}
@@ -176,27 +220,30 @@ class Schema:
         self.dict_keys = dict_keys
         hints = typing.get_type_hints(cls)
         fs = dataclasses.fields(cls)
+        if not fs:
+            raise TypeError(f"{self.name}: a dataclass without fields has nothing to broadcast")
         specs: dict[str, FieldSpec] = {}
         for f in fs:
             if not f.init:
                 raise TypeError(f"{self.name}.{f.name}: a field with init=False cannot be rebuilt "
                                 "on the receiver")
-            kind, vtype, container = classify(f"{self.name}.{f.name}", hints[f.name])
+            kind, vtype, container, key = classify(f"{self.name}.{f.name}", hints[f.name])
             info = f.metadata.get("cpmeta") if f.metadata else None
             low = (lows or {}).get(f.name, int_low)
             tensor = kind in (TENSOR, TENSOR_DICT)
-            specs[f.name] = FieldSpec(f.name, kind, vtype, low, container,
-                                      getattr(info, "dtype", None) if tensor else None,
-                                      getattr(info, "ndim", None) if tensor else None,
-                                      _fixed_dims(info) if tensor else ())
+            dtype, ndim = _pins(f"{self.name}.{f.name}", info, tensor)
+            specs[f.name] = FieldSpec(f.name, kind, vtype, low, container, dtype, ndim,
+                                      _fixed_dims(info) if tensor else (), key)
         self.specs = specs
         self.field_names: tuple[str, ...] = tuple(f.name for f in fs)
         self.positions = {n: i for i, n in enumerate(self.field_names)}
-        self.get_all: Callable[[Any], tuple] = _fields_getter(self.field_names)
+        int_keyed = tuple(i for i, s in enumerate(specs.values()) if s.key is int)
+        self.get_all: Callable[[Any], tuple] = _fields_getter(self.field_names, int_keyed, self.name)
         # a positional row rebuilds the object when every field defaults to None
         self.positional = all(f.default is None for f in fs)
         desc = ";".join(f"{s.name}:{s.kind}:{_tname(s.vtype)}:{s.container and s.container.__name__}"
-                        f":{s.dtype}:{s.ndim}:{s.low}:{s.fixed}" for s in specs.values())
+                        f":{s.dtype}:{s.ndim}:{s.low}:{s.fixed}" + (":int" if s.key is int else "")
+                        for s in specs.values())
         self.fingerprint = hashlib.sha256(
             f"v{version}|{cls.__module__}.{self.name}|{dict_keys}|{desc}".encode()).hexdigest()[:16]
         # collect's per-field-types walks (cpmeta.broadcast.collect)
@@ -248,13 +295,13 @@ class Schema:
         if spec is None:
             raise LayoutError(f"{path!r}: {self.name} has no field {name!r}")
         if dot:
-            check_key(path, key, self.dict_keys)  # also refuses a second dot: one level only
-            keyed.add(name)
             want = TENSOR_DICT if tensor else VALUE_DICT
             if spec.kind != want:
                 raise LayoutError(f"{path}: a {'tensor' if tensor else 'value'} entry in field "
                                   f"{name!r} of kind {spec.kind}")
-            return name, key
+            keyed.add(name)
+            # the key as the receiver's dict holds it (a second dot is refused: one level only)
+            return name, check_key(path, key, "int" if spec.key is int else self.dict_keys)
         whole.add(name)
         if not (spec.kind == TENSOR if tensor else spec.kind != TENSOR):
             raise LayoutError(f"{path}: a {'tensor' if tensor else 'value'} sent to field {name!r} "
@@ -263,22 +310,22 @@ class Schema:
 
     def check_tensors(self, targets: list[list[tuple[str, Optional[str]]]], dtypes: list[torch.dtype],
                       ndims: list[int]) -> None:
-        """Refuse a layout whose tensor at a pinned field has another dtype or rank (once per
-        layout), naming the path: ``positions: float64 rank 1, InputMetadata pins int32 rank 1``."""
+        """Refuse a layout whose tensor at a pinned field has another dtype or ndim (once per
+        layout), naming the path: ``positions: float64 ndim 1, InputMetadata pins int32 ndim 1``."""
         for ts, dt, nd in zip(targets, dtypes, ndims):
             for name, key in ts:
                 spec = self.specs[name]
                 if (spec.dtype is not None and dt != spec.dtype) or (spec.ndim is not None and nd != spec.ndim):
                     path = name if key is None else f"{name}.{key}"
                     raise LayoutError(
-                        f"{path}: {str(dt).replace('torch.', '')} rank {nd}, {self.name} pins "
-                        f"{str(spec.dtype or 'any dtype').replace('torch.', '')} rank "
+                        f"{path}: {str(dt).replace('torch.', '')} ndim {nd}, {self.name} pins "
+                        f"{str(spec.dtype or 'any dtype').replace('torch.', '')} ndim "
                         f"{spec.ndim if spec.ndim is not None else 'any'}")
 
     def fixed_dims(self, targets: list[list[tuple[str, Optional[str]]]], ndims: list[int]
                    ) -> list[tuple[int, int, str]]:
         """``(flat dims index, size, path)`` of every dim the layout's fields fix (once per
-        layout). Example: ``load_segments_swa`` rank 2 as the second tensor after a 1-D one ->
+        layout). Example: ``load_segments_swa`` (ndim 2) as the second tensor after a 1-D one ->
         ``[(2, 4, "load_segments_swa")]``."""
         out, at = [], 0
         for ts, nd in zip(targets, ndims):
@@ -300,12 +347,30 @@ class Schema:
         return self.cls(**dict(zip(self.field_names, row)))
 
 
-def _fields_getter(names: tuple[str, ...]) -> Callable[[Any], tuple]:
-    """``f(obj) -> tuple`` of every field in one C call (a 1-tuple for one field)."""
-    if len(names) == 1:
-        get = operator.attrgetter(names[0])
-        return lambda obj: (get(obj),)
-    return operator.attrgetter(*names)
+def _fields_getter(names: tuple[str, ...], int_keyed: tuple[int, ...] = (), cls: str = ""
+                   ) -> Callable[[Any], tuple]:
+    """``f(obj) -> tuple`` of every field in one C call (a 1-tuple for one field). With
+    ``int_keyed`` (positions of ``dict[int, ...]`` fields) it also refuses, on the driver, a dict
+    there holding a key that is not exactly an int: its path (``layers.3``) would reach the
+    followers as the int 3 while the driver holds ``"3"``. Example: ``{3: t, "4": u}`` at
+    ``layers`` -> ``TypeError("Meta.layers: dict key '4' is str, the field's keys are int")``."""
+    get = operator.attrgetter(*names)
+    one = len(names) == 1
+    if not int_keyed:
+        return (lambda obj: (get(obj),)) if one else get
+    at = [(i, names[i]) for i in int_keyed]
+
+    def get_checked(obj: Any) -> tuple:
+        vals = (get(obj),) if one else get(obj)
+        for i, name in at:
+            d = vals[i]
+            if type(d) is dict:
+                for k in d:
+                    if type(k) is not int:
+                        raise TypeError(f"{cls}.{name}: dict key {k!r:.40} is "
+                                        f"{type(k).__name__}, the field's keys are int")
+        return vals
+    return get_checked
 
 
 def _tname(vt: Optional[tuple[type, ...]]) -> str:
@@ -320,7 +385,7 @@ def _input_metadata_schema() -> Schema:
                      version=MESSAGE_VERSION)
 
 
-#: ``InputMetadata``'s schema: ratio keys, ints >= 0 (``cp_size`` >= 1), dtypes and ranks pinned
+#: ``InputMetadata``'s schema: ratio keys, ints >= 0 (``cp_size`` >= 1), dtypes and ndims pinned
 #: by its field table
 INPUT_METADATA: Schema = _input_metadata_schema()
 #: the fingerprint every InputMetadata frame carries
