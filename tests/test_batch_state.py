@@ -334,7 +334,8 @@ def test_append_errors_name_the_request_and_change_nothing() -> None:
     b = st.add_request("b", [4], [5], 1)
     before = [x.copy() for x in (st.token_ids, st.block_table, st._meta, st.block_rows32, st.last_tokens32)]
     bad = [
-        ("append_tokens_batch", [a, 2], [1, 2], [1, 1], r"slots: expected slots of live requests, got \[2\] without one"),
+        ("append_tokens_batch", [a, 2], [1, 2], [1, 1],
+         r"slots: expected slots of live requests, got \[2\] without one"),
         ("append_tokens_batch", [a, -1, 7], [1, 2], [1, 1, 0], r"got \[-1, 7\] without one"),
         ("append_blocks_batch", [b, a, b], [1, 2], [1, 1, 0], r"slots: request 'b' \(slot 1\) appears twice"),
         ("append_tokens_batch", [a, b], [1, 2], [1, 2], r"counts: expected 2 counts >= 0 summing to 2 tokens"),
@@ -343,7 +344,8 @@ def test_append_errors_name_the_request_and_change_nothing() -> None:
         ("append_tokens_batch", [b, a], [1] * 8, [1, 7], r"request 'a': 9 tokens exceed max_tokens=8"),
         ("append_blocks_batch", [a, b], [1, 2], [0, 2], r"request 'b': 3 block ids exceed max_blocks=2"),
         ("append_compressed_batch", [a], [1], [1], r"request 'a': 1 compressed ids exceed max_compressed=0"),
-        ("append_tokens_batch", [a, b], [1, 2, -4], [1, 2], r"request 'b': tokens: expected ids >= 0, got -4 at index 1"),
+        ("append_tokens_batch", [a, b], [1, 2, -4], [1, 2],
+         r"request 'b': tokens: expected ids >= 0, got -4 at index 1"),
     ]
     for name, slots, vals, counts, msg in bad:
         with pytest.raises(ValueError, match=msg):

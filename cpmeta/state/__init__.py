@@ -8,7 +8,6 @@ module              holds
                     views other rooms may read (``block_rows32``, ``last_tokens32``, ...)
 ``batch_state``     :class:`BatchState`: requests added once, deltas per step, the step's batch
 ``state_njit``      the compiled kernels: a step's appends, its gather, the staging's vouching
-``gather``          the ``SequenceBatch`` over the buffer a gather returns
 ``checks``          value checks: token-window ids, ``BatchState``'s scalar and id arguments
 ==================  ===========================================================================
 

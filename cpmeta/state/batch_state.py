@@ -15,9 +15,8 @@ from typing import Any, Hashable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
-from .batch import SequenceBatch
+from .batch import SequenceBatch, Vouch
 from .checks import as_int_array, bad_id, check_int_arg, ids_in_int32
-from .gather import batch_of
 from .state_njit import (
     E_CHUNK, E_CHUNK_PASSES, E_DRAFT_ID, E_NEGATIVE_ID, E_NUM_DRAFTS, E_PREFILL, E_REPEAT, E_SLOT, K_BLOCKS,
     K_COMPRESSED, K_TOKENS, append_rows, gather_step, vouch_step,
@@ -113,7 +112,7 @@ class BatchState(StateStore):
         if not 0 <= num_computed <= len(toks):
             raise ValueError(f"request {req_id!r}: num_computed {num_computed} outside [0, {len(toks)}]")
         if not ids_in_int32(toks):
-            bad_id("prompt_token_ids", toks, None, req_id, negative_only=True)
+            bad_id("prompt_token_ids", toks, req_id)
         self._check_state_free(req_id, state_id, -1)
         s = self._free.pop()
         self._slot[req_id], self._req[s], self.active[s] = s, req_id, True
@@ -162,7 +161,7 @@ class BatchState(StateStore):
         req = self._live(slot)
         t = as_int_array("tokens", tokens, req)
         if self._append_one(K_TOKENS, slot, t, self.token_ids, self.num_tokens):
-            bad_id("tokens", t, None, req, negative_only=True)  # the ids first, then the capacity
+            bad_id("tokens", t, req)  # the ids first, then the capacity
             self._fits(req, "tokens", int(self.num_tokens[slot]) + len(t), self.max_tokens, "max_tokens")
 
     def append_tokens_batch(self, slots: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> None:
@@ -291,7 +290,7 @@ class BatchState(StateStore):
                                        self.token_ids, self.block_table, self.compressed, self._p, self._seen,
                                        self._err)
         if len(ph) == len(slots) + n_ph:
-            return batch_of(buf, ph, self._vouch if vouched else None, is_prompt, self.lookback)
+            return _batch_of(buf, ph, self._vouch if vouched else None, is_prompt, self.lookback)
         code, i, v, lim = self._err.tolist()
         if code in (E_SLOT, E_REPEAT):
             self._raise_slots(slots)
@@ -348,10 +347,31 @@ class BatchState(StateStore):
             if k_lo < 0 or total != len(drafts) or not ids_in_int32(drafts):
                 return None
         nt, sk = np.empty(len(slots), np.int64), np.empty(len(slots), np.int64)
-        if not vouch_step(slots, _EMPTY if k_all >= 0 or nd is None else nd, k_all, self._meta, self.active, self.token_ids,
-                          self.block_table, self._p, self._seen, nt, sk):
+        q = _EMPTY if k_all >= 0 or nd is None else nd
+        if not vouch_step(slots, q, k_all, self._meta, self.active, self.token_ids, self.block_table, self._p,
+                          self._seen, self._err, nt, sk):
             return None
         return VouchedStep(slots, nt, sk, drafts, nd, k_hi, uniform)
+
+
+def _batch_of(buf: np.ndarray, ph: np.ndarray, vouch: Optional[Vouch], is_prompt: bool, lookback: int) -> SequenceBatch:
+    """The ``SequenceBatch`` over the buffer :func:`gather_step` returned (the batch's own
+    memory: later changes to the state never reach it), every array a view of it: ``[0, n)``
+    seqlen_q, then seqlen_k, state_id, swa_valid_start, num_tokens (``n`` each), block-table,
+    token and compressed offsets (``n + 1`` each), then the ``T`` tokens, ``B`` block ids and
+    the compressed ids. Example: n = 1, one decode token, one block -> ``buf = [1, 5, 0, 0, 5,
+    0, 1, 0, 1, 0, 0, t, b]`` (offsets ``[0, 1]``, ``[0, 1]``, ``[0, 0]``). ``vouch``: the
+    state's ``Vouch(cfg)`` when the kernel vouched for the batch, else ``None``: the builders
+    then validate it and name the field."""
+    n = len(ph)
+    h = 8 * n + 3
+    t = h + int(buf[7 * n + 1])  # tokens end: token_offsets[n]
+    b = t + int(buf[6 * n])  # block ids end: block_table_offsets[n]
+    batch = SequenceBatch(
+        is_prompt, buf[:n], buf[n:2 * n], buf[2 * n:3 * n], buf[3 * n:4 * n], ph, buf[4 * n:5 * n],
+        buf[t:b], buf[5 * n:6 * n + 1], buf[h:t], buf[6 * n + 1:7 * n + 2], buf[b:], buf[7 * n + 2:h], lookback)
+    batch._vouch = vouch
+    return batch
 
 
 def _zero_counts(num_drafts: Any, slots: np.ndarray) -> bool:

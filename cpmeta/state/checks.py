@@ -95,20 +95,11 @@ def as_int_array(name: str, values: Any, req: Any = None) -> np.ndarray:
     return a.reshape(-1)
 
 
-def bad_id(name: str, ids: np.ndarray, counts: Optional[np.ndarray], reqs: Any, negative_only: bool) -> None:
-    """Raise the ``ValueError`` for the first id of the flat ``ids`` outside ``[0, 2**31 - 1]``
-    (``negative_only``: the first negative one; nothing when there is none), naming the request
-    it belongs to: ``counts[i]`` ids belong to ``reqs[i]`` (``counts`` ``None``: every id is
-    ``reqs``'). Error path only. Example: counts ``[2, 1]``, ids ``[8, 9, -5]`` -> flat index 2
-    lies past ``cumsum = [2, 3]``'s first entry: the second request."""
-    bad = ids < 0 if negative_only else (ids < 0) | (ids > INT32_MAX)
-    if not bad.any():
-        return
-    f = int(np.argmax(bad))
-    if counts is None:
-        req, at = reqs, f
-    else:
-        i = int(np.searchsorted(np.cumsum(counts), f, side="right"))
-        req, at = reqs[i], f - int(np.sum(counts[:i]))
-    want = ">= 0" if negative_only else "in [0, 2**31 - 1]"
-    raise ValueError(f"{_who(req)}{name}: expected ids {want}, got {int(ids[f])} at index {at}")
+def bad_id(name: str, ids: np.ndarray, req: Any) -> None:
+    """Raise the ``ValueError`` naming the first negative id of ``ids`` (of request ``req``) and
+    its index; nothing when there is none. Error path only. Example: ``[8, -5]`` ->
+    ``request 'a': tokens: expected ids >= 0, got -5 at index 1``."""
+    bad = np.flatnonzero(ids < 0)
+    if bad.size:
+        f = int(bad[0])
+        raise ValueError(f"{_who(req)}{name}: expected ids >= 0, got {int(ids[f])} at index {f}")

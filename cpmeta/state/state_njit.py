@@ -321,26 +321,20 @@ def gather_step(is_prompt: bool, slots: np.ndarray, q: np.ndarray, k_all: int, d
 
 @kernel
 def vouch_step(slots: np.ndarray, q: np.ndarray, k_all: int, meta: np.ndarray, active: np.ndarray,
-               token_ids: np.ndarray, block_table: np.ndarray, p: np.ndarray, mark: np.ndarray,
+               token_ids: np.ndarray, block_table: np.ndarray, p: np.ndarray, mark: np.ndarray, err: np.ndarray,
                nt_out: np.ndarray, sk_out: np.ndarray) -> bool:
     """Whether a decode step (``k_all >= 0`` drafts each, else ``q[i]``; counts and draft ids
     checked by the caller) may be staged straight from the state's int32 mirrors: every slot
-    live, given once, done with its prefill, its state id in ``[0, max_state_id]``, valid start
-    >= 0, last token in int32, ``seqlen_k = num_tokens + drafts <= max_model_len`` and its
-    first ``blocks_needed(seqlen_k)`` block ids present and in ``[0, max_block_id]``. Writes
-    each slot's ``num_tokens`` and ``seqlen_k`` into ``nt_out`` / ``sk_out``. Example: block 16,
-    a slot with 2 blocks ``[3, 4]`` and 20 tokens, 2 drafts -> seqlen_k 22 needs 2 blocks: True."""
-    n, m = slots.shape[0], active.shape[0]
-    for i in range(n):
+    live, given once (``err``: that check's scratch, unread), done with its prefill, its state
+    id in ``[0, max_state_id]``, valid start >= 0, last token in int32, ``seqlen_k =
+    num_tokens + drafts <= max_model_len`` and its first ``blocks_needed(seqlen_k)`` block ids
+    present and in ``[0, max_block_id]``. Writes each slot's ``num_tokens`` and ``seqlen_k``
+    into ``nt_out`` / ``sk_out``. Example: block 16, a slot with 2 blocks ``[3, 4]`` and 20
+    tokens, 2 drafts -> seqlen_k 22 needs 2 blocks: True."""
+    if _check_slots(slots, active, mark, err):
+        return False
+    for i in range(slots.shape[0]):
         s = slots[i]
-        if s < 0 or s >= m or not active[s]:
-            return False
-    for i in range(n - 1, -1, -1):
-        mark[slots[i]] = i
-    for i in range(n):
-        s = slots[i]
-        if mark[s] != i:
-            return False
         nt = meta[M_TOKENS, s]
         sk = nt + (k_all if k_all >= 0 else q[i])
         st = meta[M_STATE, s]
@@ -381,5 +375,5 @@ def _warm() -> None:
     meta[M_PROMPT] = meta[M_COMPUTED] = 1
     gather_step(False, np.arange(2, dtype=np.int64), one, -1, np.array([5, 6], np.int64), 1, False, meta,
                 active, tok, bt, comp, p, mark, err)
-    vouch_step(np.arange(2, dtype=np.int64), one, 0, meta, active, tok, bt, p, mark, np.zeros(2, np.int64),
+    vouch_step(np.arange(2, dtype=np.int64), one, 0, meta, active, tok, bt, p, mark, err, np.zeros(2, np.int64),
                np.zeros(2, np.int64))
