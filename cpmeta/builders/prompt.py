@@ -48,6 +48,10 @@ Out = Union[dict[str, torch.Tensor], OutputBuffers, None]
 
 _NP = {torch.int32: np.int32, torch.bool: np.bool_}
 
+#: The batch arrays' dtype the kernels are compiled for (``from_sequences`` and ``BatchState``
+#: make it; a batch of other int arrays is converted).
+_I64 = np.dtype(np.int64)
+
 
 class _Plan:
     """One arena layout of a config's prompt build: the layout, the kernel's field offsets and
@@ -187,10 +191,13 @@ def prompt_fields(sb: SequenceBatch, cfg: MetadataConfig, out: Out = None, *, ng
     if c is None:
         c = _CONSTS.put(cfg, _Consts(cfg))
     n = len(sb)
+    sq, sk, st, vs, nt, tok, tok_off, comp, comp_off, bt, bt_off = (  # one dtype: one compiled kernel
+        a if a.dtype is _I64 else a.astype(np.int64) for a in (
+            sb.seqlen_q, sb.seqlen_k, sb.state_id, sb.swa_valid_start, sb.num_tokens, sb.tokens, sb.token_offsets,
+            sb.compressed, sb.compressed_offsets, sb.block_tables, sb.block_table_offsets))
     cnt = np.empty(c.ncnt, np.int64)
     err = error_slot()
-    if prompt_count(sb.seqlen_q, sb.seqlen_k, sb.state_id, sb.swa_valid_start, sb.num_tokens, sb.block_tables,
-                    sb.block_table_offsets, c.k, cnt, err):
+    if prompt_count(sq, sk, st, vs, nt, bt, bt_off, c.k, cnt, err):
         _raise(err, cfg)
     sizes = cnt.tolist()
     sizes.append(n)
@@ -205,9 +212,8 @@ def prompt_fields(sb: SequenceBatch, cfg: MetadataConfig, out: Out = None, *, ng
     if table is None:
         assert cfg.ngram_lookup is not None
         table = cfg.ngram_lookup.detach().cpu().to(torch.int64).numpy()
-    if prompt_fill(sb.seqlen_q, sb.seqlen_k, sb.state_id, sb.swa_valid_start, sb.is_placeholder, sb.num_tokens,
-                   sb.tokens, sb.token_offsets, sb.compressed, sb.compressed_offsets, sb.block_tables,
-                   sb.block_table_offsets, c.k, table, cnt, raw, plan.fo, err):
+    if prompt_fill(sq, sk, st, vs, sb.is_placeholder, nt, tok, tok_off, comp, comp_off, bt, bt_off, c.k, table, cnt,
+                   raw, plan.fo, err):
         _raise(err, cfg)
     f: dict[str, Any] = {
         "is_prompt": True, "num_seqs": n, "total_q": sizes[CNT_T], "max_seqlen_q": sizes[CNT_MAX_Q],
