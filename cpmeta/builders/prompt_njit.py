@@ -82,8 +82,10 @@ def prompt_consts(cfg: MetadataConfig) -> np.ndarray:
     """The config as one read-only int64 array: block_size, min_ratio, KV-CP cycle and interleave,
     max_block_id, W, S, force_load_balance, max_ngram_size, pad id, image id, has image, YoCo keep
     (-1 off), compact (1) / mask (0), the counts of sparse / ca / dense ratios, then the ca ratios,
-    each sparse ratio's index in them, each dense ratio's index in them. Example: defaults ->
-    ``[128, 4, 1, 1, 67108863, 128, 128, 0, 0, 0, -1, 0, -1, 1, 1, 1, 1, 4, 0, 0]``."""
+    each sparse ratio's index in them, each dense ratio's index in them. Example:
+    ``MetadataConfig.compressed_swa()`` -> ``[128, 4, 1, 1, 67108863, 128, 128, 0, 0, 0, -1, 0, -1, 1,
+    1, 1, 1, 4, 0, 0]``; ``MetadataConfig()`` (plain) -> ``[16, 1, 1, 1, 134217727, 0, 128, 0, 0, 0, -1,
+    0, -1, 1, 0, 0, 0]``."""
     img = cfg.image_token_id
     ca = list(cfg.ca_ratios)
     head = [cfg.block_size, cfg.min_ratio, cfg.kv_cp_world_size * cfg.kv_cp_interleave, cfg.kv_cp_interleave,
