@@ -87,17 +87,30 @@ def _decode_phases(cfg: MetadataConfig, n: int, d: int, repeat: int, rng: random
 
 
 def _prompt_phases(cfg: MetadataConfig, n: int, q: int, repeat: int, rng: random.Random) -> dict[str, float]:
+    """The prompt step: ``batch``, the build's count pass alone (``count``, :mod:`cpmeta.builders.prompt_njit`),
+    the whole build into ``OutputArenas`` (``build_arena``: count, layout, fill, views) and with a
+    new arena (``build``), ``metadata`` and the whole step both ways."""
+    from cpmeta import OutputArenas
+    from cpmeta.builders.prompt_njit import count_slots, prompt_consts, prompt_count
+
     seqs = prompt_batch(rng, cfg, n, q)
     st, slots, (lens, _, _) = _state_from(seqs, cfg, True)
     step = lambda: st.prompt_batch(slots, lens, advance=False)  # noqa: E731
     sb = step()
-    b = extract_batch(sb, cfg, is_prompt=True)
+    arenas = OutputArenas()
+    md = prepare_prompt(sb, cfg, out=arenas)
+    fields = {k: getattr(md, k) for k in InputMetadata.__dataclass_fields__ if getattr(md, k) is not None}
+    k, cnt, err = prompt_consts(cfg), np.empty(count_slots(cfg), np.int64), np.zeros(4, np.int64)
     phases = {
         "step": lambda: prepare_prompt(step(), cfg),
+        "step_arena": lambda: prepare_prompt(step(), cfg, out=arenas),
         "list": lambda: prepare_prompt(seqs, cfg),
         "batch": step,
-        "extract": lambda: extract_batch(sb, cfg, is_prompt=True),
-        "fill_common": lambda: common.fill_common(b, cfg, None),
+        "count": lambda: prompt_count(sb.seqlen_q, sb.seqlen_k, sb.state_id, sb.swa_valid_start, sb.num_tokens,
+                                      sb.block_tables, sb.block_table_offsets, k, cnt, err),
+        "build": lambda: prepare_prompt(sb, cfg),
+        "build_arena": lambda: prepare_prompt(sb, cfg, out=arenas),
+        "metadata": lambda: InputMetadata(**fields),
     }
     return _interleaved(phases, repeat)
 
