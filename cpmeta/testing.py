@@ -436,38 +436,13 @@ def assert_same_on_ranks(value: Any, *, src: int = 0, group: Any = None) -> None
     me, size = dist.get_rank(group), dist.get_world_size(group)
     if not 0 <= src < size:
         raise ValueError(f"src: expected a rank of the group in [0, {size}), got {src}")
-    nccl = "nccl" in str(dist.get_backend(group))
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    src_global = src if group is None else dist.get_global_rank(group, src)
-
-    def as_tensor(data: bytes) -> torch.Tensor:
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) if data else \
-            torch.empty(0, dtype=torch.uint8, device=device)
-
-    def bcast(data: Optional[bytes]) -> bytes:  # src passes the bytes, the others None
-        n = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64, device=device)
-        dist.broadcast(n, src_global, group=group)
-        buf = as_tensor(data) if data is not None else torch.empty(int(n), dtype=torch.uint8, device=device)
-        if int(n):
-            dist.broadcast(buf, src_global, group=group)
-        return bytes(buf.cpu().numpy())
-
-    def gather(data: bytes) -> list[bytes]:
-        sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(size)]
-        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64, device=device), group=group)
-        width = max(int(s) for s in sizes)
-        mine = torch.zeros(width, dtype=torch.uint8, device=device)
-        mine[:len(data)] = as_tensor(data)
-        bufs = [torch.empty(width, dtype=torch.uint8, device=device) for _ in range(size)]
-        dist.all_gather(bufs, mine, group=group)
-        return [bytes(b[:int(s)].cpu().numpy()) for b, s in zip(bufs, sizes)]
-
+    wire = _Bytes(group, src if group is None else dist.get_global_rank(group, src), size)
     flat = _flatten(value)
     table = {p: _digest(v) for p, v in flat.items()}
-    theirs: dict[str, str] = json.loads(bcast(json.dumps(table).encode() if me == src else None))
+    theirs: dict[str, str] = json.loads(wire.bcast(json.dumps(table).encode() if me == src else None))
     differing = [p for p in theirs if table.get(p) != theirs[p]] + [p for p in table if p not in theirs]
     union: list[str] = []
-    for blob in gather(json.dumps(differing).encode()):
+    for blob in wire.gather(json.dumps(differing).encode()):
         union += [p for p in json.loads(blob) if p not in union]
     if not union:
         return
@@ -476,7 +451,7 @@ def assert_same_on_ranks(value: Any, *, src: int = 0, group: Any = None) -> None
         if path not in theirs:
             problems += [f"rank {me}: {path!r} not on rank {src}"] if path in differing else []
             continue
-        want = _leaf_from_src(bcast, flat[path] if me == src else None, me == src)
+        want = _leaf_from_src(wire, flat[path] if me == src else None, me == src)
         if path not in differing:
             continue
         if path not in flat:
@@ -484,8 +459,48 @@ def assert_same_on_ranks(value: Any, *, src: int = 0, group: Any = None) -> None
         else:
             problems.append(f"rank {me}: {path!r} differs from rank {src}'s: "
                             f"{_leaf_diff(flat[path], want, f'rank {src}')}")
-    messages = [m.decode() for m in gather("; ".join(problems).encode())]
+    messages = [m.decode() for m in wire.gather("; ".join(problems).encode())]
     raise AssertionError("; ".join(m for m in messages if m))
+
+
+class _Bytes:
+    """Bytes over the group's collectives (a length, then a uint8 tensor on the backend's device:
+    CUDA for NCCL); no pickle."""
+
+    def __init__(self, group: Any, src_global: int, size: int) -> None:
+        import torch.distributed as dist
+
+        self.dist, self.group, self.src, self.size = dist, group, src_global, size
+        nccl = "nccl" in str(dist.get_backend(group))
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+    def _tensor(self, data: bytes) -> torch.Tensor:
+        if not data:
+            return torch.empty(0, dtype=torch.uint8, device=self.device)
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+
+    def _count(self, n: int) -> torch.Tensor:
+        return torch.tensor([n], dtype=torch.int64, device=self.device)
+
+    def bcast(self, data: Optional[bytes]) -> bytes:
+        """``src`` passes the bytes, every other rank ``None``; every rank returns them."""
+        n = self._count(len(data) if data is not None else 0)
+        self.dist.broadcast(n, self.src, group=self.group)
+        buf = self._tensor(data) if data is not None else torch.empty(int(n), dtype=torch.uint8, device=self.device)
+        if int(n):
+            self.dist.broadcast(buf, self.src, group=self.group)
+        return bytes(buf.cpu().numpy())
+
+    def gather(self, data: bytes) -> list[bytes]:
+        """Every rank's bytes, in rank order, on every rank."""
+        sizes = [self._count(0) for _ in range(self.size)]
+        self.dist.all_gather(sizes, self._count(len(data)), group=self.group)
+        width = max(int(n) for n in sizes)
+        mine = torch.zeros(width, dtype=torch.uint8, device=self.device)
+        mine[:len(data)] = self._tensor(data)
+        bufs = [torch.empty(width, dtype=torch.uint8, device=self.device) for _ in range(self.size)]
+        self.dist.all_gather(bufs, mine, group=self.group)
+        return [bytes(b[:int(n)].cpu().numpy()) for b, n in zip(bufs, sizes)]
 
 
 class _Shown:
@@ -498,17 +513,17 @@ class _Shown:
         return self.text
 
 
-def _leaf_from_src(bcast: Callable[[Optional[bytes]], bytes], leaf: Any, is_src: bool) -> Any:
+def _leaf_from_src(wire: _Bytes, leaf: Any, is_src: bool) -> Any:
     """``src``'s leaf on every rank: a tensor as a JSON header (dtype, shape) then its bytes,
     another value as its type name and ``repr``. Every rank calls it for the same paths."""
     head = None
     if is_src:
         head = ({"dtype": str(leaf.dtype).removeprefix("torch."), "shape": list(leaf.shape)}
                 if isinstance(leaf, torch.Tensor) else {"kind": type(leaf).__name__, "repr": repr(leaf)})
-    h = json.loads(bcast(json.dumps(head).encode() if is_src else None))
+    h = json.loads(wire.bcast(json.dumps(head).encode() if is_src else None))
     if "repr" in h:
         return _Shown(h["kind"], h["repr"])
-    data = bcast(leaf.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    data = wire.bcast(leaf.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
                  if is_src else None)
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(getattr(torch, h["dtype"])) \
         .reshape(h["shape"]) if data else torch.empty(h["shape"], dtype=getattr(torch, h["dtype"]))
