@@ -66,8 +66,10 @@ def blocks_needed_one(sk: int, block_size: int, min_ratio: int, kv_cycle: int, k
     kv_cp_interleave``, ``inter = kv_cp_interleave``; world 1 gives ``L = k``), then
     ``L // block_size + (L % block_size >= min_ratio)``. Example: block 128, min ratio 4, k = 300
     -> ``2 + (44 >= 4) = 3``."""
-    r = sk % kv_cycle
-    L = (sk // kv_cycle) * kv_inter + (r if r < kv_inter else kv_inter)
+    L = sk
+    if kv_cycle > 1:  # KV sharded over a CP group (two divisions saved per sequence without it)
+        r = sk % kv_cycle
+        L = (sk // kv_cycle) * kv_inter + (r if r < kv_inter else kv_inter)
     return L // block_size + (1 if L % block_size >= min_ratio else 0)
 
 

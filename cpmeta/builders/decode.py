@@ -73,31 +73,61 @@ def _kv_ca_error(cfg: MetadataConfig, T: int, v: int) -> None:
     )
 
 
-class _Plan:
-    """What a config's decode builds share: :func:`decode_consts` and, per batch shape ``(total_q,
-    n_seq)``, the :class:`ArenaLayout` (the SAME object for the same shape, so
-    :class:`~cpmeta.buffers.OutputArenas` finds its arena), the kernel's field offsets and the
-    fields' names split into whole tensors and per-ratio rows (at most 256 shapes)."""
+class _Target:
+    """One arena as the kernel and the metadata see it: its bytes (``raw``, uint8), its tensors
+    (whole fields by name; per-ratio fields as ``{ratio: row tensor}``) and the kernel's ``err``
+    / ``info`` slots. Made once per arena an :class:`~cpmeta.buffers.OutputArenas` keeps (the
+    steady state of an engine loop refills the same arena: measured 2026-12-03 on the 2-core VM,
+    re-taking the views cost ~5 us of a ~15 us seed decode-64 build)."""
 
-    __slots__ = ("consts", "shapes", "ratios")
+    __slots__ = ("arena", "raw", "whole", "rows", "err", "info")
+
+    def __init__(self, arena: HostArena, shape: "_Shape") -> None:
+        self.arena = arena
+        self.raw = arena.raw.numpy()
+        self.whole = {name: arena.take(name)[0] for name in shape.whole}  # type: ignore[index]
+        self.rows = {name: dict(zip(keys, arena.take_rows(name)[0])) for name, keys in shape.rows}  # type: ignore[index]
+        self.err, self.info = np.zeros(4, np.int64), np.zeros(2, np.int64)
+
+
+class _Shape:
+    """One batch shape ``(total_q, n_seq)`` of a config: the :class:`ArenaLayout` (the SAME object
+    for the same shape, so :class:`~cpmeta.buffers.OutputArenas` finds its arena), the kernel's
+    field offsets and the fields' names (whole tensors; per-ratio rows with their keys)."""
+
+    __slots__ = ("layout", "offsets", "whole", "rows")
+
+    def __init__(self, cfg: MetadataConfig, T: int, n: int, ratios: dict[str, tuple[str, ...]]) -> None:
+        lay = self.layout = _make_decode_layout(cfg, T, n)
+        self.offsets = field_offsets(lay)
+        self.whole = tuple(k for k in lay.fields if k not in lay.stacked)
+        self.rows = tuple((k, ratios[k]) for k in lay.fields if k in lay.stacked)
+
+
+class _Plan:
+    """What a config's decode builds share: :func:`decode_consts`, its :class:`_Shape` per batch
+    shape (at most 256) and the :class:`_Target` of the arenas last filled (at most 8, as many
+    as an :class:`~cpmeta.buffers.OutputArenas` keeps by default; each holds its arena alive)."""
+
+    __slots__ = ("consts", "shapes", "ratios", "targets")
 
     def __init__(self, cfg: MetadataConfig) -> None:
         self.consts = decode_consts(cfg)
-        self.shapes: BoundedCache[tuple[int, int], tuple[ArenaLayout, np.ndarray, tuple[str, ...], tuple]] = \
-            BoundedCache(256)
+        self.shapes: BoundedCache[tuple[int, int], _Shape] = BoundedCache(256)
+        self.targets: BoundedCache[int, _Target] = BoundedCache(8)
         self.ratios = {"klen": tuple(map(str, cfg.sparse_compress_ratios)),
                        "positions_c": tuple(map(str, cfg.ca_ratios)),
                        "slot_mapping_store_ca": tuple(map(str, cfg.ca_ratios)),
                        "kv_ca_index_offset_len": tuple(map(str, cfg.dense_compress_ratios))}
 
-    def shape(self, cfg: MetadataConfig, T: int, n: int) -> tuple[ArenaLayout, np.ndarray, tuple[str, ...], tuple]:
+    def shape(self, cfg: MetadataConfig, T: int, n: int) -> _Shape:
         got = self.shapes.get((T, n))
-        if got is None:
-            lay = _make_decode_layout(cfg, T, n)
-            whole = tuple(k for k in lay.fields if k not in lay.stacked)
-            rows = tuple((k, self.ratios[k]) for k in lay.fields if k in lay.stacked)
-            got = self.shapes.put((T, n), (lay, field_offsets(lay), whole, rows))
-        return got
+        return got if got is not None else self.shapes.put((T, n), _Shape(cfg, T, n, self.ratios))
+
+    def target(self, arena: HostArena, shape: _Shape) -> _Target:
+        """The :class:`_Target` of a caller's arena (made on its first fill)."""
+        t = self.targets.get(id(arena))
+        return t if t is not None and t.arena is arena else self.targets.put(id(arena), _Target(arena, shape))
 
 
 #: One :class:`_Plan` per config, keyed by the config's identity (hashing a frozen config builds a
@@ -183,24 +213,27 @@ def prepare_decode(
     n = len(sb)
     T = len(sb.tokens) if sb.lookback == 0 else int(sb.seqlen_q.sum())  # no look-back: one id per row
     plan = _plan(cfg)
-    lay, fo, whole, rows = plan.shape(cfg, T, n)
-    arena = arenas.arena(lay) if arenas is not None else HostArena(lay)
-    err, info = np.zeros(4, np.int64), np.zeros(2, np.int64)
+    shape = plan.shape(cfg, T, n)
+    if arenas is not None:  # caller-owned memory: the arena it hands out for this batch shape
+        tg = plan.target(arenas.arena(shape.layout), shape)
+    else:  # one host allocation for every field (a dict's fields are copied from it)
+        tg = _Target(HostArena(shape.layout), shape)
     table = cfg.ngram_lookup
     tab = _NO_TABLE if table is None else table.detach().cpu().to(torch.int64).numpy()
-    if decode_fill(_i64(sb.seqlen_q), _i64(sb.seqlen_k), _i64(sb.state_id), sb.is_placeholder, _i64(sb.tokens),
-                   _i64(sb.token_offsets), _i64(sb.compressed), _i64(sb.compressed_offsets),
-                   _i64(sb.block_tables), _i64(sb.block_table_offsets), plan.consts, tab, arena.raw.numpy(), fo, T,
-                   err, info):
+    err, info = tg.err, tg.info
+    if decode_fill(*[a if a.dtype is _I64 else a.astype(np.int64) for a in (  # one dtype: one compiled kernel
+            sb.seqlen_q, sb.seqlen_k, sb.state_id)], sb.is_placeholder,
+            *[a if a.dtype is _I64 else a.astype(np.int64) for a in (
+                sb.tokens, sb.token_offsets, sb.compressed, sb.compressed_offsets, sb.block_tables,
+                sb.block_table_offsets)],
+            plan.consts, tab, tg.raw, shape.offsets, T, err, info):
         _raise(err, cfg)
     f: dict[str, Any] = {"is_prompt": False, "num_seqs": n, "total_q": T, "max_seqlen_q": int(info[0]),
-                         "max_seqlen_k": int(info[1])}
-    for name in whole:
-        f[name] = arena.take(name)[0]  # type: ignore[index]
-    for name, keys in rows:
-        f[name] = dict(zip(keys, arena.take_rows(name)[0]))  # type: ignore[index]
+                         "max_seqlen_k": int(info[1]), **tg.whole}
+    for name, d in tg.rows.items():
+        f[name] = dict(d)  # the metadata's own dict (a caller may replace its entries)
     if isinstance(out, dict):
-        _into_dict(out, f, arena, lay)
+        _into_dict(out, f, tg.arena, shape.layout)
     return InputMetadata(**f)
 
 
@@ -208,10 +241,9 @@ def prepare_decode(
 _NO_TABLE = np.zeros(0, np.int64)
 
 
-def _i64(a: np.ndarray) -> np.ndarray:
-    """``a`` as int64 (itself when it is already: a ``SequenceBatch`` made by ``from_sequences``
-    or ``BatchState``), so the kernel compiles for one dtype."""
-    return a if a.dtype == np.int64 else a.astype(np.int64)
+#: The batch arrays' dtype the kernel is compiled for (a batch made by ``from_sequences`` or
+#: ``BatchState`` has it; others are converted).
+_I64 = np.dtype(np.int64)
 
 
 def _raise(err: np.ndarray, cfg: MetadataConfig) -> None:

@@ -98,8 +98,10 @@ def decode_fill(seqlen_q: np.ndarray, seqlen_k: np.ndarray, state_id: np.ndarray
     ratio n closes compressed token ``c = pos1 // n - 1`` when ``pos1 % n == 0``:
     ``positions_c = pos1 - n`` and slot ``table[c // b_c] * b_c + c % b_c`` (-1 on placeholders),
     else ``(0, -1)``; ``kv_ca_index_offset_len[n] = (row * width * (block_size // n), pos1 // n)``.
-    ``info`` gets ``[max(seqlen_q), max(seqlen_k)]``. Example: see the module doc.
+    ``info`` gets ``[max(seqlen_q), max(seqlen_k)]``; ``err`` is zeroed first. Example: see the
+    module doc.
     """
+    err[:] = 0  # the caller may hand in the slot of an earlier call
     n = seqlen_q.shape[0]
     T = total_q
     bs = k[_BS]
