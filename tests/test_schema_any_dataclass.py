@@ -288,3 +288,27 @@ def test_fieldless_and_mispinned_schemas_refused_saying_what_is_wrong() -> None:
         Schema.of(_PinnedValue)
     ok = Schema.of(_pinned(SimpleNamespace(dtype=torch.int32, ndim=1)))
     assert (ok.specs["positions"].dtype, ok.specs["positions"].ndim) == (torch.int32, 1)
+
+
+def _skewed_class(rank: int, world: int) -> str:
+    import cpmeta
+
+    fields = [("num_tokens", int), ("slot_mapping", torch.Tensor),
+              ("window", Optional[int | str] if rank == 0 else Optional[int], None),
+              ("per_group", Optional[dict[str, torch.Tensor]], None)]
+    engine_meta = dataclasses.make_dataclass("EngineMeta", fields)  # one name, two definitions
+    try:
+        cpmeta.MetadataBroadcaster(group_src=0, schema=engine_meta, timeout=30)
+    except ValueError as e:
+        return str(e)
+    return "constructed"
+
+
+def test_schema_mismatch_names_the_class_and_the_first_differing_field() -> None:
+    """Fails at 4ac8a65: the set-up's message named only the two fingerprints ("'af6af678a0229f8a'
+    at ranks [0], ..."). Now every rank names the class, the first field whose declaration
+    differs, and the ranks holding each version."""
+    for msg in run_ranks(_skewed_class, 2, timeout=120):
+        assert "MetadataBroadcaster schema differs across the group: class " in msg, msg
+        assert "EngineMeta, first difference at field 2: 'window: int | str' at ranks [0], " \
+               "'window: int' at ranks [1]" in msg, msg

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import operator
 import types
 import typing
@@ -59,7 +60,7 @@ from .wire import MAX_NDIM, WIRE_DTYPES
 
 __all__ = ["FieldSpec", "Schema", "check_key", "classify", "MAX_LAYOUT_PATHS", "MAX_KEY_DIGITS",
            "MAX_NAME_KEY", "TENSOR", "TENSOR_DICT", "VALUE", "VALUE_DICT", "INPUT_METADATA",
-           "SCHEMA_FINGERPRINT"]
+           "SCHEMA_FINGERPRINT", "describe", "explain_mismatch"]
 
 MAX_LAYOUT_PATHS = 1024  # tensor paths (aliases counted) + value paths of one layout
 MAX_LAYOUTS_CACHED = 256  # field-type walks a schema keeps (wire.MAX_LAYOUTS)
@@ -218,6 +219,7 @@ class Schema:
         self.cls = cls
         self.name = cls.__qualname__
         self.dict_keys = dict_keys
+        self.version = version
         hints = typing.get_type_hints(cls)
         fs = dataclasses.fields(cls)
         if not fs:
@@ -383,6 +385,84 @@ def _input_metadata_schema() -> Schema:
 
     return Schema.of(InputMetadata, dict_keys="ratio", int_low=0, lows={"cp_size": 1},
                      version=MESSAGE_VERSION)
+
+
+def _field_text(s: FieldSpec) -> str:
+    """A field as its annotation reads, with its pins: ``positions: Tensor int32 ndim 1``,
+    ``window: int | str``, ``layers: dict[int, Tensor]``, ``lens: tuple[int, ...] >= 0``."""
+    vt = " | ".join(t.__name__ for t in s.vtype or ())
+    key = s.key.__name__ if s.key is not None else "str"
+    text = {TENSOR: "Tensor", TENSOR_DICT: f"dict[{key}, Tensor]", VALUE_DICT: f"dict[{key}, {vt}]"}.get(
+        s.kind, f"list[{vt}]" if s.container is list else f"tuple[{vt}, ...]" if s.container is tuple else vt)
+    pins = "".join(f" {w}" for w in (str(s.dtype).replace("torch.", "") if s.dtype else "",
+                                     f"ndim {s.ndim}" if s.ndim is not None else "",
+                                     f"dims {list(s.fixed)}" if s.fixed else "",
+                                     f">= {s.low}" if s.low > MIN_INT and s.kind in (VALUE, VALUE_DICT)
+                                     else "") if w)
+    return f"{s.name}: {text}{pins}"
+
+
+def describe(schema: Any) -> list[Any]:
+    """What a rank's schema is, as plain values to compare across ranks: ``[class, settings,
+    [field text, ...]]`` (``cpmeta.broadcast.dict_schema.DictSchema``: its name and fingerprint,
+    no fields). Example: ``["m.FlashAttnMetadata", "name|v0", ["num_actual_tokens: int", ...]]``."""
+    specs = getattr(schema, "specs", None)
+    if specs is None:
+        return [schema.name, schema.fingerprint, []]
+    return [f"{schema.cls.__module__}.{schema.name}", f"{schema.dict_keys}|v{schema.version}",
+            [_field_text(sp) for sp in specs.values()]]
+
+
+_WHY_SEQ: dict[str, int] = {}  # group name -> explanations exchanged on it by this process
+
+
+def explain_mismatch(group: Any, schema: Any, what: str, wait_s: float) -> Optional[str]:
+    """Collective, after the set-up refused the schema setting on every member (so every member
+    calls it): each member's :func:`describe` through torch.distributed's default store (every
+    wait bounded by ``wait_s``), and the message every member then raises: the class and its
+    first differing field with the ranks holding each version. None when there is no store, a
+    member does not answer, or the descriptions are equal (the fingerprint differs for another
+    reason: another cpmeta version). Example: ``MetadataBroadcaster schema differs across the
+    group: class tests.EngineMeta, first difference at field 2: 'window: int | str' at ranks
+    [0], 'window: int' at ranks [1] (every rank must broadcast the same class definition)``."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from cpmeta.transport.codec import decode_body, encode_body
+
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        ranks = dist.get_process_group_ranks(group)
+        name = str(getattr(group, "group_name", "") or "_".join(map(str, ranks)))
+        seq = _WHY_SEQ[name] = _WHY_SEQ.get(name, -1) + 1
+        keys = [f"cpmeta/schema-why/{name}/{seq}/{r}" for r in ranks]
+        store.set(keys[ranks.index(dist.get_rank())], encode_body(describe(schema)))
+        store.wait(keys, timedelta(seconds=wait_s))
+        got = {r: decode_body(bytes(store.get(k))) for r, k in zip(ranks, keys)}
+    except Exception:  # noqa: BLE001 - no explanation: the set-up's own message stands
+        return None
+    by: dict[str, list[int]] = {}
+    for r, d in got.items():
+        by.setdefault(repr(d), []).append(r)
+    if len(by) < 2:
+        return None
+    (ref, ref_ranks), *others = [(got[rs[0]], rs) for rs in by.values()]
+    parts = []
+    for other, rs in others:
+        if ref[0] != other[0]:
+            parts.append(f"class {ref[0]} at ranks {ref_ranks}, {other[0]} at ranks {rs}")
+            continue
+        for i, (a, b) in enumerate(itertools.zip_longest(ref[2], other[2], fillvalue=None)):
+            if a != b:
+                parts.append(f"class {ref[0]}, first difference at field {i}: "
+                             f"{a or 'no field'!r} at ranks {ref_ranks}, {b or 'no field'!r} at ranks {rs}")
+                break
+        else:
+            parts.append(f"class {ref[0]}, the same fields; settings {ref[1]!r} at ranks {ref_ranks}, "
+                         f"{other[1]!r} at ranks {rs}")
+    return (f"{what} schema differs across the group: {'; '.join(parts)} (every rank must "
+            "broadcast the same class definition)")
 
 
 #: ``InputMetadata``'s schema: ratio keys, ints >= 0 (``cp_size`` >= 1), dtypes and ndims pinned
