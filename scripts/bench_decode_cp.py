@@ -2,7 +2,7 @@
 """CP decode step: one staging broadcast + kernels on every rank, against broadcasting built metadata.
 
 Per world size, a decode batch of ``--n-seqs`` sequences (``scripts/bench_build.py``'s batches:
-default config, ``seqlen_k`` uniform in ``[1, 8192]``), every step timed as
+``MetadataConfig.compressed_swa()``, ``seqlen_k`` uniform in ``[1, 8192]``), every step timed as
 
     latency = max over ranks (time the rank holds its metadata, device synced) - (driver call)
 

@@ -1,4 +1,5 @@
-"""``MetadataConfig``: defaults (a plain paged-KV model), the ``compressed_swa`` preset, derived properties and every bad input (DESIGN section 3)."""
+"""``MetadataConfig``: defaults (a plain paged-KV model), the ``compressed_swa`` preset, derived
+properties and every bad input (DESIGN section 3)."""
 
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def test_ca_ratios_is_the_sorted_union() -> None:
 
 
 def test_derived_widths() -> None:
-    # defaults: max_num_blocks = cdiv(8192 // 4, 128 // 4) = 64; width_4 = cdiv(2048, 128) * 128.
+    # compressed_swa(): max_num_blocks = cdiv(8192 // 4, 128 // 4) = 64; width_4 = cdiv(2048, 128) * 128.
     cfg = MetadataConfig.compressed_swa()
     assert cfg.max_num_blocks == 64
     assert cfg.attn_index_width(4) == 2048

@@ -36,7 +36,7 @@ def plain(block_size: int = 16, max_model_len: int = 512, world: int = 1, interl
 
 
 def seed_like() -> MetadataConfig:
-    """The seed's default config at a test-sized max_model_len (compressed KV, SWA, W = 1)."""
+    """``MetadataConfig.compressed_swa()`` at a test-sized max_model_len (compressed KV, SWA, W = 1)."""
     return MetadataConfig(block_size=16, max_model_len=512, window_size=8, swa_block_size=8,
                           dense_compress_ratios=(4,), sparse_compress_ratios=(4,))
 

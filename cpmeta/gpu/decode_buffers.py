@@ -8,7 +8,7 @@ SEQUENCE buffer of ``seq_cap + 1`` entries. :func:`make_buffers` allocates what 
 checks the rest, and returns the full-capacity :class:`DecodeBuffers` the kernels write plus the
 ``[total_q]`` prefix views the metadata holds. :class:`OutCache` keeps that result for one
 ``out`` dict on its staging buffer (``DecodeStaging.buffers_for``). Example: a plain config has 9
-buffers (7 row, 2 sequence); the default config 16 (14 row: 4 of them stacked).
+buffers (7 row, 2 sequence); ``MetadataConfig.compressed_swa()`` 16 (14 row: 4 of them stacked).
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ class StagingLayout:
     """The staging layout of one config (see the module docstring); :meth:`of` caches it per config.
 
     ``header_len``: ``HEADER_FIXED`` + every ratio; ``ratios``: the ratio words (int32, read-only).
-    Example: default config -> ``header_len == 11``, ``ratios == [4, 4, 4]``.
+    Example: ``MetadataConfig.compressed_swa()`` -> ``header_len == 11``, ``ratios == [4, 4, 4]``.
     """
 
     __slots__ = ("cfg", "header_len", "ratios", "ratio_counts", "_need")
@@ -110,7 +110,7 @@ class StagingLayout:
 
     def capacity(self, max_seqs: int, max_total_q: int) -> int:
         """Int32 elements any batch of ``<= max_seqs`` / ``<= max_total_q`` needs (either writer).
-        Example: default config, 256 seqs, 768 rows, no Engram: ``11 + 7*256 + 768 + 256*64 = 19,163``."""
+        Example: ``compressed_swa()``, 256 seqs, 768 rows, no Engram: ``11 + 7*256 + 768 + 256*64 = 19,163``."""
         g = self.cfg.max_ngram_size
         ngram = 2 * (max_total_q + max_seqs * max(g - 1, 0)) if g else 0
         return self.header_len + SEQ_FIELDS * max_seqs + max_total_q + max_seqs * self.cfg.max_num_blocks + ngram
@@ -299,7 +299,7 @@ def _check_ngram_reads(
 
 def staging_capacity(cfg: MetadataConfig, max_seqs: int, max_total_q: int) -> int:
     """Int32 elements a staging buffer needs for any batch of ``<= max_seqs`` / ``<= max_total_q``
-    (:meth:`StagingLayout.capacity`). Example: default config (max_num_blocks 64), 256 seqs, 768
+    (:meth:`StagingLayout.capacity`). Example: ``compressed_swa()`` (max_num_blocks 64), 256 seqs, 768
     rows, no Engram: ``11 + 7*256 + 768 + 256*64 = 19,163`` elements (~75 KiB)."""
     return StagingLayout.of(cfg).capacity(max_seqs, max_total_q)
 
