@@ -397,3 +397,25 @@ def test_vectorized_appends_equal_one_call_per_request(cfg_name: str) -> None:
         with pytest.raises(ValueError):
             b.append_blocks_batch(np.array(bad[0]), np.array(bad[1]), np.array(bad[2]))
     assert np.array_equal(before[0], b.block_table) and np.array_equal(before[1], b.num_blocks)
+
+
+def test_one_compiled_specialization_per_kernel() -> None:
+    """Read-only, strided and int32 arguments reach the kernels as contiguous writable int64
+    arrays: each kernel compiles once (a new argument type would compile, and cache, another)."""
+    from cpmeta.state.state_njit import append_rows, gather_step, vouch_step
+
+    st = BatchState(PAGED, max_seqs=4)
+    a = st.add_request("a", [1, 2, 3], [7], 0, num_computed=2)
+    b = st.add_request("b", [4, 5], [8], 1, num_computed=2)
+    ro = np.array([b])
+    ro.flags.writeable = False
+    st.decode_batch(ro)
+    st.decode_batch(np.array([b, 9])[::2], np.array([1], np.int32), np.array([1, 1], np.int32)[::2])
+    st.decode_batch(np.array([b], np.int32), ro, 1)
+    st.prompt_batch(np.array([a]), np.array([1], np.uint8), advance=False)
+    assert st.vouch_decode(np.array([b]), np.array([1, 2]), np.array([2], np.int32)) is not None
+    st.append_tokens_batch(ro, np.array([1], np.int32), np.array([1]))
+    st.append_blocks_batch(np.array([a, 9])[::2], ro, np.array([1], np.int16))
+    st.append_tokens(a, (3,))
+    for k in (append_rows, gather_step, vouch_step):
+        assert len(k.signatures) == 1, (k, k.signatures)

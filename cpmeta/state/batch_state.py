@@ -25,8 +25,14 @@ from .store import StateStore
 
 __all__ = ["BatchState", "VouchedStep"]
 
-_EMPTY = np.zeros(0, np.int64)
-_EMPTY.flags.writeable = False
+_EMPTY = np.zeros(0, np.int64)  # no ids (writable like every kernel argument: one array type)
+
+
+def _kernel_ints(a: np.ndarray) -> np.ndarray:
+    """An int array as int64 (wrapping, as ``astype`` does), contiguous and writable: the one
+    array type of the kernels' arguments (a copy only when ``a`` is not such an array)."""
+    a = a.astype(np.int64, copy=False)
+    return a if a.flags.c_contiguous and a.flags.writeable else a.copy()
 
 
 def _check_placeholders(n: object) -> None:
@@ -279,7 +285,7 @@ class BatchState(StateStore):
         else:
             nd = np.asarray(num_drafts)
             if nd.shape == slots.shape and nd.dtype.kind in "iu":
-                return -1, nd.astype(np.int64, copy=False)
+                return -1, _kernel_ints(nd)
         self._raise_slots(slots)
         raise ValueError(f"num_drafts: expected {len(slots)} counts >= 0 (or one count for all) "
                          f"summing to {len(drafts)} drafts")
@@ -340,7 +346,7 @@ class BatchState(StateStore):
                 nd = np.asarray(num_drafts)
                 if nd.shape != slots.shape or nd.dtype.kind not in "iu":
                     return None
-                nd = nd.astype(np.int64, copy=False)
+                nd = _kernel_ints(nd)
                 k_lo, k_hi = int(nd.min()), int(nd.max())
                 uniform, total = k_lo == k_hi, int(nd.sum())
                 k_all = k_hi if uniform else -1

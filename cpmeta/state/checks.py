@@ -76,8 +76,8 @@ def check_int_arg(name: str, v: Any, req: Any = None, lo: Optional[int] = None) 
 
 
 def as_int_array(name: str, values: Any, req: Any = None) -> np.ndarray:
-    """``values`` (a sequence of ints, a numpy int array, an int tensor) as a flat int64 array
-    (no copy for an int64 array), else ``TypeError`` / ``ValueError`` naming the field (and the
+    """``values`` (a sequence of ints, a numpy int array, an int tensor) as a flat, contiguous,
+    writable int64 array (no copy for such an array), else ``TypeError`` / ``ValueError`` naming the field (and the
     request, ``req`` not ``None``): floats, bools and ints beyond int64 are refused, never cast
     (``np.asarray([1.5], np.int64)`` would truncate to 1). An empty input of any type is fine."""
     try:
@@ -92,7 +92,10 @@ def as_int_array(name: str, values: Any, req: Any = None) -> np.ndarray:
         if a.dtype == np.uint64 and int(a.max()) > INT64_MAX:
             raise ValueError(f"{_who(req)}{name}: expected ints within int64, got {int(a.max())}")
         a = a.astype(np.int64)
-    return a.reshape(-1)
+    if a.ndim != 1:
+        a = a.reshape(-1)
+    # one array type for the kernels (each other layout would compile its own specialization)
+    return a if a.flags.c_contiguous and a.flags.writeable else a.copy()
 
 
 def bad_id(name: str, ids: np.ndarray, req: Any) -> None:
