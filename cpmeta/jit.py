@@ -15,6 +15,11 @@ The Python wrapper of each kernel owns the table from code to message and raises
 ``ValueError`` (field, sequence, limit) -- the same words the per-token references in ``tests/``
 expect.
 
+Cache validity: numba keys a function's cache on its own file's modification time and size, so a
+kernel whose callee in another module changed would load stale machine code. Every kernel of
+cpmeta is therefore stamped with ONE hash over the source of every kernel module and this one
+(:func:`sources_stamp`): any edit recompiles them all. The cache stays where numba would put it.
+
 Warm-up: kernel modules are named ``*_njit.py`` (found by that name, nothing to list); each
 registers a function that calls its kernels once on a tiny input (:func:`warmer`);
 :func:`warm_all` imports every kernel module (:func:`kernel_modules`) and runs them, so one process (the test session, an engine at start-up) pays the compile or
@@ -23,15 +28,19 @@ the cache load before the step loop -- and spawned test processes only load.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import os
 import pkgutil
 import time
-from typing import Any, Callable, TypeVar
+from functools import lru_cache
+from typing import Any, Callable, Optional, TypeVar
 
 import numba
 import numpy as np
+from numba.core import caching
 
-__all__ = ["kernel", "OK", "error_slot", "warmer", "warm_all", "kernel_modules"]
+__all__ = ["kernel", "OK", "error_slot", "warmer", "warm_all", "kernel_modules", "sources_stamp"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -39,6 +48,67 @@ F = TypeVar("F", bound=Callable[..., Any])
 OK = 0
 
 _WARMERS: dict[str, Callable[[], None]] = {}
+
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _is_kernel_file(path: str) -> bool:
+    path = os.path.abspath(path)
+    return path.startswith(_HERE + os.sep) and path.endswith("_njit.py")
+
+
+@lru_cache(maxsize=1)
+def sources_stamp() -> str:
+    """sha256 over this module and every ``*_njit.py`` under ``cpmeta/`` (paths and bytes, sorted):
+    the stamp every kernel's cache entry is checked against."""
+    h = hashlib.sha256()
+    files = [os.path.abspath(__file__)]
+    for root, _dirs, names in os.walk(_HERE):
+        files += [os.path.join(root, n) for n in names if n.endswith("_njit.py")]
+    for f in sorted(files):
+        h.update(os.path.relpath(f, _HERE).encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read())
+    return h.hexdigest()
+
+
+class _KernelSourcesLocator(caching._CacheLocator):
+    """Numba's own cache placement (``NUMBA_CACHE_DIR``, else the module's ``__pycache__``, else
+    the per-user cache), with :func:`sources_stamp` as the source stamp of every cpmeta kernel."""
+
+    _PLACEMENT = (caching.UserProvidedCacheLocator, caching.InTreeCacheLocator,
+                  caching.UserWideCacheLocator)
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def ensure_cache_path(self) -> None:
+        self._inner.ensure_cache_path()
+
+    def get_cache_path(self) -> str:
+        return str(self._inner.get_cache_path())
+
+    def get_source_stamp(self) -> Any:
+        return sources_stamp()
+
+    def get_disambiguator(self) -> str:
+        return str(self._inner.get_disambiguator())
+
+    @classmethod
+    def from_function(cls, py_func: Any, py_file: str) -> Optional["_KernelSourcesLocator"]:
+        if not _is_kernel_file(py_file):
+            return None
+        for placement in cls._PLACEMENT:
+            inner = placement.from_function(py_func, py_file)
+            if inner is not None:
+                return cls(inner)
+        return None
+
+
+# numba tries its cache locators in this order (numba >= 0.59, the pinned floor); ours goes first
+if _KernelSourcesLocator not in caching.CacheImpl._locator_classes:
+    caching.CacheImpl._locator_classes.insert(0, _KernelSourcesLocator)
 
 
 def kernel(fn: F) -> F:
