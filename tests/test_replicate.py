@@ -167,6 +167,75 @@ def test_planted_divergence_is_caught_and_named(where: str) -> None:
             assert "rank 1 first differs at slot" in out[r], out[r]
 
 
+def _diverged_at_step_2(rank: int, world: int, what: str) -> list[str]:
+    """Step 1 schedules request ``"a"``; before step 2 follower rank 1's replica re-adds it with
+    one value changed that step 2's build reads (a prompt token inside the chunk being prefilled,
+    or a block-table entry a decode reads, neither one a sequence's last), through the state's
+    own public calls; what every rank sees at each step."""
+    import torch
+
+    import cpmeta
+
+    cfg = _config("plain")
+    prompt = list(range(100, 164))  # 64 tokens: chunks [0, 32) at step 1, [32, 64) at step 2
+    seen = []
+    with cpmeta.ReplicatedBatchState(cfg, 4, max_tokens=1024, check_every=0, timeout=30) as rep:
+        for step in (1, 2, 3):
+            if rank == 0:
+                if what == "prompt token":
+                    if step == 1:
+                        a = rep.add_request("a", prompt, [4, 5, 6, 7], 0)
+                    if step < 3:
+                        rep.prompt_batch([a], [32])
+                    else:  # prefilled: its first token, and a decode
+                        rep.append_tokens(a, [1])
+                        rep.append_blocks(a, [8])
+                        rep.decode_batch([a])
+                else:
+                    if step == 1:
+                        a = rep.add_request("a", prompt, [4, 5, 6, 7, 8], 0, num_computed=64)
+                    else:
+                        rep.append_tokens(a, [step])
+                    rep.decode_batch([a])
+            if rank == 1 and step == 2:  # this replica, behind the driver's back
+                st = rep.state
+                s = st.slot_of("a")
+                toks = st.token_ids[s, :st.num_tokens[s]].copy()
+                table = st.block_table[s, :st.num_blocks[s]].copy()
+                if what == "prompt token":
+                    toks[40] += 1  # inside step 2's chunk [32, 64), not its last token
+                else:
+                    table[1] = 9  # the decode build reads the whole table; not its last entry
+                n_comp = int(st.num_computed[s])
+                st.finish(s)
+                assert st.add_request("a", toks, table, 0, num_computed=n_comp) == s
+            try:
+                batch = rep.sync()
+                seen.append(f"step {step}: {len(batch)}")
+            except RuntimeError as e:
+                seen.append(f"step {step}: {e}")
+                break
+        torch.distributed.barrier()  # every follower has read step 3 before the driver closes
+    return seen
+
+
+@pytest.mark.parametrize("what,part", [("prompt token", "token window"), ("block table", "block table")])
+def test_divergence_the_build_reads_is_refused_at_that_step(what: str, part: str) -> None:
+    """Issue 38 item 6: a follower whose replica would build different metadata at step 2 -- a
+    prompt token inside the chunk being prefilled, a block-table entry the decode build reads --
+    is refused AT step 2, naming the rank, the step, the request and the part; the other
+    follower and the driver go on. Fails on 4ac8a65, whose per-step check read only each token
+    window's and block table's last id: rank 1 returned step 2's batch and built different
+    metadata (found only by the periodic replica digest, steps later)."""
+    out = run_ranks(_diverged_at_step_2, 3, what, timeout=120)
+    assert out[0] == out[2] == ["step 1: 1", "step 2: 1", "step 3: 1"], out
+    assert out[1][0] == "step 1: 1" and len(out[1]) == 2, out[1]
+    msg = out[1][1]
+    assert msg.startswith("step 2: rank 1: step 2: this replica's batch differs from the driver's (rank 0)"), msg
+    assert "request 'a' (slot 0)" in msg and msg.endswith(f"{part}; the replicas diverged, this replica "
+                                                          "refuses further steps"), msg
+
+
 def _step_skew(rank: int, world: int, skew: int) -> str:
     import cpmeta
 

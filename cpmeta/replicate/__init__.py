@@ -5,11 +5,12 @@ module              holds
 ==================  ==============================================================================
 ``replicated``      :class:`ReplicatedBatchState`: the driver's ``BatchState`` calls recorded and
                     sent as ONE step frame per ``sync()``; followers apply it to their replica
-``ops``             the op log: runs of calls in order, their int64 columns
+``ops``             the op log: runs of calls in order, their preallocated int64 columns
 ``step_frame``      ``StepFrame``, the op log as a schema'd dataclass on the common frame codec
                     (``cpmeta.broadcast.wire``); columns in and out of the frame as numpy
 ``apply``           a follower replays a step's runs on its replica; the spec's batch
 ``digest``          per-step batch digests and periodic whole-replica digests (divergence named)
+``digest_njit``     the batch digests' kernel: one 64-bit digest per sequence and part
 ==================  ==============================================================================
 """
 

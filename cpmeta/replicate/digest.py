@@ -1,77 +1,94 @@
 """Checks that make a diverged replica impossible to miss, at a few microseconds a step.
 
-- per step, :func:`batch_check`: one crc32 per field of the step's ``SequenceBatch`` (lengths,
-  state ids, valid starts, placeholder flags, confirmed-token counts, block-table lengths and
-  last ids, the token window and Engram ids a decode step reads). The driver's check rides in the step
-  frame; every follower compares its own batch's, so a replica whose batch -- what the metadata
-  is built from -- differs is refused at the step it happens, naming the fields.
+- per step, :func:`batch_check`: one 64-bit digest per sequence and part of the step's
+  ``SequenceBatch`` -- everything its build reads: lengths, state ids, valid starts, placeholder
+  flags, confirmed-token counts, the whole token window (a prompt chunk's every id), the whole
+  block table and the Engram window (:mod:`cpmeta.replicate.digest_njit`, one kernel call per batch). The driver's
+  digests ride in the step frame; every follower compares its own batch's before ``sync()``
+  returns, so a replica whose batch -- what the metadata is built from -- differs is refused at
+  the step it happens, naming the first differing request and part (:func:`first_difference`).
 - every ``check_every`` steps, :func:`replica_digest`: crc32 of every count array the state
   keeps and of one BAND of its rows (band ``k`` of ``N_BANDS``: slots ``[k R, (k + 1) R)``,
   ``R = cdiv(max_seqs, N_BANDS)``) of every per-request array -- token history, block table,
-  Engram ids -- so every byte of the replica is compared once every ``N_BANDS`` checks. The
-  ranks all-gather it; on a mismatch :func:`slot_digests` (one crc32 per slot of the band) names
-  the first differing request. Whole arrays are hashed, stale rows of finished requests too:
-  replicas that applied the same calls hold the same bytes there as well.
+  Engram ids -- so every byte of the replica is compared once every ``N_BANDS`` checks, what no
+  step has read yet included. The ranks all-gather it; on a mismatch :func:`slot_digests` (one
+  crc32 per slot of the band) names the first differing request. Whole arrays are hashed, stale
+  rows of finished requests too: replicas that applied the same calls hold the same bytes there
+  as well.
 
-crc32 (zlib, over contiguous memory) is not a signature: it catches accidental divergence (a
-lost or reordered op, a stray write into a replica), not an adversary, who could also write the
-frames. Example: a band of 32 slots of ``token_ids`` [256, 4096] int64 is 1 MiB: one crc32 call.
+Neither is a signature: they catch accidental divergence (a lost or reordered op, a stray write
+into a replica), not an adversary, who could also write the frames. Example: a band of 32 slots
+of ``token_ids`` [256, 4096] int64 is 1 MiB: one crc32 call.
 """
 
 from __future__ import annotations
 
 import zlib
+from typing import Optional, Sequence
 
 import numpy as np
 
 from ..state import BatchState, SequenceBatch
+from .digest_njit import PARTS, seq_digests
 
-__all__ = ["batch_check", "replica_digest", "snapshot", "slot_digests", "check_mismatch", "N_BANDS",
-           "CHECK_FIELDS"]
+__all__ = ["batch_check", "first_difference", "replica_digest", "snapshot", "slot_digests", "N_BANDS",
+           "PARTS"]
 
 N_BANDS = 8  # row bands of replica_digest
-#: what batch_check covers, one crc32 each, in order
-CHECK_FIELDS = ("seqlen_q", "seqlen_k", "state_id", "swa_valid_start", "is_placeholder",
-                "num_tokens", "block table lengths", "last blocks", "tokens", "compressed", "is_prompt")
-_CRC_FIELDS = CHECK_FIELDS[:6]
-_WINDOW = 8  # ids per sequence up to which a window is hashed whole (decode); past it, its ends
+_I64 = np.int64
 
 
-def _ends(flat: np.ndarray, off: np.ndarray, n: int) -> np.ndarray:
-    """``flat`` itself when it holds at most ``_WINDOW`` ids per sequence, else the last id of
-    every sequence's run (an empty run reads its neighbour's: still the same on every replica)."""
-    if len(flat) <= _WINDOW * n + _WINDOW:
-        return flat
-    return flat[off[1:] - 1]
+def _one_check(b: SequenceBatch) -> np.ndarray:
+    """``[1 + n_seq, 4]`` int64: the header row ``[is_prompt, n_seq, lookback, 0]``, then one
+    row of :data:`PARTS` digests per sequence (see :func:`batch_check`)."""
+    n = len(b)
+    out = np.empty((n + 1, 4), _I64)
+    out[0] = (int(b.is_prompt), n, b.lookback, 0)
+    a = np.asarray
+    seq_digests(out[1:], a(b.seqlen_q, _I64), a(b.seqlen_k, _I64), a(b.num_tokens, _I64),
+                a(b.state_id, _I64), a(b.swa_valid_start, _I64), a(b.is_placeholder, np.bool_),
+                a(b.tokens, _I64), a(b.token_offsets, _I64), a(b.compressed, _I64),
+                a(b.compressed_offsets, _I64), a(b.block_tables, _I64), a(b.block_table_offsets, _I64))
+    return out
 
 
-def batch_check(b: SequenceBatch) -> np.ndarray:
-    """``[11]`` int64: one crc32 per field of the batch (:data:`CHECK_FIELDS`): the per-sequence
-    arrays whole, the block tables by their lengths and last ids (what a step appends to;
-    ``SequenceBatch.block_table_ends``, which a decode batch of the state answers from its 2-D
-    rows: the flat tables, which its build does not read, are never made for the check), the
-    token window and Engram ids whole for a decode step and by their last ids for a prompt
-    chunk (the history itself is the periodic replica check's). About 11 crc32 calls over a few
-    KB. Example: a replica whose ``seqlen_k`` of one sequence is off by one differs in word 1."""
-    crc = _crc
-    out = [crc(getattr(b, f)) for f in _CRC_FIELDS]
-    n = len(b.seqlen_q)
-    lens, last = b.block_table_ends()  # from a decode batch's 2-D rows: its flat tables stay unmade
-    out += [crc(lens), crc(last)]
-    out.append(crc(_ends(b.tokens, b.token_offsets, n)) if len(b.tokens) else 0)
-    out.append(crc(_ends(b.compressed, b.compressed_offsets, n)) if len(b.compressed) else 0)
-    out.append(int(b.is_prompt))
-    return np.array(out, np.int64)
+_NONE = np.zeros((0, 4), _I64)
 
 
-def check_mismatch(mine: np.ndarray, want: np.ndarray) -> str:
-    """The fields where two :func:`batch_check` arrays differ (``"seqlen_k, tokens"``); ``""``
-    when equal."""
-    if np.array_equal(mine, want):
-        return ""
-    if len(mine) != len(want):
-        return "the batch spec"
-    return ", ".join(f for f, a, b in zip(CHECK_FIELDS, mine.tolist(), want.tolist()) if a != b)
+def batch_check(batches: Sequence[SequenceBatch]) -> np.ndarray:
+    """The step's check: for each batch in order a header row ``[is_prompt, n_seq, lookback,
+    0]`` and one row per sequence of its :data:`PARTS` digests (``[sum(1 + n_seq), 4]`` int64;
+    ``[0, 4]`` for a step without a batch): one kernel call per batch. Example: a decode batch
+    of 2 sequences -> 3 rows; a follower whose second sequence's table differs in one id
+    differs in row 2, column 2 only."""
+    if not batches:
+        return _NONE
+    if len(batches) == 1:
+        return _one_check(batches[0])
+    return np.concatenate([_one_check(b) for b in batches])
+
+
+def first_difference(mine: np.ndarray, want: np.ndarray) -> Optional[tuple[int, int, str]]:
+    """Where two :func:`batch_check` arrays first differ: ``(batch, sequence, what)`` --
+    ``sequence`` -1 for the batch itself (its kind, size or look-back, or a different number
+    of batches: ``batch`` -1 then), ``what`` the differing parts (``"token window, block
+    table"``); ``None`` when equal. Example: rows ``[hdr, s0, s1]`` differing in row 2, column
+    2 -> ``(0, 1, "block table")``."""
+    if mine.shape == want.shape and np.array_equal(mine, want):
+        return None
+    k, at = 0, 0
+    while at < len(mine) and at < len(want):
+        n_mine, n_want = int(mine[at, 1]), int(want[at, 1])
+        if not np.array_equal(mine[at], want[at]) or n_mine != n_want:
+            return k, -1, "kind, number of sequences or look-back"
+        bad = np.flatnonzero((mine[at + 1:at + 1 + n_mine] != want[at + 1:at + 1 + n_mine]).any(1))
+        if bad.size:
+            i = int(bad[0])
+            row = at + 1 + i
+            return k, i, ", ".join(p for j, p in enumerate(PARTS) if mine[row, j] != want[row, j])
+        at += 1 + n_mine
+        k += 1
+    return -1, -1, "number of batches"
 
 
 def _crc(a: np.ndarray, c: int = 0) -> int:

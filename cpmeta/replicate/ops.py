@@ -37,7 +37,7 @@ from typing import Any, Hashable
 import numpy as np
 
 __all__ = ["OpLog", "ADD", "TOK", "BLK", "CMP", "SID", "SVS", "FIN", "SPEC", "COLUMNS",
-           "RUN_NAMES", "SPEC_WORDS"]
+           "RUN_NAMES", "SPEC_WORDS", "flat_ints"]
 
 ADD, TOK, BLK, CMP, SID, SVS, FIN, SPEC = range(8)
 RUN_NAMES = ("add_request", "append_tokens", "append_blocks", "append_compressed",
@@ -50,133 +50,140 @@ COLUMNS: tuple[str, ...] = (
     "spec_slots", "spec_lens", "spec_drafts", "batch_digest",
 )
 #: columns of rank 2 and their second dim
-WIDE: dict[str, int] = {"runs": 2, "add_meta": 7, "sid_pairs": 2, "svs_pairs": 2}
+WIDE: dict[str, int] = {"runs": 2, "add_meta": 7, "sid_pairs": 2, "svs_pairs": 2, "batch_digest": 4}
+#: values per batch spec in a frame's ``spec`` list (see OpLog.batch_spec)
+SPEC_WORDS = 7
+
+(_RUNS, _ADD_META, _ADD_TOKENS, _ADD_BLOCKS, _ADD_COMP, _TOK_SLOTS, _TOK_COUNTS, _TOK_FLAT, _BLK_SLOTS,
+ _BLK_COUNTS, _BLK_FLAT, _CMP_SLOTS, _CMP_COUNTS, _CMP_FLAT, _SID, _SVS, _FIN, _SPEC_SLOTS, _SPEC_LENS,
+ _SPEC_DRAFTS, _DIGEST) = range(len(COLUMNS))
+#: first column (slots; counts and flat ids follow) of each ragged run code
+_RAGGED = {TOK: _TOK_SLOTS, BLK: _BLK_SLOTS, CMP: _CMP_SLOTS}
+_LOGGED = range(_DIGEST)  # the columns an OpLog fills (the batch digest comes at send)
+_WIDTH = [WIDE.get(c, 1) for c in COLUMNS]
 _EMPTY = np.zeros(0, np.int64)
 
 
+def flat_ints(values: Any) -> np.ndarray:
+    """``values`` as a flat array (a numpy array's own view; anything else converted once) for
+    the log to copy in. Example: ``[3, 5]`` -> ``array([3, 5])``."""
+    a = values if type(values) is np.ndarray else np.asarray(values, np.int64)
+    return a.reshape(-1)
+
+
 class OpLog:
-    """The driver's record of one step (see the module docstring); :meth:`arrays` hands the
-    columns to the frame, :meth:`clear` starts the next step, :meth:`extend` appends another
+    """The driver's record of one step (see the module docstring), in preallocated int64
+    columns: a call copies its values in (one slice assignment per column, no allocation; a
+    column that fills up doubles, once); :meth:`columns` hands views of the used parts to the
+    frame, :meth:`clear` starts the next step (resets counters), :meth:`extend` appends another
     log's calls (those made between two specs of one step)."""
 
     def __init__(self, max_seqs: int) -> None:
         # run id that last touched each slot: a slot already in the current run starts a new one
         self._seen = np.zeros(max_seqs, np.int64)
         self._run_id = 0
+        cap = 4 * max_seqs + 64
+        self._bufs = [np.zeros(cap * w, np.int64) for w in _WIDTH[:_DIGEST]]
+        self._n = [0] * _DIGEST  # int64 values used per column
+        self._last_code = -1  # the open run's code (-1: none)
+        self.req_ids: list[Any] = []
+        self.specs: list[int] = []  # SPEC_WORDS values per batch spec, in call order
         self.clear()
 
     def clear(self) -> None:
-        self._runs: list[list[int]] = []  # [code, entries]
+        self._n[:] = [0] * _DIGEST
+        self._last_code = -1
         self._run_id += 1
-        # per column: python ints (one per single-slot call) or int64 arrays, in call order
-        self._cols: dict[str, list[Any]] = {c: [] for c in COLUMNS if c not in ("runs", "batch_digest")}
-        self.req_ids: list[Any] = []
-        self.specs: list[int] = []  # SPEC_WORDS values per batch spec, in call order
-        self.n_ops = 0
+        self.req_ids.clear()
+        self.specs.clear()
+
+    def _room(self, c: int, k: int) -> np.ndarray:
+        """Column ``c``'s buffer with room for ``k`` more values (doubled when full)."""
+        buf = self._bufs[c]
+        need = self._n[c] + k
+        if need > len(buf):
+            grown = np.zeros(max(need, 2 * len(buf)), np.int64)
+            grown[:self._n[c]] = buf[:self._n[c]]
+            self._bufs[c] = buf = grown
+        return buf
+
+    def _put(self, c: int, values: Any, k: int) -> None:
+        """Append ``k`` values (an array of ``k`` or one int when ``k == 1``) to column ``c``."""
+        buf = self._room(c, k)
+        n = self._n[c]
+        buf[n:n + k] = values
+        self._n[c] = n + k
 
     def extend(self, other: "OpLog") -> None:
         """Append ``other``'s runs and columns after this log's (calls made later)."""
-        self._runs += other._runs
+        for c in _LOGGED:
+            k = other._n[c]
+            if k:
+                self._put(c, other._bufs[c][:k], k)
         self._run_id += 1
-        for name, parts in other._cols.items():
-            self._cols[name] += parts
+        self._last_code = -1  # other's runs stay whole: the next call opens a new one
         self.req_ids += other.req_ids
         self.specs += other.specs
-        self.n_ops += other.n_ops
 
-    def _entry(self, code: int, slots: Any) -> None:
-        """Open or extend the run of ``code`` for entries on ``slots`` (an int or an int64 array
-        of live slots, distinct: the driver's state checked them)."""
+    def _entry(self, code: int, slots: Any, n: int) -> None:
+        """Open or extend the run of ``code`` for ``n`` entries on ``slots`` (an int or an int64
+        array of live slots, distinct: the driver's state checked them)."""
         seen, rid = self._seen, self._run_id
-        if type(slots) is int:
-            n, clash = 1, seen[slots] == rid
-        else:
-            n, clash = len(slots), bool((seen[slots] == rid).any())
-        last = self._runs[-1] if self._runs else None
-        if last is None or last[0] != code or clash:
+        clash = seen[slots] == rid if n == 1 and type(slots) is int else bool((seen[slots] == rid).any())
+        if self._last_code != code or clash:
             self._run_id = rid = rid + 1
-            self._runs.append([code, 0])
-            last = self._runs[-1]
-        last[1] += n
+            self._last_code = code
+            self._put(_RUNS, (code, n), 2)
+        else:
+            self._bufs[_RUNS][self._n[_RUNS] - 1] += n
         seen[slots] = rid
-        self.n_ops += 1
 
     # ---- recording (after the driver's own state applied the call) ---------------------------
     def add(self, slot: int, req_id: Hashable, tokens: np.ndarray, blocks: np.ndarray,
             comp: np.ndarray, state_id: int, swa_valid_start: int, num_computed: int) -> None:
-        self._entry(ADD, slot)
-        c = self._cols
-        c["add_meta"].append(np.array([[slot, state_id, swa_valid_start, num_computed, len(tokens),
-                                        len(blocks), len(comp)]], np.int64))
-        c["add_tokens"].append(tokens)
-        c["add_blocks"].append(blocks)
-        c["add_comp"].append(comp)
+        nt, nb, nc = len(tokens), len(blocks), len(comp)
+        self._entry(ADD, slot, 1)
+        self._put(_ADD_META, (slot, state_id, swa_valid_start, num_computed, nt, nb, nc), 7)
+        self._put(_ADD_TOKENS, tokens, nt)
+        self._put(_ADD_BLOCKS, blocks, nb)
+        self._put(_ADD_COMP, comp, nc)
         self.req_ids.append(req_id)
 
     def ragged(self, code: int, slots: Any, counts: Any, flat: np.ndarray) -> None:
         """TOK / BLK / CMP entries: ``counts[i]`` values of ``flat`` for ``slots[i]`` (arrays),
         or one slot and its count (ints: a single-slot call)."""
-        self._entry(code, slots)
-        name = _RAGGED[code]
-        c = self._cols
-        c[name[0]].append(slots)
-        c[name[1]].append(counts)
-        c[name[2]].append(flat)
+        n = 1 if type(slots) is int else len(slots)
+        self._entry(code, slots, n)
+        c = _RAGGED[code]
+        self._put(c, slots, n)
+        self._put(c + 1, counts, n)
+        self._put(c + 2, flat, len(flat))
 
     def pair(self, code: int, slot: int, value: int) -> None:
-        self._entry(code, slot)
-        self._cols["sid_pairs" if code == SID else "svs_pairs"].append(np.array([[slot, value]], np.int64))
+        self._entry(code, slot, 1)
+        self._put(_SID if code == SID else _SVS, (slot, value), 2)
 
     def finish(self, slot: int) -> None:
-        self._entry(FIN, slot)
-        self._cols["fin_slots"].append(slot)
+        self._entry(FIN, slot, 1)
+        self._put(_FIN, slot, 1)
 
     def batch_spec(self, is_prompt: bool, slots: np.ndarray, lens: np.ndarray, drafts: np.ndarray,
                    num_placeholders: int, advance: bool, uniform: int) -> None:
         """A batch spec; its values ``[is_prompt, num_placeholders, advance, uniform drafts,
         #slots, #lens, #drafts]`` (:data:`SPEC_WORDS`) go to :attr:`specs`."""
-        self._runs.append([SPEC, 1])
+        self._put(_RUNS, (SPEC, 1), 2)
         self._run_id += 1
-        self.n_ops += 1
-        c = self._cols
-        c["spec_slots"].append(slots)
-        c["spec_lens"].append(lens)
-        c["spec_drafts"].append(drafts)
+        self._last_code = -1
+        self._put(_SPEC_SLOTS, slots, len(slots))
+        self._put(_SPEC_LENS, lens, len(lens))
+        self._put(_SPEC_DRAFTS, drafts, len(drafts))
         self.specs += [int(is_prompt), int(num_placeholders), int(advance), int(uniform), len(slots),
                        len(lens), len(drafts)]
 
     # ---- the frame ----------------------------------------------------------------------------
-    def arrays(self, batch_digest: np.ndarray) -> list[np.ndarray]:
-        """Every column of :data:`COLUMNS` as one contiguous int64 array (empty when unused)."""
-        out: list[np.ndarray] = [np.array(self._runs, np.int64).reshape(-1, 2)]
-        for name in COLUMNS[1:-1]:
-            parts = self._cols[name]
-            out.append(_flat(parts) if parts else (_EMPTY.reshape(0, WIDE[name]) if name in WIDE else _EMPTY))
+    def columns(self, batch_digest: np.ndarray) -> list[np.ndarray]:
+        """Every column of :data:`COLUMNS`: views of the used parts (valid until the next
+        :meth:`clear`), ``[k, w]`` for the wide ones, then ``batch_digest``."""
+        out = [b[:n] if w == 1 else b[:n].reshape(-1, w) for b, n, w in zip(self._bufs, self._n, _WIDTH)]
         out.append(batch_digest)
         return out
-
-
-#: values per batch spec in a frame's ``spec`` list (see OpLog.batch_spec)
-SPEC_WORDS = 7
-_RAGGED = {TOK: ("tok_slots", "tok_counts", "tok_flat"), BLK: ("blk_slots", "blk_counts", "blk_flat"),
-           CMP: ("cmp_slots", "cmp_counts", "cmp_flat")}
-
-
-def _flat(parts: list[Any]) -> np.ndarray:
-    """One contiguous int64 array of ints (single-slot calls: gathered into one array per
-    stretch) and arrays. Example: ``[3, 5, array([7, 8])]`` -> ``[3, 5, 7, 8]``."""
-    if len(parts) == 1 and type(parts[0]) is not int:
-        return np.ascontiguousarray(parts[0], np.int64)
-    out: list[Any] = []
-    ints: list[int] = []
-    for p in parts:
-        if type(p) is int:
-            ints.append(p)
-            continue
-        if ints:
-            out.append(np.array(ints, np.int64))
-            ints = []
-        out.append(p)
-    if ints:
-        out.append(np.array(ints, np.int64))
-    return out[0] if len(out) == 1 else np.concatenate(out).astype(np.int64, copy=False)

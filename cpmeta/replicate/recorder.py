@@ -17,7 +17,7 @@ from typing import Any, Callable, Hashable, NamedTuple, Optional, Sequence
 import numpy as np
 
 from ..state import BatchState, SequenceBatch
-from .ops import BLK, CMP, SID, SVS, TOK, OpLog
+from .ops import BLK, CMP, SID, SVS, TOK, OpLog, flat_ints
 
 __all__ = ["Recorder", "StepSpec"]
 
@@ -97,52 +97,52 @@ class Recorder(ABC):
             if not self._free_model:
                 raise ValueError(f"request {rid!r}: all max_seqs={self.state.max_seqs} slots are in use")
             s = self._free_model.pop()
-            self._rec.add(s, rid, _ints(prompt_token_ids), _ints(block_table), _ints(compressed_token_ids),
-                          int(state_id), int(swa_valid_start), int(num_computed))
+            self._rec.add(s, rid, flat_ints(prompt_token_ids), flat_ints(block_table),
+                          flat_ints(compressed_token_ids), int(state_id), int(swa_valid_start),
+                          int(num_computed))
             return s
         st = self.state
         s = st.add_request(rid, prompt_token_ids, block_table, state_id,
                            compressed_token_ids=compressed_token_ids, swa_valid_start=swa_valid_start,
                            num_computed=num_computed)
-        self._rec.add(s, rid, st.token_ids[s, :st.num_tokens[s]].copy(),
-                      st.block_table[s, :st.num_blocks[s]].copy(),
-                      st.compressed[s, :st.num_compressed[s]].copy(), int(st.state_id[s]),
+        self._rec.add(s, rid, st.token_ids[s, :st.num_tokens[s]], st.block_table[s, :st.num_blocks[s]],
+                      st.compressed[s, :st.num_compressed[s]], int(st.state_id[s]),
                       int(st.swa_valid_start[s]), int(st.num_computed[s]))
         return s
 
     def append_tokens(self, slot: int, tokens: Sequence[int]) -> None:
         self._driver("append_tokens")
         self._on_state(self.state.append_tokens, slot, tokens)
-        t = _ints(tokens)
+        t = flat_ints(tokens)
         self._rec.ragged(TOK, int(slot), len(t), t)
 
     def append_tokens_batch(self, slots: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> None:
         self._driver("append_tokens_batch")
         self._on_state(self.state.append_tokens_batch, slots, tokens, counts)
-        self._rec.ragged(TOK, _ints(slots), _ints(counts), _ints(tokens))
+        self._rec.ragged(TOK, flat_ints(slots), flat_ints(counts), flat_ints(tokens))
 
     def append_blocks(self, slot: int, blocks: Sequence[int]) -> None:
         self._driver("append_blocks")
         self._on_state(self.state.append_blocks, slot, blocks)
-        b = _ints(blocks)
+        b = flat_ints(blocks)
         self._rec.ragged(BLK, int(slot), len(b), b)
 
     def append_blocks_batch(self, slots: np.ndarray, blocks: np.ndarray, counts: np.ndarray) -> None:
         """``BatchState.append_blocks_batch``: every request's new block ids in one call."""
         self._driver("append_blocks_batch")
         self._on_state(self.state.append_blocks_batch, slots, blocks, counts)
-        self._rec.ragged(BLK, _ints(slots), _ints(counts), _ints(blocks))
+        self._rec.ragged(BLK, flat_ints(slots), flat_ints(counts), flat_ints(blocks))
 
     def append_compressed(self, slot: int, ids: Sequence[int]) -> None:
         self._driver("append_compressed")
         self._on_state(self.state.append_compressed, slot, ids)
-        c = _ints(ids)
+        c = flat_ints(ids)
         self._rec.ragged(CMP, int(slot), len(c), c)
 
     def append_compressed_batch(self, slots: np.ndarray, ids: np.ndarray, counts: np.ndarray) -> None:
         self._driver("append_compressed_batch")
         self._on_state(self.state.append_compressed_batch, slots, ids, counts)
-        self._rec.ragged(CMP, _ints(slots), _ints(counts), _ints(ids))
+        self._rec.ragged(CMP, flat_ints(slots), flat_ints(counts), flat_ints(ids))
 
     def set_state_id(self, slot: int, state_id: int) -> None:
         self._driver("set_state_id")

@@ -9,8 +9,9 @@ every rank builds its own. This is that design on cpmeta's transport and frame c
     rep.decode_batch(slots, drafts, 2)   -- each call applied to the driver's replica at once
     batch = rep.sync()  ── ONE step frame ──────────▶ batch = rep.sync()
                            (op log: runs + int64        apply the runs in order, the spec's
-                            columns, ~1 KB for a         batch from the own replica; its
-                            decode step of 64)           per-sequence digest == the driver's
+                            columns + the batch's        batch from the own replica; its
+                            digests, ~4 KB for a         per-sequence digests == the driver's
+                            decode step of 64)
     md = prepare_decode(batch, cfg, out=arenas)      md = prepare_decode(batch, cfg, out=arenas)
 
 Each driver call is validated by the driver's own ``BatchState`` first: a call it refuses (bad
@@ -19,11 +20,15 @@ unchanged by it. A step's frame ends with its batch spec: calls the driver makes
 ``decode_batch`` / ``prompt_batch`` (the step's results, arriving early) are applied to the
 driver's replica at once but travel with the NEXT step, so after ``sync()`` every follower's
 replica stands exactly where the driver's stood when it made the batch (``rep.spec`` holds the
-spec's arguments on every rank, for engines that stage from the state: ``stage_decode``). Divergence is impossible to miss: every frame carries its step number (a gap
-or a replay is refused), every step the follower's batch is compared with the driver's by
-per-sequence digests, and every ``check_every`` steps the ranks compare digests of their whole
-replicas (``cpmeta.replicate.digest``); a mismatch is a ``RuntimeError`` naming the rank, the
-step and the first differing request, after which that replica refuses every further step.
+spec's arguments on every rank, for engines that stage from the state: ``stage_decode``).
+
+Divergence is impossible to miss: every frame carries its step number (a gap or a replay is
+refused); every step, before ``sync()`` returns, each follower compares digests of everything
+its batch's build reads (per sequence: lengths and ids, the token window, the block table, the
+Engram window) with the driver's, so a replica that would build different metadata is refused
+AT that step; and every ``check_every`` steps the ranks compare digests of their whole replicas
+(``cpmeta.replicate.digest``). A mismatch is a ``RuntimeError`` naming the rank, the step and
+the first differing request, after which that replica refuses every further step.
 """
 
 from __future__ import annotations
@@ -40,8 +45,9 @@ from ..config import MetadataConfig
 from ..state import BatchState, SequenceBatch
 from ..broadcast.channel import FrameChannel, resolve_src
 from ..broadcast.wire import FLAG_PACKED, Frame, WireError
+from ..transport.envs import ENV_TIMEOUT
 from .apply import ReplicaError, apply_step
-from .digest import N_BANDS, batch_check, check_mismatch, replica_digest, slot_digests, snapshot
+from .digest import N_BANDS, batch_check, first_difference, replica_digest, slot_digests, snapshot
 from .ops import COLUMNS, SPEC_WORDS
 from .recorder import Recorder, StepSpec, decode_spec
 from .step_frame import STEP_SCHEMA, column_dims, read_columns, step_key, write_columns
@@ -50,7 +56,7 @@ __all__ = ["ReplicatedBatchState", "StepSpec", "DEFAULT_CHECK_EVERY"]
 
 #: steps between two whole-replica digest comparisons (a collective over the gloo group)
 DEFAULT_CHECK_EVERY = 64
-_NO_DIGEST = np.zeros(0, np.int64)
+_NO_CHECK = np.zeros((0, 4), np.int64)  # the batch check of a step without a batch spec
 
 
 class ReplicatedBatchState(Recorder):
@@ -96,7 +102,7 @@ class ReplicatedBatchState(Recorder):
                  group_src: Optional[int] = None, src: Optional[int] = None,
                  device: Optional[torch.device | str] = None, check_every: int = DEFAULT_CHECK_EVERY,
                  max_tokens: Optional[int] = None, max_blocks: Optional[int] = None,
-                 max_compressed: Optional[int] = None, timeout: Optional[float] = None,
+                 max_compressed: Optional[int] = None, timeout: Any = ENV_TIMEOUT,
                  force_remote: Optional[bool] = None, checksum: Optional[bool] = None,
                  defer_apply: bool = False) -> None:
         if type(check_every) is not int or check_every < 0:
@@ -122,7 +128,8 @@ class ReplicatedBatchState(Recorder):
                                        "defer_apply setting": bool(defer_apply)})
         self._key = step_key()
         self._init_recorder(bool(defer_apply))
-        self._prev_check = _NO_DIGEST  # defer_apply: this rank's batch check of the last step
+        self._prev_check = _NO_CHECK  # defer_apply: this rank's batch check of the last step
+        self._prev_specs: tuple[StepSpec, ...] = ()  # ... and its specs (a follower names from them)
         #: the last synced step's batch specs on every rank, in call order (``rep.spec``: the one)
         self.specs: tuple[StepSpec, ...] = ()
         self._spec_digest: Optional[int] = None  # driver: the replica digest at spec time
@@ -202,7 +209,7 @@ class ReplicatedBatchState(Recorder):
         log = self._log
         # default: the specs' batches, made at the calls; defer_apply: made by the apply below
         batches = [] if self._defer else [b for b in self._batches if b is not None]
-        cols = log.arrays(self._prev_check if self._defer else _checks(batches))
+        cols = log.columns(self._prev_check if self._defer else batch_check(batches))
         req_ids, specs = list(log.req_ids), list(log.specs)
         values: list[Any] = [step, check, req_ids, specs]
         prep = self._ch.prepare(self._key, values, column_dims(cols))
@@ -229,7 +236,7 @@ class ReplicatedBatchState(Recorder):
             raise ValueError(f"ReplicatedBatchState (defer_apply): step {step}: the state refused a "
                              f"call already sent: {e}; every replica refuses further steps "
                              "(rebuild the ReplicatedBatchState)") from None
-        self._prev_check = _checks(batches)
+        self._prev_check = batch_check(batches)
         if check:  # the replica now stands where it stood at the step's spec
             self._hold_digest(step)
         return batches
@@ -257,21 +264,33 @@ class ReplicatedBatchState(Recorder):
                    else "diverged")
             raise RuntimeError(f"rank {self.rank}: step {step}: this replica cannot apply the "
                                f"driver's step ({why}): {type(e).__name__}: {e}") from None
-        mine, at = (self._prev_check, step - 1) if self._defer else (_checks(batches), step)
-        where = check_mismatch(mine, cols["batch_digest"])
-        if where:
-            self._broken = f"step {at}: batch differs from the driver's"
-            raise RuntimeError(f"rank {self.rank}: step {at}: this replica's batch differs from "
-                               f"the driver's in {where} (requests {self._names(cols)}): the "
-                               "replicas diverged")
-        if self._defer:
-            self._prev_check = _checks(batches)
+        self._compare(batches, cols, step)
         return batches
 
-    def _names(self, cols: dict[str, np.ndarray]) -> str:
-        """The step's scheduled requests (``"'a', 'b', ..."``), for a batch mismatch."""
-        ids = [repr(self.state.request_of(int(s))) for s in cols["spec_slots"][:4]]
-        return ", ".join(ids) + (", ..." if len(cols["spec_slots"]) > 4 else "")
+    def _compare(self, batches: list[SequenceBatch], cols: dict[str, np.ndarray], step: int) -> None:
+        """Follower: this replica's batch check against the driver's (``batch_digest``) -- the
+        step's own, or with ``defer_apply`` the previous step's; a difference breaks the replica
+        and raises, naming this rank, the step, the request and what differs."""
+        if self._defer:
+            mine, at, specs = self._prev_check, step - 1, self._prev_specs
+            self._prev_check, self._prev_specs = batch_check(batches), self.specs
+        else:
+            mine, at, specs = batch_check(batches), step, self.specs
+        diff = first_difference(mine, cols["batch_digest"])
+        if diff is None:
+            return
+        k, i, what = diff
+        if i < 0:
+            where = f"batch {k}'s {what}" if k >= 0 else f"the {what}"
+        else:
+            slots = specs[k].slots
+            who = (f"request {self.state.request_of(int(slots[i]))!r} (slot {int(slots[i])})" if i < len(slots)
+                   else f"placeholder sequence {i - len(slots)}")
+            where = f"{who}, sequence {i} of batch {k}: {what}"
+        self._broken = f"step {at}: batch differs from the driver's"
+        raise RuntimeError(f"rank {self.rank}: step {at}: this replica's batch differs from the driver's "
+                           f"(rank {self.src}) at {where}; the replicas diverged, this replica refuses "
+                           "further steps")
 
     def _check_replicas(self, step: int) -> None:
         """Collective: every rank's replica digest (``transport.gather_ints``: bounded by the
@@ -305,13 +324,6 @@ class ReplicatedBatchState(Recorder):
         self._broken = f"step {step}: replica digests differ"
         raise RuntimeError(f"rank {self.rank}: step {step}: replica digests differ from the "
                            f"driver's (rank {self.src}): {where}")
-
-
-def _checks(batches: list[SequenceBatch]) -> np.ndarray:
-    """The step's per-step check words: :func:`digest.batch_check` of every batch, in order."""
-    if not batches:
-        return _NO_DIGEST
-    return batch_check(batches[0]) if len(batches) == 1 else np.concatenate([batch_check(b) for b in batches])
 
 
 def _specs_of(cols: dict[str, np.ndarray], spec: list[int]) -> tuple[StepSpec, ...]:

@@ -66,7 +66,7 @@ class StepFrame:
     spec_slots: Optional[torch.Tensor] = _col("spec_slots")  # [n] int64
     spec_lens: Optional[torch.Tensor] = _col("spec_lens")  # [n] or [0] int64
     spec_drafts: Optional[torch.Tensor] = _col("spec_drafts")  # [sum drafts] int64
-    batch_digest: Optional[torch.Tensor] = _col("batch_digest")  # [n_seq] int64 (digest.py)
+    batch_digest: Optional[torch.Tensor] = _col("batch_digest")  # [rows, 4] int64 (digest.batch_check)
 
 
 STEP_SCHEMA: Schema = Schema.of(StepFrame)
