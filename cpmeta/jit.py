@@ -34,7 +34,7 @@ import os
 import pkgutil
 import time
 from functools import lru_cache
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar, cast
 
 import numba
 import numpy as np
@@ -107,14 +107,15 @@ class _KernelSourcesLocator(caching._CacheLocator):
 
 
 # numba tries its cache locators in this order (numba >= 0.59, the pinned floor); ours goes first
-if _KernelSourcesLocator not in caching.CacheImpl._locator_classes:
-    caching.CacheImpl._locator_classes.insert(0, _KernelSourcesLocator)
+_LOCATORS = cast("list[Any]", caching.CacheImpl._locator_classes)
+if _KernelSourcesLocator not in _LOCATORS:
+    _LOCATORS.insert(0, _KernelSourcesLocator)
 
 
 def kernel(fn: F) -> F:
     """``numba.njit(cache=True, nogil=True)``: the one way a per-step kernel is compiled
     (``nogil``: an engine may overlap the build with another thread)."""
-    return numba.njit(cache=True, nogil=True)(fn)  # type: ignore[no-any-return]
+    return cast(F, numba.njit(cache=True, nogil=True)(fn))
 
 
 def error_slot() -> np.ndarray:
