@@ -46,20 +46,13 @@ def prefix(lengths: np.ndarray) -> np.ndarray:
 
 
 class Vouch(NamedTuple):
-    """What the maker of a :class:`SequenceBatch` vouches for, under ONE config ``cfg``
-    (immutable).
-
-    Every vouched batch passed ``SequenceBatch.validate(cfg)``'s checks (or its maker's
-    invariants and per-step checks cover them: ``BatchState``'s gather kernel): its builders
-    skip ``validate`` and may rely on its token windows holding ids in ``[0, 2**31 - 1]``.
-    ``blocks_needed`` and ``block_rows32`` are no longer set by any maker (the state's gather
-    writes the flat arrays only); they stay ``None`` until ``cpmeta/builders/extract.py``, which
-    still reads them, stops doing so.
-    """
+    """What the maker of a :class:`SequenceBatch` vouches for: that it is valid under ONE config
+    ``cfg`` (immutable). Every vouched batch passed ``SequenceBatch.validate(cfg)``'s checks (or
+    its maker's invariants and per-step checks cover them: ``BatchState``'s gather kernel): its
+    builders skip ``validate`` and may rely on its token windows holding ids in ``[0, 2**31 -
+    1]``."""
 
     cfg: MetadataConfig
-    blocks_needed: Optional[np.ndarray] = None  # unset (see above)
-    block_rows32: Optional[np.ndarray] = None  # unset (see above)
 
 
 @dataclass(slots=True, eq=False)
