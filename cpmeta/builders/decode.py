@@ -214,26 +214,33 @@ def prepare_decode(
     T = len(sb.tokens) if sb.lookback == 0 else int(sb.seqlen_q.sum())  # no look-back: one id per row
     plan = _plan(cfg)
     shape = plan.shape(cfg, T, n)
+    tg: Optional[_Target] = None
     if arenas is not None:  # caller-owned memory: the arena it hands out for this batch shape
         tg = plan.target(arenas.arena(shape.layout), shape)
-    else:  # one host allocation for every field (a dict's fields are copied from it)
+    elif out is None:  # one host allocation for every field
         tg = _Target(HostArena(shape.layout), shape)
+    if tg is not None:
+        raw, err, info = tg.raw, tg.err, tg.info
+    else:  # a caller's dict: the kernel fills scratch bytes, copied into the dict's tensors
+        raw, err, info = np.empty(shape.layout.nbytes, np.uint8), np.zeros(4, np.int64), np.zeros(2, np.int64)
     table = cfg.ngram_lookup
     tab = _NO_TABLE if table is None else table.detach().cpu().to(torch.int64).numpy()
-    err, info = tg.err, tg.info
     if decode_fill(*[a if a.dtype is _I64 else a.astype(np.int64) for a in (  # one dtype: one compiled kernel
             sb.seqlen_q, sb.seqlen_k, sb.state_id)], sb.is_placeholder,
             *[a if a.dtype is _I64 else a.astype(np.int64) for a in (
                 sb.tokens, sb.token_offsets, sb.compressed, sb.compressed_offsets, sb.block_tables,
                 sb.block_table_offsets)],
-            plan.consts, tab, tg.raw, shape.offsets, T, err, info):
+            plan.consts, tab, raw, shape.offsets, T, err, info):
         _raise(err, cfg)
     f: dict[str, Any] = {"is_prompt": False, "num_seqs": n, "total_q": T, "max_seqlen_q": int(info[0]),
-                         "max_seqlen_k": int(info[1]), **tg.whole}
-    for name, d in tg.rows.items():
-        f[name] = dict(d)  # the metadata's own dict (a caller may replace its entries)
-    if isinstance(out, dict):
-        _into_dict(out, f, tg.arena, shape.layout)
+                         "max_seqlen_k": int(info[1])}
+    if tg is not None:
+        f.update(tg.whole)
+        for name, d in tg.rows.items():
+            f[name] = dict(d)  # the metadata's own dict (a caller may replace its entries)
+    else:
+        assert isinstance(out, dict)  # _out_kind: None, a dict or an OutputBuffers
+        _into_dict(out, f, raw, shape)
     return InputMetadata(**f)
 
 
@@ -254,17 +261,17 @@ def _raise(err: np.ndarray, cfg: MetadataConfig) -> None:
     raise AssertionError(f"decode_fill: unknown error code {err.tolist()}")  # pragma: no cover
 
 
-def _into_dict(out: dict[str, torch.Tensor], f: dict[str, Any], arena: HostArena, lay: ArenaLayout) -> None:
+def _into_dict(out: dict[str, torch.Tensor], f: dict[str, Any], raw: np.ndarray, shape: _Shape) -> None:
     """A caller's ``out`` dict: each field it holds is checked (shape, dtype: ``ValueError`` naming
-    it) and filled from the arena, ``f`` then points at it; each field it lacks is stored in it
-    (the arena's tensor; a per-ratio field as its stacked ``[n_ratio, ...]`` tensor)."""
-    for name, (_, _, shape, _, dtype) in lay.fields.items():
-        t_arena, a = arena.take(name)  # type: ignore[misc]
-        if name not in out:
-            out[name] = t_arena
-            continue
-        if name in lay.stacked:
-            t, f[name] = get_or_create_stacked(out, name, list(f[name]), shape[1:], dtype)
+    it), each it lacks is allocated and stored in it (``get_or_create_tensor`` /
+    ``get_or_create_stacked``: per-ratio fields as one stacked ``[n_ratio, ...]`` tensor), and
+    filled from the kernel's bytes ``raw``; ``f`` gets the dict's tensors (row views for
+    per-ratio fields)."""
+    views = {torch.int32: raw.view(np.int32), torch.bool: raw.view(np.bool_)}
+    keys = dict(shape.rows)
+    for name, (start, size, shp, _, dtype) in shape.layout.fields.items():
+        if name in keys:
+            t, f[name] = get_or_create_stacked(out, name, keys[name], shp[1:], dtype)
         else:
-            t = f[name] = get_or_create_tensor(out, name, shape, dtype)
-        np.copyto(t.numpy(), a)
+            t = f[name] = get_or_create_tensor(out, name, shp, dtype)
+        np.copyto(t.numpy(), views[dtype][start:start + size].reshape(shp))
