@@ -15,8 +15,9 @@ module              holds
                     ``FrameReader`` (write, strict parse, the follower's plan cache)
 ``plan``            ``Plan``: one layout's sizes, proofs, views, packing and assembly
 ``schema``          a dataclass as a schema: field kinds, keys, value types and bounds, pinned
-                    dtypes / ranks; ``INPUT_METADATA``
-``dict_schema``     ``DictSchema``: a plain tensor dict's keys as paths (``broadcast_tensor_dict``)
+                    dtypes / ndims; ``INPUT_METADATA``
+``dict_schema``     ``DictSchema``: a tensor dict's tree (one msgpack token list) and its tensors on
+                    the frame (``broadcast_tensor_dict``)
 ``value_check``     the per-frame value checks, compiled per layout
 ``collect``         ``collect`` / ``collect_dict``: the driver's split by path (layout key,
                     tensors, values), cached per tuple of field types

@@ -32,11 +32,12 @@ from typing import Any, Optional
 
 import torch
 
+from ..cache import BoundedCache
 from .schema import MAX_LAYOUT_PATHS
-from .value_check import MAX_INT, MIN_INT, LayoutError, PlainValueCheck
+from .value_check import MAX_INT, MIN_INT, LayoutError
 
-__all__ = ["DictSchema", "check_dict_key", "encode_tree", "decode_tree", "TREE_KEY", "MAX_DEPTH",
-           "MAX_TENSORS", "MAX_LABEL"]
+__all__ = ["DictSchema", "TreeCheck", "check_dict_key", "encode_tree", "decode_tree", "TREE_KEY",
+           "MAX_DEPTH", "MAX_TENSORS", "MAX_LABEL"]
 
 TREE_KEY = "#tree"
 MAX_DEPTH = 32  # nesting levels of dicts / lists / tuples (and enum values) below the top dict
@@ -44,6 +45,9 @@ MAX_TENSORS = MAX_LAYOUT_PATHS - 1  # distinct tensors per dict: every layout pa
 MAX_LABEL = 48  # characters of a tensor's label (1023 labels stay inside the layout block)
 VAL, TENSOR, DICT, LIST, TUPLE = 0, 1, 2, 3, 4
 _SCALARS = frozenset({type(None), bool, int, float, str})
+_FAST = frozenset({type(None), bool, float, str})  # scalars without a range to check
+_TENSOR = torch.Tensor
+_LABELS: BoundedCache[tuple, list[str]] = BoundedCache(256)  # tensors' paths -> their labels
 _WHAT = "plain values: None, bool, int, float, str, enums of those, tensors, and dicts / lists / tuples of them"
 
 
@@ -53,7 +57,7 @@ class DictSchema:
 
     A layout is checked once: exactly one value path, ``#tree``; labels 1-48 printable ASCII
     characters without ``;`` / ``,``, unique, never ``#tree``. Per frame the tree is a list of
-    plain scalars (:class:`~cpmeta.broadcast.value_check.PlainValueCheck`); its structure is
+    plain scalars (:class:`TreeCheck`, on the driver as on every follower); its structure is
     proven by :func:`decode_tree`. Example: ``{"#tree": [2, 1, "ids", 1, 0], "ids": t}`` ->
     tensor path ``ids``, value path ``#tree``.
     """
@@ -85,8 +89,25 @@ class DictSchema:
     def fixed_dims(self, targets: Any, ndims: Any) -> list[tuple[int, int, str]]:
         return []
 
-    def value_check(self, targets: list[tuple[str, Optional[str]]]) -> "PlainValueCheck":
-        return PlainValueCheck([p for p, _ in targets])
+    def value_check(self, targets: list[tuple[str, Optional[str]]]) -> "TreeCheck":
+        return TreeCheck()
+
+
+class TreeCheck:
+    """Per frame: the values block is ``[tree]``, the tree a list of plain scalars, in one
+    C-level pass over the tokens' types (:func:`encode_tree` keeps ints in int64; the codec
+    decodes none outside uint64). Example: ``[[2, 1, "n", 0, 3]]`` passes; ``[[2, 1, "n", 0,
+    [3]]]`` is refused (a list token)."""
+
+    def __call__(self, values: Any) -> None:
+        if type(values) is not list or len(values) != 1 or type(values[0]) is not list:
+            raise LayoutError(f"values block: expected [tree], the tree a list of tokens, got "
+                              f"{values!r:.60}")
+        tokens = values[0]
+        if not _SCALARS.issuperset(map(type, tokens)):
+            bad = next(t for t in tokens if type(t) not in _SCALARS)
+            raise LayoutError(f"{TREE_KEY}: token {type(bad).__name__} {bad!r:.40} is not a plain "
+                              "scalar (None, bool, int, float, str)")
 
 
 def check_dict_key(key: Any) -> None:
@@ -119,6 +140,17 @@ def encode_tree(d: dict) -> tuple[list[Any], list[torch.Tensor], list[str]]:
     if len(tensors) > MAX_TENSORS:
         raise TypeError(f"tensor_dict: {len(tensors)} distinct tensors, at most MAX_TENSORS="
                         f"{MAX_TENSORS} travel in one frame")
+    key = tuple(paths)
+    labels = _LABELS.get(key)
+    if labels is None:
+        labels = _LABELS.put(key, _labels(paths))
+    return tokens, tensors, labels
+
+
+def _labels(paths: list[tuple]) -> list[str]:
+    """Each tensor's label: its first path as text when that is a valid, new label not starting
+    with ``#``, else ``#<index>``. Example: ``[((), "ids"), (((), "kv"), 0)]`` -> ``["ids",
+    "kv.0"]``."""
     labels: list[str] = []
     used = {TREE_KEY}
     for i, p in enumerate(paths):
@@ -127,7 +159,7 @@ def encode_tree(d: dict) -> tuple[list[Any], list[torch.Tensor], list[str]]:
             text = f"#{i}"
         used.add(text)
         labels.append(text)
-    return tokens, tensors, labels
+    return labels
 
 
 def _encode(v: Any, out: list[Any], tensors: list[torch.Tensor], paths: list[tuple],
@@ -154,15 +186,25 @@ def _encode(v: Any, out: list[Any], tensors: list[torch.Tensor], paths: list[tup
                 if type(k) not in _SCALARS:
                     k = _enum_key(k, path)
                     converted = True
-                out.append(k)
-                _encode(x, out, tensors, paths, seen, (path, k), depth + 1)
+                tx = type(x)
+                if tx in _FAST or (tx is int and MIN_INT <= x <= MAX_INT):  # most entries: inline
+                    out += (k, VAL, x)
+                elif tx is _TENSOR and id(x) in seen:
+                    out += (k, TENSOR, seen[id(x)])
+                else:
+                    out.append(k)
+                    _encode(x, out, tensors, paths, seen, (path, k), depth + 1)
             if converted and len({_key_of(k) for k in v}) != len(v):
                 raise TypeError(f"{_path_text(path) or 'tensor_dict'}: two keys are equal once enums "
                                 f"are sent as their values ({list(v)!r:.80})")
         elif t is list or t is tuple:
             out += (LIST if t is list else TUPLE, len(v))
             for j, x in enumerate(v):
-                _encode(x, out, tensors, paths, seen, (path, j), depth + 1)
+                tx = type(x)
+                if tx in _FAST or (tx is int and MIN_INT <= x <= MAX_INT):
+                    out += (VAL, x)
+                else:
+                    _encode(x, out, tensors, paths, seen, (path, j), depth + 1)
         else:
             _encode(v.value, out, tensors, paths, seen, path, depth + 1)
     else:
@@ -238,15 +280,32 @@ def _decode(tok: list[Any], box: list[int], tensors: list[torch.Tensor], used: l
         raise ValueError(f"tensor dict: token {at} is tag {tag!r:.40} count {arg!r:.40}")
     if depth >= MAX_DEPTH:
         raise ValueError(f"tensor dict: nested deeper than MAX_DEPTH={MAX_DEPTH} levels")
+    i = box[0]  # plain leaves inline (most entries), anything else through _decode
     if tag == DICT:
         d: dict[Any, Any] = {}
         for _ in range(arg):
-            k = tok[box[0]]
+            k, tg, v = tok[i], tok[i + 1], tok[i + 2]
             if type(k) not in _SCALARS or k in d:
-                raise ValueError(f"tensor dict: key {k!r:.40} at token {box[0]} is not a plain "
+                raise ValueError(f"tensor dict: key {k!r:.40} at token {i} is not a plain "
                                  "scalar or repeats")
-            box[0] += 1
-            d[k] = _decode(tok, box, tensors, used, depth + 1)
+            if type(tg) is int and tg == VAL and type(v) in _SCALARS:
+                d[k] = v
+                i += 3
+            else:
+                box[0] = i + 1
+                d[k] = _decode(tok, box, tensors, used, depth + 1)
+                i = box[0]
+        box[0] = i
         return d
-    items = [_decode(tok, box, tensors, used, depth + 1) for _ in range(arg)]
+    items = []
+    for _ in range(arg):
+        tg, v = tok[i], tok[i + 1]
+        if type(tg) is int and tg == VAL and type(v) in _SCALARS:
+            items.append(v)
+            i += 2
+        else:
+            box[0] = i
+            items.append(_decode(tok, box, tensors, used, depth + 1))
+            i = box[0]
+    box[0] = i
     return items if tag == LIST else tuple(items)

@@ -1,8 +1,8 @@
 """The per-frame checks of a layout's values: compiled once per layout, run on every frame.
 
-:class:`ValueCheck` holds a dataclass schema's values to their declared types and bounds;
-:class:`PlainValueCheck` holds a tensor dict's (``cpmeta.broadcast_tensor_dict``) to plain
-values. Both raise :class:`LayoutError` naming the first bad path. Worked example: value paths
+:class:`ValueCheck` holds a dataclass schema's values to their declared types and bounds
+(a tensor dict's tree has its own, ``cpmeta.broadcast.dict_schema.TreeCheck``); it raises
+:class:`LayoutError` naming the first bad path. Worked example: value paths
 ``["is_prompt", "num_seqs", "total_k_compressed.4"]`` of ``InputMetadata`` compile to types
 ``(bool, int, int)``, int positions ``[1, 2]`` with lows ``(0, 0)``; the values ``[True, 3, 17]``
 pass with ``(bool, int, int) == (bool, int, int)`` and ``0 <= 3, 0 <= 17``.
@@ -13,14 +13,12 @@ from __future__ import annotations
 import operator
 from typing import Any, Callable, Optional, cast
 
-__all__ = ["LayoutError", "ValueCheck", "PlainValueCheck", "plain", "MAX_INT", "MIN_INT",
-           "PLAIN_TYPES", "TENSOR", "TENSOR_DICT", "VALUE", "VALUE_DICT"]
+__all__ = ["LayoutError", "ValueCheck", "MAX_INT", "MIN_INT", "TENSOR", "TENSOR_DICT", "VALUE",
+           "VALUE_DICT"]
 
 TENSOR, TENSOR_DICT, VALUE, VALUE_DICT = "tensor", "tensor_dict", "value", "value_dict"
 MAX_INT = (1 << 63) - 1  # every int value fits int64
 MIN_INT = -(1 << 63)
-#: value types a tensor-dict value may have (containers hold the same, nested)
-PLAIN_TYPES = frozenset({type(None), bool, int, float, str, list, tuple})
 
 
 class LayoutError(ValueError):
@@ -139,30 +137,3 @@ def _ok_items(items: Any, vt: tuple[type, ...], low: int) -> bool:
         if t not in vt or (t is int and not low <= x <= MAX_INT):
             return False
     return True
-
-
-class PlainValueCheck:
-    """Per frame: every value of a :class:`DictSchema` layout is a plain value (module doc)."""
-
-    def __init__(self, paths: list[str]) -> None:
-        self.paths = paths
-        self.n = len(paths)
-
-    def __call__(self, values: Any) -> None:
-        if type(values) is not list or len(values) != self.n:
-            raise LayoutError(f"values block: expected a list of {self.n} values")
-        for p, v in zip(self.paths, values):
-            if not plain(v):
-                raise LayoutError(f"{p}: {type(v).__name__} {v!r:.60} is not a plain value (None, "
-                                  "bool, int, float, str, or lists / tuples of those)")
-
-
-def plain(v: Any, depth: int = 0) -> bool:
-    """Whether ``v`` is a plain value: a scalar of :data:`PLAIN_TYPES` (ints in int64 range) or a
-    list / tuple of plain values at most 8 deep."""
-    t = type(v)
-    if t is int:
-        return MIN_INT <= v <= MAX_INT
-    if t in (list, tuple):
-        return depth < 8 and all(plain(x, depth + 1) for x in v)
-    return t in PLAIN_TYPES
