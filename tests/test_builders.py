@@ -332,6 +332,48 @@ def test_slot_overflow(is_prompt: bool) -> None:
         _build([seq], cfg, is_prompt)
 
 
+def _decode_one(k: int, table: list[int], state: int, tokens: list[int]) -> SequenceMetadata:
+    return SequenceMetadata(1, k, table, state, tokens)
+
+
+def test_decode_kernel_errors_name_the_field_and_write_nothing() -> None:
+    """The decode kernel's checks (decode_njit / common_njit error codes) raise the named errors,
+    and a refused batch leaves a reused arena as the last good build left it."""
+    import numpy as np
+
+    from cpmeta.state.batch import SequenceBatch
+
+    cfg = MetadataConfig.compressed_swa()
+    good = [_decode_one(40, [1], 0, list(range(40))), _decode_one(40, [2], 1, list(range(40)))]
+    arenas = cpmeta.OutputArenas()
+    md = cpmeta.prepare_decode(good, cfg, out=arenas)
+    before = {p: t.clone() for p, t in md.tensors()}
+    bad = [good[0], _decode_one(40, [-3], 1, list(range(40)))]
+    with pytest.raises(ValueError, match=re.escape("seqs[1].block_table: expected block ids >= 0, got -3 at index 0")):
+        cpmeta.prepare_decode(bad, cfg, out=arenas)
+    assert all(torch.equal(t, before[p]) for p, t in md.tensors())  # same arena, untouched
+    # Engram: a table read out of range anywhere wins over an id outside int32 in an earlier row
+    eng = MetadataConfig.compressed_swa(max_ngram_size=3, ngram_lookup=torch.tensor([5, 6, 2**31]))
+    wide = _decode_one(5, [1], 0, [0, 1, 2, 0, 1])  # row pos 4 looks back at token 2 -> 2**31
+    with pytest.raises(ValueError, match=re.escape("ngram_token_ids: an id does not fit in int32")):
+        cpmeta.prepare_decode([wide], eng)
+    with pytest.raises(ValueError, match=re.escape("ngram_lookup: a token id read by ngram_token_ids is outside the table")):
+        cpmeta.prepare_decode([wide, _decode_one(5, [1], 1, [0, 1, 7, 0, 1])], eng)
+    assert cpmeta.prepare_decode([_decode_one(5, [1], 0, [0, 1, 1, 0, 1])], eng).ngram_token_ids.tolist() == [[6, 5, 6]]
+    # sum(seqlen_k) past int32: three sequences of 2**30 keys (array input: one window id each)
+    plain = MetadataConfig(block_size=2**20, max_model_len=2**30)
+    k, need = 2**30, plain.max_num_blocks
+    i64 = lambda *a: np.array(a, np.int64)  # noqa: E731
+    sb = SequenceBatch(is_prompt=False, seqlen_q=i64(1, 1, 1), seqlen_k=i64(k, k, k), state_id=i64(0, 1, 2),
+                       swa_valid_start=i64(0, 0, 0), is_placeholder=np.zeros(3, bool), num_tokens=i64(k, k, k),
+                       block_tables=np.arange(3 * need, dtype=np.int64) % 2048,
+                       block_table_offsets=i64(0, need, 2 * need, 3 * need), tokens=i64(7, 8, 9),
+                       token_offsets=i64(0, 1, 2, 3), compressed=np.zeros(0, np.int64),
+                       compressed_offsets=i64(0, 0, 0, 0), lookback=0)
+    with pytest.raises(ValueError, match=re.escape(f"cu_seqlens_k: int32 overflow, sum(seqlen_k) = {3 * k} > 2**31 - 1")):
+        cpmeta.prepare_decode(sb, plain)
+
+
 def test_prompt_swa_buffer_overflow() -> None:
     # pivots P2 = n_seq * W + cu_seqlens_q[s] + k_lo: W = 2**28 with 8 sequences reaches 2**31.
     cfg = MetadataConfig.compressed_swa(block_size=128, window_size=2**28, swa_block_size=2**28, max_model_len=1024)
