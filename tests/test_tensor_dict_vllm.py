@@ -183,6 +183,12 @@ def _many_keys(rank: int, world: int) -> list[Optional[str]]:
         res.append("1,024 distinct tensors sent")
     except TypeError as e:  # the driver's error, and every follower's pending call raises it
         res.append(None if "1024 distinct tensors" in str(e) and "MAX_TENSORS=1023" in str(e) else str(e))
+    huge = {f"k{i}": i for i in range(120_000)}  # ~1.3 MiB of msgpack: over the values limit
+    try:
+        cpmeta.broadcast_tensor_dict(huge if rank == 0 else None)
+        res.append("1.3 MiB of values sent")
+    except ValueError as e:  # refused on the driver before it writes a byte, on every rank
+        res.append(None if "MAX_VALUES_BYTES" in str(e) else str(e))
     got = cpmeta.broadcast_tensor_dict({"after": 1} if rank == 0 else None)
     res.append(None if got == {"after": 1} else repr(got))
     cpmeta.broadcast.close_tensor_dict_channels()
@@ -193,7 +199,8 @@ def test_more_than_1024_keys_and_the_tensor_limit() -> None:
     """Fails at 4ac8a65: every key was a layout path of at most 1,024 and had to be a str, so
     the 5,001-key dict (2,000 int keys) was refused on the driver. Now only distinct tensors
     count (at most 1,023 per dict); the 1,024th is refused on the driver naming the limit (every
-    follower's call of that step raises it too), and the next call works."""
+    follower's call of that step raises it too), as is a dict whose plain part is over the 1 MiB
+    values limit (120,000 entries), and the next call works."""
     out = run_ranks(_many_keys, 2, timeout=240)
     assert all(r is None for rank in out for r in rank), out
 

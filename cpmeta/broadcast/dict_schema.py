@@ -18,10 +18,11 @@ Values: ``None``, ``bool``, ``int`` (int64), ``float``, ``str`` (exact types), a
 their ``.value`` (which must itself be one of these, or a container of them). Keys: str, int,
 bool, float, None, or an enum of those (sent as its value; two keys equal once converted are
 refused). Limits: nesting at most :data:`MAX_DEPTH` levels, at most :data:`MAX_TENSORS` distinct
-tensors per dict (the frame's ``MAX_LAYOUT_PATHS`` less the tree), the tree's msgpack at most
-``MAX_VALUES_BYTES`` (1 MiB: about 100,000 plain entries). Anything else is a ``TypeError`` on
-the driver naming the path (``attn.seq_lens[2]: ndarray ... cannot be broadcast``), before
-anything is sent; a follower refuses a tree that does not parse (``ValueError``).
+tensors per dict (the frame's ``MAX_LAYOUT_PATHS`` less the tree): anything else is a
+``TypeError`` on the driver naming the path (``attn.seq_lens.2: int64 ... cannot be broadcast``),
+before anything is sent. The tree's msgpack is at most the frame's ``MAX_VALUES_BYTES`` (1 MiB:
+about 90,000 entries of a short str key and an int; a ``ValueError`` on the driver). A follower
+refuses a tree that does not parse (``ValueError`` naming the token).
 """
 
 from __future__ import annotations

@@ -13,9 +13,10 @@ layout sent once and then referred to by id. The swap in an engine is one line::
 What travels (``cpmeta.broadcast.dict_schema`` has the encoding and a worked example): tensors,
 ``None``, bool, int (int64), float, str, nested dicts, lists and tuples of those, enums (sent as
 their value). Keys: str, int (they stay int), bool, float, None, or enums of those. Limits: at
-most 1,023 distinct tensors per dict, nesting at most 32 levels, the non-tensor part at most
-1 MiB of msgpack (about 100,000 plain entries); the number of keys is otherwise free. Anything
-else is a ``TypeError`` naming its path on the driver, before anything is sent.
+most 1,023 distinct tensors per dict and nesting at most 32 levels (else a ``TypeError`` naming
+the path), the non-tensor part at most 1 MiB of msgpack (about 90,000 entries of a short str key
+and an int; else a ``ValueError``); the number of keys is otherwise free. Every refusal happens
+on the driver before anything is sent, and every follower's call of that step raises it too.
 
 What differs from vLLM: an enum arrives as its value (vLLM unpickles the enum); other objects
 (numpy arrays, dataclasses, ``torch.Size``) are refused instead of pickled; received tensors
