@@ -1,8 +1,11 @@
-"""Idle is not death (issue 38, item 3): on real gloo ranks (one host: the shared-memory ring).
+"""Idle is not death (issue 38, item 3): on real gloo ranks, on the shared-memory ring and on the
+process-group path (``force_remote``: what followers on other hosts use).
 
 A follower waits for the NEXT message as long as the driver lives -- ``timeout`` bounds setup and
-a message in flight, not the gap between messages -- at ~0 CPU (futex sleeps); the driver
-killed while the followers idle is named within the timeout; ``timeout`` must be a finite
+a message in flight, not the gap between messages -- at ~0 CPU (futex sleeps on the ring; on the
+process group a blocked gloo receive that the driver's heartbeats restart); the driver killed
+while the followers idle is named within the timeout, a driver frozen (SIGSTOP: no heartbeat)
+too; ``timeout`` must be a finite
 number > 0 or None (no bound), refused at construction otherwise; a follower that closes its end
 while its process lives on is named by the driver's next message, which no rank receives.
 Each test says how it fails on 4ac8a65 (the transport before this change).
@@ -11,6 +14,7 @@ Each test says how it fails on 4ac8a65 (the transport before this change).
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -58,12 +62,12 @@ def _cpu_s() -> float:
     return t.user + t.system
 
 
-def _idle_then_steps(rank: int, world: int) -> dict:
+def _idle_then_steps(rank: int, world: int, remote: bool) -> dict:
     """The driver sends 5 messages, idles ``IDLE_S`` (the followers already wait in the next
     call), then ``STEPS`` more: objects, packed objects + tensors and raw frames (the
     MetadataBroadcaster path), each checked on every follower."""
-    ch = ObjectChannel(None, 0, timeout=TIMEOUT_S, **RING)
-    assert ch.ring is not None  # one host: the ring path
+    ch = ObjectChannel(None, 0, timeout=TIMEOUT_S, force_remote=remote, **RING)
+    assert (ch.ring is None) == remote  # one host: the ring path unless forced remote
     src = rank == 0
     for i in range(5):
         assert ch.broadcast(_step_obj(i) if src else None) == _step_obj(i)
@@ -93,22 +97,24 @@ def _idle_then_steps(rank: int, world: int) -> dict:
     return rec
 
 
-def test_followers_idle_twice_the_timeout_then_100_messages_arrive() -> None:
+@pytest.mark.parametrize("remote", [False, True], ids=["ring", "process-group"])
+def test_followers_idle_twice_the_timeout_then_100_messages_arrive(remote: bool) -> None:
     """Followers wait 2.5x the timeout for the next message, then 100 more arrive intact; the
     idle wait costs under 5% of a core. On 4ac8a65 each follower raised ``TimeoutError:
-    ShmRing reader ...: timed out waiting for writer rank 0 (slot 5 not yet published)`` one
-    timeout into the gap."""
-    recs = run_ranks(_idle_then_steps, 3, timeout=120.0)
+    ShmRing reader ...: timed out waiting for writer rank 0 (slot 5 not yet published)`` (ring)
+    or ``... rank 0 (src, host ...) sent no message within 1 s`` (process group) one timeout
+    into the gap."""
+    recs = run_ranks(_idle_then_steps, 3, remote, timeout=120.0)
     for rec in recs[1:]:
         assert rec["steps"] == STEPS, rec
         assert rec["wall"] >= 2 * TIMEOUT_S, rec  # they did idle past twice the timeout
         assert rec["cpu"] < 0.05 * rec["wall"], rec  # futex sleeps, not a spin
 
 
-def _driver_killed_while_idle(rank: int, world: int, tmp: str) -> dict:
+def _driver_killed_while_idle(rank: int, world: int, tmp: str, remote: bool) -> dict:
     """Three messages, then the followers wait for a fourth that never comes: the parent kills
-    the driver ``IDLE_S`` later."""
-    ch = ObjectChannel(None, 0, timeout=TIMEOUT_S, **RING)
+    (or freezes) the driver ``IDLE_S`` later."""
+    ch = ObjectChannel(None, 0, timeout=TIMEOUT_S, force_remote=remote, **RING)
     for i in range(3):
         assert ch.broadcast(i if rank == 0 else None) == i
     if rank == 0:
@@ -119,15 +125,18 @@ def _driver_killed_while_idle(rank: int, world: int, tmp: str) -> dict:
         ch.broadcast(None)
     except Exception as e:  # noqa: BLE001 - recorded for the parent
         rec.update(etype=type(e).__name__, error=str(e), t_err=time.monotonic())
+    _mark(tmp, f"raised.{rank}")
     ch.close()
     return rec
 
 
-def test_driver_killed_while_followers_idle_is_named_within_the_timeout(tmp_path: Path) -> None:
+@pytest.mark.parametrize("remote", [False, True], ids=["ring", "process-group"])
+def test_driver_killed_while_followers_idle_is_named_within_the_timeout(tmp_path: Path,
+                                                                       remote: bool) -> None:
     """The followers idle 2.5x the timeout, then the driver is SIGKILLed: each names it (rank 0,
     died) within the timeout of the kill. On 4ac8a65 they raised ``TimeoutError`` one timeout
     into the idle wait, before the kill."""
-    with spawn_ranks(_driver_killed_while_idle, 3, str(tmp_path), timeout=120.0) as group:
+    with spawn_ranks(_driver_killed_while_idle, 3, str(tmp_path), remote, timeout=120.0) as group:
         _wait_mark(str(tmp_path), "ready")
         time.sleep(IDLE_S)
         t_kill = time.monotonic()
@@ -135,11 +144,40 @@ def test_driver_killed_while_followers_idle_is_named_within_the_timeout(tmp_path
         recs = group.results(allow_dead=[0])
     for rec in recs[1:]:
         assert rec["etype"] == "PeerError", rec
-        assert "writer rank 0" in rec["error"] and "died" in rec["error"], rec
-        ttd = rec["t_err"] - t_kill
-        print(f"TTD driver-killed-while-idle rank{rec['rank']} {ttd:.3f}s {rec['etype']}: "
-              f"{rec['error'][:120]}", file=sys.stderr)
+        who = "rank 0 (pid " if remote else "writer rank 0"
+        assert who in rec["error"] and "died" in rec["error"], rec
+        ttd = _ttd(f"driver-killed-while-idle[{'process-group' if remote else 'ring'}]", rec, t_kill)
         assert 0 <= ttd < TIMEOUT_S, (rec, t_kill)
+
+
+def test_driver_frozen_while_followers_idle_is_named_within_the_timeout(tmp_path: Path) -> None:
+    """Process-group path: the followers idle 2.5x the timeout on the driver's heartbeats, then
+    the driver is SIGSTOPped (a host that vanished looks the same: no heartbeat, no FIN): each
+    follower names it within the timeout of the freeze (a frozen driver is not an idle one)."""
+    with spawn_ranks(_driver_killed_while_idle, 3, str(tmp_path), True, timeout=120.0) as group:
+        _wait_mark(str(tmp_path), "ready")
+        time.sleep(IDLE_S)
+        t_stop = time.monotonic()
+        group.kill(0, signal.SIGSTOP)
+        try:
+            for r in (1, 2):
+                _wait_mark(str(tmp_path), f"raised.{r}")
+        finally:
+            group.kill(0, signal.SIGKILL)
+        recs = group.results(allow_dead=[0])
+    for rec in recs[1:]:
+        assert rec["etype"] == "TimeoutError", rec
+        assert "rank 0 (src, host " in rec["error"], rec
+        assert "sent no message or heartbeat within 1 s" in rec["error"], rec
+        ttd = _ttd("driver-frozen-while-idle[process-group]", rec, t_stop)
+        assert 0 <= ttd < TIMEOUT_S + 0.5, (rec, t_stop)  # the last heartbeat came before the stop
+
+
+def _ttd(scenario: str, rec: dict, t_fault: float) -> float:
+    ttd = rec["t_err"] - t_fault
+    print(f"TTD {scenario} rank{rec['rank']} {ttd:.3f}s {rec['etype']}: {rec['error'][:120]}",
+          file=sys.stderr)
+    return ttd
 
 
 def test_ring_timeout_values_checked_at_construction() -> None:

@@ -5,6 +5,7 @@ head (the first ``REMOTE_INLINE_BYTES`` and a length word), then, for a larger f
 
     head (uint8, REMOTE_INLINE_BYTES + 8):  | frame[:8192] (or an abort reason) | length u64 |
     length == ABORT_LENGTH: the source gave up on the channel; the data is its reason (UTF-8)
+    length == HEARTBEAT_LENGTH: no message, the source is alive and idle (:class:`Heartbeat`)
 
 Why point-to-point: gloo completes a send only once the receiver has posted the matching receive
 (its "ready" notice is the follower's acknowledgement word), so the source waits for each
@@ -17,6 +18,11 @@ After a stall the group is spent: gloo closes every connection of a group whose 
 leaves its reason in torch.distributed's default store (:func:`post_reason`) and a follower
 whose connection closed reads it (:func:`fetch_reason`); when no wait timed out (a follower
 died) the group still works and ``src`` tells the others over it (:func:`send_abort`).
+
+Idle is not death: a follower's wait for the next head is bounded by the timeout (a gloo wait
+can be neither polled nor resumed after it times out, and across hosts only the clock tells an
+idle source from a partitioned one), so an idle ``src`` keeps it alive with heartbeat heads
+(:class:`Heartbeat`: one per follower after a quarter of its timeout without a message).
 """
 
 from __future__ import annotations
@@ -37,17 +43,20 @@ from .coalesce import tensor_memoryview
 
 __all__ = ["group_ranks", "gloo_group", "cpu_group", "host_key", "host_label", "wait_work",
            "bcast_frame", "send_abort", "post_reason", "fetch_reason", "store_of", "RemoteFailure",
-           "RemoteAbort", "REMOTE_INLINE_BYTES", "HOST_KEY_BYTES"]
+           "RemoteAbort", "Heartbeat", "REMOTE_INLINE_BYTES", "HOST_KEY_BYTES", "HEARTBEAT_SHARE"]
 
 HOST_KEY_BYTES = 256  # most bytes of a host key (the setup exchange carries it)
 REMOTE_INLINE_BYTES = 8192  # head of a remote message: this many bytes + the length word
 MIN_WAIT_S = 1e-3  # shortest wait handed to a work handle
 HEAD_TAG = 0x43504D48  # point-to-point tag of remote heads ("CPMH")
 ABORT_LENGTH = (1 << 64) - 1  # length word of an abort head
+HEARTBEAT_LENGTH = (1 << 64) - 2  # length word of a heartbeat head (no message; src lives)
+HEARTBEAT_SHARE = 0.25  # src idle this share of a follower's timeout: a heartbeat goes to it
 ABORT_WAIT_S = 0.5  # how long the source waits for its abort notices to go out
 _LEN = struct.Struct("<Q")
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 _ABANDONED: list[Any] = []  # (work, tensor) of waits given up: gloo may still write into them
+_POST = threading.Lock()  # src posts a message's parts, an abort or a heartbeat whole, never interleaved
 
 
 class RemoteFailure(Exception):
@@ -197,18 +206,72 @@ def fetch_reason(key: str, wait_s: float = ABORT_WAIT_S) -> Optional[str]:
     return box[0] if box else None
 
 
+class Heartbeat:
+    """``src`` of the process-group path: keeps idle followers' waits for the next head alive.
+
+    One daemon thread per follower: when no message went out for ``period_s`` (``last``,
+    which :func:`bcast_frame` sets when it posts one) and none since its own last heartbeat,
+    it posts a heartbeat head (8 KiB + the length word ``HEARTBEAT_LENGTH``) and waits for the
+    follower to take it -- at most one outstanding per follower, waited for with no deadline,
+    so a follower busy elsewhere for an hour costs nothing and a wait never times out (a timed
+    out gloo wait would close the group). A follower skips heartbeat heads, restarting its
+    deadline. Per message: one clock read; idle: one 8 KiB send per follower per period.
+    Example: followers' timeout 3 s, ``period_s`` 0.75: a driver with no requests for an hour
+    sends each follower a heartbeat every 0.75 s; a driver SIGSTOPped or cut off sends none,
+    and its followers raise ``TimeoutError`` 3 s after the last one they took.
+    """
+
+    def __init__(self, group: Any, followers: list[int], period_s: float) -> None:
+        self.group, self.period_s = group, period_s
+        self.last = time.monotonic()  # when the last message was posted to every follower
+        self._stop = threading.Event()
+        self._head = _head(HEARTBEAT_LENGTH)
+        for r in followers:
+            threading.Thread(target=self._run, args=(r,), name=f"cpmeta-heartbeat-{r}",
+                             daemon=True).start()
+
+    def stop(self) -> None:
+        """No more heartbeats (one a follower has not taken yet stays posted: it skips it)."""
+        self._stop.set()
+
+    def _run(self, dst: int) -> None:
+        sent = self.last
+        while True:
+            due = max(self.last, sent) + self.period_s
+            if self._stop.wait(max(0.0, due - time.monotonic())):
+                return
+            with _POST:
+                now = time.monotonic()
+                if self._stop.is_set():
+                    return
+                if max(self.last, sent) + self.period_s > now:
+                    continue  # a message went out meanwhile
+                try:
+                    work = dist.isend(self._head, dst=dst, group=self.group, tag=HEAD_TAG)
+                except RuntimeError:
+                    return  # its connection is gone: the next message names it
+                sent = now
+            try:
+                work.wait(timedelta(seconds=envs.FOREVER_S))
+            except RuntimeError:
+                return  # closed connection, or the group closed after a timeout elsewhere
+
+
 def _send_all(parts: list[torch.Tensor], followers: list[int], group: Any, deadline: float,
-              timeout_s: float) -> None:
+              timeout_s: float, heartbeat: Optional[Heartbeat]) -> None:
     """Point-to-point sends of ``parts`` (in order) to every follower, each waited for until
     ``deadline``; :class:`RemoteFailure` naming every follower that did not take them all."""
     stalled: list[int] = []
     broken: dict[int, str] = {}
     works = []
-    for r in followers:  # a peer whose connection gloo already saw close fails at the isend
-        try:
-            works.append((r, [dist.isend(t, dst=r, group=group, tag=HEAD_TAG) for t in parts]))
-        except RuntimeError as e:
-            broken[r] = _first_line(e)
+    with _POST:
+        for r in followers:  # a peer whose connection gloo already saw close fails at the isend
+            try:
+                works.append((r, [dist.isend(t, dst=r, group=group, tag=HEAD_TAG) for t in parts]))
+            except RuntimeError as e:
+                broken[r] = _first_line(e)
+        if heartbeat is not None:
+            heartbeat.last = time.monotonic()
     for r, mine in works:
         try:
             if not all([wait_work(w, deadline, t) for w, t in zip(mine, parts)]):
@@ -235,7 +298,8 @@ def _recv(t: torch.Tensor, src: int, group: Any, deadline: float, timeout_s: flo
 
 def bcast_frame(frame: Optional[torch.Tensor], src: int, group: Any,
                 timeout_s: Optional[float] = None, *, margin_s: float = 0.0,
-                followers: Optional[list[int]] = None) -> torch.Tensor:
+                followers: Optional[list[int]] = None,
+                heartbeat: Optional[Heartbeat] = None) -> torch.Tensor:
     """Send a 1-D uint8 CPU tensor of any length from global rank ``src`` to ``followers``
     (global ranks of the gloo ``group``; default every member but ``src``), who call it too:
     ``src`` passes ``frame``, the followers None and get a fresh tensor. Point-to-point to each
@@ -246,9 +310,10 @@ def bcast_frame(frame: Optional[torch.Tensor], src: int, group: Any,
     ``margin_s`` earlier, so that it names a stalled follower before the healthy ones give up
     on ``src``), never the group's own timeout (30 min by default). ``src`` raises
     :class:`RemoteFailure` naming the followers that did not take the frame; a follower raises
-    ``TimeoutError("process group: rank 0 (src) sent no message within 3 s ...")``, or
-    :class:`RemoteAbort` when ``src`` sent :func:`send_abort`'s notice instead. Example, group
-    [0, 1, 2], rank 2 frozen: rank 0 raises ``RemoteFailure(stalled=[2])`` after 3 s - margin.
+    ``TimeoutError("process group: rank 0 (src) sent no message or heartbeat within 3 s ...")``,
+    or :class:`RemoteAbort` when ``src`` sent :func:`send_abort`'s notice instead; a heartbeat
+    head restarts its wait (``src``'s :class:`Heartbeat`, whose ``last`` a send sets). Example,
+    group [0, 1, 2], rank 2 frozen: rank 0 raises ``RemoteFailure(stalled=[2])`` after 3 s - margin.
     """
     timeout_s = envs.transport_timeout() if timeout_s is None else timeout_s
     start = time.monotonic()
@@ -258,11 +323,16 @@ def bcast_frame(frame: Optional[torch.Tensor], src: int, group: Any,
         parts = [_head(n, frame)] + ([frame[REMOTE_INLINE_BYTES:]] if n > REMOTE_INLINE_BYTES else [])
         if followers is None:
             followers = [r for r in group_ranks(group) if r != src]
-        _send_all(parts, followers, group, start + max(MIN_WAIT_S, timeout_s - margin_s), timeout_s)
+        _send_all(parts, followers, group, start + max(MIN_WAIT_S, timeout_s - margin_s), timeout_s,
+                  heartbeat)
         return frame
     head = torch.empty(REMOTE_INLINE_BYTES + _LEN.size, dtype=torch.uint8)
-    _recv(head, src, group, deadline, timeout_s, "sent no message")
-    (n,) = _LEN.unpack_from(tensor_memoryview(head), REMOTE_INLINE_BYTES)
+    while True:
+        _recv(head, src, group, deadline, timeout_s, "sent no message or heartbeat")
+        (n,) = _LEN.unpack_from(tensor_memoryview(head), REMOTE_INLINE_BYTES)
+        if n != HEARTBEAT_LENGTH:
+            break
+        deadline = time.monotonic() + timeout_s  # src lives: the next message may take its time
     if n == ABORT_LENGTH:
         raise RemoteAbort(bytes(tensor_memoryview(head)[:REMOTE_INLINE_BYTES]).rstrip(b"\0")
                           .decode("utf-8", "replace"))
@@ -287,6 +357,8 @@ def send_abort(src: int, group: Any, ranks: list[int], reason: str,
     deadline = time.monotonic() + wait_s
     for r in ranks:
         try:
-            wait_work(dist.isend(head, dst=r, group=group, tag=HEAD_TAG), deadline, head)
+            with _POST:
+                work = dist.isend(head, dst=r, group=group, tag=HEAD_TAG)
+            wait_work(work, deadline, head)
         except RuntimeError:
             pass  # that follower's connection is gone too: nothing to tell it

@@ -11,8 +11,9 @@ operation, whose timeout would close the group's connections::
 
 ``<n>`` counts the channels this process set up on the group before, so consecutive channels on
 one group never read each other's records (a rank that skipped or repeated a construction looks
-absent). A record is strict codec bytes (no pickle): host key, pid, the ``src`` this rank passed
-and the settings the caller asks to cross-check (``agree``, e.g. ``{"checksum": True}``). Every
+absent). A record is strict codec bytes (no pickle): host key, pid, the ``src`` this rank passed,
+its timeout (None: no bound; the driver's heartbeat period follows the smallest) and the settings
+the caller asks to cross-check (``agree``, e.g. ``{"checksum": True}``). Every
 member runs the same check on the same records and so raises the same error: ``ValueError`` for
 a disagreement, ``TimeoutError`` naming the members that did not come.
 
@@ -59,10 +60,12 @@ class Member:
     pid: int
     src: int  # the src this rank passed
     seq: int  # channels this rank set up on the group before this one
+    timeout: Optional[float] = None  # this rank's channel timeout (None: no bound)
     agree: dict[str, Scalar] = field(default_factory=dict)
 
     def body(self) -> bytes:
-        body = encode_body([self.rank, self.host, self.pid, self.src, self.seq, dict(self.agree)])
+        body = encode_body([self.rank, self.host, self.pid, self.src, self.seq, self.timeout,
+                            dict(self.agree)])
         if len(body) > RECORD_BYTES - _LEN.size:
             raise ValueError(f"setup: a record of {len(body)} bytes exceeds "
                              f"{RECORD_BYTES - _LEN.size} (shorten the agree= settings)")
@@ -71,10 +74,11 @@ class Member:
     @classmethod
     def parse(cls, data: Any) -> "Member":
         f = decode_body(data, max_bytes=RECORD_BYTES)
-        if (type(f) is not list or len(f) != 6 or type(f[1]) is not bytes
-                or not all(type(x) is int for x in (f[0], f[2], f[3], f[4])) or type(f[5]) is not dict):
-            raise CodecError("setup record: expected [rank, host, pid, src, seq, agree]")
-        return cls(f[0], f[1], f[2], f[3], f[4], f[5])
+        if (type(f) is not list or len(f) != 7 or type(f[1]) is not bytes
+                or not all(type(x) is int for x in (f[0], f[2], f[3], f[4]))
+                or not (f[5] is None or type(f[5]) is float) or type(f[6]) is not dict):
+            raise CodecError("setup record: expected [rank, host, pid, src, seq, timeout, agree]")
+        return cls(f[0], f[1], f[2], f[3], f[4], f[5], f[6])
 
 
 def _spread(values: dict[int, Any], name: str, fmt: Any = repr) -> Optional[str]:
@@ -106,14 +110,16 @@ def _verdict(members: list[Member]) -> Optional[str]:
 
 
 def exchange(group: Any, src: int, agree: dict[str, Scalar], host: bytes,
-             timeout_s: float) -> list[Member]:
+             timeout_s: float, timeout: Optional[float] = None) -> list[Member]:
     """Collective over ``group`` (every member calls it, once per channel it sets up; any
-    backend): every member's :class:`Member`, in group-rank order. Raises on every member:
+    backend): every member's :class:`Member` (``timeout``: this rank's channel timeout, None
+    for no bound), in group-rank order. Raises on every member:
     ``ValueError`` when members disagree (``src``, ``agree``), ``TimeoutError`` naming the
     members that did not come within ``timeout_s``."""
     ranks = group_ranks(group)
     name = str(getattr(group, "group_name", "_".join(map(str, ranks))))
-    mine = Member(dist.get_rank(), host, os.getpid(), src, _seq.get(name, 0), dict(agree))
+    mine = Member(dist.get_rank(), host, os.getpid(), src, _seq.get(name, 0),
+                  None if timeout is None else float(timeout), dict(agree))
     body = mine.body()
     store = store_of()
     if store is None:

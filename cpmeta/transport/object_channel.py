@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 
 from . import envs
-from ._dist import (RemoteAbort, RemoteFailure, bcast_frame, cpu_group, fetch_reason, group_ranks,
-                    host_key, host_label, post_reason, send_abort, store_of)
+from ._dist import (HEARTBEAT_SHARE, Heartbeat, RemoteAbort, RemoteFailure, bcast_frame, cpu_group,
+                    fetch_reason, group_ranks, host_key, host_label, post_reason, send_abort,
+                    store_of)
 from ._segment import PeerWatch
 from ._setup import Member, Scalar, exchange
 from .coalesce import copy_into, plan, tensor_memoryview, views_of
@@ -60,8 +61,10 @@ class ObjectChannel:
     ``force_remote`` (default ``CPMETA_FORCE_REMOTE``) sends every follower's bytes over gloo.
     ``schema`` is stamped into / checked against every message header. ``timeout`` (default
     ``CPMETA_TRANSPORT_TIMEOUT``; None: no bound; anything but a finite number > 0 or None is a
-    ``ValueError`` here) bounds the setup and a message in flight; a ring follower waits for
-    the next message as long as ``src`` lives (docs/transport.md, "Timeouts and idle").
+    ``ValueError`` here) bounds the setup and a message in flight; a follower waits for the
+    next message as long as ``src`` lives -- on the ring, ``src``'s pid; on the process group,
+    ``src``'s heartbeats, sent after a quarter of the smallest follower timeout without a
+    message (docs/transport.md, "Timeouts and idle").
 
     After a failure on the process-group path (a ``TimeoutError`` or ``PeerError`` from any
     call) the channel is spent: :attr:`failure` says why, and every later call raises
@@ -96,6 +99,7 @@ class ObjectChannel:
         self._watch: dict[int, PeerWatch] = {}  # same-host peers of the gloo path, for errors
         self._frame_buf: Optional[torch.Tensor] = None  # src: reused buffer of send_frame
         self._remote_group: Any = None
+        self._heartbeat: Optional[Heartbeat] = None  # src of the process-group path
         self.ring: Any = None
         self.hosts: dict[int, str] = {}  # global rank -> host label, for error messages
         self._reason_key = ""  # where src leaves why it stopped (transport._dist.post_reason)
@@ -105,9 +109,9 @@ class ObjectChannel:
         try:
             if store_of() is None:  # the exchange falls back to a gloo all_gather
                 self.ctrl = cpu_group(self.group, wait_s)
-                members = exchange(self.ctrl, src, dict(agree or {}), key, wait_s)
+                members = exchange(self.ctrl, src, dict(agree or {}), key, wait_s, self.timeout)
             else:  # first: it names a rank that never came, before any gloo group waits for it
-                members = exchange(self.group, src, dict(agree or {}), key, wait_s)
+                members = exchange(self.group, src, dict(agree or {}), key, wait_s, self.timeout)
                 self.ctrl = cpu_group(self.group, wait_s)
             self._connect(members, key, force, slot_size, num_slots)
         except (TimeoutError, ValueError) as e:
@@ -140,6 +144,10 @@ class ObjectChannel:
             pids = {m.rank: m.pid for m in members}
             self._watch = {r: PeerWatch(pids[r]) for r in [src, *self.remote_ranks]
                            if r != self.rank and keys[r] == key}
+            bounds = [m.timeout for m in members if m.rank in self.remote_ranks and m.timeout]
+            if self.rank == src and bounds:  # followers with no bound need no heartbeat
+                self._heartbeat = Heartbeat(self.ctrl, self.remote_ranks,
+                                            HEARTBEAT_SHARE * min(bounds))
 
     @property
     def channel_key(self) -> str:
@@ -176,7 +184,8 @@ class ObjectChannel:
 
     def _remote(self, frame: Optional[torch.Tensor]) -> torch.Tensor:
         """``bcast_frame`` over the gloo path, every wait bounded by ``self.timeout`` (None: not
-        bounded; a follower's wait for the head too: see "Idle" in docs/transport.md). Any failure
+        bounded; a follower's wait for the next head restarts at each of ``src``'s heartbeats:
+        see "Timeouts and idle" in docs/transport.md). Any failure
         spends the channel (:attr:`failure`) and is raised naming rank and host: on ``src`` the
         followers that did not take the message (each one's send is its own work handle) --
         the others then get ``src``'s reason instead of waiting out their own timeout; on a
@@ -186,7 +195,7 @@ class ObjectChannel:
             wait_s = envs.wait_seconds(self.timeout)
             return bcast_frame(frame, self.src, self._remote_group, wait_s,
                                margin_s=min(SRC_MARGIN_S, SRC_MARGIN_SHARE * wait_s),
-                               followers=self.remote_ranks)
+                               followers=self.remote_ranks, heartbeat=self._heartbeat)
         except RemoteFailure as e:
             err: Exception = self._followers_failed(e)
         except RemoteAbort as e:
@@ -195,11 +204,18 @@ class ObjectChannel:
         except TimeoutError as e:
             err = TimeoutError(f"{self._me}: message {self._count}: {self._label_ranks(str(e))}")
         except RuntimeError as e:
-            reason = fetch_reason(self._reason_key) if self.rank != self.src else None
+            gone = self.rank == self.src or bool(self._dead_among([self.src]))
+            reason = None if gone else fetch_reason(self._reason_key)  # a dead src left none
             err = (PeerError(f"{self._me}: {self.who(self.src)} stopped the channel at message "
                              f"{self._count}: {reason}") if reason else self._peer_failure(e))
         self.failure = str(err)
+        self._stop_heartbeat()
         raise err
+
+    def _stop_heartbeat(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
 
     def _followers_failed(self, e: RemoteFailure) -> Exception:
         """``src``: name the followers of ``e``, tell the healthy ones, return the error."""
@@ -389,7 +405,9 @@ class ObjectChannel:
     # ------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
-        """Release the shared-memory ring (the process groups belong to torch.distributed)."""
+        """Release the shared-memory ring and stop the heartbeats (the process groups belong to
+        torch.distributed)."""
+        self._stop_heartbeat()
         if self.ring is not None:
             self.ring.close()
             self.ring = None
