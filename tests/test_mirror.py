@@ -288,29 +288,21 @@ def test_compact_layout_keeps_absolute_positions() -> None:
     assert ke["1"].tolist() == ref["ke"]["1"]
 
 
-def _expand_both(sq: list[int], sk: list[int], p: int, r: int, ratios: tuple[int, ...]) -> tuple[Any, Any]:
-    """The numpy (CPU) and the torch (device) expansion of the same plans, both run on the CPU."""
-    from cpmeta.cp import mirror_plan as M
-
-    cu_q, cu_k = _cu(sq).numpy().astype("int64"), _cu(sk).numpy().astype("int64")
-    length = cp_mirror_len(_cu(sq), p)
-    rank_plan = M._rank_plan(cu_q, cu_k, p, r, ratios).astype("int32")
-    rev_plan = M._reverse_plan(cu_q, p, length).astype("int32")
-    by_numpy = M._expand(M._NumpyOps(), rank_plan, rev_plan, ratios, length, sum(sq))
-    by_torch = M._expand(M._TorchOps(torch.device("cpu")), torch.from_numpy(rank_plan),
-                         torch.from_numpy(rev_plan), ratios, length, sum(sq))
-    return by_numpy, by_torch
-
-
-@settings(max_examples=40, deadline=None)
-@given(case=_batches(), data=st.data())
-def test_torch_expansion_matches_numpy(case: tuple[list[int], list[int], int, tuple[int, ...]], data: Any) -> None:
-    # CUDA inputs take the torch path; force it on the CPU so CI checks it against the numpy path.
-    sq, sk, p, ratios = case
-    r = data.draw(st.integers(0, p - 1))
-    (ni, nr, nks, nke), (ti, tr, tks, tke) = _expand_both(sq, sk, p, r, ratios)
-    assert ti.dtype == tr.dtype == torch.int32
-    assert ti.tolist() == ni.tolist() and tr.tolist() == nr.tolist()
-    for k in nks:
-        assert tks[k].dtype == tke[k].dtype == torch.int32
-        assert tks[k].tolist() == nks[k].tolist() and tke[k].tolist() == nke[k].tolist()
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+                                   torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("cols", [(), (3,), (2, 4)])
+def test_mirror_rows_every_dtype_and_width(dtype: torch.dtype, cols: tuple[int, ...]) -> None:
+    # the CPU gather copies rows as 1-, 4- or 8-byte words: every row width and dtype against
+    # index_select + the pad value
+    width = 1
+    for c in cols:
+        width *= c
+    full = (torch.arange(5 * width, dtype=torch.int64) % 7).view(5, *cols).to(dtype)
+    index = _t([4, -1, 0, 2, -1, 4])
+    got = mirror_rows(full, index, 1)
+    want = full.index_select(0, index.clamp(min=0).long())
+    want[index < 0] = 1
+    assert got.dtype == dtype and got.shape == (6, *cols) and torch.equal(got, want)
+    assert torch.equal(mirror_rows(full[:0], _t([-1, -1]), 1), torch.ones(2, *cols, dtype=dtype))
+    with pytest.raises(IndexError, match=r"mirror_index: entry 1 reads row 5 of a tensor of 5 rows"):
+        mirror_rows(full, _t([0, 5]))

@@ -11,12 +11,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..fields import mirror_gathered_derived
 from ..metadata import FIELDS, InputMetadata
-from .mirror_plan import check_cp, chunk_len, host_cu, mirror_from_host, validate_mirror_args
+from .mirror_plan import check_cp, check_sizes, host_cu, mirror_from_host, mirror_plan
 from .zigzag import NO_SPARSE_RATIOS_FALLBACK, RowGather
 
 __all__ = ["prepare_for_mirror_cp"]
@@ -50,12 +49,12 @@ def prepare_for_mirror_cp(md: InputMetadata, cp_rank: int, cp_size: int) -> Inpu
     ratios = tuple(int(r) for r in md.ks) if md.ks else NO_SPARSE_RATIOS_FALLBACK
     cu_q = host_cu("md.cu_seqlens_q", md.cu_seqlens_q)  # the only device-to-host copies
     cu_k = host_cu("md.cu_seqlens_k", md.cu_seqlens_k)
-    length = int(2 * chunk_len(np.diff(cu_q), cp_size).sum())
-    validate_mirror_args(cu_q, cu_k, ratios, total_q, length, cp_size)
-    index, reverse, ks_all, ke_all = mirror_from_host(
+    length = mirror_plan(cu_q, cu_k, ratios, cp_size, ("md.cu_seqlens_q", "md.cu_seqlens_k"))
+    check_sizes(cu_q, total_q, length, length, cp_size)
+    index, reverse, ks_all, ke_all, valid = mirror_from_host(
         cu_q, cu_k, md.positions.device, cp_size, cp_rank, ratios, total_q, length
     )
-    changes = _gathered_fields(md, RowGather(index))
+    changes = _gathered_fields(md, RowGather(index), valid)
     changes.update(
         positions_cp=md.positions,
         mirror_cp_index=index,
@@ -89,14 +88,15 @@ def _check_prompt_md(md: InputMetadata, cp_rank: int, cp_size: int) -> None:
             raise ValueError(f"md.{name}: expected a tensor, got {getattr(md, name)!r}")
 
 
-def _gathered_fields(md: InputMetadata, gather: RowGather) -> dict[str, Any]:
-    """The row fields of ``md`` gathered into the mirror layout (pad rows 0 / False / -1)."""
+def _gathered_fields(md: InputMetadata, gather: RowGather, valid: torch.Tensor) -> dict[str, Any]:
+    """The row fields of ``md`` gathered into the mirror layout (pad rows 0 / False / -1); one
+    compiled gather per field on the CPU. ``valid``: ``mirror_cp_index != -1``."""
     assert md.positions is not None  # the caller ran _check_prompt_md
     out: dict[str, Any] = {"positions": gather(md.positions, 0)}
     if md.valid_token_mask is not None:
         out["valid_token_mask"] = gather(md.valid_token_mask, False)
     else:
-        out["valid_token_mask"] = ~gather.pad
+        out["valid_token_mask"] = valid
     if md.ngram_token_ids is not None:
         out["ngram_token_ids"] = gather(md.ngram_token_ids, 0)
     if md.gate_force_random is not None:

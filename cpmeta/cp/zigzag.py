@@ -24,20 +24,22 @@ because compressed-token boundaries depend on absolute positions, not on the mir
 from __future__ import annotations
 
 import logging
+import math
 from typing import Optional, Sequence, Union
 
 import numpy as np
 import torch
 
+from .mirror_njit import gather_rows
 from .mirror_plan import (
     MIRROR_PAD_INDEX,
     check_cp,
-    chunk_len,
+    check_sizes,
     describe,
     host_cu,
     is_int,
     mirror_from_host,
-    validate_mirror_args,
+    mirror_plan,
 )
 
 __all__ = [
@@ -66,7 +68,8 @@ def cp_mirror_len(cu_seqlens_q: torch.Tensor, cp_size: int) -> int:
     """
     if not is_int(cp_size) or cp_size < 1:
         raise ValueError(f"cp_size: expected an int >= 1, got {cp_size!r}")
-    return int(2 * chunk_len(np.diff(host_cu("cu_seqlens_q", cu_seqlens_q)), cp_size).sum())
+    cu_q = host_cu("cu_seqlens_q", cu_seqlens_q)
+    return mirror_plan(cu_q, cu_q, NO_SPARSE_RATIOS_FALLBACK, cp_size)
 
 
 def prepare_cp_mirror(
@@ -83,8 +86,9 @@ def prepare_cp_mirror(
     Inputs: ``cu_seqlens_q``/``cu_seqlens_k`` [n_seq+1] integer (exclusive prefix sums; ``k`` is
     the ORIGINAL key layout, also when ``q`` is a compacted one), ``ratios`` the sparse ratios (pass
     :data:`NO_SPARSE_RATIOS_FALLBACK` when there are none), ``total_q = cu_seqlens_q[-1]`` and
-    ``cp_mirror_len`` (see :func:`cp_mirror_len`); both are checked. The per-sequence plan is made
-    on the host (one tiny copy of ``cu_seqlens_*``), the per-row expansion runs on their device.
+    ``cp_mirror_len`` (see :func:`cp_mirror_len`); both are checked. One compiled call fills every
+    row on the host (:func:`cpmeta.cp.mirror_njit.mirror_fill`, after one tiny copy of
+    ``cu_seqlens_*``); on a device the results are copied there.
 
     Returns, all int32 on that device:
 
@@ -103,8 +107,11 @@ def prepare_cp_mirror(
     check_cp(cp_size, cp_rank)
     cu_q = host_cu("cu_seqlens_q", cu_seqlens_q)
     cu_k = host_cu("cu_seqlens_k", cu_seqlens_k)
-    validate_mirror_args(cu_q, cu_k, ratios, total_q, cp_mirror_len, cp_size)
-    return mirror_from_host(cu_q, cu_k, cu_seqlens_q.device, cp_size, cp_rank, ratios, total_q, cp_mirror_len)
+    want = mirror_plan(cu_q, cu_k, ratios, cp_size)
+    check_sizes(cu_q, total_q, cp_mirror_len, want, cp_size)
+    index, reverse, ks, ke, _valid = mirror_from_host(cu_q, cu_k, cu_seqlens_q.device, cp_size, cp_rank,
+                                                      ratios, total_q, want)
+    return index, reverse, ks, ke
 
 
 # ---- row helpers -----------------------------------------------------------------------------
@@ -128,20 +135,51 @@ def mirror_rows(
 
 
 class RowGather:
-    """:func:`mirror_rows` for several fields by one index (clamped index and pad mask made once)."""
+    """:func:`mirror_rows` for several fields by one index.
 
-    __slots__ = ("length", "safe", "pad")
+    On the CPU each field is ONE :func:`cpmeta.cp.mirror_njit.gather_rows` call over a word view
+    of its rows (any dtype: a row of ``k`` bytes is ``k/8`` uint64, ``k/4`` uint32 or ``k`` uint8
+    words); on a device, ``index_select`` and a pad fill. An index past the field's rows is an
+    ``IndexError`` (the CPU kernel checks every entry before the copy reads it)."""
+
+    __slots__ = ("length", "index", "host_index", "_pad")
 
     def __init__(self, mirror_index: torch.Tensor) -> None:
         self.length = int(mirror_index.shape[0])
-        self.pad = mirror_index < 0
-        self.safe = mirror_index.clamp(min=0).to(torch.int64)
+        self.index = mirror_index
+        self.host_index = None
+        self._pad: Optional[torch.Tensor] = None
+        if mirror_index.device.type == "cpu":
+            self.host_index = np.ascontiguousarray(mirror_index.numpy(), np.int32)
+
+    @property
+    def pad(self) -> torch.Tensor:
+        """[length] bool: the pad rows (``index == -1``)."""
+        if self._pad is None:
+            self._pad = self.index < 0
+        return self._pad
 
     def __call__(self, full: torch.Tensor, pad_value: Union[int, float, bool]) -> torch.Tensor:
-        if full.shape[0] == 0:  # nothing to read: every row is a pad row
-            return torch.full((self.length, *full.shape[1:]), pad_value, dtype=full.dtype, device=full.device)
-        out = full.index_select(0, self.safe)
-        return out.masked_fill_(self.pad.view(-1, *([1] * (full.dim() - 1))), pad_value)
+        out = torch.empty((self.length, *full.shape[1:]), dtype=full.dtype, device=full.device)
+        if self.host_index is None or full.device.type != "cpu":
+            if full.shape[0] == 0:  # nothing to read: every row is a pad row
+                return out.fill_(pad_value)
+            got = full.index_select(0, self.index.clamp(min=0).to(torch.int64))
+            return got.masked_fill_(self.pad.view(-1, *([1] * (full.dim() - 1))), pad_value)
+        rows, row_bytes = int(full.shape[0]), full.element_size() * math.prod(full.shape[1:])
+        flat = full.contiguous().view(-1)
+        if flat.numel() and flat.stride(0) != 1:  # a one-element "contiguous" tensor of stride 2
+            flat = torch.empty_like(flat, memory_format=torch.contiguous_format).copy_(flat)
+        src = flat.view(torch.uint8).view(rows, row_bytes).numpy()
+        pad = torch.full((1, *full.shape[1:]), pad_value, dtype=full.dtype).view(torch.uint8).reshape(-1).numpy()
+        dst = out.view(-1).view(torch.uint8).view(self.length, row_bytes).numpy()
+        word = np.uint64 if pad.size % 8 == 0 and pad.size else np.uint32 if pad.size % 4 == 0 and pad.size \
+            else np.uint8
+        bad = int(gather_rows(src.view(word), self.host_index, pad.view(word), dst.view(word)))
+        if bad:
+            raise IndexError(f"mirror_index: entry {bad - 1} reads row {int(self.host_index[bad - 1])} "
+                             f"of a tensor of {rows} rows")
+        return out
 
 
 def unmirror(

@@ -1,0 +1,172 @@
+"""The zigzag CP mirror's compiled kernels (DESIGN sections 8 and 17): count, fill, gather.
+
+One call per stage over preallocated host arrays (:mod:`cpmeta.cp.mirror_plan` is the wrapper):
+
+- :func:`mirror_count` -- checks ``cu_seqlens_q`` / ``cu_seqlens_k`` and returns ``cp_mirror_len
+  = 2 * sum_s cdiv(sq_s, 2p)`` (the size the fill needs);
+- :func:`mirror_fill` -- rank ``cp_rank``'s ``mirror_cp_index``, the shared
+  ``mirror_cp_reverse_index`` and one ``ks``/``ke`` row per sparse ratio;
+- :func:`gather_rows` -- a query-aligned field gathered by the mirror index (pad rows a fill).
+
+Worked example (one sequence ``sq = 10, seqlen_k = 14``, ``p = 2``, ratio 4; ``ps = cdiv(10, 4)
+= 3``): rank 0 holds blocks 0 and 3 -> index ``[0, 1, 2, 9, -1, -1]``, positions ``4, 5, 6, 13``
+-> ``ke = [1, 1, 1, 3, 0, 0]``; rank 1 holds blocks 1 and 2 -> ``[3, 4, 5, 6, 7, 8]``,
+``ke = [2, 2, 2, 2, 3, 3]``; ``ks`` all 0 (one sequence: base 0). Reverse (both ranks):
+``[0, 1, 2, 6, 7, 8, 9, 10, 11, 3]`` (row 9 sits at rank 0's mirror row 3).
+
+A kernel never raises: it returns an ``E_*`` code and fills ``err = [code, index, value, limit]``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..constants import INT32_MAX
+from ..jit import OK, kernel, warmer
+
+__all__ = ["mirror_count", "mirror_fill", "gather_rows", "E_Q_START", "E_Q_NEGATIVE", "E_Q_OVERFLOW",
+           "E_K_START", "E_K_NEGATIVE", "E_K_OVERFLOW", "E_SHAPE", "E_Q_GT_K"]
+
+E_Q_START = 1  #: cu_seqlens_q is empty or does not start at 0
+E_Q_NEGATIVE = 2  #: cu_seqlens_q: sequence ``err[1]`` has a negative length
+E_Q_OVERFLOW = 3  #: cu_seqlens_q: total ``err[2]`` overflows int32
+E_K_START = 4  #: the same three for cu_seqlens_k
+E_K_NEGATIVE = 5
+E_K_OVERFLOW = 6
+E_SHAPE = 7  #: cu_seqlens_k has another length than cu_seqlens_q
+E_Q_GT_K = 8  #: sequence ``err[1]`` has seqlen_q ``err[2]`` > seqlen_k ``err[3]``
+
+
+@kernel
+def _check_cu(cu: np.ndarray, code0: int, err: np.ndarray) -> int:
+    """Exclusive prefix sums starting at 0, non-decreasing, total within int32; else
+    ``code0 + 0 / 1 / 2`` (start, negative length of ``err[1]``, overflow of ``err[2]``)."""
+    if cu.shape[0] < 1 or cu[0] != 0:
+        err[0] = code0
+        return code0
+    for s in range(cu.shape[0] - 1):
+        if cu[s + 1] < cu[s]:
+            err[0], err[1] = code0 + 1, s
+            return code0 + 1
+    if cu[cu.shape[0] - 1] > INT32_MAX:
+        err[0], err[2] = code0 + 2, cu[cu.shape[0] - 1]
+        return code0 + 2
+    return OK
+
+
+@kernel
+def mirror_count(cu_q: np.ndarray, cu_k: np.ndarray, cp_size: int, err: np.ndarray) -> int:
+    """Check both prefix sums (q first, then k, then the shapes, then ``sq <= sk``) and return
+    ``cp_mirror_len`` (>= 0), or ``-code`` with ``err`` filled. The ``sq > sk`` check is the last
+    one, so its wrapper can check the ratios before it (the order the messages had).
+    Example: ``cu_q = [0, 1, 6, 19]``, ``cp_size = 3`` -> chunks 1, 1, 3 -> ``2 * 5 = 10``."""
+    code = _check_cu(cu_q, E_Q_START, err)
+    if code != OK:
+        return -code
+    code = _check_cu(cu_k, E_K_START, err)
+    if code != OK:
+        return -code
+    if cu_q.shape[0] != cu_k.shape[0]:
+        err[0] = E_SHAPE
+        return -E_SHAPE
+    two_p = 2 * cp_size
+    length = 0
+    for s in range(cu_q.shape[0] - 1):
+        sq = cu_q[s + 1] - cu_q[s]
+        sk = cu_k[s + 1] - cu_k[s]
+        if sq > sk:
+            err[0], err[1], err[2], err[3] = E_Q_GT_K, s, sq, sk
+            return -E_Q_GT_K
+        length += 2 * ((sq + two_p - 1) // two_p)
+    return length
+
+
+@kernel
+def mirror_fill(cu_q: np.ndarray, cu_k: np.ndarray, cp_size: int, cp_rank: int, ratios: np.ndarray,
+                index: np.ndarray, reverse: np.ndarray, ks: np.ndarray, ke: np.ndarray,
+                valid: np.ndarray) -> int:
+    """Fill rank ``cp_rank``'s rows (arguments checked by :func:`mirror_count`).
+
+    Sequence ``s`` (``sq`` rows, ``ps = cdiv(sq, 2p)``, first mirror row ``M_s``): chunk ``j``
+    (0: block ``b = rank``, 1: block ``2p-1-rank``), row ``m < ps`` is local row ``b*ps + m``;
+    real when ``< sq``: ``index = cu_q[s] + local``, ``pos = sk - sq + local``, per ratio ``r``
+    ``ks = base_r``, ``ke = base_r + (pos + 1) // r`` with ``base_r = sum_{s'<s} max(1, sk'//r)``;
+    else ``index = -1``, ``ks = ke = 0``, ``valid = False``. Reverse: block ``b`` of ``s`` sits on
+    rank ``min(b, 2p-1-b)`` at ``rank * L + M_s + (b >= p) * ps``. Outputs: ``index``/``valid``
+    [L], ``reverse`` [total_q], ``ks``/``ke`` [n_ratio, L], int32 (valid bool)."""
+    two_p = 2 * cp_size
+    length = index.shape[0]
+    n_ratio = ratios.shape[0]
+    base = np.zeros(n_ratio, np.int64)
+    m_seq = 0
+    for s in range(cu_q.shape[0] - 1):
+        q0 = cu_q[s]
+        sq = cu_q[s + 1] - q0
+        sk = cu_k[s + 1] - cu_k[s]
+        ps = (sq + two_p - 1) // two_p
+        for j in range(2):
+            b = cp_rank if j == 0 else two_p - 1 - cp_rank
+            row0 = m_seq + j * ps
+            for m in range(ps):
+                local = b * ps + m
+                row = row0 + m
+                if local < sq:
+                    index[row] = q0 + local
+                    valid[row] = True
+                    pos = sk - sq + local
+                    for i in range(n_ratio):
+                        ks[i, row] = base[i]
+                        ke[i, row] = base[i] + (pos + 1) // ratios[i]
+                else:
+                    index[row] = -1
+                    valid[row] = False
+                    for i in range(n_ratio):
+                        ks[i, row] = 0
+                        ke[i, row] = 0
+        for b in range(two_p):
+            start = b * ps
+            stop = min(start + ps, sq)
+            dest = min(b, two_p - 1 - b) * length + m_seq + (ps if b >= cp_size else 0)
+            for t in range(start, stop):
+                reverse[q0 + t] = dest + t - start
+        for i in range(n_ratio):
+            base[i] += max(1, sk // ratios[i])
+        m_seq += 2 * ps
+    return OK
+
+
+@kernel
+def gather_rows(full: np.ndarray, index: np.ndarray, pad: np.ndarray, out: np.ndarray) -> int:
+    """``out[m] = full[index[m]]`` (a row of any width), ``pad`` where ``index[m] < 0``; the
+    arrays are word views (``uint8``/``uint32``/``uint64``) of the field, ``[rows, words]``.
+    Returns 0, or ``m + 1`` for the first entry reading past ``full``'s rows (nothing written).
+    Example: ``full = [[10], [11], [12], [13]]``, ``index = [3, -1, 0]``, ``pad = [0]`` ->
+    ``[[13], [0], [10]]``."""
+    rows = full.shape[0]
+    for m in range(index.shape[0]):
+        if index[m] >= rows:
+            return m + 1
+    width = out.shape[1]
+    for m in range(index.shape[0]):
+        g = index[m]
+        if g < 0:
+            for c in range(width):
+                out[m, c] = pad[c]
+        else:
+            for c in range(width):
+                out[m, c] = full[g, c]
+    return OK
+
+
+@warmer
+def _warm() -> None:
+    """Each kernel once on the worked example (``sq = 10, sk = 14, p = 2``, ratio 4), gathers in
+    the three word sizes."""
+    i64 = np.int64
+    cu_q, cu_k, err = np.array([0, 10], i64), np.array([0, 14], i64), np.zeros(4, i64)
+    length = mirror_count(cu_q, cu_k, 2, err)
+    index, valid = np.empty(length, np.int32), np.empty(length, np.bool_)
+    ks, ke = np.empty((1, length), np.int32), np.empty((1, length), np.int32)
+    mirror_fill(cu_q, cu_k, 2, 0, np.array([4], i64), index, np.empty(10, np.int32), ks, ke, valid)
+    for dt in (np.uint8, np.uint32, np.uint64):
+        gather_rows(np.zeros((10, 1), dt), index, np.zeros(1, dt), np.empty((length, 1), dt))
