@@ -143,9 +143,9 @@ def _plan(cfg: MetadataConfig) -> _Plan:
 def _make_decode_layout(cfg: MetadataConfig, T: int, n: int, table: FieldTable = FIELDS) -> ArenaLayout:
     """Every decode output (name, shape, dtype), generated from the field table (``table``; a test
     passes one with an extra field): ONE :class:`HostArena` holds them all when the caller passes
-    no ``out`` (cached per batch shape); per-ratio fields are stacked ``[n_ratio, ...]``. Example:
-    256 rows, 256 sequences, default config -> 16 fields, ~86 KiB (block_tables [256, 64] int32 is
-    64 KiB of it)."""
+    no ``out`` (made once per batch shape, :class:`_Shape`); per-ratio fields are stacked
+    ``[n_ratio, ...]``. Example: 256 rows, 256 sequences, ``MetadataConfig.compressed_swa()`` ->
+    16 fields, ~86 KiB (block_tables [256, 64] int32 is 64 KiB of it)."""
     specs = step_outputs(table, cfg, DECODE)
     sizes = {"total_q": T, "n_seq": n}
     return ArenaLayout([(s.name, s.resolve(sizes), s.dtype) for s in specs],

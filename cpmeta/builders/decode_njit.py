@@ -55,7 +55,8 @@ def decode_consts(cfg: MetadataConfig) -> np.ndarray:
     """The config as one int64 array: block_size, min_ratio, KV-CP cycle and interleave,
     max_block_id, W, S (0 without the state cache), force_load_balance, max_ngram_size, pad id,
     image id, has image, look-back, the counts of sparse / ca / dense ratios, then those ratios.
-    Example: defaults -> ``[128, 4, 1, 1, 67108863, 128, 128, 0, 0, 0, -1, 0, 0, 1, 1, 1, 4, 4, 4]``."""
+    Example: ``MetadataConfig.compressed_swa()`` -> ``[128, 4, 1, 1, 67108863, 128, 128, 0, 0, 0,
+    -1, 0, 0, 1, 1, 1, 4, 4, 4]``."""
     img = cfg.image_token_id
     head = [cfg.block_size, cfg.min_ratio, cfg.kv_cp_world_size * cfg.kv_cp_interleave, cfg.kv_cp_interleave,
             cfg.max_block_id, cfg.window_size, cfg.swa_block_size if cfg.has_swa else 0,
@@ -70,7 +71,8 @@ def decode_consts(cfg: MetadataConfig) -> np.ndarray:
 def field_offsets(layout: ArenaLayout) -> np.ndarray:
     """Each :data:`DECODE_FIELDS` entry's start in the arena, in elements of its dtype (int32 or
     bool views of the same bytes), -1 for a field the layout lacks; then ``block_tables``'
-    columns. Example: a plain layout -> ``positions`` 0, ..., ``klen`` -1, last slot 64."""
+    columns. Example: a plain config of block 128, 8192 tokens -> ``positions`` 0, ..., ``klen`` -1,
+    last slot 64."""
     fo = np.full(_WIDTH + 1, -1, np.int64)
     for k, name in enumerate(DECODE_FIELDS):
         f = layout.fields.get(name)
@@ -211,7 +213,7 @@ def decode_fill(seqlen_q: np.ndarray, seqlen_k: np.ndarray, state_id: np.ndarray
 
 @warmer
 def _warm() -> None:
-    """:func:`decode_fill` once: the default config, two sequences (one with a draft)."""
+    """:func:`decode_fill` once: the seed's config, two sequences (one with a draft)."""
     from ..buffers import HostArena
     from ..fields import DECODE, step_outputs
     from ..metadata import FIELDS
