@@ -8,6 +8,10 @@
 #                                            # in-place decode, overlap, in-place decode, NCCL broadcast
 #   bash scripts/gpu_session.sh bench-cpu    # the host's cores: the end-to-end step (worlds 2/4/8, four
 #                                            # strategies), broadcast vs vLLM's MessageQueue and tensor dict
+#   bash scripts/gpu_session.sh compare      # the host's cores, before / after in one run: the commit in
+#                                            # .baseline (git archive REV | tar -x -C .baseline; carry it)
+#                                            # and this tree, end-to-end step (plain and compressed-KV
+#                                            # models, worlds 2 and 8) and the host builds
 #
 # Logs and JSON go to $OUT (default ./out). Result files are named after the benchmark files of
 # docs/benchmarks/ (h200_<benchmark>[.<variant>].json, each with its run block), so a session is
@@ -73,8 +77,28 @@ bench-cpu)  # ~9 min: the host's cores; mq columns with the carried mq_bundle312
     --worlds 2 4 8 --payloads decode-64 decode-256 prompt-32k --attn-info 0 --modes engine \
     --methods cpmeta cpmeta+p cpmeta-tdict tdict mq floor --steps 80 --budget 2 --out "$OUT/h200_broadcast.json"
   ;;
+compare)  # ~9 min: before (.baseline) / after (this tree), same host, same commands, one run
+  [ -d .baseline/scripts ] || { echo "compare: carry .baseline (git archive REV | tar -x -C .baseline)" >&2; exit 2; }
+  MQ=""; [ -d mq_bundle312 ] && MQ=":$PWD/mq_bundle312"
+  python3 -c 'import time, cpmeta.jit as j; t = time.perf_counter(); w = j.warm_all(); print(f"kernels compiled in {time.perf_counter() - t:.1f} s ({len(w)} warmers)")'
+  python3 -c 'import time, cpmeta.jit as j; t = time.perf_counter(); w = j.warm_all(); print(f"kernels loaded from the cache in {time.perf_counter() - t:.1f} s")'
+  for M in plain seed; do
+    for V in before after; do
+      if [ $V = before ]; then ROOT=$PWD/.baseline; else ROOT=$PWD; fi
+      TAILN=40 step step_${M}_$V 150 env PYTHONPATH="$ROOT$MQ" VLLM_TARGET_DEVICE=cpu python3 "$ROOT/scripts/bench_step.py" \
+        --model $M --worlds 2 8 --workloads decode-64 decode-256 --strategies broadcast replicate mq-replicate \
+        --steps 60 --warmup 8 --budget 4 --no-cold --out "$OUT/h200_step.$M.$V.json"
+    done
+  done
+  for V in before after; do
+    if [ $V = before ]; then ROOT=$PWD/.baseline; else ROOT=$PWD; fi
+    TAILN=30 step build_$V 100 env PYTHONPATH="$ROOT" python3 "$ROOT/scripts/bench_build.py" --no-ref --repeat 200 \
+      --only plain_vs_seed --out "$OUT/h200_build.$V.json"
+  done
+  TAILN=20 step build_hot 60 python3 scripts/bench_build.py --no-ref --repeat 300 --only hot_ --out "$OUT/h200_build.hot.json"
+  ;;
 *)
-  echo "unknown suite $SUITE: expected tests, bench-gpu or bench-cpu" >&2; exit 2
+  echo "unknown suite $SUITE: expected tests, bench-gpu, bench-cpu or compare" >&2; exit 2
   ;;
 esac
 ls -la "$OUT"
