@@ -1,6 +1,6 @@
 """The broadcast frame as the tests see it, and the rank side of the live-ring fuzz.
 
-Frame reference (an independent re-implementation of ``cpmeta.broadcast.wire``'s v5 format):
+Frame reference (an independent re-implementation of ``cpmeta.broadcast.wire``'s v7 format):
 :func:`parts` reads the header words and block offsets, :func:`reseal` recomputes the meta crc
 (and the frame crc) the way a writer that knows the format would, :func:`build` assembles a sealed
 frame; :func:`loopback` builds REAL broadcasters on an in-process loopback channel
@@ -15,8 +15,8 @@ classify what ``broadcast(None)`` does with every hostile frame (:func:`_receive
 verify the valid one after it. Last, rank 2 runs with a skewed protocol version / schema
 (:func:`_skew_phase`). Frame layout (``cpmeta.broadcast.wire``)::
 
-    | header (56 B: magic, version, flags, schema, layout id, crc, block lengths, meta crc,
-    | exact tensor bytes) | layout? | values | shapes (int64) | packed tensor bytes (16-aligned) |
+    | header (64 B: magic, version, flags, schema, layout id, crc, block lengths, meta crc,
+    | exact tensor bytes, step) | layout? | values | shapes (int64) | packed tensor bytes (16-aligned) |
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from cpmeta.transport import decode_body, encode_body
 
 __all__ = ["RING_ENV", "RING_BYTES", "CAPTURE_STEPS", "MUTATED_FRAMES", "N_CRAFTED",
            "wire_rank", "FRAME_LEN", "HEADER", "AT", "FMT", "FLAG_LAYOUT", "FLAG_CRC",
-           "FLAG_PACKED", "parts", "reseal", "build", "loopback", "receive"]
+           "FLAG_PACKED", "parts", "reseal", "build", "loopback", "receive", "restep"]
 
 RING_ENV = {"CPMETA_SHM_SLOT_SIZE": "4096", "CPMETA_SHM_NUM_SLOTS": "16"}
 RING_BYTES = 4096 * 16
@@ -42,13 +42,14 @@ CAPTURE_STEPS = 24  # valid broadcasts whose frames are captured (rank 0) for th
 MUTATED_FRAMES = 160  # random mutations written through the ring
 N_CRAFTED = 14  # hand-made hostile frames (see _crafted)
 KEEP_FRAME_BYTES = 32 * 1024  # frames returned to the parent (the header fuzz needs few bytes)
-FRAME_HEADER = struct.Struct("<4sHH16sIIIIIIQ")  # cpmeta.broadcast.wire.HEADER
+FRAME_HEADER = struct.Struct("<4sHH16sIIIIIIQQ")  # cpmeta.broadcast.wire.HEADER
 FRAME_LEN = FRAME_HEADER  # (old name, kept for importers)
 
 
-HEADER = struct.Struct("<4sHH16sIIIIIIQ")  # magic ver flags schema lid crc llen vlen n_dims meta tbytes
-AT = {"flags": 6, "lid": 24, "crc": 28, "llen": 32, "vlen": 36, "n_dims": 40, "meta": 44, "tbytes": 48}
-FMT = {"flags": "<H", "tbytes": "<Q"}
+HEADER = struct.Struct("<4sHH16sIIIIIIQQ")  # magic ver flags schema lid crc llen vlen n_dims meta tbytes step
+AT = {"flags": 6, "lid": 24, "crc": 28, "llen": 32, "vlen": 36, "n_dims": 40, "meta": 44, "tbytes": 48,
+      "step": 56}
+FMT = {"flags": "<H", "tbytes": "<Q", "step": "<Q"}
 FLAG_LAYOUT, FLAG_CRC, FLAG_PACKED = 1, 2, 4
 U32 = struct.Struct("<I")
 
@@ -56,12 +57,12 @@ U32 = struct.Struct("<I")
 # ----------------------------------------------------------------------------- frame reference
 
 def parts(frame: bytes) -> dict:
-    """Header words and block offsets of a v5 frame (docs in cpmeta/broadcast/wire.py)."""
-    (_, _, flags, _, lid, _, llen, vlen, n_dims, _, tbytes) = HEADER.unpack_from(frame, 0)
+    """Header words and block offsets of a v7 frame (docs in cpmeta/broadcast/wire.py)."""
+    (_, _, flags, _, lid, _, llen, vlen, n_dims, _, tbytes, step) = HEADER.unpack_from(frame, 0)
     shapes_at = _align(HEADER.size + llen + vlen, 8)
     data_at = _align(shapes_at + 8 * n_dims, 16)
     return {"flags": flags, "lid": lid, "llen": llen, "vlen": vlen, "n_dims": n_dims,
-            "tbytes": tbytes, "shapes_at": shapes_at, "data_at": data_at,
+            "tbytes": tbytes, "step": step, "shapes_at": shapes_at, "data_at": data_at,
             "dims": list(struct.unpack_from(f"<{n_dims}q", frame, shapes_at))}
 
 
@@ -71,7 +72,7 @@ def reseal(frame: bytes | bytearray, full: bool = True) -> bytes:
     b = bytearray(frame)
     if len(b) < HEADER.size:
         return bytes(b)
-    (_, _, flags, _, _, _, llen, vlen, n_dims, _, _) = HEADER.unpack_from(b, 0)
+    (_, _, flags, _, _, _, llen, vlen, n_dims, _, _, _) = HEADER.unpack_from(b, 0)
     end = min(_align(_align(HEADER.size + llen + vlen, 8) + 8 * n_dims, 16), len(b))
     meta = zlib.crc32(bytes(b[48:end]), zlib.crc32(bytes(b[32:44]), zlib.crc32(bytes(b[:28]))))
     U32.pack_into(b, AT["meta"], meta)
@@ -81,8 +82,9 @@ def reseal(frame: bytes | bytearray, full: bool = True) -> bytes:
 
 
 def build(layout: list, values: list, dims: list[int], data: bytes, flags: int, *,
-          tbytes: int, lid: int | None = None) -> bytes:
-    """A sealed v5 frame from its parts (the layout id = crc32 of the encoded block)."""
+          tbytes: int, lid: int | None = None, step: int = 1, fingerprint: bytes | None = None) -> bytes:
+    """A sealed v7 frame from its parts (the layout id = crc32 of the encoded block; the schema
+    fingerprint ``InputMetadata``'s unless given)."""
     from cpmeta.broadcast import SCHEMA_FINGERPRINT
     from cpmeta.broadcast.wire import MESSAGE_VERSION
     from cpmeta.transport import encode_body
@@ -90,8 +92,8 @@ def build(layout: list, values: list, dims: list[int], data: bytes, flags: int, 
     lblock = encode_body(layout) if flags & FLAG_LAYOUT else b""
     vblock = encode_body(values)
     lid = zlib.crc32(lblock) if lid is None else lid
-    head = HEADER.pack(b"CPMB", MESSAGE_VERSION, flags, SCHEMA_FINGERPRINT.encode(), lid, 0,
-                       len(lblock), len(vblock), len(dims), 0, tbytes)
+    head = HEADER.pack(b"CPMB", MESSAGE_VERSION, flags, fingerprint or SCHEMA_FINGERPRINT.encode(), lid, 0,
+                       len(lblock), len(vblock), len(dims), 0, tbytes, step)
     out = bytearray(head + lblock + vblock)
     out += bytes(_align(len(out), 8) - len(out)) + struct.pack(f"<{len(dims)}q", *dims)
     out += bytes(_align(len(out), 16) - len(out))
@@ -126,10 +128,27 @@ class _Loop:
         pass
 
 
+class _Collective:
+    """Stands in for TensorChannel: the driver's tensors are kept; a follower receives them."""
+
+    last: list[torch.Tensor] = []
+
+    def broadcast(self, tensors: Any) -> list[torch.Tensor]:
+        if tensors and isinstance(tensors[0], torch.Tensor):
+            _Collective.last = [t.clone() for t in tensors]
+            return list(tensors)
+        got = _Collective.last
+        if [(t.dtype, tuple(t.shape)) for t in got] != [(d, tuple(s)) for d, s in tensors]:
+            raise RuntimeError("collective: the follower expects other tensors than the driver sent")
+        return [t.clone() for t in got]
+
+
 @contextlib.contextmanager
 def loopback() -> Iterator[Any]:
-    """``make(rank, checksum, persistent=False)`` -> a real MetadataBroadcaster on a
-    :class:`_Loop` (2-rank group; ``persistent`` = ``persistent_outputs``)."""
+    """``make(rank, checksum, persistent=False, **kw)`` -> a real MetadataBroadcaster on a
+    :class:`_Loop` (2-rank group; ``persistent`` = ``persistent_outputs``; ``kw`` its other
+    arguments, e.g. ``schema=`` or ``tensor_path="collective"``: the tensors of a collective
+    frame are then handed over in process, :class:`_Collective`)."""
     from unittest import mock
 
     import torch.distributed as dist
@@ -139,10 +158,14 @@ def loopback() -> Iterator[Any]:
     rank = [0]
     group = object()
 
-    def make(r: int, checksum: bool, persistent: bool = False) -> Any:
+    def make(r: int, checksum: bool, persistent: bool = False, **kw: Any) -> Any:
         rank[0] = r
-        kw = {"persistent_outputs": True} if persistent else {}
-        return MetadataBroadcaster(group=group, src=0, checksum=checksum, **kw)
+        if persistent:
+            kw["persistent_outputs"] = True
+        bc = MetadataBroadcaster(group=group, src=0, checksum=checksum, **kw)
+        if kw.get("tensor_path") == "collective":
+            bc._tensors = _Collective()
+        return bc
 
     with mock.patch.object(dist, "get_rank", lambda *a: rank[0]), \
             mock.patch.object(dist, "get_backend", lambda *a: "gloo"), \
@@ -151,9 +174,22 @@ def loopback() -> Iterator[Any]:
         yield make
 
 
-def receive(fol: Any, frame: bytes) -> Any:
+def receive(fol: Any, frame: bytes, step: int | None = None) -> Any:
+    """``fol.broadcast(None)`` of ``frame``, the follower expecting step ``step`` (default: the
+    one ``frame`` carries): the tests replay frames, which a follower otherwise refuses."""
+    if step is None:
+        step = parts(frame)["step"] if len(frame) >= HEADER.size else 1
+    fol._ch.reader.step = step - 1
     fol._objects.inbox = frame
     return fol.broadcast(None)
+
+
+def restep(frame: bytes, step: int) -> bytes:
+    """``frame`` carrying step ``step``, its meta crc recomputed (as a writer that knows the
+    format would; the frame crc left as it was)."""
+    b = bytearray(frame)
+    struct.pack_into("<Q", b, AT["step"], step)
+    return reseal(bytes(b), full=False)
 
 
 # ----------------------------------------------------------------------------- live-ring fuzz
@@ -192,7 +228,7 @@ def _uncapture(ring: Any) -> None:
 def _blocks(frame: bytes) -> dict:
     f = FRAME_HEADER.unpack(frame[:FRAME_HEADER.size])
     keys = ("magic", "version", "flags", "schema", "lid", "crc", "llen", "vlen", "ndims", "pad",
-            "tbytes")
+            "tbytes", "step")
     h = dict(zip(keys, f))
     at = FRAME_HEADER.size
     h["layout"] = frame[at:at + h["llen"]]
@@ -216,7 +252,7 @@ def _frame(h: dict, **kw: Any) -> bytes:
     if "values_obj" in kw:
         values = encode_body(kw["values_obj"])
     head = FRAME_HEADER.pack(h["magic"], h["version"], h["flags"], h["schema"], h["lid"], h["crc"],
-                             len(layout), len(values), len(h["dims"]), 0, h["tbytes"])
+                             len(layout), len(values), len(h["dims"]), 0, h["tbytes"], h["step"])
     out = bytearray(head + layout + values)
     out += bytes(_align(len(out), 8) - len(out))
     out += struct.pack(f"<{len(h['dims'])}q", *h["dims"])
@@ -329,8 +365,11 @@ def wire_rank(rank: int, world: int, seed: int) -> dict:
             hostile += [("mutated", _mutate(rng.choice(captured), rng)) for _ in range(MUTATED_FRAMES)]
             out["names"] = [name for name, _ in hostile]
         for i in range(N_CRAFTED + MUTATED_FRAMES):
-            if rank == 0:
-                ring.write(hostile[i][1])
+            if rank == 0:  # a crafted frame carries the step the followers expect: its deeper
+                # checks refuse it; a mutated one its captured step (refused as stale, if not sooner)
+                name, frame = hostile[i]
+                ring.write(frame if name == "mutated" else restep(frame, bc._ch.writer.step + 1))
+                bc._ch.writer.step += 1  # the hostile message took the followers' next step
             else:
                 out["hostile"].append(_receive_hostile(bc, rank))
             valid()  # the ring stays in step: the next real message arrives intact

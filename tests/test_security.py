@@ -181,11 +181,11 @@ def _hostile_frames(marker: str, schema: bytes) -> list[bytes]:
     # layout block and as its values block
     from cpmeta.broadcast.wire import MESSAGE_VERSION
 
-    frame_head = struct.Struct("<4sHH16sIIIIIIQ")
+    frame_head = struct.Struct("<4sHH16sIIIIIIQQ")
     as_layout = frame_head.pack(b"CPMB", MESSAGE_VERSION, 1, schema[:16].ljust(16, b"0"),
-                                zlib.crc32(raw), 0, len(raw), 0, 0, 0, 0) + raw
+                                zlib.crc32(raw), 0, len(raw), 0, 0, 0, 0, 11) + raw
     as_values = frame_head.pack(b"CPMB", MESSAGE_VERSION, 0, schema[:16].ljust(16, b"0"), 0, 0, 0,
-                                len(raw), 0, 0, 0) + raw
+                                len(raw), 0, 0, 0, 11) + raw
     return [raw, _LEN.pack(len(raw)) + raw, _LEN.pack(len(head) + len(raw)) + head + raw,
             _LEN.pack(len(valid)) + valid, raw * 50, as_layout, as_values]
 
@@ -235,6 +235,7 @@ def _send_raw(bc: Any, rank: int, frame: bytes, remote: bool, bcast_frame: Any) 
             bcast_frame(torch.frombuffer(bytearray(frame), dtype=torch.uint8), 0, ch._remote_group)
         else:
             ch.ring.write(frame)
+        bc._ch.writer.step += 1  # the hostile message took the followers' next step
         return "sent"
     try:
         bc.broadcast(None)
@@ -336,6 +337,7 @@ def _checksum_required(rank: int, world: int) -> list[str]:
             bad = bytearray(frame)  # the same frame with the flag set by hand: no crc behind it
             struct.pack_into("<H", bad, AT["flags"], parts(frame)["flags"] | FLAG_CRC)
             bc._objects.ring.write(bytes(bad))
+            bc._ch.writer.step += 2  # the two messages took the followers' next steps
         else:
             for _ in range(2):
                 try:

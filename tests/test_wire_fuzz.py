@@ -32,14 +32,16 @@ from __future__ import annotations
 import random
 import struct
 import time
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
 
 import pytest
 import torch
 
+from cpmeta.fields import tensor_field
 from multiproc import run_ranks
 from reliability_wire import (AT, FLAG_CRC, FLAG_LAYOUT, FLAG_PACKED, FMT, HEADER, build, loopback,
-                              parts, receive, reseal)
+                              parts, receive, reseal, restep)
 
 FLAG_SPAN = 8  # cpmeta.broadcast.wire.FLAG_SPAN: a persistent driver's span frame
 
@@ -68,7 +70,11 @@ def payloads() -> list[tuple[str, Any]]:
 
 
 def _flat(md: Any) -> dict:
-    return md.to_flatten_dict()
+    if hasattr(md, "to_flatten_dict"):
+        return md.to_flatten_dict()
+    import dataclasses
+
+    return {f.name: getattr(md, f.name) for f in dataclasses.fields(md) if getattr(md, f.name) is not None}
 
 
 def _aliases(flat: dict) -> set:
@@ -132,7 +138,7 @@ def mutate(frame: bytes, rng: random.Random, checksum: bool) -> tuple[str, bytes
         struct.pack_into("<q", b, at, p["dims"][k] + rng.choice((-1, 1)))
         return ("shape" if op == 5 else "shape-raw"), bytes(b), op == 5, at
     if op == 6:  # a header word, sealed
-        name = rng.choice(("llen", "vlen", "n_dims", "tbytes", "flags", "lid"))
+        name = rng.choice(("llen", "vlen", "n_dims", "tbytes", "flags", "lid", "step"))
         fmt = FMT.get(name, "<I")
         (old,) = struct.unpack_from(fmt, b, AT[name])
         new = rng.choice((old + 1, old - 1, old ^ (1 << rng.randrange(16)), 0, 1 << 31)) if \
@@ -151,9 +157,9 @@ def mutate(frame: bytes, rng: random.Random, checksum: bool) -> tuple[str, bytes
     return "noop", bytes(b), False, len(b)
 
 
-def _outcome(fol: Any, want: Any, frame: bytes) -> tuple[str, str]:
+def _outcome(fol: Any, want: Any, frame: bytes, step: int) -> tuple[str, str]:
     try:
-        got = receive(fol, frame)
+        got = receive(fol, frame, step)  # the follower expects the original frame's step
     except RuntimeError as e:
         return ("refused" if "rank 1" in str(e) else "refused-unnamed"), str(e)
     except Exception as e:  # noqa: BLE001 - anything else is a finding
@@ -206,7 +212,7 @@ def test_mutated_real_frames_are_equal_or_refused(checksum: bool) -> None:
                     kind, frame, sealed, at = mutate(orig, rng, checksum)
                     if sealed:
                         frame = reseal(frame)
-                    outcome, msg = _outcome(fol, md, frame)
+                    outcome, msg = _outcome(fol, md, frame, parts(orig)["step"])
                     key = (kind + ("-span" if persistent else ""), outcome.split(":")[0])
                     counts[key] = counts.get(key, 0) + 1
                     if not _allowed(kind, outcome, sealed, at, parts(orig)["data_at"], checksum,
@@ -360,8 +366,9 @@ def test_largest_allowed_layout_is_accepted_and_linear() -> None:
 
 def test_driver_refuses_metadata_the_schema_does_not_allow() -> None:
     """The driver checks too: the user's bad value is its ValueError naming the path, before
-    anything is sent; the layout of the refused step is then still sent with the next frame
-    that uses it (it was never on the wire)."""
+    its frame is written: the followers get only an abort frame for that step (issue 38), which
+    they refuse naming the step and the driver's error; the layout of the refused step is then
+    still sent with the next frame that uses it (it was never on the wire)."""
     md, _ = _base()
     cases = [(md.replace(is_prompt=1), "is_prompt"), (md.replace(num_seqs=-2), "num_seqs"),
              (md.replace(klen={"x": torch.ones(3, dtype=torch.int32)}), "klen.x"),
@@ -370,9 +377,12 @@ def test_driver_refuses_metadata_the_schema_does_not_allow() -> None:
         drv = make(0, False)
         for bad, path in cases:
             n = len(drv._objects.frames)
-            with pytest.raises(ValueError, match=path.replace(".", r"\.")):
+            with pytest.raises(ValueError, match=path.replace(".", r"\.")) as e:
                 drv.broadcast(bad)
-            assert len(drv._objects.frames) == n
+            assert len(drv._objects.frames) == n + 1 and parts(drv._objects.frames[-1])["flags"] & 16
+            with pytest.raises(ValueError) as f:  # FLAG_ABORT: the follower raises the same class
+                receive(make(1, False), drv._objects.frames[-1])
+            assert "rank 1: step" in str(f.value) and str(e.value) in str(f.value), str(f.value)
         drv.broadcast(md)  # the layout of the refused is_prompt=1 / num_seqs=-2 steps
         assert compare(md, receive(make(1, False), drv._objects.frames[-1])) == "equal"
 
@@ -398,6 +408,7 @@ def _hostile_rank(rank: int, world: int, seed: int) -> list[str]:
                 drv = make(0, True)
                 drv.broadcast(make_payload(seed, 3, 8192))
                 frame = drv._objects.frames[-1]
+            frame = restep(frame, 4)  # the step the followers expect next
             p = parts(frame)
             b = bytearray(frame)
             struct.pack_into("<q", b, p["shapes_at"], p["dims"][0] + 1)
@@ -412,6 +423,7 @@ def _hostile_rank(rank: int, world: int, seed: int) -> list[str]:
                                 ch._remote_group)
                 else:
                     ch.ring.write(hostile[i])
+                bc._ch.writer.step += 1  # the hostile message took the followers' next step
                 out.append("sent")
             else:
                 try:
@@ -447,7 +459,8 @@ def _redeclared(frame: bytes) -> list[tuple[str, str, bytes]]:
     data, dims = frame[p["data_at"]:], p["dims"]
 
     def f(c: list = codes, nd: list = ndims, d: list = dims) -> bytes:
-        return build([paths, c, nd, vpaths], vals, d, data, p["flags"], tbytes=p["tbytes"])
+        return build([paths, c, nd, vpaths], vals, d, data, p["flags"], tbytes=p["tbytes"],
+                     step=p["step"], fingerprint=frame[8:24])
 
     names = [x.split(",")[0] for x in paths.split(";")]
     same_size = {0: 1, 4: 8, 5: 9}  # bool -> uint8, int32 -> float32, int64 -> float64
@@ -468,20 +481,76 @@ def _redeclared(frame: bytes) -> list[tuple[str, str, bytes]]:
     return out
 
 
-def test_redeclared_dtypes_ranks_and_fixed_dims_are_refused_by_path() -> None:
-    """Issue 33: a writer that recomputes the crcs could re-declare int32 tensors as float32
-    (152 of 152 such changes were accepted before the schema pinned dtypes and ranks)."""
-    md = payloads()[0][1]  # a real prompt step: [n, 4] load plans and pivots, bool masks, int32
+@dataclass
+class Pinned:
+    """Any dataclass (``schema=``) whose tensors pin dtype, ndim and a fixed dim through the
+    field table's ``tensor_field`` (what ``InputMetadata`` does)."""
+
+    ids: Optional[torch.Tensor] = tensor_field(torch.int32, ("total_q",))
+    pairs: Optional[torch.Tensor] = tensor_field(torch.int32, ("total_q", 2))
+    mask: Optional[torch.Tensor] = tensor_field(torch.bool, ("total_q",))
+    wide: Optional[torch.Tensor] = tensor_field(torch.int64, ("total_q",))
+    n: Optional[int] = None
+
+
+def _paths() -> Iterator[tuple[str, Any, dict, bool]]:
+    """``(path, metadata, broadcaster arguments, persistent)``: every way a frame carries tensors."""
+    prompt = payloads()[0][1]  # a real prompt step: [n, 4] load plans and pivots, bool masks, int32
+    decode = next(md for name, md in payloads() if name.startswith("decode-"))
+    yield "packed", prompt, {}, False
+    yield "persistent span", decode, {}, True
+    yield "persistent packed", _separate(prompt), {}, True
+    yield "collective", prompt, {"tensor_path": "collective"}, False
+    g = torch.Generator().manual_seed(5)
+    pinned = Pinned(torch.randint(0, 9, (6,), dtype=torch.int32, generator=g),
+                    torch.randint(0, 9, (6, 2), dtype=torch.int32, generator=g),
+                    torch.rand(6, generator=g) > 0.5, torch.arange(6), 3)
+    yield "any dataclass", pinned, {"schema": Pinned}, False
+
+
+def _separate(md: Any) -> Any:
+    """``md`` with every tensor its own allocation (a persistent driver then packs its frame)."""
+    import dataclasses
+
+    def own(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return v.clone()
+        return {k: own(x) for k, x in v.items()} if isinstance(v, dict) else v
+
+    return md.replace(**{f.name: own(getattr(md, f.name)) for f in dataclasses.fields(md)})
+
+
+def _fixes(schema: Any, field: str) -> bool:
+    return bool(schema.specs[field.split(".")[0]].fixed)
+
+
+@pytest.mark.parametrize("path", ["packed", "persistent span", "persistent packed", "collective",
+                                  "any dataclass"])
+def test_redeclared_dtypes_ranks_and_fixed_dims_are_refused_by_path(path: str) -> None:
+    """Issue 33 / 38: a writer that recomputes the crcs could re-declare int32 tensors as float32
+    (152 of 152 such changes were accepted before the schema pinned dtypes and ranks), and on the
+    persistent path a fixed dim (44 of 391 crafted frames were accepted). Every accepted wrong
+    dtype, ndim or fixed dim counts as a failure, on every path a frame can take."""
+    name, md, kw, persistent = next(p for p in _paths() if p[0] == path)
     with loopback() as make:
-        drv = make(0, False)
+        drv = make(0, False, persistent, **kw)
         drv.broadcast(md)
         frame = drv._objects.frames[-1]
-        hostile = _redeclared(frame)
-        assert sum("reshaped" in n for n, _, _ in hostile) >= 1 and len(hostile) > 10, [n for n, _, _ in hostile]
-        for name, want, bad in hostile:
-            fol = make(1, False)
-            with pytest.raises(RuntimeError) as e:
+        assert bool(parts(frame)["flags"] & FLAG_SPAN) == (path == "persistent span"), path
+        schema = drv.schema
+        hostile = [h for h in _redeclared(frame) if "reshaped" not in h[0] or _fixes(schema, h[1])]
+        assert len(hostile) >= 4 and (path == "persistent span" or any(
+            "reshaped" in n for n, _, _ in hostile)), [n for n, _, _ in hostile]
+        accepted = []
+        for what, want, bad in hostile:
+            fol = make(1, False, persistent, **kw)
+            try:
                 receive(fol, bad)
-            msg = str(e.value)
-            assert "rank 1" in msg and want in msg and ("pins" in msg or "fixes" in msg), (name, msg)
-            assert compare(md, receive(fol, frame)) == "equal", name  # and the next frame is fine
+                accepted.append(what)
+                continue
+            except RuntimeError as e:
+                msg = str(e)
+            named = want in msg and ("pins" in msg or "fixes" in msg)
+            assert "rank 1" in msg and (named or "not ordered by dtype code" in msg), (what, msg)
+            assert compare(md, receive(fol, frame)) == "equal", what  # and the next frame is fine
+        assert not accepted, f"{path}: accepted {accepted}"

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from cpmeta.transport.coalesce import tensor_memoryview
+from cpmeta.transport.envs import ENV_TIMEOUT
 
 from .. import envs
 from ..metadata import InputMetadata
@@ -37,7 +38,7 @@ from . import wire
 from .channel import FrameChannel, Prepared, resolve_src
 from .collect import collect, collect_dict
 from .metrics import BroadcastMetrics, BroadcastStats
-from .outputs import copy_out_of_frame, copy_to_out
+from .outputs import check_out, copy_out_of_frame, copy_to_out
 from .persistent import land_span
 from .policy import PersistentPolicy
 from .dict_schema import DictSchema
@@ -81,7 +82,9 @@ class MetadataBroadcaster:
             (its fingerprint is checked at construction).
         tensor_path: ``auto`` (CPU: inside the frame; CUDA: one NCCL broadcast, or inside the
             frame below ``CPMETA_PACKED_MAX_BYTES``), ``packed`` or ``collective``.
-        timeout: seconds any wait may take before a ``TimeoutError`` naming the lagging rank.
+        timeout: seconds setup or a step in flight may take before a ``TimeoutError`` naming the
+            lagging rank (default ``CPMETA_TRANSPORT_TIMEOUT``; None: no bound); followers wait
+            for the next step as long as the driver lives.
         force_remote: send the frame through the process group even on one host.
         checksum: stamp a crc32 on every frame (default ``CPMETA_CHECKSUM``); followers verify
             any frame that carries one and, with it on, refuse a frame without one. Every rank
@@ -107,7 +110,7 @@ class MetadataBroadcaster:
         group_src: Optional[int] = None,
         schema: type = InputMetadata,
         tensor_path: Optional[str] = None,
-        timeout: Optional[float] = None,
+        timeout: Any = ENV_TIMEOUT,
         force_remote: Optional[bool] = None,
         checksum: Optional[bool] = None,
         persistent_outputs: bool | PersistentPolicy = False,
@@ -206,18 +209,49 @@ class MetadataBroadcaster:
         return self._metrics.stats(self.rank, group, self.is_src, slot, arenas)
 
     def _broadcast(self, md: Any, out: Any) -> Any:
+        """One step (the step protocol of ``cpmeta.broadcast.wire``): a driver call that fails
+        before its frame is published sends the followers an abort frame for the step (their
+        pending call raises the same builtin error class, naming the step); a follower's refused
+        call consumes its step, so every next call is in step."""
         if self._closed:
             raise RuntimeError("MetadataBroadcaster: broadcast() after close()")
         name = self.schema.name
-        if out is not None and (type(out) is not self.cls or self.cls is dict):
-            raise TypeError(f"out: expected {name} buffers, got {type(out).__name__}")
+        bad_out = out is not None and (type(out) is not self.cls or self.cls is dict)
         if self.is_src:
-            if type(md) is not self.cls:
-                raise TypeError(f"rank {self.rank} (src): expected {name}, got {type(md).__name__}")
-            return self._send(md, out)
-        if md is not None:
-            raise ValueError(f"rank {self.rank}: only src={self.src} passes metadata; followers pass None")
+            step = self._ch.step
+            try:
+                if bad_out:
+                    raise TypeError(f"out: expected {name} buffers, got {type(out).__name__}")
+                if type(md) is not self.cls:
+                    raise TypeError(f"rank {self.rank} (src): expected {name}, got {type(md).__name__}")
+                return self._send(md, out)
+            except BaseException as e:
+                if self._ch.step == step:  # its frame never left: every follower gets the error
+                    self._ch.abort(e)
+                raise
+        if md is not None or bad_out:
+            err: Exception = (
+                ValueError(f"rank {self.rank}: only src={self.src} passes metadata; followers pass None")
+                if md is not None else
+                TypeError(f"out: expected {name} buffers, got {type(out).__name__}"))
+            self.refuse(err)
+            raise err
         return self._receive(out)
+
+    def refuse(self, error: BaseException) -> None:
+        """This rank's call of the current step is refused with ``error`` (the caller raises
+        it): on the driver every follower's pending call raises ``error``'s class naming the
+        step; a follower consumes the step's frame (whatever it holds), so its next call is in
+        step with the driver. ``broadcast_tensor_dict`` uses it for its own argument checks."""
+        if self._closed:
+            return
+        if self.is_src:
+            self._ch.abort(error)
+            return
+        try:
+            self._receive(None)
+        except Exception:  # noqa: BLE001 - the step is refused on this rank either way
+            pass
 
     def close(self) -> None:
         """Release the shared-memory ring and channels (idempotent)."""
@@ -260,17 +294,30 @@ class MetadataBroadcaster:
         prep = self._ch.prepare(key, values, dims, tensors)
         self._info = (prep.exact + len(prep.vblock) + len(prep.lblock), bool(prep.lblock))
         packed = self._use_packed(tensors, prep.region)
+        if out is not None:  # the driver's out= buffers proven before its frame leaves
+            check_out(out, prep.plan, prep.dims)
         arena = None
         if self._persist is not None and out is None:  # the layout's arena (persistent_outputs)
             arena = self._driver_arena(prep, packed, values, tensors)
         if packed:
             return self._send_packed(md, out, prep, tensors, values, arena)
+        self._check_devices(prep, tensors)
+        if prep.exact > wire.MAX_COLLECTIVE_BYTES:  # what the followers would refuse
+            raise WireError(f"{prep.exact} tensor bytes for the collective, at most "
+                            f"MAX_COLLECTIVE_BYTES={wire.MAX_COLLECTIVE_BYTES}")
         self._ch.publish(prep, 0, 0, 0, None)
         got = self._tensor_channel().broadcast(tensors)
         self._mark = perf_counter()
         if arena is not None:
             return arena.finish_collective(got, values)
         return prep.plan.assemble(got, values, copy_to_out(out, prep.plan, got) if out is not None else None)
+
+    def _check_devices(self, prep: Prepared, tensors: list[torch.Tensor]) -> None:
+        """Every tensor on the CPU or this rank's device type (a meta tensor has no bytes)."""
+        for path, t in zip(prep.plan.tensor_paths, tensors):
+            if t.device.type not in ("cpu", self.device.type):
+                raise ValueError(f"rank {self.rank} (src): {path}: a tensor on {t.device} cannot be "
+                                 f"broadcast (CPU or {self.device.type} tensors)")
 
     def _driver_arena(self, prep: Prepared, packed: bool, values: list[Any],
                       tensors: list[torch.Tensor]) -> Any:
@@ -289,6 +336,7 @@ class MetadataBroadcaster:
             flags, region = flags | FLAG_SPAN, arena.region
         staged = None
         if arena is None and (self.device.type != "cpu" or any(t.device.type != "cpu" for t in tensors)):
+            self._check_devices(prep, tensors)
             staged = torch.empty(prep.region, dtype=torch.uint8, pin_memory=self._pin)
             prep.plan.pack(staged.data_ptr(), [t if t.device.type == "cpu" else t.cpu() for t in tensors],
                            prep.numels, prep.starts)

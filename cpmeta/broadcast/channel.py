@@ -17,6 +17,11 @@ Follower::
 
     result = ch.receive(handler)               # handler(frame, view) inside the transport's read
 
+Steps (``cpmeta.broadcast.wire``'s step protocol): every frame carries its step number. A driver
+call that fails before its frame is published calls ``ch.abort(error)``: the followers' pending
+``receive`` raises the driver's error class naming the step, and the next frame is in step. An
+abort that cannot be sent now (the transport refused it) is sent before the next frame.
+
 Construction is collective (every rank of ``group`` constructs the channel with the same
 ``src``) and checks, once, in the transport's bounded setup exchange, that every rank speaks the
 same schema, source and checksum setting (``ValueError`` on every rank naming the ranks that
@@ -34,8 +39,10 @@ import torch.distributed as dist
 from cpmeta.transport.codec import CodecError, encode_body  # cpmeta -> transport only
 
 from .plan import Plan
-from .wire import (FLAG_CRC, FLAG_LAYOUT, FLAG_PACKED, Frame, FrameMismatch, FrameReader,
-                   FrameWriter, WireError, blocks_at, seal)
+from .schema import explain_mismatch
+from .wire import (FLAG_ABORT, FLAG_CRC, FLAG_LAYOUT, FLAG_PACKED, MAX_FRAME_DIMS,
+                   MAX_VALUES_BYTES, DriverAbort, Frame, FrameMismatch, FrameReader, FrameWriter,
+                   WireError, abort_values, blocks_at, seal)
 
 __all__ = ["FrameChannel", "Prepared", "resolve_src"]
 
@@ -45,6 +52,7 @@ _MALFORMED = (CodecError, WireError, KeyError, TypeError, ValueError, IndexError
 class Prepared(NamedTuple):
     """A driver's frame before it is written: layout, encoded values and tensor geometry."""
 
+    key: tuple
     lid: int
     plan: Plan
     lblock: bytes  # the layout block (b"" when the followers hold it)
@@ -81,11 +89,23 @@ class FrameChannel:
         # the setup exchange checks these on every rank (and src), bounded by the timeout
         settings = {"checksum setting": bool(checksum), f"{what} schema setting": schema.fingerprint,
                     **(agree or {})}
-        self.objects = ObjectChannel(group, src, timeout=timeout, force_remote=force_remote,
-                                     agree=settings)
+        try:
+            self.objects = ObjectChannel(group, src, timeout=timeout, force_remote=force_remote,
+                                         agree=settings)
+        except ValueError as e:  # every member refused the schema: name the class and field
+            why = explain_mismatch(group, schema, what, 30.0) if f"{what} schema setting" in str(e) else None
+            if why is None:
+                raise
+            raise ValueError(f"{str(e).partition('setup: ')[0]}setup: {why}") from None
         self.timeout = self.objects.timeout
         self.writer = FrameWriter(schema, Plan)
         self.reader = FrameReader(schema, Plan, checksum)
+        self._aborts: list[list[str]] = []  # driver: abort frames still to send, oldest first
+
+    @property
+    def step(self) -> int:
+        """The last step this rank sent (driver) or holds (follower)."""
+        return self.writer.step if self.is_src else self.reader.step
 
     @property
     def has_readers(self) -> bool:
@@ -96,39 +116,76 @@ class FrameChannel:
     def prepare(self, key: tuple, values: list[Any], dims: Optional[tuple[int, ...]],
                 tensors: Optional[list[torch.Tensor]] = None) -> Prepared:
         """Layout, sizes and values of one frame. ``dims`` (flat tensor dims) or ``tensors``
-        (read when ``dims`` is None). A bad value is the driver's ``ValueError`` naming the path;
-        a layout that never reached the wire is forgotten, so its next frame carries it again."""
+        (read when ``dims`` is None). Every check a follower makes runs here first (layout
+        against the schema, pinned dtypes / ndims, fixed dims, dim range, values, block sizes):
+        a ``ValueError`` naming the path or the limit, before a byte is written."""
         lid, plan, lblock = self.writer.layout(key)
         if dims is None:
             dims = tuple([d for t in tensors or () for d in t.shape])
+        if len(dims) > MAX_FRAME_DIMS:
+            raise WireError(f"{len(dims)} shape words, at most {MAX_FRAME_DIMS}")
         numels, starts, region, exact = plan.sizes(dims)
-        try:
-            plan.check_values(values)
-            vblock = encode_body(values)
-        except Exception:
-            if lblock:
-                self.writer.forget(key)
-            raise
-        return Prepared(lid, plan, lblock, vblock, dims, numels, starts, region, exact)
+        plan.check_values(values)
+        vblock = encode_body(values)
+        if len(vblock) > MAX_VALUES_BYTES:
+            raise WireError(f"values block of {len(vblock)} bytes, at most MAX_VALUES_BYTES="
+                            f"{MAX_VALUES_BYTES} (the followers would refuse it)")
+        return Prepared(key, lid, plan, lblock, vblock, dims, numels, starts, region, exact)
 
     def publish(self, prep: Prepared, flags: int, tbytes: int, region: int,
                 write_region: Optional[Callable[[memoryview, int, int], None]]) -> None:
         """Write and send the frame: header (+ ``flags``; FLAG_LAYOUT and FLAG_CRC are added
         here), blocks, shapes, then ``write_region(view, address, data_at)`` for the ``region``
-        bytes of tensors (none when ``region`` is 0), sealed last. No-op without readers."""
+        bytes of tensors (none when ``region`` is 0), sealed last. No-op without readers. The
+        step (and a new layout) counts as sent once the transport took the frame; aborts still
+        pending go first."""
         if not self.objects.has_readers:
             return
+        if self._aborts:
+            self._flush_aborts()
         flags |= (FLAG_LAYOUT if prep.lblock else 0) | (FLAG_CRC if self.checksum else 0)
         shapes_at, data_at = blocks_at(len(prep.lblock), len(prep.vblock), prep.plan.n_dims)
+        step = self.writer.step + 1
 
         def fill(view: memoryview, addr: int) -> None:
             self.writer.write(view, flags, prep.lid, prep.lblock, prep.vblock, prep.plan, prep.dims,
-                              tbytes, shapes_at)
+                              tbytes, shapes_at, step)
             if region and write_region is not None:
                 write_region(view, addr, data_at)
             seal(view, data_at, self.checksum)
 
         self.objects.send_frame(data_at + region, fill)
+        self.writer.step = step
+        if prep.lblock:
+            self.writer.sent(prep.key, prep.lid)
+
+    def abort(self, error: BaseException) -> None:
+        """Driver: the current step failed before its frame was published; every follower's
+        pending receive raises ``error``'s builtin class naming the step (``cpmeta.broadcast.
+        wire.DriverAbort``). When the transport cannot take the abort now it stays pending and
+        goes before the next frame (its failure is left to the caller's own error)."""
+        if not self.objects.has_readers:
+            return
+        self._aborts.append(abort_values(error))
+        try:
+            self._flush_aborts()
+        except Exception:  # noqa: BLE001 - the caller raises its own error; sent later
+            pass
+
+    def _flush_aborts(self) -> None:
+        while self._aborts:
+            vblock = encode_body(self._aborts[0])
+            flags = FLAG_ABORT | (FLAG_CRC if self.checksum else 0)
+            _, data_at = blocks_at(0, len(vblock), 0)
+            step = self.writer.step + 1
+
+            def fill(view: memoryview, addr: int) -> None:
+                self.writer.write(view, flags, 0, b"", vblock, None, (), 0, 0, step)
+                seal(view, data_at, self.checksum)
+
+            self.objects.send_frame(data_at, fill)
+            self.writer.step = step
+            del self._aborts[0]
 
     def send_packed(self, key: tuple, tensors: list[torch.Tensor], values: list[Any],
                     dims: Optional[tuple[int, ...]] = None) -> Prepared:
@@ -155,6 +212,9 @@ class FrameChannel:
 
         try:
             return self.objects.recv_frame(consume)
+        except DriverAbort as e:
+            raise e.base(f"rank {self.rank}: step {e.step}: the driver (rank {self.src}) refused "
+                         f"this step: {e.text}") from None
         except FrameMismatch as e:
             raise RuntimeError(f"rank {self.rank}: {e}") from None
         except _MALFORMED as e:

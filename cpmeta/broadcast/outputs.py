@@ -13,7 +13,7 @@ from cpmeta.transport.coalesce import tensor_memoryview
 
 from .plan import Plan
 
-__all__ = ["copy_out_of_frame", "copy_to_out"]
+__all__ = ["copy_out_of_frame", "copy_to_out", "check_out"]
 
 
 def copy_out_of_frame(dst: torch.Tensor, view: memoryview, at: int, n: int) -> None:
@@ -31,6 +31,30 @@ def copy_out_of_frame(dst: torch.Tensor, view: memoryview, at: int, n: int) -> N
         del c
 
 
+def _buffer(out: Any, name: str, sub: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """``out``'s buffer at path (``name``, ``sub``) once it can hold a ``shape`` ``dtype`` tensor
+    (same dtype and ndim, same trailing dims, a first dim at least as large)."""
+    buf = getattr(out, name)
+    if sub is not None:
+        buf = buf.get(sub) if isinstance(buf, dict) else None
+    path = name if sub is None else f"{name}.{sub}"
+    if not isinstance(buf, torch.Tensor):
+        raise ValueError(f"out: no buffer at {path} for a received {tuple(shape)} {dtype}")
+    if (buf.dtype != dtype or buf.dim() != len(shape) or tuple(buf.shape[1:]) != tuple(shape[1:])
+            or (shape and buf.shape[0] < shape[0])):
+        raise ValueError(f"out: {path}: buffer {tuple(buf.shape)} {buf.dtype} cannot hold "
+                         f"{tuple(shape)} {dtype}")
+    return buf
+
+
+def check_out(out: Any, plan: Plan, dims: Any) -> None:
+    """The driver, before its frame leaves: every tensor of the step fits ``out``'s buffers
+    (the ``ValueError`` :func:`copy_to_out` would raise after the publish)."""
+    for ts, (dtype, shape) in zip(plan.targets, plan.specs(dims)):
+        for name, sub in ts:
+            _buffer(out, name, sub, dtype, shape)
+
+
 def copy_to_out(out: Any, plan: Plan, got: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """Write each received tensor into ``out``'s buffer at every path it has; return, per
     tensor, the view at each path (same addresses as ``out``'s buffers).
@@ -45,18 +69,8 @@ def copy_to_out(out: Any, plan: Plan, got: list[torch.Tensor]) -> list[list[torc
         views: list[torch.Tensor] = []
         done: dict[int, torch.Tensor] = {}
         for name, sub in ts:
-            buf = getattr(out, name)
-            if sub is not None:
-                buf = buf.get(sub) if isinstance(buf, dict) else None
-            path = name if sub is None else f"{name}.{sub}"
-            if not isinstance(buf, torch.Tensor):
-                raise ValueError(f"out: no buffer at {path} for a received {tuple(t.shape)} {t.dtype}")
+            buf = _buffer(out, name, sub, t.dtype, tuple(t.shape))
             if id(buf) not in done:
-                if (buf.dtype != t.dtype or buf.dim() != t.dim()
-                        or tuple(buf.shape[1:]) != tuple(t.shape[1:])
-                        or (t.dim() and buf.shape[0] < t.shape[0])):
-                    raise ValueError(f"out: {path}: buffer {tuple(buf.shape)} {buf.dtype} cannot hold "
-                                     f"{tuple(t.shape)} {t.dtype}")
                 dst = buf[:t.shape[0]] if t.dim() else buf
                 dst.copy_(t, non_blocking=True)
                 done[id(buf)] = dst

@@ -144,7 +144,8 @@ class Plan:
 
     # ---- per step, both sides --------------------------------------------------------------
     def sizes(self, dims: tuple[int, ...] | list[int]) -> tuple[list[int], list[int], int, int]:
-        """``(numels, run starts, region bytes, exact payload bytes)`` for these flat ``dims``.
+        """``(numels, run starts, region bytes, exact payload bytes)`` for these flat ``dims``,
+        once they are proven (every dim in ``[0, MAX_DIM]``, the dims the schema fixes).
 
         Runs start 16-aligned and the region is rounded up to 16; the exact payload is
         ``sum(numel_i * element_size_i)`` (what the header declares). Worked example: bool [406]
@@ -157,6 +158,8 @@ class Plan:
         last = self._last
         if last[0] == dims:
             return last[1]
+        if dims and (min(dims) < 0 or max(dims) > MAX_DIM):
+            raise WireError(f"tensor dims out of range [0, 2**48]: {self._shapes_text(dims, last[0])}")
         for at, size, path in self.fixed:
             if dims[at] != size:
                 raise WireError(f"{path}: dim {dims[at]} where {self.schema.name} fixes {size} "
@@ -190,8 +193,6 @@ class Plan:
         previous frame of this layout (``gate_force_random [407] bool (was [406])``).
         """
         prev = self._last[0]
-        if prev != dims and dims and (min(dims) < 0 or max(dims) > MAX_DIM):
-            raise WireError(f"tensor dims out of range [0, 2**48]: {self._shapes_text(dims, prev)}")
         numels, starts, region, exact = self.sizes(dims)
         if packed:
             if exact != tbytes or region != avail:

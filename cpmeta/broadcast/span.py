@@ -35,7 +35,7 @@ from typing import Optional
 import torch
 
 from .plan import Plan
-from .wire import ELEMENT_SIZE, FLAG_SPAN, MAX_DIM, WireError
+from .wire import ELEMENT_SIZE, FLAG_SPAN, WireError
 
 __all__ = ["FLAG_SPAN", "SPAN_SLACK", "table_bytes", "span_of", "check_span"]
 
@@ -85,8 +85,8 @@ def check_span(plan: Plan, dims: tuple[int, ...], tbytes: int, table: bytes, ava
     """Follower: prove a span frame's geometry; return ``(numels, offsets, exact)``.
 
     ``table`` is the frame's offsets table (``table_bytes(n)`` bytes), ``avail`` the frame's
-    bytes after its shapes. Checks: dims in ``[0, MAX_DIM]``; exact payload == header ``tbytes``;
-    the table's crc32; every offset a multiple of its element size, every tensor inside the span
+    bytes after its shapes. Checks: dims in ``[0, MAX_DIM]`` and the fixed dims
+    (``Plan.sizes``); exact payload == header ``tbytes``; the table's crc32; every offset a multiple of its element size, every tensor inside the span
     (``avail - len(table)`` bytes), no two non-empty tensors overlapping; padding zero; and the
     span EXACT: it starts at the first non-empty tensor (offset 0) and ends at the last one's
     end, empty tensors at offset 0 (what :func:`span_of` sends), so no byte rides unaccounted.
@@ -96,8 +96,7 @@ def check_span(plan: Plan, dims: tuple[int, ...], tbytes: int, table: bytes, ava
     if len(table) != table_bytes(n) or avail < len(table):
         raise WireError(f"span frame: {avail} bytes after the shapes, the offsets table needs "
                         f"{table_bytes(n)}")
-    if dims and (min(dims) < 0 or max(dims) > MAX_DIM):
-        raise WireError("span frame: tensor dims out of range [0, 2**48]")
+    plan.sizes(dims)  # the dims' range and the schema's fixed dims, as on every path
     offsets = list(struct.unpack_from(f"<{n}Q", table))
     if _CRC.unpack_from(table, 8 * n)[0] != zlib.crc32(table[:8 * n]):
         raise WireError("span frame: the offsets table fails its crc32 check")

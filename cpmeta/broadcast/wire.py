@@ -5,18 +5,30 @@ other dataclass (``MetadataBroadcaster(schema=...)``), a tensor dict (``broadcas
 a replicated scheduler step (``ReplicatedBatchState``), a staged decode batch -- is this frame.
 Little-endian; offsets in bytes from the frame start (a ring payload or a process-group buffer)::
 
-    0     4    6    8                  24         28     32       36       40      44       48         56
-    +-----+----+----+------------------+----------+------+--------+--------+-------+--------+----------+
-    |CPMB |ver |flag| schema (16 B)    | layout id| crc32| layout | values | n_dims| meta   | tensor   |
-    |     |u16 |u16 | fingerprint      | u32      | u32  | len u32| len u32| u32   | crc u32| bytes u64|
-    +-----+----+----+------------------+----------+------+--------+--------+-------+--------+----------+
-    56: layout block (only with FLAG_LAYOUT): msgpack [tensor paths, dtype codes, ndims, value paths]
+    0     4    6    8                  24         28     32       36       40      44       48         56      64
+    +-----+----+----+------------------+----------+------+--------+--------+-------+--------+----------+-------+
+    |CPMB |ver |flag| schema (16 B)    | layout id| crc32| layout | values | n_dims| meta   | tensor   | step  |
+    |     |u16 |u16 | fingerprint      | u32      | u32  | len u32| len u32| u32   | crc u32| bytes u64| u64   |
+    +-----+----+----+------------------+----------+------+--------+--------+-------+--------+----------+-------+
+    64: layout block (only with FLAG_LAYOUT): msgpack [tensor paths, dtype codes, ndims, value paths]
         (+ the key order for a tensor-dict layout)
         values block: msgpack list, one value per value path of the layout
         shapes: n_dims int64 (8-aligned), every tensor's dims in layout order
         tensors (16-aligned, only with FLAG_PACKED): dtype runs, each run 16-aligned
         FLAG_SPAN (always with FLAG_PACKED): the tensor region is an offsets table followed by a
         span of the driver's arena (``cpmeta.broadcast.span``)
+        FLAG_ABORT: the driver refused step ``step`` (no layout, no dims, no tensors); the values
+        block is ``[error class, its builtin base, message]`` and every follower raises that
+        base class naming the step (:class:`DriverAbort`)
+
+The step protocol: every frame carries the number of the step it delivers (1, 2, ... per
+channel). The driver numbers a frame when it publishes it and counts it sent only once the
+transport took it. The transport delivers every message once and in order, so a follower counts
+every frame it is handed as the next step -- a frame refused for any reason (corrupted, bad
+values, shapes, tensors) still consumed its step -- and accepts a frame only when the number it
+carries is that step's (a replay or a gap is refused naming both numbers). A driver call that fails
+before its frame is published sends an abort frame for that step instead
+(``FrameChannel.abort``), so no follower's call ever returns another step's data.
 
 The schema fingerprint (``cpmeta.broadcast.schema``) names the class the frame carries: a
 follower whose class differs refuses the frame instead of misreading it. What repeats every step
@@ -51,22 +63,27 @@ import torch
 from cpmeta.transport.codec import decode_body, encode_body  # cpmeta -> transport only
 
 __all__ = ["MESSAGE_VERSION", "FRAME_MAGIC", "HEADER", "WIRE_DTYPES", "DTYPE_CODE", "FLAG_LAYOUT",
-           "FLAG_CRC", "FLAG_PACKED", "FLAG_SPAN", "KNOWN_FLAGS", "WireError", "ChecksumError",
-           "FrameMismatch", "layout_id", "frame_crc", "meta_crc", "getter", "PATH_SEP",
+           "FLAG_CRC", "FLAG_PACKED", "FLAG_SPAN", "FLAG_ABORT", "KNOWN_FLAGS", "WireError",
+           "ChecksumError", "FrameMismatch", "DriverAbort", "abort_values", "layout_id", "frame_crc", "meta_crc", "getter", "PATH_SEP",
            "ALIAS_SEP", "CRC_AT", "META_CRC_AT", "MAX_LAYOUTS", "MAX_DIM", "MAX_NDIM",
            "MAX_LAYOUT_BYTES", "MAX_VALUES_BYTES", "MAX_COLLECTIVE_BYTES", "ELEMENT_SIZE",
            "PACK_ALIGN", "Head", "Frame", "blocks_at", "seal", "read_head", "FrameWriter",
            "FrameReader"]
 
-#: Version of the frame (6: any schema, fingerprinted by class; 5: exact tensor bytes + meta
+#: Version of the frame (7: the step number; 6: any schema, fingerprinted by class; 5: exact tensor bytes + meta
 #: crc; 4: one frame with a cached layout; 3 was the three-layer one).
-MESSAGE_VERSION = 6
+MESSAGE_VERSION = 7
 FRAME_MAGIC = b"CPMB"
-HEADER = struct.Struct("<4sHH16sIIIIIIQ")
+HEADER = struct.Struct("<4sHH16sIIIIIIQQ")
 CRC_AT = 28  # byte offset of the crc32 word in HEADER
 META_CRC_AT = 44  # byte offset of the meta crc32 word (header + layout + values + shapes)
-FLAG_LAYOUT, FLAG_CRC, FLAG_PACKED, FLAG_SPAN = 1, 2, 4, 8
-KNOWN_FLAGS = FLAG_LAYOUT | FLAG_CRC | FLAG_PACKED | FLAG_SPAN
+FLAG_LAYOUT, FLAG_CRC, FLAG_PACKED, FLAG_SPAN, FLAG_ABORT = 1, 2, 4, 8, 16
+KNOWN_FLAGS = FLAG_LAYOUT | FLAG_CRC | FLAG_PACKED | FLAG_SPAN | FLAG_ABORT
+MAX_ABORT_TEXT = 2000  # characters of an abort frame's message the driver sends
+#: the builtin classes an abort frame may name (a follower raises the named one, else RuntimeError)
+ABORT_BASES: dict[str, type] = {c.__name__: c for c in (
+    TypeError, ValueError, RuntimeError, MemoryError, OverflowError, NotImplementedError,
+    TimeoutError, KeyError, IndexError, AttributeError, OSError)}
 PACK_ALIGN = 16  # every dtype run starts at a multiple of this many bytes
 MAX_LAYOUTS = 256  # layouts a follower keeps (and the driver assumes it keeps)
 MAX_DIM = 1 << 48  # largest single dim a follower accepts
@@ -98,6 +115,23 @@ class ChecksumError(WireError):
 
 class FrameMismatch(RuntimeError):
     """A well-formed frame from a peer that speaks another version or schema (not corruption)."""
+
+
+class DriverAbort(Exception):
+    """A well-formed abort frame: the driver refused step ``step`` with ``base`` (a builtin
+    class of :data:`ABORT_BASES`) and ``text`` (its error class and message)."""
+
+    def __init__(self, step: int, base: type, text: str) -> None:
+        super().__init__(text)
+        self.step, self.base, self.text = step, base, text
+
+
+def abort_values(e: BaseException) -> list[str]:
+    """The values block of an abort frame for the driver's error ``e``: ``[class, builtin base,
+    message]``. Example: a ``WireError`` -> ``["WireError", "ValueError", "values block of ..."]``."""
+    base = next((c.__name__ for c in type(e).__mro__ if c.__name__ in ABORT_BASES
+                 and ABORT_BASES[c.__name__] is c), "RuntimeError")
+    return [type(e).__name__, base, str(e)[:MAX_ABORT_TEXT]]
 
 
 def getter(idx: list[int]) -> Any:
@@ -159,6 +193,7 @@ class Head(NamedTuple):
     tbytes: int
     shapes_at: int
     data_at: int
+    step: int
 
 
 def read_head(view: memoryview, fingerprint: bytes, schema_name: str, require_crc: bool) -> Head:
@@ -168,7 +203,7 @@ def read_head(view: memoryview, fingerprint: bytes, schema_name: str, require_cr
     n = view.nbytes
     if n < HEADER.size:
         raise WireError(f"truncated frame: {n} bytes")
-    (magic, version, flags, schema, lid, crc, llen, vlen, n_dims, meta, tbytes
+    (magic, version, flags, schema, lid, crc, llen, vlen, n_dims, meta, tbytes, step
      ) = HEADER.unpack_from(view, 0)
     if magic != FRAME_MAGIC:
         raise WireError(f"bad magic {bytes(magic)!r} (not a cpmeta frame)")
@@ -200,7 +235,7 @@ def read_head(view: memoryview, fingerprint: bytes, schema_name: str, require_cr
                             "(corrupted in transit)")
     if flags & FLAG_CRC and frame_crc(view) != crc:
         raise ChecksumError("frame fails its crc32 check (corrupted in transit)")
-    return Head(flags, lid, llen, vlen, n_dims, tbytes, shapes_at, data_at)
+    return Head(flags, lid, llen, vlen, n_dims, tbytes, shapes_at, data_at, step)
 
 
 class Frame(NamedTuple):
@@ -217,48 +252,58 @@ class Frame(NamedTuple):
 class FrameWriter:
     """The driver's side of the codec for one schema: layouts by key, frames written in place.
 
-    ``layout(key)`` gives ``(id, plan, block)`` -- the block only the first time (it rides with
-    that frame); ``write(view, ...)`` writes header, layout, values and shapes; the caller writes
-    the tensor region at ``data_at`` and then calls :func:`seal`. ``forget(key)`` is for a frame
-    that never reached the wire (its next frame must carry the layout again).
+    ``layout(key)`` gives ``(id, plan, block)`` -- the block until a frame carrying it was sent
+    (:meth:`sent`: a layout becomes known to followers only with a frame that delivered it);
+    ``write(view, ...)`` writes header, layout, values and shapes; the caller writes the tensor
+    region at ``data_at`` and then calls :func:`seal`. ``step``: the last step sent.
     """
 
     def __init__(self, schema: Any, make_plan: Callable[..., Any]) -> None:
         self.schema = schema
         self.fingerprint = schema.fingerprint.encode()
         self._make_plan = make_plan
-        self._layouts: dict[tuple, tuple[int, Any, bytes]] = {}  # key -> (id, plan, block)
+        # key -> (id, plan, block); the id is -1 until a frame carrying the block was sent
+        self._layouts: dict[tuple, tuple[int, Any, bytes]] = {}
+        self._ids: set[int] = set()  # ids the followers hold
+        self.step = 0
 
     def layout(self, key: tuple) -> tuple[int, Any, bytes]:
-        """``(id, plan, layout block to send or b"")`` of a layout key (block only when new)."""
+        """``(id, plan, layout block to send or b"")`` of a layout key (the block until sent)."""
         hit = self._layouts.get(key)
         if hit is not None:
             return (hit[0], hit[1], b"") if hit[0] >= 0 else (layout_id(hit[2]), hit[1], hit[2])
         if len(self._layouts) >= MAX_LAYOUTS:
             self._layouts.clear()  # followers drop theirs oldest first: resend from now on
+            self._ids.clear()
         block = encode_body([key[0], list(key[1]), list(key[2]), *key[3:4], *map(list, key[4:])])
+        if len(block) > MAX_LAYOUT_BYTES:
+            raise WireError(f"layout block of {len(block)} bytes, at most MAX_LAYOUT_BYTES="
+                            f"{MAX_LAYOUT_BYTES}")
         plan = self._make_plan(self.schema, key[0], list(key[1]), list(key[2]), key[3],
                                *(list(k) for k in key[4:]))
-        lid = layout_id(block)
-        if any(h[0] == lid for h in self._layouts.values()):  # crc32 collision: never cached
-            self._layouts[key] = (-1, plan, block)
-        else:
-            self._layouts[key] = (lid, plan, block)
-        return lid, plan, block
+        self._layouts[key] = (-1, plan, block)
+        return layout_id(block), plan, block
 
-    def forget(self, key: tuple) -> None:
-        self._layouts.pop(key, None)
+    def sent(self, key: tuple, lid: int) -> None:
+        """The frame of ``key``'s layout block ``lid`` reached the transport: later frames carry
+        its id only (a crc32 collision with a held id keeps sending the block)."""
+        hit = self._layouts.get(key)
+        if hit is not None and hit[0] < 0 and lid not in self._ids:
+            self._layouts[key] = (lid, hit[1], hit[2])
+            self._ids.add(lid)
 
     def write(self, view: memoryview, flags: int, lid: int, lblock: bytes, vblock: bytes,
-              plan: Any, dims: tuple[int, ...], tbytes: int, shapes_at: int) -> None:
+              plan: Any, dims: tuple[int, ...], tbytes: int, shapes_at: int, step: int) -> None:
         """Header (crc words zero), layout block, values block and shapes into ``view``."""
         HEADER.pack_into(view, 0, FRAME_MAGIC, MESSAGE_VERSION, flags, self.fingerprint, lid, 0,
-                         len(lblock), len(vblock), plan.n_dims, 0, tbytes)
+                         len(lblock), len(vblock), plan.n_dims if plan is not None else 0, 0,
+                         tbytes, step)
         at = HEADER.size
         view[at:at + len(lblock)] = lblock
         at += len(lblock)
         view[at:at + len(vblock)] = vblock
-        plan.shapes.pack_into(view, shapes_at, *dims)
+        if plan is not None:
+            plan.shapes.pack_into(view, shapes_at, *dims)
 
 
 class FrameReader:
@@ -271,10 +316,19 @@ class FrameReader:
         self.require_crc = require_crc
         self._make_plan = make_plan
         self._plans: "OrderedDict[int, tuple[bytes, Any]]" = OrderedDict()  # id -> (block, plan)
+        self.step = 0  # the last step this rank holds (its frame handed over, accepted or refused)
 
     def parse(self, view: memoryview, src: int) -> Frame:
-        """Header, layout, values and dims of one frame (see the module docstring)."""
+        """Header, layout, values and dims of one frame (see the module docstring). The frame
+        is this rank's next step whatever follows; its step number is proven first (a replay or
+        a gap is refused); an abort frame raises :class:`DriverAbort`."""
+        want = self.step = self.step + 1
         h = read_head(view, self.fingerprint, self.schema.name, self.require_crc)
+        if h.step != want:
+            raise WireError(f"frame of step {h.step} where this rank expects step {want} "
+                            f"({'a replayed or stale frame' if h.step < want else 'steps were lost'})")
+        if h.flags & FLAG_ABORT:
+            raise self._abort(view, h)
         cached = self._plans.get(h.lid)
         if h.flags & FLAG_LAYOUT:
             block = bytes(view[HEADER.size:HEADER.size + h.llen])
@@ -292,6 +346,19 @@ class FrameReader:
         if h.n_dims != plan.n_dims:
             raise WireError(f"{h.n_dims} dims declared, the layout has {plan.n_dims}")
         return Frame(h, plan, values, plan.shapes.unpack_from(view, h.shapes_at), block)
+
+    def _abort(self, view: memoryview, h: Head) -> DriverAbort:
+        if h.flags & ~(FLAG_ABORT | FLAG_CRC) or h.llen or h.n_dims or h.tbytes or h.lid \
+                or view.nbytes != h.data_at:
+            raise WireError(f"abort frame with flags {h.flags:#x}, layout id {h.lid}, {h.llen} "
+                            f"layout bytes, {h.n_dims} dims, {h.tbytes} tensor bytes, "
+                            f"{view.nbytes - h.data_at} bytes after its blocks (expected none)")
+        at = HEADER.size
+        v = decode_body(view[at:at + h.vlen], max_bytes=h.vlen)
+        if (type(v) is not list or len(v) != 3 or any(type(x) is not str for x in v)
+                or v[1] not in ABORT_BASES or len(v[0]) > 200 or len(v[2]) > MAX_ABORT_TEXT):
+            raise WireError("abort frame: expected [error class, builtin base, message]")
+        return DriverAbort(h.step, ABORT_BASES[v[1]], f"{v[0]}: {v[2]}")
 
     def _plan(self, block: bytes, lid: int) -> Any:
         """The plan of a layout block received with id ``lid`` (checked against the id, the size
