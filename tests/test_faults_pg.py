@@ -5,6 +5,7 @@ the leak checks rely on. Split from tests/test_faults.py (scenario helpers share
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -18,26 +19,32 @@ from test_faults import (HEALTHY_STEPS, MAX_STEPS, STALL_LONG_S, TIMEOUT_S, _kil
 pytestmark = pytest.mark.timeout(150)
 
 
-@pytest.mark.parametrize("sleeper", [0, 2], ids=["driver", "follower"])
+@pytest.mark.parametrize("sleeper", [0, 2], ids=["driver-frozen", "follower"])
 def test_stall_on_process_group_path(tmp_path: Path, sleeper: int) -> None:
     """Forced remote path: the transport timeout (3 s), not the process group's (90 s here,
-    30 min by default), bounds every wait, and the error names the rank that stalls: a follower
-    waits for the driver (named exactly); the driver names exactly the follower that did not
+    30 min by default), bounds every wait, and the error names the rank that stalls. A driver
+    frozen by SIGSTOP (sends no heartbeat: a frozen or vanished host looks the same) is named
+    by each follower within the timeout; the driver names exactly the follower that did not
     take the message (each follower's send is its own work handle), not its healthy neighbour,
     and that neighbour gets the driver's reason instead of blaming the driver."""
     with _spawn(_remote_stall, str(tmp_path), _seed(), sleeper) as group:
+        if sleeper == 0:
+            _wait_file(group, tmp_path, "stalled")
+            time.sleep(STALL_LONG_S)
+            group.kill(0, signal.SIGCONT)
         recs = group.results()
     t_stall = float((tmp_path / "stalled").read_text())
     waiting = [r for r in recs if r["rank"] != sleeper and r["etype"] is not None]
     assert recs[0]["segment"] is None  # no ring on this path
-    assert waiting, recs
+    assert len(waiting) == 2, recs
     for rec in waiting:
         assert rec["etype"] in ("TimeoutError", "PeerError"), rec
         if sleeper == 0:
             assert rec["etype"] == "TimeoutError", rec
-            assert "rank 0 (src, host " in rec["error"] and "sent no message" in rec["error"], rec
-        ttd = _ttd(f"stall-process-group-path[{'driver' if sleeper == 0 else 'follower'}]", rec,
-                   t_stall)
+            assert "rank 0 (src, host " in rec["error"], rec
+            assert "sent no message or heartbeat within 3 s" in rec["error"], rec
+        ttd = _ttd(f"stall-process-group-path[{'driver-frozen' if sleeper == 0 else 'follower'}]",
+                   rec, t_stall)
         assert ttd < STALL_LONG_S  # raised while the sleeper was still asleep
     if sleeper == 2:
         driver, healthy = recs[0], recs[1]
@@ -49,14 +56,44 @@ def test_stall_on_process_group_path(tmp_path: Path, sleeper: int) -> None:
 
 
 def _remote_stall(rank: int, world: int, tmp: str, seed: int, sleeper: int) -> dict:
-    """Forced remote path: rank ``sleeper`` sleeps STALL_LONG_S before step HEALTHY_STEPS."""
+    """Forced remote path: before step HEALTHY_STEPS rank ``sleeper`` sleeps STALL_LONG_S (a
+    follower) or stops itself with SIGSTOP until the parent's SIGCONT (the driver)."""
 
     def body(bc: Any, rec: dict) -> None:
         for step in range(MAX_STEPS):
             if rank == sleeper and step == HEALTHY_STEPS:
                 _mark(tmp, "stalled")
+                if sleeper == 0:
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                else:
+                    time.sleep(STALL_LONG_S)
+            _step(bc, rank, seed, step, rec)
+
+    return _run(rank, body, force_remote=True)
+
+
+def test_driver_idle_longer_than_timeout_on_process_group_path(tmp_path: Path) -> None:
+    """Forced remote path: the driver's main thread sleeps 5 s (timeout 3 s) before step 12,
+    then sends 30 more steps: an idle driver, not a dead one -- its heartbeats keep the
+    followers waiting, no rank raises, every step arrives once and in order. On 4ac8a65 both
+    followers raised ``TimeoutError ... rank 0 (src, host vm) sent no message within 3 s``."""
+    with _spawn(_driver_idles, str(tmp_path), _seed()) as group:
+        recs = group.results()
+    t_idle = float((tmp_path / "idle").read_text())
+    for rec in recs:
+        assert rec["etype"] is None and rec["last"] == HEALTHY_STEPS + 29, rec
+        assert rec["rank"] == 0 or rec["t_step"] - t_idle >= STALL_LONG_S, rec  # they waited it out
+
+
+def _driver_idles(rank: int, world: int, tmp: str, seed: int) -> dict:
+    def body(bc: Any, rec: dict) -> None:
+        for step in range(HEALTHY_STEPS + 30):
+            if rank == 0 and step == HEALTHY_STEPS:
+                _mark(tmp, "idle")
                 time.sleep(STALL_LONG_S)
             _step(bc, rank, seed, step, rec)
+            if step == HEALTHY_STEPS:
+                rec["t_step"] = time.monotonic()
 
     return _run(rank, body, force_remote=True)
 

@@ -204,8 +204,7 @@ class ObjectChannel:
         except TimeoutError as e:
             err = TimeoutError(f"{self._me}: message {self._count}: {self._label_ranks(str(e))}")
         except RuntimeError as e:
-            gone = self.rank == self.src or bool(self._dead_among([self.src]))
-            reason = None if gone else fetch_reason(self._reason_key)  # a dead src left none
+            reason = fetch_reason(self._reason_key) if self.rank != self.src else None
             err = (PeerError(f"{self._me}: {self.who(self.src)} stopped the channel at message "
                              f"{self._count}: {reason}") if reason else self._peer_failure(e))
         self.failure = str(err)
