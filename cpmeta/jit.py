@@ -20,9 +20,11 @@ kernel whose callee in another module changed would load stale machine code. Eve
 cpmeta is therefore stamped with ONE hash over the source of every kernel module and this one
 (:func:`sources_stamp`): any edit recompiles them all. The cache stays where numba would put it.
 
-Warm-up: kernel modules are named ``*_njit.py`` (found by that name, nothing to list); each
-registers a function that calls its kernels once on a tiny input (:func:`warmer`);
-:func:`warm_all` imports every kernel module (:func:`kernel_modules`) and runs them, so one process (the test session, an engine at start-up) pays the compile or
+Warm-up: kernel modules are named ``*_njit.py`` (found by that name, nothing to list); a
+function that calls the kernels once on a tiny input is registered with :func:`warmer` in the
+kernel module or in its wrapper beside it (``prompt.py`` for ``prompt_njit.py``, when the
+warm-up needs the wrapper's layout code); :func:`warm_all` imports both (:func:`kernel_modules`)
+and runs every warmer, so one process (the test session, an engine at start-up) pays the compile or
 the cache load before the step loop -- and spawned test processes only load.
 """
 
@@ -31,7 +33,6 @@ from __future__ import annotations
 import hashlib
 import importlib
 import os
-import pkgutil
 import time
 from functools import lru_cache
 from typing import Any, Callable, Optional, TypeVar, cast
@@ -130,11 +131,19 @@ def warmer(fn: Callable[[], None]) -> Callable[[], None]:
 
 
 def kernel_modules() -> list[str]:
-    """Every ``cpmeta`` module whose name ends in ``_njit`` (the kernel modules), sorted."""
-    import cpmeta
-
-    return sorted(m.name for m in pkgutil.walk_packages(cpmeta.__path__, "cpmeta.")
-                  if m.name.rsplit(".", 1)[-1].endswith("_njit"))
+    """Every ``cpmeta`` module named ``*_njit`` and its wrapper beside it (``x.py`` for
+    ``x_njit.py``) where one exists, sorted. Example: ``cpmeta.builders.prompt_njit`` and
+    ``cpmeta.builders.prompt``."""
+    mods = []
+    for root, _dirs, names in os.walk(_HERE):
+        rel = os.path.relpath(root, _HERE)
+        pkg = "cpmeta" if rel == "." else "cpmeta." + rel.replace(os.sep, ".")
+        for n in names:
+            if n.endswith("_njit.py"):
+                mods.append(f"{pkg}.{n[:-3]}")
+                if os.path.exists(os.path.join(root, n[:-len("_njit.py")] + ".py")):
+                    mods.append(f"{pkg}.{n[:-len('_njit.py')]}")
+    return sorted(mods)
 
 
 def warm_all() -> dict[str, float]:

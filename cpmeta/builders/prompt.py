@@ -28,7 +28,7 @@ from ..buffers import ArenaLayout, HostArena, OutputBuffers, alloc
 from ..cache import BoundedCache, IdentityCache
 from ..config import MetadataConfig
 from ..fields import PROMPT, OutputSpec, step_outputs
-from ..jit import error_slot
+from ..jit import error_slot, warmer
 from ..metadata import FIELDS, InputMetadata
 from ..state.batch import SequenceBatch
 from .common_njit import raise_common
@@ -241,3 +241,20 @@ def prompt_fields(sb: SequenceBatch, cfg: MetadataConfig, out: Out = None, *, ng
     if cfg.yoco_keep_tokens is not None and cfg.yoco_mode == "compact":
         f["yoco_consumer_total_q"] = sizes[CNT_TOTAL_C]
     return f
+
+
+@warmer
+def _warm() -> None:
+    """The compiled passes (:mod:`.prompt_njit`) once, through :func:`prepare_prompt`: the
+    compressed-KV config with YoCo compact, one sequence (q 3, k 9, state 2)."""
+    cfg = MetadataConfig.compressed_swa(block_size=16, window_size=4, swa_block_size=4, max_model_len=64,
+                                        yoco_keep_tokens=2)
+    i64 = np.int64
+    one = np.array([0, 1], i64)
+    sb = SequenceBatch(is_prompt=True, seqlen_q=np.array([3], i64), seqlen_k=np.array([9], i64),
+                       state_id=np.array([2], i64), swa_valid_start=np.zeros(1, i64),
+                       is_placeholder=np.zeros(1, np.bool_), num_tokens=np.array([9], i64),
+                       block_tables=np.array([7], i64), block_table_offsets=one,
+                       tokens=np.arange(3, dtype=i64), token_offsets=np.array([0, 3], i64),
+                       compressed=np.zeros(0, i64), compressed_offsets=np.zeros(2, i64), lookback=0)
+    prepare_prompt(sb, cfg)

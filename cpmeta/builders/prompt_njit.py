@@ -26,7 +26,7 @@ import numpy as np
 from ..buffers import ArenaLayout
 from ..config import MetadataConfig
 from ..constants import INT32_MAX, NO_SOURCE_BLOCK, PAD_SLOT_ID
-from ..jit import OK, kernel, warmer
+from ..jit import OK, kernel
 from .common_njit import (
     COMMON_CODES_END, E_CU_SEQLENS_K, E_NGRAM_TABLE, blocks_needed_one, check_block_table, check_state_id,
     compressed_slot, fail, fill_common_rows, fill_cu_seqlens, fill_ngram_rows,
@@ -484,21 +484,3 @@ def yoco_compact(seqlen_q: np.ndarray, seqlen_k: np.ndarray, state_id: np.ndarra
                 a32[fo[_YKVCA, a] + 2 * rc + 1] = (pos + 1) // k[_RATIOS + ci]
             rc += 1
         a32[o_cu + s + 1] = rc
-
-
-@warmer
-def _warm() -> None:
-    """Both passes once: the default config with YoCo compact, one sequence (q 3, k 9, state 2)."""
-    from .prompt import prepare_prompt
-    from ..state.batch import SequenceBatch
-
-    cfg = MetadataConfig.compressed_swa(block_size=16, window_size=4, swa_block_size=4, max_model_len=64, yoco_keep_tokens=2)
-    i64 = np.int64
-    one = np.array([0, 1], i64)
-    sb = SequenceBatch(is_prompt=True, seqlen_q=np.array([3], i64), seqlen_k=np.array([9], i64),
-                       state_id=np.array([2], i64), swa_valid_start=np.zeros(1, i64),
-                       is_placeholder=np.zeros(1, np.bool_), num_tokens=np.array([9], i64),
-                       block_tables=np.array([7], i64), block_table_offsets=one,
-                       tokens=np.arange(3, dtype=i64), token_offsets=np.array([0, 3], i64),
-                       compressed=np.zeros(0, i64), compressed_offsets=np.zeros(2, i64), lookback=0)
-    prepare_prompt(sb, cfg)
