@@ -103,7 +103,8 @@ def test_docstring_example_decode() -> None:
     assert r1.seqlens.tolist() == [3, 4] and r1.cu_seqlens.tolist() == [0, 3, 7]
     assert r1.positions.tolist() == [2, 3, 6, 2, 3, 6, 7]
     assert r1.slots.tolist() == [12, 13, 14, 12, 13, 14, 15]
-    assert r1.max_total == 10 and r1.block_tables is md.block_tables
+    assert r1.max_total == 10 and torch.equal(r1.block_tables, md.block_tables)
+    assert r1.block_tables.data_ptr() != md.block_tables.data_ptr()  # unguarded table: the plan's own copy
     r0 = cpmeta.cp_kv_read_plan(md, cfg, cp_rank=0)
     assert r0.positions.tolist() == [0, 1, 4, 5, 0, 1, 4, 5, 8, 9]
     assert r0.slots.tolist() == [12, 13, 14, 15, 12, 13, 14, 15, 36, 37]

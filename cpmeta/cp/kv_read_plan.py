@@ -24,97 +24,114 @@ combined by log-sum-exp.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 
 from ..config import MetadataConfig
-from ..constants import INT32_MAX, PLACEHOLDER_QUERY_INDEX
+from ..jit import error_slot
 from ..lifetime import Generation, check, stamp
 from ..metadata import InputMetadata
-from .kv_shard import local_lengths
+from . import kv_read_plan_njit as K
 
 __all__ = ["KVReadPlan", "cp_kv_read_plan"]
 
 _I64 = torch.int64
-_I32 = torch.int32
 
 
-@dataclass(slots=True, eq=False)
 class KVReadPlan:
     """Keys one rank holds for one step, per entry (prompt: sequence; decode: query row).
 
-    ``slots`` and ``positions`` are computed on first access (one device pass for both) and
-    cached together; every other field is filled by :func:`cp_kv_read_plan`. ``block_tables`` is
-    the metadata's own table: when that lives in a persistent broadcast arena
-    (``persistent_outputs``), the plan is valid only while the metadata is, and ``slots`` /
-    ``positions`` raise ``cpmeta.lifetime.StaleResultError`` once a later broadcast rewrote the
-    table (instead of mixing the new tables with this plan's seqlens).
+    Every field is filled by :func:`cp_kv_read_plan` (one compiled call) except ``slots`` /
+    ``positions``, computed on first access (one compiled call for both) and kept.
+
+    Lifetime: the plan never changes under its holder. When ``md``'s block table lives in a
+    buffer registered with :mod:`cpmeta.lifetime` (a persistent broadcast arena,
+    ``persistent_outputs``), the plan keeps that table by reference and EVERY field raises
+    :class:`cpmeta.lifetime.StaleResultError` once a later broadcast rewrote it (the seqlens
+    were counted from the old step's lengths). Any other table -- a fresh tensor, or one in a
+    reused host arena (``prepare_decode(..., out=OutputArenas())``, refilled by the next call of
+    the same shape without a generation) -- is copied into the plan (one ``[n, width]`` int32
+    copy), so a later step cannot change it.
     """
 
-    seqlens: torch.Tensor  # [n] int32, keys this rank holds per entry (0 for placeholders)
-    cu_seqlens: torch.Tensor  # [n+1] int32, exclusive prefix sums of seqlens
-    block_tables: torch.Tensor  # [n, width] int32, local offset j -> row[j // bs] * bs + j % bs
-    max_total: int  # most keys any rank holds in this plan (rank 0's sum): all-gather size
-    block_size: int  # tokens per paged block (cfg.block_size)
-    cp_rank: int  # the rank this plan is for
-    cp_world_size: int  # W: ranks the KV is sharded over (cfg.kv_cp_world_size; 1 = not sharded)
-    cp_interleave: int  # I: consecutive positions per rank (cfg.kv_cp_interleave)
-    is_prompt: bool  # True: one entry per sequence; False: one entry per decode query row
-    _keys: Optional[tuple[torch.Tensor, torch.Tensor]] = field(default=None, repr=False)  # (slots, positions)
-    _stamp: Optional[tuple[Generation, int]] = field(default=None, repr=False)  # block_tables' arena
+    __slots__ = ("_seqlens", "_cu_seqlens", "_block_tables", "_max_total", "_total", "_host_table",
+                 "_keys", "_stamp", "block_size", "cp_rank", "cp_world_size", "cp_interleave", "is_prompt")
+
+    def __init__(self, seqlens: torch.Tensor, cu_seqlens: torch.Tensor, block_tables: torch.Tensor,
+                 max_total: int, total: int, host_table: np.ndarray, block_size: int, cp_rank: int,
+                 cp_world_size: int, cp_interleave: int, is_prompt: bool,
+                 stamp_: Optional[tuple[Generation, int]]) -> None:
+        self._seqlens, self._cu_seqlens, self._block_tables = seqlens, cu_seqlens, block_tables
+        self._max_total, self._total, self._host_table = max_total, total, host_table
+        self._keys: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self._stamp = stamp_
+        self.block_size = block_size  # tokens per paged block (cfg.block_size)
+        self.cp_rank = cp_rank  # the rank this plan is for
+        self.cp_world_size = cp_world_size  # W: ranks the KV is sharded over (1 = not sharded)
+        self.cp_interleave = cp_interleave  # I: consecutive positions per rank
+        self.is_prompt = is_prompt  # True: one entry per sequence; False: one per decode query row
+
+    def __repr__(self) -> str:
+        return (f"KVReadPlan(n={self._seqlens.shape[0]}, total={self._total}, max_total={self._max_total}, "
+                f"block_size={self.block_size}, cp_rank={self.cp_rank}, cp_world_size={self.cp_world_size}, "
+                f"cp_interleave={self.cp_interleave}, is_prompt={self.is_prompt})")
+
+    @property
+    def seqlens(self) -> torch.Tensor:
+        """[n] int32: keys this rank holds per entry (0 for placeholders)."""
+        check(self._stamp, "KVReadPlan.seqlens")
+        return self._seqlens
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        """[n+1] int32: exclusive prefix sums of ``seqlens``."""
+        check(self._stamp, "KVReadPlan.cu_seqlens")
+        return self._cu_seqlens
+
+    @property
+    def block_tables(self) -> torch.Tensor:
+        """[n, width] int32: local offset ``j`` -> ``row[j // bs] * bs + j % bs``."""
+        check(self._stamp, "KVReadPlan.block_tables")
+        return self._block_tables
+
+    @property
+    def max_total(self) -> int:
+        """Most keys any rank holds in this plan (rank 0's sum): the all-gather size."""
+        check(self._stamp, "KVReadPlan.max_total")
+        return self._max_total
 
     @property
     def total(self) -> int:
-        """Keys this rank holds in the plan: ``cu_seqlens[-1]`` (reads one value to the host)."""
-        return int(self.cu_seqlens[-1])
+        """Keys this rank holds in the plan: ``cu_seqlens[-1]``."""
+        check(self._stamp, "KVReadPlan.total")
+        return self._total
 
     @property
     def slots(self) -> torch.Tensor:
         """[total] int64: slot of each local key, entry-major, local offset ascending."""
         check(self._stamp, "KVReadPlan.slots")
-        if self._keys is None:
-            self._keys = self._materialize()
-        return self._keys[0]
+        return self._materialize()[0]
 
     @property
     def positions(self) -> torch.Tensor:
         """[total] int64: global key position of each local key (ascending within an entry)."""
         check(self._stamp, "KVReadPlan.positions")
-        if self._keys is None:
-            self._keys = self._materialize()
-        return self._keys[1]
+        return self._materialize()[1]
 
     def _materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block by block (no per-key division): block ``b`` of entry ``i`` holds local offsets
-        ``b*bs .. b*bs+bs-1`` at slots ``table[i, b]*bs + t`` and positions ``b*bs*W + r*I +
-        pattern[t]`` with ``pattern[t] = (t // I) * W * I + t % I`` (``I`` divides ``bs``, so
-        every block starts a fresh group of I); the last block of an entry is cut to its keys.
-        Returns ``(slots, positions)``. Example (W=2, I=2, bs=4, rank 1): pattern [0, 1, 4, 5];
-        block 1 -> positions 10 11 14 15."""
-        dev, n, (w, i, bs) = self.seqlens.device, self.seqlens.shape[0], \
-            (self.cp_world_size, self.cp_interleave, self.block_size)
-        lens = self.seqlens.to(_I64)
-        nblk = (lens + bs - 1) // bs  # [n] blocks per entry (n divisions, not one per key)
-        cu_blk = torch.zeros(n + 1, dtype=_I64, device=dev)
-        cu_blk[1:] = nblk.cumsum(0)
-        n_blk = int(cu_blk[-1])
-        entry = torch.repeat_interleave(torch.arange(n, device=dev, dtype=_I64), nblk, output_size=n_blk)
-        b = torch.arange(n_blk, device=dev, dtype=_I64) - cu_blk[entry]  # block index in its entry
-        width = self.block_tables.shape[1]
-        ids = self.block_tables.reshape(-1).index_select(0, entry * width + b)
-        # per-key work in int32 where the slots fit (int64 multiplies are not vectorized on x86
-        # CPUs: several times slower); positions are < seqlen_k, so they always fit
-        dt = _I32 if n_blk == 0 or int(ids.max()) <= (INT32_MAX - bs + 1) // bs else _I64
-        t = torch.arange(bs, device=dev, dtype=dt)
-        keep = t[None, :] < (lens[entry] - b * bs).to(dt)[:, None]  # cut the last blocks
-        rank = self.cp_rank if w > 1 else 0
-        pattern = (t // i) * (w * i) + t % i
-        both = torch.stack([ids.to(dt)[:, None] * bs + t[None, :],
-                            (b.to(dt) * (bs * w) + rank * i)[:, None] + pattern[None, :]])
-        slots, positions = both.view(2, -1)[:, keep.view(-1)].to(_I64)  # (masked_select: 2x slower)
-        return slots, positions
+        """ONE :func:`~cpmeta.cp.kv_read_plan_njit.plan_keys` call into one fresh int64 [2, total]
+        buffer (moved to the plan's device in one copy). Example (W=2, I=2, bs=4, rank 1, one
+        entry of 4 keys, table [3, 9, 5]): positions 2 3 6 7, slots 12 13 14 15."""
+        if self._keys is None:
+            both = np.empty((2, self._total), np.int64)
+            seqlens = self._seqlens.cpu().numpy()
+            K.plan_keys(seqlens, self._host_table, self.cp_world_size, self.cp_rank, self.cp_interleave,
+                        self.block_size, both[0], both[1])
+            t = torch.from_numpy(both).to(self._seqlens.device)
+            self._keys = (t[0], t[1])
+        return self._keys
 
 
 def _check_args(md: InputMetadata, cfg: MetadataConfig, cp_rank: int) -> None:
@@ -141,49 +158,9 @@ def _check_args(md: InputMetadata, cfg: MetadataConfig, cp_rank: int) -> None:
                          "it was taken from (the keys are the same)")
 
 
-def _entries(md: InputMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """(key count per entry [n] int64, placeholders 0; the entries' block table [n, width])."""
-    assert md.query_indices is not None
-    if md.is_prompt:
-        assert md.cu_seqlens_k is not None and md.cu_seqlens_q is not None
-        cu_k = md.cu_seqlens_k.to(_I64)
-        keys = cu_k[1:] - cu_k[:-1]
-        first_row = md.cu_seqlens_q.to(device=md.query_indices.device, dtype=_I64)[:-1]
-        ph = md.query_indices[first_row] == PLACEHOLDER_QUERY_INDEX
-        table = md.seq_block_tables
-    else:
-        assert md.context_lens is not None
-        keys = md.context_lens.to(_I64)
-        ph = md.query_indices == PLACEHOLDER_QUERY_INDEX
-        table = md.block_tables
-    assert table is not None
-    return keys.masked_fill(ph.to(keys.device), 0), table
-
-
-def _check_tables(md: InputMetadata, table: torch.Tensor, mine: torch.Tensor, rank0: torch.Tensor,
-                  bs: int, cp_rank: int) -> int:
-    """Refuse a table too narrow for, or with a -1 block among, the blocks an entry reads (one
-    host sync for every check, shared with the answer). Returns ``max_total`` (rank 0's sum)."""
-    n, width = table.shape
-    nblocks = (mine + bs - 1) // bs  # blocks this rank reads per entry
-    if n and width:
-        col = (nblocks - 1).clamp(0, width - 1).to(table.device)
-        last = table[torch.arange(n, device=table.device), col].to(mine.device)
-    else:
-        last = torch.zeros_like(mine)
-    bad = (nblocks > 0) & (last < 0)
-    stats = torch.stack([rank0.sum(), torch.cat([nblocks, nblocks.new_zeros(1)]).max(), bad.sum()])
-    max_total, max_blocks, n_bad = (int(v) for v in stats.tolist())
-    name = "seq_block_tables" if md.is_prompt else "block_tables"
-    if max_blocks > width:
-        raise ValueError(f"md.{name}: expected at least {max_blocks} columns for the keys rank "
-                         f"{cp_rank} holds (block_size={bs}), got {width}")
-    if n_bad:
-        i = int(bad.nonzero()[0, 0])
-        what = "sequence" if md.is_prompt else "row"
-        raise ValueError(f"md.{name}[{i}]: {what} {i} holds {int(mine[i])} keys on rank {cp_rank}, "
-                         f"which need {int(nblocks[i])} blocks, but column {int(nblocks[i]) - 1} is -1")
-    return max_total
+def _host(t: torch.Tensor) -> np.ndarray:
+    """int64 host copy of a small index tensor (no copy for a CPU int64 one)."""
+    return np.ascontiguousarray(t.detach().cpu().numpy(), np.int64)
 
 
 def cp_kv_read_plan(md: InputMetadata, cfg: MetadataConfig, *, cp_rank: int) -> KVReadPlan:
@@ -198,8 +175,10 @@ def cp_kv_read_plan(md: InputMetadata, cfg: MetadataConfig, *, cp_rank: int) -> 
 
     Returns a :class:`KVReadPlan` on ``md``'s device: ``seqlens`` int32 [n]
     (``cp_local_seqlens(len, W, cp_rank, I)``), ``cu_seqlens`` int32 [n+1], ``block_tables`` int32
-    [n, width] (``md``'s table tensor itself, not a copy), ``max_total`` (rank 0's total) and the
-    lazy ``slots`` / ``positions`` int64 [sum(seqlens)]. A query row at position ``p`` sees the
+    [n, width] (``md``'s table itself when a registered persistent arena guards it -- then every
+    field raises ``StaleResultError`` once it is rewritten -- else a copy), ``max_total`` (rank
+    0's total) and the lazy ``slots`` / ``positions`` int64 [sum(seqlens)]. One compiled call
+    (:func:`cpmeta.cp.kv_read_plan_njit.plan_seqlens`) counts and checks; one more fills the keys. A query row at position ``p`` sees the
     first ``cp_local_seqlens(p + 1, W, cp_rank, I)`` keys of its entry.
 
     Example (module docstring in full): ``W=2, I=2, block_size=4``, decode rows at positions
@@ -211,15 +190,37 @@ def cp_kv_read_plan(md: InputMetadata, cfg: MetadataConfig, *, cp_rank: int) -> 
     ``-1`` block id (e.g. seed-config decode tables defined only for compressed KV).
     """
     _check_args(md, cfg, cp_rank)
-    keys, table = _entries(md)
+    assert md.query_indices is not None
     w, inter, bs = cfg.kv_cp_world_size, cfg.kv_cp_interleave, cfg.block_size
-    mine = local_lengths(keys, w, cp_rank if w > 1 else 0, inter)
-    rank0 = local_lengths(keys, w, 0, inter) if w > 1 and cp_rank != 0 else mine
-    max_total = _check_tables(md, table, mine, rank0, bs, cp_rank)
-    cu = torch.zeros(keys.shape[0] + 1, dtype=torch.int32, device=keys.device)
-    cu[1:] = mine.cumsum(0)
+    if md.is_prompt:
+        assert md.cu_seqlens_k is not None and md.cu_seqlens_q is not None and md.seq_block_tables is not None
+        lens, cu_q, table, name = _host(md.cu_seqlens_k), _host(md.cu_seqlens_q), md.seq_block_tables, \
+            "seq_block_tables"
+        n = lens.shape[0] - 1
+    else:
+        assert md.context_lens is not None and md.block_tables is not None
+        lens, cu_q, table, name = _host(md.context_lens), np.zeros(1, np.int64), md.block_tables, "block_tables"
+        n = lens.shape[0]
+    if table.dim() != 2 or table.shape[0] != n:
+        raise ValueError(f"md.{name}: expected {n} rows (one per entry), got shape {tuple(table.shape)}")
+    st = stamp(table)
+    if st is None:  # nothing guards it (a fresh tensor or a reused host arena): the plan owns a copy
+        table = table.to(torch.int32, copy=True)
+    host_table = np.ascontiguousarray(table.detach().cpu().numpy(), np.int32)
+    seqlens, cu = np.empty(n, np.int32), np.empty(n + 1, np.int32)
+    meta, err = np.zeros(2, np.int64), error_slot()
+    code = K.plan_seqlens(bool(md.is_prompt), lens, cu_q, _host(md.query_indices), host_table, w, cp_rank,
+                          inter, bs, seqlens, cu, meta, err)
+    if code == K.E_WIDTH:
+        raise ValueError(f"md.{name}: expected at least {int(err[2])} columns for the keys rank "
+                         f"{cp_rank} holds (block_size={bs}), got {table.shape[1]}")
+    if code == K.E_MISSING_BLOCK:
+        i, nb = int(err[1]), int(err[2])
+        what = "sequence" if md.is_prompt else "row"
+        raise ValueError(f"md.{name}[{i}]: {what} {i} holds {int(seqlens[i])} keys on rank {cp_rank}, "
+                         f"which need {nb} blocks, but column {nb - 1} is -1")
+    dev = table.device
     return KVReadPlan(
-        seqlens=mine.to(torch.int32), cu_seqlens=cu, block_tables=table, max_total=max_total,
-        block_size=bs, cp_rank=cp_rank, cp_world_size=w, cp_interleave=inter, is_prompt=bool(md.is_prompt),
-        _stamp=stamp(table),
+        torch.from_numpy(seqlens).to(dev), torch.from_numpy(cu).to(dev), table, int(meta[0]), int(meta[1]),
+        host_table, bs, cp_rank, w, inter, bool(md.is_prompt), st,
     )

@@ -10,7 +10,11 @@ partial output and its log-sum-exp, and the ranks combine by LSE (vLLM: the DCP 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+from ..jit import error_slot
+from .kv_read_plan_njit import local_seqlens
 
 
 def _int(name: str, value: object, lo: int, hi: int | None = None) -> int:
@@ -21,7 +25,7 @@ def _int(name: str, value: object, lo: int, hi: int | None = None) -> int:
         raise ValueError(f"{name}: expected {bound}, got {value}")
     return value
 
-__all__ = ["cp_local_seqlens", "local_lengths"]
+__all__ = ["cp_local_seqlens"]
 
 
 def cp_local_seqlens(
@@ -57,15 +61,8 @@ def cp_local_seqlens(
     _int("cp_world_size", cp_world_size, 1)
     _int("cp_rank", cp_rank, 0, cp_world_size)
     _int("cp_interleave", cp_interleave, 1)
-    length = seqlens_k.to(torch.int64)
-    if bool((length < 0).any()):
+    host = np.ascontiguousarray(seqlens_k.detach().cpu().numpy(), np.int64)
+    out = np.empty(host.shape[0], np.int32)
+    if local_seqlens(host, cp_world_size, cp_rank, cp_interleave, out, error_slot()):
         raise ValueError("seqlens_k: expected lengths >= 0")
-    return local_lengths(length, cp_world_size, cp_rank, cp_interleave).to(torch.int32)
-
-
-def local_lengths(length: torch.Tensor, world: int, rank: int, interleave: int) -> torch.Tensor:
-    """:func:`cp_local_seqlens` without argument checks, in ``length``'s dtype (the read plan's
-    helper: arguments already checked, lengths known to be >= 0)."""
-    cycle = world * interleave
-    rem = (length % cycle - rank * interleave).clamp(0, interleave)
-    return (length // cycle) * interleave + rem
+    return torch.from_numpy(out).to(seqlens_k.device)

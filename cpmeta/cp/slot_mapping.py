@@ -13,36 +13,40 @@ Three layouts:
   local offsets, so its local KV is dense (see :func:`locate`).
 * circular: one ring block (block index 0), ``offset = pos % block_size``; ``pos < 0`` is padding.
 
-CPU tensors take a vectorized torch path; CUDA tensors take ONE Triton kernel
-(:mod:`cpmeta.gpu.slot_mapping_triton`) unless ``backend="torch"``. Both give identical results.
+CPU tensors take ONE compiled call (:func:`cpmeta.cp.slot_mapping_njit.slot_fill`); CUDA
+tensors take ONE Triton kernel (:mod:`cpmeta.gpu.slot_mapping_triton`) unless
+``backend="torch"``, which runs the compiled CPU kernel on host copies and copies the slots
+back. Both give identical results.
 
 Validation cost: argument checks are host-only. Checks that need tensor *data* (the
-``query_start_loc`` layout, negative positions, block indices inside the row, int32 slots) are
-evaluated on the tensors' device next to the computation; no index is ever read out of bounds
-even on bad input. By default one 4-byte device-to-host read per call (a stream sync, not a
-per-token one) turns a failed check into the ``ValueError``; pass ``error_out`` to record the
-failure bits on the device instead (no sync, CUDA-graph capturable) and check them later with
-:func:`describe_slot_mapping_error`.
+``query_start_loc`` layout, negative positions, block indices inside the row, int32 slots) run
+inside the kernel that computes the slots; no index is ever read out of bounds even on bad input.
+The kernel returns the failure bits; without ``error_out`` a failure is raised as the
+``ValueError`` naming the first bad token (on CUDA: one 4-byte device-to-host read per call, a
+stream sync); pass ``error_out`` to record the bits instead (on CUDA no sync, CUDA-graph
+capturable) and check them later with :func:`describe_slot_mapping_error`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from ..constants import INT32_MAX, PAD_SLOT_ID
+from ..jit import error_slot
+from . import slot_mapping_njit as K
 from .slot_mapping_errors import SlotMappingError, describe_slot_mapping_error
 from .slot_mapping_params import SlotMappingParams
 
 __all__ = [
     "compute_slot_mapping",
-    "locate",
     "make_params",
     "check_tensor_args",
-    "torch_slot_mapping",
+    "host_slot_mapping",
     "use_triton",
-    "raise_first_error",
+    "raise_slot_error",
     "int_arg",
     "SlotMappingError",
     "describe_slot_mapping_error",
@@ -99,34 +103,19 @@ def make_params(
     return SlotMappingParams(bs, mnt, kvb, kvb // bs, world, cp_rank, inter, pad, circular)
 
 
-def locate(pos: torch.Tensor, prm: SlotMappingParams) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Block index, in-block offset and ownership of each position (vectorized).
-
-    ``pos``: [n] int64. Returns ``(bi, off, is_local)``: [n] int64, [n] int64, [n] bool. Values
-    are meaningful where ``pos >= 0`` and ``is_local``. CP formula, ``vbs = kvb * W``::
-
-        vbi = pos // vbs; vbo = pos % vbs
-        is_local = (vbo // I) % W == rank
-        local = (vbo // (W * I)) * I + vbo % I
-        bi = vbi * (kvb // block_size) + local // block_size;  off = local % block_size
-
-    Worked example (the seed's): W=2, I=128, block_size=kvb=128, so vbs=256. pos=300: vbi=1,
-    vbo=44, (44 // 128) % 2 = 0 -> rank 0; local = 0*128 + 44 = 44; bi = 1*1 + 0 = 1, off=44:
-    rank 0's 172nd local slot (positions 0..127 -> 0..127, 256..383 -> 128..255). With I=1,
-    block_size=kvb=16: pos=37: vbo=5, 5 % 2 = 1 -> rank 1; local = 2; bi = 1, off = 2 -> local
-    index 18 = 37 // 2.
-    """
+def _locate_one(x: int, prm: SlotMappingParams) -> tuple[int, int]:
+    """Block index and offset of one owned position ``x >= 0`` (the error messages' numbers; the
+    kernel's formulas, :func:`cpmeta.cp.slot_mapping_njit.slot_fill`). Example (W=2, I=128,
+    block_size=kvb=128): 300 -> ``(1, 44)``."""
     if prm.circular:
-        return torch.zeros_like(pos), pos % prm.block_size, torch.ones_like(pos, dtype=torch.bool)
+        return 0, x % prm.block_size
     if not prm.use_cp:
-        return pos // prm.block_size, pos % prm.block_size, torch.ones_like(pos, dtype=torch.bool)
+        return x // prm.block_size, x % prm.block_size
     world, inter = prm.cp_world_size, prm.cp_interleave
     vbs = prm.kv_block_size * world
-    vbi, vbo = pos // vbs, pos % vbs
-    is_local = (vbo // inter) % world == prm.cp_rank
+    vbo = x % vbs
     local = (vbo // (world * inter)) * inter + vbo % inter
-    bi = vbi * prm.blocks_per_kv_block + local // prm.block_size
-    return bi, local % prm.block_size, is_local
+    return (x // vbs) * prm.blocks_per_kv_block + local // prm.block_size, local % prm.block_size
 
 
 def check_tensor_args(
@@ -168,89 +157,50 @@ def check_tensor_args(
                              f"{tuple(error_out.shape)} on {error_out.device}")
 
 
-def raise_first_error(
+def host_slot_mapping(
     qsl: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor, prm: SlotMappingParams,
+    out: torch.Tensor, err: np.ndarray,
+) -> int:
+    """ONE :func:`~cpmeta.cp.slot_mapping_njit.slot_fill` call on host copies (free for CPU
+    tensors of the usual dtypes): fills ``out`` ([max_num_tokens] int32, any device; a device
+    ``out`` gets one copy) and ``err``; returns the error bits."""
+    q = np.ascontiguousarray(qsl.detach().cpu().numpy(), np.int64)
+    pos = np.ascontiguousarray(positions.detach().cpu().numpy(), np.int64)
+    table = block_table.detach().cpu().contiguous().numpy()
+    host = out if out.device.type == "cpu" else torch.empty(out.shape, dtype=torch.int32)
+    bits = int(K.slot_fill(q, pos, table, K.params_array(prm), host.numpy(), err))
+    if host is not out:
+        out.copy_(host)
+    return bits
+
+
+def raise_slot_error(
+    err: np.ndarray, qsl: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor,
+    prm: SlotMappingParams,
 ) -> None:
-    """Raise a ``ValueError`` naming the argument, request and token of the first data error.
-
-    CPU tensors (the device paths copy their inputs here only after a check failed). Order:
-    ``query_start_loc`` layout, ``positions`` count, negative positions, block index, int32 slot.
-    """
-    q, n_tok = qsl.to(torch.int64), positions.shape[0]
-    if int(q[0]) != 0:
-        raise ValueError(f"query_start_loc[0]: expected 0, got {int(q[0])}")
-    dec = (q[1:] < q[:-1]).nonzero()
-    if dec.numel():
-        i = int(dec[0, 0])
-        raise ValueError(f"query_start_loc: expected non-decreasing values, got query_start_loc[{i}]"
-                         f"={int(q[i])} > query_start_loc[{i + 1}]={int(q[i + 1])}")
-    if int(q[-1]) != n_tok:
-        raise ValueError(f"positions: expected num_tokens = query_start_loc[-1] = {int(q[-1])} "
-                         f"entries, got {n_tok}")
-    pos = positions.to(torch.int64)
-    req = torch.searchsorted(q[1:].contiguous(), torch.arange(n_tok), right=True)
-    if not prm.circular and bool((pos < 0).any()):
-        t = int((pos < 0).nonzero()[0, 0])
-        raise ValueError(f"positions[{t}]: expected >= 0 (request {int(req[t])}; negative positions "
-                         f"need circular=True), got {int(pos[t])}")
-    bi, off, is_local = locate(pos, prm)
-    want = is_local & (pos >= 0)
-    cols = block_table.shape[1]
-    if bool((want & (bi >= cols)).any()):
-        t = int((want & (bi >= cols)).nonzero()[0, 0])
-        raise ValueError(f"block_table: request {int(req[t])} token {t} (position {int(pos[t])}) "
-                         f"needs block index {int(bi[t])}, but its row has {cols} entries")
-    rows = want.nonzero()[:, 0]
-    bn = block_table[req[rows], bi[rows]].to(torch.int64)
-    slot = bn * prm.block_size + off[rows]
-    bad = ((slot > INT32_MAX) | (slot < INT32_MIN)).nonzero()
-    if bad.numel():
-        k = int(bad[0, 0])
-        t = int(rows[k])
-        raise ValueError(f"block_table: request {int(req[t])} token {t}: slot {int(bn[k])} * "
-                         f"{prm.block_size} + {int(off[t])} = {int(slot[k])} does not fit in int32")
-
-
-def torch_slot_mapping(
-    qsl: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor, prm: SlotMappingParams,
-    out: torch.Tensor,
-) -> torch.Tensor:
-    """Vectorized torch path (any device): fill ``out`` and return the [] int32 error word.
-
-    Bad input never indexes out of bounds: rows that fail a check read block-table entry
-    (0, 0) only when it exists, and are reported through the error word.
-    """
-    n_tok, num_reqs = positions.shape[0], qsl.shape[0] - 1
-    bt_rows, bt_cols = block_table.shape
-    q = qsl.to(torch.int64)
-    pos = positions.to(torch.int64)
-    tok = torch.arange(n_tok, device=pos.device, dtype=torch.int64)
-    req = torch.searchsorted(q[1:].contiguous(), tok, right=True)  # [n_tok], request of each row
-    bi, off, is_local = locate(pos, prm)
-    want = is_local & (pos >= 0) & (req < min(num_reqs, bt_rows))
-    read = want & (bi < bt_cols)
-    if bt_rows > 0 and bt_cols > 0:
-        bn = block_table[torch.where(read, req, 0), torch.where(read, bi, 0)].to(torch.int64)
-    else:
-        bn = torch.zeros_like(pos)
-    slot = bn * prm.block_size + off
-    out[n_tok:].fill_(prm.pad_id)
-    out[:n_tok].copy_(torch.where(read, slot, prm.pad_id))
-
+    """Raise the ``ValueError`` of the first failed check the kernel reported in ``err =
+    [bit, index, request, 0]`` (the argument, request and token named)."""
+    bit, t, req = (int(v) for v in err[:3])
     E = SlotMappingError
-    flags = [
-        (q[0] != 0, E.QUERY_START),
-        ((q[1:] < q[:-1]).any(), E.QUERY_ORDER),
-        (q[-1] != n_tok, E.NUM_TOKENS),
-        ((want & ~read).any(), E.BLOCK_INDEX),
-        ((read & ((slot > INT32_MAX) | (slot < INT32_MIN))).any(), E.SLOT_OVERFLOW),
-    ]
-    if not prm.circular:
-        flags.append(((pos < 0).any(), E.NEGATIVE_POSITION))
-    err = torch.zeros((), dtype=torch.int32, device=pos.device)
-    for cond, bit in flags:
-        err = err | cond.to(torch.int32) * int(bit)
-    return err
+    if bit == E.QUERY_START:
+        raise ValueError(f"query_start_loc[0]: expected 0, got {int(qsl[0])}")
+    if bit == E.QUERY_ORDER:
+        raise ValueError(f"query_start_loc: expected non-decreasing values, got query_start_loc[{t}]"
+                         f"={int(qsl[t])} > query_start_loc[{t + 1}]={int(qsl[t + 1])}")
+    if bit == E.NUM_TOKENS:
+        raise ValueError(f"positions: expected num_tokens = query_start_loc[-1] = {int(qsl[-1])} "
+                         f"entries, got {positions.shape[0]}")
+    x = int(positions[t])
+    if bit == E.NEGATIVE_POSITION:
+        raise ValueError(f"positions[{t}]: expected >= 0 (request {req}; negative positions "
+                         f"need circular=True), got {x}")
+    bi, off = _locate_one(x, prm)
+    if bit == E.BLOCK_INDEX:
+        raise ValueError(f"block_table: request {req} token {t} (position {x}) "
+                         f"needs block index {bi}, but its row has {block_table.shape[1]} entries")
+    bn = int(block_table[req, bi])
+    raise ValueError(f"block_table: request {req} token {t}: slot {bn} * {prm.block_size} + {off} = "
+                     f"{bn * prm.block_size + off} does not fit in int32")
 
 
 def use_triton(device: torch.device, backend: str) -> bool:
@@ -331,12 +281,17 @@ def compute_slot_mapping(
         err = error_out if error_out is not None else torch.zeros(1, dtype=torch.int32, device=device)
         tri.launch_slot_mapping_kernel(qsl, pos, block_table, out, err, prm)
     else:
-        err_word = torch_slot_mapping(qsl, pos, block_table, prm, out)
+        where = error_slot()
+        bits = host_slot_mapping(qsl, pos, block_table, prm, out, where)
         if error_out is not None:
-            error_out.bitwise_or_(err_word)
-            return out
-        err = err_word
+            error_out.bitwise_or_(bits)
+        elif bits:
+            raise_slot_error(where, qsl.cpu(), pos.cpu(), block_table.cpu(), prm)
+        return out
     if error_out is None and int(err.reshape(-1)[0].item()) != 0:  # the one host sync per call
-        raise_first_error(qsl.cpu(), pos.cpu(), block_table.cpu(), prm)
+        where = error_slot()
+        host_slot_mapping(qsl, pos, block_table, prm, torch.empty(prm.max_num_tokens, dtype=torch.int32), where)
+        if where[0]:
+            raise_slot_error(where, qsl.cpu(), pos.cpu(), block_table.cpu(), prm)
         raise ValueError(describe_slot_mapping_error(err))  # unreachable unless the paths disagree
     return out

@@ -9,8 +9,8 @@ group maps the SAME token rows (``query_start_loc``, ``positions``) through its 
                                       circular=groups[g].circular, <shared CP args>)[t]
 
 :func:`compute_slot_mapping_groups` returns all of them as one ``[n_groups, max_num_tokens]``
-int32 tensor: on CPU one vectorized pass per group and ONE error check (one host sync for the
-whole call); on CUDA ONE Triton launch with grid ``(num_reqs + 1, n_groups)``
+int32 tensor: on CPU one compiled call per group (:func:`cpmeta.cp.slot_mapping_njit.slot_fill`)
+and one error check for the whole call; on CUDA ONE Triton launch with grid ``(num_reqs + 1, n_groups)``
 (:mod:`cpmeta.gpu.slot_mapping_groups_triton`). The CP arguments (world size, rank, interleave)
 are shared: they describe the rank, not the cache.
 
@@ -27,14 +27,15 @@ from typing import Optional, Sequence
 import torch
 
 from ..constants import PAD_SLOT_ID
+from ..jit import error_slot
 from .slot_mapping import (
     BACKENDS,
     SlotMappingParams,
     check_tensor_args,
-    torch_slot_mapping,
+    host_slot_mapping,
     use_triton,
     make_params,
-    raise_first_error,
+    raise_slot_error,
 )
 from .slot_mapping_errors import describe_slot_mapping_error
 
@@ -120,17 +121,32 @@ def compute_slot_mapping_groups(
         err = error_out if error_out is not None else torch.zeros(1, dtype=torch.int32, device=device)
         tri.launch_slot_mapping_groups_kernel(qsl, pos, [g.block_table for g in groups], out, err, params)
     else:
-        err = torch.zeros((), dtype=torch.int32, device=device)
+        bits, wheres = 0, []
         for g, prm in enumerate(params):
-            err = err | torch_slot_mapping(qsl, pos, groups[g].block_table, prm, out[g])
+            wheres.append(error_slot())
+            bits |= host_slot_mapping(qsl, pos, groups[g].block_table, prm, out[g], wheres[g])
         if error_out is not None:
-            error_out.bitwise_or_(err)
-            return out
+            error_out.bitwise_or_(bits)
+        elif bits:
+            _raise_group_error(wheres, qsl, pos, groups, params)
+        return out
     if error_out is None and int(err.reshape(-1)[0].item()) != 0:  # the one host sync per call
+        wheres = [error_slot() for _ in params]
         for g, prm in enumerate(params):
-            try:
-                raise_first_error(qsl.cpu(), pos.cpu(), groups[g].block_table.cpu(), prm)
-            except ValueError as e:
-                raise ValueError(f"groups[{g}]: {e}") from None
+            host_slot_mapping(qsl, pos, groups[g].block_table, prm,
+                              torch.empty(max_num_tokens, dtype=torch.int32), wheres[g])
+        _raise_group_error(wheres, qsl, pos, groups, params)
         raise ValueError(describe_slot_mapping_error(err))  # unreachable unless the paths disagree
     return out
+
+
+def _raise_group_error(wheres: list, qsl: torch.Tensor, pos: torch.Tensor, groups: Sequence[KVCacheGroup],
+                       params: list[SlotMappingParams]) -> None:
+    """The ``ValueError`` of the first group whose kernel call reported a failure, prefixed
+    ``groups[g]:`` (returns when none did)."""
+    for g, prm in enumerate(params):
+        if wheres[g][0]:
+            try:
+                raise_slot_error(wheres[g], qsl.cpu(), pos.cpu(), groups[g].block_table.cpu(), prm)
+            except ValueError as e:
+                raise ValueError(f"groups[{g}]: {e}") from None
