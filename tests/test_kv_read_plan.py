@@ -165,6 +165,59 @@ def test_mirrored_prompt_gives_the_same_plan() -> None:
         assert got.max_total == want.max_total
 
 
+_PLAN_FIELDS = ("seqlens", "cu_seqlens", "block_tables", "max_total", "total", "slots", "positions")
+
+
+def test_plan_over_a_rewritten_arena_refuses_every_field() -> None:
+    """Issue 38 item 5: a plan whose table lies in a registered (persistent) arena raises
+    StaleResultError through EVERY public field once the arena is rewritten. Fails on 4ac8a65:
+    there only slots/positions were guarded, and block_tables silently showed the next step's."""
+    from cpmeta.lifetime import Generation, StaleResultError, register
+
+    cfg = plain(block_size=4, max_model_len=12, world=2, interleave=2)
+    arena = torch.tensor([[3, 9, 5], [3, 9, 5]], dtype=I32)
+    gen = Generation("test arena")
+    register(arena, gen)
+    md = InputMetadata(is_prompt=False, context_lens=torch.tensor([7, 10], dtype=I32),
+                       query_indices=torch.tensor([0, 0], dtype=I32), block_tables=arena)
+    fresh = cpmeta.cp_kv_read_plan(md, cfg, cp_rank=1)
+    held = cpmeta.cp_kv_read_plan(md, cfg, cp_rank=1)
+    assert fresh.block_tables is arena and fresh.slots.tolist() == [12, 13, 14, 12, 13, 14, 15]
+    arena.copy_(torch.tensor([[1, 2, 4], [6, 7, 8]], dtype=I32))  # the next step's tables ...
+    gen.bump()  # ... written by the arena's owner
+    for name in _PLAN_FIELDS:
+        for plan in (fresh, held):  # slots already computed, or not yet
+            with pytest.raises(StaleResultError, match=f"KVReadPlan.{name}: derived from a broadcast result"):
+                getattr(plan, name)
+
+
+def test_plan_from_reused_output_arenas_keeps_its_step() -> None:
+    """Issue 38 item 5: a plan built from ``prepare_decode(..., out=OutputArenas())`` (a host
+    arena the next call of the same shape refills, with no generation) keeps its own step's
+    table and keys. Fails on 4ac8a65: the plan held the arena's table, so after the next step
+    its block_tables and slots were the new step's."""
+    cfg = plain(block_size=4, max_model_len=64)
+    arenas = cpmeta.OutputArenas()
+
+    def step(tables: list[list[int]]) -> InputMetadata:
+        seqs = [SequenceMetadata(seqlen_q=1, seqlen_k=9, block_table=t, state_id=i, token_ids=list(range(9)))
+                for i, t in enumerate(tables)]
+        return cpmeta.prepare_decode(seqs, cfg, out=arenas)
+
+    md1 = step([[1, 2, 3], [4, 5, 6]])
+    plan = cpmeta.cp_kv_read_plan(md1, cfg, cp_rank=0)
+    want = {name: getattr(plan, name) for name in ("seqlens", "cu_seqlens", "max_total", "total")}
+    want_table = plan.block_tables.clone()
+    md2 = step([[7, 8, 9], [10, 11, 12]])
+    assert md2.block_tables is md1.block_tables  # the arena was refilled in place
+    assert md1.block_tables[0, 0].item() == 7
+    assert torch.equal(plan.block_tables, want_table)
+    assert plan.slots.tolist() == [4, 5, 6, 7, 8, 9, 10, 11, 12, 16, 17, 18, 19, 20, 21, 22, 23, 24]
+    for name, value in want.items():
+        value2 = getattr(plan, name)
+        assert (torch.equal(value2, value) if isinstance(value, torch.Tensor) else value2 == value), name
+
+
 def test_errors_name_the_field() -> None:
     cfg = plain(block_size=4, world=2)
     seq = SequenceMetadata(seqlen_q=1, seqlen_k=9, block_table=[1, 2, 3], state_id=0, token_ids=list(range(9)))
