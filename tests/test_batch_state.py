@@ -178,7 +178,7 @@ def test_kernel_block_rule_is_blocks_needed() -> None:
                               max_model_len=mml, kv_cp_world_size=w, kv_cp_interleave=i)
                for bs, mml, w, i in ((16, 300, 3, 1), (8, 200, 3, 4), (8, 97, 2, 8), (4, 50, 4, 2), (16, 64, 1, 4))]
     for cfg in (PLAIN, CFG, PAGED, *sharded,
-                MetadataConfig(block_size=32, dense_compress_ratios=(4, 32), sparse_compress_ratios=(8,),
+                MetadataConfig.compressed_swa(block_size=32, dense_compress_ratios=(4, 32), sparse_compress_ratios=(8,),
                                max_model_len=200)):
         p = state_params(cfg, 0)
         for k in range(cfg.max_model_len + 2):
