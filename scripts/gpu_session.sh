@@ -97,8 +97,24 @@ compare)  # ~9 min: before (.baseline) / after (this tree), same host, same comm
   done
   TAILN=20 step build_hot 60 python3 scripts/bench_build.py --no-ref --repeat 300 --only hot_ --out "$OUT/h200_build.hot.json"
   ;;
+short)  # ~9 min when the device time is short: the GPU tests, then compare's end-to-end step trimmed
+  TAILN=8 step gpu_tests 240 python3 -m pytest -q -p no:cacheprovider -x -k "cuda or gpu or triton or graph or nccl" \
+    tests/test_builders.py tests/test_builders_smoke.py tests/test_decode_inplace.py tests/test_cuda_graph.py \
+    tests/test_slot_mapping.py tests/test_yoco_cp.py tests/test_mirror_metadata.py tests/test_gpu_broadcast.py \
+    tests/test_slot_mapping_groups.py tests/test_kv_read_plan.py tests/test_stage_decode.py tests/test_batch_state.py \
+    tests/test_decode_cp.py tests/test_decode_capacity.py tests/test_replicate_inplace.py
+  TAILN=3 step attn_nccl1 60 python3 -m cpmeta.launch --backend nccl --nproc-per-node 1 --model seed --workload mixed --cp-mirror --verify --attention-check --kv-interleave 16 --steps 12 --decode-seqs 16
+  [ -d .baseline/scripts ] || exit 0
+  MQ=""; [ -d mq_bundle312 ] && MQ=":$PWD/mq_bundle312"
+  for V in before after; do
+    if [ $V = before ]; then ROOT=$PWD/.baseline; else ROOT=$PWD; fi
+    TAILN=24 step step_$V 130 env PYTHONPATH="$ROOT$MQ" VLLM_TARGET_DEVICE=cpu python3 "$ROOT/scripts/bench_step.py" \
+      --model plain --worlds 2 8 --workloads decode-64 decode-256 --strategies broadcast replicate mq-replicate \
+      --steps 40 --warmup 6 --budget 3 --no-cold --out "$OUT/h200_step.plain.$V.json"
+  done
+  ;;
 *)
-  echo "unknown suite $SUITE: expected tests, bench-gpu, bench-cpu or compare" >&2; exit 2
+  echo "unknown suite $SUITE: expected tests, bench-gpu, bench-cpu, compare or short" >&2; exit 2
   ;;
 esac
 ls -la "$OUT"
