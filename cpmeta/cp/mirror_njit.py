@@ -107,28 +107,36 @@ def mirror_fill(cu_q: np.ndarray, cu_k: np.ndarray, cp_size: int, cp_rank: int, 
         for j in range(2):
             b = cp_rank if j == 0 else two_p - 1 - cp_rank
             row0 = m_seq + j * ps
-            for m in range(ps):
-                local = b * ps + m
-                row = row0 + m
-                if local < sq:
-                    index[row] = q0 + local
-                    valid[row] = True
-                    pos = sk - sq + local
-                    for i in range(n_ratio):
-                        ks[i, row] = base[i]
-                        ke[i, row] = base[i] + (pos + 1) // ratios[i]
-                else:
-                    index[row] = -1
-                    valid[row] = False
-                    for i in range(n_ratio):
-                        ks[i, row] = 0
-                        ke[i, row] = 0
+            real = min(max(sq - b * ps, 0), ps)
+            first = q0 + b * ps
+            for m in range(real):
+                index[row0 + m] = first + m
+                valid[row0 + m] = True
+            for m in range(real, ps):
+                index[row0 + m] = -1
+                valid[row0 + m] = False
+            for i in range(n_ratio):
+                r = ratios[i]
+                ks_i, ke_i = ks[i], ke[i]
+                # ke = base + (pos + 1) // r along pos = sk - sq + b*ps + m: one division per chunk
+                nxt = sk - sq + b * ps + 1
+                v, rem = base[i] + nxt // r, nxt % r
+                for m in range(real):
+                    ks_i[row0 + m] = base[i]
+                    ke_i[row0 + m] = v
+                    rem += 1
+                    if rem == r:
+                        rem = 0
+                        v += 1
+                for m in range(real, ps):
+                    ks_i[row0 + m] = 0
+                    ke_i[row0 + m] = 0
         for b in range(two_p):
             start = b * ps
             stop = min(start + ps, sq)
-            dest = min(b, two_p - 1 - b) * length + m_seq + (ps if b >= cp_size else 0)
-            for t in range(start, stop):
-                reverse[q0 + t] = dest + t - start
+            shift = min(b, two_p - 1 - b) * length + m_seq + (ps if b >= cp_size else 0) - start
+            for t in range(q0 + start, q0 + stop):
+                reverse[t] = t - q0 + shift
         for i in range(n_ratio):
             base[i] += max(1, sk // ratios[i])
         m_seq += 2 * ps
@@ -137,21 +145,28 @@ def mirror_fill(cu_q: np.ndarray, cu_k: np.ndarray, cp_size: int, cp_rank: int, 
 
 @kernel
 def gather_rows(full: np.ndarray, index: np.ndarray, pad: np.ndarray, out: np.ndarray) -> int:
-    """``out[m] = full[index[m]]`` (a row of any width), ``pad`` where ``index[m] < 0``; the
-    arrays are word views (``uint8``/``uint32``/``uint64``) of the field, ``[rows, words]``.
-    Returns 0, or ``m + 1`` for the first entry reading past ``full``'s rows (nothing written).
-    Example: ``full = [[10], [11], [12], [13]]``, ``index = [3, -1, 0]``, ``pad = [0]`` ->
-    ``[[13], [0], [10]]``."""
+    """``out[m] = full[index[m]]`` (a row of any width), ``pad[0]`` in every element where
+    ``index[m] < 0``; the arrays are same-size integer views (``uint8``/``int16``/``int32``/
+    ``int64``) of the field, ``[rows, width]``. Returns 0, or ``m + 1`` for the first entry
+    reading past ``full``'s rows (nothing written). Example: ``full = [[10], [11], [12], [13]]``,
+    ``index = [3, -1, 0]``, ``pad = [0]`` -> ``[[13], [0], [10]]``."""
     rows = full.shape[0]
     for m in range(index.shape[0]):
         if index[m] >= rows:
             return m + 1
     width = out.shape[1]
+    fill = pad[0]
+    if width == 1:
+        src, dst = full[:, 0], out[:, 0]
+        for m in range(index.shape[0]):
+            g = index[m]
+            dst[m] = fill if g < 0 else src[g]
+        return OK
     for m in range(index.shape[0]):
         g = index[m]
         if g < 0:
             for c in range(width):
-                out[m, c] = pad[c]
+                out[m, c] = fill
         else:
             for c in range(width):
                 out[m, c] = full[g, c]
@@ -161,12 +176,12 @@ def gather_rows(full: np.ndarray, index: np.ndarray, pad: np.ndarray, out: np.nd
 @warmer
 def _warm() -> None:
     """Each kernel once on the worked example (``sq = 10, sk = 14, p = 2``, ratio 4), gathers in
-    the three word sizes."""
+    the four element sizes."""
     i64 = np.int64
     cu_q, cu_k, err = np.array([0, 10], i64), np.array([0, 14], i64), np.zeros(4, i64)
     length = mirror_count(cu_q, cu_k, 2, err)
     index, valid = np.empty(length, np.int32), np.empty(length, np.bool_)
     ks, ke = np.empty((1, length), np.int32), np.empty((1, length), np.int32)
     mirror_fill(cu_q, cu_k, 2, 0, np.array([4], i64), index, np.empty(10, np.int32), ks, ke, valid)
-    for dt in (np.uint8, np.uint32, np.uint64):
+    for dt in (np.uint8, np.int16, np.int32, np.int64):
         gather_rows(np.zeros((10, 1), dt), index, np.zeros(1, dt), np.empty((length, 1), dt))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import math
+from functools import lru_cache
 from typing import Optional, Sequence, Union
 
 import numpy as np
@@ -134,13 +135,24 @@ def mirror_rows(
     return RowGather(mirror_index.to(full.device))(full, pad_value)
 
 
+#: the same-size integer dtype a field's elements are copied as, by element size in bytes
+_WORD = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@lru_cache(maxsize=64)
+def _pad_word(dtype: torch.dtype, pad_value: Union[int, float, bool]) -> np.ndarray:
+    """``pad_value`` in ``dtype``, as one element of its copy word. Example: ``(torch.bool,
+    False)`` -> ``uint8 [0]``."""
+    return torch.tensor([pad_value], dtype=dtype).view(_WORD[dtype.itemsize]).numpy()
+
+
 class RowGather:
     """:func:`mirror_rows` for several fields by one index.
 
-    On the CPU each field is ONE :func:`cpmeta.cp.mirror_njit.gather_rows` call over a word view
-    of its rows (any dtype: a row of ``k`` bytes is ``k/8`` uint64, ``k/4`` uint32 or ``k`` uint8
-    words); on a device, ``index_select`` and a pad fill. An index past the field's rows is an
-    ``IndexError`` (the CPU kernel checks every entry before the copy reads it)."""
+    On the CPU each field is ONE :func:`cpmeta.cp.mirror_njit.gather_rows` call over a view of
+    its elements as same-size integers (any dtype of 1, 2, 4 or 8 bytes); on a device,
+    ``index_select`` and a pad fill. An index past the field's rows is an ``IndexError`` (the
+    CPU kernel checks every entry before it reads one)."""
 
     __slots__ = ("length", "index", "host_index", "_pad")
 
@@ -161,21 +173,16 @@ class RowGather:
 
     def __call__(self, full: torch.Tensor, pad_value: Union[int, float, bool]) -> torch.Tensor:
         out = torch.empty((self.length, *full.shape[1:]), dtype=full.dtype, device=full.device)
-        if self.host_index is None or full.device.type != "cpu":
+        if self.host_index is None or full.device.type != "cpu" or full.dtype.itemsize not in _WORD:
             if full.shape[0] == 0:  # nothing to read: every row is a pad row
                 return out.fill_(pad_value)
-            got = full.index_select(0, self.index.clamp(min=0).to(torch.int64))
-            return got.masked_fill_(self.pad.view(-1, *([1] * (full.dim() - 1))), pad_value)
-        rows, row_bytes = int(full.shape[0]), full.element_size() * math.prod(full.shape[1:])
-        flat = full.contiguous().view(-1)
-        if flat.numel() and flat.stride(0) != 1:  # a one-element "contiguous" tensor of stride 2
-            flat = torch.empty_like(flat, memory_format=torch.contiguous_format).copy_(flat)
-        src = flat.view(torch.uint8).view(rows, row_bytes).numpy()
-        pad = torch.full((1, *full.shape[1:]), pad_value, dtype=full.dtype).view(torch.uint8).reshape(-1).numpy()
-        dst = out.view(-1).view(torch.uint8).view(self.length, row_bytes).numpy()
-        word = np.uint64 if pad.size % 8 == 0 and pad.size else np.uint32 if pad.size % 4 == 0 and pad.size \
-            else np.uint8
-        bad = int(gather_rows(src.view(word), self.host_index, pad.view(word), dst.view(word)))
+            got = full.index_select(0, self.index.to(full.device).clamp(min=0).to(torch.int64))
+            return got.masked_fill_(self.pad.to(full.device).view(-1, *([1] * (full.dim() - 1))), pad_value)
+        word = _WORD[full.dtype.itemsize]
+        rows, width = int(full.shape[0]), math.prod(full.shape[1:])
+        src = full.contiguous().view(word).numpy().reshape(rows, width)
+        dst = out.view(word).numpy().reshape(self.length, width)
+        bad = int(gather_rows(src, self.host_index, _pad_word(full.dtype, pad_value), dst))
         if bad:
             raise IndexError(f"mirror_index: entry {bad - 1} reads row {int(self.host_index[bad - 1])} "
                              f"of a tensor of {rows} rows")
