@@ -86,6 +86,7 @@ def _force_named_segments() -> None:
 
 def _step(bc: Any, rank: int, seed: int, step: int, rec: dict) -> None:
     md = make_payload(seed, step, RING_BYTES) if rank == 0 else None
+    rec["t_call"] = time.monotonic()  # the start of the broadcast that raises, if one does
     got = bc.broadcast(md)
     verify_payload(got, step)  # AssertionError on loss, duplication or corruption
     rec["last"] = step
@@ -400,6 +401,12 @@ def test_follower_stalls_shorter_then_longer_than_timeout(tmp_path: Path, frozen
     scenario = f"follower-{'frozen' if frozen else 'stalls'}-longer-than-timeout"
     ttd = _ttd(scenario, driver, t_stall)
     assert ttd < STALL_LONG_S  # raised while the follower was still asleep
+    # one timeout from the call that blocked on the full ring: the abort frame the broadcaster
+    # sends after it does not wait a second one (it did before 2026-12-03: raised at 5.0 s, the
+    # moment the sleeper woke and made room for the abort)
+    blocked = driver["t_err"] - driver["t_call"]
+    print(f"TTD {scenario} rank0 from-blocked-call {blocked:.3f}s", file=sys.stderr)
+    assert TIMEOUT_S <= blocked < TIMEOUT_S + 0.5, driver
     # the healthy follower sees the driver stop: ring closed, or its own timeout naming the
     # writer when that fires first (it cannot know the driver waits for rank 2)
     assert other["etype"] in ("RingClosedError", "TimeoutError"), other
@@ -407,6 +414,33 @@ def test_follower_stalls_shorter_then_longer_than_timeout(tmp_path: Path, frozen
     # the sleeper drains the complete messages published before the close, then raises
     assert slow["etype"] == "RingClosedError" and slow["last"] <= driver["last"], slow
     _assert_clean(before, [driver, other, slow])
+
+
+def test_ring_write_after_a_timeout_does_not_wait_a_second_timeout() -> None:
+    """The writer's wait for a reader that let a write time out is not restarted by the next
+    write while that reader has released nothing (the broadcaster's abort frame after a failed
+    step used to wait a second timeout: the driver of the stall test above raised 5.0 s after
+    the stall with a 3 s timeout, when the sleeper woke); once it reads, writes wait again."""
+    from cpmeta.transport import ShmRing
+
+    w = ShmRing.create(1, slot_size=64, num_slots=4, timeout=0.5)
+    r = ShmRing.attach(w.handle, 0, timeout=0.5)
+    try:
+        w.write(b"a" * 150)  # 3 of 4 slots; the next message pads the 4th: reader 0 is 4 behind
+        for expect_s in (0.5, 0.0, 0.0):  # the first write waits the timeout, the next ones not
+            t0 = time.monotonic()
+            with pytest.raises(TimeoutError, match=r"rank 1 \(reader 0\) is 4 slot\(s\) behind"):
+                w.write(b"b" * 100)
+            assert expect_s <= time.monotonic() - t0 < expect_s + 0.3
+        assert r.read_bytes() == b"a" * 150  # it moved: room, and the clock restarts
+        w.write(b"c" * 150)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            w.write(b"d" * 100)
+        assert time.monotonic() - t0 >= 0.5
+    finally:
+        r.close()
+        w.close()
 
 
 @pytest.mark.parametrize("named", [

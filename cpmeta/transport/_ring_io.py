@@ -9,6 +9,7 @@ Annotations only: no run-time cost, and a type checker follows every access.
 
 from __future__ import annotations
 
+import math
 import operator
 import select
 import time
@@ -55,6 +56,7 @@ class RingIO(RingReader):
     _base_addr: int  # address of the mapping, for memmove
     _pending: Optional[int]  # writer: head after the reserved message
     _tail_floor: int  # writer: a lower bound of every waited-for reader's tail (_wait_space)
+    _stuck: Optional[tuple[int, int]]  # writer: (reader, tail) of the last wait that timed out
     _alive: Optional[tuple[tuple[int, ...], Any, list[int]]]  # writer: _alive_poll's last result
 
     def write(self, data: Buffers, *, timeout: Optional[float] = None) -> None:
@@ -178,7 +180,13 @@ class RingIO(RingReader):
             futex_wake(self._head_addr)
 
     def _wait_space(self, head: int, k: int, deadline: float) -> int:
-        """Block until ``k`` slots after ``head`` are free; return the number of free slots."""
+        """Block until ``k`` slots after ``head`` are free; return the number of free slots.
+        A reader that let a wait time out and has released no slot since is not waited for
+        again: the next wait that needs it raises the same ``TimeoutError`` at once (so the
+        frame a caller sends after a timed-out one -- the broadcaster's abort of that step --
+        does not hold it a second timeout). Example: timeout 3 s, reader 1 asleep 5 s: the
+        write raises at 3.0 s, a write right after it at once, a write after reader 1 read
+        one slot waits again."""
         n = self.handle.num_slots
         while True:
             lag, tail = self._slowest()
@@ -187,6 +195,8 @@ class RingIO(RingReader):
                 # only leaves the waited-for set), so reserve skips the scan while it proves room
                 self._tail_floor = head if lag is None else tail
                 return n if lag is None else n - (head - tail)
+            if self._stuck == (lag, tail):  # it let a whole timeout pass and has not moved since
+                self._check_readers(head, k, -math.inf)  # named at once, not a second timeout later
             # no local references to ctypes words: a traceback would pin the mapping
             self._w.writer_waiting.value = 1
             fence()  # flag store before re-reading the tail (pairs with the reader's fence)
@@ -194,7 +204,11 @@ class RingIO(RingReader):
                 futex_wait(self._tail_addrs[lag], tail, min(LIVENESS_SLICE_S, self._left(deadline)))
             self._w.writer_waiting.value = 0
             if self._w.tails[lag].value == tail:
-                self._check_readers(head, k, deadline)
+                try:
+                    self._check_readers(head, k, deadline)
+                except TimeoutError:
+                    self._stuck = (lag, tail)
+                    raise
 
     def backlog(self) -> int:
         """Writer, read-only: slots published that the slowest attached reader has not released

@@ -183,6 +183,7 @@ class ShmRing(RingIO):
         self._announce_seen = 0  # reader: announce count already acted on
         self._alive = None  # writer: one poll over the readers' pidfds (RingIO)
         self._tail_floor = 0  # writer: lower bound of the readers' tails (RingIO)
+        self._stuck: Optional[tuple[int, int]] = None  # writer: (reader, tail) that timed out
         self._pending: Optional[int] = None  # writer: head after the reserved message
         self._max_bytes = envs.max_message_bytes()
 
