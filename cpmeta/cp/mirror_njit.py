@@ -6,7 +6,9 @@ One call per stage over preallocated host arrays (:mod:`cpmeta.cp.mirror_plan` i
   = 2 * sum_s cdiv(sq_s, 2p)`` (the size the fill needs);
 - :func:`mirror_fill` -- rank ``cp_rank``'s ``mirror_cp_index``, the shared
   ``mirror_cp_reverse_index`` and one ``ks``/``ke`` row per sparse ratio;
-- :func:`gather_rows` -- a query-aligned field gathered by the mirror index (pad rows a fill).
+- :func:`gather_rows` -- a query-aligned field gathered by the mirror index (pad rows a fill);
+- :func:`expand_segments` -- YoCo's CP indices (:mod:`cpmeta.cp.yoco_cp`): runs of
+  ``start + slope * i`` from its per-sequence segment plan.
 
 Worked example (one sequence ``sq = 10, seqlen_k = 14``, ``p = 2``, ratio 4; ``ps = cdiv(10, 4)
 = 3``): rank 0 holds blocks 0 and 3 -> index ``[0, 1, 2, 9, -1, -1]``, positions ``4, 5, 6, 13``
@@ -24,7 +26,7 @@ import numpy as np
 from ..constants import INT32_MAX
 from ..jit import OK, kernel, warmer
 
-__all__ = ["mirror_count", "mirror_fill", "gather_rows", "E_Q_START", "E_Q_NEGATIVE", "E_Q_OVERFLOW",
+__all__ = ["mirror_count", "mirror_fill", "gather_rows", "expand_segments", "E_Q_START", "E_Q_NEGATIVE", "E_Q_OVERFLOW",
            "E_K_START", "E_K_NEGATIVE", "E_K_OVERFLOW", "E_SHAPE", "E_Q_GT_K"]
 
 E_Q_START = 1  #: cu_seqlens_q is empty or does not start at 0
@@ -173,6 +175,28 @@ def gather_rows(full: np.ndarray, index: np.ndarray, pad: np.ndarray, out: np.nd
     return OK
 
 
+@kernel
+def expand_segments(length: np.ndarray, start: np.ndarray, slope: np.ndarray, out: np.ndarray) -> int:
+    """Segment ``g`` writes ``start[g] + slope[g] * i`` for ``i < length[g]`` after the previous
+    segments; ``out`` holds ``sum(length)`` entries (else, or for a negative length, returns 1
+    and writes nothing). Example: ``(2, 7, 1), (1, -1, 0), (3, 0, 1)`` -> ``[7, 8, -1, 0, 1, 2]``."""
+    k = 0
+    for g in range(length.shape[0]):
+        if length[g] < 0:
+            return 1
+        k += length[g]
+    if k != out.shape[0]:
+        return 1
+    k = 0
+    for g in range(length.shape[0]):
+        v, step = start[g], slope[g]
+        for _ in range(length[g]):
+            out[k] = v
+            v += step
+            k += 1
+    return OK
+
+
 @warmer
 def _warm() -> None:
     """Each kernel once on the worked example (``sq = 10, sk = 14, p = 2``, ratio 4), gathers in
@@ -183,5 +207,7 @@ def _warm() -> None:
     index, valid = np.empty(length, np.int32), np.empty(length, np.bool_)
     ks, ke = np.empty((1, length), np.int32), np.empty((1, length), np.int32)
     mirror_fill(cu_q, cu_k, 2, 0, np.array([4], i64), index, np.empty(10, np.int32), ks, ke, valid)
+    expand_segments(np.array([2, 1, 3], i64), np.array([7, -1, 0], i64), np.array([1, 0, 1], i64),
+                    np.empty(6, np.int32))
     for dt in (np.uint8, np.int16, np.int32, np.int64):
         gather_rows(np.zeros((10, 1), dt), index, np.zeros(1, dt), np.empty((length, 1), dt))

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from .mirror_njit import expand_segments
+
 
 if TYPE_CHECKING:
     from ..metadata import InputMetadata
@@ -46,19 +48,15 @@ def _kept_per_block(q_len: np.ndarray, clip: np.ndarray, cp_size: int) -> tuple[
 
 def _expand_segments(plan: np.ndarray, total: int, device: torch.device) -> torch.Tensor:
     """Concatenate segments ``start + slope * arange(length)``; ``plan`` [3, n_seg] int64 rows
-    ``(length, start, slope)``. Returns int32 ``[total]`` on ``device`` (numpy on the CPU, one
-    host-to-device copy of ``plan`` otherwise). Example: ``(2, 7, 1), (1, -1, 0), (3, 0, 1)`` ->
-    ``[7, 8, -1, 0, 1, 2]``.
+    ``(length, start, slope)``. Returns int32 ``[total]`` on ``device``: ONE compiled call
+    (:func:`cpmeta.cp.mirror_njit.expand_segments`) on the host, copied to a device. Example:
+    ``(2, 7, 1), (1, -1, 0), (3, 0, 1)`` -> ``[7, 8, -1, 0, 1, 2]``.
     """
-    length, start, slope = plan
-    first = np.cumsum(length) - length
-    if device.type == "cpu":
-        seg = np.repeat(np.arange(length.shape[0]), length)
-        out = start[seg] + slope[seg] * (np.arange(total) - first[seg])
-        return torch.from_numpy(out.astype(np.int32))
-    p = torch.from_numpy(np.stack([length, start, slope, first])).to(device, non_blocking=True)
-    seg_t = torch.repeat_interleave(torch.arange(p.shape[1], device=device), p[0], output_size=total)
-    return (p[1][seg_t] + p[2][seg_t] * (torch.arange(total, device=device) - p[3][seg_t])).to(_I32)
+    length, start, slope = (np.ascontiguousarray(row) for row in plan)
+    out = np.empty(total, np.int32)
+    if expand_segments(length, start, slope, out):
+        raise RuntimeError(f"yoco segment plan: lengths {length.tolist()[:8]} do not fill {total} rows")
+    return torch.from_numpy(out).to(device)
 
 
 def _boundary_value(l: np.ndarray, a: dict[str, Any], cp_size: int) -> tuple[np.ndarray, np.ndarray]:
