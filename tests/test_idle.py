@@ -33,6 +33,7 @@ TIMEOUT_S = 1.0  # every channel's timeout here
 IDLE_S = 2 * TIMEOUT_S + 0.5  # how long the followers wait for the next message
 STEPS = 100  # messages after the idle gap
 RING = {"slot_size": 4096, "num_slots": 8}
+CLOSE_TIMEOUT_S = 3.0  # the channels of the follower-closes test
 BAD_TIMEOUTS = (0, -1, float("inf"), float("nan"), True, "5")
 
 
@@ -242,9 +243,9 @@ def test_channel_timeout_values_checked_at_construction() -> None:
         assert rec["got"] == ("hello", [0, 1, 2, 3, 4]), rec
 
 
-def _follower_closes(rank: int, world: int, tmp: str) -> dict:
+def _follower_closes(rank: int, world: int, tmp: str, remote: bool) -> dict:
     """Rank 2 closes its end after 3 messages and stays alive; the driver then sends one more."""
-    ch = ObjectChannel(None, 0, timeout=5.0, **RING)
+    ch = ObjectChannel(None, 0, timeout=CLOSE_TIMEOUT_S, force_remote=remote, **RING)
     for i in range(3):
         assert ch.broadcast(i if rank == 0 else None) == i
     rec: dict[str, Any] = {"rank": rank, "etype": None, "error": None}
@@ -256,26 +257,41 @@ def _follower_closes(rank: int, world: int, tmp: str) -> dict:
     try:
         if rank == 0:
             _wait_mark(tmp, "closed")
+            rec["t0"] = time.monotonic()
             ch.broadcast(3)
         else:
             rec["got"] = ch.broadcast(None)
     except Exception as e:  # noqa: BLE001 - recorded for the parent
-        rec.update(etype=type(e).__name__, error=str(e))
+        rec.update(etype=type(e).__name__, error=str(e), dt=time.monotonic() - rec.get("t0", 0.0))
     ch.close()
     if rank == 0:
         _mark(tmp, "done")
     return rec
 
 
-def test_follower_that_closes_is_noticed_at_the_next_message(tmp_path: Path) -> None:
-    """The driver's first message after a follower closed raises ``PeerError`` naming it, and
-    no follower receives that message (the healthy one then sees the driver close). On
-    4ac8a65 the message went out to rank 1 and the close was noticed only once the ring was
-    full, ``num_slots`` messages later."""
-    driver, healthy, _ = run_ranks(_follower_closes, 3, str(tmp_path), timeout=120.0)
-    assert driver["etype"] == "PeerError", driver
-    assert "rank 2 (reader 1) closed the ring" in driver["error"], driver
-    assert healthy["etype"] == "RingClosedError" and "got" not in healthy, healthy
+@pytest.mark.parametrize("remote", [False, True], ids=["ring", "process-group"])
+def test_follower_that_closes_is_noticed_at_the_next_message(tmp_path: Path, remote: bool) -> None:
+    """The driver's first message after a follower closed raises naming it. Ring: ``PeerError``
+    at once, and no follower receives that message (the healthy one then sees the driver
+    close); on 4ac8a65 the message went out to rank 1 and the close was noticed only once the
+    ring was full, ``num_slots`` messages later. Process group (a closed follower posts no
+    receive, which gloo cannot tell from a stalled one): ``TimeoutError`` naming it as the one
+    that did not take the message, the timeout minus the driver's margin after the send; the
+    healthy follower has the message."""
+    driver, healthy, _ = run_ranks(_follower_closes, 3, str(tmp_path), remote, timeout=120.0)
+    print(f"TTD follower-closes[{'process-group' if remote else 'ring'}] rank0 {driver['dt']:.3f}s "
+          f"{driver['etype']}: {driver['error'][:120]}", file=sys.stderr)
+    if not remote:
+        assert driver["etype"] == "PeerError", driver
+        assert "rank 2 (reader 1) closed the ring" in driver["error"], driver
+        assert driver["dt"] < 0.5, driver
+        assert healthy["etype"] == "RingClosedError" and "got" not in healthy, healthy
+        return
+    assert driver["etype"] == "TimeoutError", driver
+    assert "rank 2 (host " in driver["error"] and "did not take message 4" in driver["error"], driver
+    assert "rank 1 " not in driver["error"], driver
+    assert CLOSE_TIMEOUT_S - 0.5 < driver["dt"] < CLOSE_TIMEOUT_S, driver
+    assert healthy["etype"] is None and healthy["got"] == 3, healthy
 
 
 def test_bad_env_timeout_refused(monkeypatch: pytest.MonkeyPatch) -> None:
