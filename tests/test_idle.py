@@ -107,6 +107,8 @@ def test_followers_idle_twice_the_timeout_then_100_messages_arrive(remote: bool)
     into the gap."""
     recs = run_ranks(_idle_then_steps, 3, remote, timeout=120.0)
     for rec in recs[1:]:
+        print(f"IDLE {'process-group' if remote else 'ring'} rank{rec['rank']} waited "
+              f"{rec['wall']:.2f}s, cpu {rec['cpu']:.3f}s", file=sys.stderr)
         assert rec["steps"] == STEPS, rec
         assert rec["wall"] >= 2 * TIMEOUT_S, rec  # they did idle past twice the timeout
         assert rec["cpu"] < 0.05 * rec["wall"], rec  # futex sleeps, not a spin
