@@ -149,7 +149,8 @@ def test_driver_killed_while_followers_idle_is_named_within_the_timeout(tmp_path
         assert rec["etype"] == "PeerError", rec
         who = "rank 0 (pid " if remote else "writer rank 0"
         assert who in rec["error"] and "died" in rec["error"], rec
-        ttd = _ttd(f"driver-killed-while-idle[{'process-group' if remote else 'ring'}]", rec, t_kill)
+        path = "process-group" if remote else "ring"
+        ttd = _ttd(f"driver-killed-while-idle[{path}]", rec, t_kill)
         assert 0 <= ttd < TIMEOUT_S, (rec, t_kill)
 
 

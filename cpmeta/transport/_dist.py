@@ -56,7 +56,7 @@ ABORT_WAIT_S = 0.5  # how long the source waits for its abort notices to go out
 _LEN = struct.Struct("<Q")
 _BOOT_ID = "/proc/sys/kernel/random/boot_id"
 _ABANDONED: list[Any] = []  # (work, tensor) of waits given up: gloo may still write into them
-_POST = threading.Lock()  # src posts a message's parts, an abort or a heartbeat whole, never interleaved
+_POST = threading.Lock()  # src posts a message's parts, an abort, a heartbeat: never interleaved
 
 
 class RemoteFailure(Exception):
@@ -252,7 +252,8 @@ class Heartbeat:
                     return  # its connection is gone: the next message names it
                 sent = now
             try:
-                work.wait(timedelta(seconds=envs.FOREVER_S))
+                if work is not None:  # None only for a rank outside the group: never here
+                    work.wait(timedelta(seconds=envs.FOREVER_S))
             except RuntimeError:
                 return  # closed connection, or the group closed after a timeout elsewhere
 
