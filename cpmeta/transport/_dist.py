@@ -331,9 +331,9 @@ def bcast_frame(frame: Optional[torch.Tensor], src: int, group: Any,
     while True:
         _recv(head, src, group, deadline, timeout_s, "sent no message or heartbeat")
         (n,) = _LEN.unpack_from(tensor_memoryview(head), REMOTE_INLINE_BYTES)
+        deadline = time.monotonic() + timeout_s  # the rest of a message, or the next head
         if n != HEARTBEAT_LENGTH:
             break
-        deadline = time.monotonic() + timeout_s  # src lives: the next message may take its time
     if n == ABORT_LENGTH:
         raise RemoteAbort(bytes(tensor_memoryview(head)[:REMOTE_INLINE_BYTES]).rstrip(b"\0")
                           .decode("utf-8", "replace"))
