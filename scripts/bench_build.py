@@ -27,14 +27,10 @@ tables of exactly ``blocks_needed`` random ids; prompt chunks of ``seqlen_q`` ro
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import logging
 import os
-import platform
 import random
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -46,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from cpmeta import MetadataConfig, SequenceMetadata  # noqa: E402
 from cpmeta.sequence import blocks_needed  # noqa: E402
-from bench_meta import run_meta  # noqa: E402  (scripts/bench_meta.py: the run block)
+from bench_meta import time_us, write_result  # noqa: E402  (scripts/bench_meta.py: the shared harness)
 
 logger = logging.getLogger("bench_build")
 
@@ -80,31 +76,6 @@ def case(name: str) -> Callable[[CaseFn], CaseFn]:
         return fn
 
     return deco
-
-
-def time_us(
-    fn: Callable[[], Any], repeat: int, *, warmup: int = 3, setup: Optional[Callable[[], Any]] = None,
-    sync: bool = False,
-) -> dict[str, float]:
-    """p50 / p90 / min of ``fn()`` in microseconds (``setup()`` runs untimed before each call)."""
-    for _ in range(warmup):
-        if setup:
-            setup()
-        fn()
-    ts = []
-    for _ in range(repeat):
-        if setup:
-            setup()
-        if sync:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if sync:
-            torch.cuda.synchronize()
-        ts.append((time.perf_counter() - t0) * 1e6)
-    ts.sort()
-    return {"p50_us": ts[len(ts) // 2], "p90_us": ts[min(len(ts) - 1, int(len(ts) * 0.9))],
-            "min_us": ts[0], "n": repeat}
 
 
 # ---- batches --------------------------------------------------------------------------------
@@ -529,19 +500,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             results[name] = fn(ctx)
         logger.info("%s: p50 %.1f us", name, results[name]["builder"]["p50_us"])
     print(_table(results))
-    meta = {
-        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpu_count": os.cpu_count(), "loadavg_1m_start_end": [load0, os.getloadavg()[0]],
-                    "python": platform.python_version(),
-                    "torch": torch.__version__, "threads": torch.get_num_threads()},
-        "reference": ctx.ref is not None, "repeat": repeat, "results": results, "run": run_meta(argv),
-    }
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(meta, indent=2) + "\n")
-        logger.info("wrote %s", args.out)
+        write_result(args.out, {"loadavg_1m_start_end": [load0, os.getloadavg()[0]], "threads": torch.get_num_threads(),
+                                "reference": ctx.ref is not None, "repeat": repeat, "results": results}, argv)
     return 0
 
 

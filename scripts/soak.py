@@ -16,10 +16,6 @@ Exit status 1 when any rank saw a mismatch or its RSS grew by more than ``--rss-
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
 import random
 import sys
 import time
@@ -29,7 +25,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # the shared multi-process helper and payload generator
-from bench_meta import run_meta  # noqa: E402  (scripts/bench_meta.py: the run block)
+from bench_meta import write_result  # noqa: E402  (scripts/bench_meta.py: the shared harness)
 
 MIB = 1 << 20
 
@@ -86,14 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [r["rank"] for r in out if r["mismatches"]
            or r["rss"][-1] - r["rss"][0] > args.rss_limit_mib * MIB]
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        record = {"command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]),
-                  "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus, "
-                             f"{platform.platform()}, python {platform.python_version()}",
-                  "args": {k: str(v) for k, v in vars(args).items()}, "seed": seed,
-                  "wall_s": wall, "shm_left": leaked, "ranks": out, "run": run_meta(argv)}
-        args.out.write_text(json.dumps(record, indent=1))
+        write_result(args.out, {"args": {k: str(v) for k, v in vars(args).items()}, "seed": seed, "wall_s": wall,
+                                "shm_left": leaked, "ranks": out}, argv)
     for r in out:
         for e in r["errors"]:
             print(f"rank {r['rank']}: {e}", file=sys.stderr)

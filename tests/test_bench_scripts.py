@@ -40,16 +40,33 @@ def test_bench_broadcast_quick(tmp_path: Path) -> None:
 @pytest.mark.parametrize("script,args", [
     ("bench_build.py", ["--quick", "--only", "decode", "--repeat", "3"]),
     ("bench_transport.py", ["--quick", "--max-readers", "2"]),  # worlds 2 and 3: the smoke, not the sweep
-    ("bench_decode_inplace.py", ["--quick", "--repeat", "3"]),
-    ("bench_slot_mapping.py", ["--quick"]),
-    ("profile_array_input.py", ["--repeat", "3"]),  # per-phase profile: follows the builders' internals
-    ("bench_decode_cp.py", ["--quick", "--worlds", "1", "2"]),  # staged, staged_state, bcast on gloo ranks
-])
+    ("bench_gpu.py", ["inplace", "--quick", "--repeat", "3"]),
+    ("bench_gpu.py", ["slots", "--quick"]),
+    ("bench_gpu.py", ["cp", "--quick", "--worlds", "1", "2"]),  # staged, staged_state, bcast on gloo ranks
+    ("bench_gpu.py", ["sharing", "--procs", "1", "--seconds", "0.5"]),
+    ("profile_phases.py", ["build", "--repeat", "3"]),  # per-phase profile: follows the builders' internals
+    ("profile_phases.py", ["broadcast", "--steps", "5", "--warmup", "2"]),
+    ("profile_phases.py", ["inplace", "--repeat", "3"]),
+], ids=lambda a: a if isinstance(a, str) else " ".join(a[:1]))
 def test_other_benchmarks_quick(tmp_path: Path, script: str, args: list[str]) -> None:
     out = tmp_path / "o.json"
     res = _run(script, *args, "--out", str(out))
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     _check_run(json.loads(out.read_text()), script)
+
+
+def test_overlap_and_replicate_profile_run(tmp_path: Path) -> None:
+    """The two sub-commands without a smoke case above: the overlapped loop on 2 CPU ranks (every
+    step's checksum right) and the cProfile of the replicated step (its report printed)."""
+    out = tmp_path / "o.json"
+    res = _run("bench_gpu.py", "overlap", "--steps", "6", "--warmup", "1", "--forward-us", "2000", "--out", str(out))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    data = json.loads(out.read_text())
+    _check_run(data, "bench_gpu.py")
+    assert {r["mode"] for r in data["rows"]} == {"serial", "overlap"} and not any(r["wrong_steps"] for r in data["rows"])
+    res = _run("profile_phases.py", "replicate", "--steps", "3", "--top", "3")
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "== StagedStateMethod:" in res.stdout and "== ReplicateInplaceMethod:" in res.stdout
 
 
 def _check_run(data: dict, script: str) -> None:

@@ -1,6 +1,6 @@
 """The overlapped loop (issue 32 item 4): every rank runs a "forward" of step N that reads its
 metadata while the driver builds and broadcasts step N+1; every step's metadata must be what the
-driver sent (``scripts/bench_overlap.py``'s loop: the forward ends with a checksum of its step's
+driver sent (``scripts/bench_gpu.py overlap``'s loop: the forward ends with a checksum of its step's
 tensors, compared with the driver's).
 
 CPU: the forward is a thread sleeping, then reading (an asynchronous device); the result of step N
@@ -31,13 +31,13 @@ def _args(steps: int, forward_us: float, streams: int) -> argparse.Namespace:
 
 def _loop(rank: int, world: int, device: str, mode: str, depth: int, steps: int,
           forward_us: float, streams: int) -> dict:
-    from bench_overlap import _cell
+    from bench_gpu import overlap_cell
 
     dev = torch.device(device)
     if dev.type == "cuda" and world > 1 and torch.cuda.device_count() >= world and device == "cuda":
         dev = torch.device("cuda", rank)
         torch.cuda.set_device(dev)
-    return _cell(rank, dev, _args(steps, forward_us, streams), mode, depth)
+    return overlap_cell(rank, dev, _args(steps, forward_us, streams), mode, depth)
 
 
 def test_overlapped_loop_cpu() -> None:
