@@ -56,8 +56,13 @@ def _final(h: np.uint64) -> np.int64:
 def _run(flat: np.ndarray, a: np.int64, b: np.int64) -> np.int64:
     """Digest of the count ``b - a`` then ``flat[a:b]``: four interleaved FNV lanes (word ``i``
     into lane ``(i - a) % 4``; the multiplies of one lane wait on each other, four lanes keep the
-    multiplier busy), the tail into lane 0, the lanes folded in order."""
+    multiplier busy), the tail into lane 0, the lanes folded in order (a run of under 4 words:
+    lane 0 alone)."""
     h0 = _word(_BASIS, b - a)
+    if b - a < 4:
+        for i in range(a, b):
+            h0 = _word(h0, flat[i])
+        return _final(h0)
     h1 = h2 = h3 = _BASIS
     i = a
     while i + 4 <= b:

@@ -68,7 +68,7 @@ def flat_ints(values: Any) -> np.ndarray:
     """``values`` as a flat array (a numpy array's own view; anything else converted once) for
     the log to copy in. Example: ``[3, 5]`` -> ``array([3, 5])``."""
     a = values if type(values) is np.ndarray else np.asarray(values, np.int64)
-    return a.reshape(-1)
+    return a if a.ndim == 1 else a.reshape(-1)
 
 
 class OpLog:
@@ -97,20 +97,19 @@ class OpLog:
         self.req_ids.clear()
         self.specs.clear()
 
-    def _room(self, c: int, k: int) -> np.ndarray:
-        """Column ``c``'s buffer with room for ``k`` more values (doubled when full)."""
+    def _grow(self, c: int, need: int) -> np.ndarray:
+        """Column ``c``'s buffer, doubled (at least to ``need`` values), its used part kept."""
         buf = self._bufs[c]
-        need = self._n[c] + k
-        if need > len(buf):
-            grown = np.zeros(max(need, 2 * len(buf)), np.int64)
-            grown[:self._n[c]] = buf[:self._n[c]]
-            self._bufs[c] = buf = grown
-        return buf
+        grown = np.zeros(max(need, 2 * len(buf)), np.int64)
+        grown[:self._n[c]] = buf[:self._n[c]]
+        self._bufs[c] = grown
+        return grown
 
     def _put(self, c: int, values: Any, k: int) -> None:
         """Append ``k`` values (an array of ``k`` or one int when ``k == 1``) to column ``c``."""
-        buf = self._room(c, k)
-        n = self._n[c]
+        buf, n = self._bufs[c], self._n[c]
+        if n + k > len(buf):
+            buf = self._grow(c, n + k)
         buf[n:n + k] = values
         self._n[c] = n + k
 
@@ -127,15 +126,16 @@ class OpLog:
 
     def _entry(self, code: int, slots: Any, n: int) -> None:
         """Open or extend the run of ``code`` for ``n`` entries on ``slots`` (an int or an int64
-        array of live slots, distinct: the driver's state checked them)."""
+        array of live slots, distinct: the driver's state checked them). Only a call of the open
+        run's kind looks for a clash (a slot the run already holds: a new run keeps the order)."""
         seen, rid = self._seen, self._run_id
-        clash = seen[slots] == rid if n == 1 and type(slots) is int else bool((seen[slots] == rid).any())
-        if self._last_code != code or clash:
+        if self._last_code == code and not (
+                seen[slots] == rid if type(slots) is int else (seen[slots] == rid).any()):
+            self._bufs[_RUNS][self._n[_RUNS] - 1] += n
+        else:
             self._run_id = rid = rid + 1
             self._last_code = code
             self._put(_RUNS, (code, n), 2)
-        else:
-            self._bufs[_RUNS][self._n[_RUNS] - 1] += n
         seen[slots] = rid
 
     # ---- recording (after the driver's own state applied the call) ---------------------------
