@@ -22,7 +22,6 @@ import argparse
 import json
 import logging
 import random
-import statistics
 import sys
 import threading
 import time
@@ -783,15 +782,8 @@ def call(tensors: tuple[torch.Tensor, ...], kw: dict[str, Any], **extra: Any) ->
 
 
 def wall_us(fn: Callable[[], Any], repeat: int, cuda: bool) -> float:
-    """p50 wall time of ``fn`` in microseconds (synchronized per call on CUDA)."""
-    samples = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        samples.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(samples)
+    """p50 wall time of ``fn`` in microseconds (synchronized per call on CUDA; no warm-up)."""
+    return time_us(fn, repeat, warmup=0, sync=cuda)["p50_us"]
 
 
 def graph_us(fn: Callable[[], Any], repeat: int) -> float:
