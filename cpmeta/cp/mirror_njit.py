@@ -98,13 +98,10 @@ def mirror_fill(cu_q: np.ndarray, cu_k: np.ndarray, cp_size: int, cp_rank: int, 
     [L], ``reverse`` [total_q], ``ks``/``ke`` [n_ratio, L], int32 (valid bool)."""
     two_p = 2 * cp_size
     length = index.shape[0]
-    n_ratio = ratios.shape[0]
-    base = np.zeros(n_ratio, np.int64)
     m_seq = 0
-    for s in range(cu_q.shape[0] - 1):
+    for s in range(cu_q.shape[0] - 1):  # index, valid, reverse
         q0 = cu_q[s]
         sq = cu_q[s + 1] - q0
-        sk = cu_k[s + 1] - cu_k[s]
         ps = (sq + two_p - 1) // two_p
         for j in range(2):
             b = cp_rank if j == 0 else two_p - 1 - cp_rank
@@ -117,14 +114,31 @@ def mirror_fill(cu_q: np.ndarray, cu_k: np.ndarray, cp_size: int, cp_rank: int, 
             for m in range(real, ps):
                 index[row0 + m] = -1
                 valid[row0 + m] = False
-            for i in range(n_ratio):
-                r = ratios[i]
-                ks_i, ke_i = ks[i], ke[i]
+        for b in range(two_p):
+            start = b * ps
+            stop = min(start + ps, sq)
+            shift = min(b, two_p - 1 - b) * length + m_seq + (ps if b >= cp_size else 0) - start
+            for t in range(q0 + start, q0 + stop):
+                reverse[t] = t - q0 + shift
+        m_seq += 2 * ps
+    for i in range(ratios.shape[0]):  # ks, ke: one pass per ratio
+        r = ratios[i]
+        ks_i, ke_i = ks[i], ke[i]
+        base = 0
+        m_seq = 0
+        for s in range(cu_q.shape[0] - 1):
+            sq = cu_q[s + 1] - cu_q[s]
+            sk = cu_k[s + 1] - cu_k[s]
+            ps = (sq + two_p - 1) // two_p
+            for j in range(2):
+                b = cp_rank if j == 0 else two_p - 1 - cp_rank
+                row0 = m_seq + j * ps
+                real = min(max(sq - b * ps, 0), ps)
                 # ke = base + (pos + 1) // r along pos = sk - sq + b*ps + m: one division per chunk
                 nxt = sk - sq + b * ps + 1
-                v, rem = base[i] + nxt // r, nxt % r
+                v, rem = base + nxt // r, nxt % r
                 for m in range(real):
-                    ks_i[row0 + m] = base[i]
+                    ks_i[row0 + m] = base
                     ke_i[row0 + m] = v
                     rem += 1
                     if rem == r:
@@ -133,15 +147,8 @@ def mirror_fill(cu_q: np.ndarray, cu_k: np.ndarray, cp_size: int, cp_rank: int, 
                 for m in range(real, ps):
                     ks_i[row0 + m] = 0
                     ke_i[row0 + m] = 0
-        for b in range(two_p):
-            start = b * ps
-            stop = min(start + ps, sq)
-            shift = min(b, two_p - 1 - b) * length + m_seq + (ps if b >= cp_size else 0) - start
-            for t in range(q0 + start, q0 + stop):
-                reverse[t] = t - q0 + shift
-        for i in range(n_ratio):
-            base[i] += max(1, sk // ratios[i])
-        m_seq += 2 * ps
+            base += max(1, sk // r)
+            m_seq += 2 * ps
     return OK
 
 

@@ -58,19 +58,17 @@ def slot_fill(qsl: np.ndarray, pos: np.ndarray, table: np.ndarray, p: np.ndarray
     use_rows = min(num_reqs, rows)
     vbs = kvb * world
     bits = 0
-    first = np.full(6, -1, np.int64)  # first index per check, in raising order
-    req_of = np.zeros(6, np.int64)
+    order_at = -1  # the first failing index of each check with one (token or request)
+    neg_at, neg_req, blk_at, blk_req, ovf_at, ovf_req = -1, 0, -1, 0, -1, 0
     if qsl[0] != 0:
         bits |= B_QUERY_START
-        first[0] = 0
     for i in range(num_reqs):
         if qsl[i + 1] < qsl[i]:
             bits |= B_QUERY_ORDER
-            first[1] = i
+            order_at = i
             break
     if qsl[num_reqs] != n_tok:
         bits |= B_NUM_TOKENS
-        first[2] = 0
     q = 0
     for t in range(n_tok):
         while q < num_reqs and qsl[q + 1] <= t:
@@ -79,8 +77,8 @@ def slot_fill(qsl: np.ndarray, pos: np.ndarray, table: np.ndarray, p: np.ndarray
         out[t] = pad
         if x < 0:
             if not circular:
-                if first[3] < 0:
-                    first[3], req_of[3] = t, q
+                if neg_at < 0:
+                    neg_at, neg_req = t, q
                 bits |= B_NEGATIVE_POSITION
             continue
         if circular:
@@ -96,23 +94,31 @@ def slot_fill(qsl: np.ndarray, pos: np.ndarray, table: np.ndarray, p: np.ndarray
         if q >= use_rows:
             continue
         if bi >= cols:
-            if first[4] < 0:
-                first[4], req_of[4] = t, q
+            if blk_at < 0:
+                blk_at, blk_req = t, q
             bits |= B_BLOCK_INDEX
             continue
         slot = np.int64(table[q, bi]) * bs + off
         if slot > INT32_MAX or slot < INT32_MIN:
-            if first[5] < 0:
-                first[5], req_of[5] = t, q
+            if ovf_at < 0:
+                ovf_at, ovf_req = t, q
             bits |= B_SLOT_OVERFLOW
             continue
         out[t] = slot
     for t in range(n_tok, out.shape[0]):
         out[t] = pad
-    for c in range(6):
-        if first[c] >= 0:
-            err[0], err[1], err[2] = 1 << c, first[c], req_of[c]
-            break
+    if bits & B_QUERY_START:  # the check raised first: in bit order
+        err[0] = B_QUERY_START
+    elif bits & B_QUERY_ORDER:
+        err[0], err[1] = B_QUERY_ORDER, order_at
+    elif bits & B_NUM_TOKENS:
+        err[0] = B_NUM_TOKENS
+    elif neg_at >= 0:
+        err[0], err[1], err[2] = B_NEGATIVE_POSITION, neg_at, neg_req
+    elif blk_at >= 0:
+        err[0], err[1], err[2] = B_BLOCK_INDEX, blk_at, blk_req
+    elif ovf_at >= 0:
+        err[0], err[1], err[2] = B_SLOT_OVERFLOW, ovf_at, ovf_req
     return bits
 
 
