@@ -54,7 +54,9 @@ __all__ = [
     "BACKENDS",
 ]
 
-#: Accepted ``backend`` values: ``auto`` = Triton for CUDA tensors (torch if Triton is missing).
+#: Accepted ``backend`` values: ``auto`` = Triton for CUDA tensors (the compiled CPU kernel if
+#: Triton is missing); ``torch`` = the compiled CPU kernel on host copies (the name kept from the
+#: torch path it replaced); ``triton`` = Triton or an error.
 BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")
 
 INT32_MIN: int = -(2**31)
@@ -254,7 +256,8 @@ def compute_slot_mapping(
         out: optional [max_num_tokens] int32 contiguous destination on the inputs' device.
         error_out: optional [1] int32 tensor on the inputs' device: data checks OR
             :class:`SlotMappingError` bits into it instead of raising (no host sync).
-        backend: ``"auto"`` (Triton for CUDA tensors), ``"torch"`` or ``"triton"``.
+        backend: ``"auto"`` (Triton for CUDA tensors), ``"torch"`` (the compiled CPU kernel, on
+            host copies of CUDA tensors) or ``"triton"``.
 
     Returns:
         [max_num_tokens] int32 slot mapping on the inputs' device (``out`` when given).
