@@ -212,6 +212,8 @@ class RingReader:
         who = f"writer rank {self.handle.writer_rank}"
         me = self._label(self.reader_index)
         if self._w.closed.value:
+            if self._w.head.value >= target:  # published, then closed: read it first (the caller re-reads head)
+                return
             raise RingClosedError(f"ShmRing reader {me}: {who} closed the ring")
         if self._watch[-1].dead():
             raise PeerError(f"ShmRing reader {me}: {who}, pid {self.handle.writer_pid}, died")
