@@ -4,8 +4,9 @@ For checks that run now and then between the members of an ``ObjectChannel`` (e.
 state's digests, ``cpmeta.ReplicatedBatchState``): a gloo ``all_gather`` with a dead or stalled
 member would end in gloo's own error after the process group's timeout, naming a socket. Here
 every member sets its value under ``<channel key>/<tag>/<rank>`` in torch.distributed's default
-store and waits for the others' within ``timeout`` on a helper thread; a member whose key never
-came is named (``TimeoutError``: "rank 2 (host b) did not report ..."). Without a default store
+store and waits for the others' within ``timeout`` on a helper thread, then marks it read and
+waits until every member has read (so the member hosting the store cannot leave early); a member
+whose key never came is named (``TimeoutError``: "rank 2 (host b) did not report ..."). Without a default store
 it falls back to a gloo all_gather bounded by the same timeout (which cannot say who is missing).
 
 Example: ranks [0, 1, 2] of a channel, tag "check-64": every rank calls
@@ -54,7 +55,16 @@ def gather_ints(ch: Any, tag: str, value: int) -> dict[int, int]:
             except Exception:  # noqa: BLE001 - torch raises DistStoreError or RuntimeError
                 box["absent"] = [r for r, k in keys.items() if not store.check([k])]
                 return
-            box["got"] = {r: int(bytes(store.get(k))) for r, k in keys.items()}
+            got = {r: int(bytes(store.get(k))) for r, k in keys.items()}
+            # every member has read every value before any returns: the member hosting the store
+            # may exit right after (a check on a run's last step) and take the values with it
+            store.set(f"{keys[me]}/read", "1")
+            try:
+                store.wait([f"{k}/read" for k in keys.values()], timedelta(seconds=timeout_s))
+            except Exception:  # noqa: BLE001 - as above
+                box["absent"] = [r for r, k in keys.items() if not store.check([f"{k}/read"])]
+                return
+            box["got"] = got
         except Exception as e:  # noqa: BLE001 - handed to the caller
             box["error"] = e
 
