@@ -64,7 +64,7 @@ class MetadataConfig:
     a plain model of 4096 tokens: a block holds ``block_size`` uncompressed tokens and every rule
     that uses the smallest ratio uses 1 (``min_ratio == 1``).
 
-    Features are switched by the config (DESIGN section 14): compressed KV (``ca_ratios``
+    Features are switched by the config (docs/design.md section 14): compressed KV (``ca_ratios``
     non-empty), the sliding-window state cache (``window_size > 0``), Engram
     (``max_ngram_size > 0``) and YoCo (``yoco_keep_tokens`` set; it limits the sliding window,
     so it needs ``window_size > 0``). :meth:`compressed_swa` is the compressed-KV +
@@ -166,7 +166,7 @@ class MetadataConfig:
         if self.yoco_mode not in YOCO_MODES:
             raise ValueError(f"yoco_mode: expected one of {YOCO_MODES}, got {self.yoco_mode!r}")
         if k is not None and self.window_size == 0:
-            # DESIGN 10: YoCo's rectangle limits the sliding-window keys (and only those)
+            # docs/design.md section 10: YoCo's rectangle limits the sliding-window keys (and only those)
             raise ValueError(
                 f"yoco_keep_tokens: YoCo limits the sliding window, so it needs window_size > 0; "
                 f"got yoco_keep_tokens={k} with window_size=0"
@@ -257,7 +257,7 @@ class MetadataConfig:
         return -(-(self.max_model_len // n) // ATTN_INDEX_ALIGN) * ATTN_INDEX_ALIGN
 
 
-# ---- the one block rule (DESIGN sections 3 and 14) -------------------------------------------
+# ---- the one block rule (docs/design.md sections 3 and 14) -------------------------------------------
 
 
 def blocks_needed(seqlen_k: int, cfg: MetadataConfig) -> int:

@@ -73,7 +73,7 @@ FULL, RANK = "full", "rank"
 # who fills the field: the builders, compute_attn_info, or prepare_for_mirror_cp
 BUILD, DERIVE, MIRROR = "build", "derive", "mirror"
 
-# ratio sets a per-ratio dict is keyed by (DESIGN 3), and their order wherever they are concatenated
+# ratio sets a per-ratio dict is keyed by (docs/design.md section 3), and their order wherever they are concatenated
 CA, SPARSE, DENSE = "ca", "sparse", "dense"
 RATIO_ORDER: tuple[str, ...] = (CA, SPARSE, DENSE)
 

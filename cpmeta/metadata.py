@@ -1,6 +1,6 @@
 """``InputMetadata``: every tensor an attention step needs, plus container operations.
 
-Fields are grouped as in DESIGN section 4 (common / prompt / decode), 5 (expanded, derived),
+Fields are grouped as in docs/design.md section 4 (common / prompt / decode), 5 (expanded, derived),
 8 (CP mirror) and 10 (YoCo). A field that does not apply to the path or config is ``None``.
 Dict-valued fields are keyed by the ratio's decimal string (``"4"``, ``"128"``).
 
@@ -255,7 +255,7 @@ class InputMetadata:
         return self
 
     def compute_attn_info(self, cfg: Any) -> "InputMetadata":
-        """Expand offsets and pivots into dense indices (DESIGN section 5); idempotent."""
+        """Expand offsets and pivots into dense indices (docs/design.md section 5); idempotent."""
         from .builders.attn_info import compute_attn_info
 
         compute_attn_info(self, cfg)

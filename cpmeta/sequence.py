@@ -54,7 +54,7 @@ def _check_int(i: int, field: str, v: object) -> None:
 def validate_batch(seqs: Sequence[SequenceMetadata], cfg: MetadataConfig, *, is_prompt: bool) -> None:
     """Raise ``ValueError`` naming ``seqs[i].field`` for the first bad input in the batch.
 
-    Checks (DESIGN section 3): non-empty batch; ints (Python or numpy integers, never bools)
+    Checks (docs/design.md section 3): non-empty batch; ints (Python or numpy integers, never bools)
     with ``1 <= seqlen_q <= seqlen_k <= max_model_len``; ``state_id >= 0`` (and, with the
     sliding-window state cache, ``<= cfg.max_state_id`` so its ring slots fit int32);
     ``swa_valid_start >= 0``; token/draft counts per path; block table long enough for

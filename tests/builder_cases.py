@@ -1,4 +1,4 @@
-"""Named, hand-checked builder cases (DESIGN sections 4 and 5), used by ``test_builders.py``.
+"""Named, hand-checked builder cases (docs/design.md sections 4 and 5), used by ``test_builders.py``.
 
 Each case holds a config, a batch, the path it runs on, and a few values worked out BY HAND
 (the arithmetic is in the comments) -- independent of both the reference and the builders.
@@ -394,7 +394,7 @@ def _tiny_max_model_len() -> NamedCase:
     })
 
 
-# A plain paged-KV model (DESIGN 14): no ratios, no sliding window. A block holds 16 tokens, so
+# A plain paged-KV model (docs/design.md section 14): no ratios, no sliding window. A block holds 16 tokens, so
 # a 17-token sequence needs cdiv(17, 16) = 2 blocks and decode tables have cdiv(64, 16) = 4 columns.
 PLAIN = MetadataConfig(block_size=16, window_size=0, dense_compress_ratios=(), sparse_compress_ratios=(),
                        max_model_len=64)

@@ -1,13 +1,13 @@
-"""Literal per-token Python reference of the builders (DESIGN sections 4 and 5): the test oracle.
+"""Literal per-token Python reference of the builders (docs/design.md sections 4 and 5): the test oracle.
 
 Written for clarity, not speed: plain loops over sequences, rows and tokens, one line per formula
-of DESIGN.md, no torch vectorization. The builders in ``cpmeta/`` are compared against it exactly
+of docs/design.md, no torch vectorization. The builders in ``cpmeta/`` are compared against it exactly
 (``tensor.tolist() == ref[name]``).
 
 Output: a dict keyed by the exact ``InputMetadata`` field names, holding python ints / bools,
 (nested) lists, and dicts keyed by ``str(ratio)``. Fields that do not apply to the path or config
 are ``None``: without compressed KV (no ratios at all) every per-ratio field, with
-``window_size == 0`` every sliding-window / state-slot field (DESIGN 14); with compressed KV, a
+``window_size == 0`` every sliding-window / state-slot field (docs/design.md section 14); with compressed KV, a
 dict field over an empty ratio set (e.g. ``klen`` without sparse ratios) is ``{}``. One exception to "the full tensor":
 decode ``block_tables`` holds, per row, only the DEFINED prefix of the row (its first
 ``ref_defined_block_columns(seqlen_k, cfg)`` entries); the tensor has ``ref_max_num_blocks(cfg)``
@@ -190,7 +190,7 @@ def _common(seqs: Sequence[SequenceMetadata], cfg: MetadataConfig, is_prompt: bo
 
 
 def _drop_disabled(d: dict[str, Any], cfg: MetadataConfig) -> dict[str, Any]:
-    """Set the fields of the features ``cfg`` switches off to ``None`` (DESIGN 14)."""
+    """Set the fields of the features ``cfg`` switches off to ``None`` (docs/design.md section 14)."""
     if not _ca_ratios(cfg):
         for name in ("positions_c", "slot_mapping_store_ca", "cu_compressed_seqlens_q", "cu_compressed_seqlens_k",
                      "load_segments_ca", "total_k_compressed", "ks", "ke", "kv_ca_index_offset_len", "klen"):
@@ -284,7 +284,7 @@ def _swa_pivots(seq: SequenceMetadata, s: int, j: int, n_seq: int, cu_q_s: int, 
 
 
 def ref_prepare_prompt(seqs: Sequence[SequenceMetadata], cfg: MetadataConfig) -> dict[str, Any]:
-    """Every prompt field of DESIGN section 4 (derived fields of section 5 are ``None``)."""
+    """Every prompt field of docs/design.md section 4 (derived fields of section 5 are ``None``)."""
     d = _common(seqs, cfg, is_prompt=True)
     W = cfg.window_size
     n_seq = len(seqs)
@@ -321,7 +321,7 @@ def ref_prepare_prompt(seqs: Sequence[SequenceMetadata], cfg: MetadataConfig) ->
 
 
 def ref_prepare_decode(seqs: Sequence[SequenceMetadata], cfg: MetadataConfig) -> dict[str, Any]:
-    """Every decode field of DESIGN section 4 (derived fields of section 5 are ``None``)."""
+    """Every decode field of docs/design.md section 4 (derived fields of section 5 are ``None``)."""
     d = _common(seqs, cfg, is_prompt=False)
     W, S, bs = cfg.window_size, cfg.swa_block_size, cfg.block_size
     mnb = ref_max_num_blocks(cfg)

@@ -1,6 +1,6 @@
-"""Literal per-row reference of the zigzag CP mirror (DESIGN section 8), the oracle for tests.
+"""Literal per-row reference of the zigzag CP mirror (docs/design.md section 8), the oracle for tests.
 
-Plain Python loops over sequences, chunks and rows, written to be read against the DESIGN text;
+Plain Python loops over sequences, chunks and rows, written to be read against docs/design.md;
 no torch in the reference itself. The reverse index is found by building every rank's rows and
 searching them, not by the closed formula the library uses. :func:`check_unmirror_equivalence`
 (torch) is the one checker shared by the single-process and the multi-rank tests.

@@ -1,4 +1,4 @@
-"""Per-key plain-Python reference of ``cpmeta.cp_kv_read_plan`` (DESIGN section 14).
+"""Per-key plain-Python reference of ``cpmeta.cp_kv_read_plan`` (docs/design.md section 14).
 
 Walks every key position of every entry (prompt: sequence, decode: query row), keeps the ones
 rank ``r`` owns (``(p // I) % W == r``; every key when ``W == 1``), numbers them 0, 1, ... in

@@ -1,4 +1,4 @@
-"""Literal per-token reference of ``cpmeta.compute_slot_mapping`` (DESIGN section 11).
+"""Literal per-token reference of ``cpmeta.compute_slot_mapping`` (docs/design.md section 11).
 
 Plain Python loops over requests and tokens, written straight from the formulas; the test oracle.
 Inputs are Python lists; the caller guarantees they are valid (this function does not validate).

@@ -1,6 +1,6 @@
-"""Literal per-token reference of YoCo prefill truncation (DESIGN section 10): the test oracle.
+"""Literal per-token reference of YoCo prefill truncation (docs/design.md section 10): the test oracle.
 
-Plain Python loops over sequences, rows, ranks and chunks, one line per formula of DESIGN.md; no
+Plain Python loops over sequences, rows, ranks and chunks, one line per formula of docs/design.md; no
 torch and nothing imported from ``cpmeta`` except the input types. The zigzag chunks are built
 row by row, and the CP redistribution indices are found by SEARCHING the gathered rows (not by
 the closed formulas the library uses).

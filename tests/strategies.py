@@ -23,7 +23,7 @@ Engram (``max_ngram_size > 0`` with an ``ngram_lookup`` table, an image sentinel
 tokens and a ``compressed_token_ids`` history), prompt ``token_ids`` longer than ``seqlen_k``
 (the whole prompt, as YoCo needs), and ratio sets including ``1``, ``block_size`` itself, an
 empty dense or sparse tuple, no ratios at all (no compressed KV), ``window_size = 0`` (no
-sliding window), and both (a plain paged-KV model, DESIGN 14), its KV sharded over the CP
+sliding window), and both (a plain paged-KV model, docs/design.md section 14), its KV sharded over the CP
 group or not.
 
 The generators only call ``rng.randint(a, b)`` (inclusive), ``rng.choice(seq)`` and
@@ -65,7 +65,7 @@ MAX_STATE_ID = 500
 #: Keeps the per-token reference (and hence every test) fast.
 DEFAULT_MAX_TOTAL_Q = 160
 #: Chance that :func:`random_config` draws a plain paged-KV model (no ratios, ``window_size = 0``:
-#: DESIGN 14); otherwise it switches compressed KV off, and independently the sliding-window state
+#: docs/design.md section 14); otherwise it switches compressed KV off, and independently the sliding-window state
 #: cache, each with :data:`FEATURE_OFF_CHANCE`.
 PLAIN_CHANCE = 0.1
 FEATURE_OFF_CHANCE = 0.15

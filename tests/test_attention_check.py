@@ -36,7 +36,7 @@ def test_launch_attention_check(world: int, interleave: int, extra: tuple[str, .
 
 @pytest.mark.parametrize("world,interleave", [(2, 1), (3, 16)])
 def test_launch_attention_check_plain_model(world: int, interleave: int) -> None:
-    """``--model plain`` (DESIGN 14): no compressed or sliding-window field in the metadata, the
+    """``--model plain`` (docs/design.md section 14): no compressed or sliding-window field in the metadata, the
     KV sharded over the ranks (tables of rank 0's share); verify + attention check pass."""
     cmd = [sys.executable, "-m", "cpmeta.launch", "--nproc-per-node", str(world), "--model", "plain",
            "--workload", "mixed", "--steps", "5", "--warmup", "1", "--attention-check", "--verify",
@@ -67,7 +67,7 @@ def _seqs(rng, cfg, prompt: bool):  # noqa: ANN001, ANN202
 
 def _direct(rank: int, world: int) -> list[str]:
     """Every rank builds the same batches (seeded) and runs the check functions directly: the
-    seed-style config, then plain paged-KV configs (DESIGN 14; KV sharded over the ranks too)."""
+    seed-style config, then plain paged-KV configs (docs/design.md section 14; KV sharded over the ranks too)."""
     import random
 
     import torch

@@ -1,4 +1,4 @@
-"""``BatchState`` (DESIGN 13): a seeded random engine drives it for hundreds of steps; every step's
+"""``BatchState`` (docs/design.md section 13): a seeded random engine drives it for hundreds of steps; every step's
 ``SequenceBatch`` must build the same metadata as a list of ``SequenceMetadata`` rebuilt from a
 plain Python mirror of the requests. Capacity errors name the request and leave the state usable.
 """
@@ -21,7 +21,7 @@ CFG = MetadataConfig(block_size=16, window_size=4, swa_block_size=6, dense_compr
 #: no Engram: a decode window is the last confirmed token and the drafts
 PLAIN = MetadataConfig(block_size=16, window_size=4, swa_block_size=6, dense_compress_ratios=(4,),
                        sparse_compress_ratios=(4, 8), max_model_len=96)
-#: a plain paged-KV model (DESIGN 14: no ratios, no sliding window), and its KV sharded over 3
+#: a plain paged-KV model (docs/design.md section 14: no ratios, no sliding window), and its KV sharded over 3
 #: ranks in runs of 4 (tables of rank 0's share)
 PAGED = MetadataConfig(block_size=16, window_size=0, dense_compress_ratios=(), sparse_compress_ratios=(),
                        max_model_len=96)

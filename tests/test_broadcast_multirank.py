@@ -77,7 +77,7 @@ def _equivalence(rank: int, world: int, seed: int, force_remote: bool) -> int:
 
 
 def _plain_configs(bc, rank: int, seed: int) -> int:
-    """A plain paged-KV config (DESIGN 14; KV sharded too): the metadata has no compressed or
+    """A plain paged-KV config (docs/design.md section 14; KV sharded too): the metadata has no compressed or
     sliding-window field at all, and broadcasts (prompt, mirrored prompt, expanded decode)."""
     import cpmeta
     from strategies import random_decode_batch, random_prompt_batch

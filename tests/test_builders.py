@@ -1,4 +1,4 @@
-"""Builders vs the per-token reference, exactly (DESIGN sections 4 and 5).
+"""Builders vs the per-token reference, exactly (docs/design.md sections 4 and 5).
 
 - named hand-checked cases (``builder_cases.py``): the hand values are asserted on the reference
   AND on the builder; then every field of the builder equals the reference;

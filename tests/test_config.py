@@ -1,5 +1,5 @@
 """``MetadataConfig``: defaults (a plain paged-KV model), the ``compressed_swa`` preset, derived
-properties and every bad input (DESIGN section 3)."""
+properties and every bad input (docs/design.md section 3)."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def test_derived_widths() -> None:
 
 
 def test_plain_model_switches_every_feature_off() -> None:
-    """DESIGN 14: a plain paged-KV model; the rules that use the smallest ratio use 1."""
+    """docs/design.md section 14: a plain paged-KV model; the rules that use the smallest ratio use 1."""
     cfg = MetadataConfig(block_size=16, max_model_len=4096, **PLAIN)
     assert cfg.ca_ratios == () and cfg.min_ratio == 1
     assert (cfg.has_compressed_kv, cfg.has_swa, cfg.has_engram, cfg.has_yoco, cfg.kv_sharded) == (

@@ -1,4 +1,4 @@
-"""CUDA-graph replay of decode metadata (DESIGN sections 6 and 12). GPU only: skips without CUDA.
+"""CUDA-graph replay of decode metadata (docs/design.md sections 6 and 12). GPU only: skips without CUDA.
 
 1. In-place path: capture ``launch_decode_inplace`` (the Triton metadata + block-table kernels),
    ``compute_attn_info`` and a small consumer (a gather through ``kv_ca_index`` and
@@ -245,7 +245,7 @@ def test_replay_on_another_stream_is_ordered_with_uploads() -> None:
         assert torch.equal(got["cu_seqlens_k"][: n + 1].cpu(), ref.cu_seqlens_k), i
 
 
-#: no Engram (the fast path); a plain paged-KV model (DESIGN 14), its KV sharded over 2 ranks too
+#: no Engram (the fast path); a plain paged-KV model (docs/design.md section 14), its KV sharded over 2 ranks too
 GRAPH_STATE_CONFIGS = {
     "seed_like": dict(window_size=24, swa_block_size=27, dense_compress_ratios=(4, 16), sparse_compress_ratios=(4,)),
     "plain": dict(window_size=0, dense_compress_ratios=(), sparse_compress_ratios=()),

@@ -1,4 +1,4 @@
-"""In-place decode capacity (DESIGN section 12, issue 16 item 3): too-large batches are refused
+"""In-place decode capacity (docs/design.md section 12, issue 16 item 3): too-large batches are refused
 before the device sees them, and the kernels never write outside their buffers.
 
 Buffers captured for ``Q_CAP = 8`` rows, ``SEQ_CAP = 4`` sequences and ``cfg.max_num_blocks``

@@ -1,4 +1,4 @@
-"""In-place decode across a CP group (DESIGN section 12, ``cpmeta.gpu.decode_cp``), on real ranks.
+"""In-place decode across a CP group (docs/design.md section 12, ``cpmeta.gpu.decode_cp``), on real ranks.
 
 Every rank's ``StagedDecodeBroadcaster.broadcast`` result (one staging broadcast, kernels on each
 rank, written into the rank's own ``out`` buffers) equals ``MetadataBroadcaster.broadcast`` of
@@ -183,7 +183,7 @@ def _state_cp_equals_prepare(rank: int, world: int) -> dict[str, int]:
 
     seen = {"steps": 0, "drafts": 0, "no_drafts": 0, "placeholders": 0, "staged": 0}
     drv = rank == 0
-    # no Engram; Engram (stage_decode's general fallback); a plain paged-KV config (DESIGN 14)
+    # no Engram; Engram (stage_decode's general fallback); a plain paged-KV config (docs/design.md section 14)
     for ci in (0, ENGRAM_CI, PLAIN_CI):
         cfg = CONFIGS[ci]
         assert bool(cfg.max_ngram_size) == (ci == ENGRAM_CI) and cfg.has_swa == (ci != PLAIN_CI)

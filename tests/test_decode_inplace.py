@@ -1,4 +1,4 @@
-"""``prepare_decode_inplace`` (DESIGN section 12) against the eager ``prepare_decode``, exactly.
+"""``prepare_decode_inplace`` (docs/design.md section 12) against the eager ``prepare_decode``, exactly.
 
 - named cases + hypothesis random decode batches: every field equal (``metadata_diff`` with
   ``cfg``, so only the defined ``block_tables`` columns count), before and after
@@ -113,7 +113,7 @@ def _named_cases() -> dict[str, tuple[MetadataConfig, list[SequenceMetadata]]]:
             MetadataConfig.compressed_swa(block_size=8, max_ngram_size=2),
             [_seq(2, 6, [3], 0), _seq(1, 9, [1, 2], 1)],
         ),
-        # DESIGN 14: a plain paged-KV model (no ratios, no sliding window), its KV sharded over 3
+        # docs/design.md section 14: a plain paged-KV model (no ratios, no sliding window), its KV sharded over 3
         # ranks (tables of rank 0's share: 300 keys -> 100 -> 7 blocks), and each feature alone
         "plain": (
             MetadataConfig(block_size=16, max_model_len=256, dense_compress_ratios=(), sparse_compress_ratios=(),

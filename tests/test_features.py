@@ -1,4 +1,4 @@
-"""Which fields each feature adds (DESIGN 14, docs/features.md): a plain paged-KV config carries the
+"""Which fields each feature adds (docs/design.md section 14, docs/features.md): a plain paged-KV config carries the
 common fields only, and switching one feature on adds exactly its fields, on both paths, before
 and after ``compute_attn_info``; every field named here is named in docs/features.md."""
 

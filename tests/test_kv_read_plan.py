@@ -1,4 +1,4 @@
-"""``cpmeta.cp_kv_read_plan`` (DESIGN 14) against the per-key reference, and against the write side.
+"""``cpmeta.cp_kv_read_plan`` (docs/design.md section 14) against the per-key reference, and against the write side.
 
 Metadata comes from ``prepare_prompt`` / ``prepare_decode`` on a plain config (KV sharded over
 W in {1, 2, 3} ranks, interleave 1 or ``block_size``) and on the seed's default-style config

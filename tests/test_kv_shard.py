@@ -1,4 +1,4 @@
-"""``cpmeta.cp_local_seqlens`` (DESIGN 11) against a per-position count, and its docstring example."""
+"""``cpmeta.cp_local_seqlens`` (docs/design.md section 11) against a per-position count, and its docstring example."""
 
 from __future__ import annotations
 

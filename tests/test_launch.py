@@ -49,7 +49,7 @@ def test_launch_workloads_with_attn_info(workload: str) -> None:
 
 @pytest.mark.parametrize("strategy", ["broadcast", "replicate", "replicate-defer"])
 def test_launch_plain_model_verify_and_attention_check(strategy: str) -> None:
-    """``--model plain`` (DESIGN 14): the metadata carries only the common fields, broadcasts
+    """``--model plain`` (docs/design.md section 14): the metadata carries only the common fields, broadcasts
     (or, replicated, every rank builds it from its own state; deferred, the driver's scheduler
     validating with its own state), mirrors and verifies bit for bit, and CP attention equals
     one rank's, at 2 ranks."""

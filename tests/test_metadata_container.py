@@ -1,4 +1,4 @@
-"""``InputMetadata`` container operations (DESIGN section 6) and its field catalog (4, 5, 8)."""
+"""``InputMetadata`` container operations (docs/design.md section 6) and its field catalog (4, 5, 8)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from cpmeta import InputMetadata, get_or_create_stacked, get_or_create_tensor
 
-# Field catalog from DESIGN sections 4, 5 and 8, written out independently of metadata.py.
+# Field catalog from docs/design.md sections 4, 5 and 8, written out independently of metadata.py.
 DESIGN_FIELDS = """
 positions input_ids gate_force_random ngram_token_ids cu_seqlens_q cu_seqlens_k valid_token_mask
 query_indices positions_c slot_mapping_store_ca slot_mapping_store_swa num_seqs total_q max_seqlen_q

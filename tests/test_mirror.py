@@ -1,4 +1,4 @@
-"""Zigzag CP mirror (DESIGN section 8): named hand-worked cases, reference comparison, properties.
+"""Zigzag CP mirror (docs/design.md section 8): named hand-worked cases, reference comparison, properties.
 
 Single process: every rank's share is computed in a loop and the ranks' rows are concatenated in
 rank order, which is what ``all_gather`` produces on a real group (see test_mirror_multirank.py).

@@ -1,4 +1,4 @@
-"""``prepare_for_mirror_cp`` (DESIGN section 8) on hand-made metadata and with the real builders
+"""``prepare_for_mirror_cp`` (docs/design.md section 8) on hand-made metadata and with the real builders
 (un-mirror equivalence of every per-row field). Split from tests/test_mirror.py, which tests the
 index plan (``prepare_cp_mirror``, ``mirror_rows``, ``unmirror``).
 """

@@ -1,4 +1,4 @@
-"""``ReplicatedBatchState`` (issue 30, DESIGN 15): replicate the step, every rank builds its own.
+"""``ReplicatedBatchState`` (issue 30, docs/design.md section 15): replicate the step, every rank builds its own.
 
 Real gloo ranks run random scheduler traces (tests/replicate_trace.py: adds, finishes with slot
 reuse, chunked prefill, decode with drafts, placeholders, block growth, Engram ids, moved state

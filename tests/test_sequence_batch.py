@@ -1,4 +1,4 @@
-"""``SequenceBatch`` (DESIGN 13): same metadata and same errors as the list of ``SequenceMetadata``.
+"""``SequenceBatch`` (docs/design.md section 13): same metadata and same errors as the list of ``SequenceMetadata``.
 
 Batches are built two ways: ``SequenceBatch.from_sequences`` and a plain per-sequence Python
 construction of the documented layout (``_by_hand``), which does not share code with the builders;

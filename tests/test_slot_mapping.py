@@ -1,4 +1,4 @@
-"""Tests of ``cpmeta.compute_slot_mapping`` (DESIGN section 11) against the per-token reference.
+"""Tests of ``cpmeta.compute_slot_mapping`` (docs/design.md section 11) against the per-token reference.
 
 CPU: named cases per branch, validation errors, hypothesis random cases and properties.
 CUDA (skipped without a GPU): the Triton kernel against the reference and the torch path.

@@ -1,4 +1,4 @@
-"""Several KV-cache groups in one call (DESIGN 11): equal to one ``compute_slot_mapping`` per group.
+"""Several KV-cache groups in one call (docs/design.md section 11): equal to one ``compute_slot_mapping`` per group.
 
 CPU torch path in-process; the fused Triton kernel (one launch, grid ``(num_reqs + 1, n_groups)``)
 and the single-group kernel in a subprocess under ``TRITON_INTERPRET=1`` (this file run as a

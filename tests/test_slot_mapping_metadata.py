@@ -1,4 +1,4 @@
-"""Slot mapping from received metadata (DESIGN 11): ``stack_block_tables`` and
+"""Slot mapping from received metadata (docs/design.md section 11): ``stack_block_tables`` and
 ``compute_slot_mapping_from_metadata`` on prompt (``seq_block_tables``, CP mirror, placeholders)
 and decode (``block_tables``) metadata. Split from tests/test_slot_mapping.py.
 """

@@ -1,4 +1,4 @@
-"""``BatchState.stage_decode`` (DESIGN 12 + 13): the decode staging buffer written straight from the
+"""``BatchState.stage_decode`` (docs/design.md sections 12 + 13): the decode staging buffer written straight from the
 state arrays must be what ``DecodeStaging.stage(state.decode_batch(...))`` writes.
 
 - random engines (several configs, several ratio sets, drafts, placeholders, Engram through the
@@ -49,7 +49,7 @@ CONFIGS = [
     # Engram: served by the decode_batch + stage fallback
     MetadataConfig(block_size=16, window_size=4, swa_block_size=6, dense_compress_ratios=(4,),
                    sparse_compress_ratios=(4, 8), max_model_len=96, max_ngram_size=3, image_token_id=5),
-    # DESIGN 14: a plain paged-KV model, and its KV sharded over 3 ranks in runs of 4 (tables of
+    # docs/design.md section 14: a plain paged-KV model, and its KV sharded over 3 ranks in runs of 4 (tables of
     # rank 0's share); the staging header then holds no ratio at all
     MetadataConfig(block_size=16, window_size=0, dense_compress_ratios=(), sparse_compress_ratios=(),
                    max_model_len=96),

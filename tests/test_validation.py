@@ -1,4 +1,4 @@
-"""``validate_batch``: every bad scheduler input of DESIGN section 3 names ``seqs[i].field``."""
+"""``validate_batch``: every bad scheduler input of docs/design.md section 3 names ``seqs[i].field``."""
 
 from __future__ import annotations
 
@@ -136,7 +136,7 @@ def test_blocks_needed_is_the_max_over_ratios() -> None:
 
 
 def _brute_blocks(k: int, bs: int, ratios: tuple[int, ...], world: int, inter: int) -> int:
-    """DESIGN 14 by counting: rank 0's keys among positions 0..k-1, then the per-ratio rule
+    """docs/design.md section 14 by counting: rank 0's keys among positions 0..k-1, then the per-ratio rule
     (ratio 1 for a plain model)."""
     local = sum(1 for p in range(k) if (p // inter) % world == 0)
     return max(-(-(local // n) // (bs // n)) for n in (ratios or (1,)))

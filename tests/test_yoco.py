@@ -1,4 +1,4 @@
-"""YoCo prefill truncation (DESIGN section 10), single process.
+"""YoCo prefill truncation (docs/design.md section 10), single process.
 
 Named hand-worked cases, exact comparison with the literal reference (tests/reference_yoco.py) on
 random batches, view semantics (shared objects, nothing modified), the truncation's meaning (a
@@ -27,7 +27,7 @@ from reference_yoco import ref_consumer_rows, ref_yoco_fields
 from strategies import prompt_cases, random_config, random_prompt_batch
 
 I32 = torch.int32
-#: DESIGN 10: what a consumer view sets to None (the table may clear more, only fields None on prompt metadata)
+#: docs/design.md section 10: what a consumer view sets to None (the table may clear more, only fields None on prompt metadata)
 CONSUMER_CLEARED = {"kv_ca_index", "kv_ca_index_len", "klen", "kv_swa_full_index"}
 CONSUMER_REPLACED = (
     "positions", "cu_seqlens_q", "total_q", "max_seqlen_q", "query_indices", "slot_mapping_store_swa",

@@ -1,4 +1,4 @@
-"""YoCo compact + CP (DESIGN section 10) with every rank computed in one process, and the views
+"""YoCo compact + CP (docs/design.md section 10) with every rank computed in one process, and the views
 and CP fields on CUDA tensors. Split from tests/test_yoco.py (helpers shared through it); the
 multi-process version is tests/test_yoco_multirank.py.
 """

@@ -1,4 +1,4 @@
-"""Broadcast from the driver to every rank of a CP group, on ONE frame codec (DESIGN 7, 16).
+"""Broadcast from the driver to every rank of a CP group, on ONE frame codec (docs/design.md sections 7, 16).
 
 ==================  ==============================================================================
 module              holds

@@ -1,5 +1,5 @@
 """Where received bytes land: a frame's tensor region into a CPU buffer, received tensors into
-the caller's ``out=`` buffers (``MetadataBroadcaster.broadcast(md, out=...)``, DESIGN 7).
+the caller's ``out=`` buffers (``MetadataBroadcaster.broadcast(md, out=...)``, docs/design.md section 7).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The frame codec: ONE frame format, one header, versioned and fingerprinted once (DESIGN 7).
+"""The frame codec: ONE frame format, one header, versioned and fingerprinted once (docs/design.md section 7).
 
 Every message cpmeta sends between the ranks of a group -- a broadcast ``InputMetadata``, any
 other dataclass (``MetadataBroadcaster(schema=...)``), a tensor dict (``broadcast_tensor_dict``),

@@ -1,4 +1,4 @@
-"""Scheduler input -> ``InputMetadata`` on the host (DESIGN sections 3-5, 10).
+"""Scheduler input -> ``InputMetadata`` on the host (docs/design.md sections 3-5, 10).
 
 Every field a builder writes is declared once, in ``InputMetadata``'s field table
 (:mod:`cpmeta.fields`); ``prepare_decode``'s arena layout is generated from it, and each field is

@@ -1,4 +1,4 @@
-"""``compute_attn_info``: expand offsets and pivots into dense attention indices (DESIGN section 5).
+"""``compute_attn_info``: expand offsets and pivots into dense attention indices (docs/design.md section 5).
 
 Runs on whatever device the metadata tensors live on (pure torch ops, no host synchronisation),
 fills only fields that are ``None`` (a second call does nothing and allocates nothing), and is
@@ -139,7 +139,7 @@ def compute_attn_info(md: InputMetadata, cfg: MetadataConfig) -> InputMetadata:
     ``kv_swa_full_index`` [rows, W]; ``kv_swa_index`` [rows, W]. ``rows`` is the number of rows of
     ``kv_ca_index_offset_len`` (decode / unmirrored prompt) or ``cp_mirror_len`` (mirrored).
     Keys of the dicts are the keys of ``kv_ca_index_offset_len`` (an empty dict stays empty).
-    A switched-off feature (DESIGN 14) has no offsets or pivots, so nothing of it is expanded:
+    A switched-off feature (docs/design.md section 14) has no offsets or pivots, so nothing of it is expanded:
     without compressed KV ``kv_ca_index`` / ``kv_ca_index_len`` stay ``None``, with
     ``window_size == 0`` the SWA indices do; a plain config's metadata is returned unchanged.
     """

@@ -1,4 +1,4 @@
-"""Compiled pieces both host builders share (DESIGN section 4, "Common"), callable from kernels.
+"""Compiled pieces both host builders share (docs/design.md section 4, "Common"), callable from kernels.
 
 Each function is a ``@kernel`` (numba njit) that a builder's one kernel calls per sequence: it
 fills the common fields of that sequence's query rows ``[row0, row0 + seqlen_q)`` straight into

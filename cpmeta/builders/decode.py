@@ -1,4 +1,4 @@
-"""``prepare_decode``: decode-step ``InputMetadata`` on the CPU, ONE compiled call (DESIGN 3, 4, 17).
+"""``prepare_decode``: decode-step ``InputMetadata`` on the CPU, ONE compiled call (docs/design.md sections 3, 4, 17).
 
 The batch becomes a validated ``SequenceBatch`` (a list through ``from_sequences``; a vouched batch
 is not checked again), the arena of its shape is taken from ``out`` (or made), and
@@ -51,7 +51,7 @@ Out = Optional[dict[str, torch.Tensor]]
 def check_decode_int32(b: BatchArrays, cfg: MetadataConfig) -> None:
     """The int32 bounds of a decode batch that ``extract_batch``'s validation leaves (the
     in-place GPU path's host check; :func:`prepare_decode` checks the same in its kernel):
-    ``sum(seqlen_k)`` (``cu_seqlens_k``) and DESIGN section 3's offset bound ``total_q *
+    ``sum(seqlen_k)`` (``cu_seqlens_k``) and docs/design.md section 3's offset bound ``total_q *
     max_num_blocks * (block_size // min(dense ratios))``. (State ids, block ids and token ids are
     in range once validated.) Example: defaults of ``compressed_swa``, 2**20 rows -> ``2**20 *
     64 * 32 > 2**31 - 1``: ``ValueError`` naming ``kv_ca_index_offset_len``."""
@@ -196,11 +196,11 @@ def prepare_decode(
             :class:`cpmeta.OutputArenas`: one arena per batch shape, refilled every step (the
             cheapest steady state: no tensor is made per call).
 
-    Returns every decode field of DESIGN section 4 (int32 indices, bool masks, [total_q] rows):
+    Returns every decode field of docs/design.md section 4 (int32 indices, bool masks, [total_q] rows):
     common fields, ``state_block_idx`` / ``context_lens`` [total_q], ``klen[r]``,
     ``kv_swa_index_offset_len`` [total_q, 2], ``block_tables`` [total_q, max_num_blocks],
     ``kv_ca_index_offset_len[n]`` [total_q, 2]. Prompt-only fields are ``None``, and so are the
-    fields of a feature the config switches off (DESIGN 14): without compressed KV every
+    fields of a feature the config switches off (docs/design.md section 14): without compressed KV every
     per-ratio field; with ``window_size == 0`` ``slot_mapping_store_swa``, ``state_block_idx`` and
     ``kv_swa_index_offset_len``. A plain config's ``block_tables`` has ``max_num_blocks =
     blocks_needed(max_model_len)`` columns (``cdiv(max_model_len, block_size)`` unsharded).

@@ -2,7 +2,7 @@
 
 :func:`decode_fill` reads a decode ``SequenceBatch``'s arrays and the config's constants
 (:func:`decode_consts`), checks the bounds the numpy builder checked (needed block ids, int32
-totals) and writes every field of DESIGN section 4 ("Common" and "Decode only") into the arena's
+totals) and writes every field of docs/design.md section 4 ("Common" and "Decode only") into the arena's
 bytes at the element offsets :func:`field_offsets` read from its layout. The Python wrapper
 (:func:`cpmeta.builders.decode.prepare_decode`) owns the arena, the views and the messages.
 
@@ -213,7 +213,7 @@ def decode_fill(seqlen_q: np.ndarray, seqlen_k: np.ndarray, state_id: np.ndarray
 
 @warmer
 def _warm() -> None:
-    """:func:`decode_fill` once: the seed's config, two sequences (one with a draft)."""
+    """:func:`decode_fill` once: the compressed-KV config (MetadataConfig.compressed_swa()), two sequences (one with a draft)."""
     from ..buffers import HostArena
     from ..fields import DECODE, step_outputs
     from ..metadata import FIELDS

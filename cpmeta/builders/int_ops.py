@@ -1,4 +1,4 @@
-"""Integer helpers of the host builders (DESIGN sections 3 and 4): the int32 bound check's message
+"""Integer helpers of the host builders (docs/design.md sections 3 and 4): the int32 bound check's message
 and the one loaded-compressed-length rule (``int``, numpy arrays and torch tensors). Example:
 ``loaded_compressed_len(np.array([3, 8]), 4) -> [1, 2]``.
 """

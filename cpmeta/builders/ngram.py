@@ -1,4 +1,4 @@
-"""Engram look-back ids of chosen query rows (DESIGN section 4, ``ngram_token_ids``), vectorized.
+"""Engram look-back ids of chosen query rows (docs/design.md section 4, ``ngram_token_ids``), vectorized.
 
 What a CP rank reads for its own prompt rows (``cpmeta.cp.prompt_share``); the builders fill the
 whole field in their kernels (:func:`cpmeta.builders.common_njit.fill_ngram_rows`, the same rule).

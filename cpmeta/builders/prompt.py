@@ -1,7 +1,7 @@
 """``prepare_prompt``: prefill / chunked-prefill ``InputMetadata`` on the CPU, two compiled calls.
 
-DESIGN sections 4, 10 and 17. Rows are query rows in varlen order; per-ratio fields are dicts keyed
-by ``str(ratio)``. The sizes of a prompt step depend on the data, so the build is the seed's two
+docs/design.md sections 4, 10 and 17. Rows are query rows in varlen order; per-ratio fields are dicts keyed
+by ``str(ratio)``. The sizes of a prompt step depend on the data, so the build is the reference engine's two
 passes (:mod:`.prompt_njit`): ``prompt_count`` checks the bounds and counts (load segments,
 compressed rows per ratio, the widest block table, YoCo's kept rows); the arena layout of those
 sizes is generated from the field table (``cpmeta/fields.py``) and cached per (config, sizes);
@@ -163,7 +163,7 @@ def prepare_prompt(seqs: BatchInput, cfg: MetadataConfig, *, out: Out = None) ->
             or an :class:`~cpmeta.buffers.OutputBuffers` (e.g. :class:`cpmeta.OutputArenas`:
             one arena per batch shape, refilled by every call with that shape).
 
-    Returns every prompt field of DESIGN section 4: common fields ([total_q] rows),
+    Returns every prompt field of docs/design.md section 4: common fields ([total_q] rows),
     ``positions_c[n]`` / ``slot_mapping_store_ca[n]`` [sum n_cq], ``cu_compressed_seqlens_q[n]`` /
     ``cu_compressed_seqlens_k[n]`` [n_seq+1], ``state_block_idx`` [n_seq], ``total_k_swa``,
     ``load_segments_swa`` / ``load_segments_ca[n]`` [num_segments, 4], ``total_k_compressed[n]``,
@@ -171,7 +171,7 @@ def prepare_prompt(seqs: BatchInput, cfg: MetadataConfig, *, out: Out = None) ->
     ``kv_swa_full_index_pivots`` [total_q, 4], ``seq_block_tables`` [n_seq, max len(block_table)]
     (whole tables, -1 padded), and with ``yoco_keep_tokens`` set the YoCo fields of its mode
     (section 10). Decode-only fields are ``None``, and so are the fields of a feature the config
-    switches off (DESIGN 14): without compressed KV (``ca_ratios == ()``) every per-ratio field;
+    switches off (docs/design.md section 14): without compressed KV (``ca_ratios == ()``) every per-ratio field;
     without the sliding-window state cache (``window_size == 0``) ``slot_mapping_store_swa``,
     ``state_block_idx``, ``total_k_swa``, ``load_segments_swa`` and ``kv_swa_full_index_pivots``.
     Int32 overflow of any total, offset or slot raises ``ValueError`` before anything is written.

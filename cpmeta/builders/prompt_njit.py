@@ -1,10 +1,10 @@
 """The prompt build as two compiled calls: count the data-dependent sizes, then fill one arena.
 
 A prompt step's output sizes depend on the data (the load plans' segment counts, each ratio's
-compressed rows, the widest block table, YoCo's kept rows), so the build is the seed's two
+compressed rows, the widest block table, YoCo's kept rows), so the build is the reference engine's two
 passes: :func:`prompt_count` checks every bound the builder guarantees and writes the sizes into
 ``cnt``; the Python wrapper (:func:`cpmeta.builders.prompt.prepare_prompt`) makes the arena of
-those sizes; :func:`prompt_fill` writes every field of DESIGN sections 4 ("Common", "Prompt
+those sizes; :func:`prompt_fill` writes every field of docs/design.md sections 4 ("Common", "Prompt
 only") and 10 (YoCo) into the arena's bytes at the element offsets :func:`field_offsets` reads
 from its layout. Both read a prompt ``SequenceBatch``'s arrays and the config's constants
 (:func:`prompt_consts`); the common per-row fields come from :mod:`.common_njit`.
@@ -241,7 +241,7 @@ def fdiv(x: int, d: int, sh: int) -> int:
 def pivot_rows(piv: np.ndarray, s: int, j0: int, j1: int, q0: int, lower: int, W: int, sec2: int) -> None:
     """SWA pivots ``(P0, P1, P2, P3)`` of rows ``j0 <= j < j1`` of sequence ``s`` into ``piv``
     (``[4 * (j1 - j0)]``,
-    DESIGN 4 and 10; ``lower``: ``swa_valid_start``, with YoCo ``max(rect_lo, swa_valid_start)``;
+    docs/design.md sections 4 and 10; ``lower``: ``swa_valid_start``, with YoCo ``max(rect_lo, swa_valid_start)``;
     ``sec2 = n_seq * W + cu_seqlens_q[s]``). Row j, ``pos = q0 + j``: ``abs_lo = clamp(max(pos - W
     + 1, lower), 0, pos + 1)``, ``start_slot = min(abs_lo, q0) - (q0 - W)``, ``P0 = s * W +
     start_slot``, ``P1 = W - start_slot``, ``k_lo = max(0, abs_lo - q0)``, ``P2 = sec2 + k_lo``,
@@ -441,7 +441,7 @@ def prompt_fill(seqlen_q: np.ndarray, seqlen_k: np.ndarray, state_id: np.ndarray
 def yoco_compact(seqlen_q: np.ndarray, seqlen_k: np.ndarray, state_id: np.ndarray, valid_start: np.ndarray,
                  is_ph: np.ndarray, num_tokens: np.ndarray, k: np.ndarray, cu_q: np.ndarray, a32: np.ndarray,
                  fo: np.ndarray) -> None:
-    """YoCo compact's consumer rows (DESIGN 10): per sequence the rows ``j in [clip, q)``, ``clip =
+    """YoCo compact's consumer rows (docs/design.md section 10): per sequence the rows ``j in [clip, q)``, ``clip =
     min(max(num_tokens - keep - q0, 0), q - 1)``, each with its full-layout row ``cu_q[s] + j``,
     position, SWA slot (the full one, -1 before ``rect_lo = max(0, num_tokens - keep)``), ks / ke /
     kv_ca_index_offset_len (the full ones: ``cu_compressed_seqlens_k`` is filled) and pivots

@@ -1,4 +1,4 @@
-"""YoCo prefill truncation: the fields of its two views of one prompt metadata (DESIGN section 10).
+"""YoCo prefill truncation: the fields of its two views of one prompt metadata (docs/design.md section 10).
 
 Consumer layers see only the last ``k = cfg.yoco_keep_tokens`` tokens of the whole prompt, yet each
 kept row must compute exactly what it would compute without truncation. Per sequence ``s``::
@@ -53,7 +53,7 @@ __all__ = ["YOCO_MASK_FIELDS", "YOCO_COMPACT_FIELDS", "YOCO_CP_FIELDS"]
 YOCO_MASK_FIELDS: tuple[str, ...] = fields_with(FIELDS, YOCO_MASK)
 
 #: Fields filled by ``prepare_prompt`` in compact mode (from the field table: the nine
-#: ``yoco_consumer_*`` fields of DESIGN 10, ``yoco_consumer_cu_seqlens_q`` ... ``_kv_swa_full_index_pivots``).
+#: ``yoco_consumer_*`` fields of docs/design.md section 10, ``yoco_consumer_cu_seqlens_q`` ... ``_kv_swa_full_index_pivots``).
 YOCO_COMPACT_FIELDS: tuple[str, ...] = fields_with(FIELDS, YOCO_COMPACT)
 
 #: Fields added by ``prepare_for_mirror_cp`` (through :func:`~cpmeta.cp.yoco_cp.mirror_yoco`) on compact metadata

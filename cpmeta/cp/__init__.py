@@ -1,4 +1,4 @@
-"""Per-rank context parallelism (DESIGN sections 8, 10, 11, 14).
+"""Per-rank context parallelism (docs/design.md sections 8, 10, 11, 14).
 
 =========================  =========================================================================
 module                     holds

@@ -1,4 +1,4 @@
-"""The read side of CP-interleaved paged KV: which keys a rank holds, and where (DESIGN 14).
+"""The read side of CP-interleaved paged KV: which keys a rank holds, and where (docs/design.md section 14).
 
 :func:`cpmeta.compute_slot_mapping` (section 11) writes key position ``p`` on rank
 ``(p // I) % W`` (``W = cfg.kv_cp_world_size``, ``I = cfg.kv_cp_interleave``), packed in position

@@ -1,4 +1,4 @@
-"""The KV read plan's compiled kernels (DESIGN sections 14 and 17): count, then fill.
+"""The KV read plan's compiled kernels (docs/design.md sections 14 and 17): count, then fill.
 
 - :func:`plan_seqlens` -- the keys rank ``r`` holds per entry (prompt: sequence, decode: query
   row; placeholders 0), their prefix sums, rank 0's total and the table checks;

@@ -1,4 +1,4 @@
-"""Reading CP-interleaved KV back: how long is each rank's local shard (DESIGN section 11).
+"""Reading CP-interleaved KV back: how long is each rank's local shard (docs/design.md section 11).
 
 Under ``cp_interleave = I`` and ``cp_world_size = W`` position ``p``'s key/value lives on rank
 ``(p // I) % W`` (:func:`cpmeta.compute_slot_mapping` writes it there). A rank packs the

@@ -1,4 +1,4 @@
-"""``prepare_for_mirror_cp``: rank ``cp_rank``'s zigzag share of prompt ``InputMetadata`` (DESIGN 8).
+"""``prepare_for_mirror_cp``: rank ``cp_rank``'s zigzag share of prompt ``InputMetadata`` (docs/design.md section 8).
 
 The index plan comes from :mod:`cpmeta.cp.zigzag` (worked example there); this module applies it to
 the metadata: query-aligned fields are gathered by ``mirror_cp_index`` (pad rows 0), fields that
@@ -22,7 +22,7 @@ __all__ = ["prepare_for_mirror_cp"]
 
 logger = logging.getLogger(__name__)
 
-#: Expanded per-row prompt fields (DESIGN 5) that ``prepare_for_mirror_cp`` gathers if already
+#: Expanded per-row prompt fields (docs/design.md section 5) that ``prepare_for_mirror_cp`` gathers if already
 #: computed, with the value their pad rows get (from the field table: ``kv_ca_index`` -1,
 #: ``kv_ca_index_len`` 0, ``kv_swa_full_index`` -1).
 _DERIVED_ROW_FILLS = mirror_gathered_derived(FIELDS)
@@ -31,7 +31,7 @@ _DERIVED_ROW_FILLS = mirror_gathered_derived(FIELDS)
 def prepare_for_mirror_cp(md: InputMetadata, cp_rank: int, cp_size: int) -> InputMetadata:
     """A NEW ``InputMetadata`` holding rank ``cp_rank``'s zigzag share of prompt metadata ``md``.
 
-    ``md`` is left untouched; fields the DESIGN 8 table does not name are the same objects.
+    ``md`` is left untouched; fields the docs/design.md section 8 table does not name are the same objects.
     Gathered by ``mirror_cp_index`` ([cp_mirror_len] rows, pad rows 0 / False):
     ``positions`` (the original goes to ``positions_cp``, same object), ``ngram_token_ids``,
     ``gate_force_random_cp`` (``gate_force_random`` itself is kept), ``valid_token_mask``
@@ -68,7 +68,7 @@ def prepare_for_mirror_cp(md: InputMetadata, cp_rank: int, cp_size: int) -> Inpu
         changes["ke"] = {k: ke_all[str(int(k))] for k in md.ks}
     logger.debug("mirrored %d rows to %d on cp rank %d/%d", total_q, length, cp_rank, cp_size)
     mirrored = md.replace(**changes)
-    if md.yoco_consumer_cu_seqlens_q is not None:  # YoCo compact + CP fields (DESIGN 10)
+    if md.yoco_consumer_cu_seqlens_q is not None:  # YoCo compact + CP fields (docs/design.md section 10)
         from .yoco_cp import mirror_yoco
 
         mirrored = mirror_yoco(md, mirrored, cp_rank, cp_size)

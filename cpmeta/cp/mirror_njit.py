@@ -1,4 +1,4 @@
-"""The zigzag CP mirror's compiled kernels (DESIGN sections 8 and 17): count, fill, gather.
+"""The zigzag CP mirror's compiled kernels (docs/design.md sections 8 and 17): count, fill, gather.
 
 One call per stage over preallocated host arrays (:mod:`cpmeta.cp.mirror_plan` is the wrapper):
 

@@ -7,7 +7,7 @@ that object is FULL-order and must be built whole on every rank: the per-sequenc
 KV write slots (each rank writes the keys it owns, whatever row produced them), the compressed-KV
 write rows, ``input_ids`` and ``query_indices`` (the rows are gathered later by
 ``mirror_cp_index``), the SWA pivots and compressed-KV offsets (expanded after the mirror, on the
-full layout, then gathered: DESIGN 5). The fields the mirror GATHERS are this rank's rows only:
+full layout, then gathered: docs/design.md section 5). The fields the mirror GATHERS are this rank's rows only:
 ``positions``, ``valid_token_mask``, ``gate_force_random_cp``, ``ks`` / ``ke`` (recomputed per
 mirror row) and ``ngram_token_ids`` -- and the Engram look-back is the one costly field among
 them (about half of a seed-config prompt build: docs/replicate.md), so this function computes

@@ -1,6 +1,6 @@
 """Slot mapping: logical token position -> physical KV-cache slot, with CP-interleaved KV.
 
-DESIGN section 11. Request ``q`` owns token rows ``[query_start_loc[q], query_start_loc[q+1])``;
+docs/design.md section 11. Request ``q`` owns token rows ``[query_start_loc[q], query_start_loc[q+1])``;
 every row gets the slot its key/value is written to, or ``pad_id`` when this rank writes nothing
 (a token another CP rank owns, a negative circular position, the tail up to ``max_num_tokens``).
 
@@ -77,7 +77,7 @@ def make_params(
     block_size: int, max_num_tokens: int, kv_cache_block_size: Optional[int], cp_world_size: int,
     cp_rank: int, cp_interleave: int, pad_id: int, circular: bool,
 ) -> SlotMappingParams:
-    """Check the scalar arguments (DESIGN section 11) and bundle them; errors name the argument."""
+    """Check the scalar arguments (docs/design.md section 11) and bundle them; errors name the argument."""
     bs = int_arg("block_size", block_size, 1)
     mnt = int_arg("max_num_tokens", max_num_tokens, 0)
     kvb = bs if kv_cache_block_size is None else int_arg("kv_cache_block_size", kv_cache_block_size, 1)
@@ -239,7 +239,7 @@ def compute_slot_mapping(
     error_out: Optional[torch.Tensor] = None,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """Physical KV slot of every token row, padded to ``max_num_tokens`` (DESIGN section 11).
+    """Physical KV slot of every token row, padded to ``max_num_tokens`` (docs/design.md section 11).
 
     Args:
         query_start_loc: [num_reqs+1] int32/int64, exclusive prefix sums of tokens per request

@@ -1,4 +1,4 @@
-"""Error bits of the slot-mapping kernels and their text (DESIGN section 11).
+"""Error bits of the slot-mapping kernels and their text (docs/design.md section 11).
 
 The CPU path raises ``ValueError`` directly; the CUDA kernel cannot raise, so it ORs these bits
 into an ``error_out`` word that :func:`describe_slot_mapping_error` turns into the same text.

@@ -1,4 +1,4 @@
-"""Several KV-cache groups in ONE slot-mapping call (DESIGN section 11, the seed's fused kernel).
+"""Several KV-cache groups in ONE slot-mapping call (docs/design.md section 11: the fused-groups kernel of the slot-mapping design).
 
 A hybrid model keeps one KV cache per *group* of layers: e.g. full attention with 16-token
 blocks and a sliding-window group with 64-token blocks, each with its own block table. Every

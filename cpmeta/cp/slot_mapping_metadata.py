@@ -1,4 +1,4 @@
-"""Slot mapping of an ``InputMetadata``'s rows (DESIGN 11, 14): what every rank computes from the
+"""Slot mapping of an ``InputMetadata``'s rows (docs/design.md sections 11, 14): what every rank computes from the
 broadcast alone.
 
 :func:`compute_slot_mapping_from_metadata` feeds :func:`cpmeta.cp.slot_mapping.compute_slot_mapping`
@@ -61,7 +61,7 @@ def compute_slot_mapping_from_metadata(
     (``md.positions_cp`` after the CP mirror, else ``md.positions``), so the result has one row
     per full-layout query row. ``block_table`` is [n_seq, max_blocks] (see
     :func:`stack_block_tables`); it defaults to the broadcast metadata's own tables, so every
-    rank needs nothing but ``md``: prompt ``md.seq_block_tables`` (whole tables, DESIGN 4),
+    rank needs nothing but ``md``: prompt ``md.seq_block_tables`` (whole tables, docs/design.md section 4),
     decode each sequence's first row of ``md.block_tables``. Rows of placeholder sequences (``query_indices == 998244353``) get
     ``pad_id``; a YoCo consumer view's ``query_indices`` holds row numbers, so there nothing is
     masked. ``max_num_tokens`` defaults to the row count; other keywords go to

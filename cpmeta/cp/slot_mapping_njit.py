@@ -1,4 +1,4 @@
-"""The slot mapping's compiled CPU kernel (DESIGN sections 11 and 17): one call fills a row of slots.
+"""The slot mapping's compiled CPU kernel (docs/design.md sections 11 and 17): one call fills a row of slots.
 
 :func:`slot_fill` is the CPU path of :func:`cpmeta.compute_slot_mapping` (one call per KV-cache
 group in :func:`cpmeta.compute_slot_mapping_groups`); the Triton kernels in ``cpmeta/gpu`` are the

@@ -1,4 +1,4 @@
-"""``SlotMappingParams``: the validated scalar arguments of ``compute_slot_mapping`` (DESIGN 11).
+"""``SlotMappingParams``: the validated scalar arguments of ``compute_slot_mapping`` (docs/design.md section 11).
 
 A type both the CPU path (:mod:`cpmeta.cp.slot_mapping`, which builds and validates it) and the
 Triton launchers (:mod:`cpmeta.gpu.slot_mapping_triton`, which read it) need; it lives here, in

@@ -1,4 +1,4 @@
-"""Compact + CP redistribution indices of YoCo (DESIGN section 10), behind ``yoco.mirror_yoco``.
+"""Compact + CP redistribution indices of YoCo (docs/design.md section 10), behind ``yoco.mirror_yoco``.
 
 With YoCo compact mode under context parallelism the producer layers run on the zigzag mirror of
 the FULL rows, the consumer layers on the zigzag mirror of the KEPT (compact) rows. One

@@ -1,4 +1,4 @@
-"""YoCo views of one prompt metadata (DESIGN section 10): ``get_mask_view``, ``get_consumer_view``.
+"""YoCo views of one prompt metadata (docs/design.md section 10): ``get_mask_view``, ``get_consumer_view``.
 
 Called by the container methods ``md.get_mask_view()`` / ``md.get_consumer_view()``. Views are
 shallow copies (``md.replace``): replaced fields are swapped in, derived fields cleared, every
@@ -112,7 +112,7 @@ def _mirrored_consumer_fields(md: InputMetadata) -> dict[str, Any]:
             f"yoco_consumer_cp_mirror_len: mirrored metadata (cp_rank={md.cp_rank}) lacks the YoCo "
             "CP fields; run prepare_for_mirror_cp on the compact metadata (compact first, then CP)"
         )
-    # set together by prepare_prompt (compact YoCo) and prepare_for_mirror_cp (DESIGN 8, 10)
+    # set together by prepare_prompt (compact YoCo) and prepare_for_mirror_cp (docs/design.md sections 8, 10)
     assert md.yoco_consumer_cu_seqlens_q is not None and md.yoco_consumer_positions is not None
     assert md.yoco_consumer_total_q is not None and md.yoco_consumer_query_indices is not None
     assert md.cu_seqlens_k is not None and md.cp_size is not None and md.cp_rank is not None

@@ -1,4 +1,4 @@
-"""Context-parallel zigzag mirror of prompt metadata (DESIGN section 8).
+"""Context-parallel zigzag mirror of prompt metadata (docs/design.md section 8).
 
 Every sequence's ``sq`` query rows of this chunk are cut into ``2p`` chunks of ``ps = cdiv(sq, 2p)``
 rows (``p = cp_size``). Rank ``r`` holds chunk ``r`` and chunk ``2p-1-r``: one early and one late

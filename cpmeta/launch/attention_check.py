@@ -5,14 +5,14 @@ of the sequence with id ``sid`` (:func:`seq_ids`: its ``state_id``, or its index
 plain config, which has no state slot) are a fixed function :func:`qkv` of ``(sid, p)`` -- what a
 KV cache would hold for it (the cache is rebuilt every step). It reads the common fields only
 (positions, ``cu_seqlens_q/k``, ``valid_token_mask``, ``context_lens``, ``block_tables``, the
-mirror's indices), so it runs on every config (DESIGN 14). Per step, every rank:
+mirror's indices), so it runs on every config (docs/design.md section 14). Per step, every rank:
 
-prefill (prompt metadata, zigzag mirror of DESIGN 8)
+prefill (prompt metadata, zigzag mirror of docs/design.md section 8)
     computes q/k/v of ITS mirror rows (``positions`` of the mirrored metadata), all-gathers the
     new k/v and un-mirrors them (``mirror_cp_reverse_index``) into the chunk's keys; keys before
     the chunk (``p < q_start``, chunked prefill) come from "the cache" (:func:`qkv`); causal
     attention of its rows; outputs all-gathered and un-mirrored -> ``[total_q, D]``.
-decode (CP-interleaved KV, DESIGN 11)
+decode (CP-interleaved KV, docs/design.md section 11)
     writes the KV of the positions it owns into ITS OWN paged cache through its own slot mapping
     (``compute_slot_mapping`` with the CP arguments and the broadcast ``block_tables``), reads
     back local offsets ``0 .. cp_local_seqlens(pos + 1) - 1`` through the same block table, and
@@ -63,7 +63,7 @@ def seq_ids(md: InputMetadata, device: torch.device) -> torch.Tensor:
     row) when the config has a sliding-window state cache, else its index ``0..n_seq-1``. Either is
     the same on every rank (both come from the broadcast). Example: plain config, 3 sequences ->
     ``[0, 1, 2]``."""
-    assert md.cu_seqlens_q is not None  # every step's metadata carries it (DESIGN 4)
+    assert md.cu_seqlens_q is not None  # every step's metadata carries it (docs/design.md section 4)
     n = md.cu_seqlens_q.shape[0] - 1
     if md.state_block_idx is None:
         return torch.arange(n, device=device)
@@ -95,7 +95,7 @@ def _dtype(device: torch.device) -> torch.dtype:
 
 def prefill_check(full: InputMetadata, mine: InputMetadata, world: int, device: torch.device) -> float:
     """Collective. Returns rank 0's max |CP - single-rank| over all rows (0.0 elsewhere)."""
-    # every prompt step's metadata and its mirror carry these (DESIGN 4 and 8)
+    # every prompt step's metadata and its mirror carry these (docs/design.md sections 4 and 8)
     assert full.cu_seqlens_q is not None and full.cu_seqlens_k is not None
     assert mine.mirror_cp_index is not None and mine.mirror_cp_reverse_index is not None
     assert mine.positions is not None
@@ -156,7 +156,7 @@ def decode_check(md: InputMetadata, rank: int, world: int, device: torch.device,
     Returns this rank's error: rank 0 the max |combined - single-rank| over real rows; any rank
     ``inf`` when its own slot mapping wrote two positions to one slot.
     """
-    # every decode step's metadata carries these (DESIGN 4)
+    # every decode step's metadata carries these (docs/design.md section 4)
     assert md.cu_seqlens_q is not None and md.cu_seqlens_k is not None and md.valid_token_mask is not None
     assert md.block_tables is not None and md.positions is not None and md.context_lens is not None
     cache_dt, dt = _dtype(device), (torch.float64 if device.type == "cpu" else torch.float32)

@@ -26,7 +26,7 @@ __all__ = ["SyntheticScheduler", "default_config", "plain_config", "model_config
            "IMAGE_TOKEN_ID", "VOCAB_SIZE"]
 
 WORKLOADS = ("decode", "prompt", "mixed", "yoco")
-#: ``--model``: the seed's model (compressed KV, sliding window, Engram) or a plain paged-KV one.
+#: ``--model``: ``seed`` = MetadataConfig.compressed_swa() (compressed KV, sliding window, n-gram look-back ids) or ``plain`` paged KV.
 MODELS = ("seed", "plain")
 #: Block size of :func:`plain_config` (a typical paged-attention block: vLLM's default).
 PLAIN_BLOCK_SIZE = 16
@@ -56,7 +56,7 @@ def default_config(*, yoco: bool = False, max_model_len: int = 8192) -> Metadata
 
 
 def plain_config(*, max_model_len: int = 8192, kv_cp_world_size: int = 1, kv_cp_interleave: int = 1) -> MetadataConfig:
-    """A plain paged-KV model (Llama, Qwen, ...: DESIGN 14): no compressed KV, no sliding window,
+    """A plain paged-KV model (Llama, Qwen, ...: docs/design.md section 14): no compressed KV, no sliding window,
     no Engram; its KV sharded over ``kv_cp_world_size`` CP ranks in runs of ``kv_cp_interleave``
     (tables of rank 0's share). Example: ``plain_config(kv_cp_world_size=2)`` -> block 16, a
     300-token request's table holds ``cdiv(150, 16) = 10`` blocks."""

@@ -1,6 +1,6 @@
 """How every rank of the launch loop gets its step's metadata: ``--strategy broadcast|replicate``.
 
-- ``broadcast`` (the seed's design): the driver builds ``InputMetadata`` from its scheduler's
+- ``broadcast`` (the reference engine's design, docs/design.md section 15): the driver builds ``InputMetadata`` from its scheduler's
   batch and ``MetadataBroadcaster`` moves it; followers rebuild it by path.
 - ``replicate`` (the field's design: vLLM v1, SGLang, TensorRT-LLM): every rank keeps the same
   ``BatchState`` (``ReplicatedBatchState``); the driver's scheduler records the step's calls,

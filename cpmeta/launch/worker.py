@@ -156,7 +156,7 @@ def _check(rank: int, step: int, what: str, diffs: list[str]) -> None:
 def _verify_unmirror(full: InputMetadata, mine: InputMetadata, world: int, device: torch.device) -> list[str]:
     """all_gather every rank's mirrored rows; un-mirrored they must equal the full rows."""
     out = []
-    # every prompt step carries these; a sparse ratio's ks comes with its ke (DESIGN 4 and 8)
+    # every prompt step carries these; a sparse ratio's ks comes with its ke (docs/design.md sections 4 and 8)
     assert mine.positions is not None and full.positions is not None
     assert mine.mirror_cp_reverse_index is not None
     rows = {"positions": (mine.positions, full.positions)}
@@ -184,7 +184,7 @@ def _verify_slot_mapping(md: InputMetadata, args: Any, rank: int, world: int, cf
     sm = cpmeta.cp.compute_slot_mapping_from_metadata(md, cfg.block_size, cp_world_size=world, cp_rank=rank,
                                                    cp_interleave=args.kv_interleave)
     owned = comm.all_reduce((sm != cpmeta.constants.PAD_SLOT_ID).to(torch.int32).to(device))
-    assert md.valid_token_mask is not None  # every step's metadata carries it (DESIGN 4)
+    assert md.valid_token_mask is not None  # every step's metadata carries it (docs/design.md section 4)
     want = md.valid_token_mask.to(device=device, dtype=torch.int32)
     bad = int((owned != want).sum())
     return [f"{bad} tokens are not owned by exactly one rank"] if bad else []

@@ -1,4 +1,4 @@
-"""Replicate the step, not the metadata: every CP rank keeps the same ``BatchState`` (DESIGN 15).
+"""Replicate the step, not the metadata: every CP rank keeps the same ``BatchState`` (docs/design.md section 15).
 
 ==================  ==============================================================================
 module              holds
