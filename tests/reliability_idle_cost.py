@@ -42,6 +42,7 @@ def _rank(rank: int, world: int, nbytes: int, iters: int, rounds: int, old_src: 
     exec(compile(old_src, f"{BEFORE}:_dist.py", "exec"), old.__dict__)
     group = dist.new_group(list(range(world)), backend="gloo")
     plain = dist.new_group(list(range(world)), backend="gloo")  # the old algorithm's: no heartbeats
+    sync = dist.new_group(list(range(world)), backend="gloo")  # barriers and stamps: neither one's
     followers = list(range(1, world))
     hb = _dist.Heartbeat(group, followers, 0.75) if rank == 0 else None
     frame = torch.arange(nbytes, dtype=torch.int64).to(torch.uint8) if rank == 0 else None
@@ -52,7 +53,7 @@ def _rank(rank: int, world: int, nbytes: int, iters: int, rounds: int, old_src: 
     for n in range(rounds):
         for i in range(iters + 5):  # the two algorithms alternate message by message
             for name, step in sorted(algos.items(), reverse=(n + i) % 2 == 1):
-                dist.barrier(group=group)
+                dist.barrier(group=sync)
                 if rank == 0:
                     end = time.monotonic() + SETTLE_S
                     while time.monotonic() < end:
@@ -64,7 +65,7 @@ def _rank(rank: int, world: int, nbytes: int, iters: int, rounds: int, old_src: 
                     got = step()
                     stamp[0] = time.monotonic()
                     assert got.numel() == nbytes
-                dist.all_reduce(stamp, op=dist.ReduceOp.MAX, group=group)
+                dist.all_reduce(stamp, op=dist.ReduceOp.MAX, group=sync)
                 if rank == 0 and i >= 5:  # max over followers' receipt - source's start
                     out.setdefault(name, []).append((stamp.item() - t0) * 1e6)
     if hb is not None:
