@@ -280,8 +280,12 @@ class InputMetadata:
                 yield name, v
 
     def to(self, device: torch.device | str, non_blocking: bool = True) -> "InputMetadata":
-        """A copy with every tensor moved to ``device`` (aliasing kept)."""
+        """A copy with every tensor moved to ``device`` (aliasing kept). ``non_blocking`` applies to
+        copies onto an accelerator; a copy back to the CPU always blocks (a non-blocking CUDA ->
+        CPU copy returns pinned tensors before their bytes arrive, and a caller reading them at
+        once reads stale memory)."""
         moved: dict[int, torch.Tensor] = {}
+        non_blocking = non_blocking and torch.device(device).type != "cpu"
 
         def mv(t: Any) -> Any:
             if not isinstance(t, torch.Tensor):
@@ -318,4 +322,4 @@ def _copy_into(path: str, dst: Any, src: torch.Tensor) -> None:
             f"{path}: expected {tuple(dst.shape)} {dst.dtype} like the destination, "
             f"got {tuple(src.shape)} {src.dtype}"
         )
-    dst.copy_(src, non_blocking=True)
+    dst.copy_(src, non_blocking=dst.device.type != "cpu")  # into host memory: wait for the bytes
