@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 STRATEGIES = {"broadcast", "replicate", "replicate-defer", "mq-replicate", "mq-broadcast"}
 WORKLOADS = {"decode-64", "decode-256", "mixed", "prompt"}
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.long]  # .ci/run runs the long suite after the README command
 
 
 def test_bench_step_quick(tmp_path: Path) -> None:

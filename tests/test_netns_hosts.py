@@ -34,7 +34,7 @@ from netns import NetnsHosts, netns_hosts
 from reliability_cases import project_shm_entries
 from test_faults import RING_ENV, _assert_clean, _ttd, _wait_file
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.timeout(400), pytest.mark.long]  # .ci/run runs the long suite after the README command
 
 WORLD_TIMEOUT_S = 360.0  # the whole world: spawn and every phase
 MARK_WAIT_S = 180.0  # the parent waits this long for a phase's marks

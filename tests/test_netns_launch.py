@@ -21,7 +21,7 @@ import pytest
 
 from netns import NetnsHosts, netns_hosts
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.long]  # .ci/run runs the long suite after the README command
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_TIMEOUT_S = 240.0
