@@ -98,7 +98,7 @@ compare)  # ~9 min: before (.baseline) / after (this tree), same host, same comm
   TAILN=20 step build_hot 60 python3 scripts/bench_build.py --no-ref --repeat 300 --only hot_ --out "$OUT/h200_build.hot.json"
   ;;
 short)  # ~9 min when the device time is short: the GPU tests, then compare's end-to-end step trimmed
-  TAILN=8 step gpu_tests 240 python3 -m pytest -q -p no:cacheprovider -x -k "cuda or gpu or triton or graph or nccl" \
+  TAILN=8 step gpu_tests 240 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu or triton or graph or nccl" \
     tests/test_builders.py tests/test_builders_smoke.py tests/test_decode_inplace.py tests/test_cuda_graph.py \
     tests/test_slot_mapping.py tests/test_yoco_cp.py tests/test_mirror_metadata.py tests/test_gpu_broadcast.py \
     tests/test_slot_mapping_groups.py tests/test_kv_read_plan.py tests/test_stage_decode.py tests/test_batch_state.py \
