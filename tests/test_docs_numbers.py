@@ -30,7 +30,12 @@ OWNED = ["README.md", "docs/benchmarks.md", "docs/build.md", "docs/decode_inplac
 MEASURED = re.compile(r"\d[\d.,]*\s?(µs|us|ms)\b|\b\d+(\.\d+)?x\b")
 CITED = ("docs/transport.md", "docs/reliability.md")
 #: Sections whose numbers are checked by their owner's test instead, with the reason.
-EXEMPT = {"## End-to-end step (2026-12-01)": "bench_step.py's section (issue 30), numbers from docs/benchmarks/step.json"}
+EXEMPT = {"## End-to-end step (2026-12-01)": "bench_step.py's section (issue 30), numbers from docs/benchmarks/step.json",
+          "## Which one do I use?": "checked against h200_step_compare.json (test_compare_sections_match_their_json)",
+          "## Before / after the compiled path (2026-12-03)": "checked against h200_step_compare.json (same test)"}
+#: Sections whose µs numbers must each be a p50 (rounded) of ``docs/benchmarks/h200_step_compare.json``.
+COMPARE = {"README.md": "## Which one do I use?",
+           "docs/benchmarks.md": "## Before / after the compiled path (2026-12-03)"}
 
 
 @pytest.mark.parametrize("doc", bench_results.DOCS, ids=lambda p: p.name)
@@ -88,7 +93,8 @@ def test_known_disagreements_stay_fixed() -> None:
         for rid, run, _ in bench_results.runs(f.name):
             assert {"command", "date", "host", "machine", "commit"} <= set(run), (f.name, rid)
     files = [p for p in (ROOT / "docs" / "benchmarks").rglob("*") if p.is_file()]
-    assert len(files) <= 30 and not any(p.suffix in (".log", ".txt") for p in files), sorted(map(str, files))
+    # 31: the before / after comparison of 2026-12-03 (h200_step_compare.json) joined the 30
+    assert len(files) <= 31 and not any(p.suffix in (".log", ".txt") for p in files), sorted(map(str, files))
 
 
 def test_add_folds_a_session_into_its_file(tmp_path: Path) -> None:
@@ -109,3 +115,16 @@ def test_add_folds_a_session_into_its_file(tmp_path: Path) -> None:
     assert bench_results.run_of("h200_x.json", folder=folder) == {"results": {"v": 2}}
     with pytest.raises(ValueError, match="exists already"):
         bench_results.add(out, "b", folder)
+
+
+def test_compare_sections_match_their_json() -> None:
+    """The before / after numbers (README's "Which one do I use?", benchmarks.md's section) are
+    p50s of the one device session in ``h200_step_compare.json``, rounded to the µs."""
+    doc = json.loads((ROOT / "docs" / "benchmarks" / "h200_step_compare.json").read_text())
+    known = {round(r["p50_us"]) for v in ("before", "after") for m in doc[v].values() for r in m["results"]}
+    for name, head in COMPARE.items():
+        found = [lines for heads, lines in _sections((ROOT / name).read_text()) if heads and heads[-1] == head]
+        assert found, f"{name}: no section {head!r}"
+        nums = {int(x.replace(",", "")) for ln in found[0] for x in re.findall(r"(\d[\d,]*) µs", ln)}
+        assert nums, f"{name} {head}: no µs numbers"
+        assert nums <= known, f"{name} {head}: {sorted(nums - known)} are not p50s of h200_step_compare.json"
