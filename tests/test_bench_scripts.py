@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.long  # .ci/run runs the long suite after the README's test command
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
