@@ -62,10 +62,10 @@ bench-gpu)  # ~9 min: device-resident figures
     --steps 80 --budget 6 --out "$OUT/h200_step.gloo-cuda0.json"
   TAILN=12 step bench_step_nccl1 60 python3 scripts/bench_step.py --backend nccl --worlds 1 --strategies broadcast replicate \
     --steps 80 --budget 6 --out "$OUT/h200_step.nccl1.json"
-  TAILN=8 step bench_cp_nccl1 60 python3 scripts/bench_decode_cp.py --backend nccl --worlds 1 --steps 300 --budget 5 --out "$OUT/h200_decode_cp.nccl1.json"
-  TAILN=8 step bench_cp_gloo_cuda0 90 python3 scripts/bench_decode_cp.py --device cuda --worlds 2 3 --steps 200 --budget 5 --out "$OUT/h200_decode_cp.gloo-cuda0.json"
-  TAILN=10 step bench_overlap 60 python3 scripts/bench_overlap.py --device cuda --streams 2 --forward-us 300 --out "$OUT/h200_overlap.json"
-  TAILN=12 step bench_inplace 80 python3 scripts/bench_decode_inplace.py --out "$OUT/h200_inplace.json"
+  TAILN=8 step bench_cp_nccl1 60 python3 scripts/bench_gpu.py cp --backend nccl --worlds 1 --steps 300 --budget 5 --out "$OUT/h200_decode_cp.nccl1.json"
+  TAILN=8 step bench_cp_gloo_cuda0 90 python3 scripts/bench_gpu.py cp --device cuda --worlds 2 3 --steps 200 --budget 5 --out "$OUT/h200_decode_cp.gloo-cuda0.json"
+  TAILN=10 step bench_overlap 60 python3 scripts/bench_gpu.py overlap --device cuda --streams 2 --forward-us 300 --out "$OUT/h200_overlap.json"
+  TAILN=12 step bench_inplace 80 python3 scripts/bench_gpu.py inplace --out "$OUT/h200_inplace.json"
   TAILN=14 step bench_bcast_nccl 60 python3 scripts/bench_broadcast.py --backend nccl --worlds $W --payloads decode-64 decode-256 \
     --attn-info 0 --modes barrier --methods cpmeta cpmeta+p cpmeta-tdict tdict floor --steps 200 --budget 3 --out "$OUT/h200_broadcast_nccl.json"
   ;;
