@@ -36,6 +36,8 @@ carryable bundle; run with ``PYTHONPATH=.:mq_bundle`` (``VLLM_TARGET_DEVICE=cpu`
     python scripts/bench_broadcast.py                  # worlds 2 3 4, all payloads, CPU/gloo
     python scripts/bench_broadcast.py --quick          # smoke run (CI)
     python scripts/bench_broadcast.py --backend nccl --worlds 1   # on a GPU machine
+    python scripts/bench_broadcast.py transport [--quick]         # the channels under the broadcaster:
+                                                                  # ObjectChannel / TensorChannel vs torch.distributed
 """
 
 from __future__ import annotations
@@ -49,15 +51,17 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from cpmeta.metadata import InputMetadata  # noqa: E402
-from bench_meta import run_meta  # noqa: E402  (scripts/bench_meta.py: the run block)
+from cpmeta.transport import ObjectChannel, TensorChannel  # noqa: E402
+from bench_meta import latency_us, run_meta, write_result  # noqa: E402  (scripts/bench_meta.py: the shared harness)
 
 METHODS = ("cpmeta", "cpmeta+bs", "cpmeta+p", "cpmeta-tdict", "bol", "tdict", "mq", "floor")
 MODES = ("barrier", "engine")
@@ -114,11 +118,6 @@ def _sync_device(md: Any, device: torch.device) -> None:
         torch.cuda.current_stream().synchronize()
 
 
-def latency_us(lat: list[float]) -> dict[str, float]:
-    """``{"p50_us", "p90_us"}`` of per-step latencies in seconds, sorted ascending (time_cell's)."""
-    return {"p50_us": lat[len(lat) // 2] * 1e6, "p90_us": lat[min(len(lat) - 1, int(0.9 * len(lat)))] * 1e6}
-
-
 def _unique_tensors(md: Any) -> list[torch.Tensor]:
     seen = {id(t): t for _, t in md.tensors()}
     return [t for t in seen.values() if t.numel()]
@@ -152,7 +151,7 @@ def time_cell(method: Method, md: Any, steps: int, warmup: int, budget_s: float,
     starts, ends = [], []
     t_begin = time.monotonic()
     n_done = 0
-    vary = isinstance(md, InputMetadata)  # other payloads (bench_decode_cp's sequence lists) as given
+    vary = isinstance(md, InputMetadata)  # other payloads (bench_gpu.py cp's sequence lists) as given
     base_k = md.max_seqlen_k if vary else 0
     got = None
     for i in range(warmup + steps):
@@ -276,6 +275,197 @@ def run_world_procs(world: int, args: argparse.Namespace, target: Any = None) ->
         return json.loads(Path(out).read_text())
 
 
+# ---- transport: the channels under the broadcaster ---------------------------------------------
+
+TRANSPORT_DOC = """Benchmark the transport package against the torch.distributed calls a user would otherwise use.
+
+Usage: ``python scripts/bench_broadcast.py transport [--quick] [--out docs/benchmarks/transport.json]``
+
+Measured in one run, on real processes (gloo, one host):
+
+1. object broadcast latency, ``ObjectChannel.broadcast`` vs ``broadcast_object_list``, payload
+   256 B .. 4 MiB, 1..3 readers;
+2. a decode-like list of 25 CPU tensors (~300 KB): ``TensorChannel.broadcast`` (one coalesced
+   gloo collective) vs one ``dist.broadcast`` per tensor vs ``ObjectChannel.broadcast_packed``
+   (tensors inside the shared-memory message);
+3. the packed-vs-collective threshold: one tensor of 1 KiB .. 4 MiB, packed in the ring message
+   vs ``TensorChannel``.
+
+Latency = time from the source starting the call until the LAST follower holds the result
+(``time.perf_counter_ns`` is CLOCK_MONOTONIC, shared by the processes of one host); every
+iteration starts after a barrier and a 2 ms busy pause of the source (it stays warm, like a
+driver building metadata), so messages never queue and followers are measured waking from their
+wait. p50/p90 over iterations.
+"""
+
+SIZES = [256, 4096, 65536, 1 << 20, 4 << 20]
+QUICK_SIZES = [256, 4096, 65536, 1 << 20]
+THRESHOLD_SIZES = [1 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
+SETTLE_S = 2e-3  # source pause after each barrier: followers have left it and are waiting
+DECODE_ROWS = 512  # rows of the decode-like payload
+DECODE_BLOCKS = 128  # block-table columns (int32): 512 * 128 * 4 B = 256 KiB
+
+
+def _iters(size: int, quick: bool) -> int:
+    base = 40 if quick else 200
+    return max(10, base // 8) if size >= (1 << 20) else base
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def _latency(rank: int, iters: int, step: Callable[[int], int]) -> tuple[float, float]:
+    """Run ``step(t0)`` ``iters`` times (after a barrier each); ``step`` returns the t0 the
+    follower saw. Returns (p50, p90) in µs of the slowest follower per iteration (rank 0)."""
+    lat = torch.zeros(iters, dtype=torch.float64)
+    for i in range(iters + 3):
+        dist.barrier()
+        if rank == 0:  # busy, like a driver building metadata (a sleep would cool its caches)
+            end = time.perf_counter() + SETTLE_S
+            while time.perf_counter() < end:
+                pass
+        t0 = time.perf_counter_ns()
+        seen = step(t0)
+        if i >= 3 and rank != 0:
+            lat[i - 3] = (time.perf_counter_ns() - seen) / 1e3
+    dist.all_reduce(lat, op=dist.ReduceOp.MAX)
+    xs = lat.tolist()
+    return _pct(xs, 0.5), _pct(xs, 0.9)
+
+
+def _bench_objects(rank: int, quick: bool, ch: ObjectChannel) -> list[dict]:
+    rows = []
+    for size in (QUICK_SIZES if quick else SIZES):
+        blob = os.urandom(size)
+        ids = list(range(64))
+
+        def ours(t0: int) -> int:
+            obj = ch.broadcast({"t0": t0, "ids": ids, "blob": blob} if rank == 0 else None)
+            return obj["t0"]
+
+        def torch_bol(t0: int) -> int:
+            box = [{"t0": t0, "ids": ids, "blob": blob} if rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            return box[0]["t0"]
+
+        n = _iters(size, quick)
+        p50, p90 = _latency(rank, n, ours)
+        b50, b90 = _latency(rank, n, torch_bol)
+        rows.append({"size": size, "iters": n, "channel_p50_us": p50, "channel_p90_us": p90,
+                     "bol_p50_us": b50, "bol_p90_us": b90, "speedup_p50": b50 / p50})
+    return rows
+
+
+def _decode_like() -> list[torch.Tensor]:
+    """25 tensors shaped like a decode step's metadata, ~300 KB in all."""
+    r = DECODE_ROWS
+    ts = [torch.zeros(1, dtype=torch.int64)]  # slot for t0
+    ts.append(torch.randint(0, 1000, (r, DECODE_BLOCKS), dtype=torch.int32))  # block_tables
+    ts += [torch.randint(0, 1 << 20, (r,), dtype=torch.int32) for _ in range(14)]
+    ts += [torch.randint(0, 1 << 20, (r, 2), dtype=torch.int32) for _ in range(4)]
+    ts += [torch.ones(r, dtype=torch.bool) for _ in range(2)]
+    ts += [torch.randint(0, 9, (r + 1,), dtype=torch.int32) for _ in range(3)]
+    return ts
+
+
+def _tensor_methods(rank: int, ch: ObjectChannel, tc: TensorChannel,
+                    ts: list[torch.Tensor]) -> dict[str, Callable[[int], int]]:
+    specs = [(t.dtype, tuple(t.shape)) for t in ts]
+
+    def coalesced(t0: int) -> int:
+        ts[0][0] = t0
+        return int(tc.broadcast(ts if rank == 0 else specs)[0][0])
+
+    def per_tensor(t0: int) -> int:
+        ts[0][0] = t0
+        bufs = ts if rank == 0 else [torch.empty(s, dtype=d) for d, s in specs]
+        for b in bufs:
+            dist.broadcast(b, src=0)
+        return int(bufs[0][0])
+
+    def packed(t0: int) -> int:
+        ts[0][0] = t0
+        return int(ch.broadcast_packed(None, ts if rank == 0 else None)[1][0][0])
+
+    return {"tensor_channel": coalesced, "per_tensor_broadcast": per_tensor, "packed_in_ring": packed}
+
+
+def _bench_tensors(rank: int, quick: bool, ch: ObjectChannel, tc: TensorChannel) -> dict:
+    ts = _decode_like()
+    n = 30 if quick else 200
+    out: dict[str, Any] = {"num_tensors": len(ts), "bytes": sum(t.numel() * t.element_size() for t in ts)}
+    for name, fn in _tensor_methods(rank, ch, tc, ts).items():
+        p50, p90 = _latency(rank, n, fn)
+        out[name] = {"p50_us": p50, "p90_us": p90}
+    out["speedup_p50_vs_per_tensor"] = out["per_tensor_broadcast"]["p50_us"] / out["tensor_channel"]["p50_us"]
+    return out
+
+
+def _bench_threshold(rank: int, quick: bool, ch: ObjectChannel, tc: TensorChannel) -> list[dict]:
+    rows = []
+    for size in THRESHOLD_SIZES:
+        ts = [torch.zeros(1, dtype=torch.int64), torch.randint(0, 255, (size,), dtype=torch.uint8)]
+        m = _tensor_methods(rank, ch, tc, ts)
+        n = _iters(size, quick)
+        pk, _ = _latency(rank, n, m["packed_in_ring"])
+        co, _ = _latency(rank, n, m["tensor_channel"])
+        rows.append({"size": size, "packed_p50_us": pk, "tensor_channel_p50_us": co})
+    return rows
+
+
+def transport_rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
+    init_rank(rank, world, port, "gloo")
+    ch = ObjectChannel(None, 0)
+    tc = TensorChannel(None, 0)
+    res: dict[str, Any] = {"readers": world - 1, "objects": _bench_objects(rank, args.quick, ch),
+                           "tensors": _bench_tensors(rank, args.quick, ch, tc)}
+    if world == 3:
+        res["threshold"] = _bench_threshold(rank, args.quick, ch, tc)
+    ch.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(res))
+
+
+def transport_table(results: list[dict]) -> None:
+    print(f"{'readers':>7} {'size':>9} {'channel p50/p90 µs':>20} {'bcast_object_list p50/p90 µs':>29} {'x':>6}")
+    for r in results:
+        for o in r["objects"]:
+            print(f"{r['readers']:>7} {o['size']:>9} {o['channel_p50_us']:>9.0f}/{o['channel_p90_us']:<9.0f} "
+                  f"{o['bol_p50_us']:>14.0f}/{o['bol_p90_us']:<14.0f} {o['speedup_p50']:>6.1f}")
+    print(f"\n{'readers':>7} {'tensor_channel':>15} {'per_tensor':>11} {'packed_in_ring':>15} {'x':>6}  (p50 µs)")
+    for r in results:
+        t = r["tensors"]
+        print(f"{r['readers']:>7} {t['tensor_channel']['p50_us']:>15.0f} {t['per_tensor_broadcast']['p50_us']:>11.0f} "
+              f"{t['packed_in_ring']['p50_us']:>15.0f} {t['speedup_p50_vs_per_tensor']:>6.1f}")
+    for r in results:
+        for row in r.get("threshold", []):
+            print(f"threshold (2 readers) size {row['size']:>8}: packed {row['packed_p50_us']:>8.0f} µs, "
+                  f"tensor channel {row['tensor_channel_p50_us']:>8.0f} µs")
+
+
+
+def transport_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="bench_broadcast.py transport", description=TRANSPORT_DOC,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer sizes and iterations")
+    ap.add_argument("--out", default=str(ROOT / "docs/benchmarks/transport.json"))
+    ap.add_argument("--max-readers", type=int, default=3)
+    ap.add_argument("--timeout", type=float, default=900)
+    args = ap.parse_args(argv)
+    results = [run_world_procs(r + 1, args, transport_rank_main) for r in range(1, args.max_readers + 1)]
+    transport_table(results)
+    if args.out:
+        write_result(args.out, {"load_avg_at_end": os.getloadavg(), "results": results}, ["transport", *argv])
+    return 0
+
+
+# ---- the broadcast benchmark's table, plot and command ----------------------------------------
+
+
 def print_table(results: list[dict]) -> None:
     """p50 of every method per cell, then cpmeta's and cpmeta+p's ratios to mq and floor."""
     cells: dict[tuple, dict[str, dict]] = {}
@@ -326,6 +516,9 @@ def plot(results: list[dict], path: Path) -> bool:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["transport"]:
+        return transport_main(argv[1:])
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 3, 4])
     p.add_argument("--payloads", nargs="+", default=["decode-64", "decode-256", "prompt-8k", "prompt-32k"])
@@ -356,7 +549,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     meta = {
         "date": datetime.date.today().isoformat(), "host": run["host"],
         "machine": f"{platform.machine()} {os.cpu_count()} cpus", "torch": torch.__version__,
-        "command": "python scripts/bench_broadcast.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python scripts/bench_broadcast.py " + " ".join(argv),
         "backend": args.backend, "timed": "max over ranks of completion - driver start (CLOCK_MONOTONIC)",
         "modes": {"barrier": "barrier right before each step",
                   "engine": f"driver idles {args.park_ms} ms after the barrier; followers parked"},

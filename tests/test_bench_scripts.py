@@ -41,7 +41,7 @@ def test_bench_broadcast_quick(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("script,args", [
     ("bench_build.py", ["--quick", "--only", "decode", "--repeat", "3"]),
-    ("bench_transport.py", ["--quick", "--max-readers", "2"]),  # worlds 2 and 3: the smoke, not the sweep
+    ("bench_broadcast.py", ["transport", "--quick", "--max-readers", "2"]),  # worlds 2 and 3: the smoke, not the sweep
     ("bench_gpu.py", ["inplace", "--quick", "--repeat", "3"]),
     ("bench_gpu.py", ["slots", "--quick"]),
     ("bench_gpu.py", ["cp", "--quick", "--worlds", "1", "2"]),  # staged, staged_state, bcast on gloo ranks
