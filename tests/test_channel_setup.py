@@ -22,7 +22,7 @@ import pytest
 
 from multiproc import run_ranks
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.long]  # fault injection waits out timeouts: .ci/run runs the long suite
 
 TIMEOUT_S = 3.0  # the constructors' timeout= in every scenario
 SLACK_S = 2.0  # a loaded 2-core machine: scheduling on top of the bound

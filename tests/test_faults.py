@@ -38,7 +38,7 @@ from reliability_cases import (make_payload, project_fds, project_mappings, proj
                                verify_payload)
 from cpmeta.transport._segment import is_segment_path
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.timeout(150), pytest.mark.long]  # fault injection waits out timeouts: .ci/run runs the long suite
 
 WORLD = 3  # a killed follower leaves a surviving one; 2 ranks where no survivor is needed
 TIMEOUT_S = 3.0  # MetadataBroadcaster(timeout=...) of every scenario

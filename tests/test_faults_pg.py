@@ -16,7 +16,7 @@ from reliability_cases import project_fds, project_mappings
 from test_faults import (HEALTHY_STEPS, MAX_STEPS, STALL_LONG_S, TIMEOUT_S, _kill, _killed_between_steps,
                          _mark, _run, _seed, _spawn, _step, _ttd, _wait_file)
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.timeout(150), pytest.mark.long]  # fault injection waits out timeouts: .ci/run runs the long suite
 
 
 @pytest.mark.parametrize("sleeper", [0, 2], ids=["driver-frozen", "follower"])

@@ -27,7 +27,7 @@ import torch
 from multiproc import run_ranks, spawn_ranks
 from cpmeta.transport import ObjectChannel, PeerError, RingClosedError, ShmRing, TensorChannel
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.long]  # fault injection waits out timeouts: .ci/run runs the long suite
 
 TIMEOUT_S = 1.0  # every channel's timeout here
 IDLE_S = 2 * TIMEOUT_S + 0.5  # how long the followers wait for the next message
