@@ -61,7 +61,7 @@ sys.path.insert(0, str(ROOT))
 
 from cpmeta.metadata import InputMetadata  # noqa: E402
 from cpmeta.transport import ObjectChannel, TensorChannel  # noqa: E402
-from bench_meta import latency_us, run_meta, write_result  # noqa: E402  (scripts/bench_meta.py: the shared harness)
+from _harness.bench_meta import latency_us, run_meta, write_result  # noqa: E402  (scripts/_harness/bench_meta.py: the shared harness)
 
 METHODS = ("cpmeta", "cpmeta+bs", "cpmeta+p", "cpmeta-tdict", "bol", "tdict", "mq", "floor")
 MODES = ("barrier", "engine")
@@ -107,7 +107,7 @@ def make_payload(name: str, attn_info: bool) -> tuple[Any, Any]:
 
 
 
-from broadcast_methods import Method, make_method, payload_bytes  # noqa: E402  (scripts/ is on sys.path)
+from _harness.broadcast_methods import Method, make_method, payload_bytes  # noqa: E402  (scripts/ is on sys.path)
 
 
 # ---- the per-rank run --------------------------------------------------------------------------

@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from cpmeta import MetadataConfig, SequenceMetadata  # noqa: E402
 from cpmeta.sequence import blocks_needed  # noqa: E402
-from bench_meta import time_us, write_result  # noqa: E402  (scripts/bench_meta.py: the shared harness)
+from _harness.bench_meta import time_us, write_result  # noqa: E402  (scripts/_harness/bench_meta.py: the shared harness)
 
 logger = logging.getLogger("bench_build")
 

@@ -11,7 +11,7 @@ as a smoke run of the script rather than a measurement).
     python scripts/bench_gpu.py inplace --quick --out ''                    # CPU smoke run
 
 ``python scripts/bench_gpu.py SUB --help`` describes what a sub-command times. Every result file
-carries the run block of ``scripts/bench_meta.py`` (the shared harness: timers, JSON writer);
+carries the run block of ``scripts/_harness/bench_meta.py`` (the shared harness: timers, JSON writer);
 the multi-rank ones (``cp``, ``overlap``) use ``scripts/bench_broadcast.py``'s process group
 set-up and step clock (``init_rank``, ``run_world_procs``, ``time_cell``).
 """
@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_broadcast import Method, init_rank, run_world_procs, time_cell  # noqa: E402  (same clock and ranks)
 from bench_build import _state_from, decode_batch  # noqa: E402  (same batches as the builders' bench)
-from bench_meta import latency_us, time_us, write_result  # noqa: E402  (scripts/bench_meta.py: the harness)
+from _harness.bench_meta import latency_us, time_us, write_result  # noqa: E402  (scripts/_harness/bench_meta.py: the harness)
 from cpmeta import MetadataConfig  # noqa: E402
 from cpmeta.builders.decode import prepare_decode  # noqa: E402
 from cpmeta.builders.extract import extract_batch  # noqa: E402

@@ -10,7 +10,7 @@ perf_counter is CLOCK_MONOTONIC, one clock for every process of a host; each ran
 times, gathered after the run. Before each step: a barrier, then the driver idles ``--park-ms``
 (default 3 ms) while the followers sit parked in their receive call; every step has new values
 (``step_methods.StepTrace``: adds with new prompts, accepted tokens, block growth, finishes).
-The strategies (scripts/step_methods.py) run interleaved on the same ranks, one process group
+The strategies (scripts/_harness/step_methods.py) run interleaved on the same ranks, one process group
 per world, their order rotated every step. Host metadata, or with ``--device cuda`` device
 metadata (gloo ranks sharing cuda:0, ``non_blocking`` copies then a sync; NCCL with
 ``--backend nccl``). For the best strategy per cell, the phases (p50 of each, the slowest
@@ -49,8 +49,8 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # mq: the vllm bundle imports without CUDA
 
 from bench_broadcast import init_rank, latency_us, run_world_procs  # noqa: E402  (scripts/ on sys.path)
-from bench_meta import run_meta  # noqa: E402  (scripts/bench_meta.py: the run block)
-from step_methods import (APPLY, BUILD, END, H2D, RECV, SEND, SEND0, STRATEGIES, T0,  # noqa: E402
+from _harness.bench_meta import run_meta  # noqa: E402  (scripts/_harness/bench_meta.py: the run block)
+from _harness.step_methods import (APPLY, BUILD, END, H2D, RECV, SEND, SEND0, STRATEGIES, T0,  # noqa: E402
                           WORKLOADS, StepTrace, apply_ops, build, install_apply_timer, make_strategy)
 
 PHASES = ("driver_apply", "driver_build", "send", "wake_recv", "apply", "build", "h2d")
@@ -121,7 +121,7 @@ def run_workload(rank: int, world: int, wl: str, args: argparse.Namespace, devic
     if rank == 0:
         import pickle
 
-        from broadcast_methods import payload_bytes
+        from _harness.broadcast_methods import payload_bytes
 
         nbytes = {"ops_pickled": len(pickle.dumps(ops)), "metadata": sum(payload_bytes(m) for m in last[0])}
     # every rank's last metadata of every strategy equals the driver's broadcast (new values arrived)

@@ -69,7 +69,7 @@ from cpmeta import InputMetadata, MetadataConfig  # noqa: E402
 
 from cpmeta.launch import envs as launch_envs  # noqa: E402
 from cpmeta.launch.comm import all_gather, broadcast  # noqa: E402
-from bench_meta import write_result  # noqa: E402  (scripts/bench_meta.py: the shared harness)
+from _harness.bench_meta import write_result  # noqa: E402  (scripts/_harness/bench_meta.py: the shared harness)
 
 # ---- the model side ----------------------------------------------------------------------------
 # A HuggingFace Llama driven row by row, paged KV.

@@ -9,7 +9,7 @@
 Phases are timed by :func:`bench_meta.interleaved` (one call of each phase per round, shuffled,
 so machine load hits them alike) or, for ``broadcast``, by timers wrapped around the library's
 phase functions in every rank. ``python scripts/profile_phases.py SUB --help`` says what each
-phase is. Result files (``--out``) carry ``scripts/bench_meta.py``'s run block. For the speed of
+phase is. Result files (``--out``) carry ``scripts/_harness/bench_meta.py``'s run block. For the speed of
 a whole step use ``bench_build.py`` / ``bench_broadcast.py`` / ``bench_step.py`` / ``bench_gpu.py``.
 """
 
@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_broadcast import init_rank, run_world_procs  # noqa: E402  (same ranks as the benchmarks)
 from bench_build import _state_from, decode_batch, prompt_batch  # noqa: E402  (same batches)
-from bench_meta import interleaved, write_result  # noqa: E402  (scripts/bench_meta.py: the harness)
+from _harness.bench_meta import interleaved, write_result  # noqa: E402  (scripts/_harness/bench_meta.py: the harness)
 from cpmeta import MetadataConfig, OutputArenas, prepare_decode, prepare_prompt  # noqa: E402
 from cpmeta.builders.extract import extract_batch  # noqa: E402
 from cpmeta.gpu.decode_inplace import (  # noqa: E402

@@ -25,7 +25,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))  # the shared multi-process helper and payload generator
-from bench_meta import write_result  # noqa: E402  (scripts/bench_meta.py: the shared harness)
+from _harness.bench_meta import write_result  # noqa: E402  (scripts/_harness/bench_meta.py: the shared harness)
 
 MIB = 1 << 20
 

@@ -72,11 +72,11 @@ def test_overlap_and_replicate_profile_run(tmp_path: Path) -> None:
 
 
 def _check_run(data: dict, script: str) -> None:
-    """Every result file carries the run block (scripts/bench_meta.py): the command with the
+    """Every result file carries the run block (scripts/_harness/bench_meta.py): the command with the
     script's path, the date, the machine's facts and the label made of them (never the
     hostname), and the commit of this checkout."""
     sys.path.insert(0, str(ROOT / "scripts"))
-    from bench_meta import host_label
+    from _harness.bench_meta import host_label
 
     run = data["run"]
     assert run["command"].startswith(f"python scripts/{script} ") and "--out" in run["command"]
@@ -88,7 +88,7 @@ def _check_run(data: dict, script: str) -> None:
 
 def test_host_label_is_made_of_facts() -> None:
     sys.path.insert(0, str(ROOT / "scripts"))
-    from bench_meta import host_label
+    from _harness.bench_meta import host_label
 
     assert host_label({"cpus": 2}) == "2 cpus, no GPU"
     assert host_label({"cpus": 16, "gpus": ["NVIDIA H200"]}) == "NVIDIA H200 x1, 16 cpus"

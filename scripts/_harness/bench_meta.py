@@ -38,7 +38,7 @@ from typing import Any, Callable, Optional, Sequence
 
 __all__ = ["run_meta", "machine", "host_label", "time_us", "interleaved", "latency_us", "write_result"]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def machine() -> dict[str, Any]:

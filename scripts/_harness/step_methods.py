@@ -339,7 +339,7 @@ def make_strategy(name: str, rank: int, cfg: Any, device: torch.device, max_seqs
         return Broadcast(*a)
     if name in ("replicate", "replicate-defer"):
         return Replicate(*a, defer=name == "replicate-defer")
-    from broadcast_methods import make_method  # scripts/ is on sys.path
+    from _harness.broadcast_methods import make_method  # scripts/ is on sys.path
 
     mq = make_method("mq", rank, device)
     if mq is None:
