@@ -437,7 +437,7 @@ def explain_mismatch(group: Any, schema: Any, what: str, wait_s: float) -> Optio
         name = str(getattr(group, "group_name", "") or "_".join(map(str, ranks)))
         seq = _WHY_SEQ[name] = _WHY_SEQ.get(name, -1) + 1
         keys = [f"cpmeta/schema-why/{name}/{seq}/{r}" for r in ranks]
-        store.set(keys[ranks.index(dist.get_rank())], encode_body(describe(schema)))
+        store.set(keys[ranks.index(dist.get_rank())], encode_body(describe(schema)))  # type: ignore[arg-type]  # Store.set takes bytes too
         store.wait(keys, timedelta(seconds=wait_s))
         got = {r: decode_body(bytes(store.get(k))) for r, k in zip(ranks, keys)}
     except Exception:  # noqa: BLE001 - no explanation: the set-up's own message stands

@@ -28,7 +28,7 @@ group, source and device: :func:`close_tensor_dict_channels` releases them).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -78,7 +78,7 @@ def broadcast_tensor_dict(tensor_dict: Optional[dict[Any, Any]] = None, src: int
     bc = _channel(g, src, device, timeout)
     if bc.is_src:
         try:
-            tokens, tensors, labels = encode_tree(tensor_dict)
+            tokens, tensors, labels = encode_tree(cast(dict, tensor_dict))  # encode_tree refuses a non-dict
         except Exception as e:
             bc.refuse(e)  # the followers' pending call raises it too: every rank stays in step
             raise

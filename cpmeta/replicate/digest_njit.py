@@ -64,7 +64,7 @@ def _run(flat: np.ndarray, a: np.int64, b: np.int64) -> np.int64:
             h0 = _word(h0, flat[i])
         return _final(h0)
     h1 = h2 = h3 = _BASIS
-    i = a
+    i = a  # type: ignore[assignment]  # numba: an int64 index either way
     while i + 4 <= b:
         h0 = _word(h0, flat[i])
         h1 = _word(h1, flat[i + 1])
