@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.long  # whole launcher runs of 2-4 ranks: .ci/run runs the long suite
+
 from multiproc import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
