@@ -265,11 +265,11 @@ def _print_table(summary: dict[str, Any], args: Any, backend: str, world: int) -
     move = "bcast" if args.strategy == "broadcast" else "sync"
     out = [
         f"cpmeta launch: strategy={args.strategy} workload={args.workload} steps={args.steps} "
-        f"(timed {args.steps - args.warmup}) world={world} backend={backend} model={args.model} "
+        f"({args.steps - args.warmup} timed after {args.warmup} warm-up) world={world} backend={backend} model={args.model} "
         f"cp_mirror={args.cp_mirror} verify={args.verify}",
         f"bytes per step (avg): {rows[0][-1]:.0f}",
         f"{'rank':>4} {'build p50':>10} {'build p90':>10} {move + ' p50':>10} {move + ' p90':>10} "
-        f"{'mirror p50':>10} {'mirror p90':>10}   (microseconds)",
+        f"{'mirror p50':>10} {'mirror p90':>10}   (microseconds; nan: the rank has no such phase)",
     ]
     for r, v in enumerate(rows):
         out.append(f"{r:>4} " + " ".join(f"{x:>10.1f}" for x in v[:6]))
