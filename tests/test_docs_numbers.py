@@ -93,8 +93,7 @@ def test_known_disagreements_stay_fixed() -> None:
         for rid, run, _ in bench_results.runs(f.name):
             assert {"command", "date", "host", "machine", "commit"} <= set(run), (f.name, rid)
     files = [p for p in (ROOT / "docs" / "benchmarks").rglob("*") if p.is_file()]
-    # 31: the before / after comparison of 2026-12-03 (h200_step_compare.json) joined the 30
-    assert len(files) <= 31 and not any(p.suffix in (".log", ".txt") for p in files), sorted(map(str, files))
+    assert len(files) <= 30 and not any(p.suffix in (".log", ".txt") for p in files), sorted(map(str, files))
 
 
 def test_add_folds_a_session_into_its_file(tmp_path: Path) -> None:
