@@ -21,6 +21,7 @@ import numpy as np
 
 from ..config import MetadataConfig
 from ..constants import INT32_MAX, PAD_SLOT_ID, PLACEHOLDER_QUERY_INDEX
+from ..base_njit import blocks_needed_one, fail
 from ..jit import OK, kernel, warmer
 from .int_ops import check_int32
 
@@ -47,30 +48,6 @@ E_NGRAM_INT32 = 6
 COMMON_CODES_END = 16
 
 _I32_MIN = -INT32_MAX - 1
-
-
-@kernel
-def fail(err: np.ndarray, code: int, index: int, value: int, limit: int) -> int:
-    """Write ``[code, index, value, limit]`` into ``err`` and return ``code``."""
-    err[0] = code
-    err[1] = index
-    err[2] = value
-    err[3] = limit
-    return code
-
-
-@kernel
-def blocks_needed_one(sk: int, block_size: int, min_ratio: int, kv_cycle: int, kv_inter: int) -> int:
-    """``blocks_needed(seqlen_k)`` of :mod:`cpmeta.config` for one sequence: rank 0's share
-    ``L = (k // cycle) * inter + min(k % cycle, inter)`` (``cycle = kv_cp_world_size *
-    kv_cp_interleave``, ``inter = kv_cp_interleave``; world 1 gives ``L = k``), then
-    ``L // block_size + (L % block_size >= min_ratio)``. Example: block 128, min ratio 4, k = 300
-    -> ``2 + (44 >= 4) = 3``."""
-    L = sk
-    if kv_cycle > 1:  # KV sharded over a CP group (two divisions saved per sequence without it)
-        r = sk % kv_cycle
-        L = (sk // kv_cycle) * kv_inter + (r if r < kv_inter else kv_inter)
-    return L // block_size + (1 if L % block_size >= min_ratio else 0)
 
 
 @kernel

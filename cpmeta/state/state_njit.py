@@ -22,6 +22,7 @@ import numpy as np
 
 from ..config import MetadataConfig, blocks_needed
 from ..constants import INT32_MAX
+from ..base_njit import blocks_needed_one, fail as _fail
 from ..jit import OK, kernel, warmer
 
 __all__ = ["append_rows", "gather_step", "vouch_step", "state_params", "K_TOKENS", "K_BLOCKS",
@@ -63,23 +64,9 @@ def state_params(cfg: MetadataConfig, lookback: int) -> np.ndarray:
 
 
 @kernel
-def _fail(err: np.ndarray, code: int, index: int, value: int, limit: int) -> int:
-    err[0] = code
-    err[1] = index
-    err[2] = value
-    err[3] = limit
-    return code
-
-
-@kernel
 def _blocks_needed(k: int, p: np.ndarray) -> int:
-    """``blocks_needed(k)`` of :mod:`cpmeta.config`: rank 0's share ``L = (k // cycle) * inter +
-    min(k % cycle, inter)``, then ``L // block_size + (L % block_size >= min_ratio)``. Example:
-    block 128, min ratio 4, unsharded, k = 300 -> ``2 + (44 >= 4) = 3``."""
-    cyc, inter = p[P_KV_CYCLE], p[P_KV_INTER]
-    r = k % cyc
-    L = (k // cyc) * inter + (r if r < inter else inter)
-    return L // p[P_BLOCK] + (1 if L % p[P_BLOCK] >= p[P_MIN_RATIO] else 0)
+    """:func:`cpmeta.base_njit.blocks_needed_one` with the state's config words ``p``."""
+    return blocks_needed_one(k, p[P_BLOCK], p[P_MIN_RATIO], p[P_KV_CYCLE], p[P_KV_INTER])
 
 
 @kernel

@@ -1,0 +1,46 @@
+"""Kernels every room's kernels share (the lowest kernel module: config-level rules, the error
+report), so no two rooms keep a copy of the same formula.
+
+Worked example: ``blocks_needed_one(300, 128, 4, 1, 1)`` -> ``2 + (44 >= 4) = 3`` (the rule of
+:func:`cpmeta.config.blocks_needed`); ``fail(err, 3, 1, -2, 0)`` leaves ``err = [3, 1, -2, 0]``
+and returns 3.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .jit import kernel, warmer
+
+__all__ = ["fail", "blocks_needed_one"]
+
+
+@kernel
+def fail(err: np.ndarray, code: int, index: int, value: int, limit: int) -> int:
+    """Write ``[code, index, value, limit]`` into ``err`` and return ``code``."""
+    err[0] = code
+    err[1] = index
+    err[2] = value
+    err[3] = limit
+    return code
+
+
+@kernel
+def blocks_needed_one(sk: int, block_size: int, min_ratio: int, kv_cycle: int, kv_inter: int) -> int:
+    """``blocks_needed(seqlen_k)`` of :mod:`cpmeta.config` for one sequence: rank 0's share
+    ``L = (k // cycle) * inter + min(k % cycle, inter)`` (``cycle = kv_cp_world_size *
+    kv_cp_interleave``, ``inter = kv_cp_interleave``; world 1 gives ``L = k``), then
+    ``L // block_size + (L % block_size >= min_ratio)``. Example: block 128, min ratio 4, k = 300
+    -> ``2 + (44 >= 4) = 3``."""
+    L = sk
+    if kv_cycle > 1:  # KV sharded over a CP group (two divisions saved per sequence without it)
+        r = sk % kv_cycle
+        L = (sk // kv_cycle) * kv_inter + (r if r < kv_inter else kv_inter)
+    return L // block_size + (1 if L % block_size >= min_ratio else 0)
+
+
+@warmer
+def _warm() -> None:
+    """Both kernels once."""
+    fail(np.zeros(4, np.int64), 0, 0, 0, 0)
+    blocks_needed_one(5, 4, 1, 1, 1)
