@@ -32,7 +32,7 @@ import struct
 import threading
 import time
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -170,26 +170,39 @@ def _bounded(fn: Any, wait_s: float) -> None:
     t.join(wait_s)
 
 
-def post_reason(key: str, reason: str, wait_s: float = ABORT_WAIT_S) -> None:
+def post_reason(key: str, reason: str, readers: Sequence[int] = (),
+                wait_s: float = ABORT_WAIT_S) -> None:
     """``src``, after a failure that closed the process group (gloo closes every connection of
     a group whose wait timed out): leave ``reason`` under ``key`` in the default store, where
-    :func:`fetch_reason` finds it. Best effort, at most ``wait_s``; never raises."""
+    :func:`fetch_reason` finds it, then wait until each of ``readers`` (global ranks) took it:
+    the store usually lives in ``src``'s process, and a caller that exits right after the
+    raise would take the reason with it before a follower on a loaded host asked. Best effort,
+    at most ``wait_s`` in all; never raises."""
     store = store_of()
     if store is None:
         return
+    deadline = time.monotonic() + wait_s
 
     def put() -> None:
         try:
             store.set(key, reason.encode("utf-8", "replace"))
-        except Exception:  # noqa: BLE001 - best effort
+            if readers:
+                left = max(MIN_WAIT_S, deadline - time.monotonic())
+                store.wait([_seen_key(key, r) for r in readers], timedelta(seconds=left))
+        except Exception:  # noqa: BLE001 - best effort: a reader that never asks costs wait_s
             pass
 
     _bounded(put, wait_s)
 
 
-def fetch_reason(key: str, wait_s: float = ABORT_WAIT_S) -> Optional[str]:
-    """A follower whose connection to ``src`` closed: ``src``'s reason under ``key`` if it
-    arrives within ``wait_s`` (None otherwise: ``src`` died, or cannot reach the store)."""
+def _seen_key(key: str, rank: int) -> str:
+    return f"{key}/seen/{rank}"
+
+
+def fetch_reason(key: str, rank: int, wait_s: float = ABORT_WAIT_S) -> Optional[str]:
+    """A follower (global ``rank``) whose connection to ``src`` closed: ``src``'s reason under
+    ``key`` if it arrives within ``wait_s`` (None otherwise: ``src`` died, or cannot reach the
+    store); tells ``src`` it took it (:func:`post_reason` waits for that)."""
     store = store_of()
     if store is None:
         return None
@@ -199,6 +212,7 @@ def fetch_reason(key: str, wait_s: float = ABORT_WAIT_S) -> Optional[str]:
         try:
             store.wait([key], timedelta(seconds=wait_s))
             box.append(bytes(store.get(key)).decode("utf-8", "replace"))
+            store.set(_seen_key(key, rank), b"1")
         except Exception:  # noqa: BLE001 - no reason: the caller says what it saw
             pass
 

@@ -204,7 +204,7 @@ class ObjectChannel:
         except TimeoutError as e:
             err = TimeoutError(f"{self._me}: message {self._count}: {self._label_ranks(str(e))}")
         except RuntimeError as e:
-            reason = fetch_reason(self._reason_key) if self.rank != self.src else None
+            reason = fetch_reason(self._reason_key, self.rank) if self.rank != self.src else None
             err = (PeerError(f"{self._me}: {self.who(self.src)} stopped the channel at message "
                              f"{self._count}: {reason}") if reason else self._peer_failure(e))
         self.failure = str(err)
@@ -226,9 +226,11 @@ class ObjectChannel:
                    "closed its connection (its process died, or its host reset the link)")
             parts.append(f"{self.who(r)} {how}: {msg}")
         text = "; ".join(parts)
-        post_reason(self._reason_key, text)  # for followers that see the group close
+        # for followers that see the group close; the healthy remote ones take it before we
+        # return (the store may die with this process)
+        healthy = [r for r in self.remote_ranks if r not in e.broken and r not in e.stalled]
+        post_reason(self._reason_key, text, healthy if e.stalled else ())
         if not e.stalled:  # no wait timed out: the group is still open, tell them over it
-            healthy = [r for r in self.remote_ranks if r not in e.broken]
             send_abort(self.src, self._remote_group, healthy, text)
         cls = TimeoutError if not e.broken else PeerError
         return cls(f"{self._me}: process group: {text}")
@@ -267,7 +269,7 @@ class ObjectChannel:
         try:
             return self.ring.read(consumer)
         except RingClosedError as e:
-            reason = fetch_reason(self._reason_key) if self.remote_ranks else None
+            reason = fetch_reason(self._reason_key, self.rank) if self.remote_ranks else None
             if reason is None:
                 raise
             raise RingClosedError(f"{e}: it stopped the channel: {reason}") from None
