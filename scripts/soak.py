@@ -2,15 +2,16 @@
 """Long soak of MetadataBroadcaster: N consecutive broadcasts of checksummed random metadata.
 
 Every follower checks the step number and the crc32 of every field of every message, and every
-``--check-every``-th message byte for byte against a local regeneration; RSS is sampled from step
-200 to the end. Payload sizes run from 0 bytes to three times the ring (see
+``--check-every``-th message byte for byte against a local regeneration; RSS and the open file
+descriptors are sampled from step 200 to the end. Payload sizes run from 0 bytes to three times the ring (see
 ``tests/reliability_cases.py``). Prints one row per rank and writes JSON (``--out``).
 
     python scripts/soak.py                                   # 20,000 broadcasts, 3 ranks, ring path
     python scripts/soak.py --remote                          # forced process-group (gloo) path
     python scripts/soak.py --steps 2000 --slot-size 65536 --num-slots 64   # the default ring size
 
-Exit status 1 when any rank saw a mismatch or its RSS grew by more than ``--rss-limit-mib``.
+Exit status 1 when any rank saw a mismatch, its RSS grew by more than ``--rss-limit-mib`` or its
+open file descriptors grew.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def _row(r: dict[str, Any]) -> str:
     growth = (r["rss"][-1] - r["rss"][0]) / MIB
     return (f"{r['rank']:>4} {r['mismatches']:>10} {r['exact_checks']:>6} {r['bytes'] / MIB:>9.1f} "
             f"{r['over_ring']:>9} {r['min_bytes']:>6} {r['max_bytes']:>8} {r['seconds']:>8.1f} "
-            f"{r['rss'][0] / MIB:>9.1f} {r['rss'][-1] / MIB:>9.1f} {growth:>+7.2f} {r['rss_peak'] / MIB:>8.1f}")
+            f"{r['rss'][0] / MIB:>9.1f} {r['rss'][-1] / MIB:>9.1f} {growth:>+7.2f} {r['rss_peak'] / MIB:>8.1f} {r['fds'][0]:>5}->{r['fds'][-1]}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,12 +76,12 @@ def main(argv: list[str] | None = None) -> int:
           f"frame crc32={not args.no_checksum}, seed={seed}, "
           f"wall {wall:.1f} s")
     print("rank mismatches exact  MiB_sent over_ring    min      max  seconds "
-          "rss_start   rss_end  growth rss_peak")
+          "rss_start   rss_end  growth rss_peak   fds")
     for r in out:
         print(_row(r))
     print(f"/dev/shm entries left: {leaked or 'none'}")
     bad = [r["rank"] for r in out if r["mismatches"]
-           or r["rss"][-1] - r["rss"][0] > args.rss_limit_mib * MIB]
+           or r["rss"][-1] - r["rss"][0] > args.rss_limit_mib * MIB or r["fds"][-1] > r["fds"][0]]
     if args.out:
         write_result(args.out, {"args": {k: str(v) for k, v in vars(args).items()}, "seed": seed, "wall_s": wall,
                                 "shm_left": leaked, "ranks": out}, argv)

@@ -239,8 +239,9 @@ def soak_rank(rank: int, world: int, seed: int, steps: int, ring_bytes: int, che
     ``check_every``-th message field by field against a local regeneration (exact bytes).
     Mismatches are counted (the first few kept), not raised, so one run reports them all.
     Returns plain numbers: ``mismatches``, ``bytes``, ``seconds``, ``rss`` samples (bytes, the
-    first after :data:`SOAK_WARMUP_STEPS`), ``rss_peak`` (VmHWM), ``over_ring`` (messages larger
-    than ``ring_bytes``) and the smallest / largest message.
+    first after :data:`SOAK_WARMUP_STEPS`), ``fds`` (open file descriptors, sampled with ``rss``:
+    a ring, socket or eventfd opened per message shows as growth), ``rss_peak`` (VmHWM),
+    ``over_ring`` (messages larger than ``ring_bytes``) and the smallest / largest message.
     """
     import time
 
@@ -249,7 +250,7 @@ def soak_rank(rank: int, world: int, seed: int, steps: int, ring_bytes: int, che
     sample_at = {SOAK_WARMUP_STEPS + i * max(1, (steps - 1 - SOAK_WARMUP_STEPS)) // (SOAK_RSS_SAMPLES - 1)
                  for i in range(SOAK_RSS_SAMPLES)} if steps > SOAK_WARMUP_STEPS else {0, steps - 1}
     out: dict = {"rank": rank, "mismatches": 0, "errors": [], "bytes": 0, "over_ring": 0,
-                 "min_bytes": None, "max_bytes": 0, "rss": [], "exact_checks": 0}
+                 "min_bytes": None, "max_bytes": 0, "rss": [], "fds": [], "exact_checks": 0}
     with cpmeta.MetadataBroadcaster(src=0, timeout=timeout, force_remote=force_remote) as bc:
         out["rss_construct"] = rss_bytes()
         t0 = time.perf_counter()
@@ -274,10 +275,16 @@ def soak_rank(rank: int, world: int, seed: int, steps: int, ring_bytes: int, che
             del got, md
             if step in sample_at:
                 out["rss"].append(rss_bytes())
+                out["fds"].append(open_fds())
         out["seconds"] = time.perf_counter() - t0
     out["rss_peak"] = max(_vm_hwm(), *out["rss"])  # VmHWM is updated lazily by the kernel
     out["steps"] = steps
     return out
+
+
+def open_fds() -> int:
+    """This process's open file descriptors (entries of /proc/self/fd)."""
+    return len(os.listdir("/proc/self/fd"))
 
 
 def _vm_hwm() -> int:

@@ -44,9 +44,11 @@ def _soak(steps: int, force_remote: bool, timeout: float) -> list[dict]:
               f"mismatches={r['mismatches']} MiB={r['bytes'] / 2**20:.1f} over_ring={r['over_ring']} "
               f"min={r['min_bytes']} max={r['max_bytes']} seconds={r['seconds']:.1f} "
               f"rss_start={r['rss'][0] >> 20}MiB rss_end={r['rss'][-1] >> 20}MiB "
-              f"growth={growth / 2**20:+.1f}MiB peak={r['rss_peak'] >> 20}MiB", file=sys.stderr)
+              f"growth={growth / 2**20:+.1f}MiB peak={r['rss_peak'] >> 20}MiB "
+              f"fds={r['fds'][0]}->{r['fds'][-1]}", file=sys.stderr)
         assert r["mismatches"] == 0, r["errors"]
         assert growth < RSS_GROWTH_LIMIT, f"rank {r['rank']}: RSS grew by {growth} bytes"
+        assert r["fds"][-1] <= r["fds"][0], f"rank {r['rank']}: open fds {r['fds']}"
     followers = out[1:]
     assert all(f["exact_checks"] >= steps // CHECK_EVERY for f in followers)
     # the size range really was covered: tiny messages and messages larger than the ring
