@@ -125,15 +125,16 @@ def test_scanner_flags_every_banned_construct() -> None:
     assert lines == set(range(1, snippet.count("\n") + 2)), found
 
 
-#: The test harness users import in THEIR tests (``cpmeta.testing``): it spawns the test's own
-#: processes with multiprocessing, which pickles each rank's return value on its way back to
-#: pytest -- between processes of one test, never on a wire between ranks. Nothing else in the
-#: library imports it (checked below), so no step path can reach it.
-TEST_HARNESS = "cpmeta/testing.py"
+#: The test harness users import in THEIR tests (the package ``cpmeta.testing``): its ``ranks``
+#: module spawns the test's own processes with multiprocessing, which pickles each rank's return
+#: value on its way back to pytest -- between processes of one test, never on a wire between ranks.
+#: Nothing else in the library imports the package (checked below), so no step path can reach it.
+TEST_HARNESS = "cpmeta/testing/"
+HARNESS_PICKLER = "cpmeta/testing/ranks.py"  # the one file exempt from the scan below
 
 
 def test_no_pickle_family_in_library_code() -> None:
-    files = [f for f in _package_files() if f.relative_to(ROOT).as_posix() != TEST_HARNESS]
+    files = [f for f in _package_files() if f.relative_to(ROOT).as_posix() != HARNESS_PICKLER]
     assert len(files) >= 10 and all(f.stat().st_size for f in files[:3])
     found = [hit for f in files for hit in scan_source(f.read_text(), str(f.relative_to(ROOT)))]
     assert not found, "\n".join(found)
@@ -141,7 +142,7 @@ def test_no_pickle_family_in_library_code() -> None:
 
 def test_no_library_module_imports_the_test_harness() -> None:
     users = [f.relative_to(ROOT).as_posix() for f in _package_files()
-             if f.relative_to(ROOT).as_posix() != TEST_HARNESS and re.search(
+             if not f.relative_to(ROOT).as_posix().startswith(TEST_HARNESS) and re.search(
                  r"^\s*(from\s+cpmeta(\.testing|\s+import\s+.*\btesting\b)|import\s+cpmeta\.testing)",
                  f.read_text(), re.M)]
     assert not users, users
