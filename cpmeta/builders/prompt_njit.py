@@ -28,7 +28,7 @@ from ..config import MetadataConfig
 from ..constants import INT32_MAX, NO_SOURCE_BLOCK, PAD_SLOT_ID
 from ..jit import OK, kernel
 from .common_njit import (
-    COMMON_CODES_END, E_CU_SEQLENS_K, E_NGRAM_TABLE, blocks_needed_one, check_block_table, check_state_id,
+    COMMON_CODES_END, E_CU_SEQLENS_K, E_NGRAM_TABLE, check_block_tables, check_state_id,
     compressed_slot, fail, fill_common_rows, fill_cu_seqlens, fill_ngram_rows,
 )
 
@@ -161,11 +161,10 @@ def prompt_count(seqlen_q: np.ndarray, seqlen_k: np.ndarray, state_id: np.ndarra
     mq = 0
     mk = 0
     width = 0
+    code = check_block_tables(seqlen_k, bt, bt_off, bs, k[_MINR], k[_CYCLE], k[_INTER], k[_MAXBID], err)
+    if code != OK:
+        return code
     for s in range(n):
-        need = blocks_needed_one(seqlen_k[s], bs, k[_MINR], k[_CYCLE], k[_INTER])
-        code = check_block_table(s, bt, bt_off[s], need, k[_MAXBID], err)
-        if code != OK:
-            return code
         T += seqlen_q[s]
         tk += seqlen_k[s]
         mq = max(mq, seqlen_q[s])
