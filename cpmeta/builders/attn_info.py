@@ -13,20 +13,39 @@ row-wise -- but costs only ``cp_mirror_len`` rows of work.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, Protocol, TypeVar
 
 import torch
 
 from ..config import MetadataConfig
 from ..constants import PAD_SLOT_ID
 
-if TYPE_CHECKING:
-    from ..metadata import InputMetadata
-
 __all__ = ["compute_attn_info", "expand_offset_len", "expand_paged_offset_len", "expand_swa_pivots",
            "expand_swa_ring"]
 
 logger = logging.getLogger(__name__)
+
+
+class AttnInfoFields(Protocol):
+    """The ``InputMetadata`` fields :func:`compute_attn_info` reads and (the last four) fills.
+
+    Typed structurally so this module never imports the container that calls it (docs/design.md
+    section 2); mypy checks ``InputMetadata`` against it where ``md.compute_attn_info`` passes ``self``.
+    """
+
+    is_prompt: Optional[bool]
+    mirror_cp_index: Optional[torch.Tensor]
+    block_tables: Optional[torch.Tensor]
+    kv_ca_index_offset_len: Optional[dict[str, torch.Tensor]]
+    kv_swa_full_index_pivots: Optional[torch.Tensor]
+    kv_swa_index_offset_len: Optional[torch.Tensor]
+    kv_ca_index: Optional[dict[str, torch.Tensor]]
+    kv_ca_index_len: Optional[dict[str, torch.Tensor]]
+    kv_swa_full_index: Optional[torch.Tensor]
+    kv_swa_index: Optional[torch.Tensor]
+
+
+_MD = TypeVar("_MD", bound=AttnInfoFields)
 
 
 def _arange(width: int, like: torch.Tensor) -> torch.Tensor:
@@ -130,7 +149,7 @@ def _gather_rows(x: torch.Tensor, mirror: Optional[torch.Tensor], zero_cols: sli
     return g
 
 
-def compute_attn_info(md: InputMetadata, cfg: MetadataConfig) -> InputMetadata:
+def compute_attn_info(md: _MD, cfg: MetadataConfig) -> _MD:
     """Fill ``kv_ca_index``, ``kv_ca_index_len``, ``kv_swa_full_index`` (prompt) and
     ``kv_swa_index`` (decode) where they are ``None``; returns ``md`` (modified in place).
 

@@ -9,7 +9,7 @@ metadata the consumer view is mirrored on the compact layout (see :func:`get_con
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any, Optional, Protocol, TypeVar
 
 import torch
 
@@ -18,12 +18,34 @@ from ..constants import PLACEHOLDER_QUERY_INDEX
 from ..fields import consumer_cleared, consumer_swaps, field_table
 from .zigzag import NO_SPARSE_RATIOS_FALLBACK, mirror_rows, prepare_cp_mirror
 
-if TYPE_CHECKING:
-    from ..metadata import InputMetadata
-
 __all__ = ["get_mask_view", "get_consumer_view"]
 
 _I64 = torch.int64
+_V = TypeVar("_V", bound="YocoViewFields")
+
+
+class YocoViewFields(Protocol):
+    """The ``InputMetadata`` fields and method the views read (they write none: views are copies).
+
+    Typed structurally so this module never imports the container that calls it (docs/design.md
+    section 2); mypy checks ``InputMetadata`` against it where ``md.get_*_view`` passes ``self``.
+    """
+
+    query_indices: Optional[torch.Tensor]
+    cu_seqlens_k: Optional[torch.Tensor]
+    mirror_cp_index: Optional[torch.Tensor]
+    cp_rank: Optional[int]
+    cp_size: Optional[int]
+    yoco_mask_swa_index_pivots: Optional[torch.Tensor]
+    yoco_consumer_cu_seqlens_q: Optional[torch.Tensor]
+    yoco_consumer_total_q: Optional[int]
+    yoco_consumer_query_indices: Optional[torch.Tensor]
+    yoco_consumer_positions: Optional[torch.Tensor]
+    yoco_consumer_ks: Optional[dict[str, torch.Tensor]]
+    yoco_consumer_cp_mirror_len: Optional[int]
+
+    def replace(self: _V, **changes: Any) -> _V: ...
+
 
 _Rules = tuple[tuple[tuple[str, str], ...], tuple[str, ...]]
 _RULES: IdentityCache[type, _Rules] = IdentityCache(4)
@@ -31,7 +53,7 @@ _RULES: IdentityCache[type, _Rules] = IdentityCache(4)
 
 def _view_rules(cls: type) -> _Rules:
     """The consumer view's rules from the field table of ``cls`` (read off the dataclass: this
-    module never imports the container at run time): ``(field, yoco_consumer_* field)`` swaps
+    module never imports the container): ``(field, yoco_consumer_* field)`` swaps
     (``positions`` <- ``yoco_consumer_positions``, ...) and the fields it clears (``klen`` and
     the derived ones, re-expanded on the view's rows). Cached per class."""
     hit = _RULES.get(cls)
@@ -41,7 +63,7 @@ def _view_rules(cls: type) -> _Rules:
     return hit
 
 
-def get_mask_view(md: InputMetadata) -> InputMetadata:
+def get_mask_view(md: _V) -> _V:
     """Mask-mode view: ``kv_swa_full_index_pivots`` = ``yoco_mask_swa_index_pivots``.
 
     A shallow copy (``md`` untouched): ``kv_swa_full_index`` is ``None`` so ``compute_attn_info``
@@ -58,7 +80,7 @@ def get_mask_view(md: InputMetadata) -> InputMetadata:
     return md.replace(kv_swa_full_index_pivots=md.yoco_mask_swa_index_pivots, kv_swa_full_index=None)
 
 
-def get_consumer_view(md: InputMetadata) -> InputMetadata:
+def get_consumer_view(md: _V) -> _V:
     """Compact-mode view: the consumer layers' rows (``total_q_c`` of them).
 
     A shallow copy (``md`` untouched) where ``positions``, ``cu_seqlens_q``, ``total_q``,
@@ -95,17 +117,17 @@ def get_consumer_view(md: InputMetadata) -> InputMetadata:
 
 
 def _check_md(md: object) -> None:
-    """Duck check (this module never imports the container at run time: it is called by it)."""
+    """Duck check (this module never imports the container: it is called by it)."""
     if not (dataclasses.is_dataclass(md) and hasattr(md, "yoco_consumer_cu_seqlens_q")):
         raise TypeError(f"md: expected an InputMetadata, got {type(md).__name__}")
 
 
-def _sparse_ratios(md: InputMetadata) -> tuple[int, ...]:
+def _sparse_ratios(md: YocoViewFields) -> tuple[int, ...]:
     """Ratios for ``prepare_cp_mirror``: keys of ``yoco_consumer_ks``, or the ``(1,)`` fallback."""
     return tuple(int(r) for r in md.yoco_consumer_ks) if md.yoco_consumer_ks else NO_SPARSE_RATIOS_FALLBACK
 
 
-def _mirrored_consumer_fields(md: InputMetadata) -> dict[str, Any]:
+def _mirrored_consumer_fields(md: YocoViewFields) -> dict[str, Any]:
     """The compact-layout mirror of a consumer view (see :func:`get_consumer_view`)."""
     if md.yoco_consumer_cp_mirror_len is None:
         raise ValueError(
