@@ -5,7 +5,9 @@ module              holds
 ==================  ==============================================================================
 ``broadcaster``     :class:`MetadataBroadcaster`: collect by path, send one frame (+ one collective
                     for large CUDA payloads), rebuild by path; ``begin_step``, ``out=``,
-                    ``group_src=``, ``schema=`` (any dataclass, or ``dict``)
+                    ``group_src=``, ``schema=`` (any dataclass, or ``dict``); the driver's half
+``follower``        ``FollowerSide``: the broadcaster's follower half (frame's tensor region landed,
+                    copied or left to the collective; views, ``out=``, assembly)
 ``tensor_dict``     :func:`broadcast_tensor_dict`: vLLM's ``broadcast_tensor_dict`` semantics on it
 ``channel``         ``FrameChannel``: the codec over a ``transport.ObjectChannel`` (what every
                     cpmeta message rides on: broadcast, tensor dicts, replicated steps, staged
@@ -14,8 +16,10 @@ module              holds
                     tensor bytes), layout ids sent once, values, shapes; ``FrameWriter`` /
                     ``FrameReader`` (write, strict parse, the follower's plan cache)
 ``plan``            ``Plan``: one layout's sizes, proofs, views, packing and assembly
-``schema``          a dataclass as a schema: field kinds, keys, value types and bounds, pinned
-                    dtypes / ndims; ``INPUT_METADATA``
+``schema``          ``Schema``: a dataclass as a schema (its fields, fingerprint, layout checks,
+                    rebuild); ``INPUT_METADATA``; a mismatch explained across ranks
+``field_spec``      ``FieldSpec``: one annotation classified (kind, value and key types), its pinned
+                    dtype / ndim and fixed dims; the dict key rules (``check_key``)
 ``dict_schema``     ``DictSchema``: a tensor dict's tree (one msgpack token list) and its tensors on
                     the frame (``broadcast_tensor_dict``)
 ``value_check``     the per-frame value checks, compiled per layout

@@ -16,7 +16,8 @@ The object is ``InputMetadata`` by default, or any dataclass the schema can clas
 (``schema=``; ``cpmeta.broadcast.schema``). The frame carries a version and the schema's
 fingerprint; a follower whose class differs raises instead of misreading. Aliasing is kept: two
 paths holding the same tensor object (``positions_cp`` is ``positions`` before a mirror) are sent
-once and are the same tensor object on the receiver.
+once and are the same tensor object on the receiver. The follower's half of a step (frame ->
+object) is the mixin ``cpmeta.broadcast.follower.FollowerSide``.
 """
 
 from __future__ import annotations
@@ -37,13 +38,13 @@ from ..metadata import InputMetadata
 from . import wire
 from .channel import FrameChannel, Prepared, resolve_src
 from .collect import collect, collect_dict
+from .follower import FollowerSide
 from .metrics import BroadcastMetrics, BroadcastStats
-from .outputs import check_out, copy_out_of_frame, copy_to_out
-from .persistent import land_span
+from .outputs import check_out, copy_to_out
 from .policy import PersistentPolicy
 from .dict_schema import DictSchema
 from .schema import INPUT_METADATA, SCHEMA_FINGERPRINT, Schema
-from .wire import FLAG_PACKED, FLAG_SPAN, Frame, WireError
+from .wire import FLAG_PACKED, FLAG_SPAN, WireError
 
 __all__ = ["MetadataBroadcaster", "SCHEMA_FINGERPRINT", "MESSAGE_VERSION"]
 
@@ -52,7 +53,7 @@ logger = logging.getLogger(__name__)
 MESSAGE_VERSION = wire.MESSAGE_VERSION
 
 
-class MetadataBroadcaster:
+class MetadataBroadcaster(FollowerSide):
     """Broadcast a metadata object from one driver rank to every rank of ``group``.
 
     Collective: every rank of ``group`` constructs it (hostnames are exchanged once) and calls
@@ -368,52 +369,3 @@ class MetadataBroadcaster:
         else:
             got = tensors
         return prep.plan.assemble(got, values, copy_to_out(out, prep.plan, got) if out is not None else None)
-
-    # ---- follower -------------------------------------------------------------------------
-    def _receive(self, out: Any) -> Any:
-        plan, values, dims, numels, starts, buf = self._ch.receive(self._consume)
-        if buf is None:  # tensors follow in one collective (NCCL)
-            got = self._tensor_channel().broadcast(plan.specs(dims))
-            arena = None if self._persist is None or out is not None else \
-                self._persist.get(plan, dims, numels, starts, plan.sizes(dims)[2], values)
-            if arena is not None:
-                return arena.finish_collective(got, values)
-        elif not isinstance(buf, torch.Tensor):  # a LayoutArena (landed by _consume)
-            if out is None:
-                return buf.finish(values)
-            got = buf.tensors
-            buf.finish(values)
-        else:
-            if self.device.type != "cpu":
-                buf = buf.to(self.device, non_blocking=True)
-            got = plan.views(buf, dims, numels, starts)
-        per_path = copy_to_out(out, plan, got) if out is not None else None
-        try:
-            return plan.assemble(got, values, per_path)
-        except (TypeError, ValueError, AttributeError) as e:
-            raise self._ch.malformed(e) from None
-
-    def _consume(self, frame: Frame, view: memoryview) -> tuple:
-        """The tensor region of one proven frame (valid only during this call): landed in the
-        layout's arena, copied into a fresh buffer, or left to the collective."""
-        self._mark = perf_counter()
-        h, plan, values, dims = frame.head, frame.plan, frame.values, frame.dims
-        self._info = (h.tbytes + h.vlen + h.llen, h.llen > 0)
-        if h.flags & FLAG_SPAN:  # a persistent driver's span (cpmeta.broadcast.span): own checks
-            if not h.flags & FLAG_PACKED:
-                raise WireError("FLAG_SPAN without FLAG_PACKED")
-            span = land_span(self._persist, plan, dims, h.tbytes, view, h.data_at, values, self.device)
-            return plan, values, dims, None, None, span
-        numels, starts, total = plan.check_tensors(dims, bool(h.flags & FLAG_PACKED), h.tbytes,
-                                                   view.nbytes - h.data_at)
-        if not h.flags & FLAG_PACKED:
-            return plan, values, dims, numels, starts, None
-        arena = None if self._persist is None else \
-            self._persist.get(plan, dims, numels, starts, total, values)
-        if arena is not None:  # the frame's region into the layout's arena, one memmove
-            arena.land(view, h.data_at)
-            return plan, values, dims, numels, starts, arena
-        buf = torch.empty(total, dtype=torch.uint8, pin_memory=self._pin)
-        if total:
-            copy_out_of_frame(buf, view, h.data_at, total)
-        return plan, values, dims, numels, starts, buf

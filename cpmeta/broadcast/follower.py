@@ -1,0 +1,91 @@
+"""The follower's side of a :class:`~cpmeta.broadcast.broadcaster.MetadataBroadcaster` step.
+
+One ``broadcast(None)`` on a follower: the channel hands it the next proven frame
+(``FrameChannel.receive``); :meth:`FollowerSide._consume` takes the frame's tensor region while the
+ring slot is still held, and :meth:`FollowerSide._receive` turns what it took into the object::
+
+    frame flags              _consume (slot held)                   _receive (slot released)
+    FLAG_SPAN | FLAG_PACKED  land_span: the span into the arena     arena.finish(values)
+    FLAG_PACKED, arena       arena.land: one memmove                arena.finish(values)
+    FLAG_PACKED              copy into a fresh (pinned) buffer      (H2D,) views -> Plan.assemble
+    neither                  (tensors follow in the collective)     TensorChannel.broadcast -> assemble
+
+With ``out=`` every received tensor is written into the caller's buffers (``outputs.copy_to_out``).
+"""
+
+from __future__ import annotations
+
+from time import perf_counter
+from typing import Any, Callable
+
+import torch
+
+from .channel import FrameChannel
+from .outputs import copy_out_of_frame, copy_to_out
+from .persistent import land_span
+from .wire import FLAG_PACKED, FLAG_SPAN, Frame, WireError
+
+__all__ = ["FollowerSide"]
+
+
+class FollowerSide:
+    """Mixin: the follower's half of ``MetadataBroadcaster`` (receive a frame, rebuild the object).
+
+    The state below is set by ``MetadataBroadcaster.__init__``.
+    """
+
+    device: torch.device  # where received tensors live
+    _ch: FrameChannel
+    _persist: Any  # PersistentArenas with persistent_outputs, else None
+    _pin: bool  # stage CUDA-bound bytes in pinned host memory
+    _mark: float  # this step: when the frame arrived
+    _info: tuple[int, bool]  # this step: payload bytes, layout block sent
+    _tensor_channel: Callable[[], Any]  # the TensorChannel of the collective tensor path
+
+    def _receive(self, out: Any) -> Any:
+        plan, values, dims, numels, starts, buf = self._ch.receive(self._consume)
+        if buf is None:  # tensors follow in one collective (NCCL)
+            got = self._tensor_channel().broadcast(plan.specs(dims))
+            arena = None if self._persist is None or out is not None else \
+                self._persist.get(plan, dims, numels, starts, plan.sizes(dims)[2], values)
+            if arena is not None:
+                return arena.finish_collective(got, values)
+        elif not isinstance(buf, torch.Tensor):  # a LayoutArena (landed by _consume)
+            if out is None:
+                return buf.finish(values)
+            got = buf.tensors
+            buf.finish(values)
+        else:
+            if self.device.type != "cpu":
+                buf = buf.to(self.device, non_blocking=True)
+            got = plan.views(buf, dims, numels, starts)
+        per_path = copy_to_out(out, plan, got) if out is not None else None
+        try:
+            return plan.assemble(got, values, per_path)
+        except (TypeError, ValueError, AttributeError) as e:
+            raise self._ch.malformed(e) from None
+
+    def _consume(self, frame: Frame, view: memoryview) -> tuple:
+        """The tensor region of one proven frame (valid only during this call): landed in the
+        layout's arena, copied into a fresh buffer, or left to the collective."""
+        self._mark = perf_counter()
+        h, plan, values, dims = frame.head, frame.plan, frame.values, frame.dims
+        self._info = (h.tbytes + h.vlen + h.llen, h.llen > 0)
+        if h.flags & FLAG_SPAN:  # a persistent driver's span (cpmeta.broadcast.span): own checks
+            if not h.flags & FLAG_PACKED:
+                raise WireError("FLAG_SPAN without FLAG_PACKED")
+            span = land_span(self._persist, plan, dims, h.tbytes, view, h.data_at, values, self.device)
+            return plan, values, dims, None, None, span
+        numels, starts, total = plan.check_tensors(dims, bool(h.flags & FLAG_PACKED), h.tbytes,
+                                                   view.nbytes - h.data_at)
+        if not h.flags & FLAG_PACKED:
+            return plan, values, dims, numels, starts, None
+        arena = None if self._persist is None else \
+            self._persist.get(plan, dims, numels, starts, total, values)
+        if arena is not None:  # the frame's region into the layout's arena, one memmove
+            arena.land(view, h.data_at)
+            return plan, values, dims, numels, starts, arena
+        buf = torch.empty(total, dtype=torch.uint8, pin_memory=self._pin)
+        if total:
+            copy_out_of_frame(buf, view, h.data_at, total)
+        return plan, values, dims, numels, starts, buf
