@@ -1,7 +1,8 @@
 """``ObjectChannel``: broadcast a Python object (plus CPU tensors) from one rank to its group.
 
 Same-host followers read the codec bytes from a :class:`ShmRing` (no collective per message);
-followers on other hosts (or all, when forced) get them point-to-point over a gloo process group.
+followers on other hosts (or all, when forced) get them point-to-point over a gloo process group
+(that path's send / receive and the error a failure on it raises: :mod:`._remote_path`).
 
 Packed frame of :meth:`ObjectChannel.broadcast_packed` (one ring message)::
 
@@ -16,16 +17,15 @@ from __future__ import annotations
 
 import logging
 import struct
-import time
 from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from . import envs
-from ._dist import (HEARTBEAT_SHARE, Heartbeat, RemoteAbort, RemoteFailure, bcast_frame, cpu_group,
-                    fetch_reason, group_ranks, host_key, host_label, post_reason, send_abort,
+from ._dist import (HEARTBEAT_SHARE, Heartbeat, cpu_group, fetch_reason, group_ranks, host_key, host_label,
                     store_of)
+from ._remote_path import RemotePath
 from ._segment import PeerWatch
 from ._setup import Member, Scalar, exchange
 from .coalesce import copy_into, plan, tensor_memoryview, views_of
@@ -40,12 +40,9 @@ T = TypeVar("T")
 logger = logging.getLogger(__name__)
 _LEN = struct.Struct("<Q")
 _ZEROS = bytes(16)
-DEAD_PEER_GRACE_S = 0.2  # after a gloo error, how long to look for the dead same-host peer
-SRC_MARGIN_S = 0.25  # src gives up on a follower this much before the followers give up on src
-SRC_MARGIN_SHARE = 0.1  # ... or this share of the timeout, when that is smaller
 
 
-class ObjectChannel:
+class ObjectChannel(RemotePath):
     """Broadcast objects from global rank ``src`` to every member of ``group``.
 
     Collective constructor: every member of ``group`` (default WORLD) calls it with the same
@@ -154,11 +151,6 @@ class ObjectChannel:
         """A store key prefix unique to this channel, the same on every member (``gather``)."""
         return self._reason_key.replace("/reason/", "/chan/", 1)
 
-    def who(self, rank: int) -> str:
-        """``"rank 4 (host c)"`` (``src`` marked as such)."""
-        role = "src, " if rank == self.src else ""
-        return f"rank {rank} ({role}host {self.hosts.get(rank, '?')})"
-
     def _check_usable(self) -> None:
         if self.failure is not None:
             raise PeerError(f"{self._me}: the channel failed earlier and is unusable ({self.failure}); "
@@ -181,87 +173,6 @@ class ObjectChannel:
             return self._read_ring(lambda view, owned: self._decode(view))
         frame = self._remote(None)
         return self._decode(tensor_memoryview(frame))
-
-    def _remote(self, frame: Optional[torch.Tensor]) -> torch.Tensor:
-        """``bcast_frame`` over the gloo path, every wait bounded by ``self.timeout`` (None: not
-        bounded; a follower's wait for the next head restarts at each of ``src``'s heartbeats:
-        see "Timeouts and idle" in docs/transport.md). Any failure
-        spends the channel (:attr:`failure`) and is raised naming rank and host: on ``src`` the
-        followers that did not take the message (each one's send is its own work handle) --
-        the others then get ``src``'s reason instead of waiting out their own timeout; on a
-        follower ``src``."""
-        self._count += 1
-        try:
-            wait_s = envs.wait_seconds(self.timeout)
-            return bcast_frame(frame, self.src, self._remote_group, wait_s,
-                               margin_s=min(SRC_MARGIN_S, SRC_MARGIN_SHARE * wait_s),
-                               followers=self.remote_ranks, heartbeat=self._heartbeat)
-        except RemoteFailure as e:
-            err: Exception = self._followers_failed(e)
-        except RemoteAbort as e:
-            err = PeerError(f"{self._me}: {self.who(self.src)} stopped the channel at message "
-                            f"{self._count}: {e.reason}")
-        except TimeoutError as e:
-            err = TimeoutError(f"{self._me}: message {self._count}: {self._label_ranks(str(e))}")
-        except RuntimeError as e:
-            reason = fetch_reason(self._reason_key, self.rank) if self.rank != self.src else None
-            err = (PeerError(f"{self._me}: {self.who(self.src)} stopped the channel at message "
-                             f"{self._count}: {reason}") if reason else self._peer_failure(e))
-        self.failure = str(err)
-        self._stop_heartbeat()
-        raise err
-
-    def _stop_heartbeat(self) -> None:
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
-            self._heartbeat = None
-
-    def _followers_failed(self, e: RemoteFailure) -> Exception:
-        """``src``: name the followers of ``e``, tell the healthy ones, return the error."""
-        parts = [f"{self.who(r)} did not take message {self._count} within {e.timeout_s:g} s "
-                 "(stalled, stopped or unreachable)" for r in e.stalled]
-        dead = self._dead_among(list(e.broken))
-        for r, msg in sorted(e.broken.items()):
-            how = (f"died (pid {self._watch[r].pid})" if r in dead else
-                   "closed its connection (its process died, or its host reset the link)")
-            parts.append(f"{self.who(r)} {how}: {msg}")
-        text = "; ".join(parts)
-        # for followers that see the group close; the healthy remote ones take it before we
-        # return (the store may die with this process)
-        healthy = [r for r in self.remote_ranks if r not in e.broken and r not in e.stalled]
-        post_reason(self._reason_key, text, healthy if e.stalled else ())
-        if not e.stalled:  # no wait timed out: the group is still open, tell them over it
-            send_abort(self.src, self._remote_group, healthy, text)
-        cls = TimeoutError if not e.broken else PeerError
-        return cls(f"{self._me}: process group: {text}")
-
-    def _label_ranks(self, text: str) -> str:
-        """``rank 0 (src)`` in a transport message -> ``rank 0 (src, host a)``."""
-        return text.replace(f"rank {self.src} (src)", self.who(self.src))
-
-    def _dead_among(self, ranks: list[int]) -> list[int]:
-        """The same-host peers among ``ranks`` whose process is gone, looked for a moment (a
-        peer's sockets close before the kernel reaps it)."""
-        watched = [r for r in ranks if r in self._watch]
-        deadline = time.monotonic() + DEAD_PEER_GRACE_S
-        dead: list[int] = []
-        while watched and not dead and time.monotonic() < deadline:
-            dead = [r for r in watched if self._watch[r].dead()]
-            if not dead:
-                time.sleep(1e-3)
-        return dead
-
-    def _peer_failure(self, e: Exception) -> PeerError:
-        dead = self._dead_among(list(self._watch))
-        members = sorted([self.src, *self.remote_ranks])
-        if dead:
-            who = ", ".join(f"rank {r} (pid {self._watch[r].pid}) died" for r in dead)
-        elif self.rank != self.src:
-            who = f"{self.who(self.src)} closed its connection (died, or its host reset the link)"
-        else:
-            who = f"a peer among ranks {members} failed or is unreachable"
-        return PeerError(f"{self._me} (src {self.src}): process-group broadcast failed at "
-                         f"message {self._count}: {who}: {e}")
 
     def _read_ring(self, consumer: Callable[[memoryview, bool], T]) -> T:
         """``ring.read``; when the driver closed the ring after its process-group path failed,

@@ -1,0 +1,140 @@
+"""The process-group (remote) path of :class:`~cpmeta.transport.object_channel.ObjectChannel`:
+one frame over gloo, and the error a failure raises.
+
+``ObjectChannel`` inherits :class:`RemotePath`; its constructor sets every attribute annotated
+there. A failure on this path spends the channel (``failure``) and raises one error naming rank
+and host: on ``src`` the followers that did not take the message -- stalled ones
+(``TimeoutError``), dead or disconnected ones (``PeerError``; "died (pid N)" when a same-host
+peer's process is gone) -- after telling the healthy ones why
+(:func:`~cpmeta.transport._dist.post_reason`, :func:`~cpmeta.transport._dist.send_abort`); on a
+follower ``src`` (with the reason ``src`` left, when it left one).
+
+Worked example (src 0 on host a, remote followers 1 and 2 on host b, timeout 5 s; follower 2
+stalls at message 3): ``src`` gives up ``min(SRC_MARGIN_S, SRC_MARGIN_SHARE * 5) = 0.25`` s
+before the followers would (at 4.75 s) and raises ``TimeoutError("ObjectChannel rank 0 (host a):
+process group: rank 2 (host b) did not take message 3 within 5 s (stalled, stopped or
+unreachable)")``; rank 1, whose connection gloo then closes, raises ``PeerError("ObjectChannel
+rank 1 (host b): rank 0 (src, host a) stopped the channel at message 3: <that text>")``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+import torch
+
+from . import envs
+from ._dist import Heartbeat, RemoteAbort, RemoteFailure, bcast_frame, fetch_reason, post_reason, send_abort
+from ._segment import PeerWatch
+from .errors import PeerError
+
+__all__ = ["RemotePath", "DEAD_PEER_GRACE_S", "SRC_MARGIN_S", "SRC_MARGIN_SHARE"]
+
+DEAD_PEER_GRACE_S = 0.2  # after a gloo error, how long to look for the dead same-host peer
+SRC_MARGIN_S = 0.25  # src gives up on a follower this much before the followers give up on src
+SRC_MARGIN_SHARE = 0.1  # ... or this share of the timeout, when that is smaller
+
+
+class RemotePath:
+    """The remote half of ``ObjectChannel`` (a mixin: the channel's constructor sets every
+    attribute annotated here)."""
+
+    src: int
+    rank: int
+    timeout: Optional[float]
+    failure: Optional[str]  # why the process-group path stopped, if it did
+    remote_ranks: list[int]
+    hosts: dict[int, str]
+    _count: int
+    _me: str
+    _watch: dict[int, PeerWatch]
+    _remote_group: Any
+    _heartbeat: Optional[Heartbeat]
+    _reason_key: str
+
+    def who(self, rank: int) -> str:
+        """``"rank 4 (host c)"`` (``src`` marked as such)."""
+        role = "src, " if rank == self.src else ""
+        return f"rank {rank} ({role}host {self.hosts.get(rank, '?')})"
+
+    def _remote(self, frame: Optional[torch.Tensor]) -> torch.Tensor:
+        """``bcast_frame`` over the gloo path, every wait bounded by ``self.timeout`` (None: not
+        bounded; a follower's wait for the next head restarts at each of ``src``'s heartbeats:
+        see "Timeouts and idle" in docs/transport.md). Any failure
+        spends the channel (:attr:`failure`) and is raised naming rank and host: on ``src`` the
+        followers that did not take the message (each one's send is its own work handle) --
+        the others then get ``src``'s reason instead of waiting out their own timeout; on a
+        follower ``src``."""
+        self._count += 1
+        try:
+            wait_s = envs.wait_seconds(self.timeout)
+            return bcast_frame(frame, self.src, self._remote_group, wait_s,
+                               margin_s=min(SRC_MARGIN_S, SRC_MARGIN_SHARE * wait_s),
+                               followers=self.remote_ranks, heartbeat=self._heartbeat)
+        except RemoteFailure as e:
+            err: Exception = self._followers_failed(e)
+        except RemoteAbort as e:
+            err = PeerError(f"{self._me}: {self.who(self.src)} stopped the channel at message "
+                            f"{self._count}: {e.reason}")
+        except TimeoutError as e:
+            err = TimeoutError(f"{self._me}: message {self._count}: {self._label_ranks(str(e))}")
+        except RuntimeError as e:
+            reason = fetch_reason(self._reason_key, self.rank) if self.rank != self.src else None
+            err = (PeerError(f"{self._me}: {self.who(self.src)} stopped the channel at message "
+                             f"{self._count}: {reason}") if reason else self._peer_failure(e))
+        self.failure = str(err)
+        self._stop_heartbeat()
+        raise err
+
+    def _stop_heartbeat(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
+
+    def _followers_failed(self, e: RemoteFailure) -> Exception:
+        """``src``: name the followers of ``e``, tell the healthy ones, return the error."""
+        parts = [f"{self.who(r)} did not take message {self._count} within {e.timeout_s:g} s "
+                 "(stalled, stopped or unreachable)" for r in e.stalled]
+        dead = self._dead_among(list(e.broken))
+        for r, msg in sorted(e.broken.items()):
+            how = (f"died (pid {self._watch[r].pid})" if r in dead else
+                   "closed its connection (its process died, or its host reset the link)")
+            parts.append(f"{self.who(r)} {how}: {msg}")
+        text = "; ".join(parts)
+        # for followers that see the group close; the healthy remote ones take it before we
+        # return (the store may die with this process)
+        healthy = [r for r in self.remote_ranks if r not in e.broken and r not in e.stalled]
+        post_reason(self._reason_key, text, healthy if e.stalled else ())
+        if not e.stalled:  # no wait timed out: the group is still open, tell them over it
+            send_abort(self.src, self._remote_group, healthy, text)
+        cls = TimeoutError if not e.broken else PeerError
+        return cls(f"{self._me}: process group: {text}")
+
+    def _label_ranks(self, text: str) -> str:
+        """``rank 0 (src)`` in a transport message -> ``rank 0 (src, host a)``."""
+        return text.replace(f"rank {self.src} (src)", self.who(self.src))
+
+    def _dead_among(self, ranks: list[int]) -> list[int]:
+        """The same-host peers among ``ranks`` whose process is gone, looked for a moment (a
+        peer's sockets close before the kernel reaps it)."""
+        watched = [r for r in ranks if r in self._watch]
+        deadline = time.monotonic() + DEAD_PEER_GRACE_S
+        dead: list[int] = []
+        while watched and not dead and time.monotonic() < deadline:
+            dead = [r for r in watched if self._watch[r].dead()]
+            if not dead:
+                time.sleep(1e-3)
+        return dead
+
+    def _peer_failure(self, e: Exception) -> PeerError:
+        dead = self._dead_among(list(self._watch))
+        members = sorted([self.src, *self.remote_ranks])
+        if dead:
+            who = ", ".join(f"rank {r} (pid {self._watch[r].pid}) died" for r in dead)
+        elif self.rank != self.src:
+            who = f"{self.who(self.src)} closed its connection (died, or its host reset the link)"
+        else:
+            who = f"a peer among ranks {members} failed or is unreachable"
+        return PeerError(f"{self._me} (src {self.src}): process-group broadcast failed at "
+                         f"message {self._count}: {who}: {e}")
