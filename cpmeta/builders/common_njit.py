@@ -27,7 +27,7 @@ from .int_ops import check_int32
 
 __all__ = [
     "E_CU_SEQLENS_K", "E_SWA_STATE", "E_BLOCK_NEGATIVE", "E_BLOCK_TOO_LARGE", "E_NGRAM_TABLE",
-    "E_NGRAM_INT32", "COMMON_CODES_END", "fail", "check_block_tables",
+    "E_NGRAM_INT32", "COMMON_CODES_END", "fail", "blocks_needed_one", "check_block_table",
     "check_state_id", "fill_cu_seqlens", "fill_common_rows", "fill_ngram_rows", "compressed_slot",
     "raise_common",
 ]
@@ -51,28 +51,21 @@ _I32_MIN = -INT32_MAX - 1
 
 
 @kernel
-def check_block_tables(seqlen_k: np.ndarray, bt: np.ndarray, bt_off: np.ndarray, block_size: int, min_ratio: int,
-                       kv_cycle: int, kv_inter: int, max_block_id: int, err: np.ndarray) -> int:
-    """Every sequence's needed block ids, in sequence order: the first ``need =
-    blocks_needed_one(seqlen_k[s], ...)`` ids of its table (``bt[bt_off[s]:bt_off[s] + need]``) in
-    ``[0, max_block_id]``, else :data:`E_BLOCK_NEGATIVE` / :data:`E_BLOCK_TOO_LARGE` for the first
-    bad one (``err[1]`` = the sequence, ``err[3]`` = the index in its table). The check both
-    builders run before anything else. Example: block 16, ``seqlen_k`` ``[9, 20]``, tables ``[7]``
-    and ``[5, -2]`` (offsets ``[0, 1, 3]``) -> sequence 1 needs 2 ids: code 3, ``err = [3, 1, -2,
-    1]``."""
-    for s in range(seqlen_k.shape[0]):
-        need = blocks_needed_one(seqlen_k[s], block_size, min_ratio, kv_cycle, kv_inter)
-        ids = bt[bt_off[s]:bt_off[s] + need]  # a slice indexed by the range variable: no negative-index fix-up
-        bad = False
+def check_block_table(s: int, bt: np.ndarray, b0: int, need: int, max_block_id: int, err: np.ndarray) -> int:
+    """The first ``need`` ids of sequence ``s``'s table (``bt[b0:b0 + need]``) in ``[0,
+    max_block_id]``, else :data:`E_BLOCK_NEGATIVE` / :data:`E_BLOCK_TOO_LARGE` (``err[3]`` = the
+    index in the table). Example: table ``[7, -2]``, need 2 -> code 3, ``err = [3, s, -2, 1]``."""
+    ids = bt[b0:b0 + need]  # a slice indexed by the range variable: no negative-index fix-up
+    bad = False
+    for k in range(need):
+        bad |= (ids[k] < 0) | (ids[k] > max_block_id)
+    if bad:  # error path: find the first
         for k in range(need):
-            bad |= (ids[k] < 0) | (ids[k] > max_block_id)
-        if bad:  # error path: find the first
-            for k in range(need):
-                v = ids[k]
-                if v < 0:
-                    return fail(err, E_BLOCK_NEGATIVE, s, v, k)
-                if v > max_block_id:
-                    return fail(err, E_BLOCK_TOO_LARGE, s, v, k)
+            v = ids[k]
+            if v < 0:
+                return fail(err, E_BLOCK_NEGATIVE, s, v, k)
+            if v > max_block_id:
+                return fail(err, E_BLOCK_TOO_LARGE, s, v, k)
     return OK
 
 
@@ -232,8 +225,9 @@ def _warm() -> None:
     cu_q, cu_k = np.zeros(2, np.int32), np.zeros(2, np.int32)
     fill_cu_seqlens(sq, sk, cu_q, cu_k, err)
     bt = np.array([3, 4], np.int64)
-    check_block_tables(sk, bt, np.array([0, 2], np.int64), 4, 1, 1, 1, 100, err)
+    check_block_table(0, bt, 0, 1, 100, err)
     check_state_id(0, 1, 4, err)
+    blocks_needed_one(5, 4, 1, 1, 1)
     compressed_slot(bt, 0, 1, 4)
     toks = np.array([9, 10, 11], np.int64)
     i32 = [np.zeros(2, np.int32) for _ in range(4)]

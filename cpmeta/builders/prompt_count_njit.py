@@ -23,7 +23,9 @@ import numpy as np
 from ..config import MetadataConfig
 from ..constants import INT32_MAX
 from ..jit import OK, kernel
-from .common_njit import COMMON_CODES_END, E_CU_SEQLENS_K, check_block_tables, check_state_id, fail
+from .common_njit import (
+    COMMON_CODES_END, E_CU_SEQLENS_K, blocks_needed_one, check_block_table, check_state_id, fail,
+)
 
 __all__ = [
     "prompt_count", "swa_run", "prompt_consts", "count_slots", "E_PIVOTS", "E_CU_COMPRESSED_K", "E_TABLE_ID",
@@ -119,10 +121,11 @@ def prompt_count(seqlen_q: np.ndarray, seqlen_k: np.ndarray, state_id: np.ndarra
     mq = 0
     mk = 0
     width = 0
-    code = check_block_tables(seqlen_k, bt, bt_off, bs, k[_MINR], k[_CYCLE], k[_INTER], k[_MAXBID], err)
-    if code != OK:
-        return code
     for s in range(n):
+        need = blocks_needed_one(seqlen_k[s], bs, k[_MINR], k[_CYCLE], k[_INTER])
+        code = check_block_table(s, bt, bt_off[s], need, k[_MAXBID], err)
+        if code != OK:
+            return code
         T += seqlen_q[s]
         tk += seqlen_k[s]
         mq = max(mq, seqlen_q[s])
