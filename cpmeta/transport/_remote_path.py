@@ -25,7 +25,8 @@ from typing import Any, Optional
 import torch
 
 from . import envs
-from ._dist import Heartbeat, RemoteAbort, RemoteFailure, bcast_frame, fetch_reason, post_reason, send_abort
+from ._dist import (ABORT_WAIT_S, Heartbeat, RemoteAbort, RemoteFailure, bcast_frame, fetch_reason,
+                    post_reason, send_abort)
 from ._segment import PeerWatch
 from .errors import PeerError
 
@@ -34,6 +35,8 @@ __all__ = ["RemotePath", "DEAD_PEER_GRACE_S", "SRC_MARGIN_S", "SRC_MARGIN_SHARE"
 DEAD_PEER_GRACE_S = 0.2  # after a gloo error, how long to look for the dead same-host peer
 SRC_MARGIN_S = 0.25  # src gives up on a follower this much before the followers give up on src
 SRC_MARGIN_SHARE = 0.1  # ... or this share of the timeout, when that is smaller
+REASON_SLACK_S = 0.05  # src raises at least this long before its own timeout
+REASON_MIN_WAIT_S = 0.02  # the shortest wait for the reason to be stored
 
 
 class RemotePath:
@@ -67,13 +70,14 @@ class RemotePath:
         the others then get ``src``'s reason instead of waiting out their own timeout; on a
         follower ``src``."""
         self._count += 1
+        wait_s = envs.wait_seconds(self.timeout)
+        deadline = time.monotonic() + wait_s  # src raises by then, the reason's wait included
         try:
-            wait_s = envs.wait_seconds(self.timeout)
             return bcast_frame(frame, self.src, self._remote_group, wait_s,
                                margin_s=min(SRC_MARGIN_S, SRC_MARGIN_SHARE * wait_s),
                                followers=self.remote_ranks, heartbeat=self._heartbeat)
         except RemoteFailure as e:
-            err: Exception = self._followers_failed(e)
+            err: Exception = self._followers_failed(e, deadline)
         except RemoteAbort as e:
             err = PeerError(f"{self._me}: {self.who(self.src)} stopped the channel at message "
                             f"{self._count}: {e.reason}")
@@ -92,8 +96,10 @@ class RemotePath:
             self._heartbeat.stop()
             self._heartbeat = None
 
-    def _followers_failed(self, e: RemoteFailure) -> Exception:
-        """``src``: name the followers of ``e``, tell the healthy ones, return the error."""
+    def _followers_failed(self, e: RemoteFailure, deadline: float) -> Exception:
+        """``src``: name the followers of ``e``, tell the healthy ones, return the error (by
+        ``deadline``: the wait for the healthy ones to take the reason spends the margin src
+        kept before the timeout, at most ``ABORT_WAIT_S``)."""
         parts = [f"{self.who(r)} did not take message {self._count} within {e.timeout_s:g} s "
                  "(stalled, stopped or unreachable)" for r in e.stalled]
         dead = self._dead_among(list(e.broken))
@@ -105,7 +111,8 @@ class RemotePath:
         # for followers that see the group close; the healthy remote ones take it before we
         # return (the store may die with this process)
         healthy = [r for r in self.remote_ranks if r not in e.broken and r not in e.stalled]
-        post_reason(self._reason_key, text, healthy if e.stalled else ())
+        left = min(ABORT_WAIT_S, deadline - time.monotonic() - REASON_SLACK_S)
+        post_reason(self._reason_key, text, healthy if e.stalled else (), max(REASON_MIN_WAIT_S, left))
         if not e.stalled:  # no wait timed out: the group is still open, tell them over it
             send_abort(self.src, self._remote_group, healthy, text)
         cls = TimeoutError if not e.broken else PeerError
