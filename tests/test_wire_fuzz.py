@@ -6,7 +6,7 @@ the ring (``reliability_wire.loopback``), torch.distributed is faked only while 
 are built. The frame format is re-implemented in tests/reliability_wire.py (offsets, the meta crc)
 as an independent reference.
 
-Mutations (22,400 a run) of real prompt / decode / mirror / random-payload frames (first frames
+Mutations (22,000 a run) of real prompt / decode / mirror / random-payload frames (first frames
 with the layout block and later id-only frames; the span frames of a ``persistent_outputs``
 driver; checksum off and on):
 
@@ -47,7 +47,7 @@ FLAG_SPAN = 8  # cpmeta.broadcast.wire.FLAG_SPAN: a persistent driver's span fra
 
 pytestmark = pytest.mark.timeout(120)
 
-MUTATIONS_PER_FRAME = 400  # x 2 frames x (8 payloads + 3 decode ones as arena and as span frames) x 2 checksum settings = 22,400 per run
+MUTATIONS_PER_FRAME = 500  # x 2 frames x (8 payloads + 3 decode ones as span frames) x 2 checksum settings = 22,000 per run
 
 # ----------------------------------------------------------------------------- payloads, diff
 
@@ -184,36 +184,20 @@ def _drive(make: Any, persistent: bool, checksum: bool) -> Iterator[tuple[str, A
     """``(payload name, metadata, frame, follower holding its layout)`` for the first and a later
     frame of every payload; persistent: decode payloads from a persistent_outputs driver (span
     frames: the builders leave a step's tensors in one allocation) to a persistent follower."""
-    drivers = {False: make(0, checksum, persistent)}  # (the span variants: their own driver, whose
-    if persistent:                                     # first frame of a layout carries it)
-        drivers[True] = make(0, checksum, persistent)
+    drv = make(0, checksum, persistent)
     for name, md in payloads():
         if persistent and not name.startswith("decode-"):
             continue
-        # persistent: the decode step as built (its block tables trimmed: packed, landed narrow
-        # in the arena), then with every table column used (nothing to trim: the span)
-        for span in ((False, True) if persistent else (False,)):
-            if span:
-                wide(md)
-            drv = drivers[span]
-            drv.broadcast(md)
-            drv.broadcast(md)
-            first, later = drv._objects.frames[-2:]
-            assert parts(first)["flags"] & FLAG_LAYOUT and not parts(later)["flags"] & FLAG_LAYOUT
-            is_span = bool(parts(later)["flags"] & FLAG_SPAN)
-            assert is_span or not span or "aliased" in name  # (as built: a span when nothing trims)
-            for orig in (first, later):
-                fol = make(1, checksum, persistent)
-                assert compare(md, receive(fol, first)) == "equal"  # it holds the layout now
-                yield name + ("-span" if is_span else "-arena" if persistent else ""), md, orig, fol
-                assert compare(md, receive(fol, later)) == "equal"  # still in step
-
-
-def wide(md: Any) -> Any:
-    """``md`` with its block tables' last column used (in place, in the builder's arena): nothing
-    to trim, so a persistent driver sends its arena as one span (FLAG_SPAN)."""
-    md.block_tables[:, -1] = 0
-    return md
+        drv.broadcast(md)
+        drv.broadcast(md)
+        first, later = drv._objects.frames[-2:]
+        assert parts(first)["flags"] & FLAG_LAYOUT and not parts(later)["flags"] & FLAG_LAYOUT
+        assert persistent == bool(parts(later)["flags"] & FLAG_SPAN) or "aliased" in name
+        for orig in (first, later):
+            fol = make(1, checksum, persistent)
+            assert compare(md, receive(fol, first)) == "equal"  # it holds the layout now
+            yield name + ("-span" if persistent else ""), md, orig, fol
+            assert compare(md, receive(fol, later)) == "equal"  # still in step
 
 
 @pytest.mark.parametrize("checksum", [False, True], ids=["plain", "checksum"])
@@ -229,8 +213,7 @@ def test_mutated_real_frames_are_equal_or_refused(checksum: bool) -> None:
                     if sealed:
                         frame = reseal(frame)
                     outcome, msg = _outcome(fol, md, frame, parts(orig)["step"])
-                    key = (kind + ("-span" if name.endswith("-span") else "-arena" if persistent else ""),
-                           outcome.split(":")[0])
+                    key = (kind + ("-span" if persistent else ""), outcome.split(":")[0])
                     counts[key] = counts.get(key, 0) + 1
                     if not _allowed(kind, outcome, sealed, at, parts(orig)["data_at"], checksum,
                                     len(frame) == len(orig)):
@@ -520,7 +503,7 @@ def _paths() -> Iterator[tuple[str, Any, dict, bool]]:
     prompt = payloads()[0][1]  # a real prompt step: [n, 4] load plans and pivots, bool masks, int32
     decode = next(md for name, md in payloads() if name.startswith("decode-"))
     yield "packed", prompt, {}, False
-    yield "persistent span", wide(decode), {}, True
+    yield "persistent span", decode, {}, True
     yield "persistent packed", _separate(prompt), {}, True
     yield "collective", prompt, {"tensor_path": "collective"}, False
     g = torch.Generator().manual_seed(5)

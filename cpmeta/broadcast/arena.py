@@ -20,7 +20,6 @@ import ctypes
 import operator
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
 from ..lifetime import Generation, register
@@ -49,7 +48,7 @@ class LayoutArena:
     __slots__ = ("region", "exact", "span", "host", "host_ptr", "dev", "md", "tensors", "event",
                  "gen", "reader_stream", "_fence", "src_ptrs", "_names", "_packed_ptrs", "_src",
                  "_offsets", "_nbytes", "_data_at", "_base", "_values", "_fixed", "_snap",
-                 "_dict_snap", "_dict_lens", "_dict_tensors", "_host_np", "_dirty")
+                 "_dict_snap", "_dict_lens", "_dict_tensors")
 
     def __init__(self, plan: Plan, dims: tuple[int, ...], numels: list[int], starts: list[int],
                  region: int, values: list[Any], device: torch.device,
@@ -60,10 +59,6 @@ class LayoutArena:
         self.region = region if span is None else len(span[0]) + span[2]
         self.host = torch.empty(self.region, dtype=torch.uint8, pin_memory=cuda)
         self.host_ptr = self.host.data_ptr()
-        self._host_np = self.host.numpy()
-        #: trimmed tables (tensor index -> columns that may hold values other than the pad)
-        #: after a narrowed frame landed (land_trimmed); empty after a whole region landed
-        self._dirty: dict[int, int] = {}
         self.dev = torch.empty(self.region, dtype=torch.uint8, device=device) if cuda else self.host
         self.event: Any = torch.cuda.Event() if cuda else None  # the H2D copy read the host arena
         self._fence: Any = torch.cuda.Event() if cuda else None  # readers on another stream done
@@ -128,7 +123,6 @@ class LayoutArena:
         CUDA sources go through the host arena (device-to-host copies)."""
         if not self.region:
             return
-        self._dirty.clear()  # (whole tables into the slot and maybe the host arena: safe)
         memmove = ctypes.memmove
         if self._data_at and dst != self.host_ptr:
             memmove(dst, self.host_ptr, self._data_at)  # the offsets table (fixed per arena)
@@ -154,7 +148,6 @@ class LayoutArena:
         """Driver, after the publish (off the followers' path): the frame's region at address
         ``src`` (still the driver's until its next step) into its own host arena, one memmove."""
         self.wait_host()
-        self._dirty.clear()
         if self.region:
             ctypes.memmove(self.host_ptr, src, self.region)
 
@@ -187,34 +180,8 @@ class LayoutArena:
         into the host arena: one ``memmove`` (a read-only view: one slice assignment)."""
         if self.event is not None:
             self.event.synchronize()  # (wait_host, inlined: the follower's per-step path)
-        if self._dirty:
-            self._dirty.clear()
         if self.region:
             copy_out_of_frame(self.host, view, at, self.region)
-
-    def land_trimmed(self, src: np.ndarray, plan: Plan, dims: tuple[int, ...], numels: list[int],
-                     starts: list[int]) -> None:
-        """Both sides: a frame region whose trimmed tables travel narrow (``src``, uint8; frame
-        ``dims``) into the host arena, which holds them whole: each tensor from its frame offset
-        to its arena offset, a narrowed table row by row, its pad put back where an earlier step
-        of this arena left other values (columns ``[sent, widest sent before)``). Worked example:
-        ``block_tables`` [2, 8] arriving as [2, 3] after a step that sent 5 columns: columns 0-2
-        copied, 3-4 set to -1, 5-7 still -1 from the arena's first fill."""
-        self.wait_host()
-        host = self._host_np
-        narrow = {i: (at, pad, cols) for i, at, pad, cols in plan.trims if dims[at] != cols}
-        for i, (fo, ao, n) in enumerate(zip(plan.offsets(numels, starts), self._offsets, self._nbytes)):
-            if i in narrow:
-                at, pad, cols = narrow[i]
-                rows, used = dims[at - 1], dims[at]
-                dst = host[ao:ao + n].view(np.int32).reshape(rows, cols)
-                dst[:, :used] = src[fo:fo + rows * used * 4].view(np.int32).reshape(rows, used)
-                dirty = self._dirty.get(i, cols)
-                if dirty > used:
-                    dst[:, used:dirty] = pad
-                self._dirty[i] = used
-            elif n:
-                host[ao:ao + n] = src[fo:fo + n]
 
     def finish(self, values: list[Any]) -> Any:
         """Both sides: [CUDA: one non-blocking H2D copy of the arena on the current stream, after
@@ -231,7 +198,6 @@ class LayoutArena:
         (stream-ordered), then as :meth:`finish` without the H2D copy."""
         if self._fence is not None:
             self._after_readers()
-        self._dirty.clear()
         if got:
             torch._foreach_copy_(self.tensors, got, non_blocking=True)
         return self._current(values)

@@ -22,13 +22,11 @@ object) is the mixin ``cpmeta.broadcast.follower.FollowerSide``.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 from functools import partial
 from time import perf_counter
 from typing import Any, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -294,9 +292,9 @@ class MetadataBroadcaster(FollowerSide):
             self._metrics.backlog(ring.backlog())
         key, tensors, values, dims = (*self._collect(md), None) if self._persist is None else \
             self._persist.collect.step(md)
-        # trimmed tables (cpmeta.broadcast.plan) travel narrow, except in a collective, which
-        # carries whole tensors (persistent arenas hold them whole: LayoutArena.land_trimmed)
-        prep = self._ch.prepare(key, values, dims, tensors, trim=True)
+        # trimmed tables (cpmeta.broadcast.plan) travel narrow, except into persistent arenas,
+        # whose views hold whole tables, and in a collective, which carries whole tensors
+        prep = self._ch.prepare(key, values, dims, tensors, trim=self._persist is None)
         packed = self._use_packed(tensors, prep.region)
         if not packed and prep.plan.trimmed(prep.dims):
             prep = self._ch.prepare(key, values, dims, tensors)
@@ -329,10 +327,9 @@ class MetadataBroadcaster(FollowerSide):
     def _driver_arena(self, prep: Prepared, packed: bool, values: list[Any],
                       tensors: list[torch.Tensor]) -> Any:
         p = prep
-        if packed:  # the arena of the whole tables (a trimmed frame lands in it narrow)
-            full = p.plan.full_dims(p.dims)
-            geo = (p.numels, p.starts, p.region, p.exact) if full == p.dims else p.plan.sizes(full)
-            return self._persist.driver_arena(p.plan, full, *geo, values, tensors)
+        if packed:
+            return self._persist.driver_arena(p.plan, p.dims, p.numels, p.starts, p.region, p.exact,
+                                              values, tensors)
         return self._persist.get(p.plan, p.dims, p.numels, p.starts, p.region, values)
 
     def _send_packed(self, md: Any, out: Any, prep: Prepared, tensors: list[torch.Tensor],
@@ -340,9 +337,8 @@ class MetadataBroadcaster(FollowerSide):
         """The tensors inside the frame: straight from the arena / the driver's tensors into the
         ring slot; CUDA tensors through one pinned host buffer."""
         flags, tbytes, region = FLAG_PACKED, prep.exact, prep.region
-        trimmed = prep.plan.trimmed(prep.dims)  # then packed narrow, and landed narrow (arena)
-        if arena is not None and arena.span is not None and not trimmed:  # one span of the
-            flags, region = flags | FLAG_SPAN, arena.region  # tensors' own allocation
+        if arena is not None and arena.span is not None:  # the tensors' own allocation as one span
+            flags, region = flags | FLAG_SPAN, arena.region
         staged = None
         framed = prep.framed if prep.framed is not None else tensors
         if arena is None and (self.device.type != "cpu" or any(t.device.type != "cpu" for t in tensors)):
@@ -353,9 +349,9 @@ class MetadataBroadcaster(FollowerSide):
         region_at = [0]
 
         def write(view: memoryview, addr: int, data_at: int) -> None:
-            region_at[0] = addr + data_at
-            if arena is not None and not trimmed:
+            if arena is not None:
                 arena.write(tensors, addr + data_at)  # straight into the slot
+                region_at[0] = addr + data_at
             elif staged is not None:
                 view[data_at:data_at + prep.region] = tensor_memoryview(staged)
             else:
@@ -367,13 +363,8 @@ class MetadataBroadcaster(FollowerSide):
             return arena.finish(values)
         self._ch.publish(prep, flags, tbytes, region, write)
         self._mark = perf_counter()
-        if arena is not None:  # the driver's own copy, after the publish
-            if trimmed:
-                frame = np.ctypeslib.as_array(ctypes.cast(region_at[0], ctypes.POINTER(ctypes.c_uint8)),
-                                              shape=(prep.region,))
-                arena.land_trimmed(frame, prep.plan, prep.dims, prep.numels, prep.starts)
-            else:
-                arena.take(region_at[0])
+        if arena is not None:
+            arena.take(region_at[0])  # the driver's own copy, after the publish
             return arena.finish(values)
         if staged is not None:
             got = prep.plan.widen(prep.plan.views(staged.to(self.device, non_blocking=True), prep.dims,

@@ -18,7 +18,6 @@ from __future__ import annotations
 from time import perf_counter
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
 from .channel import FrameChannel
@@ -81,15 +80,8 @@ class FollowerSide:
                                                    view.nbytes - h.data_at)
         if not h.flags & FLAG_PACKED:
             return plan, values, dims, numels, starts, None
-        trimmed = plan.trimmed(dims)
-        arena = None
-        if self._persist is not None:  # the arena of the whole tables
-            full = plan.full_dims(dims)
-            geo = (numels, starts, total) if not trimmed else plan.sizes(full)[:3]
-            arena = self._persist.get(plan, full, *geo, values)
-        if arena is not None and trimmed:  # tensor by tensor, the narrow tables widened
-            arena.land_trimmed(np.frombuffer(view, np.uint8, total, h.data_at), plan, dims, numels, starts)
-            return plan, values, dims, numels, starts, arena
+        arena = None if self._persist is None or plan.trimmed(dims) else \
+            self._persist.get(plan, dims, numels, starts, total, values)
         if arena is not None:  # the frame's region into the layout's arena, one memmove
             arena.land(view, h.data_at)
             return plan, values, dims, numels, starts, arena

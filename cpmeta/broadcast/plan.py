@@ -283,16 +283,6 @@ class Plan:
                 tensors[i] = full
         return tensors
 
-    def offsets(self, numels: list[int], starts: list[int]) -> list[int]:
-        """Byte offset of every tensor in the frame's tensor region (run starts of
-        :meth:`sizes`, then the run's earlier tensors)."""
-        out: list[int] = []
-        for (sl, esz, _), at in zip(self.run_slices, starts):
-            for n in numels[sl]:
-                out.append(at)
-                at += n * esz
-        return out
-
     def specs(self, dims: Any) -> list[tuple[torch.dtype, tuple[int, ...]]]:
         """``(dtype, shape)`` of every tensor, layout order (what a collective receives)."""
         out, at = [], 0
