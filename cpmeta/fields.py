@@ -179,22 +179,6 @@ def _make_table(cls: type) -> FieldTable:
     return MappingProxyType(table)
 
 
-def trimmed_fields(cls: type) -> Mapping[str, int]:
-    """``{field name: pad}`` of the fields of ``cls`` declared with ``trim`` (none for a class
-    that is not a dataclass, e.g. a tensor dict). Example: ``InputMetadata`` ->
-    ``{"block_tables": -1, "kv_ca_index": -1}``."""
-    hit = _TRIMS.get(cls)
-    if hit is None:
-        pads = {f.name: f.metadata[KEY].trim for f in dataclasses.fields(cls)
-                if isinstance(f.metadata.get(KEY), FieldInfo) and f.metadata[KEY].trim is not None
-                } if dataclasses.is_dataclass(cls) else {}
-        hit = _TRIMS.put(cls, MappingProxyType(pads))
-    return hit
-
-
-_TRIMS: IdentityCache[type, Mapping[str, int]] = IdentityCache(16)
-
-
 def feature_on(feature: str, cfg: Any) -> bool:
     """Whether ``cfg`` (a ``MetadataConfig``) switches ``feature`` on for the builders."""
     if feature == COMPRESSED_KV:

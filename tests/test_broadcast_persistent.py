@@ -276,13 +276,12 @@ def _span_case():
     import cpmeta
     from cpmeta.broadcast.span import span_of
     from cpmeta.broadcast.collect import collect
-    from cpmeta.broadcast.plan import Plan, trim_slots, trim_widths
+    from cpmeta.broadcast.plan import Plan
     from cpmeta.broadcast.schema import INPUT_METADATA
 
     md = _random_case(3, 0, False)[1]
     key, tensors, _ = collect(md)
-    plan = Plan(INPUT_METADATA, key[0], list(key[1]), list(key[2]), key[3],
-                trim_widths(trim_slots(INPUT_METADATA, *key[:3]), tensors))  # widths: the layout's tail
+    plan = Plan(INPUT_METADATA, key[0], list(key[1]), list(key[2]), key[3])
     dims = tuple(d for t in tensors for d in t.shape)
     exact = plan.sizes(dims)[3]
     geo = span_of(tensors, exact)

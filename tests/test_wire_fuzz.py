@@ -269,13 +269,12 @@ def _crafted(frame: bytes) -> list[tuple[str, str, bytes]]:
     p = parts(frame)
     lay = decode_body(frame[HEADER.size:HEADER.size + p["llen"]])
     vals = decode_body(frame[HEADER.size + p["llen"]:HEADER.size + p["llen"] + p["vlen"]])
-    paths, codes, ndims, vpaths, widths = lay  # InputMetadata: + its trimmed tables' widths
+    paths, codes, ndims, vpaths = lay
     data = frame[p["data_at"]:]
 
     def f(tp: str = paths, vp: str = vpaths, v: list = vals, c: list = codes, nd: list = ndims,
-          dims: list = p["dims"], w: Optional[list] = widths) -> bytes:
-        return build([tp, c, nd, vp] + ([] if w is None else [w]), v, dims, data, p["flags"],
-                     tbytes=p["tbytes"])
+          dims: list = p["dims"]) -> bytes:
+        return build([tp, c, nd, vp], v, dims, data, p["flags"], tbytes=p["tbytes"])
 
     def tpath(old: str, new: str) -> str:
         ps = paths.split(";")
@@ -319,10 +318,6 @@ def _crafted(frame: bytes) -> list[tuple[str, str, bytes]]:
          f(v=[-3 if x == "total_k_compressed.4" else y for x, y in zip(vi, vals)])),
         ("empty dict not empty", "ks", f(v=[{"4": 1} if x == "ks" else y for x, y in zip(vi, vals)])),
         ("values count", "values", f(v=vals + [1])),
-        ("trimmed widths left out", "layout block", f(w=None)),
-        ("trimmed widths: one too many", "trimmed-table widths", f(w=widths + [4])),
-        ("trimmed width below the columns", "block_tables", f(w=[1])),
-        ("trimmed width not an int", "trimmed-table widths", f(w=["2"])),
     ]
 
 
@@ -350,10 +345,10 @@ def test_largest_allowed_layout_is_accepted_and_linear() -> None:
 
     n = MAX_LAYOUT_PATHS - 1
     paths = ";".join(["positions"] + [f"klen.{k}" for k in range(1, n + 1)])
-    plan = planning.Plan(INPUT_METADATA, paths, [4] * (n + 1), [1] * (n + 1), "", [])
+    plan = planning.Plan(INPUT_METADATA, paths, [4] * (n + 1), [1] * (n + 1), "")
     assert len(plan.targets) == n + 1 and plan.n_dims == n + 1
     with pytest.raises(ValueError, match="MAX_LAYOUT_PATHS"):
-        planning.Plan(INPUT_METADATA, paths + ";ke.1", [4] * (n + 2), [1] * (n + 2), "", [])
+        planning.Plan(INPUT_METADATA, paths + ";ke.1", [4] * (n + 2), [1] * (n + 2), "")
     calls = [0]
     real = planning.accumulate
 
@@ -363,7 +358,7 @@ def test_largest_allowed_layout_is_accepted_and_linear() -> None:
 
     planning.accumulate = counting  # type: ignore[assignment]
     try:
-        planning.Plan(INPUT_METADATA, paths, [4] * (n + 1), [1] * (n + 1), "", [])
+        planning.Plan(INPUT_METADATA, paths, [4] * (n + 1), [1] * (n + 1), "")
     finally:
         planning.accumulate = real  # type: ignore[assignment]
     assert calls[0] == 1  # one pass over the ranks, whatever the number of tensors
@@ -459,12 +454,12 @@ def _redeclared(frame: bytes) -> list[tuple[str, str, bytes]]:
     from cpmeta.transport import decode_body
 
     p = parts(frame)
-    paths, codes, ndims, vpaths, *tail = decode_body(frame[HEADER.size:HEADER.size + p["llen"]])
+    paths, codes, ndims, vpaths = decode_body(frame[HEADER.size:HEADER.size + p["llen"]])
     vals = decode_body(frame[HEADER.size + p["llen"]:HEADER.size + p["llen"] + p["vlen"]])
     data, dims = frame[p["data_at"]:], p["dims"]
 
     def f(c: list = codes, nd: list = ndims, d: list = dims) -> bytes:
-        return build([paths, c, nd, vpaths, *tail], vals, d, data, p["flags"], tbytes=p["tbytes"],
+        return build([paths, c, nd, vpaths], vals, d, data, p["flags"], tbytes=p["tbytes"],
                      step=p["step"], fingerprint=frame[8:24])
 
     names = [x.split(",")[0] for x in paths.split(";")]

@@ -292,15 +292,11 @@ class MetadataBroadcaster(FollowerSide):
             self._metrics.backlog(ring.backlog())
         key, tensors, values, dims = (*self._collect(md), None) if self._persist is None else \
             self._persist.collect.step(md)
-        # trimmed tables (cpmeta.broadcast.plan) travel narrow, except into persistent arenas,
-        # whose views hold whole tables, and in a collective, which carries whole tensors
-        prep = self._ch.prepare(key, values, dims, tensors, trim=self._persist is None)
-        packed = self._use_packed(tensors, prep.region)
-        if not packed and prep.plan.trimmed(prep.dims):
-            prep = self._ch.prepare(key, values, dims, tensors)
+        prep = self._ch.prepare(key, values, dims, tensors)
         self._info = (prep.exact + len(prep.vblock) + len(prep.lblock), bool(prep.lblock))
+        packed = self._use_packed(tensors, prep.region)
         if out is not None:  # the driver's out= buffers proven before its frame leaves
-            check_out(out, prep.plan, prep.plan.full_dims(prep.dims))
+            check_out(out, prep.plan, prep.dims)
         arena = None
         if self._persist is not None and out is None:  # the layout's arena (persistent_outputs)
             arena = self._driver_arena(prep, packed, values, tensors)
@@ -340,11 +336,10 @@ class MetadataBroadcaster(FollowerSide):
         if arena is not None and arena.span is not None:  # the tensors' own allocation as one span
             flags, region = flags | FLAG_SPAN, arena.region
         staged = None
-        framed = prep.framed if prep.framed is not None else tensors
         if arena is None and (self.device.type != "cpu" or any(t.device.type != "cpu" for t in tensors)):
             self._check_devices(prep, tensors)
             staged = torch.empty(prep.region, dtype=torch.uint8, pin_memory=self._pin)
-            prep.plan.pack(staged.data_ptr(), [t if t.device.type == "cpu" else t.cpu() for t in framed],
+            prep.plan.pack(staged.data_ptr(), [t if t.device.type == "cpu" else t.cpu() for t in tensors],
                            prep.numels, prep.starts)
         region_at = [0]
 
@@ -355,7 +350,7 @@ class MetadataBroadcaster(FollowerSide):
             elif staged is not None:
                 view[data_at:data_at + prep.region] = tensor_memoryview(staged)
             else:
-                prep.plan.pack(addr + data_at, framed, prep.numels, prep.starts)
+                prep.plan.pack(addr + data_at, tensors, prep.numels, prep.starts)
 
         if arena is not None and not self._ch.has_readers:  # world 1: the driver's own arena only
             arena.wait_host()
@@ -367,8 +362,8 @@ class MetadataBroadcaster(FollowerSide):
             arena.take(region_at[0])  # the driver's own copy, after the publish
             return arena.finish(values)
         if staged is not None:
-            got = prep.plan.widen(prep.plan.views(staged.to(self.device, non_blocking=True), prep.dims,
-                                                  prep.numels, prep.starts), prep.dims)
+            got = prep.plan.views(staged.to(self.device, non_blocking=True), prep.dims, prep.numels,
+                                  prep.starts)
         elif out is None:
             return md  # CPU tensors on a CPU device: the driver's own object is the result
         else:

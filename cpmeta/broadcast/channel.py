@@ -38,10 +38,9 @@ import torch.distributed as dist
 
 from cpmeta.transport.codec import CodecError, encode_body  # cpmeta -> transport only
 
-from ..fields import trimmed_fields
-from .plan import Plan, trim_slots, trim_widths
+from .plan import Plan
 from .schema import explain_mismatch
-from .wire import (FLAG_ABORT, FLAG_CRC, FLAG_LAYOUT, FLAG_PACKED, MAX_FRAME_DIMS, MAX_LAYOUTS,
+from .wire import (FLAG_ABORT, FLAG_CRC, FLAG_LAYOUT, FLAG_PACKED, MAX_FRAME_DIMS,
                    MAX_VALUES_BYTES, DriverAbort, Frame, FrameMismatch, FrameReader, FrameWriter,
                    WireError, abort_values, blocks_at, seal)
 
@@ -63,7 +62,6 @@ class Prepared(NamedTuple):
     starts: list[int]
     region: int  # packed tensor region (16-aligned runs)
     exact: int  # exact tensor bytes
-    framed: Optional[list[torch.Tensor]] = None  # the tensors as framed (trimmed tables narrowed)
 
 
 class FrameChannel:
@@ -101,8 +99,6 @@ class FrameChannel:
             raise ValueError(f"{str(e).partition('setup: ')[0]}setup: {why}") from None
         self.timeout = self.objects.timeout
         self.writer = FrameWriter(schema, Plan)
-        self._trims = bool(trimmed_fields(getattr(schema, "cls", dict)))  # whether layouts carry table widths
-        self._slots: dict[tuple, list[tuple[int, int, int]]] = {}  # layout key -> trim_slots
         self.reader = FrameReader(schema, Plan, checksum)
         self._aborts: list[list[str]] = []  # driver: abort frames still to send, oldest first
 
@@ -118,25 +114,13 @@ class FrameChannel:
 
     # ---- driver -----------------------------------------------------------------------------
     def prepare(self, key: tuple, values: list[Any], dims: Optional[tuple[int, ...]],
-                tensors: Optional[list[torch.Tensor]] = None, trim: bool = False) -> Prepared:
+                tensors: Optional[list[torch.Tensor]] = None) -> Prepared:
         """Layout, sizes and values of one frame. ``dims`` (flat tensor dims) or ``tensors``
-        (read when ``dims`` is None or the layout has trimmed tables: ``Plan.narrow``, which
-        cuts them to their used columns with ``trim``; ``framed`` holds what goes in the frame).
-        Every check a follower makes runs here first (layout against the schema, pinned dtypes /
-        ndims, fixed dims, dim range, values, block sizes): a ``ValueError`` naming the path or
-        the limit, before a byte is written."""
-        framed = tensors
-        if self._trims:  # a class with trimmed fields: the layout holds its tables' widths
-            slots = self._slots.get(key)
-            if slots is None:
-                if len(self._slots) >= MAX_LAYOUTS:
-                    self._slots.clear()
-                slots = self._slots.setdefault(key, trim_slots(self.schema, key[0], key[1], key[2]))
-            key = (*key, tuple(trim_widths(slots, tensors or [])))
+        (read when ``dims`` is None). Every check a follower makes runs here first (layout
+        against the schema, pinned dtypes / ndims, fixed dims, dim range, values, block sizes):
+        a ``ValueError`` naming the path or the limit, before a byte is written."""
         lid, plan, lblock = self.writer.layout(key)
-        if plan.trims:
-            framed, dims = plan.narrow(list(tensors or ()), trim)
-        elif dims is None:
+        if dims is None:
             dims = tuple([d for t in tensors or () for d in t.shape])
         if len(dims) > MAX_FRAME_DIMS:
             raise WireError(f"{len(dims)} shape words, at most {MAX_FRAME_DIMS}")
@@ -146,7 +130,7 @@ class FrameChannel:
         if len(vblock) > MAX_VALUES_BYTES:
             raise WireError(f"values block of {len(vblock)} bytes, at most MAX_VALUES_BYTES="
                             f"{MAX_VALUES_BYTES} (the followers would refuse it)")
-        return Prepared(key, lid, plan, lblock, vblock, dims, numels, starts, region, exact, framed)
+        return Prepared(key, lid, plan, lblock, vblock, dims, numels, starts, region, exact)
 
     def publish(self, prep: Prepared, flags: int, tbytes: int, region: int,
                 write_region: Optional[Callable[[memoryview, int, int], None]]) -> None:
@@ -206,11 +190,10 @@ class FrameChannel:
     def send_packed(self, key: tuple, tensors: list[torch.Tensor], values: list[Any],
                     dims: Optional[tuple[int, ...]] = None) -> Prepared:
         """One frame with the CPU ``tensors`` (layout order) packed in it."""
-        prep = self.prepare(key, values, dims, tensors, trim=True)
-        framed = prep.framed if prep.framed is not None else tensors
+        prep = self.prepare(key, values, dims, tensors)
 
         def write(view: memoryview, addr: int, data_at: int) -> None:
-            prep.plan.pack(addr + data_at, framed, prep.numels, prep.starts)
+            prep.plan.pack(addr + data_at, tensors, prep.numels, prep.starts)
 
         self.publish(prep, FLAG_PACKED, prep.exact, prep.region, write)
         return prep
@@ -251,7 +234,7 @@ class FrameChannel:
             buf = torch.empty(region, dtype=torch.uint8)
             if region:
                 copy_out_of_frame(buf, view, h.data_at, region)
-            return frame, frame.plan.widen(frame.plan.views(buf, frame.dims, numels, starts), frame.dims)
+            return frame, frame.plan.views(buf, frame.dims, numels, starts)
 
         return self.receive(handler)
 

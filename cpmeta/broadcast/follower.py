@@ -58,7 +58,7 @@ class FollowerSide:
         else:
             if self.device.type != "cpu":
                 buf = buf.to(self.device, non_blocking=True)
-            got = plan.widen(plan.views(buf, dims, numels, starts), dims)
+            got = plan.views(buf, dims, numels, starts)
         per_path = copy_to_out(out, plan, got) if out is not None else None
         try:
             return plan.assemble(got, values, per_path)
@@ -72,15 +72,15 @@ class FollowerSide:
         h, plan, values, dims = frame.head, frame.plan, frame.values, frame.dims
         self._info = (h.tbytes + h.vlen + h.llen, h.llen > 0)
         if h.flags & FLAG_SPAN:  # a persistent driver's span (cpmeta.broadcast.span): own checks
-            if not h.flags & FLAG_PACKED or plan.trimmed(dims):
-                raise WireError("FLAG_SPAN without FLAG_PACKED, or with trimmed tables")
+            if not h.flags & FLAG_PACKED:
+                raise WireError("FLAG_SPAN without FLAG_PACKED")
             span = land_span(self._persist, plan, dims, h.tbytes, view, h.data_at, values, self.device)
             return plan, values, dims, None, None, span
         numels, starts, total = plan.check_tensors(dims, bool(h.flags & FLAG_PACKED), h.tbytes,
                                                    view.nbytes - h.data_at)
         if not h.flags & FLAG_PACKED:
             return plan, values, dims, numels, starts, None
-        arena = None if self._persist is None or plan.trimmed(dims) else \
+        arena = None if self._persist is None else \
             self._persist.get(plan, dims, numels, starts, total, values)
         if arena is not None:  # the frame's region into the layout's arena, one memmove
             arena.land(view, h.data_at)

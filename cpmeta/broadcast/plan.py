@@ -9,16 +9,6 @@ step, turns flat dims into sizes (:meth:`Plan.sizes`), proves a follower's dims
 (:meth:`Plan.check_tensors`), cuts a received buffer into tensors (:meth:`Plan.views`), packs
 the driver's tensors (:meth:`Plan.pack`) and rebuilds the object (:meth:`Plan.assemble`).
 
-Trimmed tables: a 2-D int32 field declared with ``trim`` (``block_tables``: -1 past each row's
-defined columns) travels as its used columns only (:meth:`Plan.narrow`, the driver; the widest
-row's last defined entry, ``trim_njit.used_columns``) and is restored by every follower
-(:meth:`Plan.widen`). Its shape words carry the columns sent; its full width is part of the
-LAYOUT (the last list of a layout of a class with trimmed fields: one width per trimmed table,
-layout order), so it is sent once and proven by the layout id like every path. Example:
-``block_tables`` int32 [192, 512] whose rows use at most 40 columns -> shape words ``[192, 40]``,
-layout width 512; 30,720 bytes on the wire instead of 393,216; a follower gets ``[192, 512]``,
--1 from column 40 on, bit-identical to the driver's.
-
 Worked example (decode, 2 tensors): ``positions`` int32 [3] and ``block_table`` int32 [3, 2]
 form ONE run (same dtype), dims ``[3, 3, 2]``: run start 0, numels ``[3, 6]``, 36 bytes exact
 (the header's tensor bytes), region 48 (rounded up to 16, the frame's length past the shapes);
@@ -28,7 +18,6 @@ the follower does ``buf[0:36].view(int32).split([3, 6])`` and views the second c
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import struct
 from itertools import accumulate
 from math import prod
@@ -41,10 +30,8 @@ from .schema import Schema
 from .wire import (ALIAS_SEP, ELEMENT_SIZE, MAX_COLLECTIVE_BYTES, MAX_DIM, MAX_NDIM, PACK_ALIGN,
                    PATH_SEP, WIRE_DTYPES, WireError, getter)
 from .schema import MAX_LAYOUT_PATHS
-from .trim import copy_rows, trim_slots, trim_widths, trims_of
-from .trim_njit import used_columns
 
-__all__ = ["Plan", "split_layout", "trim_slots", "trim_widths"]
+__all__ = ["Plan", "split_layout"]
 
 AnySchema = Schema | DictSchema
 
@@ -82,27 +69,23 @@ class Plan:
     """
 
     def __init__(self, schema: AnySchema, paths: str, codes: list[int], ndims: list[int],
-                 vpaths: str, tail: Optional[list] = None) -> None:
+                 vpaths: str, order: Optional[list[str]] = None) -> None:
         """Build (and check, once) the plan of one layout; linear in the layout's size.
 
         Raises ``WireError``/``schema.LayoutError`` (ValueErrors naming the path) for a layout
         that ``schema`` does not allow, or larger than ``MAX_LAYOUT_PATHS`` (counted before
-        anything is split). ``tail``: a DictSchema layout's key order (every path, in the
-        driver's order); a layout of a class with trimmed fields: the full width of each of its
-        trimmed tables (module docstring).
+        anything is split). ``order`` (DictSchema layouts only): every path, in the driver's
+        key order.
         """
-        order = tail if isinstance(schema, DictSchema) else None
         tpaths, vlist = split_layout(paths, codes, ndims, vpaths)
         targets, value_targets = schema.check_layout(tpaths, vlist)
         schema.check_tensors(targets, [WIRE_DTYPES[c] for c in codes], ndims)
         self.schema = schema
         self.codes, self.ndims, self.n_dims = codes, ndims, sum(ndims)
-        self.key = (paths, tuple(codes), tuple(ndims), vpaths) + ((tuple(tail),) if tail is not None else ())
+        self.key = (paths, tuple(codes), tuple(ndims), vpaths) + ((tuple(order),) if order is not None else ())
         self.shapes = struct.Struct(f"<{self.n_dims}q")
         self.all_1d = all(d == 1 for d in ndims)
         starts = [0, *accumulate(ndims)][:len(ndims)]  # dims index of each tensor's first dim
-        # (tensor index, dims index of its columns, pad, full width) of every trimmed table
-        self.trims = [] if order is not None else trims_of(schema, paths, codes, ndims, tail)
         self.reshape = [(i, at, nd) for i, (at, nd) in enumerate(zip(starts, ndims)) if nd != 1]
         self.runs: list[tuple[int, int, int]] = []
         i = 0
@@ -177,10 +160,6 @@ class Plan:
             return last[1]
         if dims and (min(dims) < 0 or max(dims) > MAX_DIM):
             raise WireError(f"tensor dims out of range [0, 2**48]: {self._shapes_text(dims, last[0])}")
-        for i, at, _, cols in self.trims:
-            if dims[at] > cols or dims[at - 1] * cols > MAX_COLLECTIVE_BYTES // 4:
-                raise WireError(f"{self.tensor_paths[i]}: {dims[at]} columns sent of a table "
-                                f"[{dims[at - 1]}, {cols}] ({self._shapes_text(dims)})")
         for at, size, path in self.fixed:
             if dims[at] != size:
                 raise WireError(f"{path}: dim {dims[at]} where {self.schema.name} fixes {size} "
@@ -219,10 +198,9 @@ class Plan:
             if exact != tbytes or region != avail:
                 raise WireError(f"tensor shapes declare {exact} bytes (region {region}), the frame "
                                 f"declares {tbytes} (region {avail}): {self._shapes_text(dims, prev)}")
-        elif tbytes or avail or exact > MAX_COLLECTIVE_BYTES or self.trimmed(dims):
+        elif tbytes or avail or exact > MAX_COLLECTIVE_BYTES:
             raise WireError(f"frame without FLAG_PACKED: {tbytes} tensor bytes and {avail} bytes "
-                            f"after the shapes (expected 0), {exact} bytes to receive, "
-                            f"trimmed tables {self.trimmed(dims)} (expected none)")
+                            f"after the shapes (expected 0), {exact} bytes to receive")
         return numels, starts, region
 
     def _shapes_text(self, dims: tuple[int, ...], prev: tuple = (), most: int = 8) -> str:
@@ -239,49 +217,6 @@ class Plan:
             at += nd
         out = changed + same
         return ", ".join(out[:most]) + (f", ... ({len(out)} tensors)" if len(out) > most else "")
-
-    # ---- trimmed tables ---------------------------------------------------------------------
-    def trimmed(self, dims: Any) -> bool:
-        """Whether any trimmed table of these (frame) ``dims`` travels narrower than it is."""
-        return any(dims[at] != cols for _, at, _, cols in self.trims)
-
-    def full_dims(self, dims: Any) -> tuple[int, ...]:
-        """The frame ``dims`` with every trimmed table at its full width (what a receiver holds)."""
-        if not self.trims:
-            return tuple(dims)
-        out = list(dims)
-        for _, at, _, cols in self.trims:
-            out[at] = cols
-        return tuple(out)
-
-    def narrow(self, tensors: list[torch.Tensor], trim: bool = True
-               ) -> tuple[list[torch.Tensor], tuple[int, ...]]:
-        """Driver: ``(tensors as framed, frame dims)``. With ``trim``, each trimmed table on the
-        CPU (contiguous int32) is cut to its used columns (a view; ``trim_njit.used_columns``);
-        a table on a GPU, or with ``trim=False``, travels whole. The tables are as wide as the
-        layout says (the caller keyed the layout by :func:`trim_widths`)."""
-        dims = [d for t in tensors for d in t.shape]
-        if not (trim and self.trims):
-            return tensors, tuple(dims)
-        framed = list(tensors)
-        for i, at, pad, cols in self.trims:
-            t = tensors[i]
-            if cols and t.device.type == "cpu" and t.dtype == torch.int32 and t.is_contiguous():
-                used = used_columns(t.numpy(), pad)
-                if used < cols:
-                    framed[i], dims[at] = t[:, :used], used
-        return framed, tuple(dims)
-
-    def widen(self, tensors: list[torch.Tensor], dims: Any) -> list[torch.Tensor]:
-        """Receiver: every trimmed table of ``tensors`` (views of a frame with these ``dims``)
-        back at its full width, the pad restored (a new tensor on the same device)."""
-        for i, at, pad, cols in self.trims:
-            if dims[at] != cols:
-                t = tensors[i]
-                full = torch.full((t.shape[0], cols), pad, dtype=t.dtype, device=t.device)
-                full[:, :dims[at]] = t
-                tensors[i] = full
-        return tensors
 
     def specs(self, dims: Any) -> list[tuple[torch.dtype, tuple[int, ...]]]:
         """``(dtype, shape)`` of every tensor, layout order (what a collective receives)."""
@@ -305,22 +240,15 @@ class Plan:
     def pack(self, base: int, tensors: list[torch.Tensor], numels: list[int], starts: list[int]) -> None:
         """Copy CPU ``tensors`` to address ``base`` in the run layout of :meth:`sizes` (one
         ``memmove`` per tensor; non-contiguous ones are made contiguous first)."""
-        rows: dict[int, torch.Tensor] = {}  # narrowed tables (Plan.narrow): copied row by row
         if not all(map(_IS_CONTIGUOUS, tensors)):
-            for i, _, _, _ in self.trims:
-                if not tensors[i].is_contiguous() and tensors[i].device.type == "cpu":
-                    rows[i] = tensors[i]
-            tensors = [t if t.is_contiguous() or i in rows else t.contiguous()
-                       for i, t in enumerate(tensors)]
+            tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]
         memmove, ptrs = ctypes.memmove, list(map(_DATA_PTR, tensors))
         for (sl, esz, _), s in zip(self.run_slices, starts):
             at = base + s
-            for i, p, n in zip(range(sl.start, sl.stop), ptrs[sl], numels[sl]):
-                if i in rows:
-                    copy_rows(at, rows[i])
-                elif n:
+            for p, n in zip(ptrs[sl], numels[sl]):
+                if n:
                     memmove(at, p, n * esz)
-                at += n * esz
+                    at += n * esz
 
     def assemble(self, tensors: list[torch.Tensor], values: list[Any],
                  per_path: Optional[list[list[torch.Tensor]]] = None) -> Any:

@@ -11,11 +11,9 @@ Little-endian; offsets in bytes from the frame start (a ring payload or a proces
     |     |u16 |u16 | fingerprint      | u32      | u32  | len u32| len u32| u32   | crc u32| bytes u64| u64   |
     +-----+----+----+------------------+----------+------+--------+--------+-------+--------+----------+-------+
     64: layout block (only with FLAG_LAYOUT): msgpack [tensor paths, dtype codes, ndims, value paths]
-        (+ the key order for a tensor-dict layout; + the full width of every trimmed table for a
-        class with trimmed fields: ``block_tables`` travels as its used columns only)
+        (+ the key order for a tensor-dict layout)
         values block: msgpack list, one value per value path of the layout
-        shapes: n_dims int64 (8-aligned), every tensor's dims in layout order (a trimmed
-        table's columns: those sent; ``cpmeta.broadcast.plan``)
+        shapes: n_dims int64 (8-aligned), every tensor's dims in layout order
         tensors (16-aligned, only with FLAG_PACKED): dtype runs, each run 16-aligned
         FLAG_SPAN (always with FLAG_PACKED): the tensor region is an offsets table followed by a
         span of the driver's arena (``cpmeta.broadcast.span``)
@@ -64,8 +62,6 @@ import torch
 
 from cpmeta.transport.codec import decode_body, encode_body  # cpmeta -> transport only
 
-from ..fields import trimmed_fields
-
 __all__ = ["MESSAGE_VERSION", "FRAME_MAGIC", "HEADER", "WIRE_DTYPES", "DTYPE_CODE", "FLAG_LAYOUT",
            "FLAG_CRC", "FLAG_PACKED", "FLAG_SPAN", "FLAG_ABORT", "KNOWN_FLAGS", "WireError",
            "ChecksumError", "FrameMismatch", "DriverAbort", "abort_values", "layout_id", "frame_crc", "meta_crc", "getter", "PATH_SEP",
@@ -74,9 +70,9 @@ __all__ = ["MESSAGE_VERSION", "FRAME_MAGIC", "HEADER", "WIRE_DTYPES", "DTYPE_COD
            "PACK_ALIGN", "Head", "Frame", "blocks_at", "seal", "read_head", "FrameWriter",
            "FrameReader"]
 
-#: Version of the frame (8: trimmed tables, their full widths in the layout; 7: the step number; 6: any schema, fingerprinted by class; 5: exact tensor bytes + meta
+#: Version of the frame (7: the step number; 6: any schema, fingerprinted by class; 5: exact tensor bytes + meta
 #: crc; 4: one frame with a cached layout; 3 was the three-layer one).
-MESSAGE_VERSION = 8
+MESSAGE_VERSION = 7
 FRAME_MAGIC = b"CPMB"
 HEADER = struct.Struct("<4sHH16sIIIIIIQQ")
 CRC_AT = 28  # byte offset of the crc32 word in HEADER
@@ -370,13 +366,12 @@ class FrameReader:
         if layout_id(block) != lid:
             raise WireError(f"layout block does not match its id {lid}")
         lay = decode_body(block, max_bytes=MAX_LAYOUT_BYTES)
-        n = 5 if self.schema.dict_keys == "dict" or trimmed_fields(getattr(self.schema, "cls", dict)) else 4
+        n = 5 if self.schema.dict_keys == "dict" else 4
         if (type(lay) is not list or len(lay) != n or type(lay[0]) is not str
                 or type(lay[1]) is not list or type(lay[2]) is not list or type(lay[3]) is not str
                 or (n == 5 and type(lay[4]) is not list)):
             raise WireError("layout block: expected [paths, codes, ndims, value paths"
-                            + ((", key order]" if self.schema.dict_keys == "dict" else
-                                ", trimmed-table widths]") if n == 5 else "]"))
+                            + (", key order]" if n == 5 else "]"))
         return self._make_plan(self.schema, *lay)
 
     def keep(self, frame: Frame) -> None:
