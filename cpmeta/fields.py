@@ -96,9 +96,6 @@ class FieldInfo:
     values once mirrored). ``pad``: the value of pad rows where the mirror gathers the field.
     ``replaces``: on a ``yoco_consumer_*`` field, the field it stands in for in the consumer view;
     ``consumer_clear``: the consumer view sets the field to ``None`` (re-expanded on its rows).
-    ``trim``: on a 2-D field whose rows end in a run of this value (``block_tables``' columns
-    past ``blocks_needed``), the frame carries only the columns up to the widest row's last
-    other value and followers restore the rest (``cpmeta.broadcast.trim_njit``).
     """
 
     dtype: Optional[torch.dtype]
@@ -113,7 +110,6 @@ class FieldInfo:
     pad: Optional[Union[int, bool]] = None
     replaces: Optional[str] = None
     consumer_clear: bool = False
-    trim: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.ratios not in (None, *RATIO_ORDER):
@@ -137,13 +133,11 @@ class FieldInfo:
 def tensor_field(dtype: torch.dtype, shape: tuple[Dim, ...], *, prompt_shape: Optional[tuple[Dim, ...]] = None,
                  ratios: Optional[str] = None, features: tuple[str, ...] = (), steps: frozenset[str] = BOTH,
                  stage: str = BUILD, order: str = FULL, pad: Optional[Union[int, bool]] = None,
-                 replaces: Optional[str] = None, consumer_clear: Optional[bool] = None,
-                 trim: Optional[int] = None) -> Any:
+                 replaces: Optional[str] = None, consumer_clear: Optional[bool] = None) -> Any:
     """A tensor field (``None`` by default): ``dataclasses.field`` carrying its :class:`FieldInfo`.
     Derived fields are cleared by the consumer view unless ``consumer_clear`` says otherwise."""
     info = FieldInfo(dtype, len(shape), tuple(shape), prompt_shape, ratios, tuple(features), frozenset(steps),
-                     stage, order, pad, replaces, stage == DERIVE if consumer_clear is None else consumer_clear,
-                     trim)
+                     stage, order, pad, replaces, stage == DERIVE if consumer_clear is None else consumer_clear)
     return dataclasses.field(default=None, metadata={KEY: info})
 
 

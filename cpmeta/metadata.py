@@ -105,12 +105,11 @@ class InputMetadata:
     kv_swa_index_offset_len: Optional[Tensor] = tensor_field(  # [total_q, 2] int32 (ring start slot, w)
         I32, ("total_q", 2), features=(SWA,), steps=DECODE_ONLY)
     block_tables: Optional[Tensor] = tensor_field(  # [total_q, max_num_blocks] int32, row = sequence's table
-        I32, ("total_q", "max_num_blocks"), steps=DECODE_ONLY, trim=-1)
+        I32, ("total_q", "max_num_blocks"), steps=DECODE_ONLY)
 
     # ---- derived by compute_attn_info (section 5) ------------------------------------------
     kv_ca_index: TDict = tensor_field(  # {n: [rows, width_n] int32} compressed-KV index, -1 past len
-        I32, ("rows", "width_n"), ratios=DENSE, features=(COMPRESSED_KV,), stage=DERIVE, order=RANK, pad=-1,
-        trim=-1)
+        I32, ("rows", "width_n"), ratios=DENSE, features=(COMPRESSED_KV,), stage=DERIVE, order=RANK, pad=-1)
     kv_ca_index_len: TDict = tensor_field(  # {n: [rows] int32} valid entries of kv_ca_index[n]
         I32, ("rows",), ratios=DENSE, features=(COMPRESSED_KV,), stage=DERIVE, order=RANK, pad=0)
     kv_swa_full_index: Optional[Tensor] = tensor_field(  # prompt [rows, W] int32, SWA buffer rows or -1
