@@ -143,7 +143,8 @@ def test_no_pickle_family_in_library_code() -> None:
 def test_no_library_module_imports_the_test_harness() -> None:
     users = [f.relative_to(ROOT).as_posix() for f in _package_files()
              if not f.relative_to(ROOT).as_posix().startswith(TEST_HARNESS) and re.search(
-                 r"^\s*(from\s+cpmeta(\.testing|\s+import\s+.*\btesting\b)|import\s+cpmeta\.testing)",
+                 r"^\s*(from\s+(cpmeta|\.+\w*)(\.testing\b|\s+import\s+.*\btesting\b)|import\s+cpmeta\.testing"
+                 r"|from\s+\.+testing\b)",
                  f.read_text(), re.M)]
     assert not users, users
 
