@@ -138,7 +138,7 @@ followers are still spinning when the message lands).
 The driver's payload is what an engine building with ``out=OutputArenas()`` hands over each step
 (outside the timed region): the SAME tensor objects, refilled in place with this step's values
 (``bench_broadcast.step_values``), in a NEW ``InputMetadata`` with new dicts and a new
-``max_seqlen_k``, so a persistent driver's collect memo hits as it does in that engine.
+``max_seqlen_k``, as that engine's driver does.
 ``--reuse-md`` passes the one refilled object every step instead (``bench_broadcast``'s case).
 Note on the driver's first phases in ``engine`` mode: they run right after the driver idled
 ``--park-ms`` (cold caches, a core clocked down), so they cost several times their in-process
@@ -181,8 +181,6 @@ PHASES: list[tuple[str, str, str]] = [
     ("F unpack views", "cpmeta.broadcast.plan", "Plan.views"),
     ("F assemble InputMetadata", "cpmeta.broadcast.broadcaster", "_assemble"),
     ("F assemble InputMetadata", "cpmeta.broadcast.plan", "Plan.assemble"),
-    ("D collect by path", "cpmeta.broadcast.collect_memo", "CollectMemo.__call__"),
-    ("D collect by path", "cpmeta.broadcast.collect_memo", "CollectMemo.step"),
     ("P arena lookup (both)", "cpmeta.broadcast.persistent", "PersistentArenas.get"),
     ("P arena lookup (both)", "cpmeta.broadcast.persistent", "PersistentArenas.driver_arena"),
     ("P follower: span frame lookup + land", "cpmeta.broadcast.follower", "land_span"),

@@ -25,8 +25,6 @@ module              holds
 ``value_check``     the per-frame value checks, compiled per layout
 ``collect``         ``collect`` / ``collect_dict``: the driver's split by path (layout key,
                     tensors, values), cached per tuple of field types
-``collect_memo``    ``CollectMemo``: the persistent driver's ``collect`` when a step reuses the last
-                    step's tensor objects
 ``persistent``      ``persistent_outputs``: the pool of arenas per layout (``depth`` in turn), its
                     budget, admission and LRU eviction, the lifetime of what it hands out
 ``policy``          ``PersistentPolicy``: ``max_bytes``, ``max_layouts``, ``min_repeats``, ``kinds``,

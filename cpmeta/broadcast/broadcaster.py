@@ -290,9 +290,8 @@ class MetadataBroadcaster(FollowerSide):
         ring = self._objects.ring
         if ring is not None and self._metrics is not None:
             self._metrics.backlog(ring.backlog())
-        key, tensors, values, dims = (*self._collect(md), None) if self._persist is None else \
-            self._persist.collect.step(md)
-        prep = self._ch.prepare(key, values, dims, tensors)
+        key, tensors, values = self._collect(md)
+        prep = self._ch.prepare(key, values, None, tensors)
         self._info = (prep.exact + len(prep.vblock) + len(prep.lblock), bool(prep.lblock))
         packed = self._use_packed(tensors, prep.region)
         if out is not None:  # the driver's out= buffers proven before its frame leaves

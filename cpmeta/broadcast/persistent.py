@@ -45,7 +45,6 @@ import torch
 from ..cache import BoundedCache
 from .. import envs
 from .arena import LayoutArena
-from .collect_memo import CollectMemo
 from .plan import Plan
 from .policy import MAX_ARENA_BYTES, PersistentPolicy
 from .schema import Schema
@@ -84,7 +83,6 @@ class PersistentArenas:
                  policy: Optional[PersistentPolicy] = None) -> None:
         self.device = device
         self.policy = policy = policy if policy is not None else PersistentPolicy()
-        self.collect = CollectMemo(schema)  # the driver's collect, memoised per tuple of field types
         if policy.kinds is not None and "is_prompt" not in schema.field_names:
             raise ValueError(f"PersistentPolicy.kinds: {schema.name} has no is_prompt field to tell "
                              "a step's kind; use kinds=None")
