@@ -8,6 +8,8 @@
 #                                            # in-place decode, overlap, in-place decode, NCCL broadcast
 #   bash scripts/gpu_session.sh bench-cpu    # the host's cores: the end-to-end step (worlds 2/4/8, four
 #                                            # strategies), broadcast vs vLLM's MessageQueue and tensor dict
+#   bash scripts/gpu_session.sh wire         # the host's cores at world 8: ring slot size, follower spin,
+#                                            # an experiment tree in .alt against this one
 #   bash scripts/gpu_session.sh compare      # the host's cores, before / after in one run: the commit in
 #                                            # .baseline (git archive REV | tar -x -C .baseline; carry it)
 #                                            # and this tree, end-to-end step (plain and compressed-KV
@@ -97,6 +99,28 @@ compare)  # ~9 min: before (.baseline) / after (this tree), same host, same comm
   done
   TAILN=20 step build_hot 60 python3 scripts/bench_build.py --no-ref --repeat 300 --only hot_ --out "$OUT/h200_build.hot.json"
   ;;
+wire)  # ~7 min: the host's cores at world 8, the transport's knobs one at a time (ring slot size, the
+  # followers' spin) and an experiment tree carried in .alt (git archive REV | tar -x -C .alt) against
+  # this one; every run with its own result file (h200_wire.<variant>.<bench>.json)
+  MQ=""; [ -d mq_bundle312 ] && MQ=":$PWD/mq_bundle312"
+  python3 -c 'import cpmeta.jit as j; j.warm_all()'
+  [ -d .alt/scripts ] && (cd .alt && PYTHONPATH=$PWD python3 -c 'import cpmeta.jit as j; j.warm_all()')
+  for V in default slot1m spin0 alt; do
+    ROOT=$PWD; ENVS=""
+    case $V in slot1m) ENVS="CPMETA_SHM_SLOT_SIZE=1048576";; spin0) ENVS="CPMETA_SHM_SPIN_US=0";;
+      alt) [ -d .alt/scripts ] || continue; ROOT=$PWD/.alt;; esac
+    TAILN=16 step wire_step_$V 100 env $ENVS PYTHONPATH="$ROOT$MQ" VLLM_TARGET_DEVICE=cpu python3 "$ROOT/scripts/bench_step.py" \
+      --worlds 2 8 --workloads decode-64 decode-256 --strategies broadcast replicate mq-replicate --steps 50 --warmup 6 \
+      --budget 3 --no-cold --out "$OUT/h200_wire.$V.step.json"
+    [ $V = spin0 ] && continue
+    TAILN=12 step wire_bcast_$V 70 env $ENVS PYTHONPATH="$ROOT" python3 "$ROOT/scripts/bench_broadcast.py" --worlds 2 8 \
+      --payloads decode-64 decode-256 --attn-info 0 --modes engine --methods cpmeta cpmeta+p floor --steps 60 --budget 2 \
+      --out "$OUT/h200_wire.$V.broadcast.json"
+  done
+  TAILN=30 step wire_phases 60 python3 scripts/profile_phases.py broadcast --world 8 --payload decode-64 --persistent \
+    --steps 150
+  rm -f "$OUT"/*.png  # at most 8 files come back: the 7 JSON files and one log
+  ;;
 short)  # ~9 min when the device time is short: the GPU tests, then compare's end-to-end step trimmed
   TAILN=8 step gpu_tests 240 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu or triton or graph or nccl" \
     tests/test_builders.py tests/test_builders_smoke.py tests/test_decode_inplace.py tests/test_cuda_graph.py \
@@ -114,7 +138,9 @@ short)  # ~9 min when the device time is short: the GPU tests, then compare's en
   done
   ;;
 *)
-  echo "unknown suite $SUITE: expected tests, bench-gpu, bench-cpu, compare or short" >&2; exit 2
+  echo "unknown suite $SUITE: expected tests, bench-gpu, bench-cpu, compare, wire or short" >&2; exit 2
   ;;
 esac
+# one file for every log (the device tool brings back at most 8 files)
+(cd "$OUT" && ls *.log >/dev/null 2>&1 && tar -czf "logs_$SUITE.tgz" *.log && rm -f *.log)
 ls -la "$OUT"
