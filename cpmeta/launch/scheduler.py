@@ -298,13 +298,3 @@ class SyntheticScheduler:
     def _finish(self, req: _Request) -> None:
         self.ops.finish(req.slot)
         self._free_homes.append(req.home)
-
-
-def batch_summary(is_prompt: bool, batch: SequenceBatch) -> dict[str, int]:
-    """Small dict describing a batch (for logs)."""
-    return {
-        "is_prompt": int(is_prompt),
-        "num_seqs": len(batch),
-        "total_q": int(batch.seqlen_q.sum()),
-        "placeholders": int(batch.is_placeholder.sum()),
-    }

@@ -129,20 +129,6 @@ class SequenceBatch:
         """``seqlen_k - seqlen_q`` ([n_seq] int64)."""
         return self.seqlen_k - self.seqlen_q
 
-    def block_table_ends(self) -> tuple[np.ndarray, np.ndarray]:
-        """Each sequence's block-table length and last block id (-1 for an empty table), both
-        ``[n_seq]`` int64: what a step appends to (the replicated state's per-step check).
-        Example: tables ``[7, 8, 4]``, offsets ``[0, 2, 2, 3]`` -> ``([2, 0, 1], [8, -1, 4])``."""
-        off = self.block_table_offsets
-        lens = np.diff(off)
-        last = self.block_tables[np.maximum(off[1:] - 1, 0)] if len(self.block_tables) else np.zeros(len(lens), np.int64)
-        return lens, np.where(lens > 0, last, -1)
-
-    def block_table_rows(self) -> list[np.ndarray]:
-        """Each sequence's whole block table (views into ``block_tables``), e.g. for
-        ``stack_block_tables``. Example: offsets ``[0, 1, 3]`` -> ``[tables[0:1], tables[1:3]]``."""
-        return np.split(self.block_tables, self.block_table_offsets[1:-1])
-
     # ---- conversion from the list API --------------------------------------------------------
     @classmethod
     def from_sequences(
