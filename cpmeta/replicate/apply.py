@@ -1,7 +1,7 @@
 """A follower applies one step frame to its replica: the runs in order, the batch spec in place.
 
-Every run is replayed with the ``BatchState`` call the driver made (vectorized where the driver
-made one call for many slots), so the replica goes through exactly the driver's states and the
+Every run is replayed with the ``BatchState`` call the driver made, or with the kernels that call
+runs (appends and batch specs: one compiled call, :mod:`cpmeta.replicate.replay_njit`), so the replica goes through exactly the driver's states and the
 batch spec yields, bit for bit, the driver's ``SequenceBatch``. A frame whose runs do not add up
 to its columns, or whose ``add_request`` lands in another slot than the driver's, is refused
 (``ReplicaError``), never half-applied silently: the caller stops the replica (it is diverged).
@@ -14,7 +14,9 @@ from typing import Any
 import numpy as np
 
 from ..state import BatchState, SequenceBatch
-from .ops import ADD, BLK, CMP, FIN, SID, SPEC, SPEC_WORDS, SVS, TOK
+from .ops import ADD, BLK, CMP, COLUMNS, FIN, SID, SPEC, SPEC_WORDS, SVS, TOK, WIDE
+from .replay_njit import S_END, S_SPEC, replay
+from .step_frame import Columns
 
 __all__ = ["apply_step", "ReplicaError"]
 
@@ -40,49 +42,81 @@ def _take(cols: dict[str, np.ndarray], at: dict[str, int], name: str, k: int) ->
     return col[a:a + k]
 
 
-def apply_step(state: BatchState, cols: dict[str, np.ndarray], req_ids: list[Any],
-               spec: list[int]) -> list[SequenceBatch]:
+def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[int]) -> list[SequenceBatch]:
     """Apply the step's runs to ``state`` in order; return the specs' batches (in call order).
 
-    ``cols`` maps every name of :data:`cpmeta.replicate.ops.COLUMNS` to its int64 array (as the
-    frame carried it); ``req_ids`` the added requests' ids in order; ``spec`` the batch specs'
-    values, ``SPEC_WORDS`` per spec (``[is_prompt, num_placeholders, advance, uniform drafts,
-    #slots, #lens, #drafts]``). One ``BatchState`` call per run (a vectorized one for appends:
-    a decode step is typically three -- ``append_tokens_batch``, ``append_blocks_batch``,
-    ``decode_batch``) and one per added, finished or moved request.
+    ``cols``: every column of :data:`cpmeta.replicate.ops.COLUMNS` as the frame carried it
+    (:class:`~cpmeta.replicate.step_frame.Columns`: named views of one int64 buffer);
+    ``req_ids`` the added requests' ids in order; ``spec`` the batch specs' values,
+    ``SPEC_WORDS`` per spec (``[is_prompt, num_placeholders, advance, uniform drafts, #slots,
+    #lens, #drafts]``). Append runs and batch specs go through the compiled replay
+    (:func:`~cpmeta.replicate.replay_njit.replay`: a decode step is one call); adds, finishes,
+    moves and any run it refuses are replayed here with the ``BatchState`` call the driver made,
+    which raises the named error of a refused run.
     """
     if len(spec) % SPEC_WORDS:
         raise ReplicaError(f"step frame: {len(spec)} spec values, not a multiple of {SPEC_WORDS}")
-    at = dict.fromkeys(cols, 0)
+    named, buf, starts = cols
+    runs = named["runs"]
+    at, end = starts[:-1].copy(), starts[1:]
+    try:
+        words = np.array(spec, np.int64)
+    except (OverflowError, TypeError, ValueError):
+        words = _NO_WORDS  # every spec then replayed below, which names the bad value
+    arrays = state.kernel_arrays()
     batches: list[SequenceBatch] = []
     adds = iter(req_ids)
-    for code, n in cols["runs"].tolist():
-        if code == TOK or code == BLK or code == CMP:
-            names = _READS[code]
-            slots, counts = _take(cols, at, names[0], n), _take(cols, at, names[1], n)
-            flat = _take(cols, at, names[2], int(counts.sum()))
-            (state.append_tokens_batch if code == TOK else state.append_blocks_batch if code == BLK
-             else state.append_compressed_batch)(slots, flat, counts)
-        elif code == ADD:
-            for meta in _take(cols, at, "add_meta", n).tolist():
-                _add(state, cols, at, meta, next(adds, None))
-        elif code == FIN:
-            for slot in _take(cols, at, "fin_slots", n).tolist():
-                state.finish(slot)
-        elif code == SID or code == SVS:
-            for slot, v in _take(cols, at, _READS[code][0], n).tolist():
-                (state.set_state_id if code == SID else state.set_swa_valid_start)(slot, v)
-        elif code == SPEC and n == 1 and len(spec) > SPEC_WORDS * len(batches):
-            w = SPEC_WORDS * len(batches)
-            batches.append(_spec(state, cols, at, spec[w:w + SPEC_WORDS]))
-        else:
-            raise ReplicaError(f"step frame: unknown run ({code}, {n})")
-    for name, a in at.items():
-        if a != len(cols[name]) and name not in _UNREAD:
-            raise ReplicaError(f"step frame: {name} holds {len(cols[name])} entries, its runs read {a}")
+    r, si = 0, 0
+    while True:
+        status, r, si, gbuf, ph, vouched = replay(r, runs, buf, at, end, words, si, *arrays)
+        if status == S_END:
+            break
+        if status == S_SPEC:
+            batches.append(state.gathered(gbuf, ph, vouched, bool(spec[si - SPEC_WORDS])))
+            continue
+        pos = dict(zip(COLUMNS, ((at - starts[:-1]) // _WIDTH).tolist()))  # rows of each column
+        code, n = runs[r].tolist()
+        _run(state, named, pos, code, n, adds, spec, batches)
+        at[:] = starts[:-1] + _WIDTH * [pos[c] for c in COLUMNS]
+        si = SPEC_WORDS * len(batches)
+        r += 1
+    for i in np.flatnonzero((at != end) & _READ).tolist():  # the first column not read to its end
+        name = COLUMNS[i]
+        raise ReplicaError(f"step frame: {name} holds {len(named[name])} entries, its runs read "
+                           f"{(at[i] - starts[i]) // _WIDTH[i]}")
     if next(adds, None) is not None or len(spec) != SPEC_WORDS * len(batches):
         raise ReplicaError("step frame: more request ids or specs than its runs use")
     return batches
+
+
+_NO_WORDS = np.zeros(0, np.int64)
+_READ = np.array([c not in _UNREAD for c in COLUMNS])  # columns the runs must read to their end
+_WIDTH = np.array([WIDE.get(c, 1) for c in COLUMNS], np.int64)  # int64 values per row of each column
+
+
+def _run(state: BatchState, cols: dict[str, np.ndarray], at: dict[str, int], code: int, n: int, adds: Any,
+         spec: list[int], batches: list[SequenceBatch]) -> None:
+    """One run replayed with the driver's ``BatchState`` call(s); ``at``: the columns' cursors."""
+    if code == TOK or code == BLK or code == CMP:
+        names = _READS[code]
+        slots, counts = _take(cols, at, names[0], n), _take(cols, at, names[1], n)
+        flat = _take(cols, at, names[2], int(counts.sum()))
+        (state.append_tokens_batch if code == TOK else state.append_blocks_batch if code == BLK
+         else state.append_compressed_batch)(slots, flat, counts)
+    elif code == ADD:
+        for meta in _take(cols, at, "add_meta", n).tolist():
+            _add(state, cols, at, meta, next(adds, None))
+    elif code == FIN:
+        for slot in _take(cols, at, "fin_slots", n).tolist():
+            state.finish(slot)
+    elif code == SID or code == SVS:
+        for slot, v in _take(cols, at, _READS[code][0], n).tolist():
+            (state.set_state_id if code == SID else state.set_swa_valid_start)(slot, v)
+    elif code == SPEC and n == 1 and len(spec) > SPEC_WORDS * len(batches):
+        w = SPEC_WORDS * len(batches)
+        batches.append(_spec(state, cols, at, spec[w:w + SPEC_WORDS]))
+    else:
+        raise ReplicaError(f"step frame: unknown run ({code}, {n})")
 
 
 def _add(state: BatchState, cols: dict[str, np.ndarray], at: dict[str, int], meta: list[int],

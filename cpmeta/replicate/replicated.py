@@ -48,9 +48,9 @@ from ..broadcast.wire import FLAG_PACKED, Frame, WireError
 from ..transport.envs import ENV_TIMEOUT
 from .apply import ReplicaError, apply_step
 from .digest import N_BANDS, batch_check, first_difference, replica_digest, slot_digests, snapshot
-from .ops import COLUMNS, SPEC_WORDS
+from .ops import SPEC_WORDS
 from .recorder import Recorder, StepSpec, decode_spec
-from .step_frame import STEP_SCHEMA, column_dims, read_columns, step_key, write_columns
+from .step_frame import STEP_SCHEMA, Columns, column_dims, flat_columns, read_columns, step_key, write_columns
 
 __all__ = ["ReplicatedBatchState", "StepSpec", "DEFAULT_CHECK_EVERY"]
 
@@ -219,13 +219,13 @@ class ReplicatedBatchState(Recorder):
 
         self._ch.publish(prep, FLAG_PACKED, prep.exact, prep.region, write)
         if self._defer:  # sent: now the driver's replica takes the step, as every follower's
-            batches = self._apply_deferred(step, check, dict(zip(COLUMNS, cols)), req_ids, specs)
+            batches = self._apply_deferred(step, check, flat_columns(cols), req_ids, specs)
         self._log, self._next = self._next, log  # calls after the last spec open the next step
         log.clear()
         self.specs, self._pending, self._batches = tuple(self._pending), [], []
         return batches
 
-    def _apply_deferred(self, step: int, check: bool, cols: dict[str, np.ndarray], req_ids: list[Any],
+    def _apply_deferred(self, step: int, check: bool, cols: Columns, req_ids: list[Any],
                         spec: list[int]) -> list[SequenceBatch]:
         """``defer_apply`` driver, after sending: its own replica applies the step; a call the
         state refuses is the driver's ``ValueError`` (every follower refuses it the same way)."""
@@ -242,7 +242,7 @@ class ReplicatedBatchState(Recorder):
         return batches
 
     def _receive(self, step: int) -> list[SequenceBatch]:
-        def handler(frame: Frame, view: memoryview) -> tuple[dict[str, np.ndarray], list[Any]]:
+        def handler(frame: Frame, view: memoryview) -> tuple[Columns, list[Any]]:
             h = frame.head
             if not h.flags & FLAG_PACKED:
                 raise WireError("step frame without FLAG_PACKED")
@@ -255,7 +255,7 @@ class ReplicatedBatchState(Recorder):
             raise RuntimeError(f"rank {self.rank}: step frame {got_step} from src={self.src} where "
                                f"step {step} was expected ({'a replay' if got_step < step else 'a gap'}"
                                "); the replica refuses it")
-        self.specs = _specs_of(cols, spec)
+        self.specs = _specs_of(cols.named, spec)
         try:
             batches = apply_step(self.state, cols, req_ids, spec)
         except (ReplicaError, ValueError, IndexError) as e:
@@ -264,7 +264,7 @@ class ReplicatedBatchState(Recorder):
                    else "diverged")
             raise RuntimeError(f"rank {self.rank}: step {step}: this replica cannot apply the "
                                f"driver's step ({why}): {type(e).__name__}: {e}") from None
-        self._compare(batches, cols, step)
+        self._compare(batches, cols.named, step)
         return batches
 
     def _compare(self, batches: list[SequenceBatch], cols: dict[str, np.ndarray], step: int) -> None:

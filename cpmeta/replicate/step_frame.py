@@ -9,14 +9,16 @@ the four values and the column lengths.
 
 Driver and followers move the columns as numpy arrays: :func:`write_columns` copies them into
 the frame (one ``memmove`` each, no torch tensor per step), :func:`read_columns` cuts one
-private copy of the frame's region into int64 views.
+private copy of the frame's region into int64 views (:class:`Columns`, which the compiled replay
+of :mod:`cpmeta.replicate.replay_njit` walks as one buffer).
 """
 
 from __future__ import annotations
 
 import ctypes
+from itertools import accumulate
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -24,7 +26,8 @@ import torch
 from ..broadcast.schema import Schema
 from .ops import COLUMNS, WIDE
 
-__all__ = ["StepFrame", "STEP_SCHEMA", "step_key", "column_dims", "write_columns", "read_columns"]
+__all__ = ["StepFrame", "STEP_SCHEMA", "step_key", "column_dims", "write_columns", "read_columns",
+           "flat_columns", "Columns"]
 
 
 class _Col:
@@ -97,21 +100,38 @@ def write_columns(addr: int, cols: list[np.ndarray]) -> None:
         np.concatenate(flat, out=np.ctypeslib.as_array((ctypes.c_int64 * n).from_address(addr)))
 
 
-def read_columns(view: memoryview, at: int, numels: list[int], dims: tuple[int, ...]
-                 ) -> dict[str, np.ndarray]:
+def read_columns(view: memoryview, at: int, numels: list[int], dims: tuple[int, ...]) -> Columns:
     """One private int64 copy of the region at ``view[at:]`` cut into the named columns."""
-    total = sum(numels)
-    buf = np.empty(total, np.int64)
-    if total:
-        buf.view(np.uint8)[:] = np.frombuffer(view, np.uint8, total * 8, at)
-    out, pos, d = {}, 0, 0
-    for name, n in zip(COLUMNS, numels):
-        col = buf[pos:pos + n]
+    buf = np.empty(sum(numels), np.int64)
+    if len(buf):
+        buf.view(np.uint8)[:] = np.frombuffer(view, np.uint8, len(buf) * 8, at)
+    return _cut(buf, numels, dims)
+
+
+def flat_columns(cols: list[np.ndarray]) -> Columns:
+    """The driver's own columns (``OpLog.columns``) as one int64 buffer, as a follower holds them."""
+    buf = np.concatenate([c.ravel() for c in cols]) if cols else np.zeros(0, np.int64)
+    return _cut(buf, [c.size for c in cols], column_dims(cols))
+
+
+class Columns(NamedTuple):
+    """A step's columns: ``named`` views (``[k, w]`` for the wide ones) of ONE int64 ``buf``,
+    column ``i`` at ``buf[starts[i]:starts[i + 1]]`` (what the compiled replay walks)."""
+
+    named: dict[str, np.ndarray]
+    buf: np.ndarray
+    starts: np.ndarray
+
+
+def _cut(buf: np.ndarray, numels: list[int], dims: tuple[int, ...]) -> Columns:
+    bounds = [0, *accumulate(numels)]
+    out, d = {}, 0
+    for name, a, b in zip(COLUMNS, bounds, bounds[1:]):
+        col = buf[a:b]
         if name in WIDE:
             col = col.reshape(dims[d], dims[d + 1])
             d += 2
         else:
             d += 1
         out[name] = col
-        pos += n
-    return out
+    return Columns(out, buf, np.array(bounds, np.int64))

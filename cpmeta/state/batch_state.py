@@ -314,6 +314,11 @@ class BatchState(StateStore):
         assert code == E_PREFILL, code
         raise ValueError(f"request {req!r}: still in prefill ({v} of {lim} prompt tokens computed)")
 
+    def gathered(self, buf: np.ndarray, ph: np.ndarray, vouched: bool, is_prompt: bool) -> SequenceBatch:
+        """The ``SequenceBatch`` of a :func:`~cpmeta.state.state_njit.gather_step` result that a
+        compiled caller got on this state (``cpmeta.replicate.replay_njit``)."""
+        return _batch_of(buf, ph, self._vouch if vouched else None, is_prompt, self.lookback)
+
     def vouch_decode(self, slots: np.ndarray, draft_tokens: Optional[np.ndarray] = None,
                      num_drafts: Optional[np.ndarray | int] = None) -> Optional[VouchedStep]:
         """The decode step ``decode_batch(slots, draft_tokens, num_drafts)`` when the in-place GPU

@@ -113,6 +113,16 @@ class StateStore:
     def __len__(self) -> int:
         return len(self._slot)
 
+    def kernel_arrays(self) -> tuple[np.ndarray, ...]:
+        """The arrays a compiled caller in another room passes to this room's kernels, in their
+        argument order: ``(meta, active, token_ids, block_table, compressed, p, mark, bt32,
+        last32, err)`` (``cpmeta.replicate.replay_njit``: a step frame's appends and batch
+        specs, replayed with :func:`~cpmeta.state.state_njit.append_rows` and
+        :func:`~cpmeta.state.state_njit.gather_step`). Writing them other than through those
+        kernels breaks the state's invariants."""
+        return (self._meta, self.active, self.token_ids, self.block_table, self.compressed, self._p,
+                self._seen, self._bt32, self._last, self._err)
+
     def slot_of(self, req_id: Hashable) -> int:
         """The slot of a live request (``ValueError`` for an unknown id)."""
         try:

@@ -1,0 +1,144 @@
+"""A step frame's common runs replayed in ONE compiled call: appends and batch specs.
+
+:func:`replay` walks the frame's runs from run ``r`` and applies, with the state room's own
+kernels (``append_rows``, ``gather_step``: the code ``BatchState``'s calls run), every run of
+appended tokens, blocks or Engram ids, and gathers the next batch spec's ``SequenceBatch``
+arrays. A typical decode step (``TOK``, ``BLK``, ``SPEC``) is then one call where the
+``BatchState`` replay of :mod:`cpmeta.replicate.apply` made three, each through its Python
+argument checks (the replay's share of a follower's step after an idle gap is mostly those).
+
+It returns to Python (:mod:`cpmeta.replicate.apply`) at
+
+- a batch spec gathered: status :data:`S_SPEC`, the batch's buffer, placeholder mask and
+  whether the gather vouched for it (the caller wraps them as the ``SequenceBatch``);
+- a run it leaves to Python (``ADD``, ``FIN``, ``SID``, ``SVS``, an unknown run): :data:`S_RUN`;
+- ANY refusal (a column read past its end, a code of ``append_rows`` / ``gather_step``, an
+  argument the Python call would refuse): :data:`S_RUN` too, with ``err`` filled. Nothing of
+  that run is written (both kernels check before they write), so the caller replays the run
+  through the ``BatchState`` call, which raises the named error -- one table of messages.
+- the end of the runs: :data:`S_END`.
+
+Columns are cursors into ONE int64 buffer (the frame's region): ``at[c]`` the next entry of
+column ``c``, ``end[c]`` its end (indices of :data:`cpmeta.replicate.ops.COLUMNS`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..jit import kernel, warmer
+from ..state.state_njit import (K_BLOCKS, K_COMPRESSED, K_TOKENS, M_BLOCKS, M_COMPRESSED, M_TOKENS, append_rows,
+                                gather_step)
+from .ops import BLK, CMP, COLUMNS, SPEC, SPEC_WORDS, TOK
+
+__all__ = ["replay", "S_END", "S_SPEC", "S_RUN"]
+
+S_END, S_SPEC, S_RUN = 0, 1, 2
+_TOK_SLOTS, _BLK_SLOTS, _CMP_SLOTS = COLUMNS.index("tok_slots"), COLUMNS.index("blk_slots"), COLUMNS.index("cmp_slots")
+_SPEC_SLOTS = COLUMNS.index("spec_slots")
+
+
+@kernel
+def _fits(at: np.ndarray, end: np.ndarray, c: int, k: int) -> bool:
+    """``k`` more entries of column ``c`` exist (no ``at + k`` that could wrap past int64)."""
+    return 0 <= k <= end[c] - at[c]
+
+
+@kernel
+def replay(r: int, runs: np.ndarray, buf: np.ndarray, at: np.ndarray, end: np.ndarray, spec: np.ndarray,
+           si: int, meta: np.ndarray, active: np.ndarray, token_ids: np.ndarray, block_table: np.ndarray,
+           compressed: np.ndarray, p: np.ndarray, mark: np.ndarray, bt32: np.ndarray, last32: np.ndarray,
+           err: np.ndarray) -> tuple[int, int, int, np.ndarray, np.ndarray, bool]:
+    """Apply runs from ``r`` (``runs`` [r, 2] = (code, entries)); ``spec`` the specs' words
+    (:data:`~cpmeta.replicate.ops.SPEC_WORDS` each), ``si`` the next one's index.
+
+    Returns ``(status, r, si, batch buffer, placeholder mask, vouched)``: ``r`` the run to
+    resume at (:data:`S_SPEC`: the one after the spec; :data:`S_RUN`: the run Python takes),
+    the buffer and mask empty unless :data:`S_SPEC`. ``err[0]`` is nonzero only when a kernel
+    of the state room refused the run (Python's replay names it either way)."""
+    empty = np.zeros(0, np.int64)
+    no_ph = np.zeros(0, np.bool_)
+    err[0] = 0
+    n_runs = runs.shape[0]
+    while r < n_runs:
+        code, k = runs[r, 0], runs[r, 1]
+        if code == TOK or code == BLK or code == CMP:
+            c = _TOK_SLOTS if code == TOK else _BLK_SLOTS if code == BLK else _CMP_SLOTS
+            if not (_fits(at, end, c, k) and _fits(at, end, c + 1, k)):
+                return S_RUN, r, si, empty, no_ph, False
+            slots = buf[at[c]:at[c] + k]
+            counts = buf[at[c + 1]:at[c + 1] + k]
+            tot, room = 0, end[c + 2] - at[c + 2]
+            for i in range(k):
+                if counts[i] < 0 or counts[i] > room - tot:  # refused (Python names it), never wraps
+                    return S_RUN, r, si, empty, no_ph, False
+                tot += counts[i]
+            flat = buf[at[c + 2]:at[c + 2] + tot]
+            if code == TOK:
+                rc = append_rows(K_TOKENS, slots, flat, counts, token_ids, meta[M_TOKENS], active, mark, bt32,
+                                 last32, err)
+            elif code == BLK:
+                rc = append_rows(K_BLOCKS, slots, flat, counts, block_table, meta[M_BLOCKS], active, mark, bt32,
+                                 last32, err)
+            else:
+                rc = append_rows(K_COMPRESSED, slots, flat, counts, compressed, meta[M_COMPRESSED], active, mark,
+                                 bt32, last32, err)
+            if rc:
+                return S_RUN, r, si, empty, no_ph, False
+            at[c] += k
+            at[c + 1] += k
+            at[c + 2] += tot
+            r += 1
+        elif code == SPEC and k == 1 and si + SPEC_WORDS <= spec.shape[0]:
+            is_prompt, n_ph, advance, uniform = spec[si], spec[si + 1], spec[si + 2], spec[si + 3]
+            ns, nl, nd = spec[si + 4], spec[si + 5], spec[si + 6]
+            c = _SPEC_SLOTS
+            if n_ph < 0 or not (_fits(at, end, c, ns) and _fits(at, end, c + 1, nl) and _fits(at, end, c + 2, nd)):
+                return S_RUN, r, si, empty, no_ph, False
+            slots = buf[at[c]:at[c] + ns]
+            lens = buf[at[c + 1]:at[c + 1] + nl]
+            drafts = buf[at[c + 2]:at[c + 2] + nd]
+            if is_prompt:  # BatchState.prompt_batch(slots, lens, num_placeholders, advance)
+                g, ph, ok = gather_step(True, slots, lens, -1, empty, n_ph, advance != 0, meta, active, token_ids,
+                                        block_table, compressed, p, mark, err)
+            else:  # BatchState.decode_batch with the recorded draft count(s) (recorder.decode_spec)
+                if uniform >= 0:
+                    k_all, q = uniform, empty
+                elif uniform == -1 and nl == ns:
+                    k_all, q = -1, lens
+                elif uniform < -1 and nd == 0:
+                    k_all, q = 0, empty
+                else:
+                    return S_RUN, r, si, empty, no_ph, False
+                g, ph, ok = gather_step(False, slots, q, k_all, drafts, n_ph, False, meta, active, token_ids,
+                                        block_table, compressed, p, mark, err)
+            if ph.shape[0] != ns + n_ph:
+                return S_RUN, r, si, empty, no_ph, False
+            at[c] += ns
+            at[c + 1] += nl
+            at[c + 2] += nd
+            return S_SPEC, r + 1, si + SPEC_WORDS, g, ph, ok
+        else:
+            return S_RUN, r, si, empty, no_ph, False
+    return S_END, r, si, empty, no_ph, False
+
+
+@warmer
+def _warm() -> None:
+    """Compile / load :func:`replay` on a two-slot state: one token run, one decode spec."""
+    from ..state import BatchState
+    from ..config import MetadataConfig
+
+    st = BatchState(MetadataConfig(dense_compress_ratios=(), sparse_compress_ratios=(), window_size=0), 2)
+    s = st.add_request(0, [1, 2], [0], 0)
+    runs = np.array([[TOK, 1], [SPEC, 1]], np.int64)
+    n = len(COLUMNS)
+    buf = np.array([s, 1, 7, s], np.int64)
+    at, end = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    at[_TOK_SLOTS:_TOK_SLOTS + 3] = [0, 1, 2]
+    end[_TOK_SLOTS:_TOK_SLOTS + 3] = [1, 2, 3]
+    at[_SPEC_SLOTS:_SPEC_SLOTS + 3] = 3
+    end[_SPEC_SLOTS] = 4
+    end[_SPEC_SLOTS + 1:_SPEC_SLOTS + 3] = 3
+    spec = np.array([0, 0, 1, -2, 1, 0, 0], np.int64)
+    replay(0, runs, buf, at, end, spec, 0, *st.kernel_arrays())

@@ -1,0 +1,295 @@
+"""A follower's replay of a step frame (``cpmeta.replicate.apply.apply_step``: the compiled
+append / batch-spec replay, Python for the rest) against the driver's direct ``BatchState`` calls.
+
+The driver side is the real recorder (``cpmeta.replicate.recorder.Recorder``) on a plain state,
+no process group: its calls apply to state A and are recorded as ``ReplicatedBatchState._send``
+frames them; state B applies each frame and must return A's batches and stand where A stood at
+the frame's last batch spec. Malformed frames raise the named error and leave the refused run
+unwritten.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+from unittest import mock
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cpmeta import BatchState, SequenceBatch
+from cpmeta.launch.scheduler import default_config, plain_config
+from cpmeta.replicate import apply as apply_mod
+from cpmeta.replicate.apply import ReplicaError, apply_step
+from cpmeta.replicate.ops import BLK, CMP, COLUMNS, SPEC, TOK, OpLog
+from cpmeta.replicate.recorder import Recorder
+from cpmeta.replicate.step_frame import flat_columns
+
+CFGS = {"plain": plain_config(max_model_len=2048), "seed": default_config(max_model_len=2048)}  # seed: Engram + SWA
+NO_DIGEST = np.zeros((0, 4), np.int64)
+ROOT = Path(__file__).resolve().parents[1]
+COL = {c: i for i, c in enumerate(COLUMNS)}
+ARRAY_FIELDS = [f.name for f in dataclasses.fields(SequenceBatch) if f.name not in ("is_prompt", "lookback", "_vouch")]
+
+
+def _state(cfg_name: str) -> BatchState:
+    return BatchState(CFGS[cfg_name], max_seqs=8, max_tokens=48, max_blocks=8)
+
+
+def _public(s: BatchState, full: bool = False) -> dict[str, Any]:
+    """The state's public arrays (copies); ``full``: whole rows, else each row's used part."""
+    def rows(a: np.ndarray, k: np.ndarray) -> np.ndarray:
+        return a.copy() if full else np.concatenate([a[i, :k[i]] for i in range(s.max_seqs)])
+    out = {"token_ids": rows(s.token_ids, s.num_tokens), "block_table": rows(s.block_table, s.num_blocks),
+           "compressed": rows(s.compressed, s.num_compressed), "free_slots": s.free_slots(),
+           "requests": [s.request_of(i) for i in range(s.max_seqs)]}
+    for name in ("num_tokens", "num_computed", "prompt_len", "num_blocks", "num_compressed", "state_id",
+                 "swa_valid_start", "active", "block_rows32", "last_tokens32", "state_ids32"):
+        out[name] = getattr(s, name).copy()
+    return out
+
+
+def _assert_same_state(got: dict[str, Any], want: dict[str, Any]) -> None:
+    for name, w in want.items():
+        assert np.array_equal(got[name], w), (name, got[name], w)
+
+
+def _assert_same_batches(got: list[SequenceBatch], want: list[SequenceBatch]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        for name in ARRAY_FIELDS:
+            a, b = getattr(g, name), getattr(w, name)
+            assert a.dtype == b.dtype and np.array_equal(a, b), (name, a, b)
+        assert (g.is_prompt, g.lookback, g._vouch is None) == (w.is_prompt, w.lookback, w._vouch is None)
+
+
+class _Driver(Recorder):
+    """The recorder's calls on a plain ``BatchState`` (state A); :meth:`frame` cuts a step as
+    ``ReplicatedBatchState._send`` does and notes where A stood at the step's last spec."""
+
+    def __init__(self, state: BatchState) -> None:
+        self.state = state
+        self._init_recorder()
+        self._at_last_spec: dict[str, Any] | None = None
+
+    def _driver(self, what: str) -> None:
+        pass
+
+    def _at_spec(self) -> None:
+        self._at_last_spec = _public(self.state)
+
+    def frame(self) -> tuple[Any, list[Any], list[int], list[SequenceBatch], dict[str, Any]]:
+        log = self._log
+        out = (flat_columns(log.columns(NO_DIGEST)), list(log.req_ids), list(log.specs), list(self._batches),
+               self._at_last_spec or _public(self.state))
+        self._log, self._next = self._next, log  # calls after the last spec open the next step
+        log.clear()
+        self._batches, self._pending, self._at_last_spec = [], [], None
+        return out
+
+
+def _sync(d: _Driver, b: BatchState) -> list[SequenceBatch]:
+    """One step: B applies A's frame; B's batches and state must equal A's, and no append run or
+    batch spec of this valid frame left the compiled replay for the Python one."""
+    cols, req_ids, specs, want, at_spec = d.frame()
+    with mock.patch.object(apply_mod, "_run", wraps=apply_mod._run) as in_python:
+        got = apply_step(b, cols, req_ids, specs)
+    codes = [call.args[3] for call in in_python.call_args_list]  # _run(state, cols, at, code, ...)
+    assert not {TOK, BLK, CMP, SPEC} & set(codes), codes
+    _assert_same_batches(got, want)
+    _assert_same_state(_public(b), at_spec)
+    return got
+
+
+@pytest.mark.parametrize("cfg_name", list(CFGS))
+def test_named_steps_replay_as_driver_calls(cfg_name: str) -> None:
+    """Prefill chunks (placeholders, advance off), a mixed step, decode with drafts None / one
+    count / per-slot counts, two appends to one slot, finish + re-add in one step, a step
+    without a spec: every frame replays to A's batches and A's state."""
+    engram = CFGS[cfg_name].max_ngram_size > 0
+    d, b = _Driver(_state(cfg_name)), _state(cfg_name)
+    comp = [40, 41] if engram else []
+    x = d.add_request("a", [3, 4, 5, 6, 7, 8], [1], 1, compressed_token_ids=comp)
+    y = d.add_request(7, [9, 10, 11, 12], [2, 3], 2, num_computed=4, swa_valid_start=1)
+    d.prompt_batch([x], [4], num_placeholders=1)
+    d.append_blocks(x, [5])  # after the spec: travels with the next frame
+    assert len(_sync(d, b)) == 1
+    d.prompt_batch([x], [1], advance=False)
+    d.append_tokens(y, [13])  # between two specs of one step (a mixed step)
+    d.prompt_batch([x], [2])
+    d.decode_batch(np.array([y]))
+    assert [bt.is_prompt for bt in _sync(d, b)] == [True, True, False]
+    d.append_tokens_batch(np.array([x, y]), np.array([14, 15, 16]), np.array([1, 2]))
+    d.append_tokens(x, [17])  # x again: a new run keeps the order
+    d.append_blocks_batch(np.array([y, x]), np.array([6, 7]), np.array([1, 1]))
+    d.set_state_id(y, 5)
+    d.set_swa_valid_start(x, 2)
+    if engram:
+        d.append_compressed_batch(np.array([x, y]), np.array([42, 43, 44]), np.array([2, 1]))
+    d.decode_batch(np.array([x, y]), np.array([20, 21, 22, 23]), 2)
+    _sync(d, b)
+    d.decode_batch(np.array([y, x]), np.array([24, 25, 26]), np.array([1, 2]), num_placeholders=2)
+    d.decode_batch(np.array([x]), None, np.int64(0))
+    _sync(d, b)
+    d.finish(x)
+    z = d.add_request("c", [1, 2], [8], 3)  # x's slot again
+    assert z == x
+    d.append_tokens(z, [9])
+    d.decode_batch(np.array([y]), np.array([27]), [1])
+    _sync(d, b)
+    d.finish(y)
+    d.set_state_id(z, 6)
+    assert _sync(d, b) == []  # ops only: no batch
+    _assert_same_state(_public(b), _public(d.state))
+
+
+def _draw_calls(d: _Driver, data: st.DataObject, ids: list[int]) -> None:
+    """One step's random driver calls; a call state A refuses is neither applied nor recorded."""
+    s = d.state
+    engram = s.cfg.max_ngram_size > 0
+    ints = lambda lo, hi: data.draw(st.integers(lo, hi))  # noqa: E731
+    for _ in range(ints(0, 6)):
+        live = [int(i) for i in np.flatnonzero(s.active)]
+        done = [i for i in live if s.num_computed[i] == s.prompt_len[i]]
+        op = data.draw(st.sampled_from(["add", "tok", "blk", "cmp", "sid", "svs", "fin", "prompt", "decode"]
+                                       if live else ["add"]))
+        some = data.draw(st.lists(st.sampled_from(done if op == "decode" and done else live or [0]),
+                                  unique=True, max_size=4))
+        counts = [ints(0, 3) for _ in some]
+        flat = [ints(0, 999) for _ in range(sum(counts))]
+        try:
+            if op == "add":
+                ids[0] += 1
+                n = ints(1, 8)
+                d.add_request(ids[0], [ints(0, 999) for _ in range(n)], [ints(0, 99) for _ in range(ints(0, 2))],
+                              ints(0, 20), compressed_token_ids=list(range(ints(0, n) if engram else 0)),
+                              swa_valid_start=ints(0, 4), num_computed=n if ints(0, 1) else ints(0, n))
+            elif op in ("tok", "blk") or op == "cmp" and engram:
+                call = {"tok": d.append_tokens_batch, "blk": d.append_blocks_batch, "cmp": d.append_compressed_batch}
+                call[op](np.array(some, np.int64), np.array(flat, np.int64), np.array(counts, np.int64))
+            elif op in ("sid", "svs") and some:
+                (d.set_state_id if op == "sid" else d.set_swa_valid_start)(some[0], ints(0, 20))
+            elif op == "fin" and some:
+                d.finish(some[0])
+            elif op == "prompt":
+                lens = [max(1, int(s.prompt_len[i] - s.num_computed[i])) for i in some]
+                d.prompt_batch(some, [k if ints(0, 1) else ints(1, k) for k in lens], num_placeholders=ints(0, 2),
+                               advance=ints(0, 3) > 0)
+            elif op == "decode":
+                k = ints(0, 2)  # drafts: none, one count for all, per-slot counts
+                drafts = {"none": (None, None), "one": (np.arange(k * len(some)) + 100 if k else None, k),
+                          "per": (np.array(flat, np.int64), np.array(counts, np.int64))}
+                d.decode_batch(np.array(some, np.int64), *drafts[data.draw(st.sampled_from(list(drafts)))],
+                               num_placeholders=ints(0, 2))
+        except ValueError:
+            pass  # refused by A (a capacity, a state id held, still in prefill ...): nothing recorded
+
+
+@settings(max_examples=60, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+@pytest.mark.parametrize("cfg_name", list(CFGS))
+def test_random_steps_replay_as_driver_calls(cfg_name: str, data: st.DataObject) -> None:
+    d, b, ids = _Driver(_state(cfg_name)), _state(cfg_name), [0]
+    for _ in range(data.draw(st.integers(1, 6))):
+        _draw_calls(d, data, ids)
+        _sync(d, b)
+
+
+# ---- malformed / refused frames -----------------------------------------------------------------
+BIG = 2**63 - 1  # a count whose cursor + count would overflow int64 (the replay must not wrap)
+
+
+def _live3() -> BatchState:
+    """Slots 0 and 1 done with their prefill, slot 2 still in it (plain config)."""
+    s = BatchState(CFGS["plain"], max_seqs=8, max_tokens=48, max_blocks=8)
+    for rid, computed in (("a", 3), ("b", 3), ("c", 1)):
+        s.add_request(rid, [3, 4, 5], [1], 0, num_computed=computed)
+    return s
+
+
+def _tok(log: OpLog, slots: list[int], counts: list[int], flat: list[int]) -> None:
+    log.ragged(TOK, np.array(slots), np.array(counts), np.array(flat))
+
+
+def _spec(log: OpLog, is_prompt: bool, slots: list[int], lens: list[int], drafts: list[int], n_ph: int,
+          uniform: int) -> None:
+    i64 = lambda v: np.array(v, np.int64)  # noqa: E731
+    log.batch_spec(is_prompt, i64(slots), i64(lens), i64(drafts), n_ph, True, uniform)
+
+
+def _put(cols: list[np.ndarray], name: str, at: Any, v: Any) -> None:
+    cols[COL[name]][at] = v
+
+
+def _case(name: str, record: Callable, tamper: Callable | None, exc: type, match: str) -> Any:
+    return pytest.param(record, tamper, exc, match, id=name)
+
+
+BAD = [  # (record the bad part, tamper (columns, spec words), exception, message)
+    _case("tok_on_free_slot", lambda g: _tok(g, [5], [1], [7]), None, ValueError,
+          r"slots: expected slots of live requests, got \[5\]"),
+    _case("runs_past_tok_slots", lambda g: _tok(g, [1], [1], [7]), lambda c, w: _put(c, "runs", (-1, 1), 2),
+          ReplicaError, "step frame: tok_slots holds 1 entries, its runs read 2"),
+    _case("tok_flat_truncated", lambda g: _tok(g, [1], [2], [7, 8]),
+          lambda c, w: c.__setitem__(COL["tok_flat"], c[COL["tok_flat"]][:1]),
+          ReplicaError, "step frame: tok_flat holds 1 entries, its runs read 2"),
+    _case("negative_token_id", lambda g: _tok(g, [1], [2], [7, -3]), None, ValueError,
+          "request 'b': tokens: expected ids >= 0, got -3"),
+    _case("decode_lens_not_per_slot", lambda g: _spec(g, False, [0, 1], [1], [5], 0, -1), None, ValueError,
+          "num_drafts: expected 2 counts >= 0"),
+    _case("decode_drafts_without_counts", lambda g: _spec(g, False, [0, 1], [], [5, 6], 0, -2), None, ValueError,
+          "num_drafts: expected 2 counts >= 0 summing to 2 drafts"),
+    _case("prompt_negative_placeholders", lambda g: _spec(g, True, [2], [1], [], -1, -2), None, ValueError,
+          "num_placeholders: expected >= 0, got -1"),
+    _case("unknown_run_code", lambda g: None, lambda c, w: c.__setitem__(0, np.vstack([c[0], [[99, 1]]])),
+          ReplicaError, r"unknown run \(99, 1\)"),
+    _case("spec_run_of_two", lambda g: _spec(g, False, [0], [], [], 0, -2), lambda c, w: _put(c, "runs", (-1, 1), 2),
+          ReplicaError, rf"unknown run \({SPEC}, 2\)"),
+    _case("decode_drafts_count_overflows_then_tok_run",  # the spec is refused: the TOK run after it not applied
+          lambda g: (_spec(g, False, [0], [], [], 0, 0), _tok(g, [1], [1], [7])), lambda c, w: w.__setitem__(6, BIG),
+          ReplicaError, "step frame: spec_drafts holds 0 entries"),
+]
+
+
+@pytest.mark.parametrize("record, tamper, exc, match", BAD)
+def test_refused_run_raises_its_error_and_writes_nothing(record: Callable, tamper: Any, exc: type, match: str) -> None:
+    """Each frame opens with a valid BLK run (applied: B ends where a twin with that one call
+    stands), then the bad run: its named error, none of it written."""
+    log = OpLog(8)
+    log.ragged(BLK, np.array([0]), np.array([1]), np.array([9]))
+    record(log)
+    cols, words = [c.copy() for c in log.columns(NO_DIGEST)], list(log.specs)
+    if tamper:
+        tamper(cols, words)
+    twin, b = _live3(), _live3()
+    twin.append_blocks(0, [9])
+    with pytest.raises(exc, match=match):
+        apply_step(b, flat_columns(cols), list(log.req_ids), words)
+    _assert_same_state(_public(b, full=True), _public(twin, full=True))
+
+
+def test_spec_words_not_a_multiple_refused_before_any_run() -> None:
+    log = OpLog(8)
+    _tok(log, [0], [1], [7])
+    _spec(log, False, [0], [], [], 0, -2)
+    b = _live3()
+    before = _public(b, full=True)
+    with pytest.raises(ReplicaError, match="13 spec values, not a multiple of 7"):
+        apply_step(b, flat_columns(log.columns(NO_DIGEST)), [], list(log.specs) + [0] * 6)
+    _assert_same_state(_public(b, full=True), before)
+
+
+def test_run_count_near_int64_max_is_refused_not_a_crash() -> None:
+    """runs [[TOK, 2**63 - 1]] (tok_slots at buffer index 2): a ReplicaError, in a child process
+    (the compiled replay may crash it)."""
+    code = (f"import numpy as np; from tests import test_replay as t; g = t.OpLog(8); t._tok(g, [0], [1], [7]); "
+            f"c = list(g.columns(t.NO_DIGEST)); c[0] = np.array([[{TOK}, {BIG}]])\n"
+            "try: t.apply_step(t._live3(), t.flat_columns(c), [], [])\n"
+            "except t.ReplicaError as e: print('refused:', e)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "refused: step frame: tok_slots holds 1 entries" in out.stdout, out
