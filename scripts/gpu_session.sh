@@ -10,6 +10,8 @@
 #                                            # strategies), broadcast vs vLLM's MessageQueue and tensor dict
 #   bash scripts/gpu_session.sh wire         # the host's cores at world 8: ring slot size, follower spin,
 #                                            # an experiment tree in .alt against this one
+#   bash scripts/gpu_session.sh replay       # the host's cores: this tree against .alt at worlds 2 and 8
+#                                            # (every host strategy, plain and seed), the idle-gap probe
 #   bash scripts/gpu_session.sh compare      # the host's cores, before / after in one run: the commit in
 #                                            # .baseline (git archive REV | tar -x -C .baseline; carry it)
 #                                            # and this tree, end-to-end step (plain and compressed-KV
@@ -121,6 +123,20 @@ wire)  # ~7 min: the host's cores at world 8, the transport's knobs one at a tim
     --steps 150
   rm -f "$OUT"/*.png  # at most 8 files come back: the 7 JSON files and one log
   ;;
+replay)  # ~6 min: this tree against the tree in .alt (git archive REV | tar -x -C .alt), plain and
+  # seed models, worlds 2 and 8, every host strategy; then what an idle gap costs a call on this host
+  MQ=""; [ -d mq_bundle312 ] && MQ=":$PWD/mq_bundle312"
+  python3 -c 'import cpmeta.jit as j; j.warm_all()'
+  [ -d .alt/scripts ] && (cd .alt && PYTHONPATH=$PWD python3 -c 'import cpmeta.jit as j; j.warm_all()')
+  TAILN=16 step cold 120 python3 scripts/profile_phases.py cold --out "$OUT/h200_cold.json"
+  for M in plain seed; do for V in alt default; do
+    ROOT=$PWD; if [ $V = alt ]; then [ -d .alt/scripts ] || continue; ROOT=$PWD/.alt; fi
+    TAILN=16 step replay_${M}_$V 110 env PYTHONPATH="$ROOT$MQ" VLLM_TARGET_DEVICE=cpu python3 "$ROOT/scripts/bench_step.py" \
+      --model $M --worlds 2 8 --workloads decode-64 decode-256 --strategies broadcast replicate replicate-defer \
+      mq-replicate --steps 40 --warmup 6 --budget 3 --no-cold --out "$OUT/h200_replay.$M.$V.json"
+  done; done
+  rm -f "$OUT"/*.png  # at most 8 files come back: 5 JSON files and one log archive
+  ;;
 short)  # ~9 min when the device time is short: the GPU tests, then compare's end-to-end step trimmed
   TAILN=8 step gpu_tests 240 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu or triton or graph or nccl" \
     tests/test_builders.py tests/test_builders_smoke.py tests/test_decode_inplace.py tests/test_cuda_graph.py \
@@ -138,7 +154,7 @@ short)  # ~9 min when the device time is short: the GPU tests, then compare's en
   done
   ;;
 *)
-  echo "unknown suite $SUITE: expected tests, bench-gpu, bench-cpu, compare, wire or short" >&2; exit 2
+  echo "unknown suite $SUITE: expected tests, bench-gpu, bench-cpu, compare, wire, replay or short" >&2; exit 2
   ;;
 esac
 # one file for every log (the device tool brings back at most 8 files)

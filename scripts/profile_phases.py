@@ -5,6 +5,7 @@
     python scripts/profile_phases.py broadcast --world 2 --payload decode-64   # MetadataBroadcaster, both sides, real processes
     python scripts/profile_phases.py inplace --out $OUT/h200_inplace_step.json # the in-place decode step's pieces (--cp: + CP driver)
     python scripts/profile_phases.py replicate --backend nccl --steps 200      # cProfile: replicated in-place vs staged broadcast
+    python scripts/profile_phases.py cold --out $OUT/cold.json                 # what an idle gap costs the next call
 
 Phases are timed by :func:`bench_meta.interleaved` (one call of each phase per round, shuffled,
 so machine load hits them alike) or, for ``broadcast``, by timers wrapped around the library's
@@ -554,6 +555,81 @@ def inplace_main(args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
+# ---- cold: what an idle gap costs the next call ------------------------------------------------
+
+COLD_DOC = """What an idle gap before a call costs it, one process: p50 of each probe right after a gap.
+
+Probes: ``njit1`` (a compiled call of one int: the dispatch alone), ``py200`` (a 200-iteration
+Python loop), ``np64k`` (a numpy sum over 64 KB), ``gather`` (``BatchState.decode_batch`` of 64
+sequences, plain config), ``build`` (``prepare_decode`` of that batch into reused
+``OutputArenas``) and ``replay`` (a replica applying that decode step's frame:
+``cpmeta.replicate.apply.apply_step``, state restored untimed). Gaps: ``sleep`` (``time.sleep``,
+how a parked rank idles) and ``busy`` (a Python spin on the clock: the core stays awake), 0 to 10
+ms. A probe that costs the same after any gap is bound by its own work; one that grows with the
+gap is bound by what the machine evicted meanwhile (caches, TLB, predictors) -- on the 2-core VM a
+one-int compiled call goes from ~0.6 us to ~17 us after 3 ms of sleep.
+"""
+
+
+def cold_main(args: argparse.Namespace, argv: list[str]) -> int:
+    from cpmeta.base_njit import blocks_needed_one
+    from cpmeta.launch.scheduler import plain_config
+    from cpmeta.replicate.apply import apply_step
+    from cpmeta.replicate.ops import BLK, COLUMNS, TOK, OpLog
+    from cpmeta.replicate.step_frame import flat_columns
+
+    cfg = plain_config()
+    seqs = decode_batch(random.Random(0), cfg, 64, 0)
+    st, slots, _ = _state_from(seqs, cfg, False)
+    rep, _, _ = _state_from(seqs, cfg, False)
+    arenas, sb = OutputArenas(), st.decode_batch(slots)
+    log, rng = OpLog(64), np.random.default_rng(0)
+    log.ragged(TOK, slots, np.ones(64, np.int64), rng.integers(0, 1000, 64))
+    log.ragged(BLK, slots[::8].copy(), np.ones(8, np.int64), rng.integers(0, 1000, 8))
+    log.batch_spec(False, slots, np.zeros(0, np.int64), np.zeros(0, np.int64), 0, True, -2)
+    cols, specs, meta0 = flat_columns(log.columns(np.zeros((0, 4), np.int64))), list(log.specs), rep._meta.copy()
+    assert len(cols.named) == len(COLUMNS)
+    big = np.ones(8192)
+
+    def replay() -> None:
+        apply_step(rep, cols, [], specs)
+
+    probes: dict[str, Callable[[], Any]] = {
+        "njit1": lambda: blocks_needed_one(300, 128, 4, 1, 1),
+        "py200": lambda: sum(i for i in range(200)),
+        "np64k": big.sum,
+        "gather": lambda: st.decode_batch(slots),
+        "build": lambda: prepare_decode(sb, cfg, out=arenas),
+        "replay": replay,
+    }
+    results: dict[str, Any] = {}
+    for mode in ("sleep", "busy"):
+        for gap_ms in args.gaps_ms:
+            row = {}
+            for name, fn in probes.items():
+                for _ in range(5):
+                    fn()
+                ts = []
+                for _ in range(args.repeat):
+                    t0 = time.perf_counter()
+                    if mode == "sleep":
+                        time.sleep(gap_ms / 1e3)
+                    else:
+                        while time.perf_counter() - t0 < gap_ms / 1e3:
+                            pass
+                    t1 = time.perf_counter()
+                    fn()
+                    ts.append((time.perf_counter() - t1) * 1e6)
+                    rep._meta[:] = meta0  # the replica back where the frame applies (untimed)
+                row[name] = float(np.median(ts))
+            results[f"{mode}_{gap_ms:g}ms"] = row
+            print(f"{mode:5s} {gap_ms:5g} ms  " + "  ".join(f"{k} {v:7.1f}" for k, v in row.items()))
+    print("(p50 us of one call right after the gap)")
+    if args.out:
+        write_result(args.out, {"results": results}, argv)
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -590,9 +666,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--top", type=int, default=22)
 
+    p = sub.add_parser("cold", description=COLD_DOC, formatter_class=fmt, help="what an idle gap costs a call")
+    p.add_argument("--gaps-ms", type=float, nargs="+", default=[0, 0.3, 1, 3, 10])
+    p.add_argument("--repeat", type=int, default=200)
+    p.add_argument("--out", default="", help="JSON output path ('' = none)")
+
     args = ap.parse_args(argv)
     run = {"build": build_main, "broadcast": broadcast_main, "inplace": inplace_main,
-           "replicate": replicate_main}[args.cmd]
+           "replicate": replicate_main, "cold": cold_main}[args.cmd]
     return run(args, argv)
 
 
