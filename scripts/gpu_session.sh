@@ -128,12 +128,12 @@ replay)  # ~6 min: this tree against the tree in .alt (git archive REV | tar -x 
   MQ=""; [ -d mq_bundle312 ] && MQ=":$PWD/mq_bundle312"
   python3 -c 'import cpmeta.jit as j; j.warm_all()'
   [ -d .alt/scripts ] && (cd .alt && PYTHONPATH=$PWD python3 -c 'import cpmeta.jit as j; j.warm_all()')
-  TAILN=16 step cold 120 python3 scripts/profile_phases.py cold --out "$OUT/h200_cold.json"
+  TAILN=16 step cold 120 python3 scripts/profile_phases.py cold --out "$OUT/h200_wire.cold.json"
   for M in plain seed; do for V in alt default; do
     ROOT=$PWD; if [ $V = alt ]; then [ -d .alt/scripts ] || continue; ROOT=$PWD/.alt; fi
     TAILN=16 step replay_${M}_$V 110 env PYTHONPATH="$ROOT$MQ" VLLM_TARGET_DEVICE=cpu python3 "$ROOT/scripts/bench_step.py" \
       --model $M --worlds 2 8 --workloads decode-64 decode-256 --strategies broadcast replicate replicate-defer \
-      mq-replicate --steps 40 --warmup 6 --budget 3 --no-cold --out "$OUT/h200_replay.$M.$V.json"
+      mq-replicate --steps 40 --warmup 6 --budget 3 --no-cold --out "$OUT/h200_wire.replay-$M-$V.json"
   done; done
   rm -f "$OUT"/*.png  # at most 8 files come back: 5 JSON files and one log archive
   ;;
