@@ -26,6 +26,7 @@ from cpmeta import BatchState, SequenceBatch
 from cpmeta.launch.scheduler import default_config, plain_config
 from cpmeta.replicate import apply as apply_mod
 from cpmeta.replicate.apply import ReplicaError, apply_step
+from cpmeta.replicate.digest import batch_check
 from cpmeta.replicate.ops import BLK, CMP, COLUMNS, SPEC, TOK, OpLog
 from cpmeta.replicate.recorder import Recorder
 from cpmeta.replicate.step_frame import flat_columns
@@ -98,10 +99,12 @@ def _sync(d: _Driver, b: BatchState) -> list[SequenceBatch]:
     batch spec of this valid frame left the compiled replay for the Python one."""
     cols, req_ids, specs, want, at_spec = d.frame()
     with mock.patch.object(apply_mod, "_run", wraps=apply_mod._run) as in_python:
-        got = apply_step(b, cols, req_ids, specs)
+        got, check = apply_step(b, cols, req_ids, specs)
     codes = [call.args[3] for call in in_python.call_args_list]  # _run(state, cols, at, code, ...)
     assert not {TOK, BLK, CMP, SPEC} & set(codes), codes
     _assert_same_batches(got, want)
+    want_check = batch_check(want)  # the step check the replay wrote = the driver's batch_check
+    assert check.shape == want_check.shape and np.array_equal(check, want_check), (check, want_check)
     _assert_same_state(_public(b), at_spec)
     return got
 

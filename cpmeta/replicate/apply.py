@@ -15,6 +15,7 @@ import numpy as np
 
 from ..state import BatchState, SequenceBatch
 from .ops import ADD, BLK, CMP, COLUMNS, FIN, SID, SPEC, SPEC_WORDS, SVS, TOK, WIDE
+from .digest import batch_check
 from .replay_njit import S_END, S_SPEC, replay
 from .step_frame import Columns
 
@@ -42,8 +43,10 @@ def _take(cols: dict[str, np.ndarray], at: dict[str, int], name: str, k: int) ->
     return col[a:a + k]
 
 
-def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[int]) -> list[SequenceBatch]:
-    """Apply the step's runs to ``state`` in order; return the specs' batches (in call order).
+def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[int]
+               ) -> tuple[list[SequenceBatch], np.ndarray]:
+    """Apply the step's runs to ``state`` in order; return the specs' batches (in call order)
+    and their step check (``digest.batch_check(batches)``, written by the replay).
 
     ``cols``: every column of :data:`cpmeta.replicate.ops.COLUMNS` as the frame carried it
     (:class:`~cpmeta.replicate.step_frame.Columns`: named views of one int64 buffer);
@@ -64,16 +67,20 @@ def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[
     except (OverflowError, TypeError, ValueError):
         words = _NO_WORDS  # every spec then replayed below, which names the bad value
     arrays = state.kernel_arrays()
+    rows = len(words) // SPEC_WORDS + int(words[4::SPEC_WORDS].sum() + words[1::SPEC_WORDS].sum())
+    check = np.empty((rows if 0 <= rows <= _MAX_CHECK_ROWS else 0, 4), np.int64)  # else: batch_check below
     batches: list[SequenceBatch] = []
     adds = iter(req_ids)
-    r, si = 0, 0
+    r, si, crow, replayed = 0, 0, 0, True
     while True:
-        status, r, si, gbuf, ph, vouched = replay(r, runs, buf, at, end, words, si, *arrays)
+        status, r, si, crow, gbuf, ph, vouched = replay(r, runs, buf, at, end, words, si, *arrays, check, crow,
+                                                        state.lookback)
         if status == S_END:
             break
         if status == S_SPEC:
             batches.append(state.gathered(gbuf, ph, vouched, bool(spec[si - SPEC_WORDS])))
             continue
+        replayed = replayed and not (runs[r, 0] == SPEC)  # a spec made here: its check made below
         pos = dict(zip(COLUMNS, ((at - starts[:-1]) // _WIDTH).tolist()))  # rows of each column
         code, n = runs[r].tolist()
         _run(state, named, pos, code, n, adds, spec, batches)
@@ -86,10 +93,11 @@ def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[
                            f"{(at[i] - starts[i]) // _WIDTH[i]}")
     if next(adds, None) is not None or len(spec) != SPEC_WORDS * len(batches):
         raise ReplicaError("step frame: more request ids or specs than its runs use")
-    return batches
+    return batches, (check if replayed and crow == len(check) else batch_check(batches))
 
 
 _NO_WORDS = np.zeros(0, np.int64)
+_MAX_CHECK_ROWS = 1 << 20  # spec words claiming more rows: the check is made from the batches, if any
 _READ = np.array([c not in _UNREAD for c in COLUMNS])  # columns the runs must read to their end
 _WIDTH = np.array([WIDE.get(c, 1) for c in COLUMNS], np.int64)  # int64 values per row of each column
 

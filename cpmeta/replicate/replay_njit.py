@@ -10,7 +10,8 @@ argument checks (the replay's share of a follower's step after an idle gap is mo
 It returns to Python (:mod:`cpmeta.replicate.apply`) at
 
 - a batch spec gathered: status :data:`S_SPEC`, the batch's buffer, placeholder mask and
-  whether the gather vouched for it (the caller wraps them as the ``SequenceBatch``);
+  whether the gather vouched for it (the caller wraps them as the ``SequenceBatch``), its step
+  check rows written (what ``batch_check`` computes, so the follower compares without another call);
 - a run it leaves to Python (``ADD``, ``FIN``, ``SID``, ``SVS``, an unknown run): :data:`S_RUN`;
 - ANY refusal (a column read past its end, a code of ``append_rows`` / ``gather_step``, an
   argument the Python call would refuse): :data:`S_RUN` too, with ``err`` filled. Nothing of
@@ -29,6 +30,7 @@ import numpy as np
 from ..jit import kernel, warmer
 from ..state.state_njit import (K_BLOCKS, K_COMPRESSED, K_TOKENS, M_BLOCKS, M_COMPRESSED, M_TOKENS, append_rows,
                                 gather_step)
+from .digest_njit import seq_digests
 from .ops import BLK, CMP, COLUMNS, SPEC, SPEC_WORDS, TOK
 
 __all__ = ["replay", "S_END", "S_SPEC", "S_RUN"]
@@ -48,14 +50,20 @@ def _fits(at: np.ndarray, end: np.ndarray, c: int, k: int) -> bool:
 def replay(r: int, runs: np.ndarray, buf: np.ndarray, at: np.ndarray, end: np.ndarray, spec: np.ndarray,
            si: int, meta: np.ndarray, active: np.ndarray, token_ids: np.ndarray, block_table: np.ndarray,
            compressed: np.ndarray, p: np.ndarray, mark: np.ndarray, bt32: np.ndarray, last32: np.ndarray,
-           err: np.ndarray) -> tuple[int, int, int, np.ndarray, np.ndarray, bool]:
+           err: np.ndarray, check: np.ndarray, crow: int, lookback: int
+           ) -> tuple[int, int, int, int, np.ndarray, np.ndarray, bool]:
     """Apply runs from ``r`` (``runs`` [r, 2] = (code, entries)); ``spec`` the specs' words
     (:data:`~cpmeta.replicate.ops.SPEC_WORDS` each), ``si`` the next one's index.
 
-    Returns ``(status, r, si, batch buffer, placeholder mask, vouched)``: ``r`` the run to
+    A gathered batch's step check (:func:`cpmeta.replicate.digest.batch_check`: a header row
+    ``[is_prompt, n_seq, lookback, 0]``, then :func:`~cpmeta.replicate.digest_njit.seq_digests`)
+    goes to ``check[crow:]`` when it fits (rows the caller sized from the spec words).
+
+    Returns ``(status, r, si, crow, batch buffer, placeholder mask, vouched)``: ``r`` the run to
     resume at (:data:`S_SPEC`: the one after the spec; :data:`S_RUN`: the run Python takes),
-    the buffer and mask empty unless :data:`S_SPEC`. ``err[0]`` is nonzero only when a kernel
-    of the state room refused the run (Python's replay names it either way)."""
+    ``crow`` the next check row (unchanged when the batch's rows did not fit), the buffer and
+    mask empty unless :data:`S_SPEC`. ``err[0]`` is nonzero only when a kernel of the state
+    room refused the run (Python's replay names it either way)."""
     empty = np.zeros(0, np.int64)
     no_ph = np.zeros(0, np.bool_)
     err[0] = 0
@@ -65,13 +73,13 @@ def replay(r: int, runs: np.ndarray, buf: np.ndarray, at: np.ndarray, end: np.nd
         if code == TOK or code == BLK or code == CMP:
             c = _TOK_SLOTS if code == TOK else _BLK_SLOTS if code == BLK else _CMP_SLOTS
             if not (_fits(at, end, c, k) and _fits(at, end, c + 1, k)):
-                return S_RUN, r, si, empty, no_ph, False
+                return S_RUN, r, si, crow, empty, no_ph, False
             slots = buf[at[c]:at[c] + k]
             counts = buf[at[c + 1]:at[c + 1] + k]
             tot, room = 0, end[c + 2] - at[c + 2]
             for i in range(k):
                 if counts[i] < 0 or counts[i] > room - tot:  # refused (Python names it), never wraps
-                    return S_RUN, r, si, empty, no_ph, False
+                    return S_RUN, r, si, crow, empty, no_ph, False
                 tot += counts[i]
             flat = buf[at[c + 2]:at[c + 2] + tot]
             if code == TOK:
@@ -84,7 +92,7 @@ def replay(r: int, runs: np.ndarray, buf: np.ndarray, at: np.ndarray, end: np.nd
                 rc = append_rows(K_COMPRESSED, slots, flat, counts, compressed, meta[M_COMPRESSED], active, mark,
                                  bt32, last32, err)
             if rc:
-                return S_RUN, r, si, empty, no_ph, False
+                return S_RUN, r, si, crow, empty, no_ph, False
             at[c] += k
             at[c + 1] += k
             at[c + 2] += tot
@@ -94,7 +102,7 @@ def replay(r: int, runs: np.ndarray, buf: np.ndarray, at: np.ndarray, end: np.nd
             ns, nl, nd = spec[si + 4], spec[si + 5], spec[si + 6]
             c = _SPEC_SLOTS
             if n_ph < 0 or not (_fits(at, end, c, ns) and _fits(at, end, c + 1, nl) and _fits(at, end, c + 2, nd)):
-                return S_RUN, r, si, empty, no_ph, False
+                return S_RUN, r, si, crow, empty, no_ph, False
             slots = buf[at[c]:at[c] + ns]
             lens = buf[at[c + 1]:at[c + 1] + nl]
             drafts = buf[at[c + 2]:at[c + 2] + nd]
@@ -109,18 +117,29 @@ def replay(r: int, runs: np.ndarray, buf: np.ndarray, at: np.ndarray, end: np.nd
                 elif uniform < -1 and nd == 0:
                     k_all, q = 0, empty
                 else:
-                    return S_RUN, r, si, empty, no_ph, False
+                    return S_RUN, r, si, crow, empty, no_ph, False
                 g, ph, ok = gather_step(False, slots, q, k_all, drafts, n_ph, False, meta, active, token_ids,
                                         block_table, compressed, p, mark, err)
             if ph.shape[0] != ns + n_ph:
-                return S_RUN, r, si, empty, no_ph, False
+                return S_RUN, r, si, crow, empty, no_ph, False
             at[c] += ns
             at[c + 1] += nl
             at[c + 2] += nd
-            return S_SPEC, r + 1, si + SPEC_WORDS, g, ph, ok
+            n = ph.shape[0]
+            if crow + 1 + n <= check.shape[0]:  # the batch's check rows (the driver's batch_check)
+                check[crow, 0], check[crow, 1] = 1 if is_prompt else 0, n
+                check[crow, 2], check[crow, 3] = lookback, 0
+                h = 8 * n + 3
+                t = h + g[7 * n + 1]
+                b = t + g[6 * n]
+                seq_digests(check[crow + 1:crow + 1 + n], g[:n], g[n:2 * n], g[4 * n:5 * n], g[2 * n:3 * n],
+                            g[3 * n:4 * n], ph, g[h:t], g[6 * n + 1:7 * n + 2], g[b:], g[7 * n + 2:h], g[t:b],
+                            g[5 * n:6 * n + 1])
+                crow += 1 + n
+            return S_SPEC, r + 1, si + SPEC_WORDS, crow, g, ph, ok
         else:
-            return S_RUN, r, si, empty, no_ph, False
-    return S_END, r, si, empty, no_ph, False
+            return S_RUN, r, si, crow, empty, no_ph, False
+    return S_END, r, si, crow, empty, no_ph, False
 
 
 @warmer
@@ -141,4 +160,4 @@ def _warm() -> None:
     end[_SPEC_SLOTS] = 4
     end[_SPEC_SLOTS + 1:_SPEC_SLOTS + 3] = 3
     spec = np.array([0, 0, 1, -2, 1, 0, 0], np.int64)
-    replay(0, runs, buf, at, end, spec, 0, *st.kernel_arrays())
+    replay(0, runs, buf, at, end, spec, 0, *st.kernel_arrays(), np.zeros((2, 4), np.int64), 0, st.lookback)

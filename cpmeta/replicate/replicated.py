@@ -230,13 +230,12 @@ class ReplicatedBatchState(Recorder):
         """``defer_apply`` driver, after sending: its own replica applies the step; a call the
         state refuses is the driver's ``ValueError`` (every follower refuses it the same way)."""
         try:
-            batches = apply_step(self.state, cols, req_ids, spec)
+            batches, self._prev_check = apply_step(self.state, cols, req_ids, spec)
         except (ReplicaError, ValueError, IndexError) as e:
             self._broken = f"step {step}: a call the state refused: {e}"
             raise ValueError(f"ReplicatedBatchState (defer_apply): step {step}: the state refused a "
                              f"call already sent: {e}; every replica refuses further steps "
                              "(rebuild the ReplicatedBatchState)") from None
-        self._prev_check = batch_check(batches)
         if check:  # the replica now stands where it stood at the step's spec
             self._hold_digest(step)
         return batches
@@ -257,25 +256,26 @@ class ReplicatedBatchState(Recorder):
                                "); the replica refuses it")
         self.specs = _specs_of(cols.named, spec)
         try:
-            batches = apply_step(self.state, cols, req_ids, spec)
+            batches, mine = apply_step(self.state, cols, req_ids, spec)
         except (ReplicaError, ValueError, IndexError) as e:
             self._broken = f"step {step}: {e}"
             why = ("the driver's replica refused it too (defer_apply: a bad call)" if self._defer
                    else "diverged")
             raise RuntimeError(f"rank {self.rank}: step {step}: this replica cannot apply the "
                                f"driver's step ({why}): {type(e).__name__}: {e}") from None
-        self._compare(batches, cols.named, step)
+        self._compare(mine, cols.named, step)
         return batches
 
-    def _compare(self, batches: list[SequenceBatch], cols: dict[str, np.ndarray], step: int) -> None:
-        """Follower: this replica's batch check against the driver's (``batch_digest``) -- the
+    def _compare(self, check: np.ndarray, cols: dict[str, np.ndarray], step: int) -> None:
+        """Follower: this replica's batch check (``check``: ``batch_check`` of the step's
+        batches, as the replay wrote it) against the driver's (``batch_digest``) -- the
         step's own, or with ``defer_apply`` the previous step's; a difference breaks the replica
         and raises, naming this rank, the step, the request and what differs."""
         if self._defer:
             mine, at, specs = self._prev_check, step - 1, self._prev_specs
-            self._prev_check, self._prev_specs = batch_check(batches), self.specs
+            self._prev_check, self._prev_specs = check, self.specs
         else:
-            mine, at, specs = batch_check(batches), step, self.specs
+            mine, at, specs = check, step, self.specs
         diff = first_difference(mine, cols["batch_digest"])
         if diff is None:
             return
