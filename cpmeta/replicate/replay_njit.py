@@ -82,15 +82,13 @@ def replay(r: int, runs: np.ndarray, buf: np.ndarray, at: np.ndarray, end: np.nd
                     return S_RUN, r, si, crow, empty, no_ph, False
                 tot += counts[i]
             flat = buf[at[c + 2]:at[c + 2] + tot]
-            if code == TOK:
-                rc = append_rows(K_TOKENS, slots, flat, counts, token_ids, meta[M_TOKENS], active, mark, bt32,
-                                 last32, err)
-            elif code == BLK:
-                rc = append_rows(K_BLOCKS, slots, flat, counts, block_table, meta[M_BLOCKS], active, mark, bt32,
-                                 last32, err)
-            else:
-                rc = append_rows(K_COMPRESSED, slots, flat, counts, compressed, meta[M_COMPRESSED], active, mark,
-                                 bt32, last32, err)
+            # ONE call site, every argument a variable: the specialization Python's calls compiled
+            kind, rows, have = K_TOKENS, token_ids, meta[M_TOKENS]
+            if code == BLK:
+                kind, rows, have = K_BLOCKS, block_table, meta[M_BLOCKS]
+            elif code == CMP:
+                kind, rows, have = K_COMPRESSED, compressed, meta[M_COMPRESSED]
+            rc = append_rows(kind, slots, flat, counts, rows, have, active, mark, bt32, last32, err)
             if rc:
                 return S_RUN, r, si, crow, empty, no_ph, False
             at[c] += k
@@ -106,10 +104,11 @@ def replay(r: int, runs: np.ndarray, buf: np.ndarray, at: np.ndarray, end: np.nd
             slots = buf[at[c]:at[c] + ns]
             lens = buf[at[c + 1]:at[c + 1] + nl]
             drafts = buf[at[c + 2]:at[c + 2] + nd]
-            if is_prompt:  # BatchState.prompt_batch(slots, lens, num_placeholders, advance)
-                g, ph, ok = gather_step(True, slots, lens, -1, empty, n_ph, advance != 0, meta, active, token_ids,
-                                        block_table, compressed, p, mark, err)
-            else:  # BatchState.decode_batch with the recorded draft count(s) (recorder.decode_spec)
+            prompt = is_prompt != 0
+            adv = prompt and advance != 0
+            k_all, q, d = -1, lens, empty  # prompt: BatchState.prompt_batch(slots, lens, n_ph, advance)
+            if not prompt:  # BatchState.decode_batch with the recorded draft count(s) (recorder.decode_spec)
+                d = drafts
                 if uniform >= 0:
                     k_all, q = uniform, empty
                 elif uniform == -1 and nl == ns:
@@ -118,8 +117,8 @@ def replay(r: int, runs: np.ndarray, buf: np.ndarray, at: np.ndarray, end: np.nd
                     k_all, q = 0, empty
                 else:
                     return S_RUN, r, si, crow, empty, no_ph, False
-                g, ph, ok = gather_step(False, slots, q, k_all, drafts, n_ph, False, meta, active, token_ids,
-                                        block_table, compressed, p, mark, err)
+            g, ph, ok = gather_step(prompt, slots, q, k_all, d, n_ph, adv, meta, active, token_ids, block_table,
+                                    compressed, p, mark, err)
             if ph.shape[0] != ns + n_ph:
                 return S_RUN, r, si, crow, empty, no_ph, False
             at[c] += ns
@@ -127,7 +126,7 @@ def replay(r: int, runs: np.ndarray, buf: np.ndarray, at: np.ndarray, end: np.nd
             at[c + 2] += nd
             n = ph.shape[0]
             if crow + 1 + n <= check.shape[0]:  # the batch's check rows (the driver's batch_check)
-                check[crow, 0], check[crow, 1] = 1 if is_prompt else 0, n
+                check[crow, 0], check[crow, 1] = 1 if prompt else 0, n
                 check[crow, 2], check[crow, 3] = lookback, 0
                 h = 8 * n + 3
                 t = h + g[7 * n + 1]
