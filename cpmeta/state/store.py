@@ -51,6 +51,9 @@ from .state_njit import (
 
 __all__ = ["StateStore"]
 
+_A = np.ndarray
+KernelArrays = tuple[_A, _A, _A, _A, _A, _A, _A, _A, _A, _A]  # :meth:`StateStore.kernel_arrays`, ten arrays
+
 
 def _read_only(a: np.ndarray) -> np.ndarray:
     """A view of ``a`` that cannot be written through (``a`` itself stays writable)."""
@@ -113,7 +116,7 @@ class StateStore:
     def __len__(self) -> int:
         return len(self._slot)
 
-    def kernel_arrays(self) -> tuple[np.ndarray, ...]:
+    def kernel_arrays(self) -> KernelArrays:
         """The arrays a compiled caller in another room passes to this room's kernels, in their
         argument order: ``(meta, active, token_ids, block_table, compressed, p, mark, bt32,
         last32, err)`` (``cpmeta.replicate.replay_njit``: a step frame's appends and batch
