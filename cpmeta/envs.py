@@ -7,6 +7,7 @@ parsers this module uses; unset or blank means the default).
 | ``CPMETA_CHECKSUM`` | ``1``: the driver stamps a crc32 of every broadcast frame; followers verify it and refuse a frame without one (a mismatch is a ``RuntimeError`` naming the rank). Every rank must set it alike (compared at construction). Costs a few us per step (docs/transport.md) | ``0`` |
 | ``CPMETA_POISON_ARENAS`` | ``1`` (debug): a persistent arena's previous result is retired when its turn comes again -- its tensors filled with poison (integers their dtype's max, floats NaN, bools True) and its derived objects refused -- and the step lands in new buffers, so a result read past its lifetime fails loudly instead of showing the next step's values (``cpmeta.broadcast.persistent``). Costs an allocation per step: off in production | ``0`` |
 | ``CPMETA_PACKED_MAX_BYTES`` | with ``auto`` and a CUDA device, CPU-built payloads up to this many bytes ride inside the object message and each rank copies them to its GPU with one H2D copy (larger ones: one NCCL broadcast) | ``1048576`` |
+| ``CPMETA_WARM`` | ``1``: a same-host follower spinning for an announced step (``begin_step``) replays the last step's frame checks and reads its arena every ~100 us, read-only, so the step lands on warm caches (``cpmeta.broadcast.follower``); ``0``: it only spins | ``1`` |
 | ``CPMETA_TEST_SEED`` | ``cpmeta.testing``: the seed every spawned rank seeds ``random`` and torch with (printed by each run; set it to reproduce one); 0 or unset = a fresh one per run | ``0`` |
 
 The 1 MiB default comes from ``scripts/bench_broadcast.py --backend nccl --worlds 1`` on an H200
@@ -19,7 +20,7 @@ from __future__ import annotations
 from cpmeta.transport.envs import env_bool, env_choice, env_int
 
 __all__ = ["tensor_path", "packed_max_bytes", "checksum", "poison_arenas", "TENSOR_PATHS", "CHECKSUM",
-           "POISON_ARENAS", "testing_seed", "TEST_SEED"]
+           "POISON_ARENAS", "testing_seed", "TEST_SEED", "warm", "WARM"]
 
 TENSOR_PATHS = ("auto", "packed", "collective")
 DEFAULT_PACKED_MAX_BYTES = 1 << 20
@@ -28,6 +29,7 @@ PACKED_MAX_BYTES = "CPMETA_PACKED_MAX_BYTES"
 CHECKSUM = "CPMETA_CHECKSUM"
 POISON_ARENAS = "CPMETA_POISON_ARENAS"
 TEST_SEED = "CPMETA_TEST_SEED"
+WARM = "CPMETA_WARM"
 
 
 def tensor_path() -> str:
@@ -48,6 +50,11 @@ def checksum() -> bool:
 def poison_arenas() -> bool:
     """``CPMETA_POISON_ARENAS``: retire and poison a persistent arena's result when it expires."""
     return env_bool(POISON_ARENAS, False)
+
+
+def warm() -> bool:
+    """``CPMETA_WARM``: same-host followers warm up for an announced step (default on)."""
+    return env_bool(WARM, True)
 
 
 def testing_seed() -> int:

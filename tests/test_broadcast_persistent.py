@@ -11,6 +11,7 @@ same layout overwrites the first result (it is the same object), one with anothe
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -72,7 +73,7 @@ def _pool(seed: int) -> list:
     return pool
 
 
-def _equivalence(rank: int, world: int, seed: int, force_remote: bool) -> int:
+def _equivalence(rank: int, world: int, seed: int, force_remote: bool, announce: bool = False) -> list:
     import cpmeta
 
     pool = _pool(seed)
@@ -81,10 +82,21 @@ def _equivalence(rank: int, world: int, seed: int, force_remote: bool) -> int:
     kw = dict(src=0, force_remote=force_remote, timeout=60)
     with cpmeta.MetadataBroadcaster(persistent_outputs=True, **kw) as bp, \
             cpmeta.MetadataBroadcaster(**kw) as bf:
+        warmed = [0]
+        ring = bp._objects.ring  # noqa: SLF001 - counting the follower's warm calls
+        if ring is not None and ring.warm is not None:
+            def counted(f=ring.warm) -> None:
+                warmed[0] += 1
+                f()
+            ring.warm = counted
         held: dict[int, tuple] = {}  # pool index -> (result object, what it must equal now)
+        changed: list = []  # [result, the tensor a caller set on it]
         for step in range(N_STEPS):
             j = rng.randrange(len(pool))
             sent = _fresh_values(pool[j], seed * 1000 + step)
+            if announce and rank == 0:  # the driver builds for 3 ms: followers warm ~30 times
+                bp.begin_step()
+                time.sleep(0.003)
             got = bp.broadcast(sent if rank == 0 else None)
             _same(sent, got, f"step {step} layout {j}")
             _same(bf.broadcast(sent if rank == 0 else None), got, f"step {step}: fresh vs persistent")
@@ -98,8 +110,11 @@ def _equivalence(rank: int, world: int, seed: int, force_remote: bool) -> int:
                 assert got.positions_cp is got.positions, "aliasing lost"
             if sent.ks == {}:
                 assert got.ks == {} and got.ke == {}
+            if rank and changed and j != 0:  # kept until its layout's next step (warming included)
+                assert changed[0].kv_swa_index is changed[1], f"step {step}: a caller's field was reset"
             if rank and j == 0:  # a caller setting fields in place (as compute_attn_info does),
                 got.kv_swa_index = torch.zeros(3, dtype=torch.int32)  # undone by the next step
+                changed[:] = [got, got.kv_swa_index]
                 got.positions = got.positions[:1]
                 if got.klen:
                     got.klen["999"] = torch.zeros(1, dtype=torch.int32)
@@ -107,13 +122,23 @@ def _equivalence(rank: int, world: int, seed: int, force_remote: bool) -> int:
             n += 1
         # both frame geometries ran: decode steps (one builder arena) as spans, prompts packed
         kinds = sorted({a.span is not None for a in bp._persist.arenas()})
-    return [n, kinds]
+    return [n, kinds, warmed[0] >= N_STEPS if announce and rank else None]
 
 
 @pytest.mark.parametrize("world,force_remote", [(1, False), (2, False), (3, False), (2, True)])
 def test_persistent_equals_fresh(world: int, force_remote: bool) -> None:
     assert run_ranks(_equivalence, world, 4242, force_remote, timeout=240) == [
-        [N_STEPS, [False, True]]] * world
+        [N_STEPS, [False, True], None]] * world
+
+
+def test_followers_warming_for_announced_steps_change_nothing() -> None:
+    """Followers spinning for announced steps replay the last frame's checks and read its arena
+    (``FollowerSide.warm``) dozens of times a step: every result still equals the driver's, a
+    result of another layout is untouched, fields a caller set stay set until their layout's
+    next step, and the warm hook ran (it was never dropped for raising)."""
+    # world 2: a follower warms only with a core of its own (2 ranks on a 2-core machine)
+    assert run_ranks(_equivalence, 2, 4242, False, True, timeout=240) == [
+        [N_STEPS, [False, True], None], [N_STEPS, [False, True], True]]
 
 
 def _checksummed(rank: int, world: int) -> bool:

@@ -416,3 +416,40 @@ def test_peer_watch_with_a_pidfd_above_1024() -> None:
         for fd in padding:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_announced_reader_warms_then_reads_and_drops_a_failing_hook() -> None:
+    """A reader spinning for an announced message calls its ``warm`` hook (repeatedly, every
+    ``WARM_EVERY_S``) until the message lands, then reads it; a hook that raises is dropped
+    (the message is still read) and never called again; an oversubscribed reader (yielding its
+    core) does not warm at all."""
+    w, (r,) = _ring(1)
+    try:
+        for case in ("ok", "raises", "yield"):
+            calls: list[float] = []
+
+            def hook() -> None:
+                calls.append(time.perf_counter())
+                if case == "raises":
+                    raise RuntimeError("a broken warm hook")
+
+            r.warm = hook
+            r._yield_spin = case == "yield"  # noqa: SLF001 - the ring's own core test
+            got: list[bytes] = []
+            t = threading.Thread(target=lambda: got.append(r.read_bytes()))
+            t.start()
+            time.sleep(0.05)  # parked
+            w.announce()
+            time.sleep(0.005)  # the step is being built: ~50 warm periods
+            w.write(case.encode())
+            t.join(5.0)
+            assert got == [case.encode()]
+            if case == "ok":
+                assert len(calls) >= 3 and r.warm is hook
+            elif case == "raises":
+                assert len(calls) == 1 and r.warm is None
+            else:
+                assert calls == []
+    finally:
+        for x in (w, r):
+            x.close()

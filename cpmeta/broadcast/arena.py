@@ -48,7 +48,7 @@ class LayoutArena:
     __slots__ = ("region", "exact", "span", "host", "host_ptr", "dev", "md", "tensors", "event",
                  "gen", "reader_stream", "_fence", "src_ptrs", "_names", "_packed_ptrs", "_src",
                  "_offsets", "_nbytes", "_data_at", "_base", "_values", "_fixed", "_snap",
-                 "_dict_snap", "_dict_lens", "_dict_tensors")
+                 "_dict_snap", "_dict_lens", "_dict_tensors", "_lines")
 
     def __init__(self, plan: Plan, dims: tuple[int, ...], numels: list[int], starts: list[int],
                  region: int, values: list[Any], device: torch.device,
@@ -88,6 +88,7 @@ class LayoutArena:
         self._src: list[torch.Tensor] = []  # the source tensors that qualified (compared by id)
         self._values = value_setter(plan)
         self._snapshot(plan)
+        self._lines = self.host.numpy()[::64]  # one byte of each cache line (touch)
 
     def _snapshot(self, plan: Plan) -> None:
         """What the layout fixes (tensor, dict and None fields; dict entries holding tensors): the
@@ -174,6 +175,12 @@ class LayoutArena:
         elif all(t.device.type == "cpu" for t in tensors):
             self._packed_ptrs = ptrs
         return ok
+
+    def touch(self) -> None:
+        """Read every cache line of the host arena and run the per-step identity check of the
+        fields the layout fixes (a follower warming up for its next step; writes nothing)."""
+        self._lines.sum()
+        all(map(_IS, self._fixed[1](self.md), self._snap))
 
     def land(self, view: memoryview, at: int) -> None:
         """Follower: the frame's tensor region ``view[at:at + region]`` (bounds already proven)

@@ -11,6 +11,11 @@ ring slot is still held, and :meth:`FollowerSide._receive` turns what it took in
     neither                  (tensors follow in the collective)     TensorChannel.broadcast -> assemble
 
 With ``out=`` every received tensor is written into the caller's buffers (``outputs.copy_to_out``).
+
+Warming (:meth:`FollowerSide.warm`): while a same-host follower spins for a step the driver
+announced (``begin_step``), the ring calls it every ~100 us. It replays, read-only, the last
+frame's checks (its header, layout, values and shapes, kept as bytes) and reads the layout's
+arena, so the frame that lands meets warm caches instead of an idle rank's cold ones.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ class FollowerSide:
     _mark: float  # this step: when the frame arrived
     _info: tuple[int, bool]  # this step: payload bytes, layout block sent
     _tensor_channel: Callable[[], Any]  # the TensorChannel of the collective tensor path
+    src: int  # the driver's global rank
+    _warm_from: Any  # (the last frame's bytes before its tensor region, its arena or None), or None
 
     def _receive(self, out: Any) -> Any:
         plan, values, dims, numels, starts, buf = self._ch.receive(self._consume)
@@ -65,6 +72,24 @@ class FollowerSide:
         except (TypeError, ValueError, AttributeError) as e:
             raise self._ch.malformed(e) from None
 
+    def warm(self) -> None:
+        """Read-only replay of the last step's receive (module docstring): the frame checks of
+        its saved head (this rank's step count untouched) and a read of its arena. Changes
+        nothing a caller sees; raises what the checks raise (the ring then stops calling it)."""
+        got = self._warm_from
+        if not got:
+            return
+        head, arena = got
+        reader = self._ch.reader
+        step = reader.step
+        reader.step = step - 1  # the saved frame is this rank's current step
+        try:
+            reader.parse(memoryview(head), self.src)
+        finally:
+            reader.step = step
+        if arena is not None:
+            arena.touch()
+
     def _consume(self, frame: Frame, view: memoryview) -> tuple:
         """The tensor region of one proven frame (valid only during this call): landed in the
         layout's arena, copied into a fresh buffer, or left to the collective."""
@@ -75,6 +100,8 @@ class FollowerSide:
             if not h.flags & FLAG_PACKED:
                 raise WireError("FLAG_SPAN without FLAG_PACKED")
             span = land_span(self._persist, plan, dims, h.tbytes, view, h.data_at, values, self.device)
+            if self._warm_from is not None:
+                self._warm_from = (bytes(view[:h.data_at]), span)
             return plan, values, dims, None, None, span
         numels, starts, total = plan.check_tensors(dims, bool(h.flags & FLAG_PACKED), h.tbytes,
                                                    view.nbytes - h.data_at)
@@ -82,6 +109,8 @@ class FollowerSide:
             return plan, values, dims, numels, starts, None
         arena = None if self._persist is None else \
             self._persist.get(plan, dims, numels, starts, total, values)
+        if self._warm_from is not None:
+            self._warm_from = (bytes(view[:h.data_at]), arena)
         if arena is not None:  # the frame's region into the layout's arena, one memmove
             arena.land(view, h.data_at)
             return plan, values, dims, numels, starts, arena

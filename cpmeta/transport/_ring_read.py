@@ -16,7 +16,7 @@ from typing import Callable, Optional, TypeVar
 
 from ._futex import HAVE_FENCE, NEEDS_RELEASE_FENCE, fence, futex_wait, futex_wake
 from ._ring_layout import (ANNOUNCE_SPIN_S, KIND_DATA, KIND_PAD, LIVENESS_SLICE_S, MSG_HEADER,
-                           RingHandleFields, RingWords, cdiv)
+                           WARM_EVERY_S, RingHandleFields, RingWords, cdiv)
 from ._segment import PeerWatch
 from .errors import PeerError, RingClosedError
 
@@ -46,6 +46,7 @@ class RingReader:
     _watch: dict[int, PeerWatch]  # per reader index, -1 = the writer
     _max_bytes: int  # reader: largest message accepted
     _announce_seen: int  # reader: announce count already acted on
+    warm: Optional[Callable[[], None]]  # reader: called while it spins for an announced step
 
     def _label(self, i: Optional[int]) -> str:
         """``i`` as an error message names it: "rank 2 (reader 1)" or "rank 0 (writer)"."""
@@ -167,7 +168,7 @@ class RingReader:
             return self._acquired(h)
         if self._spin_s:
             end = time.perf_counter() + self._spin_s
-            while time.perf_counter() < end:
+            while time.perf_counter() < end and w.announce.value == self._announce_seen:
                 h = w.head.value
                 if h >= target:
                     return self._acquired(h)
@@ -192,14 +193,25 @@ class RingReader:
                 self._check_writer(target, deadline)
 
     def _spin_announced(self, target: int) -> int:
-        """Spin on ``head`` for up to ``ANNOUNCE_SPIN_S`` (a step was announced); return head."""
+        """Spin on ``head`` for up to ``ANNOUNCE_SPIN_S`` (a step was announced); return head.
+        With a ``warm`` hook and a core of its own, the reader calls it every ``WARM_EVERY_S``
+        meanwhile (a hook that raises is dropped: warming is never worth a failed step)."""
         w, yield_core = self._w, self._yield_spin
-        end = time.perf_counter() + ANNOUNCE_SPIN_S
+        warm = None if yield_core else self.warm
+        now = time.perf_counter()
+        end, next_warm = now + ANNOUNCE_SPIN_S, now
         h = w.head.value
-        while h < target and not w.closed.value and time.perf_counter() < end:
+        while h < target and not w.closed.value and now < end:
             if yield_core:
                 os.sched_yield()
+            elif warm is not None and now >= next_warm:
+                try:
+                    warm()
+                except Exception:  # noqa: BLE001 - see the docstring
+                    self.warm = warm = None
+                next_warm = time.perf_counter() + WARM_EVERY_S
             h = w.head.value
+            now = time.perf_counter()
         return h
 
     @staticmethod

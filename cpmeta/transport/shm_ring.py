@@ -56,7 +56,7 @@ import secrets
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from . import envs
 from ._futex import fence, futex_wake, ring_unsupported_reason
@@ -181,6 +181,7 @@ class ShmRing(RingIO):
         self._spin_s = _auto_spin_us(handle.num_readers) * 1e-6
         self._yield_spin = _cores() <= handle.num_readers  # fewer cores than ring processes
         self._announce_seen = 0  # reader: announce count already acted on
+        self.warm: Optional[Callable[[], None]] = None  # reader: run while spinning for an announced step
         self._alive = None  # writer: one poll over the readers' pidfds (RingIO)
         self._tail_floor = 0  # writer: lower bound of the readers' tails (RingIO)
         self._stuck: Optional[tuple[int, int]] = None  # writer: (reader, tail) that timed out
