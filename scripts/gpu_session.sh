@@ -12,6 +12,7 @@
 #                                            # an experiment tree in .alt against this one
 #   bash scripts/gpu_session.sh replay       # the host's cores: this tree against .alt at worlds 2 and 8
 #                                            # (every host strategy, plain and seed), the idle-gap probe
+#   bash scripts/gpu_session.sh warm         # the host's cores at world 8: followers' warming on / off
 #   bash scripts/gpu_session.sh compare      # the host's cores, before / after in one run: the commit in
 #                                            # .baseline (git archive REV | tar -x -C .baseline; carry it)
 #                                            # and this tree, end-to-end step (plain and compressed-KV
@@ -137,6 +138,15 @@ replay)  # ~6 min: this tree against the tree in .alt (git archive REV | tar -x 
   done; done
   rm -f "$OUT"/*.png  # at most 8 files come back: 5 JSON files and one log archive
   ;;
+warm)  # ~2 min: the followers' warming (CPMETA_WARM) on / off, alternating, world 8 decode-64
+  MQ=""; [ -d mq_bundle312 ] && MQ=":$PWD/mq_bundle312"
+  python3 -c 'import cpmeta.jit as j; j.warm_all()'
+  for R in 1 2; do for V in 1 0; do
+    TAILN=3 step warm${V}_$R 40 env CPMETA_WARM=$V PYTHONPATH="$PWD$MQ" VLLM_TARGET_DEVICE=cpu python3 scripts/bench_step.py \
+      --worlds 8 --workloads decode-64 --strategies broadcast mq-replicate --steps 40 --warmup 6 --budget 3 --no-cold \
+      --out "$OUT/h200_wire.warm$V-$R.json"
+  done; done
+  ;;
 short)  # ~9 min when the device time is short: the GPU tests, then compare's end-to-end step trimmed
   TAILN=8 step gpu_tests 240 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu or triton or graph or nccl" \
     tests/test_builders.py tests/test_builders_smoke.py tests/test_decode_inplace.py tests/test_cuda_graph.py \
@@ -154,7 +164,7 @@ short)  # ~9 min when the device time is short: the GPU tests, then compare's en
   done
   ;;
 *)
-  echo "unknown suite $SUITE: expected tests, bench-gpu, bench-cpu, compare, wire, replay or short" >&2; exit 2
+  echo "unknown suite $SUITE: expected tests, bench-gpu, bench-cpu, compare, wire, replay, warm or short" >&2; exit 2
   ;;
 esac
 # one file for every log (the device tool brings back at most 8 files)

@@ -564,8 +564,9 @@ Python loop), ``np64k`` (a numpy sum over 64 KB), ``gather`` (``BatchState.decod
 sequences, plain config), ``build`` (``prepare_decode`` of that batch into reused
 ``OutputArenas``) and ``replay`` (a replica applying that decode step's frame:
 ``cpmeta.replicate.apply.apply_step``, state restored untimed). Gaps: ``sleep`` (``time.sleep``,
-how a parked rank idles) and ``busy`` (a Python spin on the clock: the core stays awake), 0 to 10
-ms. A probe that costs the same after any gap is bound by its own work; one that grows with the
+how a parked rank idles), ``busy`` (a Python spin on the clock: the core stays awake) and ``warm``
+(the sleep, then the probe once and a 150 us spin before the timed call: what a warming follower
+does, ``CPMETA_WARM``), 0 to 10 ms. A probe that costs the same after any gap is bound by its own work; one that grows with the
 gap is bound by what the machine evicted meanwhile (caches, TLB, predictors) -- on the 2-core VM a
 one-int compiled call goes from ~0.6 us to ~17 us after 3 ms of sleep.
 """
@@ -603,7 +604,7 @@ def cold_main(args: argparse.Namespace, argv: list[str]) -> int:
         "replay": replay,
     }
     results: dict[str, Any] = {}
-    for mode in ("sleep", "busy"):
+    for mode in ("sleep", "busy", "warm"):
         for gap_ms in args.gaps_ms:
             row = {}
             for name, fn in probes.items():
@@ -612,10 +613,16 @@ def cold_main(args: argparse.Namespace, argv: list[str]) -> int:
                 ts = []
                 for _ in range(args.repeat):
                     t0 = time.perf_counter()
-                    if mode == "sleep":
+                    if mode != "busy":
                         time.sleep(gap_ms / 1e3)
                     else:
                         while time.perf_counter() - t0 < gap_ms / 1e3:
+                            pass
+                    if mode == "warm":  # the call once, then a 150 us spin (a warming follower)
+                        fn()
+                        rep._meta[:] = meta0
+                        t2 = time.perf_counter()
+                        while time.perf_counter() - t2 < 150e-6:
                             pass
                     t1 = time.perf_counter()
                     fn()
