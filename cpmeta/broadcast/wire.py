@@ -56,7 +56,7 @@ import operator
 import struct
 import zlib
 from collections import OrderedDict
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple
 
 import torch
 

@@ -31,7 +31,7 @@ Backends: ``"triton"`` (the kernels; on CPU tensors only under ``TRITON_INTERPRE
 from __future__ import annotations
 
 import logging
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 

@@ -33,7 +33,7 @@ dense and sparse ratios ``(4,)`` (so m=4, b_m=1): ``cu_seqlens_q_incl = (1, 4)``
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple, Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
@@ -56,7 +56,6 @@ NEED_TABLE_MAX = 1 << 21
 if TYPE_CHECKING:
     from ..builders.batch_arrays import BatchArrays
     from ..state.batch_state import BatchState
-    from ..state.batch_state import VouchedStep
 
 __all__ = [
     "HEADER_FIXED", "SEQ_FIELDS",

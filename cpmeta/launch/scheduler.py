@@ -19,7 +19,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from cpmeta import BatchState, MetadataConfig, SequenceBatch, SequenceMetadata
+from cpmeta import BatchState, MetadataConfig, SequenceBatch
 from cpmeta.sequence import blocks_needed
 
 __all__ = ["SyntheticScheduler", "default_config", "plain_config", "model_config", "MODELS", "WORKLOADS",
@@ -96,8 +96,7 @@ class SyntheticScheduler:
     table, state id, swa_valid_start), then each step applies deltas only -- prefill chunks,
     accepted MTP drafts + bonus token, new blocks, finished requests. ``decode_seqs`` /
     ``prompt_seqs`` size the batches; ``max_prompt`` bounds prompt lengths (chunked by
-    256..2048 tokens). ``next_batch_list()`` gives the same step as a list of
-    ``SequenceMetadata`` (tests; the builders accept either).
+    256..2048 tokens).
     """
 
     def __init__(
@@ -188,9 +187,8 @@ class SyntheticScheduler:
             self.ops.append_blocks(req.slot, self._blocks(req.home, have, need))
 
     # ---- batches ---------------------------------------------------------------------------
-    def next_batch(self, *, as_list: bool = False) -> tuple[bool, SequenceBatch]:
-        """The next step's batch (and, with ``as_list``, the same step as ``SequenceMetadata`` in
-        ``self._last_list``: that reads whole histories, so only tests ask for it)."""
+    def next_batch(self) -> tuple[bool, SequenceBatch]:
+        """The next step's batch."""
         self.step += 1
         w = self.workload
         is_prompt = w in ("prompt", "yoco") or (w == "mixed" and self.step % 4 == 1)
@@ -198,46 +196,16 @@ class SyntheticScheduler:
         batch = self._prompt_batch() if is_prompt else self._decode_batch()
         if batch is None or self.rng.random() < self.placeholder_rate:
             n_ph = 1
-        return is_prompt, self._finish_batch(is_prompt, batch, n_ph, as_list)
+        return is_prompt, self._finish_batch(is_prompt, batch, n_ph)
 
-    def next_batch_list(self) -> tuple[bool, list[SequenceMetadata]]:
-        """:meth:`next_batch` as a list of ``SequenceMetadata`` (same step, same rng draws)."""
-        is_prompt, _ = self.next_batch(as_list=True)
-        return is_prompt, self._last_list
-
-    def _finish_batch(self, is_prompt: bool, pending: Any, n_ph: int, as_list: bool) -> SequenceBatch:
+    def _finish_batch(self, is_prompt: bool, pending: Any, n_ph: int) -> SequenceBatch:
         slots, lens, drafts, nd = pending if pending is not None else (np.zeros(0, np.int64),) * 4
-        st = self.state
-        self._last_list = self._as_list(is_prompt, slots, lens, drafts, nd, n_ph) if as_list else []
         if is_prompt:
             batch = self.ops.prompt_batch(slots, lens, num_placeholders=n_ph)
         else:
             batch = self.ops.decode_batch(slots, drafts, nd, num_placeholders=n_ph)
         self._after_step(is_prompt)
         return batch
-
-    def _as_list(self, is_prompt: bool, slots: np.ndarray, lens: np.ndarray, drafts: np.ndarray,
-                 nd: np.ndarray, n_ph: int) -> list[SequenceMetadata]:
-        """The step as ``SequenceMetadata`` (reads whole histories: for tests and ``--verify``)."""
-        st, seqs, d0 = self.state, [], 0
-        for i, s in enumerate(slots.tolist()):
-            nt = int(st.num_tokens[s])
-            if is_prompt:
-                q, k = int(lens[i]), int(st.num_computed[s]) + int(lens[i])
-                d = []
-            else:
-                q, d = 1 + int(nd[i]), drafts[d0:d0 + int(nd[i])].tolist()
-                d0 += len(d)
-                k = nt - 1 + q
-            seqs.append(SequenceMetadata(
-                seqlen_q=q, seqlen_k=k, block_table=st.block_table[s, :st.num_blocks[s]].tolist(),
-                state_id=int(st.state_id[s]), token_ids=st.token_ids[s, :nt].tolist(), draft_tokens=d,
-                swa_valid_start=int(st.swa_valid_start[s]),
-                compressed_token_ids=st.compressed[s, :st.num_compressed[s]].tolist()))
-        for _ in range(n_ph):
-            seqs.append(SequenceMetadata(seqlen_q=1, seqlen_k=1, block_table=[0] * blocks_needed(1, self.cfg),
-                                         state_id=0, token_ids=[0], is_placeholder=True))
-        return seqs
 
     def _prompt_batch(self) -> Optional[tuple]:
         while len(self.prefill) < self.prompt_seqs:
@@ -276,7 +244,7 @@ class SyntheticScheduler:
 
     def _after_step(self, is_prompt: bool) -> None:
         """The deltas the step's results bring: prefill progress, first / accepted tokens, finishes."""
-        r, st = self.rng, self.state
+        r = self.rng
         if is_prompt:
             for req, q in getattr(self, "_pending_prompt", []):
                 req.done += q
