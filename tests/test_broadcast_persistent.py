@@ -398,3 +398,37 @@ def test_cuda_gloo_ranks_share_cuda0() -> None:
 def test_cuda_nccl() -> None:
     w = min(2, torch.cuda.device_count())
     assert run_ranks(_cuda_steps, w, True, backend="nccl", timeout=300) == [16] * w
+
+
+def _warm_after_abort(rank: int, world: int) -> list:
+    import cpmeta
+
+    pool = _pool(11)
+    counts = []
+    with cpmeta.MetadataBroadcaster(src=0, timeout=60, persistent_outputs=True) as bp:
+        ring = bp._objects.ring  # noqa: SLF001 - counting the follower's warm calls
+        warmed = [0]
+        if rank:
+            def counted(f=ring.warm) -> None:
+                warmed[0] += 1
+                f()
+            ring.warm = counted
+        for step in range(4):
+            sent = _fresh_values(pool[0], step)
+            if rank == 0:
+                bp.begin_step()
+                time.sleep(0.003)
+            if step == 1:  # the driver refuses this step: every follower's call raises
+                with pytest.raises(TypeError):
+                    bp.broadcast("not metadata" if rank == 0 else None)
+            else:
+                _same(sent, bp.broadcast(sent if rank == 0 else None), f"step {step}")
+            counts.append(warmed[0])
+        return [rank == 0 or ring.warm is counted, counts[3] - counts[2] >= 5]
+
+
+def test_followers_keep_warming_after_an_aborted_step() -> None:
+    """The warm replays the last frame the follower took, proving that frame's own step: a step
+    the driver aborted in between does not make it stale (it would raise, and the ring would
+    drop the hook for good)."""
+    assert run_ranks(_warm_after_abort, 2, timeout=120) == [[True, False], [True, True]]

@@ -47,7 +47,7 @@ class FollowerSide:
     _info: tuple[int, bool]  # this step: payload bytes, layout block sent
     _tensor_channel: Callable[[], Any]  # the TensorChannel of the collective tensor path
     src: int  # the driver's global rank
-    _warm_from: Any  # (the last frame's bytes before its tensor region, its arena or None), or None
+    _warm_from: Any  # (the last frame's bytes before its tensor region, its arena or None, its step)
 
     def _receive(self, out: Any) -> Any:
         plan, values, dims, numels, starts, buf = self._ch.receive(self._consume)
@@ -79,10 +79,10 @@ class FollowerSide:
         got = self._warm_from
         if not got:
             return
-        head, arena = got
+        head, arena, saved = got
         reader = self._ch.reader
         step = reader.step
-        reader.step = step - 1  # the saved frame is this rank's current step
+        reader.step = saved - 1  # parse proves the saved frame's step (an abort may have come since)
         try:
             reader.parse(memoryview(head), self.src)
         finally:
@@ -101,7 +101,7 @@ class FollowerSide:
                 raise WireError("FLAG_SPAN without FLAG_PACKED")
             span = land_span(self._persist, plan, dims, h.tbytes, view, h.data_at, values, self.device)
             if self._warm_from is not None:
-                self._warm_from = (bytes(view[:h.data_at]), span)
+                self._warm_from = (bytes(view[:h.data_at]), span, h.step)
             return plan, values, dims, None, None, span
         numels, starts, total = plan.check_tensors(dims, bool(h.flags & FLAG_PACKED), h.tbytes,
                                                    view.nbytes - h.data_at)
@@ -110,7 +110,7 @@ class FollowerSide:
         arena = None if self._persist is None else \
             self._persist.get(plan, dims, numels, starts, total, values)
         if self._warm_from is not None:
-            self._warm_from = (bytes(view[:h.data_at]), arena)
+            self._warm_from = (bytes(view[:h.data_at]), arena, h.step)
         if arena is not None:  # the frame's region into the layout's arena, one memmove
             arena.land(view, h.data_at)
             return plan, values, dims, numels, starts, arena
