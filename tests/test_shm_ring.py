@@ -453,3 +453,24 @@ def test_announced_reader_warms_then_reads_and_drops_a_failing_hook() -> None:
     finally:
         for x in (w, r):
             x.close()
+
+
+def test_spinning_reader_warms_while_it_waits_for_the_next_message() -> None:
+    """A reader spinning after a message (``CPMETA_SHM_SPIN_US``) calls its ``warm`` hook while
+    it waits for the next one, then reads it."""
+    w, (r,) = _ring(1)
+    r._spin_s = 0.05  # noqa: SLF001 - the ring's own core test: spin whatever the cores
+    r._yield_spin = False  # noqa: SLF001
+    try:
+        calls: list[int] = []
+        r.warm = lambda: calls.append(1)
+        got: list[bytes] = []
+        t = threading.Thread(target=lambda: got.append(r.read_bytes()))
+        t.start()
+        time.sleep(0.005)  # ~50 warm periods of spinning for the next message
+        w.write(b"next")
+        t.join(5.0)
+        assert got == [b"next"] and len(calls) >= 3
+    finally:
+        for x in (w, r):
+            x.close()

@@ -161,23 +161,31 @@ class RingReader:
         """Block until ``head >= target``; return head. ``deadline`` None: the wait for the next
         message, which only the writer's death or close ends (futex sleeps of
         ``LIVENESS_SLICE_S``: ~0 CPU while idle). After an ``announce`` the reader spins
-        (yielding its core on an oversubscribed host) instead of parking, for a while."""
+        (yielding its core on an oversubscribed host) instead of parking, for a while. While it
+        spins for the next message (after the last one, or an announce) it calls ``warm``, if
+        set, every ``WARM_EVERY_S``."""
         w = self._w  # (no local ctypes words: a traceback would pin the mapping)
         h = w.head.value
         if h >= target:
             return self._acquired(h)
         if self._spin_s:
-            end = time.perf_counter() + self._spin_s
-            while time.perf_counter() < end and w.announce.value == self._announce_seen:
+            now = time.perf_counter()
+            warm = self.warm if deadline is None else None  # between messages only
+            end, next_warm = now + self._spin_s, now + WARM_EVERY_S
+            while now < end and w.announce.value == self._announce_seen:
                 h = w.head.value
                 if h >= target:
                     return self._acquired(h)
+                if warm is not None and now >= next_warm:
+                    warm = self._run_warm(warm)
+                    next_warm = time.perf_counter() + WARM_EVERY_S
+                now = time.perf_counter()
         me = self.reader_index
         assert me is not None  # only the read path (a reader end) gets here
         while True:
             if w.announce.value != self._announce_seen:
                 self._announce_seen = w.announce.value
-                h = self._spin_announced(target)
+                h = self._spin_announced(target, deadline is None)
                 if h >= target:
                     return self._acquired(h)
             w.waiting[me].value = 1
@@ -192,12 +200,12 @@ class RingReader:
             if w.announce.value == self._announce_seen:
                 self._check_writer(target, deadline)
 
-    def _spin_announced(self, target: int) -> int:
+    def _spin_announced(self, target: int, between: bool) -> int:
         """Spin on ``head`` for up to ``ANNOUNCE_SPIN_S`` (a step was announced); return head.
-        With a ``warm`` hook and a core of its own, the reader calls it every ``WARM_EVERY_S``
-        meanwhile (a hook that raises is dropped: warming is never worth a failed step)."""
+        With a ``warm`` hook, a core of its own and no message begun (``between``), the reader
+        calls it every ``WARM_EVERY_S`` meanwhile (a hook that raises is dropped)."""
         w, yield_core = self._w, self._yield_spin
-        warm = None if yield_core else self.warm
+        warm = self.warm if between and not yield_core else None
         now = time.perf_counter()
         end, next_warm = now + ANNOUNCE_SPIN_S, now
         h = w.head.value
@@ -205,14 +213,20 @@ class RingReader:
             if yield_core:
                 os.sched_yield()
             elif warm is not None and now >= next_warm:
-                try:
-                    warm()
-                except Exception:  # noqa: BLE001 - see the docstring
-                    self.warm = warm = None
+                warm = self._run_warm(warm)
                 next_warm = time.perf_counter() + WARM_EVERY_S
             h = w.head.value
             now = time.perf_counter()
         return h
+
+    def _run_warm(self, warm: Callable[[], None]) -> Optional[Callable[[], None]]:
+        """Call the ``warm`` hook; one that raises is dropped (returns None)."""
+        try:
+            warm()
+            return warm
+        except Exception:  # noqa: BLE001 - warming is never worth a failed read
+            self.warm = None
+            return None
 
     @staticmethod
     def _acquired(h: int) -> int:
