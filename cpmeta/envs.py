@@ -53,7 +53,7 @@ def poison_arenas() -> bool:
 
 
 def warm() -> bool:
-    """``CPMETA_WARM``: same-host followers warm up for an announced step (default on)."""
+    """``CPMETA_WARM``: same-host followers warm up while they spin for the next step (default on)."""
     return env_bool(WARM, True)
 
 

@@ -13,9 +13,10 @@ ring slot is still held, and :meth:`FollowerSide._receive` turns what it took in
 With ``out=`` every received tensor is written into the caller's buffers (``outputs.copy_to_out``).
 
 Warming (:meth:`FollowerSide.warm`): while a same-host follower spins for its next frame (after
-a frame, or once the driver announced a step: ``begin_step``), the ring calls it every ~100 us. It replays, read-only, the last
-frame's checks (its header, layout, values and shapes, kept as bytes) and reads the layout's
-arena, so the frame that lands meets warm caches instead of an idle rank's cold ones.
+a frame, or once the driver announced a step: ``begin_step``), the ring calls it every ~100 us.
+It replays, read-only, the last frame's checks (its header, layout, values and shapes, kept as
+bytes) and reads the layout's arena, so the frame that lands meets warm caches instead of an
+idle rank's cold ones.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ import struct
 from typing import Protocol
 
 __all__ = ["MAGIC", "VERSION", "HDR", "MSG_HEADER", "cdiv", "data_offset", "EMPTY", "ATTACHED", "CLOSED",
-           "ABSENT", "LIVENESS_SLICE_S", "DEFAULT_SPIN_US", "ANNOUNCE_SPIN_S", "WARM_EVERY_S", "OFF_ANNOUNCE", "RingWords",
-           "RingHandleFields"]
+           "ABSENT", "LIVENESS_SLICE_S", "DEFAULT_SPIN_US", "ANNOUNCE_SPIN_S", "WARM_EVERY_S", "OFF_ANNOUNCE",
+           "RingWords", "RingHandleFields"]
 
 MAGIC = b"CPMRING1"
 VERSION = 2  # 2: announce word at OFF_ANNOUNCE
@@ -36,7 +36,7 @@ MIN_SLOT_SIZE = 64
 #: Longest a reader spins after an ``announce`` (the driver builds the step's metadata meanwhile);
 #: past it the reader parks in FUTEX_WAIT again.
 ANNOUNCE_SPIN_S = 0.02
-#: While it spins after an ``announce``, a reader with a ``warm`` hook calls it this often: the
+#: While it spins for the next message, a reader with a ``warm`` hook calls it this often: the
 #: step's own code and data, run ~100 us before the frame lands, cost ~2x their hot time where
 #: after an idle gap they cost 5-8x (docs/benchmarks.md, "Warming the follower").
 WARM_EVERY_S = 100e-6

@@ -46,7 +46,7 @@ class RingReader:
     _watch: dict[int, PeerWatch]  # per reader index, -1 = the writer
     _max_bytes: int  # reader: largest message accepted
     _announce_seen: int  # reader: announce count already acted on
-    warm: Optional[Callable[[], None]]  # reader: called while it spins for an announced step
+    warm: Optional[Callable[[], None]]  # reader: called while it spins for the next message
 
     def _label(self, i: Optional[int]) -> str:
         """``i`` as an error message names it: "rank 2 (reader 1)" or "rank 0 (writer)"."""
