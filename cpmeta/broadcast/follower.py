@@ -48,6 +48,7 @@ class FollowerSide:
     _info: tuple[int, bool]  # this step: payload bytes, layout block sent
     _tensor_channel: Callable[[], Any]  # the TensorChannel of the collective tensor path
     src: int  # the driver's global rank
+    _warming: bool  # the ring calls warm (same-host follower, CPMETA_WARM, no checksum)
     _warm_from: Any  # (the last frame's bytes before its tensor region, its arena or None, its step)
 
     def _receive(self, out: Any) -> Any:
@@ -78,7 +79,7 @@ class FollowerSide:
         its saved head (this rank's step count untouched) and a read of its arena. Changes
         nothing a caller sees; raises what the checks raise (the ring then stops calling it)."""
         got = self._warm_from
-        if not got:
+        if got is None:
             return
         head, arena, saved = got
         reader = self._ch.reader
@@ -101,7 +102,7 @@ class FollowerSide:
             if not h.flags & FLAG_PACKED:
                 raise WireError("FLAG_SPAN without FLAG_PACKED")
             span = land_span(self._persist, plan, dims, h.tbytes, view, h.data_at, values, self.device)
-            if self._warm_from is not None:
+            if self._warming:
                 self._warm_from = (bytes(view[:h.data_at]), span, h.step)
             return plan, values, dims, None, None, span
         numels, starts, total = plan.check_tensors(dims, bool(h.flags & FLAG_PACKED), h.tbytes,
@@ -110,7 +111,7 @@ class FollowerSide:
             return plan, values, dims, numels, starts, None
         arena = None if self._persist is None else \
             self._persist.get(plan, dims, numels, starts, total, values)
-        if self._warm_from is not None:
+        if self._warming:
             self._warm_from = (bytes(view[:h.data_at]), arena, h.step)
         if arena is not None:  # the frame's region into the layout's arena, one memmove
             arena.land(view, h.data_at)

@@ -169,23 +169,15 @@ class RingReader:
         if h >= target:
             return self._acquired(h)
         if self._spin_s:
-            now = time.perf_counter()
-            warm = self.warm if deadline is None else None  # between messages only
-            end, next_warm = now + self._spin_s, now + WARM_EVERY_S
-            while now < end and w.announce.value == self._announce_seen:
-                h = w.head.value
-                if h >= target:
-                    return self._acquired(h)
-                if warm is not None and now >= next_warm:
-                    warm = self._run_warm(warm)
-                    next_warm = time.perf_counter() + WARM_EVERY_S
-                now = time.perf_counter()
+            h = self._spin(target, self._spin_s, deadline is None, False)
+            if h >= target:
+                return self._acquired(h)
         me = self.reader_index
         assert me is not None  # only the read path (a reader end) gets here
         while True:
             if w.announce.value != self._announce_seen:
                 self._announce_seen = w.announce.value
-                h = self._spin_announced(target, deadline is None)
+                h = self._spin(target, ANNOUNCE_SPIN_S, deadline is None, True)
                 if h >= target:
                     return self._acquired(h)
             w.waiting[me].value = 1
@@ -200,16 +192,18 @@ class RingReader:
             if w.announce.value == self._announce_seen:
                 self._check_writer(target, deadline)
 
-    def _spin_announced(self, target: int, between: bool) -> int:
-        """Spin on ``head`` for up to ``ANNOUNCE_SPIN_S`` (a step was announced); return head.
-        With a ``warm`` hook, a core of its own and no message begun (``between``), the reader
-        calls it every ``WARM_EVERY_S`` meanwhile (a hook that raises is dropped)."""
-        w, yield_core = self._w, self._yield_spin
-        warm = self.warm if between and not yield_core else None
+    def _spin(self, target: int, seconds: float, between: bool, announced: bool) -> int:
+        """Spin on ``head`` for up to ``seconds``, or until the ring closes; return head. The
+        spin after a message also ends at an ``announce`` (the caller then spins for it); an
+        announced one yields the core on an oversubscribed host. With a ``warm`` hook, a core of
+        its own and no message begun (``between``), the reader calls it every ``WARM_EVERY_S``
+        (at once after an announce); a hook that raises is dropped."""
+        w, yield_core, seen = self._w, announced and self._yield_spin, self._announce_seen
+        warm = self.warm if between and not self._yield_spin else None
         now = time.perf_counter()
-        end, next_warm = now + ANNOUNCE_SPIN_S, now
+        end, next_warm = now + seconds, now if announced else now + WARM_EVERY_S
         h = w.head.value
-        while h < target and not w.closed.value and now < end:
+        while h < target and now < end and not w.closed.value and (announced or w.announce.value == seen):
             if yield_core:
                 os.sched_yield()
             elif warm is not None and now >= next_warm:
