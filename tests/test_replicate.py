@@ -12,6 +12,7 @@ caught and named: rank, step, request. Gaps and replays of the step numbers are 
 from __future__ import annotations
 
 import random
+import time
 from typing import Any
 
 import pytest
@@ -46,20 +47,29 @@ def _digest(md: Any) -> int:
 
 
 def _trace_rank(rank: int, world: int, seed: int, cfg_name: str, steps: int, max_seqs: int,
-                defer: bool = False) -> dict:
+                defer: bool = False, announce: bool = False) -> dict:
     import cpmeta
     from cpmeta.launch.strategies import SchedulerTee
     from replicate_trace import drive
 
     cfg = _config(cfg_name)
-    out: dict = {"digests": [], "refusals": [], "ref": [], "mine": [], "mirrors": []}
+    out: dict = {"digests": [], "refusals": [], "ref": [], "mine": [], "mirrors": [], "warmed": 0}
     with cpmeta.ReplicatedBatchState(cfg, max_seqs, max_tokens=1024, check_every=16, timeout=60,
                                      defer_apply=defer) as rep:
+        ring = rep._ch.objects.ring  # noqa: SLF001 - counting the follower's warm calls
+        if ring is not None and ring.warm is not None:
+            def counted(f: Any = ring.warm) -> None:
+                out["warmed"] += 1
+                f()
+            ring.warm = counted
         ref = cpmeta.BatchState(cfg, max_seqs, max_tokens=1024) if rank == 0 else None
         # deferred: driven as an engine drives it, the scheduler's own state validating each call
         target = SchedulerTee(cpmeta.BatchState(cfg, max_seqs, max_tokens=1024), rep) if defer else rep
         rng, rng_ref = random.Random(seed), random.Random(seed)
         for _ in range(steps):
+            if rank == 0 and announce:  # the scheduler decides for 2 ms: followers warm ~20 times
+                rep.begin_step()
+                time.sleep(0.002)
             if rank == 0:
                 drive(target, cfg, rng, out["refusals"])
                 _, want = drive(ref, cfg, rng_ref, [])
@@ -94,6 +104,19 @@ def test_named_trace_every_rank_builds_the_drivers_metadata(cfg_name: str, world
     out = run_ranks(_trace_rank, world, 7, cfg_name, 240, 9, defer, timeout=240)
     _check_trace(out)
     assert sum(1 for d in out[0]["digests"] if d) > 150  # most steps carried a batch
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_followers_warming_for_announced_steps_change_nothing(defer: bool) -> None:
+    """Followers spinning for announced steps replay the last step's receive read-only
+    (``ReplicatedBatchState.warm``: frame checks, columns, the replay's call, batch digests)
+    dozens of times a step: every rank still builds the driver's metadata every step (and the
+    replicas still compare equal every 16 steps), and the warm hook ran -- it was never dropped
+    for raising."""
+    # world 2: a follower warms only with a core of its own (2 ranks on a 2-core machine)
+    out = run_ranks(_trace_rank, 2, 11, "seed", 120, 9, defer, True, timeout=240)
+    _check_trace(out)
+    assert out[1]["warmed"] >= 120, out[1]["warmed"]
 
 
 @settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)

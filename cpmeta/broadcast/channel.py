@@ -238,6 +238,19 @@ class FrameChannel:
 
         return self.receive(handler)
 
+    def recheck(self, head: bytes, step: int) -> Frame:
+        """Parse again, read-only, a frame this rank already accepted: ``head`` its bytes before
+        the tensor region, ``step`` its step number (this rank's step count is left as it is).
+        A follower spinning for its next frame runs it to keep the parse path warm (the
+        ``warm`` hooks of ``MetadataBroadcaster`` and ``ReplicatedBatchState``)."""
+        reader = self.reader
+        now = reader.step
+        reader.step = step - 1  # parse proves the saved frame's step (an abort may have come since)
+        try:
+            return reader.parse(memoryview(head), self.src)
+        finally:
+            reader.step = now
+
     def malformed(self, e: BaseException) -> RuntimeError:
         return RuntimeError(f"rank {self.rank}: malformed {self.what} message from src={self.src}: "
                             f"{type(e).__name__}: {e}")

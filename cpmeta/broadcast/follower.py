@@ -82,13 +82,7 @@ class FollowerSide:
         if got is None:
             return
         head, arena, saved = got
-        reader = self._ch.reader
-        step = reader.step
-        reader.step = saved - 1  # parse proves the saved frame's step (an abort may have come since)
-        try:
-            reader.parse(memoryview(head), self.src)
-        finally:
-            reader.step = step
+        self._ch.recheck(head, saved)
         if arena is not None:
             arena.touch()
 

@@ -19,7 +19,7 @@ from .digest import batch_check
 from .replay_njit import S_END, S_SPEC, replay
 from .step_frame import Columns
 
-__all__ = ["apply_step", "ReplicaError"]
+__all__ = ["apply_step", "warm_replay", "ReplicaError"]
 
 
 class ReplicaError(RuntimeError):
@@ -96,7 +96,21 @@ def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[
     return batches, (check if replayed and crow == len(check) else batch_check(batches))
 
 
+def warm_replay(state: BatchState, cols: Columns, batches: list[SequenceBatch]) -> None:
+    """Run, read-only, what :func:`apply_step` runs on a step like ``cols``: the compiled replay's
+    call with the state's arrays (from the end of the runs: nothing applied) and the digests of
+    the last step's ``batches`` (reading their arrays and the kernel). A follower spinning for
+    its next step calls it (``ReplicatedBatchState.warm``) so the step meets warm caches."""
+    named, buf, starts = cols
+    runs = named["runs"]
+    replay(len(runs), runs, buf, starts[:-1].copy(), starts[1:], _NO_WORDS, 0, *state.kernel_arrays(),
+           _NO_CHECK, 0, state.lookback)
+    if batches:
+        batch_check(batches)
+
+
 _NO_WORDS = np.zeros(0, np.int64)
+_NO_CHECK = np.zeros((0, 4), np.int64)
 _MAX_CHECK_ROWS = 1 << 20  # spec words claiming more rows: the check is made from the batches, if any
 _READ = np.array([c not in _UNREAD for c in COLUMNS])  # columns the runs must read to their end
 _WIDTH = np.array([WIDE.get(c, 1) for c in COLUMNS], np.int64)  # int64 values per row of each column
