@@ -34,7 +34,7 @@ the first differing request, after which that replica refuses every further step
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -141,6 +141,11 @@ class ReplicatedBatchState(Recorder):
         # frame's crc covers its columns, which the saved head lacks)
         ring = self._ch.objects.ring
         self._warm_from: Any = None  # (head bytes, step, region length, columns, batches)
+        #: follower, optional: the engine's own warming, called after this state's (``warm``)
+        #: while the rank spins for its next step -- e.g. building the last batch's metadata into
+        #: scratch buffers, so the real build meets warm caches. It must not change what the next
+        #: step reads; one that raises is not called again.
+        self.on_wait: Optional[Callable[[], None]] = None
         if not self.is_src and ring is not None and envs.warm() and not ch_sum:
             ring.warm = self.warm
 
@@ -189,6 +194,8 @@ class ReplicatedBatchState(Recorder):
         numels, _, _ = frame.plan.check_tensors(frame.dims, True, frame.head.tbytes, region)
         read_columns(memoryview(cols.buf.view(np.uint8)), 0, numels, frame.dims)
         warm_replay(self.state, cols, batches)
+        if self.on_wait is not None:
+            self.on_wait()
 
     def close(self) -> None:
         """Release the shared-memory ring (idempotent)."""
@@ -236,7 +243,7 @@ class ReplicatedBatchState(Recorder):
         prep = self._ch.prepare(self._key, values, column_dims(cols))
 
         def write(view: memoryview, addr: int, data_at: int) -> None:
-            write_columns(addr + data_at, cols)
+            write_columns(view, data_at, cols)
 
         self._ch.publish(prep, FLAG_PACKED, prep.exact, prep.region, write)
         if self._defer:  # sent: now the driver's replica takes the step, as every follower's
