@@ -13,6 +13,7 @@
 #   bash scripts/gpu_session.sh replay       # the host's cores: this tree against .alt at worlds 2 and 8
 #                                            # (every host strategy, plain and seed), the idle-gap probe
 #   bash scripts/gpu_session.sh warm         # the host's cores at world 8: followers' warming on / off
+#   bash scripts/gpu_session.sh rwarm        # the same for the replicated state's followers (replicate-defer)
 #   bash scripts/gpu_session.sh compare      # the host's cores, before / after in one run: the commit in
 #                                            # .baseline (git archive REV | tar -x -C .baseline; carry it)
 #                                            # and this tree, end-to-end step (plain and compressed-KV
@@ -145,6 +146,15 @@ warm)  # ~2 min: the followers' warming (CPMETA_WARM) on / off, alternating, wor
     TAILN=3 step warm${V}_$R 40 env CPMETA_WARM=$V PYTHONPATH="$PWD$MQ" VLLM_TARGET_DEVICE=cpu python3 scripts/bench_step.py \
       --worlds 8 --workloads decode-64 --strategies broadcast mq-replicate --steps 40 --warmup 6 --budget 3 --no-cold \
       --out "$OUT/h200_wire.warm$V-$R.json"
+  done; done
+  ;;
+rwarm)  # ~6 min: the replicated followers' warming (CPMETA_WARM) on / off, world 8 decode-64, plain and seed
+  MQ=""; [ -d mq_bundle312 ] && MQ=":$PWD/mq_bundle312"
+  python3 -c 'import cpmeta.jit as j; j.warm_all()'
+  for M in plain:1 plain:2 seed:1; do for V in 1 0; do
+    TAILN=4 step rwarm_${M%:*}${V}_${M#*:} 90 env CPMETA_WARM=$V PYTHONPATH="$PWD$MQ" VLLM_TARGET_DEVICE=cpu python3 \
+      scripts/bench_step.py --model ${M%:*} --worlds 8 --workloads decode-64 --strategies broadcast replicate-defer \
+      mq-replicate --steps 40 --warmup 6 --budget 3 --no-cold --out "$OUT/h200_wire.rwarm-${M%:*}$V-${M#*:}.json"
   done; done
   ;;
 short)  # ~9 min when the device time is short: the GPU tests, then compare's end-to-end step trimmed
