@@ -34,7 +34,7 @@ the first differing request, after which that replica refuses every further step
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -141,11 +141,6 @@ class ReplicatedBatchState(Recorder):
         # frame's crc covers its columns, which the saved head lacks)
         ring = self._ch.objects.ring
         self._warm_from: Any = None  # (head bytes, step, region length, columns, batches)
-        #: follower, optional: the engine's own warming, called after this state's (``warm``)
-        #: while the rank spins for its next step -- e.g. building the last batch's metadata into
-        #: scratch buffers, so the real build meets warm caches. It must not change what the next
-        #: step reads; one that raises is not called again.
-        self.on_wait: Optional[Callable[[], None]] = None
         if not self.is_src and ring is not None and envs.warm() and not ch_sum:
             ring.warm = self.warm
 
@@ -194,8 +189,6 @@ class ReplicatedBatchState(Recorder):
         numels, _, _ = frame.plan.check_tensors(frame.dims, True, frame.head.tbytes, region)
         read_columns(memoryview(cols.buf.view(np.uint8)), 0, numels, frame.dims)
         warm_replay(self.state, cols, batches)
-        if self.on_wait is not None:
-            self.on_wait()
 
     def close(self) -> None:
         """Release the shared-memory ring (idempotent)."""

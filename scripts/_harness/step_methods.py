@@ -13,9 +13,7 @@ strategy        driver -> followers
 broadcast       applies the ops to its ``BatchState``, builds (``out=OutputArenas()``), sends it with
                 ``MetadataBroadcaster(persistent_outputs=True)`` (``begin_step()`` at the start)
 replicate       calls the ops on ``ReplicatedBatchState``; ``sync()`` sends them as one frame per
-                spec; EVERY rank builds from its own replica (``out=OutputArenas()``); a follower
-                spinning for its next step warms (``rep.on_wait`` builds its last batches into
-                scratch arenas; ``CPMETA_WARM=0``: nothing warms)
+                spec; EVERY rank builds from its own replica (``out=OutputArenas()``)
 mq-replicate    vLLM's ``MessageQueue`` carries the op list pickled; every rank applies it to its
                 own ``BatchState`` and builds with cpmeta's builders
 mq-broadcast    the driver applies and builds; ``MessageQueue`` carries the built metadata pickled
@@ -264,12 +262,6 @@ class Replicate(_Strategy):
                  timeout: float, defer: bool = False) -> None:
         super().__init__(rank, cfg, device, max_seqs, n_specs, timeout)
         self.rep = cpmeta.ReplicatedBatchState(cfg, max_seqs, device=device, timeout=timeout, defer_apply=defer)
-        # a follower warms its build as an engine would: the last batches into scratch arenas,
-        # while it spins for the next step (``rep.on_wait``; with CPMETA_WARM=0 nothing warms)
-        self._last: list[Any] = []
-        self._scratch = cpmeta.OutputArenas()
-        if rank:
-            self.rep.on_wait = lambda: build(self._last, self.cfg, self._scratch)
 
     def local_state(self, rank: int) -> bool:
         return False
@@ -296,8 +288,7 @@ class Replicate(_Strategy):
         _TIMER["first"] = _TIMER["total"] = 0.0
         got = self.rep.sync()
         rec[RECV], rec[APPLY] = _TIMER["first"], _TIMER["total"]
-        self._last = _batches(got)
-        return self._build(self._last, rec)
+        return self._build(_batches(got), rec)
 
     def close(self) -> None:
         self.rep.close()
