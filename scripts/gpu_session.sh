@@ -156,6 +156,7 @@ rwarm)  # ~6 min: the replicated followers' warming (CPMETA_WARM) on / off, worl
       scripts/bench_step.py --model ${M%:*} --worlds 8 --workloads decode-64 --strategies broadcast replicate-defer \
       mq-replicate --steps 40 --warmup 6 --budget 3 --no-cold --out "$OUT/h200_wire.rwarm-${M%:*}$V-${M#*:}.json"
   done; done
+  rm -f "$OUT"/*.png  # the device tool brings back at most 8 files
   ;;
 short)  # ~9 min when the device time is short: the GPU tests, then compare's end-to-end step trimmed
   TAILN=8 step gpu_tests 240 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu or triton or graph or nccl" \
@@ -174,7 +175,7 @@ short)  # ~9 min when the device time is short: the GPU tests, then compare's en
   done
   ;;
 *)
-  echo "unknown suite $SUITE: expected tests, bench-gpu, bench-cpu, compare, wire, replay, warm or short" >&2; exit 2
+  echo "unknown suite $SUITE: expected tests, bench-gpu, bench-cpu, compare, wire, replay, warm, rwarm or short" >&2; exit 2
   ;;
 esac
 # one file for every log (the device tool brings back at most 8 files)
