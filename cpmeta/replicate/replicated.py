@@ -29,6 +29,9 @@ Engram window) with the driver's, so a replica that would build different metada
 AT that step; and every ``check_every`` steps the ranks compare digests of their whole replicas
 (``cpmeta.replicate.digest``). A mismatch is a ``RuntimeError`` naming the rank, the step and
 the first differing request, after which that replica refuses every further step.
+
+While a same-host follower spins for its next step it warms (:meth:`ReplicatedBatchState.warm`,
+``CPMETA_WARM``): it replays the last step's receive read-only, so the step lands on warm caches.
 """
 
 from __future__ import annotations
@@ -141,7 +144,8 @@ class ReplicatedBatchState(Recorder):
         # frame's crc covers its columns, which the saved head lacks)
         ring = self._ch.objects.ring
         self._warm_from: Any = None  # (head bytes, step, region length, columns, batches)
-        if not self.is_src and ring is not None and envs.warm() and not ch_sum:
+        self._warming = not self.is_src and ring is not None and envs.warm() and not ch_sum
+        if self._warming:
             ring.warm = self.warm
 
     # ---- every rank -----------------------------------------------------------------------
@@ -267,12 +271,11 @@ class ReplicatedBatchState(Recorder):
             if not h.flags & FLAG_PACKED:
                 raise WireError("step frame without FLAG_PACKED")
             numels, _, _ = frame.plan.check_tensors(frame.dims, True, h.tbytes, view.nbytes - h.data_at)
-            if warming:
-                saved.append(bytes(view[:h.data_at]))
-                saved.append(view.nbytes - h.data_at)
+            if self._warming:
+                saved[:] = (bytes(view[:h.data_at]), view.nbytes - h.data_at)
             return read_columns(view, h.data_at, numels, frame.dims), frame.values
 
-        warming, saved = self._ch.objects.ring is not None and self._ch.objects.ring.warm is not None, []
+        saved: list[Any] = []  # warming: the frame's head and its region's length
         cols, (got_step, _check, req_ids, spec) = self._ch.receive(handler)
         if got_step != step:
             self._broken = f"step {got_step} arrived, step {step} expected"
