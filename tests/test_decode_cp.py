@@ -55,7 +55,7 @@ def _cp_equals_broadcast(rank: int, world: int, device: str, graph: bool) -> int
     """Each step: staged broadcast into this rank's buffers == MetadataBroadcaster(prepare_decode)."""
     import cpmeta
     from cpmeta.diff import metadata_diff
-    from cpmeta.gpu import DecodeStaging, StagedDecodeBroadcaster, stage_decode, staging_capacity
+    from cpmeta.gpu import DecodeStaging, StagedDecodeBroadcaster, staging_capacity
     from cpmeta.gpu.decode_inplace import launch_decode_inplace, prepare_decode_inplace
     from strategies import metadata_prefix, random_decode_batch
 

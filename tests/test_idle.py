@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from multiproc import run_ranks, spawn_ranks
-from cpmeta.transport import ObjectChannel, PeerError, RingClosedError, ShmRing, TensorChannel
+from cpmeta.transport import ObjectChannel, ShmRing, TensorChannel
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.long]  # fault injection waits out timeouts: .ci/run runs the long suite
 

@@ -106,6 +106,15 @@ def test_named_trace_every_rank_builds_the_drivers_metadata(cfg_name: str, world
     assert sum(1 for d in out[0]["digests"] if d) > 150  # most steps carried a batch
 
 
+def test_named_trace_over_the_process_group() -> None:
+    """The same trace with the step frames sent through the process group (``force_remote``, as
+    to followers on another host): every rank builds the driver's metadata every step."""
+    out = run_ranks(_trace_rank, 2, 7, "plain", 80, 9, True, env={"CPMETA_FORCE_REMOTE": "1"},
+                    timeout=240)
+    _check_trace(out)
+    assert out[1]["warmed"] == 0  # no ring, nothing warms
+
+
 @pytest.mark.parametrize("defer", [False, True])
 def test_followers_warming_for_announced_steps_change_nothing(defer: bool) -> None:
     """Followers spinning for announced steps replay the last step's receive read-only

@@ -10,7 +10,6 @@ the Triton kernels, one GPU shared by the ranks). Every rank's rows must equal
 from __future__ import annotations
 
 import random
-from typing import Any
 
 import pytest
 import torch

@@ -16,7 +16,6 @@ driver starts step k" and "every rank holds step k" ends with the same named err
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
