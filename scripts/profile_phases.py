@@ -6,6 +6,7 @@
     python scripts/profile_phases.py inplace --out $OUT/h200_inplace_step.json # the in-place decode step's pieces (--cp: + CP driver)
     python scripts/profile_phases.py replicate --backend nccl --steps 200      # cProfile: replicated in-place vs staged broadcast
     python scripts/profile_phases.py cold --out $OUT/cold.json                 # what an idle gap costs the next call
+    python scripts/profile_phases.py sync --world 2 --defer                    # ReplicatedBatchState's step as a timeline
 
 Phases are timed by :func:`bench_meta.interleaved` (one call of each phase per round, shuffled,
 so machine load hits them alike) or, for ``broadcast``, by timers wrapped around the library's
@@ -673,6 +674,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--top", type=int, default=22)
 
+    from _harness.sync_timeline import __doc__ as sync_doc, sync_main
+
+    p = sub.add_parser("sync", description=sync_doc, formatter_class=fmt,
+                       help="ReplicatedBatchState's step as a timeline, both sides")
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--model", choices=("plain", "seed"), default="plain")
+    p.add_argument("--workload", default="decode-64")
+    p.add_argument("--defer", action="store_true", help="defer_apply=True (the replicate-defer strategy)")
+    p.add_argument("--park-ms", type=float, default=3.0)
+    p.add_argument("--spin-us", type=float, default=None, help="CPMETA_SHM_SPIN_US for the ranks")
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--out", default="", help="JSON output path ('' = none)")
+
     p = sub.add_parser("cold", description=COLD_DOC, formatter_class=fmt, help="what an idle gap costs a call")
     p.add_argument("--gaps-ms", type=float, nargs="+", default=[0, 0.3, 1, 3, 10])
     p.add_argument("--repeat", type=int, default=200)
@@ -680,7 +696,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     args = ap.parse_args(argv)
     run = {"build": build_main, "broadcast": broadcast_main, "inplace": inplace_main,
-           "replicate": replicate_main, "cold": cold_main}[args.cmd]
+           "replicate": replicate_main, "cold": cold_main, "sync": sync_main}[args.cmd]
     return run(args, argv)
 
 

@@ -1,0 +1,138 @@
+"""``profile_phases.py sync``: one ``ReplicatedBatchState`` step as a timeline, both sides.
+
+Every rank wraps the library's stage functions in its own process (nothing changes in the
+library) and stamps ``perf_counter`` -- one clock for every process of a host -- at each stage's
+start and end; the last call of a stage in a step wins (a follower's warm calls come before the
+step's own). Rank 0 then prints the p50 of each stage on the driver and, on the follower that
+held its metadata last, the stages from the driver's ring commit on::
+
+    driver    record (its BatchState calls) | columns | prepare | fill -> write | write | commit
+              | own apply (defer_apply) | build
+    follower  commit -> parse | parse | columns | -> replay | replay + step check | -> sync end | build
+
+The steps are ``bench_step.py``'s decode trace (``StepTrace``: accepted tokens, block growth,
+finishes and adds every step); before each, a barrier and the driver idles ``--park-ms``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+pc = time.perf_counter
+
+#: (driver stage, from stamp, to stamp); ``>`` = a wrapped call's start, ``<`` its end
+DRIVER = (("record", "t0", "record<"), ("columns", "record<", "columns<"), ("prepare", "prepare>", "prepare<"),
+          ("fill", "publish>", "write_columns>"), ("write", "write_columns>", "write_columns<"),
+          ("commit", "write_columns<", "commit<"), ("own apply", "_apply_deferred>", "_apply_deferred<"),
+          ("build", "sync<", "end"))
+FOLLOWER = (("parse", "parse>", "parse<"), ("columns", "parse<", "read_columns<"),
+            ("to replay", "read_columns<", "apply_step>"), ("replay + check", "apply_step>", "apply_step<"),
+            ("to sync end", "apply_step<", "sync<"), ("build", "sync<", "end"))
+
+
+def _stamp(stamps: dict[str, float], owner: Any, name: str) -> None:
+    """Wrap ``owner.name`` in this process: its last call's start / end go to ``stamps``."""
+    f = getattr(owner, name)
+
+    def timed(*a: Any, **k: Any) -> Any:
+        stamps[name + ">"] = pc()
+        try:
+            return f(*a, **k)
+        finally:
+            stamps[name + "<"] = pc()
+
+    setattr(owner, name, timed)
+
+
+def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+    from bench_broadcast import init_rank
+
+    init_rank(rank, world, port, "gloo")
+    import torch.distributed as dist
+
+    import cpmeta
+    import cpmeta.broadcast.channel as channel
+    import cpmeta.broadcast.wire as wire
+    import cpmeta.replicate.ops as ops
+    import cpmeta.replicate.replicated as replicated
+    from _harness.step_methods import StepTrace, build
+    from cpmeta.launch.scheduler import default_config, plain_config
+
+    stamps: dict[str, float] = {}
+    for owner, name in ((replicated, "apply_step"), (replicated, "read_columns"), (replicated, "write_columns"),
+                        (channel.FrameChannel, "prepare"), (channel.FrameChannel, "publish"),
+                        (wire.FrameReader, "parse"), (ops.OpLog, "columns"),
+                        (replicated.ReplicatedBatchState, "_apply_deferred")):
+        _stamp(stamps, owner, name)
+    cfg = plain_config() if args.model == "plain" else default_config()
+    trace = StepTrace(cfg, args.workload, 0)
+    rep = cpmeta.ReplicatedBatchState(cfg, trace.max_seqs, defer_apply=args.defer, timeout=args.timeout)
+    if rep._ch.objects.ring is not None:  # noqa: SLF001 - the ring's commit is the frame's publish
+        _stamp(stamps, rep._ch.objects.ring, "commit")  # noqa: SLF001
+    arenas = cpmeta.OutputArenas()
+    rows = []
+    for _ in range(args.warmup + args.steps):
+        step_ops = trace.next_step() if rank == 0 else None
+        dist.barrier()
+        stamps.clear()
+        if rank == 0:
+            time.sleep(args.park_ms / 1e3)
+            stamps["t0"] = pc()
+            rep.begin_step()
+            for name, a, kw in step_ops or ():
+                getattr(rep, name)(*a, **kw)
+            stamps["record<"] = pc()
+        got = rep.sync()
+        stamps["sync<"] = pc()
+        build([] if got is None else list(got) if isinstance(got, tuple) else [got], cfg, arenas)
+        stamps["end"] = pc()
+        rows.append(dict(stamps))
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, rows[args.warmup:])
+    rep.close()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(every, f)
+
+
+def _p50(values: list[float]) -> float:
+    return round(float(np.median(values)) * 1e6, 1) if values else float("nan")
+
+
+def summarize(every: list[list[dict[str, float]]]) -> dict[str, Any]:
+    """p50 µs of each stage: the driver's, and the last follower's of each step."""
+    drv, n = every[0], len(every[0])
+    last = [max(range(1, len(every)), key=lambda r: every[r][i]["end"]) for i in range(n)] if len(every) > 1 else []
+    out: dict[str, Any] = {"end_to_end": _p50([max(r[i]["end"] for r in every) - drv[i]["t0"] for i in range(n)])}
+    out["driver"] = {k: _p50([s[b] - s[a] for s in drv if a in s and b in s]) for k, a, b in DRIVER}
+    if last:
+        fol = [every[r][i] for i, r in enumerate(last)]
+        stages = {"commit -> parse": _p50([f["parse>"] - d["commit<"] for f, d in zip(fol, drv)
+                                           if "parse>" in f and "commit<" in d])}
+        stages.update({k: _p50([s[b] - s[a] for s in fol if a in s and b in s]) for k, a, b in FOLLOWER})
+        out["last follower"] = stages
+    return out
+
+
+def sync_main(args: argparse.Namespace, argv: list[str]) -> int:
+    from bench_broadcast import run_world_procs
+    from _harness.bench_meta import write_result
+
+    if args.spin_us is not None:  # the ranks inherit it (their readers' spin after a message)
+        os.environ["CPMETA_SHM_SPIN_US"] = str(args.spin_us)
+    res = summarize(run_world_procs(args.world, args, rank_main))
+    print(f"world {args.world} {args.model} {args.workload} defer_apply={args.defer} park {args.park_ms} ms, "
+          f"p50 us over {args.steps} steps")
+    print(f"  end to end {res['end_to_end']}")
+    for side in ("driver", "last follower"):
+        if side in res:
+            print(f"  {side:13s} " + "  ".join(f"{k} {v}" for k, v in res[side].items()))
+    if args.out:
+        write_result(args.out, {"results": res}, argv)
+    return 0
