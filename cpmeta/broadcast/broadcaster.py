@@ -154,12 +154,7 @@ class MetadataBroadcaster(FollowerSide):
             self._persist = PersistentArenas(self.device, self.schema, policy)
         self._metrics = BroadcastMetrics() if metrics else None
         self._warm_from = None
-        # (FollowerSide.warm; a checksummed frame's crc covers its tensor region, which the saved
-        # head lacks)
-        self._warming = (not self.is_src and self._objects.ring is not None and envs.warm()
-                         and not self.checksum)
-        if self._warming:
-            self._objects.ring.warm = self.warm
+        self._warming = self._ch.warm_with(self.warm)  # FollowerSide.warm
         self._mark = 0.0  # this step: when the frame was published (driver) / arrived (follower)
         self._info: tuple[int, bool] = (0, False)  # this step: payload bytes, layout block sent
         self._closed = False

@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from cpmeta.transport.codec import CodecError, encode_body  # cpmeta -> transport only
 
+from .. import envs
 from .plan import Plan
 from .schema import explain_mismatch
 from .wire import (FLAG_ABORT, FLAG_CRC, FLAG_LAYOUT, FLAG_PACKED, MAX_FRAME_DIMS,
@@ -237,6 +238,16 @@ class FrameChannel:
             return frame, frame.plan.views(buf, frame.dims, numels, starts)
 
         return self.receive(handler)
+
+    def warm_with(self, hook: Callable[[], None]) -> bool:
+        """Follower: have the ring call ``hook`` while this rank spins for its next frame, when it
+        can (a same-host follower, ``CPMETA_WARM`` on, no checksum: a checksummed frame's crc
+        covers its tensor region, which a saved head lacks). Returns whether it will."""
+        ring = self.objects.ring
+        if self.is_src or ring is None or not envs.warm() or self.checksum:
+            return False
+        ring.warm = hook
+        return True
 
     def recheck(self, head: bytes, step: int) -> Frame:
         """Parse again, read-only, a frame this rank already accepted: ``head`` its bytes before

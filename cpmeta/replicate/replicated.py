@@ -140,13 +140,8 @@ class ReplicatedBatchState(Recorder):
         self._broken: Optional[str] = None  # why this replica refuses further steps
         self.step = 0  # steps synced so far
         self._closed = False
-        # a same-host follower warms while it spins for the next step (``warm``; a checksummed
-        # frame's crc covers its columns, which the saved head lacks)
-        ring = self._ch.objects.ring
         self._warm_from: Any = None  # (head bytes, step, region length, columns, batches)
-        self._warming = not self.is_src and ring is not None and envs.warm() and not ch_sum
-        if self._warming:
-            ring.warm = self.warm
+        self._warming = self._ch.warm_with(self.warm)  # a same-host follower warms while it spins
 
     # ---- every rank -----------------------------------------------------------------------
     @property
