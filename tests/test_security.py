@@ -393,7 +393,9 @@ def test_named_segments_are_private_random_and_exclusive(monkeypatch: pytest.Mon
         hexes = [n[len("cpmeta-"):] for n in names]
         longest = max(len(os.path.commonprefix([a, b])) for a in hexes for b in hexes if a != b)
         assert longest <= 6, longest
-        assert not any(str(os.getpid()) in h for h in hexes)
+        # a name made from the pid carries it in every name; random hex holds a 4-5 digit run
+        # by chance (~3 % of runs saw one in 64 names), three or more at ~1e-6
+        assert sum(str(os.getpid()) in h for h in hexes) <= 2, hexes
     finally:
         for s in segs:
             os.close(s.fd)
