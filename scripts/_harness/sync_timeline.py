@@ -99,6 +99,8 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
     if rank == 0:
         with open(out, "w") as f:
             json.dump(every, f)
+    dist.barrier()  # as every benchmark's ranks end: together, the group torn down
+    dist.destroy_process_group()
 
 
 def _p50(values: list[float]) -> float:
