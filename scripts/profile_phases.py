@@ -578,7 +578,6 @@ def cold_main(args: argparse.Namespace, argv: list[str]) -> int:
     from cpmeta.launch.scheduler import plain_config
     from cpmeta.replicate.apply import apply_step
     from cpmeta.replicate.ops import BLK, COLUMNS, TOK, OpLog
-    from cpmeta.replicate.step_frame import flat_columns
 
     cfg = plain_config()
     seqs = decode_batch(random.Random(0), cfg, 64, 0)
@@ -589,7 +588,7 @@ def cold_main(args: argparse.Namespace, argv: list[str]) -> int:
     log.ragged(TOK, slots, np.ones(64, np.int64), rng.integers(0, 1000, 64))
     log.ragged(BLK, slots[::8].copy(), np.ones(8, np.int64), rng.integers(0, 1000, 8))
     log.batch_spec(False, slots, np.zeros(0, np.int64), np.zeros(0, np.int64), 0, True, -2)
-    cols, specs, meta0 = flat_columns(log.columns(np.zeros((0, 4), np.int64))), list(log.specs), rep._meta.copy()
+    cols, specs, meta0 = log.pack(np.zeros((0, 4), np.int64)), list(log.specs), rep._meta.copy()
     assert len(cols.named) == len(COLUMNS)
     big = np.ones(8192)
 

@@ -10,6 +10,7 @@ unwritten.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from unittest import mock
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -29,7 +31,11 @@ from cpmeta.replicate.apply import ReplicaError, apply_step
 from cpmeta.replicate.digest import batch_check
 from cpmeta.replicate.ops import BLK, CMP, COLUMNS, SPEC, TOK, OpLog
 from cpmeta.replicate.recorder import Recorder
-from cpmeta.replicate.step_frame import flat_columns
+from cpmeta.broadcast.plan import Plan
+from cpmeta.broadcast.wire import (FLAG_CRC, FLAG_LAYOUT, FLAG_PACKED, PACK_ALIGN, FrameReader, FrameWriter, WireError,
+                                   blocks_at, seal)
+from cpmeta.replicate.step_frame import STEP_SCHEMA, flat_columns, read_region, step_key
+from cpmeta.transport.codec import encode_body
 
 CFGS = {"plain": plain_config(max_model_len=2048), "seed": default_config(max_model_len=2048)}  # seed: Engram + SWA
 NO_DIGEST = np.zeros((0, 4), np.int64)
@@ -86,12 +92,60 @@ class _Driver(Recorder):
 
     def frame(self) -> tuple[Any, list[Any], list[int], list[SequenceBatch], dict[str, Any]]:
         log = self._log
-        out = (flat_columns(log.columns(NO_DIGEST)), list(log.req_ids), list(log.specs), list(self._batches),
+        _assert_frame_as_codec_writes(log, batch_check(self._batches))
+        out = (log.pack(NO_DIGEST), list(log.req_ids), list(log.specs), list(self._batches),
                self._at_last_spec or _public(self.state))
         self._log, self._next = self._next, log  # calls after the last spec open the next step
         log.clear()
         self._batches, self._pending, self._at_last_spec = [], [], None
         return out
+
+
+def _frame_bytes(log: OpLog, digest: np.ndarray, compiled: bool) -> bytes:
+    """Step 3's frame of ``log``'s columns: as ``ReplicatedBatchState._send`` writes it
+    (``compiled``: ``OpLog.pack``, one run sized from its bytes, one copy), or as the common
+    codec writes any dataclass of tensors (the columns as torch tensors, ``Plan.sizes`` and
+    ``Plan.pack``: the oracle)."""
+    values = [3, False, list(log.req_ids), list(log.specs)]
+    writer = FrameWriter(STEP_SCHEMA, Plan)
+    lid, plan, lblock = writer.layout(step_key())
+    vblock = encode_body(values)
+    if compiled:
+        cols = log.pack(digest)
+        dims, exact = cols.dims, cols.nbytes
+        region = -(-exact // PACK_ALIGN) * PACK_ALIGN
+    else:
+        tensors = [torch.from_numpy(c.copy()) for c in log.columns(digest)]
+        dims = tuple(d for t in tensors for d in t.shape)
+        numels, starts, region, exact = plan.sizes(dims)
+    shapes_at, data_at = blocks_at(len(lblock), len(vblock), plan.n_dims)
+    buf = bytearray(data_at + region)
+    view = memoryview(buf)
+    writer.write(view, FLAG_PACKED | FLAG_LAYOUT | FLAG_CRC, lid, lblock, vblock, plan, dims, exact, shapes_at, 3)
+    if compiled:
+        view[data_at:data_at + exact] = cols.buf.view(np.uint8)
+    else:
+        src = (ctypes.c_char * len(buf)).from_buffer(buf)
+        plan.pack(ctypes.addressof(src) + data_at, tensors, numels, starts)
+        del src
+    seal(view, data_at, True)
+    return bytes(buf)
+
+
+def _assert_frame_as_codec_writes(log: OpLog, digest: np.ndarray) -> None:
+    """The driver's compiled frame is, byte for byte, the common codec's frame of the same
+    columns; a follower's ``read_region`` of it gives the log's columns back."""
+    got, want = _frame_bytes(log, digest, True), _frame_bytes(log, digest, False)
+    assert got == want
+    reader = FrameReader(STEP_SCHEMA, Plan, True)
+    reader.step = 2
+    view = memoryview(got)
+    frame = reader.parse(view, 0)
+    h = frame.head
+    cols, _ = read_region(frame, np.frombuffer(view, np.int64, h.n_dims, h.shapes_at),
+                          np.frombuffer(view, np.uint8, len(got) - h.data_at, h.data_at))
+    for c, w in zip([cols.col(i) for i in range(len(COLUMNS))], log.columns(digest)):
+        assert c.shape == w.shape and np.array_equal(c, w)
 
 
 def _sync(d: _Driver, b: BatchState) -> list[SequenceBatch]:
@@ -296,3 +350,32 @@ def test_run_count_near_int64_max_is_refused_not_a_crash() -> None:
             "except t.ReplicaError as e: print('refused:', e)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "refused: step frame: tok_slots holds 1 entries" in out.stdout, out
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({0: -1}, r"tensor dims out of range"),  # runs' rows
+    ({1: 3}, r"tensor shapes declare 80 bytes \(region 80\), the frame declares 64 \(region 64\): runs \[2, 3\]"),
+    ({7: 2}, r"tensor shapes declare 72 bytes .* the frame declares 64 .*tok_slots \[2\] int64"),  # 2 entries, not 1
+    ({0: 1, 1: 4}, r"step frame: 26 shape words and 64 region bytes refused for 64 column bytes"),  # runs [1, 4]
+])
+def test_follower_refuses_a_region_its_shapes_do_not_describe(changes: dict[int, int], match: str) -> None:
+    """Shape words changed (the frame resealed, so only the region check can catch them): the
+    compiled check refuses them, with the codec's message naming the shapes where the codec
+    refuses them too (``runs [1, 4]`` has the right bytes, only the step frame's width rule
+    refuses it); nothing is returned."""
+    log = OpLog(8)
+    _tok(log, [1], [1], [7])
+    _spec(log, False, [1], [], [], 0, -2)
+    buf = bytearray(_frame_bytes(log, NO_DIGEST, True))
+    view = memoryview(buf)
+    reader = FrameReader(STEP_SCHEMA, Plan, True)
+    reader.step = 2
+    h = reader.parse(view, 0).head
+    shapes = np.frombuffer(view, np.int64, h.n_dims, h.shapes_at)
+    for word, value in changes.items():
+        shapes[word] = value
+    seal(view, h.data_at, True)
+    reader.step = 2
+    frame = reader.parse(view, 0)
+    with pytest.raises(WireError, match=match):
+        read_region(frame, shapes, np.frombuffer(view, np.uint8, len(buf) - h.data_at, h.data_at))

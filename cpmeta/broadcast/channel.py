@@ -42,7 +42,7 @@ from .. import envs
 from .plan import Plan
 from .schema import explain_mismatch
 from .wire import (FLAG_ABORT, FLAG_CRC, FLAG_LAYOUT, FLAG_PACKED, MAX_FRAME_DIMS,
-                   MAX_VALUES_BYTES, DriverAbort, Frame, FrameMismatch, FrameReader, FrameWriter,
+                   MAX_VALUES_BYTES, PACK_ALIGN, DriverAbort, Frame, FrameMismatch, FrameReader, FrameWriter,
                    WireError, abort_values, blocks_at, seal)
 
 __all__ = ["FrameChannel", "Prepared", "resolve_src"]
@@ -115,17 +115,24 @@ class FrameChannel:
 
     # ---- driver -----------------------------------------------------------------------------
     def prepare(self, key: tuple, values: list[Any], dims: Optional[tuple[int, ...]],
-                tensors: Optional[list[torch.Tensor]] = None) -> Prepared:
+                tensors: Optional[list[torch.Tensor]] = None, *, one_run: Optional[int] = None) -> Prepared:
         """Layout, sizes and values of one frame. ``dims`` (flat tensor dims) or ``tensors``
         (read when ``dims`` is None). Every check a follower makes runs here first (layout
         against the schema, pinned dtypes / ndims, fixed dims, dim range, values, block sizes):
-        a ``ValueError`` naming the path or the limit, before a byte is written."""
+        a ``ValueError`` naming the path or the limit, before a byte is written. ``one_run``:
+        the exact tensor bytes of a layout of ONE dtype run whose ``dims`` the caller's compiled
+        code produced and proved (the step frame's columns); its sizes are not recomputed."""
         lid, plan, lblock = self.writer.layout(key)
         if dims is None:
             dims = tuple([d for t in tensors or () for d in t.shape])
         if len(dims) > MAX_FRAME_DIMS:
             raise WireError(f"{len(dims)} shape words, at most {MAX_FRAME_DIMS}")
-        numels, starts, region, exact = plan.sizes(dims)
+        if one_run is None:
+            numels, starts, region, exact = plan.sizes(dims)
+        elif len(plan.run_slices) == 1:
+            numels, starts, region, exact = [], [0], -(-one_run // PACK_ALIGN) * PACK_ALIGN, one_run
+        else:
+            raise ValueError(f"one_run: the layout has {len(plan.run_slices)} dtype runs")
         plan.check_values(values)
         vblock = encode_body(values)
         if len(vblock) > MAX_VALUES_BYTES:

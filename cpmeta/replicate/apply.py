@@ -14,10 +14,9 @@ from typing import Any
 import numpy as np
 
 from ..state import BatchState, SequenceBatch
-from .ops import ADD, BLK, CMP, COLUMNS, FIN, SID, SPEC, SPEC_WORDS, SVS, TOK, WIDE
+from .ops import ADD, BLK, CMP, COLUMNS, FIN, SID, SPEC, SPEC_WORDS, SVS, TOK, WIDE, Columns
 from .digest import batch_check
 from .replay_njit import S_END, S_SPEC, replay
-from .step_frame import Columns
 
 __all__ = ["apply_step", "warm_replay", "ReplicaError"]
 
@@ -49,7 +48,7 @@ def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[
     and their step check (``digest.batch_check(batches)``, written by the replay).
 
     ``cols``: every column of :data:`cpmeta.replicate.ops.COLUMNS` as the frame carried it
-    (:class:`~cpmeta.replicate.step_frame.Columns`: named views of one int64 buffer);
+    (:class:`~cpmeta.replicate.ops.Columns`: one int64 buffer);
     ``req_ids`` the added requests' ids in order; ``spec`` the batch specs' values,
     ``SPEC_WORDS`` per spec (``[is_prompt, num_placeholders, advance, uniform drafts, #slots,
     #lens, #drafts]``). Append runs and batch specs go through the compiled replay
@@ -59,8 +58,8 @@ def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[
     """
     if len(spec) % SPEC_WORDS:
         raise ReplicaError(f"step frame: {len(spec)} spec values, not a multiple of {SPEC_WORDS}")
-    named, buf, starts = cols
-    runs = named["runs"]
+    buf, starts, _ = cols
+    runs = cols.col(0)
     at, end = starts[:-1].copy(), starts[1:]
     try:
         words = np.array(spec, np.int64)
@@ -72,6 +71,7 @@ def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[
     batches: list[SequenceBatch] = []
     adds = iter(req_ids)
     r, si, crow, replayed = 0, 0, 0, True
+    named: Any = None  # the columns by name, made when a run goes through Python
     while True:
         status, r, si, crow, gbuf, ph, vouched = replay(r, runs, buf, at, end, words, si, *arrays, check, crow,
                                                         state.lookback)
@@ -83,13 +83,15 @@ def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[
         replayed = replayed and not (runs[r, 0] == SPEC)  # a spec made here: its check made below
         pos = dict(zip(COLUMNS, ((at - starts[:-1]) // _WIDTH).tolist()))  # rows of each column
         code, n = runs[r].tolist()
+        if named is None:
+            named = cols.named
         _run(state, named, pos, code, n, adds, spec, batches)
         at[:] = starts[:-1] + _WIDTH * [pos[c] for c in COLUMNS]
         si = SPEC_WORDS * len(batches)
         r += 1
     for i in np.flatnonzero((at != end) & _READ).tolist():  # the first column not read to its end
         name = COLUMNS[i]
-        raise ReplicaError(f"step frame: {name} holds {len(named[name])} entries, its runs read "
+        raise ReplicaError(f"step frame: {name} holds {len(cols.col(i))} entries, its runs read "
                            f"{(at[i] - starts[i]) // _WIDTH[i]}")
     if next(adds, None) is not None or len(spec) != SPEC_WORDS * len(batches):
         raise ReplicaError("step frame: more request ids or specs than its runs use")
@@ -101,8 +103,8 @@ def warm_replay(state: BatchState, cols: Columns, batches: list[SequenceBatch]) 
     call with the state's arrays (from the end of the runs: nothing applied) and the digests of
     the last step's ``batches`` (reading their arrays and the kernel). A follower spinning for
     its next step calls it (``ReplicatedBatchState.warm``) so the step meets warm caches."""
-    named, buf, starts = cols
-    runs = named["runs"]
+    buf, starts, _ = cols
+    runs = cols.col(0)
     replay(len(runs), runs, buf, starts[:-1].copy(), starts[1:], _NO_WORDS, 0, *state.kernel_arrays(),
            _NO_CHECK, 0, state.lookback)
     if batches:

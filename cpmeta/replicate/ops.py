@@ -32,12 +32,16 @@ run code    columns (int64; ragged ones flat with counts)          applied as
 
 from __future__ import annotations
 
-from typing import Any, Hashable
+from typing import Any, Hashable, NamedTuple
 
 import numpy as np
 
-__all__ = ["OpLog", "ADD", "TOK", "BLK", "CMP", "SID", "SVS", "FIN", "SPEC", "COLUMNS",
-           "RUN_NAMES", "SPEC_WORDS", "flat_ints"]
+from ..jit import warmer
+from . import ops_njit
+from .ops_njit import log_add, log_extend, log_pair, log_ragged, log_spec, pack_region
+
+__all__ = ["OpLog", "Columns", "ADD", "TOK", "BLK", "CMP", "SID", "SVS", "FIN", "SPEC", "COLUMNS",
+           "RUN_NAMES", "SPEC_WORDS", "WIDTHS", "flat_ints"]
 
 ADD, TOK, BLK, CMP, SID, SVS, FIN, SPEC = range(8)
 RUN_NAMES = ("add_request", "append_tokens", "append_blocks", "append_compressed",
@@ -59,131 +63,163 @@ SPEC_WORDS = 7
  _SPEC_DRAFTS, _DIGEST) = range(len(COLUMNS))
 #: first column (slots; counts and flat ids follow) of each ragged run code
 _RAGGED = {TOK: _TOK_SLOTS, BLK: _BLK_SLOTS, CMP: _CMP_SLOTS}
-_LOGGED = range(_DIGEST)  # the columns an OpLog fills (the batch digest comes at send)
 _WIDTH = [WIDE.get(c, 1) for c in COLUMNS]
-_EMPTY = np.zeros(0, np.int64)
+#: values per row of each column (1, or a wide column's second dim), frame order
+WIDTHS = np.array(_WIDTH, np.int64)
+assert (ops_njit.SPEC_CODE, ops_njit.RUNS, ops_njit.ADD_META, ops_njit.ADD_TOKENS, ops_njit.SPEC_SLOTS) == (
+    SPEC, _RUNS, _ADD_META, _ADD_TOKENS, _SPEC_SLOTS), "ops_njit's constants = this module's"
+
+
+class Columns(NamedTuple):
+    """A step's columns as ONE int64 buffer: column ``i`` at ``buf[starts[i]:starts[i + 1]]``
+    (what the compiled replay walks), ``dims`` the frame's flat dims (``[k, w]`` for a wide
+    column). :meth:`col` is one column's view, :attr:`named` all of them by name."""
+
+    buf: np.ndarray
+    starts: np.ndarray
+    dims: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.buf.nbytes)
+
+    def col(self, i: int) -> np.ndarray:
+        """Column ``i`` of :data:`COLUMNS` (a view; ``[k, w]`` for a wide one)."""
+        a = self.buf[self.starts[i]:self.starts[i + 1]]
+        return a if _WIDTH[i] == 1 else a.reshape(-1, _WIDTH[i])
+
+    @property
+    def named(self) -> dict[str, np.ndarray]:
+        return {name: self.col(i) for i, name in enumerate(COLUMNS)}
 
 
 def flat_ints(values: Any) -> np.ndarray:
-    """``values`` as a flat array (a numpy array's own view; anything else converted once) for
-    the log to copy in. Example: ``[3, 5]`` -> ``array([3, 5])``."""
-    a = values if type(values) is np.ndarray else np.asarray(values, np.int64)
+    """``values`` as a flat int64 array (an int64 numpy array's own view; anything else converted
+    once) for the log to copy in. Example: ``[3, 5]`` -> ``array([3, 5])``."""
+    a = values if type(values) is np.ndarray and values.dtype == np.int64 else np.asarray(values, np.int64)
     return a if a.ndim == 1 else a.reshape(-1)
 
 
 class OpLog:
-    """The driver's record of one step (see the module docstring), in preallocated int64
-    columns: a call copies its values in (one slice assignment per column, no allocation; a
-    column that fills up doubles, once); :meth:`columns` hands views of the used parts to the
-    frame, :meth:`clear` starts the next step (resets counters), :meth:`extend` appends another
+    """The driver's record of one step (see the module docstring) in ONE preallocated int64
+    buffer, every call one compiled kernel (:mod:`cpmeta.replicate.ops_njit`: the values
+    copied in, the run opened or extended; a column that fills up doubles, once);
+    :meth:`pack` lays the used columns out as the frame's region, :meth:`columns` hands views of
+    them, :meth:`clear` starts the next step (resets counters), :meth:`extend` appends another
     log's calls (those made between two specs of one step)."""
 
     def __init__(self, max_seqs: int) -> None:
         # run id that last touched each slot: a slot already in the current run starts a new one
         self._seen = np.zeros(max_seqs, np.int64)
-        self._run_id = 0
-        cap = 4 * max_seqs + 64
-        self._bufs = [np.zeros(cap * w, np.int64) for w in _WIDTH[:_DIGEST]]
-        self._n = [0] * _DIGEST  # int64 values used per column
-        self._last_code = -1  # the open run's code (-1: none)
+        self._st = np.array([0, -1], np.int64)  # [run id, open run's code (-1: none)]
+        per = 4 * max_seqs + 64
+        self._cap = np.array([per * w for w in _WIDTH[:_DIGEST]], np.int64)  # int64 values per column
+        self._off = np.zeros(_DIGEST, np.int64)
+        self._flat = np.zeros(0, np.int64)
+        self._layout(self._cap)
+        self._n = np.zeros(_DIGEST, np.int64)  # int64 values used per column
+        self._region = np.zeros(0, np.int64)  # pack's output (the frame's region), grown as needed
+        self._dims = np.zeros(sum(2 if w > 1 else 1 for w in _WIDTH), np.int64)
+        self._starts = np.zeros(len(COLUMNS) + 1, np.int64)
         self.req_ids: list[Any] = []
         self.specs: list[int] = []  # SPEC_WORDS values per batch spec, in call order
         self.clear()
 
+    def _layout(self, cap: np.ndarray) -> None:
+        """Columns at ``cap`` values each in a new buffer, the used parts kept."""
+        flat, off = np.zeros(int(cap.sum()), np.int64), np.zeros(_DIGEST, np.int64)
+        off[1:] = np.cumsum(cap)[:-1]
+        if len(self._flat):
+            for c in range(_DIGEST):
+                k = int(self._n[c])
+                flat[off[c]:off[c] + k] = self._flat[self._off[c]:self._off[c] + k]
+        self._flat, self._off, self._cap = flat, off, cap
+
+    def _call(self, fn: Any, *args: Any) -> None:
+        """One recording kernel; a column it finds full doubles and the call runs again."""
+        while True:
+            got = fn(self._flat, self._off, self._cap, self._n, *args)
+            if got == 0:
+                return
+            cap = self._cap.copy()
+            cap[got - 1] = max(2 * cap[got - 1], 64)
+            self._layout(cap)
+
     def clear(self) -> None:
-        self._n[:] = [0] * _DIGEST
-        self._last_code = -1
-        self._run_id += 1
+        self._n[:] = 0
+        self._st[0] += 1
+        self._st[1] = -1
         self.req_ids.clear()
         self.specs.clear()
 
-    def _grow(self, c: int, need: int) -> np.ndarray:
-        """Column ``c``'s buffer, doubled (at least to ``need`` values), its used part kept."""
-        buf = self._bufs[c]
-        grown = np.zeros(max(need, 2 * len(buf)), np.int64)
-        grown[:self._n[c]] = buf[:self._n[c]]
-        self._bufs[c] = grown
-        return grown
-
-    def _put(self, c: int, values: Any, k: int) -> None:
-        """Append ``k`` values (an array of ``k`` or one int when ``k == 1``) to column ``c``."""
-        buf, n = self._bufs[c], self._n[c]
-        if n + k > len(buf):
-            buf = self._grow(c, n + k)
-        buf[n:n + k] = values
-        self._n[c] = n + k
-
     def extend(self, other: "OpLog") -> None:
         """Append ``other``'s runs and columns after this log's (calls made later)."""
-        for c in _LOGGED:
-            k = other._n[c]
-            if k:
-                self._put(c, other._bufs[c][:k], k)
-        self._run_id += 1
-        self._last_code = -1  # other's runs stay whole: the next call opens a new one
+        self._call(log_extend, self._st, other._flat, other._off, other._n)
         self.req_ids += other.req_ids
         self.specs += other.specs
-
-    def _entry(self, code: int, slots: Any, n: int) -> None:
-        """Open or extend the run of ``code`` for ``n`` entries on ``slots`` (an int or an int64
-        array of live slots, distinct: the driver's state checked them). Only a call of the open
-        run's kind looks for a clash (a slot the run already holds: a new run keeps the order)."""
-        seen, rid = self._seen, self._run_id
-        if self._last_code == code and not (
-                seen[slots] == rid if type(slots) is int else (seen[slots] == rid).any()):
-            self._bufs[_RUNS][self._n[_RUNS] - 1] += n
-        else:
-            self._run_id = rid = rid + 1
-            self._last_code = code
-            self._put(_RUNS, (code, n), 2)
-        seen[slots] = rid
 
     # ---- recording (after the driver's own state applied the call) ---------------------------
     def add(self, slot: int, req_id: Hashable, tokens: np.ndarray, blocks: np.ndarray,
             comp: np.ndarray, state_id: int, swa_valid_start: int, num_computed: int) -> None:
-        nt, nb, nc = len(tokens), len(blocks), len(comp)
-        self._entry(ADD, slot, 1)
-        self._put(_ADD_META, (slot, state_id, swa_valid_start, num_computed, nt, nb, nc), 7)
-        self._put(_ADD_TOKENS, tokens, nt)
-        self._put(_ADD_BLOCKS, blocks, nb)
-        self._put(_ADD_COMP, comp, nc)
+        meta = np.array((slot, state_id, swa_valid_start, num_computed, len(tokens), len(blocks), len(comp)),
+                        np.int64)
+        self._call(log_add, self._seen, self._st, ADD, meta, flat_ints(tokens), flat_ints(blocks), flat_ints(comp))
         self.req_ids.append(req_id)
 
     def ragged(self, code: int, slots: Any, counts: Any, flat: np.ndarray) -> None:
-        """TOK / BLK / CMP entries: ``counts[i]`` values of ``flat`` for ``slots[i]`` (arrays),
-        or one slot and its count (ints: a single-slot call)."""
-        n = 1 if type(slots) is int else len(slots)
-        self._entry(code, slots, n)
-        c = _RAGGED[code]
-        self._put(c, slots, n)
-        self._put(c + 1, counts, n)
-        self._put(c + 2, flat, len(flat))
+        """TOK / BLK / CMP entries: ``counts[i]`` values of ``flat`` for ``slots[i]`` (arrays,
+        or one slot and its count: a single-slot call)."""
+        self._call(log_ragged, self._seen, self._st, code, _RAGGED[code], flat_ints(slots), flat_ints(counts),
+                   flat_ints(flat))
 
     def pair(self, code: int, slot: int, value: int) -> None:
-        self._entry(code, slot, 1)
-        self._put(_SID if code == SID else _SVS, (slot, value), 2)
+        self._call(log_pair, self._seen, self._st, code, _SID if code == SID else _SVS,
+                   np.array((slot, value), np.int64))
 
     def finish(self, slot: int) -> None:
-        self._entry(FIN, slot, 1)
-        self._put(_FIN, slot, 1)
+        self._call(log_pair, self._seen, self._st, FIN, _FIN, np.array((slot,), np.int64))
 
     def batch_spec(self, is_prompt: bool, slots: np.ndarray, lens: np.ndarray, drafts: np.ndarray,
                    num_placeholders: int, advance: bool, uniform: int) -> None:
         """A batch spec; its values ``[is_prompt, num_placeholders, advance, uniform drafts,
         #slots, #lens, #drafts]`` (:data:`SPEC_WORDS`) go to :attr:`specs`."""
-        self._put(_RUNS, (SPEC, 1), 2)
-        self._run_id += 1
-        self._last_code = -1
-        self._put(_SPEC_SLOTS, slots, len(slots))
-        self._put(_SPEC_LENS, lens, len(lens))
-        self._put(_SPEC_DRAFTS, drafts, len(drafts))
+        self._call(log_spec, self._st, slots, lens, drafts)
         self.specs += [int(is_prompt), int(num_placeholders), int(advance), int(uniform), len(slots),
                        len(lens), len(drafts)]
 
     # ---- the frame ----------------------------------------------------------------------------
+    def pack(self, batch_digest: np.ndarray) -> "Columns":
+        """The step frame's region: the used columns and ``batch_digest`` back to back in ONE int64
+        buffer of this log (rewritten by the next ``pack``), with the frame's dims."""
+        total = pack_region(self._flat, self._off, self._n, batch_digest, WIDTHS, self._region, self._dims,
+                            self._starts)
+        if total < 0:  # the region grows (rarely: it doubles)
+            self._region = np.zeros(max(-total, 2 * len(self._region), 256), np.int64)
+            total = pack_region(self._flat, self._off, self._n, batch_digest, WIDTHS, self._region, self._dims,
+                                self._starts)
+        return Columns(self._region[:total], self._starts, tuple(self._dims.tolist()))
+
     def columns(self, batch_digest: np.ndarray) -> list[np.ndarray]:
         """Every column of :data:`COLUMNS`: views of the used parts (valid until the next
         :meth:`clear`), ``[k, w]`` for the wide ones, then ``batch_digest``."""
-        out = [b[:n] if w == 1 else b[:n].reshape(-1, w) for b, n, w in zip(self._bufs, self._n, _WIDTH)]
+        out = []
+        for c in range(_DIGEST):
+            a = self._flat[self._off[c]:self._off[c] + self._n[c]]
+            out.append(a if _WIDTH[c] == 1 else a.reshape(-1, _WIDTH[c]))
         out.append(batch_digest)
         return out
+
+
+@warmer
+def _warm() -> None:
+    """Compile / load the log's kernels on a two-slot log: a token run, an add, a finish, a spec,
+    an extend and a pack (the follower's ``unpack_region`` is warmed by ``step_frame``)."""
+    log, other = OpLog(2), OpLog(2)
+    log.ragged(TOK, np.array([0]), np.array([1]), np.array([7]))
+    log.add(1, "r", np.array([1, 2]), np.array([0]), np.zeros(0, np.int64), 0, 0, 0)
+    log.pair(SID, 1, 3)
+    log.finish(1)
+    log.batch_spec(False, np.array([0]), np.zeros(0, np.int64), np.zeros(0, np.int64), 0, True, -2)
+    other.ragged(TOK, np.array([0]), np.array([1]), np.array([8]))
+    log.extend(other)
+    log.pack(np.zeros((0, 4), np.int64))

@@ -51,15 +51,16 @@ from ..broadcast.wire import FLAG_PACKED, Frame, WireError
 from ..transport.envs import ENV_TIMEOUT
 from .apply import ReplicaError, apply_step, warm_replay
 from .digest import N_BANDS, batch_check, first_difference, replica_digest, slot_digests, snapshot
-from .ops import SPEC_WORDS
+from .ops import COLUMNS, SPEC_WORDS, Columns
 from .recorder import Recorder, StepSpec, decode_spec
-from .step_frame import STEP_SCHEMA, Columns, column_dims, flat_columns, read_columns, step_key, write_columns
+from .step_frame import STEP_SCHEMA, read_region, step_key
 
 __all__ = ["ReplicatedBatchState", "StepSpec", "DEFAULT_CHECK_EVERY"]
 
 #: steps between two whole-replica digest comparisons (a collective over the gloo group)
 DEFAULT_CHECK_EVERY = 64
 _NO_CHECK = np.zeros((0, 4), np.int64)  # the batch check of a step without a batch spec
+_SPEC_SLOTS, _DIGEST = COLUMNS.index("spec_slots"), COLUMNS.index("batch_digest")
 
 
 class ReplicatedBatchState(Recorder):
@@ -140,7 +141,7 @@ class ReplicatedBatchState(Recorder):
         self._broken: Optional[str] = None  # why this replica refuses further steps
         self.step = 0  # steps synced so far
         self._closed = False
-        self._warm_from: Any = None  # (head bytes, step, region length, columns, batches)
+        self._warm_from: Any = None  # (head bytes, step, its whole region, columns, batches)
         self._warming = self._ch.warm_with(self.warm)  # a same-host follower warms while it spins
 
     # ---- every rank -----------------------------------------------------------------------
@@ -185,8 +186,8 @@ class ReplicatedBatchState(Recorder):
             return
         head, step, region, cols, batches = got
         frame = self._ch.recheck(head, step)
-        numels, _, _ = frame.plan.check_tensors(frame.dims, True, frame.head.tbytes, region)
-        read_columns(memoryview(cols.buf.view(np.uint8)), 0, numels, frame.dims)
+        h = frame.head
+        read_region(frame, np.frombuffer(head, np.int64, h.n_dims, h.shapes_at), region.view(np.uint8))
         warm_replay(self.state, cols, batches)
 
     def close(self) -> None:
@@ -229,17 +230,17 @@ class ReplicatedBatchState(Recorder):
         log = self._log
         # default: the specs' batches, made at the calls; defer_apply: made by the apply below
         batches = [] if self._defer else [b for b in self._batches if b is not None]
-        cols = log.columns(self._prev_check if self._defer else batch_check(batches))
+        cols = log.pack(self._prev_check if self._defer else batch_check(batches))  # the frame's region
         req_ids, specs = list(log.req_ids), list(log.specs)
         values: list[Any] = [step, check, req_ids, specs]
-        prep = self._ch.prepare(self._key, values, column_dims(cols))
+        prep = self._ch.prepare(self._key, values, cols.dims, one_run=cols.nbytes)
 
         def write(view: memoryview, addr: int, data_at: int) -> None:
-            write_columns(view, data_at, cols)
+            np.frombuffer(view, np.int64, len(cols.buf), data_at)[:] = cols.buf  # one memmove
 
         self._ch.publish(prep, FLAG_PACKED, prep.exact, prep.region, write)
         if self._defer:  # sent: now the driver's replica takes the step, as every follower's
-            batches = self._apply_deferred(step, check, flat_columns(cols), req_ids, specs)
+            batches = self._apply_deferred(step, check, cols, req_ids, specs)
         self._log, self._next = self._next, log  # calls after the last spec open the next step
         log.clear()
         self.specs, self._pending, self._batches = tuple(self._pending), [], []
@@ -265,19 +266,20 @@ class ReplicatedBatchState(Recorder):
             h = frame.head
             if not h.flags & FLAG_PACKED:
                 raise WireError("step frame without FLAG_PACKED")
-            numels, _, _ = frame.plan.check_tensors(frame.dims, True, h.tbytes, view.nbytes - h.data_at)
+            cols, region = read_region(frame, np.frombuffer(view, np.int64, h.n_dims, h.shapes_at),
+                                       np.frombuffer(view, np.uint8, view.nbytes - h.data_at, h.data_at))
             if self._warming:
-                saved[:] = (bytes(view[:h.data_at]), view.nbytes - h.data_at)
-            return read_columns(view, h.data_at, numels, frame.dims), frame.values
+                saved[:] = (bytes(view[:h.data_at]), region)
+            return cols, frame.values
 
-        saved: list[Any] = []  # warming: the frame's head and its region's length
+        saved: list[Any] = []  # warming: the frame's head and its whole region (a private copy)
         cols, (got_step, _check, req_ids, spec) = self._ch.receive(handler)
         if got_step != step:
             self._broken = f"step {got_step} arrived, step {step} expected"
             raise RuntimeError(f"rank {self.rank}: step frame {got_step} from src={self.src} where "
                                f"step {step} was expected ({'a replay' if got_step < step else 'a gap'}"
                                "); the replica refuses it")
-        self.specs = _specs_of(cols.named, spec)
+        self.specs = _specs_of(cols, spec)
         try:
             batches, mine = apply_step(self.state, cols, req_ids, spec)
         except (ReplicaError, ValueError, IndexError) as e:
@@ -286,22 +288,23 @@ class ReplicatedBatchState(Recorder):
                    else "diverged")
             raise RuntimeError(f"rank {self.rank}: step {step}: this replica cannot apply the "
                                f"driver's step ({why}): {type(e).__name__}: {e}") from None
-        self._compare(mine, cols.named, step)
+        self._compare(mine, cols.col(_DIGEST), step)
         if saved:
             self._warm_from = (saved[0], step, saved[1], cols, batches)
         return batches
 
-    def _compare(self, check: np.ndarray, cols: dict[str, np.ndarray], step: int) -> None:
+    def _compare(self, check: np.ndarray, theirs: np.ndarray, step: int) -> None:
         """Follower: this replica's batch check (``check``: ``batch_check`` of the step's
         batches, as the replay wrote it) against the driver's (``batch_digest``) -- the
         step's own, or with ``defer_apply`` the previous step's; a difference breaks the replica
-        and raises, naming this rank, the step, the request and what differs."""
+        and raises, naming this rank, the step, the request and what differs (``theirs``: the
+        frame's ``batch_digest``)."""
         if self._defer:
             mine, at, specs = self._prev_check, step - 1, self._prev_specs
             self._prev_check, self._prev_specs = check, self.specs
         else:
             mine, at, specs = check, step, self.specs
-        diff = first_difference(mine, cols["batch_digest"])
+        diff = first_difference(mine, theirs)
         if diff is None:
             return
         k, i, what = diff
@@ -351,14 +354,15 @@ class ReplicatedBatchState(Recorder):
                            f"driver's (rank {self.src}): {where}")
 
 
-def _specs_of(cols: dict[str, np.ndarray], spec: list[int]) -> tuple[StepSpec, ...]:
+def _specs_of(cols: Columns, spec: list[int]) -> tuple[StepSpec, ...]:
     """A follower's :class:`StepSpec` s of a received step (its spec values and columns)."""
     out, at = [], [0, 0, 0]
+    s_col, l_col, d_col = (cols.col(_SPEC_SLOTS + i) for i in range(3))
     for i in range(0, len(spec) - SPEC_WORDS + 1, SPEC_WORDS):
         is_prompt, n_ph, advance, uniform, ns, nl, nd = spec[i:i + SPEC_WORDS]
-        slots = cols["spec_slots"][at[0]:at[0] + ns]
-        lens = cols["spec_lens"][at[1]:at[1] + nl]
-        drafts = cols["spec_drafts"][at[2]:at[2] + nd]
+        slots = s_col[at[0]:at[0] + ns]
+        lens = l_col[at[1]:at[1] + nl]
+        drafts = d_col[at[2]:at[2] + nd]
         at = [at[0] + ns, at[1] + nl, at[2] + nd]
         out.append(StepSpec(True, slots, lens, None, None, n_ph, bool(advance)) if is_prompt
                    else decode_spec(slots, lens, drafts, uniform, n_ph))

@@ -7,26 +7,30 @@ strictly parsed like every frame: ``cpmeta.broadcast.wire``). Its layout never c
 column is sent, empty when unused), so after the first step a frame carries only the layout id,
 the four values and the column lengths.
 
-Driver and followers move the columns as numpy arrays: :func:`write_columns` copies them into
-the frame (one ``memmove`` each, no torch tensor per step), :func:`read_columns` cuts one
-private copy of the frame's region into int64 views (:class:`Columns`, which the compiled replay
-of :mod:`cpmeta.replicate.replay_njit` walks as one buffer).
+Driver and followers move the columns as ONE int64 buffer (``ops.Columns``), never a torch tensor
+per step: the driver's op log lays its columns out as the frame's region in one compiled call
+(``OpLog.pack``) and the frame takes it in one ``memmove``; a follower proves the region against
+its shapes and copies it out in one compiled call (:func:`read_region`). The bytes are exactly
+what the common codec writes for these tensors (``tests/test_replay.py`` holds one to the other),
+and the compiled replay of :mod:`cpmeta.replicate.replay_njit` walks that buffer.
 """
 
 from __future__ import annotations
 
 from itertools import accumulate
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
 from ..broadcast.schema import Schema
-from .ops import COLUMNS, WIDE
+from ..broadcast.wire import Frame, WireError
+from ..jit import OK, warmer
+from .ops import COLUMNS, WIDE, WIDTHS, Columns
+from .ops_njit import R_BYTES, unpack_region
 
-__all__ = ["StepFrame", "STEP_SCHEMA", "step_key", "column_dims", "write_columns", "read_columns",
-           "flat_columns", "Columns"]
+__all__ = ["StepFrame", "STEP_SCHEMA", "step_key", "read_region", "flat_columns"]
 
 
 class _Col:
@@ -84,52 +88,35 @@ def step_key() -> tuple:
     return key
 
 
-def column_dims(cols: list[np.ndarray]) -> tuple[int, ...]:
-    """The flat dims of the columns (``[r, 2]`` then ``[a, 7]`` ... -> ``(r, 2, a, 7, ...)``)."""
-    return tuple(d for c in cols for d in c.shape)
-
-
-def write_columns(view: memoryview, at: int, cols: list[np.ndarray]) -> None:
-    """The columns back to back at ``view[at:]`` (one int64 run: the frame's region layout), in
-    ONE ``np.concatenate`` into the slot."""
-    flat = [c.ravel() for c in cols]
-    n = sum(map(len, flat))
-    if n:
-        np.concatenate(flat, out=np.frombuffer(view, np.int64, n, at))
-
-
-def read_columns(view: memoryview, at: int, numels: list[int], dims: tuple[int, ...]) -> Columns:
-    """One private int64 copy of the region at ``view[at:]`` cut into the named columns."""
-    buf = np.empty(sum(numels), np.int64)
-    if len(buf):
-        buf.view(np.uint8)[:] = np.frombuffer(view, np.uint8, len(buf) * 8, at)
-    return _cut(buf, numels, dims)
+def read_region(frame: Frame, shapes: np.ndarray, data: np.ndarray) -> tuple[Columns, np.ndarray]:
+    """A follower's columns of a parsed step frame: ``shapes`` its shape words (int64), ``data``
+    its tensor region (uint8), proven and copied out in one compiled call
+    (:func:`~cpmeta.replicate.ops_njit.unpack_region`). Returns the columns and the private
+    buffer holding the whole region (its first ``tbytes // 8`` values are ``cols.buf``). A
+    refused region raises the codec's named ``WireError`` (the shapes by path)."""
+    tbytes = frame.head.tbytes
+    code = R_BYTES
+    if len(data) % 16 == 0 and 0 <= tbytes <= len(data):
+        out, starts = np.empty(len(data) // 8, np.int64), np.empty(len(COLUMNS) + 1, np.int64)
+        code = unpack_region(shapes, data, tbytes, WIDTHS, out, starts)
+    if code != OK:
+        frame.plan.check_tensors(frame.dims, True, tbytes, len(data))  # names the shapes it refuses
+        raise WireError(f"step frame: {len(shapes)} shape words and {len(data)} region bytes refused "
+                        f"for {tbytes} column bytes")
+    return Columns(out[:tbytes // 8], starts, frame.dims), out
 
 
 def flat_columns(cols: list[np.ndarray]) -> Columns:
-    """The driver's own columns (``OpLog.columns``) as one int64 buffer, as a follower holds them."""
+    """Columns given one array each (``OpLog.columns``, maybe altered: tests) as one int64 buffer,
+    as a follower holds them."""
     buf = np.concatenate([c.ravel() for c in cols]) if cols else np.zeros(0, np.int64)
-    return _cut(buf, [c.size for c in cols], column_dims(cols))
+    starts = np.array([0, *accumulate(c.size for c in cols)], np.int64)
+    return Columns(buf, starts, tuple(d for c in cols for d in c.shape))
 
 
-class Columns(NamedTuple):
-    """A step's columns: ``named`` views (``[k, w]`` for the wide ones) of ONE int64 ``buf``,
-    column ``i`` at ``buf[starts[i]:starts[i + 1]]`` (what the compiled replay walks)."""
-
-    named: dict[str, np.ndarray]
-    buf: np.ndarray
-    starts: np.ndarray
-
-
-def _cut(buf: np.ndarray, numels: list[int], dims: tuple[int, ...]) -> Columns:
-    bounds = [0, *accumulate(numels)]
-    out, d = {}, 0
-    for name, a, b in zip(COLUMNS, bounds, bounds[1:]):
-        col = buf[a:b]
-        if name in WIDE:
-            col = col.reshape(dims[d], dims[d + 1])
-            d += 2
-        else:
-            d += 1
-        out[name] = col
-    return Columns(out, buf, np.array(bounds, np.int64))
+@warmer
+def _warm() -> None:
+    """Compile / load :func:`~cpmeta.replicate.ops_njit.unpack_region` on an empty step's region."""
+    out, starts = np.empty(0, np.int64), np.empty(len(COLUMNS) + 1, np.int64)
+    shapes = np.array([d for w in WIDTHS.tolist() for d in ((0,) if w == 1 else (0, w))], np.int64)
+    unpack_region(shapes, np.zeros(0, np.uint8), 0, WIDTHS, out, starts)

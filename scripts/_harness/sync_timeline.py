@@ -6,8 +6,9 @@ start and end; the last call of a stage in a step wins (a follower's warm calls 
 step's own). Rank 0 then prints the p50 of each stage on the driver and, on the follower that
 held its metadata last, the stages from the driver's ring commit on::
 
-    driver    record (its BatchState calls) | columns | prepare | fill -> write | write | commit
-              | own apply (defer_apply) | build
+    driver    record (its BatchState calls) | pack (the columns as the frame's region) | prepare
+              | write (slot reserved, header, values, shapes, region) | commit | own apply (defer_apply)
+              | build
     follower  commit -> parse | parse | columns | -> replay | replay + step check | -> sync end | build
 
 The steps are ``bench_step.py``'s decode trace (``StepTrace``: accepted tokens, block growth,
@@ -27,12 +28,11 @@ import numpy as np
 pc = time.perf_counter
 
 #: (driver stage, from stamp, to stamp); ``>`` = a wrapped call's start, ``<`` its end
-DRIVER = (("record", "t0", "record<"), ("columns", "record<", "columns<"), ("prepare", "prepare>", "prepare<"),
-          ("fill", "publish>", "write_columns>"), ("write", "write_columns>", "write_columns<"),
-          ("commit", "write_columns<", "commit<"), ("own apply", "_apply_deferred>", "_apply_deferred<"),
-          ("build", "sync<", "end"))
-FOLLOWER = (("parse", "parse>", "parse<"), ("columns", "parse<", "read_columns<"),
-            ("to replay", "read_columns<", "apply_step>"), ("replay + check", "apply_step>", "apply_step<"),
+DRIVER = (("record", "t0", "record<"), ("pack", "pack>", "pack<"), ("prepare", "prepare>", "prepare<"),
+          ("write", "publish>", "commit>"), ("commit", "commit>", "commit<"),
+          ("own apply", "_apply_deferred>", "_apply_deferred<"), ("build", "sync<", "end"))
+FOLLOWER = (("parse", "parse>", "parse<"), ("columns", "parse<", "read_region<"),
+            ("to replay", "read_region<", "apply_step>"), ("replay + check", "apply_step>", "apply_step<"),
             ("to sync end", "apply_step<", "sync<"), ("build", "sync<", "end"))
 
 
@@ -65,9 +65,9 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
     from cpmeta.launch.scheduler import default_config, plain_config
 
     stamps: dict[str, float] = {}
-    for owner, name in ((replicated, "apply_step"), (replicated, "read_columns"), (replicated, "write_columns"),
+    for owner, name in ((replicated, "apply_step"), (replicated, "read_region"),
                         (channel.FrameChannel, "prepare"), (channel.FrameChannel, "publish"),
-                        (wire.FrameReader, "parse"), (ops.OpLog, "columns"),
+                        (wire.FrameReader, "parse"), (ops.OpLog, "pack"),
                         (replicated.ReplicatedBatchState, "_apply_deferred")):
         _stamp(stamps, owner, name)
     cfg = plain_config() if args.model == "plain" else default_config()

@@ -1,0 +1,220 @@
+"""The op log's per-call recording and the step frame's column region, each ONE compiled call.
+
+The driver's :class:`~cpmeta.replicate.ops.OpLog` keeps every logged column in ONE int64 buffer
+``flat``: column ``c`` owns ``flat[off[c]:off[c] + cap[c]]`` and uses its first ``n[c]`` values;
+``seen[slot]`` is the run id that last touched a slot and ``st = [run id, open run's code]``.
+Each recording call (:func:`log_ragged`, :func:`log_add`, :func:`log_pair`, :func:`log_spec`,
+:func:`log_extend`) first checks that every value fits: when one column lacks room it returns
+``1 + c`` and writes nothing (the wrapper grows column ``c`` and calls again), else it writes
+and returns :data:`~cpmeta.jit.OK`. A run is opened or extended as the ops module describes (a
+slot the open run already holds starts a new run; a slot outside the state's range is never
+marked, so such a call always opens its own run -- the replica refuses it when it applies).
+
+The frame side: :func:`pack_region` lays the used columns and the batch digest back to back in
+one int64 buffer (the step frame's tensor region: one int64 dtype run) and writes the frame's
+flat dims and the columns' starts; :func:`unpack_region` proves a received region against its
+dims (fixed widths, no negative or oversized dim, exact bytes and region length as the header
+declares) and copies it out. Worked example: columns ``runs [[TOK, 1]]``, ``tok_slots [3]``,
+``tok_counts [1]``, ``tok_flat [7]``, the rest empty, digest ``[0, 4]``: region ``[1, 1, 3, 1,
+7]`` (40 bytes, 48 with the 16-byte padding), dims ``(1, 2, 0, 7, 0, 0, 0, 1, 1, 1, ...)``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..jit import OK, kernel
+
+__all__ = ["log_ragged", "log_add", "log_pair", "log_spec", "log_extend", "pack_region", "unpack_region",
+           "R_DIMS", "R_BYTES", "SPEC_CODE", "RUNS", "ADD_META", "ADD_TOKENS", "SPEC_SLOTS"]
+
+R_DIMS, R_BYTES = 1, 2  # unpack_region's refusals: a dim / the byte counts
+_MAX_DIM = 1 << 48  # as the frame codec's MAX_DIM
+#: what the kernels write themselves: the batch spec's run code and the indices (in
+#: ``ops.COLUMNS``) of the columns they name (the ops module checks both at import)
+SPEC_CODE, RUNS, ADD_META, ADD_TOKENS, SPEC_SLOTS = 7, 0, 1, 2, 17
+
+
+@kernel
+def _room(cap: np.ndarray, n: np.ndarray, c: int, k: int) -> bool:
+    return n[c] + k <= cap[c]
+
+
+@kernel
+def _put(flat: np.ndarray, off: np.ndarray, n: np.ndarray, c: int, values: np.ndarray) -> None:
+    at = off[c] + n[c]
+    for i in range(len(values)):
+        flat[at + i] = values[i]
+    n[c] += len(values)
+
+
+@kernel
+def _put1(flat: np.ndarray, off: np.ndarray, n: np.ndarray, c: int, v: int) -> None:
+    flat[off[c] + n[c]] = v
+    n[c] += 1
+
+
+@kernel
+def _entry(flat: np.ndarray, off: np.ndarray, n: np.ndarray, seen: np.ndarray, st: np.ndarray, code: int,
+           slots: np.ndarray, k: int) -> None:
+    """Open or extend the run of ``code`` for ``k`` entries on ``slots`` (room checked)."""
+    rid = st[0]
+    clash = st[1] != code
+    for s in slots:
+        if s < 0 or s >= len(seen) or seen[s] == rid:
+            clash = True
+    if clash:
+        rid += 1
+        st[0], st[1] = rid, code
+        _put1(flat, off, n, RUNS, code)
+        _put1(flat, off, n, RUNS, k)
+    else:
+        flat[off[RUNS] + n[RUNS] - 1] += k
+    for s in slots:
+        if 0 <= s < len(seen):
+            seen[s] = rid
+
+
+@kernel
+def log_ragged(flat: np.ndarray, off: np.ndarray, cap: np.ndarray, n: np.ndarray, seen: np.ndarray, st: np.ndarray,
+               code: int, c: int, slots: np.ndarray, counts: np.ndarray, values: np.ndarray) -> int:
+    """``TOK`` / ``BLK`` / ``CMP`` entries: slots at column ``c``, counts at ``c + 1``, the flat
+    values at ``c + 2``."""
+    if not _room(cap, n, RUNS, 2):
+        return 1 + RUNS
+    for j, k in ((c, len(slots)), (c + 1, len(counts)), (c + 2, len(values))):
+        if not _room(cap, n, j, k):
+            return 1 + j
+    _entry(flat, off, n, seen, st, code, slots, len(slots))
+    _put(flat, off, n, c, slots)
+    _put(flat, off, n, c + 1, counts)
+    _put(flat, off, n, c + 2, values)
+    return OK
+
+
+@kernel
+def log_add(flat: np.ndarray, off: np.ndarray, cap: np.ndarray, n: np.ndarray, seen: np.ndarray, st: np.ndarray,
+            code: int, meta: np.ndarray, tokens: np.ndarray, blocks: np.ndarray, comp: np.ndarray) -> int:
+    """``ADD``: ``meta`` = (slot, state id, valid start, num computed, #tokens, #blocks, #compressed)."""
+    if not _room(cap, n, RUNS, 2):
+        return 1 + RUNS
+    for j, k in ((ADD_META, 7), (ADD_TOKENS, len(tokens)), (ADD_TOKENS + 1, len(blocks)),
+                 (ADD_TOKENS + 2, len(comp))):
+        if not _room(cap, n, j, k):
+            return 1 + j
+    _entry(flat, off, n, seen, st, code, meta[:1], 1)
+    _put(flat, off, n, ADD_META, meta)
+    _put(flat, off, n, ADD_TOKENS, tokens)
+    _put(flat, off, n, ADD_TOKENS + 1, blocks)
+    _put(flat, off, n, ADD_TOKENS + 2, comp)
+    return OK
+
+
+@kernel
+def log_pair(flat: np.ndarray, off: np.ndarray, cap: np.ndarray, n: np.ndarray, seen: np.ndarray, st: np.ndarray,
+             code: int, c: int, pair: np.ndarray) -> int:
+    """One entry of ``pair`` (slot, then 0 or 1 value) at column ``c`` (``SID``, ``SVS``, ``FIN``)."""
+    if not _room(cap, n, RUNS, 2):
+        return 1 + RUNS
+    if not _room(cap, n, c, len(pair)):
+        return 1 + c
+    _entry(flat, off, n, seen, st, code, pair[:1], 1)
+    _put(flat, off, n, c, pair)
+    return OK
+
+
+@kernel
+def log_spec(flat: np.ndarray, off: np.ndarray, cap: np.ndarray, n: np.ndarray, st: np.ndarray,
+             slots: np.ndarray, lens: np.ndarray, drafts: np.ndarray) -> int:
+    """A batch spec: its own ``SPEC`` run of one, the slots / lens / drafts columns; the next
+    call opens a new run."""
+    if not _room(cap, n, RUNS, 2):
+        return 1 + RUNS
+    for j, k in ((SPEC_SLOTS, len(slots)), (SPEC_SLOTS + 1, len(lens)), (SPEC_SLOTS + 2, len(drafts))):
+        if not _room(cap, n, j, k):
+            return 1 + j
+    _put1(flat, off, n, RUNS, SPEC_CODE)
+    _put1(flat, off, n, RUNS, 1)
+    st[0] += 1
+    st[1] = -1
+    _put(flat, off, n, SPEC_SLOTS, slots)
+    _put(flat, off, n, SPEC_SLOTS + 1, lens)
+    _put(flat, off, n, SPEC_SLOTS + 2, drafts)
+    return OK
+
+
+@kernel
+def log_extend(flat: np.ndarray, off: np.ndarray, cap: np.ndarray, n: np.ndarray, st: np.ndarray,
+               oflat: np.ndarray, ooff: np.ndarray, on: np.ndarray) -> int:
+    """Append another log's columns (its runs stay whole: the next call opens a new run)."""
+    for c in range(len(on)):
+        if not _room(cap, n, c, on[c]):
+            return 1 + c
+    for c in range(len(on)):
+        _put(flat, off, n, c, oflat[ooff[c]:ooff[c] + on[c]])
+    st[0] += 1
+    st[1] = -1
+    return OK
+
+
+@kernel
+def pack_region(flat: np.ndarray, off: np.ndarray, n: np.ndarray, digest: np.ndarray, widths: np.ndarray,
+                out: np.ndarray, dims: np.ndarray, starts: np.ndarray) -> int:
+    """The used columns, then ``digest`` (``[rows, 4]``), back to back into ``out``; the frame's
+    flat dims and the columns' starts (``starts[c]`` .. ``starts[c + 1]``). Returns the values
+    written, or ``-need`` when ``out`` holds fewer than the ``need`` values (nothing written)."""
+    need = digest.size
+    for k in n:
+        need += k
+    if need > len(out):
+        return -need
+    at, d = 0, 0
+    for c in range(len(n) + 1):
+        starts[c] = at
+        if c < len(n):
+            k = n[c]
+            out[at:at + k] = flat[off[c]:off[c] + k]
+        else:
+            k = digest.size
+            out[at:at + k] = digest.ravel()
+        at += k
+        if widths[c] == 1:
+            dims[d] = k
+            d += 1
+        else:
+            dims[d] = k // widths[c]
+            dims[d + 1] = widths[c]
+            d += 2
+    starts[len(n) + 1] = at
+    return at
+
+
+@kernel
+def unpack_region(shapes: np.ndarray, data: np.ndarray, tbytes: int, widths: np.ndarray, out: np.ndarray,
+                  starts: np.ndarray) -> int:
+    """A follower's check and copy of a step frame's region: every dim in ``[0, 2**48]``, every
+    wide column's second dim its width, the columns' bytes exactly ``tbytes`` and the region
+    (``data``) ``tbytes`` rounded up to 16; then the whole region into ``out`` (``len(data) // 8``
+    values) and the columns' starts. Returns OK, :data:`R_DIMS` or :data:`R_BYTES` (nothing
+    copied)."""
+    for v in shapes:
+        if v < 0 or v > _MAX_DIM:
+            return R_DIMS
+    at, d = 0, 0
+    for c in range(len(widths)):
+        starts[c] = at
+        if widths[c] == 1:
+            at += shapes[d]
+            d += 1
+        else:
+            if shapes[d + 1] != widths[c]:
+                return R_DIMS
+            at += shapes[d] * widths[c]
+            d += 2
+        if at > tbytes:  # (each dim <= 2**48: no sum can wrap before this test)
+            return R_BYTES
+    starts[len(widths)] = at
+    if d != len(shapes) or at * 8 != tbytes or len(data) != (tbytes + 15) // 16 * 16 or len(out) * 8 != len(data):
+        return R_BYTES
+    out[:] = data.view(np.int64)
+    return OK
