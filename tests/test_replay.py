@@ -379,3 +379,27 @@ def test_follower_refuses_a_region_its_shapes_do_not_describe(changes: dict[int,
     frame = reader.parse(view, 0)
     with pytest.raises(WireError, match=match):
         read_region(frame, shapes, np.frombuffer(view, np.uint8, len(buf) - h.data_at, h.data_at))
+
+
+def test_log_grows_a_full_column_and_keeps_every_call() -> None:
+    """Calls past a column's first capacity (68 values for one slot): the column doubles, the
+    earlier values and runs stay, and the packed region equals the columns laid end to end."""
+    rng = np.random.default_rng(0)
+    log, other, want_tok = OpLog(1), OpLog(1), []
+    for i in range(40):  # 40 runs of TOK (each call repeats slot 0: a new run), 200 tokens each
+        toks = rng.integers(0, 1000, 200)
+        _tok(log, [0], [200], list(toks))
+        want_tok.append(toks)
+    for i in range(30):
+        log.add(0, i, np.arange(50), np.arange(9), np.zeros(0, np.int64), i, 0, 0)
+        other.ragged(BLK, np.array([0]), np.array([3]), np.array([i, i + 1, i + 2]))
+    log.extend(other)
+    cols = log.columns(NO_DIGEST)
+    assert np.array_equal(cols[COL["tok_flat"]], np.concatenate(want_tok))
+    assert cols[COL["runs"]].tolist() == [[TOK, 1]] * 40 + [[0, 1]] * 30 + [[BLK, 1]] * 30
+    assert cols[COL["add_meta"]][:, 1].tolist() == list(range(30)) and len(cols[COL["add_tokens"]]) == 1500
+    assert cols[COL["blk_flat"]].tolist() == [v for i in range(30) for v in (i, i + 1, i + 2)]
+    digest = rng.integers(0, 1 << 62, (5, 4))
+    packed, oracle = log.pack(digest), flat_columns(log.columns(digest))
+    assert packed.dims == oracle.dims and np.array_equal(packed.buf, oracle.buf)
+    assert np.array_equal(packed.starts, oracle.starts)
