@@ -61,12 +61,13 @@ def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[
     buf, starts, _ = cols
     runs = cols.col(0)
     at, end = starts[:-1].copy(), starts[1:]
+    at[_RUNS], at[_DIGEST] = end[_RUNS], end[_DIGEST]  # no run reads them: read to their end
     try:
         words = np.array(spec, np.int64)
+        rows = len(spec) // SPEC_WORDS + int(sum(spec[4::SPEC_WORDS]) + sum(spec[1::SPEC_WORDS]))
     except (OverflowError, TypeError, ValueError):
-        words = _NO_WORDS  # every spec then replayed below, which names the bad value
+        words, rows = _NO_WORDS, 0  # every spec then replayed below, which names the bad value
     arrays = state.kernel_arrays()
-    rows = len(words) // SPEC_WORDS + int(words[4::SPEC_WORDS].sum() + words[1::SPEC_WORDS].sum())
     check = np.empty((rows if 0 <= rows <= _MAX_CHECK_ROWS else 0, 4), np.int64)  # else: batch_check below
     batches: list[SequenceBatch] = []
     adds = iter(req_ids)
@@ -79,6 +80,8 @@ def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[
             break
         if status == S_SPEC:
             batches.append(state.gathered(gbuf, ph, vouched, bool(spec[si - SPEC_WORDS])))
+            if r == len(runs):  # the step's last run (a decode step: ONE call); else the next runs
+                break
             continue
         replayed = replayed and not (runs[r, 0] == SPEC)  # a spec made here: its check made below
         pos = dict(zip(COLUMNS, ((at - starts[:-1]) // _WIDTH).tolist()))  # rows of each column
@@ -89,9 +92,9 @@ def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[
         at[:] = starts[:-1] + _WIDTH * [pos[c] for c in COLUMNS]
         si = SPEC_WORDS * len(batches)
         r += 1
-    for i in np.flatnonzero((at != end) & _READ).tolist():  # the first column not read to its end
-        name = COLUMNS[i]
-        raise ReplicaError(f"step frame: {name} holds {len(cols.col(i))} entries, its runs read "
+    if (at != end).any():  # a column its runs did not read to its end: the first one named
+        i = int(np.flatnonzero(at != end)[0])
+        raise ReplicaError(f"step frame: {COLUMNS[i]} holds {len(cols.col(i))} entries, its runs read "
                            f"{(at[i] - starts[i]) // _WIDTH[i]}")
     if next(adds, None) is not None or len(spec) != SPEC_WORDS * len(batches):
         raise ReplicaError("step frame: more request ids or specs than its runs use")
@@ -114,7 +117,7 @@ def warm_replay(state: BatchState, cols: Columns, batches: list[SequenceBatch]) 
 _NO_WORDS = np.zeros(0, np.int64)
 _NO_CHECK = np.zeros((0, 4), np.int64)
 _MAX_CHECK_ROWS = 1 << 20  # spec words claiming more rows: the check is made from the batches, if any
-_READ = np.array([c not in _UNREAD for c in COLUMNS])  # columns the runs must read to their end
+_RUNS, _DIGEST = (COLUMNS.index(c) for c in _UNREAD)  # columns no run reads (set read to their end)
 _WIDTH = np.array([WIDE.get(c, 1) for c in COLUMNS], np.int64)  # int64 values per row of each column
 
 
