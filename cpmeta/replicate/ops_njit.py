@@ -36,8 +36,13 @@ SPEC_CODE, RUNS, ADD_META, ADD_TOKENS, SPEC_SLOTS = 7, 0, 1, 2, 17
 
 
 @kernel
-def _room(cap: np.ndarray, n: np.ndarray, c: int, k: int) -> bool:
-    return n[c] + k <= cap[c]
+def _lack(cap: np.ndarray, n: np.ndarray, need: tuple) -> int:
+    """0 when every ``(column, k)`` of ``need`` has room for ``k`` more values, else ``1 + c`` of
+    the first column that lacks it (the caller writes nothing then)."""
+    for c, k in need:
+        if n[c] + k > cap[c]:
+            return 1 + c
+    return OK
 
 
 @kernel
@@ -46,6 +51,15 @@ def _put(flat: np.ndarray, off: np.ndarray, n: np.ndarray, c: int, values: np.nd
     for i in range(len(values)):
         flat[at + i] = values[i]
     n[c] += len(values)
+
+
+@kernel
+def _put3(flat: np.ndarray, off: np.ndarray, n: np.ndarray, c: int, a: np.ndarray, b: np.ndarray,
+          v: np.ndarray) -> None:
+    """``a``, ``b``, ``v`` into columns ``c``, ``c + 1``, ``c + 2`` (slots, counts, flat values)."""
+    _put(flat, off, n, c, a)
+    _put(flat, off, n, c + 1, b)
+    _put(flat, off, n, c + 2, v)
 
 
 @kernel
@@ -80,47 +94,35 @@ def log_ragged(flat: np.ndarray, off: np.ndarray, cap: np.ndarray, n: np.ndarray
                code: int, c: int, slots: np.ndarray, counts: np.ndarray, values: np.ndarray) -> int:
     """``TOK`` / ``BLK`` / ``CMP`` entries: slots at column ``c``, counts at ``c + 1``, the flat
     values at ``c + 2``."""
-    if not _room(cap, n, RUNS, 2):
-        return 1 + RUNS
-    for j, k in ((c, len(slots)), (c + 1, len(counts)), (c + 2, len(values))):
-        if not _room(cap, n, j, k):
-            return 1 + j
-    _entry(flat, off, n, seen, st, code, slots, len(slots))
-    _put(flat, off, n, c, slots)
-    _put(flat, off, n, c + 1, counts)
-    _put(flat, off, n, c + 2, values)
-    return OK
+    lack = _lack(cap, n, ((RUNS, 2), (c, len(slots)), (c + 1, len(counts)), (c + 2, len(values))))
+    if lack == OK:
+        _entry(flat, off, n, seen, st, code, slots, len(slots))
+        _put3(flat, off, n, c, slots, counts, values)
+    return lack
 
 
 @kernel
 def log_add(flat: np.ndarray, off: np.ndarray, cap: np.ndarray, n: np.ndarray, seen: np.ndarray, st: np.ndarray,
             code: int, meta: np.ndarray, tokens: np.ndarray, blocks: np.ndarray, comp: np.ndarray) -> int:
     """``ADD``: ``meta`` = (slot, state id, valid start, num computed, #tokens, #blocks, #compressed)."""
-    if not _room(cap, n, RUNS, 2):
-        return 1 + RUNS
-    for j, k in ((ADD_META, 7), (ADD_TOKENS, len(tokens)), (ADD_TOKENS + 1, len(blocks)),
-                 (ADD_TOKENS + 2, len(comp))):
-        if not _room(cap, n, j, k):
-            return 1 + j
-    _entry(flat, off, n, seen, st, code, meta[:1], 1)
-    _put(flat, off, n, ADD_META, meta)
-    _put(flat, off, n, ADD_TOKENS, tokens)
-    _put(flat, off, n, ADD_TOKENS + 1, blocks)
-    _put(flat, off, n, ADD_TOKENS + 2, comp)
-    return OK
+    lack = _lack(cap, n, ((RUNS, 2), (ADD_META, 7), (ADD_TOKENS, len(tokens)), (ADD_TOKENS + 1, len(blocks)),
+                          (ADD_TOKENS + 2, len(comp))))
+    if lack == OK:
+        _entry(flat, off, n, seen, st, code, meta[:1], 1)
+        _put(flat, off, n, ADD_META, meta)
+        _put3(flat, off, n, ADD_TOKENS, tokens, blocks, comp)
+    return lack
 
 
 @kernel
 def log_pair(flat: np.ndarray, off: np.ndarray, cap: np.ndarray, n: np.ndarray, seen: np.ndarray, st: np.ndarray,
              code: int, c: int, pair: np.ndarray) -> int:
     """One entry of ``pair`` (slot, then 0 or 1 value) at column ``c`` (``SID``, ``SVS``, ``FIN``)."""
-    if not _room(cap, n, RUNS, 2):
-        return 1 + RUNS
-    if not _room(cap, n, c, len(pair)):
-        return 1 + c
-    _entry(flat, off, n, seen, st, code, pair[:1], 1)
-    _put(flat, off, n, c, pair)
-    return OK
+    lack = _lack(cap, n, ((RUNS, 2), (c, len(pair))))
+    if lack == OK:
+        _entry(flat, off, n, seen, st, code, pair[:1], 1)
+        _put(flat, off, n, c, pair)
+    return lack
 
 
 @kernel
@@ -128,19 +130,15 @@ def log_spec(flat: np.ndarray, off: np.ndarray, cap: np.ndarray, n: np.ndarray, 
              slots: np.ndarray, lens: np.ndarray, drafts: np.ndarray) -> int:
     """A batch spec: its own ``SPEC`` run of one, the slots / lens / drafts columns; the next
     call opens a new run."""
-    if not _room(cap, n, RUNS, 2):
-        return 1 + RUNS
-    for j, k in ((SPEC_SLOTS, len(slots)), (SPEC_SLOTS + 1, len(lens)), (SPEC_SLOTS + 2, len(drafts))):
-        if not _room(cap, n, j, k):
-            return 1 + j
-    _put1(flat, off, n, RUNS, SPEC_CODE)
-    _put1(flat, off, n, RUNS, 1)
-    st[0] += 1
-    st[1] = -1
-    _put(flat, off, n, SPEC_SLOTS, slots)
-    _put(flat, off, n, SPEC_SLOTS + 1, lens)
-    _put(flat, off, n, SPEC_SLOTS + 2, drafts)
-    return OK
+    lack = _lack(cap, n, ((RUNS, 2), (SPEC_SLOTS, len(slots)), (SPEC_SLOTS + 1, len(lens)),
+                          (SPEC_SLOTS + 2, len(drafts))))
+    if lack == OK:
+        _put1(flat, off, n, RUNS, SPEC_CODE)
+        _put1(flat, off, n, RUNS, 1)
+        st[0] += 1
+        st[1] = -1
+        _put3(flat, off, n, SPEC_SLOTS, slots, lens, drafts)
+    return lack
 
 
 @kernel
@@ -148,7 +146,7 @@ def log_extend(flat: np.ndarray, off: np.ndarray, cap: np.ndarray, n: np.ndarray
                oflat: np.ndarray, ooff: np.ndarray, on: np.ndarray) -> int:
     """Append another log's columns (its runs stay whole: the next call opens a new run)."""
     for c in range(len(on)):
-        if not _room(cap, n, c, on[c]):
+        if n[c] + on[c] > cap[c]:
             return 1 + c
     for c in range(len(on)):
         _put(flat, off, n, c, oflat[ooff[c]:ooff[c] + on[c]])
