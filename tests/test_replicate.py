@@ -106,13 +106,15 @@ def test_named_trace_every_rank_builds_the_drivers_metadata(cfg_name: str, world
     assert sum(1 for d in out[0]["digests"] if d) > 150  # most steps carried a batch
 
 
-def test_named_trace_over_the_process_group() -> None:
+@pytest.mark.parametrize("env", [{"CPMETA_FORCE_REMOTE": "1"}, {"CPMETA_CHECKSUM": "1"}], ids=["remote", "checksum"])
+def test_named_trace_over_the_process_group_and_with_checksums(env: dict[str, str]) -> None:
     """The same trace with the step frames sent through the process group (``force_remote``, as
-    to followers on another host): every rank builds the driver's metadata every step."""
-    out = run_ranks(_trace_rank, 2, 7, "plain", 80, 9, True, env={"CPMETA_FORCE_REMOTE": "1"},
-                    timeout=240)
+    to followers on another host), and with every frame's crc32 over its whole length stamped and
+    verified (``CPMETA_CHECKSUM``: the region the op log packs is covered): every rank builds the
+    driver's metadata every step; nothing warms (no ring / a checksummed frame)."""
+    out = run_ranks(_trace_rank, 2, 7, "plain", 80, 9, True, env=env, timeout=240)
     _check_trace(out)
-    assert out[1]["warmed"] == 0  # no ring, nothing warms
+    assert out[1]["warmed"] == 0
 
 
 @pytest.mark.parametrize("defer", [False, True])
