@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import itertools
 import subprocess
 import sys
 from pathlib import Path
@@ -34,7 +35,8 @@ from cpmeta.replicate.recorder import Recorder
 from cpmeta.broadcast.plan import Plan
 from cpmeta.broadcast.wire import (FLAG_CRC, FLAG_LAYOUT, FLAG_PACKED, PACK_ALIGN, FrameReader, FrameWriter, WireError,
                                    blocks_at, seal)
-from cpmeta.replicate.step_frame import STEP_SCHEMA, flat_columns, read_region, step_key
+from cpmeta.replicate.ops import Columns
+from cpmeta.replicate.step_frame import STEP_SCHEMA, read_region, step_key
 from cpmeta.transport.codec import encode_body
 
 CFGS = {"plain": plain_config(max_model_len=2048), "seed": default_config(max_model_len=2048)}  # seed: Engram + SWA
@@ -42,6 +44,14 @@ NO_DIGEST = np.zeros((0, 4), np.int64)
 ROOT = Path(__file__).resolve().parents[1]
 COL = {c: i for i, c in enumerate(COLUMNS)}
 ARRAY_FIELDS = [f.name for f in dataclasses.fields(SequenceBatch) if f.name not in ("is_prompt", "lookback", "_vouch")]
+
+
+def flat_columns(cols: list[np.ndarray]) -> Columns:
+    """Columns given one array each (``OpLog.columns``, maybe altered) as ONE int64 buffer, as a
+    follower holds them after ``read_region``."""
+    buf = np.concatenate([c.ravel() for c in cols])
+    starts = np.array([0, *itertools.accumulate(c.size for c in cols)], np.int64)
+    return Columns(buf, starts, tuple(d for c in cols for d in c.shape))
 
 
 def _state(cfg_name: str) -> BatchState:

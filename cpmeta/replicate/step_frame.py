@@ -17,7 +17,6 @@ and the compiled replay of :mod:`cpmeta.replicate.replay_njit` walks that buffer
 
 from __future__ import annotations
 
-from itertools import accumulate
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -30,7 +29,7 @@ from ..jit import OK, warmer
 from .ops import COLUMNS, WIDE, WIDTHS, Columns
 from .ops_njit import R_BYTES, unpack_region
 
-__all__ = ["StepFrame", "STEP_SCHEMA", "step_key", "read_region", "flat_columns"]
+__all__ = ["StepFrame", "STEP_SCHEMA", "step_key", "read_region"]
 
 
 class _Col:
@@ -105,13 +104,6 @@ def read_region(frame: Frame, shapes: np.ndarray, data: np.ndarray) -> tuple[Col
                         f"for {tbytes} column bytes")
     return Columns(out[:tbytes // 8], starts, frame.dims), out
 
-
-def flat_columns(cols: list[np.ndarray]) -> Columns:
-    """Columns given one array each (``OpLog.columns``, maybe altered: tests) as one int64 buffer,
-    as a follower holds them."""
-    buf = np.concatenate([c.ravel() for c in cols]) if cols else np.zeros(0, np.int64)
-    starts = np.array([0, *accumulate(c.size for c in cols)], np.int64)
-    return Columns(buf, starts, tuple(d for c in cols for d in c.shape))
 
 
 @warmer
