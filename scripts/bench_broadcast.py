@@ -250,6 +250,24 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _rank_entry(target: Any, *args: Any) -> None:
+    """A spawned rank: ``target(*args)``, then ``os._exit`` -- as ``cpmeta.testing`` and
+    ``cpmeta.launch`` end their ranks: the interpreter's teardown of torch / gloo objects after
+    ``destroy_process_group`` aborted a rank now and then ("terminate called without an active
+    exception", ~1 in 20 runs of ``profile_phases.py sync --world 3``), after its work was done."""
+    import traceback
+
+    code = 0
+    try:
+        target(*args)
+    except BaseException:  # noqa: BLE001 - printed, and the exit code says it failed
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def run_world_procs(world: int, args: argparse.Namespace, target: Any = None) -> list[dict]:
     """Run ``target(rank, world, port, args, out_path)`` (default :func:`rank_main`) on ``world``
     spawned processes; rank 0 writes the JSON results to ``out_path``, returned here."""
@@ -260,7 +278,7 @@ def run_world_procs(world: int, args: argparse.Namespace, target: Any = None) ->
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "r.json")
         port = _free_port()  # one per world, taken right before the ranks bind it
-        procs = [ctx.Process(target=target or rank_main, args=(r, world, port, args, out))
+        procs = [ctx.Process(target=_rank_entry, args=(target or rank_main, r, world, port, args, out))
                  for r in range(world)]
         for p in procs:
             p.start()
