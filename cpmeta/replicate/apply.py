@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 
 from ..state import BatchState, SequenceBatch
-from .ops import ADD, BLK, CMP, COLUMNS, FIN, SID, SPEC, SPEC_WORDS, SVS, TOK, WIDE, Columns
+from .ops import ADD, BLK, CMP, COLUMNS, FIN, SID, SPEC, SPEC_WORDS, SVS, TOK, Columns
+from .ops import WIDTHS as _WIDTH  # int64 values per row of each column
 from .digest import batch_check
 from .replay_njit import S_END, S_SPEC, replay
 
@@ -118,7 +119,6 @@ _NO_WORDS = np.zeros(0, np.int64)
 _NO_CHECK = np.zeros((0, 4), np.int64)
 _MAX_CHECK_ROWS = 1 << 20  # spec words claiming more rows: the check is made from the batches, if any
 _RUNS, _DIGEST = (COLUMNS.index(c) for c in _UNREAD)  # columns no run reads (set read to their end)
-_WIDTH = np.array([WIDE.get(c, 1) for c in COLUMNS], np.int64)  # int64 values per row of each column
 
 
 def _run(state: BatchState, cols: dict[str, np.ndarray], at: dict[str, int], code: int, n: int, adds: Any,

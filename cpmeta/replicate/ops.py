@@ -159,11 +159,12 @@ class OpLog:
         self.specs += other.specs
 
     # ---- recording (after the driver's own state applied the call) ---------------------------
-    def add(self, slot: int, req_id: Hashable, tokens: np.ndarray, blocks: np.ndarray,
-            comp: np.ndarray, state_id: int, swa_valid_start: int, num_computed: int) -> None:
+    def add(self, slot: int, req_id: Hashable, tokens: Any, blocks: Any, comp: Any, state_id: int,
+            swa_valid_start: int, num_computed: int) -> None:
+        tokens, blocks, comp = flat_ints(tokens), flat_ints(blocks), flat_ints(comp)
         meta = np.array((slot, state_id, swa_valid_start, num_computed, len(tokens), len(blocks), len(comp)),
                         np.int64)
-        self._call(log_add, self._seen, self._st, ADD, meta, flat_ints(tokens), flat_ints(blocks), flat_ints(comp))
+        self._call(log_add, self._seen, self._st, ADD, meta, tokens, blocks, comp)
         self.req_ids.append(req_id)
 
     def ragged(self, code: int, slots: Any, counts: Any, flat: np.ndarray) -> None:

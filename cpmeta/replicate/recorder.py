@@ -97,9 +97,8 @@ class Recorder(ABC):
             if not self._free_model:
                 raise ValueError(f"request {rid!r}: all max_seqs={self.state.max_seqs} slots are in use")
             s = self._free_model.pop()
-            self._rec.add(s, rid, flat_ints(prompt_token_ids), flat_ints(block_table),
-                          flat_ints(compressed_token_ids), int(state_id), int(swa_valid_start),
-                          int(num_computed))
+            self._rec.add(s, rid, prompt_token_ids, block_table, compressed_token_ids, int(state_id),
+                          int(swa_valid_start), int(num_computed))
             return s
         st = self.state
         s = st.add_request(rid, prompt_token_ids, block_table, state_id,
@@ -119,7 +118,7 @@ class Recorder(ABC):
     def append_tokens_batch(self, slots: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> None:
         self._driver("append_tokens_batch")
         self._on_state(self.state.append_tokens_batch, slots, tokens, counts)
-        self._rec.ragged(TOK, flat_ints(slots), flat_ints(counts), flat_ints(tokens))
+        self._rec.ragged(TOK, slots, counts, tokens)  # OpLog makes them flat int64
 
     def append_blocks(self, slot: int, blocks: Sequence[int]) -> None:
         self._driver("append_blocks")
@@ -131,7 +130,7 @@ class Recorder(ABC):
         """``BatchState.append_blocks_batch``: every request's new block ids in one call."""
         self._driver("append_blocks_batch")
         self._on_state(self.state.append_blocks_batch, slots, blocks, counts)
-        self._rec.ragged(BLK, flat_ints(slots), flat_ints(counts), flat_ints(blocks))
+        self._rec.ragged(BLK, slots, counts, blocks)  # OpLog makes them flat int64
 
     def append_compressed(self, slot: int, ids: Sequence[int]) -> None:
         self._driver("append_compressed")
@@ -142,7 +141,7 @@ class Recorder(ABC):
     def append_compressed_batch(self, slots: np.ndarray, ids: np.ndarray, counts: np.ndarray) -> None:
         self._driver("append_compressed_batch")
         self._on_state(self.state.append_compressed_batch, slots, ids, counts)
-        self._rec.ragged(CMP, flat_ints(slots), flat_ints(counts), flat_ints(ids))
+        self._rec.ragged(CMP, slots, counts, ids)  # OpLog makes them flat int64
 
     def set_state_id(self, slot: int, state_id: int) -> None:
         self._driver("set_state_id")
