@@ -30,11 +30,7 @@ import torch
 from .cache import BoundedCache
 
 __all__ = ["get_or_create_tensor", "get_or_create_stacked", "ArenaLayout", "HostArena", "OutputBuffers",
-           "OutputArenas", "ARENA_ALIGN", "AllocOut", "alloc", "alloc_stacked"]
-
-#: Byte alignment of every tensor carved out of a :class:`HostArena`.
-ARENA_ALIGN = 64
-
+           "OutputArenas", "WIRE_DTYPES", "DTYPE_CODE", "PACK_ALIGN", "AllocOut", "alloc", "alloc_stacked"]
 
 @functools.lru_cache(maxsize=1)
 def _pin() -> bool:
@@ -131,32 +127,53 @@ def get_or_create_stacked(
     return stacked, views
 
 
+#: Wire code of a dtype = its index here (append only: the codes are part of every frame). The
+#: frame (``cpmeta.broadcast.wire``) and :class:`ArenaLayout` order tensors by it.
+WIRE_DTYPES: tuple[torch.dtype, ...] = (
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.bfloat16, torch.float32, torch.float64,
+)
+DTYPE_CODE: dict[torch.dtype, int] = {d: i for i, d in enumerate(WIRE_DTYPES)}
+#: Every dtype run of a frame's tensor region (and of an :class:`ArenaLayout`) starts at a
+#: multiple of this many bytes.
+PACK_ALIGN = 16
+
+
 class ArenaLayout:
     """Where each field of a :class:`HostArena` lives: compiled once per batch shape (builders
     cache it), so carving an arena costs one allocation plus one view per field.
 
-    ``layout`` lists ``(name, shape, dtype)``; each field starts at a multiple of
-    :data:`ARENA_ALIGN` bytes. Example: ``[("positions", (256,), int32), ("valid_token_mask",
-    (256,), bool)]`` -> positions at byte 0 (1,024 bytes), the mask at byte 1,024: ``nbytes`` 1,280.
+    ``layout`` lists ``(name, shape, dtype)``. The fields are laid out by the frame's rule (the
+    ONE rule that lays tensors into bytes, ``cpmeta.broadcast.plan.Plan.sizes``): ordered by dtype
+    code (:data:`WIRE_DTYPES`), a field's own tensors before dict entries (names ``"ks.4"`` and
+    ``stacked`` fields, whose rows are a dict's entries), the given order otherwise; each dtype
+    one run starting at a multiple of :data:`PACK_ALIGN`, the fields of a run back to back. So a
+    builder's outputs lie exactly where a broadcast frame puts them, and a persistent broadcaster
+    copies the whole arena into the frame with one ``memmove``. Example: ``[("positions", (256,),
+    int32), ("valid_token_mask", (256,), bool)]`` -> the mask at byte 0 (256 bytes), positions at
+    byte 256: ``nbytes`` 1,280.
     """
 
     __slots__ = ("fields", "nbytes", "dtypes", "stacked")
 
     def __init__(self, layout: Sequence[tuple[str, tuple[int, ...], torch.dtype]],
                  stacked: Iterable[str] = ()) -> None:
-        fields, pos = {}, 0
-        for name, shape, dtype in layout:
+        self.stacked = frozenset(stacked)  #: fields handed out as per-row tensors (``take_rows``)
+        order = sorted(range(len(layout)), key=lambda i: (
+            DTYPE_CODE[layout[i][2]], "." in layout[i][0] or layout[i][0] in self.stacked, i))
+        fields, pos, run = {}, 0, None
+        for name, shape, dtype in (layout[i] for i in order):
+            if dtype != run:
+                pos, run = -(-pos // PACK_ALIGN) * PACK_ALIGN, dtype
             size, strides = 1, []
             for d in reversed(shape):
                 strides.append(size)
                 size *= int(d)
             fields[name] = (pos // dtype.itemsize, size, tuple(shape), tuple(reversed(strides)), dtype)
-            pos += -(-size * dtype.itemsize // ARENA_ALIGN) * ARENA_ALIGN
+            pos += size * dtype.itemsize
         self.fields: dict[str, tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]] = fields
-        self.nbytes = max(pos, ARENA_ALIGN)
+        self.nbytes = max(-(-pos // PACK_ALIGN) * PACK_ALIGN, PACK_ALIGN)
         self.dtypes = tuple({f[4] for f in fields.values()})
-        #: fields handed out as per-row tensors (``take_rows``); the others as one tensor (``take``)
-        self.stacked = frozenset(stacked)
 
 
 class HostArena:

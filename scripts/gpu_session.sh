@@ -14,6 +14,8 @@
 #                                            # (every host strategy, plain and seed), the idle-gap probe
 #   bash scripts/gpu_session.sh warm         # the host's cores at world 8: followers' warming on / off
 #   bash scripts/gpu_session.sh rwarm        # the same for the replicated state's followers (replicate-defer)
+#   bash scripts/gpu_session.sh arena        # GPU tests of the arenas / broadcast, then this tree against .alt
+#                                            # (broadcast, replicate-defer, mq-replicate; worlds 2 and 8)
 #   bash scripts/gpu_session.sh compare      # the host's cores, before / after in one run: the commit in
 #                                            # .baseline (git archive REV | tar -x -C .baseline; carry it)
 #                                            # and this tree, end-to-end step (plain and compressed-KV
@@ -158,6 +160,22 @@ rwarm)  # ~6 min: the replicated followers' warming (CPMETA_WARM) on / off, worl
   done; done
   rm -f "$OUT"/*.png  # the device tool brings back at most 8 files
   ;;
+arena)  # ~9 min: the CUDA paths of the builders' arenas and the broadcast (GPU tests), then this tree
+  # against .alt (git archive REV | tar -x -C .alt) at worlds 2 and 8, runs ordered alt, this, this, alt
+  TAILN=6 step gpu_tests 200 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu or graph or nccl" \
+    tests/test_builders.py tests/test_builders_smoke.py tests/test_gpu_broadcast.py tests/test_broadcast_multirank.py \
+    tests/test_broadcast_persistent.py tests/test_cuda_graph.py tests/test_decode_inplace.py tests/test_persistent_policy.py
+  MQ=""; [ -d mq_bundle312 ] && MQ=":$PWD/mq_bundle312"
+  python3 -c 'import cpmeta.jit as j; j.warm_all()'
+  [ -d .alt/scripts ] && (cd .alt && PYTHONPATH=$PWD python3 -c 'import cpmeta.jit as j; j.warm_all()')
+  for V in alt:1 default:1 default:2 alt:2; do
+    ROOT=$PWD; if [ ${V%:*} = alt ]; then [ -d .alt/scripts ] || continue; ROOT=$PWD/.alt; fi
+    TAILN=12 step arena_${V%:*}_${V#*:} 100 env PYTHONPATH="$ROOT$MQ" VLLM_TARGET_DEVICE=cpu python3 "$ROOT/scripts/bench_step.py" \
+      --model plain --worlds 2 8 --workloads decode-64 decode-256 --strategies broadcast replicate-defer mq-replicate \
+      --steps 40 --warmup 6 --budget 3 --no-cold --out "$OUT/h200_wire.arena-${V%:*}-${V#*:}.json"
+  done
+  rm -f "$OUT"/*.png  # the device tool brings back at most 8 files
+  ;;
 short)  # ~9 min when the device time is short: the GPU tests, then compare's end-to-end step trimmed
   TAILN=8 step gpu_tests 240 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu or triton or graph or nccl" \
     tests/test_builders.py tests/test_builders_smoke.py tests/test_decode_inplace.py tests/test_cuda_graph.py \
@@ -175,7 +193,7 @@ short)  # ~9 min when the device time is short: the GPU tests, then compare's en
   done
   ;;
 *)
-  echo "unknown suite $SUITE: expected tests, bench-gpu, bench-cpu, compare, wire, replay, warm, rwarm or short" >&2; exit 2
+  echo "unknown suite $SUITE: expected tests, bench-gpu, bench-cpu, compare, wire, replay, warm, rwarm, arena or short" >&2; exit 2
   ;;
 esac
 # one file for every log (the device tool brings back at most 8 files)

@@ -185,7 +185,6 @@ PHASES: list[tuple[str, str, str]] = [
     ("F assemble InputMetadata", "cpmeta.broadcast.plan", "Plan.assemble"),
     ("P arena lookup (both)", "cpmeta.broadcast.persistent", "PersistentArenas.get"),
     ("P arena lookup (both)", "cpmeta.broadcast.persistent", "PersistentArenas.driver_arena"),
-    ("P follower: span frame lookup + land", "cpmeta.broadcast.follower", "land_span"),
     ("P driver: tensors into the slot", "cpmeta.broadcast.persistent", "LayoutArena.write"),
     ("P driver: own copy after the publish", "cpmeta.broadcast.persistent", "LayoutArena.take"),
     ("P follower: slot into its arena", "cpmeta.broadcast.persistent", "LayoutArena.land"),

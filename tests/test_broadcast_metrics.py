@@ -90,7 +90,7 @@ def test_stats_count_a_known_trace(persistent: bool) -> None:
         if persistent:  # layouts 4 and 6 persisted from their first step: 2 arenas, all steps
             a = st["arenas"]
             assert (a["layouts"], a["arenas"], a["persisted"], a["fresh"], a["created"]) == (2, 2, 5, 0, 2)
-            assert a["host_bytes"] == (16 + 16) + (16 + 24) and a["device_bytes"] == 0
+            assert a["host_bytes"] == 16 + 32 and a["device_bytes"] == 0  # regions: int32 [4], [6]
         else:
             assert st["arenas"] is None
         assert len(r["row"]) == len(STATS_ROW)
@@ -147,5 +147,5 @@ def test_prometheus_exposition() -> None:
     assert 'phase="wait",quantile="0.5"' in fol and 'phase="send"' not in fol
     assert 'cpmeta_broadcast_phase_seconds_count{' in drv
     assert 'cpmeta_broadcast_follower_lag_slots_count{' in drv and "follower_lag_slots_count{" not in fol
-    assert f'cpmeta_broadcast_arena_bytes{{group="{g}",memory="host",rank="1",role="follower"}} 72.0' in fol
+    assert f'cpmeta_broadcast_arena_bytes{{group="{g}",memory="host",rank="1",role="follower"}} 48.0' in fol
     assert f'cpmeta_broadcast_refusals_total{{group="{g}",kind="checksum",rank="0",role="driver"}} 0.0' in drv

@@ -120,15 +120,16 @@ def _equivalence(rank: int, world: int, seed: int, force_remote: bool, announce:
                     got.klen["999"] = torch.zeros(1, dtype=torch.int32)
                 held[j] = (got, None)  # changed by us: not compared until its layout returns
             n += 1
-        # both frame geometries ran: decode steps (one builder arena) as spans, prompts packed
-        kinds = sorted({a.span is not None for a in bp._persist.arenas()})
+        # both driver sources ran: a builder's arena (the frame's region as is: one memmove) and
+        # tensors in several allocations (attn_info, aliasing: one memmove per tensor)
+        kinds = sorted({a.src_ptrs is not None for a in bp._persist.arenas()}) if rank == 0 else None
     return [n, kinds, warmed[0] >= N_STEPS if announce and rank else None]
 
 
 @pytest.mark.parametrize("world,force_remote", [(1, False), (2, False), (3, False), (2, True)])
 def test_persistent_equals_fresh(world: int, force_remote: bool) -> None:
     assert run_ranks(_equivalence, world, 4242, force_remote, timeout=240) == [
-        [N_STEPS, [False, True], None]] * world
+        [N_STEPS, [False, True], None]] + [[N_STEPS, None, None]] * (world - 1)
 
 
 def test_followers_warming_for_announced_steps_change_nothing() -> None:
@@ -138,7 +139,7 @@ def test_followers_warming_for_announced_steps_change_nothing() -> None:
     next step, and the warm hook ran (it was never dropped for raising)."""
     # world 2: a follower warms only with a core of its own (2 ranks on a 2-core machine)
     assert run_ranks(_equivalence, 2, 4242, False, True, timeout=240) == [
-        [N_STEPS, [False, True], None], [N_STEPS, [False, True], True]]
+        [N_STEPS, [False, True], None], [N_STEPS, None, True]]
 
 
 def _checksummed(rank: int, world: int) -> bool:
@@ -224,7 +225,7 @@ def _mixed(rank: int, world: int) -> list:
 
     pool = _pool(31)
     out = []
-    # a persistent driver (span frames from its builder arenas) and a follower without the option
+    # a persistent driver (its builder arenas copied whole) and a follower without the option
     with cpmeta.MetadataBroadcaster(src=0, timeout=60, persistent_outputs=rank == 0) as bp:
         prev = None
         for step in range(6):
@@ -296,65 +297,48 @@ def test_collective_path_into_the_arena() -> None:
     assert run_ranks(_collective, 2, timeout=120) == [8, 8]
 
 
-def _span_case():
-    """A one-arena decode step (builder order) and its plan, dims and span geometry."""
-    import cpmeta
-    from cpmeta.broadcast.span import span_of
+@pytest.mark.parametrize("is_prompt", [False, True])
+def test_builder_arena_is_the_frame_region(is_prompt: bool) -> None:
+    """A builder's outputs lie where the frame puts them (``ArenaLayout`` lays fields out by
+    ``Plan.sizes``' rule), so a persistent driver copies its arena into the frame whole: every
+    tensor's byte offset in the builder's allocation equals its offset in the frame's region,
+    over random configs and batches, and the frame region fits the allocation; ``Plan.pack``
+    (the plain path) then copies the region whole, with the bytes of a tensor-by-tensor copy."""
     from cpmeta.broadcast.collect import collect
-    from cpmeta.broadcast.plan import Plan
+    from cpmeta.broadcast.plan import Plan, one_source
     from cpmeta.broadcast.schema import INPUT_METADATA
+    from cpmeta.broadcast.wire import ELEMENT_SIZE
 
-    md = _random_case(3, 0, False)[1]
-    key, tensors, _ = collect(md)
-    plan = Plan(INPUT_METADATA, key[0], list(key[1]), list(key[2]), key[3])
-    dims = tuple(d for t in tensors for d in t.shape)
-    exact = plan.sizes(dims)[3]
-    geo = span_of(tensors, exact)
-    assert geo is not None, "prepare_decode should leave its tensors in one arena"
-    return cpmeta, plan, dims, exact, geo
-
-
-def test_check_span_refuses_bad_geometry() -> None:
-    import struct
-    import zlib
-
-    from cpmeta.broadcast.span import check_span
-    from cpmeta.broadcast.wire import WireError
-
-    _, plan, dims, exact, (table, offsets, span) = _span_case()
-    avail = len(table) + span
-    numels, got_offsets, got_exact = check_span(plan, dims, exact, table, avail)
-    assert got_offsets == offsets and got_exact == exact
-    n = len(offsets)
-
-    def with_offsets(offs: list, crc: bool = True) -> bytes:
-        body = struct.pack(f"<{n}Q", *offs)
-        return body + (struct.pack("<I", zlib.crc32(body)) if crc else table[8 * n:8 * n + 4]) + \
-            table[8 * n + 4:]
-
-    i = max(range(n), key=lambda k: numels[k])  # a non-empty tensor, and another one
-    j = next(k for k in range(n) if k != i and numels[k])
-    bad = {
-        "misaligned": with_offsets([o + 1 if k == i else o for k, o in enumerate(offsets)]),
-        "past the span": with_offsets([span if k == i else o for k, o in enumerate(offsets)]),
-        "overlap": with_offsets([offsets[j] if k == i else o for k, o in enumerate(offsets)]),
-        "crc": with_offsets([o + 4 if k == i else o for k, o in enumerate(offsets)], crc=False),
-        "padding": (table[:8 * n + 4] + b"\x01" * (len(table) - 8 * n - 4)
-                    if len(table) > 8 * n + 4 else None),
-    }
-    for what, t in bad.items():
-        if t is None:
-            continue
-        with pytest.raises(WireError, match="crc32" if what == "crc" else "span frame"):
-            check_span(plan, dims, exact, t, avail)
-    with pytest.raises(WireError):
-        check_span(plan, dims, exact + 4, table, avail)  # header bytes disagree with the shapes
-    with pytest.raises(WireError):
-        check_span(plan, dims, exact, table, len(table) - 8)  # frame shorter than its table
-    with pytest.raises(WireError):
-        check_span(plan, dims, exact, table, avail - 4)  # a tensor runs past the span
-    with pytest.raises(WireError, match="exactly the span"):
-        check_span(plan, dims, exact, table, avail + 16)  # junk appended to the span
+    for i in range(12):
+        md = _random_case(7, i, is_prompt)[1]
+        key, tensors, _ = collect(md)
+        plan = Plan(INPUT_METADATA, key[0], list(key[1]), list(key[2]), key[3])
+        numels, starts, region, _ = plan.sizes(tuple(d for t in tensors for d in t.shape))
+        want = []
+        for (code, a, b), s in zip(plan.runs, starts):
+            for m in numels[a:b]:
+                want.append(s)
+                s += m * ELEMENT_SIZE[code]
+        storage = tensors[0].untyped_storage()
+        assert all(t.untyped_storage().data_ptr() == storage.data_ptr() for t in tensors), \
+            f"case {i}: the builder's outputs are not one allocation"
+        got = [t.data_ptr() - storage.data_ptr() for t in tensors]
+        assert [g for g, m in zip(got, numels) if m] == [w for w, m in zip(want, numels) if m], \
+            f"case {i}: {plan.tensor_paths}"
+        assert region <= storage.nbytes()
+        # Plan.pack copies such tensors with one memmove and separate ones per tensor: same bytes
+        dims = tuple(d for t in tensors for d in t.shape)
+        ptrs = [t.data_ptr() for t in tensors]
+        assert one_source(tensors, ptrs, plan.offsets(dims, numels, starts), numels, region)
+        clones = [t.clone() for t in tensors]
+        assert not one_source(clones, [t.data_ptr() for t in clones], want, numels, region)
+        frames = []
+        for ts in (tensors, clones):
+            buf = torch.zeros(region, dtype=torch.uint8)
+            plan.pack(buf.data_ptr(), ts, dims, numels, starts, region)
+            frames.append(plan.views(buf, dims, numels, starts))
+        assert all(torch.equal(x, y) and torch.equal(x, t)
+                   for x, y, t in zip(frames[0], frames[1], tensors)), f"case {i}"
 
 
 # ---- CUDA (skipped without it): the arena on the device, one H2D copy per step ---------------------

@@ -84,35 +84,35 @@ def test_min_repeats_and_kinds() -> None:
         assert res[:8] == [False, False, True, False, False, False, False, True], res
         persisted, fresh, layouts, nbytes = res[8]
         assert (persisted, fresh, layouts) == (4, 4, 2)
-        assert nbytes == (16 + 12) + (16 + 20)  # span frames: offsets table + int32 [3], [5]
+        assert nbytes == 16 + 32  # the frame's regions of int32 [3] and [5] (rounded up to 16)
 
 
 def _lru(rank: int, world: int) -> list:
     import cpmeta
     from cpmeta.broadcast import PersistentPolicy
 
-    # a one-tensor step is a span frame: a 16-byte offsets table + 4 bytes per position
-    size = {n: 16 + 4 * n for n in (13, 14, 15, 16)}
-    pol = PersistentPolicy(max_bytes=size[16] + size[15] + size[14])  # 228: a, b, c fit
+    # a one-tensor step's arena is the frame's region: 4 bytes per position, rounded up to 16
+    size = {n: -(-4 * n // 16) * 16 for n in (4, 8, 12, 16)}
+    pol = PersistentPolicy(max_bytes=size[16] + size[12] + size[8])  # 144: a, b, c fit
     with cpmeta.MetadataBroadcaster(src=0, timeout=60, persistent_outputs=pol, metrics=True) as bc:
         def step(n: int, v: int):
             return bc.broadcast(_tiny(n, v) if rank == 0 else None)
 
-        a, b, _ = step(16, 0), step(15, 0), step(14, 0)
+        a, b, _ = step(16, 0), step(12, 0), step(8, 0)
         a2 = step(16, 1)  # touch a: b is now the least recently used
-        step(13, 0)  # 228 + 68 > 228: b goes (LRU), 220 held
-        b2, a3 = step(15, 2), step(16, 3)  # b: a new arena (c goes: 224 held); a: its arena
+        step(4, 0)  # 144 + 16 > 144: b goes (LRU), 112 held
+        b2, a3 = step(12, 2), step(16, 3)  # b: a new arena (c goes: 128 held); a: its arena
         st = bc.stats().arenas
         assert st is not None
         return [a2 is a, b2 is b, a3 is a, int(b.positions[0]), st["evicted"], st["host_bytes"],
-                size[16] + size[13] + size[15]]
+                size[16] + size[4] + size[12]]
 
 
 def test_lru_eviction_by_bytes() -> None:
     for same_a, same_b, still_a, old_b, evicted, held, want in run_ranks(_lru, 2, timeout=120):
         assert same_a and still_a and not same_b
         assert old_b == 0, "an evicted arena's result must stay as it was"
-        assert evicted == 2 and held == want == 224
+        assert evicted == 2 and held == want == 128
 
 
 def test_policy_validation() -> None:

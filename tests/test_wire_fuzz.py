@@ -7,8 +7,8 @@ are built. The frame format is re-implemented in tests/reliability_wire.py (offs
 as an independent reference.
 
 Mutations (22,000 a run) of real prompt / decode / mirror / random-payload frames (first frames
-with the layout block and later id-only frames; the span frames of a ``persistent_outputs``
-driver; checksum off and on):
+with the layout block and later id-only frames; the frames of a ``persistent_outputs`` driver
+copying its builder's arena whole, into a persistent follower's arena; checksum off and on):
 
 - raw (corruption in transit): bit flips anywhere or in the header/blocks, truncation, junk
   appended, shape words +-1, FLAG_CRC cleared;
@@ -43,11 +43,9 @@ from multiproc import run_ranks
 from reliability_wire import (AT, FLAG_CRC, FLAG_LAYOUT, FLAG_PACKED, FMT, HEADER, build, loopback,
                               parts, receive, reseal, restep)
 
-FLAG_SPAN = 8  # cpmeta.broadcast.wire.FLAG_SPAN: a persistent driver's span frame
-
 pytestmark = pytest.mark.timeout(120)
 
-MUTATIONS_PER_FRAME = 500  # x 2 frames x (8 payloads + 3 decode ones as span frames) x 2 checksum settings = 22,000 per run
+MUTATIONS_PER_FRAME = 500  # x 2 frames x (8 payloads + 3 decode ones persistent) x 2 checksum settings = 22,000 per run
 
 # ----------------------------------------------------------------------------- payloads, diff
 
@@ -182,8 +180,8 @@ def _allowed(kind: str, outcome: str, sealed: bool, first: int, data_at: int, ch
 
 def _drive(make: Any, persistent: bool, checksum: bool) -> Iterator[tuple[str, Any, bytes, Any]]:
     """``(payload name, metadata, frame, follower holding its layout)`` for the first and a later
-    frame of every payload; persistent: decode payloads from a persistent_outputs driver (span
-    frames: the builders leave a step's tensors in one allocation) to a persistent follower."""
+    frame of every payload; persistent: decode payloads from a persistent_outputs driver (the
+    builder's arena is the frame's region: one copy) to a persistent follower."""
     drv = make(0, checksum, persistent)
     for name, md in payloads():
         if persistent and not name.startswith("decode-"):
@@ -192,11 +190,11 @@ def _drive(make: Any, persistent: bool, checksum: bool) -> Iterator[tuple[str, A
         drv.broadcast(md)
         first, later = drv._objects.frames[-2:]
         assert parts(first)["flags"] & FLAG_LAYOUT and not parts(later)["flags"] & FLAG_LAYOUT
-        assert persistent == bool(parts(later)["flags"] & FLAG_SPAN) or "aliased" in name
+        assert parts(later)["flags"] & FLAG_PACKED
         for orig in (first, later):
             fol = make(1, checksum, persistent)
             assert compare(md, receive(fol, first)) == "equal"  # it holds the layout now
-            yield name + ("-span" if persistent else ""), md, orig, fol
+            yield name + ("-arena" if persistent else ""), md, orig, fol
             assert compare(md, receive(fol, later)) == "equal"  # still in step
 
 
@@ -213,7 +211,7 @@ def test_mutated_real_frames_are_equal_or_refused(checksum: bool) -> None:
                     if sealed:
                         frame = reseal(frame)
                     outcome, msg = _outcome(fol, md, frame, parts(orig)["step"])
-                    key = (kind + ("-span" if persistent else ""), outcome.split(":")[0])
+                    key = (kind + ("-arena" if persistent else ""), outcome.split(":")[0])
                     counts[key] = counts.get(key, 0) + 1
                     if not _allowed(kind, outcome, sealed, at, parts(orig)["data_at"], checksum,
                                     len(frame) == len(orig)):
@@ -498,7 +496,7 @@ def _paths() -> Iterator[tuple[str, Any, dict, bool]]:
     prompt = payloads()[0][1]  # a real prompt step: [n, 4] load plans and pivots, bool masks, int32
     decode = next(md for name, md in payloads() if name.startswith("decode-"))
     yield "packed", prompt, {}, False
-    yield "persistent span", decode, {}, True
+    yield "persistent arena", decode, {}, True
     yield "persistent packed", _separate(prompt), {}, True
     yield "collective", prompt, {"tensor_path": "collective"}, False
     g = torch.Generator().manual_seed(5)
@@ -524,7 +522,7 @@ def _fixes(schema: Any, field: str) -> bool:
     return bool(schema.specs[field.split(".")[0]].fixed)
 
 
-@pytest.mark.parametrize("path", ["packed", "persistent span", "persistent packed", "collective",
+@pytest.mark.parametrize("path", ["packed", "persistent arena", "persistent packed", "collective",
                                   "any dataclass"])
 def test_redeclared_dtypes_ranks_and_fixed_dims_are_refused_by_path(path: str) -> None:
     """Issue 33 / 38: a writer that recomputes the crcs could re-declare int32 tensors as float32
@@ -536,11 +534,10 @@ def test_redeclared_dtypes_ranks_and_fixed_dims_are_refused_by_path(path: str) -
         drv = make(0, False, persistent, **kw)
         drv.broadcast(md)
         frame = drv._objects.frames[-1]
-        assert bool(parts(frame)["flags"] & FLAG_SPAN) == (path == "persistent span"), path
+        assert (parts(frame)["flags"] & FLAG_PACKED) == (0 if path == "collective" else FLAG_PACKED), path
         schema = drv.schema
         hostile = [h for h in _redeclared(frame) if "reshaped" not in h[0] or _fixes(schema, h[1])]
-        assert len(hostile) >= 4 and (path == "persistent span" or any(
-            "reshaped" in n for n, _, _ in hostile)), [n for n, _, _ in hostile]
+        assert len(hostile) >= 4 and any("reshaped" in n for n, _, _ in hostile), [n for n, _, _ in hostile]
         accepted = []
         for what, want, bad in hostile:
             fol = make(1, False, persistent, **kw)

@@ -32,12 +32,10 @@ module              holds
 ``arena``           ``LayoutArena``: one layout's host (+ device) buffer and the object built once
                     as its views; a repeated layout lands with one memmove; its generation
                     (``cpmeta.lifetime``), CUDA stream ordering, debug poisoning
-``arena_views``     the arena's compiled helpers: getters, span views, value setter, poison values
+``arena_views``     the arena's compiled helpers: getters, value setter, poison values
 ``metrics``         ``bc.stats()``: per-step rings and counters, ``BroadcastStats``, refusal kinds,
                     the launch table, ``prometheus_collector``
 ``prometheus``      the ``prometheus_client`` collector (optional extra ``metrics``)
-``span``            span frames (``FLAG_SPAN``): a persistent driver's one-allocation tensors sent
-                    as one span with an offsets table; ``check_span`` proves a new geometry once
 ``outputs``         where received bytes land: a frame's tensor region into a CPU buffer, received
                     tensors into the caller's ``out=`` buffers
 ==================  ==============================================================================

@@ -3,8 +3,8 @@
 See :mod:`cpmeta.broadcast.persistent` for the pool that holds these (budget, depth, eviction) and
 the lifetime of what they hand out. One arena::
 
-    host arena (uint8, the frame's tensor region byte for byte -- dtype runs, 16-aligned, or
-                a span of the driver's allocation (cpmeta.broadcast.span); pinned on CUDA)
+    host arena (uint8, the frame's tensor region byte for byte -- dtype runs, 16-aligned, the
+                layout of a builder's cpmeta.buffers.ArenaLayout too; pinned on CUDA)
     device arena (CPU: the host arena itself; CUDA: one device buffer of the same bytes)
     md: the metadata built ONCE for the layout, its tensors views of the device arena
     gen: a ``cpmeta.lifetime.Generation``, bumped when the arena's turn comes again
@@ -23,9 +23,9 @@ from typing import Any, Optional
 import torch
 
 from ..lifetime import Generation, register
-from .arena_views import poison_value, span_views, tuple_getter, value_setter
+from .arena_views import poison_value, tuple_getter, value_setter
 from .outputs import copy_out_of_frame
-from .plan import Plan
+from .plan import Plan, one_source
 from .schema import Schema
 
 __all__ = ["LayoutArena"]
@@ -45,18 +45,15 @@ class LayoutArena:
     ``dev[12:36].view(int32).view(3, 2)``.
     """
 
-    __slots__ = ("region", "exact", "span", "host", "host_ptr", "dev", "md", "tensors", "event",
+    __slots__ = ("region", "exact", "host", "host_ptr", "dev", "md", "tensors", "event",
                  "gen", "reader_stream", "_fence", "src_ptrs", "_names", "_packed_ptrs", "_src",
-                 "_offsets", "_nbytes", "_data_at", "_base", "_values", "_fixed", "_snap",
+                 "_offsets", "_nbytes", "_base", "_values", "_fixed", "_snap",
                  "_dict_snap", "_dict_lens", "_dict_tensors", "_lines")
 
     def __init__(self, plan: Plan, dims: tuple[int, ...], numels: list[int], starts: list[int],
-                 region: int, values: list[Any], device: torch.device,
-                 span: Optional[tuple[bytes, list[int], int]] = None, what: str = "") -> None:
+                 region: int, values: list[Any], device: torch.device, what: str = "") -> None:
         cuda = device.type == "cuda"
-        #: span geometry (FLAG_SPAN): (offsets table, offsets, span bytes); None: packed runs
-        self.span = span
-        self.region = region if span is None else len(span[0]) + span[2]
+        self.region = region
         self.host = torch.empty(self.region, dtype=torch.uint8, pin_memory=cuda)
         self.host_ptr = self.host.data_ptr()
         self.dev = torch.empty(self.region, dtype=torch.uint8, device=device) if cuda else self.host
@@ -67,15 +64,7 @@ class LayoutArena:
         #: from an earlier result check it and refuse to mix generations
         self.gen = Generation(what or f"persistent arena of {region} bytes")
         register(self.dev, self.gen)
-        if span is None:
-            self._data_at = 0
-            tensors = plan.views(self.dev, dims, numels, starts)
-        else:
-            self._data_at = len(span[0])
-            self.host[:self._data_at] = torch.frombuffer(bytearray(span[0]), dtype=torch.uint8)
-            at = [self._data_at + o for o in span[1]]
-            tensors = span_views(self.dev, plan, dims, numels, at)
-        self.tensors = tensors
+        self.tensors = tensors = plan.views(self.dev, dims, numels, starts)
         self.md = plan.assemble(tensors, values)
         # byte offset of every tensor in the region: a source whose tensors lie at base + these
         # offsets of ONE allocation is copied with one memmove (src_ptrs caches the last such base)
@@ -117,20 +106,18 @@ class LayoutArena:
 
     def write(self, tensors: list[torch.Tensor], dst: int) -> None:
         """Driver: the step's tensors (layout order) as the frame's tensor region at address
-        ``dst`` (the ring slot itself; the host arena when no rank reads a frame, world 1): a
-        span's offsets table (unless ``dst`` is the host arena), then ONE ``memmove`` when the
-        tensors lie in one allocation at exactly this arena's offsets (checked per step once a
-        source qualified: the same tensor objects at the same addresses), else one per tensor;
-        CUDA sources go through the host arena (device-to-host copies)."""
+        ``dst`` (the ring slot itself; the host arena when no rank reads a frame, world 1): ONE
+        ``memmove`` when the tensors lie in one allocation at exactly this arena's offsets (a
+        builder's ``HostArena``: ``ArenaLayout`` lays fields out by the frame's rule; checked
+        per step once a source qualified: the same tensor objects at the same addresses), else
+        one per tensor; CUDA sources go through the host arena (device-to-host copies)."""
         if not self.region:
             return
         memmove = ctypes.memmove
-        if self._data_at and dst != self.host_ptr:
-            memmove(dst, self.host_ptr, self._data_at)  # the offsets table (fixed per arena)
         ptrs = tuple(map(_DATA_PTR, tensors))
         if (ptrs == self.src_ptrs and all(map(_IS, tensors, self._src))) or (
                 ptrs != self._packed_ptrs and self._single_source(ptrs, tensors)):
-            memmove(dst + self._data_at, self._base, self.region - self._data_at)
+            memmove(dst, self._base, self.region)
         elif ptrs == self._packed_ptrs or all(t.device.type == "cpu" for t in tensors):
             if not all(map(_IS_CONTIGUOUS, tensors)):
                 tensors = [t.contiguous() for t in tensors]
@@ -159,22 +146,15 @@ class LayoutArena:
 
     def _single_source(self, ptrs: tuple[int, ...], tensors: list[torch.Tensor]) -> bool:
         """Whether every non-empty tensor lies, contiguous, in one CPU allocation at this arena's
-        offsets from one base, the whole data section inside that allocation (then cached)."""
-        live = [(p, o) for p, o, n in zip(ptrs, self._offsets, self._nbytes) if n]
-        if not live:
-            return False
-        base = live[0][0] - live[0][1] + self._data_at
-        s0 = tensors[0].untyped_storage()
-        lo, hi = s0.data_ptr(), s0.data_ptr() + s0.nbytes()
-        ok = (base >= lo and base + self.region - self._data_at <= hi
-              and all(p - o + self._data_at == base for p, o in live)
-              and all(t.device.type == "cpu" and t.is_contiguous()
-                      and t.untyped_storage().data_ptr() == lo for t in tensors))
-        if ok:
+        offsets from one base (``plan.one_source``; then cached)."""
+        cpu = all(t.device.type == "cpu" for t in tensors)
+        base = one_source(tensors, list(ptrs), self._offsets, self._nbytes, self.region) \
+            if cpu and all(map(_IS_CONTIGUOUS, tensors)) else 0
+        if base:
             self.src_ptrs, self._src, self._base = ptrs, list(tensors), base
-        elif all(t.device.type == "cpu" for t in tensors):
+        elif cpu:
             self._packed_ptrs = ptrs
-        return ok
+        return bool(base)
 
     def touch(self) -> None:
         """Read every cache line of the host arena and run the per-step identity check of the

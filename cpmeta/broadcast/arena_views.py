@@ -1,5 +1,5 @@
 """Small compiled helpers of ``LayoutArena`` (``cpmeta.broadcast.arena``): attribute getters,
-views of a span, the per-layout value setter, and the poison of a retired arena."""
+the per-layout value setter, and the poison of a retired arena."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ import torch
 
 from .plan import Plan
 from .schema import Schema
-from .wire import ELEMENT_SIZE, WIRE_DTYPES
 
-__all__ = ["tuple_getter", "span_views", "value_setter", "poison_value"]
+__all__ = ["tuple_getter", "value_setter", "poison_value"]
 
 
 def poison_value(dtype: torch.dtype) -> Any:
@@ -34,18 +33,6 @@ def tuple_getter(names: list[str]) -> Any:
         get = operator.attrgetter(names[0])
         return lambda obj: (get(obj),)
     return operator.attrgetter(*names)
-
-
-def span_views(buf: torch.Tensor, plan: Plan, dims: tuple[int, ...], numels: list[int],
-                offsets: list[int]) -> list[torch.Tensor]:
-    """Tensor ``i`` of the layout as ``buf[offsets[i]:...]`` viewed with its dtype and shape
-    (offsets already proven aligned and in bounds)."""
-    out, at = [], 0
-    for code, nd, m, o in zip(plan.codes, plan.ndims, numels, offsets):
-        out.append(buf[o:o + m * ELEMENT_SIZE[code]].view(WIRE_DTYPES[code])
-                   .view(tuple(dims[at:at + nd])))
-        at += nd
-    return out
 
 
 def value_setter(plan: Plan) -> Any:

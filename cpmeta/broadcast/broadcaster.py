@@ -44,7 +44,7 @@ from .outputs import check_out, copy_to_out
 from .policy import PersistentPolicy
 from .dict_schema import DictSchema
 from .schema import INPUT_METADATA, SCHEMA_FINGERPRINT, Schema
-from .wire import FLAG_PACKED, FLAG_SPAN, WireError
+from .wire import FLAG_PACKED, WireError
 
 __all__ = ["MetadataBroadcaster", "SCHEMA_FINGERPRINT", "MESSAGE_VERSION"]
 
@@ -300,7 +300,7 @@ class MetadataBroadcaster(FollowerSide):
             check_out(out, prep.plan, prep.dims)
         arena = None
         if self._persist is not None and out is None:  # the layout's arena (persistent_outputs)
-            arena = self._driver_arena(prep, packed, values, tensors)
+            arena = self._persist.get(prep.plan, prep.dims, prep.numels, prep.starts, prep.region, values)
         if packed:
             return self._send_packed(md, out, prep, tensors, values, arena)
         self._check_devices(prep, tensors)
@@ -321,27 +321,17 @@ class MetadataBroadcaster(FollowerSide):
                 raise ValueError(f"rank {self.rank} (src): {path}: a tensor on {t.device} cannot be "
                                  f"broadcast (CPU or {self.device.type} tensors)")
 
-    def _driver_arena(self, prep: Prepared, packed: bool, values: list[Any],
-                      tensors: list[torch.Tensor]) -> Any:
-        p = prep
-        if packed:
-            return self._persist.driver_arena(p.plan, p.dims, p.numels, p.starts, p.region, p.exact,
-                                              values, tensors)
-        return self._persist.get(p.plan, p.dims, p.numels, p.starts, p.region, values)
-
     def _send_packed(self, md: Any, out: Any, prep: Prepared, tensors: list[torch.Tensor],
                      values: list[Any], arena: Any) -> Any:
         """The tensors inside the frame: straight from the arena / the driver's tensors into the
         ring slot; CUDA tensors through one pinned host buffer."""
         flags, tbytes, region = FLAG_PACKED, prep.exact, prep.region
-        if arena is not None and arena.span is not None:  # the tensors' own allocation as one span
-            flags, region = flags | FLAG_SPAN, arena.region
         staged = None
         if arena is None and (self.device.type != "cpu" or any(t.device.type != "cpu" for t in tensors)):
             self._check_devices(prep, tensors)
             staged = torch.empty(prep.region, dtype=torch.uint8, pin_memory=self._pin)
             prep.plan.pack(staged.data_ptr(), [t if t.device.type == "cpu" else t.cpu() for t in tensors],
-                           prep.numels, prep.starts)
+                           prep.dims, prep.numels, prep.starts, prep.region)
         region_at = [0]
 
         def write(view: memoryview, addr: int, data_at: int) -> None:
@@ -351,7 +341,7 @@ class MetadataBroadcaster(FollowerSide):
             elif staged is not None:
                 view[data_at:data_at + prep.region] = tensor_memoryview(staged)
             else:
-                prep.plan.pack(addr + data_at, tensors, prep.numels, prep.starts)
+                prep.plan.pack(addr + data_at, tensors, prep.dims, prep.numels, prep.starts, prep.region)
 
         if arena is not None and not self._ch.has_readers:  # world 1: the driver's own arena only
             arena.wait_host()

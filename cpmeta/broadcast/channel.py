@@ -201,7 +201,7 @@ class FrameChannel:
         prep = self.prepare(key, values, dims, tensors)
 
         def write(view: memoryview, addr: int, data_at: int) -> None:
-            prep.plan.pack(addr + data_at, tensors, prep.numels, prep.starts)
+            prep.plan.pack(addr + data_at, tensors, prep.dims, prep.numels, prep.starts, prep.region)
 
         self.publish(prep, FLAG_PACKED, prep.exact, prep.region, write)
         return prep

@@ -5,7 +5,6 @@ One ``broadcast(None)`` on a follower: the channel hands it the next proven fram
 ring slot is still held, and :meth:`FollowerSide._receive` turns what it took into the object::
 
     frame flags              _consume (slot held)                   _receive (slot released)
-    FLAG_SPAN | FLAG_PACKED  land_span: the span into the arena     arena.finish(values)
     FLAG_PACKED, arena       arena.land: one memmove                arena.finish(values)
     FLAG_PACKED              copy into a fresh (pinned) buffer      (H2D,) views -> Plan.assemble
     neither                  (tensors follow in the collective)     TensorChannel.broadcast -> assemble
@@ -28,8 +27,7 @@ import torch
 
 from .channel import FrameChannel
 from .outputs import copy_out_of_frame, copy_to_out
-from .persistent import land_span
-from .wire import FLAG_PACKED, FLAG_SPAN, Frame, WireError
+from .wire import FLAG_PACKED, Frame
 
 __all__ = ["FollowerSide"]
 
@@ -92,13 +90,6 @@ class FollowerSide:
         self._mark = perf_counter()
         h, plan, values, dims = frame.head, frame.plan, frame.values, frame.dims
         self._info = (h.tbytes + h.vlen + h.llen, h.llen > 0)
-        if h.flags & FLAG_SPAN:  # a persistent driver's span (cpmeta.broadcast.span): own checks
-            if not h.flags & FLAG_PACKED:
-                raise WireError("FLAG_SPAN without FLAG_PACKED")
-            span = land_span(self._persist, plan, dims, h.tbytes, view, h.data_at, values, self.device)
-            if self._warming:
-                self._warm_from = (bytes(view[:h.data_at]), span, h.step)
-            return plan, values, dims, None, None, span
         numels, starts, total = plan.check_tensors(dims, bool(h.flags & FLAG_PACKED), h.tbytes,
                                                    view.nbytes - h.data_at)
         if not h.flags & FLAG_PACKED:

@@ -6,7 +6,7 @@ comes back step after step. For each layout it persists, every rank keeps ``dept
 built once as views of it), used in turn. A step of a persisted layout then costs, besides the
 header and the few values::
 
-    driver     md's tensors ──one memmove (span) or one per tensor──▶ ring slot (the region)
+    driver     md's tensors ──one memmove (a builder arena) or one per tensor──▶ ring slot (the region)
                after the publish: ring slot ──one memmove──▶ host arena
     follower   frame region ──one memmove──▶ host arena
     both       [CUDA: host arena ──one non-blocking H2D on the current stream──▶ device arena]
@@ -48,11 +48,8 @@ from .arena import LayoutArena
 from .plan import Plan
 from .policy import MAX_ARENA_BYTES, PersistentPolicy
 from .schema import Schema
-from .span import check_span, span_of, table_bytes
-from .wire import WireError
 
-__all__ = ["LayoutArena", "PersistentArenas", "PersistentPolicy", "MAX_ARENA_BYTES", "SEEN_LAYOUTS",
-           "land_span"]
+__all__ = ["LayoutArena", "PersistentArenas", "PersistentPolicy", "MAX_ARENA_BYTES", "SEEN_LAYOUTS"]
 
 #: Layouts whose steps ``min_repeats`` counts before they are persisted (least recently seen
 #: forgotten first; a forgotten layout counts from 1 again).
@@ -71,9 +68,9 @@ class _Ring:
 
 class PersistentArenas:
     """The rings of :class:`LayoutArena` of one broadcaster, keyed by layout ``(plan key, flat
-    dims, span offsets table or None)``, under a :class:`PersistentPolicy` (module docstring).
+    dims)``, under a :class:`PersistentPolicy` (module docstring).
 
-    ``get`` / ``driver_arena`` return the arena this step lands in, or ``None`` when the policy
+    ``get`` returns the arena this step lands in, or ``None`` when the policy
     does not persist the step (the caller then makes fresh tensors). Counters for
     ``MetadataBroadcaster.stats()``: ``persisted`` / ``fresh`` steps, ``created`` / ``evicted`` /
     ``retired`` arenas; :attr:`host_bytes` / :attr:`device_bytes` held.
@@ -116,13 +113,10 @@ class PersistentArenas:
 
     # ---- per step ---------------------------------------------------------------------------
     def get(self, plan: Plan, dims: tuple[int, ...], numels: list[int], starts: list[int],
-            region: int, values: list[Any], table: Optional[bytes] = None,
-            span: Optional[tuple[bytes, list[int], int]] = None) -> Optional[LayoutArena]:
+            region: int, values: list[Any]) -> Optional[LayoutArena]:
         """The arena this step of the layout lands in (made now on the layout's first persisted
-        step), or ``None`` (not persisted: fresh tensors). Followers key span frames by their
-        offsets ``table`` too (``span`` gives the proven geometry of a new layout's arenas);
-        the driver chooses the geometry with :meth:`driver_arena`."""
-        key = (plan.key, dims, table)
+        step), or ``None`` (not persisted: fresh tensors)."""
+        key = (plan.key, dims)
         ring = self._rings.get(key)
         if ring is not None:
             self._rings.move_to_end(key)
@@ -130,28 +124,7 @@ class PersistentArenas:
         if not self._admit(key, plan, values):
             self.fresh += 1
             return None
-        return self._new(key, plan, dims, numels, starts, region, values, span)
-
-    def driver_arena(self, plan: Plan, dims: tuple[int, ...], numels: list[int],
-                     starts: list[int], region: int, exact: int, values: list[Any],
-                     tensors: list[torch.Tensor]) -> Optional[LayoutArena]:
-        """Driver: as :meth:`get`; a new layout's arenas take the span geometry when this first
-        step's tensors lie in one host allocation (``span.span_of``), else the packed runs."""
-        key = (plan.key, dims, None)
-        ring = self._rings.get(key)
-        if ring is not None:
-            self._rings.move_to_end(key)
-            return self._next(ring, plan, dims, values)
-        if not self._admit(key, plan, values):
-            self.fresh += 1
-            return None
-        return self._new(key, plan, dims, numels, starts, region, values, span_of(tensors, exact))
-
-    def peek(self, key: tuple) -> Optional[LayoutArena]:
-        """The first arena of the layout under ``key`` (its proven geometry), or ``None``;
-        the LRU order is left as it is."""
-        ring = self._rings.get(key)
-        return ring.slots[0] if ring is not None else None
+        return self._new(key, plan, dims, numels, starts, region, values)
 
     # ---- policy -----------------------------------------------------------------------------
     def _admit(self, key: tuple, plan: Plan, values: list[Any]) -> bool:
@@ -166,10 +139,9 @@ class PersistentArenas:
             if type(is_prompt) is not bool or ("prompt" if is_prompt else "decode") not in kinds:
                 return False
         if self._min_repeats > 1:
-            layout = key[:2]  # a follower counts packed and span frames of a layout together
-            n = self._seen.pop(layout, 0) + 1
+            n = self._seen.pop(key, 0) + 1
             if n < self._min_repeats:
-                self._seen[layout] = n
+                self._seen[key] = n
                 if len(self._seen) > SEEN_LAYOUTS:
                     self._seen.popitem(last=False)
                 return False
@@ -185,11 +157,10 @@ class PersistentArenas:
         return at
 
     def _new(self, key: tuple, plan: Plan, dims: tuple[int, ...], numels: list[int],
-             starts: list[int], region: int, values: list[Any],
-             span: Optional[tuple[bytes, list[int], int]]) -> Optional[LayoutArena]:
+             starts: list[int], region: int, values: list[Any]) -> Optional[LayoutArena]:
         """The ring of a newly persisted layout (``depth`` arenas), after evicting the least
         recently used layouts it needs room from; ``None`` when it cannot fit at all."""
-        need = (region if span is None else len(span[0]) + span[2]) * self._depth
+        need = region * self._depth
         pol = self.policy
         if need > pol.max_bytes or pol.max_layouts == 0:
             self.fresh += 1
@@ -200,17 +171,16 @@ class PersistentArenas:
             self._bytes -= old.nbytes
             self.evicted += len(old.slots)
         what = f"persistent arena of a {plan.schema.name} layout ({len(plan.codes)} tensors)"
-        ring = _Ring([self._arena(plan, dims, numels, starts, region, values, span, what, i)
+        ring = _Ring([self._arena(plan, dims, numels, starts, region, values, what, i)
                       for i in range(self._depth)])
         self._rings[key] = ring
         self._bytes += ring.nbytes
         return self._next(ring, plan, dims, values)
 
     def _arena(self, plan: Plan, dims: tuple[int, ...], numels: list[int], starts: list[int],
-               region: int, values: list[Any], span: Optional[tuple[bytes, list[int], int]],
-               what: str, slot: int) -> LayoutArena:
+               region: int, values: list[Any], what: str, slot: int) -> LayoutArena:
         self.created += 1
-        return LayoutArena(plan, dims, numels, starts, region, values, self.device, span,
+        return LayoutArena(plan, dims, numels, starts, region, values, self.device,
                            f"{what}, slot {slot + 1} of {self._depth}")
 
     def _next(self, ring: _Ring, plan: Plan, dims: tuple[int, ...], values: list[Any]) -> LayoutArena:
@@ -229,34 +199,7 @@ class PersistentArenas:
         a.poison()
         self.retired += 1
         what = a.gen.what.rsplit(", slot", 1)[0]
-        numels, starts, region, _ = plan.sizes(dims)  # (the caller may hold a span's geometry only)
-        ring.slots[i] = new = self._arena(plan, dims, numels, starts, region, values, a.span, what, i)
+        numels, starts, region, _ = plan.sizes(dims)
+        ring.slots[i] = new = self._arena(plan, dims, numels, starts, region, values, what, i)
         return new
 
-
-def land_span(arenas: Optional[PersistentArenas], plan: Plan, dims: tuple[int, ...],
-              tbytes: int, view: memoryview, data_at: int, values: list[Any],
-              device: torch.device) -> LayoutArena:
-    """Follower, a ``FLAG_SPAN`` frame whose header, layout and values passed their checks: its
-    region into the arena of (layout, dims, offsets table), proven once by ``span.check_span``.
-    Without persistent arenas (``arenas`` None), or a step they do not persist, a fresh arena
-    (fresh tensors)."""
-    tl = table_bytes(len(plan.codes))
-    avail = view.nbytes - data_at
-    if avail < tl:
-        raise WireError(f"span frame: {avail} bytes after the shapes, offsets table needs {tl}")
-    table = bytes(view[data_at:data_at + tl])
-    known = arenas.peek((plan.key, dims, table)) if arenas is not None else None
-    a: Optional[LayoutArena] = None
-    if known is not None and known.region == avail and known.exact == tbytes:
-        a = arenas.get(plan, dims, [], [], 0, values, table) if arenas is not None else None
-    else:
-        numels, offsets, exact = check_span(plan, dims, tbytes, table, avail)
-        geo = (table, offsets, avail - tl)
-        if arenas is not None and known is None:  # same table, other length: never cached
-            a = arenas.get(plan, dims, numels, [], 0, values, table, geo)
-        if a is None:
-            a = LayoutArena(plan, dims, numels, [], 0, values, device, geo)
-    assert a is not None
-    a.land(view, data_at)
-    return a

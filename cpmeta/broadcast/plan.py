@@ -31,7 +31,7 @@ from .wire import (ALIAS_SEP, ELEMENT_SIZE, MAX_COLLECTIVE_BYTES, MAX_DIM, MAX_N
                    PATH_SEP, WIRE_DTYPES, WireError, getter)
 from .schema import MAX_LAYOUT_PATHS
 
-__all__ = ["Plan", "split_layout"]
+__all__ = ["Plan", "split_layout", "one_source"]
 
 AnySchema = Schema | DictSchema
 
@@ -101,6 +101,7 @@ class Plan:
         self.fixed = schema.fixed_dims(targets, ndims)  # dims the schema fixes, checked per new dims
         self.tensor_paths = [ps[0] for ps in tpaths]  # for error messages
         self._last: tuple[tuple, tuple] = ((-1,), ())  # dims of the last sizes() -> its result
+        self._offs: tuple[tuple, list[int]] = ((-1,), [])  # dims of the last offsets() -> result
         # split: dims index of each tensor's first dim (1-D tensors: that dim is the numel)
         # (0-d tensors: a placeholder, set to 1 by the reshape list)
         self.first_dim = (getter([at if nd else 0 for at, nd in zip(starts, ndims)])
@@ -237,12 +238,32 @@ class Plan:
             out[i] = out[i].view(*dims[at:at + nd]) if nd else out[i].view(())
         return out
 
-    def pack(self, base: int, tensors: list[torch.Tensor], numels: list[int], starts: list[int]) -> None:
-        """Copy CPU ``tensors`` to address ``base`` in the run layout of :meth:`sizes` (one
-        ``memmove`` per tensor; non-contiguous ones are made contiguous first)."""
+    def offsets(self, dims: tuple[int, ...], numels: list[int], starts: list[int]) -> list[int]:
+        """Every tensor's byte offset in the region of these (proven) ``dims`` (the last call's
+        result is kept). Example: the worked example's two int32 tensors -> ``[0, 12]``."""
+        if self._offs[0] == dims:
+            return self._offs[1]
+        out = []
+        for (sl, esz, _), s in zip(self.run_slices, starts):
+            for n in numels[sl]:
+                out.append(s)
+                s += n * esz
+        self._offs = (dims, out)
+        return out
+
+    def pack(self, base: int, tensors: list[torch.Tensor], dims: tuple[int, ...], numels: list[int],
+             starts: list[int], region: int) -> None:
+        """Copy CPU ``tensors`` to address ``base`` in the run layout of :meth:`sizes`: ONE
+        ``memmove`` of the region when they already lie that way in one allocation (a builder's
+        ``HostArena``: ``ArenaLayout`` lays its fields out by this rule; :func:`one_source`),
+        else one per tensor (non-contiguous ones made contiguous first)."""
         if not all(map(_IS_CONTIGUOUS, tensors)):
             tensors = [t if t.is_contiguous() else t.contiguous() for t in tensors]
         memmove, ptrs = ctypes.memmove, list(map(_DATA_PTR, tensors))
+        src = one_source(tensors, ptrs, self.offsets(dims, numels, starts), numels, region)
+        if src:
+            memmove(base, src, region)
+            return
         for (sl, esz, _), s in zip(self.run_slices, starts):
             at = base + s
             for p, n in zip(ptrs[sl], numels[sl]):
@@ -290,6 +311,24 @@ class Plan:
         flat += values
         assert self.order is not None
         return dict(zip(self.order, map(flat.__getitem__, self._perm)))
+
+
+def one_source(tensors: list[torch.Tensor], ptrs: list[int], offsets: list[int], numels: list[int],
+               region: int) -> int:
+    """The address of the region when every non-empty one of the contiguous CPU ``tensors``
+    (addresses ``ptrs``) lies at ``base + offsets[i]`` and ``[base, base + region)`` is inside
+    the first one's allocation (so one ``memmove`` copies them all, the gaps between runs with
+    them); else 0. Example: a decode step built into one ``HostArena`` -> the arena's address."""
+    live = [i for i, n in enumerate(numels) if n]
+    if not live:
+        return 0
+    base = ptrs[live[0]] - offsets[live[0]]
+    for i in live:
+        if ptrs[i] - offsets[i] != base:
+            return 0
+    s0 = tensors[live[0]].untyped_storage()
+    lo = s0.data_ptr()
+    return base if lo <= base and base + region <= lo + s0.nbytes() else 0
 
 
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous

@@ -14,9 +14,9 @@ Little-endian; offsets in bytes from the frame start (a ring payload or a proces
         (+ the key order for a tensor-dict layout)
         values block: msgpack list, one value per value path of the layout
         shapes: n_dims int64 (8-aligned), every tensor's dims in layout order
-        tensors (16-aligned, only with FLAG_PACKED): dtype runs, each run 16-aligned
-        FLAG_SPAN (always with FLAG_PACKED): the tensor region is an offsets table followed by a
-        span of the driver's arena (``cpmeta.broadcast.span``)
+        tensors (16-aligned, only with FLAG_PACKED): dtype runs, each run 16-aligned (the rule
+        ``cpmeta.buffers.ArenaLayout`` lays a builder's outputs out by, so a persistent
+        driver's arena is this region byte for byte)
         FLAG_ABORT: the driver refused step ``step`` (no layout, no dims, no tensors); the values
         block is ``[error class, its builtin base, message]`` and every follower raises that
         base class naming the step (:class:`DriverAbort`)
@@ -62,29 +62,30 @@ import torch
 
 from cpmeta.transport.codec import decode_body, encode_body  # cpmeta -> transport only
 
+from ..buffers import DTYPE_CODE, PACK_ALIGN, WIRE_DTYPES  # the one packing rule
+
 __all__ = ["MESSAGE_VERSION", "FRAME_MAGIC", "HEADER", "WIRE_DTYPES", "DTYPE_CODE", "FLAG_LAYOUT",
-           "FLAG_CRC", "FLAG_PACKED", "FLAG_SPAN", "FLAG_ABORT", "KNOWN_FLAGS", "WireError",
+           "FLAG_CRC", "FLAG_PACKED", "FLAG_ABORT", "KNOWN_FLAGS", "WireError",
            "ChecksumError", "FrameMismatch", "DriverAbort", "abort_values", "layout_id", "frame_crc", "meta_crc", "getter", "PATH_SEP",
            "ALIAS_SEP", "CRC_AT", "META_CRC_AT", "MAX_LAYOUTS", "MAX_DIM", "MAX_NDIM",
            "MAX_LAYOUT_BYTES", "MAX_VALUES_BYTES", "MAX_COLLECTIVE_BYTES", "ELEMENT_SIZE",
            "PACK_ALIGN", "Head", "Frame", "blocks_at", "seal", "read_head", "FrameWriter",
            "FrameReader"]
 
-#: Version of the frame (7: the step number; 6: any schema, fingerprinted by class; 5: exact tensor bytes + meta
+#: Version of the frame (8: no span frames, a persistent driver's arena is the region; 7: the step number; 6: any schema, fingerprinted by class; 5: exact tensor bytes + meta
 #: crc; 4: one frame with a cached layout; 3 was the three-layer one).
-MESSAGE_VERSION = 7
+MESSAGE_VERSION = 8
 FRAME_MAGIC = b"CPMB"
 HEADER = struct.Struct("<4sHH16sIIIIIIQQ")
 CRC_AT = 28  # byte offset of the crc32 word in HEADER
 META_CRC_AT = 44  # byte offset of the meta crc32 word (header + layout + values + shapes)
-FLAG_LAYOUT, FLAG_CRC, FLAG_PACKED, FLAG_SPAN, FLAG_ABORT = 1, 2, 4, 8, 16
-KNOWN_FLAGS = FLAG_LAYOUT | FLAG_CRC | FLAG_PACKED | FLAG_SPAN | FLAG_ABORT
+FLAG_LAYOUT, FLAG_CRC, FLAG_PACKED, FLAG_ABORT = 1, 2, 4, 16  # (8 was version 7's span frames)
+KNOWN_FLAGS = FLAG_LAYOUT | FLAG_CRC | FLAG_PACKED | FLAG_ABORT
 MAX_ABORT_TEXT = 2000  # characters of an abort frame's message the driver sends
 #: the builtin classes an abort frame may name (a follower raises the named one, else RuntimeError)
 ABORT_BASES: dict[str, type] = {c.__name__: c for c in (
     TypeError, ValueError, RuntimeError, MemoryError, OverflowError, NotImplementedError,
     TimeoutError, KeyError, IndexError, AttributeError, OSError)}
-PACK_ALIGN = 16  # every dtype run starts at a multiple of this many bytes
 MAX_LAYOUTS = 256  # layouts a follower keeps (and the driver assumes it keeps)
 MAX_DIM = 1 << 48  # largest single dim a follower accepts
 MAX_NDIM = 16  # largest tensor rank a layout may declare
@@ -93,12 +94,6 @@ MAX_VALUES_BYTES = 1 << 20  # largest values block a follower decodes (1024 scal
 MAX_COLLECTIVE_BYTES = 1 << 32  # most tensor bytes a frame may announce for the collective path
 MAX_FRAME_DIMS = 1024 * MAX_NDIM  # most shape words a frame may declare (MAX_LAYOUT_PATHS ranks)
 
-#: Wire code of a dtype = its index here (append only: the codes are part of the frame).
-WIRE_DTYPES: tuple[torch.dtype, ...] = (
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-    torch.float16, torch.bfloat16, torch.float32, torch.float64,
-)
-DTYPE_CODE: dict[torch.dtype, int] = {d: i for i, d in enumerate(WIRE_DTYPES)}
 #: Element size in bytes per wire code (int32 -> 4).
 ELEMENT_SIZE: tuple[int, ...] = tuple(torch.empty(0, dtype=d).element_size() for d in WIRE_DTYPES)
 PATH_SEP, ALIAS_SEP = ";", ","  # "positions,positions_cp;klen.4": no field or key holds them
