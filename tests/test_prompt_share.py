@@ -4,8 +4,9 @@ It must equal ``prepare_for_mirror_cp(prepare_prompt(seqs, cfg), rank, cp_size)`
 field (``metadata_diff``: dtype, shape, bytes, aliasing) on every rank, for random configs
 (Engram with image sentinels, compressed ids and a lookup table, or off; compressed KV; SWA;
 YoCo), random prompt batches (chunks with history, placeholders) and CP sizes 1-4, and on the
-array input (a ``SequenceBatch`` from a ``BatchState``). ``ngram_rows`` itself is checked
-against the whole-batch look-back gathered by the mirror index, pad rows included.
+array input (a ``SequenceBatch`` from a ``BatchState``). The per-row kernel itself
+(``ngram_of_rows``) is checked against the whole-batch look-back gathered by row index, pad rows
+included, on prompt and decode batches.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from strategies import prompt_cases, random_config, random_prompt_batch
+from strategies import prompt_cases, random_config, random_decode_batch, random_prompt_batch
 
 
 def _check(cfg, seqs, cp_size: int) -> None:
@@ -65,20 +66,27 @@ def test_array_input_from_a_batch_state() -> None:
         _check(cfg, b, 3)
 
 
-def test_ngram_rows_is_the_gathered_look_back() -> None:
-    from cpmeta.builders.extract import extract_batch
-    from cpmeta.builders.ngram import ngram_rows
+@pytest.mark.parametrize("is_prompt", [True, False])
+def test_ngram_of_rows_is_the_gathered_look_back(is_prompt: bool) -> None:
+    from cpmeta.builders.common_njit import ngram_of_rows
+    from cpmeta.builders.extract import as_sequence_batch
     import cpmeta
-    import cpmeta.cp
-    import cpmeta.diff
 
     rng = random.Random(9)
-    cfg = random_config(rng, max_ngram_size=4)
-    seqs = random_prompt_batch(rng, cfg, n_seqs=4)
-    full = cpmeta.prepare_prompt(seqs, cfg).ngram_token_ids
-    b = extract_batch(seqs, cfg, is_prompt=True)
-    rows = np.array([-1] + list(range(full.shape[0]))[::-3] + [-1, 0], np.int64)
-    got = ngram_rows(b, cfg, rows)
-    want = np.where((rows >= 0)[:, None], full.numpy()[np.maximum(rows, 0)], 0)
-    assert np.array_equal(got, want)
-    assert got.shape == (len(rows), 4) and not torch.is_tensor(got)
+    for _ in range(20):
+        cfg = random_config(rng, max_ngram_size=rng.randint(1, 5))
+        seqs = (random_prompt_batch if is_prompt else random_decode_batch)(rng, cfg, n_seqs=rng.randint(1, 5))
+        full = (cpmeta.prepare_prompt if is_prompt else cpmeta.prepare_decode)(seqs, cfg).ngram_token_ids
+        sb = as_sequence_batch(seqs, cfg, is_prompt=is_prompt)
+        rows = np.array([-1] + list(range(full.shape[0]))[::-3] + [-1, 0], np.int64)
+        got, err = np.full((len(rows), cfg.max_ngram_size), 7, np.int32), np.zeros(4, np.int64)
+        table = cfg.ngram_lookup
+        tab = np.zeros(0, np.int64) if table is None else table.to(torch.int64).numpy()
+        img = cfg.image_token_id
+        code = ngram_of_rows(*(a.astype(np.int64) for a in (sb.seqlen_q, sb.seqlen_k, sb.tokens, sb.token_offsets,
+                                                            sb.compressed, sb.compressed_offsets)),
+                             rows, cfg.ngram_pad_token, -1 if img is None else img, img is not None, tab,
+                             table is not None, got, err)
+        assert code == 0 and err[0] == 0
+        want = np.where((rows >= 0)[:, None], full.numpy()[np.maximum(rows, 0)], 0)
+        assert np.array_equal(got, want), (cfg, rows)

@@ -18,7 +18,6 @@ module               holds
 ``int_ops``          int32 checks, ``loaded_compressed_len``
 ``common_njit``      the compiled fields prompt and decode share, their checks and error codes
 ``decode_njit``      the decode build's one kernel
-``ngram``            Engram look-back ids of chosen rows (a CP rank's ``ngram_token_ids``)
 ``prompt_njit``      the compiled prompt build: fill pass (every field); its count pass (checks,
                      sizes) is ``prompt_count_njit``
 ``yoco``             the names of the YoCo (prefill truncation) fields

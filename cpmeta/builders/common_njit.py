@@ -28,8 +28,8 @@ from .int_ops import check_int32
 __all__ = [
     "E_CU_SEQLENS_K", "E_SWA_STATE", "E_BLOCK_NEGATIVE", "E_BLOCK_TOO_LARGE", "E_NGRAM_TABLE",
     "E_NGRAM_INT32", "COMMON_CODES_END", "fail", "blocks_needed_one", "check_block_table",
-    "check_state_id", "fill_cu_seqlens", "fill_common_rows", "fill_ngram_rows", "compressed_slot",
-    "raise_common",
+    "check_state_id", "fill_cu_seqlens", "fill_common_rows", "fill_ngram_rows", "ngram_of_rows",
+    "compressed_slot", "raise_common",
 ]
 
 #: ``sum(seqlen_k)`` (``cu_seqlens_k[-1]``) passes int32: ``err[2]`` the sum.
@@ -186,6 +186,35 @@ def fill_ngram_rows(row0: int, sq: int, q_start: int, tokens: np.ndarray, tok_st
 
 
 @kernel
+def ngram_of_rows(seqlen_q: np.ndarray, seqlen_k: np.ndarray, tokens: np.ndarray, tok_off: np.ndarray,
+                  comp: np.ndarray, comp_off: np.ndarray, rows: np.ndarray, pad_id: int, image_id: int,
+                  has_image: bool, table: np.ndarray, has_table: bool, out: np.ndarray, err: np.ndarray) -> int:
+    """``ngram_token_ids`` of the query rows ``rows`` only (``out`` [len(rows), N] int32; a row
+    ``-1``, a CP pad row, all 0): :func:`fill_ngram_rows` for each, on a prompt or decode
+    ``SequenceBatch``'s arrays (one CP rank's rows: ``cpmeta.prepare_prompt_cp``). Returns OK or
+    :data:`E_NGRAM_TABLE`; an int32 overflow is recorded in ``err`` as there. Example: N = 2, one
+    sequence of tokens ``[5, 7, 9]`` (no table), rows ``[2, -1]`` -> ``[[9, 7], [0, 0]]``."""
+    n = seqlen_q.shape[0]
+    cu_q = np.zeros(n + 1, np.int64)
+    for s in range(n):
+        cu_q[s + 1] = cu_q[s] + seqlen_q[s]
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        if r < 0:
+            out[i, :] = 0
+            continue
+        s = np.searchsorted(cu_q, r, side="right") - 1
+        sk = seqlen_k[s]
+        lo = sk - (tok_off[s + 1] - tok_off[s])
+        code = fill_ngram_rows(0, 1, sk - seqlen_q[s] + r - cu_q[s], tokens, tok_off[s], lo, comp,
+                               comp_off[s], comp_off[s + 1] - comp_off[s], pad_id, image_id, has_image,
+                               table, has_table, out[i:i + 1], err)
+        if code != OK:
+            return code
+    return OK
+
+
+@kernel
 def compressed_slot(bt: np.ndarray, b0: int, c: int, bc: int) -> int:
     """Compressed-KV slot of compressed index ``c`` of the table ``bt[b0:]``:
     ``bt[b0 + c // bc] * bc + c % bc``. Example: bc 32, table ``[7, 3]``, c 40 -> 104."""
@@ -235,3 +264,6 @@ def _warm() -> None:
     fill_common_rows(0, 0, 2, 5, 1, False, toks, 3, 4, False, i32[0], i32[1], b[0], b[1], i32[2], i32[3])
     fill_ngram_rows(0, 2, 3, toks, 0, 2, np.zeros(0, np.int64), 0, 0, 0, -1, False,
                     np.zeros(0, np.int64), False, np.zeros((2, 2), np.int32), err)
+    ngram_of_rows(sq, sk, toks, np.array([0, 3], np.int64), np.zeros(0, np.int64), np.zeros(2, np.int64),
+                  np.array([1, -1], np.int64), 0, -1, False, np.zeros(0, np.int64), False,
+                  np.zeros((2, 2), np.int32), err)

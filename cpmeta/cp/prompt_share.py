@@ -11,18 +11,20 @@ full layout, then gathered: docs/design.md section 5). The fields the mirror GAT
 ``positions``, ``valid_token_mask``, ``gate_force_random_cp``, ``ks`` / ``ke`` (recomputed per
 mirror row) and ``ngram_token_ids`` -- and the Engram look-back is the one costly field among
 them (about half of a seed-config prompt build: docs/replicate.md), so this function computes
-it for this rank's rows only (``builders.ngram.ngram_rows``) instead of for every row and then
-gathering. Everything else is ``prepare_for_mirror_cp``'s own work: the result equals it field
-for field. Example: 8 x 4096 prompt rows, CP 4: the look-back of 8192 rows instead of 32768.
+it for this rank's rows only instead of for every row and then gathering
+(``builders.common_njit.ngram_of_rows``: the builders' own per-row fill, one compiled call).
+Everything else is ``prepare_for_mirror_cp``'s own work: the result equals it field for field. Example: 8 x 4096 prompt rows, CP 4: the look-back of 8192 rows instead of 32768.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from ..builders.extract import BatchInput, as_sequence_batch, extract_batch
-from ..builders.ngram import ngram_rows
+from ..builders.common_njit import ngram_of_rows, raise_common
+from ..builders.extract import BatchInput, as_sequence_batch
 from ..builders.prompt import prompt_fields
+from ..jit import error_slot
 from ..config import MetadataConfig
 from ..metadata import InputMetadata
 from .mirror import prepare_for_mirror_cp
@@ -40,7 +42,15 @@ def prepare_prompt_cp(seqs: BatchInput, cfg: MetadataConfig, cp_rank: int, cp_si
     mine = prepare_for_mirror_cp(InputMetadata(**prompt_fields(sb, cfg, ngram=not ngram)), cp_rank, cp_size)
     if ngram:
         assert mine.mirror_cp_index is not None
-        b = extract_batch(sb, cfg, is_prompt=True)
-        rows = mine.mirror_cp_index.cpu().numpy().astype("int64")
-        mine.ngram_token_ids = torch.from_numpy(ngram_rows(b, cfg, rows).astype("int32"))
+        rows = mine.mirror_cp_index.cpu().numpy().astype(np.int64)
+        out, err = np.empty((len(rows), cfg.max_ngram_size), np.int32), error_slot()
+        table = cfg.ngram_lookup
+        tab = np.zeros(0, np.int64) if table is None else table.detach().cpu().to(torch.int64).numpy()
+        img = cfg.image_token_id
+        if ngram_of_rows(*(a.astype(np.int64, copy=False) for a in (
+                sb.seqlen_q, sb.seqlen_k, sb.tokens, sb.token_offsets, sb.compressed, sb.compressed_offsets)),
+                rows, cfg.ngram_pad_token, -1 if img is None else img, img is not None, tab, table is not None,
+                out, err) or err[0]:
+            raise_common(err, cfg)
+        mine.ngram_token_ids = torch.from_numpy(out)
     return mine
