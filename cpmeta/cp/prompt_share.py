@@ -47,10 +47,10 @@ def prepare_prompt_cp(seqs: BatchInput, cfg: MetadataConfig, cp_rank: int, cp_si
         table = cfg.ngram_lookup
         tab = np.zeros(0, np.int64) if table is None else table.detach().cpu().to(torch.int64).numpy()
         img = cfg.image_token_id
-        if ngram_of_rows(*(a.astype(np.int64, copy=False) for a in (
-                sb.seqlen_q, sb.seqlen_k, sb.tokens, sb.token_offsets, sb.compressed, sb.compressed_offsets)),
-                rows, cfg.ngram_pad_token, -1 if img is None else img, img is not None, tab, table is not None,
-                out, err) or err[0]:
+        i64 = [a.astype(np.int64, copy=False) for a in (
+            sb.seqlen_q, sb.seqlen_k, sb.tokens, sb.token_offsets, sb.compressed, sb.compressed_offsets)]
+        if ngram_of_rows(i64[0], i64[1], i64[2], i64[3], i64[4], i64[5], rows, cfg.ngram_pad_token,
+                         -1 if img is None else img, img is not None, tab, table is not None, out, err) or err[0]:
             raise_common(err, cfg)
         mine.ngram_token_ids = torch.from_numpy(out)
     return mine
