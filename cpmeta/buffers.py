@@ -154,17 +154,20 @@ class ArenaLayout:
     byte 256: ``nbytes`` 1,280.
     """
 
-    __slots__ = ("fields", "nbytes", "dtypes", "stacked")
+    __slots__ = ("fields", "nbytes", "dtypes", "stacked", "gaps")
 
     def __init__(self, layout: Sequence[tuple[str, tuple[int, ...], torch.dtype]],
                  stacked: Iterable[str] = ()) -> None:
         self.stacked = frozenset(stacked)  #: fields handed out as per-row tensors (``take_rows``)
         order = sorted(range(len(layout)), key=lambda i: (
             DTYPE_CODE[layout[i][2]], "." in layout[i][0] or layout[i][0] in self.stacked, i))
-        fields, pos, run = {}, 0, None
+        fields, pos, run, gaps = {}, 0, None, []
         for name, shape, dtype in (layout[i] for i in order):
             if dtype != run:
-                pos, run = -(-pos // PACK_ALIGN) * PACK_ALIGN, dtype
+                start = -(-pos // PACK_ALIGN) * PACK_ALIGN
+                if start > pos:
+                    gaps.append((pos, start))
+                pos, run = start, dtype
             size, strides = 1, []
             for d in reversed(shape):
                 strides.append(size)
@@ -173,6 +176,11 @@ class ArenaLayout:
             pos += size * dtype.itemsize
         self.fields: dict[str, tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]] = fields
         self.nbytes = max(-(-pos // PACK_ALIGN) * PACK_ALIGN, PACK_ALIGN)
+        if self.nbytes > pos:
+            gaps.append((pos, self.nbytes))
+        #: byte ranges between runs and after the last one: no field's, zeroed once per arena (a
+        #: frame copies the region whole, so it carries no stale bytes of the allocation)
+        self.gaps = tuple(gaps)
         self.dtypes = tuple({f[4] for f in fields.values()})
 
 
@@ -208,6 +216,8 @@ class HostArena:
         #: the carved memory (a caller's ``raw`` itself, or the arena's own allocation)
         self.raw = raw
         raw_np = raw.numpy()
+        for a, b in layout.gaps:
+            raw_np[a:b] = 0
         self._fields = layout.fields
         views: dict[torch.dtype, tuple[torch.Tensor, np.ndarray]] = {
             dt: (raw.view(dt), raw_np.view(self._NP[dt])) for dt in layout.dtypes}

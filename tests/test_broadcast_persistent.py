@@ -334,9 +334,14 @@ def test_builder_arena_is_the_frame_region(is_prompt: bool) -> None:
         assert not one_source(clones, [t.data_ptr() for t in clones], want, numels, region)
         frames = []
         for ts in (tensors, clones):
-            buf = torch.zeros(region, dtype=torch.uint8)
+            buf = torch.full((region,), 255, dtype=torch.uint8)
             plan.pack(buf.data_ptr(), ts, dims, numels, starts, region)
             frames.append(plan.views(buf, dims, numels, starts))
+            if ts is tensors:  # the arena's bytes between and after the runs are zero, not stale
+                gap = torch.ones(region, dtype=torch.bool)
+                for o, t in zip(want, tensors):
+                    gap[o:o + t.numel() * t.element_size()] = False
+                assert not buf[gap].any(), f"case {i}: nonzero bytes between the runs"
         assert all(torch.equal(x, y) and torch.equal(x, t)
                    for x, y, t in zip(frames[0], frames[1], tensors)), f"case {i}"
 

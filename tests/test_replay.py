@@ -136,7 +136,7 @@ def _frame_bytes(log: OpLog, digest: np.ndarray, compiled: bool) -> bytes:
         view[data_at:data_at + exact] = cols.buf.view(np.uint8)
     else:
         src = (ctypes.c_char * len(buf)).from_buffer(buf)
-        plan.pack(ctypes.addressof(src) + data_at, tensors, numels, starts)
+        plan.pack(ctypes.addressof(src) + data_at, tensors, dims, numels, starts, region)
         del src
     seal(view, data_at, True)
     return bytes(buf)
