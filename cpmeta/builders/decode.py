@@ -225,9 +225,9 @@ def prepare_decode(
         raw, err, info = np.empty(shape.layout.nbytes, np.uint8), np.zeros(4, np.int64), np.zeros(2, np.int64)
     table = cfg.ngram_lookup
     tab = _NO_TABLE if table is None else table.detach().cpu().to(torch.int64).numpy()
-    if decode_fill(*[a if a.dtype is _I64 else a.astype(np.int64) for a in (  # type: ignore[call-arg, arg-type]  # one dtype: one compiled kernel
+    if decode_fill(*[a if a.dtype == _I64 else a.astype(np.int64) for a in (  # type: ignore[call-arg, arg-type]  # one dtype: one compiled kernel
             sb.seqlen_q, sb.seqlen_k, sb.state_id)], sb.is_placeholder,
-            *[a if a.dtype is _I64 else a.astype(np.int64) for a in (
+            *[a if a.dtype == _I64 else a.astype(np.int64) for a in (
                 sb.tokens, sb.token_offsets, sb.compressed, sb.compressed_offsets, sb.block_tables,
                 sb.block_table_offsets)],
             plan.consts, tab, raw, shape.offsets, T, err, info):

@@ -192,7 +192,7 @@ def prompt_fields(sb: SequenceBatch, cfg: MetadataConfig, out: Out = None, *, ng
         c = _CONSTS.put(cfg, _Consts(cfg))
     n = len(sb)
     sq, sk, st, vs, nt, tok, tok_off, comp, comp_off, bt, bt_off = (  # one dtype: one compiled kernel
-        a if a.dtype is _I64 else a.astype(np.int64) for a in (
+        a if a.dtype == _I64 else a.astype(np.int64) for a in (
             sb.seqlen_q, sb.seqlen_k, sb.state_id, sb.swa_valid_start, sb.num_tokens, sb.tokens, sb.token_offsets,
             sb.compressed, sb.compressed_offsets, sb.block_tables, sb.block_table_offsets))
     cnt = np.empty(c.ncnt, np.int64)
