@@ -16,6 +16,7 @@
 #   bash scripts/gpu_session.sh rwarm        # the same for the replicated state's followers (replicate-defer)
 #   bash scripts/gpu_session.sh arena        # GPU tests of the arenas / broadcast, then this tree against .alt
 #                                            # (broadcast, replicate-defer, mq-replicate; worlds 2 and 8)
+#   bash scripts/gpu_session.sh warmbuild    # GPU tests, then this tree against .alt2 (an experiment) and .alt
 #   bash scripts/gpu_session.sh compare      # the host's cores, before / after in one run: the commit in
 #                                            # .baseline (git archive REV | tar -x -C .baseline; carry it)
 #                                            # and this tree, end-to-end step (plain and compressed-KV
@@ -176,6 +177,23 @@ arena)  # ~9 min: the CUDA paths of the builders' arenas and the broadcast (GPU 
   done
   rm -f "$OUT"/*.png  # the device tool brings back at most 8 files
   ;;
+warmbuild)  # ~9 min: GPU tests of the arenas / builders / in-place paths, then this tree against .alt2
+  # (an experiment: this tree minus one change) and .alt (the tree before), plain worlds 2 and 8
+  TAILN=6 step gpu_tests 180 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu or graph or nccl" \
+    tests/test_builders.py tests/test_builders_smoke.py tests/test_gpu_broadcast.py tests/test_broadcast_persistent.py \
+    tests/test_cuda_graph.py tests/test_decode_inplace.py tests/test_stage_decode.py tests/test_replicate_inplace.py \
+    tests/test_replicate.py tests/test_prompt_share.py
+  MQ=""; [ -d mq_bundle312 ] && MQ=":$PWD/mq_bundle312"
+  for R in . .alt .alt2; do [ -d $R/scripts ] && (cd $R && PYTHONPATH=$PWD python3 -c 'import cpmeta.jit as j; j.warm_all()'); done
+  for V in default:1 alt2:1 alt:1 alt:2 alt2:2 default:2; do
+    case ${V%:*} in default) ROOT=$PWD;; alt) ROOT=$PWD/.alt;; alt2) ROOT=$PWD/.alt2;; esac
+    [ -d "$ROOT/scripts" ] || continue
+    TAILN=4 step wb_${V%:*}_${V#*:} 80 env PYTHONPATH="$ROOT$MQ" VLLM_TARGET_DEVICE=cpu python3 "$ROOT/scripts/bench_step.py" \
+      --model plain --worlds 2 8 --workloads decode-64 decode-256 --strategies broadcast replicate-defer mq-replicate \
+      --steps 40 --warmup 6 --budget 3 --no-cold --out "$OUT/h200_wire.warmbuild-${V%:*}-${V#*:}.json"
+  done
+  rm -f "$OUT"/*.png  # the device tool brings back at most 8 files
+  ;;
 short)  # ~9 min when the device time is short: the GPU tests, then compare's end-to-end step trimmed
   TAILN=8 step gpu_tests 240 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu or triton or graph or nccl" \
     tests/test_builders.py tests/test_builders_smoke.py tests/test_decode_inplace.py tests/test_cuda_graph.py \
@@ -193,7 +211,7 @@ short)  # ~9 min when the device time is short: the GPU tests, then compare's en
   done
   ;;
 *)
-  echo "unknown suite $SUITE: expected tests, bench-gpu, bench-cpu, compare, wire, replay, warm, rwarm, arena or short" >&2; exit 2
+  echo "unknown suite $SUITE: expected tests, bench-gpu, bench-cpu, compare, wire, replay, warm, rwarm, arena, warmbuild or short" >&2; exit 2
   ;;
 esac
 # one file for every log (the device tool brings back at most 8 files)
