@@ -45,8 +45,6 @@ import torch.distributed as dist
 
 from .. import envs
 from ..config import MetadataConfig
-from ..buffers import OutputArenas
-from ..builders.decode import prepare_decode
 from ..state import BatchState, SequenceBatch
 from ..broadcast.channel import FrameChannel, resolve_src
 from ..broadcast.wire import FLAG_PACKED, Frame, WireError
@@ -144,8 +142,6 @@ class ReplicatedBatchState(Recorder):
         self.step = 0  # steps synced so far
         self._closed = False
         self._warm_from: Any = None  # (head bytes, step, its whole region, columns, batches)
-        self._warm_out: Optional[OutputArenas] = None  # the warm decode builds' scratch arenas
-        self._warm_turn = 0  # which half of warm() runs next (the replay checks, the build)
         self._warming = self._ch.warm_with(self.warm)  # a same-host follower warms while it spins
 
     # ---- every rank -----------------------------------------------------------------------
@@ -184,26 +180,15 @@ class ReplicatedBatchState(Recorder):
         head (this rank's step count untouched), the columns cut from a copy of its region, the
         compiled replay's call and the batch digests (``apply.warm_replay``). The ring calls it
         every ~100 us while this rank spins for its next step (``CPMETA_WARM``); it changes
-        nothing a caller sees, and one that raises is not called again. Every other call builds
-        the decode batches instead (``prepare_decode``, into this replica's own scratch arenas):
-        the build an engine runs on what :meth:`sync` returns then meets warm code instead of an
-        idle core's (halves in turn, so a frame that lands mid-call waits for one half only)."""
+        nothing a caller sees, and one that raises is not called again."""
         got = self._warm_from
         if got is None:
             return
         head, step, region, cols, batches = got
-        self._warm_turn ^= 1  # the two halves take turns: a frame landing mid-call waits less
-        if self._warm_turn:
-            frame = self._ch.recheck(head, step)
-            h = frame.head
-            read_region(frame, np.frombuffer(head, np.int64, h.n_dims, h.shapes_at), region.view(np.uint8))
-            warm_replay(self.state, cols, batches)
-            return
-        for b in batches:  # what the engine calls next on what sync() returns: the decode build,
-            if not b.is_prompt:  # into this replica's own scratch arenas (the caller's untouched)
-                if self._warm_out is None:
-                    self._warm_out = OutputArenas(max_shapes=2)
-                prepare_decode(b, self.cfg, out=self._warm_out)
+        frame = self._ch.recheck(head, step)
+        h = frame.head
+        read_region(frame, np.frombuffer(head, np.int64, h.n_dims, h.shapes_at), region.view(np.uint8))
+        warm_replay(self.state, cols, batches)
 
     def close(self) -> None:
         """Release the shared-memory ring (idempotent)."""
