@@ -182,7 +182,7 @@ warmbuild)  # ~9 min: GPU tests of the arenas / builders / in-place paths, then 
   TAILN=6 step gpu_tests 180 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu or graph or nccl" \
     tests/test_builders.py tests/test_builders_smoke.py tests/test_gpu_broadcast.py tests/test_broadcast_persistent.py \
     tests/test_cuda_graph.py tests/test_decode_inplace.py tests/test_stage_decode.py tests/test_replicate_inplace.py \
-    tests/test_replicate.py tests/test_prompt_share.py
+    tests/test_prompt_share.py
   MQ=""; [ -d mq_bundle312 ] && MQ=":$PWD/mq_bundle312"
   for R in . .alt .alt2; do [ -d $R/scripts ] && (cd $R && PYTHONPATH=$PWD python3 -c 'import cpmeta.jit as j; j.warm_all()'); done
   for V in default:1 alt2:1 alt:1 alt:2 alt2:2 default:2; do
