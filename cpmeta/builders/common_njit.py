@@ -18,6 +18,7 @@ indices ``[0] * 6``, SWA slots ``[-1, -1, 9, 10, 11, 8]`` (rows with ``seqlen_q 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from ..config import MetadataConfig
 from ..constants import INT32_MAX, PAD_SLOT_ID, PLACEHOLDER_QUERY_INDEX
@@ -29,7 +30,7 @@ __all__ = [
     "E_CU_SEQLENS_K", "E_SWA_STATE", "E_BLOCK_NEGATIVE", "E_BLOCK_TOO_LARGE", "E_NGRAM_TABLE",
     "E_NGRAM_INT32", "COMMON_CODES_END", "fail", "blocks_needed_one", "check_block_table",
     "check_state_id", "fill_cu_seqlens", "fill_common_rows", "fill_ngram_rows", "ngram_of_rows",
-    "compressed_slot", "raise_common",
+    "ngram_table", "compressed_slot", "raise_common",
 ]
 
 #: ``sum(seqlen_k)`` (``cu_seqlens_k[-1]``) passes int32: ``err[2]`` the sum.
@@ -212,6 +213,19 @@ def ngram_of_rows(seqlen_q: np.ndarray, seqlen_k: np.ndarray, tokens: np.ndarray
         if code != OK:
             return code
     return OK
+
+
+#: ``ngram_table`` of a config without ``ngram_lookup`` (the kernels' "no table")
+NO_TABLE = np.zeros(0, np.int64)
+NO_TABLE.flags.writeable = False
+
+
+def ngram_table(cfg: MetadataConfig) -> np.ndarray:
+    """``cfg.ngram_lookup`` as the kernels read it: an int64 CPU table through a view (its
+    in-place edits show, nothing copied), any other converted to int64; :data:`NO_TABLE` without
+    one."""
+    t = cfg.ngram_lookup
+    return NO_TABLE if t is None else t.detach().cpu().to(torch.int64).contiguous().numpy()
 
 
 @kernel

@@ -27,7 +27,7 @@ from ..fields import DECODE, FieldTable, stacked_fields, step_outputs
 from ..metadata import FIELDS, InputMetadata
 from ..buffers import ArenaLayout, HostArena, OutputBuffers, get_or_create_stacked, get_or_create_tensor
 from .batch_arrays import BatchArrays
-from .common_njit import raise_common
+from .common_njit import ngram_table, raise_common
 from .decode_njit import E_KV_CA_OFFSET, decode_consts, decode_fill, field_offsets
 from .int_ops import check_int32
 from .extract import BatchInput, as_sequence_batch
@@ -223,8 +223,7 @@ def prepare_decode(
         raw, err, info = tg.raw, tg.err, tg.info
     else:  # a caller's dict: the kernel fills scratch bytes, copied into the dict's tensors
         raw, err, info = np.empty(shape.layout.nbytes, np.uint8), np.zeros(4, np.int64), np.zeros(2, np.int64)
-    table = cfg.ngram_lookup
-    tab = _NO_TABLE if table is None else table.detach().cpu().to(torch.int64).numpy()
+    tab = ngram_table(cfg)
     if decode_fill(*[a if a.dtype == _I64 else a.astype(np.int64) for a in (  # type: ignore[call-arg, arg-type]  # one dtype: one compiled kernel
             sb.seqlen_q, sb.seqlen_k, sb.state_id)], sb.is_placeholder,
             *[a if a.dtype == _I64 else a.astype(np.int64) for a in (
@@ -242,10 +241,6 @@ def prepare_decode(
         assert isinstance(out, dict)  # _out_kind: None, a dict or an OutputBuffers
         _into_dict(out, f, raw, shape)
     return InputMetadata(**f)
-
-
-#: The ``ngram_lookup`` argument of a config without a table.
-_NO_TABLE = np.zeros(0, np.int64)
 
 
 #: The batch arrays' dtype the kernel is compiled for (a batch made by ``from_sequences`` or

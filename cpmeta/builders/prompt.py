@@ -31,7 +31,7 @@ from ..fields import PROMPT, OutputSpec, step_outputs
 from ..jit import error_slot, warmer
 from ..metadata import FIELDS, InputMetadata
 from ..state.batch import SequenceBatch
-from .common_njit import raise_common
+from .common_njit import ngram_table, raise_common
 from .extract import BatchInput, as_sequence_batch
 from .int_ops import check_int32
 from .prompt_njit import (
@@ -65,18 +65,13 @@ class _Plan:
 
 
 class _Consts:
-    """What every prompt build of one config reads: the kernel constants, the Engram table as
-    int64, the field specs, and the plans per (sizes, with Engram rows)."""
+    """What every prompt build of one config reads: the kernel constants, the field specs, and
+    the plans per (sizes, with Engram rows)."""
 
-    __slots__ = ("k", "table", "specs", "ncnt", "plans")
+    __slots__ = ("k", "specs", "ncnt", "plans")
 
     def __init__(self, cfg: MetadataConfig) -> None:
         self.k = prompt_consts(cfg)
-        t = cfg.ngram_lookup
-        # an int64 CPU table is read through a view (its in-place edits show); any other is
-        # converted by every build (None here)
-        self.table: Optional[np.ndarray] = np.zeros(0, np.int64) if t is None else \
-            t.detach().numpy() if t.dtype == torch.int64 and t.device.type == "cpu" and t.is_contiguous() else None
         self.specs = step_outputs(FIELDS, cfg, PROMPT)
         self.ncnt = count_slots(cfg)
         self.plans: BoundedCache[tuple[Any, ...], _Plan] = BoundedCache(64)
@@ -208,11 +203,7 @@ def prompt_fields(sb: SequenceBatch, cfg: MetadataConfig, out: Out = None, *, ng
     arena = out.arena(plan.layout) if isinstance(out, OutputBuffers) else \
         HostArena(plan.layout) if out is None else None
     raw = arena.raw.numpy() if arena is not None else np.empty(plan.layout.nbytes, np.uint8)
-    table = c.table
-    if table is None:
-        assert cfg.ngram_lookup is not None
-        table = cfg.ngram_lookup.detach().cpu().to(torch.int64).numpy()
-    if prompt_fill(sq, sk, st, vs, sb.is_placeholder, nt, tok, tok_off, comp, comp_off, bt, bt_off, c.k, table, cnt,
+    if prompt_fill(sq, sk, st, vs, sb.is_placeholder, nt, tok, tok_off, comp, comp_off, bt, bt_off, c.k, ngram_table(cfg), cnt,
                    raw, plan.fo, err):
         _raise(err, cfg)
     f: dict[str, Any] = {

@@ -13,7 +13,8 @@ mirror row) and ``ngram_token_ids`` -- and the Engram look-back is the one costl
 them (about half of a seed-config prompt build: docs/replicate.md), so this function computes
 it for this rank's rows only instead of for every row and then gathering
 (``builders.common_njit.ngram_of_rows``: the builders' own per-row fill, one compiled call).
-Everything else is ``prepare_for_mirror_cp``'s own work: the result equals it field for field. Example: 8 x 4096 prompt rows, CP 4: the look-back of 8192 rows instead of 32768.
+Everything else is ``prepare_for_mirror_cp``'s own work: the result equals it field for field.
+Example: 8 x 4096 prompt rows, CP 4: the look-back of 8192 rows instead of 32768.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..builders.common_njit import ngram_of_rows, raise_common
+from ..builders.common_njit import ngram_of_rows, ngram_table, raise_common
 from ..builders.extract import BatchInput, as_sequence_batch
 from ..builders.prompt import prompt_fields
 from ..jit import error_slot
@@ -44,13 +45,12 @@ def prepare_prompt_cp(seqs: BatchInput, cfg: MetadataConfig, cp_rank: int, cp_si
         assert mine.mirror_cp_index is not None
         rows = mine.mirror_cp_index.cpu().numpy().astype(np.int64)
         out, err = np.empty((len(rows), cfg.max_ngram_size), np.int32), error_slot()
-        table = cfg.ngram_lookup
-        tab = np.zeros(0, np.int64) if table is None else table.detach().cpu().to(torch.int64).numpy()
         img = cfg.image_token_id
         i64 = [a.astype(np.int64, copy=False) for a in (
             sb.seqlen_q, sb.seqlen_k, sb.tokens, sb.token_offsets, sb.compressed, sb.compressed_offsets)]
         if ngram_of_rows(i64[0], i64[1], i64[2], i64[3], i64[4], i64[5], rows, cfg.ngram_pad_token,
-                         -1 if img is None else img, img is not None, tab, table is not None, out, err) or err[0]:
+                         -1 if img is None else img, img is not None, ngram_table(cfg), cfg.ngram_lookup is not None,
+                         out, err) or err[0]:
             raise_common(err, cfg)
         mine.ngram_token_ids = torch.from_numpy(out)
     return mine
