@@ -100,8 +100,8 @@ class Plan:
         self.check_values = schema.value_check(value_targets)
         self.fixed = schema.fixed_dims(targets, ndims)  # dims the schema fixes, checked per new dims
         self.tensor_paths = [ps[0] for ps in tpaths]  # for error messages
-        self._last: tuple[tuple, tuple] = ((-1,), ())  # dims of the last sizes() -> its result
-        self._offs: tuple[tuple, list[int]] = ((-1,), [])  # dims of the last offsets() -> result
+        #: dims of the last sizes() -> its result (+ its offsets(), once asked for)
+        self._last: tuple = ((-1,), ())
         # split: dims index of each tensor's first dim (1-D tensors: that dim is the numel)
         # (0-d tensors: a placeholder, set to 1 by the reshape list)
         self.first_dim = (getter([at if nd else 0 for at, nd in zip(starts, ndims)])
@@ -239,16 +239,19 @@ class Plan:
         return out
 
     def offsets(self, dims: tuple[int, ...], numels: list[int], starts: list[int]) -> list[int]:
-        """Every tensor's byte offset in the region of these (proven) ``dims`` (the last call's
-        result is kept). Example: the worked example's two int32 tensors -> ``[0, 12]``."""
-        if self._offs[0] == dims:
-            return self._offs[1]
+        """Every tensor's byte offset in the region of these ``dims`` (``numels`` / ``starts``:
+        their :meth:`sizes`); kept with the last :meth:`sizes` result. Example: the worked
+        example's two int32 tensors -> ``[0, 12]``."""
+        last = self._last
+        if last[0] == tuple(dims) and len(last) == 3:
+            return last[2]
         out = []
         for (sl, esz, _), s in zip(self.run_slices, starts):
             for n in numels[sl]:
                 out.append(s)
                 s += n * esz
-        self._offs = (dims, out)
+        if last[0] == tuple(dims):
+            self._last = (last[0], last[1], out)
         return out
 
     def pack(self, base: int, tensors: list[torch.Tensor], dims: tuple[int, ...], numels: list[int],
