@@ -8,7 +8,7 @@ Each field is declared with its :class:`~cpmeta.fields.FieldInfo` (``tensor_fiel
 ``value_field``): dtype, rank, symbolic shape, ratio set, feature switches, step kinds, who fills it
 and its order after the CP mirror. :data:`FIELDS` is that table; the builders' arenas, the in-place
 decode's buffers and every derived-field list are generated from it (:mod:`cpmeta.fields`).
-Example: ``FIELDS["block_tables"].shape == ("total_q", "max_num_blocks")``,
+Example: ``FIELDS["block_tables"].shape == ("total_q", "table_width")``,
 ``FIELDS["klen"].ratios == "sparse"``, ``DERIVED_FIELDS == ("kv_ca_index", "kv_ca_index_len",
 "kv_swa_full_index", "kv_swa_index")``.
 """
@@ -104,8 +104,8 @@ class InputMetadata:
         I32, ("total_q",), ratios=SPARSE, features=(COMPRESSED_KV,), steps=DECODE_ONLY, consumer_clear=True)
     kv_swa_index_offset_len: Optional[Tensor] = tensor_field(  # [total_q, 2] int32 (ring start slot, w)
         I32, ("total_q", 2), features=(SWA,), steps=DECODE_ONLY)
-    block_tables: Optional[Tensor] = tensor_field(  # [total_q, max_num_blocks] int32, row = sequence's table
-        I32, ("total_q", "max_num_blocks"), steps=DECODE_ONLY)
+    block_tables: Optional[Tensor] = tensor_field(  # [total_q, table_width] int32, row = sequence's table
+        I32, ("total_q", "table_width"), steps=DECODE_ONLY)
 
     # ---- derived by compute_attn_info (section 5) ------------------------------------------
     kv_ca_index: TDict = tensor_field(  # {n: [rows, width_n] int32} compressed-KV index, -1 past len

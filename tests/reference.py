@@ -10,8 +10,9 @@ are ``None``: without compressed KV (no ratios at all) every per-ratio field, wi
 ``window_size == 0`` every sliding-window / state-slot field (docs/design.md section 14); with compressed KV, a
 dict field over an empty ratio set (e.g. ``klen`` without sparse ratios) is ``{}``. One exception to "the full tensor":
 decode ``block_tables`` holds, per row, only the DEFINED prefix of the row (its first
-``ref_defined_block_columns(seqlen_k, cfg)`` entries); the tensor has ``ref_max_num_blocks(cfg)``
-columns and the rest are unspecified.
+``ref_defined_block_columns(seqlen_k, cfg)`` entries); the tensor has ``table_width`` columns (a
+decode reference's one key that is not a field: ``ref_decode_width(seqs, cfg)``, the batch's
+longest table cut to ``max_num_blocks``, or a caller's fixed width) and the rest are unspecified.
 
 Functions: :func:`ref_prepare_prompt`, :func:`ref_prepare_decode` (section 4) and
 :func:`ref_compute_attn_info` (section 5, returns a new dict with the derived fields filled).
@@ -29,6 +30,7 @@ __all__ = [
     "ref_prepare_decode",
     "ref_compute_attn_info",
     "ref_max_num_blocks",
+    "ref_decode_width",
     "ref_defined_block_columns",
     "ref_index_width",
     "COMMON_FIELDS",
@@ -79,6 +81,12 @@ def ref_max_num_blocks(cfg: MetadataConfig) -> int:
     """Columns of decode ``block_tables``: ``cdiv(L // m, block_size // m)``, m = min ratio (1 for a
     plain model), L = rank 0's keys of ``max_model_len`` positions."""
     return ref_defined_block_columns(cfg.max_model_len, cfg)
+
+
+def ref_decode_width(seqs: Sequence[SequenceMetadata], cfg: MetadataConfig) -> int:
+    """Columns of decode ``block_tables``: the widest row, i.e. the longest table cut to
+    ``max_num_blocks`` (a row is the sequence's table; 0 for no sequence)."""
+    return max((min(len(seq.block_table), ref_max_num_blocks(cfg)) for seq in seqs), default=0)
 
 
 def ref_defined_block_columns(seqlen_k: int, cfg: MetadataConfig) -> int:
@@ -320,11 +328,16 @@ def ref_prepare_prompt(seqs: Sequence[SequenceMetadata], cfg: MetadataConfig) ->
 # ---- decode -----------------------------------------------------------------------------------
 
 
-def ref_prepare_decode(seqs: Sequence[SequenceMetadata], cfg: MetadataConfig) -> dict[str, Any]:
-    """Every decode field of docs/design.md section 4 (derived fields of section 5 are ``None``)."""
+def ref_prepare_decode(
+    seqs: Sequence[SequenceMetadata], cfg: MetadataConfig, *, width: Optional[int] = None
+) -> dict[str, Any]:
+    """Every decode field of docs/design.md section 4 (derived fields of section 5 are ``None``);
+    ``block_tables`` has ``width`` columns (default :func:`ref_decode_width`; a caller's fixed
+    ``out`` buffer may be wider), which sets the ``kv_ca_index_offset_len`` offsets; the dict's
+    ``table_width`` says it."""
     d = _common(seqs, cfg, is_prompt=False)
     W, S, bs = cfg.window_size, cfg.swa_block_size, cfg.block_size
-    mnb = ref_max_num_blocks(cfg)
+    mnb = ref_decode_width(seqs, cfg) if width is None else width
     rows = _rows(seqs)
     d["positions_c"], d["slot_mapping_store_ca"] = {}, {}
     for n in _ca_ratios(cfg):
@@ -355,6 +368,7 @@ def ref_prepare_decode(seqs: Sequence[SequenceMetadata], cfg: MetadataConfig) ->
         str(n): [[i * mnb * (bs // n), (pos + 1) // n] for i, _s, _j, pos in rows]
         for n in cfg.dense_compress_ratios
     }
+    d["table_width"] = mnb
     return _drop_disabled(d, cfg)
 
 
@@ -367,14 +381,15 @@ def _expand_pivots(p0: int, p1: int, p2: int, p3: int, W: int) -> list[int]:
 
 
 def ref_compute_attn_info(ref: dict[str, Any], cfg: MetadataConfig) -> dict[str, Any]:
-    """A copy of ``ref`` with ``kv_ca_index``, ``kv_ca_index_len`` and the SWA index expanded."""
+    """A copy of ``ref`` with ``kv_ca_index``, ``kv_ca_index_len`` and the SWA index expanded
+    (decode: ``block_tables`` of ``ref["table_width"]`` columns)."""
     d = dict(ref)
     W, S = cfg.window_size, cfg.swa_block_size
     d["kv_ca_index"], d["kv_ca_index_len"] = ({}, {}) if ref["kv_ca_index_offset_len"] is not None else (None, None)
     for key, offset_len in (ref["kv_ca_index_offset_len"] or {}).items():
         n = int(key)
         width, tpb = ref_index_width(cfg, n), cfg.block_size // n
-        mnb = ref_max_num_blocks(cfg)
+        mnb = 0 if ref["is_prompt"] else ref["table_width"]
         rows = []
         for offset, length in offset_len:
             row = []

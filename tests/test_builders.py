@@ -28,7 +28,6 @@ from reference import (
     ALL_REF_FIELDS,
     DERIVED,
     ref_compute_attn_info,
-    ref_max_num_blocks,
     ref_prepare_decode,
     ref_prepare_prompt,
 )
@@ -92,14 +91,15 @@ def _check_value(path: str, got: Any, exp: Any) -> None:
 
 
 def assert_matches_reference(md: InputMetadata, ref: dict[str, Any], cfg: MetadataConfig) -> None:
-    """Every field of sections 4/5 equals the reference (dtypes and dict keys included)."""
+    """Every field of sections 4/5 equals the reference (dtypes and dict keys included); decode
+    ``block_tables`` has the reference's ``table_width`` columns."""
     for name in ALL_REF_FIELDS:
         got, exp = getattr(md, name), ref[name]
         if exp is None:
             assert got is None, f"{name}: expected None on this path, got {type(got).__name__}"
         elif name == "block_tables":
             assert got.dtype == torch.int32, f"block_tables: dtype {got.dtype}"
-            assert tuple(got.shape) == (len(exp), ref_max_num_blocks(cfg)), f"block_tables: shape {tuple(got.shape)}"
+            assert tuple(got.shape) == (len(exp), ref["table_width"]), f"block_tables: shape {tuple(got.shape)}"
             for i, row in enumerate(exp):
                 assert got[i, : len(row)].tolist() == row, f"block_tables[{i}]: defined columns differ"
         elif isinstance(exp, dict):
@@ -302,8 +302,10 @@ def _decode_rows(total_q: int, per_seq: int = 8) -> list[SequenceMetadata]:
 
 
 def test_decode_kv_ca_offset_overflow_bound() -> None:
-    # dense ratio 1, block 4096, max_model_len 2**20: max_num_blocks 256, each row advances the
-    # offset by 256 * 4096 = 2**20; total_q * 2**20 <= 2**31 - 1 allows at most 2047 rows.
+    # dense ratio 1, block 4096, max_model_len 2**20: max_num_blocks 256, the bound (docs/design.md
+    # section 3) is total_q * 256 * 4096 = total_q * 2**20 <= 2**31 - 1: at most 2047 rows, whatever
+    # the batch's table width. Each row here needs 1 block, so the offsets advance by 1 * 4096 a row;
+    # a caller's full-width block_tables (out=, 256 columns) makes them reach the bound.
     cfg = MetadataConfig(block_size=4096, window_size=4, swa_block_size=4, dense_compress_ratios=(1,),
                          sparse_compress_ratios=(), max_model_len=2**20)
     with pytest.raises(ValueError, match=_OVERFLOW_MSG) as err:
@@ -311,7 +313,10 @@ def test_decode_kv_ca_offset_overflow_bound() -> None:
     assert re.search(r"max_model_len|dense_compress_ratios|block_size", str(err.value))
     seqs = _decode_rows(2047)
     md = cpmeta.prepare_decode(seqs, cfg)
-    assert md.kv_ca_index_offset_len["1"][-1].tolist() == [2046 * 2**20, 7]  # last row: pos 6 of a 7-row seq
+    assert md.block_tables.shape == (2047, 1)
+    assert md.kv_ca_index_offset_len["1"][-1].tolist() == [2046 * 4096, 7]  # last row: pos 6 of a 7-row seq
+    md = cpmeta.prepare_decode(seqs, cfg, out={"block_tables": torch.zeros(2047, 256, dtype=torch.int32)})
+    assert md.kv_ca_index_offset_len["1"][-1].tolist() == [2046 * 2**20, 7]
 
 
 @pytest.mark.parametrize("is_prompt", [True, False], ids=["prompt", "decode"])

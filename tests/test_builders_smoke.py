@@ -51,7 +51,8 @@ def test_decode_docstring_example() -> None:
     assert md.slot_mapping_store_ca["4"].tolist() == [-1, 161]
     assert md.kv_swa_index_offset_len.tolist() == [[384, 7], [384, 8]]
     assert md.block_tables[:, 0].tolist() == [5, 5]
-    assert md.kv_ca_index_offset_len["4"].tolist() == [[0, 1], [64 * 32, 2]]
+    assert md.block_tables.shape == (2, 1)  # the batch's widest row, not max_num_blocks (64)
+    assert md.kv_ca_index_offset_len["4"].tolist() == [[0, 1], [1 * 32, 2]]
     assert md.ks is None and md.load_segments_swa is None and md.ngram_token_ids is None
 
 
@@ -204,15 +205,16 @@ def test_out_refills_same_tensors_and_rejects_mismatch() -> None:
 
 
 def test_output_arenas_refill_one_arena_per_shape() -> None:
-    """``out=OutputArenas()``: every call with a batch shape refills that shape's arena (the same
-    tensor objects, values equal to a fresh build); other shapes get their own arena; the oldest
-    is dropped past ``max_shapes``."""
+    """``out=OutputArenas()``: every call with a batch shape (rows, sequences, table width) refills
+    that shape's arena (the same tensor objects, values equal to a fresh build); other shapes get
+    their own arena; the oldest is dropped past ``max_shapes``."""
     from cpmeta import OutputArenas
     from cpmeta.diff import metadata_diff
 
     cfg = MetadataConfig.compressed_swa(dense_compress_ratios=(4, 128), max_ngram_size=2)
     rng = random.Random(2)
-    mk = lambda n, q: [_seq(q, rng.randint(q, 900), state=i, prompt=False) for i in range(n)]  # noqa: E731
+    mk = lambda n, q: [_seq(q, rng.randint(q, 900), state=i, prompt=False, table=list(range(8)))  # noqa: E731
+                       for i in range(n)]
     arenas = OutputArenas(max_shapes=2)
     first = prepare_decode(mk(5, 3), cfg, out=arenas)
     for _ in range(3):
@@ -276,8 +278,8 @@ def test_decode_out_schema_is_stacked_on_both_paths() -> None:
 
     cfg = MetadataConfig.compressed_swa(dense_compress_ratios=(4, 128))
     seqs = [_seq(1, 40 + i, state=i, prompt=False) for i in range(3)]
-    out: dict[str, torch.Tensor] = {}
-    prepare_decode(seqs, cfg, out=out)
+    out: dict[str, torch.Tensor] = {"block_tables": torch.zeros(3, cfg.max_num_blocks, dtype=torch.int32)}
+    prepare_decode(seqs, cfg, out=out)  # fixed shapes: the table at max_num_blocks columns
     inplace_out = {k: v.clone() for k, v in out.items()}  # the eager buffers serve the in-place path
     md = prepare_decode_inplace(seqs, cfg, out=inplace_out, device="cpu", backend="torch")
     assert md.klen["4"].data_ptr() == inplace_out["klen"].data_ptr()
@@ -392,3 +394,35 @@ def test_decode_block_tables_carry_the_whole_table() -> None:
     md = prepare_decode(seqs, cfg)
     assert md.block_tables.tolist() == [list(range(10, 18)), [5, 6, 7] + [-1] * 5, [5, 6, 7] + [-1] * 5]
 
+
+
+def test_decode_block_tables_are_as_wide_as_the_batch() -> None:
+    """``block_tables`` has the batch's widest row's columns (the longest table), not
+    ``max_num_blocks``; a caller's fixed ``out["block_tables"]`` may be wider, up to
+    ``max_num_blocks``, and then the offsets of ``kv_ca_index_offset_len`` follow its width; a
+    narrower or wider one is refused naming the field. The expansion reads the same slots either
+    way."""
+    cfg = MetadataConfig.compressed_swa(max_model_len=1024, dense_compress_ratios=(4, 128))  # max_num_blocks 8
+    seqs = [_seq(1, 130, state=0, prompt=False, table=[10, 11]), _seq(2, 300, state=1, prompt=False, table=[5, 6, 7])]
+    md = prepare_decode(seqs, cfg)
+    assert md.block_tables.tolist() == [[10, 11, -1], [5, 6, 7], [5, 6, 7]]
+    assert md.kv_ca_index_offset_len["4"][:, 0].tolist() == [0, 3 * 32, 2 * 3 * 32]
+    for cols in (3, 5, 8):
+        fixed = prepare_decode(seqs, cfg, out={"block_tables": torch.zeros(3, cols, dtype=torch.int32)})
+        assert fixed.block_tables.shape == (3, cols)
+        assert fixed.block_tables[:, :3].tolist() == md.block_tables.tolist()
+        assert fixed.block_tables[:, 3:].eq(-1).all()
+        assert fixed.kv_ca_index_offset_len["4"][:, 0].tolist() == [0, cols * 32, 2 * cols * 32]
+        compute_attn_info(fixed, cfg)
+        compute_attn_info(md, cfg)
+        for n in ("4", "128"):
+            assert torch.equal(fixed.kv_ca_index[n], md.kv_ca_index[n])
+        md = prepare_decode(seqs, cfg)
+    for cols in (2, 9):
+        with pytest.raises(ValueError, match=r"out\['block_tables'\].*widest row \(3 blocks\).*max_num_blocks \(8\)"):
+            prepare_decode(seqs, cfg, out={"block_tables": torch.zeros(3, cols, dtype=torch.int32)})
+    fixed = prepare_decode(seqs, cfg, table_width=8)
+    assert fixed.block_tables.shape == (3, 8) and fixed.kv_ca_index_offset_len["4"][1, 0].item() == 8 * 32
+    for cols in (2, 9):
+        with pytest.raises(ValueError, match=rf"table_width: .*widest row \(3 blocks\).*max_num_blocks \(8\), got {cols}"):
+            prepare_decode(seqs, cfg, table_width=cols)

@@ -140,7 +140,7 @@ def test_recursive_copy_feeds_captured_graph() -> None:
     rng = random.Random(1)
     kv = torch.randint(0, 1000, (KV_SLOTS,), device="cuda", dtype=torch.int64)
     first = _pad_to_capture(random_decode_batch(rng, CFG, n_seqs=N_CAP // 2, max_drafts=2))
-    static = prepare_decode(first, CFG).to("cuda")
+    static = prepare_decode(first, CFG, table_width=CFG.max_num_blocks).to("cuda")  # a graph's fixed shapes
 
     def step() -> torch.Tensor:
         static.clean_derived_()
@@ -151,7 +151,7 @@ def test_recursive_copy_feeds_captured_graph() -> None:
     ptr = static.positions.data_ptr()
     for i in range(STEPS):
         seqs = _pad_to_capture(random_decode_batch(rng, CFG, n_seqs=rng.randint(1, N_CAP // 2), max_drafts=2))
-        fresh = prepare_decode(seqs, CFG).compute_attn_info(CFG)  # a CPU build that expanded too
+        fresh = prepare_decode(seqs, CFG, table_width=CFG.max_num_blocks).compute_attn_info(CFG)  # expanded too
         for name in fresh.get_clean_list():  # derived fields are the graph's job: never copy them
             setattr(fresh, name, None)
         static.recursive_copy_(fresh)
@@ -216,7 +216,7 @@ def test_graph_refuses_batches_beyond_its_buffers() -> None:
         assert all(torch.equal(before[k], out[k]) for k in out), msg
     md = launch_decode_inplace(st, CFG, out=out)
     torch.cuda.synchronize()
-    diff = metadata_diff(metadata_prefix(md, staged.num_seqs, staged.total_q), prepare_decode(good, CFG), cfg=CFG)
+    diff = metadata_diff(metadata_prefix(md, staged.num_seqs, staged.total_q), prepare_decode(good, CFG, table_width=CFG.max_num_blocks), cfg=CFG)
     assert not diff, diff
 
 
@@ -286,7 +286,7 @@ def test_graph_with_the_upload_inside_follows_a_batch_state(which: str) -> None:
         slots = np.array(sorted(rng.sample(range(N_CAP), rng.randint(1, N_CAP))))
         counts = np.array([rng.choice((0, 1, 2)) for _ in slots])
         drafts = np.array([rng.randrange(100) for _ in range(int(counts.sum()))], np.int64)
-        want = prepare_decode(bs.decode_batch(slots, drafts, counts), cfg)
+        want = prepare_decode(bs.decode_batch(slots, drafts, counts), cfg, table_width=cfg.max_num_blocks)
         torch.cuda._sleep(5_000_000)  # the previous replay still runs while this fill waits for it
         staged = stage_decode(st, bs, slots, drafts, counts, upload=False)
         st.replay_uploading(graph, staged)

@@ -103,7 +103,7 @@ def test_staged_path_refuses_then_recovers(case: str) -> None:
     assert st.last_staged == staged
     staged = st.stage(ok, CFG)  # refill: the refused batch left nothing behind
     md = launch_decode_inplace(st, CFG, out=out, backend="torch")
-    assert not metadata_diff(metadata_prefix(md, staged.num_seqs, staged.total_q), prepare_decode(ok, CFG), cfg=CFG)
+    assert not metadata_diff(metadata_prefix(md, staged.num_seqs, staged.total_q), prepare_decode(ok, CFG, table_width=CFG.max_num_blocks), cfg=CFG)
 
 
 @pytest.mark.parametrize("case", ["rows", "seqs"])
@@ -182,7 +182,7 @@ def run_kernels_masked(launch: Callable[[torch.Tensor, MetadataConfig, DecodeBuf
         launch(st.device_buffer, cfg, bufs)
         bad = _guards_intact(big, Q_CAP, SEQ_CAP, bt_cols)
         assert not bad, f"{case}: wrote outside the buffers: {bad}"
-        ref = prepare_decode(seqs, cfg)
+        ref = prepare_decode(seqs, cfg, table_width=cfg.max_num_blocks)
         rows = min(Q_CAP, staged.total_q) if staged.num_seqs <= SEQ_CAP else \
             int(ref.cu_seqlens_q[SEQ_CAP])
         assert torch.equal(bufs["positions"][:rows], ref.positions[:rows]), case

@@ -88,7 +88,7 @@ def _cp_equals_broadcast(rank: int, world: int, device: str, graph: bool) -> int
                     got.max_seqlen_q, got.max_seqlen_k = staged.max_seqlen_q, staged.max_seqlen_k
                 else:
                     got = sb.broadcast(seqs if rank == 0 else None, out=out)
-                ref = mb.broadcast(cpmeta.prepare_decode(seqs, cfg) if rank == 0 else None)
+                ref = mb.broadcast(cpmeta.prepare_decode(seqs, cfg, table_width=cfg.max_num_blocks) if rank == 0 else None)
                 if dev.type == "cuda":
                     torch.cuda.synchronize()
                 assert got.positions.device.type == dev.type
@@ -198,7 +198,7 @@ def _state_cp_equals_prepare(rank: int, world: int) -> dict[str, int]:
                     drafts = counts = None
                 n_ph = 2 if i == 4 else n_ph
                 args = (slots, drafts, counts)
-                ref = prepare_decode(state.decode_batch(*args, num_placeholders=n_ph), cfg)
+                ref = prepare_decode(state.decode_batch(*args, num_placeholders=n_ph), cfg, table_width=cfg.max_num_blocks)
                 if i % 3 == 2:  # stage + the kernels on the captured-size buffers (a graph's view)
                     staged = sb.stage_state(state, *args, num_placeholders=n_ph) if drv else sb.stage(None)
                     md = metadata_prefix(launch_decode_inplace(st, cfg, out=out), staged.num_seqs, staged.total_q)
@@ -245,7 +245,7 @@ def _state_refusals(sb: Any, state: Any, every: np.ndarray, rank: int) -> None:
     n = len(every)
     md = sb.broadcast_state(state, every, num_placeholders=4) if drv else sb.broadcast(None)
     assert md.num_seqs == n + 4 and sb.staging.out_capacity.seq_cap == n + 3
-    assert metadata_diff(md, prepare_decode(state.decode_batch(every, num_placeholders=4), cfg), cfg=cfg) == []
+    assert metadata_diff(md, prepare_decode(state.decode_batch(every, num_placeholders=4), cfg, table_width=cfg.max_num_blocks), cfg=cfg) == []
 
 
 @pytest.mark.parametrize("world", [2, 3])

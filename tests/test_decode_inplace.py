@@ -149,7 +149,7 @@ def test_named_case_equals_prepare_decode(name: str, device: str, backend: str) 
     cfg, seqs = NAMED[name]
     got = prepare_decode_inplace(seqs, cfg, device=device, backend=backend)
     assert got.positions.device.type == device
-    assert_same(prepare_decode(seqs, cfg), got, cfg)
+    assert_same(prepare_decode(seqs, cfg, table_width=cfg.max_num_blocks), got, cfg)
 
 
 def test_named_case_hand_values() -> None:
@@ -174,7 +174,7 @@ def test_named_case_hand_values() -> None:
 @given(case=decode_cases())
 def test_random_batches_equal_prepare_decode(case: Any, device: str, backend: str) -> None:
     cfg, seqs = case
-    assert_same(prepare_decode(seqs, cfg), prepare_decode_inplace(seqs, cfg, device=device, backend=backend), cfg)
+    assert_same(prepare_decode(seqs, cfg, table_width=cfg.max_num_blocks), prepare_decode_inplace(seqs, cfg, device=device, backend=backend), cfg)
 
 
 # ---- out buffers captured for a larger batch ---------------------------------------------------
@@ -206,7 +206,7 @@ def test_out_prefix_writes_in_place(device: str, backend: str) -> None:
     big = random_decode_batch(rng, cfg, n_seqs=12, max_drafts=3)
     out: dict[str, torch.Tensor] = {}
     st = DecodeStaging(device)
-    assert_same(prepare_decode(big, cfg), prepare_decode_inplace(big, cfg, out=out, device=device,
+    assert_same(prepare_decode(big, cfg, table_width=cfg.max_num_blocks), prepare_decode_inplace(big, cfg, out=out, device=device,
                                                                 backend=backend, staging=st), cfg)
     ptrs = {k: v.data_ptr() for k, v in out.items()}
     shapes = {k: v.shape for k, v in out.items()}
@@ -215,7 +215,7 @@ def test_out_prefix_writes_in_place(device: str, backend: str) -> None:
         md = prepare_decode_inplace(small, cfg, out=out, device=device, backend=backend, staging=st)
         assert {k: v.data_ptr() for k, v in out.items()} == ptrs, "a buffer was reallocated"
         assert {k: v.shape for k, v in out.items()} == shapes
-        assert_same(prepare_decode(small, cfg), md, cfg, derived=False)
+        assert_same(prepare_decode(small, cfg, table_width=cfg.max_num_blocks), md, cfg, derived=False)
         for name in STACKED if cfg.has_compressed_kv else ():
             stacked = out[name]
             for i, view in enumerate(getattr(md, name).values()):
@@ -268,7 +268,7 @@ def test_launch_only_replays_new_staging() -> None:
         md = launch_decode_inplace(st, cfg, out=out)
         assert md.positions.data_ptr() == out["positions"].data_ptr()
         assert md.positions.shape[0] == out["positions"].shape[0]
-        ref = prepare_decode(small, cfg)
+        ref = prepare_decode(small, cfg, table_width=cfg.max_num_blocks)
         cut = metadata_prefix(md, staged.num_seqs, staged.total_q)
         assert not metadata_diff(cut, ref, cfg=cfg)
 
@@ -282,7 +282,7 @@ def test_staging_grows_and_is_reused() -> None:
     cfg, seqs = NAMED["drafts_mixed"]
     st = DecodeStaging("cpu", capacity=4)
     md = prepare_decode_inplace(seqs, cfg, device="cpu", staging=st)
-    assert st.capacity >= 4 and not metadata_diff(md, prepare_decode(seqs, cfg), cfg=cfg)
+    assert st.capacity >= 4 and not metadata_diff(md, prepare_decode(seqs, cfg, table_width=cfg.max_num_blocks), cfg=cfg)
     buf = st.host_buffer.data_ptr()
     prepare_decode_inplace(seqs[:1], cfg, device="cpu", staging=st)
     assert st.host_buffer.data_ptr() == buf, "a smaller batch must reuse the staging buffer"
@@ -377,7 +377,7 @@ def _filled_out(cfg: MetadataConfig, n_cap: int, q_cap: int, fill: int) -> dict[
 def _interpreter_main(n_random: int = 30) -> None:
     """Run in a subprocess with TRITON_INTERPRET=1: triton backend vs prepare_decode and vs emulation."""
     for name, (cfg, seqs) in NAMED.items():
-        assert_same(prepare_decode(seqs, cfg), prepare_decode_inplace(seqs, cfg, device="cpu", backend="triton"), cfg)
+        assert_same(prepare_decode(seqs, cfg, table_width=cfg.max_num_blocks), prepare_decode_inplace(seqs, cfg, device="cpu", backend="triton"), cfg)
     rng = random.Random(1234)
     for i in range(n_random):
         cfg = random_config(rng, max_model_len=rng.choice([64, 200, 512]))
@@ -387,7 +387,7 @@ def _interpreter_main(n_random: int = 30) -> None:
         for backend in ("triton", "torch"):
             out = _filled_out(cfg, n + 2, tq + 5, fill=-7)
             md = prepare_decode_inplace(seqs, cfg, out=out, device="cpu", backend=backend)
-            assert_same(prepare_decode(seqs, cfg), md, cfg, derived=(i % 3 == 0))
+            assert_same(prepare_decode(seqs, cfg, table_width=cfg.max_num_blocks), md, cfg, derived=(i % 3 == 0))
             outs.append(out)
         for key in outs[0]:  # full buffers, tail included: both wrote exactly the same elements
             assert torch.equal(outs[0][key], outs[1][key]), (i, key)

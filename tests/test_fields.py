@@ -72,7 +72,8 @@ def test_table_predicts_fields_dtypes_and_decode_shapes(seed: int) -> None:
     dec = cpmeta.prepare_decode(dec_seqs, cfg)
     assert _present(pre) == set(present_fields(FIELDS, cfg, PROMPT))
     assert _present(dec) == set(present_fields(FIELDS, cfg, DECODE))
-    sizes = {"total_q": dec.total_q, "n_seq": dec.num_seqs}
+    width = max(min(len(s.block_table), cfg.max_num_blocks) for s in dec_seqs)  # the widest row
+    sizes = {"total_q": dec.total_q, "n_seq": dec.num_seqs, "table_width": width}
     for spec in step_outputs(FIELDS, cfg, DECODE):  # the generated decode outputs have these shapes
         v = getattr(dec, spec.name)
         want = spec.resolve(sizes)
@@ -150,7 +151,7 @@ def test_one_table_edit_reaches_every_generated_layout() -> None:
 
     table = _table_with_extra_fields()
     cfg = cpmeta.MetadataConfig.compressed_swa(dense_compress_ratios=(4, 8), sparse_compress_ratios=(4,))
-    lay = _make_decode_layout(cfg, 5, 3, table)
+    lay = _make_decode_layout(cfg, 5, 3, 4, table)
     assert lay.fields["extra_rows"][2] == (5, 3) and lay.fields["extra_per_ratio"][2] == (2, 5)
     assert "extra_per_ratio" in lay.stacked and "extra_per_ratio" in stacked_fields(table, DECODE)
     rows, _ = row_specs(cfg, table)
@@ -161,5 +162,5 @@ def test_one_table_edit_reaches_every_generated_layout() -> None:
     assert "extra_derived" in derived_fields(table) and mirror_gathered_derived(table)["extra_derived"] == -1
     assert "extra_derived" in consumer_cleared(table)
     plain = cpmeta.MetadataConfig(block_size=16, window_size=0, dense_compress_ratios=(), sparse_compress_ratios=())
-    assert "extra_rows" not in _make_decode_layout(plain, 5, 3, table).fields  # its feature is off
-    assert "extra_rows" not in _make_decode_layout(cfg, 5, 3).fields  # the real table has no such field
+    assert "extra_rows" not in _make_decode_layout(plain, 5, 3, 4, table).fields  # its feature is off
+    assert "extra_rows" not in _make_decode_layout(cfg, 5, 3, 4).fields  # the real table has no such field

@@ -48,7 +48,7 @@ def _rank(rank: int, world: int, device: str, seed: int) -> int:
                                          upload=False)  # finish_staged uploads
             md = finish_staged(staging, staged, cfg, out=None, device=dev,
                                backend=resolve_backend("auto", dev))  # Triton on CUDA
-            want = cpmeta.prepare_decode(batch, cfg)  # this rank's batch (== the driver's: checked)
+            want = cpmeta.prepare_decode(batch, cfg, table_width=cfg.max_num_blocks)  # this rank's batch (checked)
             # a BLOCKING copy: InputMetadata.to defaults to non_blocking=True, and a non-blocking
             # CUDA -> CPU copy returns pinned tensors before their bytes arrive (reading them at once
             # compared stale bytes: rank 1's failure at world 3 on the H200, 2026-12-03 14:17)

@@ -144,7 +144,7 @@ def test_matches_decode_batch_and_stage(ci: int, monkeypatch: pytest.MonkeyPatch
         assert torch.equal(fill_only.host_buffer[:got.used], fast.host_buffer[:got.used])
         assert fill_only.last_staged is None
         md = finish_staged(fast, got, cfg, out=None, device=torch.device("cpu"), backend="torch")
-        assert metadata_diff(md, prepare_decode(batch, cfg), cfg=cfg) == []
+        assert metadata_diff(md, prepare_decode(batch, cfg, table_width=cfg.max_num_blocks), cfg=cfg) == []
         n_steps += 1
     assert n_steps >= 10
     assert len(slow_calls) == (2 * n_steps if cfg.max_ngram_size else 0)  # Engram: the fallback only (x2: upload=False too)
@@ -213,7 +213,7 @@ def test_launch_and_replay_shape_unchanged() -> None:
         staged = stage_decode(stg, st, slots, drafts, counts, num_placeholders=n_ph)
         md = launch_decode_inplace(stg, cfg, out=out, backend="torch")
         got = metadata_prefix(md, staged.num_seqs, staged.total_q)
-        assert metadata_diff(got, prepare_decode(batch, cfg), cfg=cfg) == []
+        assert metadata_diff(got, prepare_decode(batch, cfg, table_width=cfg.max_num_blocks), cfg=cfg) == []
 
 
 def test_capacity_refusals_before_any_write() -> None:
@@ -351,7 +351,7 @@ def _interpreter_main() -> None:
             batch = st.decode_batch(slots, drafts, counts, num_placeholders=n_ph)
             staged = stage_decode(stg, st, slots, drafts, counts, num_placeholders=n_ph)
             md = finish_staged(stg, staged, cfg, out=None, device=torch.device("cpu"), backend="triton")
-            assert metadata_diff(md, prepare_decode(batch, cfg), cfg=cfg) == [], (ci, n)
+            assert metadata_diff(md, prepare_decode(batch, cfg, table_width=cfg.max_num_blocks), cfg=cfg) == [], (ci, n)
             n += 1
     print(f"{n} interpreter steps passed")
 

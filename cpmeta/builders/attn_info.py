@@ -68,7 +68,7 @@ def expand_paged_offset_len(
 ) -> torch.Tensor:
     """Decode ``kv_ca_index``: ``[rows, width]`` int32 slot of each visible compressed key.
 
-    ``p = off + k`` (k < ln) indexes the flattened ``block_tables`` [T, max_num_blocks] in units of
+    ``p = off + k`` (k < ln) indexes the flattened ``block_tables`` [T, width] in units of
     ``tpb = block_size // n`` compressed tokens: slot ``block_tables.flatten()[p // tpb] * tpb +
     p % tpb``; -1 from column ``ln`` on. Masked columns use ``k = min(k, ln - 1)`` (or 0) so they
     never read outside the row's defined blocks. Example: tpb 32, row 1 of a 4-column table
@@ -98,7 +98,7 @@ def _expand_paged_aligned(
     off: torch.Tensor, ln: torch.Tensor, width: int, block_tables: torch.Tensor, tpb: int
 ) -> torch.Tensor:
     """``expand_paged_offset_len`` when every offset is a multiple of ``tpb`` (always true for
-    ``prepare_decode``'s ``i * max_num_blocks * tpb``): column k reads block ``off // tpb + k // tpb``
+    ``prepare_decode``'s ``i * width * tpb``): column k reads block ``off // tpb + k // tpb``
     at ``k % tpb``, so gather ``[rows, cdiv(width, tpb)]`` block ids and broadcast-add the
     in-block offsets -- one pass over the output instead of a per-element divide and gather.
     Example: tpb 4, off 8, ln 6, blocks ``flat[2:4] = [7, 5]`` -> ``[28, 29, 30, 31, 20, 21, -1, ..]``.

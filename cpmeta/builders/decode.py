@@ -28,7 +28,7 @@ from ..metadata import FIELDS, InputMetadata
 from ..buffers import ArenaLayout, HostArena, OutputBuffers, get_or_create_stacked, get_or_create_tensor
 from .batch_arrays import BatchArrays
 from .common_njit import ngram_table, raise_common
-from .decode_njit import E_KV_CA_OFFSET, decode_consts, decode_fill, field_offsets
+from .decode_njit import E_KV_CA_OFFSET, decode_consts, decode_fill, decode_width, field_offsets
 from .int_ops import check_int32
 from .extract import BatchInput, as_sequence_batch
 
@@ -91,14 +91,14 @@ class _Target:
 
 
 class _Shape:
-    """One batch shape ``(total_q, n_seq)`` of a config: the :class:`ArenaLayout` (the SAME object
+    """One batch shape ``(total_q, n_seq, table_width)`` of a config: the :class:`ArenaLayout` (the SAME object
     for the same shape, so :class:`~cpmeta.buffers.OutputArenas` finds its arena), the kernel's
     field offsets and the fields' names (whole tensors; per-ratio rows with their keys)."""
 
     __slots__ = ("layout", "offsets", "whole", "rows")
 
-    def __init__(self, cfg: MetadataConfig, T: int, n: int, ratios: dict[str, tuple[str, ...]]) -> None:
-        lay = self.layout = _make_decode_layout(cfg, T, n)
+    def __init__(self, cfg: MetadataConfig, T: int, n: int, width: int, ratios: dict[str, tuple[str, ...]]) -> None:
+        lay = self.layout = _make_decode_layout(cfg, T, n, width)
         self.offsets = field_offsets(lay)
         self.whole = tuple(k for k in lay.fields if k not in lay.stacked)
         self.rows = tuple((k, ratios[k]) for k in lay.fields if k in lay.stacked)
@@ -113,16 +113,16 @@ class _Plan:
 
     def __init__(self, cfg: MetadataConfig) -> None:
         self.consts = decode_consts(cfg)
-        self.shapes: BoundedCache[tuple[int, int], _Shape] = BoundedCache(256)
+        self.shapes: BoundedCache[tuple[int, int, int], _Shape] = BoundedCache(256)
         self.targets: BoundedCache[int, _Target] = BoundedCache(8)
         self.ratios = {"klen": tuple(map(str, cfg.sparse_compress_ratios)),
                        "positions_c": tuple(map(str, cfg.ca_ratios)),
                        "slot_mapping_store_ca": tuple(map(str, cfg.ca_ratios)),
                        "kv_ca_index_offset_len": tuple(map(str, cfg.dense_compress_ratios))}
 
-    def shape(self, cfg: MetadataConfig, T: int, n: int) -> _Shape:
-        got = self.shapes.get((T, n))
-        return got if got is not None else self.shapes.put((T, n), _Shape(cfg, T, n, self.ratios))
+    def shape(self, cfg: MetadataConfig, T: int, n: int, width: int) -> _Shape:
+        got = self.shapes.get((T, n, width))
+        return got if got is not None else self.shapes.put((T, n, width), _Shape(cfg, T, n, width, self.ratios))
 
     def target(self, arena: HostArena, shape: _Shape) -> _Target:
         """The :class:`_Target` of a caller's arena (made on its first fill)."""
@@ -140,14 +140,15 @@ def _plan(cfg: MetadataConfig) -> _Plan:
     return p if p is not None else _PLANS.put(cfg, _Plan(cfg))
 
 
-def _make_decode_layout(cfg: MetadataConfig, T: int, n: int, table: FieldTable = FIELDS) -> ArenaLayout:
+def _make_decode_layout(cfg: MetadataConfig, T: int, n: int, width: int, table: FieldTable = FIELDS) -> ArenaLayout:
     """Every decode output (name, shape, dtype), generated from the field table (``table``; a test
     passes one with an extra field): ONE :class:`HostArena` holds them all when the caller passes
     no ``out`` (made once per batch shape, :class:`_Shape`); per-ratio fields are stacked
-    ``[n_ratio, ...]``. Example: 256 rows, 256 sequences, ``MetadataConfig.compressed_swa()`` ->
-    16 fields, ~86 KiB (block_tables [256, 64] int32 is 64 KiB of it)."""
+    ``[n_ratio, ...]``; ``block_tables`` has ``width`` columns. Example: 256 rows, 256 sequences,
+    ``MetadataConfig.compressed_swa()``, the longest table 16 blocks -> 16 fields, ~38 KiB
+    (block_tables [256, 16] int32 is 16 KiB of it)."""
     specs = step_outputs(table, cfg, DECODE)
-    sizes = {"total_q": T, "n_seq": n}
+    sizes = {"total_q": T, "n_seq": n, "table_width": width}
     return ArenaLayout([(s.name, s.resolve(sizes), s.dtype) for s in specs],
                        stacked=[s.name for s in specs if s.keys is not None])
 
@@ -178,7 +179,7 @@ def _out_kind(out: "Out | OutputBuffers") -> Optional[OutputBuffers]:
 
 
 def prepare_decode(
-    seqs: BatchInput, cfg: MetadataConfig, *, out: "Out | OutputBuffers" = None
+    seqs: BatchInput, cfg: MetadataConfig, *, out: "Out | OutputBuffers" = None, table_width: Optional[int] = None
 ) -> InputMetadata:
     """Build decode ``InputMetadata`` (CPU tensors; pinned when CUDA is available).
 
@@ -195,15 +196,24 @@ def prepare_decode(
             :class:`~cpmeta.buffers.OutputBuffers` (caller-owned memory), e.g. a
             :class:`cpmeta.OutputArenas`: one arena per batch shape, refilled every step (the
             cheapest steady state: no tensor is made per call).
+        table_width: ``block_tables``' columns when the caller needs a fixed shape (a CUDA
+            graph; the in-place path's ``max_num_blocks``): from the batch's widest row to
+            ``max_num_blocks``, else ``ValueError``. Default: the widest row (or the columns of
+            ``out["block_tables"]``).
 
     Returns every decode field of docs/design.md section 4 (int32 indices, bool masks, [total_q] rows):
     common fields, ``state_block_idx`` / ``context_lens`` [total_q], ``klen[r]``,
-    ``kv_swa_index_offset_len`` [total_q, 2], ``block_tables`` [total_q, max_num_blocks],
-    ``kv_ca_index_offset_len[n]`` [total_q, 2]. Prompt-only fields are ``None``, and so are the
-    fields of a feature the config switches off (docs/design.md section 14): without compressed KV every
-    per-ratio field; with ``window_size == 0`` ``slot_mapping_store_swa``, ``state_block_idx`` and
-    ``kv_swa_index_offset_len``. A plain config's ``block_tables`` has ``max_num_blocks =
-    blocks_needed(max_model_len)`` columns (``cdiv(max_model_len, block_size)`` unsharded).
+    ``kv_swa_index_offset_len`` [total_q, 2], ``block_tables`` [total_q, width],
+    ``kv_ca_index_offset_len[n]`` [total_q, 2] (offsets ``row * width * (block_size // n)``).
+    Prompt-only fields are ``None``, and so are the fields of a feature the config switches off
+    (docs/design.md section 14): without compressed KV every per-ratio field; with ``window_size
+    == 0`` ``slot_mapping_store_swa``, ``state_block_idx`` and ``kv_swa_index_offset_len``.
+    ``width`` is the batch's widest row (a row is its sequence's table: the longest table cut to
+    ``max_num_blocks``; shorter rows -1 padded), so the bytes follow the batch, not
+    ``max_model_len``; only a row's first ``blocks_needed(seqlen_k)`` ids are defined; a caller
+    that needs a fixed shape (a CUDA graph) passes ``table_width`` or ``out["block_tables"]`` with
+    any width from that up to ``max_num_blocks`` (``cdiv(max_model_len, block_size)`` for a plain
+    unsharded config).
     Raises ``ValueError`` before writing any field when a needed block id is outside ``[0,
     max_block_id]``, or ``sum(seqlen_k)`` or ``total_q * max_num_blocks * (block_size // min(dense
     ratios))`` exceeds int32.
@@ -213,7 +223,16 @@ def prepare_decode(
     n = len(sb)
     T = len(sb.tokens) if sb.lookback == 0 else int(sb.seqlen_q.sum())  # no look-back: one id per row
     plan = _plan(cfg)
-    shape = plan.shape(cfg, T, n)
+    seq = [a if a.dtype == _I64 else a.astype(np.int64) for a in (sb.seqlen_q, sb.seqlen_k, sb.state_id)]
+    bt_off = sb.block_table_offsets if sb.block_table_offsets.dtype == _I64 else sb.block_table_offsets.astype(np.int64)
+    width = decode_width(bt_off, plan.consts)
+    if table_width is not None:
+        width = _fixed_width("table_width", table_width, width, cfg)
+    elif isinstance(out, dict) and out.get("block_tables") is not None:
+        bt = out["block_tables"]
+        width = _fixed_width("out['block_tables']", int(bt.shape[1]) if bt.dim() == 2 else -1, width, cfg,
+                             f"shape {tuple(bt.shape)}")
+    shape = plan.shape(cfg, T, n, width)
     tg: Optional[_Target] = None
     if arenas is not None:  # caller-owned memory: the arena it hands out for this batch shape
         tg = plan.target(arenas.arena(shape.layout), shape)
@@ -224,8 +243,7 @@ def prepare_decode(
     else:  # a caller's dict: the kernel fills scratch bytes, copied into the dict's tensors
         raw, err, info = np.empty(shape.layout.nbytes, np.uint8), np.zeros(4, np.int64), np.zeros(2, np.int64)
     tab = ngram_table(cfg)
-    if decode_fill(*[a if a.dtype == _I64 else a.astype(np.int64) for a in (  # type: ignore[call-arg, arg-type]  # one dtype: one compiled kernel
-            sb.seqlen_q, sb.seqlen_k, sb.state_id)], sb.is_placeholder,
+    if decode_fill(*seq, sb.is_placeholder,  # type: ignore[call-arg, arg-type]  # one dtype: one compiled kernel
             *[a if a.dtype == _I64 else a.astype(np.int64) for a in (
                 sb.tokens, sb.token_offsets, sb.compressed, sb.compressed_offsets, sb.block_tables,
                 sb.block_table_offsets)],
@@ -246,6 +264,17 @@ def prepare_decode(
 #: The batch arrays' dtype the kernel is compiled for (a batch made by ``from_sequences`` or
 #: ``BatchState`` has it; others are converted).
 _I64 = np.dtype(np.int64)
+
+
+def _fixed_width(name: str, cols: int, width: int, cfg: MetadataConfig, got: str = "") -> int:
+    """A caller's fixed ``block_tables`` width ``cols`` (``table_width`` or the columns of
+    ``out["block_tables"]``, e.g. a CUDA graph's buffer): from the batch's widest row ``width`` to
+    ``max_num_blocks``, else a ``ValueError`` naming ``name``."""
+    if not width <= cols <= cfg.max_num_blocks:
+        raise ValueError(
+            f"{name}: expected C columns with the batch's widest row ({width} blocks) <= C <= "
+            f"max_num_blocks ({cfg.max_num_blocks}), got {got or cols}")
+    return cols
 
 
 def _raise(err: np.ndarray, cfg: MetadataConfig) -> None:

@@ -10,8 +10,9 @@ Worked example (block_size 128, ratio 4, W = S = 128, one sequence ``seqlen_q = 
 ``seqlen_k = 8``, state 3, table ``[5]``): positions ``[6, 7]``, context_lens ``[7, 8]``,
 ``klen["4"] = [1, 2]``, row 1 closes compressed token c = 1 -> ``positions_c["4"] = [0, 4]``,
 ``slot_mapping_store_ca["4"] = [-1, 5 * 32 + 1 = 161]``, SWA window of row 1: ``w = 8``, start
-slot ``3 * 128 + 0`` -> ``kv_swa_index_offset_len[1] = (384, 8)``; ``block_tables`` rows ``[5,
--1, ...]``; ``kv_ca_index_offset_len["4"]`` ``[(0, 1), (64 * 32, 2)]`` (64 columns).
+slot ``3 * 128 + 0`` -> ``kv_swa_index_offset_len[1] = (384, 8)``; ``block_tables`` ``[[5], [5]]``
+(the batch's widest row, its longest table: :func:`decode_width`); ``kv_ca_index_offset_len["4"]``
+``[(0, 1), (1 * 32, 2)]``.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from .common_njit import (
     fill_common_rows, fill_cu_seqlens, fill_ngram_rows,
 )
 
-__all__ = ["decode_fill", "decode_consts", "field_offsets", "E_KV_CA_OFFSET", "DECODE_FIELDS"]
+__all__ = ["decode_fill", "decode_width", "decode_consts", "field_offsets", "E_KV_CA_OFFSET", "DECODE_FIELDS"]
 
-#: ``total_q * width * (block_size // min(dense ratios))`` (the last ``kv_ca_index_offset_len``
-#: offset) passes int32: ``err[1]`` total_q, ``err[2]`` the product.
+#: ``total_q * max_num_blocks * (block_size // min(dense ratios))`` (docs/design.md section 3's
+#: bound of the ``kv_ca_index_offset_len`` offsets) passes int32: ``err[1]`` total_q, ``err[2]``
+#: the product.
 E_KV_CA_OFFSET = COMMON_CODES_END
 
 #: The decode fields in the order of :func:`field_offsets` (kernel slot = index here).
@@ -47,22 +49,22 @@ _WIDTH = len(DECODE_FIELDS)
 
 # decode_consts slots
 (_BS, _MINR, _CYCLE, _INTER, _MAXBID, _W, _S, _FORCE, _N, _PAD, _IMG, _HAS_IMG, _LOOKBACK, _NSP, _NCA,
- _NDE) = range(16)
-_RATIOS = 16
+ _NDE, _MNB) = range(17)
+_RATIOS = 17
 
 
 def decode_consts(cfg: MetadataConfig) -> np.ndarray:
     """The config as one int64 array: block_size, min_ratio, KV-CP cycle and interleave,
     max_block_id, W, S (0 without the state cache), force_load_balance, max_ngram_size, pad id,
-    image id, has image, look-back, the counts of sparse / ca / dense ratios, then those ratios.
-    Example: ``MetadataConfig.compressed_swa()`` -> ``[128, 4, 1, 1, 67108863, 128, 128, 0, 0, 0,
-    -1, 0, 0, 1, 1, 1, 4, 4, 4]``."""
+    image id, has image, look-back, the counts of sparse / ca / dense ratios, max_num_blocks, then
+    those ratios. Example: ``MetadataConfig.compressed_swa()`` -> ``[128, 4, 1, 1, 67108863, 128,
+    128, 0, 0, 0, -1, 0, 0, 1, 1, 1, 64, 4, 4, 4]``."""
     img = cfg.image_token_id
     head = [cfg.block_size, cfg.min_ratio, cfg.kv_cp_world_size * cfg.kv_cp_interleave, cfg.kv_cp_interleave,
             cfg.max_block_id, cfg.window_size, cfg.swa_block_size if cfg.has_swa else 0,
             int(cfg.force_load_balance), cfg.max_ngram_size, cfg.ngram_pad_token, -1 if img is None else img,
             int(img is not None), max(cfg.max_ngram_size - 1, 0), len(cfg.sparse_compress_ratios),
-            len(cfg.ca_ratios), len(cfg.dense_compress_ratios)]
+            len(cfg.ca_ratios), len(cfg.dense_compress_ratios), cfg.max_num_blocks]
     c = np.array(head + [*cfg.sparse_compress_ratios, *cfg.ca_ratios, *cfg.dense_compress_ratios], np.int64)
     c.flags.writeable = False
     return c
@@ -71,8 +73,8 @@ def decode_consts(cfg: MetadataConfig) -> np.ndarray:
 def field_offsets(layout: ArenaLayout) -> np.ndarray:
     """Each :data:`DECODE_FIELDS` entry's start in the arena, in elements of its dtype (int32 or
     bool views of the same bytes), -1 for a field the layout lacks; then ``block_tables``'
-    columns. Example: a plain config of block 128, 8192 tokens -> ``positions`` 0, ..., ``klen`` -1,
-    last slot 64."""
+    columns. Example: a plain config's layout with ``block_tables`` [T, 9] -> ``positions`` 0, ...,
+    ``klen`` -1, last slot 9."""
     fo = np.full(_WIDTH + 1, -1, np.int64)
     for k, name in enumerate(DECODE_FIELDS):
         f = layout.fields.get(name)
@@ -84,6 +86,19 @@ def field_offsets(layout: ArenaLayout) -> np.ndarray:
 
 
 @kernel
+def decode_width(bt_off: np.ndarray, k: np.ndarray) -> int:
+    """``block_tables``' columns for a decode batch: its widest row, the longest table cut to
+    ``max_num_blocks`` (a row is its sequence's table; 0 for no sequence). Example:
+    ``max_num_blocks`` 8, tables of 3, 10 and 2 ids (``bt_off = [0, 3, 13, 15]``) -> 8."""
+    width = 0
+    for s in range(bt_off.shape[0] - 1):
+        n = min(bt_off[s + 1] - bt_off[s], k[_MNB])
+        if n > width:
+            width = n
+    return width
+
+
+@kernel
 def decode_fill(seqlen_q: np.ndarray, seqlen_k: np.ndarray, state_id: np.ndarray, is_ph: np.ndarray,
                 tokens: np.ndarray, tok_off: np.ndarray, comp: np.ndarray, comp_off: np.ndarray,
                 bt: np.ndarray, bt_off: np.ndarray, k: np.ndarray, table: np.ndarray, raw: np.ndarray,
@@ -91,8 +106,9 @@ def decode_fill(seqlen_q: np.ndarray, seqlen_k: np.ndarray, state_id: np.ndarray
     """Check and fill one decode batch (``total_q`` rows) into ``raw`` (the arena's uint8 bytes).
 
     Checks first, nothing written before they pass: every needed block id (``blocks_needed``
-    of ``seqlen_k``) in ``[0, max_block_id]``, ``sum(seqlen_k)`` and the last
-    ``kv_ca_index_offset_len`` offset in int32. Then per sequence s, rows ``[r0, r0 + q)``, pos
+    of ``seqlen_k``) in ``[0, max_block_id]``, ``sum(seqlen_k)`` and ``total_q * max_num_blocks *
+    (block_size // min(dense ratios))`` in int32. ``width`` (``block_tables``' columns, the
+    layout's) is at least :func:`decode_width` of the batch. Then per sequence s, rows ``[r0, r0 + q)``, pos
     ``= q_start + j``, ``pos1 = pos + 1``: the common fields (:mod:`.common_njit`),
     ``context_lens = pos1``, with W > 0 ``state_block_idx = state`` and
     ``kv_swa_index_offset_len = (state * S + (pos1 - w) % S, w)``, ``w = min(pos1, W)``;
@@ -138,7 +154,7 @@ def decode_fill(seqlen_q: np.ndarray, seqlen_k: np.ndarray, state_id: np.ndarray
         for a in range(1, nde):
             if k[_RATIOS + nsp + nca + a] < md:
                 md = k[_RATIOS + nsp + nca + a]
-        v = T * width * (bs // md)
+        v = T * k[_MNB] * (bs // md)
         if v > INT32_MAX:
             return fail(err, E_KV_CA_OFFSET, T, v, INT32_MAX)
     # ---- fills
@@ -220,8 +236,9 @@ def _warm() -> None:
 
     cfg = MetadataConfig.compressed_swa()
     specs = step_outputs(FIELDS, cfg, DECODE)
-    lay = ArenaLayout([(s.name, s.resolve({"total_q": 3, "n_seq": 2}), s.dtype) for s in specs])
+    lay = ArenaLayout([(s.name, s.resolve({"total_q": 3, "n_seq": 2, "table_width": 1}), s.dtype) for s in specs])
     i64 = np.int64
+    decode_width(np.array([0, 1, 2], i64), decode_consts(cfg))
     decode_fill(np.array([1, 2], i64), np.array([5, 9], i64), np.array([0, 1], i64), np.zeros(2, np.bool_),
                 np.array([4, 7, 8], i64), np.array([0, 1, 3], i64), np.zeros(0, i64), np.zeros(3, i64),
                 np.array([3, 6], i64), np.array([0, 1, 2], i64), decode_consts(cfg), np.zeros(0, i64),

@@ -107,7 +107,8 @@ def row_specs(cfg: MetadataConfig, table: FieldTable = FIELDS) -> tuple[dict[str
     rows: dict[str, RowSpec] = {}
     seqs: dict[str, torch.dtype] = {}
     for spec in step_outputs(table, cfg, DECODE):
-        first, rest = spec.shape[0], spec.shape[1:]
+        # fixed buffers: block_tables at its most columns (the host builder narrows it to the batch)
+        first, rest = spec.shape[0], tuple(cfg.max_num_blocks if d == "table_width" else d for d in spec.shape[1:])
         if first == "total_q" and all(isinstance(d, int) for d in rest):
             rows[spec.name] = (tuple(int(d) for d in rest), spec.dtype, spec.keys)
         elif spec.shape == ("n_seq+1",):
