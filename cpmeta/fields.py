@@ -21,11 +21,11 @@ sets in the staging header (:func:`staged_ratios`). The broadcast schema reads `
 Shape symbols: ``total_q``, ``n_seq``, ``n_seq+1``, ``rows`` (``total_q``, or ``cp_mirror_len``
 once mirrored), ``rows_n`` (compressed rows of ratio n), ``num_segments``, ``max_table_len``,
 ``width_n``, ``cp_mirror_len``, ``total_q_c``, ``contrib_pad_len``, ``table_width`` (decode
-``block_tables``' columns: the batch's widest row, its longest table cut to ``max_num_blocks``, or
-the columns of a caller's fixed buffer, at most ``max_num_blocks``); config dims ``W``
+``block_tables``' columns: the batch's widest row, its longest table, rounded up to 16 columns,
+or the columns of a caller's fixed buffer; at most ``max_num_blocks``); config dims ``W``
 (``window_size``), ``max_num_blocks``, ``max_ngram_size``; and literal ints. Worked example:
 ``block_tables`` is ``("total_q", "table_width")``; a decode step of 256 rows whose longest table
-holds 9 blocks resolves it to ``(256, 9)``; ``klen`` with sparse ratios ``(4, 8)`` is
+holds 9 blocks resolves it to ``(256, 16)``; ``klen`` with sparse ratios ``(4, 8)`` is
 stacked ``[2, 256]`` under keys ``("4", "8")``.
 
 This module imports torch and :mod:`cpmeta.cache` only (config values are read by attribute).

@@ -206,12 +206,12 @@ def _placeholder_decode() -> NamedCase:
 
 
 def _mtp_drafts() -> NamedCase:
-    # C1: block_tables width 3 = the longest table (max_num_blocks would be 4; a row needs
-    # cdiv(10//4, 16//4) = 1 block). seq0 q=3, k=10: 8 tokens 100..107, drafts
+    # C1: block_tables width = the longest table (3) rounded up to 16, at most max_num_blocks =
+    # cdiv(64//4, 16//4) = 4. seq0 q=3, k=10: 8 tokens 100..107, drafts
     # 900, 901 at pos 8, 9. SWA read: pos 7 -> w 4, start (7-3) % 6 = 4 -> 1*6 + 4 = 10;
     # pos 8 -> start 5: index [6+5, 6+0, 6+1, 6+2] (ring wrap). ratio 4 writes at pos 7
     # (c = 1, slot 3*4 + 1 = 13) and pos 3 of seq1 (c = 0, slot 7*4 = 28).
-    # kv_ca offsets i * 3 * 4; row 1 (offset 12, len 2) -> flat block 3 = row 1 col 0 = 3
+    # kv_ca offsets i * 4 * 4; row 1 (offset 16, len 2) -> flat block 4 = row 1 col 0 = 3
     # -> 3*4 + 0, 3*4 + 1.
     seqs = [_dec(3, 10, [3, 8, 9], 1), _dec(1, 4, [7], 2, tok0=60)]
     return NamedCase("mtp_drafts", C1, seqs, False, {
@@ -226,7 +226,7 @@ def _mtp_drafts() -> NamedCase:
         "slot_mapping_store_ca.4": [13, -1, -1, 28],
         "slot_mapping_store_swa": [7, 8, 9, 15],
         "block_tables": [[3], [3], [3], [7]],
-        "kv_ca_index_offset_len.4": [[0, 2], [12, 2], [24, 2], [36, 1]],
+        "kv_ca_index_offset_len.4": [[0, 2], [16, 2], [32, 2], [48, 1]],
         "kv_ca_index.4[1]": [12, 13] + [-1] * 126,
         "kv_ca_index.4[3]": [28] + [-1] * 127,
         "state_block_idx": [1, 1, 1, 2],
@@ -335,11 +335,11 @@ def _dense_4_128_prompt() -> NamedCase:
 
 
 def _dense_4_128_decode() -> NamedCase:
-    # block_tables width 2 (both tables hold 2 blocks; max_num_blocks would be 4).
+    # block_tables width: 2 blocks rounded up to 16, at most max_num_blocks = cdiv(512//4, 128//4) = 4.
     # Rows: pos 255 (seq0), pos 127, 128 (seq1).
     # ratio 128: pos 255 completes c=1 -> slot 22; pos 127 completes c=0 -> slot 40.
     # ratio 4: pos 255 -> c=63, slot 22*32 + 31 = 735; pos 127 -> c=31, 40*32 + 31 = 1311.
-    # kv_ca ratio 128 row 0: offset 0, len 2 -> [21, 22]; row 2: offset 2*2 -> block row 2 col 0 = 40.
+    # kv_ca ratio 128 row 0: offset 0, len 2 -> [21, 22]; row 2: offset 2*4 -> block row 2 col 0 = 40.
     seqs = [_dec(1, 256, [21, 22], 0), _dec(2, 129, [40, 41], 1)]
     return NamedCase("dense_4_128_sparse_4_decode", R4_128, seqs, False, {
         "positions": [255, 127, 128],
@@ -347,8 +347,8 @@ def _dense_4_128_decode() -> NamedCase:
         "slot_mapping_store_ca.128": [22, 40, -1],
         "positions_c.4": [252, 124, 0],
         "slot_mapping_store_ca.4": [735, 1311, -1],
-        "kv_ca_index_offset_len.128": [[0, 2], [2, 1], [4, 1]],
-        "kv_ca_index_offset_len.4": [[0, 64], [64, 32], [128, 32]],
+        "kv_ca_index_offset_len.128": [[0, 2], [4, 1], [8, 1]],
+        "kv_ca_index_offset_len.4": [[0, 64], [128, 32], [256, 32]],
         "kv_ca_index.128[0]": [21, 22] + [-1] * 126,
         "kv_ca_index.128[2]": [40] + [-1] * 127,
         "kv_ca_index.4[0]": [21 * 32 + p for p in range(32)] + [22 * 32 + p for p in range(32)] + [-1] * 64,

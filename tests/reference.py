@@ -12,7 +12,8 @@ dict field over an empty ratio set (e.g. ``klen`` without sparse ratios) is ``{}
 decode ``block_tables`` holds, per row, only the DEFINED prefix of the row (its first
 ``ref_defined_block_columns(seqlen_k, cfg)`` entries); the tensor has ``table_width`` columns (a
 decode reference's one key that is not a field: ``ref_decode_width(seqs, cfg)``, the batch's
-longest table cut to ``max_num_blocks``, or a caller's fixed width) and the rest are unspecified.
+longest table rounded up to 16 columns, at most ``max_num_blocks``, or a caller's fixed width) and
+the rest are unspecified.
 
 Functions: :func:`ref_prepare_prompt`, :func:`ref_prepare_decode` (section 4) and
 :func:`ref_compute_attn_info` (section 5, returns a new dict with the derived fields filled).
@@ -84,9 +85,11 @@ def ref_max_num_blocks(cfg: MetadataConfig) -> int:
 
 
 def ref_decode_width(seqs: Sequence[SequenceMetadata], cfg: MetadataConfig) -> int:
-    """Columns of decode ``block_tables``: the widest row, i.e. the longest table cut to
-    ``max_num_blocks`` (a row is the sequence's table; 0 for no sequence)."""
-    return max((min(len(seq.block_table), ref_max_num_blocks(cfg)) for seq in seqs), default=0)
+    """Columns of decode ``block_tables``: the widest row (the longest table; a row is the
+    sequence's table) rounded up to a multiple of 16, at most ``ref_max_num_blocks(cfg)`` (0 for
+    no sequence)."""
+    widest = max((len(seq.block_table) for seq in seqs), default=0)
+    return min(_cdiv(widest, 16) * 16, ref_max_num_blocks(cfg))
 
 
 def ref_defined_block_columns(seqlen_k: int, cfg: MetadataConfig) -> int:

@@ -304,8 +304,8 @@ def _decode_rows(total_q: int, per_seq: int = 8) -> list[SequenceMetadata]:
 def test_decode_kv_ca_offset_overflow_bound() -> None:
     # dense ratio 1, block 4096, max_model_len 2**20: max_num_blocks 256, the bound (docs/design.md
     # section 3) is total_q * 256 * 4096 = total_q * 2**20 <= 2**31 - 1: at most 2047 rows, whatever
-    # the batch's table width. Each row here needs 1 block, so the offsets advance by 1 * 4096 a row;
-    # a caller's full-width block_tables (out=, 256 columns) makes them reach the bound.
+    # the batch's table width. Each table here holds 1 block (width 16), so the offsets advance by
+    # 16 * 4096 a row; a caller's full-width block_tables (out=, 256 columns) makes them reach the bound.
     cfg = MetadataConfig(block_size=4096, window_size=4, swa_block_size=4, dense_compress_ratios=(1,),
                          sparse_compress_ratios=(), max_model_len=2**20)
     with pytest.raises(ValueError, match=_OVERFLOW_MSG) as err:
@@ -313,8 +313,8 @@ def test_decode_kv_ca_offset_overflow_bound() -> None:
     assert re.search(r"max_model_len|dense_compress_ratios|block_size", str(err.value))
     seqs = _decode_rows(2047)
     md = cpmeta.prepare_decode(seqs, cfg)
-    assert md.block_tables.shape == (2047, 1)
-    assert md.kv_ca_index_offset_len["1"][-1].tolist() == [2046 * 4096, 7]  # last row: pos 6 of a 7-row seq
+    assert md.block_tables.shape == (2047, 16)
+    assert md.kv_ca_index_offset_len["1"][-1].tolist() == [2046 * 16 * 4096, 7]  # last row: pos 6 of a 7-row seq
     md = cpmeta.prepare_decode(seqs, cfg, out={"block_tables": torch.zeros(2047, 256, dtype=torch.int32)})
     assert md.kv_ca_index_offset_len["1"][-1].tolist() == [2046 * 2**20, 7]
 

@@ -51,8 +51,8 @@ def test_decode_docstring_example() -> None:
     assert md.slot_mapping_store_ca["4"].tolist() == [-1, 161]
     assert md.kv_swa_index_offset_len.tolist() == [[384, 7], [384, 8]]
     assert md.block_tables[:, 0].tolist() == [5, 5]
-    assert md.block_tables.shape == (2, 1)  # the batch's widest row, not max_num_blocks (64)
-    assert md.kv_ca_index_offset_len["4"].tolist() == [[0, 1], [1 * 32, 2]]
+    assert md.block_tables.shape == (2, 16)  # the widest row (1) rounded up to 16, not max_num_blocks (64)
+    assert md.kv_ca_index_offset_len["4"].tolist() == [[0, 1], [16 * 32, 2]]
     assert md.ks is None and md.load_segments_swa is None and md.ngram_token_ids is None
 
 
@@ -397,32 +397,31 @@ def test_decode_block_tables_carry_the_whole_table() -> None:
 
 
 def test_decode_block_tables_are_as_wide_as_the_batch() -> None:
-    """``block_tables`` has the batch's widest row's columns (the longest table), not
-    ``max_num_blocks``; a caller's fixed ``out["block_tables"]`` may be wider, up to
-    ``max_num_blocks``, and then the offsets of ``kv_ca_index_offset_len`` follow its width; a
-    narrower or wider one is refused naming the field. The expansion reads the same slots either
-    way."""
-    cfg = MetadataConfig.compressed_swa(max_model_len=1024, dense_compress_ratios=(4, 128))  # max_num_blocks 8
-    seqs = [_seq(1, 130, state=0, prompt=False, table=[10, 11]), _seq(2, 300, state=1, prompt=False, table=[5, 6, 7])]
-    md = prepare_decode(seqs, cfg)
-    assert md.block_tables.tolist() == [[10, 11, -1], [5, 6, 7], [5, 6, 7]]
-    assert md.kv_ca_index_offset_len["4"][:, 0].tolist() == [0, 3 * 32, 2 * 3 * 32]
-    for cols in (3, 5, 8):
-        fixed = prepare_decode(seqs, cfg, out={"block_tables": torch.zeros(3, cols, dtype=torch.int32)})
-        assert fixed.block_tables.shape == (3, cols)
-        assert fixed.block_tables[:, :3].tolist() == md.block_tables.tolist()
-        assert fixed.block_tables[:, 3:].eq(-1).all()
-        assert fixed.kv_ca_index_offset_len["4"][:, 0].tolist() == [0, cols * 32, 2 * cols * 32]
-        compute_attn_info(fixed, cfg)
-        compute_attn_info(md, cfg)
-        for n in ("4", "128"):
-            assert torch.equal(fixed.kv_ca_index[n], md.kv_ca_index[n])
-        md = prepare_decode(seqs, cfg)
-    for cols in (2, 9):
-        with pytest.raises(ValueError, match=r"out\['block_tables'\].*widest row \(3 blocks\).*max_num_blocks \(8\)"):
+    """``block_tables`` has the batch's widest row's columns (the longest table) rounded up to 16,
+    not ``max_num_blocks``; a caller's fixed width (``table_width=`` or ``out["block_tables"]``)
+    may be anything from the widest row to ``max_num_blocks``, and the offsets of
+    ``kv_ca_index_offset_len`` follow it; a narrower or wider one is refused naming it. The
+    expansion reads the same slots at every width."""
+    cfg = MetadataConfig.compressed_swa(dense_compress_ratios=(4, 128))  # max_num_blocks 64
+    tables = [list(range(10, 27)), [5, 6, 7]]  # the widest row: 17 blocks
+    seqs = [_seq(1, 130, state=0, prompt=False, table=tables[0]), _seq(2, 300, state=1, prompt=False, table=tables[1])]
+    md = prepare_decode(seqs, cfg).compute_attn_info(cfg)
+    assert md.block_tables.tolist() == [t + [-1] * (32 - len(t)) for t in (tables[0], tables[1], tables[1])]
+    assert md.kv_ca_index_offset_len["4"][:, 0].tolist() == [0, 32 * 32, 2 * 32 * 32]
+    few = prepare_decode(seqs[1:], cfg)
+    assert few.block_tables.shape == (2, 16)
+    for cols in (17, 20, 64):
+        for fixed in (prepare_decode(seqs, cfg, out={"block_tables": torch.zeros(3, cols, dtype=torch.int32)}),
+                      prepare_decode(seqs, cfg, table_width=cols)):
+            assert fixed.block_tables.shape == (3, cols)
+            assert fixed.block_tables[:, :17].tolist() == md.block_tables[:, :17].tolist()
+            assert fixed.block_tables[:, 17:].eq(-1).all()
+            assert fixed.kv_ca_index_offset_len["4"][:, 0].tolist() == [0, cols * 32, 2 * cols * 32]
+            fixed.compute_attn_info(cfg)
+            for n in ("4", "128"):
+                assert torch.equal(fixed.kv_ca_index[n], md.kv_ca_index[n])
+    for cols in (16, 65):
+        with pytest.raises(ValueError, match=r"out\['block_tables'\].*widest row \(17 blocks\).*max_num_blocks \(64\)"):
             prepare_decode(seqs, cfg, out={"block_tables": torch.zeros(3, cols, dtype=torch.int32)})
-    fixed = prepare_decode(seqs, cfg, table_width=8)
-    assert fixed.block_tables.shape == (3, 8) and fixed.kv_ca_index_offset_len["4"][1, 0].item() == 8 * 32
-    for cols in (2, 9):
-        with pytest.raises(ValueError, match=rf"table_width: .*widest row \(3 blocks\).*max_num_blocks \(8\), got {cols}"):
+        with pytest.raises(ValueError, match=rf"table_width: .*widest row \(17 blocks\).*max_num_blocks \(64\), got {cols}"):
             prepare_decode(seqs, cfg, table_width=cols)

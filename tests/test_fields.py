@@ -72,7 +72,7 @@ def test_table_predicts_fields_dtypes_and_decode_shapes(seed: int) -> None:
     dec = cpmeta.prepare_decode(dec_seqs, cfg)
     assert _present(pre) == set(present_fields(FIELDS, cfg, PROMPT))
     assert _present(dec) == set(present_fields(FIELDS, cfg, DECODE))
-    width = max(min(len(s.block_table), cfg.max_num_blocks) for s in dec_seqs)  # the widest row
+    width = min(-(-max(len(s.block_table) for s in dec_seqs) // 16) * 16, cfg.max_num_blocks)  # the widest row
     sizes = {"total_q": dec.total_q, "n_seq": dec.num_seqs, "table_width": width}
     for spec in step_outputs(FIELDS, cfg, DECODE):  # the generated decode outputs have these shapes
         v = getattr(dec, spec.name)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..config import MetadataConfig
-from ..constants import INT32_MAX
+from ..constants import INT32_MAX, TABLE_WIDTH_ALIGN
 from ..cache import BoundedCache, IdentityCache
 from ..fields import DECODE, FieldTable, stacked_fields, step_outputs
 from ..metadata import FIELDS, InputMetadata
@@ -198,8 +198,8 @@ def prepare_decode(
             cheapest steady state: no tensor is made per call).
         table_width: ``block_tables``' columns when the caller needs a fixed shape (a CUDA
             graph; the in-place path's ``max_num_blocks``): from the batch's widest row to
-            ``max_num_blocks``, else ``ValueError``. Default: the widest row (or the columns of
-            ``out["block_tables"]``).
+            ``max_num_blocks``, else ``ValueError``. Default: the widest row rounded up to 16
+            columns (or the columns of ``out["block_tables"]``).
 
     Returns every decode field of docs/design.md section 4 (int32 indices, bool masks, [total_q] rows):
     common fields, ``state_block_idx`` / ``context_lens`` [total_q], ``klen[r]``,
@@ -208,7 +208,8 @@ def prepare_decode(
     Prompt-only fields are ``None``, and so are the fields of a feature the config switches off
     (docs/design.md section 14): without compressed KV every per-ratio field; with ``window_size
     == 0`` ``slot_mapping_store_swa``, ``state_block_idx`` and ``kv_swa_index_offset_len``.
-    ``width`` is the batch's widest row (a row is its sequence's table: the longest table cut to
+    ``width`` is the batch's widest row (a row is its sequence's table: the longest table, cut to
+    ``max_num_blocks``) rounded up to a multiple of 16 (``TABLE_WIDTH_ALIGN``, at most
     ``max_num_blocks``; shorter rows -1 padded), so the bytes follow the batch, not
     ``max_model_len``; only a row's first ``blocks_needed(seqlen_k)`` ids are defined; a caller
     that needs a fixed shape (a CUDA graph) passes ``table_width`` or ``out["block_tables"]`` with
@@ -225,12 +226,13 @@ def prepare_decode(
     plan = _plan(cfg)
     seq = [a if a.dtype == _I64 else a.astype(np.int64) for a in (sb.seqlen_q, sb.seqlen_k, sb.state_id)]
     bt_off = sb.block_table_offsets if sb.block_table_offsets.dtype == _I64 else sb.block_table_offsets.astype(np.int64)
-    width = decode_width(bt_off, plan.consts)
+    widest = min(decode_width(bt_off), cfg.max_num_blocks)
+    width = min(-(-widest // TABLE_WIDTH_ALIGN) * TABLE_WIDTH_ALIGN, cfg.max_num_blocks)
     if table_width is not None:
-        width = _fixed_width("table_width", table_width, width, cfg)
+        width = _fixed_width("table_width", table_width, widest, cfg)
     elif isinstance(out, dict) and out.get("block_tables") is not None:
         bt = out["block_tables"]
-        width = _fixed_width("out['block_tables']", int(bt.shape[1]) if bt.dim() == 2 else -1, width, cfg,
+        width = _fixed_width("out['block_tables']", int(bt.shape[1]) if bt.dim() == 2 else -1, widest, cfg,
                              f"shape {tuple(bt.shape)}")
     shape = plan.shape(cfg, T, n, width)
     tg: Optional[_Target] = None

@@ -10,9 +10,9 @@ Worked example (block_size 128, ratio 4, W = S = 128, one sequence ``seqlen_q = 
 ``seqlen_k = 8``, state 3, table ``[5]``): positions ``[6, 7]``, context_lens ``[7, 8]``,
 ``klen["4"] = [1, 2]``, row 1 closes compressed token c = 1 -> ``positions_c["4"] = [0, 4]``,
 ``slot_mapping_store_ca["4"] = [-1, 5 * 32 + 1 = 161]``, SWA window of row 1: ``w = 8``, start
-slot ``3 * 128 + 0`` -> ``kv_swa_index_offset_len[1] = (384, 8)``; ``block_tables`` ``[[5], [5]]``
-(the batch's widest row, its longest table: :func:`decode_width`); ``kv_ca_index_offset_len["4"]``
-``[(0, 1), (1 * 32, 2)]``.
+slot ``3 * 128 + 0`` -> ``kv_swa_index_offset_len[1] = (384, 8)``; ``block_tables`` ``[[5, -1, ..],
+[5, -1, ..]]`` (16 columns: the batch's widest row rounded up, ``prepare_decode``);
+``kv_ca_index_offset_len["4"]`` ``[(0, 1), (16 * 32, 2)]``.
 """
 
 from __future__ import annotations
@@ -86,13 +86,12 @@ def field_offsets(layout: ArenaLayout) -> np.ndarray:
 
 
 @kernel
-def decode_width(bt_off: np.ndarray, k: np.ndarray) -> int:
-    """``block_tables``' columns for a decode batch: its widest row, the longest table cut to
-    ``max_num_blocks`` (a row is its sequence's table; 0 for no sequence). Example:
-    ``max_num_blocks`` 8, tables of 3, 10 and 2 ids (``bt_off = [0, 3, 13, 15]``) -> 8."""
+def decode_width(bt_off: np.ndarray) -> int:
+    """The batch's widest ``block_tables`` row: its longest table (a row is its sequence's table;
+    0 for no sequence). Example: tables of 3, 20 and 2 ids (``bt_off = [0, 3, 23, 25]``) -> 20."""
     width = 0
     for s in range(bt_off.shape[0] - 1):
-        n = min(bt_off[s + 1] - bt_off[s], k[_MNB])
+        n = bt_off[s + 1] - bt_off[s]
         if n > width:
             width = n
     return width
@@ -238,7 +237,7 @@ def _warm() -> None:
     specs = step_outputs(FIELDS, cfg, DECODE)
     lay = ArenaLayout([(s.name, s.resolve({"total_q": 3, "n_seq": 2, "table_width": 1}), s.dtype) for s in specs])
     i64 = np.int64
-    decode_width(np.array([0, 1, 2], i64), decode_consts(cfg))
+    decode_width(np.array([0, 1, 2], i64))
     decode_fill(np.array([1, 2], i64), np.array([5, 9], i64), np.array([0, 1], i64), np.zeros(2, np.bool_),
                 np.array([4, 7, 8], i64), np.array([0, 1, 3], i64), np.zeros(0, i64), np.zeros(3, i64),
                 np.array([3, 6], i64), np.array([0, 1, 2], i64), decode_consts(cfg), np.zeros(0, i64),
