@@ -17,6 +17,10 @@
 #   bash scripts/gpu_session.sh arena        # GPU tests of the arenas / broadcast, then this tree against .alt
 #                                            # (broadcast, replicate-defer, mq-replicate; worlds 2 and 8)
 #   bash scripts/gpu_session.sh warmbuild    # GPU tests, then this tree against .alt2 (an experiment) and .alt
+#   bash scripts/gpu_session.sh width        # GPU tests of every decode path (block_tables' width), the CP
+#                                            # attention check, the broadcast's phases at world 8
+#   bash scripts/gpu_session.sh widthab      # the host's cores: this tree against .alt, plain worlds 2 and 8
+#                                            # (alt, this, this, alt), then seed world 8 (this, alt)
 #   bash scripts/gpu_session.sh compare      # the host's cores, before / after in one run: the commit in
 #                                            # .baseline (git archive REV | tar -x -C .baseline; carry it)
 #                                            # and this tree, end-to-end step (plain and compressed-KV
@@ -194,6 +198,31 @@ warmbuild)  # ~9 min: GPU tests of the arenas / builders / in-place paths, then 
   done
   rm -f "$OUT"/*.png  # the device tool brings back at most 8 files
   ;;
+width)  # ~8 min: every decode path on the GPU after block_tables became as wide as the batch, the
+  # CP attention check on NCCL (decode reads KV through the narrowed tables), the broadcast's phases
+  TAILN=6 step gpu_tests 260 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu or triton or graph or nccl" \
+    tests/test_builders.py tests/test_builders_smoke.py tests/test_decode_inplace.py tests/test_cuda_graph.py \
+    tests/test_gpu_broadcast.py tests/test_broadcast_persistent.py tests/test_stage_decode.py \
+    tests/test_kv_read_plan.py tests/test_persistent_policy.py tests/test_batch_state.py
+  TAILN=4 step gpu_decode_cp 150 python3 -m pytest -q -p no:cacheprovider tests/test_decode_cp.py \
+    tests/test_decode_capacity.py tests/test_replicate_inplace.py
+  TAILN=3 step attn_nccl1_seed 60 python3 -m cpmeta.launch --backend nccl --nproc-per-node 1 --model seed --workload mixed --cp-mirror --verify --attention-check --kv-interleave 16 --steps 12 --decode-seqs 16
+  TAILN=3 step attn_gloo_cuda0_cp3_plain 90 python3 -m cpmeta.launch --backend gloo --device cuda --nproc-per-node 3 --model plain --workload mixed --cp-mirror --verify --attention-check --kv-interleave 16 --steps 12 --decode-seqs 16 --strategy broadcast
+  TAILN=30 step profile_w8 80 python3 scripts/profile_phases.py broadcast --world 8 --payload decode-64 --persistent --begin-step --steps 200
+  ;;
+widthab)  # ~9 min: this tree against .alt (git archive REV | tar -x -C .alt), plain worlds 2 and 8, runs
+  # ordered alt, this, this, alt, then the seed config at world 8 (this, alt)
+  MQ=""; [ -d mq_bundle312 ] && MQ=":$PWD/mq_bundle312"
+  for R in . .alt; do [ -d $R/scripts ] && (cd $R && PYTHONPATH=$PWD python3 -c 'import cpmeta.jit as j; j.warm_all()'); done
+  for V in plain:alt:1 plain:default:1 plain:default:2 plain:alt:2 seed:default:1 seed:alt:1; do
+    IFS=: read -r M T N <<<"$V"; ROOT=$PWD; [ $T = alt ] && ROOT=$PWD/.alt; [ -d "$ROOT/scripts" ] || continue
+    WS="2 8"; [ $M = seed ] && WS="8"
+    TAILN=4 step wab_${M}_${T}_$N 90 env PYTHONPATH="$ROOT$MQ" VLLM_TARGET_DEVICE=cpu python3 "$ROOT/scripts/bench_step.py" \
+      --model $M --worlds $WS --workloads decode-64 decode-256 --strategies broadcast replicate-defer mq-replicate \
+      --steps 40 --warmup 6 --budget 3 --no-cold --out "$OUT/h200_wire.width-$M-$T-$N.json"
+  done
+  rm -f "$OUT"/*.png  # the device tool brings back at most 8 files
+  ;;
 short)  # ~9 min when the device time is short: the GPU tests, then compare's end-to-end step trimmed
   TAILN=8 step gpu_tests 240 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu or triton or graph or nccl" \
     tests/test_builders.py tests/test_builders_smoke.py tests/test_decode_inplace.py tests/test_cuda_graph.py \
@@ -211,7 +240,7 @@ short)  # ~9 min when the device time is short: the GPU tests, then compare's en
   done
   ;;
 *)
-  echo "unknown suite $SUITE: expected tests, bench-gpu, bench-cpu, compare, wire, replay, warm, rwarm, arena, warmbuild or short" >&2; exit 2
+  echo "unknown suite $SUITE: expected tests, bench-gpu, bench-cpu, compare, wire, replay, warm, rwarm, arena, warmbuild, width, widthab or short" >&2; exit 2
   ;;
 esac
 # one file for every log (the device tool brings back at most 8 files)
