@@ -79,7 +79,7 @@ def _capture(fn: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
 
 
 def _fresh(seqs: list[SequenceMetadata], kv: torch.Tensor) -> tuple[InputMetadata, torch.Tensor]:
-    ref = prepare_decode(seqs, CFG).to("cuda").compute_attn_info(CFG)
+    ref = prepare_decode(seqs, CFG, table_width=CFG.max_num_blocks).to("cuda").compute_attn_info(CFG)  # the graph's width
     return ref, _consumer(ref, kv)
 
 
