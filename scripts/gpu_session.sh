@@ -55,7 +55,7 @@ tests)  # ~9 min: GPU tests of every device path, NCCL / gloo-on-cuda launch che
     tests/test_broadcast_multirank.py tests/test_slot_mapping_groups.py tests/test_kv_read_plan.py \
     tests/test_broadcast_persistent.py tests/test_stage_decode.py tests/test_batch_state.py
   # in-place decode across ranks: the staged broadcast and the replicated in-place path; overlap
-  TAILN=4 step gpu_decode_cp 150 python3 -m pytest -q -p no:cacheprovider tests/test_decode_cp.py \
+  TAILN=4 step gpu_decode_cp 240 python3 -m pytest -q -p no:cacheprovider tests/test_decode_cp.py \
     tests/test_decode_capacity.py tests/test_replicate_inplace.py tests/test_overlap.py
   TAILN=3 step attn_nccl1_seed 60 python3 -m cpmeta.launch --backend nccl --nproc-per-node 1 --model seed --workload mixed --cp-mirror --verify --attention-check --kv-interleave 16 --steps 12 --decode-seqs 16
   for S in broadcast replicate; do  # the bf16 CP attention check, gloo ranks sharing cuda:0
