@@ -7,8 +7,9 @@ One step::
     GPU   _decode_metadata_kernel  (one program per sequence + tail programs; all ratios)
           _decode_block_tables_kernel (one program per sequence)
 
-The result equals :func:`cpmeta.prepare_decode` field by field (``metadata_diff(..., cfg=cfg)``;
-undefined ``block_tables`` columns excepted). Per-ratio fields (``klen``, ``positions_c``,
+The result equals :func:`cpmeta.prepare_decode` at the buffers' table width
+(``prepare_decode(seqs, cfg, table_width=cfg.max_num_blocks)``) field by field
+(``metadata_diff(..., cfg=cfg)``; undefined ``block_tables`` columns excepted). Per-ratio fields (``klen``, ``positions_c``,
 ``slot_mapping_store_ca``, ``kv_ca_index_offset_len``) are row views of ONE stacked
 ``[n_ratio, q_cap, ...]`` buffer each. With ``out`` holding buffers of a larger batch every write
 lands in their prefixes (no allocation, unchanged ``data_ptr``); rows past ``total_q`` get inert
@@ -163,7 +164,8 @@ def prepare_decode_inplace(
     staging: Optional[DecodeStaging] = None,
     use_graph: bool = True,
 ) -> InputMetadata:
-    """Decode ``InputMetadata`` on ``device``, equal to ``prepare_decode(seqs, cfg)`` moved there.
+    """Decode ``InputMetadata`` on ``device``, equal to ``prepare_decode(seqs, cfg,
+    table_width=cfg.max_num_blocks)`` moved there (the in-place buffers' fixed table width).
 
     Args:
         seqs, cfg: as for :func:`cpmeta.prepare_decode` (same validation and error messages).
