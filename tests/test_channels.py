@@ -322,3 +322,28 @@ def test_tensor_channel_stall_is_bounded_by_its_timeout(sleeper: int) -> None:
     out = run_ranks(_tensor_channel_stall, 2, sleeper, timeout=200)
     err, dt = out[1 - sleeper]
     assert f"awaited rank(s) [{sleeper}]" in err and dt < 3.0, out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_coalesced_buffer_is_laid_by_the_frame_rule(seed: int) -> None:
+    """``coalesce.plan``: a dtype run starts 16-aligned, a run's tensors lie back to back, and
+    tensors of the frame's dtypes given in dtype runs lie exactly where a builder arena / a frame
+    region puts them (``ArenaLayout``: the one rule). Random descriptors of every codec dtype,
+    empty tensors too."""
+    from cpmeta.buffers import DTYPE_CODE, ArenaLayout
+    from cpmeta.transport.coalesce import plan
+
+    rng = random.Random(seed)
+    pool = ["bool", "int32", *rng.sample(sorted(DTYPES), 2)]  # few dtypes: runs of several tensors
+    descs = [TensorDesc(DTYPES[rng.choice(pool)], tuple(rng.randrange(0, 7) for _ in range(rng.randrange(1, 3))))
+             for _ in range(rng.randrange(4, 16))]
+    offsets, total = plan(descs, 40)
+    for i, (d, off) in enumerate(zip(descs, offsets)):
+        same_run = i > 0 and descs[i - 1].dtype == d.dtype
+        assert off == (offsets[i - 1] + descs[i - 1].nbytes if same_run else -(-(offsets[i - 1] + descs[i - 1].nbytes if i else 40) // 16) * 16)
+        assert off % d.dtype.itemsize == 0
+    assert total % 16 == 0 and total >= offsets[-1] + descs[-1].nbytes
+    runs = sorted((d for d in descs if d.dtype in DTYPE_CODE), key=lambda d: DTYPE_CODE[d.dtype])  # a frame's order
+    lay = ArenaLayout([(str(i), d.shape, d.dtype) for i, d in enumerate(runs)])
+    want = [lay.fields[str(i)][0] * d.dtype.itemsize for i, d in enumerate(runs)]
+    assert plan(runs, 0)[0] == want

@@ -1,7 +1,14 @@
-"""Coalesced tensor buffers: one uint8 buffer, every tensor at a 16-byte aligned offset.
+"""Coalesced tensor buffers: one uint8 buffer, tensors laid by the frame's rule.
 
-Worked example: descriptors int32[3] (12 B), bool[5] (5 B), float64[0] (0 B), start 40:
-offsets = [48, 64, 80] (each rounded up to a multiple of 16), total = 80.
+The rule (the one every cpmeta frame and builder arena uses, ``cpmeta.buffers.ArenaLayout``):
+a run of tensors of one dtype starts at a 16-byte aligned offset, the tensors of a run lie back
+to back (each at a multiple of its itemsize, since sizes are); a new run starts where the dtype
+changes. Tensors given in dtype runs (as a frame's region orders them) therefore lie exactly
+where the frame puts them.
+
+Worked example: descriptors int32[3] (12 B), int32[2] (8 B), bool[5] (5 B), float64[0] (0 B),
+start 40: offsets = [48, 60, 80, 96] (the int32 run at 48, back to back; bool at the next 16;
+float64 at the next 16), total = 96.
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ from .codec import TensorDesc
 
 __all__ = ["ALIGN", "align_up", "plan", "views_of", "copy_into", "tensor_memoryview"]
 
-ALIGN = 16  # byte alignment of every tensor inside a coalesced buffer (>= every itemsize)
+ALIGN = 16  # byte alignment of every dtype run inside a coalesced buffer (>= every itemsize)
 
 
 def align_up(n: int, align: int = ALIGN) -> int:
@@ -24,12 +31,15 @@ def align_up(n: int, align: int = ALIGN) -> int:
 
 
 def plan(descs: Sequence[TensorDesc], start: int = 0) -> tuple[list[int], int]:
-    """Byte offsets of each tensor and the total buffer size (see the module example)."""
-    offsets, off = [], align_up(start)
+    """Byte offsets of each tensor and the total buffer size, the end of the last run rounded up
+    to :data:`ALIGN` (see the module example)."""
+    offsets, off, run = [], start, None
     for d in descs:
+        if d.dtype != run:
+            off, run = align_up(off), d.dtype
         offsets.append(off)
-        off = align_up(off + d.nbytes)
-    return offsets, off
+        off += d.nbytes
+    return offsets, align_up(off)
 
 
 def views_of(buf: torch.Tensor, descs: Sequence[TensorDesc], offsets: Sequence[int]) -> list[torch.Tensor]:

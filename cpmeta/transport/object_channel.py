@@ -9,7 +9,7 @@ Packed frame of :meth:`ObjectChannel.broadcast_packed` (one ring message)::
     0        8              8+H     align16                                     total
     +--------+--------------+-------+---------+---+---------+---+-----------------+
     | H (u64)| codec header | zeros | tensor 0|pad| tensor 1|pad| ...             |
-    |        | [obj, descs] |       | (16-aligned offsets from coalesce.plan)      |
+    |        | [obj, descs] |       | (dtype runs 16-aligned: coalesce.plan)       |
     +--------+--------------+-------+---------+---+---------+---+-----------------+
 """
 

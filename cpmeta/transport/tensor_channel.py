@@ -5,7 +5,7 @@ Buffer layout (uint8, on ``device``)::
     0       4       8              16                                          total
     +-------+-------+--------------+---------+---+---------+---+---------------+
     | crc32 | count | total (u64)  | tensor 0|pad| tensor 1|pad| ...           |
-    | of the specs  |              | (16-byte aligned offsets: coalesce.plan)  |
+    | of the specs  |              | (dtype runs 16-aligned: coalesce.plan)    |
     +-------+-------+--------------+---------+---+---------+---+---------------+
 
 The 16-byte header lets followers detect that the specs they passed differ from the source's
