@@ -318,8 +318,11 @@ def _copy_into(path: str, dst: Any, src: torch.Tensor) -> None:
     if not isinstance(dst, torch.Tensor):
         raise ValueError(f"{path}: no destination tensor to copy into (got {type(dst).__name__})")
     if dst.shape != src.shape or dst.dtype != src.dtype:
+        hint = ("; decode block_tables follow the batch's widest row: build with "
+                "prepare_decode(..., table_width=<the destination's columns>) for fixed shapes"
+                if path == "block_tables" and dst.dim() == src.dim() == 2 and dst.shape[0] == src.shape[0] else "")
         raise ValueError(
             f"{path}: expected {tuple(dst.shape)} {dst.dtype} like the destination, "
-            f"got {tuple(src.shape)} {src.dtype}"
+            f"got {tuple(src.shape)} {src.dtype}{hint}"
         )
     dst.copy_(src, non_blocking=dst.device.type != "cpu")  # into host memory: wait for the bytes

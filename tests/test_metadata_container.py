@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import cpmeta
 from cpmeta import InputMetadata, get_or_create_stacked, get_or_create_tensor
 
 # Field catalog from docs/design.md sections 4, 5 and 8, written out independently of metadata.py.
@@ -272,3 +273,17 @@ def test_tensors_yields_flattened_paths() -> None:
     t = torch.zeros(1)
     md = InputMetadata(positions=t, klen={"4": t}, ks={}, total_q=1)
     assert [(p, x is t) for p, x in md.tensors()] == [("positions", True), ("klen.4", True)]
+
+
+def test_recursive_copy_into_a_fixed_width_table_names_table_width() -> None:
+    """A graph's static metadata holds block_tables at a fixed width; a fresh build at the batch's
+    width does not fit it, and the error says how to build one that does."""
+    cfg = cpmeta.MetadataConfig(block_size=16, max_model_len=1024, window_size=0, dense_compress_ratios=(),
+                                sparse_compress_ratios=())
+    seqs = [cpmeta.SequenceMetadata(seqlen_q=1, seqlen_k=40, block_table=[1, 2, 3], state_id=0,
+                                    token_ids=list(range(40)))]
+    static = cpmeta.prepare_decode(seqs, cfg, table_width=cfg.max_num_blocks)
+    with pytest.raises(ValueError, match=r"block_tables: expected \(1, 64\).*got \(1, 16\).*table_width="):
+        static.recursive_copy_(cpmeta.prepare_decode(seqs, cfg))
+    static.recursive_copy_(cpmeta.prepare_decode(seqs, cfg, table_width=cfg.max_num_blocks))
+    assert static.block_tables[0, :4].tolist() == [1, 2, 3, -1]
