@@ -314,8 +314,14 @@ def broadcast_run(args: argparse.Namespace) -> dict[str, float]:
         [(times[1][i][3] - publish[i]) / 1e3 for i in range(len(start))])
     res["X follower 1 busy (done - sees message)"] = _p50(
         [(times[1][i][1] - times[1][i][3]) / 1e3 for i in range(len(start))])
+    # driver call = after the park: with --begin-step it includes begin_step and --build-us
     res["X last rank done - driver call"] = _p50(
         [(max(times[r][i][1] for r in range(args.world)) - start[i]) / 1e3 for i in range(len(start))])
+    res["X driver's call done - driver call"] = _p50([(times[0][i][1] - start[i]) / 1e3 for i in range(len(start))])
+    for r in range(1, args.world):  # each follower: is the last one a straggler, or are all late?
+        res[f"X follower {r} sees message - driver publish"] = _p50(
+            [(times[r][i][3] - publish[i]) / 1e3 for i in range(len(start))])
+        res[f"X follower {r} done - driver call"] = _p50([(times[r][i][1] - start[i]) / 1e3 for i in range(len(start))])
     return res
 
 
