@@ -23,7 +23,7 @@ import torch
 from ..config import MetadataConfig
 from ..constants import INT32_MAX, TABLE_WIDTH_ALIGN
 from ..cache import BoundedCache, IdentityCache
-from ..fields import DECODE, FieldTable, stacked_fields, step_outputs
+from ..fields import DECODE, FieldTable, OutputSpec, stacked_fields, step_outputs
 from ..metadata import FIELDS, InputMetadata
 from ..buffers import ArenaLayout, HostArena, OutputBuffers, get_or_create_stacked, get_or_create_tensor
 from .batch_arrays import BatchArrays
@@ -97,22 +97,25 @@ class _Shape:
 
     __slots__ = ("layout", "offsets", "whole", "rows")
 
-    def __init__(self, cfg: MetadataConfig, T: int, n: int, width: int, ratios: dict[str, tuple[str, ...]]) -> None:
-        lay = self.layout = _make_decode_layout(cfg, T, n, width)
+    def __init__(self, cfg: MetadataConfig, T: int, n: int, width: int, plan: "_Plan") -> None:
+        lay = self.layout = _make_decode_layout(cfg, T, n, width, specs=plan.specs)
+        ratios = plan.ratios
         self.offsets = field_offsets(lay)
         self.whole = tuple(k for k in lay.fields if k not in lay.stacked)
         self.rows = tuple((k, ratios[k]) for k in lay.fields if k in lay.stacked)
 
 
 class _Plan:
-    """What a config's decode builds share: :func:`decode_consts`, its :class:`_Shape` per batch
-    shape (at most 256) and the :class:`_Target` of the arenas last filled (at most 8, as many
-    as an :class:`~cpmeta.buffers.OutputArenas` keeps by default; each holds its arena alive)."""
+    """What a config's decode builds share: :func:`decode_consts`, its output specs (the field
+    table's, ~16 us to derive), its :class:`_Shape` per batch shape (at most 256) and the
+    :class:`_Target` of the arenas last filled (at most 8, as many as an
+    :class:`~cpmeta.buffers.OutputArenas` keeps by default; each holds its arena alive)."""
 
-    __slots__ = ("consts", "shapes", "ratios", "targets")
+    __slots__ = ("consts", "specs", "shapes", "ratios", "targets")
 
     def __init__(self, cfg: MetadataConfig) -> None:
         self.consts = decode_consts(cfg)
+        self.specs = step_outputs(FIELDS, cfg, DECODE)
         self.shapes: BoundedCache[tuple[int, int, int], _Shape] = BoundedCache(256)
         self.targets: BoundedCache[int, _Target] = BoundedCache(8)
         self.ratios = {"klen": tuple(map(str, cfg.sparse_compress_ratios)),
@@ -122,7 +125,7 @@ class _Plan:
 
     def shape(self, cfg: MetadataConfig, T: int, n: int, width: int) -> _Shape:
         got = self.shapes.get((T, n, width))
-        return got if got is not None else self.shapes.put((T, n, width), _Shape(cfg, T, n, width, self.ratios))
+        return got if got is not None else self.shapes.put((T, n, width), _Shape(cfg, T, n, width, self))
 
     def target(self, arena: HostArena, shape: _Shape) -> _Target:
         """The :class:`_Target` of a caller's arena (made on its first fill)."""
@@ -140,14 +143,16 @@ def _plan(cfg: MetadataConfig) -> _Plan:
     return p if p is not None else _PLANS.put(cfg, _Plan(cfg))
 
 
-def _make_decode_layout(cfg: MetadataConfig, T: int, n: int, width: int, table: FieldTable = FIELDS) -> ArenaLayout:
+def _make_decode_layout(cfg: MetadataConfig, T: int, n: int, width: int, table: FieldTable = FIELDS,
+                        specs: Optional[tuple[OutputSpec, ...]] = None) -> ArenaLayout:
     """Every decode output (name, shape, dtype), generated from the field table (``table``; a test
     passes one with an extra field): ONE :class:`HostArena` holds them all when the caller passes
     no ``out`` (made once per batch shape, :class:`_Shape`); per-ratio fields are stacked
     ``[n_ratio, ...]``; ``block_tables`` has ``width`` columns. Example: 256 rows, 256 sequences,
     ``MetadataConfig.compressed_swa()``, the longest table 16 blocks -> 16 fields, ~38 KiB
-    (block_tables [256, 16] int32 is 16 KiB of it)."""
-    specs = step_outputs(table, cfg, DECODE)
+    (block_tables [256, 16] int32 is 16 KiB of it). ``specs``: ``step_outputs(table, cfg,
+    DECODE)`` when the caller holds it."""
+    specs = step_outputs(table, cfg, DECODE) if specs is None else specs
     sizes = {"total_q": T, "n_seq": n, "table_width": width}
     return ArenaLayout([(s.name, s.resolve(sizes), s.dtype) for s in specs],
                        stacked=[s.name for s in specs if s.keys is not None])
