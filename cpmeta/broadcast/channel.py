@@ -162,7 +162,16 @@ class FrameChannel:
                 write_region(view, addr, data_at)
             seal(view, data_at, self.checksum)
 
-        self.objects.send_frame(data_at + region, fill)
+        out = self.objects.frames_out
+        try:
+            self.objects.send_frame(data_at + region, fill)
+        except BaseException:
+            if self.objects.frames_out != out:  # published, THEN a reader's death was named: the
+                self._sent(step, prep)  # live followers hold this step; the next frame is the next one
+            raise
+        self._sent(step, prep)
+
+    def _sent(self, step: int, prep: Prepared) -> None:
         self.writer.step = step
         if prep.lblock:
             self.writer.sent(prep.key, prep.lid)
@@ -191,7 +200,14 @@ class FrameChannel:
                 self.writer.write(view, flags, 0, b"", vblock, None, (), 0, 0, step)
                 seal(view, data_at, self.checksum)
 
-            self.objects.send_frame(data_at, fill)
+            out = self.objects.frames_out
+            try:
+                self.objects.send_frame(data_at, fill)
+            except BaseException:
+                if self.objects.frames_out != out:  # published before a peer's failure was named
+                    self.writer.step = step
+                    del self._aborts[0]
+                raise
             self.writer.step = step
             del self._aborts[0]
 

@@ -58,6 +58,10 @@ class RingIO(RingReader):
     _tail_floor: int  # writer: a lower bound of every waited-for reader's tail (_wait_space)
     _stuck: Optional[tuple[int, int]]  # writer: (reader, tail) of the last wait that timed out
     _alive: Optional[tuple[tuple[int, ...], Any, list[int]]]  # writer: _alive_poll's last result
+    #: writer: messages published whole. :meth:`commit` polls the readers' liveness AFTER its
+    #: publish, so a ``PeerError`` may follow a message the live readers already have; a caller
+    #: that numbers its messages compares this count around the call to know which happened.
+    messages_out: int
 
     def write(self, data: Buffers, *, timeout: Optional[float] = None) -> None:
         """Writer: publish one message (bytes-like, or a sequence of bytes-like parts gathered in
@@ -74,6 +78,7 @@ class RingIO(RingReader):
             self._check_alive_readers()
             self._stream_out(parts, length, cdiv(_HDR_LEN + length, self.handle.slot_size),
                              self._w.head.value, deadline)
+            self.messages_out += 1
             return
         view, _ = self.reserve(length, timeout=timeout)
         pos = 0
@@ -130,6 +135,7 @@ class RingIO(RingReader):
         if head is None:
             raise RuntimeError("ShmRing.commit: nothing reserved")
         self._publish(head)
+        self.messages_out += 1
         self._check_alive_readers()
 
     def cancel(self) -> None:

@@ -268,6 +268,13 @@ class ObjectChannel(RemotePath):
         caller may then skip building a frame nobody reads)."""
         return self.ring is not None or self._remote_group is not None
 
+    @property
+    def frames_out(self) -> int:
+        """``src``: messages its same-host followers were handed whole (the ring's count; 0
+        without a ring). A send that raises a peer's death may have published first (the ring
+        polls liveness after each publish): compare this around the call to tell."""
+        return self.ring.messages_out if self.ring is not None else 0
+
     def send_frame(self, nbytes: int, fill: Callable[[memoryview, int], None]) -> None:
         """``src`` only: one message of ``nbytes`` bytes that ``fill(view, address)`` writes.
 

@@ -186,6 +186,7 @@ class ShmRing(RingIO):
         self._tail_floor = 0  # writer: lower bound of the readers' tails (RingIO)
         self._stuck: Optional[tuple[int, int]] = None  # writer: (reader, tail) that timed out
         self._pending: Optional[int] = None  # writer: head after the reserved message
+        self.messages_out = 0  # writer: messages published whole (RingIO; counted before the liveness poll)
         self._max_bytes = envs.max_message_bytes()
 
     # ------------------------------------------------------------------ construction
