@@ -135,19 +135,25 @@ def _kill_self(tmp: str, name: str) -> None:
 
 # ----------------------------------------------------------------------------- rank functions
 
+def _healthy_until_rank2_killed(bc: Any, rank: int, tmp: str, seed: int, rec: dict) -> None:
+    """Every rank: HEALTHY_STEPS steps; then rank 2 says 'ready' and sleeps until the parent
+    kills it, the others return once the parent marked 'killed'."""
+    for step in range(HEALTHY_STEPS):
+        _step(bc, rank, seed, step, rec)
+    if rank == 2:
+        _mark(tmp, "ready")
+        time.sleep(SPAWN_TIMEOUT_S)
+        raise AssertionError("rank 2 was not killed")
+    _wait_mark(tmp, "killed")
+
+
 def _killed_between_steps(rank: int, world: int, tmp: str, seed: int, named: bool,
                           remote: bool) -> dict:
     """Rank 2 finishes HEALTHY_STEPS, says 'ready' and sleeps until the parent kills it; the
     others wait for 'killed' and go on broadcasting until the fault surfaces."""
 
     def body(bc: Any, rec: dict) -> None:
-        for step in range(HEALTHY_STEPS):
-            _step(bc, rank, seed, step, rec)
-        if rank == 2:
-            _mark(tmp, "ready")
-            time.sleep(SPAWN_TIMEOUT_S)
-            raise AssertionError("rank 2 was not killed")
-        _wait_mark(tmp, "killed")
+        _healthy_until_rank2_killed(bc, rank, tmp, seed, rec)
         for step in range(HEALTHY_STEPS, MAX_STEPS):
             _step(bc, rank, seed, step, rec)
 
@@ -162,13 +168,7 @@ def _killed_then_small_step(rank: int, world: int, tmp: str, seed: int) -> dict:
     once counted the published frame as unsent and sent an abort numbered like it."""
 
     def body(bc: Any, rec: dict) -> None:
-        for step in range(HEALTHY_STEPS):
-            _step(bc, rank, seed, step, rec)
-        if rank == 2:
-            _mark(tmp, "ready")
-            time.sleep(SPAWN_TIMEOUT_S)
-            raise AssertionError("rank 2 was not killed")
-        _wait_mark(tmp, "killed")
+        _healthy_until_rank2_killed(bc, rank, tmp, seed, rec)
         md = make_payload(seed, HEALTHY_STEPS, 2 * SLOT_SIZE) if rank == 0 else None  # fits the ring
         if rank == 0:
             try:
