@@ -162,19 +162,25 @@ class FrameChannel:
                 write_region(view, addr, data_at)
             seal(view, data_at, self.checksum)
 
-        out = self.objects.frames_out
-        try:
-            self.objects.send_frame(data_at + region, fill)
-        except BaseException:
-            if self.objects.frames_out != out:  # published, THEN a reader's death was named: the
-                self._sent(step, prep)  # live followers hold this step; the next frame is the next one
-            raise
-        self._sent(step, prep)
+        self._send_step(data_at + region, fill, lambda: self._sent(step, prep))
 
     def _sent(self, step: int, prep: Prepared) -> None:
         self.writer.step = step
         if prep.lblock:
             self.writer.sent(prep.key, prep.lid)
+
+    def _send_step(self, nbytes: int, fill: Callable[[memoryview, int], None], sent: Callable[[], None]) -> None:
+        """One numbered frame; ``sent()`` once it reached the followers -- also when the ring
+        names a dead reader right AFTER publishing it (its liveness poll follows each publish):
+        the live followers hold that step, so the next frame must be numbered after it."""
+        out = self.objects.frames_out
+        try:
+            self.objects.send_frame(nbytes, fill)
+        except BaseException:
+            if self.objects.frames_out != out:
+                sent()
+            raise
+        sent()
 
     def abort(self, error: BaseException) -> None:
         """Driver: the current step failed before its frame was published; every follower's
@@ -200,16 +206,11 @@ class FrameChannel:
                 self.writer.write(view, flags, 0, b"", vblock, None, (), 0, 0, step)
                 seal(view, data_at, self.checksum)
 
-            out = self.objects.frames_out
-            try:
-                self.objects.send_frame(data_at, fill)
-            except BaseException:
-                if self.objects.frames_out != out:  # published before a peer's failure was named
-                    self.writer.step = step
-                    del self._aborts[0]
-                raise
-            self.writer.step = step
-            del self._aborts[0]
+            self._send_step(data_at, fill, lambda: self._abort_sent(step))
+
+    def _abort_sent(self, step: int) -> None:
+        self.writer.step = step
+        del self._aborts[0]
 
     def send_packed(self, key: tuple, tensors: list[torch.Tensor], values: list[Any],
                     dims: Optional[tuple[int, ...]] = None) -> Prepared:
