@@ -133,18 +133,21 @@ class _Loop:
 
 
 class _Collective:
-    """Stands in for TensorChannel: the driver's tensors are kept; a follower receives them."""
+    """Stands in for TensorChannel: the driver's buffer is kept; a follower's buffer of the same
+    size receives it (a size mismatch is an error: both sides size it from the frame)."""
 
-    last: list[torch.Tensor] = []
+    last: torch.Tensor = torch.empty(0, dtype=torch.uint8)
 
-    def broadcast(self, tensors: Any) -> list[torch.Tensor]:
-        if tensors and isinstance(tensors[0], torch.Tensor):
-            _Collective.last = [t.clone() for t in tensors]
-            return list(tensors)
-        got = _Collective.last
-        if [(t.dtype, tuple(t.shape)) for t in got] != [(d, tuple(s)) for d, s in tensors]:
-            raise RuntimeError("collective: the follower expects other tensors than the driver sent")
-        return [t.clone() for t in got]
+    def __init__(self, receiving: bool) -> None:
+        self.receiving = receiving
+
+    def broadcast_buffer(self, buf: torch.Tensor) -> None:
+        if not self.receiving:
+            _Collective.last = buf.clone()
+            return
+        if buf.numel() != _Collective.last.numel():
+            raise RuntimeError("collective: the follower expects another region than the driver sent")
+        buf.copy_(_Collective.last)
 
 
 @contextlib.contextmanager
@@ -168,7 +171,7 @@ def loopback() -> Iterator[Any]:
             kw["persistent_outputs"] = True
         bc = MetadataBroadcaster(group=group, src=0, checksum=checksum, **kw)
         if kw.get("tensor_path") == "collective":
-            bc._tensors = _Collective()
+            bc._tensors = _Collective(receiving=r != 0)
         return bc
 
     with mock.patch.object(dist, "get_rank", lambda *a: rank[0]), \

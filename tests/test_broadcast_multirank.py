@@ -37,11 +37,11 @@ def _expect_same(local, got, cfg, what: str) -> None:
     assert not diffs, f"{what}: {diffs}"
 
 
-def _equivalence(rank: int, world: int, seed: int, force_remote: bool) -> int:
+def _equivalence(rank: int, world: int, seed: int, force_remote: bool, tensor_path: str | None = None) -> int:
     import cpmeta
 
     checked = 0
-    with cpmeta.MetadataBroadcaster(src=0, force_remote=force_remote, timeout=30) as bc:
+    with cpmeta.MetadataBroadcaster(src=0, force_remote=force_remote, timeout=30, tensor_path=tensor_path) as bc:
         for i in range(N_RANDOM):
             for is_prompt in (True, False):
                 cfg, local = _random_case(seed, i, is_prompt)
@@ -108,6 +108,13 @@ def test_followers_equal_driver(world: int) -> None:
 def test_forced_remote_path() -> None:
     counts = run_ranks(_equivalence, 2, 77, True, timeout=240)
     assert counts[0] == 4 * N_RANDOM + 2 + 6
+
+
+def test_collective_tensor_path() -> None:
+    """The frame's tensor region as one gloo broadcast (what NCCL groups use for large CUDA
+    metadata): fresh buffers on every rank, aliasing and empty dicts kept."""
+    counts = run_ranks(_equivalence, 3, 4321, False, "collective", timeout=240)
+    assert counts == [counts[0]] * 3 and counts[0] == 4 * N_RANDOM + 2 + 6
 
 
 def _subgroup(rank: int, world: int, seed: int) -> int:

@@ -24,7 +24,7 @@ import torch
 
 from ..lifetime import Generation, register
 from .arena_views import poison_value, tuple_getter, value_setter
-from .outputs import copy_out_of_frame
+from .outputs import copy_out_of_frame, copy_views
 from .plan import Plan, one_source
 from .schema import Schema
 
@@ -174,19 +174,42 @@ class LayoutArena:
         """Both sides: [CUDA: one non-blocking H2D copy of the arena on the current stream, after
         the kernels that read the previous result (:meth:`_after_readers`)], the layout's fields
         restored if the caller changed them, this step's values set; returns the cached metadata."""
+        self._upload()
+        return self._current(values)
+
+    def _upload(self) -> None:
+        """CUDA: the host arena into the device arena, ONE non-blocking copy on the current
+        stream after the previous result's readers (event recorded). No-op on CPU."""
         if self.event is not None:
             stream = self._after_readers()
             self.dev.copy_(self.host, non_blocking=True)  # on the current stream
             self.event.record(stream)
-        return self._current(values)
 
-    def finish_collective(self, got: list[torch.Tensor], values: list[Any]) -> Any:
-        """Tensors that came by one collective (NCCL): copied into the arena's device views
-        (stream-ordered), then as :meth:`finish` without the H2D copy."""
+    # ---- the collective path: the frame's tensor region as ONE broadcast of the device arena ----
+    def fill_device(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """Driver: the step's ``tensors`` (layout order) into the device arena, which the
+        collective then sends whole: CPU tensors through the host arena (:meth:`write`) and ONE
+        H2D copy, device tensors copied into its views, stream-ordered after the previous
+        result's readers. Returns the device arena."""
+        if self.event is None or all(t.device.type == "cpu" for t in tensors):
+            self.wait_host()
+            self.write(tensors, self.host_ptr)
+            self._upload()
+        else:
+            self._after_readers()
+            copy_views(self.tensors, tensors)
+        return self.dev
+
+    def receive_device(self) -> torch.Tensor:
+        """Follower: the device arena, for the collective to overwrite with the frame's tensor
+        region; ordered (CUDA) after the kernels that read the previous result."""
         if self._fence is not None:
             self._after_readers()
-        if got:
-            torch._foreach_copy_(self.tensors, got, non_blocking=True)
+        return self.dev
+
+    def result(self, values: list[Any]) -> Any:
+        """After the collective filled the device arena: the cached metadata with this step's
+        values (as :meth:`finish`, without its H2D copy)."""
         return self._current(values)
 
     def _after_readers(self) -> Any:

@@ -10,7 +10,7 @@ One step, on every rank of ``group``::
       header | layout? | values | shapes | tensors ── shm ring (same host) ──▶ check header once
                                                     ── gloo bytes (others) ─▶ copy tensors out
     tensors of CUDA metadata above CPMETA_PACKED_MAX_BYTES:                  views (one split per
-      ONE coalesced TensorChannel broadcast (NCCL) ───────────────────────▶  dtype run)
+      the frame's tensor region as ONE broadcast (NCCL) ──────────────────▶  dtype run)
                                                                              Plan.assemble
 The object is ``InputMetadata`` by default, or any dataclass the schema can classify
 (``schema=``; ``cpmeta.broadcast.schema``). The frame carries a version and the schema's
@@ -40,7 +40,7 @@ from .channel import FrameChannel, Prepared, resolve_src
 from .collect import collect, collect_dict
 from .follower import FollowerSide
 from .metrics import BroadcastMetrics, BroadcastStats
-from .outputs import check_out, copy_to_out
+from .outputs import check_out, copy_to_out, copy_views
 from .policy import PersistentPolicy
 from .dict_schema import DictSchema
 from .schema import INPUT_METADATA, SCHEMA_FINGERPRINT, Schema
@@ -304,15 +304,35 @@ class MetadataBroadcaster(FollowerSide):
         if packed:
             return self._send_packed(md, out, prep, tensors, values, arena)
         self._check_devices(prep, tensors)
-        if prep.exact > wire.MAX_COLLECTIVE_BYTES:  # what the followers would refuse
-            raise WireError(f"{prep.exact} tensor bytes for the collective, at most "
+        if prep.region > wire.MAX_COLLECTIVE_BYTES:  # what the followers would refuse
+            raise WireError(f"a tensor region of {prep.region} bytes for the collective, at most "
                             f"MAX_COLLECTIVE_BYTES={wire.MAX_COLLECTIVE_BYTES}")
+        # the frame's tensor region, filled before the frame leaves (a failing copy aborts the step)
+        buf = arena.fill_device(tensors) if arena is not None else self._region(prep, tensors)
         self._ch.publish(prep, 0, 0, 0, None)
-        got = self._tensor_channel().broadcast(tensors)
+        if prep.region:
+            self._tensor_channel().broadcast_buffer(buf)
         self._mark = perf_counter()
         if arena is not None:
-            return arena.finish_collective(got, values)
+            return arena.result(values)
+        got = prep.plan.views(buf, prep.dims, prep.numels, prep.starts)
         return prep.plan.assemble(got, values, copy_to_out(out, prep.plan, got) if out is not None else None)
+
+    def _region(self, prep: Prepared, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """The collective path without an arena: the step's tensors as the frame's tensor region
+        in a fresh uint8 buffer on this rank's device -- CPU tensors packed on the host
+        (``Plan.pack``; CUDA: into a pinned buffer, then ONE H2D copy), device tensors copied into
+        its views."""
+        buf = torch.empty(prep.region, dtype=torch.uint8, device=self.device)
+        if all(t.device.type == "cpu" for t in tensors):
+            host = buf if self.device.type == "cpu" else \
+                torch.empty(prep.region, dtype=torch.uint8, pin_memory=True)
+            prep.plan.pack(host.data_ptr(), tensors, prep.dims, prep.numels, prep.starts, prep.region)
+            if host is not buf:
+                buf.copy_(host, non_blocking=True)
+        else:
+            copy_views(prep.plan.views(buf, prep.dims, prep.numels, prep.starts), tensors)
+        return buf
 
     def _check_devices(self, prep: Prepared, tensors: list[torch.Tensor]) -> None:
         """Every tensor on the CPU or this rank's device type (a meta tensor has no bytes)."""

@@ -7,7 +7,8 @@ ring slot is still held, and :meth:`FollowerSide._receive` turns what it took in
     frame flags              _consume (slot held)                   _receive (slot released)
     FLAG_PACKED, arena       arena.land: one memmove                arena.finish(values)
     FLAG_PACKED              copy into a fresh (pinned) buffer      (H2D,) views -> Plan.assemble
-    neither                  (tensors follow in the collective)     TensorChannel.broadcast -> assemble
+    neither                  (the region follows in a collective)   ONE broadcast into the arena / a
+                                                                    fresh buffer -> views, assemble
 
 With ``out=`` every received tensor is written into the caller's buffers (``outputs.copy_to_out``).
 
@@ -50,13 +51,17 @@ class FollowerSide:
     _warm_from: Any  # (the last frame's bytes before its tensor region, its arena or None, its step)
 
     def _receive(self, out: Any) -> Any:
-        plan, values, dims, numels, starts, buf = self._ch.receive(self._consume)
-        if buf is None:  # tensors follow in one collective (NCCL)
-            got = self._tensor_channel().broadcast(plan.specs(dims))
+        plan, values, dims, numels, starts, region, buf = self._ch.receive(self._consume)
+        if buf is None:  # the frame's tensor region follows as one collective (NCCL)
             arena = None if self._persist is None or out is not None else \
-                self._persist.get(plan, dims, numels, starts, plan.sizes(dims)[2], values)
+                self._persist.get(plan, dims, numels, starts, region, values)
+            dev = arena.receive_device() if arena is not None else \
+                torch.empty(region, dtype=torch.uint8, device=self.device)
+            if region:
+                self._tensor_channel().broadcast_buffer(dev)
             if arena is not None:
-                return arena.finish_collective(got, values)
+                return arena.result(values)
+            got = plan.views(dev, dims, numels, starts)
         elif not isinstance(buf, torch.Tensor):  # a LayoutArena (landed by _consume)
             if out is None:
                 return buf.finish(values)
@@ -93,15 +98,15 @@ class FollowerSide:
         numels, starts, total = plan.check_tensors(dims, bool(h.flags & FLAG_PACKED), h.tbytes,
                                                    view.nbytes - h.data_at)
         if not h.flags & FLAG_PACKED:
-            return plan, values, dims, numels, starts, None
+            return plan, values, dims, numels, starts, total, None
         arena = None if self._persist is None else \
             self._persist.get(plan, dims, numels, starts, total, values)
         if self._warming:
             self._warm_from = (bytes(view[:h.data_at]), arena, h.step)
         if arena is not None:  # the frame's region into the layout's arena, one memmove
             arena.land(view, h.data_at)
-            return plan, values, dims, numels, starts, arena
+            return plan, values, dims, numels, starts, total, arena
         buf = torch.empty(total, dtype=torch.uint8, pin_memory=self._pin)
         if total:
             copy_out_of_frame(buf, view, h.data_at, total)
-        return plan, values, dims, numels, starts, buf
+        return plan, values, dims, numels, starts, total, buf

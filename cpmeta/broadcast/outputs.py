@@ -13,7 +13,7 @@ from cpmeta.transport.coalesce import tensor_memoryview
 
 from .plan import Plan
 
-__all__ = ["copy_out_of_frame", "copy_to_out", "check_out"]
+__all__ = ["copy_out_of_frame", "copy_to_out", "check_out", "copy_views"]
 
 
 def copy_out_of_frame(dst: torch.Tensor, view: memoryview, at: int, n: int) -> None:
@@ -29,6 +29,16 @@ def copy_out_of_frame(dst: torch.Tensor, view: memoryview, at: int, n: int) -> N
         ctypes.memmove(dst.data_ptr(), ctypes.addressof(c), n)
     finally:
         del c
+
+
+def copy_views(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """``dsts[i].copy_(srcs[i])`` for all i, non-blocking: ONE ``_foreach_copy_`` when every
+    source is on its destination's device, else one copy each (CPU tensors bound for CUDA)."""
+    if all(d.device == s.device for d, s in zip(dsts, srcs)):
+        torch._foreach_copy_(dsts, srcs, non_blocking=True)
+        return
+    for d, s in zip(dsts, srcs):
+        d.copy_(s, non_blocking=True)
 
 
 def _buffer(out: Any, name: str, sub: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

@@ -189,7 +189,7 @@ class Plan:
         Every dim in ``[0, MAX_DIM]``; ``packed``: the exact payload equals the header's
         ``tbytes`` and the region equals ``avail`` (the frame's bytes after its shapes), so no
         product can exceed the frame; not packed (tensors follow in a collective): ``tbytes`` and
-        ``avail`` are 0 and the payload is at most ``MAX_COLLECTIVE_BYTES``. A mismatch is a
+        ``avail`` are 0 and the region (the collective's bytes) is at most ``MAX_COLLECTIVE_BYTES``. A mismatch is a
         ``WireError`` listing the declared shapes by path, first those that differ from the
         previous frame of this layout (``gate_force_random [407] bool (was [406])``).
         """
@@ -199,9 +199,9 @@ class Plan:
             if exact != tbytes or region != avail:
                 raise WireError(f"tensor shapes declare {exact} bytes (region {region}), the frame "
                                 f"declares {tbytes} (region {avail}): {self._shapes_text(dims, prev)}")
-        elif tbytes or avail or exact > MAX_COLLECTIVE_BYTES:
+        elif tbytes or avail or region > MAX_COLLECTIVE_BYTES:
             raise WireError(f"frame without FLAG_PACKED: {tbytes} tensor bytes and {avail} bytes "
-                            f"after the shapes (expected 0), {exact} bytes to receive")
+                            f"after the shapes (expected 0), a region of {region} bytes to receive")
         return numels, starts, region
 
     def _shapes_text(self, dims: tuple[int, ...], prev: tuple = (), most: int = 8) -> str:

@@ -91,7 +91,7 @@ MAX_DIM = 1 << 48  # largest single dim a follower accepts
 MAX_NDIM = 16  # largest tensor rank a layout may declare
 MAX_LAYOUT_BYTES = 1 << 16  # largest layout block a follower decodes (1024 paths fit easily)
 MAX_VALUES_BYTES = 1 << 20  # largest values block a follower decodes (1024 scalars need ~10 KiB)
-MAX_COLLECTIVE_BYTES = 1 << 32  # most tensor bytes a frame may announce for the collective path
+MAX_COLLECTIVE_BYTES = 1 << 32  # the largest tensor region a frame may announce for the collective path
 MAX_FRAME_DIMS = 1024 * MAX_NDIM  # most shape words a frame may declare (MAX_LAYOUT_PATHS ranks)
 
 #: Element size in bytes per wire code (int32 -> 4).

@@ -10,6 +10,8 @@ Buffer layout (uint8, on ``device``)::
 
 The 16-byte header lets followers detect that the specs they passed differ from the source's
 tensors (checked on CPU always, on CUDA only with ``verify=True`` since it needs a sync).
+:meth:`TensorChannel.broadcast_buffer` moves a caller's buffer as it is, without the header (the
+caller proved the layout: ``MetadataBroadcaster`` sends a frame's tensor region this way).
 """
 
 from __future__ import annotations
@@ -110,14 +112,23 @@ class TensorChannel:
         buf = self._buffer(total)
         if is_src:
             self._fill(buf, tensors, offsets, _HEADER.pack(crc, len(descs), total))
-            if self._sync_before_send:
-                torch.cuda.current_stream(self.device).synchronize()
-        self._collective(buf)
-        if self._sync_before_send and not is_src:
-            torch.cuda.synchronize(self.device)  # gloo's CUDA receive is not stream-ordered here
+        self.broadcast_buffer(buf)
         if not is_src and self.verify:
             self._check(buf, crc, len(descs), total)
         return views_of(buf, descs, offsets)
+
+    def broadcast_buffer(self, buf: torch.Tensor) -> None:
+        """Broadcast the bytes of ``buf`` in place: the source's are sent, every other rank's
+        overwritten. ``buf`` is contiguous, on :attr:`device`, and the same size on every rank;
+        nothing checks that here -- the caller has proven it (``MetadataBroadcaster`` sends its
+        frame first, and both sides take the size from the frame's shapes). On NCCL the copy is
+        ordered on the current stream; on gloo with CUDA tensors the source's stream is drained
+        first and a receiver waits for the device after."""
+        if self._sync_before_send and self.rank == self.src:
+            torch.cuda.current_stream(self.device).synchronize()
+        self._collective(buf)
+        if self._sync_before_send and self.rank != self.src:
+            torch.cuda.synchronize(self.device)  # gloo's CUDA receive is not stream-ordered here
 
     def _collective(self, buf: torch.Tensor) -> None:
         """The broadcast itself. NCCL: enqueued on the stream (its watchdog and the group's
