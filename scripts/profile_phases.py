@@ -48,6 +48,7 @@ from cpmeta.gpu.decode_inplace import (  # noqa: E402
 )
 from cpmeta.gpu.decode_staging import stage_decode  # noqa: E402
 from cpmeta.gpu.staging_layout import StagingLayout  # noqa: E402
+from cpmeta.gpu.staging_njit import REPORT_LEN  # noqa: E402
 from cpmeta.metadata import InputMetadata  # noqa: E402
 
 
@@ -60,8 +61,8 @@ Decode (256 sequences, 0 / 2 drafts) and prompt (8 x 4096) batches of ``scripts/
 / ``prompt_batch``), ``extract`` (``extract_batch`` of that batch), ``build`` (``prepare_decode``
 / ``prepare_prompt`` of the batch: one compiled call per stage) and ``build_arena`` (the same into
 reused ``OutputArenas``), ``metadata`` (``InputMetadata(**fields)``), and for decode ``staging``
-(``StagingLayout.write_batch`` of the extracted arrays: the host side of
-``prepare_decode_inplace`` after the batch), ``inplace_host`` (batch + extract + staging) and
+(``StagingLayout.write_batch`` of the batch: the one compiled staging call, the host side of
+``prepare_decode_inplace`` after the batch), ``inplace_host`` (batch + ``DecodeStaging.fill``) and
 ``stage_decode`` (the same staging bytes written straight from the state arrays, plus its checks);
 for prompt ``count`` (the compiled count pass alone) and ``list`` (``prepare_prompt`` of the
 ``SequenceMetadata`` list). ``step`` is the whole step (batch + build); the phase sum differs
@@ -78,12 +79,12 @@ def build_decode_phases(cfg: MetadataConfig, n: int, d: int, repeat: int, rng: r
     st, slots, (_, drafts, nd) = _state_from(seqs, cfg, False)
     step = lambda: st.decode_batch(slots, drafts, nd)  # noqa: E731
     sb = step()
-    b = extract_batch(sb, cfg, is_prompt=False)
+    total_q = int(sb.seqlen_q.sum())
     arenas = OutputArenas()
     fields = _fields(prepare_decode(sb, cfg, out=arenas))
-    view = np.zeros(staging_capacity(cfg, n, b.total_q), np.int32)
-    layout = StagingLayout.of(cfg)
-    stg = DecodeStaging("cpu", staging_capacity(cfg, n, b.total_q))
+    view = np.zeros(staging_capacity(cfg, n, total_q), np.int32)
+    layout, report = StagingLayout.of(cfg), np.zeros(REPORT_LEN, np.int64)
+    stg = DecodeStaging("cpu", staging_capacity(cfg, n, total_q))
     return interleaved({
         "step": lambda: prepare_decode(step(), cfg),
         "batch": step,
@@ -91,8 +92,8 @@ def build_decode_phases(cfg: MetadataConfig, n: int, d: int, repeat: int, rng: r
         "build": lambda: prepare_decode(sb, cfg),
         "build_arena": lambda: prepare_decode(sb, cfg, out=arenas),
         "metadata": lambda: InputMetadata(**fields),
-        "staging": lambda: layout.write_batch(view, b),
-        "inplace_host": lambda: layout.write_batch(view, extract_batch(step(), cfg, is_prompt=False)),
+        "staging": lambda: layout.write_batch(view, sb, report),
+        "inplace_host": lambda: stg.fill(step(), cfg),
         "stage_decode": lambda: stage_decode(stg, st, slots, drafts, nd),  # inplace_host without the batch
     }, repeat)
 

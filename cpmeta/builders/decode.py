@@ -21,18 +21,17 @@ import numpy as np
 import torch
 
 from ..config import MetadataConfig
-from ..constants import INT32_MAX, TABLE_WIDTH_ALIGN
+from ..constants import TABLE_WIDTH_ALIGN
 from ..cache import BoundedCache, IdentityCache
 from ..fields import DECODE, FieldTable, OutputSpec, stacked_fields, step_outputs
 from ..metadata import FIELDS, InputMetadata
 from ..buffers import ArenaLayout, HostArena, OutputBuffers, get_or_create_stacked, get_or_create_tensor
-from .batch_arrays import BatchArrays
 from .common_njit import ngram_table, raise_common
 from .decode_njit import E_KV_CA_OFFSET, decode_consts, decode_fill, decode_width, field_offsets
 from .int_ops import check_int32
 from .extract import BatchInput, as_sequence_batch
 
-__all__ = ["prepare_decode", "DECODE_STACKED_FIELDS", "check_decode_out", "check_decode_int32"]
+__all__ = ["prepare_decode", "DECODE_STACKED_FIELDS", "check_decode_out", "raise_decode_error"]
 
 #: The decode ``out=`` schema, shared by ``prepare_decode`` and ``prepare_decode_inplace``: the
 #: per-ratio decode fields of the field table live in ONE stacked buffer each, ``out["klen"]`` =
@@ -46,21 +45,6 @@ DECODE_STACKED_FIELDS: tuple[str, ...] = stacked_fields(FIELDS, DECODE)
 logger = logging.getLogger(__name__)
 
 Out = Optional[dict[str, torch.Tensor]]
-
-
-def check_decode_int32(b: BatchArrays, cfg: MetadataConfig) -> None:
-    """The int32 bounds of a decode batch that ``extract_batch``'s validation leaves (the
-    in-place GPU path's host check; :func:`prepare_decode` checks the same in its kernel):
-    ``sum(seqlen_k)`` (``cu_seqlens_k``) and docs/design.md section 3's offset bound ``total_q *
-    max_num_blocks * (block_size // min(dense ratios))``. (State ids, block ids and token ids are
-    in range once validated.) Example: defaults of ``compressed_swa``, 2**20 rows -> ``2**20 *
-    64 * 32 > 2**31 - 1``: ``ValueError`` naming ``kv_ca_index_offset_len``."""
-    if int(b.cu_k[-1]) > INT32_MAX:  # the messages are only formatted for a failing bound
-        check_int32("cu_seqlens_k", int(b.cu_k[-1]), "sum(seqlen_k)")
-    if cfg.dense_compress_ratios:
-        v = b.total_q * cfg.max_num_blocks * (cfg.block_size // min(cfg.dense_compress_ratios))
-        if v > INT32_MAX:
-            _kv_ca_error(cfg, b.total_q, v)
 
 
 def _kv_ca_error(cfg: MetadataConfig, T: int, v: int) -> None:
@@ -255,7 +239,7 @@ def prepare_decode(
                 sb.tokens, sb.token_offsets, sb.compressed, sb.compressed_offsets, sb.block_tables,
                 sb.block_table_offsets)],
             plan.consts, tab, raw, shape.offsets, T, err, info):
-        _raise(err, cfg)
+        raise_decode_error(err, cfg)
     f: dict[str, Any] = {"is_prompt": False, "num_seqs": n, "total_q": T, "max_seqlen_q": int(info[0]),
                          "max_seqlen_k": int(info[1])}
     if tg is not None:
@@ -284,12 +268,14 @@ def _fixed_width(name: str, cols: int, width: int, cfg: MetadataConfig, got: str
     return cols
 
 
-def _raise(err: np.ndarray, cfg: MetadataConfig) -> None:
-    """The named ``ValueError`` of a kernel error code (:mod:`.common_njit`, :mod:`.decode_njit`)."""
+def raise_decode_error(err: np.ndarray, cfg: MetadataConfig) -> None:
+    """The named ``ValueError`` of a decode kernel's error slot ``err`` (``[code, index, value,
+    limit]``; :mod:`.common_njit`, :mod:`.decode_njit`): ``prepare_decode``'s messages, which the
+    in-place path's staging writer (``cpmeta.gpu.staging_njit``) raises through this too."""
     raise_common(err, cfg)
     if int(err[0]) == E_KV_CA_OFFSET:
         _kv_ca_error(cfg, int(err[1]), int(err[2]))
-    raise AssertionError(f"decode_fill: unknown error code {err.tolist()}")  # pragma: no cover
+    raise AssertionError(f"decode kernel: unknown error code {err.tolist()}")  # pragma: no cover
 
 
 def _into_dict(out: dict[str, torch.Tensor], f: dict[str, Any], raw: np.ndarray, shape: _Shape) -> None:

@@ -7,6 +7,7 @@ module                         holds
 ``decode_buffers``             the device buffers the kernels write (from the field table), ``OutCapacity``
 ``decode_staging``             ``DecodeStaging`` (the pinned int32 staging buffer, upload, stream order), :func:`stage_decode`
 ``staging_layout``             ``StagingLayout``: the layout, written from a batch or a state, validated
+``staging_njit``               the layout's compiled writers: one call per step from a batch or a state
 ``staging_header``             the layout's word slots and ``StagedDecode`` (the host scalars)
 ``staging_state``              the layout written straight from a ``BatchState`` (``StagingLayout.write_state``)
 ``decode_cp``                  :class:`StagedDecodeBroadcaster`: one staging broadcast, kernels on every CP rank

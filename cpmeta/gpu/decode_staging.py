@@ -20,13 +20,12 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import numpy as np
 import torch
 
-from ..builders.batch_arrays import BatchArrays
-from ..builders.decode import check_decode_int32
-from ..builders.extract import BatchInput, extract_batch
+from ..builders.extract import BatchInput, as_sequence_batch
 from ..config import MetadataConfig
 from .decode_buffers import OutCache, OutCapacity
 from .staging_header import StagedDecode
 from .staging_layout import StagingLayout, StateStagingCache, staging_capacity
+from .staging_njit import REPORT_LEN
 
 if TYPE_CHECKING:
     from ..state.batch_state import BatchState
@@ -87,6 +86,7 @@ class DecodeStaging:
         self.state_cache: Optional[tuple[StagingLayout, StateStagingCache]] = None
         self.out_capacity: Optional[OutCapacity] = None  # limits of the buffers this staging feeds
         self.last_staged: Optional[StagedDecode] = None  # scalars of the batch in device_buffer
+        self._report = np.zeros(REPORT_LEN, np.int64)  # the compiled writers' error slot + scalars
         self.host_buffer = torch.empty(0, dtype=torch.int32)
         self.device_buffer = self.host_buffer
         self._alloc(capacity)
@@ -135,10 +135,14 @@ class DecodeStaging:
     def fill(self, seqs: BatchInput, cfg: MetadataConfig) -> StagedDecode:
         """Validate ``seqs`` (``SequenceMetadata`` list or ``SequenceBatch``; the builders' checks and
         messages, ``prepare_decode``'s int32 bounds) and write them into the host buffer only (no
-        copy); grows it unless ``fixed``."""
-        b = extract_batch(seqs, cfg, is_prompt=False)
-        check_decode_int32(b, cfg)
-        return self.fill_arrays(b, cfg)
+        copy): ONE compiled call (``StagingLayout.write_batch``); grows the buffer unless ``fixed``."""
+        sb = as_sequence_batch(seqs, cfg, is_prompt=False)
+        layout, rep = StagingLayout.of(cfg), self._report
+        self.wait()
+        try:
+            return layout.write_batch(self._view, sb, rep)
+        except BufferError as e:
+            return layout.write_batch(self.host_view(int(e.args[0])), sb, rep)  # grown, or the fixed buffer's error
 
     def host_view(self, need: int) -> np.ndarray:
         """The int32 numpy view of the host buffer, free to write (the previous upload is done)
@@ -153,15 +157,6 @@ class DecodeStaging:
             logger.debug("growing decode staging buffer %d -> %d", self.capacity, need)
             self._alloc(int(need * _GROWTH))
         return self._view
-
-    def fill_arrays(self, b: BatchArrays, cfg: MetadataConfig) -> StagedDecode:
-        """:meth:`fill` from already extracted and validated arrays (``extract_batch``'s)."""
-        layout = StagingLayout.of(cfg)
-        self.wait()
-        try:
-            return layout.write_batch(self._view, b)
-        except BufferError as e:
-            return layout.write_batch(self.host_view(int(e.args[0])), b)  # grown, or the fixed buffer's error
 
     def load(self, data: torch.Tensor) -> None:
         """Copy a staged buffer received from another rank (CPU int32, already validated) into the

@@ -2,11 +2,11 @@
 
 Per-sequence arrays of one decode step live in ONE int32 buffer (owned, uploaded and ordered with
 graph replays by :class:`cpmeta.gpu.decode_staging.DecodeStaging`); the kernels (or their CPU
-emulation) derive every per-row value from it. The layout object of a config writes it from
-extracted arrays (:meth:`StagingLayout.write_batch`, the builders' ``BatchArrays``) or straight
-from a ``BatchState`` (:meth:`StagingLayout.write_state`), validates a received one
-(:meth:`StagingLayout.validate`, every CP follower, every step) and reads one back
-(:meth:`StagingLayout.unpack`). Offsets are stored in the header so the kernels need no host
+emulation) derive every per-row value from it. The layout object of a config writes it from a
+validated ``SequenceBatch`` (:meth:`StagingLayout.write_batch`, ONE compiled call:
+:mod:`cpmeta.gpu.staging_njit`) or straight from a ``BatchState`` (:meth:`StagingLayout.write_state`),
+validates a received one (:meth:`StagingLayout.validate`, every CP follower, every step) and reads
+one back (:meth:`StagingLayout.unpack`). Offsets are stored in the header so the kernels need no host
 scalars (a captured CUDA graph replays with a new batch)::
 
     [0 .. HEADER_FIXED)        n_seq, total_q, total_k, off_seq, off_ids, off_bt, off_ngv, off_ngb
@@ -36,17 +36,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 import numpy as np
-import torch
 
+from ..builders.common_njit import NO_TABLE, ngram_table
+from ..builders.decode import raise_decode_error
 from ..cache import IdentityCache
-
 from ..config import MetadataConfig, blocks_needed_array
-from ..constants import INT32_MAX
 from ..fields import CA, DENSE, RATIO_ORDER, SPARSE, staged_ratios
 from .staging_header import (
     F_BT_OFFSET, F_CU_K_INCL, F_CU_Q_INCL, F_PLACEHOLDER, F_SEQLEN_K, F_SEQLEN_Q, F_STATE, H_N_SEQ, H_OFF_BT,
     H_OFF_IDS, H_OFF_NGB, H_OFF_NGV, H_OFF_SEQ, H_TOTAL_K, H_TOTAL_Q, HEADER_FIXED, SEQ_FIELDS, StagedDecode,
 )
+from .staging_njit import E_VIEW_SMALL, REPORT_LEN, stage_batch, staging_consts
 from .staging_state import StateStagingCache, state_plan, write_state_rows
 
 #: the longest ``max_model_len`` for which :meth:`StagingLayout.blocks_of` gathers from a table
@@ -54,7 +54,7 @@ from .staging_state import StateStagingCache, state_plan, write_state_rows
 NEED_TABLE_MAX = 1 << 21
 
 if TYPE_CHECKING:
-    from ..builders.batch_arrays import BatchArrays
+    from ..state.batch import SequenceBatch
     from ..state.batch_state import BatchState
 
 __all__ = [
@@ -67,6 +67,11 @@ __all__ = [
 # the kernels (decode_triton, decode_emulate) read the ratio words in this order
 assert RATIO_ORDER == (CA, SPARSE, DENSE), RATIO_ORDER
 
+#: The batch arrays' dtype the writer is compiled for (others are converted).
+_I64 = np.dtype(np.int64)
+#: ``report[_SCALARS:]``: the staged scalars (:data:`~cpmeta.gpu.staging_njit.REPORT_LEN`).
+_SCALARS = 4
+
 
 _LAYOUTS: IdentityCache[MetadataConfig, "StagingLayout"] = IdentityCache(16)
 
@@ -74,11 +79,12 @@ _LAYOUTS: IdentityCache[MetadataConfig, "StagingLayout"] = IdentityCache(16)
 class StagingLayout:
     """The staging layout of one config (see the module docstring); :meth:`of` caches it per config.
 
-    ``header_len``: ``HEADER_FIXED`` + every ratio; ``ratios``: the ratio words (int32, read-only).
+    ``header_len``: ``HEADER_FIXED`` + every ratio; ``ratios``: the ratio words (int32, read-only);
+    ``consts``: the config as the compiled writers read it (:func:`~cpmeta.gpu.staging_njit.staging_consts`).
     Example: ``MetadataConfig.compressed_swa()`` -> ``header_len == 11``, ``ratios == [4, 4, 4]``.
     """
 
-    __slots__ = ("cfg", "header_len", "ratios", "ratio_counts", "_need")
+    __slots__ = ("cfg", "header_len", "ratios", "ratio_counts", "consts", "_need")
 
     def __init__(self, cfg: MetadataConfig) -> None:
         self.cfg = cfg
@@ -86,6 +92,7 @@ class StagingLayout:
         self.header_len = HEADER_FIXED + len(words)
         self.ratios = np.array(words, np.int32)
         self.ratios.flags.writeable = False
+        self.consts = staging_consts(cfg, self.header_len)  # what the compiled writers read
         #: ratios per set, in RATIO_ORDER (ca, sparse, dense): the kernels' N_CA, N_SP, N_DN
         self.ratio_counts = tuple(len(cfg.ca_ratios if s == CA else cfg.sparse_compress_ratios if s == SPARSE
                                       else cfg.dense_compress_ratios) for s in RATIO_ORDER)
@@ -119,45 +126,27 @@ class StagingLayout:
         buffer, keeps one: ``DecodeStaging.state_cache_for``)."""
         return StateStagingCache(st, self.header_len, self.ratios)
 
-    def write_header(self, view: np.ndarray, n: int, total_q: int, total_k: int, off_bt_len: int,
-                     n_win: int) -> tuple[int, int]:
-        """The header and ratio words; returns ``(off_ids, used)``."""
-        hl = self.header_len
-        off_ids = hl + SEQ_FIELDS * n
-        off_ngv = off_ids + total_q + off_bt_len
-        used = off_ngv + 2 * n_win
-        view[:HEADER_FIXED] = (n, total_q, total_k, hl, off_ids, off_ids + total_q, off_ngv, off_ngv + n_win)
-        view[HEADER_FIXED:hl] = self.ratios
-        return off_ids, used
-
-    # ---- writers ---------------------------------------------------------------------------------
-    def write_batch(self, view: np.ndarray, b: "BatchArrays") -> StagedDecode:
-        """Write extracted, validated arrays ``b`` (``extract_batch``'s, flat tables packed back to
-        back) into ``view``. ``BufferError(needed_elements)`` if ``view`` is too small (nothing
-        written: the owner grows its buffer and retries)."""
-        n, total_q, cfg = b.n_seq, b.total_q, self.cfg
-        bt_flat, bt_start, bt_need = b.bt_flat, b.bt_start, b.bt_need
-        assert bt_flat is not None and bt_start is not None and bt_need is not None  # flat_tables=True
-        total_b, g = len(bt_flat) - 1, cfg.max_ngram_size
-        n_win = (total_q + n * (g - 1)) if g else 0
-        used = self.header_len + SEQ_FIELDS * n + total_q + total_b + 2 * n_win
-        if used > view.shape[0]:
-            raise BufferError(used)
-        ng = _ngram_windows(b, cfg) if g else None
-        off_ids, _ = self.write_header(view, n, total_q, int(b.cu_k[-1]), total_b, n_win)
-        blk = view[self.header_len:off_ids].reshape(SEQ_FIELDS, n)
-        blk[F_SEQLEN_Q], blk[F_SEQLEN_K] = b.seqlen_q, b.seqlen_k
-        blk[F_CU_Q_INCL], blk[F_CU_K_INCL] = b.cu_q[1:], b.cu_k[1:]
-        blk[F_STATE], blk[F_PLACEHOLDER], blk[F_BT_OFFSET] = b.state_id, b.is_placeholder, bt_start
-        off_bt = off_ids + total_q
-        view[off_ids:off_bt] = b.input_ids
-        view[off_bt:off_bt + total_b] = bt_flat[:total_b]
-        if ng is not None:
-            off_ngv = off_bt + total_b
-            view[off_ngv:off_ngv + n_win], view[off_ngv + n_win:used] = ng
-        max_blocks = int(bt_need.max()) if n else 0
-        return StagedDecode(n, total_q, int(b.cu_k[-1]), int(b.seqlen_q.max()), int(b.seqlen_k.max()), used,
-                            max_blocks)
+    # ---- writers: one compiled call each (cpmeta.gpu.staging_njit) ------------------------------
+    def write_batch(self, view: np.ndarray, sb: "SequenceBatch", report: Optional[np.ndarray] = None) -> StagedDecode:
+        """Write a decode ``SequenceBatch`` validated for this config (``as_sequence_batch``'s)
+        into ``view``: tables packed back to back, the Engram windows with ``max_ngram_size >
+        0``; ONE :func:`~cpmeta.gpu.staging_njit.stage_batch` call. ``prepare_decode``'s errors
+        (a needed block id out of range naming ``seqs[i].block_table``, ``sum(seqlen_k)``, the
+        ``kv_ca_index_offset_len`` offsets, an Engram word outside ``ngram_lookup`` or int32) as
+        its ``ValueError``; ``BufferError(needed_elements)`` if ``view`` is too small (nothing
+        written: the owner grows its buffer and retries). ``report``: the caller's
+        ``int64[REPORT_LEN]`` scratch (a new one when None)."""
+        rep = np.zeros(REPORT_LEN, np.int64) if report is None else report
+        cfg = self.cfg
+        tab = ngram_table(cfg) if cfg.max_ngram_size else NO_TABLE
+        code = stage_batch(*[a if a.dtype == _I64 else a.astype(np.int64) for a in (  # type: ignore[call-arg]
+            sb.seqlen_q, sb.seqlen_k, sb.state_id)], sb.is_placeholder, *[
+            a if a.dtype == _I64 else a.astype(np.int64) for a in (
+                sb.tokens, sb.token_offsets, sb.compressed, sb.compressed_offsets, sb.block_tables,
+                sb.block_table_offsets)], self.consts, self.ratios, tab, view, rep)
+        if code:
+            self._raise(code, rep)
+        return StagedDecode._make(rep.tolist()[_SCALARS:])
 
     #: ``plan_state(cache, step, n_ph) -> StagedDecode | None``: the scalars of a vouched
     #: ``BatchState`` step (``n_ph`` placeholders) in the fixed-stride layout, or ``None`` when an
@@ -168,6 +157,13 @@ class StagingLayout:
     #: half of the layout, :mod:`cpmeta.gpu.staging_state` (called with no layout frame between).
     plan_state = staticmethod(state_plan)
     write_state = staticmethod(write_state_rows)
+
+    def _raise(self, code: int, report: np.ndarray) -> None:
+        """The error of a writer's code: ``BufferError(used)`` for a short view, else the decode
+        build's ``ValueError`` (:func:`cpmeta.builders.decode.raise_decode_error`)."""
+        if code == E_VIEW_SMALL:
+            raise BufferError(int(report[2]))
+        raise_decode_error(report[:4], self.cfg)
 
     # ---- readers ---------------------------------------------------------------------------------
     def validate(self, a: np.ndarray, staged: StagedDecode) -> Optional[str]:
@@ -239,61 +235,6 @@ class StagingLayout:
             "tables": [a[off_bt + int(o):off_bt + int(o) + int(c)].copy() for o, c in zip(seq[F_BT_OFFSET], nb)],
             "ngram": (a[off_ngv:off_ngb].copy(), a[off_ngb:staged.used].copy()),
         }
-
-
-def _ngram_windows(b: BatchArrays, cfg: MetadataConfig) -> tuple[np.ndarray, np.ndarray]:
-    """Engram windows (values, barrier flags), each ``[total_q + n_seq*(G-1)]`` int64.
-
-    Window of sequence s = positions ``[q_start - G + 1, seqlen_k)``. value(t) =
-    ``compressed_token_ids[t]`` if ``t < len(compressed)`` else ``lookup[token_at(t)]`` (identity
-    without a table); barrier(t) = the token is the image sentinel, or ``t < 0``. Kernel rule:
-    column c of row j reads window element ``G-1+j-c`` and is the pad id if any barrier lies in
-    ``[G-1+j-c, G-1+j]``. Example: G=3, q_start=1, seqlen_q=1: positions -1, 0, 1, barriers
-    ``(1, img(0), img(1))``; column 2 (t=-1) is always pad.
-    """
-    g, n = cfg.max_ngram_size, b.n_seq
-    assert b.comp_len is not None  # extract_batch fills it whenever max_ngram_size > 0 (the caller's g)
-    win = b.seqlen_q + (g - 1)
-    n_win = int(win.sum())
-    seq_of = np.repeat(np.arange(n), win)
-    starts = np.cumsum(win) - win
-    t = b.q_start[seq_of] - (g - 1) + (np.arange(n_win) - starts[seq_of])
-    toks = np.zeros(n_win, dtype=np.int64)
-    toks[t >= 0] = b.tok_flat  # the batch's token windows cover exactly positions [max(t, 0), seqlen_k)
-    barrier = t < 0
-    if cfg.image_token_id is not None:
-        barrier |= toks == cfg.image_token_id
-    vals, ok = toks, np.ones(n_win, dtype=bool)
-    use_c = (t >= 0) & (t - b.tok_lo[seq_of] < b.comp_len[seq_of])
-    if cfg.ngram_lookup is not None:
-        tab = cfg.ngram_lookup.detach().cpu().to(torch.int64).numpy()
-        ok = use_c | ((toks >= 0) & (toks < len(tab)))
-        vals = tab[np.where(ok & ~use_c, toks, 0)] if len(tab) else np.zeros_like(toks)
-    if use_c.any():
-        vals[use_c] = b.comp_flat
-    _check_ngram_reads(b, cfg, win, t, barrier, ok, vals)
-    return vals, barrier
-
-
-def _check_ngram_reads(
-    b: BatchArrays, cfg: MetadataConfig, win: np.ndarray, t: np.ndarray, barrier: np.ndarray,
-    ok: np.ndarray, vals: np.ndarray,
-) -> None:
-    """``prepare_decode``'s Engram errors: a token read unpadded is outside ``ngram_lookup``, or an
-    id does not fit int32. Window element i (position t) is read unpadded iff no barrier lies in
-    ``[i, i + max(0, q_start - t)]`` (the first row at or after t)."""
-    bad = ~ok | (vals > INT32_MAX) | (vals < -INT32_MAX - 1)
-    if not bad.any():
-        return
-    i = np.arange(len(t))
-    last_bar = np.maximum.accumulate(np.where(barrier, i, -1))
-    seq_of = np.repeat(np.arange(b.n_seq), win)
-    first_reader = i + np.maximum(b.q_start[seq_of] - t, 0)
-    read = last_bar[first_reader] < i
-    if (~ok & read).any():
-        raise ValueError("ngram_lookup: a token id read by ngram_token_ids is outside the table")
-    if (bad & read).any():
-        raise ValueError("ngram_token_ids: an id does not fit in int32")
 
 
 def staging_capacity(cfg: MetadataConfig, max_seqs: int, max_total_q: int) -> int:
