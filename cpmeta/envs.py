@@ -3,7 +3,7 @@ parsers this module uses; unset or blank means the default).
 
 | variable | meaning | default |
 |---|---|---|
-| ``CPMETA_TENSOR_PATH`` | how ``MetadataBroadcaster`` moves tensors: ``auto``, ``packed`` (inside the object message) or ``collective`` (one coalesced NCCL/gloo broadcast) | ``auto`` |
+| ``CPMETA_TENSOR_PATH`` | how ``MetadataBroadcaster`` moves tensors: ``auto``, ``packed`` (the tensor region inside the frame) or ``collective`` (the frame, then its tensor region as one NCCL/gloo broadcast) | ``auto`` |
 | ``CPMETA_CHECKSUM`` | ``1``: the driver stamps a crc32 of every broadcast frame; followers verify it and refuse a frame without one (a mismatch is a ``RuntimeError`` naming the rank). Every rank must set it alike (compared at construction). Costs a few us per step (docs/transport.md) | ``0`` |
 | ``CPMETA_POISON_ARENAS`` | ``1`` (debug): a persistent arena's previous result is retired when its turn comes again -- its tensors filled with poison (integers their dtype's max, floats NaN, bools True) and its derived objects refused -- and the step lands in new buffers, so a result read past its lifetime fails loudly instead of showing the next step's values (``cpmeta.broadcast.persistent``). Costs an allocation per step: off in production | ``0`` |
 | ``CPMETA_PACKED_MAX_BYTES`` | with ``auto`` and a CUDA device, CPU-built payloads up to this many bytes ride inside the object message and each rank copies them to its GPU with one H2D copy (larger ones: one NCCL broadcast) | ``1048576`` |

@@ -37,7 +37,7 @@ carryable bundle; run with ``PYTHONPATH=.:mq_bundle`` (``VLLM_TARGET_DEVICE=cpu`
     python scripts/bench_broadcast.py --quick          # smoke run (CI)
     python scripts/bench_broadcast.py --backend nccl --worlds 1   # on a GPU machine
     python scripts/bench_broadcast.py transport [--quick]         # the channels under the broadcaster:
-                                                                  # ObjectChannel / TensorChannel vs torch.distributed
+                                                                  # ObjectChannel / tensor paths vs torch.distributed
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from cpmeta.metadata import InputMetadata  # noqa: E402
-from cpmeta.transport import ObjectChannel, TensorChannel  # noqa: E402
+from cpmeta.transport import ObjectChannel  # noqa: E402
 from _harness.bench_meta import latency_us, run_meta, write_result  # noqa: E402  (scripts/_harness/bench_meta.py: the shared harness)
 
 METHODS = ("cpmeta", "cpmeta+bs", "cpmeta+p", "cpmeta-tdict", "bol", "tdict", "mq", "floor")
@@ -303,11 +303,11 @@ Measured in one run, on real processes (gloo, one host):
 
 1. object broadcast latency, ``ObjectChannel.broadcast`` vs ``broadcast_object_list``, payload
    256 B .. 4 MiB, 1..3 readers;
-2. a decode-like list of 25 CPU tensors (~300 KB): ``TensorChannel.broadcast`` (one coalesced
-   gloo collective) vs one ``dist.broadcast`` per tensor vs ``ObjectChannel.broadcast_packed``
-   (tensors inside the shared-memory message);
-3. the packed-vs-collective threshold: one tensor of 1 KiB .. 4 MiB, packed in the ring message
-   vs ``TensorChannel``.
+2. a decode-like dict of 25 CPU tensors (~300 KB) through ``MetadataBroadcaster(schema=dict)``:
+   ``tensor_path="collective"`` (the frame, then its tensor region as one gloo collective) vs
+   one ``dist.broadcast`` per tensor vs ``"packed"`` (the region inside the shared-memory frame);
+3. the packed-vs-collective threshold (``CPMETA_PACKED_MAX_BYTES``): one tensor of 1 KiB .. 4
+   MiB, both paths.
 
 Latency = time from the source starting the call until the LAST follower holds the result
 (``time.perf_counter_ns`` is CLOCK_MONOTONIC, shared by the processes of one host); every
@@ -388,13 +388,24 @@ def _decode_like() -> list[torch.Tensor]:
     return ts
 
 
-def _tensor_methods(rank: int, ch: ObjectChannel, tc: TensorChannel,
+def _tensor_methods(rank: int, paths: dict[str, Any],
                     ts: list[torch.Tensor]) -> dict[str, Callable[[int], int]]:
-    specs = [(t.dtype, tuple(t.shape)) for t in ts]
+    """``collective``: the tensors as a tensor dict through ``MetadataBroadcaster`` with
+    ``tensor_path="collective"`` (the frame, then its tensor region as ONE gloo broadcast);
+    ``packed_in_ring``: the same with ``"packed"`` (the region inside the frame, in the ring);
+    ``per_tensor_broadcast``: one ``dist.broadcast`` per tensor (vLLM's tensor loop)."""
+    from cpmeta.broadcast.dict_schema import TREE_KEY, encode_tree
 
-    def coalesced(t0: int) -> int:
-        ts[0][0] = t0
-        return int(tc.broadcast(ts if rank == 0 else specs)[0][0])
+    specs = [(t.dtype, tuple(t.shape)) for t in ts]
+    tokens, tensors, labels = encode_tree({f"t{i}": t for i, t in enumerate(ts)})  # broadcast_tensor_dict's frame
+    flat: dict[str, Any] = {TREE_KEY: tokens, **dict(zip(labels, tensors))}
+    first = labels[next(i for i, t in enumerate(tensors) if t is ts[0])]
+
+    def via(bc: Any) -> Callable[[int], int]:
+        def step(t0: int) -> int:
+            ts[0][0] = t0
+            return int(bc.broadcast(flat if rank == 0 else None)[first][0])
+        return step
 
     def per_tensor(t0: int) -> int:
         ts[0][0] = t0
@@ -403,45 +414,46 @@ def _tensor_methods(rank: int, ch: ObjectChannel, tc: TensorChannel,
             dist.broadcast(b, src=0)
         return int(bufs[0][0])
 
-    def packed(t0: int) -> int:
-        ts[0][0] = t0
-        return int(ch.broadcast_packed(None, ts if rank == 0 else None)[1][0][0])
-
-    return {"tensor_channel": coalesced, "per_tensor_broadcast": per_tensor, "packed_in_ring": packed}
+    return {"collective": via(paths["collective"]), "per_tensor_broadcast": per_tensor,
+            "packed_in_ring": via(paths["packed"])}
 
 
-def _bench_tensors(rank: int, quick: bool, ch: ObjectChannel, tc: TensorChannel) -> dict:
+def _bench_tensors(rank: int, quick: bool, paths: dict[str, Any]) -> dict:
     ts = _decode_like()
     n = 30 if quick else 200
     out: dict[str, Any] = {"num_tensors": len(ts), "bytes": sum(t.numel() * t.element_size() for t in ts)}
-    for name, fn in _tensor_methods(rank, ch, tc, ts).items():
+    for name, fn in _tensor_methods(rank, paths, ts).items():
         p50, p90 = _latency(rank, n, fn)
         out[name] = {"p50_us": p50, "p90_us": p90}
-    out["speedup_p50_vs_per_tensor"] = out["per_tensor_broadcast"]["p50_us"] / out["tensor_channel"]["p50_us"]
+    out["speedup_p50_vs_per_tensor"] = out["per_tensor_broadcast"]["p50_us"] / out["collective"]["p50_us"]
     return out
 
 
-def _bench_threshold(rank: int, quick: bool, ch: ObjectChannel, tc: TensorChannel) -> list[dict]:
+def _bench_threshold(rank: int, quick: bool, paths: dict[str, Any]) -> list[dict]:
     rows = []
     for size in THRESHOLD_SIZES:
         ts = [torch.zeros(1, dtype=torch.int64), torch.randint(0, 255, (size,), dtype=torch.uint8)]
-        m = _tensor_methods(rank, ch, tc, ts)
+        m = _tensor_methods(rank, paths, ts)
         n = _iters(size, quick)
         pk, _ = _latency(rank, n, m["packed_in_ring"])
-        co, _ = _latency(rank, n, m["tensor_channel"])
-        rows.append({"size": size, "packed_p50_us": pk, "tensor_channel_p50_us": co})
+        co, _ = _latency(rank, n, m["collective"])
+        rows.append({"size": size, "packed_p50_us": pk, "collective_p50_us": co})
     return rows
 
 
 def transport_rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_path: str) -> None:
+    from cpmeta import MetadataBroadcaster
+
     init_rank(rank, world, port, "gloo")
     ch = ObjectChannel(None, 0)
-    tc = TensorChannel(None, 0)
+    paths = {p: MetadataBroadcaster(src=0, schema=dict, tensor_path=p) for p in ("collective", "packed")}
     res: dict[str, Any] = {"readers": world - 1, "objects": _bench_objects(rank, args.quick, ch),
-                           "tensors": _bench_tensors(rank, args.quick, ch, tc)}
+                           "tensors": _bench_tensors(rank, args.quick, paths)}
     if world == 3:
-        res["threshold"] = _bench_threshold(rank, args.quick, ch, tc)
+        res["threshold"] = _bench_threshold(rank, args.quick, paths)
     ch.close()
+    for bc in paths.values():
+        bc.close()
     dist.barrier()
     dist.destroy_process_group()
     if rank == 0:
@@ -454,15 +466,15 @@ def transport_table(results: list[dict]) -> None:
         for o in r["objects"]:
             print(f"{r['readers']:>7} {o['size']:>9} {o['channel_p50_us']:>9.0f}/{o['channel_p90_us']:<9.0f} "
                   f"{o['bol_p50_us']:>14.0f}/{o['bol_p90_us']:<14.0f} {o['speedup_p50']:>6.1f}")
-    print(f"\n{'readers':>7} {'tensor_channel':>15} {'per_tensor':>11} {'packed_in_ring':>15} {'x':>6}  (p50 µs)")
+    print(f"\n{'readers':>7} {'collective':>15} {'per_tensor':>11} {'packed_in_ring':>15} {'x':>6}  (p50 µs)")
     for r in results:
         t = r["tensors"]
-        print(f"{r['readers']:>7} {t['tensor_channel']['p50_us']:>15.0f} {t['per_tensor_broadcast']['p50_us']:>11.0f} "
+        print(f"{r['readers']:>7} {t['collective']['p50_us']:>15.0f} {t['per_tensor_broadcast']['p50_us']:>11.0f} "
               f"{t['packed_in_ring']['p50_us']:>15.0f} {t['speedup_p50_vs_per_tensor']:>6.1f}")
     for r in results:
         for row in r.get("threshold", []):
             print(f"threshold (2 readers) size {row['size']:>8}: packed {row['packed_p50_us']:>8.0f} µs, "
-                  f"tensor channel {row['tensor_channel_p50_us']:>8.0f} µs")
+                  f"collective {row['collective_p50_us']:>8.0f} µs")
 
 
 

@@ -2,8 +2,8 @@
 
 - :func:`encode` / :func:`decode`: strict msgpack codec with a versioned, schema-stamped header.
 - :class:`ShmRing`: one writer, N readers, fixed slots in shared memory, futex wake-ups.
-- :class:`ObjectChannel`: broadcast a Python object (and CPU tensors) to a group, shared memory
-  for same-host followers, a gloo group for the others.
+- :class:`ObjectChannel`: broadcast a Python object, or a caller's raw frame, to a group, shared
+  memory for same-host followers, a gloo group for the others.
 - :class:`TensorChannel`: broadcast a list of tensors as one coalesced buffer in one collective.
 """
 

@@ -1,23 +1,16 @@
-"""``ObjectChannel``: broadcast a Python object (plus CPU tensors) from one rank to its group.
+"""``ObjectChannel``: broadcast a Python object, or a caller's raw frame, from one rank to its group.
 
 Same-host followers read the codec bytes from a :class:`ShmRing` (no collective per message);
 followers on other hosts (or all, when forced) get them point-to-point over a gloo process group
-(that path's send / receive and the error a failure on it raises: :mod:`._remote_path`).
-
-Packed frame of :meth:`ObjectChannel.broadcast_packed` (one ring message)::
-
-    0        8              8+H     align16                                     total
-    +--------+--------------+-------+---------+---+---------+---+-----------------+
-    | H (u64)| codec header | zeros | tensor 0|pad| tensor 1|pad| ...             |
-    |        | [obj, descs] |       | (dtype runs 16-aligned: coalesce.plan)       |
-    +--------+--------------+-------+---------+---+---------+---+-----------------+
+(that path's send / receive and the error a failure on it raises: :mod:`._remote_path`). Tensors
+travel inside a raw frame (:meth:`ObjectChannel.send_frame`), laid out by the frame's own rule
+(``cpmeta.broadcast.wire``); the channel adds no format of its own for them.
 """
 
 from __future__ import annotations
 
 import logging
-import struct
-from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
+from typing import Any, Callable, Mapping, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -28,8 +21,8 @@ from ._dist import (HEARTBEAT_SHARE, Heartbeat, cpu_group, fetch_reason, group_r
 from ._remote_path import RemotePath
 from ._segment import PeerWatch
 from ._setup import Member, Scalar, exchange
-from .coalesce import copy_into, plan, tensor_memoryview, views_of
-from .codec import CodecError, TensorDesc, decode, encode
+from .coalesce import tensor_memoryview
+from .codec import decode, encode
 from .errors import PeerError, RingClosedError
 from .shm_ring import ring_from_process_group
 
@@ -38,8 +31,6 @@ __all__ = ["ObjectChannel"]
 T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
-_LEN = struct.Struct("<Q")
-_ZEROS = bytes(16)
 
 
 class ObjectChannel(RemotePath):
@@ -187,78 +178,6 @@ class ObjectChannel(RemotePath):
 
     def _decode(self, view: memoryview) -> Any:
         return decode(view, schema=self.schema, max_bytes=self._max_bytes)
-
-    # ------------------------------------------------------------------ object + tensors
-
-    def broadcast_packed(self, obj: Any = None, tensors: Optional[Sequence[torch.Tensor]] = None
-                         ) -> tuple[Any, list[torch.Tensor]]:
-        """Like :meth:`broadcast`, with CPU ``tensors`` riding in the same message.
-
-        ``src`` passes ``(obj, tensors)``; the others pass nothing. Followers get tensors with
-        the original dtypes and shapes (contiguous), all views of ONE private uint8 buffer
-        (never of shared memory); ``src`` gets its own ``obj`` and ``tensors`` back.
-        Same-host followers: one ring message, no collective.
-        """
-        self._check_usable()
-        if self.rank == self.src:
-            tensors = list(tensors or [])
-            self._send_packed(obj, tensors)
-            return obj, tensors
-        if self.ring is not None:
-            return self._read_ring(self._unpack)
-        frame = self._remote(None)
-        return self._unpack(tensor_memoryview(frame), True, frame)
-
-    def _send_packed(self, obj: Any, tensors: list[torch.Tensor]) -> None:
-        for i, t in enumerate(tensors):
-            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
-                raise TypeError(f"tensors[{i}]: expected a CPU tensor, got "
-                                f"{getattr(t, 'device', type(t).__name__)}")
-        descs = [TensorDesc.of(t) for t in tensors]
-        header = encode([obj, descs], schema=self.schema)
-        offsets, total = plan(descs, _LEN.size + len(header))
-        dense = [t.contiguous() for t in tensors]
-        if self.ring is not None:
-            parts: list[Any] = [_LEN.pack(len(header)), header]
-            pos = _LEN.size + len(header)
-            for t, off in zip(dense, offsets):
-                parts += [_ZEROS[:off - pos], tensor_memoryview(t)]
-                pos = off + t.numel() * t.element_size()
-            parts.append(_ZEROS[:total - pos])
-            self.ring.write(parts)
-        if self._remote_group is not None:
-            frame = torch.zeros(total, dtype=torch.uint8)
-            head = _LEN.pack(len(header)) + header
-            frame[:len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-            copy_into(frame, dense, offsets)
-            self._remote(frame)
-
-    def _unpack(self, view: memoryview, owned: bool, base: Optional[torch.Tensor] = None
-                ) -> tuple[Any, list[torch.Tensor]]:
-        if view.nbytes < _LEN.size:
-            raise CodecError("packed frame: truncated length prefix")
-        (hlen,) = _LEN.unpack_from(view, 0)
-        if _LEN.size + hlen > view.nbytes:
-            raise CodecError("packed frame: header runs past the frame")
-        msg = self._decode(view[_LEN.size:_LEN.size + hlen])
-        if (type(msg) is not list or len(msg) != 2 or type(msg[1]) is not list
-                or not all(type(d) is TensorDesc for d in msg[1])):
-            raise CodecError("packed frame: expected [obj, [TensorDesc, ...]]")
-        obj, descs = msg
-        offsets, total = plan(descs, _LEN.size + hlen)
-        if total > view.nbytes:
-            raise CodecError(f"packed frame: tensors need {total} bytes, frame has {view.nbytes}")
-        start = offsets[0] if descs else total
-        if base is None and owned and total > start:
-            base = torch.frombuffer(view, dtype=torch.uint8)  # private buffer: keep, no copy
-        if base is None:
-            data = torch.empty(total - start, dtype=torch.uint8)
-            if total > start:
-                shm = torch.frombuffer(view[start:total], dtype=torch.uint8)
-                data.copy_(shm)
-                del shm  # drop the export of the shared slot before the ring releases it
-            return obj, views_of(data, descs, [o - start for o in offsets])
-        return obj, views_of(base, descs, offsets)
 
     # ------------------------------------------------------------------ raw frames
 
