@@ -21,6 +21,8 @@
 #                                            # attention check, the broadcast's phases at world 8
 #   bash scripts/gpu_session.sh widthab      # the host's cores: this tree against .alt, plain worlds 2 and 8
 #                                            # (alt, this, this, alt), then seed world 8 (this, alt)
+#   bash scripts/gpu_session.sh collective   # nvidia-h200-x2: the collective tensor path over NCCL (tests,
+#                                            # the launcher, this tree against .alt), the staging writer
 #   bash scripts/gpu_session.sh compare      # the host's cores, before / after in one run: the commit in
 #                                            # .baseline (git archive REV | tar -x -C .baseline; carry it)
 #                                            # and this tree, end-to-end step (plain and compressed-KV
@@ -220,6 +222,28 @@ widthab)  # ~9 min: this tree against .alt (git archive REV | tar -x -C .alt), p
     TAILN=4 step wab_${M}_${T}_$N 90 env PYTHONPATH="$ROOT$MQ" VLLM_TARGET_DEVICE=cpu python3 "$ROOT/scripts/bench_step.py" \
       --model $M --worlds $WS --workloads decode-64 decode-256 --strategies broadcast replicate-defer mq-replicate \
       --steps 40 --warmup 6 --budget 3 --no-cold --out "$OUT/h200_wire.width-$M-$T-$N.json"
+  done
+  rm -f "$OUT"/*.png  # the device tool brings back at most 8 files
+  ;;
+collective)  # ~7 min, made for nvidia-h200-x2 (NCCL between two GPUs; on one GPU the NCCL tests run
+  # at world 1): the collective tensor path (the frame's tensor region as one NCCL broadcast, straight
+  # into a persistent arena), the transport's channels, the compiled staging writer's device paths,
+  # then the NCCL broadcast this tree against .alt (git archive REV | tar -x -C .alt)
+  TAILN=6 step gpu_tests 260 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu or triton or graph or nccl" \
+    tests/test_channels.py tests/test_gpu_broadcast.py tests/test_broadcast_persistent.py tests/test_broadcast_multirank.py \
+    tests/test_tensor_dict.py tests/test_stage_decode.py tests/test_decode_inplace.py tests/test_cuda_graph.py
+  TAILN=4 step gpu_decode_cp 150 python3 -m pytest -q -p no:cacheprovider tests/test_decode_cp.py \
+    tests/test_decode_capacity.py tests/test_replicate_inplace.py
+  [ "$NGPU" -ge 2 ] && TAILN=8 step launch_nccl2 120 python3 -m cpmeta.launch --backend nccl --nproc-per-node 2 \
+    --workload mixed --cp-mirror --attn-info --kv-interleave 16 --steps 200 --verify
+  for T in default alt; do
+    ROOT=$PWD; [ $T = alt ] && ROOT=$PWD/.alt; [ -d "$ROOT/scripts" ] || continue
+    TAILN=10 step bcast_nccl_$T 100 env PYTHONPATH="$ROOT" python3 "$ROOT/scripts/bench_broadcast.py" --backend nccl \
+      --worlds $W --payloads decode-256 prompt-8k --attn-info 0 --modes barrier --methods cpmeta cpmeta-tdict floor \
+      --steps 200 --budget 3 --out "$OUT/h200_broadcast_nccl.collective-$T.json"
+    TAILN=10 step bcast_nccl_dev_$T 100 env PYTHONPATH="$ROOT" python3 "$ROOT/scripts/bench_broadcast.py" --backend nccl \
+      --md-on-device --worlds $W --payloads decode-256 prompt-8k --attn-info 0 --modes barrier --methods cpmeta floor \
+      --steps 200 --budget 3 --out "$OUT/h200_broadcast_nccl.collective-dev-$T.json"
   done
   rm -f "$OUT"/*.png  # the device tool brings back at most 8 files
   ;;
