@@ -9,7 +9,6 @@ module                         holds
 ``staging_layout``             ``StagingLayout``: the layout, written from a batch or a state, validated
 ``staging_njit``               the layout's compiled writers: one call per step from a batch or a state
 ``staging_header``             the layout's word slots and ``StagedDecode`` (the host scalars)
-``staging_state``              the layout written straight from a ``BatchState`` (``StagingLayout.write_state``)
 ``decode_cp``                  :class:`StagedDecodeBroadcaster`: one staging broadcast, kernels on every CP rank
 ``decode_triton``              the two decode metadata kernels (Triton)
 ``decode_emulate``             the same kernels as vectorized torch (CPU fallback, CI)

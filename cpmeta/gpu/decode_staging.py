@@ -6,16 +6,17 @@ written from a batch or straight from a ``BatchState``, validated, read back). O
 the batch against the captured buffers' capacity (``OutCapacity``) and uploads the used prefix with
 ONE non-blocking copy; :func:`stage_decode` does the same straight from a ``BatchState``
 (``StagingLayout.write_state``). ``replay`` / ``ready_on`` / ``consumed_on`` order a graph replay
-on another stream with the uploads. The staging buffer owns and makes its two typed caches:
-``out_cache`` (:class:`~cpmeta.gpu.decode_buffers.OutCache`, the checked buffers of the last
-``out``: :meth:`DecodeStaging.buffers_for`) and ``state_cache`` (:class:`StateStagingCache`, what
-writing one state's steps reuses: :meth:`DecodeStaging.state_cache_for`).
+on another stream with the uploads. Either writer is ONE compiled call into the host buffer
+(:meth:`DecodeStaging.write_host`: after the previous upload, grown and run again when short).
+The staging buffer owns and makes its typed cache ``out_cache``
+(:class:`~cpmeta.gpu.decode_buffers.OutCache`, the checked buffers of the last ``out``:
+:meth:`DecodeStaging.buffers_for`).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 
 import numpy as np
 import torch
@@ -24,7 +25,7 @@ from ..builders.extract import BatchInput, as_sequence_batch
 from ..config import MetadataConfig
 from .decode_buffers import OutCache, OutCapacity
 from .staging_header import StagedDecode
-from .staging_layout import StagingLayout, StateStagingCache, staging_capacity
+from .staging_layout import StagingLayout, staging_capacity
 from .staging_njit import REPORT_LEN
 
 if TYPE_CHECKING:
@@ -34,6 +35,8 @@ __all__ = ["DecodeStaging", "stage_decode", "OutCapacity", "StagedDecode", "stag
 
 #: Extra elements reserved when the staging buffer grows (amortises regrowth).
 _GROWTH = 1.5
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +85,6 @@ class DecodeStaging:
             torch.cuda.current_device() if self.device.type == "cuda" else -1)
         self._slices: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # upload size -> (device, host) views
         self.out_cache: Optional[OutCache] = None  # the checked buffers of the last `out` (buffers_for)
-        # the layout and the cache of the last BatchState staged (state_cache_for)
-        self.state_cache: Optional[tuple[StagingLayout, StateStagingCache]] = None
         self.out_capacity: Optional[OutCapacity] = None  # limits of the buffers this staging feeds
         self.last_staged: Optional[StagedDecode] = None  # scalars of the batch in device_buffer
         self._report = np.zeros(REPORT_LEN, np.int64)  # the compiled writers' error slot + scalars
@@ -123,26 +124,24 @@ class DecodeStaging:
         self.out_cache, self.out_capacity = c, c.bufs.capacity()
         return c, views
 
-    def state_cache_for(self, st: "BatchState") -> tuple[StagingLayout, StateStagingCache]:
-        """:attr:`state_cache`: ``st``'s layout and the cache writing its steps reuses (made anew
-        when this staging is fed another state)."""
-        c = self.state_cache
-        if c is None or c[1].state is not st:
-            layout = StagingLayout.of(st.cfg)
-            c = self.state_cache = (layout, layout.state_cache(st))
-        return c
-
     def fill(self, seqs: BatchInput, cfg: MetadataConfig) -> StagedDecode:
         """Validate ``seqs`` (``SequenceMetadata`` list or ``SequenceBatch``; the builders' checks and
         messages, ``prepare_decode``'s int32 bounds) and write them into the host buffer only (no
         copy): ONE compiled call (``StagingLayout.write_batch``); grows the buffer unless ``fixed``."""
         sb = as_sequence_batch(seqs, cfg, is_prompt=False)
-        layout, rep = StagingLayout.of(cfg), self._report
+        layout = StagingLayout.of(cfg)
+        return self.write_host(lambda view, report: layout.write_batch(view, sb, report))
+
+    def write_host(self, write: Callable[[np.ndarray, np.ndarray], T]) -> T:
+        """``write(view, report)`` (a :class:`StagingLayout` writer) on the host buffer once the
+        previous upload has read it; a ``BufferError(needed_elements)`` it raises grows the buffer
+        (:meth:`host_view`: x1.5, or the fixed buffer's ``ValueError``) and runs it again.
+        ``report``: this staging's ``int64[REPORT_LEN]`` scratch (error slot + staged scalars)."""
         self.wait()
         try:
-            return layout.write_batch(self._view, sb, rep)
+            return write(self._view, self._report)
         except BufferError as e:
-            return layout.write_batch(self.host_view(int(e.args[0])), sb, rep)  # grown, or the fixed buffer's error
+            return write(self.host_view(int(e.args[0])), self._report)
 
     def host_view(self, need: int) -> np.ndarray:
         """The int32 numpy view of the host buffer, free to write (the previous upload is done)
@@ -330,7 +329,7 @@ def stage_decode(staging: DecodeStaging, st: "BatchState", slots: np.ndarray,
                  *, num_placeholders: int = 0, upload: bool = True, capacity: Any = ...) -> StagedDecode:
     """``staging.stage(st.decode_batch(slots, draft_tokens, num_drafts, num_placeholders=...),
     cfg)`` written STRAIGHT from the state arrays (``StagingLayout.write_state``): no
-    ``SequenceBatch``, no ``BatchArrays``. ``staging`` [capacity] int32 pinned host buffer +
+    ``SequenceBatch``. ``staging`` [capacity] int32 pinned host buffer +
     device twin; ``slots`` int64 [n] live request slots; ``draft_tokens`` int32/int64
     [sum(num_drafts)]; ``num_drafts`` int64 [n] or ONE int for every request.
     ``upload=False``: fill the host buffer only (``staging.fill``'s contract: the caller uploads,
@@ -340,10 +339,11 @@ def stage_decode(staging: DecodeStaging, st: "BatchState", slots: np.ndarray,
 
     Same staged batch, same errors, same capacity refusal, same upload (ONE non-blocking copy,
     event recorded), same return value; ``launch_decode_inplace`` and graph replay read it
-    unchanged. The common step (no placeholders, one draft count for all) is ~12 (no drafts) to
-    ~18 (2 drafts) vectorized numpy calls over ``[n_seq]`` arrays, the vouching included, plus ONE
-    row gather of the ``[max_seqs, max_num_blocks]`` int32 table mirror (the tables sit at a fixed
-    stride: other staging bytes than ``write_batch``'s packed ones, the same metadata).
+    unchanged. A step is two compiled calls, the state's vouching (``BatchState.vouch_decode``) and
+    the writer (:func:`~cpmeta.gpu.staging_njit.stage_state`: the scalars, int32 bounds and
+    capacity first, then the rows and each request's whole row of the ``[max_seqs,
+    max_num_blocks]`` int32 table mirror -- the tables sit at a fixed stride: other staging bytes
+    than ``write_batch``'s packed ones, the same metadata).
 
     Falls back to the ``decode_batch`` + ``stage`` path (identical result, slower) when the fast
     path cannot vouch for the batch: Engram configs (the look-back windows are written by
@@ -356,11 +356,10 @@ def stage_decode(staging: DecodeStaging, st: "BatchState", slots: np.ndarray,
     n_ph = int(num_placeholders)
     step = None if st.cfg.max_ngram_size or n_ph < 0 else st.vouch_decode(slots, draft_tokens, num_drafts)
     if step is not None:
-        layout, cache = staging.state_cache_for(st)
-        staged = layout.plan_state(cache, step, n_ph)
+        layout = StagingLayout.of(st.cfg)
+        cap = staging.out_capacity if capacity is ... else capacity  # checked before any write
+        staged = staging.write_host(lambda view, report: layout.write_state(view, st, step, n_ph, cap, report))
         if staged is not None:
-            _check(staging, staged, capacity)  # before the host buffer is touched
-            layout.write_state(cache, staging.host_view(staged.used), staged, step)
             if upload:
                 staging.upload(staged)
             return staged

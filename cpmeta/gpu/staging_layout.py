@@ -3,8 +3,8 @@
 Per-sequence arrays of one decode step live in ONE int32 buffer (owned, uploaded and ordered with
 graph replays by :class:`cpmeta.gpu.decode_staging.DecodeStaging`); the kernels (or their CPU
 emulation) derive every per-row value from it. The layout object of a config writes it from a
-validated ``SequenceBatch`` (:meth:`StagingLayout.write_batch`, ONE compiled call:
-:mod:`cpmeta.gpu.staging_njit`) or straight from a ``BatchState`` (:meth:`StagingLayout.write_state`),
+validated ``SequenceBatch`` (:meth:`StagingLayout.write_batch`) or straight from a ``BatchState``
+(:meth:`StagingLayout.write_state`), each ONE compiled call (:mod:`cpmeta.gpu.staging_njit`),
 validates a received one (:meth:`StagingLayout.validate`, every CP follower, every step) and reads
 one back (:meth:`StagingLayout.unpack`). Offsets are stored in the header so the kernels need no host
 scalars (a captured CUDA graph replays with a new batch)::
@@ -42,12 +42,15 @@ from ..builders.decode import raise_decode_error
 from ..cache import IdentityCache
 from ..config import MetadataConfig, blocks_needed_array
 from ..fields import CA, DENSE, RATIO_ORDER, SPARSE, staged_ratios
+from ..jit import OK
 from .staging_header import (
     F_BT_OFFSET, F_CU_K_INCL, F_CU_Q_INCL, F_PLACEHOLDER, F_SEQLEN_K, F_SEQLEN_Q, F_STATE, H_N_SEQ, H_OFF_BT,
     H_OFF_IDS, H_OFF_NGB, H_OFF_NGV, H_OFF_SEQ, H_TOTAL_K, H_TOTAL_Q, HEADER_FIXED, SEQ_FIELDS, StagedDecode,
 )
-from .staging_njit import E_VIEW_SMALL, REPORT_LEN, stage_batch, staging_consts
-from .staging_state import StateStagingCache, state_plan, write_state_rows
+from .decode_buffers import OutCapacity
+from .staging_njit import (
+    E_CAPACITY, E_FALLBACK, E_VIEW_SMALL, NO_LIMIT, REPORT_LEN, stage_batch, stage_state, staging_consts,
+)
 
 #: the longest ``max_model_len`` for which :meth:`StagingLayout.blocks_of` gathers from a table
 #: of every length (2**21 + 1 int64: 16 MiB)
@@ -55,13 +58,13 @@ NEED_TABLE_MAX = 1 << 21
 
 if TYPE_CHECKING:
     from ..state.batch import SequenceBatch
-    from ..state.batch_state import BatchState
+    from ..state.batch_state import BatchState, VouchedStep
 
 __all__ = [
     "HEADER_FIXED", "SEQ_FIELDS",
     "H_N_SEQ", "H_TOTAL_Q", "H_TOTAL_K", "H_OFF_SEQ", "H_OFF_IDS", "H_OFF_BT", "H_OFF_NGV", "H_OFF_NGB",
     "F_SEQLEN_Q", "F_SEQLEN_K", "F_CU_Q_INCL", "F_CU_K_INCL", "F_STATE", "F_PLACEHOLDER", "F_BT_OFFSET",
-    "StagedDecode", "StagingLayout", "StateStagingCache", "staging_capacity", "unpack_staging",
+    "StagedDecode", "StagingLayout", "staging_capacity", "unpack_staging",
 ]
 
 # the kernels (decode_triton, decode_emulate) read the ratio words in this order
@@ -71,6 +74,8 @@ assert RATIO_ORDER == (CA, SPARSE, DENSE), RATIO_ORDER
 _I64 = np.dtype(np.int64)
 #: ``report[_SCALARS:]``: the staged scalars (:data:`~cpmeta.gpu.staging_njit.REPORT_LEN`).
 _SCALARS = 4
+#: No draft ids / one draft count for all (:meth:`StagingLayout.write_state`; never written).
+_NO_IDS = np.zeros(0, np.int64)
 
 
 _LAYOUTS: IdentityCache[MetadataConfig, "StagingLayout"] = IdentityCache(16)
@@ -121,11 +126,6 @@ class StagingLayout:
         ngram = 2 * (max_total_q + max_seqs * max(g - 1, 0)) if g else 0
         return self.header_len + SEQ_FIELDS * max_seqs + max_total_q + max_seqs * self.cfg.max_num_blocks + ngram
 
-    def state_cache(self, st: "BatchState") -> StateStagingCache:
-        """A new :class:`StateStagingCache` for writing ``st``'s steps (its owner, the staging
-        buffer, keeps one: ``DecodeStaging.state_cache_for``)."""
-        return StateStagingCache(st, self.header_len, self.ratios)
-
     # ---- writers: one compiled call each (cpmeta.gpu.staging_njit) ------------------------------
     def write_batch(self, view: np.ndarray, sb: "SequenceBatch", report: Optional[np.ndarray] = None) -> StagedDecode:
         """Write a decode ``SequenceBatch`` validated for this config (``as_sequence_batch``'s)
@@ -148,15 +148,30 @@ class StagingLayout:
             self._raise(code, rep)
         return StagedDecode._make(rep.tolist()[_SCALARS:])
 
-    #: ``plan_state(cache, step, n_ph) -> StagedDecode | None``: the scalars of a vouched
-    #: ``BatchState`` step (``n_ph`` placeholders) in the fixed-stride layout, or ``None`` when an
-    #: int32 bound fails (the caller falls back to the general path, whose checks name the field);
-    #: touches no staging buffer. ``write_state(cache, view, staged, step)``: the planned step
-    #: written straight from the state's arrays into ``view`` (tables at a fixed stride of
-    #: ``max_num_blocks``: one row gather of the state's int32 table mirror). Both are the state
-    #: half of the layout, :mod:`cpmeta.gpu.staging_state` (called with no layout frame between).
-    plan_state = staticmethod(state_plan)
-    write_state = staticmethod(write_state_rows)
+    def write_state(self, view: np.ndarray, st: "BatchState", step: "VouchedStep", n_ph: int,
+                    cap: Optional[OutCapacity], report: np.ndarray) -> Optional[StagedDecode]:
+        """Write a step ``st`` vouched for (``BatchState.vouch_decode``) and ``n_ph`` placeholders
+        into ``view`` straight from the state's int32 mirrors (``block_rows32``,
+        ``last_tokens32``, ``state_ids32``): tables at a fixed stride of ``max_num_blocks``;
+        ONE :func:`~cpmeta.gpu.staging_njit.stage_state` call. ``None`` when an int32 bound fails
+        (``sum(seqlen_k)``, the decode offsets, the section offsets: the caller falls back to the
+        general path and its messages); ``cap``'s ``ValueError`` for a step it cannot hold and
+        ``BufferError(needed_elements)`` for a short ``view``, both before anything is written."""
+        d, nd = step.drafts, step.nd  # nd: one count per request only when they differ
+        code = stage_state(_plain(step.slots), step.sk, _NO_IDS if d is None else _plain(d),
+                           _NO_IDS if step.uniform or nd is None else nd,
+                           step.k_hi, n_ph, st.block_rows32, st.last_tokens32, st.state_ids32, self.consts,
+                           self.ratios, *((NO_LIMIT,) * 3 if cap is None else (cap.q_cap, cap.seq_cap, cap.bt_cols)),
+                           view, report)
+        if code == OK:
+            return StagedDecode._make(report.tolist()[_SCALARS:])
+        if code == E_FALLBACK:
+            return None
+        if code == E_CAPACITY:
+            assert cap is not None  # no limit without one
+            cap.check(StagedDecode._make(report.tolist()[_SCALARS:]))
+        self._raise(code, report)
+        return None  # pragma: no cover  (_raise raises)
 
     def _raise(self, code: int, report: np.ndarray) -> None:
         """The error of a writer's code: ``BufferError(used)`` for a short view, else the decode
@@ -171,8 +186,8 @@ class StagingLayout:
         it is). Every address the kernels derive is checked; values are not.
 
         Example (dense and sparse ratios (4,), no Engram, ``block_size 4``, two sequences
-        ``seqlen_q = (1, 3)``, ``seqlen_k = (5, 9)``): header length 8 + 3 = 11, ``off_ids = 11 + 7*2 = 25``, ``off_bt = 25 + 4 = 29``,
-        ``nb = (1, 2)`` so ``off_ngv = off_ngb = used = 32``.
+        ``seqlen_q = (1, 3)``, ``seqlen_k = (5, 9)``): header length 8 + 3 = 11, ``off_ids = 11 +
+        7*2 = 25``, ``off_bt = 25 + 4 = 29``, ``nb = (1, 2)`` so ``off_ngv = off_ngb = used = 32``.
         """
         n, tq, g, hl, cfg = staged.num_seqs, staged.total_q, self.cfg.max_ngram_size, self.header_len, self.cfg
         if staged.used != a.shape[0] or staged.used < hl:
@@ -235,6 +250,13 @@ class StagingLayout:
             "tables": [a[off_bt + int(o):off_bt + int(o) + int(c)].copy() for o, c in zip(seq[F_BT_OFFSET], nb)],
             "ngram": (a[off_ngv:off_ngb].copy(), a[off_ngb:staged.used].copy()),
         }
+
+
+def _plain(a: np.ndarray) -> np.ndarray:
+    """``a`` when C-contiguous and writable (the one array type the writers are compiled for,
+    int32 or int64), else a copy that is: a caller's strided or read-only ids cost a copy, not a
+    compilation."""
+    return a if a.flags.c_contiguous and a.flags.writeable else a.copy()
 
 
 def staging_capacity(cfg: MetadataConfig, max_seqs: int, max_total_q: int) -> int:
