@@ -40,7 +40,6 @@ from bench_build import _state_from, decode_batch  # noqa: E402  (same batches a
 from _harness.bench_meta import latency_us, time_us, write_result  # noqa: E402  (scripts/_harness/bench_meta.py: the harness)
 from cpmeta import MetadataConfig, SequenceBatch  # noqa: E402
 from cpmeta.builders.decode import prepare_decode  # noqa: E402
-from cpmeta.builders.extract import extract_batch  # noqa: E402
 from cpmeta.cp.slot_mapping import compute_slot_mapping  # noqa: E402
 from cpmeta.cp.slot_mapping_groups import KVCacheGroup, compute_slot_mapping_groups  # noqa: E402
 from cpmeta.diff import metadata_diff  # noqa: E402
@@ -69,11 +68,11 @@ Per case (64 / 256 sequences, 0 / 2 MTP drafts, default ``MetadataConfig``: bloc
 - ``inplace``: ``prepare_decode_inplace(seqs, cfg, out=out, device=dev, staging=st)`` and a sync
   (validation + staging + ONE H2D copy + the two kernels), i.e. the per-step latency;
 - ``inplace_cpu``: the same call without the sync (host time per step; the GPU work overlaps);
-- breakdown: ``stage`` (validate + fill + copy enqueue), ``extract`` (the builders'
-  ``extract_batch`` alone: reading the ``SequenceMetadata`` objects), ``kernels``
+- breakdown: ``stage`` (validate + fill + copy enqueue), ``from_sequences``
+  (``SequenceBatch.from_sequences`` alone: reading the ``SequenceMetadata`` objects), ``kernels``
   (``launch_decode_inplace``: cached graph replay of the two kernels, synced), ``kernels_cpu``
   (the same, host time only) and ``graph_replay`` (a bare ``CUDAGraph.replay`` of the kernels);
-- ``from_arrays``: staging from already extracted arrays + copy + kernels + sync, i.e. a step
+- ``from_arrays``: staging from a validated ``SequenceBatch`` + copy + kernels + sync, i.e. a step
   when the scheduler hands over per-sequence arrays instead of Python objects;
 - ``from_state`` / ``from_state_cpu``: the batch from a ``BatchState`` (issue 18) then
   ``prepare_decode_inplace``, synced / host time only (goal: <= 50 us host time at 256
@@ -213,7 +212,7 @@ def inplace_case(n: int, drafts: int, dev: torch.device, repeat: int, rng: rando
 
     res["from_state_fast_cpu"] = time_us(from_state_fast, repeat)
     sync()
-    res["extract"] = time_us(lambda: extract_batch(seqs, cfg, is_prompt=False), repeat)
+    res["from_sequences"] = time_us(lambda: SequenceBatch.from_sequences(seqs, cfg, is_prompt=False), repeat)
     replay = _graph_fn(st, cfg, out)
     if replay is not None:
         res["graph_replay"] = time_us(replay, repeat)
@@ -222,7 +221,7 @@ def inplace_case(n: int, drafts: int, dev: torch.device, repeat: int, rng: rando
 
 
 def inplace_table(results: dict[str, dict[str, Any]]) -> str:
-    cols = ("eager_copy", "inplace", "inplace_cpu", "stage", "extract", "kernels", "kernels_cpu",
+    cols = ("eager_copy", "inplace", "inplace_cpu", "stage", "from_sequences", "kernels", "kernels_cpu",
             "graph_replay", "from_arrays", "from_state", "from_state_cpu", "state_staging_fill",
             "state_stage_decode", "from_state_fast_cpu")
     head = f"{'case':<17}{'rows':>6}" + "".join(f"{c:>19}" for c in cols) + f"{'speedup':>9}"

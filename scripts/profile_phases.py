@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Where one step's time goes, phase by phase: one command, a sub-command per step.
 
-    python scripts/profile_phases.py build                          # host build from a BatchState: batch, extract, build, staging
+    python scripts/profile_phases.py build                          # host build from a BatchState: batch, build, staging
     python scripts/profile_phases.py broadcast --world 2 --payload decode-64   # MetadataBroadcaster, both sides, real processes
     python scripts/profile_phases.py inplace --out $OUT/h200_inplace_step.json # the in-place decode step's pieces (--cp: + CP driver)
     python scripts/profile_phases.py replicate --backend nccl --steps 200      # cProfile: replicated in-place vs staged broadcast
@@ -42,7 +42,6 @@ from bench_broadcast import init_rank, run_world_procs  # noqa: E402  (same rank
 from bench_build import _state_from, decode_batch, prompt_batch  # noqa: E402  (same batches)
 from _harness.bench_meta import interleaved, write_result  # noqa: E402  (scripts/_harness/bench_meta.py: the harness)
 from cpmeta import MetadataConfig, OutputArenas, prepare_decode, prepare_prompt  # noqa: E402
-from cpmeta.builders.extract import extract_batch  # noqa: E402
 from cpmeta.gpu.decode_inplace import (  # noqa: E402
     DecodeStaging, capture_decode_graph, launch_decode_inplace, prepare_decode_inplace, staging_capacity,
 )
@@ -58,7 +57,7 @@ BUILD_DOC = """Per-phase host cost of one step from a ``BatchState``: where the 
 
 Decode (256 sequences, 0 / 2 drafts) and prompt (8 x 4096) batches of ``scripts/bench_build.py``,
 ``MetadataConfig.compressed_swa()``, single thread. Phases: ``batch`` (``BatchState.decode_batch``
-/ ``prompt_batch``), ``extract`` (``extract_batch`` of that batch), ``build`` (``prepare_decode``
+/ ``prompt_batch``), ``build`` (``prepare_decode``
 / ``prepare_prompt`` of the batch: one compiled call per stage) and ``build_arena`` (the same into
 reused ``OutputArenas``), ``metadata`` (``InputMetadata(**fields)``), and for decode ``staging``
 (``StagingLayout.write_batch`` of the batch: the one compiled staging call, the host side of
@@ -88,7 +87,6 @@ def build_decode_phases(cfg: MetadataConfig, n: int, d: int, repeat: int, rng: r
     return interleaved({
         "step": lambda: prepare_decode(step(), cfg),
         "batch": step,
-        "extract": lambda: extract_batch(sb, cfg, is_prompt=False),
         "build": lambda: prepare_decode(sb, cfg),
         "build_arena": lambda: prepare_decode(sb, cfg, out=arenas),
         "metadata": lambda: InputMetadata(**fields),

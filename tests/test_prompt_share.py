@@ -69,7 +69,7 @@ def test_array_input_from_a_batch_state() -> None:
 @pytest.mark.parametrize("is_prompt", [True, False])
 def test_ngram_of_rows_is_the_gathered_look_back(is_prompt: bool) -> None:
     from cpmeta.builders.common_njit import ngram_of_rows
-    from cpmeta.builders.extract import as_sequence_batch
+    from cpmeta.state.batch import as_sequence_batch
     import cpmeta
 
     rng = random.Random(9)

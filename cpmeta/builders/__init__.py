@@ -3,7 +3,8 @@
 Every field a builder writes is declared once, in ``InputMetadata``'s field table
 (:mod:`cpmeta.fields`); ``prepare_decode``'s arena layout is generated from it, and each field is
 taken from the caller's ``out=`` (None, a dict, or an :class:`~cpmeta.buffers.OutputBuffers`)
-through :func:`cpmeta.buffers.alloc`. Example::
+through :func:`cpmeta.buffers.alloc`. A batch comes in as a ``SequenceBatch`` or a list converted
+to one (``as_sequence_batch``, ``cpmeta/state/batch.py``). Example::
 
     arenas = cpmeta.OutputArenas()                       # caller-owned, one arena per batch shape
     md = prepare_decode(batch, cfg, out=arenas)          # md.positions: a view of that arena
@@ -13,8 +14,6 @@ module               holds
 ===================  ===========================================================================
 ``prompt``           :func:`prepare_prompt` (chunked prefill metadata)
 ``decode``           :func:`prepare_decode` (decode metadata, MTP drafts)
-``extract``          ``SequenceBatch`` (``cpmeta/state/batch.py``; a list converts to it) -> ``BatchArrays``
-``batch_arrays``     ``BatchArrays`` (one batch as int64 numpy arrays) and its row helpers
 ``int_ops``          int32 checks, ``loaded_compressed_len``
 ``common_njit``      the compiled fields prompt and decode share, their checks and error codes
 ``decode_njit``      the decode build's one kernel

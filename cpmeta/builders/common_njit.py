@@ -236,8 +236,8 @@ def compressed_slot(bt: np.ndarray, b0: int, c: int, bc: int) -> int:
 
 
 def raise_common(err: np.ndarray, cfg: MetadataConfig) -> None:
-    """Raise the ``ValueError`` of a common code in ``err`` (the messages of the numpy builders
-    and ``extract_batch``); returns for a code it does not own (the builder raises its own)."""
+    """Raise the ``ValueError`` of a common code in ``err`` (the messages of the per-token
+    references in ``tests/``); returns for a code it does not own (the builder raises its own)."""
     code, i, v, lim = (int(x) for x in err)
     if code == E_CU_SEQLENS_K:
         check_int32("cu_seqlens_k", v, "sum(seqlen_k)")

@@ -26,10 +26,10 @@ from ..cache import BoundedCache, IdentityCache
 from ..fields import DECODE, FieldTable, OutputSpec, stacked_fields, step_outputs
 from ..metadata import FIELDS, InputMetadata
 from ..buffers import ArenaLayout, HostArena, OutputBuffers, get_or_create_stacked, get_or_create_tensor
+from ..state.batch import BatchInput, as_sequence_batch
 from .common_njit import ngram_table, raise_common
 from .decode_njit import E_KV_CA_OFFSET, decode_consts, decode_fill, decode_width, field_offsets
 from .int_ops import check_int32
-from .extract import BatchInput, as_sequence_batch
 
 __all__ = ["prepare_decode", "DECODE_STACKED_FIELDS", "check_decode_out", "raise_decode_error"]
 

@@ -129,7 +129,7 @@ def decode_fill(seqlen_q: np.ndarray, seqlen_k: np.ndarray, state_id: np.ndarray
     nca = k[_NCA]
     nde = k[_NDE]
     width = fo[_WIDTH]
-    # ---- checks (the numpy builder's extract_batch and int32 bounds, in that order)
+    # ---- checks (needed block ids, then the int32 bounds: the staging writer's order too)
     mq = 0
     mk = 0
     for s in range(n):

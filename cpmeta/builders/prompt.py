@@ -30,9 +30,8 @@ from ..config import MetadataConfig
 from ..fields import PROMPT, OutputSpec, step_outputs
 from ..jit import error_slot, warmer
 from ..metadata import FIELDS, InputMetadata
-from ..state.batch import SequenceBatch
+from ..state.batch import BatchInput, SequenceBatch, as_sequence_batch
 from .common_njit import ngram_table, raise_common
-from .extract import BatchInput, as_sequence_batch
 from .int_ops import check_int32
 from .prompt_njit import (
     CNT_MAX_K, CNT_MAX_Q, CNT_RATIOS, CNT_SEG_SWA, CNT_T, CNT_TOTAL_C, CNT_WIDTH, E_CU_COMPRESSED_K, E_PIVOTS,

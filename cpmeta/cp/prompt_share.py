@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..builders.common_njit import ngram_of_rows, ngram_table, raise_common
-from ..builders.extract import BatchInput, as_sequence_batch
+from ..state.batch import BatchInput, as_sequence_batch
 from ..builders.prompt import prompt_fields
 from ..jit import error_slot
 from ..config import MetadataConfig

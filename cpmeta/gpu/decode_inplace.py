@@ -2,7 +2,7 @@
 
 One step::
 
-    CPU   extract_batch (validation, O(n_seq) Python)  ->  ONE pinned int32 staging buffer
+    CPU   as_sequence_batch (validation) + ONE compiled write  ->  ONE pinned int32 staging buffer
     H2D   ONE copy_(non_blocking=True) of its used prefix (CUDA event guards the next refill)
     GPU   _decode_metadata_kernel  (one program per sequence + tail programs; all ratios)
           _decode_block_tables_kernel (one program per sequence)
@@ -38,7 +38,7 @@ import torch
 
 from .decode_buffers import DecodeBuffers, OutCache, OutCapacity, capacity_of, make_buffers, same_device
 from .decode_staging import DecodeStaging, StagedDecode, staging_capacity
-from ..builders.extract import BatchInput
+from ..state.batch import BatchInput
 from ..config import MetadataConfig
 from ..builders.decode import check_decode_out
 from ..metadata import InputMetadata

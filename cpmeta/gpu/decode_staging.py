@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, TypeVar
 import numpy as np
 import torch
 
-from ..builders.extract import BatchInput, as_sequence_batch
+from ..state.batch import BatchInput, as_sequence_batch
 from ..config import MetadataConfig
 from .decode_buffers import OutCache, OutCapacity
 from .staging_header import StagedDecode

@@ -1,7 +1,8 @@
 """``SequenceBatch``: one step's scheduled sequences as numpy arrays (DESIGN section 13).
 
 The builders' input in array form. A list of ``SequenceMetadata`` converts with
-:meth:`SequenceBatch.from_sequences` (validated with ``validate_batch``'s rules and messages);
+:meth:`SequenceBatch.from_sequences` (validated with ``validate_batch``'s rules and messages;
+:func:`as_sequence_batch` is every builder's way in, either form);
 :class:`~cpmeta.state.batch_state.BatchState` produces one per step without touching Python
 objects. ``prepare_prompt`` / ``prepare_decode`` / ``prepare_decode_inplace`` accept either form
 with bit-identical results; the list path IS ``from_sequences`` followed by the array path.
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
@@ -20,7 +21,7 @@ from ..int_lists import first_bad, int_array
 from ..sequence import SequenceMetadata, check_distinct_state_ids, validate_batch
 from .checks import check_window_ids
 
-__all__ = ["SequenceBatch", "Vouch", "window_lookback", "prefix"]
+__all__ = ["SequenceBatch", "BatchInput", "as_sequence_batch", "Vouch", "window_lookback", "prefix"]
 
 _SQ = attrgetter("seqlen_q")
 _SK = attrgetter("seqlen_k")
@@ -239,6 +240,25 @@ class SequenceBatch:
         check_window_ids(self.tokens, self.token_offsets, self.seqlen_q, self.seqlen_k, self.lookback,
                          self.is_prompt)
         check_distinct_state_ids(self.state_id, self.is_placeholder, cfg)
+
+
+#: What every builder accepts as its batch: ``SequenceMetadata`` objects, or their arrays.
+BatchInput = Union[Sequence[SequenceMetadata], SequenceBatch]
+
+
+def as_sequence_batch(seqs: BatchInput, cfg: MetadataConfig, *, is_prompt: bool) -> SequenceBatch:
+    """A builder's batch as a ``SequenceBatch`` validated for ``cfg``: ``seqs`` itself when it is
+    one of the right path (``validate``: at once when vouched for ``cfg``), else
+    ``SequenceBatch.from_sequences``. A batch of the other path is a ``ValueError``. Example: a
+    decode builder handed a prompt batch -> ``"seqs: expected a decode SequenceBatch, got a
+    prompt one"``."""
+    if isinstance(seqs, SequenceBatch):
+        if seqs.is_prompt != is_prompt:
+            want, got = ("prompt", "decode") if is_prompt else ("decode", "prompt")
+            raise ValueError(f"seqs: expected a {want} SequenceBatch, got a {got} one")
+        seqs.validate(cfg)
+        return seqs
+    return SequenceBatch.from_sequences(seqs, cfg, is_prompt=is_prompt)
 
 
 def _one_sequence(b: SequenceBatch, i: int) -> SequenceMetadata:
