@@ -306,33 +306,12 @@ def test_decode_window_is_short() -> None:
     assert batch.tokens.tolist() == [77, 78, 79, 7, 7]
 
 
-def test_int32_mirrors_follow_appends_and_reuse() -> None:
-    """The int32 mirrors the GPU staging copies (``block_rows32``: each table's first
-    ``max_num_blocks`` ids, -1 padded; ``last_tokens32``; ``state_ids32``) follow adds, appends
-    past ``max_num_blocks``, moves and slot reuse."""
-    mnb = CFG.max_num_blocks
-    st = BatchState(CFG, max_seqs=2, max_blocks=mnb + 3)
-    a = st.add_request("a", [1, 2, 3], [9] * (mnb - 1), 0, num_computed=3)
-    b = st.add_request("b", [4], [5, 6], 1, num_computed=1)
-    st.append_blocks_batch(np.array([a]), np.array([7, 8, 9]), np.array([3]))  # crosses max_num_blocks
-    assert st.block_rows32[a].tolist() == [9] * (mnb - 1) + [7]
-    assert st.block_rows32[b].tolist() == [5, 6] + [-1] * (mnb - 2)
-    st.append_tokens_batch(np.array([b, a]), np.array([11, 12, 13]), np.array([2, 1]))
-    st.set_state_id(b, 7)
-    assert st.last_tokens32.tolist() == [13, 12] and st.state_ids32.tolist() == [0, 7]
-    st.finish(a)
-    c = st.add_request("c", [4, 4], [3], 2, num_computed=2)
-    assert c == a and st.block_rows32[c].tolist() == [3] + [-1] * (mnb - 1)
-    assert st.last_tokens32[c] == 4 and st.state_ids32[c] == 2
-    assert not st.block_rows32.flags.writeable and not st.last_tokens32.flags.writeable
-
-
 def test_append_errors_name_the_request_and_change_nothing() -> None:
     """The batch appends' checks (slots, counts, capacity, token ids) come before any write."""
     st = BatchState(PAGED, max_seqs=3, max_tokens=8, max_blocks=2)
     a = st.add_request("a", [1, 2], [3], 0)
     b = st.add_request("b", [4], [5], 1)
-    before = [x.copy() for x in (st.token_ids, st.block_table, st._meta, st.block_rows32, st.last_tokens32)]
+    before = [x.copy() for x in (st.token_ids, st.block_table, st._meta)]
     bad = [
         ("append_tokens_batch", [a, 2], [1, 2], [1, 1],
          r"slots: expected slots of live requests, got \[2\] without one"),
@@ -356,15 +335,15 @@ def test_append_errors_name_the_request_and_change_nothing() -> None:
         st.append_tokens(a, [1] * 10)
     with pytest.raises(ValueError, match=r"slot 2: no live request there"):
         st.append_blocks(2, [1])
-    for x, y in zip(before, (st.token_ids, st.block_table, st._meta, st.block_rows32, st.last_tokens32)):
+    for x, y in zip(before, (st.token_ids, st.block_table, st._meta)):
         assert np.array_equal(x, y)
 
 
 @pytest.mark.parametrize("cfg_name", ["seed", "plain"])
 def test_vectorized_appends_equal_one_call_per_request(cfg_name: str) -> None:
     """``append_blocks_batch`` / ``append_compressed_batch`` leave the state exactly as one
-    ``append_blocks`` / ``append_compressed`` call per request would (every array, the int32
-    mirrors, what the staging vouches for), and refuse what the loop refuses, changing nothing."""
+    ``append_blocks`` / ``append_compressed`` call per request would (every array, what the
+    staging vouches for), and refuse what the loop refuses, changing nothing."""
     from cpmeta.launch.scheduler import default_config, plain_config
 
     cfg = default_config(max_model_len=2048) if cfg_name == "seed" else plain_config(max_model_len=2048)
@@ -387,7 +366,7 @@ def test_vectorized_appends_equal_one_call_per_request(cfg_name: str) -> None:
             at += c
         b.append_blocks_batch(slots, blocks, counts)
         b.append_compressed_batch(slots, ids, counts)
-    for name in ("block_table", "num_blocks", "compressed", "num_compressed", "block_rows32"):
+    for name in ("block_table", "num_blocks", "compressed", "num_compressed"):
         assert np.array_equal(getattr(a, name), getattr(b, name)), name
     for s in range(5):
         assert (a.vouch_decode(np.array([s])) is None) == (b.vouch_decode(np.array([s])) is None), s

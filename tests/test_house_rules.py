@@ -6,7 +6,7 @@ added later). Checked with ``ast`` over every module of ``cpmeta``, ``transport`
 
 - no module reads or writes ``x._name`` (``x`` not ``self`` / ``cls``) where ``_name`` is a private
   attribute of a class defined only in other rooms -- other rooms go through a named constructor or
-  a public read-only view (``SequenceBatch.vouch_for``, ``StateStore.block_rows32``, ...);
+  a public read-only view (``SequenceBatch.vouch_for``, ``StateStore.block_table``, ...);
 - no module imports a private name (``from m import _helper``) or a private module of another room.
 
 Who owns ``_name``: every class that assigns ``self._name`` / ``cls._name`` in its methods, declares

@@ -66,7 +66,7 @@ def _public(s: BatchState, full: bool = False) -> dict[str, Any]:
            "compressed": rows(s.compressed, s.num_compressed), "free_slots": s.free_slots(),
            "requests": [s.request_of(i) for i in range(s.max_seqs)]}
     for name in ("num_tokens", "num_computed", "prompt_len", "num_blocks", "num_compressed", "state_id",
-                 "swa_valid_start", "active", "block_rows32", "last_tokens32", "state_ids32"):
+                 "swa_valid_start", "active"):
         out[name] = getattr(s, name).copy()
     return out
 

@@ -192,6 +192,38 @@ def test_state_writer_writes_every_staged_word(k: int) -> None:
                 assert torch.equal(fast.host_buffer[:got.used], ref.host_buffer[:got.used]), (ci, k)
 
 
+def test_state_writer_reads_the_state_after_long_tables_moves_and_reuse() -> None:
+    """``stage_decode`` copies from the state's own arrays, cast to int32 as it writes: a table
+    longer than ``max_num_blocks`` (its first ``max_num_blocks`` ids staged), a moved state id, a
+    finished request's slot reused by a shorter table (the old ids still in the row past the new
+    table are never staged: -1 there). Each step's table section is each table's first ids, then
+    -1, and the staged batch is ``decode_batch`` + ``stage``'s."""
+    cfg = CONFIGS[0]
+    mnb = cfg.max_num_blocks
+
+    def table_rows(stg: DecodeStaging, got: StagedDecode) -> list[list[int]]:
+        buf = stg.host_buffer[:got.used].numpy()
+        off_bt = int(buf[5])  # header word H_OFF_BT
+        return buf[off_bt:off_bt + got.num_seqs * mnb].reshape(got.num_seqs, mnb).tolist()
+
+    st = BatchState(cfg, max_seqs=2, max_blocks=mnb + 3)
+    a = st.add_request("a", [1, 2, 3], [9] * (mnb - 1), 0, num_computed=3)
+    b = st.add_request("b", [4], [5, 6], 1, num_computed=1)
+    st.append_blocks_batch(np.array([a]), np.array([7, 8, 9]), np.array([3]))  # past max_num_blocks
+    st.append_tokens_batch(np.array([b, a]), np.array([11, 12, 13]), np.array([2, 1]))
+    st.set_state_id(b, 7)
+    fast, slow = DecodeStaging("cpu", 8), DecodeStaging("cpu", 8)
+    none = np.zeros(0, np.int64)
+    batch, got = stage_both(st, fast, slow, np.array([a, b]), none, np.zeros(2, np.int64), 0, cfg)
+    assert table_rows(fast, got) == [[9] * (mnb - 1) + [7], [5, 6] + [-1] * (mnb - 2)]
+    assert batch.tokens.tolist() == [13, 12] and batch.state_id.tolist() == [0, 7]
+    st.finish(a)
+    c = st.add_request("c", [4, 4], [3], 2, num_computed=2)
+    assert c == a and st.block_table[c, 1] == 9  # the old table is still in the row
+    batch, got = stage_both(st, fast, slow, np.array([c]), none, np.zeros(1, np.int64), 0, cfg)
+    assert table_rows(fast, got) == [[3] + [-1] * (mnb - 1)]
+
+
 def test_launch_and_replay_shape_unchanged() -> None:
     """Buffers captured at a larger batch: ``launch_decode_inplace`` after ``stage_decode`` gives
     ``prepare_decode`` on the live prefix."""

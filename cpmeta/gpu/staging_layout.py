@@ -151,16 +151,16 @@ class StagingLayout:
     def write_state(self, view: np.ndarray, st: "BatchState", step: "VouchedStep", n_ph: int,
                     cap: Optional[OutCapacity], report: np.ndarray) -> Optional[StagedDecode]:
         """Write a step ``st`` vouched for (``BatchState.vouch_decode``) and ``n_ph`` placeholders
-        into ``view`` straight from the state's int32 mirrors (``block_rows32``,
-        ``last_tokens32``, ``state_ids32``): tables at a fixed stride of ``max_num_blocks``;
+        into ``view`` straight from the state's arrays (``token_ids``, ``block_table``,
+        ``num_blocks``, ``state_id``): tables at a fixed stride of ``max_num_blocks``;
         ONE :func:`~cpmeta.gpu.staging_njit.stage_state` call. ``None`` when an int32 bound fails
         (``sum(seqlen_k)``, the decode offsets, the section offsets: the caller falls back to the
         general path and its messages); ``cap``'s ``ValueError`` for a step it cannot hold and
         ``BufferError(needed_elements)`` for a short ``view``, both before anything is written."""
         d, nd = step.drafts, step.nd  # nd: one count per request only when they differ
-        code = stage_state(_plain(step.slots), step.sk, _NO_IDS if d is None else _plain(d),
+        code = stage_state(_plain(step.slots), step.nt, step.sk, _NO_IDS if d is None else _plain(d),
                            _NO_IDS if step.uniform or nd is None else nd,
-                           step.k_hi, n_ph, st.block_rows32, st.last_tokens32, st.state_ids32, self.consts,
+                           step.k_hi, n_ph, st.token_ids, st.block_table, st.num_blocks, st.state_id, self.consts,
                            self.ratios, *((NO_LIMIT,) * 3 if cap is None else (cap.q_cap, cap.seq_cap, cap.bt_cols)),
                            view, report)
         if code == OK:

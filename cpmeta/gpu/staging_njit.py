@@ -7,7 +7,7 @@ caller's int32 view (no allocation, no Python object):
   the int32 bounds of ``prepare_decode``, then writes the header, the per-sequence rows, the
   input ids, the tables PACKED back to back and the Engram windows;
 - :func:`stage_state` -- a ``BatchState``'s vouched step (``BatchState.vouch_decode``) straight
-  from its int32 mirrors: the tables at a FIXED stride of ``max_num_blocks`` (other bytes, the
+  from its arrays: the tables at a FIXED stride of ``max_num_blocks`` (other bytes, the
   same metadata), placeholders appended; an int32 bound it cannot vouch for returns
   :data:`E_FALLBACK` (the caller takes the general path, whose checks name the field).
 
@@ -22,7 +22,7 @@ Worked example (the layout's: block_size 4, ratios (4,) in every set, G = 0; ``s
 3)``, ``seqlen_k = (5, 9)``, tables ``[7, 8]`` and ``[4, 6, 2]``): header length 8 + 3 = 11,
 ``off_ids = 11 + 7 * 2 = 25``, ``off_bt = 25 + 4 = 29``; needed blocks ``(1, 2)``, so
 :func:`stage_batch` packs ``[7, 4, 6]`` at 29, ``bt_offset = (0, 1)``, ``used = 32``;
-:func:`stage_state` (``max_num_blocks`` 3) writes each mirror row whole: ``bt_offset = (0, 3)``,
+:func:`stage_state` (``max_num_blocks`` 3) writes ``max_num_blocks`` words per request: ``bt_offset = (0, 3)``,
 ``used = 25 + 4 + 2 * 3 = 35``.
 """
 
@@ -59,21 +59,23 @@ _R = 4  # report[_R:]: n_seq, total_q, total_k, max_seqlen_q, max_seqlen_k, used
 NO_LIMIT = 2**62
 
 # staging_consts slots
-_HL, _BS, _MINR, _CYCLE, _INTER, _MAXBID, _ROW_OFF, _G, _IMG, _HAS_IMG, _HAS_TAB = range(11)
+_HL, _BS, _MINR, _CYCLE, _INTER, _MAXBID, _ROW_OFF, _G, _IMG, _HAS_IMG, _HAS_TAB, _MNB = range(12)
 
 
 def staging_consts(cfg: MetadataConfig, header_len: int) -> np.ndarray:
     """The config as the writers read it (int64, read-only): header length, block_size, min ratio,
     KV-CP cycle and interleave, max_block_id, ``max_num_blocks * (block_size // min dense ratio)``
     (0 without dense ratios: the ``kv_ca_index_offset_len`` offset of one row), max_ngram_size,
-    image id, has image, has ``ngram_lookup``. Example: ``MetadataConfig.compressed_swa()``,
-    header 11 -> ``[11, 128, 4, 1, 1, 67108863, 2048, 0, -1, 0, 0]``."""
+    image id, has image, has ``ngram_lookup``, ``max_num_blocks`` (:func:`stage_state`'s table
+    stride). Example: ``MetadataConfig.compressed_swa()``, header 11 -> ``[11, 128, 4, 1, 1,
+    67108863, 2048, 0, -1, 0, 0, 64]``."""
     img = cfg.image_token_id
     dense = cfg.dense_compress_ratios
     c = np.array([header_len, cfg.block_size, cfg.min_ratio, cfg.kv_cp_world_size * cfg.kv_cp_interleave,
                   cfg.kv_cp_interleave, cfg.max_block_id,
                   cfg.max_num_blocks * (cfg.block_size // min(dense)) if dense else 0, cfg.max_ngram_size,
-                  -1 if img is None else img, int(img is not None), int(cfg.ngram_lookup is not None)], np.int64)
+                  -1 if img is None else img, int(img is not None), int(cfg.ngram_lookup is not None),
+                  cfg.max_num_blocks], np.int64)
     c.flags.writeable = False
     return c
 
@@ -252,11 +254,14 @@ def stage_batch(seqlen_q: np.ndarray, seqlen_k: np.ndarray, state_id: np.ndarray
 
 
 @kernel
-def stage_state(slots: np.ndarray, sk: np.ndarray, drafts: np.ndarray, nd: np.ndarray, k_hi: int, n_ph: int,
-                rows32: np.ndarray, last32: np.ndarray, state32: np.ndarray, k: np.ndarray, ratios: np.ndarray,
-                q_cap: int, seq_cap: int, bt_cols: int, view: np.ndarray, report: np.ndarray) -> int:
-    """A vouched ``BatchState`` decode step (``n_real = len(slots)`` requests, then ``n_ph``
-    placeholders) into ``view``, tables at the fixed stride ``mnb = rows32.shape[1]``.
+def stage_state(slots: np.ndarray, nt: np.ndarray, sk: np.ndarray, drafts: np.ndarray, nd: np.ndarray, k_hi: int,
+                n_ph: int, token_ids: np.ndarray, block_table: np.ndarray, num_blocks: np.ndarray,
+                state_id: np.ndarray, k: np.ndarray, ratios: np.ndarray, q_cap: int, seq_cap: int, bt_cols: int,
+                view: np.ndarray, report: np.ndarray) -> int:
+    """A vouched ``BatchState`` decode step (``n_real = len(slots)`` requests holding ``nt``
+    confirmed tokens each, then ``n_ph`` placeholders) into ``view`` straight from the state's
+    arrays (``token_ids``, ``block_table``, ``num_blocks``, ``state_id``: int64, cast to the
+    layout's int32 as they are copied), tables at the fixed stride ``mnb = max_num_blocks``.
 
     Scalars first: ``total_q = n + len(drafts)``, ``total_k = sum(sk) + n_ph``, ``used = hl + 7n +
     total_q + n_real * mnb + n_ph * blocks_needed(1)``, ``max_blocks = blocks_needed(max(sk))``
@@ -264,8 +269,9 @@ def stage_state(slots: np.ndarray, sk: np.ndarray, drafts: np.ndarray, nd: np.nd
     block_size // min dense ratio``) or ``used`` pass int32, :data:`E_CAPACITY` when ``total_q >
     q_cap``, ``n > seq_cap`` or ``max_blocks > bt_cols``, :data:`E_VIEW_SMALL`; nothing written
     before. Then request s: ``seqlen_q = 1 + nd[s]`` (``1 + k_hi`` when ``nd`` is empty: one count
-    for all), ``seqlen_k = sk[s]``, state ``state32[slot]``, ids = ``last32[slot]`` then its drafts
-    (in order), ``bt_offset = s * mnb`` and the slot's whole mirror row; placeholder p: ``(1, 1)``
+    for all), ``seqlen_k = sk[s]``, state ``state_id[slot]``, ids = its last confirmed token
+    ``token_ids[slot, nt[s] - 1]`` then its drafts (in order), ``bt_offset = s * mnb`` and ``mnb``
+    table words: its first ``min(num_blocks, mnb)`` block ids, then -1; placeholder p: ``(1, 1)``
     rows, state 0, flag 1, id 0, ``bt_offset = n_real * mnb + p * blocks_needed(1)``, zero tables.
     Example: 2 requests ``sk = (7, 11)``, one draft each, mnb 64, no placeholder -> ``total_q = 4``,
     ``cu_seqlens_q_incl = (2, 4)``, ``bt_offset = (0, 64)``, ``used = hl + 14 + 4 + 128``.
@@ -273,7 +279,7 @@ def stage_state(slots: np.ndarray, sk: np.ndarray, drafts: np.ndarray, nd: np.nd
     report[:] = 0
     n_real = slots.shape[0]
     n = n_real + n_ph
-    mnb = rows32.shape[1]
+    mnb = k[_MNB]
     tq = n + drafts.shape[0]
     tk = n_ph
     mk = 0
@@ -311,18 +317,20 @@ def stage_state(slots: np.ndarray, sk: np.ndarray, drafts: np.ndarray, nd: np.nd
         blk[F_SEQLEN_K * n + s] = sk[s]
         blk[F_CU_Q_INCL * n + s] = cq
         blk[F_CU_K_INCL * n + s] = ck
-        blk[F_STATE * n + s] = state32[slot]
+        blk[F_STATE * n + s] = state_id[slot]
         blk[F_PLACEHOLDER * n + s] = 0
         blk[F_BT_OFFSET * n + s] = s * mnb
         r0 = off_ids + cq - q
-        view[r0] = last32[slot]
+        view[r0] = token_ids[slot, nt[s] - 1]
         for j in range(1, q):
             view[r0 + j] = drafts[d]
             d += 1
-        row = rows32[slot]
+        nb = min(num_blocks[slot], mnb)
+        row = block_table[slot]
         dst = view[off_bt + s * mnb:off_bt + (s + 1) * mnb]
-        for c in range(mnb):
+        for c in range(nb):
             dst[c] = row[c]
+        dst[nb:] = -1  # one fill: a loop here was 1.5x slower at 512 columns
     for p in range(n_ph):
         s = n_real + p
         cq += 1
@@ -343,7 +351,7 @@ def stage_state(slots: np.ndarray, sk: np.ndarray, drafts: np.ndarray, nd: np.nd
 def _warm() -> None:
     """Both writers once on tiny inputs, in the argument types the library passes: the batch
     writer without and with an ``ngram_lookup`` table (a read-only empty table, a writable one),
-    the state writer over a real state's read-only mirrors, int64 and int32 drafts."""
+    the state writer over a real state's arrays, int64 and int32 drafts."""
     from ..state.batch_state import BatchState
     from .staging_layout import StagingLayout
 
@@ -360,6 +368,6 @@ def _warm() -> None:
     slot = st.add_request(0, [1, 2, 3], [4], 0, num_computed=3)
     lay = StagingLayout.of(cfg)
     for drafts in (np.array([7], i64), np.array([7], np.int32)):
-        stage_state(np.array([slot], i64), np.array([4], i64), drafts, np.zeros(0, i64), 1, 1, st.block_rows32,
-                    st.last_tokens32, st.state_ids32, lay.consts, lay.ratios, NO_LIMIT, NO_LIMIT, NO_LIMIT, view,
-                    report)
+        stage_state(np.array([slot], i64), np.array([3], i64), np.array([4], i64), drafts, np.zeros(0, i64), 1, 1,
+                    st.token_ids, st.block_table, st.num_blocks, st.state_id, lay.consts, lay.ratios, NO_LIMIT,
+                    NO_LIMIT, NO_LIMIT, view, report)

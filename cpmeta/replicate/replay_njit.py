@@ -49,8 +49,8 @@ def _fits(at: np.ndarray, end: np.ndarray, c: int, k: int) -> bool:
 @kernel
 def replay(r: int, runs: np.ndarray, buf: np.ndarray, at: np.ndarray, end: np.ndarray, spec: np.ndarray,
            si: int, meta: np.ndarray, active: np.ndarray, token_ids: np.ndarray, block_table: np.ndarray,
-           compressed: np.ndarray, p: np.ndarray, mark: np.ndarray, bt32: np.ndarray, last32: np.ndarray,
-           err: np.ndarray, check: np.ndarray, crow: int, lookback: int
+           compressed: np.ndarray, p: np.ndarray, mark: np.ndarray, err: np.ndarray, check: np.ndarray,
+           crow: int, lookback: int
            ) -> tuple[int, int, int, int, np.ndarray, np.ndarray, bool]:
     """Apply runs from ``r`` (``runs`` [r, 2] = (code, entries)); ``spec`` the specs' words
     (:data:`~cpmeta.replicate.ops.SPEC_WORDS` each), ``si`` the next one's index.
@@ -88,7 +88,7 @@ def replay(r: int, runs: np.ndarray, buf: np.ndarray, at: np.ndarray, end: np.nd
                 kind, rows, have = K_BLOCKS, block_table, meta[M_BLOCKS]
             elif code == CMP:
                 kind, rows, have = K_COMPRESSED, compressed, meta[M_COMPRESSED]
-            rc = append_rows(kind, slots, flat, counts, rows, have, active, mark, bt32, last32, err)
+            rc = append_rows(kind, slots, flat, counts, rows, have, active, mark, err)
             if rc:
                 return S_RUN, r, si, crow, empty, no_ph, False
             at[c] += k

@@ -4,8 +4,8 @@
 module              holds
 ==================  ===========================================================================
 ``batch``           :class:`SequenceBatch`: a step's scheduled sequences as numpy arrays
-``store``           ``StateStore``: the preallocated per-request arrays and the public read-only
-                    views other rooms may read (``block_rows32``, ``last_tokens32``, ...)
+``store``           ``StateStore``: the preallocated per-request arrays other rooms may read
+                    (``token_ids``, ``block_table``, ``num_blocks``, ...; read-only to them)
 ``batch_state``     :class:`BatchState`: requests added once, deltas per step, the step's batch
 ``state_njit``      the compiled kernels: a step's appends, its gather, the staging's vouching
 ``checks``          value checks: token-window ids, ``BatchState``'s scalar and id arguments

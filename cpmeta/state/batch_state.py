@@ -130,10 +130,6 @@ class BatchState(StateStore):
         self.compressed[s, :len(comp)] = comp
         self.num_compressed[s] = len(comp)
         self.state_id[s], self.swa_valid_start[s] = state_id, swa_valid_start
-        self._last[s:s + 1] = toks[-1:]  # the int32 mirrors (wrapping: vouch_decode checks the values)
-        self._state32[s:s + 1] = self.state_id[s:s + 1]
-        self._bt32[s] = -1
-        self._bt32[s, :len(bt)] = bt[:self._bt32.shape[1]]
         return s
 
     def _check_state_free(self, req_id: Hashable, state_id: int, slot: int) -> None:
@@ -178,7 +174,7 @@ class BatchState(StateStore):
         slots, counts = as_int_array("slots", slots), as_int_array("counts", counts)
         tokens = as_int_array("tokens", tokens)
         code = append_rows(K_TOKENS, slots, tokens, counts, self.token_ids, self.num_tokens, self.active,
-                           self._seen, self._bt32, self._last, self._err)
+                           self._seen, self._err)
         if code == E_NEGATIVE_ID:
             _, i, v, at = self._err.tolist()
             raise ValueError(f"request {self._req[int(slots[i])]!r}: tokens: expected ids >= 0, got {v} at index {at}")
@@ -217,14 +213,13 @@ class BatchState(StateStore):
         """:func:`append_rows` for the live ``slot`` alone; its error code (the caller names it)."""
         self._one[0], self._one_count[0] = slot, len(values)
         return append_rows(kind, self._one, values, self._one_count, rows, have, self.active, self._seen,
-                           self._bt32, self._last, self._err)
+                           self._err)
 
     def _append_batch(self, kind: int, slots: Any, values: Any, counts: Any, rows: np.ndarray, have: np.ndarray,
                       what: str, name: str) -> None:
         slots, counts = as_int_array("slots", slots), as_int_array("counts", counts)
         values = as_int_array(what, values)
-        code = append_rows(kind, slots, values, counts, rows, have, self.active, self._seen, self._bt32,
-                           self._last, self._err)
+        code = append_rows(kind, slots, values, counts, rows, have, self.active, self._seen, self._err)
         if code:
             self._raise_append(code, slots, len(values), what, name)
 
@@ -236,7 +231,6 @@ class BatchState(StateStore):
         check_int_arg("state_id", state_id, req)
         self._check_state_free(req, state_id, slot)
         self.state_id[slot] = state_id
-        self._state32[slot:slot + 1] = self.state_id[slot:slot + 1]
 
     def set_swa_valid_start(self, slot: int, swa_valid_start: int) -> None:
         req = self._live(slot)
@@ -322,8 +316,8 @@ class BatchState(StateStore):
     def vouch_decode(self, slots: np.ndarray, draft_tokens: Optional[np.ndarray] = None,
                      num_drafts: Optional[np.ndarray | int] = None) -> Optional[VouchedStep]:
         """The decode step ``decode_batch(slots, draft_tokens, num_drafts)`` when the in-place GPU
-        staging may lay it out straight from :attr:`block_rows32`, :attr:`last_tokens32` and
-        :attr:`state_ids32` (``cpmeta.gpu.stage_decode``): int64 slots, every one live and given
+        staging may lay it out straight from the state's arrays, their ids cast to int32
+        (``cpmeta.gpu.stage_decode``): int64 slots, every one live and given
         once, done with its prefill, its state id, valid start, last token and the needed block
         ids in range (:func:`~cpmeta.state.state_njit.vouch_step`), draft counts adding up and
         draft ids in ``[0, 2**31 - 1]``; else ``None`` (``decode_batch`` then raises the precise

@@ -4,11 +4,11 @@ One kernel call per operation, over the state's preallocated arrays (DESIGN sect
 
 - :func:`append_rows` -- ``append_tokens(_batch)``, ``append_blocks(_batch)``,
   ``append_compressed(_batch)``: the ragged append of ``counts[i]`` values to row ``slots[i]``,
-  every check before any write (the int32 mirrors the GPU staging reads kept in the same loop);
+  every check before any write;
 - :func:`gather_step` -- ``prompt_batch`` / ``decode_batch``: the step's checks, then ONE
   buffer holding every int64 array of the ``SequenceBatch`` (two passes: count, then fill);
 - :func:`vouch_step` -- ``vouch_decode``: whether the in-place GPU staging may lay out a decode
-  step straight from the state's int32 mirrors.
+  step straight from the state's arrays (their ids cast to the staging's int32).
 
 The state's per-slot counts are the rows of ONE ``[7, max_seqs]`` int64 array ``meta`` (row
 ``M_*``), its config constants one int64 array ``p`` (index ``P_*``: :func:`state_params`).
@@ -36,7 +36,7 @@ N_META = 7
 # entries of ``p`` (int64): the config constants the kernels read
 P_LOOKBACK, P_BLOCK, P_MIN_RATIO, P_KV_CYCLE, P_KV_INTER, P_MAX_LEN, P_MAX_BLOCK_ID, P_MAX_STATE_ID, \
     P_SWA, P_PH_BLOCKS = range(10)
-# what append_rows appends (which ids are checked, which mirror follows)
+# what append_rows appends (which ids are checked)
 K_TOKENS, K_BLOCKS, K_COMPRESSED = range(3)
 
 E_SLOT = 1  #: ``slots[err[1]]`` is outside ``[0, max_seqs)`` or holds no live request
@@ -91,16 +91,12 @@ def _check_slots(slots: np.ndarray, active: np.ndarray, mark: np.ndarray, err: n
 
 @kernel
 def append_rows(kind: int, slots: np.ndarray, values: np.ndarray, counts: np.ndarray, rows: np.ndarray,
-                have: np.ndarray, active: np.ndarray, mark: np.ndarray, bt32: np.ndarray,
-                last32: np.ndarray, err: np.ndarray) -> int:
+                have: np.ndarray, active: np.ndarray, mark: np.ndarray, err: np.ndarray) -> int:
     """Append ``counts[i]`` values of the flat ``values`` to row ``slots[i]`` of ``rows`` after
     its ``have[slot]`` entries (``have += counts``); ``rows.shape[1]`` is the capacity.
 
     Checks first, nothing written when one fails: live distinct slots, counts (length, >= 0,
-    sum), capacity, and for tokens (``kind`` :data:`K_TOKENS`) ids >= 0. The int32 mirrors:
-    tokens set ``last32[slot]`` to the slot's last token, blocks (:data:`K_BLOCKS`) copy ids
-    that land in the first ``bt32.shape[1]`` columns into ``bt32`` (int32, wrapping as numpy's
-    cast does: a table with an id outside ``[0, max_block_id]`` is never staged from it).
+    sum), capacity, and for tokens (``kind`` :data:`K_TOKENS`) ids >= 0.
     Example: have ``[2, 0]``, slots ``[1, 0]``, counts ``[1, 2]``, values ``[9, 4, 5]`` -> row
     1 gets ``[9]`` at column 0, row 0 ``[4, 5]`` at columns 2-3; have ``[4, 1]``.
     """
@@ -128,17 +124,12 @@ def append_rows(kind: int, slots: np.ndarray, values: np.ndarray, counts: np.nda
                 if values[f] < 0:
                     return _fail(err, E_NEGATIVE_ID, i, values[f], j)
                 f += 1
-    mnb = bt32.shape[1]
     f = 0
     for i in range(n):
         s, c = slots[i], counts[i]
         h = have[s]
         for j in range(c):
             rows[s, h + j] = values[f + j]
-            if kind == K_BLOCKS and h + j < mnb:
-                bt32[s, h + j] = values[f + j]
-        if kind == K_TOKENS and c:
-            last32[s] = values[f + c - 1]
         have[s] = h + c
         f += c
     return OK
@@ -311,7 +302,7 @@ def vouch_step(slots: np.ndarray, q: np.ndarray, k_all: int, meta: np.ndarray, a
                token_ids: np.ndarray, block_table: np.ndarray, p: np.ndarray, mark: np.ndarray, err: np.ndarray,
                nt_out: np.ndarray, sk_out: np.ndarray) -> bool:
     """Whether a decode step (``k_all >= 0`` drafts each, else ``q[i]``; counts and draft ids
-    checked by the caller) may be staged straight from the state's int32 mirrors: every slot
+    checked by the caller) may be staged straight from the state's arrays: every slot
     live, given once (``err``: that check's scratch, unread), done with its prefill, its state
     id in ``[0, max_state_id]``, valid start >= 0, last token in int32, ``seqlen_k =
     num_tokens + drafts <= max_model_len`` and its first ``blocks_needed(seqlen_k)`` block ids
@@ -354,11 +345,10 @@ def _warm() -> None:
     active = np.ones(2, np.bool_)
     mark, err = np.zeros(2, np.int64), np.zeros(4, np.int64)
     tok, bt, comp = np.zeros((2, 64), np.int64), np.zeros((2, 4), np.int64), np.zeros((2, 0), np.int64)
-    bt32, last32 = np.zeros((2, 4), np.int32), np.zeros(2, np.int32)
     one = np.ones(2, np.int64)
     for kind, rows, have in ((K_TOKENS, tok, meta[M_TOKENS]), (K_BLOCKS, bt, meta[M_BLOCKS])):
         append_rows(kind, np.arange(2, dtype=np.int64), np.array([3, 4], np.int64), one, rows, have, active,
-                    mark, bt32, last32, err)
+                    mark, err)
     meta[M_PROMPT] = meta[M_COMPUTED] = 1
     gather_step(False, np.arange(2, dtype=np.int64), one, -1, np.array([5, 6], np.int64), 1, False, meta,
                 active, tok, bt, comp, p, mark, err)

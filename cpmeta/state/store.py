@@ -3,7 +3,8 @@
 The state room owns these arrays; ``BatchState`` (the deltas and the step API) derives from this
 class, and the compiled kernels (:mod:`cpmeta.state.state_njit`) read and write them. Other
 rooms read a state only through the public names below (read-only to callers): the replica
-digest (``cpmeta.replicate``) and the in-place decode staging (``cpmeta.gpu.stage_decode``).
+digest (``cpmeta.replicate``) and the in-place decode staging (``cpmeta.gpu.stage_decode``, whose
+compiled writer casts the ids it copies to the layout's int32).
 
 Public, read-only to callers (every array is ``[max_seqs, ...]``, row = slot):
 
@@ -21,19 +22,12 @@ name                shape / dtype                meaning
 ``state_id``        [max_seqs] int64             SWA / state slot
 ``swa_valid_start`` [max_seqs] int64             first valid SWA position
 ``active``          [max_seqs] bool              a live request holds the slot
-``block_rows32``    [max_seqs, max_num_blocks]   int32 copy of each table's first
-                    int32, -1 padded             ``cfg.max_num_blocks`` ids (what the GPU
-                                                 staging copies; exact where
-                                                 :meth:`~BatchState.vouch_decode` vouches)
-``last_tokens32``   [max_seqs] int32             each slot's last confirmed token (same)
-``state_ids32``     [max_seqs] int32             ``state_id`` as int32 (same)
 ``placeholder_blocks``  int                      block ids of a placeholder sequence
 ==================  ===========================  =================================================
 
 The seven count arrays are the rows of ONE ``[7, max_seqs]`` int64 array (``_meta``, rows
 ``M_*`` of :mod:`~cpmeta.state.state_njit`): a kernel takes one argument for all of them.
-Example: ``st.block_rows32[slot, :st.num_blocks[slot]]`` is the slot's table as int32 (when
-the table has at most ``cfg.max_num_blocks`` ids).
+Example: ``st.block_table[slot, :st.num_blocks[slot]]`` is the slot's table.
 """
 
 from __future__ import annotations
@@ -52,14 +46,7 @@ from .state_njit import (
 __all__ = ["StateStore"]
 
 _A = np.ndarray
-KernelArrays = tuple[_A, _A, _A, _A, _A, _A, _A, _A, _A, _A]  # :meth:`StateStore.kernel_arrays`, ten arrays
-
-
-def _read_only(a: np.ndarray) -> np.ndarray:
-    """A view of ``a`` that cannot be written through (``a`` itself stays writable)."""
-    v = a.view()
-    v.flags.writeable = False
-    return v
+KernelArrays = tuple[_A, _A, _A, _A, _A, _A, _A, _A]  # :meth:`StateStore.kernel_arrays`, eight arrays
 
 
 def _check_slot_arg(slot: object) -> None:
@@ -96,13 +83,6 @@ class StateStore:
         self.num_blocks, self.num_compressed = self._meta[M_BLOCKS], self._meta[M_COMPRESSED]
         self.state_id, self.swa_valid_start = self._meta[M_STATE], self._meta[M_VALID_START]
         self.active = np.zeros(n, bool)
-        # the int32 mirrors the in-place GPU staging copies (written by the same kernels)
-        self._bt32 = np.full((n, cfg.max_num_blocks), -1, np.int32)
-        self._last = np.zeros(n, np.int32)
-        self._state32 = np.zeros(n, np.int32)
-        self.block_rows32 = _read_only(self._bt32)
-        self.last_tokens32 = _read_only(self._last)
-        self.state_ids32 = _read_only(self._state32)
         self._p = state_params(cfg, self.lookback)
         self._vouch = Vouch(cfg)  # what a batch the gather vouched for carries (immutable)
         self._seen = np.zeros(n, np.int64)  # the kernels' repeated-slot scratch
@@ -118,13 +98,13 @@ class StateStore:
 
     def kernel_arrays(self) -> KernelArrays:
         """The arrays a compiled caller in another room passes to this room's kernels, in their
-        argument order: ``(meta, active, token_ids, block_table, compressed, p, mark, bt32,
-        last32, err)`` (``cpmeta.replicate.replay_njit``: a step frame's appends and batch
+        argument order: ``(meta, active, token_ids, block_table, compressed, p, mark, err)``
+        (``cpmeta.replicate.replay_njit``: a step frame's appends and batch
         specs, replayed with :func:`~cpmeta.state.state_njit.append_rows` and
         :func:`~cpmeta.state.state_njit.gather_step`). Writing them other than through those
         kernels breaks the state's invariants."""
         return (self._meta, self.active, self.token_ids, self.block_table, self.compressed, self._p,
-                self._seen, self._bt32, self._last, self._err)
+                self._seen, self._err)
 
     def slot_of(self, req_id: Hashable) -> int:
         """The slot of a live request (``ValueError`` for an unknown id)."""
