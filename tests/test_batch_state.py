@@ -306,6 +306,51 @@ def test_decode_window_is_short() -> None:
     assert batch.tokens.tolist() == [77, 78, 79, 7, 7]
 
 
+def test_vouch_decode_refuses_exactly_the_steps_that_need_a_bad_block_id() -> None:
+    """``vouch_decode`` reads each table's first out-of-range id (kept by ``add_request``, every
+    block append and ``finish``) instead of scanning the table: it vouches for a step iff none of
+    the ``blocks_needed(seqlen_k)`` ids a slot needs is outside ``[0, max_block_id]`` -- checked
+    against that definition over random tables grown in pieces (single and batch appends), bad
+    ids at random places, slots finished and reused."""
+    rng = random.Random(11)
+    cfg = PAGED
+    st = BatchState(cfg, max_seqs=4, max_blocks=cfg.max_num_blocks)
+    bad_ids = (-1, -7, cfg.max_block_id + 1)
+
+    def block() -> int:
+        return rng.choice(bad_ids) if rng.random() < 0.08 else rng.randrange(1000)
+
+    live: dict[int, int] = {}
+    checked = refused = 0
+    for i in range(300):
+        if len(live) < 4 and (not live or rng.random() < 0.2):
+            n = rng.randrange(1, 40)
+            s = st.add_request(i, [1] * n, [block() for _ in range(rng.randrange(0, 4))], len(live) + i, num_computed=n)
+            live[s] = i
+        s = rng.choice(list(live))
+        k = rng.randrange(1, 4)
+        if st.num_blocks[s] + k <= st.max_blocks:
+            new = [block() for _ in range(k)]
+            if rng.random() < 0.5:
+                st.append_blocks(s, new)
+            else:
+                st.append_blocks_batch(np.array([s]), np.array(new), np.array([k]))
+        if st.num_tokens[s] + 1 < cfg.max_model_len:
+            st.append_tokens(s, [2])
+        for slot in live:
+            need = blocks_needed(int(st.num_tokens[slot]), cfg)
+            ids = st.block_table[slot, :need].tolist()
+            ok = need <= st.num_blocks[slot] and all(0 <= b <= cfg.max_block_id for b in ids)
+            assert (st.vouch_decode(np.array([slot])) is not None) == ok, (i, slot)
+            checked += 1
+            refused += not ok
+        if rng.random() < 0.1 and len(live) > 1:
+            done = rng.choice(list(live))
+            st.finish(done)
+            del live[done]
+    assert checked > 500 and 50 < refused < checked - 50  # both outcomes, many times
+
+
 def test_append_errors_name_the_request_and_change_nothing() -> None:
     """The batch appends' checks (slots, counts, capacity, token ids) come before any write."""
     st = BatchState(PAGED, max_seqs=3, max_tokens=8, max_blocks=2)

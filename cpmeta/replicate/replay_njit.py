@@ -28,8 +28,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..jit import kernel, warmer
-from ..state.state_njit import (K_BLOCKS, K_COMPRESSED, K_TOKENS, M_BLOCKS, M_COMPRESSED, M_TOKENS, append_rows,
-                                gather_step)
+from ..state.state_njit import (K_BLOCKS, K_COMPRESSED, K_TOKENS, M_BLOCKS, M_COMPRESSED, M_FIRST_BAD, M_TOKENS,
+                                append_rows, gather_step)
 from .digest_njit import seq_digests
 from .ops import BLK, CMP, COLUMNS, SPEC, SPEC_WORDS, TOK
 
@@ -88,7 +88,7 @@ def replay(r: int, runs: np.ndarray, buf: np.ndarray, at: np.ndarray, end: np.nd
                 kind, rows, have = K_BLOCKS, block_table, meta[M_BLOCKS]
             elif code == CMP:
                 kind, rows, have = K_COMPRESSED, compressed, meta[M_COMPRESSED]
-            rc = append_rows(kind, slots, flat, counts, rows, have, active, mark, err)
+            rc = append_rows(kind, slots, flat, counts, rows, have, active, mark, meta[M_FIRST_BAD], p, err)
             if rc:
                 return S_RUN, r, si, crow, empty, no_ph, False
             at[c] += k

@@ -19,7 +19,7 @@ from .batch import SequenceBatch, Vouch
 from .checks import as_int_array, bad_id, check_int_arg, ids_in_int32
 from .state_njit import (
     E_CHUNK, E_CHUNK_PASSES, E_DRAFT_ID, E_NEGATIVE_ID, E_NUM_DRAFTS, E_PREFILL, E_REPEAT, E_SLOT, K_BLOCKS,
-    K_COMPRESSED, K_TOKENS, append_rows, gather_step, vouch_step,
+    K_COMPRESSED, K_TOKENS, NO_BAD, append_rows, gather_step, vouch_step,
 )
 from .store import StateStore
 
@@ -127,6 +127,8 @@ class BatchState(StateStore):
         self.num_computed[s] = num_computed
         self.block_table[s, :len(bt)] = bt
         self.num_blocks[s] = len(bt)
+        bad = np.flatnonzero((bt < 0) | (bt > self.cfg.max_block_id))
+        self._first_bad[s] = bad[0] if len(bad) else NO_BAD
         self.compressed[s, :len(comp)] = comp
         self.num_compressed[s] = len(comp)
         self.state_id[s], self.swa_valid_start[s] = state_id, swa_valid_start
@@ -174,7 +176,7 @@ class BatchState(StateStore):
         slots, counts = as_int_array("slots", slots), as_int_array("counts", counts)
         tokens = as_int_array("tokens", tokens)
         code = append_rows(K_TOKENS, slots, tokens, counts, self.token_ids, self.num_tokens, self.active,
-                           self._seen, self._err)
+                           self._seen, self._first_bad, self._p, self._err)
         if code == E_NEGATIVE_ID:
             _, i, v, at = self._err.tolist()
             raise ValueError(f"request {self._req[int(slots[i])]!r}: tokens: expected ids >= 0, got {v} at index {at}")
@@ -213,13 +215,14 @@ class BatchState(StateStore):
         """:func:`append_rows` for the live ``slot`` alone; its error code (the caller names it)."""
         self._one[0], self._one_count[0] = slot, len(values)
         return append_rows(kind, self._one, values, self._one_count, rows, have, self.active, self._seen,
-                           self._err)
+                           self._first_bad, self._p, self._err)
 
     def _append_batch(self, kind: int, slots: Any, values: Any, counts: Any, rows: np.ndarray, have: np.ndarray,
                       what: str, name: str) -> None:
         slots, counts = as_int_array("slots", slots), as_int_array("counts", counts)
         values = as_int_array(what, values)
-        code = append_rows(kind, slots, values, counts, rows, have, self.active, self._seen, self._err)
+        code = append_rows(kind, slots, values, counts, rows, have, self.active, self._seen, self._first_bad,
+                           self._p, self._err)
         if code:
             self._raise_append(code, slots, len(values), what, name)
 

@@ -27,12 +27,14 @@ from ..jit import OK, kernel, warmer
 
 __all__ = ["append_rows", "gather_step", "vouch_step", "state_params", "K_TOKENS", "K_BLOCKS",
            "K_COMPRESSED", "M_TOKENS", "M_COMPUTED", "M_PROMPT", "M_BLOCKS", "M_COMPRESSED", "M_STATE",
-           "M_VALID_START", "N_META", "E_SLOT", "E_REPEAT", "E_COUNTS", "E_CAPACITY", "E_NEGATIVE_ID",
+           "M_VALID_START", "M_FIRST_BAD", "NO_BAD", "N_META", "E_SLOT", "E_REPEAT", "E_COUNTS", "E_CAPACITY", "E_NEGATIVE_ID",
            "E_CHUNK", "E_CHUNK_PASSES", "E_NUM_DRAFTS", "E_DRAFT_ID", "E_PREFILL"]
 
-# rows of ``meta`` ([N_META, max_seqs] int64): the per-slot counts
-M_TOKENS, M_COMPUTED, M_PROMPT, M_BLOCKS, M_COMPRESSED, M_STATE, M_VALID_START = range(7)
-N_META = 7
+# rows of ``meta`` ([N_META, max_seqs] int64): the per-slot counts, and M_FIRST_BAD: the index of
+# the slot's first block id outside [0, max_block_id] (NO_BAD: none), kept by every table write
+M_TOKENS, M_COMPUTED, M_PROMPT, M_BLOCKS, M_COMPRESSED, M_STATE, M_VALID_START, M_FIRST_BAD = range(8)
+N_META = 8
+NO_BAD = 1 << 62
 # entries of ``p`` (int64): the config constants the kernels read
 P_LOOKBACK, P_BLOCK, P_MIN_RATIO, P_KV_CYCLE, P_KV_INTER, P_MAX_LEN, P_MAX_BLOCK_ID, P_MAX_STATE_ID, \
     P_SWA, P_PH_BLOCKS = range(10)
@@ -91,12 +93,15 @@ def _check_slots(slots: np.ndarray, active: np.ndarray, mark: np.ndarray, err: n
 
 @kernel
 def append_rows(kind: int, slots: np.ndarray, values: np.ndarray, counts: np.ndarray, rows: np.ndarray,
-                have: np.ndarray, active: np.ndarray, mark: np.ndarray, err: np.ndarray) -> int:
+                have: np.ndarray, active: np.ndarray, mark: np.ndarray, first_bad: np.ndarray, p: np.ndarray,
+                err: np.ndarray) -> int:
     """Append ``counts[i]`` values of the flat ``values`` to row ``slots[i]`` of ``rows`` after
     its ``have[slot]`` entries (``have += counts``); ``rows.shape[1]`` is the capacity.
 
     Checks first, nothing written when one fails: live distinct slots, counts (length, >= 0,
-    sum), capacity, and for tokens (``kind`` :data:`K_TOKENS`) ids >= 0.
+    sum), capacity, and for tokens (``kind`` :data:`K_TOKENS`) ids >= 0. Blocks (:data:`K_BLOCKS`)
+    keep ``first_bad[slot]`` (the ``meta`` row :data:`M_FIRST_BAD`): the index of the table's first
+    id outside ``[0, max_block_id]``, so :func:`vouch_step` needs no scan of the table.
     Example: have ``[2, 0]``, slots ``[1, 0]``, counts ``[1, 2]``, values ``[9, 4, 5]`` -> row
     1 gets ``[9]`` at column 0, row 0 ``[4, 5]`` at columns 2-3; have ``[4, 1]``.
     """
@@ -125,11 +130,17 @@ def append_rows(kind: int, slots: np.ndarray, values: np.ndarray, counts: np.nda
                     return _fail(err, E_NEGATIVE_ID, i, values[f], j)
                 f += 1
     f = 0
+    max_id = p[P_MAX_BLOCK_ID]
     for i in range(n):
         s, c = slots[i], counts[i]
         h = have[s]
         for j in range(c):
             rows[s, h + j] = values[f + j]
+        if kind == K_BLOCKS and first_bad[s] == NO_BAD:
+            for j in range(c):
+                if values[f + j] < 0 or values[f + j] > max_id:
+                    first_bad[s] = h + j
+                    break
         have[s] = h + c
         f += c
     return OK
@@ -323,11 +334,8 @@ def vouch_step(slots: np.ndarray, q: np.ndarray, k_all: int, meta: np.ndarray, a
         if v < 0 or v > INT32_MAX:
             return False
         need = _blocks_needed(sk, p)
-        if need > meta[M_BLOCKS, s]:
+        if need > meta[M_BLOCKS, s] or need > meta[M_FIRST_BAD, s]:  # M_FIRST_BAD: no scan of the table
             return False
-        for j in range(need):
-            if block_table[s, j] < 0 or block_table[s, j] > p[P_MAX_BLOCK_ID]:
-                return False
         nt_out[i] = nt
         sk_out[i] = sk
     return True
@@ -348,7 +356,7 @@ def _warm() -> None:
     one = np.ones(2, np.int64)
     for kind, rows, have in ((K_TOKENS, tok, meta[M_TOKENS]), (K_BLOCKS, bt, meta[M_BLOCKS])):
         append_rows(kind, np.arange(2, dtype=np.int64), np.array([3, 4], np.int64), one, rows, have, active,
-                    mark, err)
+                    mark, meta[M_FIRST_BAD], p, err)
     meta[M_PROMPT] = meta[M_COMPUTED] = 1
     gather_step(False, np.arange(2, dtype=np.int64), one, -1, np.array([5, 6], np.int64), 1, False, meta,
                 active, tok, bt, comp, p, mark, err)

@@ -25,8 +25,9 @@ name                shape / dtype                meaning
 ``placeholder_blocks``  int                      block ids of a placeholder sequence
 ==================  ===========================  =================================================
 
-The seven count arrays are the rows of ONE ``[7, max_seqs]`` int64 array (``_meta``, rows
-``M_*`` of :mod:`~cpmeta.state.state_njit`): a kernel takes one argument for all of them.
+The seven count arrays are rows of ONE ``[8, max_seqs]`` int64 array (``_meta``, rows ``M_*`` of
+:mod:`~cpmeta.state.state_njit`; the eighth, ``M_FIRST_BAD``, is each table's first block id
+outside ``[0, max_block_id]``): a kernel takes one argument for all of them.
 Example: ``st.block_table[slot, :st.num_blocks[slot]]`` is the slot's table.
 """
 
@@ -39,8 +40,8 @@ import numpy as np
 from ..config import MetadataConfig, blocks_needed
 from .batch import Vouch, window_lookback
 from .state_njit import (
-    E_CAPACITY, E_COUNTS, E_REPEAT, E_SLOT, M_BLOCKS, M_COMPRESSED, M_COMPUTED, M_PROMPT, M_STATE, M_TOKENS,
-    M_VALID_START, N_META, state_params,
+    E_CAPACITY, E_COUNTS, E_REPEAT, E_SLOT, M_BLOCKS, M_COMPRESSED, M_COMPUTED, M_FIRST_BAD, M_PROMPT, M_STATE,
+    M_TOKENS, M_VALID_START, N_META, NO_BAD, state_params,
 )
 
 __all__ = ["StateStore"]
@@ -82,6 +83,8 @@ class StateStore:
                                                                self._meta[M_PROMPT])
         self.num_blocks, self.num_compressed = self._meta[M_BLOCKS], self._meta[M_COMPRESSED]
         self.state_id, self.swa_valid_start = self._meta[M_STATE], self._meta[M_VALID_START]
+        self._first_bad = self._meta[M_FIRST_BAD]  # each table's first id outside [0, max_block_id]
+        self._first_bad[:] = NO_BAD
         self.active = np.zeros(n, bool)
         self._p = state_params(cfg, self.lookback)
         self._vouch = Vouch(cfg)  # what a batch the gather vouched for carries (immutable)
