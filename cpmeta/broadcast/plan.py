@@ -188,8 +188,8 @@ class Plan:
 
         Every dim in ``[0, MAX_DIM]``; ``packed``: the exact payload equals the header's
         ``tbytes`` and the region equals ``avail`` (the frame's bytes after its shapes), so no
-        product can exceed the frame; not packed (tensors follow in a collective): ``tbytes`` and
-        ``avail`` are 0 and the region (the collective's bytes) is at most ``MAX_COLLECTIVE_BYTES``. A mismatch is a
+        product can exceed the frame; not packed (the region follows in a collective): ``tbytes``
+        and ``avail`` are 0 and the region is at most ``MAX_COLLECTIVE_BYTES``. A mismatch is a
         ``WireError`` listing the declared shapes by path, first those that differ from the
         previous frame of this layout (``gate_force_random [407] bool (was [406])``).
         """
