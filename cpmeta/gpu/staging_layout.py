@@ -41,7 +41,7 @@ from ..builders.common_njit import NO_TABLE, ngram_table
 from ..builders.decode import raise_decode_error
 from ..cache import IdentityCache
 from ..config import MetadataConfig, blocks_needed_array
-from ..fields import CA, DENSE, RATIO_ORDER, SPARSE, staged_ratios
+from ..fields import CA, DENSE, RATIO_ORDER, SPARSE
 from ..jit import OK
 from .staging_header import (
     F_BT_OFFSET, F_CU_K_INCL, F_CU_Q_INCL, F_PLACEHOLDER, F_SEQLEN_K, F_SEQLEN_Q, F_STATE, H_N_SEQ, H_OFF_BT,
@@ -49,7 +49,7 @@ from .staging_header import (
 )
 from .decode_buffers import OutCapacity
 from .staging_njit import (
-    E_CAPACITY, E_FALLBACK, E_VIEW_SMALL, NO_LIMIT, REPORT_LEN, stage_batch, stage_state, staging_consts,
+    E_CAPACITY, E_FALLBACK, E_VIEW_SMALL, NO_LIMIT, REPORT_LEN, layout_words, stage_batch, stage_state,
 )
 
 #: the longest ``max_model_len`` for which :meth:`StagingLayout.blocks_of` gathers from a table
@@ -93,11 +93,8 @@ class StagingLayout:
 
     def __init__(self, cfg: MetadataConfig) -> None:
         self.cfg = cfg
-        words = staged_ratios(cfg)
-        self.header_len = HEADER_FIXED + len(words)
-        self.ratios = np.array(words, np.int32)
-        self.ratios.flags.writeable = False
-        self.consts = staging_consts(cfg, self.header_len)  # what the compiled writers read
+        # the header length, the ratio words (int32, read-only) and what the compiled writers read
+        self.header_len, self.ratios, self.consts = layout_words(cfg)
         #: ratios per set, in RATIO_ORDER (ca, sparse, dense): the kernels' N_CA, N_SP, N_DN
         self.ratio_counts = tuple(len(cfg.ca_ratios if s == CA else cfg.sparse_compress_ratios if s == SPARSE
                                       else cfg.dense_compress_ratios) for s in RATIO_ORDER)

@@ -37,14 +37,15 @@ from ..builders.common_njit import (
 from ..builders.decode_njit import E_KV_CA_OFFSET
 from ..config import MetadataConfig
 from ..constants import INT32_MAX
+from ..fields import staged_ratios
 from ..jit import OK, kernel, warmer
 from .staging_header import (
     F_BT_OFFSET, F_CU_K_INCL, F_CU_Q_INCL, F_PLACEHOLDER, F_SEQLEN_K, F_SEQLEN_Q, F_STATE, HEADER_FIXED,
     SEQ_FIELDS,
 )
 
-__all__ = ["stage_batch", "stage_state", "staging_consts", "E_VIEW_SMALL", "E_CAPACITY", "E_FALLBACK",
-           "REPORT_LEN", "NO_LIMIT"]
+__all__ = ["stage_batch", "stage_state", "staging_consts", "layout_words", "E_VIEW_SMALL", "E_CAPACITY",
+           "E_FALLBACK", "REPORT_LEN", "NO_LIMIT"]
 
 #: The view is shorter than the batch's ``used`` elements (nothing written; the scalars are set).
 E_VIEW_SMALL = COMMON_CODES_END + 1  # after the decode build's E_KV_CA_OFFSET (COMMON_CODES_END)
@@ -60,6 +61,17 @@ NO_LIMIT = 2**62
 
 # staging_consts slots
 _HL, _BS, _MINR, _CYCLE, _INTER, _MAXBID, _ROW_OFF, _G, _IMG, _HAS_IMG, _HAS_TAB, _MNB = range(12)
+
+
+def layout_words(cfg: MetadataConfig) -> tuple[int, np.ndarray, np.ndarray]:
+    """``(header length, ratio words, consts)`` of ``cfg``'s staging layout, the arrays int32 /
+    int64 and read-only: what :class:`~cpmeta.gpu.staging_layout.StagingLayout` holds and the
+    writers read. Example: ``MetadataConfig.compressed_swa()`` -> ``(11, [4, 4, 4], ...)``."""
+    words = staged_ratios(cfg)
+    ratios = np.array(words, np.int32)
+    ratios.flags.writeable = False
+    header_len = HEADER_FIXED + len(words)
+    return header_len, ratios, staging_consts(cfg, header_len)
 
 
 def staging_consts(cfg: MetadataConfig, header_len: int) -> np.ndarray:
@@ -353,21 +365,24 @@ def _warm() -> None:
     writer without and with an ``ngram_lookup`` table (a read-only empty table, a writable one),
     the state writer over a real state's arrays, int64 and int32 drafts."""
     from ..state.batch_state import BatchState
-    from .staging_layout import StagingLayout
+
+    def layout(cfg: MetadataConfig) -> tuple[np.ndarray, np.ndarray]:
+        _, ratios, consts = layout_words(cfg)
+        return consts, ratios
 
     i64 = np.int64
     view, report = np.zeros(256, np.int32), np.zeros(REPORT_LEN, i64)
     for cfg in (MetadataConfig.compressed_swa(), MetadataConfig.compressed_swa(max_ngram_size=2, image_token_id=5)):
-        lay = StagingLayout.of(cfg)
+        consts, ratios = layout(cfg)
         for table in (NO_TABLE, np.arange(8, dtype=i64)):  # NO_TABLE is read-only, a config's table is not
             stage_batch(np.array([1], i64), np.array([3], i64), np.array([0], i64), np.zeros(1, np.bool_),
                         np.array([4, 5, 6], i64), np.array([0, 3], i64), np.zeros(0, i64), np.zeros(2, i64),
-                        np.array([2], i64), np.array([0, 1], i64), lay.consts, lay.ratios, table, view, report)
+                        np.array([2], i64), np.array([0, 1], i64), consts, ratios, table, view, report)
     cfg = MetadataConfig.compressed_swa()
     st = BatchState(cfg, max_seqs=2)
     slot = st.add_request(0, [1, 2, 3], [4], 0, num_computed=3)
-    lay = StagingLayout.of(cfg)
+    consts, ratios = layout(cfg)
     for drafts in (np.array([7], i64), np.array([7], np.int32)):
         stage_state(np.array([slot], i64), np.array([3], i64), np.array([4], i64), drafts, np.zeros(0, i64), 1, 1,
-                    st.token_ids, st.block_table, st.num_blocks, st.state_id, lay.consts, lay.ratios, NO_LIMIT,
+                    st.token_ids, st.block_table, st.num_blocks, st.state_id, consts, ratios, NO_LIMIT,
                     NO_LIMIT, NO_LIMIT, view, report)
