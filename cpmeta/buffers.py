@@ -30,7 +30,7 @@ import torch
 from .cache import BoundedCache
 
 __all__ = ["get_or_create_tensor", "get_or_create_stacked", "ArenaLayout", "HostArena", "OutputBuffers",
-           "OutputArenas", "WIRE_DTYPES", "DTYPE_CODE", "PACK_ALIGN", "AllocOut", "alloc", "alloc_stacked"]
+           "OutputArenas", "WIRE_DTYPES", "DTYPE_CODE", "PACK_ALIGN", "pack_up", "AllocOut", "alloc", "alloc_stacked"]
 
 @functools.lru_cache(maxsize=1)
 def _pin() -> bool:
@@ -139,6 +139,12 @@ DTYPE_CODE: dict[torch.dtype, int] = {d: i for i, d in enumerate(WIRE_DTYPES)}
 PACK_ALIGN = 16
 
 
+def pack_up(n: int) -> int:
+    """``n`` rounded up to a multiple of :data:`PACK_ALIGN` (where a run starts, how long a
+    region is): ``pack_up(17) == 32``."""
+    return -(-n // PACK_ALIGN) * PACK_ALIGN
+
+
 class ArenaLayout:
     """Where each field of a :class:`HostArena` lives: compiled once per batch shape (builders
     cache it), so carving an arena costs one allocation plus one view per field.
@@ -164,7 +170,7 @@ class ArenaLayout:
         fields, pos, run, gaps = {}, 0, None, []
         for name, shape, dtype in (layout[i] for i in order):
             if dtype != run:
-                start = -(-pos // PACK_ALIGN) * PACK_ALIGN
+                start = pack_up(pos)
                 if start > pos:
                     gaps.append((pos, start))
                 pos, run = start, dtype
@@ -175,7 +181,7 @@ class ArenaLayout:
             fields[name] = (pos // dtype.itemsize, size, tuple(shape), tuple(reversed(strides)), dtype)
             pos += size * dtype.itemsize
         self.fields: dict[str, tuple[int, int, tuple[int, ...], tuple[int, ...], torch.dtype]] = fields
-        self.nbytes = max(-(-pos // PACK_ALIGN) * PACK_ALIGN, PACK_ALIGN)
+        self.nbytes = max(pack_up(pos), PACK_ALIGN)
         if self.nbytes > pos:
             gaps.append((pos, self.nbytes))
         #: byte ranges between runs and after the last one: no field's, zeroed once per arena (a

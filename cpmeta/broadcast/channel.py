@@ -42,8 +42,8 @@ from .. import envs
 from .plan import Plan
 from .schema import explain_mismatch
 from .wire import (FLAG_ABORT, FLAG_CRC, FLAG_LAYOUT, FLAG_PACKED, MAX_FRAME_DIMS,
-                   MAX_VALUES_BYTES, PACK_ALIGN, DriverAbort, Frame, FrameMismatch, FrameReader, FrameWriter,
-                   WireError, abort_values, blocks_at, seal)
+                   MAX_VALUES_BYTES, DriverAbort, Frame, FrameMismatch, FrameReader, FrameWriter,
+                   WireError, abort_values, blocks_at, pack_up, seal)
 
 __all__ = ["FrameChannel", "Prepared", "resolve_src"]
 
@@ -130,7 +130,7 @@ class FrameChannel:
         if one_run is None:
             numels, starts, region, exact = plan.sizes(dims)
         elif len(plan.run_slices) == 1:
-            numels, starts, region, exact = [], [0], -(-one_run // PACK_ALIGN) * PACK_ALIGN, one_run
+            numels, starts, region, exact = [], [0], pack_up(one_run), one_run
         else:
             raise ValueError(f"one_run: the layout has {len(plan.run_slices)} dtype runs")
         plan.check_values(values)

@@ -27,8 +27,8 @@ import torch
 
 from .dict_schema import DictSchema
 from .schema import Schema
-from .wire import (ALIAS_SEP, ELEMENT_SIZE, MAX_COLLECTIVE_BYTES, MAX_DIM, MAX_NDIM, PACK_ALIGN,
-                   PATH_SEP, WIRE_DTYPES, WireError, getter)
+from .wire import (ALIAS_SEP, ELEMENT_SIZE, MAX_COLLECTIVE_BYTES, MAX_DIM, MAX_NDIM,
+                   PATH_SEP, WIRE_DTYPES, WireError, getter, pack_up)
 from .schema import MAX_LAYOUT_PATHS
 
 __all__ = ["Plan", "split_layout", "one_source"]
@@ -173,12 +173,12 @@ class Plan:
                 numels[i] = prod(dims[at:at + nd])
         starts, pos, exact = [], 0, 0
         for sl, esz, _ in self.run_slices:
-            pos = -(-pos // PACK_ALIGN) * PACK_ALIGN
+            pos = pack_up(pos)
             starts.append(pos)
             n = sum(numels[sl]) * esz
             pos += n
             exact += n
-        res = (numels, starts, -(-pos // PACK_ALIGN) * PACK_ALIGN, exact)
+        res = (numels, starts, pack_up(pos), exact)
         self._last = (dims, res)
         return res
 

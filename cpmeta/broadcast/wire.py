@@ -62,14 +62,14 @@ import torch
 
 from cpmeta.transport.codec import decode_body, encode_body  # cpmeta -> transport only
 
-from ..buffers import DTYPE_CODE, PACK_ALIGN, WIRE_DTYPES  # the one packing rule
+from ..buffers import DTYPE_CODE, PACK_ALIGN, WIRE_DTYPES, pack_up  # the one packing rule
 
 __all__ = ["MESSAGE_VERSION", "FRAME_MAGIC", "HEADER", "WIRE_DTYPES", "DTYPE_CODE", "FLAG_LAYOUT",
            "FLAG_CRC", "FLAG_PACKED", "FLAG_ABORT", "KNOWN_FLAGS", "WireError",
            "ChecksumError", "FrameMismatch", "DriverAbort", "abort_values", "layout_id", "frame_crc", "meta_crc", "getter", "PATH_SEP",
            "ALIAS_SEP", "CRC_AT", "META_CRC_AT", "MAX_LAYOUTS", "MAX_DIM", "MAX_NDIM",
            "MAX_LAYOUT_BYTES", "MAX_VALUES_BYTES", "MAX_COLLECTIVE_BYTES", "ELEMENT_SIZE",
-           "PACK_ALIGN", "Head", "Frame", "blocks_at", "seal", "read_head", "FrameWriter",
+           "PACK_ALIGN", "pack_up", "Head", "Frame", "blocks_at", "seal", "read_head", "FrameWriter",
            "FrameReader"]
 
 #: Version of the frame (8: no span frames, a persistent driver's arena is the region; 7: the step number; 6: any schema, fingerprinted by class; 5: exact tensor bytes + meta
