@@ -154,6 +154,9 @@ class MetadataConfig:
             t = self.ngram_lookup
             if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype.is_floating_point:
                 raise ValueError("ngram_lookup: expected a 1-D integer tensor or None")
+            if t.numel() == 0:  # maps no token: every read would be outside it
+                raise ValueError("ngram_lookup: an empty table maps no token id (None reads the ids "
+                                 "themselves)")
         if self.image_token_id is not None and (
             not _is_int(self.image_token_id) or abs(self.image_token_id) > INT32_MAX
         ):

@@ -141,6 +141,9 @@ BAD_VALUES: list[tuple[dict[str, Any], str]] = [
     ({"ngram_lookup": torch.zeros(3, 3, dtype=torch.int64)}, "ngram_lookup"),  # 2-D
     ({"ngram_lookup": torch.zeros(3)}, "ngram_lookup"),  # float
     ({"ngram_lookup": [1, 2, 3]}, "ngram_lookup"),  # not a tensor
+    # empty: prepare_decode / prepare_prompt read it as no table, prepare_prompt_cp and the
+    # in-place staging as a table every id falls outside -- one rule: refused here
+    ({"ngram_lookup": torch.zeros(0, dtype=torch.int64)}, "ngram_lookup"),
     ({"image_token_id": "5"}, "image_token_id"),
     ({"force_load_balance": 1}, "force_load_balance"),
     ({"yoco_keep_tokens": 0}, "yoco_keep_tokens"),
