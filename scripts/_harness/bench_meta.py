@@ -54,6 +54,13 @@ def machine() -> dict[str, Any]:
             facts["cpu_model"] = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
     except (OSError, StopIteration):
         pass
+    try:  # hardware threads per core: spinning followers share a core with the driver when > 1
+        with open("/sys/devices/system/cpu/cpu0/topology/thread_siblings_list") as f:
+            facts["threads_per_core"] = sum(
+                int(b) - int(a) + 1 for a, _, b in (r.partition("-") if "-" in r else (r, "", r)
+                                                    for r in f.read().strip().split(",")))
+    except (OSError, ValueError):
+        pass
     facts["loadavg"] = list(os.getloadavg())
     try:
         import torch
