@@ -8,7 +8,9 @@ One figure per cell (world x workload x strategy), p50 and p90 over steps:
 
 perf_counter is CLOCK_MONOTONIC, one clock for every process of a host; each rank records its
 times, gathered after the run. Before each step: a barrier, then the driver idles ``--park-ms``
-(default 3 ms) while the followers sit parked in their receive call; every step has new values
+(default 3 ms) while the followers sit parked in their receive call -- asleep (``--park sleep``,
+its core idles: the step meets cold caches) or spinning on its core (``--park busy``: an engine
+thread that stays busy between steps, scheduling or waiting on the GPU); every step has new values
 (``step_methods.StepTrace``: adds with new prompts, accepted tokens, block growth, finishes).
 The strategies (scripts/_harness/step_methods.py) run interleaved on the same ranks, one process group
 per world, their order rotated every step. Host metadata, or with ``--device cuda`` device
@@ -80,6 +82,16 @@ def _gather(t: torch.Tensor, ctrl: Any) -> torch.Tensor:
     return torch.stack(got)
 
 
+def idle(seconds: float, how: str) -> None:
+    """The driver's gap between steps: ``sleep`` (its core idles) or ``busy`` (it spins)."""
+    if how == "sleep":
+        time.sleep(seconds)
+        return
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
 def run_workload(rank: int, world: int, wl: str, args: argparse.Namespace, device: torch.device,
                  ctrl: Any) -> tuple[list[dict], list[str]]:
     """Every strategy of ``args.strategies`` on one workload, interleaved: rank 0 returns the
@@ -107,7 +119,7 @@ def run_workload(rank: int, world: int, wl: str, args: argparse.Namespace, devic
             dist.barrier(group=ctrl)
             rec = recs[j, i]
             if rank == 0:
-                time.sleep(args.park_ms * 1e-3)
+                idle(args.park_ms * 1e-3, args.park)
                 rec[T0] = time.perf_counter()
                 last[j] = strats[j][1].driver(ops, rec)
             else:
@@ -332,6 +344,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--budget", type=float, default=30.0,
                    help="seconds of measured steps per workload (the warmup not counted) before stopping early")
     p.add_argument("--park-ms", type=float, default=3.0, help="driver idle after the barrier (followers park)")
+    p.add_argument("--park", choices=("sleep", "busy"), default="sleep",
+                   help="how the driver idles --park-ms: asleep, or spinning on its core")
     p.add_argument("--cold-gaps-ms", type=float, nargs="+", default=[3.0, 30.0])
     p.add_argument("--cold-steps", type=int, default=20)
     p.add_argument("--no-cold", action="store_true", help="skip the cold-step measurement")
@@ -349,7 +363,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     meta = {"command": "python scripts/bench_step.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine(), **git_commit(),
             "timed": "max over ranks (rank holds its metadata) - driver holds the step's ops (perf_counter)",
-            "park_ms": args.park_ms, "phases": PHASE_NOTE, "workloads": {
+            "park_ms": args.park_ms, "park": args.park, "phases": PHASE_NOTE, "workloads": {
                 w: dict(zip(("decode_seqs", "drafts", "prefill_seqs", "chunk"), v)) for w, v in WORKLOADS.items()}}
     results: list[dict] = []
     for w in args.worlds:

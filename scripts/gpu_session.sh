@@ -22,7 +22,7 @@
 #   bash scripts/gpu_session.sh widthab      # the host's cores: this tree against .alt, plain worlds 2 and 8
 #                                            # (alt, this, this, alt), then seed world 8 (this, alt)
 #   bash scripts/gpu_session.sh spin         # the host's cores at world 8: followers' spin as chosen / off /
-#                                            # without warming, and the host's threads per core
+#                                            # without warming, a driver busy between steps, threads per core
 #   bash scripts/gpu_session.sh collective   # nvidia-h200-x2: the collective tensor path over NCCL (tests,
 #                                            # the launcher, this tree against .alt), the staging writer
 #   bash scripts/gpu_session.sh compare      # the host's cores, before / after in one run: the commit in
@@ -227,17 +227,20 @@ widthab)  # ~9 min: this tree against .alt (git archive REV | tar -x -C .alt), p
   done
   rm -f "$OUT"/*.png  # the device tool brings back at most 8 files
   ;;
-spin)  # ~7 min: do spinning followers slow a world-8 step? The host's topology (threads per core),
-  # then plain world 8 decode-64 with the followers' spin as chosen (default), off (park at once) and
-  # without their warm hook, two rounds in turn; mq-replicate shares the cores with cpmeta's followers
+spin)  # ~8 min: do spinning followers slow a world-8 step? The host's topology (threads per core),
+  # then plain world 8 decode-64 with the followers' spin as chosen (default), off (park at once),
+  # without their warm hook, and with the driver spinning through its gap instead of sleeping
+  # (bench_step --park busy: how much of a step is the idle core's cold caches), two rounds in turn;
+  # mq-replicate shares the cores with cpmeta's followers
   lscpu | grep -iE 'model name|thread|core|socket|numa node'
   MQ=""; [ -d mq_bundle312 ] && MQ=":$PWD/mq_bundle312"
   python3 -c 'import cpmeta.jit as j; j.warm_all()'
-  for V in default:1 spin0:1 nowarm:1 default:2 spin0:2 nowarm:2; do
+  for V in default:1 spin0:1 nowarm:1 busy:1 default:2 spin0:2 nowarm:2 busy:2; do
     IFS=: read -r K N <<<"$V"
-    case $K in default) E="";; spin0) E="CPMETA_SHM_SPIN_US=0";; nowarm) E="CPMETA_WARM=0";; esac
-    TAILN=4 step spin_${K}_$N 80 env $E PYTHONPATH="$PWD$MQ" VLLM_TARGET_DEVICE=cpu python3 scripts/bench_step.py \
-      --model plain --worlds 8 --workloads decode-64 --strategies broadcast replicate-defer mq-replicate \
+    E=""; PARK=sleep
+    case $K in spin0) E="CPMETA_SHM_SPIN_US=0";; nowarm) E="CPMETA_WARM=0";; busy) PARK=busy;; esac
+    TAILN=4 step spin_${K}_$N 70 env $E PYTHONPATH="$PWD$MQ" VLLM_TARGET_DEVICE=cpu python3 scripts/bench_step.py \
+      --park $PARK --model plain --worlds 8 --workloads decode-64 --strategies broadcast replicate-defer mq-replicate \
       --steps 60 --warmup 6 --budget 4 --no-cold --out "$OUT/h200_wire.spin-$K-$N.json"
   done
   rm -f "$OUT"/*.png  # the device tool brings back at most 8 files
