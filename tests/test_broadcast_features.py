@@ -156,3 +156,31 @@ def _checksummed(rank: int, world: int) -> bool:
             cfg, local = _random_case(13, i, i == 1)
             _expect_same(local, bc.broadcast(local if rank == 0 else None), cfg, "crc")
         return bc.checksum
+
+
+def _foreign_device(rank: int, world: int) -> list[str]:
+    """The driver's metadata holds a tensor on the ``meta`` device (no bytes to send), on both
+    tensor paths: the driver's error names the field, the follower's call raises it in step, and
+    the next step goes through."""
+    import cpmeta
+
+    seen = []
+    for path in ("packed", "collective"):
+        with cpmeta.MetadataBroadcaster(src=0, timeout=30, tensor_path=path) as bc:
+            cfg, local = _random_case(7, 3, False)
+            bad = local.replace(positions=torch.empty(local.positions.shape, dtype=local.positions.dtype,
+                                                     device="meta"))
+            try:
+                bc.broadcast(bad if rank == 0 else None)
+                seen.append("accepted")
+            except ValueError as e:
+                seen.append(str(e))
+            got = bc.broadcast(local if rank == 0 else None)
+            _expect_same(local, got, cfg, f"{path}: the step after the refused one")
+    return seen
+
+
+def test_a_tensor_on_another_device_is_refused_naming_its_field() -> None:
+    for rank, seen in enumerate(run_ranks(_foreign_device, 2, timeout=120)):
+        for msg in seen:
+            assert "positions: a tensor on meta cannot be broadcast" in msg, (rank, msg)

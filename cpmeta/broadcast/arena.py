@@ -24,7 +24,7 @@ import torch
 
 from ..lifetime import Generation, register
 from .arena_views import poison_value, tuple_getter, value_setter
-from .outputs import copy_out_of_frame, copy_views
+from .outputs import all_cpu, copy_out_of_frame, copy_views
 from .plan import Plan, one_source
 from .schema import Schema
 
@@ -118,7 +118,7 @@ class LayoutArena:
         if (ptrs == self.src_ptrs and all(map(_IS, tensors, self._src))) or (
                 ptrs != self._packed_ptrs and self._single_source(ptrs, tensors)):
             memmove(dst, self._base, self.region)
-        elif ptrs == self._packed_ptrs or all(t.device.type == "cpu" for t in tensors):
+        elif ptrs == self._packed_ptrs or all_cpu(tensors):
             if not all(map(_IS_CONTIGUOUS, tensors)):
                 tensors = [t.contiguous() for t in tensors]
                 ptrs = tuple(map(_DATA_PTR, tensors))
@@ -147,7 +147,7 @@ class LayoutArena:
     def _single_source(self, ptrs: tuple[int, ...], tensors: list[torch.Tensor]) -> bool:
         """Whether every non-empty tensor lies, contiguous, in one CPU allocation at this arena's
         offsets from one base (``plan.one_source``; then cached)."""
-        cpu = all(t.device.type == "cpu" for t in tensors)
+        cpu = all_cpu(tensors)
         base = one_source(tensors, list(ptrs), self._offsets, self._nbytes, self.region) \
             if cpu and all(map(_IS_CONTIGUOUS, tensors)) else 0
         if base:
@@ -191,7 +191,7 @@ class LayoutArena:
         collective then sends whole: CPU tensors through the host arena (:meth:`write`) and ONE
         H2D copy, device tensors copied into its views, stream-ordered after the previous
         result's readers. Returns the device arena."""
-        if self.event is None or all(t.device.type == "cpu" for t in tensors):
+        if self.event is None or all_cpu(tensors):
             self.wait_host()
             self.write(tensors, self.host_ptr)
             self._upload()

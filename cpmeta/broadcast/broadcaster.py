@@ -23,6 +23,7 @@ object) is the mixin ``cpmeta.broadcast.follower.FollowerSide``.
 from __future__ import annotations
 
 import logging
+import operator
 from functools import partial
 from time import perf_counter
 from typing import Any, Optional
@@ -40,7 +41,7 @@ from .channel import FrameChannel, Prepared, resolve_src
 from .collect import collect, collect_dict
 from .follower import FollowerSide
 from .metrics import BroadcastMetrics, BroadcastStats
-from .outputs import check_out, copy_to_out, copy_views
+from .outputs import all_cpu, check_out, copy_to_out, copy_views
 from .policy import PersistentPolicy
 from .dict_schema import DictSchema
 from .schema import INPUT_METADATA, SCHEMA_FINGERPRINT, Schema
@@ -51,6 +52,7 @@ __all__ = ["MetadataBroadcaster", "SCHEMA_FINGERPRINT", "MESSAGE_VERSION"]
 logger = logging.getLogger(__name__)
 
 MESSAGE_VERSION = wire.MESSAGE_VERSION
+_IS_CUDA = operator.attrgetter("is_cuda")
 
 
 class MetadataBroadcaster(FollowerSide):
@@ -277,7 +279,7 @@ class MetadataBroadcaster(FollowerSide):
             return self.tensor_path == "packed"
         if self.device.type == "cpu" and "nccl" not in self._backend:
             return True
-        if any(t.device.type != "cpu" for t in tensors):
+        if not all_cpu(tensors):
             return False
         return nbytes <= self._packed_max
 
@@ -324,7 +326,7 @@ class MetadataBroadcaster(FollowerSide):
         (``Plan.pack``; CUDA: into a pinned buffer, then ONE H2D copy), device tensors copied into
         its views."""
         buf = torch.empty(prep.region, dtype=torch.uint8, device=self.device)
-        if all(t.device.type == "cpu" for t in tensors):
+        if all_cpu(tensors):
             host = buf if self.device.type == "cpu" else \
                 torch.empty(prep.region, dtype=torch.uint8, pin_memory=True)
             prep.plan.pack(host.data_ptr(), tensors, prep.dims, prep.numels, prep.starts, prep.region)
@@ -336,6 +338,8 @@ class MetadataBroadcaster(FollowerSide):
 
     def _check_devices(self, prep: Prepared, tensors: list[torch.Tensor]) -> None:
         """Every tensor on the CPU or this rank's device type (a meta tensor has no bytes)."""
+        if all_cpu(tensors) or (self.device.type == "cuda" and all(map(_IS_CUDA, tensors))):
+            return
         for path, t in zip(prep.plan.tensor_paths, tensors):
             if t.device.type not in ("cpu", self.device.type):
                 raise ValueError(f"rank {self.rank} (src): {path}: a tensor on {t.device} cannot be "
@@ -347,10 +351,10 @@ class MetadataBroadcaster(FollowerSide):
         ring slot; CUDA tensors through one pinned host buffer."""
         flags, tbytes, region = FLAG_PACKED, prep.exact, prep.region
         staged = None
-        if arena is None and (self.device.type != "cpu" or any(t.device.type != "cpu" for t in tensors)):
+        if arena is None and (self.device.type != "cpu" or not all_cpu(tensors)):
             self._check_devices(prep, tensors)
             staged = torch.empty(prep.region, dtype=torch.uint8, pin_memory=self._pin)
-            prep.plan.pack(staged.data_ptr(), [t if t.device.type == "cpu" else t.cpu() for t in tensors],
+            prep.plan.pack(staged.data_ptr(), [t if t.is_cpu else t.cpu() for t in tensors],
                            prep.dims, prep.numels, prep.starts, prep.region)
         region_at = [0]
 

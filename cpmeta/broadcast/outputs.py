@@ -5,6 +5,7 @@ the caller's ``out=`` buffers (``MetadataBroadcaster.broadcast(md, out=...)``, d
 from __future__ import annotations
 
 import ctypes
+import operator
 from typing import Any
 
 import torch
@@ -13,7 +14,15 @@ from cpmeta.transport.coalesce import tensor_memoryview
 
 from .plan import Plan
 
-__all__ = ["copy_out_of_frame", "copy_to_out", "check_out", "copy_views"]
+__all__ = ["all_cpu", "copy_out_of_frame", "copy_to_out", "check_out", "copy_views"]
+
+_IS_CPU = operator.attrgetter("is_cpu")
+
+
+def all_cpu(tensors: list[torch.Tensor]) -> bool:
+    """Whether every tensor is a CPU tensor: one C-level pass over ``is_cpu`` (``t.device.type``
+    builds a device object per tensor: ~6x the cost at 20 tensors, on every step of a CUDA rank)."""
+    return all(map(_IS_CPU, tensors))
 
 
 def copy_out_of_frame(dst: torch.Tensor, view: memoryview, at: int, n: int) -> None:
