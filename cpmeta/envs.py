@@ -9,6 +9,7 @@ parsers this module uses; unset or blank means the default).
 | ``CPMETA_PACKED_MAX_BYTES`` | with ``auto`` and a CUDA device, CPU-built payloads up to this many bytes ride inside the object message and each rank copies them to its GPU with one H2D copy (larger ones: one NCCL broadcast) | ``1048576`` |
 | ``CPMETA_WARM`` | ``1``: a same-host follower spinning for its next step (after a message, or an announced one: ``begin_step``) replays the last step's frame checks and reads its arena (``cpmeta.broadcast.follower``) or its columns, the replay's call and the batch digests (``ReplicatedBatchState.warm``) every ~100 us, read-only, so the step lands on warm caches; ``0``: it only spins | ``1`` |
 | ``CPMETA_TEST_SEED`` | ``cpmeta.testing``: the seed every spawned rank seeds ``random`` and torch with (printed by each run; set it to reproduce one); 0 or unset = a fresh one per run | ``0`` |
+| ``CPMETA_TEST_START`` | ``cpmeta.testing``: how rank processes start: ``forkserver`` (forked from one server process that imported torch and cpmeta once: ~0.2 s a rank instead of ~1.5) or ``spawn`` (a fresh interpreter each, always used with ``child_setup``) | ``forkserver`` |
 
 The 1 MiB default comes from ``scripts/bench_broadcast.py --backend nccl --worlds 1`` on an H200
 (2026-11-29): packed 331 us vs collective 634 us for decode-64, 512 vs 1002 us for prompt-8k
@@ -20,7 +21,8 @@ from __future__ import annotations
 from cpmeta.transport.envs import env_bool, env_choice, env_int
 
 __all__ = ["tensor_path", "packed_max_bytes", "checksum", "poison_arenas", "TENSOR_PATHS", "CHECKSUM",
-           "POISON_ARENAS", "testing_seed", "TEST_SEED", "warm", "WARM"]
+           "POISON_ARENAS", "testing_seed", "TEST_SEED", "testing_start", "TEST_START", "START_METHODS", "warm",
+           "WARM"]
 
 TENSOR_PATHS = ("auto", "packed", "collective")
 DEFAULT_PACKED_MAX_BYTES = 1 << 20
@@ -29,6 +31,8 @@ PACKED_MAX_BYTES = "CPMETA_PACKED_MAX_BYTES"
 CHECKSUM = "CPMETA_CHECKSUM"
 POISON_ARENAS = "CPMETA_POISON_ARENAS"
 TEST_SEED = "CPMETA_TEST_SEED"
+TEST_START = "CPMETA_TEST_START"
+START_METHODS = ("forkserver", "spawn")
 WARM = "CPMETA_WARM"
 
 
@@ -60,3 +64,8 @@ def warm() -> bool:
 def testing_seed() -> int:
     """``CPMETA_TEST_SEED``: the seed ``cpmeta.testing`` gives every spawned rank (0 = draw one)."""
     return env_int(TEST_SEED, 0, minimum=0)
+
+
+def testing_start() -> str:
+    """``CPMETA_TEST_START``: how ``cpmeta.testing`` starts rank processes (:data:`START_METHODS`)."""
+    return env_choice(TEST_START, "forkserver", START_METHODS)

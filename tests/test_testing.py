@@ -122,3 +122,24 @@ def test_run_ranks_reports_every_ranks_failure() -> None:
     assert text.count("rank 1: 'slot_mapping' differs from rank 0's: 1 of 3 elements, first at index (2,): "
                       "8 here, 7 on rank 0") == 2
     assert "seed=" in text
+
+
+def _env_probe(rank: int, world_size: int) -> tuple:
+    import os
+
+    import torch as _torch
+
+    return (os.environ.get("CPMETA_PROBE"), os.environ["RANK"], os.environ["OMP_NUM_THREADS"],
+            _torch.get_num_threads(), os.getppid() != 1)
+
+
+@pytest.mark.parametrize("start", ["forkserver", "spawn"])
+def test_ranks_see_the_test_processs_environment_as_it_is_now(start: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forked rank takes over the test process's environment of the moment (not the one the
+    fork server started with): a variable set, then removed, is seen, then gone; ``RANK`` and
+    ``OMP_NUM_THREADS=1`` are the rank's, torch runs one thread. The spawn path alike."""
+    monkeypatch.setenv("CPMETA_TEST_START", start)
+    monkeypatch.setenv("CPMETA_PROBE", "set")
+    assert run_ranks(_env_probe, 2, init=False) == [("set", "0", "1", 1, True), ("set", "1", "1", 1, True)]
+    monkeypatch.delenv("CPMETA_PROBE")
+    assert run_ranks(_env_probe, 2, init=False) == [(None, "0", "1", 1, True), (None, "1", "1", 1, True)]

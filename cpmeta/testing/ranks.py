@@ -52,11 +52,23 @@ def free_port() -> int:
 
 
 def _parent_watchdog(parent_pid: int) -> None:
-    """Child-side thread: exit hard when the parent is gone (re-parented), so nothing is orphaned."""
+    """Child-side thread: exit hard when the parent is gone (re-parented), so nothing is orphaned.
+    ``parent_pid``: the child's parent at its start -- the test process (spawn) or the fork server,
+    which exits when the test process does (forkserver)."""
     while True:
         time.sleep(_WATCHDOG_S)
         if os.getppid() != parent_pid:
             os._exit(70)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _report(out: Any, item: tuple[int, bool, Any], code: int) -> None:
@@ -70,15 +82,24 @@ def _report(out: Any, item: tuple[int, bool, Any], code: int) -> None:
 
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, args: tuple, backend: str,
             timeout: float, init: bool, seed: int, parent_pid: int, out: Any,
-            child_setup: Optional[Callable[[int], None]] = None) -> None:
-    """Child entry point (runs in the spawned process)."""
+            child_setup: Optional[Callable[[int], None]] = None,
+            environ: Optional[Mapping[str, str]] = None) -> None:
+    """Child entry point (runs in the rank's process). ``environ``: the whole environment a
+    forked rank takes over (a spawned one got it at its start)."""
+    if environ is not None:  # forked from the server: the test process's environment now
+        os.environ.clear()
+        os.environ.update(environ)
+        torch.set_num_threads(int(environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
     if child_setup is not None:
         try:
             child_setup(rank)  # first: no thread exists yet (a namespace switch is per thread)
         except BaseException:  # noqa: BLE001 - reported like any rank failure
             _report(out, (rank, False, f"rank {rank} (pid {os.getpid()}): child_setup failed:\n"
                                        f"{traceback.format_exc()}"), 1)
-    threading.Thread(target=_parent_watchdog, args=(parent_pid,), daemon=True).start()
+    ppid = os.getppid()  # the test process, or the fork server (it exits with the test process)
+    if ppid != parent_pid and not _alive(parent_pid):
+        os._exit(70)
+    threading.Thread(target=_parent_watchdog, args=(ppid,), daemon=True).start()
     import torch.distributed as dist
 
     try:
@@ -206,9 +227,11 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: st
                 init: bool = True, seed: Optional[int] = None,
                 rank_env: Optional[Sequence[Mapping[str, str]]] = None,
                 child_setup: Optional[Callable[[int], None]] = None) -> RankGroup:
-    """Start ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes and return at once.
+    """Start ``fn(rank, world_size, *args)`` on ``world_size`` processes and return at once: forks
+    of the fork server (:func:`_fork_server`), or spawned interpreters with ``child_setup`` or
+    ``CPMETA_TEST_START=spawn`` (the package docstring says what each rank's environment is).
 
-    ``fn`` must be a module-level function (the spawn context pickles it by qualified name);
+    ``fn`` must be a module-level function (both contexts pickle it by qualified name);
     ``args`` must be picklable. The returned group's deadline is ``timeout`` seconds from now.
     ``rank_env[r]`` (one mapping per rank) is applied after ``env`` for rank ``r``;
     ``child_setup(rank)`` (picklable) runs first thing in every child, before any thread starts
@@ -222,7 +245,8 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: st
     if seed is None:
         seed = envs.testing_seed() or random.randrange(1, 2**31)
     port = free_port()
-    ctx = mp.get_context("spawn")
+    forked = child_setup is None and envs.testing_start() == "forkserver"
+    ctx = _fork_server() if forked else mp.get_context("spawn")
     out = ctx.Queue()
     print(f"[cpmeta.testing] {getattr(fn, '__qualname__', fn)} world_size={world_size} "
           f"backend={backend} port={port} seed={seed}", file=sys.stderr)
@@ -234,15 +258,47 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: st
         for rank in range(world_size):
             child_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), **(env or {}),
                          **(rank_env[rank] if rank_env is not None else {})}
-            p = ctx.Process(target=_worker, name=f"rank{rank}", daemon=True,
-                            args=(fn, rank, world_size, args, backend, timeout, init, seed,
-                                  os.getpid(), out, child_setup))
-            _start_with_env(p, child_env)
+            if forked:  # the server's environment is its own: the rank takes this one over
+                p = ctx.Process(target=_worker, name=f"rank{rank}", daemon=True,
+                                args=(fn, rank, world_size, args, backend, timeout, init, seed,
+                                      os.getpid(), out, None, {**os.environ, **child_env}))
+                p.start()
+            else:
+                p = ctx.Process(target=_worker, name=f"rank{rank}", daemon=True,
+                                args=(fn, rank, world_size, args, backend, timeout, init, seed,
+                                      os.getpid(), out, child_setup))
+                _start_with_env(p, child_env)
             procs.append(p)
     except BaseException:
         group.kill_all()
         raise
     return group
+
+
+#: What the fork server imports once, so a forked rank starts with them loaded.
+_PRELOAD = ["torch", "torch.distributed", "numpy", "cpmeta", "cpmeta.testing.ranks"]
+
+
+def _fork_server() -> Any:
+    """The ``forkserver`` context, its server started (once per test process) with the modules
+    of :data:`_PRELOAD` imported and ``OMP_NUM_THREADS=1`` (read when torch loads its OpenMP
+    runtime): a rank is then a fork of it (~0.2 s) instead of a fresh interpreter importing
+    torch (~1.5 s on 2 cores). Ranks take over the test process's environment in :func:`_worker`."""
+    from multiprocessing import forkserver
+
+    ctx = mp.get_context("forkserver")
+    with _ENV_LOCK:
+        ctx.set_forkserver_preload(_PRELOAD)
+        saved = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"
+        try:
+            forkserver.ensure_running()
+        finally:
+            if saved is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved
+    return ctx
 
 
 def _start_with_env(p: BaseProcess, child_env: Mapping[str, str]) -> None:
