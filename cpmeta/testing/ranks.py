@@ -258,15 +258,14 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: st
         for rank in range(world_size):
             child_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), **(env or {}),
                          **(rank_env[rank] if rank_env is not None else {})}
-            if forked:  # the server's environment is its own: the rank takes this one over
-                p = ctx.Process(target=_worker, name=f"rank{rank}", daemon=True,
-                                args=(fn, rank, world_size, args, backend, timeout, init, seed,
-                                      os.getpid(), out, None, {**os.environ, **child_env}))
+            # forked: the server's environment is its own, so the rank takes this one over
+            last = (None, {**os.environ, **child_env}) if forked else (child_setup,)
+            p = ctx.Process(target=_worker, name=f"rank{rank}", daemon=True,
+                            args=(fn, rank, world_size, args, backend, timeout, init, seed,
+                                  os.getpid(), out, *last))
+            if forked:
                 p.start()
             else:
-                p = ctx.Process(target=_worker, name=f"rank{rank}", daemon=True,
-                                args=(fn, rank, world_size, args, backend, timeout, init, seed,
-                                      os.getpid(), out, child_setup))
                 _start_with_env(p, child_env)
             procs.append(p)
     except BaseException:
