@@ -49,6 +49,7 @@ import subprocess
 import sys
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
+from cpmeta.testing.ranks import pid_alive
 from multiproc import RankGroup, spawn_ranks
 
 __all__ = ["NetnsHosts", "NetnsUnavailable", "EnterNetns", "reap_stale", "netns_hosts",
@@ -86,16 +87,6 @@ def _namespaces() -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def reap_stale() -> list[str]:
     """Delete the namespaces of earlier runs whose owner process is gone; return their names.
 
@@ -105,7 +96,7 @@ def reap_stale() -> list[str]:
     gone = []
     for name in _namespaces():
         m = _NAME.fullmatch(name)
-        if m and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))):
+        if m and int(m.group(1)) != os.getpid() and not pid_alive(int(m.group(1))):
             _ip("netns", "del", name, check=False)
             gone.append(name)
     return gone

@@ -30,7 +30,7 @@ import torch
 
 from .. import envs
 
-__all__ = ["run_ranks", "spawn_ranks", "RankGroup", "RankFailure", "free_port", "FAIL_GRACE_S"]
+__all__ = ["run_ranks", "spawn_ranks", "RankGroup", "RankFailure", "free_port", "pid_alive", "FAIL_GRACE_S"]
 
 FAIL_GRACE_S = 5.0  # seconds the healthy ranks get after one rank failed, before they are killed
 EXIT_GRACE_S = 10.0  # seconds a rank that already reported may take to exit cleanly
@@ -61,7 +61,8 @@ def _parent_watchdog(parent_pid: int) -> None:
             os._exit(70)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (signal 0; one we may not signal exists too)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -97,7 +98,7 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, args: tuple, bac
             _report(out, (rank, False, f"rank {rank} (pid {os.getpid()}): child_setup failed:\n"
                                        f"{traceback.format_exc()}"), 1)
     ppid = os.getppid()  # the test process, or the fork server (it exits with the test process)
-    if ppid != parent_pid and not _alive(parent_pid):
+    if ppid != parent_pid and not pid_alive(parent_pid):
         os._exit(70)
     threading.Thread(target=_parent_watchdog, args=(ppid,), daemon=True).start()
     import torch.distributed as dist
