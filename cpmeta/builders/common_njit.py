@@ -28,7 +28,7 @@ from .int_ops import check_int32
 
 __all__ = [
     "E_CU_SEQLENS_K", "E_SWA_STATE", "E_BLOCK_NEGATIVE", "E_BLOCK_TOO_LARGE", "E_NGRAM_TABLE",
-    "E_NGRAM_INT32", "COMMON_CODES_END", "fail", "blocks_needed_one", "check_block_table",
+    "E_NGRAM_INT32", "COMMON_CODES_END", "fail", "blocks_needed_one", "check_block_table", "check_tables",
     "check_state_id", "fill_cu_seqlens", "fill_common_rows", "fill_ngram_rows", "ngram_of_rows",
     "ngram_table", "compressed_slot", "raise_common",
 ]
@@ -68,6 +68,32 @@ def check_block_table(s: int, bt: np.ndarray, b0: int, need: int, max_block_id: 
             if v > max_block_id:
                 return fail(err, E_BLOCK_TOO_LARGE, s, v, k)
     return OK
+
+
+@kernel
+def check_tables(seqlen_q: np.ndarray, seqlen_k: np.ndarray, bt: np.ndarray, bt_off: np.ndarray, bs: int,
+                 min_ratio: int, cycle: int, inter: int, max_block_id: int, err: np.ndarray
+                 ) -> tuple[int, int, int, int, int, int, int, int]:
+    """Every sequence's needed block ids (``blocks_needed_one`` of its ``seqlen_k``) checked by
+    :func:`check_block_table`, sequence by sequence, and the batch's totals on the way:
+    ``(code, sum q, sum k, sum needed blocks, max q, max k, max needed blocks, longest table)``
+    (the sums stop at the first bad sequence). The builders' and the staging writer's first pass.
+    Example: block 4, ``seqlen_k = (5, 2)``, tables ``[7, 8]`` / ``[3]``, ``seqlen_q = (1, 2)`` ->
+    ``(0, 3, 7, 3, 2, 5, 2, 2)``."""
+    tq = tk = tb = mq = mk = mb = width = 0
+    for s in range(seqlen_q.shape[0]):
+        need = blocks_needed_one(seqlen_k[s], bs, min_ratio, cycle, inter)
+        code = check_block_table(s, bt, bt_off[s], need, max_block_id, err)
+        if code != OK:
+            return code, tq, tk, tb, mq, mk, mb, width
+        tq += seqlen_q[s]
+        tk += seqlen_k[s]
+        tb += need
+        mq = max(mq, seqlen_q[s])
+        mk = max(mk, seqlen_k[s])
+        mb = max(mb, need)
+        width = max(width, bt_off[s + 1] - bt_off[s])
+    return OK, tq, tk, tb, mq, mk, mb, width
 
 
 @kernel
@@ -269,6 +295,7 @@ def _warm() -> None:
     fill_cu_seqlens(sq, sk, cu_q, cu_k, err)
     bt = np.array([3, 4], np.int64)
     check_block_table(0, bt, 0, 1, 100, err)
+    check_tables(sq, sk, bt, np.array([0, 2], np.int64), 4, 1, 1, 1, 100, err)
     check_state_id(0, 1, 4, err)
     blocks_needed_one(5, 4, 1, 1, 1)
     compressed_slot(bt, 0, 1, 4)

@@ -24,7 +24,7 @@ from ..config import MetadataConfig
 from ..constants import INT32_MAX, PAD_SLOT_ID
 from ..jit import OK, kernel, warmer
 from .common_njit import (
-    COMMON_CODES_END, E_NGRAM_TABLE, blocks_needed_one, check_block_table, compressed_slot, fail,
+    COMMON_CODES_END, E_NGRAM_TABLE, check_tables, compressed_slot, fail,
     fill_common_rows, fill_cu_seqlens, fill_ngram_rows,
 )
 
@@ -130,17 +130,10 @@ def decode_fill(seqlen_q: np.ndarray, seqlen_k: np.ndarray, state_id: np.ndarray
     nde = k[_NDE]
     width = fo[_WIDTH]
     # ---- checks (needed block ids, then the int32 bounds: the staging writer's order too)
-    mq = 0
-    mk = 0
-    for s in range(n):
-        need = blocks_needed_one(seqlen_k[s], bs, k[_MINR], k[_CYCLE], k[_INTER])
-        code = check_block_table(s, bt, bt_off[s], need, k[_MAXBID], err)
-        if code != OK:
-            return code
-        if seqlen_q[s] > mq:
-            mq = seqlen_q[s]
-        if seqlen_k[s] > mk:
-            mk = seqlen_k[s]
+    code, _tq, _tk, _tb, mq, mk, _mb, _w = check_tables(seqlen_q, seqlen_k, bt, bt_off, bs, k[_MINR], k[_CYCLE],
+                                                        k[_INTER], k[_MAXBID], err)
+    if code != OK:
+        return code
     info[0] = mq
     info[1] = mk
     a32 = raw.view(np.int32)

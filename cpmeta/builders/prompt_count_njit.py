@@ -24,7 +24,7 @@ from ..config import MetadataConfig
 from ..constants import INT32_MAX
 from ..jit import OK, kernel
 from .common_njit import (
-    COMMON_CODES_END, E_CU_SEQLENS_K, blocks_needed_one, check_block_table, check_state_id, fail,
+    COMMON_CODES_END, E_CU_SEQLENS_K, check_state_id, check_tables, fail,
 )
 
 __all__ = [
@@ -116,21 +116,10 @@ def prompt_count(seqlen_q: np.ndarray, seqlen_k: np.ndarray, state_id: np.ndarra
     bs = k[_BS]
     W = k[_W]
     S = k[_S]
-    T = 0
-    tk = 0
-    mq = 0
-    mk = 0
-    width = 0
-    for s in range(n):
-        need = blocks_needed_one(seqlen_k[s], bs, k[_MINR], k[_CYCLE], k[_INTER])
-        code = check_block_table(s, bt, bt_off[s], need, k[_MAXBID], err)
-        if code != OK:
-            return code
-        T += seqlen_q[s]
-        tk += seqlen_k[s]
-        mq = max(mq, seqlen_q[s])
-        mk = max(mk, seqlen_k[s])
-        width = max(width, bt_off[s + 1] - bt_off[s])
+    code, T, tk, _tb, mq, mk, _mb, width = check_tables(seqlen_q, seqlen_k, bt, bt_off, bs, k[_MINR], k[_CYCLE],
+                                                        k[_INTER], k[_MAXBID], err)
+    if code != OK:
+        return code
     if tk > INT32_MAX:
         return fail(err, E_CU_SEQLENS_K, -1, tk, INT32_MAX)
     nseg = 0

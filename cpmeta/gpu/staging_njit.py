@@ -32,7 +32,7 @@ import numpy as np
 
 from ..base_njit import blocks_needed_one, fail
 from ..builders.common_njit import (
-    COMMON_CODES_END, E_CU_SEQLENS_K, E_NGRAM_INT32, E_NGRAM_TABLE, NO_TABLE, check_block_table,
+    COMMON_CODES_END, E_CU_SEQLENS_K, E_NGRAM_INT32, E_NGRAM_TABLE, NO_TABLE, check_tables,
 )
 from ..builders.decode_njit import E_KV_CA_OFFSET
 from ..config import MetadataConfig
@@ -170,18 +170,10 @@ def _batch_sizes(seqlen_q: np.ndarray, seqlen_k: np.ndarray, bt: np.ndarray, bt_
     by sequence), ``sum(seqlen_k)`` and the ``kv_ca_index_offset_len`` offsets in int32, then the
     staged scalars into ``report[4:]``. Example: the module's batch -> ``[2, 4, 14, 3, 9, 32, 2]``."""
     n = seqlen_q.shape[0]
-    tq = tk = tb = mq = mk = mb = 0
-    for s in range(n):
-        need = blocks_needed_one(seqlen_k[s], k[_BS], k[_MINR], k[_CYCLE], k[_INTER])
-        code = check_block_table(s, bt, bt_off[s], need, k[_MAXBID], report)
-        if code != OK:
-            return code
-        tq += seqlen_q[s]
-        tk += seqlen_k[s]
-        tb += need
-        mq = max(mq, seqlen_q[s])
-        mk = max(mk, seqlen_k[s])
-        mb = max(mb, need)
+    code, tq, tk, tb, mq, mk, mb, _w = check_tables(seqlen_q, seqlen_k, bt, bt_off, k[_BS], k[_MINR], k[_CYCLE],
+                                                    k[_INTER], k[_MAXBID], report)
+    if code != OK:
+        return code
     if tk > INT32_MAX:
         return fail(report, E_CU_SEQLENS_K, -1, tk, INT32_MAX)
     per_row = k[_ROW_OFF]
