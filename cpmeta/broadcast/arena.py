@@ -70,7 +70,6 @@ class LayoutArena:
         # offsets of ONE allocation is copied with one memmove (src_ptrs caches the last such base)
         self._offsets = [t.data_ptr() - self.dev.data_ptr() for t in tensors]
         self._nbytes = [t.numel() * t.element_size() for t in tensors]
-        self.exact = sum(self._nbytes)  # the header's tensor bytes
         self.src_ptrs: Optional[tuple[int, ...]] = None
         self._base = 0  # address the one memmove copies from (with src_ptrs)
         self._packed_ptrs: Optional[tuple[int, ...]] = None  # last source that did NOT qualify
