@@ -57,7 +57,8 @@ tests)  # ~9 min: GPU tests of every device path, NCCL / gloo-on-cuda launch che
     tests/test_builders.py tests/test_builders_smoke.py tests/test_decode_inplace.py tests/test_cuda_graph.py \
     tests/test_slot_mapping.py tests/test_yoco_cp.py tests/test_mirror_metadata.py tests/test_gpu_broadcast.py \
     tests/test_broadcast_multirank.py tests/test_slot_mapping_groups.py tests/test_kv_read_plan.py \
-    tests/test_broadcast_persistent.py tests/test_stage_decode.py tests/test_batch_state.py
+    tests/test_broadcast_persistent.py tests/test_stage_decode.py tests/test_batch_state.py \
+    tests/test_channels.py tests/test_tensor_dict.py
   # in-place decode across ranks: the staged broadcast and the replicated in-place path; overlap
   TAILN=4 step gpu_decode_cp 240 python3 -m pytest -q -p no:cacheprovider tests/test_decode_cp.py \
     tests/test_decode_capacity.py tests/test_replicate_inplace.py tests/test_overlap.py
@@ -103,7 +104,7 @@ compare)  # ~9 min: before (.baseline) / after (this tree), same host, same comm
     for V in before after; do
       if [ $V = before ]; then ROOT=$PWD/.baseline; else ROOT=$PWD; fi
       TAILN=40 step step_${M}_$V 150 env PYTHONPATH="$ROOT$MQ" VLLM_TARGET_DEVICE=cpu python3 "$ROOT/scripts/bench_step.py" \
-        --model $M --worlds 2 8 --workloads decode-64 decode-256 --strategies broadcast replicate mq-replicate \
+        --model $M --worlds 2 8 --workloads decode-64 decode-256 --strategies broadcast replicate replicate-defer mq-replicate \
         --steps 60 --warmup 8 --budget 4 --no-cold --out "$OUT/h200_step.$M.$V.json"
     done
   done
