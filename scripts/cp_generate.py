@@ -509,10 +509,10 @@ def _rank(rank: int, world: int, o: GenOptions) -> Optional[dict[str, Any]]:
 
 
 def launch(o: GenOptions) -> dict[str, Any]:
-    """Run the example on ``o.cp`` spawned processes; returns rank 0's report. Spawning is
-    ``launch.spawn.run_ranks`` (free port, process group, exit without interpreter teardown,
-    whose library threads aborted a finished rank once in ten runs; part of the wheel)."""
-    from cpmeta.launch.spawn import run_ranks
+    """Run the example on ``o.cp`` local processes; returns rank 0's report. Starting them is
+    ``cpmeta.testing.run_ranks`` (part of the wheel: free port, process group, one deadline, the
+    failing rank's traceback, exit without interpreter teardown)."""
+    from cpmeta.testing import run_ranks
 
     for k, v in launch_envs.MULTICAST_OFF.items():  # as python -m cpmeta.launch: NVLink multicast off
         launch_envs.set_default(k, v)  # before the spawn: the ranks inherit it
