@@ -341,6 +341,27 @@ def _decode_one(k: int, table: list[int], state: int, tokens: list[int]) -> Sequ
     return SequenceMetadata(1, k, table, state, tokens)
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_an_ngram_table_edited_in_place_is_read_as_it_is_now(dtype: torch.dtype) -> None:
+    """The kernels' int64 copy of ``ngram_lookup`` is made once per table (no vocabulary-sized
+    copy a step), and again after an in-place edit: both builders read the edited table."""
+    from cpmeta.builders.common_njit import ngram_table
+
+    table = torch.tensor([5, 6, 7, 8], dtype=dtype)
+    cfg = MetadataConfig.compressed_swa(max_ngram_size=3, ngram_lookup=table)
+    dec, pre = [_decode_one(5, [1], 0, [0, 1, 2, 3, 1])], [SequenceMetadata(5, 5, [1], 0, [0, 1, 2, 3, 1])]
+    first = ngram_table(cfg)
+    assert ngram_table(cfg) is first  # unchanged table: the same array, nothing converted
+    assert cpmeta.prepare_decode(dec, cfg).ngram_token_ids.tolist() == [[6, 8, 7]]
+    table[1] = 60
+    table[3] = 80
+    assert ngram_table(cfg).tolist() == [5, 60, 7, 80]
+    for seqs, prompt in ((dec, False), (pre, True)):
+        md = (cpmeta.prepare_prompt if prompt else cpmeta.prepare_decode)(seqs, cfg)
+        assert_matches_reference(md, _ref(seqs, cfg, prompt), cfg)
+    assert cpmeta.prepare_decode(dec, cfg).ngram_token_ids.tolist() == [[60, 80, 7]]
+
+
 def test_decode_kernel_errors_name_the_field_and_write_nothing() -> None:
     """The decode kernel's checks (decode_njit / common_njit error codes) raise the named errors,
     and a refused batch leaves a reused arena as the last good build left it."""
