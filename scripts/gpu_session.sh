@@ -114,6 +114,7 @@ compare)  # ~9 min: before (.baseline) / after (this tree), same host, same comm
       --only plain_vs_seed --out "$OUT/h200_build.$V.json"
   done
   TAILN=20 step build_hot 60 python3 scripts/bench_build.py --no-ref --repeat 300 --only hot_ --out "$OUT/h200_build.hot.json"
+  rm -f "$OUT"/*.png  # the device tool brings back at most 8 files (the plots pushed results out once)
   ;;
 wire)  # ~7 min: the host's cores at world 8, the transport's knobs one at a time (ring slot size, the
   # followers' spin) and an experiment tree carried in .alt (git archive REV | tar -x -C .alt) against
