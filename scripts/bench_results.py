@@ -222,22 +222,26 @@ def _readme_step(folder: Path) -> str:
             f"{td}x; {tm}x |\n")
 
 
+#: The before / after run of h200_step.json that README's known gaps quote (its "before" twin: 4ac8a65)
+GAPS_AFTER = "d1205c-plain.after"
+
+
 def _readme_gaps(folder: Path) -> str:
     bc = run_of("h200_broadcast.json", "r5d", folder)
     dec = [(w, p) for w in (2, 4, 8) for p in ("decode-64", "decode-256")]
     ratio = span((_bcast(bc, w, p, "cpmeta+p") / _bcast(bc, w, p, "mq") for w, p in dec), "{:.2f}")
     n = run_of("h200_broadcast_nccl.json", "r5d", folder)
     floor = _bcast(n, 1, "decode-64", "cpmeta+p", None) / _bcast(n, 1, "decode-64", "floor", None)
-    cmp = json.loads((folder / "h200_step_compare.json").read_text())
-    after = {(r["world"], r["workload"], r["strategy"]): r["p50_us"]
-             for r in cmp["after"]["plain"]["results"]}
-    d64 = {k[2]: v for k, v in after.items() if k[:2] == (8, "decode-64")}
+    rid, run, data = run_entry("h200_step.json", GAPS_AFTER, folder)
+    before = {(r["world"], r["workload"], r["strategy"]): r["p50_us"]
+              for r in run_of("h200_step.json", GAPS_AFTER.replace("after", "before"), folder)["results"]}
+    d64 = {r["strategy"]: r["p50_us"] for r in data["results"] if (r["world"], r["workload"]) == (8, "decode-64")}
     ours = min((s for s in d64 if not s.startswith("mq-")), key=lambda k: d64[k])
-    return (f"- End to end (H200 host, {cmp['after_commit'].split()[0]}, plain config): decode-64 to 8 ranks takes "
-            f"{d64[ours]:.0f} µs with cpmeta's best\n  (`{ours}`; issue 37's goal 300 µs) and "
-            f"{d64['mq-replicate']:.0f} µs as `mq-replicate` (vLLM's `MessageQueue` carrying the ops;\n"
-            f"  goal: cpmeta at 0.5x it, now {d64[ours] / d64['mq-replicate']:.2f}x) "
-            f"(docs/benchmarks.md, \"Before / after the compiled path\").\n"
+    return (f"- End to end (H200 host, {run['commit'][:7]}, plain config, run {rid}): decode-64 to 8 ranks "
+            f"takes {d64[ours]:.0f} µs with cpmeta's best\n  (`{ours}`; {before[(8, 'decode-64', ours)]:.0f} µs at "
+            f"the previous release, 4ac8a65, same run; issue 37's goal 300 µs) and {d64['mq-replicate']:.0f} µs as "
+            f"`mq-replicate`\n  (vLLM's `MessageQueue` carrying the ops; goal: cpmeta at 0.5x it, now "
+            f"{d64[ours] / d64['mq-replicate']:.2f}x) (docs/benchmarks.md, \"Before / after on the H200 host\").\n"
             f"- Speed goals not met ([docs/benchmarks.md](docs/benchmarks.md); run r5d, before the compiled path):\n"
             f"  steady-state decode broadcasts at {ratio}x `MessageQueue` (goal 0.35x) and {_bcast(bc, 8, 'decode-64', 'cpmeta+p'):.0f} µs to 8 "
             f"ranks (goal 150 µs); NCCL world 1\n  with `persistent_outputs` {floor:.2f}x one NCCL broadcast "
