@@ -45,6 +45,8 @@ NAMED = {
     "tensor_desc": {"t": TensorDesc(torch.bool, (0, 3)), "u": TensorDesc(torch.bfloat16, ())},
     "metadata_like": {"num_seqs": 3, "is_prompt": True, "klen": {}, "total_k_compressed.4": 17,
                       "cu": [0, 3, 7], "opt": None},
+    # past the packer's first buffer (codec._PACK_BUF), tuples packed inside the outer pack
+    "larger_than_the_first_buffer": {"b": b"\x01" * 70_000, "t": [(i, (i, "x" * 40)) for i in range(2_000)]},
 }
 
 

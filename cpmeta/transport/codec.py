@@ -188,8 +188,14 @@ def _default(obj: Any) -> msgpack.ExtType:
     raise TypeError(f"unsupported type {type(obj).__name__}")
 
 
+#: The packer's first buffer (it grows for larger bodies). ``msgpack.packb``'s is 256 KiB: a
+#: quarter-megabyte allocation for every frame's few-byte values block.
+_PACK_BUF = 4096
+
+
 def _packb(obj: Any) -> bytes:
-    return msgpack.packb(obj, use_bin_type=True, strict_types=True, default=_default)
+    # a Packer per call: ``_default`` re-enters for tuples and tensor descriptors
+    return msgpack.Packer(use_bin_type=True, strict_types=True, default=_default, buf_size=_PACK_BUF).pack(obj)
 
 
 def encode_body(obj: Any) -> bytes:
