@@ -92,6 +92,19 @@ def idle(seconds: float, how: str) -> None:
         pass
 
 
+def pin_rank(rank: int, world: int, how: str) -> Optional[set[int]]:
+    """``--pin core``: this rank's main thread on one core of its own (rank r on the r-th of
+    ``world`` evenly spaced usable cores; gloo's threads keep the full mask) -- an engine that
+    binds each rank, and a step that meets the caches of the core it last ran on. Returns the
+    mask to restore (``None``: not pinned)."""
+    if how == "none":
+        return None
+    cores = os.sched_getaffinity(0)
+    usable = sorted(cores)
+    os.sched_setaffinity(0, {usable[(rank * len(usable)) // world]})
+    return cores
+
+
 def run_workload(rank: int, world: int, wl: str, args: argparse.Namespace, device: torch.device,
                  ctrl: Any) -> tuple[list[dict], list[str]]:
     """Every strategy of ``args.strategies`` on one workload, interleaved: rank 0 returns the
@@ -107,6 +120,7 @@ def run_workload(rank: int, world: int, wl: str, args: argparse.Namespace, devic
             for n in args.strategies]
     skipped = [n for n, s in made if s is None]
     strats = [(n, s) for n, s in made if s is not None]
+    cores = pin_rank(rank, world, args.pin)  # after the strategies: their rings saw the full mask
     total = args.warmup + args.steps
     recs = np.zeros((len(strats), total, 8))
     last: list[Any] = [None] * len(strats)
@@ -144,6 +158,8 @@ def run_workload(rank: int, world: int, wl: str, args: argparse.Namespace, devic
     g = _gather(torch.from_numpy(recs[:, args.warmup:n].copy()), ctrl).numpy()
     for _, s in strats:
         s.close()
+    if cores is not None:
+        os.sched_setaffinity(0, cores)
     if rank != 0:
         return [], skipped
     bad = [(r, strats[j][0]) for r in range(world) for j in range(len(strats))
@@ -346,6 +362,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--park-ms", type=float, default=3.0, help="driver idle after the barrier (followers park)")
     p.add_argument("--park", choices=("sleep", "busy"), default="sleep",
                    help="how the driver idles --park-ms: asleep, or spinning on its core")
+    p.add_argument("--pin", choices=("none", "core"), default="none",
+                   help="core: each rank's main thread on a core of its own while its steps are timed")
     p.add_argument("--cold-gaps-ms", type=float, nargs="+", default=[3.0, 30.0])
     p.add_argument("--cold-steps", type=int, default=20)
     p.add_argument("--no-cold", action="store_true", help="skip the cold-step measurement")
@@ -363,7 +381,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     meta = {"command": "python scripts/bench_step.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine(), **git_commit(),
             "timed": "max over ranks (rank holds its metadata) - driver holds the step's ops (perf_counter)",
-            "park_ms": args.park_ms, "park": args.park, "phases": PHASE_NOTE, "workloads": {
+            "park_ms": args.park_ms, "park": args.park, "pin": args.pin, "phases": PHASE_NOTE, "workloads": {
                 w: dict(zip(("decode_seqs", "drafts", "prefill_seqs", "chunk"), v)) for w, v in WORKLOADS.items()}}
     results: list[dict] = []
     for w in args.worlds:

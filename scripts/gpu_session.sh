@@ -25,6 +25,10 @@
 #                                            # without warming, a driver busy between steps, threads per core
 #   bash scripts/gpu_session.sh collective   # nvidia-h200-x2: the collective tensor path over NCCL (tests,
 #                                            # the launcher, this tree against .alt), the staging writer
+#   bash scripts/gpu_session.sh pin          # the host's cores at world 8: each rank unbound / bound to a core
+#                                            # of its own / bound with a busy driver (bench_step --pin)
+#   bash scripts/gpu_session.sh ab           # the host's cores at world 8: this tree against .alt (alt, this,
+#                                            # this, alt), MODEL=seed|plain
 #   bash scripts/gpu_session.sh compare      # the host's cores, before / after in one run: the commit in
 #                                            # .baseline (git archive REV | tar -x -C .baseline; carry it)
 #                                            # and this tree, end-to-end step (plain and compressed-KV
@@ -137,6 +141,37 @@ wire)  # ~7 min: the host's cores at world 8, the transport's knobs one at a tim
   TAILN=30 step wire_phases 60 python3 scripts/profile_phases.py broadcast --world 8 --payload decode-64 --persistent \
     --steps 150
   rm -f "$OUT"/*.png  # at most 8 files come back: the 7 JSON files and one log
+  ;;
+pin)  # ~6 min: does a rank bound to a core of its own meet warmer caches? world 8 decode-64 with
+  # each rank's main thread unbound (default) / on a core of its own (bench_step --pin core) / the
+  # same with the driver spinning through its gap (busypin), two rounds in turn; seed once each
+  lscpu | grep -iE 'model name|thread|core|socket|numa node|L2|L3'
+  MQ=""; [ -d mq_bundle312 ] && MQ=":$PWD/mq_bundle312"
+  python3 -c 'import cpmeta.jit as j; j.warm_all()'
+  for V in plain:default:1 plain:pin:1 plain:busypin:1 seed:default:1 plain:busypin:2 plain:pin:2 plain:default:2 \
+      seed:pin:1; do
+    IFS=: read -r M K N <<<"$V"
+    PIN=none; PARK=sleep
+    case $K in pin) PIN=core;; busypin) PIN=core; PARK=busy;; esac
+    TAILN=4 step pin_${M}_${K}_$N 70 env PYTHONPATH="$PWD$MQ" VLLM_TARGET_DEVICE=cpu python3 scripts/bench_step.py \
+      --pin $PIN --park $PARK --model $M --worlds 8 --workloads decode-64 --strategies broadcast replicate-defer \
+      mq-replicate --steps 60 --warmup 6 --budget 4 --no-cold --out "$OUT/h200_wire.pin-$M-$K-$N.json"
+  done
+  rm -f "$OUT"/*.png  # the device tool brings back at most 8 files
+  ;;
+ab)  # ~3 min: this tree against the tree in .alt (git archive REV | tar -x -C .alt), ordered alt,
+  # this, this, alt; world 8 decode-64 / decode-256, model $MODEL (default seed), three strategies
+  MQ=""; [ -d mq_bundle312 ] && MQ=":$PWD/mq_bundle312"
+  python3 -c 'import cpmeta.jit as j; j.warm_all()'
+  (cd .alt && PYTHONPATH=$PWD python3 -c 'import cpmeta.jit as j; j.warm_all()')
+  for V in alt:1 this:1 this:2 alt:2; do
+    IFS=: read -r T N <<<"$V"
+    ROOT=$PWD; [ $T = alt ] && ROOT=$PWD/.alt
+    TAILN=8 step ab_${T}_$N 70 env PYTHONPATH="$ROOT$MQ" VLLM_TARGET_DEVICE=cpu python3 "$ROOT/scripts/bench_step.py" \
+      --model "${MODEL:-seed}" --worlds 8 --workloads decode-64 decode-256 --strategies broadcast replicate-defer \
+      mq-replicate --steps 50 --warmup 6 --budget 3 --no-cold --out "$OUT/h200_wire.ab-${MODEL:-seed}-$T-$N.json"
+  done
+  rm -f "$OUT"/*.png
   ;;
 replay)  # ~6 min: this tree against the tree in .alt (git archive REV | tar -x -C .alt), plain and
   # seed models, worlds 2 and 8, every host strategy; then what an idle gap costs a call on this host
