@@ -29,6 +29,8 @@
 #                                            # of its own / bound with a busy driver (bench_step --pin)
 #   bash scripts/gpu_session.sh ab           # the host's cores at world 8: this tree against .alt (alt, this,
 #                                            # this, alt), MODEL=seed|plain
+#   bash scripts/gpu_session.sh prefill      # the host's cores: steps with prompts (mixed, prompt), plain and
+#                                            # seed, worlds 2 and 8
 #   bash scripts/gpu_session.sh compare      # the host's cores, before / after in one run: the commit in
 #                                            # .baseline (git archive REV | tar -x -C .baseline; carry it)
 #                                            # and this tree, end-to-end step (plain and compressed-KV
@@ -170,6 +172,17 @@ ab)  # ~3 min: this tree against the tree in .alt (git archive REV | tar -x -C .
     TAILN=8 step ab_${T}_$N 70 env PYTHONPATH="$ROOT$MQ" VLLM_TARGET_DEVICE=cpu python3 "$ROOT/scripts/bench_step.py" \
       --model "${MODEL:-seed}" --worlds 8 --workloads decode-64 decode-256 --strategies broadcast replicate-defer \
       mq-replicate --steps 50 --warmup 6 --budget 3 --no-cold --out "$OUT/h200_wire.ab-${MODEL:-seed}-$T-$N.json"
+  done
+  rm -f "$OUT"/*.png
+  ;;
+prefill)  # ~3 min: the steps with prompts (mixed: 64 decoding + 8 chunks of 1024; prompt: 8 x 4096),
+  # plain and seed, worlds 2 and 8, the host strategies
+  MQ=""; [ -d mq_bundle312 ] && MQ=":$PWD/mq_bundle312"
+  python3 -c 'import cpmeta.jit as j; j.warm_all()'
+  for M in plain seed; do
+    TAILN=12 step prefill_$M 150 env PYTHONPATH="$PWD$MQ" VLLM_TARGET_DEVICE=cpu python3 scripts/bench_step.py \
+      --model $M --worlds 2 8 --workloads mixed prompt --strategies broadcast replicate-defer mq-replicate \
+      --steps 40 --warmup 6 --budget 3 --no-cold --out "$OUT/h200_step.prefill-$M.json"
   done
   rm -f "$OUT"/*.png
   ;;
