@@ -1,7 +1,8 @@
 """Random scheduler traces for ``ReplicatedBatchState`` tests: one seed, one sequence of calls.
 
 ``drive(target, cfg, rng)`` makes ONE step's calls on ``target`` -- a ``ReplicatedBatchState``
-(the driver) or a plain ``BatchState`` (the reference, driven by the same seed): adds (prompt,
+(the driver) or a plain ``BatchState`` (the reference, driven by the same seed): adds (one call
+each, or every other step all in one ``add_requests_batch``; prompt,
 block table, state id, Engram history, valid start, prefix-cache hits), finishes (slots are
 reused), chunked prefill, decode with MTP drafts (one count for all, per-sequence counts, none),
 placeholders, accepted tokens, block growth, Engram ids, moved state ids and valid starts, and
@@ -32,9 +33,10 @@ def _blocks(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(0, 50_000) for _ in range(n)]
 
 
-def _free_state_id(st: BatchState, rng: random.Random) -> int:
-    """A state id no live request holds (requests move between state slots now and then)."""
-    used = {int(x) for x in st.state_id[st.active]}
+def _free_state_id(st: BatchState, rng: random.Random, pending: frozenset | set = frozenset()) -> int:
+    """A state id no live request holds (requests move between state slots now and then), nor
+    one of the ``pending`` adds."""
+    used = {int(x) for x in st.state_id[st.active]} | pending
     free = [i for i in range(2 * st.max_seqs) if i not in used]
     return rng.choice(free)
 
@@ -64,16 +66,28 @@ def drive(target: Any, cfg: MetadataConfig, rng: random.Random, refusals: Option
         if rng.random() < 0.06:
             target.finish(s)
     live = [int(s) for s in np.flatnonzero(st.active)]
-    # adds
-    while len(live) < st.max_seqs - 1 and rng.random() < (0.6 if len(live) < 3 else 0.15):
+    # adds: every other step's as ONE add_requests_batch call (no draw decides it: same stream)
+    batch = len(live) % 2 == 0
+    adds: list[tuple] = []
+    while len(live) + len(adds) < st.max_seqs - 1 and rng.random() < (0.6 if len(live) + len(adds) < 3 else 0.15):
         n = rng.randint(1, min(300, st.max_tokens // 2))
         toks = [rng.randrange(1, 999) for _ in range(n)]
         comp = [rng.randrange(0, 99) for _ in range(rng.randint(0, n))] if st.max_compressed else []
-        s = target.add_request(f"q{rng.randrange(10**9)}", toks, _blocks(rng, blocks_needed(n, cfg)),
-                               _free_state_id(st, rng), compressed_token_ids=comp,
-                               swa_valid_start=rng.choice((0, 0, rng.randrange(n))),
-                               num_computed=rng.choice((0, 0, rng.randrange(n))))
-        live.append(s)
+        add = (f"q{rng.randrange(10**9)}", toks, _blocks(rng, blocks_needed(n, cfg)),
+               _free_state_id(st, rng, {a[3] for a in adds}), comp, rng.choice((0, 0, rng.randrange(n))),
+               rng.choice((0, 0, rng.randrange(n))))
+        if batch:
+            adds.append(add)
+        else:
+            live.append(target.add_request(*add[:4], compressed_token_ids=add[4], swa_valid_start=add[5],
+                                           num_computed=add[6]))
+    if adds:
+        flat = [np.array([x for a in adds for x in a[k]], np.int64) for k in (1, 2, 4)]
+        counts = [[len(a[k]) for a in adds] for k in (1, 2, 4)]
+        live += target.add_requests_batch([a[0] for a in adds], flat[0], counts[0], flat[1], counts[1],
+                                          [a[3] for a in adds], compressed_ids=flat[2], compressed_counts=counts[2],
+                                          swa_valid_starts=[a[5] for a in adds],
+                                          num_computed=[a[6] for a in adds]).tolist()
     _moves(target, st, live, rng)
     if refusals is not None and rng.random() < 0.1:
         refusals.append(_refused(target, st, live, rng))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 import cpmeta
@@ -35,7 +36,8 @@ STRATEGIES = ("broadcast", "replicate", "replicate-defer")
 class SchedulerTee:
     """A ``defer_apply`` driver as an engine runs it: ``state`` (the scheduler's own
     ``BatchState``) takes each call first -- a call it refuses raises and is never sent -- then
-    ``rep`` records it; ``add_request``'s slot predicted by ``rep`` must be the state's."""
+    ``rep`` records it; ``add_request``'s (``add_requests_batch``'s) slot predicted by ``rep`` must
+    be the state's."""
 
     def __init__(self, state: cpmeta.BatchState, rep: cpmeta.ReplicatedBatchState) -> None:
         self.state, self.rep = state, rep
@@ -46,9 +48,9 @@ class SchedulerTee:
         def call(*args: Any, **kw: Any) -> Any:
             got = mine(*args, **kw)
             slot = recorded(*args, **kw)
-            if name == "add_request" and slot != got:
-                raise RuntimeError(f"defer_apply predicted slot {slot} for a request the scheduler's "
-                                   f"state put in slot {got}")
+            if name in ("add_request", "add_requests_batch") and not np.array_equal(slot, got):
+                raise RuntimeError(f"defer_apply predicted slot(s) {slot} for request(s) the scheduler's "
+                                   f"state put in slot(s) {got}")
             return got
 
         return call

@@ -131,8 +131,7 @@ def _run(state: BatchState, cols: dict[str, np.ndarray], at: dict[str, int], cod
         (state.append_tokens_batch if code == TOK else state.append_blocks_batch if code == BLK
          else state.append_compressed_batch)(slots, flat, counts)
     elif code == ADD:
-        for meta in _take(cols, at, "add_meta", n).tolist():
-            _add(state, cols, at, meta, next(adds, None))
+        _add(state, cols, at, _take(cols, at, "add_meta", n), [next(adds, None) for _ in range(n)])
     elif code == FIN:
         for slot in _take(cols, at, "fin_slots", n).tolist():
             state.finish(slot)
@@ -146,16 +145,20 @@ def _run(state: BatchState, cols: dict[str, np.ndarray], at: dict[str, int], cod
         raise ReplicaError(f"step frame: unknown run ({code}, {n})")
 
 
-def _add(state: BatchState, cols: dict[str, np.ndarray], at: dict[str, int], meta: list[int],
-         req_id: Any) -> None:
-    slot, state_id, valid_start, num_computed, nt, nb, nc = meta
-    if req_id is None:
+def _add(state: BatchState, cols: dict[str, np.ndarray], at: dict[str, int], meta: np.ndarray,
+         req_ids: list[Any]) -> None:
+    """A run of ``add_request`` calls as ONE ``add_requests_batch`` (all or none added); each
+    request must land in the driver's slot."""
+    if None in req_ids:
         raise ReplicaError("step frame: fewer request ids than its add_request entries")
-    s = state.add_request(req_id, _take(cols, at, "add_tokens", nt), _take(cols, at, "add_blocks", nb),
-                          state_id, compressed_token_ids=_take(cols, at, "add_comp", nc),
-                          swa_valid_start=valid_start, num_computed=num_computed)
-    if s != slot:
-        raise ReplicaError(f"request {req_id!r}: added in slot {s} here, slot {slot} on the driver")
+    slot, state_id, valid_start, num_computed, nt, nb, nc = meta.T
+    got = state.add_requests_batch(req_ids, _take(cols, at, "add_tokens", int(nt.sum())), nt,
+                                   _take(cols, at, "add_blocks", int(nb.sum())), nb, state_id,
+                                   compressed_ids=_take(cols, at, "add_comp", int(nc.sum())), compressed_counts=nc,
+                                   swa_valid_starts=valid_start, num_computed=num_computed)
+    if (got != slot).any():
+        i = int(np.flatnonzero(got != slot)[0])
+        raise ReplicaError(f"request {req_ids[i]!r}: added in slot {int(got[i])} here, slot {int(slot[i])} on the driver")
 
 
 def _spec(state: BatchState, cols: dict[str, np.ndarray], at: dict[str, int], spec: list[int]) -> SequenceBatch:

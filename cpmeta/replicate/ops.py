@@ -9,7 +9,7 @@ order). Each kind keeps its entries in flat columns:
 ==========  =====================================================  ==============================
 run code    columns (int64; ragged ones flat with counts)          applied as
 ==========  =====================================================  ==============================
-``ADD``     ``add_meta`` [a, 7] (slot, state id, valid start,      ``add_request`` per entry
+``ADD``     ``add_meta`` [a, 7] (slot, state id, valid start,      ``add_requests_batch``
             num computed, #tokens, #blocks, #compressed), the
             flat ``add_tokens`` / ``add_blocks`` / ``add_comp``,
             request ids (values)

@@ -89,10 +89,7 @@ class Recorder(ABC):
         """``BatchState.add_request`` on the driver's replica, recorded for the step (request ids:
         int or str, they travel in the frame)."""
         self._driver("add_request")
-        if type(req_id) is not str and not isinstance(req_id, (int, np.integer)) or isinstance(req_id, bool):
-            raise TypeError(f"request {req_id!r}: a replicated request id is an int or a str, got "
-                            f"{type(req_id).__name__}")
-        rid = req_id if type(req_id) is str else int(req_id)
+        rid = _request_id(req_id)
         if self._defer:
             if not self._free_model:
                 raise ValueError(f"request {rid!r}: all max_seqs={self.state.max_seqs} slots are in use")
@@ -108,6 +105,42 @@ class Recorder(ABC):
                       st.compressed[s, :st.num_compressed[s]], int(st.state_id[s]),
                       int(st.swa_valid_start[s]), int(st.num_computed[s]))
         return s
+
+    def add_requests_batch(self, req_ids: Sequence[Hashable], token_ids: np.ndarray, token_counts: np.ndarray,
+                           block_ids: np.ndarray, block_counts: np.ndarray, state_ids: np.ndarray, *,
+                           compressed_ids: Optional[np.ndarray] = None,
+                           compressed_counts: Optional[np.ndarray] = None,
+                           swa_valid_starts: Optional[np.ndarray] = None,
+                           num_computed: Optional[np.ndarray] = None) -> np.ndarray:
+        """``BatchState.add_requests_batch`` on the driver's replica, recorded as the run of
+        ``add_request`` calls it equals (every rank applies the run in one call)."""
+        self._driver("add_requests_batch")
+        rids = [_request_id(r) for r in req_ids]
+        n = len(rids)
+        if self._defer:  # recorded only: the replica's one call checks the values at sync
+            if n > len(self._free_model):
+                raise ValueError(f"request {rids[len(self._free_model)]!r}: all max_seqs={self.state.max_seqs} "
+                                 "slots are in use")
+            toks, blocks, comp = (_split(w, v, c, n) for w, v, c in (
+                ("token", token_ids, token_counts), ("block", block_ids, block_counts),
+                ("compressed", compressed_ids, compressed_counts)))
+            scal = [[0] * n if v is None else flat_ints(v).tolist() for v in (state_ids, swa_valid_starts, num_computed)]
+            for name, v in zip(("state_ids", "swa_valid_starts", "num_computed"), scal):
+                if len(v) != n:
+                    raise ValueError(f"{name}: expected {n} values (one per request), got {len(v)}")
+            slots = np.array([self._free_model.pop() for _ in range(n)], np.int64)
+            for i, (s, r) in enumerate(zip(slots.tolist(), rids)):
+                self._rec.add(s, r, toks[i], blocks[i], comp[i], scal[0][i], scal[1][i], scal[2][i])
+            return slots
+        st = self.state
+        slots = st.add_requests_batch(rids, token_ids, token_counts, block_ids, block_counts, state_ids,
+                                      compressed_ids=compressed_ids, compressed_counts=compressed_counts,
+                                      swa_valid_starts=swa_valid_starts, num_computed=num_computed)
+        for s, r in zip(slots.tolist(), rids):
+            self._rec.add(s, r, st.token_ids[s, :st.num_tokens[s]], st.block_table[s, :st.num_blocks[s]],
+                          st.compressed[s, :st.num_compressed[s]], int(st.state_id[s]),
+                          int(st.swa_valid_start[s]), int(st.num_computed[s]))
+        return slots
 
     def append_tokens(self, slot: int, tokens: Sequence[int]) -> None:
         self._driver("append_tokens")
@@ -205,3 +238,20 @@ class Recorder(ABC):
     @abstractmethod
     def _at_spec(self) -> None:
         """What the replicated state does once a spec is made (its check-step digest)."""
+
+
+def _request_id(req_id: Any) -> Any:
+    """A replicated request id: an int (a numpy integer counts, a bool does not) or a str."""
+    if type(req_id) is not str and not isinstance(req_id, (int, np.integer)) or isinstance(req_id, bool):
+        raise TypeError(f"request {req_id!r}: a replicated request id is an int or a str, got "
+                        f"{type(req_id).__name__}")
+    return req_id if type(req_id) is str else int(req_id)
+
+
+def _split(what: str, flat: Any, counts: Any, n: int) -> list[np.ndarray]:
+    """The flat ``{what}_ids`` cut into ``n`` requests' ids by ``{what}_counts`` (None: none)."""
+    ids = flat_ints(_EMPTY if flat is None else flat)
+    c = np.zeros(n, np.int64) if counts is None else flat_ints(counts)
+    if len(c) != n or (c < 0).any() or int(c.sum()) != len(ids):
+        raise ValueError(f"{what}_counts: expected {n} counts >= 0 summing to {len(ids)} {what}_ids")
+    return np.split(ids, np.cumsum(c)[:-1]) if n else []

@@ -18,8 +18,9 @@ import numpy as np
 from .batch import SequenceBatch, Vouch
 from .checks import as_int_array, bad_id, check_int_arg, ids_in_int32
 from .state_njit import (
-    E_CHUNK, E_CHUNK_PASSES, E_DRAFT_ID, E_NEGATIVE_ID, E_NUM_DRAFTS, E_PREFILL, E_REPEAT, E_SLOT, K_BLOCKS,
-    K_COMPRESSED, K_TOKENS, NO_BAD, append_rows, gather_step, vouch_step,
+    E_CAPACITY, E_CHUNK, E_CHUNK_PASSES, E_COMPUTED, E_COUNTS, E_DRAFT_ID, E_EMPTY, E_FULL, E_NEGATIVE_ID,
+    E_NUM_DRAFTS, E_PREFILL, E_REPEAT, E_SLOT, K_BLOCKS, K_COMPRESSED, K_TOKENS, NO_BAD, add_rows, append_rows,
+    gather_step, vouch_step,
 )
 from .store import StateStore
 
@@ -85,6 +86,9 @@ class BatchState(StateStore):
             st.append_blocks(a, [new_block])                        # when a table grows
             st.finish(a)                                            # slot is free again
 
+    A step's new requests in one call: ``st.add_requests_batch(ids, prompts, prompt_lens, tables,
+    table_lens, state_ids)`` (flat ids + counts, like the append batches).
+
     Slots are small ints (``add_request``'s return value, ``slot_of(req_id)``); the batch methods
     take arrays of them so a step needs no per-request Python.
     """
@@ -133,6 +137,80 @@ class BatchState(StateStore):
         self.num_compressed[s] = len(comp)
         self.state_id[s], self.swa_valid_start[s] = state_id, swa_valid_start
         return s
+
+    def add_requests_batch(self, req_ids: Sequence[Hashable], token_ids: np.ndarray, token_counts: np.ndarray,
+                           block_ids: np.ndarray, block_counts: np.ndarray, state_ids: np.ndarray, *,
+                           compressed_ids: Optional[np.ndarray] = None,
+                           compressed_counts: Optional[np.ndarray] = None,
+                           swa_valid_starts: Optional[np.ndarray] = None,
+                           num_computed: Optional[np.ndarray] = None) -> np.ndarray:
+        """``add_request`` for each of ``req_ids`` in ONE compiled call; returns their slots
+        (int64, the slots those calls would have returned, in order). Request ``i``'s prompt is
+        the next ``token_counts[i]`` ids of the flat ``token_ids``, its table the next
+        ``block_counts[i]`` of ``block_ids`` (Engram ids likewise, default none); ``state_ids``,
+        ``swa_valid_starts`` and ``num_computed`` (default 0) one value per request.
+
+        The same checks and messages as ``add_request``, request by request in order (ids
+        already in the state or given twice are checked first); a failing check adds NONE of
+        the requests. Example: ``st.add_requests_batch(["a", "b"], [5, 6, 7], [2, 1], [3, 9],
+        [1, 1], [0, 1])`` -> slots ``[0, 1]``: "a" holds prompt ``[5, 6]`` and table ``[3]``."""
+        ids = list(req_ids)
+        n = len(ids)
+        taken: dict[Hashable, int] = {}
+        for i, r in enumerate(ids):
+            if r in self._slot:
+                raise ValueError(f"request {r!r}: already in the batch state (slot {self._slot[r]})")
+            if taken.setdefault(r, i) != i:
+                raise ValueError(f"request {r!r}: given twice in one add_requests_batch call (positions "
+                                 f"{taken[r]} and {i})")
+        flat = [as_int_array(name, v) for name, v in (
+            ("token_ids", token_ids), ("token_counts", token_counts), ("block_ids", block_ids),
+            ("block_counts", block_counts), ("compressed_ids", _EMPTY if compressed_ids is None else compressed_ids),
+            ("compressed_counts", np.zeros(n, np.int64) if compressed_counts is None else compressed_counts))]
+        scalars = np.zeros((3, n), np.int64)
+        for row, name, v in ((0, "state_ids", state_ids), (1, "swa_valid_starts", swa_valid_starts),
+                             (2, "num_computed", num_computed)):
+            if v is not None:
+                a = as_int_array(name, v)
+                if len(a) != n:
+                    raise ValueError(f"{name}: expected {n} values (one per request), got {len(a)}")
+                scalars[row] = a
+        free = self._free
+        slots = np.array(free[:len(free) - 1 - n if n < len(free) else None:-1] if n else [], np.int64)
+        code = add_rows(slots, *flat, scalars, self._meta, self.active, self.token_ids, self.block_table,
+                        self.compressed, self._p, self._err)
+        if code:
+            self._raise_add(code, ids, flat, scalars)
+        del free[len(free) - n:]
+        for r, s in zip(ids, slots.tolist()):
+            self._slot[r], self._req[s] = s, r
+        return slots
+
+    def _raise_add(self, code: int, ids: list[Any], flat: list[np.ndarray], scalars: np.ndarray) -> None:
+        """The ``ValueError`` of an :func:`~cpmeta.state.state_njit.add_rows` code."""
+        _, i, v, lim = self._err.tolist()
+        names = ("token", "block", "compressed")
+        if code == E_COUNTS:
+            what = names[lim]
+            raise ValueError(f"{what}_counts: expected {len(ids)} counts >= 0 summing to "
+                             f"{len(flat[2 * lim])} {what}_ids")
+        r = ids[i]
+        if code == E_FULL:
+            raise ValueError(f"request {r!r}: all max_seqs={self.max_seqs} slots are in use")
+        if code == E_CAPACITY:
+            what, cap, name = (("tokens", self.max_tokens, "max_tokens"), ("block ids", self.max_blocks, "max_blocks"),
+                               ("compressed ids", self.max_compressed, "max_compressed"))[lim]
+            self._fits(r, what, v, cap, name)
+        if code == E_EMPTY:
+            raise ValueError(f"request {r!r}: expected a non-empty prompt")
+        if code == E_COMPUTED:
+            raise ValueError(f"request {r!r}: num_computed {v} outside [0, {lim}]")
+        if code == E_NEGATIVE_ID:
+            raise ValueError(f"request {r!r}: prompt_token_ids: expected ids >= 0, got {v} at index {lim}")
+        j = -1 - lim  # lim < 0: the call's earlier request j, in the slot it would have taken
+        other, slot = (self._req[lim], lim) if lim >= 0 else (ids[j], self._free[-1 - j])
+        raise ValueError(f"request {r!r}: state_id {v} is held by request {other!r} (slot {slot}); two live "
+                         "requests would write the same slot_mapping_store_swa slots")
 
     def _check_state_free(self, req_id: Hashable, state_id: int, slot: int) -> None:
         """With the sliding-window state cache, ``ValueError`` when a live request other than the

@@ -60,7 +60,8 @@ class StepTrace:
     prompt: 8 new requests of 4096 tokens per step, each prefilled in one chunk, finished the
     step after. mixed: 8 prefill lanes (prompts of 1-4 chunks of 1024), a finished prompt gets
     its first token and joins the 64 decoding requests, whose oldest one finishes. Tables grow
-    by ``append_blocks`` as sequences pass a block. ``next_step()`` -> the op list.
+    by ``append_blocks`` as sequences pass a block; a step's new requests are one
+    ``add_requests_batch``. ``next_step()`` -> the op list.
     """
 
     def __init__(self, cfg: cpmeta.MetadataConfig, workload: str, seed: int = 0) -> None:
@@ -84,14 +85,22 @@ class StepTrace:
         self.ops.append((name, args, kw))
         return getattr(self.state, name)(*args, **kw)
 
-    def _add(self, n: int, prefilled: bool) -> int:
-        home = self.homes.pop()
-        self.next_id += 1
-        toks = self.rng.integers(1, VOCAB, n)
-        blocks = home * self.per_req + np.arange(cpmeta.blocks_needed(n, self.cfg))
-        s = self._do("add_request", self.next_id, toks, blocks, home, num_computed=n if prefilled else 0)
-        self.home[s] = home
-        return s
+    def _add(self, sizes: list[int], prefilled: bool) -> list[int]:
+        """New requests with prompts of ``sizes`` tokens: ONE ``add_requests_batch`` op (an engine
+        adds a step's new requests together); their slots."""
+        if not sizes:
+            return []
+        homes = [self.homes.pop() for _ in sizes]
+        ids = list(range(self.next_id + 1, self.next_id + 1 + len(sizes)))
+        self.next_id += len(sizes)
+        nbs = [cpmeta.blocks_needed(n, self.cfg) for n in sizes]
+        blocks = np.concatenate([h * self.per_req + np.arange(nb) for h, nb in zip(homes, nbs)])
+        n = np.array(sizes, np.int64)
+        slots = self._do("add_requests_batch", ids, self.rng.integers(1, VOCAB, int(n.sum())), n, blocks,
+                         np.array(nbs, np.int64), np.array(homes, np.int64), num_computed=n if prefilled else None)
+        for s, h in zip(slots.tolist(), homes):
+            self.home[s] = h
+        return slots.tolist()
 
     def _finish(self, s: int) -> None:
         self._do("finish", s)
@@ -120,12 +129,10 @@ class StepTrace:
         for s in [s for s in self.dec if s in self.target and st.num_tokens[s] + 3 > self.target[s]]:
             self.dec.remove(s)  # decode-N: a finished request, replaced below
             self._finish(s)
-        while len(self.pre) < self.n_pre:
-            n = self.chunk * (1 if self.workload == "prompt" else int(rng.integers(1, 5)))
-            self.pre.append(self._add(n, False))
-        while len(self.dec) < self.n_dec:
-            n = int(rng.integers(128, 2049))
-            s = self._add(n, True)
+        self.pre += self._add([self.chunk * (1 if self.workload == "prompt" else int(rng.integers(1, 5)))
+                               for _ in range(self.n_pre - len(self.pre))], False)
+        sizes = [int(rng.integers(128, 2049)) for _ in range(self.n_dec - len(self.dec))]
+        for s, n in zip(self._add(sizes, True), sizes):
             self.target[s] = min(n + int(rng.integers(64, 1025)), self.cfg.max_model_len - 8)
             self.dec.append(s)
         if self.pre:

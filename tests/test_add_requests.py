@@ -1,0 +1,177 @@
+"""``BatchState.add_requests_batch``: a step's new requests in one compiled call.
+
+The oracle is ``add_request`` called once per request: on random batches (hypothesis) the batch
+call must leave every array, the request / slot maps and the free list exactly as the calls
+would, and return the slots they return; a failing check must raise the message the calls
+would raise for the first failing request and add none of the requests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cpmeta import BatchState, MetadataConfig
+from cpmeta.sequence import blocks_needed
+
+#: Engram history ids and the sliding-window state cache (state ids must differ)
+SEED = MetadataConfig(block_size=16, window_size=4, swa_block_size=6, dense_compress_ratios=(4,),
+                      sparse_compress_ratios=(4, 8), max_model_len=96, max_ngram_size=3, image_token_id=5)
+PAGED = MetadataConfig(block_size=16, window_size=0, dense_compress_ratios=(), sparse_compress_ratios=(),
+                       max_model_len=96)
+CFGS = {"seed": SEED, "paged": PAGED}
+ARRAYS = ("token_ids", "block_table", "compressed", "_meta", "active")
+
+
+def _state(cfg: MetadataConfig, live: list[int], gone: list[int]) -> BatchState:
+    """A state of 8 slots holding requests ``live`` after adding and finishing ``gone`` (so the
+    free list is not in its first order)."""
+    s = BatchState(cfg, max_seqs=8, max_tokens=48, max_blocks=4, max_compressed=6)
+    slots = {r: s.add_request(r, [1, 2, 3], [0], 100 + r) for r in live + gone}
+    for r in gone:
+        s.finish(slots[r])
+    return s
+
+
+def _same(a: BatchState, b: BatchState) -> None:
+    for name in ARRAYS:
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    assert a._slot == b._slot and a._req == b._req and a._free == b._free
+
+
+def _flat(reqs: list[dict[str, Any]]) -> tuple[Any, ...]:
+    cat = lambda k: np.array([x for r in reqs for x in r[k]], np.int64)  # noqa: E731
+    count = lambda k: np.array([len(r[k]) for r in reqs], np.int64)  # noqa: E731
+    return cat("toks"), count("toks"), cat("blocks"), count("blocks"), cat("comp"), count("comp")
+
+
+def _one_by_one(s: BatchState, ids: list[Any], reqs: list[dict[str, Any]]) -> list[int]:
+    return [s.add_request(r, q["toks"], q["blocks"], q["sid"], compressed_token_ids=q["comp"],
+                          swa_valid_start=q["vs"], num_computed=q["nc"]) for r, q in zip(ids, reqs)]
+
+
+def _batch(s: BatchState, ids: list[Any], reqs: list[dict[str, Any]]) -> np.ndarray:
+    toks, tc, blocks, bc, comp, cc = _flat(reqs)
+    return s.add_requests_batch(ids, toks, tc, blocks, bc, [q["sid"] for q in reqs], compressed_ids=comp,
+                                compressed_counts=cc, swa_valid_starts=[q["vs"] for q in reqs],
+                                num_computed=[q["nc"] for q in reqs])
+
+
+@st.composite
+def requests(draw: Any, cfg_name: str) -> list[dict[str, Any]]:
+    """0-6 requests that ``add_request`` accepts on a :func:`_state` (state ids 0-9: the live
+    ones hold 100+); block ids may lie outside ``[0, max_block_id]`` (kept as the table's first
+    bad id)."""
+    cfg = CFGS[cfg_name]
+    sids = draw(st.lists(st.integers(0, 9), max_size=6, unique=True))
+    out = []
+    for sid in sids:
+        n = draw(st.integers(1, 48))
+        out.append({
+            "toks": draw(st.lists(st.integers(0, 2**31 - 1), min_size=n, max_size=n)),
+            "blocks": draw(st.lists(st.integers(-1, cfg.max_block_id + 1), max_size=4)),
+            "comp": draw(st.lists(st.integers(0, 500), max_size=6 if cfg.max_ngram_size else 0)),
+            "sid": sid, "vs": draw(st.integers(0, 40)), "nc": draw(st.integers(0, n))})
+    return out
+
+
+@pytest.mark.parametrize("cfg_name", sorted(CFGS))
+@settings(max_examples=60)
+@given(data=st.data())
+def test_batch_add_equals_one_add_request_per_request(cfg_name: str, data: Any) -> None:
+    cfg = CFGS[cfg_name]
+    reqs = data.draw(requests(cfg_name))
+    live = data.draw(st.lists(st.integers(0, 3), max_size=2, unique=True))
+    gone = data.draw(st.lists(st.integers(4, 7), max_size=3, unique=True))
+    ids: list[Any] = [f"r{i}" for i in range(len(reqs))]
+    a, b = _state(cfg, live, gone), _state(cfg, live, gone)
+    want = _one_by_one(a, ids, reqs)
+    got = b.add_requests_batch(ids, *_flat(reqs)[:4], [q["sid"] for q in reqs], compressed_ids=_flat(reqs)[4],
+                               compressed_counts=_flat(reqs)[5], swa_valid_starts=[q["vs"] for q in reqs],
+                               num_computed=[q["nc"] for q in reqs])
+    assert got.dtype == np.int64 and got.tolist() == want
+    _same(a, b)
+    for s in want:  # what the in-place staging vouches for follows the tables' first bad id
+        q = reqs[want.index(s)]
+        if q["nc"] == len(q["toks"]):
+            one = np.array([s])
+            assert (a.vouch_decode(one) is None) == (b.vouch_decode(one) is None)
+
+
+def _req(toks: list[int], blocks: list[int], sid: int, *, comp: tuple = (), vs: int = 0, nc: int = 0) -> dict:
+    return {"toks": toks, "blocks": blocks, "comp": list(comp), "sid": sid, "vs": vs, "nc": nc}
+
+
+GOOD = _req([1, 2], [0], 7)
+BAD = [  # (requests, the message add_request raises for the first failing one)
+    ([GOOD, _req([1] * 49, [0], 8)], r"request 'r1': 49 tokens exceed max_tokens=48"),
+    ([GOOD, _req([1], [0] * 5, 8)], r"request 'r1': 5 block ids exceed max_blocks=4"),
+    ([_req([1], [0], 8, comp=(1,) * 7), GOOD], r"request 'r0': 7 compressed ids exceed max_compressed=6"),
+    ([GOOD, _req([], [0], 8)], r"request 'r1': expected a non-empty prompt"),
+    ([GOOD, _req([1, 2], [0], 8, nc=3)], r"request 'r1': num_computed 3 outside \[0, 2\]"),
+    ([GOOD, _req([1, 2], [0], 8, nc=-1)], r"request 'r1': num_computed -1 outside \[0, 2\]"),
+    ([GOOD, _req([4, -5], [0], 8)], r"request 'r1': prompt_token_ids: expected ids >= 0, got -5 at index 1"),
+    ([GOOD, _req([1], [0], 100)], r"request 'r1': state_id 100 is held by request 0 \(slot 0\)"),
+    ([GOOD, _req([1], [0], 7)], r"request 'r1': state_id 7 is held by request 'r0' \(slot 1\)"),
+    ([GOOD] * 8, r"request 'r7': all max_seqs=8 slots are in use"),
+]
+
+
+@pytest.mark.parametrize("case", range(len(BAD)))
+def test_a_refused_batch_names_what_add_request_names_and_adds_none(case: int) -> None:
+    reqs, msg = BAD[case]
+    reqs = [dict(q, sid=q["sid"] + 20 * i if i and q is GOOD else q["sid"]) for i, q in enumerate(reqs)]
+    ids: list[Any] = [f"r{i}" for i in range(len(reqs))]
+    a, b = _state(SEED, [0], []), _state(SEED, [0], [])
+    with pytest.raises(ValueError, match=msg):
+        _one_by_one(a, ids, reqs)
+    before = _state(SEED, [0], [])
+    with pytest.raises(ValueError, match=msg):
+        _batch(b, ids, reqs)
+    _same(before, b)  # nothing added, not even the requests before the failing one
+
+
+def test_ids_counts_and_values_are_checked_before_any_request() -> None:
+    s = _state(PAGED, [0], [])
+    before = _state(PAGED, [0], [])
+    cases = [
+        (([0], [1], [1], [0], [1], [3]), ValueError, r"request 0: already in the batch state \(slot 0\)"),
+        ((["a", "b", "a"], [1, 2, 3], [1, 1, 1], [0, 0, 0], [1, 1, 1], [1, 2, 3]), ValueError,
+         r"request 'a': given twice in one add_requests_batch call \(positions 0 and 2\)"),
+        ((["a"], [1, 2], [1], [0], [1], [1]), ValueError, r"token_counts: expected 1 counts >= 0 summing to 2 token_ids"),
+        ((["a"], [1], [1], [0], [2], [1]), ValueError, r"block_counts: expected 1 counts >= 0 summing to 1 block_ids"),
+        ((["a"], [1], [1, 0], [0], [1], [1]), ValueError, r"token_counts: expected 1 counts"),
+        ((["a"], [1.0], [1], [0], [1], [1]), TypeError, r"token_ids: expected ints, got float64 values"),
+        ((["a"], [1], [1], [0], [1], [1, 2]), ValueError, r"state_ids: expected 1 values \(one per request\), got 2"),
+        (([["a"]], [1], [1], [0], [1], [1]), TypeError, r"unhashable"),
+    ]
+    for args, err, msg in cases:
+        with pytest.raises(err, match=msg):
+            s.add_requests_batch(*args)
+        _same(before, s)
+    with pytest.raises(ValueError, match=r"compressed_counts: expected 1 counts >= 0 summing to 1 compressed_ids"):
+        s.add_requests_batch(["a"], [1], [1], [0], [1], [1], compressed_ids=[5])
+    assert s.add_requests_batch([], [], [], [], [], []).tolist() == []
+    _same(before, s)
+
+
+def test_a_batch_of_the_workload_sizes_matches_and_compiles_once() -> None:
+    """Eight 4096-token prompts (the bench's prompt step) with int32 inputs; one specialization."""
+    from cpmeta.state.state_njit import add_rows
+
+    cfg = MetadataConfig(block_size=16, window_size=0, dense_compress_ratios=(), sparse_compress_ratios=(),
+                         max_model_len=8192)
+    a, b = BatchState(cfg, 16), BatchState(cfg, 16)
+    rng = np.random.default_rng(3)
+    toks = rng.integers(0, 32000, 8 * 4096).astype(np.int32)
+    nb = blocks_needed(4096, cfg)
+    blocks = np.arange(8 * nb, dtype=np.int32)
+    want = [a.add_request(i, toks[i * 4096:(i + 1) * 4096], blocks[i * nb:(i + 1) * nb], i) for i in range(8)]
+    got = b.add_requests_batch(range(8), toks, np.full(8, 4096, np.int32), blocks, np.full(8, nb), np.arange(8))
+    assert got.tolist() == want
+    _same(a, b)
+    assert len(add_rows.signatures) == 1, add_rows.signatures
