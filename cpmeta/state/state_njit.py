@@ -164,6 +164,18 @@ def _copy(dst: np.ndarray, src: np.ndarray) -> None:
 
 
 @kernel
+def _copy_ids(dst: np.ndarray, src: np.ndarray) -> bool:
+    """:func:`_copy` of token ids; True when one lies outside ``[0, 2**31 - 1]`` (the
+    windows' int32 bound, one test per id without a branch)."""
+    bad = False
+    for j in range(src.shape[0]):
+        v = src[j]
+        dst[j] = v
+        bad |= (v < 0) | (v > INT32_MAX)
+    return bad
+
+
+@kernel
 def add_rows(slots: np.ndarray, toks: np.ndarray, tok_cnt: np.ndarray, blocks: np.ndarray, blk_cnt: np.ndarray,
              comp: np.ndarray, comp_cnt: np.ndarray, scalars: np.ndarray, meta: np.ndarray, active: np.ndarray,
              token_ids: np.ndarray, block_table: np.ndarray, compressed: np.ndarray, p: np.ndarray,
@@ -372,24 +384,20 @@ def gather_step(is_prompt: bool, slots: np.ndarray, q: np.ndarray, k_all: int, d
         lo = qs - lb if qs > lb else 0
         buf[i], buf[o_sk + i] = sq, sk
         buf[o_st + i], buf[o_svs + i], buf[o_nt + i] = meta[M_STATE, s], meta[M_VALID_START, s], nt
-        for pos in range(lo, last):
-            v = token_ids[s, pos]
-            if v < 0 or v > INT32_MAX:
-                ok = False
-            buf[o_t + t] = v
-            t += 1
-        for j in range(sk - last):
-            buf[o_t + t] = drafts[f]
-            t += 1
-            f += 1
-        for j in range(meta[M_BLOCKS, s]):
-            buf[o_b + b] = block_table[s, j]
-            b += 1
+        if _copy_ids(buf[o_t + t:o_t + t + last - lo], token_ids[s, lo:last]):
+            ok = False
+        t += last - lo
+        _copy(buf[o_t + t:o_t + t + sk - last], drafts[f:f + sk - last])
+        t += sk - last
+        f += sk - last
+        nb = meta[M_BLOCKS, s]
+        _copy(buf[o_b + b:o_b + b + nb], block_table[s, :nb])
+        b += nb
         ce = meta[M_COMPRESSED, s]
         ce = ce if ce < sk else sk
-        for pos in range(lo, ce):
-            buf[o_c + c] = compressed[s, pos]
-            c += 1
+        if ce > lo:
+            _copy(buf[o_c + c:o_c + c + ce - lo], compressed[s, lo:ce])
+            c += ce - lo
         buf[o_bto + i + 1], buf[o_to + i + 1], buf[o_co + i + 1] = b, t, c
         if is_prompt and advance:
             meta[M_COMPUTED, s] = sk
