@@ -161,7 +161,7 @@ def test_ids_counts_and_values_are_checked_before_any_request() -> None:
 
 def test_a_batch_of_the_workload_sizes_matches_and_compiles_once() -> None:
     """Eight 4096-token prompts (the bench's prompt step) with int32 inputs; one specialization."""
-    from cpmeta.state.state_njit import add_rows
+    from cpmeta.state.requests_njit import add_rows
 
     cfg = MetadataConfig(block_size=16, window_size=0, dense_compress_ratios=(), sparse_compress_ratios=(),
                          max_model_len=8192)

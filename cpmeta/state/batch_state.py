@@ -11,18 +11,17 @@ named ``ValueError``.
 
 from __future__ import annotations
 
-from typing import Any, Hashable, NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 
 from .batch import SequenceBatch, Vouch
 from .checks import as_int_array, bad_id, check_int_arg, ids_in_int32
+from .requests import RequestBook
 from .state_njit import (
-    E_CAPACITY, E_CHUNK, E_CHUNK_PASSES, E_COMPUTED, E_COUNTS, E_DRAFT_ID, E_EMPTY, E_FULL, E_NEGATIVE_ID,
-    E_NUM_DRAFTS, E_PREFILL, E_REPEAT, E_SLOT, K_BLOCKS, K_COMPRESSED, K_TOKENS, NO_BAD, add_rows, append_rows,
-    gather_step, vouch_step,
+    E_CHUNK, E_CHUNK_PASSES, E_DRAFT_ID, E_NEGATIVE_ID, E_NUM_DRAFTS, E_PREFILL, E_REPEAT, E_SLOT, K_BLOCKS,
+    K_COMPRESSED, K_TOKENS, append_rows, gather_step, vouch_step,
 )
-from .store import StateStore
 
 __all__ = ["BatchState", "VouchedStep"]
 
@@ -63,7 +62,7 @@ class VouchedStep(NamedTuple):
     uniform: bool
 
 
-class BatchState(StateStore):
+class BatchState(RequestBook):
     """Requests of a running engine as preallocated arrays; each step's ``SequenceBatch`` from them.
 
     Capacity: ``max_seqs`` request slots (a finished request's slot is reused), per request
@@ -92,150 +91,6 @@ class BatchState(StateStore):
     Slots are small ints (``add_request``'s return value, ``slot_of(req_id)``); the batch methods
     take arrays of them so a step needs no per-request Python.
     """
-
-    # ---- requests ---------------------------------------------------------------------------
-    def add_request(self, req_id: Hashable, prompt_token_ids: Sequence[int] | np.ndarray,
-                    block_table: Sequence[int] | np.ndarray, state_id: int, *,
-                    compressed_token_ids: Sequence[int] | np.ndarray = (), swa_valid_start: int = 0,
-                    num_computed: int = 0) -> int:
-        """Add a request (once); returns its slot. ``num_computed``: prompt tokens already in the
-        KV cache (e.g. a prefix-cache hit). Ints may be numpy integers (never bools); token ids
-        must be ``>= 0``; with the sliding-window state cache (``cfg.has_swa``) no other live
-        request may hold ``state_id`` (both would write the same ``slot_mapping_store_swa``
-        slots; without the cache state ids are read by no field and may repeat). Nothing
-        changes when a check fails or a limit is exceeded."""
-        if req_id in self._slot:
-            raise ValueError(f"request {req_id!r}: already in the batch state (slot {self._slot[req_id]})")
-        if not self._free:
-            raise ValueError(f"request {req_id!r}: all max_seqs={self.max_seqs} slots are in use")
-        check_int_arg("state_id", state_id, req_id)
-        check_int_arg("swa_valid_start", swa_valid_start, req_id)
-        check_int_arg("num_computed", num_computed, req_id)
-        toks = as_int_array("prompt_token_ids", prompt_token_ids, req_id)
-        bt = as_int_array("block_table", block_table, req_id)
-        comp = as_int_array("compressed_token_ids", compressed_token_ids, req_id)
-        self._fits(req_id, "tokens", len(toks), self.max_tokens, "max_tokens")
-        self._fits(req_id, "block ids", len(bt), self.max_blocks, "max_blocks")
-        self._fits(req_id, "compressed ids", len(comp), self.max_compressed, "max_compressed")
-        if len(toks) == 0:
-            raise ValueError(f"request {req_id!r}: expected a non-empty prompt")
-        if not 0 <= num_computed <= len(toks):
-            raise ValueError(f"request {req_id!r}: num_computed {num_computed} outside [0, {len(toks)}]")
-        if not ids_in_int32(toks):
-            bad_id("prompt_token_ids", toks, req_id)
-        self._check_state_free(req_id, state_id, -1)
-        s = self._free.pop()
-        self._slot[req_id], self._req[s], self.active[s] = s, req_id, True
-        self.token_ids[s, :len(toks)] = toks
-        self.num_tokens[s] = self.prompt_len[s] = len(toks)
-        self.num_computed[s] = num_computed
-        self.block_table[s, :len(bt)] = bt
-        self.num_blocks[s] = len(bt)
-        bad = np.flatnonzero((bt < 0) | (bt > self.cfg.max_block_id))
-        self._first_bad[s] = bad[0] if len(bad) else NO_BAD
-        self.compressed[s, :len(comp)] = comp
-        self.num_compressed[s] = len(comp)
-        self.state_id[s], self.swa_valid_start[s] = state_id, swa_valid_start
-        return s
-
-    def add_requests_batch(self, req_ids: Sequence[Hashable], token_ids: np.ndarray, token_counts: np.ndarray,
-                           block_ids: np.ndarray, block_counts: np.ndarray, state_ids: np.ndarray, *,
-                           compressed_ids: Optional[np.ndarray] = None,
-                           compressed_counts: Optional[np.ndarray] = None,
-                           swa_valid_starts: Optional[np.ndarray] = None,
-                           num_computed: Optional[np.ndarray] = None) -> np.ndarray:
-        """``add_request`` for each of ``req_ids`` in ONE compiled call; returns their slots
-        (int64, the slots those calls would have returned, in order). Request ``i``'s prompt is
-        the next ``token_counts[i]`` ids of the flat ``token_ids``, its table the next
-        ``block_counts[i]`` of ``block_ids`` (Engram ids likewise, default none); ``state_ids``,
-        ``swa_valid_starts`` and ``num_computed`` (default 0) one value per request.
-
-        The same checks and messages as ``add_request``, request by request in order (ids
-        already in the state or given twice are checked first); a failing check adds NONE of
-        the requests. Example: ``st.add_requests_batch(["a", "b"], [5, 6, 7], [2, 1], [3, 9],
-        [1, 1], [0, 1])`` -> slots ``[0, 1]``: "a" holds prompt ``[5, 6]`` and table ``[3]``."""
-        ids = list(req_ids)
-        n = len(ids)
-        taken: dict[Hashable, int] = {}
-        for i, r in enumerate(ids):
-            if r in self._slot:
-                raise ValueError(f"request {r!r}: already in the batch state (slot {self._slot[r]})")
-            if taken.setdefault(r, i) != i:
-                raise ValueError(f"request {r!r}: given twice in one add_requests_batch call (positions "
-                                 f"{taken[r]} and {i})")
-        flat = [as_int_array(name, v) for name, v in (
-            ("token_ids", token_ids), ("token_counts", token_counts), ("block_ids", block_ids),
-            ("block_counts", block_counts), ("compressed_ids", _EMPTY if compressed_ids is None else compressed_ids),
-            ("compressed_counts", np.zeros(n, np.int64) if compressed_counts is None else compressed_counts))]
-        scalars = np.zeros((3, n), np.int64)
-        for row, name, v in ((0, "state_ids", state_ids), (1, "swa_valid_starts", swa_valid_starts),
-                             (2, "num_computed", num_computed)):
-            if v is not None:
-                a = as_int_array(name, v)
-                if len(a) != n:
-                    raise ValueError(f"{name}: expected {n} values (one per request), got {len(a)}")
-                scalars[row] = a
-        free = self._free
-        slots = np.array(free[:len(free) - 1 - n if n < len(free) else None:-1] if n else [], np.int64)
-        code = add_rows(slots, *flat, scalars, self._meta, self.active, self.token_ids, self.block_table,
-                        self.compressed, self._p, self._err)
-        if code:
-            self._raise_add(code, ids, flat, scalars)
-        del free[len(free) - n:]
-        for r, s in zip(ids, slots.tolist()):
-            self._slot[r], self._req[s] = s, r
-        return slots
-
-    def _raise_add(self, code: int, ids: list[Any], flat: list[np.ndarray], scalars: np.ndarray) -> None:
-        """The ``ValueError`` of an :func:`~cpmeta.state.state_njit.add_rows` code."""
-        _, i, v, lim = self._err.tolist()
-        names = ("token", "block", "compressed")
-        if code == E_COUNTS:
-            what = names[lim]
-            raise ValueError(f"{what}_counts: expected {len(ids)} counts >= 0 summing to "
-                             f"{len(flat[2 * lim])} {what}_ids")
-        r = ids[i]
-        if code == E_FULL:
-            raise ValueError(f"request {r!r}: all max_seqs={self.max_seqs} slots are in use")
-        if code == E_CAPACITY:
-            what, cap, name = (("tokens", self.max_tokens, "max_tokens"), ("block ids", self.max_blocks, "max_blocks"),
-                               ("compressed ids", self.max_compressed, "max_compressed"))[lim]
-            self._fits(r, what, v, cap, name)
-        if code == E_EMPTY:
-            raise ValueError(f"request {r!r}: expected a non-empty prompt")
-        if code == E_COMPUTED:
-            raise ValueError(f"request {r!r}: num_computed {v} outside [0, {lim}]")
-        if code == E_NEGATIVE_ID:
-            raise ValueError(f"request {r!r}: prompt_token_ids: expected ids >= 0, got {v} at index {lim}")
-        j = -1 - lim  # lim < 0: the call's earlier request j, in the slot it would have taken
-        other, slot = (self._req[lim], lim) if lim >= 0 else (ids[j], self._free[-1 - j])
-        raise ValueError(f"request {r!r}: state_id {v} is held by request {other!r} (slot {slot}); two live "
-                         "requests would write the same slot_mapping_store_swa slots")
-
-    def _check_state_free(self, req_id: Hashable, state_id: int, slot: int) -> None:
-        """With the sliding-window state cache, ``ValueError`` when a live request other than the
-        one in ``slot`` holds ``state_id`` (move it to a free id first to swap two)."""
-        if not self.cfg.has_swa:
-            return
-        other = self.state_holder(state_id, slot)
-        if other is not None:
-            raise ValueError(
-                f"request {req_id!r}: state_id {state_id} is held by request {self._req[other]!r} (slot "
-                f"{other}); two live requests would write the same slot_mapping_store_swa slots")
-
-    def free_slots(self) -> list[int]:
-        """The free slots in the order ``add_request`` hands them out, LAST first (a copy):
-        ``add_request`` takes ``free_slots()[-1]``, ``finish`` puts its slot at the end.
-        Example: a new state of 3 -> ``[2, 1, 0]``; after one add and ``finish(0)`` -> ``[2, 1, 0]``."""
-        return list(self._free)
-
-    def finish(self, slot: int) -> None:
-        """Remove the request in ``slot``; the slot is reused by a later ``add_request``."""
-        req = self._live(slot)
-        del self._slot[req]
-        self._req[slot], self.active[slot] = None, False
-        self.num_tokens[slot] = self.num_blocks[slot] = self.num_compressed[slot] = 0
-        self._free.append(slot)
 
     # ---- per-step deltas: one append_rows call each -----------------------------------------
     def append_tokens(self, slot: int, tokens: Sequence[int]) -> None:

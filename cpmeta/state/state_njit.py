@@ -5,8 +5,6 @@ One kernel call per operation, over the state's preallocated arrays (DESIGN sect
 - :func:`append_rows` -- ``append_tokens(_batch)``, ``append_blocks(_batch)``,
   ``append_compressed(_batch)``: the ragged append of ``counts[i]`` values to row ``slots[i]``,
   every check before any write;
-- :func:`add_rows` -- ``add_requests_batch``: many requests' prompts, tables and scalars into
-  free slots, every request's checks (in ``add_request``'s order) before any write;
 - :func:`gather_step` -- ``prompt_batch`` / ``decode_batch``: the step's checks, then ONE
   buffer holding every int64 array of the ``SequenceBatch`` (two passes: count, then fill);
 - :func:`vouch_step` -- ``vouch_decode``: whether the in-place GPU staging may lay out a decode
@@ -24,14 +22,13 @@ import numpy as np
 
 from ..config import MetadataConfig, blocks_needed
 from ..constants import INT32_MAX
-from ..base_njit import blocks_needed_one, fail as _fail
+from ..base_njit import blocks_needed_one, copy_from0, copy_ids, fail as _fail
 from ..jit import OK, kernel, warmer
 
-__all__ = ["append_rows", "add_rows", "gather_step", "vouch_step", "state_params", "K_TOKENS", "K_BLOCKS",
+__all__ = ["append_rows", "gather_step", "vouch_step", "state_params", "K_TOKENS", "K_BLOCKS",
            "K_COMPRESSED", "M_TOKENS", "M_COMPUTED", "M_PROMPT", "M_BLOCKS", "M_COMPRESSED", "M_STATE",
            "M_VALID_START", "M_FIRST_BAD", "NO_BAD", "N_META", "E_SLOT", "E_REPEAT", "E_COUNTS", "E_CAPACITY", "E_NEGATIVE_ID",
-           "E_CHUNK", "E_CHUNK_PASSES", "E_NUM_DRAFTS", "E_DRAFT_ID", "E_PREFILL", "E_FULL", "E_EMPTY",
-           "E_COMPUTED", "E_STATE_HELD"]
+           "E_CHUNK", "E_CHUNK_PASSES", "E_NUM_DRAFTS", "E_DRAFT_ID", "E_PREFILL"]
 
 # rows of ``meta`` ([N_META, max_seqs] int64): the per-slot counts, and M_FIRST_BAD: the index of
 # the slot's first block id outside [0, max_block_id] (NO_BAD: none), kept by every table write
@@ -54,12 +51,6 @@ E_CHUNK_PASSES = 7  #: ``slots[err[1]]``'s chunk of ``err[2]`` tokens from ``err
 E_NUM_DRAFTS = 8  #: num_drafts: wrong length, a negative count, or a sum other than the drafts'
 E_DRAFT_ID = 9  #: a draft id ``err[2]`` outside int32 of ``slots[err[1]]``, at index ``err[3]``
 E_PREFILL = 10  #: ``slots[err[1]]`` has not prefilled its prompt yet
-# add_rows: err[1] is the request's position in the call
-E_FULL = 11  #: no free slot is left for request ``err[1]``
-E_EMPTY = 12  #: request ``err[1]``'s prompt is empty
-E_COMPUTED = 13  #: request ``err[1]``'s num_computed ``err[2]`` is outside ``[0, err[3]]`` (its prompt)
-E_STATE_HELD = 14  #: request ``err[1]``'s state id ``err[2]`` is held by slot ``err[3]`` (live, or
-#: ``-1 - j`` for the call's earlier request ``j``)
 
 
 def state_params(cfg: MetadataConfig, lookback: int) -> np.ndarray:
@@ -152,107 +143,6 @@ def append_rows(kind: int, slots: np.ndarray, values: np.ndarray, counts: np.nda
                     break
         have[s] = h + c
         f += c
-    return OK
-
-
-@kernel
-def _copy(dst: np.ndarray, src: np.ndarray) -> None:
-    """``dst[:len(src)] = src`` as a loop from index 0 (it vectorizes; the slice assignment
-    checks for overlap and indices offset by a variable keep their negative-index test)."""
-    for j in range(src.shape[0]):
-        dst[j] = src[j]
-
-
-@kernel
-def _copy_ids(dst: np.ndarray, src: np.ndarray) -> bool:
-    """:func:`_copy` of token ids; True when one lies outside ``[0, 2**31 - 1]`` (the
-    windows' int32 bound, one test per id without a branch)."""
-    bad = False
-    for j in range(src.shape[0]):
-        v = src[j]
-        dst[j] = v
-        bad |= (v < 0) | (v > INT32_MAX)
-    return bad
-
-
-@kernel
-def add_rows(slots: np.ndarray, toks: np.ndarray, tok_cnt: np.ndarray, blocks: np.ndarray, blk_cnt: np.ndarray,
-             comp: np.ndarray, comp_cnt: np.ndarray, scalars: np.ndarray, meta: np.ndarray, active: np.ndarray,
-             token_ids: np.ndarray, block_table: np.ndarray, compressed: np.ndarray, p: np.ndarray,
-             err: np.ndarray) -> int:
-    """Add ``n = scalars.shape[1]`` requests: request ``i`` takes ``slots[i]`` (the free slots in
-    hand-out order; fewer than ``n``: :data:`E_FULL`) with prompt ``toks`` [its ``tok_cnt[i]``
-    ids], table ``blocks`` [``blk_cnt[i]``], Engram ids ``comp`` [``comp_cnt[i]``] and
-    ``scalars[:, i] = (state_id, swa_valid_start, num_computed)``.
-
-    Checks first, nothing written when one fails; the counts (:data:`E_COUNTS`, ``err[3]``:
-    0 tokens, 1 blocks, 2 Engram ids), then request by request in ``add_request``'s order: a free
-    slot, capacities (:data:`E_CAPACITY`, ``err[2]`` the count, ``err[3]`` the array as above),
-    a non-empty prompt, ``0 <= num_computed <= prompt length``, prompt ids >= 0
-    (:data:`E_NEGATIVE_ID`), and with the state cache (``p[P_SWA]``) a state id no live request
-    and no earlier request of the call holds. Example: slots ``[5, 4]``, tok_cnt ``[2, 1]``, toks
-    ``[7, 8, 9]`` -> slot 5 holds tokens ``[7, 8]``, slot 4 ``[9]``.
-    """
-    n = scalars.shape[1]
-    for which, cnt, flat in ((0, tok_cnt, toks.shape[0]), (1, blk_cnt, blocks.shape[0]), (2, comp_cnt, comp.shape[0])):
-        if cnt.shape[0] != n:
-            return _fail(err, E_COUNTS, -1, cnt.shape[0], which)
-        tot = 0
-        for i in range(n):
-            if cnt[i] < 0:
-                return _fail(err, E_COUNTS, i, cnt[i], which)
-            tot += cnt[i]
-        if tot != flat:
-            return _fail(err, E_COUNTS, -1, tot, which)
-    caps = (token_ids.shape[1], block_table.shape[1], compressed.shape[1])
-    t = 0
-    for i in range(n):
-        if i >= slots.shape[0]:
-            return _fail(err, E_FULL, i, 0, 0)
-        for which, cnt in ((0, tok_cnt), (1, blk_cnt), (2, comp_cnt)):
-            if cnt[i] > caps[which]:
-                return _fail(err, E_CAPACITY, i, cnt[i], which)
-        nt, nc = tok_cnt[i], scalars[2, i]
-        if nt == 0:
-            return _fail(err, E_EMPTY, i, 0, 0)
-        if nc < 0 or nc > nt:
-            return _fail(err, E_COMPUTED, i, nc, nt)
-        src = toks[t:t + nt]
-        lo = 0
-        for j in range(nt):  # no exit inside, indices from 0: the loop vectorizes (1000s of ids)
-            lo = min(lo, src[j])
-        if lo < 0:
-            for j in range(nt):
-                if src[j] < 0:
-                    return _fail(err, E_NEGATIVE_ID, i, src[j], j)
-        t += nt
-        if p[P_SWA]:
-            sid = scalars[0, i]
-            for s in range(active.shape[0]):
-                if active[s] and meta[M_STATE, s] == sid:
-                    return _fail(err, E_STATE_HELD, i, sid, s)
-            for j in range(i):
-                if scalars[0, j] == sid:
-                    return _fail(err, E_STATE_HELD, i, sid, -1 - j)
-    t = b = c = 0
-    max_id = p[P_MAX_BLOCK_ID]
-    for i in range(n):
-        s = slots[i]
-        nt, nb, ncmp = tok_cnt[i], blk_cnt[i], comp_cnt[i]
-        _copy(token_ids[s], toks[t:t + nt])
-        _copy(block_table[s], blocks[b:b + nb])
-        _copy(compressed[s], comp[c:c + ncmp])
-        bad = NO_BAD
-        for j in range(nb):
-            if blocks[b + j] < 0 or blocks[b + j] > max_id:
-                bad = j
-                break
-        meta[M_TOKENS, s] = meta[M_PROMPT, s] = nt
-        meta[M_COMPUTED, s] = scalars[2, i]
-        meta[M_BLOCKS, s], meta[M_COMPRESSED, s], meta[M_FIRST_BAD, s] = nb, ncmp, bad
-        meta[M_STATE, s], meta[M_VALID_START, s] = scalars[0, i], scalars[1, i]
-        active[s] = True
-        t, b, c = t + nt, b + nb, c + ncmp
     return OK
 
 
@@ -384,19 +274,19 @@ def gather_step(is_prompt: bool, slots: np.ndarray, q: np.ndarray, k_all: int, d
         lo = qs - lb if qs > lb else 0
         buf[i], buf[o_sk + i] = sq, sk
         buf[o_st + i], buf[o_svs + i], buf[o_nt + i] = meta[M_STATE, s], meta[M_VALID_START, s], nt
-        if _copy_ids(buf[o_t + t:o_t + t + last - lo], token_ids[s, lo:last]):
+        if copy_ids(buf[o_t + t:o_t + t + last - lo], token_ids[s, lo:last]):
             ok = False
         t += last - lo
-        _copy(buf[o_t + t:o_t + t + sk - last], drafts[f:f + sk - last])
+        copy_from0(buf[o_t + t:o_t + t + sk - last], drafts[f:f + sk - last])
         t += sk - last
         f += sk - last
         nb = meta[M_BLOCKS, s]
-        _copy(buf[o_b + b:o_b + b + nb], block_table[s, :nb])
+        copy_from0(buf[o_b + b:o_b + b + nb], block_table[s, :nb])
         b += nb
         ce = meta[M_COMPRESSED, s]
         ce = ce if ce < sk else sk
         if ce > lo:
-            _copy(buf[o_c + c:o_c + c + ce - lo], compressed[s, lo:ce])
+            copy_from0(buf[o_c + c:o_c + c + ce - lo], compressed[s, lo:ce])
             c += ce - lo
         buf[o_bto + i + 1], buf[o_to + i + 1], buf[o_co + i + 1] = b, t, c
         if is_prompt and advance:
@@ -463,9 +353,6 @@ def _warm() -> None:
     for kind, rows, have in ((K_TOKENS, tok, meta[M_TOKENS]), (K_BLOCKS, bt, meta[M_BLOCKS])):
         append_rows(kind, np.arange(2, dtype=np.int64), np.array([3, 4], np.int64), one, rows, have, active,
                     mark, meta[M_FIRST_BAD], p, err)
-    scalars = np.zeros((3, 1), np.int64)
-    add_rows(np.zeros(0, np.int64), np.ones(1, np.int64), one[:1], one[:1], one[:1], np.zeros(0, np.int64),
-             np.zeros(1, np.int64), scalars, meta, active, tok, bt, comp, p, err)  # refused: no free slot
     meta[M_PROMPT] = meta[M_COMPUTED] = 1
     gather_step(False, np.arange(2, dtype=np.int64), one, -1, np.array([5, 6], np.int64), 1, False, meta,
                 active, tok, bt, comp, p, mark, err)
