@@ -175,3 +175,42 @@ def test_a_batch_of_the_workload_sizes_matches_and_compiles_once() -> None:
     assert got.tolist() == want
     _same(a, b)
     assert len(add_rows.signatures) == 1, add_rows.signatures
+
+
+def _replicated_rank(rank: int, world: int, defer: bool) -> list[Any]:
+    """The driver adds a step's requests in one call (after two refused calls); every rank's
+    replica holds them in the driver's slots."""
+    import cpmeta
+
+    out: list[Any] = []
+    with cpmeta.ReplicatedBatchState(SEED, 4, max_tokens=48, max_blocks=4, max_compressed=6, timeout=60,
+                                     defer_apply=defer) as rep:
+        if rank == 0:
+            for bad in ((["a"], [1, 2], [1], [0], [1], [3]), (["a", "b", "c", "d", "e"], [1] * 5, [1] * 5,
+                                                               [0] * 5, [1] * 5, range(5))):
+                try:
+                    rep.add_requests_batch(*bad)
+                except ValueError as e:
+                    out.append(str(e))
+            got = rep.add_requests_batch(["a", 7], [5, 6, 7], [2, 1], [3, 9], [1, 1], [0, 1],
+                                         compressed_ids=[4], compressed_counts=[0, 1], num_computed=[2, 0])
+            out.append(got.tolist())
+            rep.prompt_batch(got[1:], np.array([1]))
+        batch = rep.sync()
+        st = rep.state
+        out.append([st.slot_of("a"), st.slot_of(7), st.token_ids[st.slot_of("a"), :2].tolist(),
+                    st.compressed[st.slot_of(7), :1].tolist(), int(st.num_computed[st.slot_of("a")]),
+                    batch.seqlen_q.tolist()])
+    return out
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["apply", "defer_apply"])
+def test_replicated_driver_adds_in_one_call(defer: bool) -> None:
+    from multiproc import run_ranks
+
+    out = run_ranks(_replicated_rank, 2, defer, timeout=120)
+    assert out[0][:2] == ["token_counts: expected 1 counts >= 0 summing to 2 token_ids",
+                          "request 'e': all max_seqs=4 slots are in use"], out[0]
+    assert out[0][2] == [0, 1]
+    want = [0, 1, [5, 6], [4], 2, [1]]
+    assert out[0][3] == want and out[1][0] == want, out

@@ -164,8 +164,16 @@ class OpLog:
         tokens, blocks, comp = flat_ints(tokens), flat_ints(blocks), flat_ints(comp)
         meta = np.array((slot, state_id, swa_valid_start, num_computed, len(tokens), len(blocks), len(comp)),
                         np.int64)
-        self._call(log_add, self._seen, self._st, ADD, meta, tokens, blocks, comp)
+        self._call(log_add, self._seen, self._st, ADD, meta[:1], meta, tokens, blocks, comp)
         self.req_ids.append(req_id)
+
+    def add_many(self, slots: np.ndarray, req_ids: list[Hashable], scalars: np.ndarray, counts: np.ndarray,
+                 tokens: np.ndarray, blocks: np.ndarray, comp: np.ndarray) -> None:
+        """:meth:`add` of ``len(slots)`` requests in one call: ``scalars`` [3, n] (state id, valid
+        start, num computed), ``counts`` [3, n] (#tokens, #blocks, #compressed), the ids flat."""
+        meta = np.vstack((slots, scalars, counts)).T.copy().reshape(-1)
+        self._call(log_add, self._seen, self._st, ADD, slots, meta, tokens, blocks, comp)
+        self.req_ids += req_ids
 
     def ragged(self, code: int, slots: Any, counts: Any, flat: np.ndarray) -> None:
         """TOK / BLK / CMP entries: ``counts[i]`` values of ``flat`` for ``slots[i]`` (arrays,

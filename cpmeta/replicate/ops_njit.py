@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..base_njit import copy_from0
 from ..jit import OK, kernel
 
 __all__ = ["log_ragged", "log_add", "log_pair", "log_spec", "log_extend", "pack_region", "unpack_region",
@@ -48,8 +49,7 @@ def _lack(cap: np.ndarray, n: np.ndarray, need: tuple) -> int:
 @kernel
 def _put(flat: np.ndarray, off: np.ndarray, n: np.ndarray, c: int, values: np.ndarray) -> None:
     at = off[c] + n[c]
-    for i in range(len(values)):
-        flat[at + i] = values[i]
+    copy_from0(flat[at:at + len(values)], values)  # indexed from 0: it vectorizes
     n[c] += len(values)
 
 
@@ -103,12 +103,14 @@ def log_ragged(flat: np.ndarray, off: np.ndarray, cap: np.ndarray, n: np.ndarray
 
 @kernel
 def log_add(flat: np.ndarray, off: np.ndarray, cap: np.ndarray, n: np.ndarray, seen: np.ndarray, st: np.ndarray,
-            code: int, meta: np.ndarray, tokens: np.ndarray, blocks: np.ndarray, comp: np.ndarray) -> int:
-    """``ADD``: ``meta`` = (slot, state id, valid start, num computed, #tokens, #blocks, #compressed)."""
-    lack = _lack(cap, n, ((RUNS, 2), (ADD_META, 7), (ADD_TOKENS, len(tokens)), (ADD_TOKENS + 1, len(blocks)),
+            code: int, slots: np.ndarray, meta: np.ndarray, tokens: np.ndarray, blocks: np.ndarray,
+            comp: np.ndarray) -> int:
+    """``ADD``: ``len(slots)`` requests, ``meta`` their rows (slot, state id, valid start, num
+    computed, #tokens, #blocks, #compressed) back to back, their ids flat in call order."""
+    lack = _lack(cap, n, ((RUNS, 2), (ADD_META, len(meta)), (ADD_TOKENS, len(tokens)), (ADD_TOKENS + 1, len(blocks)),
                           (ADD_TOKENS + 2, len(comp))))
     if lack == OK:
-        _entry(flat, off, n, seen, st, code, meta[:1], 1)
+        _entry(flat, off, n, seen, st, code, slots, len(slots))
         _put(flat, off, n, ADD_META, meta)
         _put3(flat, off, n, ADD_TOKENS, tokens, blocks, comp)
     return lack

@@ -113,33 +113,39 @@ class Recorder(ABC):
                            swa_valid_starts: Optional[np.ndarray] = None,
                            num_computed: Optional[np.ndarray] = None) -> np.ndarray:
         """``BatchState.add_requests_batch`` on the driver's replica, recorded as the run of
-        ``add_request`` calls it equals (every rank applies the run in one call)."""
+        ``add_request`` calls it equals, in one recording call (every rank applies the run in
+        one call)."""
         self._driver("add_requests_batch")
         rids = [_request_id(r) for r in req_ids]
         n = len(rids)
+        flat = [flat_ints(_EMPTY if v is None else v) for v in (token_ids, block_ids, compressed_ids)]
+        counts = np.zeros((3, n), np.int64)
+        for row, what, c in ((0, "token", token_counts), (1, "block", block_counts), (2, "compressed", compressed_counts)):
+            if c is not None or len(flat[row]):
+                c = flat_ints(c if c is not None else ())
+                if len(c) != n or (c < 0).any() or int(c.sum()) != len(flat[row]):
+                    raise ValueError(f"{what}_counts: expected {n} counts >= 0 summing to {len(flat[row])} {what}_ids")
+                counts[row] = c
         if self._defer:  # recorded only: the replica's one call checks the values at sync
             if n > len(self._free_model):
                 raise ValueError(f"request {rids[len(self._free_model)]!r}: all max_seqs={self.state.max_seqs} "
                                  "slots are in use")
-            toks, blocks, comp = (_split(w, v, c, n) for w, v, c in (
-                ("token", token_ids, token_counts), ("block", block_ids, block_counts),
-                ("compressed", compressed_ids, compressed_counts)))
-            scal = [[0] * n if v is None else flat_ints(v).tolist() for v in (state_ids, swa_valid_starts, num_computed)]
-            for name, v in zip(("state_ids", "swa_valid_starts", "num_computed"), scal):
-                if len(v) != n:
-                    raise ValueError(f"{name}: expected {n} values (one per request), got {len(v)}")
+            scal = np.zeros((3, n), np.int64)
+            for row, name, v in ((0, "state_ids", state_ids), (1, "swa_valid_starts", swa_valid_starts),
+                                 (2, "num_computed", num_computed)):
+                if v is not None:
+                    v = flat_ints(v)
+                    if len(v) != n:
+                        raise ValueError(f"{name}: expected {n} values (one per request), got {len(v)}")
+                    scal[row] = v
             slots = np.array([self._free_model.pop() for _ in range(n)], np.int64)
-            for i, (s, r) in enumerate(zip(slots.tolist(), rids)):
-                self._rec.add(s, r, toks[i], blocks[i], comp[i], scal[0][i], scal[1][i], scal[2][i])
-            return slots
-        st = self.state
-        slots = st.add_requests_batch(rids, token_ids, token_counts, block_ids, block_counts, state_ids,
-                                      compressed_ids=compressed_ids, compressed_counts=compressed_counts,
-                                      swa_valid_starts=swa_valid_starts, num_computed=num_computed)
-        for s, r in zip(slots.tolist(), rids):
-            self._rec.add(s, r, st.token_ids[s, :st.num_tokens[s]], st.block_table[s, :st.num_blocks[s]],
-                          st.compressed[s, :st.num_compressed[s]], int(st.state_id[s]),
-                          int(st.swa_valid_start[s]), int(st.num_computed[s]))
+        else:
+            st = self.state
+            slots = st.add_requests_batch(rids, token_ids, token_counts, block_ids, block_counts, state_ids,
+                                          compressed_ids=compressed_ids, compressed_counts=compressed_counts,
+                                          swa_valid_starts=swa_valid_starts, num_computed=num_computed)
+            scal = np.vstack((st.state_id[slots], st.swa_valid_start[slots], st.num_computed[slots]))
+        self._rec.add_many(slots, rids, scal, counts, *flat)
         return slots
 
     def append_tokens(self, slot: int, tokens: Sequence[int]) -> None:
@@ -247,11 +253,3 @@ def _request_id(req_id: Any) -> Any:
                         f"{type(req_id).__name__}")
     return req_id if type(req_id) is str else int(req_id)
 
-
-def _split(what: str, flat: Any, counts: Any, n: int) -> list[np.ndarray]:
-    """The flat ``{what}_ids`` cut into ``n`` requests' ids by ``{what}_counts`` (None: none)."""
-    ids = flat_ints(_EMPTY if flat is None else flat)
-    c = np.zeros(n, np.int64) if counts is None else flat_ints(counts)
-    if len(c) != n or (c < 0).any() or int(c.sum()) != len(ids):
-        raise ValueError(f"{what}_counts: expected {n} counts >= 0 summing to {len(ids)} {what}_ids")
-    return np.split(ids, np.cumsum(c)[:-1]) if n else []
