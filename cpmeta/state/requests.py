@@ -109,8 +109,9 @@ class RequestBook(StateStore):
                 scalars[row] = a
         free = self._free
         slots = np.array(free[:len(free) - 1 - n if n < len(free) else None:-1] if n else [], np.int64)
-        code = add_rows(slots, *flat, scalars, self._meta, self.active, self.token_ids, self.block_table,
-                        self.compressed, self._p, self._err)
+        toks, tc, blocks, bc, comp, cc = flat
+        code = add_rows(slots, toks, tc, blocks, bc, comp, cc, scalars, self._meta, self.active, self.token_ids,
+                        self.block_table, self.compressed, self._p, self._err)
         if code:
             self._raise_add(code, ids, flat, scalars)
         del free[len(free) - n:]
