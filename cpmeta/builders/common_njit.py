@@ -146,19 +146,25 @@ def fill_common_rows(s: int, row0: int, sq: int, sk: int, state_id: int, is_ph: 
     them and on placeholders. Bounds: positions < max_model_len, window ids and the SWA slot
     validated. Example: see the module doc."""
     q0 = sk - sq
-    t0 = tok_end - sq
     qi = PLACEHOLDER_QUERY_INDEX if is_ph else s
-    base = state_id * S
+    # the rows through slices indexed from 0 (an offset index keeps numba's negative-index test)
+    src = tokens[tok_end - sq:tok_end]
+    p = positions[row0:row0 + sq]
+    ids = input_ids[row0:row0 + sq]
+    g = gate[row0:row0 + sq]
+    v = valid[row0:row0 + sq]
+    qx = query_indices[row0:row0 + sq]
     for j in range(sq):
-        r = row0 + j
-        pos = q0 + j
-        positions[r] = pos
-        input_ids[r] = tokens[t0 + j]
-        gate[r] = force
-        valid[r] = not is_ph
-        query_indices[r] = qi
-        if S > 0:
-            swa_slots[r] = PAD_SLOT_ID if (is_ph or sq - j > S) else base + pos % S
+        p[j] = q0 + j
+        ids[j] = src[j]
+        g[j] = force
+        v[j] = not is_ph
+        qx[j] = qi
+    if S > 0:
+        base = state_id * S
+        sw = swa_slots[row0:row0 + sq]
+        for j in range(sq):
+            sw[j] = PAD_SLOT_ID if (is_ph or sq - j > S) else base + (q0 + j) % S
 
 
 @kernel

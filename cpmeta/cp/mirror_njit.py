@@ -108,18 +108,21 @@ def mirror_fill(cu_q: np.ndarray, cu_k: np.ndarray, cp_size: int, cp_rank: int, 
             row0 = m_seq + j * ps
             real = min(max(sq - b * ps, 0), ps)
             first = q0 + b * ps
+            ix = index[row0:row0 + ps]  # slices indexed from 0: no negative-index test, loops vectorize
+            va = valid[row0:row0 + ps]
             for m in range(real):
-                index[row0 + m] = first + m
-                valid[row0 + m] = True
+                ix[m] = first + m
+                va[m] = True
             for m in range(real, ps):
-                index[row0 + m] = -1
-                valid[row0 + m] = False
+                ix[m] = -1
+                va[m] = False
         for b in range(two_p):
             start = b * ps
             stop = min(start + ps, sq)
-            shift = min(b, two_p - 1 - b) * length + m_seq + (ps if b >= cp_size else 0) - start
-            for t in range(q0 + start, q0 + stop):
-                reverse[t] = t - q0 + shift
+            at = min(b, two_p - 1 - b) * length + m_seq + (ps if b >= cp_size else 0)
+            rv = reverse[q0 + start:q0 + max(stop, start)]
+            for m in range(stop - start):
+                rv[m] = at + m
         m_seq += 2 * ps
     for i in range(ratios.shape[0]):  # ks, ke: one pass per ratio
         r = ratios[i]
@@ -137,16 +140,18 @@ def mirror_fill(cu_q: np.ndarray, cu_k: np.ndarray, cp_size: int, cp_rank: int, 
                 # ke = base + (pos + 1) // r along pos = sk - sq + b*ps + m: one division per chunk
                 nxt = sk - sq + b * ps + 1
                 v, rem = base + nxt // r, nxt % r
+                kss = ks_i[row0:row0 + ps]
+                kes = ke_i[row0:row0 + ps]
                 for m in range(real):
-                    ks_i[row0 + m] = base
-                    ke_i[row0 + m] = v
+                    kss[m] = base
+                    kes[m] = v
                     rem += 1
                     if rem == r:
                         rem = 0
                         v += 1
                 for m in range(real, ps):
-                    ks_i[row0 + m] = 0
-                    ke_i[row0 + m] = 0
+                    kss[m] = 0
+                    kes[m] = 0
             base += max(1, sk // r)
             m_seq += 2 * ps
     return OK
