@@ -145,23 +145,39 @@ class SyntheticScheduler:
         self._next_home += 1
         return self._next_home - 1
 
-    def _new_request(self, prefilled: bool = False) -> _Request:
+    def _new_requests(self, k: int, prefilled: bool = False) -> list[_Request]:
+        """``k`` new requests, added in ONE ``add_requests_batch`` call (an engine adds a step's
+        new requests together); with ``prefilled`` each also gets its first sampled token (one
+        ``append_tokens_batch``). The random draws come in the order one request at a time made them."""
         r = self.rng
-        n = r.randint(16, self.max_prompt)
-        prompt = [r.randrange(1, VOCAB_SIZE - 1) for _ in range(n)]
-        if r.random() < 0.3:  # an image span somewhere in the prompt
-            at = r.randrange(n)
-            for i in range(at, min(n, at + r.randint(1, 8))):
-                prompt[i] = IMAGE_TOKEN_ID
-        chunk = r.choice((256, 512, 1024, 2048))
-        valid_start = r.randrange(n) if r.random() < 0.2 else 0
-        home = self._home()
-        self._next_id += 1
-        # blocks for the prompt now, more as the request grows (append_blocks)
-        slot = self.ops.add_request(
-            self._next_id, prompt, self._blocks(home, 0, self._kv_blocks(n)), home,
-            swa_valid_start=valid_start, num_computed=n if prefilled else 0)
-        return _Request(slot, home, n, chunk, done=n if prefilled else 0)
+        reqs, prompts, tables, firsts = [], [], [], []
+        for _ in range(k):
+            n = r.randint(16, self.max_prompt)
+            prompt = [r.randrange(1, VOCAB_SIZE - 1) for _ in range(n)]
+            if r.random() < 0.3:  # an image span somewhere in the prompt
+                at = r.randrange(n)
+                for i in range(at, min(n, at + r.randint(1, 8))):
+                    prompt[i] = IMAGE_TOKEN_ID
+            chunk = r.choice((256, 512, 1024, 2048))
+            valid_start = r.randrange(n) if r.random() < 0.2 else 0
+            home = self._home()
+            self._next_id += 1
+            prompts.append(prompt)
+            tables.append(self._blocks(home, 0, self._kv_blocks(n)))  # more as it grows (append_blocks)
+            reqs.append((self._next_id, _Request(-1, home, n, chunk, done=n if prefilled else 0), valid_start))
+            if prefilled:  # pretend its prompt was prefilled earlier: its first token
+                firsts.append(r.randrange(1, VOCAB_SIZE - 1))
+        if not reqs:
+            return []
+        slots = self.ops.add_requests_batch(
+            [i for i, _, _ in reqs], np.array([t for p in prompts for t in p], np.int64), [len(p) for p in prompts],
+            np.array([b for t in tables for b in t], np.int64), [len(t) for t in tables], [q.home for _, q, _ in reqs],
+            swa_valid_starts=[v for _, _, v in reqs], num_computed=[q.done for _, q, _ in reqs])
+        for (_, q, _), s in zip(reqs, slots.tolist()):
+            q.slot = s
+        if firsts:
+            self.ops.append_tokens_batch(slots, np.array(firsts, np.int64), np.ones(len(firsts), np.int64))
+        return [q for _, q, _ in reqs]
 
     def _blocks(self, home: int, start: int, stop: int) -> list[int]:
         """Blocks ``[start, stop)`` of a request's table: a scattered but deterministic physical
@@ -208,8 +224,7 @@ class SyntheticScheduler:
         return batch
 
     def _prompt_batch(self) -> Optional[tuple]:
-        while len(self.prefill) < self.prompt_seqs:
-            self.prefill.append(self._new_request())
+        self.prefill += self._new_requests(self.prompt_seqs - len(self.prefill))
         slots, lens = [], []
         for req in self.prefill:
             q = min(req.chunk, req.prompt_len - req.done)
@@ -219,10 +234,7 @@ class SyntheticScheduler:
         return np.array(slots, np.int64), np.array(lens, np.int64), None, None
 
     def _decode_batch(self) -> Optional[tuple]:
-        while len(self.decoding) < self.decode_seqs:
-            req = self._new_request(prefilled=True)  # pretend its prompt was prefilled earlier
-            self.ops.append_tokens(req.slot, [self.rng.randrange(1, VOCAB_SIZE - 1)])
-            self.decoding.append(req)
+        self.decoding += self._new_requests(self.decode_seqs - len(self.decoding), prefilled=True)
         r, st = self.rng, self.state
         slots, nd, drafts, self._pending_decode = [], [], [], []
         for req in list(self.decoding):
