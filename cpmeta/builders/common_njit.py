@@ -190,8 +190,23 @@ def fill_ngram_rows(row0: int, sq: int, q_start: int, tokens: np.ndarray, tok_st
     for j in range(sq):
         r = row0 + j
         pos = q_start + j
+        if j > 0 and N > 1:
+            # column c >= 1 looks back to the position column c - 1 of the row before did, and is
+            # blocked as it was unless the token at pos is the image sentinel (then every column
+            # is): the row before shifted by one, only column 0 read (its reads and errors come in
+            # the same order as reading every column: a position is first read on the first row
+            # that sees it)
+            if has_image and tokens[tok_start + pos - lo] == image_id:
+                for c in range(N):
+                    out[r, c] = pad_id
+                continue
+            for c in range(N - 1, 0, -1):
+                out[r, c] = out[r - 1, c - 1]
+            last = 1
+        else:
+            last = N
         blocked = False
-        for c in range(N):
+        for c in range(last):
             t = pos - c
             if blocked or t < 0:
                 out[r, c] = pad_id
