@@ -13,7 +13,7 @@ from typing import Any, Hashable, Optional, Sequence
 import numpy as np
 
 from .checks import as_int_array, bad_id, check_int_arg, ids_in_int32
-from .requests_njit import E_COMPUTED, E_EMPTY, E_FULL, add_rows
+from .requests_njit import E_COMPUTED, E_EMPTY, E_FULL, E_STATE_HELD, add_rows
 from .state_njit import E_CAPACITY, E_COUNTS, E_NEGATIVE_ID, NO_BAD
 from .store import StateStore
 
@@ -120,7 +120,7 @@ class RequestBook(StateStore):
         return slots
 
     def _raise_add(self, code: int, ids: list[Any], flat: list[np.ndarray], scalars: np.ndarray) -> None:
-        """The ``ValueError`` of an :func:`~cpmeta.state.state_njit.add_rows` code."""
+        """The ``ValueError`` of an :func:`~cpmeta.state.requests_njit.add_rows` code."""
         _, i, v, lim = self._err.tolist()
         names = ("token", "block", "compressed")
         if code == E_COUNTS:
@@ -140,6 +140,7 @@ class RequestBook(StateStore):
             raise ValueError(f"request {r!r}: num_computed {v} outside [0, {lim}]")
         if code == E_NEGATIVE_ID:
             raise ValueError(f"request {r!r}: prompt_token_ids: expected ids >= 0, got {v} at index {lim}")
+        assert code == E_STATE_HELD, code
         j = -1 - lim  # lim < 0: the call's earlier request j, in the slot it would have taken
         other, slot = (self._req[lim], lim) if lim >= 0 else (ids[j], self._free[-1 - j])
         raise ValueError(f"request {r!r}: state_id {v} is held by request {other!r} (slot {slot}); two live "
