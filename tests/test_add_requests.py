@@ -1,9 +1,10 @@
 """``BatchState.add_requests_batch``: a step's new requests in one compiled call.
 
-The oracle is ``add_request`` called once per request: on random batches (hypothesis) the batch
-call must leave every array, the request / slot maps and the free list exactly as the calls
-would, and return the slots they return; a failing check must raise the message the calls
-would raise for the first failing request and add none of the requests.
+Both calls share one compiled add; the oracle is :func:`_reference`, the plain per-request rule
+(the slot each add takes from the free list, what each array holds after it). On random batches
+(hypothesis) the batch call and one ``add_request`` per request must both leave every array, the
+request / slot maps and the free list as the reference says, and return its slots; a failing
+check must raise the message written out here for the first failing request and add none.
 """
 
 from __future__ import annotations
@@ -35,6 +36,40 @@ def _state(cfg: MetadataConfig, live: list[int], gone: list[int]) -> BatchState:
     for r in gone:
         s.finish(slots[r])
     return s
+
+
+def _reference(s: BatchState, ids: list[Any], reqs: list[dict[str, Any]]) -> tuple[dict[str, Any], list[int]]:
+    """What adding ``reqs`` to ``s`` must leave, computed request by request without the state's
+    code: each takes the last free slot; its row holds the prompt, the table (its first id
+    outside ``[0, max_block_id]`` kept, else ``NO_BAD``) and the Engram ids; its counts and
+    scalars are set."""
+    from cpmeta.state.state_njit import (
+        M_BLOCKS, M_COMPRESSED, M_COMPUTED, M_FIRST_BAD, M_PROMPT, M_STATE, M_TOKENS, M_VALID_START, NO_BAD,
+    )
+
+    want = {name: getattr(s, name).copy() for name in ARRAYS}
+    free, slots, req = list(s._free), [], list(s._req)
+    for r, q in zip(ids, reqs):
+        slot = free.pop()
+        slots.append(slot)
+        req[slot] = r
+        for name, key in (("token_ids", "toks"), ("block_table", "blocks"), ("compressed", "comp")):
+            want[name][slot, :len(q[key])] = q[key]
+        bad = [i for i, b in enumerate(q["blocks"]) if not 0 <= b <= s.cfg.max_block_id]
+        m = want["_meta"]
+        m[M_TOKENS, slot] = m[M_PROMPT, slot] = len(q["toks"])
+        m[M_COMPUTED, slot], m[M_BLOCKS, slot], m[M_COMPRESSED, slot] = q["nc"], len(q["blocks"]), len(q["comp"])
+        m[M_FIRST_BAD, slot] = bad[0] if bad else NO_BAD
+        m[M_STATE, slot], m[M_VALID_START, slot] = q["sid"], q["vs"]
+        want["active"][slot] = True
+    want.update(_free=free, _req=req, _slot={**s._slot, **dict(zip(ids, slots))})
+    return want, slots
+
+
+def _matches(s: BatchState, want: dict[str, Any]) -> None:
+    for name in ARRAYS:
+        assert np.array_equal(getattr(s, name), want[name]), name
+    assert s._free == want["_free"] and s._req == want["_req"] and s._slot == want["_slot"]
 
 
 def _same(a: BatchState, b: BatchState) -> None:
@@ -82,14 +117,17 @@ def requests(draw: Any, cfg_name: str) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("cfg_name", sorted(CFGS))
 @settings(max_examples=60)
 @given(data=st.data())
-def test_batch_add_equals_one_add_request_per_request(cfg_name: str, data: Any) -> None:
+def test_batch_add_and_add_request_equal_the_reference(cfg_name: str, data: Any) -> None:
     cfg = CFGS[cfg_name]
     reqs = data.draw(requests(cfg_name))
     live = data.draw(st.lists(st.integers(0, 3), max_size=2, unique=True))
     gone = data.draw(st.lists(st.integers(4, 7), max_size=3, unique=True))
     ids: list[Any] = [f"r{i}" for i in range(len(reqs))]
     a, b = _state(cfg, live, gone), _state(cfg, live, gone)
+    ref, ref_slots = _reference(a, ids, reqs)
     want = _one_by_one(a, ids, reqs)
+    assert want == ref_slots
+    _matches(a, ref)
     got = b.add_requests_batch(ids, *_flat(reqs)[:4], [q["sid"] for q in reqs], compressed_ids=_flat(reqs)[4],
                                compressed_counts=_flat(reqs)[5], swa_valid_starts=[q["vs"] for q in reqs],
                                num_computed=[q["nc"] for q in reqs])

@@ -12,9 +12,9 @@ from typing import Any, Hashable, Optional, Sequence
 
 import numpy as np
 
-from .checks import as_int_array, bad_id, check_int_arg, ids_in_int32
+from .checks import as_int_array, check_int_arg
 from .requests_njit import E_COMPUTED, E_EMPTY, E_FULL, E_STATE_HELD, add_rows
-from .state_njit import E_CAPACITY, E_COUNTS, E_NEGATIVE_ID, NO_BAD
+from .state_njit import E_CAPACITY, E_COUNTS, E_NEGATIVE_ID
 from .store import StateStore
 
 __all__ = ["RequestBook"]
@@ -43,32 +43,12 @@ class RequestBook(StateStore):
         check_int_arg("state_id", state_id, req_id)
         check_int_arg("swa_valid_start", swa_valid_start, req_id)
         check_int_arg("num_computed", num_computed, req_id)
-        toks = as_int_array("prompt_token_ids", prompt_token_ids, req_id)
-        bt = as_int_array("block_table", block_table, req_id)
-        comp = as_int_array("compressed_token_ids", compressed_token_ids, req_id)
-        self._fits(req_id, "tokens", len(toks), self.max_tokens, "max_tokens")
-        self._fits(req_id, "block ids", len(bt), self.max_blocks, "max_blocks")
-        self._fits(req_id, "compressed ids", len(comp), self.max_compressed, "max_compressed")
-        if len(toks) == 0:
-            raise ValueError(f"request {req_id!r}: expected a non-empty prompt")
-        if not 0 <= num_computed <= len(toks):
-            raise ValueError(f"request {req_id!r}: num_computed {num_computed} outside [0, {len(toks)}]")
-        if not ids_in_int32(toks):
-            bad_id("prompt_token_ids", toks, req_id)
-        self._check_state_free(req_id, state_id, -1)
-        s = self._free.pop()
-        self._slot[req_id], self._req[s], self.active[s] = s, req_id, True
-        self.token_ids[s, :len(toks)] = toks
-        self.num_tokens[s] = self.prompt_len[s] = len(toks)
-        self.num_computed[s] = num_computed
-        self.block_table[s, :len(bt)] = bt
-        self.num_blocks[s] = len(bt)
-        bad = np.flatnonzero((bt < 0) | (bt > self.cfg.max_block_id))
-        self._first_bad[s] = bad[0] if len(bad) else NO_BAD
-        self.compressed[s, :len(comp)] = comp
-        self.num_compressed[s] = len(comp)
-        self.state_id[s], self.swa_valid_start[s] = state_id, swa_valid_start
-        return s
+        arrays = [as_int_array(name, v, req_id) for name, v in (
+            ("prompt_token_ids", prompt_token_ids), ("block_table", block_table),
+            ("compressed_token_ids", compressed_token_ids))]
+        counts = [np.array([len(a)], np.int64) for a in arrays]
+        return int(self._add([req_id], arrays[0], counts[0], arrays[1], counts[1], arrays[2], counts[2],
+                             np.array([[state_id], [swa_valid_start], [num_computed]], np.int64))[0])
 
     def add_requests_batch(self, req_ids: Sequence[Hashable], token_ids: np.ndarray, token_counts: np.ndarray,
                            block_ids: np.ndarray, block_counts: np.ndarray, state_ids: np.ndarray, *,
@@ -107,13 +87,20 @@ class RequestBook(StateStore):
                 if len(a) != n:
                     raise ValueError(f"{name}: expected {n} values (one per request), got {len(a)}")
                 scalars[row] = a
-        free = self._free
-        slots = np.array(free[:len(free) - 1 - n if n < len(free) else None:-1] if n else [], np.int64)
         toks, tc, blocks, bc, comp, cc = flat
+        return self._add(ids, toks, tc, blocks, bc, comp, cc, scalars)
+
+    def _add(self, ids: list[Any], toks: np.ndarray, tc: np.ndarray, blocks: np.ndarray, bc: np.ndarray,
+             comp: np.ndarray, cc: np.ndarray, scalars: np.ndarray) -> np.ndarray:
+        """The one compiled add of ``add_request`` and ``add_requests_batch`` (their arguments
+        converted; ids checked against the state), then the slot book-keeping."""
+        free = self._free
+        n = len(ids)
+        slots = np.array(free[:len(free) - 1 - n if n < len(free) else None:-1] if n else [], np.int64)
         code = add_rows(slots, toks, tc, blocks, bc, comp, cc, scalars, self._meta, self.active, self.token_ids,
                         self.block_table, self.compressed, self._p, self._err)
         if code:
-            self._raise_add(code, ids, flat, scalars)
+            self._raise_add(code, ids, [toks, tc, blocks, bc, comp, cc], scalars)
         del free[len(free) - n:]
         for r, s in zip(ids, slots.tolist()):
             self._slot[r], self._req[s] = s, r
