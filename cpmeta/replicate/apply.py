@@ -151,6 +151,8 @@ def _add(state: BatchState, cols: dict[str, np.ndarray], at: dict[str, int], met
     request must land in the driver's slot."""
     if None in req_ids:
         raise ReplicaError("step frame: fewer request ids than its add_request entries")
+    if (meta[:, 4:] < 0).any():
+        raise ReplicaError("step frame: an add_request entry with a negative count")
     slot, state_id, valid_start, num_computed, nt, nb, nc = meta.T
     got = state.add_requests_batch(req_ids, _take(cols, at, "add_tokens", int(nt.sum())), nt,
                                    _take(cols, at, "add_blocks", int(nb.sum())), nb, state_id,
