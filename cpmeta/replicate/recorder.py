@@ -17,6 +17,7 @@ from typing import Any, Callable, Hashable, NamedTuple, Optional, Sequence
 import numpy as np
 
 from ..state import BatchState, SequenceBatch
+from ..state.requests import add_arguments
 from .ops import BLK, CMP, SID, SVS, TOK, OpLog, flat_ints
 
 __all__ = ["Recorder", "StepSpec"]
@@ -118,34 +119,26 @@ class Recorder(ABC):
         self._driver("add_requests_batch")
         rids = [_request_id(r) for r in req_ids]
         n = len(rids)
-        flat = [flat_ints(_EMPTY if v is None else v) for v in (token_ids, block_ids, compressed_ids)]
-        counts = np.zeros((3, n), np.int64)
-        for row, what, c in ((0, "token", token_counts), (1, "block", block_counts), (2, "compressed", compressed_counts)):
-            if c is not None or len(flat[row]):
-                c = flat_ints(c if c is not None else ())
-                if len(c) != n or (c < 0).any() or int(c.sum()) != len(flat[row]):
-                    raise ValueError(f"{what}_counts: expected {n} counts >= 0 summing to {len(flat[row])} {what}_ids")
-                counts[row] = c
         if self._defer:  # recorded only: the replica's one call checks the values at sync
             if n > len(self._free_model):
                 raise ValueError(f"request {rids[len(self._free_model)]!r}: all max_seqs={self.state.max_seqs} "
                                  "slots are in use")
-            scal = np.zeros((3, n), np.int64)
-            for row, name, v in ((0, "state_ids", state_ids), (1, "swa_valid_starts", swa_valid_starts),
-                                 (2, "num_computed", num_computed)):
-                if v is not None:
-                    v = flat_ints(v)
-                    if len(v) != n:
-                        raise ValueError(f"{name}: expected {n} values (one per request), got {len(v)}")
-                    scal[row] = v
+            flat, scal = add_arguments(n, token_ids, token_counts, block_ids, block_counts, state_ids,
+                                       compressed_ids, compressed_counts, swa_valid_starts, num_computed)
+            for what, i in (("token", 0), ("block", 2), ("compressed", 4)):
+                ids, c = flat[i], flat[i + 1]
+                if len(c) != n or (c < 0).any() or int(c.sum()) != len(ids):  # as the replica's add would
+                    raise ValueError(f"{what}_counts: expected {n} counts >= 0 summing to {len(ids)} {what}_ids")
             slots = np.array([self._free_model.pop() for _ in range(n)], np.int64)
         else:
             st = self.state
             slots = st.add_requests_batch(rids, token_ids, token_counts, block_ids, block_counts, state_ids,
                                           compressed_ids=compressed_ids, compressed_counts=compressed_counts,
                                           swa_valid_starts=swa_valid_starts, num_computed=num_computed)
+            flat, _ = add_arguments(n, token_ids, token_counts, block_ids, block_counts, state_ids,
+                                    compressed_ids, compressed_counts)  # accepted: no copies
             scal = np.vstack((st.state_id[slots], st.swa_valid_start[slots], st.num_computed[slots]))
-        self._rec.add_many(slots, rids, scal, counts, *flat)
+        self._rec.add_many(slots, rids, scal, np.vstack(flat[1::2]), *flat[0::2])
         return slots
 
     def append_tokens(self, slot: int, tokens: Sequence[int]) -> None:

@@ -17,7 +17,7 @@ from .requests_njit import E_COMPUTED, E_EMPTY, E_FULL, E_STATE_HELD, add_rows
 from .state_njit import E_CAPACITY, E_COUNTS, E_NEGATIVE_ID
 from .store import StateStore
 
-__all__ = ["RequestBook"]
+__all__ = ["RequestBook", "add_arguments"]
 
 _EMPTY = np.zeros(0, np.int64)
 
@@ -75,18 +75,8 @@ class RequestBook(StateStore):
             if taken.setdefault(r, i) != i:
                 raise ValueError(f"request {r!r}: given twice in one add_requests_batch call (positions "
                                  f"{taken[r]} and {i})")
-        flat = [as_int_array(name, v) for name, v in (
-            ("token_ids", token_ids), ("token_counts", token_counts), ("block_ids", block_ids),
-            ("block_counts", block_counts), ("compressed_ids", _EMPTY if compressed_ids is None else compressed_ids),
-            ("compressed_counts", np.zeros(n, np.int64) if compressed_counts is None else compressed_counts))]
-        scalars = np.zeros((3, n), np.int64)
-        for row, name, v in ((0, "state_ids", state_ids), (1, "swa_valid_starts", swa_valid_starts),
-                             (2, "num_computed", num_computed)):
-            if v is not None:
-                a = as_int_array(name, v)
-                if len(a) != n:
-                    raise ValueError(f"{name}: expected {n} values (one per request), got {len(a)}")
-                scalars[row] = a
+        flat, scalars = add_arguments(n, token_ids, token_counts, block_ids, block_counts, state_ids, compressed_ids,
+                                      compressed_counts, swa_valid_starts, num_computed)
         toks, tc, blocks, bc, comp, cc = flat
         return self._add(ids, toks, tc, blocks, bc, comp, cc, scalars)
 
@@ -157,3 +147,26 @@ class RequestBook(StateStore):
         self._req[slot], self.active[slot] = None, False
         self.num_tokens[slot] = self.num_blocks[slot] = self.num_compressed[slot] = 0
         self._free.append(slot)
+
+
+def add_arguments(n: int, token_ids: Any, token_counts: Any, block_ids: Any, block_counts: Any, state_ids: Any,
+                  compressed_ids: Any = None, compressed_counts: Any = None, swa_valid_starts: Any = None,
+                  num_computed: Any = None) -> tuple[list[np.ndarray], np.ndarray]:
+    """``add_requests_batch``'s arguments for ``n`` requests as the kernel takes them: the six
+    flat / count arrays (int64; no Engram ids: empty, zero counts) and ``[3, n]`` scalars (state
+    id, valid start, num computed; 0 where not given), each named in its ``TypeError`` /
+    ``ValueError``. The counts are checked by the kernel (the replicated recorder checks them
+    itself when it only records)."""
+    flat = [as_int_array(name, v) for name, v in (
+        ("token_ids", token_ids), ("token_counts", token_counts), ("block_ids", block_ids),
+        ("block_counts", block_counts), ("compressed_ids", _EMPTY if compressed_ids is None else compressed_ids),
+        ("compressed_counts", np.zeros(n, np.int64) if compressed_counts is None else compressed_counts))]
+    scalars = np.zeros((3, n), np.int64)
+    for row, name, v in ((0, "state_ids", state_ids), (1, "swa_valid_starts", swa_valid_starts),
+                         (2, "num_computed", num_computed)):
+        if v is not None:
+            a = as_int_array(name, v)
+            if len(a) != n:
+                raise ValueError(f"{name}: expected {n} values (one per request), got {len(a)}")
+            scalars[row] = a
+    return flat, scalars
