@@ -252,3 +252,37 @@ def test_replicated_driver_adds_in_one_call(defer: bool) -> None:
     assert out[0][2] == [0, 1]
     want = [0, 1, [5, 6], [4], 2, [1]]
     assert out[0][3] == want and out[1][0] == want, out
+
+
+@pytest.mark.parametrize("which, counts, message", [
+    ("token", [2, -1], "token_counts: expected 2 counts >= 0 summing to 3 token_ids"),
+    ("token", [3], "token_counts: expected 2 counts >= 0 summing to 3 token_ids"),
+    ("block", [1, 0], "block_counts: expected 2 counts >= 0 summing to 2 block_ids"),
+    ("compressed", [0, 2], "compressed_counts: expected 2 counts >= 0 summing to 1 compressed_ids"),
+    ("compressed", [-(1 << 62), (1 << 62) + 1], "compressed_counts: expected 2 counts >= 0 summing to 1 "
+                                                "compressed_ids"),
+])
+def test_op_log_records_an_add_run_only_when_its_counts_add_up(which: str, counts: list[int], message: str) -> None:
+    """The replicated driver's record of ``add_requests_batch`` (``OpLog.add_many``, what a
+    ``defer_apply`` driver checks before it sends): counts that are not one value >= 0 per
+    request summing to the flat ids are refused by name and record nothing; good ones record
+    one ``add_meta`` row per request (slot, state id, valid start, num computed, counts)."""
+    from cpmeta.replicate.ops import ADD, OpLog, TOK
+
+    ints = lambda v: np.array(v, np.int64)  # noqa: E731
+    args = {"token": [ints([5, 6, 7]), ints([2, 1])], "block": [ints([3, 9]), ints([1, 1])],
+            "compressed": [ints([4]), ints([0, 1])]}
+    log = OpLog(4)
+    log.ragged(TOK, ints([1]), ints([1]), ints([8]))
+    before = [c.copy() for c in log.columns(np.zeros((0, 4), np.int64))]
+    bad = {k: [v[0], ints(counts) if k == which else v[1]] for k, v in args.items()}
+    scalars = ints([[10, 11], [0, 2], [1, 0]])
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        log.add_many(ints([0, 2]), ["a", "b"], scalars, *bad["token"], *bad["block"], *bad["compressed"])
+    after = log.columns(np.zeros((0, 4), np.int64))
+    assert all(np.array_equal(a, b) for a, b in zip(after, before)) and log.req_ids == []
+    log.add_many(ints([0, 2]), ["a", "b"], scalars, *args["token"], *args["block"], *args["compressed"])
+    cols = log.columns(np.zeros((0, 4), np.int64))
+    assert cols[0].tolist() == [[TOK, 1], [ADD, 2]] and log.req_ids == ["a", "b"]
+    assert cols[1].tolist() == [[0, 10, 0, 1, 2, 1, 0], [2, 11, 2, 0, 1, 1, 1]]
+    assert [c.tolist() for c in cols[2:5]] == [[5, 6, 7], [3, 9], [4]]

@@ -27,20 +27,24 @@ class ReplicaError(RuntimeError):
 
 
 #: the columns each run code reads, in order (a ragged run: slots, counts, then its flat ids)
-_READS = {ADD: ("add_meta",), TOK: ("tok_slots", "tok_counts", "tok_flat"),
-          BLK: ("blk_slots", "blk_counts", "blk_flat"), CMP: ("cmp_slots", "cmp_counts", "cmp_flat"),
-          SID: ("sid_pairs",), SVS: ("svs_pairs",), FIN: ("fin_slots",)}
+_C = {name: i for i, name in enumerate(COLUMNS)}
+_READS = {ADD: (_C["add_meta"],), TOK: (_C["tok_slots"], _C["tok_counts"], _C["tok_flat"]),
+          BLK: (_C["blk_slots"], _C["blk_counts"], _C["blk_flat"]),
+          CMP: (_C["cmp_slots"], _C["cmp_counts"], _C["cmp_flat"]), SID: (_C["sid_pairs"],),
+          SVS: (_C["svs_pairs"],), FIN: (_C["fin_slots"],)}
 _UNREAD = ("runs", "batch_digest")  # columns no run reads from
 
 
-def _take(cols: dict[str, np.ndarray], at: dict[str, int], name: str, k: int) -> Any:
-    """The next ``k`` rows of column ``name`` (``ReplicaError`` past its end): an int64 array."""
-    a = at[name]
-    col = cols[name]
-    if k < 0 or a + k > len(col):
-        raise ReplicaError(f"step frame: {name} holds {len(col)} entries, its runs read {a + k}")
-    at[name] = a + k
-    return col[a:a + k]
+def _take(cols: Columns, at: np.ndarray, c: int, k: int) -> Any:
+    """The next ``k`` rows of column ``c`` (``ReplicaError`` past its end); ``at[c]``, its
+    cursor into the columns' buffer, moves past them."""
+    w, a, start = _WIDTH[c], int(at[c]), int(cols.starts[c])
+    have = (int(cols.starts[c + 1]) - start) // w
+    if k < 0 or (a - start) // w + k > have:
+        raise ReplicaError(f"step frame: {COLUMNS[c]} holds {have} entries, its runs read {(a - start) // w + k}")
+    at[c] = a + k * w
+    v = cols.buf[a:a + k * w]
+    return v if w == 1 else v.reshape(k, w)
 
 
 def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[int]
@@ -73,7 +77,6 @@ def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[
     batches: list[SequenceBatch] = []
     adds = iter(req_ids)
     r, si, crow, replayed = 0, 0, 0, True
-    named: Any = None  # the columns by name, made when a run goes through Python
     while True:
         status, r, si, crow, gbuf, ph, vouched = replay(r, runs, buf, at, end, words, si, *arrays, check, crow,
                                                         state.lookback)
@@ -84,13 +87,9 @@ def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[
             if r == len(runs):  # the step's last run (a decode step: ONE call); else the next runs
                 break
             continue
-        replayed = replayed and not (runs[r, 0] == SPEC)  # a spec made here: its check made below
-        pos = dict(zip(COLUMNS, ((at - starts[:-1]) // _WIDTH).tolist()))  # rows of each column
         code, n = runs[r].tolist()
-        if named is None:
-            named = cols.named
-        _run(state, named, pos, code, n, adds, spec, batches)
-        at[:] = starts[:-1] + _WIDTH * [pos[c] for c in COLUMNS]
+        replayed = replayed and code != SPEC  # a spec made here: its check made below
+        _run(state, cols, at, code, n, adds, spec, batches)
         si = SPEC_WORDS * len(batches)
         r += 1
     if (at != end).any():  # a column its runs did not read to its end: the first one named
@@ -121,19 +120,19 @@ _MAX_CHECK_ROWS = 1 << 20  # spec words claiming more rows: the check is made fr
 _RUNS, _DIGEST = (COLUMNS.index(c) for c in _UNREAD)  # columns no run reads (set read to their end)
 
 
-def _run(state: BatchState, cols: dict[str, np.ndarray], at: dict[str, int], code: int, n: int, adds: Any,
+def _run(state: BatchState, cols: Columns, at: np.ndarray, code: int, n: int, adds: Any,
          spec: list[int], batches: list[SequenceBatch]) -> None:
     """One run replayed with the driver's ``BatchState`` call(s); ``at``: the columns' cursors."""
     if code == TOK or code == BLK or code == CMP:
-        names = _READS[code]
-        slots, counts = _take(cols, at, names[0], n), _take(cols, at, names[1], n)
-        flat = _take(cols, at, names[2], int(counts.sum()))
+        c = _READS[code]
+        slots, counts = _take(cols, at, c[0], n), _take(cols, at, c[1], n)
+        flat = _take(cols, at, c[2], int(counts.sum()))
         (state.append_tokens_batch if code == TOK else state.append_blocks_batch if code == BLK
          else state.append_compressed_batch)(slots, flat, counts)
     elif code == ADD:
-        _add(state, cols, at, _take(cols, at, "add_meta", n), [next(adds, None) for _ in range(n)])
+        _add(state, cols, at, _take(cols, at, _C["add_meta"], n), [next(adds, None) for _ in range(n)])
     elif code == FIN:
-        for slot in _take(cols, at, "fin_slots", n).tolist():
+        for slot in _take(cols, at, _C["fin_slots"], n).tolist():
             state.finish(slot)
     elif code == SID or code == SVS:
         for slot, v in _take(cols, at, _READS[code][0], n).tolist():
@@ -145,29 +144,31 @@ def _run(state: BatchState, cols: dict[str, np.ndarray], at: dict[str, int], cod
         raise ReplicaError(f"step frame: unknown run ({code}, {n})")
 
 
-def _add(state: BatchState, cols: dict[str, np.ndarray], at: dict[str, int], meta: np.ndarray,
-         req_ids: list[Any]) -> None:
-    """A run of ``add_request`` calls as ONE ``add_requests_batch`` (all or none added); each
-    request must land in the driver's slot."""
+def _add(state: BatchState, cols: Columns, at: np.ndarray, meta: np.ndarray, req_ids: list[Any]) -> None:
+    """A run of ``add_request`` calls as ONE ``add_requests_batch`` (all or none added; the
+    frame's int64 columns as the state's kernel takes them); each request must land in the
+    driver's slot."""
     if None in req_ids:
         raise ReplicaError("step frame: fewer request ids than its add_request entries")
-    if (meta[:, 4:] < 0).any():
+    counts = meta[:, 4:].T.copy()  # [#tokens, #blocks, #compressed] rows
+    if (counts < 0).any():
         raise ReplicaError("step frame: an add_request entry with a negative count")
-    slot, state_id, valid_start, num_computed, nt, nb, nc = meta.T
-    got = state.add_requests_batch(req_ids, _take(cols, at, "add_tokens", int(nt.sum())), nt,
-                                   _take(cols, at, "add_blocks", int(nb.sum())), nb, state_id,
-                                   compressed_ids=_take(cols, at, "add_comp", int(nc.sum())), compressed_counts=nc,
-                                   swa_valid_starts=valid_start, num_computed=num_computed)
+    nt, nb, nc = counts
+    toks = _take(cols, at, _C["add_tokens"], int(nt.sum()))
+    blocks = _take(cols, at, _C["add_blocks"], int(nb.sum()))
+    comp = _take(cols, at, _C["add_comp"], int(nc.sum()))
+    got = state.add_converted(req_ids, toks, nt, blocks, nb, comp, nc, meta[:, 1:4].T.copy())
+    slot = meta[:, 0]
     if (got != slot).any():
         i = int(np.flatnonzero(got != slot)[0])
         raise ReplicaError(f"request {req_ids[i]!r}: added in slot {int(got[i])} here, slot {int(slot[i])} on the driver")
 
 
-def _spec(state: BatchState, cols: dict[str, np.ndarray], at: dict[str, int], spec: list[int]) -> SequenceBatch:
+def _spec(state: BatchState, cols: Columns, at: np.ndarray, spec: list[int]) -> SequenceBatch:
     is_prompt, n_ph, advance, uniform, n_slots, n_lens, n_drafts = spec
-    slots = _take(cols, at, "spec_slots", n_slots)
-    lens = _take(cols, at, "spec_lens", n_lens)
-    drafts = _take(cols, at, "spec_drafts", n_drafts)
+    slots = _take(cols, at, _C["spec_slots"], n_slots)
+    lens = _take(cols, at, _C["spec_lens"], n_lens)
+    drafts = _take(cols, at, _C["spec_drafts"], n_drafts)
     if is_prompt:
         return state.prompt_batch(slots, lens, num_placeholders=n_ph, advance=bool(advance))
     nd: Any = uniform if uniform >= 0 else (lens if uniform == -1 else None)

@@ -135,12 +135,13 @@ class OpLog:
                 flat[off[c]:off[c] + k] = self._flat[self._off[c]:self._off[c] + k]
         self._flat, self._off, self._cap = flat, off, cap
 
-    def _call(self, fn: Any, *args: Any) -> None:
-        """One recording kernel; a column it finds full doubles and the call runs again."""
+    def _call(self, fn: Any, *args: Any) -> int:
+        """One recording kernel; a column it finds full doubles and the call runs again. Returns
+        the kernel's refusal (< 0, nothing written) or 0."""
         while True:
             got = fn(self._flat, self._off, self._cap, self._n, *args)
-            if got == 0:
-                return
+            if got <= 0:
+                return int(got)
             cap = self._cap.copy()
             cap[got - 1] = max(2 * cap[got - 1], 64)
             self._layout(cap)
@@ -162,17 +163,21 @@ class OpLog:
     def add(self, slot: int, req_id: Hashable, tokens: Any, blocks: Any, comp: Any, state_id: int,
             swa_valid_start: int, num_computed: int) -> None:
         tokens, blocks, comp = flat_ints(tokens), flat_ints(blocks), flat_ints(comp)
-        meta = np.array((slot, state_id, swa_valid_start, num_computed, len(tokens), len(blocks), len(comp)),
-                        np.int64)
-        self._call(log_add, self._seen, self._st, ADD, meta[:1], meta, tokens, blocks, comp)
+        m = np.array((slot, state_id, swa_valid_start, num_computed, len(tokens), len(blocks), len(comp)), np.int64)
+        self._call(log_add, self._seen, self._st, ADD, m[:1], m[1:4].reshape(3, 1), tokens, m[4:5], blocks, m[5:6],
+                   comp, m[6:7])
         self.req_ids.append(req_id)
 
-    def add_many(self, slots: np.ndarray, req_ids: list[Hashable], scalars: np.ndarray, counts: np.ndarray,
-                 tokens: np.ndarray, blocks: np.ndarray, comp: np.ndarray) -> None:
-        """:meth:`add` of ``len(slots)`` requests in one call: ``scalars`` [3, n] (state id, valid
-        start, num computed), ``counts`` [3, n] (#tokens, #blocks, #compressed), the ids flat."""
-        meta = np.vstack((slots, scalars, counts)).T.copy().reshape(-1)
-        self._call(log_add, self._seen, self._st, ADD, slots, meta, tokens, blocks, comp)
+    def add_many(self, slots: np.ndarray, req_ids: list[Hashable], scalars: np.ndarray, tokens: np.ndarray,
+                 tc: np.ndarray, blocks: np.ndarray, bc: np.ndarray, comp: np.ndarray, cc: np.ndarray) -> None:
+        """:meth:`add` of ``len(slots)`` requests in one call (int64, contiguous): ``scalars`` [3, n]
+        (state id, valid start, num computed), request ``i``'s ids the next ``tc[i]`` / ``bc[i]`` /
+        ``cc[i]`` of the flat ``tokens`` / ``blocks`` / ``comp``. Counts that are not ``n`` values
+        ``>= 0`` summing to their ids: ``ValueError`` naming them, nothing recorded."""
+        got = self._call(log_add, self._seen, self._st, ADD, slots, scalars, tokens, tc, blocks, bc, comp, cc)
+        if got:
+            what, ids = (("token", tokens), ("block", blocks), ("compressed", comp))[-1 - got]
+            raise ValueError(f"{what}_counts: expected {len(slots)} counts >= 0 summing to {len(ids)} {what}_ids")
         self.req_ids += req_ids
 
     def ragged(self, code: int, slots: Any, counts: Any, flat: np.ndarray) -> None:

@@ -102,16 +102,45 @@ def log_ragged(flat: np.ndarray, off: np.ndarray, cap: np.ndarray, n: np.ndarray
 
 
 @kernel
+def _counts_ok(counts: np.ndarray, k: int, total: int) -> bool:
+    """``k`` counts, each ``>= 0``, summing to ``total`` (never wraps)."""
+    if len(counts) != k:
+        return False
+    s = 0
+    for v in counts:
+        if v < 0 or v > total - s:
+            return False
+        s += v
+    return s == total
+
+
+@kernel
 def log_add(flat: np.ndarray, off: np.ndarray, cap: np.ndarray, n: np.ndarray, seen: np.ndarray, st: np.ndarray,
-            code: int, slots: np.ndarray, meta: np.ndarray, tokens: np.ndarray, blocks: np.ndarray,
-            comp: np.ndarray) -> int:
-    """``ADD``: ``len(slots)`` requests, ``meta`` their rows (slot, state id, valid start, num
-    computed, #tokens, #blocks, #compressed) back to back, their ids flat in call order."""
-    lack = _lack(cap, n, ((RUNS, 2), (ADD_META, len(meta)), (ADD_TOKENS, len(tokens)), (ADD_TOKENS + 1, len(blocks)),
+            code: int, slots: np.ndarray, scalars: np.ndarray, tokens: np.ndarray, tc: np.ndarray,
+            blocks: np.ndarray, bc: np.ndarray, comp: np.ndarray, cc: np.ndarray) -> int:
+    """``ADD``: ``len(slots)`` requests; ``scalars`` [3, k] their state id, valid start and num
+    computed; request ``i``'s ids the next ``tc[i]`` / ``bc[i]`` / ``cc[i]`` of ``tokens`` /
+    ``blocks`` / ``comp``. Writes the ``add_meta`` rows (slot, state id, valid start, num
+    computed, #tokens, #blocks, #compressed) and the flat ids. ``-1`` / ``-2`` / ``-3`` (nothing
+    written) when the token / block / compressed counts are not ``k`` values ``>= 0`` summing
+    to their ids."""
+    k = len(slots)
+    if not _counts_ok(tc, k, len(tokens)):
+        return -1
+    if not _counts_ok(bc, k, len(blocks)):
+        return -2
+    if not _counts_ok(cc, k, len(comp)):
+        return -3
+    lack = _lack(cap, n, ((RUNS, 2), (ADD_META, 7 * k), (ADD_TOKENS, len(tokens)), (ADD_TOKENS + 1, len(blocks)),
                           (ADD_TOKENS + 2, len(comp))))
     if lack == OK:
-        _entry(flat, off, n, seen, st, code, slots, len(slots))
-        _put(flat, off, n, ADD_META, meta)
+        _entry(flat, off, n, seen, st, code, slots, k)
+        row = flat[off[ADD_META] + n[ADD_META]:off[ADD_META] + n[ADD_META] + 7 * k]
+        for i in range(k):
+            row[7 * i], row[7 * i + 1], row[7 * i + 2], row[7 * i + 3] = slots[i], scalars[0, i], scalars[1, i], \
+                scalars[2, i]
+            row[7 * i + 4], row[7 * i + 5], row[7 * i + 6] = tc[i], bc[i], cc[i]
+        n[ADD_META] += 7 * k
         _put3(flat, off, n, ADD_TOKENS, tokens, blocks, comp)
     return lack
 

@@ -125,20 +125,19 @@ class Recorder(ABC):
                                  "slots are in use")
             flat, scal = add_arguments(n, token_ids, token_counts, block_ids, block_counts, state_ids,
                                        compressed_ids, compressed_counts, swa_valid_starts, num_computed)
-            for what, i in (("token", 0), ("block", 2), ("compressed", 4)):
-                ids, c = flat[i], flat[i + 1]
-                if len(c) != n or (c < 0).any() or int(c.sum()) != len(ids):  # as the replica's add would
-                    raise ValueError(f"{what}_counts: expected {n} counts >= 0 summing to {len(ids)} {what}_ids")
-            slots = np.array([self._free_model.pop() for _ in range(n)], np.int64)
-        else:
-            st = self.state
-            slots = st.add_requests_batch(rids, token_ids, token_counts, block_ids, block_counts, state_ids,
-                                          compressed_ids=compressed_ids, compressed_counts=compressed_counts,
-                                          swa_valid_starts=swa_valid_starts, num_computed=num_computed)
-            flat, _ = add_arguments(n, token_ids, token_counts, block_ids, block_counts, state_ids,
-                                    compressed_ids, compressed_counts)  # accepted: no copies
-            scal = np.vstack((st.state_id[slots], st.swa_valid_start[slots], st.num_computed[slots]))
-        self._rec.add_many(slots, rids, scal, np.vstack(flat[1::2]), *flat[0::2])
+            free = self._free_model  # the state's hand-out order: its last n free slots, last first
+            slots = np.array(free[:len(free) - 1 - n if n < len(free) else None:-1] if n else [], np.int64)
+            self._rec.add_many(slots, rids, scal, *flat)  # counts checked as the replica's add would
+            del free[len(free) - n:]
+            return slots
+        st = self.state
+        slots = st.add_requests_batch(rids, token_ids, token_counts, block_ids, block_counts, state_ids,
+                                      compressed_ids=compressed_ids, compressed_counts=compressed_counts,
+                                      swa_valid_starts=swa_valid_starts, num_computed=num_computed)
+        flat, _ = add_arguments(n, token_ids, token_counts, block_ids, block_counts, state_ids,
+                                compressed_ids, compressed_counts)  # accepted: no copies
+        scal = np.vstack((st.state_id[slots], st.swa_valid_start[slots], st.num_computed[slots]))
+        self._rec.add_many(slots, rids, scal, *flat)
         return slots
 
     def append_tokens(self, slot: int, tokens: Sequence[int]) -> None:
@@ -217,7 +216,8 @@ class Recorder(ABC):
         self._driver("decode_batch")
         batch = None if self._defer else \
             self.state.decode_batch(slots, draft_tokens, num_drafts, num_placeholders=num_placeholders)
-        uniform = -2 if num_drafts is None else (int(num_drafts) if np.ndim(num_drafts) == 0 else -1)
+        nd = num_drafts
+        uniform = -2 if nd is None else int(nd) if isinstance(nd, (int, np.integer)) or np.ndim(nd) == 0 else -1
         lens = _ints(num_drafts) if uniform == -1 else _EMPTY
         drafts = _EMPTY if draft_tokens is None else _ints(draft_tokens)
         slots_a = _ints(slots)

@@ -67,7 +67,22 @@ class RequestBook(StateStore):
         the requests. Example: ``st.add_requests_batch(["a", "b"], [5, 6, 7], [2, 1], [3, 9],
         [1, 1], [0, 1])`` -> slots ``[0, 1]``: "a" holds prompt ``[5, 6]`` and table ``[3]``."""
         ids = list(req_ids)
-        n = len(ids)
+        self._check_new_ids(ids)
+        flat, scalars = add_arguments(len(ids), token_ids, token_counts, block_ids, block_counts, state_ids,
+                                      compressed_ids, compressed_counts, swa_valid_starts, num_computed)
+        toks, tc, blocks, bc, comp, cc = flat
+        return self._add(ids, toks, tc, blocks, bc, comp, cc, scalars)
+
+    def add_converted(self, ids: list[Any], toks: np.ndarray, tc: np.ndarray, blocks: np.ndarray, bc: np.ndarray,
+                      comp: np.ndarray, cc: np.ndarray, scalars: np.ndarray) -> np.ndarray:
+        """``add_requests_batch`` of arguments already as :func:`add_arguments` makes them
+        (contiguous int64: the flat ids and counts, ``[3, n]`` scalars): a replica applying a
+        step frame's columns (``cpmeta.replicate.apply``). The same checks and messages."""
+        self._check_new_ids(ids)
+        return self._add(ids, toks, tc, blocks, bc, comp, cc, scalars)
+
+    def _check_new_ids(self, ids: list[Any]) -> None:
+        """``ValueError`` for an id already in the state or given twice in one call."""
         taken: dict[Hashable, int] = {}
         for i, r in enumerate(ids):
             if r in self._slot:
@@ -75,10 +90,6 @@ class RequestBook(StateStore):
             if taken.setdefault(r, i) != i:
                 raise ValueError(f"request {r!r}: given twice in one add_requests_batch call (positions "
                                  f"{taken[r]} and {i})")
-        flat, scalars = add_arguments(n, token_ids, token_counts, block_ids, block_counts, state_ids, compressed_ids,
-                                      compressed_counts, swa_valid_starts, num_computed)
-        toks, tc, blocks, bc, comp, cc = flat
-        return self._add(ids, toks, tc, blocks, bc, comp, cc, scalars)
 
     def _add(self, ids: list[Any], toks: np.ndarray, tc: np.ndarray, blocks: np.ndarray, bc: np.ndarray,
              comp: np.ndarray, cc: np.ndarray, scalars: np.ndarray) -> np.ndarray:
