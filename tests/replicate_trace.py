@@ -3,8 +3,8 @@
 ``drive(target, cfg, rng)`` makes ONE step's calls on ``target`` -- a ``ReplicatedBatchState``
 (the driver) or a plain ``BatchState`` (the reference, driven by the same seed): adds (one call
 each, or every other step all in one ``add_requests_batch``; prompt,
-block table, state id, Engram history, valid start, prefix-cache hits), finishes (slots are
-reused), chunked prefill, decode with MTP drafts (one count for all, per-sequence counts, none),
+block table, state id, Engram history, valid start, prefix-cache hits), finishes (one call each,
+or every other step all in one ``finish_batch``, in reverse slot order; slots are reused), chunked prefill, decode with MTP drafts (one count for all, per-sequence counts, none),
 placeholders, accepted tokens, block growth, Engram ids, moved state ids and valid starts, and
 now and then a call the state refuses (which must leave every replica unchanged). It returns
 ``(is_prompt or None, batch or None)``: the batch of a plain ``BatchState`` at once, ``None``
@@ -61,9 +61,12 @@ def drive(target: Any, cfg: MetadataConfig, rng: random.Random, refusals: Option
             getattr(target, name)(*args)
         results.clear()
     live = [int(s) for s in np.flatnonzero(st.active)]
-    # finishes (their slots are reused by later adds)
-    for s in live:
-        if rng.random() < 0.06:
+    # finishes (their slots are reused by later adds): every other step's as ONE finish_batch call
+    done = [s for s in live if rng.random() < 0.06]
+    if len(live) % 2:
+        target.finish_batch(np.array(done[::-1], np.int64))
+    else:
+        for s in done:
             target.finish(s)
     live = [int(s) for s in np.flatnonzero(st.active)]
     # adds: every other step's as ONE add_requests_batch call (no draw decides it: same stream)

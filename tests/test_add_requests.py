@@ -286,3 +286,64 @@ def test_op_log_records_an_add_run_only_when_its_counts_add_up(which: str, count
     assert cols[0].tolist() == [[TOK, 1], [ADD, 2]] and log.req_ids == ["a", "b"]
     assert cols[1].tolist() == [[0, 10, 0, 1, 2, 1, 0], [2, 11, 2, 0, 1, 1, 1]]
     assert [c.tolist() for c in cols[2:5]] == [[5, 6, 7], [3, 9], [4]]
+
+
+def _finish_reference(s: BatchState, slots: list[int]) -> dict[str, Any]:
+    """What finishing ``slots`` in order must leave, without the state's code: each slot's
+    request gone from the maps, its row inactive with zero token / block / Engram counts (the
+    rest of its row as it was), the slot appended to the free list."""
+    from cpmeta.state.state_njit import M_BLOCKS, M_COMPRESSED, M_TOKENS
+
+    want = {name: getattr(s, name).copy() for name in ARRAYS}
+    free, req, book = list(s._free), list(s._req), dict(s._slot)
+    for slot in slots:
+        del book[req[slot]]
+        req[slot] = None
+        want["active"][slot] = False
+        for row in (M_TOKENS, M_BLOCKS, M_COMPRESSED):
+            want["_meta"][row, slot] = 0
+        free.append(slot)
+    want.update(_free=free, _req=req, _slot=book)
+    return want
+
+
+@pytest.mark.parametrize("cfg_name", sorted(CFGS))
+@settings(max_examples=60)
+@given(data=st.data())
+def test_finish_batch_and_finish_equal_the_reference(cfg_name: str, data: Any) -> None:
+    """Random live and finished requests, then any subset of the live slots in any order: ONE
+    ``finish_batch`` and one ``finish`` per slot both leave what the reference says, and the
+    next adds take the slots back in the same order."""
+    live = data.draw(st.lists(st.integers(0, 30), min_size=1, max_size=8, unique=True))
+    gone = data.draw(st.lists(st.integers(31, 60), max_size=8 - len(live), unique=True))
+    a, b = _state(CFGS[cfg_name], live, gone), _state(CFGS[cfg_name], live, gone)
+    order = data.draw(st.permutations([a.slot_of(r) for r in live]))
+    slots = order[:data.draw(st.integers(0, len(order)))]
+    want = _finish_reference(a, slots)
+    a.finish_batch(np.array(slots, np.int64))
+    for s in slots:
+        b.finish(s)
+    _matches(a, want)
+    _matches(b, want)
+    assert [a.add_request(f"n{i}", [1], [0], 200 + i) for i in range(len(slots))] == \
+        [b.add_request(f"n{i}", [1], [0], 200 + i) for i in range(len(slots))]
+
+
+@pytest.mark.parametrize("slots, err, message", [
+    ([0, 6], ValueError, r"slots: expected slots of live requests, got \[6\] without one"),
+    ([2, -1, 9], ValueError, r"slots: expected slots of live requests, got \[-1, 9\] without one"),
+    ([1, 0, 1], ValueError, r"slots: request 1 \(slot 1\) appears twice in one step"),
+    ([True], TypeError, r"slots: expected ints, got bool values"),
+    ([1.0], TypeError, r"slots: expected ints, got float64 values"),
+])
+def test_finish_batch_refuses_by_name_and_finishes_none(slots: list[Any], err: type, message: str) -> None:
+    """A slot without a live request, one given twice, or non-int slots: the named error, and
+    no request of the call is finished."""
+    s = _state(PAGED, [0, 1, 2], [3])
+    want = {name: getattr(s, name).copy() for name in ARRAYS}
+    want.update(_free=list(s._free), _req=list(s._req), _slot=dict(s._slot))
+    with pytest.raises(err, match=f"^{message}$"):
+        s.finish_batch(slots)
+    _matches(s, want)
+    s.finish_batch([])  # nothing to finish: nothing changes
+    _matches(s, want)

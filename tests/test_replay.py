@@ -242,7 +242,7 @@ def _draw_calls(d: _Driver, data: st.DataObject, ids: list[int]) -> None:
             elif op in ("sid", "svs") and some:
                 (d.set_state_id if op == "sid" else d.set_swa_valid_start)(some[0], ints(0, 20))
             elif op == "fin" and some:
-                d.finish(some[0])
+                d.finish(some[0]) if ints(0, 1) else d.finish_batch(some)
             elif op == "prompt":
                 lens = [max(1, int(s.prompt_len[i] - s.num_computed[i])) for i in some]
                 d.prompt_batch(some, [k if ints(0, 1) else ints(1, k) for k in lens], num_placeholders=ints(0, 2),

@@ -237,12 +237,13 @@ class SyntheticScheduler:
         self.decoding += self._new_requests(self.decode_seqs - len(self.decoding), prefilled=True)
         r, st = self.rng, self.state
         slots, nd, drafts, self._pending_decode = [], [], [], []
+        done = []
         for req in list(self.decoding):
             d = [r.randrange(1, VOCAB_SIZE - 1) for _ in range(r.choice((0, 1, 2)))]
             k = int(st.num_tokens[req.slot]) + len(d)
             if k > self.cfg.max_model_len:
                 self.decoding.remove(req)
-                self._finish(req)
+                done.append(req)
                 continue
             self._grow(req, k)
             slots.append(req.slot)
@@ -250,6 +251,7 @@ class SyntheticScheduler:
             drafts += d
             accepted = d[: r.randint(0, len(d))] + [r.randrange(1, VOCAB_SIZE - 1)]  # + the bonus token
             self._pending_decode.append((req, accepted))
+        self._finish(done)
         if not slots:
             return None
         return np.array(slots, np.int64), None, np.array(drafts, np.int64), np.array(nd, np.int64)
@@ -265,8 +267,9 @@ class SyntheticScheduler:
                     self.ops.append_tokens(req.slot, [r.randrange(1, VOCAB_SIZE - 1)])
                     self.decoding.append(req)
             self._pending_prompt = []
-            while len(self.decoding) > self.decode_seqs:
-                self._finish(self.decoding.pop(0))
+            n = max(len(self.decoding) - self.decode_seqs, 0)
+            self._finish(self.decoding[:n])
+            del self.decoding[:n]
         else:
             pend = getattr(self, "_pending_decode", [])
             if pend:
@@ -275,6 +278,8 @@ class SyntheticScheduler:
                 self.ops.append_tokens_batch(slots, np.array([t for _, a in pend for t in a], np.int64), counts)
             self._pending_decode = []
 
-    def _finish(self, req: _Request) -> None:
-        self.ops.finish(req.slot)
-        self._free_homes.append(req.home)
+    def _finish(self, reqs: list[_Request]) -> None:
+        """The step's finished requests, one ``finish_batch`` (their KV homes free again)."""
+        if reqs:
+            self.ops.finish_batch(np.array([q.slot for q in reqs], np.int64))
+            self._free_homes += [q.home for q in reqs]

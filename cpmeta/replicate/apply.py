@@ -132,8 +132,7 @@ def _run(state: BatchState, cols: Columns, at: np.ndarray, code: int, n: int, ad
     elif code == ADD:
         _add(state, cols, at, _take(cols, at, _C["add_meta"], n), [next(adds, None) for _ in range(n)])
     elif code == FIN:
-        for slot in _take(cols, at, _C["fin_slots"], n).tolist():
-            state.finish(slot)
+        state.finish_batch(_take(cols, at, _C["fin_slots"], n))
     elif code == SID or code == SVS:
         for slot, v in _take(cols, at, _READS[code][0], n).tolist():
             (state.set_state_id if code == SID else state.set_swa_valid_start)(slot, v)

@@ -18,7 +18,7 @@ run code    columns (int64; ragged ones flat with counts)          applied as
 ``CMP``     ``cmp_slots``, ``cmp_counts``, ``cmp_flat``            ``append_compressed_batch``
 ``SID``     ``sid_pairs`` [s, 2] (slot, state id)                  ``set_state_id`` per entry
 ``SVS``     ``svs_pairs`` [s, 2] (slot, valid start)               ``set_swa_valid_start``
-``FIN``     ``fin_slots``                                          ``finish`` per entry
+``FIN``     ``fin_slots``                                          ``finish_batch``
 ``SPEC``    ``spec_slots``, ``spec_lens`` (chunk lengths or draft   ``prompt_batch`` /
             counts), ``spec_drafts``; ``SPEC_WORDS`` values each    ``decode_batch`` (one or more
                                                                    per step: a mixed step)
@@ -38,7 +38,7 @@ import numpy as np
 
 from ..jit import warmer
 from . import ops_njit
-from .ops_njit import log_add, log_extend, log_pair, log_ragged, log_spec, pack_region
+from .ops_njit import log_add, log_extend, log_pair, log_ragged, log_slots, log_spec, pack_region
 
 __all__ = ["OpLog", "Columns", "ADD", "TOK", "BLK", "CMP", "SID", "SVS", "FIN", "SPEC", "COLUMNS",
            "RUN_NAMES", "SPEC_WORDS", "WIDTHS", "flat_ints"]
@@ -190,8 +190,9 @@ class OpLog:
         self._call(log_pair, self._seen, self._st, code, _SID if code == SID else _SVS,
                    np.array((slot, value), np.int64))
 
-    def finish(self, slot: int) -> None:
-        self._call(log_pair, self._seen, self._st, FIN, _FIN, np.array((slot,), np.int64))
+    def finish(self, slots: np.ndarray) -> None:
+        """``FIN`` entries, one per slot (int64)."""
+        self._call(log_slots, self._seen, self._st, FIN, _FIN, slots)
 
     def batch_spec(self, is_prompt: bool, slots: np.ndarray, lens: np.ndarray, drafts: np.ndarray,
                    num_placeholders: int, advance: bool, uniform: int) -> None:
@@ -232,7 +233,7 @@ def _warm() -> None:
     log.ragged(TOK, np.array([0]), np.array([1]), np.array([7]))
     log.add(1, "r", np.array([1, 2]), np.array([0]), np.zeros(0, np.int64), 0, 0, 0)
     log.pair(SID, 1, 3)
-    log.finish(1)
+    log.finish(np.array([1]))
     log.batch_spec(False, np.array([0]), np.zeros(0, np.int64), np.zeros(0, np.int64), 0, True, -2)
     other.ragged(TOK, np.array([0]), np.array([1]), np.array([8]))
     log.extend(other)

@@ -3,7 +3,7 @@
 The driver's :class:`~cpmeta.replicate.ops.OpLog` keeps every logged column in ONE int64 buffer
 ``flat``: column ``c`` owns ``flat[off[c]:off[c] + cap[c]]`` and uses its first ``n[c]`` values;
 ``seen[slot]`` is the run id that last touched a slot and ``st = [run id, open run's code]``.
-Each recording call (:func:`log_ragged`, :func:`log_add`, :func:`log_pair`, :func:`log_spec`,
+Each recording call (:func:`log_ragged`, :func:`log_add`, :func:`log_pair`, :func:`log_slots`, :func:`log_spec`,
 :func:`log_extend`) first checks that every value fits: when one column lacks room it returns
 ``1 + c`` and writes nothing (the wrapper grows column ``c`` and calls again), else it writes
 and returns :data:`~cpmeta.jit.OK`. A run is opened or extended as the ops module describes (a
@@ -26,7 +26,7 @@ import numpy as np
 from ..base_njit import copy_from0
 from ..jit import OK, kernel
 
-__all__ = ["log_ragged", "log_add", "log_pair", "log_spec", "log_extend", "pack_region", "unpack_region",
+__all__ = ["log_ragged", "log_add", "log_pair", "log_slots", "log_spec", "log_extend", "pack_region", "unpack_region",
            "R_DIMS", "R_BYTES", "SPEC_CODE", "RUNS", "ADD_META", "ADD_TOKENS", "SPEC_SLOTS"]
 
 R_DIMS, R_BYTES = 1, 2  # unpack_region's refusals: a dim / the byte counts
@@ -148,11 +148,22 @@ def log_add(flat: np.ndarray, off: np.ndarray, cap: np.ndarray, n: np.ndarray, s
 @kernel
 def log_pair(flat: np.ndarray, off: np.ndarray, cap: np.ndarray, n: np.ndarray, seen: np.ndarray, st: np.ndarray,
              code: int, c: int, pair: np.ndarray) -> int:
-    """One entry of ``pair`` (slot, then 0 or 1 value) at column ``c`` (``SID``, ``SVS``, ``FIN``)."""
+    """One entry of ``pair`` (slot, value) at column ``c`` (``SID``, ``SVS``)."""
     lack = _lack(cap, n, ((RUNS, 2), (c, len(pair))))
     if lack == OK:
         _entry(flat, off, n, seen, st, code, pair[:1], 1)
         _put(flat, off, n, c, pair)
+    return lack
+
+
+@kernel
+def log_slots(flat: np.ndarray, off: np.ndarray, cap: np.ndarray, n: np.ndarray, seen: np.ndarray, st: np.ndarray,
+              code: int, c: int, slots: np.ndarray) -> int:
+    """``len(slots)`` entries of one slot each at column ``c`` (``FIN``)."""
+    lack = _lack(cap, n, ((RUNS, 2), (c, len(slots))))
+    if lack == OK:
+        _entry(flat, off, n, seen, st, code, slots, len(slots))
+        _put(flat, off, n, c, slots)
     return lack
 
 

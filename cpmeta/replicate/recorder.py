@@ -17,6 +17,7 @@ from typing import Any, Callable, Hashable, NamedTuple, Optional, Sequence
 import numpy as np
 
 from ..state import BatchState, SequenceBatch
+from ..state.checks import as_int_array
 from ..state.requests import add_arguments
 from .ops import BLK, CMP, SID, SVS, TOK, OpLog, flat_ints
 
@@ -196,7 +197,19 @@ class Recorder(ABC):
             self._free_model.append(int(slot))
         else:
             self.state.finish(slot)
-        self._rec.finish(int(slot))
+        self._rec.finish(np.array((slot,), np.int64))
+
+    def finish_batch(self, slots: Sequence[int] | np.ndarray) -> None:
+        """``BatchState.finish_batch``: a step's finished requests, one recording call."""
+        self._driver("finish_batch")
+        s = as_int_array("slots", slots)
+        if not len(s):
+            return
+        if self._defer:
+            self._free_model += s.tolist()
+        else:
+            self.state.finish_batch(s)
+        self._rec.finish(s)
 
     def prompt_batch(self, slots: np.ndarray, chunk_lens: np.ndarray, *, num_placeholders: int = 0,
                      advance: bool = True) -> None:

@@ -6,7 +6,8 @@ module              holds
 ``batch``           :class:`SequenceBatch`: a step's scheduled sequences as numpy arrays
 ``store``           ``StateStore``: the preallocated per-request arrays other rooms may read
                     (``token_ids``, ``block_table``, ``num_blocks``, ...; read-only to them)
-``requests``        ``RequestBook``: ``add_request``, ``add_requests_batch``, ``finish`` (slots in and out)
+``requests``        ``RequestBook``: ``add_request``, ``add_requests_batch``, ``finish``,
+                    ``finish_batch`` (slots in and out)
 ``batch_state``     :class:`BatchState`: requests added once, deltas per step, the step's batch
 ``state_njit``      the compiled kernels: a step's appends, its gather, the staging's vouching
 ``requests_njit``   ``add_rows``: a step's new requests in one compiled call

@@ -86,7 +86,8 @@ class BatchState(RequestBook):
             st.finish(a)                                            # slot is free again
 
     A step's new requests in one call: ``st.add_requests_batch(ids, prompts, prompt_lens, tables,
-    table_lens, state_ids)`` (flat ids + counts, like the append batches).
+    table_lens, state_ids)`` (flat ids + counts, like the append batches); its finished ones:
+    ``st.finish_batch(slots)``.
 
     Slots are small ints (``add_request``'s return value, ``slot_of(req_id)``); the batch methods
     take arrays of them so a step needs no per-request Python.

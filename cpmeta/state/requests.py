@@ -1,5 +1,5 @@
 """Requests joining and leaving a ``BatchState``: ``add_request``, ``add_requests_batch`` (a
-step's new requests in one compiled call, :mod:`.requests_njit`), ``finish``.
+step's new requests in one compiled call, :mod:`.requests_njit`), ``finish``, ``finish_batch``.
 
 :class:`RequestBook` is the part of :class:`~cpmeta.state.batch_state.BatchState` that hands out
 and takes back slots; the per-step deltas and gathers are in ``batch_state``. Every check runs
@@ -14,12 +14,13 @@ import numpy as np
 
 from .checks import as_int_array, check_int_arg
 from .requests_njit import E_COMPUTED, E_EMPTY, E_FULL, E_STATE_HELD, add_rows
-from .state_njit import E_CAPACITY, E_COUNTS, E_NEGATIVE_ID
+from .state_njit import E_CAPACITY, E_COUNTS, E_NEGATIVE_ID, M_BLOCKS, M_COMPRESSED, M_TOKENS
 from .store import StateStore
 
 __all__ = ["RequestBook", "add_arguments"]
 
 _EMPTY = np.zeros(0, np.int64)
+_FINISH_ZEROED = np.array([[M_TOKENS], [M_BLOCKS], [M_COMPRESSED]])  # the meta rows a finish resets
 
 
 class RequestBook(StateStore):
@@ -158,6 +159,24 @@ class RequestBook(StateStore):
         self._req[slot], self.active[slot] = None, False
         self.num_tokens[slot] = self.num_blocks[slot] = self.num_compressed[slot] = 0
         self._free.append(slot)
+
+    def finish_batch(self, slots: Sequence[int] | np.ndarray) -> None:
+        """``finish`` each of ``slots`` in order, in one call (an engine's finished requests of a
+        step): every slot must hold a live request and appear once, else ``ValueError`` naming
+        them and none is finished; the slots join the free list in that order. Example: after
+        ``finish_batch([4, 1])`` the next ``add_request`` gets slot 1, the one after it slot 4."""
+        s = as_int_array("slots", slots)
+        sl = s.tolist()
+        n, active = self.max_seqs, self.active
+        if len(set(sl)) != len(sl) or not all(0 <= x < n and active[x] for x in sl):
+            self._raise_slots(s)
+        req, book = self._req, self._slot
+        for x in sl:
+            del book[req[x]]
+            req[x] = None
+        active[s] = False
+        self._meta[_FINISH_ZEROED, s[None, :]] = 0
+        self._free += sl
 
 
 def add_arguments(n: int, token_ids: Any, token_counts: Any, block_ids: Any, block_counts: Any, state_ids: Any,

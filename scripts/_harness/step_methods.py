@@ -60,8 +60,8 @@ class StepTrace:
     prompt: 8 new requests of 4096 tokens per step, each prefilled in one chunk, finished the
     step after. mixed: 8 prefill lanes (prompts of 1-4 chunks of 1024), a finished prompt gets
     its first token and joins the 64 decoding requests, whose oldest one finishes. Tables grow
-    by ``append_blocks`` as sequences pass a block; a step's new requests are one
-    ``add_requests_batch``. ``next_step()`` -> the op list.
+    by ``append_blocks`` as sequences pass a block; a step's finished requests are one
+    ``finish_batch``, its new requests one ``add_requests_batch``. ``next_step()`` -> the op list.
     """
 
     def __init__(self, cfg: cpmeta.MetadataConfig, workload: str, seed: int = 0) -> None:
@@ -102,10 +102,13 @@ class StepTrace:
             self.home[s] = h
         return slots.tolist()
 
-    def _finish(self, s: int) -> None:
-        self._do("finish", s)
-        self.homes.append(self.home.pop(s))
-        self.target.pop(s, None)
+    def _finish(self, slots: list[int]) -> None:
+        """The step's finished requests: ONE ``finish_batch`` op."""
+        if slots:
+            self._do("finish_batch", np.array(slots, np.int64))
+        for s in slots:
+            self.homes.append(self.home.pop(s))
+            self.target.pop(s, None)
 
     def next_step(self) -> list[tuple]:
         st, rng, self.ops = self.state, self.rng, []
@@ -118,17 +121,19 @@ class StepTrace:
                 counts = np.concatenate([counts, np.ones(len(joined), np.int64)])
             if len(slots):
                 self._do("append_tokens_batch", slots, toks, counts)
+        done = []
         for s in joined:
             self.pre.remove(s)
             if self.n_dec:
                 self.dec.append(s)
             else:
-                self._finish(s)
+                done.append(s)
         while len(self.dec) > self.n_dec:  # mixed: the oldest decodes finish
-            self._finish(self.dec.pop(0))
+            done.append(self.dec.pop(0))
         for s in [s for s in self.dec if s in self.target and st.num_tokens[s] + 3 > self.target[s]]:
             self.dec.remove(s)  # decode-N: a finished request, replaced below
-            self._finish(s)
+            done.append(s)
+        self._finish(done)
         self.pre += self._add([self.chunk * (1 if self.workload == "prompt" else int(rng.integers(1, 5)))
                                for _ in range(self.n_pre - len(self.pre))], False)
         sizes = [int(rng.integers(128, 2049)) for _ in range(self.n_dec - len(self.dec))]
