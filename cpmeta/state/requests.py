@@ -13,14 +13,13 @@ from typing import Any, Hashable, Optional, Sequence
 import numpy as np
 
 from .checks import as_int_array, check_int_arg
-from .requests_njit import E_COMPUTED, E_EMPTY, E_FULL, E_STATE_HELD, add_rows
-from .state_njit import E_CAPACITY, E_COUNTS, E_NEGATIVE_ID, M_BLOCKS, M_COMPRESSED, M_TOKENS
+from .requests_njit import E_COMPUTED, E_EMPTY, E_FULL, E_STATE_HELD, add_rows, finish_rows
+from .state_njit import E_CAPACITY, E_COUNTS, E_NEGATIVE_ID
 from .store import StateStore
 
 __all__ = ["RequestBook", "add_arguments"]
 
 _EMPTY = np.zeros(0, np.int64)
-_FINISH_ZEROED = np.array([[M_TOKENS], [M_BLOCKS], [M_COMPRESSED]])  # the meta rows a finish resets
 
 
 class RequestBook(StateStore):
@@ -155,9 +154,10 @@ class RequestBook(StateStore):
     def finish(self, slot: int) -> None:
         """Remove the request in ``slot``; the slot is reused by a later ``add_request``."""
         req = self._live(slot)
+        self._one[0] = slot
+        finish_rows(self._one, self._meta, self.active, self._seen, self._err)
         del self._slot[req]
-        self._req[slot], self.active[slot] = None, False
-        self.num_tokens[slot] = self.num_blocks[slot] = self.num_compressed[slot] = 0
+        self._req[slot] = None
         self._free.append(slot)
 
     def finish_batch(self, slots: Sequence[int] | np.ndarray) -> None:
@@ -166,16 +166,13 @@ class RequestBook(StateStore):
         them and none is finished; the slots join the free list in that order. Example: after
         ``finish_batch([4, 1])`` the next ``add_request`` gets slot 1, the one after it slot 4."""
         s = as_int_array("slots", slots)
-        sl = s.tolist()
-        n, active = self.max_seqs, self.active
-        if len(set(sl)) != len(sl) or not all(0 <= x < n and active[x] for x in sl):
+        if finish_rows(s, self._meta, self.active, self._seen, self._err):
             self._raise_slots(s)
+        sl = s.tolist()
         req, book = self._req, self._slot
         for x in sl:
             del book[req[x]]
             req[x] = None
-        active[s] = False
-        self._meta[_FINISH_ZEROED, s[None, :]] = 0
         self._free += sl
 
 

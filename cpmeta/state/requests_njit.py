@@ -1,5 +1,6 @@
-"""The compiled half of ``BatchState.add_requests_batch`` (:mod:`.requests`): a step's new
-requests into free slots in ONE call, every request's checks before any write.
+"""The compiled halves of ``BatchState.add_requests_batch`` and ``finish_batch`` (:mod:`.requests`):
+a step's new requests into free slots, or its finished ones out, in ONE call each, every check
+before any write.
 
 Same conventions as :mod:`.state_njit` (the state's ``meta`` rows, its constants ``p``, an error
 code and ``err = [code, index, value, limit]`` instead of a raise); ``err[1]`` is the failing
@@ -14,10 +15,10 @@ from ..base_njit import copy_from0, fail
 from ..jit import OK, kernel, warmer
 from .state_njit import (
     E_CAPACITY, E_COUNTS, E_NEGATIVE_ID, M_BLOCKS, M_COMPRESSED, M_COMPUTED, M_FIRST_BAD, M_PROMPT, M_STATE,
-    M_TOKENS, M_VALID_START, N_META, NO_BAD, P_MAX_BLOCK_ID, P_SWA, state_params,
+    M_TOKENS, M_VALID_START, N_META, NO_BAD, P_MAX_BLOCK_ID, P_SWA, check_slots, state_params,
 )
 
-__all__ = ["add_rows", "E_FULL", "E_EMPTY", "E_COMPUTED", "E_STATE_HELD"]
+__all__ = ["add_rows", "finish_rows", "E_FULL", "E_EMPTY", "E_COMPUTED", "E_STATE_HELD"]
 
 # add_rows: err[1] is the request's position in the call
 E_FULL = 11  #: no free slot is left for request ``err[1]``
@@ -108,9 +109,23 @@ def add_rows(slots: np.ndarray, toks: np.ndarray, tok_cnt: np.ndarray, blocks: n
     return OK
 
 
+@kernel
+def finish_rows(slots: np.ndarray, meta: np.ndarray, active: np.ndarray, mark: np.ndarray, err: np.ndarray) -> int:
+    """Finish the requests in ``slots``: each slot live and given once (``E_SLOT`` / ``E_REPEAT``
+    of ``state_njit``, nothing written), then inactive with no tokens, blocks or Engram ids
+    (the rest of its row stays until an add rewrites it)."""
+    code = check_slots(slots, active, mark, err)
+    if code:
+        return code
+    for s in slots:
+        active[s] = False
+        meta[M_TOKENS, s] = meta[M_BLOCKS, s] = meta[M_COMPRESSED, s] = 0
+    return OK
+
+
 @warmer
 def _warm() -> None:
-    """The kernel once, refused (no free slot), on a 2-slot state."""
+    """The kernels once: an add refused (no free slot) and a finish of nothing, on a 2-slot state."""
     from ..config import MetadataConfig
 
     cfg = MetadataConfig(block_size=16, window_size=0, dense_compress_ratios=(), sparse_compress_ratios=(),
@@ -120,3 +135,5 @@ def _warm() -> None:
              np.zeros((3, 1), np.int64), np.zeros((N_META, 2), np.int64), np.zeros(2, np.bool_),
              np.zeros((2, 64), np.int64), np.zeros((2, 4), np.int64), np.zeros((2, 0), np.int64),
              state_params(cfg, 0), np.zeros(4, np.int64))
+    finish_rows(np.zeros(0, np.int64), np.zeros((N_META, 2), np.int64), np.zeros(2, np.bool_), np.zeros(2, np.int64),
+                np.zeros(4, np.int64))

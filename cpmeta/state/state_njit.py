@@ -25,7 +25,7 @@ from ..constants import INT32_MAX
 from ..base_njit import blocks_needed_one, copy_from0, copy_ids, fail as _fail
 from ..jit import OK, kernel, warmer
 
-__all__ = ["append_rows", "gather_step", "vouch_step", "state_params", "K_TOKENS", "K_BLOCKS",
+__all__ = ["append_rows", "gather_step", "vouch_step", "check_slots", "state_params", "K_TOKENS", "K_BLOCKS",
            "K_COMPRESSED", "M_TOKENS", "M_COMPUTED", "M_PROMPT", "M_BLOCKS", "M_COMPRESSED", "M_STATE",
            "M_VALID_START", "M_FIRST_BAD", "NO_BAD", "N_META", "E_SLOT", "E_REPEAT", "E_COUNTS", "E_CAPACITY", "E_NEGATIVE_ID",
            "E_CHUNK", "E_CHUNK_PASSES", "E_NUM_DRAFTS", "E_DRAFT_ID", "E_PREFILL"]
@@ -72,7 +72,7 @@ def _blocks_needed(k: int, p: np.ndarray) -> int:
 
 
 @kernel
-def _check_slots(slots: np.ndarray, active: np.ndarray, mark: np.ndarray, err: np.ndarray) -> int:
+def check_slots(slots: np.ndarray, active: np.ndarray, mark: np.ndarray, err: np.ndarray) -> int:
     """Every slot live (:data:`E_SLOT`, the first bad position) and given once
     (:data:`E_REPEAT`: the first position whose slot appeared before). ``mark`` [max_seqs]
     scratch: filled back to front with each slot's position, it ends holding every slot's FIRST
@@ -105,7 +105,7 @@ def append_rows(kind: int, slots: np.ndarray, values: np.ndarray, counts: np.nda
     Example: have ``[2, 0]``, slots ``[1, 0]``, counts ``[1, 2]``, values ``[9, 4, 5]`` -> row
     1 gets ``[9]`` at column 0, row 0 ``[4, 5]`` at columns 2-3; have ``[4, 1]``.
     """
-    code = _check_slots(slots, active, mark, err)
+    code = check_slots(slots, active, mark, err)
     if code:
         return code
     n, cap = slots.shape[0], rows.shape[1]
@@ -176,7 +176,7 @@ def gather_step(is_prompt: bool, slots: np.ndarray, q: np.ndarray, k_all: int, d
     """
     empty = np.zeros(0, np.int64)
     no_ph = np.zeros(0, np.bool_)
-    code = _check_slots(slots, active, mark, err)
+    code = check_slots(slots, active, mark, err)
     if code:
         return empty, no_ph, False
     nr = slots.shape[0]
@@ -316,7 +316,7 @@ def vouch_step(slots: np.ndarray, q: np.ndarray, k_all: int, meta: np.ndarray, a
     present and in ``[0, max_block_id]``. Writes each slot's ``num_tokens`` and ``seqlen_k``
     into ``nt_out`` / ``sk_out``. Example: block 16, a slot with 2 blocks ``[3, 4]`` and 20
     tokens, 2 drafts -> seqlen_k 22 needs 2 blocks: True."""
-    if _check_slots(slots, active, mark, err):
+    if check_slots(slots, active, mark, err):
         return False
     for i in range(slots.shape[0]):
         s = slots[i]
