@@ -33,13 +33,16 @@ _READS = {ADD: (_C["add_meta"],), TOK: (_C["tok_slots"], _C["tok_counts"], _C["t
           CMP: (_C["cmp_slots"], _C["cmp_counts"], _C["cmp_flat"]), SID: (_C["sid_pairs"],),
           SVS: (_C["svs_pairs"],), FIN: (_C["fin_slots"],)}
 _UNREAD = ("runs", "batch_digest")  # columns no run reads from
+_ADD_TOKENS = _C["add_tokens"]  # then add_blocks, add_comp
+assert COLUMNS[_ADD_TOKENS:_ADD_TOKENS + 3] == ("add_tokens", "add_blocks", "add_comp")
 
 
 def _take(cols: Columns, at: np.ndarray, c: int, k: int) -> Any:
     """The next ``k`` rows of column ``c`` (``ReplicaError`` past its end); ``at[c]``, its
     cursor into the columns' buffer, moves past them."""
-    w, a, start = _WIDTH[c], int(at[c]), int(cols.starts[c])
-    have = (int(cols.starts[c + 1]) - start) // w
+    w, a = _WIDTH[c], int(at[c])
+    start, stop = cols.starts[c:c + 2].tolist()
+    have = (stop - start) // w
     if k < 0 or (a - start) // w + k > have:
         raise ReplicaError(f"step frame: {COLUMNS[c]} holds {have} entries, its runs read {(a - start) // w + k}")
     at[c] = a + k * w
@@ -149,18 +152,18 @@ def _add(state: BatchState, cols: Columns, at: np.ndarray, meta: np.ndarray, req
     driver's slot."""
     if None in req_ids:
         raise ReplicaError("step frame: fewer request ids than its add_request entries")
-    counts = meta[:, 4:].T.copy()  # [#tokens, #blocks, #compressed] rows
-    if (counts < 0).any():
+    m = np.ascontiguousarray(meta.T)  # rows: slot, state id, valid start, num computed, the 3 counts
+    counts = m[4:].tolist()
+    if any(v < 0 for row in counts for v in row):
         raise ReplicaError("step frame: an add_request entry with a negative count")
-    nt, nb, nc = counts
-    toks = _take(cols, at, _C["add_tokens"], int(nt.sum()))
-    blocks = _take(cols, at, _C["add_blocks"], int(nb.sum()))
-    comp = _take(cols, at, _C["add_comp"], int(nc.sum()))
-    got = state.add_converted(req_ids, toks, nt, blocks, nb, comp, nc, meta[:, 1:4].T.copy())
-    slot = meta[:, 0]
-    if (got != slot).any():
-        i = int(np.flatnonzero(got != slot)[0])
-        raise ReplicaError(f"request {req_ids[i]!r}: added in slot {int(got[i])} here, slot {int(slot[i])} on the driver")
+    toks = _take(cols, at, _ADD_TOKENS, sum(counts[0]))
+    blocks = _take(cols, at, _ADD_TOKENS + 1, sum(counts[1]))
+    comp = _take(cols, at, _ADD_TOKENS + 2, sum(counts[2]))
+    got = state.add_converted(req_ids, toks, m[4], blocks, m[5], comp, m[6], m[1:4]).tolist()
+    slot = m[0].tolist()
+    if got != slot:
+        i = next(i for i, (g, s) in enumerate(zip(got, slot)) if g != s)
+        raise ReplicaError(f"request {req_ids[i]!r}: added in slot {got[i]} here, slot {slot[i]} on the driver")
 
 
 def _spec(state: BatchState, cols: Columns, at: np.ndarray, spec: list[int]) -> SequenceBatch:
