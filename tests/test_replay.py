@@ -30,7 +30,7 @@ from cpmeta.launch.scheduler import default_config, plain_config
 from cpmeta.replicate import apply as apply_mod
 from cpmeta.replicate.apply import ReplicaError, apply_step
 from cpmeta.replicate.digest import batch_check
-from cpmeta.replicate.ops import BLK, CMP, COLUMNS, SPEC, TOK, OpLog
+from cpmeta.replicate.ops import ADD, BLK, CMP, COLUMNS, FIN, SPEC, TOK, OpLog
 from cpmeta.replicate.recorder import Recorder
 from cpmeta.broadcast.plan import Plan
 from cpmeta.broadcast.wire import (FLAG_CRC, FLAG_LAYOUT, FLAG_PACKED, PACK_ALIGN, FrameReader, FrameWriter, WireError,
@@ -160,12 +160,14 @@ def _assert_frame_as_codec_writes(log: OpLog, digest: np.ndarray) -> None:
 
 def _sync(d: _Driver, b: BatchState) -> list[SequenceBatch]:
     """One step: B applies A's frame; B's batches and state must equal A's, and no append run or
-    batch spec of this valid frame left the compiled replay for the Python one."""
+    batch spec of this valid frame left the compiled replay for the Python one -- nor an add or
+    a finish, unless the frame adds an id B holds at its start (one finished and added again)."""
     cols, req_ids, specs, want, at_spec = d.frame()
+    fresh = b.all_new(req_ids)
     with mock.patch.object(apply_mod, "_run", wraps=apply_mod._run) as in_python:
         got, check = apply_step(b, cols, req_ids, specs)
     codes = [call.args[3] for call in in_python.call_args_list]  # _run(state, cols, at, code, ...)
-    assert not {TOK, BLK, CMP, SPEC} & set(codes), codes
+    assert not ({TOK, BLK, CMP, SPEC} | ({ADD, FIN} if fresh else set())) & set(codes), codes
     _assert_same_batches(got, want)
     want_check = batch_check(want)  # the step check the replay wrote = the driver's batch_check
     assert check.shape == want_check.shape and np.array_equal(check, want_check), (check, want_check)
@@ -321,6 +323,17 @@ BAD = [  # (record the bad part, tamper (columns, spec words), exception, messag
           lambda g: (g.add(3, "x", [1], [0], [], 0, 0, 0), g.add(4, "y", [2], [0], [], 0, 0, 0)),
           lambda c, w: (_put(c, "add_meta", (0, 4), 3), _put(c, "add_meta", (1, 4), -1)), ReplicaError,
           "step frame: an add_request entry with a negative count"),
+    _case("add_in_another_slot", lambda g: g.add(5, "x", [1], [0], [], 0, 0, 0), None, ReplicaError,
+          "request 'x': added in slot 3 here, slot 5 on the driver"),
+    _case("add_second_in_another_slot",
+          lambda g: (g.add(3, "x", [1], [0], [], 0, 0, 0), g.add(6, "y", [2], [0], [], 0, 0, 0)), None, ReplicaError,
+          "request 'y': added in slot 4 here, slot 6 on the driver"),
+    _case("add_past_the_free_slots", lambda g: [g.add(s, f"x{s}", [1], [0], [], 0, 0, 0) for s in (3, 4, 5, 6, 7, 0)],
+          None, ValueError, "request 'x0': all max_seqs=8 slots are in use"),
+    _case("finish_free_slot", lambda g: g.finish(np.array([2, 5])), None, ValueError,
+          r"slots: expected slots of live requests, got \[5\] without one"),
+    _case("finish_slot_twice", lambda g: g.finish(np.array([1, 1])), None, ValueError,
+          r"slots: request 'b' \(slot 1\) appears twice in one step"),
     _case("unknown_run_code", lambda g: None, lambda c, w: c.__setitem__(0, np.vstack([c[0], [[99, 1]]])),
           ReplicaError, r"unknown run \(99, 1\)"),
     _case("spec_run_of_two", lambda g: _spec(g, False, [0], [], [], 0, -2), lambda c, w: _put(c, "runs", (-1, 1), 2),

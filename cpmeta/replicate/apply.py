@@ -33,7 +33,7 @@ _READS = {ADD: (_C["add_meta"],), TOK: (_C["tok_slots"], _C["tok_counts"], _C["t
           CMP: (_C["cmp_slots"], _C["cmp_counts"], _C["cmp_flat"]), SID: (_C["sid_pairs"],),
           SVS: (_C["svs_pairs"],), FIN: (_C["fin_slots"],)}
 _UNREAD = ("runs", "batch_digest")  # columns no run reads from
-_ADD_TOKENS = _C["add_tokens"]  # then add_blocks, add_comp
+_ADD_TOKENS, _FIN = _C["add_tokens"], _C["fin_slots"]  # add_tokens: then add_blocks, add_comp
 assert COLUMNS[_ADD_TOKENS:_ADD_TOKENS + 3] == ("add_tokens", "add_blocks", "add_comp")
 
 
@@ -79,10 +79,17 @@ def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[
     check = np.empty((rows if 0 <= rows <= _MAX_CHECK_ROWS else 0, 4), np.int64)  # else: batch_check below
     batches: list[SequenceBatch] = []
     adds = iter(req_ids)
+    # adds and finishes in the kernel too when every added id is new (else Python's calls name it)
+    book = bool(req_ids or starts[_FIN + 1] > starts[_FIN]) and state.all_new(req_ids)
+    free = state.free_stack() if book else _NO_FREE
+    booked = [0, 0]  # fin_slots / add_meta rows whose slots the request maps hold
     r, si, crow, replayed = 0, 0, 0, True
     while True:
+        r0 = r
         status, r, si, crow, gbuf, ph, vouched = replay(r, runs, buf, at, end, words, si, *arrays, check, crow,
-                                                        state.lookback)
+                                                        state.lookback, book, *free)
+        if book and r > r0:
+            _book(state, cols, runs[r0:r].tolist(), booked, adds)
         if status == S_END:
             break
         if status == S_SPEC:
@@ -93,6 +100,9 @@ def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[
         code, n = runs[r].tolist()
         replayed = replayed and code != SPEC  # a spec made here: its check made below
         _run(state, cols, at, code, n, adds, spec, batches)
+        if book and (code == ADD or code == FIN):  # made by Python's call: the kernel's free list again
+            booked[code == ADD] += n
+            state.free_stack()
         si = SPEC_WORDS * len(batches)
         r += 1
     if (at != end).any():  # a column its runs did not read to its end: the first one named
@@ -112,15 +122,34 @@ def warm_replay(state: BatchState, cols: Columns, batches: list[SequenceBatch]) 
     buf, starts, _ = cols
     runs = cols.col(0)
     replay(len(runs), runs, buf, starts[:-1].copy(), starts[1:], _NO_WORDS, 0, *state.kernel_arrays(),
-           _NO_CHECK, 0, state.lookback)
+           _NO_CHECK, 0, state.lookback, False, *_NO_FREE)
     if batches:
         batch_check(batches)
 
 
 _NO_WORDS = np.zeros(0, np.int64)
+_NO_FREE = (np.zeros(0, np.int64), np.zeros(1, np.int64), np.zeros(0, np.int64))  # a frame without adds / finishes
 _NO_CHECK = np.zeros((0, 4), np.int64)
 _MAX_CHECK_ROWS = 1 << 20  # spec words claiming more rows: the check is made from the batches, if any
 _RUNS, _DIGEST = (COLUMNS.index(c) for c in _UNREAD)  # columns no run reads (set read to their end)
+
+
+def _book(state: BatchState, cols: Columns, runs: list[list[int]], booked: list[int], adds: Any) -> None:
+    """The request maps after the compiled replay finished / added requests in ``runs``
+    (``booked``: the fin_slots / add_meta rows already booked; ``adds`` the frame's ids)."""
+    done: list[tuple[list[int], Any]] = []
+    for code, n in runs:
+        if code == FIN:
+            done.append((cols.col(_C["fin_slots"])[booked[0]:booked[0] + n].tolist(), None))
+            booked[0] += n
+        elif code == ADD:
+            ids = [next(adds, None) for _ in range(n)]
+            if None in ids:  # the rows are written: the replica stops here
+                raise ReplicaError("step frame: fewer request ids than its add_request entries")
+            done.append((cols.col(_C["add_meta"])[booked[1]:booked[1] + n, 0].tolist(), ids))
+            booked[1] += n
+    if done:
+        state.book_replayed(done)
 
 
 def _run(state: BatchState, cols: Columns, at: np.ndarray, code: int, n: int, adds: Any,
@@ -156,14 +185,15 @@ def _add(state: BatchState, cols: Columns, at: np.ndarray, meta: np.ndarray, req
     counts = m[4:].tolist()
     if any(v < 0 for row in counts for v in row):
         raise ReplicaError("step frame: an add_request entry with a negative count")
+    slot, free = m[0].tolist(), state.free_slots()
+    here = free[:len(free) - 1 - len(slot):-1]  # the slots this state hands out next (too few: its error)
+    if len(here) == len(slot) and here != slot:  # checked before anything is written
+        i = next(i for i, (g, s) in enumerate(zip(here, slot)) if g != s)
+        raise ReplicaError(f"request {req_ids[i]!r}: added in slot {here[i]} here, slot {slot[i]} on the driver")
     toks = _take(cols, at, _ADD_TOKENS, sum(counts[0]))
     blocks = _take(cols, at, _ADD_TOKENS + 1, sum(counts[1]))
     comp = _take(cols, at, _ADD_TOKENS + 2, sum(counts[2]))
-    got = state.add_converted(req_ids, toks, m[4], blocks, m[5], comp, m[6], m[1:4]).tolist()
-    slot = m[0].tolist()
-    if got != slot:
-        i = next(i for i, (g, s) in enumerate(zip(got, slot)) if g != s)
-        raise ReplicaError(f"request {req_ids[i]!r}: added in slot {got[i]} here, slot {slot[i]} on the driver")
+    state.add_converted(req_ids, toks, m[4], blocks, m[5], comp, m[6], m[1:4])
 
 
 def _spec(state: BatchState, cols: Columns, at: np.ndarray, spec: list[int]) -> SequenceBatch:

@@ -27,17 +27,20 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..base_njit import copy_from0
 from ..jit import kernel, warmer
+from ..state.requests_njit import add_rows, finish_rows
 from ..state.state_njit import (K_BLOCKS, K_COMPRESSED, K_TOKENS, M_BLOCKS, M_COMPRESSED, M_FIRST_BAD, M_TOKENS,
                                 append_rows, gather_step)
 from .digest_njit import seq_digests
-from .ops import BLK, CMP, COLUMNS, SPEC, SPEC_WORDS, TOK
+from .ops import ADD, BLK, CMP, COLUMNS, FIN, SPEC, SPEC_WORDS, TOK
 
 __all__ = ["replay", "S_END", "S_SPEC", "S_RUN"]
 
 S_END, S_SPEC, S_RUN = 0, 1, 2
 _TOK_SLOTS, _BLK_SLOTS, _CMP_SLOTS = COLUMNS.index("tok_slots"), COLUMNS.index("blk_slots"), COLUMNS.index("cmp_slots")
 _SPEC_SLOTS = COLUMNS.index("spec_slots")
+_FIN_SLOTS, _ADD_META, _ADD_TOKENS = COLUMNS.index("fin_slots"), COLUMNS.index("add_meta"), COLUMNS.index("add_tokens")
 
 
 @kernel
@@ -47,10 +50,47 @@ def _fits(at: np.ndarray, end: np.ndarray, c: int, k: int) -> bool:
 
 
 @kernel
+def _add_run(k: int, buf: np.ndarray, at: np.ndarray, end: np.ndarray, stack: np.ndarray, nfree: np.ndarray,
+             scratch: np.ndarray, meta: np.ndarray, active: np.ndarray, token_ids: np.ndarray,
+             block_table: np.ndarray, compressed: np.ndarray, p: np.ndarray, err: np.ndarray) -> bool:
+    """An ``ADD`` run of ``k`` requests with the state's ``add_rows``, when each takes the slot
+    the driver's did (the free list's hand-out order: ``stack``'s last first) and its counts
+    are ``>= 0`` within the flat columns; ``False`` with nothing written otherwise. ``scratch``
+    [7 * max_seqs]: the rows as the kernel takes them (slots, scalars [3, k], three counts)."""
+    if k < 0 or k > nfree[0] or not _fits(at, end, _ADD_META, 7 * k):
+        return False
+    rows = buf[at[_ADD_META]:at[_ADD_META] + 7 * k]
+    sc = scratch[:7 * k]
+    t0, t1, t2 = 0, 0, 0
+    for i in range(k):
+        if rows[7 * i] != stack[nfree[0] - 1 - i]:
+            return False
+        n0, n1, n2 = rows[7 * i + 4], rows[7 * i + 5], rows[7 * i + 6]
+        if n0 < 0 or n1 < 0 or n2 < 0 or n0 > end[_ADD_TOKENS] - at[_ADD_TOKENS] - t0 or \
+                n1 > end[_ADD_TOKENS + 1] - at[_ADD_TOKENS + 1] - t1 or n2 > end[_ADD_TOKENS + 2] - at[_ADD_TOKENS + 2] - t2:
+            return False
+        t0, t1, t2 = t0 + n0, t1 + n1, t2 + n2
+        for j in range(7):
+            sc[j * k + i] = rows[7 * i + j]
+    toks = buf[at[_ADD_TOKENS]:at[_ADD_TOKENS] + t0]
+    blocks = buf[at[_ADD_TOKENS + 1]:at[_ADD_TOKENS + 1] + t1]
+    comp = buf[at[_ADD_TOKENS + 2]:at[_ADD_TOKENS + 2] + t2]
+    if add_rows(sc[:k], toks, sc[4 * k:5 * k], blocks, sc[5 * k:6 * k], comp, sc[6 * k:], sc[k:4 * k].reshape(3, k), meta,
+                active, token_ids, block_table, compressed, p, err):
+        return False
+    nfree[0] -= k
+    at[_ADD_META] += 7 * k
+    at[_ADD_TOKENS] += t0
+    at[_ADD_TOKENS + 1] += t1
+    at[_ADD_TOKENS + 2] += t2
+    return True
+
+
+@kernel
 def replay(r: int, runs: np.ndarray, buf: np.ndarray, at: np.ndarray, end: np.ndarray, spec: np.ndarray,
            si: int, meta: np.ndarray, active: np.ndarray, token_ids: np.ndarray, block_table: np.ndarray,
            compressed: np.ndarray, p: np.ndarray, mark: np.ndarray, err: np.ndarray, check: np.ndarray,
-           crow: int, lookback: int
+           crow: int, lookback: int, book: bool, stack: np.ndarray, nfree: np.ndarray, scratch: np.ndarray
            ) -> tuple[int, int, int, int, np.ndarray, np.ndarray, bool]:
     """Apply runs from ``r`` (``runs`` [r, 2] = (code, entries)); ``spec`` the specs' words
     (:data:`~cpmeta.replicate.ops.SPEC_WORDS` each), ``si`` the next one's index.
@@ -94,6 +134,21 @@ def replay(r: int, runs: np.ndarray, buf: np.ndarray, at: np.ndarray, end: np.nd
             at[c] += k
             at[c + 1] += k
             at[c + 2] += tot
+            r += 1
+        elif code == FIN and book:  # the state's finish_batch: slots live and distinct, then reset
+            if not _fits(at, end, _FIN_SLOTS, k) or nfree[0] + k > stack.shape[0]:
+                return S_RUN, r, si, crow, empty, no_ph, False
+            slots = buf[at[_FIN_SLOTS]:at[_FIN_SLOTS] + k]
+            if finish_rows(slots, meta, active, mark, err):
+                return S_RUN, r, si, crow, empty, no_ph, False
+            copy_from0(stack[nfree[0]:nfree[0] + k], slots)  # the free list takes them in order
+            nfree[0] += k
+            at[_FIN_SLOTS] += k
+            r += 1
+        elif code == ADD and book:
+            if not _add_run(k, buf, at, end, stack, nfree, scratch, meta, active, token_ids, block_table,
+                            compressed, p, err):
+                return S_RUN, r, si, crow, empty, no_ph, False
             r += 1
         elif code == SPEC and k == 1 and si + SPEC_WORDS <= spec.shape[0]:
             is_prompt, n_ph, advance, uniform = spec[si], spec[si + 1], spec[si + 2], spec[si + 3]
@@ -159,4 +214,5 @@ def _warm() -> None:
     end[_SPEC_SLOTS] = 4
     end[_SPEC_SLOTS + 1:_SPEC_SLOTS + 3] = 3
     spec = np.array([0, 0, 1, -2, 1, 0, 0], np.int64)
-    replay(0, runs, buf, at, end, spec, 0, *st.kernel_arrays(), np.zeros((2, 4), np.int64), 0, st.lookback)
+    replay(0, runs, buf, at, end, spec, 0, *st.kernel_arrays(), np.zeros((2, 4), np.int64), 0, st.lookback,
+           True, *st.free_stack())

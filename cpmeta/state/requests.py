@@ -145,6 +145,35 @@ class RequestBook(StateStore):
                 f"request {req_id!r}: state_id {state_id} is held by request {self._req[other]!r} (slot "
                 f"{other}); two live requests would write the same slot_mapping_store_swa slots")
 
+    def free_stack(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The free list for a compiled caller that finishes and adds requests with this room's
+        kernels (``cpmeta.replicate.replay_njit``): ``(stack, nfree, scratch)``, ``stack[:nfree[0]]``
+        the free slots in :meth:`free_slots`' order (refilled by this call), ``scratch`` room for
+        an add's rows. The caller hands the outcome back with :meth:`book_replayed`."""
+        k = len(self._free)
+        self._stack[:k] = self._free
+        self._nfree[0] = k
+        return self._stack, self._nfree, self._add_scratch
+
+    def book_replayed(self, done: list[tuple[list[int], Optional[list[Any]]]]) -> None:
+        """The request maps and free list after a compiled caller finished or added requests
+        through :meth:`free_stack` (its arrays already written): ``done`` in call order, ``(slots,
+        None)`` for finished slots, ``(slots, ids)`` for added ones; the free list is the stack's."""
+        req, book = self._req, self._slot
+        for slots, ids in done:
+            if ids is None:
+                for x in slots:
+                    del book[req[x]]
+                    req[x] = None
+            else:
+                for x, r in zip(slots, ids):
+                    book[r], req[x] = x, r
+        self._free = self._stack[:self._nfree[0]].tolist()
+
+    def all_new(self, ids: list[Any]) -> bool:
+        """No id of ``ids`` is in the state or given twice (what a compiled add of them needs)."""
+        return len(set(ids)) == len(ids) and not any(r in self._slot for r in ids)
+
     def free_slots(self) -> list[int]:
         """The free slots in the order ``add_request`` hands them out, LAST first (a copy):
         ``add_request`` takes ``free_slots()[-1]``, ``finish`` puts its slot at the end.

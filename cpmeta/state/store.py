@@ -94,6 +94,8 @@ class StateStore:
         self._req: list[Any] = [None] * n  # request id of each slot
         self._slot: dict[Hashable, int] = {}
         self._free = list(range(n - 1, -1, -1))  # pop() gives the lowest free slot
+        # a compiled replay's view of the free list (RequestBook.free_stack) and its add rows
+        self._stack, self._nfree, self._add_scratch = np.zeros(n, np.int64), np.zeros(1, np.int64), np.zeros(7 * n, np.int64)
         self.placeholder_blocks = blocks_needed(1, cfg)
 
     def __len__(self) -> int:
