@@ -7,6 +7,7 @@
     python scripts/profile_phases.py replicate --backend nccl --steps 200      # cProfile: replicated in-place vs staged broadcast
     python scripts/profile_phases.py cold --out $OUT/cold.json                 # what an idle gap costs the next call
     python scripts/profile_phases.py sync --world 2 --defer                    # ReplicatedBatchState's step as a timeline
+    python scripts/profile_phases.py replay --workload prompt                  # a step applied, recorded, replayed (one process)
 
 Phases are timed by :func:`bench_meta.interleaved` (one call of each phase per round, shuffled,
 so machine load hits them alike) or, for ``broadcast``, by timers wrapped around the library's
@@ -692,6 +693,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--out", default="", help="JSON output path ('' = none)")
 
+    from _harness.replay_parts import __doc__ as replay_doc, replay_main
+
+    p = sub.add_parser("replay", description=replay_doc, formatter_class=fmt,
+                       help="one process: a step's calls applied, recorded, replayed")
+    p.add_argument("--workload", default="prompt", choices=("decode-64", "decode-256", "mixed", "prompt"))
+    p.add_argument("--model", choices=("plain", "seed"), default="plain")
+    p.add_argument("--gap-ms", type=float, default=0.0, help="sleep before each timed part")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--out", default="", help="JSON output path ('' = none)")
+
     p = sub.add_parser("cold", description=COLD_DOC, formatter_class=fmt, help="what an idle gap costs a call")
     p.add_argument("--gaps-ms", type=float, nargs="+", default=[0, 0.3, 1, 3, 10])
     p.add_argument("--repeat", type=int, default=200)
@@ -699,7 +710,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     args = ap.parse_args(argv)
     run = {"build": build_main, "broadcast": broadcast_main, "inplace": inplace_main,
-           "replicate": replicate_main, "cold": cold_main, "sync": sync_main}[args.cmd]
+           "replicate": replicate_main, "cold": cold_main, "sync": sync_main, "replay": replay_main}[args.cmd]
     return run(args, argv)
 
 

@@ -1,0 +1,89 @@
+"""``profile_phases.py replay``: a step's calls three ways in one process -- applied, recorded,
+replayed.
+
+``bench_step.py``'s trace (``StepTrace``: a workload's adds, finishes, appends and batch specs)
+drives, step by step: a plain ``BatchState`` (``apply``: the calls themselves, what
+``mq-replicate``'s ranks run), the recorder of a ``defer_apply`` driver on its own state without
+a process group (``record``: what ``replicate-defer``'s driver does before its send), the op log's
+``pack`` (the frame's region) and a replica applying that region (``replay``:
+``cpmeta.replicate.apply.apply_step``, what every rank of the replicated designs runs, the step
+check included). Each step may follow ``--gap-ms`` of sleep before each part (an engine's idle
+between steps, or its forward pass's cooling); p50 µs per part over the steps after the first 20.
+
+    python scripts/profile_phases.py replay --workload prompt --model plain --steps 300
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+import cpmeta
+from cpmeta.launch.scheduler import default_config, plain_config
+from cpmeta.replicate.apply import apply_step
+from cpmeta.replicate.recorder import Recorder
+
+from .step_methods import StepTrace, apply_ops
+
+_NO_DIGEST = np.zeros((0, 4), np.int64)
+
+
+class _Recording(Recorder):
+    """A ``defer_apply`` driver's recording on a plain state (no process group); :meth:`cut`
+    packs the step as ``ReplicatedBatchState`` does before its send and opens the next."""
+
+    def __init__(self, state: cpmeta.BatchState) -> None:
+        self.state = state
+        self._init_recorder(defer=True)
+
+    def _driver(self, what: str) -> None:
+        pass
+
+    def _at_spec(self) -> None:
+        pass
+
+    def cut(self) -> tuple[Any, list[Any], list[int]]:
+        log = self._log
+        out = (log.pack(_NO_DIGEST), list(log.req_ids), list(log.specs))
+        self._log, self._next = self._next, log
+        log.clear()
+        self._batches, self._pending = [], []
+        return out
+
+
+def replay_main(args: argparse.Namespace, argv: list[str]) -> int:
+    from _harness.bench_meta import write_result
+
+    cfg = plain_config() if args.model == "plain" else default_config()
+    trace = StepTrace(cfg, args.workload)
+    direct, rec = cpmeta.BatchState(cfg, trace.max_seqs), _Recording(cpmeta.BatchState(cfg, trace.max_seqs))
+    replica = cpmeta.BatchState(cfg, trace.max_seqs)
+    parts: dict[str, list[float]] = {"apply": [], "record": [], "pack": [], "replay": []}
+    pc = time.perf_counter
+
+    def timed(name: str, fn: Any, *a: Any) -> Any:
+        if args.gap_ms:
+            time.sleep(args.gap_ms / 1e3)
+        t = pc()
+        got = fn(*a)
+        parts[name].append(pc() - t)
+        return got
+
+    for _ in range(args.steps + 20):
+        ops = trace.next_step()
+        timed("apply", apply_ops, direct, ops)
+        timed("record", apply_ops, rec, ops)
+        t = pc()
+        cols, req_ids, specs = rec.cut()
+        parts["pack"].append(pc() - t)
+        timed("replay", apply_step, replica, cols, req_ids, specs)
+    res = {k: round(statistics.median(v[20:]) * 1e6, 1) for k, v in parts.items()}
+    print(f"{args.workload} {args.model} gap {args.gap_ms:g} ms, p50 us over {args.steps} steps: "
+          + "  ".join(f"{k} {v}" for k, v in res.items()))
+    if args.out:
+        write_result(args.out, {"results": res}, argv)
+    return 0
