@@ -328,6 +328,9 @@ BAD = [  # (record the bad part, tamper (columns, spec words), exception, messag
     _case("add_second_in_another_slot",
           lambda g: (g.add(3, "x", [1], [0], [], 0, 0, 0), g.add(6, "y", [2], [0], [], 0, 0, 0)), None, ReplicaError,
           "request 'y': added in slot 4 here, slot 6 on the driver"),
+    _case("add_every_free_slot_out_of_order",  # as many adds as free slots: the order still checked
+          lambda g: [g.add(s, f"x{s}", [1], [0], [], 0, 0, 0) for s in (3, 4, 5, 7, 6)], None, ReplicaError,
+          "request 'x7': added in slot 6 here, slot 7 on the driver"),
     _case("add_past_the_free_slots", lambda g: [g.add(s, f"x{s}", [1], [0], [], 0, 0, 0) for s in (3, 4, 5, 6, 7, 0)],
           None, ValueError, "request 'x0': all max_seqs=8 slots are in use"),
     _case("finish_free_slot", lambda g: g.finish(np.array([2, 5])), None, ValueError,

@@ -1,7 +1,8 @@
 """A follower applies one step frame to its replica: the runs in order, the batch spec in place.
 
 Every run is replayed with the ``BatchState`` call the driver made, or with the kernels that call
-runs (appends and batch specs: one compiled call, :mod:`cpmeta.replicate.replay_njit`), so the replica goes through exactly the driver's states and the
+runs (appends, finishes, adds and batch specs: one compiled call per spec,
+:mod:`cpmeta.replicate.replay_njit`), so the replica goes through exactly the driver's states and the
 batch spec yields, bit for bit, the driver's ``SequenceBatch``. A frame whose runs do not add up
 to its columns, or whose ``add_request`` lands in another slot than the driver's, is refused
 (``ReplicaError``), never half-applied silently: the caller stops the replica (it is diverged).
@@ -59,10 +60,11 @@ def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[
     (:class:`~cpmeta.replicate.ops.Columns`: one int64 buffer);
     ``req_ids`` the added requests' ids in order; ``spec`` the batch specs' values,
     ``SPEC_WORDS`` per spec (``[is_prompt, num_placeholders, advance, uniform drafts, #slots,
-    #lens, #drafts]``). Append runs and batch specs go through the compiled replay
-    (:func:`~cpmeta.replicate.replay_njit.replay`: a decode step is one call); adds, finishes,
-    moves and any run it refuses are replayed here with the ``BatchState`` call the driver made,
-    which raises the named error of a refused run.
+    #lens, #drafts]``). Appends, finishes, adds and batch specs go through the compiled replay
+    (:func:`~cpmeta.replicate.replay_njit.replay`: a decode or prompt step is one call; adds and
+    finishes only when every added id is new, else here); moves and any run it refuses are
+    replayed here with the ``BatchState`` call the driver made, which raises the named error of
+    a refused run.
     """
     if len(spec) % SPEC_WORDS:
         raise ReplicaError(f"step frame: {len(spec)} spec values, not a multiple of {SPEC_WORDS}")
@@ -186,7 +188,7 @@ def _add(state: BatchState, cols: Columns, at: np.ndarray, meta: np.ndarray, req
     if any(v < 0 for row in counts for v in row):
         raise ReplicaError("step frame: an add_request entry with a negative count")
     slot, free = m[0].tolist(), state.free_slots()
-    here = free[:len(free) - 1 - len(slot):-1]  # the slots this state hands out next (too few: its error)
+    here = free[::-1][:len(slot)]  # the slots this state hands out next, last first (too few: its error)
     if len(here) == len(slot) and here != slot:  # checked before anything is written
         i = next(i for i, (g, s) in enumerate(zip(here, slot)) if g != s)
         raise ReplicaError(f"request {req_ids[i]!r}: added in slot {here[i]} here, slot {slot[i]} on the driver")

@@ -1,21 +1,26 @@
-"""A step frame's common runs replayed in ONE compiled call: appends and batch specs.
+"""A step frame's runs replayed in ONE compiled call per batch spec: appends, finishes, adds, specs.
 
 :func:`replay` walks the frame's runs from run ``r`` and applies, with the state room's own
-kernels (``append_rows``, ``gather_step``: the code ``BatchState``'s calls run), every run of
-appended tokens, blocks or Engram ids, and gathers the next batch spec's ``SequenceBatch``
-arrays. A typical decode step (``TOK``, ``BLK``, ``SPEC``) is then one call where the
-``BatchState`` replay of :mod:`cpmeta.replicate.apply` made three, each through its Python
-argument checks (the replay's share of a follower's step after an idle gap is mostly those).
+kernels (``append_rows``, ``gather_step``, ``finish_rows``, ``add_rows``: the code
+``BatchState``'s calls run), every run of appended tokens, blocks or Engram ids -- and, with
+``book`` (the caller found every added id new), every run of finished and added requests on the
+free list as a stack (``BatchState.free_stack``; an add must take the slot the driver's took, the
+stack's hand-out order; the caller books the request ids, ``BatchState.book_replayed``) -- and
+gathers the next batch spec's ``SequenceBatch`` arrays. A typical decode step (``TOK``, ``BLK``,
+``SPEC``) is then one call where the ``BatchState`` replay of :mod:`cpmeta.replicate.apply` made
+three, each through its Python argument checks (the replay's share of a follower's step after an
+idle gap is mostly those), and a prompt step with finishes and adds one too.
 
 It returns to Python (:mod:`cpmeta.replicate.apply`) at
 
 - a batch spec gathered: status :data:`S_SPEC`, the batch's buffer, placeholder mask and
   whether the gather vouched for it (the caller wraps them as the ``SequenceBatch``), its step
   check rows written (what ``batch_check`` computes, so the follower compares without another call);
-- a run it leaves to Python (``ADD``, ``FIN``, ``SID``, ``SVS``, an unknown run): :data:`S_RUN`;
-- ANY refusal (a column read past its end, a code of ``append_rows`` / ``gather_step``, an
-  argument the Python call would refuse): :data:`S_RUN` too, with ``err`` filled. Nothing of
-  that run is written (both kernels check before they write), so the caller replays the run
+- a run it leaves to Python (``SID``, ``SVS``, an unknown run; ``ADD`` and ``FIN`` without
+  ``book``): :data:`S_RUN`;
+- ANY refusal (a column read past its end, a code of a state kernel, an add in another slot
+  than the driver's, an argument the Python call would refuse): :data:`S_RUN` too, with ``err``
+  filled. Nothing of that run is written (every kernel checks before it writes), so the caller replays the run
   through the ``BatchState`` call, which raises the named error -- one table of messages.
 - the end of the runs: :data:`S_END`.
 
