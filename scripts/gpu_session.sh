@@ -28,7 +28,7 @@
 #   bash scripts/gpu_session.sh pin          # the host's cores at world 8: each rank unbound / bound to a core
 #                                            # of its own / bound with a busy driver (bench_step --pin)
 #   bash scripts/gpu_session.sh ab           # the host's cores at world 8: this tree against .alt (alt, this,
-#                                            # this, alt), MODEL=seed|plain
+#                                            # this, alt), MODEL=seed|plain, WORKLOADS (default decode-64 decode-256)
 #   bash scripts/gpu_session.sh prefill      # the host's cores: steps with prompts (mixed, prompt), plain and
 #                                            # seed, worlds 2 and 8
 #   bash scripts/gpu_session.sh compare      # the host's cores, before / after in one run: the commit in
@@ -162,7 +162,8 @@ pin)  # ~6 min: does a rank bound to a core of its own meet warmer caches? world
   rm -f "$OUT"/*.png  # the device tool brings back at most 8 files
   ;;
 ab)  # ~3 min: this tree against the tree in .alt (git archive REV | tar -x -C .alt), ordered alt,
-  # this, this, alt; world 8 decode-64 / decode-256, model $MODEL (default seed), three strategies
+  # this, this, alt; world 8, $WORKLOADS (default decode-64 decode-256; "mixed prompt" for steps that
+  # add and finish requests), model $MODEL (default seed), three strategies
   MQ=""; [ -d mq_bundle312 ] && MQ=":$PWD/mq_bundle312"
   python3 -c 'import cpmeta.jit as j; j.warm_all()'
   (cd .alt && PYTHONPATH=$PWD python3 -c 'import cpmeta.jit as j; j.warm_all()')
@@ -170,7 +171,7 @@ ab)  # ~3 min: this tree against the tree in .alt (git archive REV | tar -x -C .
     IFS=: read -r T N <<<"$V"
     ROOT=$PWD; [ $T = alt ] && ROOT=$PWD/.alt
     TAILN=8 step ab_${T}_$N 70 env PYTHONPATH="$ROOT$MQ" VLLM_TARGET_DEVICE=cpu python3 "$ROOT/scripts/bench_step.py" \
-      --model "${MODEL:-seed}" --worlds 8 --workloads decode-64 decode-256 --strategies broadcast replicate-defer \
+      --model "${MODEL:-seed}" --worlds 8 --workloads ${WORKLOADS:-decode-64 decode-256} --strategies broadcast replicate-defer \
       mq-replicate --steps 50 --warmup 6 --budget 3 --no-cold --out "$OUT/h200_wire.ab-${MODEL:-seed}-$T-$N.json"
   done
   rm -f "$OUT"/*.png
