@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..state import BatchState, SequenceBatch
+from ..state.requests import next_free
 from .ops import ADD, BLK, CMP, COLUMNS, FIN, SID, SPEC, SPEC_WORDS, SVS, TOK, Columns
 from .ops import WIDTHS as _WIDTH  # int64 values per row of each column
 from .digest import batch_check
@@ -187,8 +188,8 @@ def _add(state: BatchState, cols: Columns, at: np.ndarray, meta: np.ndarray, req
     counts = m[4:].tolist()
     if any(v < 0 for row in counts for v in row):
         raise ReplicaError("step frame: an add_request entry with a negative count")
-    slot, free = m[0].tolist(), state.free_slots()
-    here = free[::-1][:len(slot)]  # the slots this state hands out next, last first (too few: its error)
+    slot = m[0].tolist()
+    here = next_free(state.free_slots(), len(slot))  # too few free: the add's own error below
     if len(here) == len(slot) and here != slot:  # checked before anything is written
         i = next(i for i, (g, s) in enumerate(zip(here, slot)) if g != s)
         raise ReplicaError(f"request {req_ids[i]!r}: added in slot {here[i]} here, slot {slot[i]} on the driver")

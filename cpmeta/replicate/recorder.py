@@ -18,7 +18,7 @@ import numpy as np
 
 from ..state import BatchState, SequenceBatch
 from ..state.checks import as_int_array
-from ..state.requests import add_arguments
+from ..state.requests import add_arguments, next_free
 from .ops import BLK, CMP, SID, SVS, TOK, OpLog, flat_ints
 
 __all__ = ["Recorder", "StepSpec"]
@@ -126,8 +126,8 @@ class Recorder(ABC):
                                  "slots are in use")
             flat, scal = add_arguments(n, token_ids, token_counts, block_ids, block_counts, state_ids,
                                        compressed_ids, compressed_counts, swa_valid_starts, num_computed)
-            free = self._free_model  # the state's hand-out order: its last n free slots, last first
-            slots = np.array(free[:len(free) - 1 - n if n < len(free) else None:-1] if n else [], np.int64)
+            free = self._free_model
+            slots = np.array(next_free(free, n), np.int64)
             self._rec.add_many(slots, rids, scal, *flat)  # counts checked as the replica's add would
             del free[len(free) - n:]
             return slots

@@ -17,7 +17,7 @@ from .requests_njit import E_COMPUTED, E_EMPTY, E_FULL, E_STATE_HELD, add_rows, 
 from .state_njit import E_CAPACITY, E_COUNTS, E_NEGATIVE_ID
 from .store import StateStore
 
-__all__ = ["RequestBook", "add_arguments"]
+__all__ = ["RequestBook", "add_arguments", "next_free"]
 
 _EMPTY = np.zeros(0, np.int64)
 
@@ -97,7 +97,7 @@ class RequestBook(StateStore):
         converted; ids checked against the state), then the slot book-keeping."""
         free = self._free
         n = len(ids)
-        slots = np.array(free[:len(free) - 1 - n if n < len(free) else None:-1] if n else [], np.int64)
+        slots = np.array(next_free(free, n), np.int64)
         code = add_rows(slots, toks, tc, blocks, bc, comp, cc, scalars, self._meta, self.active, self.token_ids,
                         self.block_table, self.compressed, self._p, self._err)
         if code:
@@ -203,6 +203,12 @@ class RequestBook(StateStore):
             del book[req[x]]
             req[x] = None
         self._free += sl
+
+
+def next_free(free: list[int], n: int) -> list[int]:
+    """The slots the next ``n`` adds take from the free list ``free`` (``free_slots()``'s order:
+    the last first); fewer when fewer are free. Example: ``next_free([7, 6, 5], 2)`` -> ``[5, 6]``."""
+    return free[::-1][:n]
 
 
 def add_arguments(n: int, token_ids: Any, token_counts: Any, block_ids: Any, block_counts: Any, state_ids: Any,
