@@ -113,7 +113,8 @@ class _Driver(Recorder):
 
 def _frame_bytes(log: OpLog, digest: np.ndarray, compiled: bool) -> bytes:
     """Step 3's frame of ``log``'s columns: as ``ReplicatedBatchState._send`` writes it
-    (``compiled``: ``OpLog.pack``, one run sized from its bytes, one copy), or as the common
+    (``compiled``: ``OpLog.layout`` sizes one run, ``OpLog.pack_into`` writes the region straight
+    into the frame), or as the common
     codec writes any dataclass of tensors (the columns as torch tensors, ``Plan.sizes`` and
     ``Plan.pack``: the oracle)."""
     values = [3, False, list(log.req_ids), list(log.specs)]
@@ -121,8 +122,8 @@ def _frame_bytes(log: OpLog, digest: np.ndarray, compiled: bool) -> bytes:
     lid, plan, lblock = writer.layout(step_key())
     vblock = encode_body(values)
     if compiled:
-        cols = log.pack(digest)
-        dims, exact = cols.dims, cols.nbytes
+        dims, total = log.layout(digest)
+        exact = 8 * total
         region = -(-exact // PACK_ALIGN) * PACK_ALIGN
     else:
         tensors = [torch.from_numpy(c.copy()) for c in log.columns(digest)]
@@ -133,7 +134,7 @@ def _frame_bytes(log: OpLog, digest: np.ndarray, compiled: bool) -> bytes:
     view = memoryview(buf)
     writer.write(view, FLAG_PACKED | FLAG_LAYOUT | FLAG_CRC, lid, lblock, vblock, plan, dims, exact, shapes_at, 3)
     if compiled:
-        view[data_at:data_at + exact] = cols.buf.view(np.uint8)
+        assert log.pack_into(digest, np.frombuffer(view, np.int64, total, data_at)) == total
     else:
         src = (ctypes.c_char * len(buf)).from_buffer(buf)
         plan.pack(ctypes.addressof(src) + data_at, tensors, dims, numels, starts, region)
@@ -437,3 +438,6 @@ def test_log_grows_a_full_column_and_keeps_every_call() -> None:
     packed, oracle = log.pack(digest), flat_columns(log.columns(digest))
     assert packed.dims == oracle.dims and np.array_equal(packed.buf, oracle.buf)
     assert np.array_equal(packed.starts, oracle.starts)
+    assert log.layout(digest) == (oracle.dims, len(oracle.buf))  # the sizes a ring slot is reserved with
+    short = np.full(len(oracle.buf) - 1, -7, np.int64)
+    assert log.pack_into(digest, short) == -len(oracle.buf) and (short == -7).all()  # nothing written

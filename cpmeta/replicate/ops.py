@@ -66,6 +66,7 @@ _RAGGED = {TOK: _TOK_SLOTS, BLK: _BLK_SLOTS, CMP: _CMP_SLOTS}
 _WIDTH = [WIDE.get(c, 1) for c in COLUMNS]
 #: values per row of each column (1, or a wide column's second dim), frame order
 WIDTHS = np.array(_WIDTH, np.int64)
+_NOTHING = np.zeros(0, np.int64)  # OpLog.layout's output: the sizes alone
 assert (ops_njit.SPEC_CODE, ops_njit.RUNS, ops_njit.ADD_META, ops_njit.ADD_TOKENS, ops_njit.SPEC_SLOTS) == (
     SPEC, _RUNS, _ADD_META, _ADD_TOKENS, _SPEC_SLOTS), "ops_njit's constants = this module's"
 
@@ -206,13 +207,23 @@ class OpLog:
     def pack(self, batch_digest: np.ndarray) -> "Columns":
         """The step frame's region: the used columns and ``batch_digest`` back to back in ONE int64
         buffer of this log (rewritten by the next ``pack``), with the frame's dims."""
-        total = pack_region(self._flat, self._off, self._n, batch_digest, WIDTHS, self._region, self._dims,
-                            self._starts)
+        total = self.pack_into(batch_digest, self._region)
         if total < 0:  # the region grows (rarely: it doubles)
             self._region = np.zeros(max(-total, 2 * len(self._region), 256), np.int64)
-            total = pack_region(self._flat, self._off, self._n, batch_digest, WIDTHS, self._region, self._dims,
-                                self._starts)
+            total = self.pack_into(batch_digest, self._region)
         return Columns(self._region[:total], self._starts, tuple(self._dims.tolist()))
+
+    def layout(self, batch_digest: np.ndarray) -> tuple[tuple[int, ...], int]:
+        """The frame's dims and its region's int64 values for the log and ``batch_digest`` as they
+        stand (nothing copied): what the driver reserves its ring slot with before
+        :meth:`pack_into` writes the region straight into it."""
+        got = self.pack_into(batch_digest, _NOTHING)
+        return tuple(self._dims.tolist()), -got if got < 0 else got
+
+    def pack_into(self, batch_digest: np.ndarray, out: np.ndarray) -> int:
+        """:meth:`pack`'s values into ``out`` (int64); the count written, or ``-need`` (nothing
+        written) when ``out`` is shorter than the region."""
+        return int(pack_region(self._flat, self._off, self._n, batch_digest, WIDTHS, out, self._dims, self._starts))
 
     def columns(self, batch_digest: np.ndarray) -> list[np.ndarray]:
         """Every column of :data:`COLUMNS`: views of the used parts (valid until the next

@@ -10,11 +10,11 @@ and returns :data:`~cpmeta.jit.OK`. A run is opened or extended as the ops modul
 slot the open run already holds starts a new run; a slot outside the state's range is never
 marked, so such a call always opens its own run -- the replica refuses it when it applies).
 
-The frame side: :func:`pack_region` lays the used columns and the batch digest back to back in
-one int64 buffer (the step frame's tensor region: one int64 dtype run) and writes the frame's
-flat dims and the columns' starts; :func:`unpack_region` proves a received region against its
-dims (fixed widths, no negative or oversized dim, exact bytes and region length as the header
-declares) and copies it out. Worked example: columns ``runs [[TOK, 1]]``, ``tok_slots [3]``,
+The frame side: :func:`pack_region` writes the frame's flat dims and the columns' starts, then
+lays the used columns and the batch digest back to back in one int64 buffer (the step frame's
+tensor region: one int64 dtype run; the driver's ring slot, or the log's own buffer);
+:func:`unpack_region` proves a received region against its dims (fixed widths, no negative or
+oversized dim, exact bytes and region length as the header declares) and copies it out. Worked example: columns ``runs [[TOK, 1]]``, ``tok_slots [3]``,
 ``tok_counts [1]``, ``tok_flat [7]``, the rest empty, digest ``[0, 4]``: region ``[1, 1, 3, 1,
 7]`` (40 bytes, 48 with the 16-byte padding), dims ``(1, 2, 0, 7, 0, 0, 0, 1, 1, 1, ...)``.
 """
@@ -200,23 +200,14 @@ def log_extend(flat: np.ndarray, off: np.ndarray, cap: np.ndarray, n: np.ndarray
 @kernel
 def pack_region(flat: np.ndarray, off: np.ndarray, n: np.ndarray, digest: np.ndarray, widths: np.ndarray,
                 out: np.ndarray, dims: np.ndarray, starts: np.ndarray) -> int:
-    """The used columns, then ``digest`` (``[rows, 4]``), back to back into ``out``; the frame's
-    flat dims and the columns' starts (``starts[c]`` .. ``starts[c + 1]``). Returns the values
-    written, or ``-need`` when ``out`` holds fewer than the ``need`` values (nothing written)."""
-    need = digest.size
-    for k in n:
-        need += k
-    if need > len(out):
-        return -need
+    """The frame's flat dims and the columns' starts (``starts[c]`` .. ``starts[c + 1]``) for the
+    used columns, then ``digest`` (``[rows, 4]``); then those values back to back into ``out``.
+    Returns the values written, or ``-need`` when ``out`` holds fewer than the ``need`` values
+    (dims and starts written, no value: an empty ``out`` asks for the sizes alone)."""
     at, d = 0, 0
     for c in range(len(n) + 1):
         starts[c] = at
-        if c < len(n):
-            k = n[c]
-            out[at:at + k] = flat[off[c]:off[c] + k]
-        else:
-            k = digest.size
-            out[at:at + k] = digest.ravel()
+        k = n[c] if c < len(n) else digest.size
         at += k
         if widths[c] == 1:
             dims[d] = k
@@ -226,6 +217,11 @@ def pack_region(flat: np.ndarray, off: np.ndarray, n: np.ndarray, digest: np.nda
             dims[d + 1] = widths[c]
             d += 2
     starts[len(n) + 1] = at
+    if at > len(out):
+        return -at
+    for c in range(len(n)):
+        out[starts[c]:starts[c + 1]] = flat[off[c]:off[c] + n[c]]
+    out[starts[len(n)]:at] = digest.ravel()
     return at
 
 

@@ -230,17 +230,18 @@ class ReplicatedBatchState(Recorder):
         log = self._log
         # default: the specs' batches, made at the calls; defer_apply: made by the apply below
         batches = [] if self._defer else [b for b in self._batches if b is not None]
-        cols = log.pack(self._prev_check if self._defer else batch_check(batches))  # the frame's region
+        digest = self._prev_check if self._defer else batch_check(batches)
+        dims, total = log.layout(digest)  # the frame's region, packed below straight into its slot
         req_ids, specs = list(log.req_ids), list(log.specs)
         values: list[Any] = [step, check, req_ids, specs]
-        prep = self._ch.prepare(self._key, values, cols.dims, one_run=cols.nbytes)
+        prep = self._ch.prepare(self._key, values, dims, one_run=8 * total)
 
         def write(view: memoryview, addr: int, data_at: int) -> None:
-            np.frombuffer(view, np.int64, len(cols.buf), data_at)[:] = cols.buf  # one memmove
+            log.pack_into(digest, np.frombuffer(view, np.int64, total, data_at))  # one compiled copy
 
         self._ch.publish(prep, FLAG_PACKED, prep.exact, prep.region, write)
         if self._defer:  # sent: now the driver's replica takes the step, as every follower's
-            batches = self._apply_deferred(step, check, cols, req_ids, specs)
+            batches = self._apply_deferred(step, check, log.pack(digest), req_ids, specs)
         self._log, self._next = self._next, log  # calls after the last spec open the next step
         log.clear()
         self.specs, self._pending, self._batches = tuple(self._pending), [], []

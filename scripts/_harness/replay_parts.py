@@ -34,7 +34,8 @@ _NO_DIGEST = np.zeros((0, 4), np.int64)
 
 class _Recording(Recorder):
     """A ``defer_apply`` driver's recording on a plain state (no process group); :meth:`cut`
-    packs the step as ``ReplicatedBatchState`` does before its send and opens the next."""
+    packs the step's region (the copy ``ReplicatedBatchState``'s send writes into its ring slot)
+    and opens the next."""
 
     def __init__(self, state: cpmeta.BatchState) -> None:
         self.state = state
