@@ -105,7 +105,8 @@ class OpLog:
     """The driver's record of one step (see the module docstring) in ONE preallocated int64
     buffer, every call one compiled kernel (:mod:`cpmeta.replicate.ops_njit`: the values
     copied in, the run opened or extended; a column that fills up doubles, once);
-    :meth:`pack` lays the used columns out as the frame's region, :meth:`columns` hands views of
+    :meth:`pack` lays the used columns out as the frame's region (:meth:`layout` its sizes,
+    :meth:`pack_into` the same into a caller's buffer), :meth:`columns` hands views of
     them, :meth:`clear` starts the next step (resets counters), :meth:`extend` appends another
     log's calls (those made between two specs of one step)."""
 

@@ -8,8 +8,8 @@ column is sent, empty when unused), so after the first step a frame carries only
 the four values and the column lengths.
 
 Driver and followers move the columns as ONE int64 buffer (``ops.Columns``), never a torch tensor
-per step: the driver's op log lays its columns out as the frame's region in one compiled call
-(``OpLog.pack``) and the frame takes it in one ``memmove``; a follower proves the region against
+per step: the driver's op log sizes the region (``OpLog.layout``) and lays its columns out
+straight into the frame's region in the ring slot in one compiled call (``OpLog.pack_into``); a follower proves the region against
 its shapes and copies it out in one compiled call (:func:`read_region`). The bytes are exactly
 what the common codec writes for these tensors (``tests/test_replay.py`` holds one to the other),
 and the compiled replay of :mod:`cpmeta.replicate.replay_njit` walks that buffer.
