@@ -173,8 +173,9 @@ def apply_ops(target: Any, ops: list[tuple]) -> list[Any]:
 
 
 def build(batches: list[Any], cfg: cpmeta.MetadataConfig, arenas: cpmeta.OutputArenas) -> list[Any]:
-    """Every spec's metadata on the host (decode into ``arenas``; prompt takes no arena)."""
-    return [cpmeta.prepare_prompt(b, cfg) if b.is_prompt else cpmeta.prepare_decode(b, cfg, out=arenas)
+    """Every spec's metadata on the host, into ``arenas`` (prompt and decode, as an engine that
+    reuses its output buffers builds)."""
+    return [cpmeta.prepare_prompt(b, cfg, out=arenas) if b.is_prompt else cpmeta.prepare_decode(b, cfg, out=arenas)
             for b in batches]
 
 
