@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import random
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -85,9 +86,9 @@ def _equivalence(rank: int, world: int, seed: int, force_remote: bool, announce:
         warmed = [0]
         ring = bp._objects.ring  # noqa: SLF001 - counting the follower's warm calls
         if ring is not None and ring.warm is not None:
-            def counted(f=ring.warm) -> None:
+            def counted(f=ring.warm) -> Any:
                 warmed[0] += 1
-                f()
+                return f()  # the hook's pieces, for the ring to run
             ring.warm = counted
         held: dict[int, tuple] = {}  # pool index -> (result object, what it must equal now)
         changed: list = []  # [result, the tensor a caller set on it]
@@ -398,9 +399,9 @@ def _warm_after_abort(rank: int, world: int) -> list:
         ring = bp._objects.ring  # noqa: SLF001 - counting the follower's warm calls
         warmed = [0]
         if rank:
-            def counted(f=ring.warm) -> None:
+            def counted(f=ring.warm) -> Any:
                 warmed[0] += 1
-                f()
+                return f()  # the hook's pieces, for the ring to run
             ring.warm = counted
         for step in range(4):
             sent = _fresh_values(pool[0], step)

@@ -58,9 +58,9 @@ def _trace_rank(rank: int, world: int, seed: int, cfg_name: str, steps: int, max
                                      defer_apply=defer) as rep:
         ring = rep._ch.objects.ring  # noqa: SLF001 - counting the follower's warm calls
         if ring is not None and ring.warm is not None:
-            def counted(f: Any = ring.warm) -> None:
+            def counted(f: Any = ring.warm) -> Any:
                 out["warmed"] += 1
-                f()
+                return f()  # the hook's pieces, for the ring to run
             ring.warm = counted
         ref = cpmeta.BatchState(cfg, max_seqs, max_tokens=1024) if rank == 0 else None
         # deferred: driven as an engine drives it, the scheduler's own state validating each call

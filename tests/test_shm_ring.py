@@ -8,6 +8,7 @@ import random
 import signal
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch.distributed as dist
@@ -450,6 +451,38 @@ def test_announced_reader_warms_then_reads_and_drops_a_failing_hook() -> None:
                 assert len(calls) == 1 and r.warm is None
             else:
                 assert calls == []
+    finally:
+        for x in (w, r):
+            x.close()
+
+
+def test_a_warm_hook_of_pieces_is_left_between_two_pieces_once_the_message_is_in() -> None:
+    """A hook that returns an iterator is run piece by piece: an endless one (a piece every 0.2
+    ms) still lets the reader take its message, and it is called again on the next spin."""
+    w, (r,) = _ring(1)
+    r._spin_s = 0.05  # noqa: SLF001 - the ring's own core test: spin whatever the cores
+    r._yield_spin = False  # noqa: SLF001
+    try:
+        pieces: list[int] = []
+        calls: list[int] = []
+
+        def endless() -> Any:
+            calls.append(1)
+            while True:
+                pieces.append(1)
+                time.sleep(0.0002)
+                yield
+
+        r.warm = endless
+        got: list[bytes] = []
+        for msg in (b"one", b"two"):
+            t = threading.Thread(target=lambda: got.append(r.read_bytes()))
+            t.start()
+            time.sleep(0.005)  # spinning for the message, inside the endless warm
+            w.write(msg)
+            t.join(5.0)
+            assert not t.is_alive(), "the reader never left its warm hook"
+        assert got == [b"one", b"two"] and len(calls) >= 2 and len(pieces) >= 10 and r.warm is endless
     finally:
         for x in (w, r):
             x.close()

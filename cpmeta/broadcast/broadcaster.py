@@ -156,7 +156,7 @@ class MetadataBroadcaster(FollowerSide):
             self._persist = PersistentArenas(self.device, self.schema, policy)
         self._metrics = BroadcastMetrics() if metrics else None
         self._warm_from = None
-        self._warming = self._ch.warm_with(self.warm)  # FollowerSide.warm
+        self._warming = self._ch.warm_with(self._warm_pieces)  # FollowerSide.warm, piece by piece
         self._mark = 0.0  # this step: when the frame was published (driver) / arrived (follower)
         self._info: tuple[int, bool] = (0, False)  # this step: payload bytes, layout block sent
         self._closed = False

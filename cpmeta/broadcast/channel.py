@@ -263,10 +263,12 @@ class FrameChannel:
 
         return self.receive(handler)
 
-    def warm_with(self, hook: Callable[[], None]) -> bool:
+    def warm_with(self, hook: Callable[[], Any]) -> bool:
         """Follower: have the ring call ``hook`` while this rank spins for its next frame, when it
         can (a same-host follower, ``CPMETA_WARM`` on, no checksum: a checksummed frame's crc
-        covers its tensor region, which a saved head lacks). Returns whether it will."""
+        covers its tensor region, which a saved head lacks). Returns whether it will. A hook that
+        returns an iterator (a generator: one piece of warming per item) is left between two
+        pieces as soon as the frame is in."""
         ring = self.objects.ring
         if self.is_src or ring is None or not envs.warm() or self.checksum:
             return False

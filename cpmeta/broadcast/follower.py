@@ -22,7 +22,7 @@ idle rank's cold ones.
 from __future__ import annotations
 
 from time import perf_counter
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -81,12 +81,19 @@ class FollowerSide:
         """Read-only replay of the last step's receive (module docstring): the frame checks of
         its saved head (this rank's step count untouched) and a read of its arena. Changes
         nothing a caller sees; raises what the checks raise (the ring then stops calling it)."""
+        for _ in self._warm_pieces():
+            pass
+
+    def _warm_pieces(self) -> Iterator[None]:
+        """:meth:`warm` one piece at a time (the ring's hook: it stops between two pieces once
+        the next frame is in)."""
         got = self._warm_from
         if got is None:
             return
         head, arena, saved = got
         self._ch.recheck(head, saved)
         if arena is not None:
+            yield
             arena.touch()
 
     def _consume(self, frame: Frame, view: memoryview) -> tuple:

@@ -10,7 +10,7 @@ to its columns, or whose ``add_request`` lands in another slot than the driver's
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -117,16 +117,18 @@ def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[
     return batches, (check if replayed and crow == len(check) else batch_check(batches))
 
 
-def warm_replay(state: BatchState, cols: Columns, batches: list[SequenceBatch]) -> None:
+def warm_replay(state: BatchState, cols: Columns, batches: list[SequenceBatch]) -> Iterator[None]:
     """Run, read-only, what :func:`apply_step` runs on a step like ``cols``: the compiled replay's
-    call with the state's arrays (from the end of the runs: nothing applied) and the digests of
-    the last step's ``batches`` (reading their arrays and the kernel). A follower spinning for
-    its next step calls it (``ReplicatedBatchState.warm``) so the step meets warm caches."""
+    call with the state's arrays (from the end of the runs: nothing applied), then the digests of
+    the last step's ``batches`` (reading their arrays and the kernel). A generator, one piece per
+    item: a follower spinning for its next step runs it (``ReplicatedBatchState.warm``) so the
+    step meets warm caches, and stops between the pieces once the step is in."""
     buf, starts, _ = cols
     runs = cols.col(0)
     replay(len(runs), runs, buf, starts[:-1].copy(), starts[1:], _NO_WORDS, 0, *state.kernel_arrays(),
            _NO_CHECK, 0, state.lookback, False, *_NO_FREE)
     if batches:
+        yield
         batch_check(batches)
 
 

@@ -37,7 +37,7 @@ While a same-host follower spins for its next step it warms (:meth:`ReplicatedBa
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -142,7 +142,7 @@ class ReplicatedBatchState(Recorder):
         self.step = 0  # steps synced so far
         self._closed = False
         self._warm_from: Any = None  # (head bytes, step, its whole region, columns, batches)
-        self._warming = self._ch.warm_with(self.warm)  # a same-host follower warms while it spins
+        self._warming = self._ch.warm_with(self._warm_pieces)  # a same-host follower warms while it spins
 
     # ---- every rank -----------------------------------------------------------------------
     @property
@@ -181,14 +181,22 @@ class ReplicatedBatchState(Recorder):
         compiled replay's call and the batch digests (``apply.warm_replay``). The ring calls it
         every ~100 us while this rank spins for its next step (``CPMETA_WARM``); it changes
         nothing a caller sees, and one that raises is not called again."""
+        for _ in self._warm_pieces():
+            pass
+
+    def _warm_pieces(self) -> Iterator[None]:
+        """:meth:`warm` one piece at a time (the ring's hook: it stops between two pieces once
+        the next frame is in, so a frame landing mid-warm waits one piece, not the whole warm)."""
         got = self._warm_from
         if got is None:
             return
         head, step, region, cols, batches = got
         frame = self._ch.recheck(head, step)
+        yield
         h = frame.head
         read_region(frame, np.frombuffer(head, np.int64, h.n_dims, h.shapes_at), region.view(np.uint8))
-        warm_replay(self.state, cols, batches)
+        yield
+        yield from warm_replay(self.state, cols, batches)
 
     def close(self) -> None:
         """Release the shared-memory ring (idempotent)."""

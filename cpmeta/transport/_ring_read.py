@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 from ._futex import HAVE_FENCE, NEEDS_RELEASE_FENCE, fence, futex_wait, futex_wake
 from ._ring_layout import (ANNOUNCE_SPIN_S, KIND_DATA, KIND_PAD, LIVENESS_SLICE_S, MSG_HEADER,
@@ -46,7 +46,7 @@ class RingReader:
     _watch: dict[int, PeerWatch]  # per reader index, -1 = the writer
     _max_bytes: int  # reader: largest message accepted
     _announce_seen: int  # reader: announce count already acted on
-    warm: Optional[Callable[[], None]]  # reader: called while it spins for the next message
+    warm: Optional[Callable[[], Any]]  # reader: called while it spins for the next message
 
     def _label(self, i: Optional[int]) -> str:
         """``i`` as an error message names it: "rank 2 (reader 1)" or "rank 0 (writer)"."""
@@ -197,7 +197,8 @@ class RingReader:
         spin after a message also ends at an ``announce`` (the caller then spins for it); an
         announced one yields the core on an oversubscribed host. With a ``warm`` hook, a core of
         its own and no message begun (``between``), the reader calls it every ``WARM_EVERY_S``
-        (at once after an announce); a hook that raises is dropped."""
+        (at once after an announce); a hook that returns an iterator is run piece by piece, and
+        left as soon as the message is in; a hook that raises is dropped."""
         w, yield_core, seen = self._w, announced and self._yield_spin, self._announce_seen
         warm = self.warm if between and not self._yield_spin else None
         now = time.perf_counter()
@@ -207,16 +208,23 @@ class RingReader:
             if yield_core:
                 os.sched_yield()
             elif warm is not None and now >= next_warm:
-                warm = self._run_warm(warm)
+                warm = self._run_warm(warm, target)
                 next_warm = time.perf_counter() + WARM_EVERY_S
             h = w.head.value
             now = time.perf_counter()
         return h
 
-    def _run_warm(self, warm: Callable[[], None]) -> Optional[Callable[[], None]]:
-        """Call the ``warm`` hook; one that raises is dropped (returns None)."""
+    def _run_warm(self, warm: Callable[[], Any], target: int) -> Optional[Callable[[], Any]]:
+        """Call the ``warm`` hook; when it returns an iterator, take its pieces one by one until
+        it ends or the message ``target`` is in (a message that lands mid-warm waits one piece,
+        not the whole hook: at world 8 the slowest of the followers' warms set the step's pace).
+        A hook that raises is dropped (returns None)."""
         try:
-            warm()
+            pieces = warm()
+            if pieces is not None:
+                for _ in pieces:
+                    if self._w.head.value >= target:
+                        break
             return warm
         except Exception:  # noqa: BLE001 - warming is never worth a failed read
             self.warm = None

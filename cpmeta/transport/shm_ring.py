@@ -181,7 +181,8 @@ class ShmRing(RingIO):
         self._spin_s = _auto_spin_us(handle.num_readers) * 1e-6
         self._yield_spin = _cores() <= handle.num_readers  # fewer cores than ring processes
         self._announce_seen = 0  # reader: announce count already acted on
-        self.warm: Optional[Callable[[], None]] = None  # reader: run while spinning for the next message
+        # reader: run while spinning for the next message (None, or an iterator of pieces)
+        self.warm: Optional[Callable[[], Any]] = None
         self._alive = None  # writer: one poll over the readers' pidfds (RingIO)
         self._tail_floor = 0  # writer: lower bound of the readers' tails (RingIO)
         self._stuck: Optional[tuple[int, int]] = None  # writer: (reader, tail) that timed out
