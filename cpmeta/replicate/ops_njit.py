@@ -14,9 +14,10 @@ The frame side: :func:`pack_region` writes the frame's flat dims and the columns
 lays the used columns and the batch digest back to back in one int64 buffer (the step frame's
 tensor region: one int64 dtype run; the driver's ring slot, or the log's own buffer);
 :func:`unpack_region` proves a received region against its dims (fixed widths, no negative or
-oversized dim, exact bytes and region length as the header declares) and copies it out. Worked example: columns ``runs [[TOK, 1]]``, ``tok_slots [3]``,
-``tok_counts [1]``, ``tok_flat [7]``, the rest empty, digest ``[0, 4]``: region ``[1, 1, 3, 1,
-7]`` (40 bytes, 48 with the 16-byte padding), dims ``(1, 2, 0, 7, 0, 0, 0, 1, 1, 1, ...)``.
+oversized dim, exact bytes and region length as the header declares) and copies it out. Worked
+example: columns ``runs [[TOK, 1]]``, ``tok_slots [3]``, ``tok_counts [1]``, ``tok_flat [7]``, the
+rest empty, digest ``[0, 4]``: region ``[1, 1, 3, 1, 7]`` (40 bytes, 48 with the 16-byte padding),
+dims ``(1, 2, 0, 7, 0, 0, 0, 1, 1, 1, ...)``.
 """
 
 from __future__ import annotations

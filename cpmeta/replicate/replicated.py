@@ -245,7 +245,8 @@ class ReplicatedBatchState(Recorder):
         prep = self._ch.prepare(self._key, values, dims, one_run=8 * total)
 
         def write(view: memoryview, addr: int, data_at: int) -> None:
-            log.pack_into(digest, np.frombuffer(view, np.int64, total, data_at))  # one compiled copy
+            if log.pack_into(digest, np.frombuffer(view, np.int64, total, data_at)) != total:  # one compiled copy
+                raise RuntimeError("ReplicatedBatchState: the step's columns changed between their layout and pack")
 
         self._ch.publish(prep, FLAG_PACKED, prep.exact, prep.region, write)
         if self._defer:  # sent: now the driver's replica takes the step, as every follower's

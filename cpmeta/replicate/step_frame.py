@@ -9,10 +9,11 @@ the four values and the column lengths.
 
 Driver and followers move the columns as ONE int64 buffer (``ops.Columns``), never a torch tensor
 per step: the driver's op log sizes the region (``OpLog.layout``) and lays its columns out
-straight into the frame's region in the ring slot in one compiled call (``OpLog.pack_into``); a follower proves the region against
-its shapes and copies it out in one compiled call (:func:`read_region`). The bytes are exactly
-what the common codec writes for these tensors (``tests/test_replay.py`` holds one to the other),
-and the compiled replay of :mod:`cpmeta.replicate.replay_njit` walks that buffer.
+straight into the frame's region in the ring slot in one compiled call (``OpLog.pack_into``); a
+follower proves the region against its shapes and copies it out in one compiled call
+(:func:`read_region`). The bytes are exactly what the common codec writes for these tensors
+(``tests/test_replay.py`` holds one to the other), and the compiled replay of
+:mod:`cpmeta.replicate.replay_njit` walks that buffer.
 """
 
 from __future__ import annotations
