@@ -46,6 +46,18 @@ def _digest(md: Any) -> int:
     return hash(tuple(metadata_digest(md).tolist()))
 
 
+def _counting(pieces: Any, out: dict) -> Any:
+    """A warm hook's pieces, counting in ``out["warm_done"]`` the warms run to their end."""
+    if pieces is None:
+        return None
+
+    def run() -> Any:
+        yield from pieces
+        out["warm_done"] += 1
+
+    return run()
+
+
 def _trace_rank(rank: int, world: int, seed: int, cfg_name: str, steps: int, max_seqs: int,
                 defer: bool = False, announce: bool = False) -> dict:
     import cpmeta
@@ -53,14 +65,14 @@ def _trace_rank(rank: int, world: int, seed: int, cfg_name: str, steps: int, max
     from replicate_trace import drive
 
     cfg = _config(cfg_name)
-    out: dict = {"digests": [], "refusals": [], "ref": [], "mine": [], "mirrors": [], "warmed": 0}
+    out: dict = {"digests": [], "refusals": [], "ref": [], "mine": [], "mirrors": [], "warmed": 0, "warm_done": 0}
     with cpmeta.ReplicatedBatchState(cfg, max_seqs, max_tokens=1024, check_every=16, timeout=60,
                                      defer_apply=defer) as rep:
         ring = rep._ch.objects.ring  # noqa: SLF001 - counting the follower's warm calls
         if ring is not None and ring.warm is not None:
             def counted(f: Any = ring.warm) -> Any:
                 out["warmed"] += 1
-                return f()  # the hook's pieces, for the ring to run
+                return _counting(f(), out)  # the hook's pieces, for the ring to run
             ring.warm = counted
         ref = cpmeta.BatchState(cfg, max_seqs, max_tokens=1024) if rank == 0 else None
         # deferred: driven as an engine drives it, the scheduler's own state validating each call
@@ -128,6 +140,8 @@ def test_followers_warming_for_announced_steps_change_nothing(defer: bool) -> No
     out = run_ranks(_trace_rank, 2, 11, "seed", 120, 9, defer, True, timeout=240)
     _check_trace(out)
     assert out[1]["warmed"] >= 120, out[1]["warmed"]
+    # the ring ran the hook's pieces to their end (a warm the frame did not cut short)
+    assert out[1]["warm_done"] >= 100, out[1]["warm_done"]
 
 
 @settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
