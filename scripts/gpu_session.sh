@@ -31,6 +31,8 @@
 #                                            # this, alt), MODEL=seed|plain, WORKLOADS (default decode-64 decode-256)
 #   bash scripts/gpu_session.sh prefill      # the host's cores: steps with prompts (mixed, prompt), plain and
 #                                            # seed, worlds 2 and 8
+#   bash scripts/gpu_session.sh timeline     # the host's cores at world 8: replicate-defer's step as a
+#                                            # timeline (decode-64 / mixed / prompt, seed decode-64, .alt prompt)
 #   bash scripts/gpu_session.sh compare      # the host's cores, before / after in one run: the commit in
 #                                            # .baseline (git archive REV | tar -x -C .baseline; carry it)
 #                                            # and this tree, end-to-end step (plain and compressed-KV
@@ -318,6 +320,19 @@ collective)  # ~7 min, made for nvidia-h200-x2 (NCCL between two GPUs; on one GP
   done
   rm -f "$OUT"/*.png  # the device tool brings back at most 8 files
   ;;
+timeline)  # ~4 min: replicate-defer's step as a timeline at world 8 (profile_phases.py sync: the
+  # driver's stages, then the last follower's from the commit), decode-64 / mixed / prompt, plain,
+  # then seed decode-64; with .alt (git archive REV | tar -x -C .alt) the same before it, for prompt
+  [ -d .alt/scripts ] && (cd .alt && PYTHONPATH=$PWD python3 -c 'import cpmeta.jit as j; j.warm_all()')
+  python3 -c 'import cpmeta.jit as j; j.warm_all()'
+  for V in plain:decode-64 plain:mixed plain:prompt seed:decode-64 alt:prompt; do
+    IFS=: read -r M W <<<"$V"
+    ROOT=$PWD
+    if [ $M = alt ]; then [ -d .alt/scripts ] || continue; ROOT=$PWD/.alt; M=plain; fi
+    TAILN=3 step timeline_${V/:/_} 60 env PYTHONPATH="$ROOT" python3 "$ROOT/scripts/profile_phases.py" sync --world 8 \
+      --defer --model $M --workload $W --steps 60 --out "$OUT/h200_wire.timeline-${V/:/-}.json"
+  done
+  ;;
 short)  # ~9 min when the device time is short: the GPU tests, then compare's end-to-end step trimmed
   TAILN=8 step gpu_tests 240 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu or triton or graph or nccl" \
     tests/test_builders.py tests/test_builders_smoke.py tests/test_decode_inplace.py tests/test_cuda_graph.py \
@@ -335,7 +350,7 @@ short)  # ~9 min when the device time is short: the GPU tests, then compare's en
   done
   ;;
 *)
-  echo "unknown suite $SUITE: expected tests, bench-gpu, bench-cpu, compare, wire, replay, warm, rwarm, arena, warmbuild, width, widthab, spin, collective or short" >&2; exit 2
+  echo "unknown suite $SUITE: expected tests, bench-gpu, bench-cpu, compare, wire, replay, warm, rwarm, arena, warmbuild, width, widthab, spin, collective, pin, ab, prefill, timeline or short" >&2; exit 2
   ;;
 esac
 # one file for every log (the device tool brings back at most 8 files)
