@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import operator
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -33,6 +33,7 @@ __all__ = ["LayoutArena"]
 _DATA_PTR = torch.Tensor.data_ptr
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
 _IS = operator.is_
+_TOUCH_LINES = 1024  # cache lines a warm piece reads (64 KiB)
 
 
 class LayoutArena:
@@ -155,10 +156,14 @@ class LayoutArena:
             self._packed_ptrs = ptrs
         return bool(base)
 
-    def touch(self) -> None:
+    def touch(self) -> Iterator[None]:
         """Read every cache line of the host arena and run the per-step identity check of the
-        fields the layout fixes (a follower warming up for its next step; writes nothing)."""
-        self._lines.sum()
+        fields the layout fixes (a follower warming up for its next step; writes nothing). A
+        generator: one piece per 1024 lines (64 KiB), for a ring that stops between pieces."""
+        lines = self._lines
+        for at in range(0, len(lines), _TOUCH_LINES):
+            lines[at:at + _TOUCH_LINES].sum()
+            yield
         all(map(_IS, self._fixed[1](self.md), self._snap))
 
     def land(self, view: memoryview, at: int) -> None:

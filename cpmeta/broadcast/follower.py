@@ -94,7 +94,7 @@ class FollowerSide:
         self._ch.recheck(head, saved)
         if arena is not None:
             yield
-            arena.touch()
+            yield from arena.touch()
 
     def _consume(self, frame: Frame, view: memoryview) -> tuple:
         """The tensor region of one proven frame (valid only during this call): landed in the
