@@ -162,9 +162,7 @@ class RequestBook(StateStore):
         req, book = self._req, self._slot
         for slots, ids in done:
             if ids is None:
-                for x in slots:
-                    del book[req[x]]
-                    req[x] = None
+                self._unbook(slots)
             else:
                 for x, r in zip(slots, ids):
                     book[r], req[x] = x, r
@@ -182,27 +180,31 @@ class RequestBook(StateStore):
 
     def finish(self, slot: int) -> None:
         """Remove the request in ``slot``; the slot is reused by a later ``add_request``."""
-        req = self._live(slot)
+        self._live(slot)  # its own message for a slot without a request
         self._one[0] = slot
-        finish_rows(self._one, self._meta, self.active, self._seen, self._err)
-        del self._slot[req]
-        self._req[slot] = None
-        self._free.append(slot)
+        self._finish_rows(self._one)
 
     def finish_batch(self, slots: Sequence[int] | np.ndarray) -> None:
         """``finish`` each of ``slots`` in order, in one call (an engine's finished requests of a
         step): every slot must hold a live request and appear once, else ``ValueError`` naming
         them and none is finished; the slots join the free list in that order. Example: after
         ``finish_batch([4, 1])`` the next ``add_request`` gets slot 1, the one after it slot 4."""
-        s = as_int_array("slots", slots)
-        if finish_rows(s, self._meta, self.active, self._seen, self._err):
-            self._raise_slots(s)
-        sl = s.tolist()
+        self._finish_rows(as_int_array("slots", slots))
+
+    def _finish_rows(self, slots: np.ndarray) -> None:
+        """The one finish: the compiled checks and reset, then the request maps and free list."""
+        if finish_rows(slots, self._meta, self.active, self._seen, self._err):
+            self._raise_slots(slots)
+        sl = slots.tolist()
+        self._unbook(sl)
+        self._free += sl
+
+    def _unbook(self, slots: list[int]) -> None:
+        """The request maps without the (finished) requests of ``slots``."""
         req, book = self._req, self._slot
-        for x in sl:
+        for x in slots:
             del book[req[x]]
             req[x] = None
-        self._free += sl
 
 
 def next_free(free: list[int], n: int) -> list[int]:
