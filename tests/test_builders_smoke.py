@@ -230,6 +230,24 @@ def test_output_arenas_refill_one_arena_per_shape() -> None:
         OutputArenas(max_shapes=0)
 
 
+def test_prompt_arenas_refilled_while_only_lengths_change() -> None:
+    """Chunks of a prefill advancing with the same shapes (rows, sequences, table width): every
+    ``prepare_prompt(out=OutputArenas())`` refills ONE arena although ``max_seqlen_k`` (a value,
+    not a shape) changes each call, and equals a fresh build."""
+    from cpmeta import OutputArenas
+    from cpmeta.diff import metadata_diff
+
+    cfg = MetadataConfig()
+    mk = lambda ks: [_seq(32, k, state=i, table=list(range(8)), cfg=cfg) for i, k in enumerate(ks)]  # noqa: E731
+    arenas = OutputArenas()
+    first = prepare_prompt(mk([64, 96]), cfg, out=arenas)
+    for ks in ([96, 128], [128, 64], [32, 32]):
+        seqs = mk(ks)
+        md = prepare_prompt(seqs, cfg, out=arenas)
+        assert md.positions is first.positions and len(arenas) == 1 and md.max_seqlen_k == max(ks)
+        assert metadata_diff(md, prepare_prompt(seqs, cfg), cfg=cfg) == []
+
+
 def test_caller_owned_output_buffers_protocol() -> None:
     """``out=`` any ``OutputBuffers``: ``prepare_decode`` asks it for the arena of the call's layout
     and writes there (here: a caller's own bytes, every tensor inside them, values equal to a

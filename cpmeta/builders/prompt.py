@@ -65,15 +65,20 @@ class _Plan:
 
 class _Consts:
     """What every prompt build of one config reads: the kernel constants, the field specs, and
-    the plans per (sizes, with Engram rows)."""
+    the plans per (shape sizes, with Engram rows)."""
 
-    __slots__ = ("k", "specs", "ncnt", "plans")
+    __slots__ = ("k", "specs", "ncnt", "plans", "shape_slots")
 
     def __init__(self, cfg: MetadataConfig) -> None:
         self.k = prompt_consts(cfg)
         self.specs = step_outputs(FIELDS, cfg, PROMPT)
         self.ncnt = count_slots(cfg)
         self.plans: BoundedCache[tuple[Any, ...], _Plan] = BoundedCache(64)
+        #: the counted sizes that set a shape (what :func:`_shape` reads): a plan's key. The
+        #: others (the sum and maxima of the lengths, each ratio's loaded rows) are values, which
+        #: change every step of a chunked prefill while the shapes stay.
+        self.shape_slots = [CNT_T, CNT_WIDTH, CNT_SEG_SWA, CNT_TOTAL_C] + [
+            CNT_RATIOS + 3 * a + j for a in range(len(cfg.ca_ratios)) for j in (0, 1)]
 
 
 _CONSTS: IdentityCache[MetadataConfig, _Consts] = IdentityCache(64)
@@ -195,7 +200,7 @@ def prompt_fields(sb: SequenceBatch, cfg: MetadataConfig, out: Out = None, *, ng
         _raise(err, cfg)
     sizes = cnt.tolist()
     sizes.append(n)
-    key = (*sizes, ngram)
+    key = (*[sizes[i] for i in c.shape_slots], n, ngram)
     plan = c.plans.get(key)
     if plan is None:
         plan = c.plans.put(key, _make_plan(c, cfg, sizes, ngram))

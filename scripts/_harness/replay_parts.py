@@ -10,7 +10,14 @@ a process group (``record``: what ``replicate-defer``'s driver does before its s
 check included). Each step may follow ``--gap-ms`` of sleep before each part (an engine's idle
 between steps, or its forward pass's cooling); p50 µs per part over the steps after the first 20.
 
+``--build``: the replay part is a follower's whole step instead -- the replay, then the
+metadata built from its batches into ``OutputArenas`` (``follower``) -- and ``kernels`` is the
+time inside its compiled calls alone (the replay kernel and the builders' count / fill kernels,
+timed from Python around each call: their dispatch included), so ``follower - kernels`` is the
+Python between and around them, what a single compiled call per rank would leave out.
+
     python scripts/profile_phases.py replay --workload prompt --model plain --steps 300
+    python scripts/profile_phases.py replay --workload decode-64 --build --gap-ms 3
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from cpmeta.launch.scheduler import default_config, plain_config
 from cpmeta.replicate.apply import apply_step
 from cpmeta.replicate.recorder import Recorder
 
-from .step_methods import StepTrace, apply_ops
+from .step_methods import StepTrace, apply_ops, build
 
 _NO_DIGEST = np.zeros((0, 4), np.int64)
 
@@ -56,6 +63,29 @@ class _Recording(Recorder):
         return out
 
 
+#: the compiled calls of a follower's step: (module, name), each wrapped by ``--build``'s timer
+KERNELS = (("cpmeta.replicate.apply", "replay"), ("cpmeta.builders.decode", "decode_fill"),
+           ("cpmeta.builders.prompt", "prompt_count"), ("cpmeta.builders.prompt", "prompt_fill"))
+
+
+def _time_kernels(spent: list[float]) -> None:
+    """Wrap :data:`KERNELS` where their callers look them up: each call adds its time to ``spent[0]``."""
+    import importlib
+
+    for mod_name, name in KERNELS:
+        mod = importlib.import_module(mod_name)
+        fn = getattr(mod, name)
+
+        def timed(*a: Any, _fn: Any = fn) -> Any:
+            t = time.perf_counter()
+            try:
+                return _fn(*a)
+            finally:
+                spent[0] += time.perf_counter() - t
+
+        setattr(mod, name, timed)
+
+
 def replay_main(args: argparse.Namespace, argv: list[str]) -> int:
     from _harness.bench_meta import write_result
 
@@ -65,6 +95,17 @@ def replay_main(args: argparse.Namespace, argv: list[str]) -> int:
     replica = cpmeta.BatchState(cfg, trace.max_seqs)
     parts: dict[str, list[float]] = {"apply": [], "record": [], "pack": [], "replay": []}
     pc = time.perf_counter
+    spent = [0.0]
+    if args.build:
+        _time_kernels(spent)
+        del parts["replay"]
+        parts.update(follower=[], kernels=[])
+    arenas = cpmeta.OutputArenas()
+
+    def follower(cols: Any, req_ids: list[Any], specs: list[int]) -> None:
+        spent[0] = 0.0
+        batches, _ = apply_step(replica, cols, req_ids, specs)
+        build(batches, cfg, arenas)
 
     def timed(name: str, fn: Any, *a: Any) -> Any:
         if args.gap_ms:
@@ -81,7 +122,11 @@ def replay_main(args: argparse.Namespace, argv: list[str]) -> int:
         t = pc()
         cols, req_ids, specs = rec.cut()
         parts["pack"].append(pc() - t)
-        timed("replay", apply_step, replica, cols, req_ids, specs)
+        if args.build:
+            timed("follower", follower, cols, req_ids, specs)
+            parts["kernels"].append(spent[0])
+        else:
+            timed("replay", apply_step, replica, cols, req_ids, specs)
     res = {k: round(statistics.median(v[20:]) * 1e6, 1) for k, v in parts.items()}
     print(f"{args.workload} {args.model} gap {args.gap_ms:g} ms, p50 us over {args.steps} steps: "
           + "  ".join(f"{k} {v}" for k, v in res.items()))
