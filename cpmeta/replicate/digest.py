@@ -74,7 +74,8 @@ def first_difference(mine: np.ndarray, want: np.ndarray) -> Optional[tuple[int, 
     of batches: ``batch`` -1 then), ``what`` the differing parts (``"token window, block
     table"``); ``None`` when equal. Example: rows ``[hdr, s0, s1]`` differing in row 2, column
     2 -> ``(0, 1, "block table")``."""
-    if mine.shape == want.shape and np.array_equal(mine, want):
+    if mine.shape == want.shape and (mine.tobytes() == want.tobytes() if mine.dtype == want.dtype
+                                     else np.array_equal(mine, want)):  # bytes: ~3x cheaper after an idle
         return None
     k, at = 0, 0
     while at < len(mine) and at < len(want):
