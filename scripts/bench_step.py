@@ -59,10 +59,13 @@ PHASES = ("driver_apply", "driver_build", "send", "wake_recv", "apply", "build",
 PHASE_NOTE = ("driver_apply: the driver applies (broadcast, mq-*), applies and records (replicate) or only "
               "records (replicate-defer) the ops; "
               "driver_build: its build (before the send for broadcast / mq-broadcast, after it "
-              "otherwise); send: its send call(s) (replicate-defer: its sync(), the own apply after the send included); wake_recv: driver's first send start -> the "
-              "slowest follower holds the bytes (broadcast / mq-broadcast: the metadata, replicate: "
-              "the parsed frame, mq-replicate: the unpickled ops); apply, build: the slowest "
-              "follower's replay of the ops and build; h2d: the slowest rank's copy to the device")
+              "otherwise; replicate: inside send; replicate-defer: the builds its apply left); send: its "
+              "send call(s) (replicate: sync_metadata()'s send and builds; replicate-defer: to the end of "
+              "the own apply after the send, a decode step's build inside it); wake_recv: driver's first "
+              "send start -> the slowest follower holds the bytes (broadcast / mq-broadcast: the "
+              "metadata, replicate: the parsed frame, mq-replicate: the unpickled ops); apply, build: "
+              "the slowest follower's replay of the ops (replicate: a decode step's build inside it) and "
+              "build (the rest); h2d: the slowest rank's copy to the device")
 
 
 def _config(model: str) -> Any:

@@ -724,7 +724,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--gap-ms", type=float, default=0.0, help="sleep before each timed part")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--build", action="store_true",
-                   help="a follower's whole step (replay, then build), and its compiled calls alone")
+                   help="a follower's whole step (replay and build), its compiled calls alone, and the step replayed then built")
     p.add_argument("--out", default="", help="JSON output path ('' = none)")
 
     p = sub.add_parser("cold", description=COLD_DOC, formatter_class=fmt, help="what an idle gap costs a call")

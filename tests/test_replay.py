@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import itertools
 import subprocess
 import sys
@@ -25,7 +26,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cpmeta import BatchState, SequenceBatch
+from cpmeta import BatchState, OutputArenas, SequenceBatch, prepare_decode
+from cpmeta.builders.decode import DecodeSink
+from cpmeta.testing import assert_same
 from cpmeta.launch.scheduler import default_config, plain_config
 from cpmeta.replicate import apply as apply_mod
 from cpmeta.replicate.apply import ReplicaError, apply_step
@@ -159,14 +162,29 @@ def _assert_frame_as_codec_writes(log: OpLog, digest: np.ndarray) -> None:
         assert c.shape == w.shape and np.array_equal(c, w)
 
 
-def _sync(d: _Driver, b: BatchState) -> list[SequenceBatch]:
+def _sync_one(d: _Driver, b: BatchState, sink: DecodeSink | None = None) -> list[SequenceBatch]:
     """One step: B applies A's frame; B's batches and state must equal A's, and no append run or
     batch spec of this valid frame left the compiled replay for the Python one -- nor an add or
-    a finish, unless the frame adds an id B holds at its start (one finished and added again)."""
+    a finish, unless the frame adds an id B holds at its start (one finished and added again).
+    With ``sink``: each decode batch's metadata the replay built equals ``prepare_decode`` of
+    A's batch; one it did not build is built through the sink (as ``sync_metadata`` does)."""
     cols, req_ids, specs, want, at_spec = d.frame()
     fresh = b.all_new(req_ids)
     with mock.patch.object(apply_mod, "_run", wraps=apply_mod._run) as in_python:
-        got, check = apply_step(b, cols, req_ids, specs)
+        got, check, mds = apply_step(b, cols, req_ids, specs, sink)
+    assert len(mds) == len(got) and (sink is not None or mds == [None] * len(got))
+    for md, bt, w in zip(mds, got, want):
+        if sink is None or bt.is_prompt:
+            continue
+        try:
+            expected = prepare_decode(w, b.cfg)
+        except ValueError as e:  # a batch the builder refuses: never built in the replay's call
+            assert md is None
+            with pytest.raises(ValueError) as refused:
+                sink.build(bt)
+            assert str(refused.value) == str(e)
+            continue
+        assert_same(md if md is not None else sink.build(bt), expected)
     codes = [call.args[3] for call in in_python.call_args_list]  # _run(state, cols, at, code, ...)
     assert not ({TOK, BLK, CMP, SPEC} | ({ADD, FIN} if fresh else set())) & set(codes), codes
     _assert_same_batches(got, want)
@@ -183,6 +201,8 @@ def test_named_steps_replay_as_driver_calls(cfg_name: str) -> None:
     without a spec: every frame replays to A's batches and A's state."""
     engram = CFGS[cfg_name].max_ngram_size > 0
     d, b = _Driver(_state(cfg_name)), _state(cfg_name)
+    sink = DecodeSink(b.cfg, OutputArenas())
+    _sync = functools.partial(_sync_one, sink=sink)
     comp = [40, 41] if engram else []
     x = d.add_request("a", [3, 4, 5, 6, 7, 8], [1], 1, compressed_token_ids=comp)
     y = d.add_request(7, [9, 10, 11, 12], [2, 3], 2, num_computed=4, swa_valid_start=1)
@@ -216,6 +236,36 @@ def test_named_steps_replay_as_driver_calls(cfg_name: str) -> None:
     d.set_state_id(z, 6)
     assert _sync(d, b) == []  # ops only: no batch
     _assert_same_state(_public(b), _public(d.state))
+
+
+@pytest.mark.parametrize("cfg_name", list(CFGS))
+def test_decode_steps_built_in_the_replay_call(cfg_name: str) -> None:
+    """Steady decode steps (the shape of the last step) are built by the replay's own call
+    (``replay_decode``), into the same arena every step, each equal to ``prepare_decode`` of the
+    driver's batch; a new shape (a longer table, another batch size) falls back to the sink's
+    ``prepare_decode`` once, then the replay builds again."""
+    cfg = CFGS[cfg_name] if cfg_name == "plain" else default_config(max_model_len=4096)  # 32 blocks a row
+    d, b = (_Driver(BatchState(cfg, 4, max_tokens=32, max_blocks=20)), BatchState(cfg, 4, max_tokens=32, max_blocks=20))
+    arenas = OutputArenas()
+    sink = DecodeSink(cfg, arenas)
+    comp = [1, 2] if cfg.max_ngram_size > 0 else []
+    slots = np.array([d.add_request(i, [5 + i, 6, 7], [i], i, compressed_token_ids=comp, num_computed=3)
+                      for i in range(3)])
+    fused: list[bool] = []
+    addr: list[int] = []
+    for step in range(8):
+        d.append_tokens_batch(slots, np.arange(3, dtype=np.int64) + 10 * step, np.ones(3, np.int64))
+        if step == 4:  # past block 16 on every table: the widest row goes from 16 columns to 32
+            d.append_blocks_batch(slots, np.arange(48, dtype=np.int64) % 8, np.full(3, 16, np.int64))
+        d.decode_batch(slots if step != 6 else slots[:2], np.arange(6 if step != 6 else 4) + 100, 2)
+        cols, req_ids, specs, want, _ = d.frame()
+        got, _, mds = apply_step(b, cols, req_ids, specs, sink)
+        fused.append(mds[0] is not None)
+        md = mds[0] if mds[0] is not None else sink.build(got[0])
+        assert_same(md, prepare_decode(want[0], cfg))
+        addr.append(md.positions.data_ptr())
+    assert fused == [False, True, True, True, False, True, False, False], fused
+    assert addr[1:4] == [addr[0]] * 3 and addr[5] == addr[4] and len(arenas) == 3
 
 
 def _draw_calls(d: _Driver, data: st.DataObject, ids: list[int]) -> None:
@@ -265,9 +315,10 @@ def _draw_calls(d: _Driver, data: st.DataObject, ids: list[int]) -> None:
 @pytest.mark.parametrize("cfg_name", list(CFGS))
 def test_random_steps_replay_as_driver_calls(cfg_name: str, data: st.DataObject) -> None:
     d, b, ids = _Driver(_state(cfg_name)), _state(cfg_name), [0]
+    sink = DecodeSink(b.cfg, OutputArenas()) if data.draw(st.booleans()) else None
     for _ in range(data.draw(st.integers(1, 6))):
         _draw_calls(d, data, ids)
-        _sync(d, b)
+        _sync_one(d, b, sink)
 
 
 # ---- malformed / refused frames -----------------------------------------------------------------

@@ -59,13 +59,15 @@ def _counting(pieces: Any, out: dict) -> Any:
 
 
 def _trace_rank(rank: int, world: int, seed: int, cfg_name: str, steps: int, max_seqs: int,
-                defer: bool = False, announce: bool = False) -> dict:
+                defer: bool = False, announce: bool = False, metadata: bool = False) -> dict:
     import cpmeta
     from cpmeta.launch.strategies import SchedulerTee
     from replicate_trace import drive
 
     cfg = _config(cfg_name)
-    out: dict = {"digests": [], "refusals": [], "ref": [], "mine": [], "mirrors": [], "warmed": 0, "warm_done": 0}
+    out: dict = {"digests": [], "refusals": [], "ref": [], "mine": [], "mirrors": [], "warmed": 0, "warm_done": 0,
+                 "decode_steps": 0}
+    arenas = cpmeta.OutputArenas()
     with cpmeta.ReplicatedBatchState(cfg, max_seqs, max_tokens=1024, check_every=16, timeout=60,
                                      defer_apply=defer) as rep:
         ring = rep._ch.objects.ring  # noqa: SLF001 - counting the follower's warm calls
@@ -86,14 +88,19 @@ def _trace_rank(rank: int, world: int, seed: int, cfg_name: str, steps: int, max
                 drive(target, cfg, rng, out["refusals"])
                 _, want = drive(ref, cfg, rng_ref, [])
                 out["ref"].append(_digest(_build(want, cfg)))
-            batch = rep.sync()
-            md = _build(batch, cfg)
+            if metadata:  # the replay's call builds a decode step of the last shape
+                md = rep.sync_metadata(arenas)
+                assert _digest(md) == _digest(_build(rep.batches[0] if rep.batches else None, cfg))
+            else:
+                md = _build(rep.sync(), cfg)
             out["digests"].append(_digest(md))
+            out["decode_steps"] += md is not None and not md.is_prompt
             if md is not None and md.is_prompt and world > 1:  # every rank's own zigzag share
                 out["mine"].append(_digest(cpmeta.prepare_for_mirror_cp(md, rank, world)))
                 if rank == 0:  # and the driver's view of every rank's share
                     out["mirrors"].append([_digest(cpmeta.prepare_for_mirror_cp(md, r, world))
                                            for r in range(world)])
+        out["fused"] = rep._sink.filled if rep._sink is not None else 0  # noqa: SLF001 - the replay's builds
     return out
 
 
@@ -116,6 +123,21 @@ def test_named_trace_every_rank_builds_the_drivers_metadata(cfg_name: str, world
     out = run_ranks(_trace_rank, world, 7, cfg_name, 240, 9, defer, timeout=240)
     _check_trace(out)
     assert sum(1 for d in out[0]["digests"] if d) > 150  # most steps carried a batch
+
+
+@pytest.mark.parametrize("cfg_name,world,defer", [("seed", 3, False), ("plain", 2, True)])
+def test_sync_metadata_builds_the_drivers_metadata(cfg_name: str, world: int, defer: bool) -> None:
+    """``sync_metadata``: every rank's metadata equals the driver's every step and what building
+    its own ``rep.batches`` gives; on followers (and a ``defer_apply`` driver) the decode steps
+    of the last step's shape are built inside the replay's call (this trace changes its batch
+    shape most steps: ~1 in 6 keeps it)."""
+    out = run_ranks(_trace_rank, world, 7, cfg_name, 240, 9, defer, False, True, timeout=240)
+    _check_trace(out)
+    for r, got in enumerate(out):
+        if r or defer:
+            assert got["fused"] >= 10, (r, got["fused"], got["decode_steps"])
+        else:  # the driver validated each call: its batches exist before the send, nothing to replay
+            assert got["fused"] == 0
 
 
 @pytest.mark.parametrize("env", [{"CPMETA_FORCE_REMOTE": "1"}, {"CPMETA_CHECKSUM": "1"}], ids=["remote", "checksum"])

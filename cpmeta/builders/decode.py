@@ -21,17 +21,16 @@ import numpy as np
 import torch
 
 from ..config import MetadataConfig
-from ..constants import TABLE_WIDTH_ALIGN
 from ..cache import BoundedCache, IdentityCache
 from ..fields import DECODE, FieldTable, OutputSpec, stacked_fields, step_outputs
 from ..metadata import FIELDS, InputMetadata
 from ..buffers import ArenaLayout, HostArena, OutputBuffers, get_or_create_stacked, get_or_create_tensor
-from ..state.batch import BatchInput, as_sequence_batch
+from ..state.batch import BatchInput, SequenceBatch, as_sequence_batch
 from .common_njit import ngram_table, raise_common
-from .decode_njit import E_KV_CA_OFFSET, decode_consts, decode_fill, decode_width, field_offsets
+from .decode_njit import E_KV_CA_OFFSET, decode_consts, decode_fill, decode_shape, field_offsets
 from .int_ops import check_int32
 
-__all__ = ["prepare_decode", "DECODE_STACKED_FIELDS", "check_decode_out", "raise_decode_error"]
+__all__ = ["prepare_decode", "DecodeSink", "DECODE_STACKED_FIELDS", "check_decode_out", "raise_decode_error"]
 
 #: The decode ``out=`` schema, shared by ``prepare_decode`` and ``prepare_decode_inplace``: the
 #: per-ratio decode fields of the field table live in ONE stacked buffer each, ``out["klen"]`` =
@@ -79,9 +78,10 @@ class _Shape:
     for the same shape, so :class:`~cpmeta.buffers.OutputArenas` finds its arena), the kernel's
     field offsets and the fields' names (whole tensors; per-ratio rows with their keys)."""
 
-    __slots__ = ("layout", "offsets", "whole", "rows")
+    __slots__ = ("key", "layout", "offsets", "whole", "rows")
 
     def __init__(self, cfg: MetadataConfig, T: int, n: int, width: int, plan: "_Plan") -> None:
+        self.key = (T, n, width)
         lay = self.layout = _make_decode_layout(cfg, T, n, width, specs=plan.specs)
         ratios = plan.ratios
         self.offsets = field_offsets(lay)
@@ -211,12 +211,10 @@ def prepare_decode(
     arenas = _out_kind(out)
     sb = as_sequence_batch(seqs, cfg, is_prompt=False)
     n = len(sb)
-    T = len(sb.tokens) if sb.lookback == 0 else int(sb.seqlen_q.sum())  # no look-back: one id per row
     plan = _plan(cfg)
     seq = [a if a.dtype == _I64 else a.astype(np.int64) for a in (sb.seqlen_q, sb.seqlen_k, sb.state_id)]
     bt_off = sb.block_table_offsets if sb.block_table_offsets.dtype == _I64 else sb.block_table_offsets.astype(np.int64)
-    widest = min(decode_width(bt_off), cfg.max_num_blocks)
-    width = min(-(-widest // TABLE_WIDTH_ALIGN) * TABLE_WIDTH_ALIGN, cfg.max_num_blocks)
+    T, widest, width = decode_shape(seq[0], len(sb.tokens), bt_off, sb.lookback, cfg.max_num_blocks)
     if table_width is not None:
         width = _fixed_width("table_width", table_width, widest, cfg)
     elif isinstance(out, dict) and out.get("block_tables") is not None:
@@ -240,17 +238,92 @@ def prepare_decode(
                 sb.block_table_offsets)],
             plan.consts, tab, raw, shape.offsets, T, err, info):
         raise_decode_error(err, cfg)
+    if tg is not None:
+        return _metadata(tg, n, T, info)
     f: dict[str, Any] = {"is_prompt": False, "num_seqs": n, "total_q": T, "max_seqlen_q": int(info[0]),
                          "max_seqlen_k": int(info[1])}
-    if tg is not None:
-        f.update(tg.whole)
-        for name, d in tg.rows.items():
-            f[name] = dict(d)  # the metadata's own dict (a caller may replace its entries)
-    else:
-        assert isinstance(out, dict)  # _out_kind: None, a dict or an OutputBuffers
-        _into_dict(out, f, raw, shape)
+    assert isinstance(out, dict)  # _out_kind: None, a dict or an OutputBuffers
+    _into_dict(out, f, raw, shape)
     return InputMetadata(**f)
 
+
+def _metadata(tg: _Target, n: int, T: int, info: np.ndarray) -> InputMetadata:
+    """The metadata of an arena the kernel filled (``info``: its max seqlen_q / seqlen_k)."""
+    f: dict[str, Any] = {"is_prompt": False, "num_seqs": n, "total_q": T, "max_seqlen_q": int(info[0]),
+                         "max_seqlen_k": int(info[1])}
+    f.update(tg.whole)
+    for name, d in tg.rows.items():
+        f[name] = dict(d)  # the metadata's own dict (a caller may replace its entries)
+    return InputMetadata(**f)
+
+
+class DecodeSink:
+    """``prepare_decode(batch, cfg, out=arenas)`` for a compiled caller that gathers a decode batch
+    and fills its arena in the SAME call (``cpmeta.replicate``: a follower's replay and its
+    build, one call per step): :attr:`args` are :func:`~.decode_njit.decode_fill_if`'s
+    trailing arguments aimed at the arena of the last batch shape, which the caller's kernel
+    fills when the batch has that shape; :meth:`result` is then the metadata, bit for bit what
+    ``prepare_decode`` returns into the same arena. A batch of another shape (or one the kernel
+    did not fill) goes through :meth:`build`: ``prepare_decode`` itself, its named errors
+    included, after which the sink aims at that shape. Example::
+
+        sink = DecodeSink(cfg, arenas)
+        ... kernel(..., *sink.refresh()) ...        # fills when the shape is the last one
+        md = sink.result() or sink.build(batch)
+    """
+
+    __slots__ = ("cfg", "arenas", "args", "filled", "_plan", "_tg", "_shape", "_want", "_code")
+
+    def __init__(self, cfg: MetadataConfig, arenas: OutputBuffers) -> None:
+        self.cfg, self.arenas, self._plan = cfg, arenas, _plan(cfg)
+        self._tg: Optional[_Target] = None
+        self._shape: Optional[_Shape] = None
+        self._want = np.full(3, -1, np.int64)  # the aimed arena's (total_q, n_seq, width); the kernel's shape slot
+        self._code = np.full(1, -1, np.int64)  # the caller's kernel: decode_fill_if's return (-1: not filled)
+        self.args: tuple = ()
+        self.filled = 0  #: batches the caller's kernel built (:meth:`result` returned their metadata)
+        self._aim(None)
+
+    def refresh(self) -> tuple:
+        """:attr:`args` for this step: the aimed shape's arena as ``arenas`` holds it now (kept
+        in use there; a new one when ``arenas`` dropped it)."""
+        self._code[0] = -1
+        if self._shape is not None:
+            a = self.arenas.arena(self._shape.layout)
+            if self._tg is None or a is not self._tg.arena:
+                self._aim(self._plan.target(a, self._shape))
+            self._want[:] = self._shape.key
+        return self.args
+
+    def result(self) -> Optional[InputMetadata]:
+        """The metadata the caller's kernel filled this step, else ``None`` (call :meth:`build`)."""
+        if self._code[0] != 0 or self._tg is None:
+            return None
+        self.filled += 1
+        return _metadata(self._tg, int(self._want[1]), int(self._want[0]), self._tg.info)
+
+    def build(self, batch: SequenceBatch) -> InputMetadata:
+        """``prepare_decode(batch, cfg, out=arenas)``; later steps aim at this batch's shape."""
+        md = prepare_decode(batch, self.cfg, out=self.arenas)
+        assert md.block_tables is not None and md.total_q is not None  # every decode layout has them
+        shape = self._shape = self._plan.shape(self.cfg, md.total_q, len(batch), int(md.block_tables.shape[1]))
+        self._aim(self._plan.target(self.arenas.arena(shape.layout), shape))
+        return md
+
+    def _aim(self, tg: Optional[_Target]) -> None:
+        self._tg = tg
+        p = self._plan
+        if tg is None:
+            self.args = (p.consts, ngram_table(self.cfg), _NO_RAW, _NO_OFFSETS, self._want, _NO_ERR, _NO_INFO,
+                         self._code)
+            return
+        assert self._shape is not None
+        self.args = (p.consts, ngram_table(self.cfg), tg.raw, self._shape.offsets, self._want, tg.err, tg.info,
+                     self._code)
+
+
+_NO_RAW, _NO_OFFSETS = np.zeros(0, np.uint8), np.zeros(1, np.int64)  # a sink not aimed yet: no arena
+_NO_ERR, _NO_INFO = np.zeros(4, np.int64), np.zeros(2, np.int64)
 
 #: The batch arrays' dtype the kernel is compiled for (a batch made by ``from_sequences`` or
 #: ``BatchState`` has it; others are converted).

@@ -21,14 +21,14 @@ import numpy as np
 
 from ..buffers import ArenaLayout
 from ..config import MetadataConfig
-from ..constants import INT32_MAX, PAD_SLOT_ID
+from ..constants import INT32_MAX, PAD_SLOT_ID, TABLE_WIDTH_ALIGN
 from ..jit import OK, kernel, warmer
 from .common_njit import (
     COMMON_CODES_END, E_NGRAM_TABLE, check_tables, compressed_slot, fail,
     fill_common_rows, fill_cu_seqlens, fill_ngram_rows,
 )
 
-__all__ = ["decode_fill", "decode_width", "decode_consts", "field_offsets", "E_KV_CA_OFFSET", "DECODE_FIELDS"]
+__all__ = ["decode_fill", "decode_fill_if", "decode_shape", "decode_consts", "field_offsets", "E_KV_CA_OFFSET", "DECODE_FIELDS"]
 
 #: ``total_q * max_num_blocks * (block_size // min(dense ratios))`` (docs/design.md section 3's
 #: bound of the ``kv_ca_index_offset_len`` offsets) passes int32: ``err[1]`` total_q, ``err[2]``
@@ -86,15 +86,27 @@ def field_offsets(layout: ArenaLayout) -> np.ndarray:
 
 
 @kernel
-def decode_width(bt_off: np.ndarray) -> int:
-    """The batch's widest ``block_tables`` row: its longest table (a row is its sequence's table;
-    0 for no sequence). Example: tables of 3, 20 and 2 ids (``bt_off = [0, 3, 23, 25]``) -> 20."""
-    width = 0
+def decode_shape(seqlen_q: np.ndarray, n_tokens: int, bt_off: np.ndarray, lookback: int, max_nb: int
+                 ) -> tuple[int, int, int]:
+    """A decode batch's arena shape: ``(total_q, widest, width)``. ``total_q`` is ``n_tokens``
+    (one id per row) without look-back, else ``sum(seqlen_q)``; ``widest`` the longest table
+    (a row is its sequence's table; 0 for no sequence), cut to ``max_nb``; ``width`` the
+    default ``block_tables`` columns: ``widest`` rounded up to ``TABLE_WIDTH_ALIGN``, at most
+    ``max_nb``. Example: tables of 3, 20 and 2 ids (``bt_off = [0, 3, 23, 25]``), ``max_nb``
+    64 -> widest 20, width 32."""
+    total_q = n_tokens
+    if lookback != 0:
+        total_q = 0
+        for s in range(seqlen_q.shape[0]):
+            total_q += seqlen_q[s]
+    widest = 0
     for s in range(bt_off.shape[0] - 1):
         n = bt_off[s + 1] - bt_off[s]
-        if n > width:
-            width = n
-    return width
+        if n > widest:
+            widest = n
+    widest = min(widest, max_nb)
+    width = min(-(-widest // TABLE_WIDTH_ALIGN) * TABLE_WIDTH_ALIGN, max_nb)
+    return total_q, widest, width
 
 
 @kernel
@@ -107,7 +119,7 @@ def decode_fill(seqlen_q: np.ndarray, seqlen_k: np.ndarray, state_id: np.ndarray
     Checks first, nothing written before they pass: every needed block id (``blocks_needed``
     of ``seqlen_k``) in ``[0, max_block_id]``, ``sum(seqlen_k)`` and ``total_q * max_num_blocks *
     (block_size // min(dense ratios))`` in int32. ``width`` (``block_tables``' columns, the
-    layout's) is at least :func:`decode_width` of the batch. Then per sequence s, rows ``[r0, r0 + q)``, pos
+    layout's) is at least the batch's widest row (:func:`decode_shape`). Then per sequence s, rows ``[r0, r0 + q)``, pos
     ``= q_start + j``, ``pos1 = pos + 1``: the common fields (:mod:`.common_njit`),
     ``context_lens = pos1``, with W > 0 ``state_block_idx = state`` and
     ``kv_swa_index_offset_len = (state * S + (pos1 - w) % S, w)``, ``w = min(pos1, W)``;
@@ -219,6 +231,26 @@ def decode_fill(seqlen_q: np.ndarray, seqlen_k: np.ndarray, state_id: np.ndarray
     return err[0]  # OK, or an ngram id outside int32 recorded on the way
 
 
+@kernel
+def decode_fill_if(seqlen_q: np.ndarray, seqlen_k: np.ndarray, state_id: np.ndarray, is_ph: np.ndarray,
+                   tokens: np.ndarray, tok_off: np.ndarray, comp: np.ndarray, comp_off: np.ndarray,
+                   bt: np.ndarray, bt_off: np.ndarray, lookback: int, k: np.ndarray, table: np.ndarray,
+                   raw: np.ndarray, fo: np.ndarray, shape: np.ndarray, err: np.ndarray, info: np.ndarray) -> int:
+    """:func:`decode_fill` of a batch whose arena shape is ``shape`` = ``(total_q, n_seq, width)``,
+    the arena ``raw`` / ``fo`` is laid out for (a compiled caller that gathers the batch and
+    fills the arena of the last step's shape in the same call: ``cpmeta.replicate``'s replay,
+    ``cpmeta.builders.decode.DecodeSink``). Another shape (:func:`decode_shape` with the
+    default width) writes nothing, puts the batch's shape in ``shape`` and returns -1; else
+    :func:`decode_fill`'s code."""
+    n = seqlen_q.shape[0]
+    T, _, width = decode_shape(seqlen_q, tokens.shape[0], bt_off, lookback, k[_MNB])
+    if T != shape[0] or n != shape[1] or width != shape[2]:
+        shape[0], shape[1], shape[2] = T, n, width
+        return -1
+    return decode_fill(seqlen_q, seqlen_k, state_id, is_ph, tokens, tok_off, comp, comp_off, bt, bt_off, k, table,
+                       raw, fo, T, err, info)
+
+
 @warmer
 def _warm() -> None:
     """:func:`decode_fill` once: the compressed-KV config (MetadataConfig.compressed_swa()), two sequences (one with a draft)."""
@@ -230,7 +262,7 @@ def _warm() -> None:
     specs = step_outputs(FIELDS, cfg, DECODE)
     lay = ArenaLayout([(s.name, s.resolve({"total_q": 3, "n_seq": 2, "table_width": 1}), s.dtype) for s in specs])
     i64 = np.int64
-    decode_width(np.array([0, 1, 2], i64))
+    decode_shape(np.array([1, 2], i64), 3, np.array([0, 1, 2], i64), 0, 4)
     decode_fill(np.array([1, 2], i64), np.array([5, 9], i64), np.array([0, 1], i64), np.zeros(2, np.bool_),
                 np.array([4, 7, 8], i64), np.array([0, 1, 3], i64), np.zeros(0, i64), np.zeros(3, i64),
                 np.array([3, 6], i64), np.array([0, 1, 2], i64), decode_consts(cfg), np.zeros(0, i64),

@@ -4,7 +4,8 @@
   batch and ``MetadataBroadcaster`` moves it; followers rebuild it by path.
 - ``replicate`` (the field's design: vLLM v1, SGLang, TensorRT-LLM): every rank keeps the same
   ``BatchState`` (``ReplicatedBatchState``); the driver's scheduler records the step's calls,
-  ``sync()`` moves them as one frame, and EVERY rank builds its own metadata from its replica.
+  ``sync_metadata()`` moves them as one frame, and EVERY rank builds its own metadata from its
+  replica (a decode step of the last step's shape inside the replay's compiled call).
 - ``replicate-defer``: the same with ``defer_apply=True`` (vLLM's order): the driver's scheduler
   keeps its own ``BatchState``, which validates each call and answers what it reads; the
   replicated state only records the call, sends the step, then applies it on every rank, the
@@ -12,7 +13,9 @@
 
 Both give every rank bit-identical metadata (``--verify`` checks it against the driver's
 independent rebuild). ``step()`` returns ``(metadata, build seconds, move seconds, batch)``, the
-batch being what the driver rebuilds for ``--verify`` (None on followers).
+batch being what the driver rebuilds for ``--verify`` (None on followers); for the replicated
+strategies "move" is ``sync_metadata()`` (the builds inside it), "build" the attention info and
+the copy to the device after it.
 """
 
 from __future__ import annotations
@@ -98,6 +101,7 @@ class _Replicate:
         self.cfg, self.attn = cfg, args.attn_info
         n = SyntheticScheduler.max_seqs(args.decode_seqs, args.prompt_seqs)
         self.rep = cpmeta.ReplicatedBatchState(cfg, n, device=device, timeout=args.timeout, defer_apply=defer)
+        self.arenas = cpmeta.OutputArenas()  # the metadata's arena per batch shape, refilled every step
         ops: Any = SchedulerTee(cpmeta.BatchState(cfg, n), self.rep) if defer else self.rep
         self.sched = SyntheticScheduler(args.seed, cfg, args.workload, decode_seqs=args.decode_seqs,
                                         prompt_seqs=args.prompt_seqs, max_prompt=args.max_prompt,
@@ -107,14 +111,16 @@ class _Replicate:
         if self.sched is not None:
             self.sched.next_batch()  # records the step's calls (not timed: the scheduler's work)
         t0 = time.perf_counter()
-        batch = self.rep.sync()
+        md = self.rep.sync_metadata(self.arenas)  # the step and its metadata (built in the replay's call)
         t1 = time.perf_counter()
         # the synthetic scheduler makes one batch spec every step
-        assert isinstance(batch, cpmeta.SequenceBatch)
-        md = build(batch, self.cfg, self.attn)
+        assert isinstance(md, InputMetadata)
+        if self.attn:
+            md.compute_attn_info(self.cfg)
         if md.positions is not None and md.positions.device != self.rep.device:
             md = md.to(self.rep.device)
-        return md, time.perf_counter() - t1, t1 - t0, batch if self.sched is not None else None
+        batch = self.rep.batches[0] if self.sched is not None else None
+        return md, time.perf_counter() - t1, t1 - t0, batch
 
     def metrics(self) -> Optional[list[float]]:
         return None  # the replicated state's channel keeps no broadcast metrics

@@ -10,16 +10,18 @@ to its columns, or whose ``add_request`` lands in another slot than the driver's
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import numpy as np
 
+from ..builders.decode import DecodeSink
+from ..metadata import InputMetadata
 from ..state import BatchState, SequenceBatch
 from ..state.requests import next_free
 from .ops import ADD, BLK, CMP, COLUMNS, FIN, SID, SPEC, SPEC_WORDS, SVS, TOK, Columns
 from .ops import WIDTHS as _WIDTH  # int64 values per row of each column
 from .digest import batch_check
-from .replay_njit import S_END, S_SPEC, replay
+from .replay_njit import S_END, S_SPEC, replay, replay_decode
 
 __all__ = ["apply_step", "warm_replay", "ReplicaError"]
 
@@ -52,10 +54,14 @@ def _take(cols: Columns, at: np.ndarray, c: int, k: int) -> Any:
     return v if w == 1 else v.reshape(k, w)
 
 
-def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[int]
-               ) -> tuple[list[SequenceBatch], np.ndarray]:
-    """Apply the step's runs to ``state`` in order; return the specs' batches (in call order)
-    and their step check (``digest.batch_check(batches)``, written by the replay).
+def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[int],
+               sink: Optional[DecodeSink] = None
+               ) -> tuple[list[SequenceBatch], np.ndarray, list[Optional[InputMetadata]]]:
+    """Apply the step's runs to ``state`` in order; return the specs' batches (in call order),
+    their step check (``digest.batch_check(batches)``, written by the replay) and, with a
+    ``sink`` (a :class:`~cpmeta.builders.decode.DecodeSink` on ``state``'s config), each decode
+    batch's metadata when the replay's call built it too (:func:`~.replay_njit.replay_decode`:
+    a vouched batch of the sink's last shape), else ``None`` (the caller builds it).
 
     ``cols``: every column of :data:`cpmeta.replicate.ops.COLUMNS` as the frame carried it
     (:class:`~cpmeta.replicate.ops.Columns`: one int64 buffer);
@@ -87,22 +93,29 @@ def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[
     free = state.free_stack() if book else _NO_FREE
     booked = [0, 0]  # fin_slots / add_meta rows whose slots the request maps hold
     r, si, crow, replayed = 0, 0, 0, True
+    mds: list[Optional[InputMetadata]] = []
     while True:
         r0 = r
-        status, r, si, crow, gbuf, ph, vouched = replay(r, runs, buf, at, end, words, si, *arrays, check, crow,
-                                                        state.lookback, book, *free)
+        if sink is None:
+            status, r, si, crow, gbuf, ph, vouched = replay(r, runs, buf, at, end, words, si, *arrays, check, crow,
+                                                            state.lookback, book, *free)
+        else:
+            status, r, si, crow, gbuf, ph, vouched = replay_decode(
+                r, runs, buf, at, end, words, si, *arrays, check, crow, state.lookback, book, *free, *sink.refresh())
         if book and r > r0:
             _book(state, cols, runs[r0:r].tolist(), booked, adds)
         if status == S_END:
             break
         if status == S_SPEC:
             batches.append(state.gathered(gbuf, ph, vouched, bool(spec[si - SPEC_WORDS])))
+            mds.append(None if sink is None else sink.result())
             if r == len(runs):  # the step's last run (a decode step: ONE call); else the next runs
                 break
             continue
         code, n = runs[r].tolist()
         replayed = replayed and code != SPEC  # a spec made here: its check made below
         _run(state, cols, at, code, n, adds, spec, batches)
+        mds += [None] * (len(batches) - len(mds))
         if book and (code == ADD or code == FIN):  # made by Python's call: the kernel's free list again
             booked[code == ADD] += n
             state.free_stack()
@@ -115,19 +128,25 @@ def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[
                            f"{(at[i] - starts[i]) // _WIDTH[i]}")
     if next(adds, None) is not None or len(spec) != SPEC_WORDS * len(batches):
         raise ReplicaError("step frame: more request ids or specs than its runs use")
-    return batches, (check if replayed and crow == len(check) else batch_check(batches))
+    return batches, (check if replayed and crow == len(check) else batch_check(batches)), mds
 
 
-def warm_replay(state: BatchState, cols: Columns, batches: list[SequenceBatch]) -> Iterator[None]:
+def warm_replay(state: BatchState, cols: Columns, batches: list[SequenceBatch],
+                sink: Optional[DecodeSink] = None) -> Iterator[None]:
     """Run, read-only, what :func:`apply_step` runs on a step like ``cols``: the compiled replay's
     call with the state's arrays (from the end of the runs: nothing applied), then the digests of
     the last step's ``batches`` (reading their arrays and the kernel). A generator, one piece per
     item: a follower spinning for its next step runs it (``ReplicatedBatchState.warm``) so the
-    step meets warm caches, and stops between the pieces once the step is in."""
+    step meets warm caches, and stops between the pieces once the step is in. ``sink``: the
+    step's :class:`~cpmeta.builders.decode.DecodeSink` (its call is then the fused one)."""
     buf, starts, _ = cols
     runs = cols.col(0)
-    replay(len(runs), runs, buf, starts[:-1].copy(), starts[1:], _NO_WORDS, 0, *state.kernel_arrays(),
-           _NO_CHECK, 0, state.lookback, False, *_NO_FREE)
+    args = (len(runs), runs, buf, starts[:-1].copy(), starts[1:], _NO_WORDS, 0, *state.kernel_arrays(), _NO_CHECK, 0,
+            state.lookback, False, *_NO_FREE)
+    if sink is None:
+        replay(*args)
+    else:  # the call a step with a sink makes (at the runs' end it returns at once: nothing filled)
+        replay_decode(*args, *sink.args)
     if batches:
         yield
         batch_check(batches)

@@ -19,9 +19,11 @@ import numpy as np
 from ..state import BatchState, SequenceBatch
 from ..state.checks import as_int_array
 from ..state.requests import add_arguments, next_free
-from .ops import BLK, CMP, SID, SVS, TOK, OpLog, flat_ints
+from .ops import BLK, CMP, COLUMNS, SID, SPEC_WORDS, SVS, TOK, Columns, OpLog, flat_ints
 
-__all__ = ["Recorder", "StepSpec"]
+__all__ = ["Recorder", "StepSpec", "specs_of"]
+
+_SPEC_SLOTS = COLUMNS.index("spec_slots")
 
 _EMPTY = np.zeros(0, np.int64)
 
@@ -259,3 +261,17 @@ def _request_id(req_id: Any) -> Any:
                         f"{type(req_id).__name__}")
     return req_id if type(req_id) is str else int(req_id)
 
+
+def specs_of(cols: Columns, spec: list[int]) -> tuple[StepSpec, ...]:
+    """A follower's :class:`StepSpec` s of a received step (its spec values and columns)."""
+    out, at = [], [0, 0, 0]
+    s_col, l_col, d_col = (cols.col(_SPEC_SLOTS + i) for i in range(3))
+    for i in range(0, len(spec) - SPEC_WORDS + 1, SPEC_WORDS):
+        is_prompt, n_ph, advance, uniform, ns, nl, nd = spec[i:i + SPEC_WORDS]
+        slots = s_col[at[0]:at[0] + ns]
+        lens = l_col[at[1]:at[1] + nl]
+        drafts = d_col[at[2]:at[2] + nd]
+        at = [at[0] + ns, at[1] + nl, at[2] + nd]
+        out.append(StepSpec(True, slots, lens, None, None, n_ph, bool(advance)) if is_prompt
+                   else decode_spec(slots, lens, drafts, uniform, n_ph))
+    return tuple(out)

@@ -37,10 +37,11 @@ from ..jit import kernel, warmer
 from ..state.requests_njit import add_rows, finish_rows
 from ..state.state_njit import (K_BLOCKS, K_COMPRESSED, K_TOKENS, M_BLOCKS, M_COMPRESSED, M_FIRST_BAD, M_TOKENS,
                                 append_rows, gather_step)
+from ..builders.decode_njit import decode_fill_if
 from .digest_njit import seq_digests
 from .ops import ADD, BLK, CMP, COLUMNS, FIN, SPEC, SPEC_WORDS, TOK
 
-__all__ = ["replay", "S_END", "S_SPEC", "S_RUN"]
+__all__ = ["replay", "replay_decode", "S_END", "S_SPEC", "S_RUN"]
 
 S_END, S_SPEC, S_RUN = 0, 1, 2
 _TOK_SLOTS, _BLK_SLOTS, _CMP_SLOTS = COLUMNS.index("tok_slots"), COLUMNS.index("blk_slots"), COLUMNS.index("cmp_slots")
@@ -201,6 +202,33 @@ def replay(r: int, runs: np.ndarray, buf: np.ndarray, at: np.ndarray, end: np.nd
     return S_END, r, si, crow, empty, no_ph, False
 
 
+@kernel
+def replay_decode(r: int, runs: np.ndarray, buf: np.ndarray, at: np.ndarray, end: np.ndarray, spec: np.ndarray,
+                  si: int, meta: np.ndarray, active: np.ndarray, token_ids: np.ndarray, block_table: np.ndarray,
+                  compressed: np.ndarray, p: np.ndarray, mark: np.ndarray, err: np.ndarray, check: np.ndarray,
+                  crow: int, lookback: int, book: bool, stack: np.ndarray, nfree: np.ndarray, scratch: np.ndarray,
+                  k: np.ndarray, table: np.ndarray, raw: np.ndarray, fo: np.ndarray, shape: np.ndarray,
+                  ferr: np.ndarray, info: np.ndarray, code: np.ndarray
+                  ) -> tuple[int, int, int, int, np.ndarray, np.ndarray, bool]:
+    """:func:`replay`, and when it gathered a decode batch it vouched for, that batch's metadata
+    in the same call: :func:`~cpmeta.builders.decode_njit.decode_fill_if` into the arena of
+    the last step's shape (``k`` .. ``info``: ``cpmeta.builders.decode.DecodeSink.args``; its
+    return in ``code[0]``, -1 when it did not fill). A follower's decode step is then ONE
+    compiled call from its frame's columns to its metadata. Returns what :func:`replay` does."""
+    status, r, si, crow, g, ph, ok = replay(r, runs, buf, at, end, spec, si, meta, active, token_ids, block_table,
+                                            compressed, p, mark, err, check, crow, lookback, book, stack, nfree,
+                                            scratch)
+    if status == S_SPEC and ok and spec[si - SPEC_WORDS] == 0:
+        n = ph.shape[0]  # the gather's buffer, as BatchState._batch_of reads it
+        h = 8 * n + 3
+        t = h + g[7 * n + 1]
+        b = t + g[6 * n]
+        code[0] = decode_fill_if(g[:n], g[n:2 * n], g[2 * n:3 * n], ph, g[h:t], g[6 * n + 1:7 * n + 2], g[b:],
+                                 g[7 * n + 2:h], g[t:b], g[5 * n:6 * n + 1], lookback, k, table, raw, fo, shape,
+                                 ferr, info)
+    return status, r, si, crow, g, ph, ok
+
+
 @warmer
 def _warm() -> None:
     """Compile / load :func:`replay` on a two-slot state: one token run, one decode spec."""
@@ -221,3 +249,10 @@ def _warm() -> None:
     spec = np.array([0, 0, 1, -2, 1, 0, 0], np.int64)
     replay(0, runs, buf, at, end, spec, 0, *st.kernel_arrays(), np.zeros((2, 4), np.int64), 0, st.lookback,
            True, *st.free_stack())
+    from ..buffers import OutputArenas
+    from ..builders.decode import DecodeSink
+
+    at[_TOK_SLOTS:_TOK_SLOTS + 3] = [0, 1, 2]  # the same step again: one more token, the fused build
+    at[_SPEC_SLOTS:_SPEC_SLOTS + 3] = 3
+    replay_decode(0, runs, buf, at, end, spec, 0, *st.kernel_arrays(), np.zeros((2, 4), np.int64), 0, st.lookback,
+                  True, *st.free_stack(), *DecodeSink(st.cfg, OutputArenas()).refresh())

@@ -36,7 +36,6 @@ While a same-host follower spins for its next step it warms (:meth:`ReplicatedBa
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any, Iterator, Optional
 
 import numpy as np
@@ -45,22 +44,26 @@ import torch.distributed as dist
 
 from .. import envs
 from ..config import MetadataConfig
+from ..buffers import OutputArenas
+from ..builders.decode import DecodeSink
+from ..builders.prompt import prepare_prompt
+from ..metadata import InputMetadata
 from ..state import BatchState, SequenceBatch
 from ..broadcast.channel import FrameChannel, resolve_src
 from ..broadcast.wire import FLAG_PACKED, Frame, WireError
 from ..transport.envs import ENV_TIMEOUT
 from .apply import ReplicaError, apply_step, warm_replay
 from .digest import N_BANDS, batch_check, first_difference, replica_digest, slot_digests, snapshot
-from .ops import COLUMNS, SPEC_WORDS, Columns
-from .recorder import Recorder, StepSpec, decode_spec
-from .step_frame import STEP_SCHEMA, read_region, step_key
+from .ops import COLUMNS, Columns
+from .recorder import Recorder, StepSpec, specs_of
+from .step_frame import STEP_SCHEMA, read_region, state_fingerprint, step_key
 
 __all__ = ["ReplicatedBatchState", "StepSpec", "DEFAULT_CHECK_EVERY"]
 
 #: steps between two whole-replica digest comparisons (a collective over the gloo group)
 DEFAULT_CHECK_EVERY = 64
 _NO_CHECK = np.zeros((0, 4), np.int64)  # the batch check of a step without a batch spec
-_SPEC_SLOTS, _DIGEST = COLUMNS.index("spec_slots"), COLUMNS.index("batch_digest")
+_DIGEST = COLUMNS.index("batch_digest")
 
 
 class ReplicatedBatchState(Recorder):
@@ -125,7 +128,7 @@ class ReplicatedBatchState(Recorder):
                                 max_compressed=max_compressed)
         ch_sum = envs.checksum() if checksum is None else bool(checksum)
         st = self.state
-        fp = _state_fingerprint(cfg, st.max_seqs, st.max_tokens, st.max_blocks, st.max_compressed)
+        fp = state_fingerprint(cfg, st.max_seqs, st.max_tokens, st.max_blocks, st.max_compressed)
         self._ch = FrameChannel(self.group, self.src, STEP_SCHEMA, what="ReplicatedBatchState",
                                 timeout=timeout, force_remote=force_remote, checksum=ch_sum,
                                 agree={"state setting": fp, "check_every setting": check_every,
@@ -141,7 +144,10 @@ class ReplicatedBatchState(Recorder):
         self._broken: Optional[str] = None  # why this replica refuses further steps
         self.step = 0  # steps synced so far
         self._closed = False
-        self._warm_from: Any = None  # (head bytes, step, its whole region, columns, batches)
+        self._warm_from: Any = None  # (head bytes, step, its whole region, columns, batches, sink)
+        self._sink: Optional[DecodeSink] = None  # sync_metadata's, for its last ``out``
+        #: the last synced step's batches on every rank, in call order (what :meth:`sync` returned)
+        self.batches: tuple[SequenceBatch, ...] = ()
         self._warming = self._ch.warm_with(self._warm_pieces)  # a same-host follower warms while it spins
 
     # ---- every rank -----------------------------------------------------------------------
@@ -162,6 +168,29 @@ class ReplicatedBatchState(Recorder):
         (``None`` for a step without a batch spec, a tuple for a step with several). The driver
         sends the step's ops as one frame; followers apply them. A diverged replica is a
         ``RuntimeError`` naming the rank, the step and what differs (see the module docstring)."""
+        return _one_or_many(self._sync(None)[0])
+
+    def sync_metadata(self, out: OutputArenas) -> Optional[InputMetadata | tuple[InputMetadata, ...]]:
+        """:meth:`sync`, then each batch's ``prepare_prompt`` / ``prepare_decode`` with ``out=out``,
+        bit for bit (the same reuse contract: a result is valid until the next build of its shape
+        into ``out``); a follower (and a ``defer_apply`` driver) replays a decode step of the last
+        step's shape and builds it in ONE compiled call (``cpmeta.builders.decode.DecodeSink``).
+        ``None`` / one / a tuple as :meth:`sync`; the batches are :attr:`batches`. Every rank::
+
+            arenas = cpmeta.OutputArenas()
+            md = rep.sync_metadata(arenas)   # == prepare_decode(rep.sync(), cfg, out=arenas)
+        """
+        if not isinstance(out, OutputArenas):
+            raise TypeError(f"out: expected a cpmeta.OutputArenas, got {type(out).__name__}")
+        sink = self._sink
+        if sink is None or sink.arenas is not out:
+            sink = self._sink = DecodeSink(self.cfg, out)
+        batches, mds = self._sync(sink)  # a batch the replay did not build: the builders
+        return _one_or_many([md if md is not None else prepare_prompt(b, self.cfg, out=out) if b.is_prompt
+                             else sink.build(b) for b, md in zip(batches, mds)])
+
+    def _sync(self, sink: Optional[DecodeSink]) -> tuple[list[SequenceBatch], list[Any]]:
+        """One step: its batches, and with ``sink`` the metadata the replay built (else ``None``)."""
         if self._closed:
             raise RuntimeError("ReplicatedBatchState: sync() after close()")
         if self._broken is not None:
@@ -169,11 +198,12 @@ class ReplicatedBatchState(Recorder):
                                "rebuild the ReplicatedBatchState")
         step = self.step + 1
         check = bool(self.check_every) and step % self.check_every == 0
-        batches = self._send(step, check) if self.is_src else self._receive(step)
+        batches, mds = self._send(step, check, sink) if self.is_src else self._receive(step, sink)
         self.step = step
+        self.batches = tuple(batches)
         if check:
             self._check_replicas(step)
-        return None if not batches else batches[0] if len(batches) == 1 else tuple(batches)
+        return batches, mds
 
     def warm(self) -> None:
         """Follower: replay, read-only, the last step's receive -- its frame checks on the saved
@@ -190,13 +220,13 @@ class ReplicatedBatchState(Recorder):
         got = self._warm_from
         if got is None:
             return
-        head, step, region, cols, batches = got
+        head, step, region, cols, batches, sink = got
         frame = self._ch.recheck(head, step)
         yield
         h = frame.head
         read_region(frame, np.frombuffer(head, np.int64, h.n_dims, h.shapes_at), region.view(np.uint8))
         yield
-        yield from warm_replay(self.state, cols, batches)
+        yield from warm_replay(self.state, cols, batches, sink)
 
     def close(self) -> None:
         """Release the shared-memory ring (idempotent)."""
@@ -234,7 +264,7 @@ class ReplicatedBatchState(Recorder):
         if self._closed:
             raise RuntimeError(f"ReplicatedBatchState: {what} after close()")
 
-    def _send(self, step: int, check: bool) -> list[SequenceBatch]:
+    def _send(self, step: int, check: bool, sink: Optional[DecodeSink]) -> tuple[list[SequenceBatch], list[Any]]:
         log = self._log
         # default: the specs' batches, made at the calls; defer_apply: made by the apply below
         batches = [] if self._defer else [b for b in self._batches if b is not None]
@@ -249,19 +279,20 @@ class ReplicatedBatchState(Recorder):
                 raise RuntimeError("ReplicatedBatchState: the step's columns changed between their layout and pack")
 
         self._ch.publish(prep, FLAG_PACKED, prep.exact, prep.region, write)
+        mds: list[Any] = [None] * len(batches)
         if self._defer:  # sent: now the driver's replica takes the step, as every follower's
-            batches = self._apply_deferred(step, check, log.pack(digest), req_ids, specs)
+            batches, mds = self._apply_deferred(step, check, log.pack(digest), req_ids, specs, sink)
         self._log, self._next = self._next, log  # calls after the last spec open the next step
         log.clear()
         self.specs, self._pending, self._batches = tuple(self._pending), [], []
-        return batches
+        return batches, mds
 
     def _apply_deferred(self, step: int, check: bool, cols: Columns, req_ids: list[Any],
-                        spec: list[int]) -> list[SequenceBatch]:
+                        spec: list[int], sink: Optional[DecodeSink]) -> tuple[list[SequenceBatch], list[Any]]:
         """``defer_apply`` driver, after sending: its own replica applies the step; a call the
         state refuses is the driver's ``ValueError`` (every follower refuses it the same way)."""
         try:
-            batches, self._prev_check = apply_step(self.state, cols, req_ids, spec)
+            batches, self._prev_check, mds = apply_step(self.state, cols, req_ids, spec, sink)
         except (ReplicaError, ValueError, IndexError) as e:
             self._broken = f"step {step}: a call the state refused: {e}"
             raise ValueError(f"ReplicatedBatchState (defer_apply): step {step}: the state refused a "
@@ -269,9 +300,9 @@ class ReplicatedBatchState(Recorder):
                              "(rebuild the ReplicatedBatchState)") from None
         if check:  # the replica now stands where it stood at the step's spec
             self._hold_digest(step)
-        return batches
+        return batches, mds
 
-    def _receive(self, step: int) -> list[SequenceBatch]:
+    def _receive(self, step: int, sink: Optional[DecodeSink]) -> tuple[list[SequenceBatch], list[Any]]:
         def handler(frame: Frame, view: memoryview) -> tuple[Columns, list[Any]]:
             h = frame.head
             if not h.flags & FLAG_PACKED:
@@ -289,9 +320,9 @@ class ReplicatedBatchState(Recorder):
             raise RuntimeError(f"rank {self.rank}: step frame {got_step} from src={self.src} where "
                                f"step {step} was expected ({'a replay' if got_step < step else 'a gap'}"
                                "); the replica refuses it")
-        self.specs = _specs_of(cols, spec)
+        self.specs = specs_of(cols, spec)
         try:
-            batches, mine = apply_step(self.state, cols, req_ids, spec)
+            batches, mine, mds = apply_step(self.state, cols, req_ids, spec, sink)
         except (ReplicaError, ValueError, IndexError) as e:
             self._broken = f"step {step}: {e}"
             why = ("the driver's replica refused it too (defer_apply: a bad call)" if self._defer
@@ -300,8 +331,8 @@ class ReplicatedBatchState(Recorder):
                                f"driver's step ({why}): {type(e).__name__}: {e}") from None
         self._compare(mine, cols.col(_DIGEST), step)
         if saved:
-            self._warm_from = (saved[0], step, saved[1], cols, batches)
-        return batches
+            self._warm_from = (saved[0], step, saved[1], cols, batches, sink)
+        return batches, mds
 
     def _compare(self, check: np.ndarray, theirs: np.ndarray, step: int) -> None:
         """Follower: this replica's batch check (``check``: ``batch_check`` of the step's
@@ -364,31 +395,6 @@ class ReplicatedBatchState(Recorder):
                            f"driver's (rank {self.src}): {where}")
 
 
-def _specs_of(cols: Columns, spec: list[int]) -> tuple[StepSpec, ...]:
-    """A follower's :class:`StepSpec` s of a received step (its spec values and columns)."""
-    out, at = [], [0, 0, 0]
-    s_col, l_col, d_col = (cols.col(_SPEC_SLOTS + i) for i in range(3))
-    for i in range(0, len(spec) - SPEC_WORDS + 1, SPEC_WORDS):
-        is_prompt, n_ph, advance, uniform, ns, nl, nd = spec[i:i + SPEC_WORDS]
-        slots = s_col[at[0]:at[0] + ns]
-        lens = l_col[at[1]:at[1] + nl]
-        drafts = d_col[at[2]:at[2] + nd]
-        at = [at[0] + ns, at[1] + nl, at[2] + nd]
-        out.append(StepSpec(True, slots, lens, None, None, n_ph, bool(advance)) if is_prompt
-                   else decode_spec(slots, lens, drafts, uniform, n_ph))
-    return tuple(out)
-
-
-def _state_fingerprint(cfg: MetadataConfig, *caps: int) -> str:
-    """16 hex digits of the config (every field; tensors by their bytes) and the capacities."""
-    h = hashlib.sha256()
-    for name in sorted(cfg.__dataclass_fields__):
-        v = getattr(cfg, name)
-        if isinstance(v, torch.Tensor):
-            t = v.detach().cpu().contiguous()
-            h.update(f"{name}:{t.dtype}:{tuple(t.shape)}:".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-        else:
-            h.update(f"{name}={v!r};".encode())
-    h.update(repr(caps).encode())
-    return h.hexdigest()[:16]
+def _one_or_many(got: list[Any]) -> Any:
+    """A step's results as :meth:`ReplicatedBatchState.sync` returns them: ``None``, one, a tuple."""
+    return None if not got else got[0] if len(got) == 1 else tuple(got)

@@ -18,6 +18,7 @@ follower proves the region against its shapes and copies it out in one compiled 
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -25,12 +26,13 @@ import numpy as np
 import torch
 
 from ..broadcast.schema import Schema
+from ..config import MetadataConfig
 from ..broadcast.wire import Frame, WireError
 from ..jit import OK, warmer
 from .ops import COLUMNS, WIDE, WIDTHS, Columns
 from .ops_njit import R_BYTES, unpack_region
 
-__all__ = ["StepFrame", "STEP_SCHEMA", "step_key", "read_region"]
+__all__ = ["StepFrame", "STEP_SCHEMA", "step_key", "read_region", "state_fingerprint"]
 
 
 class _Col:
@@ -113,3 +115,19 @@ def _warm() -> None:
     out, starts = np.empty(0, np.int64), np.empty(len(COLUMNS) + 1, np.int64)
     shapes = np.array([d for w in WIDTHS.tolist() for d in ((0,) if w == 1 else (0, w))], np.int64)
     unpack_region(shapes, np.zeros(0, np.uint8), 0, WIDTHS, out, starts)
+
+
+def state_fingerprint(cfg: MetadataConfig, *caps: int) -> str:
+    """16 hex digits of the config (every field; tensors by their bytes) and the capacities: what
+    every rank of a ``ReplicatedBatchState`` must agree on."""
+    h = hashlib.sha256()
+    for name in sorted(cfg.__dataclass_fields__):
+        v = getattr(cfg, name)
+        if isinstance(v, torch.Tensor):
+            t = v.detach().cpu().contiguous()
+            h.update(f"{name}:{t.dtype}:{tuple(t.shape)}:".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(f"{name}={v!r};".encode())
+    h.update(repr(caps).encode())
+    return h.hexdigest()[:16]

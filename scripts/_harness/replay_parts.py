@@ -10,11 +10,14 @@ a process group (``record``: what ``replicate-defer``'s driver does before its s
 check included). Each step may follow ``--gap-ms`` of sleep before each part (an engine's idle
 between steps, or its forward pass's cooling); p50 µs per part over the steps after the first 20.
 
-``--build``: the replay part is a follower's whole step instead -- the replay, then the
-metadata built from its batches into ``OutputArenas`` (``follower``) -- and ``kernels`` is the
-time inside its compiled calls alone (the replay kernel and the builders' count / fill kernels,
-timed from Python around each call: their dispatch included), so ``follower - kernels`` is the
-Python between and around them, what a single compiled call per rank would leave out.
+``--build``: the replay part is a follower's whole step instead -- the replay and the metadata
+built from its batches into ``OutputArenas``, as ``ReplicatedBatchState.sync_metadata`` builds
+(``follower``: a decode step of the last shape is built inside the replay's call) -- and
+``kernels`` is the time inside its compiled calls alone (the replay kernels and the builders'
+count / fill kernels, timed from Python around each call: their dispatch included), so
+``follower - kernels`` is the Python between and around them; ``two_calls`` is the same step on a
+second replica replayed, then built by the builders (``sync()`` and ``prepare_*`` of its
+batches: what the one call saves), the two run in alternating order.
 
     python scripts/profile_phases.py replay --workload prompt --model plain --steps 300
     python scripts/profile_phases.py replay --workload decode-64 --build --gap-ms 3
@@ -31,10 +34,11 @@ import numpy as np
 
 import cpmeta
 from cpmeta.launch.scheduler import default_config, plain_config
+from cpmeta.builders.decode import DecodeSink
 from cpmeta.replicate.apply import apply_step
 from cpmeta.replicate.recorder import Recorder
 
-from .step_methods import StepTrace, apply_ops, build
+from .step_methods import StepTrace, apply_ops
 
 _NO_DIGEST = np.zeros((0, 4), np.int64)
 
@@ -64,7 +68,8 @@ class _Recording(Recorder):
 
 
 #: the compiled calls of a follower's step: (module, name), each wrapped by ``--build``'s timer
-KERNELS = (("cpmeta.replicate.apply", "replay"), ("cpmeta.builders.decode", "decode_fill"),
+KERNELS = (("cpmeta.replicate.apply", "replay"), ("cpmeta.replicate.apply", "replay_decode"),
+           ("cpmeta.builders.decode", "decode_fill"), ("cpmeta.builders.decode", "decode_shape"),
            ("cpmeta.builders.prompt", "prompt_count"), ("cpmeta.builders.prompt", "prompt_fill"))
 
 
@@ -92,20 +97,28 @@ def replay_main(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = plain_config() if args.model == "plain" else default_config()
     trace = StepTrace(cfg, args.workload)
     direct, rec = cpmeta.BatchState(cfg, trace.max_seqs), _Recording(cpmeta.BatchState(cfg, trace.max_seqs))
-    replica = cpmeta.BatchState(cfg, trace.max_seqs)
+    replica, twin = cpmeta.BatchState(cfg, trace.max_seqs), cpmeta.BatchState(cfg, trace.max_seqs)
     parts: dict[str, list[float]] = {"apply": [], "record": [], "pack": [], "replay": []}
     pc = time.perf_counter
     spent = [0.0]
     if args.build:
         _time_kernels(spent)
         del parts["replay"]
-        parts.update(follower=[], kernels=[])
-    arenas = cpmeta.OutputArenas()
+        parts.update(follower=[], kernels=[], two_calls=[])
+    arenas, twin_arenas = cpmeta.OutputArenas(), cpmeta.OutputArenas()
+    sink = DecodeSink(cfg, arenas)
+
+    def two_calls(cols: Any, req_ids: list[Any], specs: list[int]) -> None:
+        """The same step replayed, then built by the builders (``sync()`` + ``prepare_*``)."""
+        for b in apply_step(twin, cols, req_ids, specs)[0]:
+            (cpmeta.prepare_prompt if b.is_prompt else cpmeta.prepare_decode)(b, cfg, out=twin_arenas)
 
     def follower(cols: Any, req_ids: list[Any], specs: list[int]) -> None:
         spent[0] = 0.0
-        batches, _ = apply_step(replica, cols, req_ids, specs)
-        build(batches, cfg, arenas)
+        batches, _, mds = apply_step(replica, cols, req_ids, specs, sink)  # as sync_metadata builds
+        for b, md in zip(batches, mds):
+            if md is None:
+                cpmeta.prepare_prompt(b, cfg, out=arenas) if b.is_prompt else sink.build(b)
 
     def timed(name: str, fn: Any, *a: Any) -> Any:
         if args.gap_ms:
@@ -122,9 +135,13 @@ def replay_main(args: argparse.Namespace, argv: list[str]) -> int:
         t = pc()
         cols, req_ids, specs = rec.cut()
         parts["pack"].append(pc() - t)
-        if args.build:
+        if args.build:  # alternating which goes first
+            if len(parts["follower"]) % 2:
+                timed("two_calls", two_calls, cols, req_ids, specs)
             timed("follower", follower, cols, req_ids, specs)
             parts["kernels"].append(spent[0])
+            if len(parts["two_calls"]) < len(parts["follower"]):
+                timed("two_calls", two_calls, cols, req_ids, specs)
         else:
             timed("replay", apply_step, replica, cols, req_ids, specs)
     res = {k: round(statistics.median(v[20:]) * 1e6, 1) for k, v in parts.items()}

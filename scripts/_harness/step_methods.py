@@ -12,8 +12,9 @@ strategy        driver -> followers
 ==============  =====================================================================================
 broadcast       applies the ops to its ``BatchState``, builds (``out=OutputArenas()``), sends it with
                 ``MetadataBroadcaster(persistent_outputs=True)`` (``begin_step()`` at the start)
-replicate       calls the ops on ``ReplicatedBatchState``; ``sync()`` sends them as one frame per
-                spec; EVERY rank builds from its own replica (``out=OutputArenas()``)
+replicate       calls the ops on ``ReplicatedBatchState``; ``sync_metadata(OutputArenas())`` sends
+                them as one frame per step; EVERY rank builds from its own replica (a follower's
+                decode step: replay and build in one compiled call)
 mq-replicate    vLLM's ``MessageQueue`` carries the op list pickled; every rank applies it to its
                 own ``BatchState`` and builds with cpmeta's builders
 mq-broadcast    the driver applies and builds; ``MessageQueue`` carries the built metadata pickled
@@ -279,12 +280,6 @@ class Replicate(_Strategy):
     def local_state(self, rank: int) -> bool:
         return False
 
-    def _build(self, batches: list[Any], rec: np.ndarray) -> list[Any]:
-        t = pc()
-        mds = build(batches, self.cfg, self.arenas)
-        rec[BUILD] = pc() - t
-        return to_device(mds, self.device, rec)
-
     def driver(self, ops: list[tuple], rec: np.ndarray) -> list[Any]:
         t = pc()
         self.rep.begin_step()  # parked followers wake and spin while the driver records
@@ -293,15 +288,22 @@ class Replicate(_Strategy):
         t1 = pc()
         rec[APPLY] += t1 - t
         rec[SEND0] = rec[SEND0] or t1
-        got = self.rep.sync()  # ONE frame per step (a mixed step's two specs included)
-        rec[SEND] += pc() - t1
-        return self._build(_batches(got), rec)
+        _TIMER["first"] = _TIMER["total"] = 0.0
+        got = self.rep.sync_metadata(self.arenas)  # ONE frame per step (a mixed step's two specs included)
+        t2 = pc()
+        # send: to the end of the apply after it (defer: a decode step's build inside), then the
+        # builds it left; without defer the call's builds follow the send (counted in it)
+        done = _TIMER["first"] + _TIMER["total"] if _TIMER["first"] else t2
+        rec[SEND] += done - t1
+        rec[BUILD] = t2 - done
+        return to_device(_batches(got), self.device, rec)
 
     def follower(self, rec: np.ndarray) -> list[Any]:
         _TIMER["first"] = _TIMER["total"] = 0.0
-        got = self.rep.sync()
+        got = self.rep.sync_metadata(self.arenas)
         rec[RECV], rec[APPLY] = _TIMER["first"], _TIMER["total"]
-        return self._build(_batches(got), rec)
+        rec[BUILD] = pc() - (_TIMER["first"] + _TIMER["total"])  # the builds the replay's call left
+        return to_device(_batches(got), self.device, rec)
 
     def close(self) -> None:
         self.rep.close()
