@@ -24,14 +24,14 @@ of ``token_ids`` [256, 4096] int64 is 1 MiB: one crc32 call.
 from __future__ import annotations
 
 import zlib
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from ..state import BatchState, SequenceBatch
 from .digest_njit import PARTS, seq_digests
 
-__all__ = ["batch_check", "first_difference", "replica_digest", "snapshot", "slot_digests", "N_BANDS",
+__all__ = ["batch_check", "first_difference", "where_differs", "replica_digest", "snapshot", "slot_digests", "N_BANDS",
            "PARTS"]
 
 N_BANDS = 8  # row bands of replica_digest
@@ -90,6 +90,19 @@ def first_difference(mine: np.ndarray, want: np.ndarray) -> Optional[tuple[int, 
         at += 1 + n_mine
         k += 1
     return -1, -1, "number of batches"
+
+
+def where_differs(diff: tuple[int, int, str], specs: Sequence[Any], st: BatchState) -> str:
+    """Words for :func:`first_difference`'s ``(batch, sequence, part)`` of a step whose batch
+    specs are ``specs`` (``StepSpec`` s: their slots name the request in ``st``). Example:
+    ``(0, 1, "block table")`` -> ``"request 'b' (slot 4), sequence 1 of batch 0: block table"``."""
+    k, i, what = diff
+    if i < 0:
+        return f"batch {k}'s {what}" if k >= 0 else f"the {what}"
+    slots = specs[k].slots if k < len(specs) else ()
+    who = (f"request {st.request_of(int(slots[i]))!r} (slot {int(slots[i])})" if i < len(slots)
+           else f"placeholder sequence {i - len(slots)}")
+    return f"{who}, sequence {i} of batch {k}: {what}"
 
 
 def _crc(a: np.ndarray, c: int = 0) -> int:

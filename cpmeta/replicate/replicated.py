@@ -53,7 +53,8 @@ from ..broadcast.channel import FrameChannel, resolve_src
 from ..broadcast.wire import FLAG_PACKED, Frame, WireError
 from ..transport.envs import ENV_TIMEOUT
 from .apply import ReplicaError, apply_step, warm_replay
-from .digest import N_BANDS, batch_check, first_difference, replica_digest, slot_digests, snapshot
+from .digest import (N_BANDS, batch_check, first_difference, replica_digest, slot_digests, snapshot,
+                     where_differs)
 from .ops import COLUMNS, Columns
 from .recorder import Recorder, StepSpec, specs_of
 from .step_frame import STEP_SCHEMA, read_region, state_fingerprint, step_key
@@ -136,9 +137,8 @@ class ReplicatedBatchState(Recorder):
         self._key = step_key()
         self._init_recorder(bool(defer_apply))
         self._prev_check = _NO_CHECK  # defer_apply: this rank's batch check of the last step
-        self._prev_specs: tuple[StepSpec, ...] = ()  # ... and its specs (a follower names from them)
-        #: the last synced step's batch specs on every rank, in call order (``rep.spec``: the one)
-        self.specs: tuple[StepSpec, ...] = ()
+        self._specs: Optional[tuple[StepSpec, ...]] = ()  # a follower's made when read (~20 us): from
+        self._specs_at = self._prev_specs_at = None  # type: Any  # its frame's (columns, spec words)
         self._spec_digest: Optional[int] = None  # driver: the replica digest at spec time
         self._spec_snap: Any = None  # driver: what it covered (digest.snapshot)
         self._broken: Optional[str] = None  # why this replica refuses further steps
@@ -151,6 +151,13 @@ class ReplicatedBatchState(Recorder):
         self._warming = self._ch.warm_with(self._warm_pieces)  # a same-host follower warms while it spins
 
     # ---- every rank -----------------------------------------------------------------------
+    @property
+    def specs(self) -> tuple[StepSpec, ...]:
+        """The last synced step's batch specs on every rank, in call order (:attr:`spec`: the first)."""
+        if self._specs is None:
+            self._specs = specs_of(*self._specs_at)
+        return self._specs
+
     @property
     def spec(self) -> Optional[StepSpec]:
         """The last synced step's batch spec (``None`` without one; the first of several)."""
@@ -284,7 +291,7 @@ class ReplicatedBatchState(Recorder):
             batches, mds = self._apply_deferred(step, check, log.pack(digest), req_ids, specs, sink)
         self._log, self._next = self._next, log  # calls after the last spec open the next step
         log.clear()
-        self.specs, self._pending, self._batches = tuple(self._pending), [], []
+        self._specs, self._pending, self._batches = tuple(self._pending), [], []
         return batches, mds
 
     def _apply_deferred(self, step: int, check: bool, cols: Columns, req_ids: list[Any],
@@ -320,7 +327,7 @@ class ReplicatedBatchState(Recorder):
             raise RuntimeError(f"rank {self.rank}: step frame {got_step} from src={self.src} where "
                                f"step {step} was expected ({'a replay' if got_step < step else 'a gap'}"
                                "); the replica refuses it")
-        self.specs = specs_of(cols, spec)
+        self._specs, self._specs_at = None, (cols, spec)
         try:
             batches, mine, mds = apply_step(self.state, cols, req_ids, spec, sink)
         except (ReplicaError, ValueError, IndexError) as e:
@@ -341,21 +348,14 @@ class ReplicatedBatchState(Recorder):
         and raises, naming this rank, the step, the request and what differs (``theirs``: the
         frame's ``batch_digest``)."""
         if self._defer:
-            mine, at, specs = self._prev_check, step - 1, self._prev_specs
-            self._prev_check, self._prev_specs = check, self.specs
+            mine, at, specs_at = self._prev_check, step - 1, self._prev_specs_at
+            self._prev_check, self._prev_specs_at = check, self._specs_at
         else:
-            mine, at, specs = check, step, self.specs
+            mine, at, specs_at = check, step, self._specs_at
         diff = first_difference(mine, theirs)
         if diff is None:
             return
-        k, i, what = diff
-        if i < 0:
-            where = f"batch {k}'s {what}" if k >= 0 else f"the {what}"
-        else:
-            slots = specs[k].slots
-            who = (f"request {self.state.request_of(int(slots[i]))!r} (slot {int(slots[i])})" if i < len(slots)
-                   else f"placeholder sequence {i - len(slots)}")
-            where = f"{who}, sequence {i} of batch {k}: {what}"
+        where = where_differs(diff, specs_of(*specs_at) if specs_at else (), self.state)
         self._broken = f"step {at}: batch differs from the driver's"
         raise RuntimeError(f"rank {self.rank}: step {at}: this replica's batch differs from the driver's "
                            f"(rank {self.src}) at {where}; the replicas diverged, this replica refuses "

@@ -11,6 +11,9 @@ held its metadata last, the stages from the driver's ring commit on::
               | commit | own apply (defer_apply) | build
     follower  commit -> parse | parse | columns | -> replay | replay + step check | -> sync end | build
 
+with ``sync_metadata`` (a decode step's build inside the replay's call: "build" is then what the
+replay left, a prompt step's build).
+
 The steps are ``bench_step.py``'s decode trace (``StepTrace``: accepted tokens, block growth,
 finishes and adds every step); before each, a barrier and the driver idles ``--park-ms``.
 """
@@ -30,10 +33,10 @@ pc = time.perf_counter
 #: (driver stage, from stamp, to stamp); ``>`` = a wrapped call's start, ``<`` its end
 DRIVER = (("record", "t0", "record<"), ("layout", "layout>", "layout<"), ("prepare", "prepare>", "prepare<"),
           ("write", "publish>", "commit>"), ("commit", "commit>", "commit<"),
-          ("own apply", "_apply_deferred>", "_apply_deferred<"), ("build", "sync<", "end"))
+          ("own apply", "_apply_deferred>", "_apply_deferred<"), ("build", "_sync<", "end"))
 FOLLOWER = (("parse", "parse>", "parse<"), ("columns", "parse<", "read_region<"),
             ("to replay", "read_region<", "apply_step>"), ("replay + check", "apply_step>", "apply_step<"),
-            ("to sync end", "apply_step<", "sync<"), ("build", "sync<", "end"))
+            ("to sync end", "apply_step<", "_sync<"), ("build", "_sync<", "end"))
 
 
 def _stamp(stamps: dict[str, float], owner: Any, name: str) -> None:
@@ -61,14 +64,15 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
     import cpmeta.broadcast.wire as wire
     import cpmeta.replicate.ops as ops
     import cpmeta.replicate.replicated as replicated
-    from _harness.step_methods import StepTrace, build
+    from _harness.step_methods import StepTrace
     from cpmeta.launch.scheduler import default_config, plain_config
 
     stamps: dict[str, float] = {}
     for owner, name in ((replicated, "apply_step"), (replicated, "read_region"),
                         (channel.FrameChannel, "prepare"), (channel.FrameChannel, "publish"),
                         (wire.FrameReader, "parse"), (ops.OpLog, "layout"),
-                        (replicated.ReplicatedBatchState, "_apply_deferred")):
+                        (replicated.ReplicatedBatchState, "_apply_deferred"),
+                        (replicated.ReplicatedBatchState, "_sync")):
         _stamp(stamps, owner, name)
     cfg = plain_config() if args.model == "plain" else default_config()
     trace = StepTrace(cfg, args.workload, 0)
@@ -88,9 +92,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
             for name, a, kw in step_ops or ():
                 getattr(rep, name)(*a, **kw)
             stamps["record<"] = pc()
-        got = rep.sync()
-        stamps["sync<"] = pc()
-        build([] if got is None else list(got) if isinstance(got, tuple) else [got], cfg, arenas)
+        rep.sync_metadata(arenas)  # the step, then what its replay did not build
         stamps["end"] = pc()
         rows.append(dict(stamps))
     every: list[Any] = [None] * world
