@@ -422,7 +422,9 @@ def _warm_after_abort(rank: int, world: int) -> list:
             else:
                 _same(sent, bp.broadcast(sent if rank == 0 else None), f"step {step}")
             counts.append(warmed[0])
-        return [rank == 0 or ring.warm is counted, counts[3] - counts[2] >= 3]
+        # the hook still installed, and called again after the abort (how often in the 10 ms is
+        # up to the host's load: a loaded 2-core CI host gave the follower 2 calls once)
+        return [rank == 0 or ring.warm is counted, counts[3] - counts[2] >= 1]
 
 
 def test_followers_keep_warming_after_an_aborted_step() -> None:

@@ -269,7 +269,8 @@ class DecodeSink:
 
         sink = DecodeSink(cfg, arenas)
         ... kernel(..., *sink.refresh()) ...        # fills when the shape is the last one
-        md = sink.result() or sink.build(batch)
+        md = sink.result()
+        md = md if md is not None else sink.build(batch)
     """
 
     __slots__ = ("cfg", "arenas", "args", "filled", "_plan", "_tg", "_shape", "_want", "_code")
