@@ -243,7 +243,8 @@ def test_decode_steps_built_in_the_replay_call(cfg_name: str) -> None:
     """Steady decode steps (the shape of the last step) are built by the replay's own call
     (``replay_decode``), into the same arena every step, each equal to ``prepare_decode`` of the
     driver's batch; a new shape (a longer table, another batch size) falls back to the sink's
-    ``prepare_decode`` once, then the replay builds again."""
+    ``prepare_decode`` once, then the replay builds again -- also for a batch size that comes
+    back (the sink aims by the spec's rows and sequences)."""
     cfg = CFGS[cfg_name] if cfg_name == "plain" else default_config(max_model_len=4096)  # 32 blocks a row
     d, b = (_Driver(BatchState(cfg, 4, max_tokens=32, max_blocks=20)), BatchState(cfg, 4, max_tokens=32, max_blocks=20))
     arenas = OutputArenas()
@@ -253,19 +254,21 @@ def test_decode_steps_built_in_the_replay_call(cfg_name: str) -> None:
                       for i in range(3)])
     fused: list[bool] = []
     addr: list[int] = []
-    for step in range(8):
+    for step in range(9):
         d.append_tokens_batch(slots, np.arange(3, dtype=np.int64) + 10 * step, np.ones(3, np.int64))
         if step == 4:  # past block 16 on every table: the widest row goes from 16 columns to 32
             d.append_blocks_batch(slots, np.arange(48, dtype=np.int64) % 8, np.full(3, 16, np.int64))
-        d.decode_batch(slots if step != 6 else slots[:2], np.arange(6 if step != 6 else 4) + 100, 2)
+        two = step in (6, 8)  # a sequence sits out steps 6 and 8
+        d.decode_batch(slots[:2] if two else slots, np.arange(4 if two else 6) + 100, 2)
         cols, req_ids, specs, want, _ = d.frame()
         got, _, mds = apply_step(b, cols, req_ids, specs, sink)
         fused.append(mds[0] is not None)
         md = mds[0] if mds[0] is not None else sink.build(got[0])
         assert_same(md, prepare_decode(want[0], cfg))
         addr.append(md.positions.data_ptr())
-    assert fused == [False, True, True, True, False, True, False, False], fused
-    assert addr[1:4] == [addr[0]] * 3 and addr[5] == addr[4] and len(arenas) == 3
+    assert fused == [False, True, True, True, False, True, False, True, True], fused
+    assert addr[1:4] == [addr[0]] * 3 and addr[5] == addr[4] == addr[7] and addr[8] == addr[6]
+    assert len(arenas) == 3
 
 
 def _draw_calls(d: _Driver, data: st.DataObject, ids: list[int]) -> None:

@@ -265,7 +265,9 @@ class DecodeSink:
     fills when the batch has that shape; :meth:`result` is then the metadata, bit for bit what
     ``prepare_decode`` returns into the same arena. A batch of another shape (or one the kernel
     did not fill) goes through :meth:`build`: ``prepare_decode`` itself, its named errors
-    included, after which the sink aims at that shape. Example::
+    included, after which the sink aims at that shape -- or, given the coming batch's
+    ``total_q`` and sequence count (:meth:`refresh`), at the last shape built with those (a batch
+    size that comes and goes keeps its arena). Example::
 
         sink = DecodeSink(cfg, arenas)
         ... kernel(..., *sink.refresh()) ...        # fills when the shape is the last one
@@ -273,27 +275,32 @@ class DecodeSink:
         md = md if md is not None else sink.build(batch)
     """
 
-    __slots__ = ("cfg", "arenas", "args", "filled", "_plan", "_tg", "_shape", "_want", "_code")
+    __slots__ = ("cfg", "arenas", "args", "filled", "_plan", "_tg", "_shape", "_shapes", "_want", "_code")
 
     def __init__(self, cfg: MetadataConfig, arenas: OutputBuffers) -> None:
         self.cfg, self.arenas, self._plan = cfg, arenas, _plan(cfg)
         self._tg: Optional[_Target] = None
         self._shape: Optional[_Shape] = None
+        self._shapes: BoundedCache[tuple[int, int], _Shape] = BoundedCache(16)  # (total_q, n_seq) -> last built
         self._want = np.full(3, -1, np.int64)  # the aimed arena's (total_q, n_seq, width); the kernel's shape slot
         self._code = np.full(1, -1, np.int64)  # the caller's kernel: decode_fill_if's return (-1: not filled)
         self.args: tuple = ()
         self.filled = 0  #: batches the caller's kernel built (:meth:`result` returned their metadata)
         self._aim(None)
 
-    def refresh(self) -> tuple:
-        """:attr:`args` for this step: the aimed shape's arena as ``arenas`` holds it now (kept
-        in use there; a new one when ``arenas`` dropped it)."""
+    def refresh(self, total_q: int = -1, n_seq: int = -1) -> tuple:
+        """:attr:`args` for this step: aimed at the last shape :meth:`build` made with this
+        ``total_q`` and ``n_seq`` (the coming batch's, when the caller knows them), else at the
+        last one; its arena as ``arenas`` holds it now (kept in use there; a new one when
+        ``arenas`` dropped it)."""
         self._code[0] = -1
-        if self._shape is not None:
-            a = self.arenas.arena(self._shape.layout)
+        shape = self._shapes.get((total_q, n_seq)) or self._shape
+        if shape is not None:
+            a = self.arenas.arena(shape.layout)
             if self._tg is None or a is not self._tg.arena:
-                self._aim(self._plan.target(a, self._shape))
-            self._want[:] = self._shape.key
+                self._shape = shape
+                self._aim(self._plan.target(a, shape))
+            self._want[:] = shape.key
         return self.args
 
     def result(self) -> Optional[InputMetadata]:
@@ -308,6 +315,7 @@ class DecodeSink:
         md = prepare_decode(batch, self.cfg, out=self.arenas)
         assert md.block_tables is not None and md.total_q is not None  # every decode layout has them
         shape = self._shape = self._plan.shape(self.cfg, md.total_q, len(batch), int(md.block_tables.shape[1]))
+        self._shapes.put(shape.key[:2], shape)
         self._aim(self._plan.target(self.arenas.arena(shape.layout), shape))
         return md
 

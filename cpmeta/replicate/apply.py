@@ -99,9 +99,14 @@ def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[
         if sink is None:
             status, r, si, crow, gbuf, ph, vouched = replay(r, runs, buf, at, end, words, si, *arrays, check, crow,
                                                             state.lookback, book, *free)
-        else:
+        else:  # aimed at the arena of the coming decode batch's rows and sequences (its spec words)
+            n = T = -1
+            if len(words) >= si + SPEC_WORDS and words[si] == 0:
+                n = int(words[si + 4] + words[si + 1])
+                T = n + int(words[si + 6])  # a row per sequence and placeholder, one per draft
             status, r, si, crow, gbuf, ph, vouched = replay_decode(
-                r, runs, buf, at, end, words, si, *arrays, check, crow, state.lookback, book, *free, *sink.refresh())
+                r, runs, buf, at, end, words, si, *arrays, check, crow, state.lookback, book, *free,
+                *sink.refresh(T, n))
         if book and r > r0:
             _book(state, cols, runs[r0:r].tolist(), booked, adds)
         if status == S_END:
