@@ -88,7 +88,7 @@ def _trace_rank(rank: int, world: int, seed: int, cfg_name: str, steps: int, max
                 drive(target, cfg, rng, out["refusals"])
                 _, want = drive(ref, cfg, rng_ref, [])
                 out["ref"].append(_digest(_build(want, cfg)))
-            if metadata:  # the replay's call builds a decode step of the last shape
+            if metadata:  # the replay's call builds a decode step of a shape built before
                 md = rep.sync_metadata(arenas)
                 assert _digest(md) == _digest(_build(rep.batches[0] if rep.batches else None, cfg))
             else:
@@ -128,14 +128,14 @@ def test_named_trace_every_rank_builds_the_drivers_metadata(cfg_name: str, world
 @pytest.mark.parametrize("cfg_name,world,defer", [("seed", 3, False), ("plain", 2, True)])
 def test_sync_metadata_builds_the_drivers_metadata(cfg_name: str, world: int, defer: bool) -> None:
     """``sync_metadata``: every rank's metadata equals the driver's every step and what building
-    its own ``rep.batches`` gives; on followers (and a ``defer_apply`` driver) the decode steps
-    of the last step's shape are built inside the replay's call (this trace changes its batch
-    shape most steps: ~1 in 6 keeps it)."""
+    its own ``rep.batches`` gives; on followers (and a ``defer_apply`` driver) most decode steps
+    are built inside the replay's call (those of a shape built before with the same rows and
+    sequences: this trace's batch size comes and goes, ~3 in 4 in one process)."""
     out = run_ranks(_trace_rank, world, 7, cfg_name, 240, 9, defer, False, True, timeout=240)
     _check_trace(out)
     for r, got in enumerate(out):
         if r or defer:
-            assert got["fused"] >= 10, (r, got["fused"], got["decode_steps"])
+            assert got["fused"] >= got["decode_steps"] // 2, (r, got["fused"], got["decode_steps"])
         else:  # the driver validated each call: its batches exist before the send, nothing to replay
             assert got["fused"] == 0
 

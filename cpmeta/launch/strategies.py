@@ -5,7 +5,7 @@
 - ``replicate`` (the field's design: vLLM v1, SGLang, TensorRT-LLM): every rank keeps the same
   ``BatchState`` (``ReplicatedBatchState``); the driver's scheduler records the step's calls,
   ``sync_metadata()`` moves them as one frame, and EVERY rank builds its own metadata from its
-  replica (a decode step of the last step's shape inside the replay's compiled call).
+  replica (a decode step of a shape built before inside the replay's compiled call).
 - ``replicate-defer``: the same with ``defer_apply=True`` (vLLM's order): the driver's scheduler
   keeps its own ``BatchState``, which validates each call and answers what it reads; the
   replicated state only records the call, sends the step, then applies it on every rank, the

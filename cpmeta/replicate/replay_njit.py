@@ -212,7 +212,7 @@ def replay_decode(r: int, runs: np.ndarray, buf: np.ndarray, at: np.ndarray, end
                   ) -> tuple[int, int, int, int, np.ndarray, np.ndarray, bool]:
     """:func:`replay`, and when it gathered a decode batch it vouched for, that batch's metadata
     in the same call: :func:`~cpmeta.builders.decode_njit.decode_fill_if` into the arena of
-    the last step's shape (``k`` .. ``info``: ``cpmeta.builders.decode.DecodeSink.args``; its
+    the shape last built with its rows and sequences (``k`` .. ``info``: ``cpmeta.builders.decode.DecodeSink.args``; its
     return in ``code[0]``, -1 when it did not fill). A follower's decode step is then ONE
     compiled call from its frame's columns to its metadata. Returns what :func:`replay` does."""
     status, r, si, crow, g, ph, ok = replay(r, runs, buf, at, end, spec, si, meta, active, token_ids, block_table,

@@ -180,8 +180,8 @@ class ReplicatedBatchState(Recorder):
     def sync_metadata(self, out: OutputArenas) -> Optional[InputMetadata | tuple[InputMetadata, ...]]:
         """:meth:`sync`, then each batch's ``prepare_prompt`` / ``prepare_decode`` with ``out=out``,
         bit for bit (the same reuse contract: a result is valid until the next build of its shape
-        into ``out``); a follower (and a ``defer_apply`` driver) replays a decode step of the last
-        step's shape and builds it in ONE compiled call (``cpmeta.builders.decode.DecodeSink``).
+        into ``out``); a follower (and a ``defer_apply`` driver) replays a decode step of a shape
+        built before and builds it in ONE compiled call (``cpmeta.builders.decode.DecodeSink``).
         ``None`` / one / a tuple as :meth:`sync`; the batches are :attr:`batches`. Every rank::
 
             arenas = cpmeta.OutputArenas()

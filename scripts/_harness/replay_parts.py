@@ -12,7 +12,7 @@ between steps, or its forward pass's cooling); p50 µs per part over the steps a
 
 ``--build``: the replay part is a follower's whole step instead -- the replay and the metadata
 built from its batches into ``OutputArenas``, as ``ReplicatedBatchState.sync_metadata`` builds
-(``follower``: a decode step of the last shape is built inside the replay's call) -- and
+(``follower``: a decode step of a shape built before is built inside the replay's call) -- and
 ``kernels`` is the time inside its compiled calls alone (the replay kernels and the builders'
 count / fill kernels, timed from Python around each call: their dispatch included), so
 ``follower - kernels`` is the Python between and around them; ``two_calls`` is the same step on a
