@@ -399,6 +399,8 @@ def test_cuda_nccl() -> None:
 
 
 def _warm_after_abort(rank: int, world: int) -> list:
+    import torch.distributed as dist
+
     import cpmeta
 
     pool = _pool(11)
@@ -413,6 +415,7 @@ def _warm_after_abort(rank: int, world: int) -> list:
             ring.warm = counted
         for step in range(4):
             sent = _fresh_values(pool[0], step)
+            dist.barrier()  # the follower is in its receive when the driver's announce window opens
             if rank == 0:
                 bp.begin_step()
                 time.sleep(0.010)  # < the 20 ms announce spin: room for warm calls on a loaded 2-core CI host
@@ -423,7 +426,8 @@ def _warm_after_abort(rank: int, world: int) -> list:
                 _same(sent, bp.broadcast(sent if rank == 0 else None), f"step {step}")
             counts.append(warmed[0])
         # the hook still installed, and called again after the abort (how often in the 10 ms is
-        # up to the host's load: a loaded 2-core CI host gave the follower 2 calls once)
+        # up to the host's load: a loaded 2-core CI host gave the follower 2 calls once; without
+        # the barrier a follower still checking step 2 missed the window of step 3 altogether)
         return [rank == 0 or ring.warm is counted, counts[3] - counts[2] >= 1]
 
 
