@@ -36,7 +36,7 @@ from ..base_njit import copy_from0
 from ..jit import kernel, warmer
 from ..state.requests_njit import add_rows, finish_rows
 from ..state.state_njit import (K_BLOCKS, K_COMPRESSED, K_TOKENS, M_BLOCKS, M_COMPRESSED, M_FIRST_BAD, M_TOKENS,
-                                append_rows, gather_step)
+                                append_rows, gather_step, gathered_parts)
 from ..builders.decode_njit import decode_fill_if
 from .digest_njit import seq_digests
 from .ops import ADD, BLK, CMP, COLUMNS, FIN, SPEC, SPEC_WORDS, TOK
@@ -189,12 +189,9 @@ def replay(r: int, runs: np.ndarray, buf: np.ndarray, at: np.ndarray, end: np.nd
             if crow + 1 + n <= check.shape[0]:  # the batch's check rows (the driver's batch_check)
                 check[crow, 0], check[crow, 1] = 1 if prompt else 0, n
                 check[crow, 2], check[crow, 3] = lookback, 0
-                h = 8 * n + 3
-                t = h + g[7 * n + 1]
-                b = t + g[6 * n]
-                seq_digests(check[crow + 1:crow + 1 + n], g[:n], g[n:2 * n], g[4 * n:5 * n], g[2 * n:3 * n],
-                            g[3 * n:4 * n], ph, g[h:t], g[6 * n + 1:7 * n + 2], g[b:], g[7 * n + 2:h], g[t:b],
-                            g[5 * n:6 * n + 1])
+                sq, sk, sid, svs, nt, bt, bt_off, tok, tok_off, comp, comp_off = gathered_parts(g, n)
+                seq_digests(check[crow + 1:crow + 1 + n], sq, sk, nt, sid, svs, ph, tok, tok_off, comp, comp_off,
+                            bt, bt_off)
                 crow += 1 + n
             return S_SPEC, r + 1, si + SPEC_WORDS, crow, g, ph, ok
         else:
@@ -219,13 +216,9 @@ def replay_decode(r: int, runs: np.ndarray, buf: np.ndarray, at: np.ndarray, end
                                             compressed, p, mark, err, check, crow, lookback, book, stack, nfree,
                                             scratch)
     if status == S_SPEC and ok and spec[si - SPEC_WORDS] == 0:
-        n = ph.shape[0]  # the gather's buffer, as BatchState._batch_of reads it
-        h = 8 * n + 3
-        t = h + g[7 * n + 1]
-        b = t + g[6 * n]
-        code[0] = decode_fill_if(g[:n], g[n:2 * n], g[2 * n:3 * n], ph, g[h:t], g[6 * n + 1:7 * n + 2], g[b:],
-                                 g[7 * n + 2:h], g[t:b], g[5 * n:6 * n + 1], lookback, k, table, raw, fo, shape,
-                                 ferr, info)
+        sq, sk, sid, _, _, bt, bt_off, tok, tok_off, comp, comp_off = gathered_parts(g, ph.shape[0])
+        code[0] = decode_fill_if(sq, sk, sid, ph, tok, tok_off, comp, comp_off, bt, bt_off, lookback, k, table, raw,
+                                 fo, shape, ferr, info)
     return status, r, si, crow, g, ph, ok
 
 

@@ -301,8 +301,9 @@ def _batch_of(buf: np.ndarray, ph: np.ndarray, vouch: Optional[Vouch], is_prompt
     memory: later changes to the state never reach it), every array a view of it: ``[0, n)``
     seqlen_q, then seqlen_k, state_id, swa_valid_start, num_tokens (``n`` each), block-table,
     token and compressed offsets (``n + 1`` each), then the ``T`` tokens, ``B`` block ids and
-    the compressed ids. Example: n = 1, one decode token, one block -> ``buf = [1, 5, 0, 0, 5,
-    0, 1, 0, 1, 0, 0, t, b]`` (offsets ``[0, 1]``, ``[0, 1]``, ``[0, 0]``). ``vouch``: the
+    the compressed ids (compiled code reads it with ``state_njit.gathered_parts``). Example: n =
+    1, one decode token, one block -> ``buf = [1, 5, 0, 0, 5, 0, 1, 0, 1, 0, 0, t, b]`` (offsets
+    ``[0, 1]``, ``[0, 1]``, ``[0, 0]``). ``vouch``: the
     state's ``Vouch(cfg)`` when the kernel vouched for the batch, else ``None``: the builders
     then validate it and name the field."""
     n = len(ph)

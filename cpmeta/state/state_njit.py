@@ -25,7 +25,7 @@ from ..constants import INT32_MAX
 from ..base_njit import blocks_needed_one, copy_from0, copy_ids, fail as _fail
 from ..jit import OK, kernel, warmer
 
-__all__ = ["append_rows", "gather_step", "vouch_step", "check_slots", "state_params", "K_TOKENS", "K_BLOCKS",
+__all__ = ["append_rows", "gather_step", "gathered_parts", "vouch_step", "check_slots", "state_params", "K_TOKENS", "K_BLOCKS",
            "K_COMPRESSED", "M_TOKENS", "M_COMPUTED", "M_PROMPT", "M_BLOCKS", "M_COMPRESSED", "M_STATE",
            "M_VALID_START", "M_FIRST_BAD", "NO_BAD", "N_META", "E_SLOT", "E_REPEAT", "E_COUNTS", "E_CAPACITY", "E_NEGATIVE_ID",
            "E_CHUNK", "E_CHUNK_PASSES", "E_NUM_DRAFTS", "E_DRAFT_ID", "E_PREFILL"]
@@ -302,6 +302,19 @@ def gather_step(is_prompt: bool, slots: np.ndarray, q: np.ndarray, k_all: int, d
         buf[o_bto + i + 1], buf[o_to + i + 1], buf[o_co + i + 1] = b, t, c
         ph[i] = True
     return buf, ph, ok
+
+
+@kernel
+def gathered_parts(g: np.ndarray, n: int) -> tuple:
+    """:func:`gather_step`'s buffer of ``n`` sequences as its ``SequenceBatch`` arrays (views):
+    ``(seqlen_q, seqlen_k, state_id, swa_valid_start, num_tokens, block_tables,
+    block_table_offsets, tokens, token_offsets, compressed, compressed_offsets)`` -- the layout
+    ``BatchState._batch_of`` reads, for compiled callers of the gather (``cpmeta.replicate``)."""
+    h = 8 * n + 3
+    t = h + g[7 * n + 1]
+    b = t + g[6 * n]
+    return (g[:n], g[n:2 * n], g[2 * n:3 * n], g[3 * n:4 * n], g[4 * n:5 * n], g[t:b], g[5 * n:6 * n + 1], g[h:t],
+            g[6 * n + 1:7 * n + 2], g[b:], g[7 * n + 2:h])
 
 
 @kernel
