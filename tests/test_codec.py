@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cpmeta.transport import CodecError, TensorDesc, decode, encode
+from cpmeta.transport import CodecError, TensorDesc, decode, decode_body, encode
 from cpmeta.transport.codec import (DTYPES, EXT_TENSOR_DESC, EXT_TUPLE, MAGIC, MAX_DEPTH, PROTOCOL_VERSION,
                              schema_fingerprint)
 
@@ -121,6 +121,61 @@ def test_unencodable_values_name_path(obj: object, path: str) -> None:
     with pytest.raises(ValueError) as info:
         encode(obj)
     assert str(info.value).startswith(path + ":")
+
+
+def _fresh_thread(fn, *args):  # type: ignore[no-untyped-def]
+    """``fn(*args)`` on a new thread: its own, new top-level packer."""
+    import threading
+
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(fn(*args)))
+    t.start()
+    t.join()
+    return out[0]
+
+
+def test_kept_packer_packs_as_a_new_one() -> None:
+    """The thread's kept top-level packer: every body equals a new packer's, after failed packs
+    (an unsupported type, an int msgpack refuses) and after a body past the kept buffer."""
+    from cpmeta.transport.codec import encode_body
+
+    bodies = [{"a": [1, (2, 3)]}, [2**64], {"x": 1}, [b"\x02" * 100_000], [1, 2, 3],
+              [object()], {"t": TensorDesc(torch.int32, (4, 5))}, [-(2**63) - 1], "end"]
+    for obj in bodies:
+        fresh = _fresh_thread(lambda o: _outcome(encode_body, o), obj)
+        assert _outcome(encode_body, obj) == fresh, obj
+
+
+def _outcome(fn, obj):  # type: ignore[no-untyped-def]
+    try:
+        return fn(obj)
+    except (TypeError, ValueError) as e:
+        return type(e).__name__, str(e)
+
+
+def test_kept_packers_per_thread() -> None:
+    """Threads packing at once each get their own bodies whole."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cpmeta.transport.codec import encode_body
+
+    objs = [{"i": i, "v": list(range(i % 50)), "s": "x" * (i % 300)} for i in range(2000)]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda o: decode_body(encode_body(o)), objs))
+    assert got == objs
+
+
+def test_made_values_pack_the_same() -> None:
+    """``encode_body(made=True)`` (a caller that made its values itself: no walk first) writes
+    the same bytes; a value msgpack refuses is still named by its path."""
+    from cpmeta.transport.codec import encode_body
+
+    obj = [5, False, ["a", 7], [0, 0, 1, -2, 64, 0, 0]]
+    assert encode_body(obj, made=True) == encode_body(obj)
+    with pytest.raises(ValueError, match=r"^\$\[2\]\[1\]: "):
+        encode_body([1, 2, [3, object()]], made=True)
+    with pytest.raises(ValueError, match=r"^\$\[0\]: "):
+        encode_body([2**64], made=True)
 
 
 def test_depth_limit() -> None:

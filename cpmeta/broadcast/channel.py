@@ -115,13 +115,16 @@ class FrameChannel:
 
     # ---- driver -----------------------------------------------------------------------------
     def prepare(self, key: tuple, values: list[Any], dims: Optional[tuple[int, ...]],
-                tensors: Optional[list[torch.Tensor]] = None, *, one_run: Optional[int] = None) -> Prepared:
+                tensors: Optional[list[torch.Tensor]] = None, *, one_run: Optional[int] = None,
+                made: bool = False) -> Prepared:
         """Layout, sizes and values of one frame. ``dims`` (flat tensor dims) or ``tensors``
         (read when ``dims`` is None). Every check a follower makes runs here first (layout
         against the schema, pinned dtypes / ndims, fixed dims, dim range, values, block sizes):
         a ``ValueError`` naming the path or the limit, before a byte is written. ``one_run``:
         the exact tensor bytes of a layout of ONE dtype run whose ``dims`` the caller's compiled
-        code produced and proved (the step frame's columns); its sizes are not recomputed."""
+        code produced and proved (the step frame's columns); its sizes are not recomputed.
+        ``made``: the library made ``values`` to the layout's types itself (the step frame's):
+        not checked again here (every follower still checks them)."""
         lid, plan, lblock = self.writer.layout(key)
         if dims is None:
             dims = tuple([d for t in tensors or () for d in t.shape])
@@ -133,8 +136,9 @@ class FrameChannel:
             numels, starts, region, exact = [], [0], pack_up(one_run), one_run
         else:
             raise ValueError(f"one_run: the layout has {len(plan.run_slices)} dtype runs")
-        plan.check_values(values)
-        vblock = encode_body(values)
+        if not made:
+            plan.check_values(values)
+        vblock = encode_body(values, made=made)
         if len(vblock) > MAX_VALUES_BYTES:
             raise WireError(f"values block of {len(vblock)} bytes, at most MAX_VALUES_BYTES="
                             f"{MAX_VALUES_BYTES} (the followers would refuse it)")

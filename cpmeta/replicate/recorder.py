@@ -255,11 +255,17 @@ class Recorder(ABC):
 
 
 def _request_id(req_id: Any) -> Any:
-    """A replicated request id: an int (a numpy integer counts, a bool does not) or a str."""
+    """A replicated request id: an int64 (a numpy integer counts, a bool does not) or a str --
+    what the step frame's value check holds every follower to (the driver's send trusts it)."""
     if type(req_id) is not str and not isinstance(req_id, (int, np.integer)) or isinstance(req_id, bool):
         raise TypeError(f"request {req_id!r}: a replicated request id is an int or a str, got "
                         f"{type(req_id).__name__}")
-    return req_id if type(req_id) is str else int(req_id)
+    if type(req_id) is str:
+        return req_id
+    rid = int(req_id)
+    if not -(1 << 63) <= rid < 1 << 63:
+        raise ValueError(f"request {rid}: a replicated request id that is an int fits int64")
+    return rid
 
 
 def specs_of(cols: Columns, spec: list[int]) -> tuple[StepSpec, ...]:

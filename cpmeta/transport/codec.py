@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
@@ -191,20 +192,41 @@ def _default(obj: Any) -> msgpack.ExtType:
 #: The packer's first buffer (it grows for larger bodies). ``msgpack.packb``'s is 256 KiB: a
 #: quarter-megabyte allocation for every frame's few-byte values block.
 _PACK_BUF = 4096
+_KEEP_BUF = 1 << 16  # the largest body whose Packer is kept for the next
+
+
+def _packer() -> msgpack.Packer:
+    return msgpack.Packer(use_bin_type=True, strict_types=True, default=_default, buf_size=_PACK_BUF)
 
 
 def _packb(obj: Any) -> bytes:
-    # a Packer per call: ``_default`` re-enters for tuples and tensor descriptors
-    return msgpack.Packer(use_bin_type=True, strict_types=True, default=_default, buf_size=_PACK_BUF).pack(obj)
+    # a Packer per call: ``_default`` re-enters here for tuples and tensor descriptors
+    return _packer().pack(obj)
 
 
-def encode_body(obj: Any) -> bytes:
+_top = threading.local()  # each thread's top-level Packer (msgpack empties it after every pack, failed or not)
+
+
+def _pack_top(obj: Any) -> bytes:
+    """``_packb`` for a top-level body on this thread's kept Packer (a new Packer costs ~5 µs
+    after an idle); taken while it packs, so a call that re-enters (a signal handler) makes its
+    own. A body past ``_KEEP_BUF`` drops it (its grown buffer is not kept)."""
+    p = getattr(_top, "p", None) or _packer()
+    _top.p = None
+    body = p.pack(obj)  # msgpack empties the Packer after a failed pack too: a failure drops it here
+    _top.p = p if len(body) <= _KEEP_BUF else None
+    return body
+
+
+def encode_body(obj: Any, *, made: bool = False) -> bytes:
     """The msgpack body of :func:`encode` without the header, for callers that frame messages
-    themselves (one header per message, e.g. the metadata broadcast frame). Same checks."""
-    if not _valid(obj):
+    themselves (one header per message, e.g. the metadata broadcast frame). Same checks;
+    ``made``: the caller made ``obj`` of supported values itself (no walk before packing; a
+    value msgpack refuses is still named by path)."""
+    if not made and not _valid(obj):
         _check(obj, "$", 0)
     try:
-        return _packb(obj)
+        return _pack_top(obj)
     except (OverflowError, ValueError, UnicodeError, TypeError) as e:
         raise ValueError(_locate_pack_failure(obj, "$") or f"$: cannot encode: {e}") from None
 
@@ -221,7 +243,7 @@ def encode(obj: Any, *, schema: bytes = b"") -> bytes:
     if not _valid(obj):
         _check(obj, "$", 0)
     try:
-        body = _packb(obj)
+        body = _pack_top(obj)
     except (OverflowError, ValueError, UnicodeError, TypeError) as e:
         raise ValueError(_locate_pack_failure(obj, "$") or f"$: cannot encode: {e}") from None
     return b"".join((_HEADER.pack(MAGIC, PROTOCOL_VERSION, 0, len(schema)), schema, body))
