@@ -31,7 +31,7 @@ from cpmeta.builders.decode import DecodeSink
 from cpmeta.testing import assert_same
 from cpmeta.launch.scheduler import default_config, plain_config
 from cpmeta.replicate import apply as apply_mod
-from cpmeta.replicate.apply import ReplicaError, apply_step
+from cpmeta.replicate.apply import Gathered, ReplicaError, apply_step, batches_of
 from cpmeta.replicate.digest import batch_check
 from cpmeta.replicate.ops import ADD, BLK, CMP, COLUMNS, FIN, SPEC, TOK, OpLog
 from cpmeta.replicate.recorder import Recorder
@@ -261,8 +261,11 @@ def test_decode_steps_built_in_the_replay_call(cfg_name: str) -> None:
         two = step in (6, 8)  # a sequence sits out steps 6 and 8
         d.decode_batch(slots[:2] if two else slots, np.arange(4 if two else 6) + 100, 2)
         cols, req_ids, specs, want, _ = d.frame()
-        got, _, mds = apply_step(b, cols, req_ids, specs, sink)
+        got, _, mds = apply_step(b, cols, req_ids, specs, sink, lazy=step % 2 == 1)
         fused.append(mds[0] is not None)
+        # lazy (as sync_metadata asks): a batch built in the call comes unmade, equal once made
+        assert isinstance(got[0], Gathered) == (step % 2 == 1 and fused[-1]), (step, got)
+        _assert_same_batches(batches_of(got), want)
         md = mds[0] if mds[0] is not None else sink.build(got[0])
         assert_same(md, prepare_decode(want[0], cfg))
         addr.append(md.positions.data_ptr())

@@ -43,6 +43,10 @@ DECODE_STACKED_FIELDS: tuple[str, ...] = stacked_fields(FIELDS, DECODE)
 
 logger = logging.getLogger(__name__)
 
+#: ``InputMetadata``'s fields in order (its positional arguments)
+_FIELDS: list[str] = list(InputMetadata.__dataclass_fields__)
+assert _FIELDS[:5] == ["is_prompt", "num_seqs", "total_q", "max_seqlen_q", "max_seqlen_k"], _FIELDS[:5]
+
 Out = Optional[dict[str, torch.Tensor]]
 
 
@@ -63,7 +67,7 @@ class _Target:
     steady state of an engine loop refills the same arena: measured 2026-12-03 on the 2-core VM,
     re-taking the views cost ~5 us of a ~15 us seed decode-64 build)."""
 
-    __slots__ = ("arena", "raw", "whole", "rows", "err", "info")
+    __slots__ = ("arena", "raw", "whole", "rows", "err", "info", "values", "row_at")
 
     def __init__(self, arena: HostArena, shape: "_Shape") -> None:
         self.arena = arena
@@ -71,6 +75,9 @@ class _Target:
         self.whole = {name: arena.take(name)[0] for name in shape.whole}  # type: ignore[index]
         self.rows = {name: dict(zip(keys, arena.take_rows(name)[0])) for name, keys in shape.rows}  # type: ignore[index]
         self.err, self.info = np.zeros(4, np.int64), np.zeros(2, np.int64)
+        # the metadata's fields in order (its scalars set per build; a positional call: ~2x faster)
+        self.values: list[Any] = [self.whole.get(f) for f in _FIELDS]
+        self.row_at = [(_FIELDS.index(name), d) for name, d in self.rows.items()]
 
 
 class _Shape:
@@ -249,12 +256,11 @@ def prepare_decode(
 
 def _metadata(tg: _Target, n: int, T: int, info: np.ndarray) -> InputMetadata:
     """The metadata of an arena the kernel filled (``info``: its max seqlen_q / seqlen_k)."""
-    f: dict[str, Any] = {"is_prompt": False, "num_seqs": n, "total_q": T, "max_seqlen_q": int(info[0]),
-                         "max_seqlen_k": int(info[1])}
-    f.update(tg.whole)
-    for name, d in tg.rows.items():
-        f[name] = dict(d)  # the metadata's own dict (a caller may replace its entries)
-    return InputMetadata(**f)
+    v = tg.values.copy()
+    v[:5] = False, n, T, int(info[0]), int(info[1])  # _FIELDS' first five
+    for i, d in tg.row_at:
+        v[i] = dict(d)  # the metadata's own dict (a caller may replace its entries)
+    return InputMetadata(*v)
 
 
 class DecodeSink:

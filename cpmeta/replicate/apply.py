@@ -10,7 +10,7 @@ to its columns, or whose ``add_request`` lands in another slot than the driver's
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, NamedTuple, Optional
 
 import numpy as np
 
@@ -23,11 +23,33 @@ from .ops import WIDTHS as _WIDTH  # int64 values per row of each column
 from .digest import batch_check
 from .replay_njit import S_END, S_SPEC, replay, replay_decode
 
-__all__ = ["apply_step", "warm_replay", "ReplicaError"]
+__all__ = ["apply_step", "warm_replay", "ReplicaError", "Gathered", "batches_of"]
 
 
 class ReplicaError(RuntimeError):
     """A step this replica cannot apply as the driver did (the replica has diverged)."""
+
+
+class Gathered(NamedTuple):
+    """A batch the replay's call gathered AND built (``apply_step(..., lazy=True)``): its
+    ``SequenceBatch`` is made only when read (:func:`batches_of`: ~5 us warm, ~12 after an idle,
+    on the way from a follower's frame to its metadata otherwise)."""
+
+    state: BatchState
+    buf: np.ndarray
+    ph: np.ndarray
+    vouched: bool
+    is_prompt: bool
+
+
+def one_or_many(got: list[Any]) -> Any:
+    """A step's results as ``ReplicatedBatchState.sync`` returns them: ``None``, one, a tuple."""
+    return None if not got else got[0] if len(got) == 1 else tuple(got)
+
+
+def batches_of(got: list[Any]) -> list[SequenceBatch]:
+    """``apply_step``'s batches, each :class:`Gathered` one made now."""
+    return [b.state.gathered(b.buf, b.ph, b.vouched, b.is_prompt) if type(b) is Gathered else b for b in got]
 
 
 #: the columns each run code reads, in order (a ragged run: slots, counts, then its flat ids)
@@ -55,13 +77,14 @@ def _take(cols: Columns, at: np.ndarray, c: int, k: int) -> Any:
 
 
 def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[int],
-               sink: Optional[DecodeSink] = None
-               ) -> tuple[list[SequenceBatch], np.ndarray, list[Optional[InputMetadata]]]:
+               sink: Optional[DecodeSink] = None, lazy: bool = False
+               ) -> tuple[list[Any], np.ndarray, list[Optional[InputMetadata]]]:
     """Apply the step's runs to ``state`` in order; return the specs' batches (in call order),
     their step check (``digest.batch_check(batches)``, written by the replay) and, with a
     ``sink`` (a :class:`~cpmeta.builders.decode.DecodeSink` on ``state``'s config), each decode
     batch's metadata when the replay's call built it too (:func:`~.replay_njit.replay_decode`:
-    a vouched batch of the sink's last shape), else ``None`` (the caller builds it).
+    a vouched batch of the sink's last shape), else ``None`` (the caller builds it); with
+    ``lazy`` such a batch comes as a :class:`Gathered` (:func:`batches_of` makes it).
 
     ``cols``: every column of :data:`cpmeta.replicate.ops.COLUMNS` as the frame carried it
     (:class:`~cpmeta.replicate.ops.Columns`: one int64 buffer);
@@ -86,7 +109,7 @@ def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[
         words, rows = _NO_WORDS, 0  # every spec then replayed below, which names the bad value
     arrays = state.kernel_arrays()
     check = np.empty((rows if 0 <= rows <= _MAX_CHECK_ROWS else 0, 4), np.int64)  # else: batch_check below
-    batches: list[SequenceBatch] = []
+    batches: list[Any] = []
     adds = iter(req_ids)
     # adds and finishes in the kernel too when every added id is new (else Python's calls name it)
     book = bool(req_ids or starts[_FIN + 1] > starts[_FIN]) and state.all_new(req_ids)
@@ -112,8 +135,11 @@ def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[
         if status == S_END:
             break
         if status == S_SPEC:
-            batches.append(state.gathered(gbuf, ph, vouched, bool(spec[si - SPEC_WORDS])))
-            mds.append(None if sink is None else sink.result())
+            md = None if sink is None else sink.result()
+            prompt = bool(spec[si - SPEC_WORDS])
+            batches.append(Gathered(state, gbuf, ph, vouched, prompt) if lazy and md is not None
+                           else state.gathered(gbuf, ph, vouched, prompt))
+            mds.append(md)
             if r == len(runs):  # the step's last run (a decode step: ONE call); else the next runs
                 break
             continue
@@ -133,7 +159,7 @@ def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[
                            f"{(at[i] - starts[i]) // _WIDTH[i]}")
     if next(adds, None) is not None or len(spec) != SPEC_WORDS * len(batches):
         raise ReplicaError("step frame: more request ids or specs than its runs use")
-    return batches, (check if replayed and crow == len(check) else batch_check(batches)), mds
+    return batches, (check if replayed and crow == len(check) else batch_check(batches_of(batches))), mds
 
 
 def warm_replay(state: BatchState, cols: Columns, batches: list[SequenceBatch],

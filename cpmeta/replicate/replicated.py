@@ -52,7 +52,7 @@ from ..state import BatchState, SequenceBatch
 from ..broadcast.channel import FrameChannel, resolve_src
 from ..broadcast.wire import FLAG_PACKED, Frame, WireError
 from ..transport.envs import ENV_TIMEOUT
-from .apply import ReplicaError, apply_step, warm_replay
+from .apply import ReplicaError, apply_step, batches_of, one_or_many, warm_replay
 from .digest import (N_BANDS, batch_check, first_difference, replica_digest, slot_digests, snapshot,
                      where_differs)
 from .ops import COLUMNS, Columns
@@ -137,17 +137,15 @@ class ReplicatedBatchState(Recorder):
         self._key = step_key()
         self._init_recorder(bool(defer_apply))
         self._prev_check = _NO_CHECK  # defer_apply: this rank's batch check of the last step
-        self._specs: Optional[tuple[StepSpec, ...]] = ()  # a follower's made when read (~20 us): from
+        self._specs: Optional[tuple[StepSpec, ...]] = ()  # a follower's made when read (~20 us) from
         self._specs_at = self._prev_specs_at = None  # type: Any  # its frame's (columns, spec words)
-        self._spec_digest: Optional[int] = None  # driver: the replica digest at spec time
-        self._spec_snap: Any = None  # driver: what it covered (digest.snapshot)
+        self._spec_digest: Optional[int] = None  # driver: the replica digest at spec time,
+        self._spec_snap: Any = None  # and what it covered (digest.snapshot)
         self._broken: Optional[str] = None  # why this replica refuses further steps
-        self.step = 0  # steps synced so far
-        self._closed = False
+        self.step, self._closed = 0, False  # steps synced so far
         self._warm_from: Any = None  # (head bytes, step, its whole region, columns, batches, sink)
         self._sink: Optional[DecodeSink] = None  # sync_metadata's, for its last ``out``
-        #: the last synced step's batches on every rank, in call order (what :meth:`sync` returned)
-        self.batches: tuple[SequenceBatch, ...] = ()
+        self._got: list[Any] = []  # the last step's batches (``apply.Gathered``: made when read)
         self._warming = self._ch.warm_with(self._warm_pieces)  # a same-host follower warms while it spins
 
     # ---- every rank -----------------------------------------------------------------------
@@ -157,6 +155,12 @@ class ReplicatedBatchState(Recorder):
         if self._specs is None:
             self._specs = specs_of(*self._specs_at)
         return self._specs
+
+    @property
+    def batches(self) -> tuple[SequenceBatch, ...]:
+        """The last synced step's batches on every rank, in call order (as :meth:`sync` returns)."""
+        self._got[:] = batches_of(self._got)  # in place: the warm's reference sees them made
+        return tuple(self._got)
 
     @property
     def spec(self) -> Optional[StepSpec]:
@@ -175,7 +179,7 @@ class ReplicatedBatchState(Recorder):
         (``None`` for a step without a batch spec, a tuple for a step with several). The driver
         sends the step's ops as one frame; followers apply them. A diverged replica is a
         ``RuntimeError`` naming the rank, the step and what differs (see the module docstring)."""
-        return _one_or_many(self._sync(None)[0])
+        return one_or_many(self._sync(None)[0])
 
     def sync_metadata(self, out: OutputArenas) -> Optional[InputMetadata | tuple[InputMetadata, ...]]:
         """:meth:`sync`, then each batch's ``prepare_prompt`` / ``prepare_decode`` with ``out=out``,
@@ -193,7 +197,7 @@ class ReplicatedBatchState(Recorder):
         if sink is None or sink.arenas is not out:
             sink = self._sink = DecodeSink(self.cfg, out)
         batches, mds = self._sync(sink)  # a batch the replay did not build: the builders
-        return _one_or_many([md if md is not None else prepare_prompt(b, self.cfg, out=out) if b.is_prompt
+        return one_or_many([md if md is not None else prepare_prompt(b, self.cfg, out=out) if b.is_prompt
                              else sink.build(b) for b, md in zip(batches, mds)])
 
     def _sync(self, sink: Optional[DecodeSink]) -> tuple[list[SequenceBatch], list[Any]]:
@@ -207,7 +211,7 @@ class ReplicatedBatchState(Recorder):
         check = bool(self.check_every) and step % self.check_every == 0
         batches, mds = self._send(step, check, sink) if self.is_src else self._receive(step, sink)
         self.step = step
-        self.batches = tuple(batches)
+        self._got = batches
         if check:
             self._check_replicas(step)
         return batches, mds
@@ -228,6 +232,7 @@ class ReplicatedBatchState(Recorder):
         if got is None:
             return
         head, step, region, cols, batches, sink = got
+        batches[:] = batches_of(batches)  # (in place: they are rep.batches' too)
         frame = self._ch.recheck(head, step)
         yield
         h = frame.head
@@ -279,7 +284,7 @@ class ReplicatedBatchState(Recorder):
         dims, total = log.layout(digest)  # the frame's region, packed below straight into its slot
         req_ids, specs = list(log.req_ids), list(log.specs)
         values: list[Any] = [step, check, req_ids, specs]
-        prep = self._ch.prepare(self._key, values, dims, one_run=8 * total)
+        prep = self._ch.prepare(self._key, values, dims, one_run=8 * total, made=True)
 
         def write(view: memoryview, addr: int, data_at: int) -> None:
             if log.pack_into(digest, np.frombuffer(view, np.int64, total, data_at)) != total:  # one compiled copy
@@ -299,7 +304,7 @@ class ReplicatedBatchState(Recorder):
         """``defer_apply`` driver, after sending: its own replica applies the step; a call the
         state refuses is the driver's ``ValueError`` (every follower refuses it the same way)."""
         try:
-            batches, self._prev_check, mds = apply_step(self.state, cols, req_ids, spec, sink)
+            batches, self._prev_check, mds = apply_step(self.state, cols, req_ids, spec, sink, lazy=True)
         except (ReplicaError, ValueError, IndexError) as e:
             self._broken = f"step {step}: a call the state refused: {e}"
             raise ValueError(f"ReplicatedBatchState (defer_apply): step {step}: the state refused a "
@@ -329,7 +334,7 @@ class ReplicatedBatchState(Recorder):
                                "); the replica refuses it")
         self._specs, self._specs_at = None, (cols, spec)
         try:
-            batches, mine, mds = apply_step(self.state, cols, req_ids, spec, sink)
+            batches, mine, mds = apply_step(self.state, cols, req_ids, spec, sink, lazy=True)
         except (ReplicaError, ValueError, IndexError) as e:
             self._broken = f"step {step}: {e}"
             why = ("the driver's replica refused it too (defer_apply: a bad call)" if self._defer
@@ -393,8 +398,3 @@ class ReplicatedBatchState(Recorder):
         self._broken = f"step {step}: replica digests differ"
         raise RuntimeError(f"rank {self.rank}: step {step}: replica digests differ from the "
                            f"driver's (rank {self.src}): {where}")
-
-
-def _one_or_many(got: list[Any]) -> Any:
-    """A step's results as :meth:`ReplicatedBatchState.sync` returns them: ``None``, one, a tuple."""
-    return None if not got else got[0] if len(got) == 1 else tuple(got)

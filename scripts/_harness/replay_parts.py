@@ -115,7 +115,7 @@ def replay_main(args: argparse.Namespace, argv: list[str]) -> int:
 
     def follower(cols: Any, req_ids: list[Any], specs: list[int]) -> None:
         spent[0] = 0.0
-        batches, _, mds = apply_step(replica, cols, req_ids, specs, sink)  # as sync_metadata builds
+        batches, _, mds = apply_step(replica, cols, req_ids, specs, sink, lazy=True)  # as sync_metadata builds
         for b, md in zip(batches, mds):
             if md is None:
                 cpmeta.prepare_prompt(b, cfg, out=arenas) if b.is_prompt else sink.build(b)
