@@ -6,7 +6,8 @@ start and end; the last call of a stage in a step wins (a follower's warm calls 
 step's own). Rank 0 then prints the p50 of each stage on the driver and, on the follower that
 held its metadata last, the stages from the driver's ring commit on::
 
-    driver    record (its BatchState calls) | layout (the region's sizes) | prepare
+    driver    record (begin_step, then its BatchState calls; announce: begin_step alone)
+              | layout (the region's sizes) | prepare
               | write (slot reserved, header, values, shapes, the columns packed into the slot)
               | commit | own apply (defer_apply) | build
     follower  commit -> parse | parse | columns | -> replay | replay + step check | -> sync end | build
@@ -31,7 +32,7 @@ import numpy as np
 pc = time.perf_counter
 
 #: (driver stage, from stamp, to stamp); ``>`` = a wrapped call's start, ``<`` its end
-DRIVER = (("record", "t0", "record<"), ("layout", "layout>", "layout<"), ("prepare", "prepare>", "prepare<"),
+DRIVER = (("record", "t0", "record<"), ("announce", "begin_step>", "begin_step<"), ("layout", "layout>", "layout<"), ("prepare", "prepare>", "prepare<"),
           ("write", "publish>", "commit>"), ("commit", "commit>", "commit<"),
           ("own apply", "_apply_deferred>", "_apply_deferred<"), ("build", "_sync<", "end"))
 FOLLOWER = (("parse", "parse>", "parse<"), ("columns", "parse<", "read_region<"),
@@ -72,7 +73,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
                         (channel.FrameChannel, "prepare"), (channel.FrameChannel, "publish"),
                         (wire.FrameReader, "parse"), (ops.OpLog, "layout"),
                         (replicated.ReplicatedBatchState, "_apply_deferred"),
-                        (replicated.ReplicatedBatchState, "_sync")):
+                        (replicated.ReplicatedBatchState, "_sync"), (replicated.ReplicatedBatchState, "begin_step")):
         _stamp(stamps, owner, name)
     cfg = plain_config() if args.model == "plain" else default_config()
     trace = StepTrace(cfg, args.workload, 0)
