@@ -46,14 +46,20 @@ def _digest(md: Any) -> int:
     return hash(tuple(metadata_digest(md).tolist()))
 
 
-def _counting(pieces: Any, out: dict) -> Any:
-    """A warm hook's pieces, counting in ``out["warm_done"]`` the warms run to their end."""
+def _counting(pieces: Any, out: dict, rep: Any) -> Any:
+    """A warm hook's pieces, counting in ``out["warm_done"]`` the warms run to their end, and in
+    ``out["warm_made"]`` those that began with a batch the replay's call left unmade and ended
+    with every batch of the last step made (the warm's digests read them)."""
     if pieces is None:
         return None
+    from cpmeta.replicate.apply import Gathered
+
+    unmade = any(type(b) is Gathered for b in rep._got)  # noqa: SLF001 - the last step's batches as kept
 
     def run() -> Any:
         yield from pieces
         out["warm_done"] += 1
+        out["warm_made"] += unmade and not any(type(b) is Gathered for b in rep._got)  # noqa: SLF001
 
     return run()
 
@@ -66,7 +72,7 @@ def _trace_rank(rank: int, world: int, seed: int, cfg_name: str, steps: int, max
 
     cfg = _config(cfg_name)
     out: dict = {"digests": [], "refusals": [], "ref": [], "mine": [], "mirrors": [], "warmed": 0, "warm_done": 0,
-                 "decode_steps": 0}
+                 "warm_made": 0, "decode_steps": 0}
     arenas = cpmeta.OutputArenas()
     with cpmeta.ReplicatedBatchState(cfg, max_seqs, max_tokens=1024, check_every=16, timeout=60,
                                      defer_apply=defer) as rep:
@@ -74,7 +80,7 @@ def _trace_rank(rank: int, world: int, seed: int, cfg_name: str, steps: int, max
         if ring is not None and ring.warm is not None:
             def counted(f: Any = ring.warm) -> Any:
                 out["warmed"] += 1
-                return _counting(f(), out)  # the hook's pieces, for the ring to run
+                return _counting(f(), out, rep)  # the hook's pieces, for the ring to run
             ring.warm = counted
         ref = cpmeta.BatchState(cfg, max_seqs, max_tokens=1024) if rank == 0 else None
         # deferred: driven as an engine drives it, the scheduler's own state validating each call
@@ -90,7 +96,8 @@ def _trace_rank(rank: int, world: int, seed: int, cfg_name: str, steps: int, max
                 out["ref"].append(_digest(_build(want, cfg)))
             if metadata:  # the replay's call builds a decode step of a shape built before
                 md = rep.sync_metadata(arenas)
-                assert _digest(md) == _digest(_build(rep.batches[0] if rep.batches else None, cfg))
+                if len(out["digests"]) % 3 == 0:  # read every 3rd step (else made when the warm reads them)
+                    assert _digest(md) == _digest(_build(rep.batches[0] if rep.batches else None, cfg))
             else:
                 md = _build(rep.sync(), cfg)
             out["digests"].append(_digest(md))
@@ -151,19 +158,22 @@ def test_named_trace_over_the_process_group_and_with_checksums(env: dict[str, st
     assert out[1]["warmed"] == 0
 
 
-@pytest.mark.parametrize("defer", [False, True])
-def test_followers_warming_for_announced_steps_change_nothing(defer: bool) -> None:
+@pytest.mark.parametrize("defer,metadata", [(False, False), (True, False), (True, True)])
+def test_followers_warming_for_announced_steps_change_nothing(defer: bool, metadata: bool) -> None:
     """Followers spinning for announced steps replay the last step's receive read-only
     (``ReplicatedBatchState.warm``: frame checks, columns, the replay's call, batch digests)
     dozens of times a step: every rank still builds the driver's metadata every step (and the
     replicas still compare equal every 16 steps), and the warm hook ran -- it was never dropped
-    for raising."""
+    for raising. ``metadata``: ``sync_metadata``, its batches built in the replay's call left
+    unmade until read (by the warm, on most steps)."""
     # world 2: a follower warms only with a core of its own (2 ranks on a 2-core machine)
-    out = run_ranks(_trace_rank, 2, 11, "seed", 120, 9, defer, True, timeout=240)
+    out = run_ranks(_trace_rank, 2, 11, "seed", 120, 9, defer, True, metadata, timeout=240)
     _check_trace(out)
     assert out[1]["warmed"] >= 120, out[1]["warmed"]
     # the ring ran the hook's pieces to their end (a warm the frame did not cut short)
     assert out[1]["warm_done"] >= 100, out[1]["warm_done"]
+    # sync_metadata: the warm made the batches the replay's call had left unmade (rep.batches' too)
+    assert (out[1]["warm_made"] >= 10) == metadata, out[1]["warm_made"]
 
 
 @settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
