@@ -142,7 +142,7 @@ class ReplicatedBatchState(Recorder):
         self._spec_digest: Optional[int] = None  # driver: the replica digest at spec time,
         self._spec_snap: Any = None  # and what it covered (digest.snapshot)
         self._broken: Optional[str] = None  # why this replica refuses further steps
-        self.step, self._closed = 0, False  # steps synced so far
+        self.step, self._closed = 0, False  # steps synced so far; close() called
         self._warm_from: Any = None  # (head bytes, step, its whole region, columns, batches, sink)
         self._sink: Optional[DecodeSink] = None  # sync_metadata's, for its last ``out``
         self._got: list[Any] = []  # the last step's batches (``apply.Gathered``: made when read)
@@ -198,10 +198,10 @@ class ReplicatedBatchState(Recorder):
             sink = self._sink = DecodeSink(self.cfg, out)
         batches, mds = self._sync(sink)  # a batch the replay did not build: the builders
         return one_or_many([md if md is not None else prepare_prompt(b, self.cfg, out=out) if b.is_prompt
-                             else sink.build(b) for b, md in zip(batches, mds)])
+                            else sink.build(b) for b, md in zip(batches, mds)])
 
-    def _sync(self, sink: Optional[DecodeSink]) -> tuple[list[SequenceBatch], list[Any]]:
-        """One step: its batches, and with ``sink`` the metadata the replay built (else ``None``)."""
+    def _sync(self, sink: Optional[DecodeSink]) -> tuple[list[Any], list[Any]]:
+        """One step: its batches (``apply.Gathered`` where the replay built one) and the metadata it built."""
         if self._closed:
             raise RuntimeError("ReplicatedBatchState: sync() after close()")
         if self._broken is not None:
@@ -276,7 +276,7 @@ class ReplicatedBatchState(Recorder):
         if self._closed:
             raise RuntimeError(f"ReplicatedBatchState: {what} after close()")
 
-    def _send(self, step: int, check: bool, sink: Optional[DecodeSink]) -> tuple[list[SequenceBatch], list[Any]]:
+    def _send(self, step: int, check: bool, sink: Optional[DecodeSink]) -> tuple[list[Any], list[Any]]:
         log = self._log
         # default: the specs' batches, made at the calls; defer_apply: made by the apply below
         batches = [] if self._defer else [b for b in self._batches if b is not None]
@@ -300,7 +300,7 @@ class ReplicatedBatchState(Recorder):
         return batches, mds
 
     def _apply_deferred(self, step: int, check: bool, cols: Columns, req_ids: list[Any],
-                        spec: list[int], sink: Optional[DecodeSink]) -> tuple[list[SequenceBatch], list[Any]]:
+                        spec: list[int], sink: Optional[DecodeSink]) -> tuple[list[Any], list[Any]]:
         """``defer_apply`` driver, after sending: its own replica applies the step; a call the
         state refuses is the driver's ``ValueError`` (every follower refuses it the same way)."""
         try:
@@ -314,7 +314,7 @@ class ReplicatedBatchState(Recorder):
             self._hold_digest(step)
         return batches, mds
 
-    def _receive(self, step: int, sink: Optional[DecodeSink]) -> tuple[list[SequenceBatch], list[Any]]:
+    def _receive(self, step: int, sink: Optional[DecodeSink]) -> tuple[list[Any], list[Any]]:
         def handler(frame: Frame, view: memoryview) -> tuple[Columns, list[Any]]:
             h = frame.head
             if not h.flags & FLAG_PACKED:
