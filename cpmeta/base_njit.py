@@ -13,7 +13,21 @@ import numpy as np
 from .constants import INT32_MAX
 from .jit import kernel, warmer
 
-__all__ = ["fail", "blocks_needed_one", "copy_from0", "copy_ids"]
+__all__ = ["fail", "blocks_needed_one", "copy_from0", "copy_ids", "crc32", "le_word"]
+
+
+def _crc_table() -> np.ndarray:
+    """CRC-32 (IEEE 802.3, reflected polynomial 0xEDB88320: zlib's) of every byte value."""
+    t = np.zeros(256, np.uint32)
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (0xEDB88320 ^ (c >> 1)) if c & 1 else c >> 1
+        t[i] = c
+    return t
+
+
+_CRC_TABLE = _crc_table()
 
 
 @kernel
@@ -61,6 +75,26 @@ def blocks_needed_one(sk: int, block_size: int, min_ratio: int, kv_cycle: int, k
     return L // block_size + (1 if L % block_size >= min_ratio else 0)
 
 
+@kernel
+def crc32(buf: np.ndarray, lo: int, hi: int, crc: int) -> int:
+    """``zlib.crc32(buf[lo:hi], crc)`` of a uint8 array, a byte at a time (for the few hundred
+    bytes of a frame's head). Example: ``crc32(b"abc" as uint8, 0, 3, 0)`` = ``0x352441c2``."""
+    c = np.uint32(crc) ^ np.uint32(0xFFFFFFFF)
+    for i in range(lo, hi):
+        c = _CRC_TABLE[(c ^ buf[i]) & 0xFF] ^ (c >> np.uint32(8))
+    return np.int64(c ^ np.uint32(0xFFFFFFFF))
+
+
+@kernel
+def le_word(buf: np.ndarray, at: int, n: int) -> int:
+    """The little-endian unsigned ``n``-byte word of a uint8 array at ``at`` (``n`` <= 8; a word
+    of 8 bytes with its top bit set comes out negative)."""
+    v = np.int64(0)
+    for k in range(n):
+        v |= np.int64(buf[at + k]) << (8 * k)
+    return v
+
+
 @warmer
 def _warm() -> None:
     """Each kernel once."""
@@ -69,3 +103,6 @@ def _warm() -> None:
     a = np.zeros(2, np.int64)
     copy_from0(a, a[:1])
     copy_ids(a, a[:1])
+    b = np.zeros(8, np.uint8)
+    crc32(b, 0, 8, 0)
+    le_word(b, 0, 8)

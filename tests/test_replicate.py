@@ -108,6 +108,7 @@ def _trace_rank(rank: int, world: int, seed: int, cfg_name: str, steps: int, max
                     out["mirrors"].append([_digest(cpmeta.prepare_for_mirror_cp(md, r, world))
                                            for r in range(world)])
         out["fused"] = rep._sink.filled if rep._sink is not None else 0  # noqa: SLF001 - the replay's builds
+        out["compiled_reads"] = rep._reader.taken if rep._reader is not None else 0  # noqa: SLF001
     return out
 
 
@@ -141,6 +142,8 @@ def test_sync_metadata_builds_the_drivers_metadata(cfg_name: str, world: int, de
     out = run_ranks(_trace_rank, world, 7, cfg_name, 240, 9, defer, False, True, timeout=240)
     _check_trace(out)
     for r, got in enumerate(out):
+        if r:  # a follower's frames without an added request: read by the compiled read
+            assert got["compiled_reads"] >= len(got["digests"]) // 3, (r, got["compiled_reads"])
         if r or defer:
             assert got["fused"] >= got["decode_steps"] // 2, (r, got["fused"], got["decode_steps"])
         else:  # the driver validated each call: its batches exist before the send, nothing to replay
@@ -152,10 +155,13 @@ def test_named_trace_over_the_process_group_and_with_checksums(env: dict[str, st
     """The same trace with the step frames sent through the process group (``force_remote``, as
     to followers on another host), and with every frame's crc32 over its whole length stamped and
     verified (``CPMETA_CHECKSUM``: the region the op log packs is covered): every rank builds the
-    driver's metadata every step; nothing warms (no ring / a checksummed frame)."""
+    driver's metadata every step; nothing warms (no ring / a checksummed frame); the compiled
+    read takes the common frames from the process group (not the checksummed ones)."""
     out = run_ranks(_trace_rank, 2, 7, "plain", 80, 9, True, env=env, timeout=240)
     _check_trace(out)
     assert out[1]["warmed"] == 0
+    # the compiled read takes the frames from the process group too; with the checksum the parser reads them all
+    assert (out[1]["compiled_reads"] == 0) == ("CPMETA_CHECKSUM" in env), out[1]["compiled_reads"]
 
 
 @pytest.mark.parametrize("defer,metadata", [(False, False), (True, False), (True, True)])

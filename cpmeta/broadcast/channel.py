@@ -228,12 +228,21 @@ class FrameChannel:
         return prep
 
     # ---- follower ---------------------------------------------------------------------------
-    def receive(self, handler: Callable[[Frame, memoryview], Any]) -> Any:
+    def receive(self, handler: Callable[[Frame, memoryview], Any],
+                fast: Optional[Callable[[memoryview, int], Any]] = None) -> Any:
         """``handler(frame, view)`` of the next frame, inside the transport's read (``view`` is
         valid only during the call: copy what you keep). The frame's plan is cached once the
         handler returned. A malformed frame is a ``RuntimeError`` naming this rank and the
-        source; a peer of another version or schema likewise."""
+        source; a peer of another version or schema likewise. ``fast(view, step)``: a caller's
+        compiled read of the frames it knows (``cpmeta.replicate.step_frame.StepReader``): what
+        it returns (not None) is the result, the frame counted as step ``step``; None leaves the
+        frame to the parser and ``handler``."""
         def consume(view: memoryview) -> Any:
+            if fast is not None:
+                got = fast(view, self.reader.step + 1)
+                if got is not None:
+                    self.reader.step += 1
+                    return got
             frame = self.reader.parse(view, self.src)
             out = handler(frame, view)
             self.reader.keep(frame)

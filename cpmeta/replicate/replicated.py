@@ -50,14 +50,14 @@ from ..builders.prompt import prepare_prompt
 from ..metadata import InputMetadata
 from ..state import BatchState, SequenceBatch
 from ..broadcast.channel import FrameChannel, resolve_src
-from ..broadcast.wire import FLAG_PACKED, Frame, WireError
+from ..broadcast.wire import FLAG_PACKED
 from ..transport.envs import ENV_TIMEOUT
 from .apply import ReplicaError, apply_step, batches_of, one_or_many, warm_replay
 from .digest import (N_BANDS, batch_check, first_difference, replica_digest, slot_digests, snapshot,
                      where_differs)
 from .ops import COLUMNS, Columns
 from .recorder import Recorder, StepSpec, specs_of
-from .step_frame import STEP_SCHEMA, read_region, state_fingerprint, step_key
+from .step_frame import STEP_SCHEMA, StepReader, read_region, receive_step, state_fingerprint, step_key
 
 __all__ = ["ReplicatedBatchState", "StepSpec", "DEFAULT_CHECK_EVERY"]
 
@@ -147,6 +147,7 @@ class ReplicatedBatchState(Recorder):
         self._sink: Optional[DecodeSink] = None  # sync_metadata's, for its last ``out``
         self._got: list[Any] = []  # the last step's batches (``apply.Gathered``: made when read)
         self._warming = self._ch.warm_with(self._warm_pieces)  # a same-host follower warms while it spins
+        self._reader = None if ch_sum else StepReader(STEP_SCHEMA.fingerprint.encode())  # the compiled read
 
     # ---- every rank -----------------------------------------------------------------------
     @property
@@ -238,6 +239,9 @@ class ReplicatedBatchState(Recorder):
         h = frame.head
         read_region(frame, np.frombuffer(head, np.int64, h.n_dims, h.shapes_at), region.view(np.uint8))
         yield
+        if self._reader is not None:  # the compiled read of the same frame (read-only: its own buffers)
+            self._reader.read(memoryview(head + region.tobytes()), step)
+            yield
         yield from warm_replay(self.state, cols, batches, sink)
 
     def close(self) -> None:
@@ -315,18 +319,7 @@ class ReplicatedBatchState(Recorder):
         return batches, mds
 
     def _receive(self, step: int, sink: Optional[DecodeSink]) -> tuple[list[Any], list[Any]]:
-        def handler(frame: Frame, view: memoryview) -> tuple[Columns, list[Any]]:
-            h = frame.head
-            if not h.flags & FLAG_PACKED:
-                raise WireError("step frame without FLAG_PACKED")
-            cols, region = read_region(frame, np.frombuffer(view, np.int64, h.n_dims, h.shapes_at),
-                                       np.frombuffer(view, np.uint8, view.nbytes - h.data_at, h.data_at))
-            if self._warming:
-                saved[:] = (bytes(view[:h.data_at]), region)
-            return cols, frame.values
-
-        saved: list[Any] = []  # warming: the frame's head and its whole region (a private copy)
-        cols, (got_step, _check, req_ids, spec) = self._ch.receive(handler)
+        cols, (got_step, _check, req_ids, spec), saved = receive_step(self._ch, self._reader, self._warming)
         if got_step != step:
             self._broken = f"step {got_step} arrived, step {step} expected"
             raise RuntimeError(f"rank {self.rank}: step frame {got_step} from src={self.src} where "

@@ -27,12 +27,14 @@ import torch
 
 from ..broadcast.schema import Schema
 from ..config import MetadataConfig
-from ..broadcast.wire import Frame, WireError
+from ..broadcast.wire import FLAG_PACKED, FRAME_MAGIC, HEADER, MESSAGE_VERSION, Frame, WireError
 from ..jit import OK, warmer
-from .ops import COLUMNS, WIDE, WIDTHS, Columns
+from .ops import COLUMNS, SPEC_WORDS, WIDE, WIDTHS, Columns
 from .ops_njit import R_BYTES, unpack_region
+from .step_read_njit import FIXED_HEAD, read_step_frame
 
-__all__ = ["StepFrame", "STEP_SCHEMA", "step_key", "read_region", "state_fingerprint"]
+__all__ = ["StepFrame", "STEP_SCHEMA", "step_key", "read_region", "state_fingerprint", "StepReader",
+           "receive_step"]
 
 
 class _Col:
@@ -108,13 +110,89 @@ def read_region(frame: Frame, shapes: np.ndarray, data: np.ndarray) -> tuple[Col
     return Columns(out[:tbytes // 8], starts, frame.dims), out
 
 
+_N_DIMS = int(sum(2 if w > 1 else 1 for w in WIDTHS.tolist()))  # a step frame's shape words
+_MAX_SPECS = 64  # batch specs a frame may hold for the compiled read (more: the parser reads it)
+
+
+class StepReader:
+    """A follower's step frame read in ONE compiled call (:mod:`.step_read_njit`) for the common
+    frame: the step layout this rank already holds, no checksum, no added request. Off until
+    :meth:`arm` names the layout (after the codec's parser accepted a step frame of it); a frame
+    it does not take (``read`` returns None) goes to the parser. Example::
+
+        got = reader.read(view, want)     # (columns, region, head bytes, values) or None
+    """
+
+    def __init__(self, fingerprint: bytes) -> None:
+        head = HEADER.pack(FRAME_MAGIC, MESSAGE_VERSION, FLAG_PACKED, fingerprint, 0, 0, 0, 0, 0, 0, 0, 0)
+        self._fixed = np.frombuffer(head[:FIXED_HEAD], np.uint8)
+        self.lid = -1  # the layout it reads (-1: off)
+        self.taken = 0  #: frames it read (the parser read the others)
+        self._vals = np.zeros(4 + SPEC_WORDS * _MAX_SPECS, np.int64)
+        self._shapes = np.zeros(_N_DIMS, np.int64)
+
+    def arm(self, lid: int) -> None:
+        """Read frames of layout ``lid`` from now on (the parser accepted one: this rank holds it)."""
+        self.lid = lid
+
+    def read(self, view: memoryview, want: int) -> Optional[tuple[Columns, np.ndarray, int, list[Any]]]:
+        """Step ``want``'s frame in ``view``: its columns (as :func:`read_region` gives them), the
+        whole region (a private copy), where the region starts and the values ``[step, check,
+        [], spec words]``; None when the compiled read does not take it (the parser decides)."""
+        if self.lid < 0:
+            return None
+        frame = np.frombuffer(view, np.uint8)
+        out, starts, v = np.empty(len(frame) // 8, np.int64), np.empty(len(COLUMNS) + 1, np.int64), self._vals
+        if read_step_frame(frame, self._fixed, self.lid, want, WIDTHS, v, self._shapes, out, starts) != OK:
+            return None
+        data_at, k = int(v[2]), int(v[3])
+        self.taken += 1
+        cols = Columns(out[:int(starts[-1])], starts, tuple(self._shapes.tolist()))
+        return cols, out[:(len(frame) - data_at) // 8], data_at, [int(v[0]), bool(v[1]), [], v[4:4 + k].tolist()]
+
+
+def receive_step(ch: Any, reader: Optional[StepReader], keep: bool) -> tuple[Columns, list[Any], list[Any]]:
+    """A follower's next step frame from ``ch`` (its ``FrameChannel``): the columns and the values
+    ``[step, check, request ids, spec words]`` -- by ``reader``'s compiled read when it takes the
+    frame, else by the codec's parser and :func:`read_region` (after which ``reader`` reads that
+    layout). ``keep``: also a private copy of the frame's head and whole region (the warm's),
+    else ``[]``."""
+    saved: list[Any] = []
+
+    def handler(frame: Frame, view: memoryview) -> tuple[Columns, list[Any]]:
+        h = frame.head
+        if not h.flags & FLAG_PACKED:
+            raise WireError("step frame without FLAG_PACKED")
+        cols, region = read_region(frame, np.frombuffer(view, np.int64, h.n_dims, h.shapes_at),
+                                   np.frombuffer(view, np.uint8, view.nbytes - h.data_at, h.data_at))
+        if keep:
+            saved[:] = (bytes(view[:h.data_at]), region)
+        if reader is not None:
+            reader.arm(h.lid)  # this rank holds the layout now
+        return cols, frame.values
+
+    def fast(view: memoryview, want: int) -> Optional[tuple[Columns, list[Any]]]:
+        got = reader.read(view, want) if reader is not None else None
+        if got is None:
+            return None
+        if keep:
+            saved[:] = (bytes(view[:got[2]]), got[1])
+        return got[0], got[3]
+
+    cols, values = ch.receive(handler, fast if reader is not None else None)
+    return cols, values, saved
+
 
 @warmer
 def _warm() -> None:
-    """Compile / load :func:`~cpmeta.replicate.ops_njit.unpack_region` on an empty step's region."""
+    """Compile / load :func:`~cpmeta.replicate.ops_njit.unpack_region` on an empty step's region,
+    and the compiled read on a header it refuses."""
     out, starts = np.empty(0, np.int64), np.empty(len(COLUMNS) + 1, np.int64)
     shapes = np.array([d for w in WIDTHS.tolist() for d in ((0,) if w == 1 else (0, w))], np.int64)
     unpack_region(shapes, np.zeros(0, np.uint8), 0, WIDTHS, out, starts)
+    r = StepReader(b"0" * 16)
+    r.arm(0)
+    r.read(memoryview(bytes(64)), 1)
 
 
 def state_fingerprint(cfg: MetadataConfig, *caps: int) -> str:

@@ -1,0 +1,136 @@
+"""A follower's common step frame read in ONE compiled call: the header, the values and the region.
+
+Most frames a ``ReplicatedBatchState`` follower receives are alike: the step layout it already
+holds (its id only), no checksum, no added request (values ``[step, check, [], spec words]``).
+:func:`read_step_frame` accepts exactly such a frame -- proving what the frame codec's parser
+proves for it (:func:`cpmeta.broadcast.wire.read_head`, the values block and its check, the
+dims, then :func:`~cpmeta.replicate.ops_njit.unpack_region`) -- and copies its region out; any
+other frame, a malformed one included, it leaves to that parser (:data:`ASK_PARSER`), which
+accepts it or names what is wrong. It never accepts a frame the parser refuses, and what it
+returns for a frame is what the parser returns (``tests/test_step_read.py`` holds the two to
+each other on every byte of hostile frames).
+
+The header words (``cpmeta.broadcast.wire``, little-endian): magic, version and flags at 0-8,
+the schema fingerprint at 8-24, layout id 24, frame crc 28, layout / values block lengths 32 /
+36, dims 40, meta crc 44, tensor bytes 48, step 56; the values block at 64; the shapes 8-aligned
+after it, the region 16-aligned after them. The values block is msgpack: a 4-array of an int
+(the replica's step), a bool, an empty array (no added request's id) and an array of ints.
+
+Worked example: a decode step of 64 sequences, step 2 -> values bytes ``94 02 c2 90 97 00 00
+01 fe 40 00 00`` (``[2, False, [], [0, 0, 1, -2, 64, 0, 0]]``) -> ``vals[:11] = [2, 0, data_at,
+7, 0, 0, 1, -2, 64, 0, 0]``, the 26 dims in ``shapes``, the columns in ``out``, their starts in
+``starts``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..base_njit import crc32, le_word
+from ..broadcast.wire import CRC_AT, HEADER, MAX_VALUES_BYTES, META_CRC_AT
+from ..jit import OK, kernel
+from .ops_njit import unpack_region
+
+__all__ = ["read_step_frame", "ASK_PARSER", "FIXED_HEAD"]
+
+#: the frame is not the common step frame, or not a well-formed one: the codec's parser decides
+ASK_PARSER = 1
+#: header bytes every accepted frame begins with (magic, version, flags, fingerprint)
+FIXED_HEAD = 24
+_HEAD = HEADER.size
+
+
+@kernel
+def _be(buf: np.ndarray, at: int, n: int) -> int:
+    """The big-endian ``n``-byte word at ``at`` (msgpack's order)."""
+    v = np.int64(0)
+    for k in range(n):
+        v = (v << 8) | np.int64(buf[at + k])
+    return v
+
+
+@kernel
+def _int(buf: np.ndarray, at: int, end: int) -> tuple[int, int]:
+    """``(value, next)`` of the msgpack int at ``at``; ``next`` -1 when it is not an int64."""
+    if at >= end:
+        return 0, -1
+    b = buf[at]
+    if b <= 0x7F:  # positive fixint
+        return np.int64(b), at + 1
+    if b >= 0xE0:  # negative fixint
+        return np.int64(b) - 256, at + 1
+    if 0xCC <= b <= 0xD3:  # uint 8/16/32/64, int 8/16/32/64
+        signed = b >= 0xD0
+        n = 1 << (b - (0xD0 if signed else 0xCC))
+        if at + 1 + n > end or (n == 8 and not signed and buf[at + 1] >= 0x80):
+            return 0, -1  # a uint64 past int64: not an int64 (the value check refuses it)
+        v = _be(buf, at + 1, n)
+        if signed and n < 8 and v >= np.int64(1) << (8 * n - 1):
+            v -= np.int64(1) << (8 * n)
+        return v, at + 1 + n
+    return 0, -1
+
+
+@kernel
+def read_step_frame(frame: np.ndarray, fixed: np.ndarray, lid: int, want: int, widths: np.ndarray,
+                    vals: np.ndarray, shapes: np.ndarray, out: np.ndarray, starts: np.ndarray) -> int:
+    """Accept ``frame`` (uint8) when it is the common step frame of step ``want``: its first
+    :data:`FIXED_HEAD` bytes ``fixed`` (flags exactly ``FLAG_PACKED``: no layout block, no
+    checksum, no abort), layout id ``lid``, ``len(shapes)`` dims, a meta crc that matches, values
+    ``[int, bool, [], [int, ...]]``, the region as ``unpack_region`` proves it. Writes ``vals``,
+    ``shapes``, the region into ``out[:len(region) // 8]`` and the columns' starts. ``vals``: the step, the
+    bool, where the region starts, the number ``k`` of spec words, then the ``k`` words. Returns
+    OK, or :data:`ASK_PARSER` (nothing to rely on written)."""
+    n = frame.shape[0]
+    n_dims = shapes.shape[0]
+    if n < _HEAD:
+        return ASK_PARSER
+    for i in range(FIXED_HEAD):
+        if frame[i] != fixed[i]:
+            return ASK_PARSER
+    vlen = le_word(frame, 36, 4)
+    if le_word(frame, 24, 4) != lid or le_word(frame, 32, 4) != 0 or le_word(frame, 40, 4) != n_dims \
+            or vlen > MAX_VALUES_BYTES or le_word(frame, 56, 8) != want:
+        return ASK_PARSER
+    shapes_at = (_HEAD + vlen + 7) // 8 * 8
+    data_at = (shapes_at + 8 * n_dims + 15) // 16 * 16
+    if data_at > n:
+        return ASK_PARSER
+    c = crc32(frame, 0, CRC_AT, 0)
+    c = crc32(frame, CRC_AT + 4, META_CRC_AT, c)
+    if crc32(frame, META_CRC_AT + 4, data_at, c) != le_word(frame, META_CRC_AT, 4):
+        return ASK_PARSER
+    at, end = _HEAD, _HEAD + vlen
+    if vlen < 5 or frame[at] != 0x94:  # a 4-array
+        return ASK_PARSER
+    vals[0], at = _int(frame, at + 1, end)
+    if at < 0 or at + 2 >= end or (frame[at] != 0xC2 and frame[at] != 0xC3) or frame[at + 1] != 0x90:
+        return ASK_PARSER  # the bool, then an empty array of request ids
+    vals[1] = frame[at] - 0xC2
+    at += 2
+    b = frame[at]
+    if 0x90 <= b <= 0x9F:
+        k, at = np.int64(b - 0x90), at + 1
+    elif b == 0xDC and at + 3 <= end:
+        k, at = _be(frame, at + 1, 2), at + 3
+    else:
+        return ASK_PARSER
+    if 4 + k > vals.shape[0]:
+        return ASK_PARSER
+    vals[2], vals[3] = data_at, k
+    for i in range(k):
+        vals[4 + i], at = _int(frame, at, end)
+        if at < 0:
+            return ASK_PARSER
+    if at != end:  # the values block holds nothing after the list
+        return ASK_PARSER
+    for i in range(n_dims):
+        shapes[i] = le_word(frame, shapes_at + 8 * i, 8)
+    tbytes = le_word(frame, 48, 8)
+    data = frame[data_at:]
+    m = data.shape[0]
+    if m % 16 or tbytes < 0 or tbytes > m or out.shape[0] < m // 8:
+        return ASK_PARSER
+    if unpack_region(shapes, data, tbytes, widths, out[:m // 8], starts) != OK:
+        return ASK_PARSER
+    return OK
