@@ -10,7 +10,12 @@ held its metadata last, the stages from the driver's ring commit on::
               | layout (the region's sizes) | prepare
               | write (slot reserved, header, values, shapes, the columns packed into the slot)
               | commit | own apply (defer_apply) | build
-    follower  commit -> parse | parse | columns | -> replay | replay + step check | -> sync end | build
+    follower  commit -> read | read | -> replay | replay + step check | -> sync end | build
+
+where a follower's "read" is the compiled read of a common step frame (``StepReader.read``: the
+header, the values and the columns in one call), or for the other frames (with an added
+request) the parser's and ``read_region``'s ("parse", "columns": their own rows, over the steps
+that took that path; "frames read compiled" counts the compiled ones among the last followers'),
 
 with ``sync_metadata`` (a decode step's build inside the replay's call: "build" is then what the
 replay left, a prompt step's build).
@@ -35,8 +40,7 @@ pc = time.perf_counter
 DRIVER = (("record", "t0", "record<"), ("announce", "begin_step>", "begin_step<"), ("layout", "layout>", "layout<"), ("prepare", "prepare>", "prepare<"),
           ("write", "publish>", "commit>"), ("commit", "commit>", "commit<"),
           ("own apply", "_apply_deferred>", "_apply_deferred<"), ("build", "_sync<", "end"))
-FOLLOWER = (("parse", "parse>", "parse<"), ("columns", "parse<", "read_region<"),
-            ("to replay", "read_region<", "apply_step>"), ("replay + check", "apply_step>", "apply_step<"),
+FOLLOWER = (("replay + check", "apply_step>", "apply_step<"),
             ("to sync end", "apply_step<", "_sync<"), ("build", "_sync<", "end"))
 
 
@@ -69,7 +73,10 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
     from cpmeta.launch.scheduler import default_config, plain_config
 
     stamps: dict[str, float] = {}
-    for owner, name in ((replicated, "apply_step"), (replicated, "read_region"),
+    import cpmeta.replicate.step_frame as step_frame
+
+    _stamp(stamps, step_frame.StepReader, "read")
+    for owner, name in ((replicated, "apply_step"), (step_frame, "read_region"),
                         (channel.FrameChannel, "prepare"), (channel.FrameChannel, "publish"),
                         (wire.FrameReader, "parse"), (ops.OpLog, "layout"),
                         (replicated.ReplicatedBatchState, "_apply_deferred"),
@@ -118,9 +125,19 @@ def summarize(every: list[list[dict[str, float]]]) -> dict[str, Any]:
     out["driver"] = {k: _p50([s[b] - s[a] for s in drv if a in s and b in s]) for k, a, b in DRIVER}
     if last:
         fol = [every[r][i] for i, r in enumerate(last)]
-        stages = {"commit -> parse": _p50([f["parse>"] - d["commit<"] for f, d in zip(fol, drv)
-                                           if "parse>" in f and "commit<" in d])}
+        # the step's own read is its last (the warm's come before it): compiled, or the parser's
+        fast = [f.get("read<", 0.0) > f.get("parse<", 0.0) for f in fol]
+        start = ["read>" if q else "parse>" for q in fast]
+        end = ["read<" if q else "read_region<" for q in fast]
+        stages = {"commit -> read": _p50([f[a] - d["commit<"] for f, d, a in zip(fol, drv, start)
+                                          if a in f and "commit<" in d]),
+                  "read": _p50([f[b] - f[a] for f, a, b in zip(fol, start, end) if a in f and b in f]),
+                  "parse": _p50([f["parse<"] - f["parse>"] for f, q in zip(fol, fast) if not q and "parse<" in f]),
+                  "columns": _p50([f["read_region<"] - f["parse<"] for f, q in zip(fol, fast)
+                                   if not q and "read_region<" in f]),
+                  "to replay": _p50([f["apply_step>"] - f[b] for f, b in zip(fol, end) if b in f and "apply_step>" in f])}
         stages.update({k: _p50([s[b] - s[a] for s in fol if a in s and b in s]) for k, a, b in FOLLOWER})
+        stages["frames read compiled"] = f"{sum(fast)}/{len(fast)}"
         out["last follower"] = stages
     return out
 
