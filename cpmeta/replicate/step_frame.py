@@ -120,14 +120,14 @@ class StepReader:
     :meth:`arm` names the layout (after the codec's parser accepted a step frame of it); a frame
     it does not take (``read`` returns None) goes to the parser. Example::
 
-        got = reader.read(view, want)     # (columns, region, head bytes, values) or None
+        got = reader.read(view, want)     # (columns, region, where it starts, values) or None
     """
 
     def __init__(self, fingerprint: bytes) -> None:
         head = HEADER.pack(FRAME_MAGIC, MESSAGE_VERSION, FLAG_PACKED, fingerprint, 0, 0, 0, 0, 0, 0, 0, 0)
         self._fixed = np.frombuffer(head[:FIXED_HEAD], np.uint8)
         self.lid = -1  # the layout it reads (-1: off)
-        self.taken = 0  #: frames it read (the parser read the others)
+        self.taken = 0  #: frames a follower's receive took this way (:func:`receive_step`; the parser read the others)
         self._vals = np.zeros(4 + SPEC_WORDS * _MAX_SPECS, np.int64)
         self._shapes = np.zeros(_N_DIMS, np.int64)
 
@@ -146,7 +146,6 @@ class StepReader:
         if read_step_frame(frame, self._fixed, self.lid, want, WIDTHS, v, self._shapes, out, starts) != OK:
             return None
         data_at, k = int(v[2]), int(v[3])
-        self.taken += 1
         cols = Columns(out[:int(starts[-1])], starts, tuple(self._shapes.tolist()))
         return cols, out[:(len(frame) - data_at) // 8], data_at, [int(v[0]), bool(v[1]), [], v[4:4 + k].tolist()]
 
@@ -172,9 +171,11 @@ def receive_step(ch: Any, reader: Optional[StepReader], keep: bool) -> tuple[Col
         return cols, frame.values
 
     def fast(view: memoryview, want: int) -> Optional[tuple[Columns, list[Any]]]:
-        got = reader.read(view, want) if reader is not None else None
+        assert reader is not None  # (given to the channel only with one)
+        got = reader.read(view, want)
         if got is None:
             return None
+        reader.taken += 1
         if keep:
             saved[:] = (bytes(view[:got[2]]), got[1])
         return got[0], got[3]
