@@ -143,7 +143,7 @@ class ReplicatedBatchState(Recorder):
         self._spec_snap: Any = None  # and what it covered (digest.snapshot)
         self._broken: Optional[str] = None  # why this replica refuses further steps
         self.step, self._closed = 0, False  # steps synced so far; close() called
-        self._warm_from: Any = None  # (head bytes, step, its whole region, columns, batches, sink)
+        self._warm_from: Any = None  # (head bytes, step, its whole region, columns, batches, sink, [frame])
         self._sink: Optional[DecodeSink] = None  # sync_metadata's, for its last ``out``
         self._got: list[Any] = []  # the last step's batches (``apply.Gathered``: made when read)
         self._warming = self._ch.warm_with(self._warm_pieces)  # a same-host follower warms while it spins
@@ -232,7 +232,7 @@ class ReplicatedBatchState(Recorder):
         got = self._warm_from
         if got is None:
             return
-        head, step, region, cols, batches, sink = got
+        head, step, region, cols, batches, sink, whole = got
         batches[:] = batches_of(batches)  # (in place: they are rep.batches' too)
         frame = self._ch.recheck(head, step)
         yield
@@ -240,7 +240,9 @@ class ReplicatedBatchState(Recorder):
         read_region(frame, np.frombuffer(head, np.int64, h.n_dims, h.shapes_at), region.view(np.uint8))
         yield
         if self._reader is not None:  # the compiled read of the same frame (read-only: its own buffers)
-            self._reader.read(memoryview(head + region.tobytes()), step)
+            if not whole:  # the frame's bytes, put together once per step
+                whole.append(memoryview(head + region.tobytes()))
+            self._reader.read(whole[0], step)
             yield
         yield from warm_replay(self.state, cols, batches, sink)
 
@@ -336,7 +338,7 @@ class ReplicatedBatchState(Recorder):
                                f"driver's step ({why}): {type(e).__name__}: {e}") from None
         self._compare(mine, cols.col(_DIGEST), step)
         if saved:
-            self._warm_from = (saved[0], step, saved[1], cols, batches, sink)
+            self._warm_from = (saved[0], step, saved[1], cols, batches, sink, [])
         return batches, mds
 
     def _compare(self, check: np.ndarray, theirs: np.ndarray, step: int) -> None:
