@@ -39,7 +39,8 @@ from cpmeta.broadcast.plan import Plan
 from cpmeta.broadcast.wire import (FLAG_CRC, FLAG_LAYOUT, FLAG_PACKED, PACK_ALIGN, FrameReader, FrameWriter, WireError,
                                    blocks_at, seal)
 from cpmeta.replicate.ops import Columns
-from cpmeta.replicate.step_frame import STEP_SCHEMA, read_region, step_key
+from cpmeta.replicate.step_frame import STEP_SCHEMA, FusedStep, read_region, step_key
+from cpmeta.replicate.step_read_njit import F_PART
 from cpmeta.transport.codec import encode_body
 
 CFGS = {"plain": plain_config(max_model_len=2048), "seed": default_config(max_model_len=2048)}  # seed: Engram + SWA
@@ -272,6 +273,90 @@ def test_decode_steps_built_in_the_replay_call(cfg_name: str) -> None:
     assert fused == [False, True, True, True, False, True, False, True, True], fused
     assert addr[1:4] == [addr[0]] * 3 and addr[5] == addr[4] == addr[7] and addr[8] == addr[6]
     assert len(arenas) == 3
+
+
+@pytest.mark.parametrize("cfg_name", list(CFGS))
+def test_decode_steps_replayed_and_built_in_one_call(cfg_name: str) -> None:
+    """``FusedStep.apply`` (a follower's compiled read and a ``defer_apply`` driver run it): a
+    step of appends and one decode spec of the sink's last shape is replayed AND built by one
+    call from its columns; its batch, step check, metadata and state equal the two-call path's
+    (``apply_step`` alone, on a twin) and ``prepare_decode`` of the driver's batch; any other step
+    (an add, a new shape, a prompt) is left to ``apply_step`` untouched."""
+    cfg = CFGS[cfg_name] if cfg_name == "plain" else default_config(max_model_len=4096)
+    mk = lambda: BatchState(cfg, 4, max_tokens=32, max_blocks=20)  # noqa: E731
+    d, b, twin = _Driver(mk()), mk(), mk()
+    sink, twin_sink, fuse = DecodeSink(cfg, OutputArenas()), DecodeSink(cfg, OutputArenas()), FusedStep()
+    comp = [1, 2] if cfg.max_ngram_size > 0 else []
+    slots = np.array([d.add_request(i, [5 + i, 6, 7], [i], i, compressed_token_ids=comp, num_computed=3)
+                      for i in range(3)])
+    done = []
+    for step in range(10):
+        d.append_tokens_batch(slots, np.arange(3, dtype=np.int64) + 10 * step, np.ones(3, np.int64))
+        if step == 4:  # past block 16 on every table: a wider table, another shape
+            d.append_blocks_batch(slots, np.arange(48, dtype=np.int64) % 8, np.full(3, 16, np.int64))
+        if cfg.max_ngram_size > 0 and step % 3 == 1:
+            d.append_compressed_batch(slots, np.arange(3, dtype=np.int64) + step, np.ones(3, np.int64))
+        two = step in (6, 8)  # a sequence sits out steps 6 and 8
+        d.decode_batch(slots[:2] if two else slots, np.arange(4 if two else 6) + 100, 2)
+        cols, req_ids, specs, want, at_spec = d.frame()
+        fused = fuse.apply(cols, specs, b, sink)
+        done.append(fused is not None)
+        got, check, mds = apply_step(b, cols, req_ids, specs, sink, lazy=True, fused=fused)
+        got2, check2, mds2 = apply_step(twin, cols, req_ids, specs, twin_sink, lazy=True)
+        assert np.array_equal(check, check2) and np.array_equal(check, batch_check(want))
+        _assert_same_batches(batches_of(got), want)
+        _assert_same_batches(batches_of(got2), want)
+        assert (mds[0] is None) == (mds2[0] is None), step  # built in the replay's call either way
+        md = mds[0] if mds[0] is not None else sink.build(batches_of(got)[0])
+        md2 = mds2[0] if mds2[0] is not None else twin_sink.build(batches_of(got2)[0])
+        assert_same(md, prepare_decode(want[0], cfg))
+        assert_same(md2, md)
+        _assert_same_state(_public(b), at_spec)
+        _assert_same_state(_public(b, full=True), _public(twin, full=True))
+    assert done == [False, True, True, True, True, True, False, True, True, True], done  # step 6: a size not built yet
+    assert fuse.count == sum(done)
+    # another kind of step: nothing applied by the call, apply_step takes it
+    d.finish(int(slots[2]))
+    d.decode_batch(slots[:2], np.arange(4) + 100, 2)
+    cols, req_ids, specs, want, _ = d.frame()
+    assert fuse.apply(cols, specs, b, sink) is None
+    _assert_same_batches(apply_step(b, cols, req_ids, specs, sink)[0], want)
+
+
+@pytest.mark.parametrize("tamper, exc, match", [
+    (lambda c: _put(c, "tok_slots", 1, 5), ValueError, r"slots: expected slots of live requests, got \[5\]"),
+    (lambda c: _put(c, "tok_flat", 1, -3), ValueError, "request 'b': tokens: expected ids >= 0, got -3"),
+    (lambda c: c.__setitem__(COL["blk_flat"], np.append(c[COL["blk_flat"]], 4)), ReplicaError,
+     "step frame: blk_flat holds 2 entries, its runs read 1"),
+])
+def test_refused_run_in_the_one_call_named_as_in_two(tamper: Callable, exc: type, match: str) -> None:
+    """A decode step of the sink's shape whose append run the state refuses: the one call stops
+    there, writing nothing of that run, and ``apply_step`` resumes and raises the error the
+    two-call path raises (a column left unread: after the step, as there)."""
+    def frame() -> tuple[list[np.ndarray], list[int]]:
+        log = OpLog(8)
+        log.ragged(BLK, np.array([0]), np.array([1]), np.array([9]))
+        log.ragged(TOK, np.array([0, 1]), np.array([1, 1]), np.array([7, 8]))
+        log.batch_spec(False, np.array([0, 1]), np.zeros(0, np.int64), np.zeros(0, np.int64), 0, True, -2)
+        return [c.copy() for c in log.columns(NO_DIGEST)], list(log.specs)
+
+    states, sinks = [_live3(), _live3(), _live3()], [DecodeSink(CFGS["plain"], OutputArenas()) for _ in range(3)]
+    cols, words = frame()
+    for s, k in zip(states, sinks):  # every replica has built this shape once: the sinks aim at it
+        apply_step(s, flat_columns(cols), [], words, k)
+        k.build(s.decode_batch(np.array([0, 1])))
+    cols, words = frame()
+    tamper(cols)
+    fuse = FusedStep()
+    fused = fuse.apply(flat_columns(cols), words, states[0], sinks[0])
+    assert fused is not None and fused[0] == F_PART
+    errors = []
+    for s, k, f in ((states[0], sinks[0], fused), (states[1], sinks[1], None)):
+        with pytest.raises(exc, match=match) as e:
+            apply_step(s, flat_columns(cols), [], words, k, fused=f)
+        errors.append(str(e.value))
+    assert errors[0] == errors[1]
+    _assert_same_state(_public(states[0], full=True), _public(states[1], full=True))
 
 
 def _draw_calls(d: _Driver, data: st.DataObject, ids: list[int]) -> None:

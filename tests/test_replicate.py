@@ -109,6 +109,7 @@ def _trace_rank(rank: int, world: int, seed: int, cfg_name: str, steps: int, max
                                            for r in range(world)])
         out["fused"] = rep._sink.filled if rep._sink is not None else 0  # noqa: SLF001 - the replay's builds
         out["compiled_reads"] = rep._reader.taken if rep._reader is not None else 0  # noqa: SLF001
+        out["read_fused"] = rep._reader.fused.count if rep._reader is not None else 0  # noqa: SLF001 - in one call
     return out
 
 
@@ -146,8 +147,11 @@ def test_sync_metadata_builds_the_drivers_metadata(cfg_name: str, world: int, de
             assert got["compiled_reads"] >= len(got["digests"]) // 3, (r, got["compiled_reads"])
         if r or defer:
             assert got["fused"] >= got["decode_steps"] // 2, (r, got["fused"], got["decode_steps"])
+            # of those, the steps of appends and one decode spec: replayed and built in the call that read
+            # them (a follower's compiled read; a defer_apply driver's own apply of the columns it packed)
+            assert got["read_fused"] >= got["decode_steps"] // 3, (r, got["read_fused"], got["decode_steps"])
         else:  # the driver validated each call: its batches exist before the send, nothing to replay
-            assert got["fused"] == 0
+            assert got["fused"] == got["read_fused"] == 0
 
 
 @pytest.mark.parametrize("env", [{"CPMETA_FORCE_REMOTE": "1"}, {"CPMETA_CHECKSUM": "1"}], ids=["remote", "checksum"])

@@ -101,7 +101,8 @@ def _compiled(frame: bytes, want: int) -> Any:
     got = reader.read(memoryview(frame), want)
     if got is None:
         return None
-    cols, region, data_at, values = got
+    cols, region, data_at, values, fused = got
+    assert fused is None  # nothing applied without a replica
     assert region.tobytes() == frame[data_at:]  # the whole region, a private copy
     return _plain(cols, values)
 

@@ -307,7 +307,13 @@ class DecodeSink:
                 self._shape = shape
                 self._aim(self._plan.target(a, shape))
             self._want[:] = shape.key
+        else:  # not aimed: no shape matches (the kernel writes a batch's shape here when it does not fill)
+            self._want[:] = -1
         return self.args
+
+    def aimed(self, total_q: int, n_seq: int) -> bool:
+        """Whether :attr:`args` aim at an arena of ``total_q`` rows and ``n_seq`` sequences."""
+        return self._tg is not None and int(self._want[0]) == total_q and int(self._want[1]) == n_seq
 
     def result(self) -> Optional[InputMetadata]:
         """The metadata the caller's kernel filled this step, else ``None`` (call :meth:`build`)."""

@@ -22,6 +22,7 @@ from .ops import ADD, BLK, CMP, COLUMNS, FIN, SID, SPEC, SPEC_WORDS, SVS, TOK, C
 from .ops import WIDTHS as _WIDTH  # int64 values per row of each column
 from .digest import batch_check
 from .replay_njit import S_END, S_SPEC, replay, replay_decode
+from .step_read_njit import F_DONE
 
 __all__ = ["apply_step", "warm_replay", "ReplicaError", "Gathered", "batches_of"]
 
@@ -77,7 +78,7 @@ def _take(cols: Columns, at: np.ndarray, c: int, k: int) -> Any:
 
 
 def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[int],
-               sink: Optional[DecodeSink] = None, lazy: bool = False
+               sink: Optional[DecodeSink] = None, lazy: bool = False, fused: Any = None
                ) -> tuple[list[Any], np.ndarray, list[Optional[InputMetadata]]]:
     """Apply the step's runs to ``state`` in order; return the specs' batches (in call order),
     their step check (``digest.batch_check(batches)``, written by the replay) and, with a
@@ -94,21 +95,32 @@ def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[
     (:func:`~cpmeta.replicate.replay_njit.replay`: a decode or prompt step is one call; adds and
     finishes only when every added id is new, else here); moves and any run it refuses are
     replayed here with the ``BatchState`` call the driver made, which raises the named error of
-    a refused run.
+    a refused run. ``fused``: what the follower's compiled read already applied of this step
+    (``step_frame.StepReader.read``: the whole decode step, or up to a run it leaves to this
+    replay), else None.
     """
+    if fused is not None and fused[0] == F_DONE:  # the read's call replayed and built it
+        _, (_, _, _, crow, gbuf, ph, vouched), _, check = fused
+        md = sink.result() if sink is not None else None
+        return ([Gathered(state, gbuf, ph, vouched, False) if lazy and md is not None
+                 else state.gathered(gbuf, ph, vouched, False)], check[:crow], [md])
     if len(spec) % SPEC_WORDS:
         raise ReplicaError(f"step frame: {len(spec)} spec values, not a multiple of {SPEC_WORDS}")
     buf, starts, _ = cols
     runs = cols.col(0)
     at, end = starts[:-1].copy(), starts[1:]
     at[_RUNS], at[_DIGEST] = end[_RUNS], end[_DIGEST]  # no run reads them: read to their end
+    first = None  # the replay's first return, when the compiled read made that call
+    if fused is not None:  # F_PART: the read's call stopped at a run Python replays (and names)
+        _, first, at, check = fused
     try:
         words = np.array(spec, np.int64)
         rows = len(spec) // SPEC_WORDS + int(sum(spec[4::SPEC_WORDS]) + sum(spec[1::SPEC_WORDS]))
     except (OverflowError, TypeError, ValueError):
         words, rows = _NO_WORDS, 0  # every spec then replayed below, which names the bad value
     arrays = state.kernel_arrays()
-    check = np.empty((rows if 0 <= rows <= _MAX_CHECK_ROWS else 0, 4), np.int64)  # else: batch_check below
+    if first is None:
+        check = np.empty((rows if 0 <= rows <= _MAX_CHECK_ROWS else 0, 4), np.int64)  # else: batch_check below
     batches: list[Any] = []
     adds = iter(req_ids)
     # adds and finishes in the kernel too when every added id is new (else Python's calls name it)
@@ -119,7 +131,9 @@ def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[
     mds: list[Optional[InputMetadata]] = []
     while True:
         r0 = r
-        if sink is None:
+        if first is not None:
+            (status, r, si, crow, gbuf, ph, vouched), first = first, None
+        elif sink is None:
             status, r, si, crow, gbuf, ph, vouched = replay(r, runs, buf, at, end, words, si, *arrays, check, crow,
                                                             state.lookback, book, *free)
         else:  # aimed at the arena of the coming decode batch's rows and sequences (its spec words)

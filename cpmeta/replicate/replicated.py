@@ -242,7 +242,7 @@ class ReplicatedBatchState(Recorder):
         if self._reader is not None:  # the compiled read of the same frame (read-only: its own buffers)
             if not whole:  # the frame's bytes, put together once per step
                 whole.append(memoryview(head + region.tobytes()))
-            self._reader.read(whole[0], step)
+            self._reader.read(whole[0], step, None if sink is None else (self.state, sink), dry=True)
             yield
         yield from warm_replay(self.state, cols, batches, sink)
 
@@ -309,8 +309,9 @@ class ReplicatedBatchState(Recorder):
                         spec: list[int], sink: Optional[DecodeSink]) -> tuple[list[Any], list[Any]]:
         """``defer_apply`` driver, after sending: its own replica applies the step; a call the
         state refuses is the driver's ``ValueError`` (every follower refuses it the same way)."""
-        try:
-            batches, self._prev_check, mds = apply_step(self.state, cols, req_ids, spec, sink, lazy=True)
+        try:  # a decode step of the last shape: replayed and built in one call, as on a follower
+            fused = None if sink is None or self._reader is None else self._reader.fused.apply(cols, spec, self.state, sink)
+            batches, self._prev_check, mds = apply_step(self.state, cols, req_ids, spec, sink, lazy=True, fused=fused)
         except (ReplicaError, ValueError, IndexError) as e:
             self._broken = f"step {step}: a call the state refused: {e}"
             raise ValueError(f"ReplicatedBatchState (defer_apply): step {step}: the state refused a "
@@ -321,7 +322,10 @@ class ReplicatedBatchState(Recorder):
         return batches, mds
 
     def _receive(self, step: int, sink: Optional[DecodeSink]) -> tuple[list[Any], list[Any]]:
-        cols, (got_step, _check, req_ids, spec), saved = receive_step(self._ch, self._reader, self._warming)
+        fuse = None if sink is None else (self.state, sink)
+        if sink is not None:
+            sink.refresh()  # aimed at the last shape: the compiled read builds a decode step of it
+        cols, (got_step, _check, req_ids, spec), saved, fused = receive_step(self._ch, self._reader, self._warming, fuse)
         if got_step != step:
             self._broken = f"step {got_step} arrived, step {step} expected"
             raise RuntimeError(f"rank {self.rank}: step frame {got_step} from src={self.src} where "
@@ -329,7 +333,7 @@ class ReplicatedBatchState(Recorder):
                                "); the replica refuses it")
         self._specs, self._specs_at = None, (cols, spec)
         try:
-            batches, mine, mds = apply_step(self.state, cols, req_ids, spec, sink, lazy=True)
+            batches, mine, mds = apply_step(self.state, cols, req_ids, spec, sink, lazy=True, fused=fused)
         except (ReplicaError, ValueError, IndexError) as e:
             self._broken = f"step {step}: {e}"
             why = ("the driver's replica refused it too (defer_apply: a bad call)" if self._defer

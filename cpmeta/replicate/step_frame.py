@@ -26,15 +26,17 @@ import numpy as np
 import torch
 
 from ..broadcast.schema import Schema
+from ..builders.decode import DecodeSink
 from ..config import MetadataConfig
+from ..state import BatchState
 from ..broadcast.wire import FLAG_PACKED, FRAME_MAGIC, HEADER, MESSAGE_VERSION, Frame, WireError
 from ..jit import OK, warmer
 from .ops import COLUMNS, SPEC_WORDS, WIDE, WIDTHS, Columns
 from .ops_njit import R_BYTES, unpack_region
-from .step_read_njit import FIXED_HEAD, read_step_frame
+from .step_read_njit import ASK_PARSER, F_READ, FIXED_HEAD, follow_decode, read_step_frame, replay_step
 
 __all__ = ["StepFrame", "STEP_SCHEMA", "step_key", "read_region", "state_fingerprint", "StepReader",
-           "receive_step"]
+           "FusedStep", "receive_step"]
 
 
 class _Col:
@@ -114,13 +116,59 @@ _N_DIMS = int(sum(2 if w > 1 else 1 for w in WIDTHS.tolist()))  # a step frame's
 _MAX_SPECS = 64  # batch specs a frame may hold for the compiled read (more: the parser reads it)
 
 
+class FusedStep:
+    """A replica's decode step replayed and built in the call that has its columns
+    (:func:`~.step_read_njit.replay_step`): a follower's compiled read (:class:`StepReader`) and a
+    ``defer_apply`` driver's own apply. Holds the replay's cursors and two step-check buffers,
+    used in turn (``defer_apply`` compares the last step's check with the next frame's).
+    :meth:`tail` is the kernel's arguments after the columns; :meth:`took` what
+    ``apply.apply_step(fused=...)`` takes of the kernel's return."""
+
+    def __init__(self) -> None:
+        self.count = 0  #: steps replayed (and built) this way
+        self._at = np.zeros(len(COLUMNS), np.int64)
+        self._checks: list[np.ndarray] = []
+
+    def tail(self, state: BatchState, sink: DecodeSink, dry: bool) -> tuple:
+        if not self._checks:  # rows: a header, one per sequence and placeholder
+            self._checks = [np.empty((1 + state.max_seqs + 256, 4), np.int64) for _ in range(2)]
+        return (self._at, self._checks[self.count & 1], *state.kernel_arrays(), state.lookback, *_NO_FREE,
+                *sink.args, dry)
+
+    def took(self, got: tuple, words: np.ndarray) -> Any:
+        """None when nothing was applied, else ``(status, replay's return, cursors, check rows)``."""
+        if got[0] == F_READ or got[0] == ASK_PARSER:
+            return None
+        check = self._checks[self.count & 1]
+        self.count += 1
+        return got[0], got[1:], self._at, check[:1 + int(words[4] + words[1])]  # 1 + sequences + placeholders
+
+    def apply(self, cols: Columns, words: Any, state: BatchState, sink: DecodeSink) -> Any:
+        """The step of ``cols`` and spec words ``words`` on ``state``, the sink aimed at the
+        shape its words name (as ``apply_step`` aims it); None (nothing applied) unless one
+        decode spec."""
+        if len(words) != SPEC_WORDS or words[0] != 0:
+            return None
+        n = int(words[4] + words[1])
+        t = n + int(words[6])
+        if not sink.aimed(t, n):
+            sink.refresh(t, n)
+        w = np.asarray(words, np.int64)
+        return self.took(replay_step(cols.buf, cols.starts, w, *self.tail(state, sink, False)), w)
+
+
+_NO_FREE = (np.zeros(0, np.int64), np.zeros(1, np.int64), np.zeros(0, np.int64))  # the fused replay adds nothing
+
+
 class StepReader:
     """A follower's step frame read in ONE compiled call (:mod:`.step_read_njit`) for the common
     frame: the step layout this rank already holds, no checksum, no added request. Off until
     :meth:`arm` names the layout (after the codec's parser accepted a step frame of it); a frame
-    it does not take (``read`` returns None) goes to the parser. Example::
+    it does not take (``read`` returns None) goes to the parser. Given the replica and its
+    ``DecodeSink`` (``fuse``), the same call replays and builds a decode step of the sink's
+    shape (:func:`~.step_read_njit.follow_decode`). Example::
 
-        got = reader.read(view, want)     # (columns, region, where it starts, values) or None
+        got = reader.read(view, want)     # (columns, region, where it starts, values, None) or None
     """
 
     def __init__(self, fingerprint: bytes) -> None:
@@ -128,6 +176,7 @@ class StepReader:
         self._fixed = np.frombuffer(head[:FIXED_HEAD], np.uint8)
         self.lid = -1  # the layout it reads (-1: off)
         self.taken = 0  #: frames a follower's receive took this way (:func:`receive_step`; the parser read the others)
+        self.fused = FusedStep()  #: the steps of those replayed (and built) in the same call
         self._vals = np.zeros(4 + SPEC_WORDS * _MAX_SPECS, np.int64)
         self._shapes = np.zeros(_N_DIMS, np.int64)
 
@@ -135,30 +184,47 @@ class StepReader:
         """Read frames of layout ``lid`` from now on (the parser accepted one: this rank holds it)."""
         self.lid = lid
 
-    def read(self, view: memoryview, want: int) -> Optional[tuple[Columns, np.ndarray, int, list[Any]]]:
+    def read(self, view: memoryview, want: int, fuse: Optional[tuple[BatchState, DecodeSink]] = None,
+             dry: bool = False) -> Optional[tuple[Columns, np.ndarray, int, list[Any], Any]]:
         """Step ``want``'s frame in ``view``: its columns (as :func:`read_region` gives them), the
-        whole region (a private copy), where the region starts and the values ``[step, check,
-        [], spec words]``; None when the compiled read does not take it (the parser decides)."""
+        whole region (a private copy), where the region starts, the values ``[step, check, [],
+        spec words]`` and, with ``fuse`` = ``(state, sink)`` (the sink aimed by ``refresh()``),
+        what the same call applied (:meth:`FusedStep.took`). None when the compiled read does not
+        take the frame (the parser decides). ``dry``: the warm's read, nothing applied."""
         if self.lid < 0:
             return None
         frame = np.frombuffer(view, np.uint8)
         out, starts, v = np.empty(len(frame) // 8, np.int64), np.empty(len(COLUMNS) + 1, np.int64), self._vals
-        if read_step_frame(frame, self._fixed, self.lid, want, WIDTHS, v, self._shapes, out, starts) != OK:
-            return None
+        head = (frame, self._fixed, self.lid, want, WIDTHS, v, self._shapes, out, starts)
+        fused = None
+        if fuse is None:
+            if read_step_frame(*head) != OK:
+                return None
+        else:
+            got = follow_decode(*head, *self.fused.tail(*fuse, dry))
+            if got[0] == ASK_PARSER:
+                return None
+            fused = self.fused.took(got, v[4:])
         data_at, k = int(v[2]), int(v[3])
         cols = Columns(out[:int(starts[-1])], starts, tuple(self._shapes.tolist()))
-        return cols, out[:(len(frame) - data_at) // 8], data_at, [int(v[0]), bool(v[1]), [], v[4:4 + k].tolist()]
+        if fuse is not None and fused is None and not dry and k == SPEC_WORDS:  # another shape: aimed, once more
+            fused = self.fused.apply(cols, v[4:4 + k], *fuse)
+        return (cols, out[:(len(frame) - data_at) // 8], data_at, [int(v[0]), bool(v[1]), [], v[4:4 + k].tolist()],
+                fused)
 
 
-def receive_step(ch: Any, reader: Optional[StepReader], keep: bool) -> tuple[Columns, list[Any], list[Any]]:
-    """A follower's next step frame from ``ch`` (its ``FrameChannel``): the columns and the values
-    ``[step, check, request ids, spec words]`` -- by ``reader``'s compiled read when it takes the
-    frame, else by the codec's parser and :func:`read_region` (after which ``reader`` reads that
-    layout). ``keep``: also a private copy of the frame's head and whole region (the warm's),
+def receive_step(ch: Any, reader: Optional[StepReader], keep: bool,
+                 fuse: Optional[tuple[BatchState, DecodeSink]] = None) -> tuple[Columns, list[Any], list[Any], Any]:
+    """A follower's next step frame from ``ch`` (its ``FrameChannel``): the columns, the values
+    ``[step, check, request ids, spec words]``, the saved frame and what the compiled call
+    applied -- by ``reader``'s compiled read when it takes the frame (with ``fuse``, a decode
+    step replayed and built in the same call: :meth:`StepReader.read`), else by the codec's
+    parser and :func:`read_region` (after which ``reader`` reads that layout; nothing applied:
+    None). ``keep``: also a private copy of the frame's head and whole region (the warm's),
     else ``[]``."""
     saved: list[Any] = []
 
-    def handler(frame: Frame, view: memoryview) -> tuple[Columns, list[Any]]:
+    def handler(frame: Frame, view: memoryview) -> tuple[Columns, list[Any], Any]:
         h = frame.head
         if not h.flags & FLAG_PACKED:
             raise WireError("step frame without FLAG_PACKED")
@@ -168,20 +234,20 @@ def receive_step(ch: Any, reader: Optional[StepReader], keep: bool) -> tuple[Col
             saved[:] = (bytes(view[:h.data_at]), region)
         if reader is not None:
             reader.arm(h.lid)  # this rank holds the layout now
-        return cols, frame.values
+        return cols, frame.values, None
 
-    def fast(view: memoryview, want: int) -> Optional[tuple[Columns, list[Any]]]:
+    def fast(view: memoryview, want: int) -> Optional[tuple[Columns, list[Any], Any]]:
         assert reader is not None  # (given to the channel only with one)
-        got = reader.read(view, want)
+        got = reader.read(view, want, fuse)
         if got is None:
             return None
         reader.taken += 1
         if keep:
             saved[:] = (bytes(view[:got[2]]), got[1])
-        return got[0], got[3]
+        return got[0], got[3], got[4]
 
-    cols, values = ch.receive(handler, fast if reader is not None else None)
-    return cols, values, saved
+    cols, values, fused = ch.receive(handler, fast if reader is not None else None)
+    return cols, values, saved, fused
 
 
 @warmer

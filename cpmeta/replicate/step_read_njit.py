@@ -29,12 +29,21 @@ import numpy as np
 from ..base_njit import crc32, le_word
 from ..broadcast.wire import CRC_AT, HEADER, MAX_VALUES_BYTES, META_CRC_AT
 from ..jit import OK, kernel
+from .ops import BLK, CMP, COLUMNS, SPEC, SPEC_WORDS, TOK
 from .ops_njit import unpack_region
+from .replay_njit import S_SPEC, replay_decode
 
-__all__ = ["read_step_frame", "ASK_PARSER", "FIXED_HEAD"]
+__all__ = ["read_step_frame", "follow_decode", "replay_step", "ASK_PARSER", "FIXED_HEAD", "F_READ", "F_DONE", "F_PART"]
 
 #: the frame is not the common step frame, or not a well-formed one: the codec's parser decides
 ASK_PARSER = 1
+#: :func:`replay_step`: nothing applied (not a decode step of the aimed shape; the frame read)
+F_READ = 2
+#: :func:`replay_step`: the step replayed, its batch gathered (and built, when the sink's code says so)
+F_DONE = 3
+#: :func:`replay_step`: the replay stopped at a run it refused (Python's replay resumes there, naming it)
+F_PART = 4
+_LAST = len(COLUMNS) - 1  # batch_digest: no run reads it (nor ``runs``, column 0)
 #: header bytes every accepted frame begins with (magic, version, flags, fingerprint)
 FIXED_HEAD = 24
 _HEAD = HEADER.size
@@ -134,3 +143,74 @@ def read_step_frame(frame: np.ndarray, fixed: np.ndarray, lid: int, want: int, w
     if unpack_region(shapes, data, tbytes, widths, out[:m // 8], starts) != OK:
         return ASK_PARSER
     return OK
+
+
+@kernel
+def replay_step(buf: np.ndarray, starts: np.ndarray, words: np.ndarray, at: np.ndarray, check: np.ndarray,
+                meta: np.ndarray, active: np.ndarray, token_ids: np.ndarray, block_table: np.ndarray,
+                compressed: np.ndarray, p: np.ndarray, mark: np.ndarray, err: np.ndarray, lookback: int,
+                stack: np.ndarray, nfree: np.ndarray, scratch: np.ndarray, k: np.ndarray, table: np.ndarray,
+                raw: np.ndarray, fo: np.ndarray, shape: np.ndarray, ferr: np.ndarray, info: np.ndarray,
+                code: np.ndarray, dry: bool) -> tuple[int, int, int, int, int, np.ndarray, np.ndarray, bool]:
+    """A decode step's replay and build in ONE call, from its columns (``buf``, ``starts``:
+    ``ops.Columns``) and spec words: for a step whose runs are appends (``TOK`` / ``BLK`` /
+    ``CMP``) and one decode spec, last, of the shape the sink aims at (``shape[:2]`` = its rows
+    and sequences), :func:`~cpmeta.replicate.replay_njit.replay_decode` from run 0, its check
+    rows in ``check[:1 + sequences + placeholders]``, cursors in ``at``. ``k`` .. ``code``: the
+    sink's arguments; ``dry`` (the warm): the replay's entry only, nothing applied.
+
+    Returns ``(status, *replay)``: :data:`F_READ` (nothing applied: not such a step; Python's
+    replay takes it), :data:`F_DONE` (every run applied, every column read to its end) or
+    :data:`F_PART` (stopped at a run Python's replay resumes at and names); ``replay`` what
+    ``replay_decode`` returned (status, r, si, crow, batch buffer, placeholder mask, vouched)."""
+    empty, no_ph = np.zeros(0, np.int64), np.zeros(0, np.bool_)
+    n_runs = (starts[1] - starts[0]) // 2
+    if words.shape[0] != SPEC_WORDS or words[0] != 0 or n_runs < 1:
+        return F_READ, 0, 0, 0, 0, empty, no_ph, False
+    for i in range(n_runs):
+        c, n = buf[starts[0] + 2 * i], buf[starts[0] + 2 * i + 1]
+        if (c != SPEC or n != 1) if i == n_runs - 1 else (c != TOK and c != BLK and c != CMP):
+            return F_READ, 0, 0, 0, 0, empty, no_ph, False
+    n_seq = words[4] + words[1]  # a row per sequence and placeholder, one per draft
+    if words[1] < 0 or words[4] < 0 or words[6] < 0 or n_seq + words[6] != shape[0] or n_seq != shape[1] \
+            or 1 + n_seq > check.shape[0]:
+        return F_READ, 0, 0, 0, 0, empty, no_ph, False
+    runs = buf[starts[0]:starts[1]].reshape((n_runs, 2))
+    end = starts[1:]
+    if dry:  # from the end of the runs: the call returns at once, nothing applied
+        replay_decode(n_runs, runs, buf, end.copy(), end, words, 0, meta, active, token_ids, block_table,
+                      compressed, p, mark, err, check, 0, lookback, False, stack, nfree, scratch, k, table, raw,
+                      fo, shape, ferr, info, code)
+        return F_READ, 0, 0, 0, 0, empty, no_ph, False
+    for c in range(_LAST + 1):
+        at[c] = starts[c]
+    at[0], at[_LAST] = end[0], end[_LAST]
+    code[0] = -1
+    status, r, si, crow, g, ph, ok = replay_decode(0, runs, buf, at, end, words, 0, meta, active, token_ids,
+                                                   block_table, compressed, p, mark, err, check[:1 + n_seq], 0,
+                                                   lookback, False, stack, nfree, scratch, k, table, raw, fo,
+                                                   shape, ferr, info, code)
+    if status != S_SPEC or r != n_runs or crow != 1 + n_seq:
+        return F_PART, status, r, si, crow, g, ph, ok
+    for c in range(_LAST + 1):
+        if at[c] != end[c]:
+            return F_PART, status, r, si, crow, g, ph, ok
+    return F_DONE, status, r, si, crow, g, ph, ok
+
+
+@kernel
+def follow_decode(frame: np.ndarray, fixed: np.ndarray, lid: int, want: int, widths: np.ndarray,
+                  vals: np.ndarray, shapes: np.ndarray, out: np.ndarray, starts: np.ndarray, at: np.ndarray,
+                  check: np.ndarray, meta: np.ndarray, active: np.ndarray, token_ids: np.ndarray,
+                  block_table: np.ndarray, compressed: np.ndarray, p: np.ndarray, mark: np.ndarray,
+                  err: np.ndarray, lookback: int, stack: np.ndarray, nfree: np.ndarray, scratch: np.ndarray,
+                  k: np.ndarray, table: np.ndarray, raw: np.ndarray, fo: np.ndarray, shape: np.ndarray,
+                  ferr: np.ndarray, info: np.ndarray, code: np.ndarray, dry: bool
+                  ) -> tuple[int, int, int, int, int, np.ndarray, np.ndarray, bool]:
+    """A follower's whole decode step in ONE call: :func:`read_step_frame`, then
+    :func:`replay_step` on what it read (``at`` .. ``dry`` are its). Returns
+    :data:`ASK_PARSER` (not read: nothing else) or what :func:`replay_step` returns."""
+    if read_step_frame(frame, fixed, lid, want, widths, vals, shapes, out, starts) != OK:
+        return ASK_PARSER, 0, 0, 0, 0, np.zeros(0, np.int64), np.zeros(0, np.bool_), False
+    return replay_step(out, starts, vals[4:4 + vals[3]], at, check, meta, active, token_ids, block_table, compressed,
+                       p, mark, err, lookback, stack, nfree, scratch, k, table, raw, fo, shape, ferr, info, code, dry)

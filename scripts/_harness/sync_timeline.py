@@ -13,7 +13,8 @@ held its metadata last, the stages from the driver's ring commit on::
     follower  commit -> read | read | -> replay | replay + step check | -> sync end | build
 
 where a follower's "read" is the compiled read of a common step frame (``StepReader.read``: the
-header, the values and the columns in one call), or for the other frames (with an added
+header, the values and the columns in one call; for a decode step of the shape it built last
+also the replay and the build: "steps built in the read" counts them), or for the other frames (with an added
 request) the parser's and ``read_region``'s ("parse", "columns": their own rows, over the steps
 that took that path; "frames read compiled" counts the compiled ones among the last followers'),
 
@@ -69,6 +70,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
     import cpmeta.broadcast.wire as wire
     import cpmeta.replicate.ops as ops
     import cpmeta.replicate.replicated as replicated
+    from cpmeta.replicate.step_read_njit import F_DONE
     from _harness.step_methods import StepTrace
     from cpmeta.launch.scheduler import default_config, plain_config
 
@@ -76,6 +78,14 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
     import cpmeta.replicate.step_frame as step_frame
 
     _stamp(stamps, step_frame.StepReader, "read")
+    follow = step_frame.follow_decode
+
+    def followed(*a: Any) -> Any:  # the read's call: did it replay and build the step too?
+        got = follow(*a)
+        stamps["built in the read"] = float(got[0] == F_DONE)
+        return got
+
+    step_frame.follow_decode = followed
     for owner, name in ((replicated, "apply_step"), (step_frame, "read_region"),
                         (channel.FrameChannel, "prepare"), (channel.FrameChannel, "publish"),
                         (wire.FrameReader, "parse"), (ops.OpLog, "layout"),
@@ -138,6 +148,7 @@ def summarize(every: list[list[dict[str, float]]]) -> dict[str, Any]:
                   "to replay": _p50([f["apply_step>"] - f[b] for f, b in zip(fol, end) if b in f and "apply_step>" in f])}
         stages.update({k: _p50([s[b] - s[a] for s in fol if a in s and b in s]) for k, a, b in FOLLOWER})
         stages["frames read compiled"] = f"{sum(fast)}/{len(fast)}"
+        stages["steps built in the read"] = f"{int(sum(f.get('built in the read', 0.0) for f in fol))}/{len(fol)}"
         out["last follower"] = stages
     return out
 
