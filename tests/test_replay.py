@@ -323,6 +323,24 @@ def test_decode_steps_replayed_and_built_in_one_call(cfg_name: str) -> None:
     _assert_same_batches(apply_step(b, cols, req_ids, specs, sink)[0], want)
 
 
+def test_a_sink_that_never_built_fills_nothing() -> None:
+    """A ``DecodeSink`` before its first ``build`` aims at no arena: the replay's call fills
+    nothing, however many steps of one shape come (its kernel notes each batch's shape in the
+    aim; an aim not reset filled an arena the sink does not have on the second such step)."""
+    cfg = CFGS["plain"]
+    d, b = _Driver(BatchState(cfg, 4, max_tokens=32, max_blocks=20)), BatchState(cfg, 4, max_tokens=32, max_blocks=20)
+    sink = DecodeSink(cfg, OutputArenas())
+    slots = np.array([d.add_request(i, [5 + i, 6, 7], [i], i, num_computed=3) for i in range(3)])
+    for step in range(3):
+        d.append_tokens_batch(slots, np.arange(3, dtype=np.int64) + 10 * step, np.ones(3, np.int64))
+        d.decode_batch(slots, np.arange(6) + 100, 2)
+        cols, req_ids, specs, want, _ = d.frame()
+        got, _, mds = apply_step(b, cols, req_ids, specs, sink)
+        assert mds == [None] and sink.args[-1][0] == -1, step  # the kernel's code: not filled
+        assert not sink.aimed(9, 3) and FusedStep().apply(cols, specs, b, sink) is None
+        _assert_same_batches(got, want)
+
+
 @pytest.mark.parametrize("tamper, exc, match", [
     (lambda c: _put(c, "tok_slots", 1, 5), ValueError, r"slots: expected slots of live requests, got \[5\]"),
     (lambda c: _put(c, "tok_flat", 1, -3), ValueError, "request 'b': tokens: expected ids >= 0, got -3"),
