@@ -110,6 +110,7 @@ def _trace_rank(rank: int, world: int, seed: int, cfg_name: str, steps: int, max
         out["fused"] = rep._sink.filled if rep._sink is not None else 0  # noqa: SLF001 - the replay's builds
         out["compiled_reads"] = rep._reader.taken if rep._reader is not None else 0  # noqa: SLF001
         out["read_fused"] = rep._reader.fused.count if rep._reader is not None else 0  # noqa: SLF001 - in one call
+        out["written"] = rep._written  # noqa: SLF001 - the driver's frames written by one compiled call
     return out
 
 
@@ -145,6 +146,8 @@ def test_sync_metadata_builds_the_drivers_metadata(cfg_name: str, world: int, de
     for r, got in enumerate(out):
         if r:  # a follower's frames without an added request: read by the compiled read
             assert got["compiled_reads"] >= len(got["digests"]) // 3, (r, got["compiled_reads"])
+        else:  # and written whole by the driver's compiled writer
+            assert got["written"] >= len(got["digests"]) // 3, got["written"]
         if r or defer:
             assert got["fused"] >= got["decode_steps"] // 2, (r, got["fused"], got["decode_steps"])
             # of those, the steps of appends and one decode spec: replayed and built in the call that read
@@ -166,6 +169,7 @@ def test_named_trace_over_the_process_group_and_with_checksums(env: dict[str, st
     assert out[1]["warmed"] == 0
     # the compiled read takes the frames from the process group too; with the checksum the parser reads them all
     assert (out[1]["compiled_reads"] == 0) == ("CPMETA_CHECKSUM" in env), out[1]["compiled_reads"]
+    assert (out[0]["written"] == 0) == ("CPMETA_CHECKSUM" in env), out[0]["written"]
 
 
 @pytest.mark.parametrize("defer,metadata", [(False, False), (True, False), (True, True)])

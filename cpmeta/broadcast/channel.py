@@ -168,6 +168,21 @@ class FrameChannel:
 
         self._send_step(data_at + region, fill, lambda: self._sent(step, prep))
 
+    def publish_written(self, nbytes: int, write: Callable[[memoryview, int], None]) -> None:
+        """Send a frame of ``nbytes`` that ``write(view, step)`` writes whole -- header included,
+        as frame number ``step``, of a layout every follower holds (its id only; no FLAG_CRC:
+        only without ``checksum``) -- as :meth:`publish` sends one (aborts still pending first;
+        a no-op without readers). The caller proves what :meth:`prepare` would (the step frame's
+        compiled writer)."""
+        if not self.objects.has_readers:
+            return
+        if self.checksum:
+            raise RuntimeError(f"{self.what}: a frame written whole carries no frame crc (checksum is on)")
+        if self._aborts:
+            self._flush_aborts()
+        step = self.writer.step + 1
+        self._send_step(nbytes, lambda view, addr: write(view, step), lambda: setattr(self.writer, "step", step))
+
     def _sent(self, step: int, prep: Prepared) -> None:
         self.writer.step = step
         if prep.lblock:

@@ -221,6 +221,12 @@ class OpLog:
         got = self.pack_into(batch_digest, _NOTHING)
         return tuple(self._dims.tolist()), -got if got < 0 else got
 
+    @property
+    def buffers(self) -> tuple[np.ndarray, ...]:
+        """``(flat, offsets, used, dims, starts)``: the log's buffers as :func:`~.ops_njit.pack_region`
+        takes them (a compiled frame writer's: :mod:`cpmeta.replicate.step_write_njit`)."""
+        return self._flat, self._off, self._n, self._dims, self._starts
+
     def pack_into(self, batch_digest: np.ndarray, out: np.ndarray) -> int:
         """:meth:`pack`'s values into ``out`` (int64); the count written, or ``-need`` (nothing
         written) when ``out`` is shorter than the region."""

@@ -50,14 +50,13 @@ from ..builders.prompt import prepare_prompt
 from ..metadata import InputMetadata
 from ..state import BatchState, SequenceBatch
 from ..broadcast.channel import FrameChannel, resolve_src
-from ..broadcast.wire import FLAG_PACKED
 from ..transport.envs import ENV_TIMEOUT
 from .apply import ReplicaError, apply_step, batches_of, one_or_many, warm_replay
 from .digest import (N_BANDS, batch_check, first_difference, replica_digest, slot_digests, snapshot,
                      where_differs)
 from .ops import COLUMNS, Columns
 from .recorder import Recorder, StepSpec, specs_of
-from .step_frame import STEP_SCHEMA, StepReader, read_region, receive_step, state_fingerprint, step_key
+from .step_frame import STEP_SCHEMA, StepReader, fixed_head, read_region, receive_step, send_step, state_fingerprint, step_key
 
 __all__ = ["ReplicatedBatchState", "StepSpec", "DEFAULT_CHECK_EVERY"]
 
@@ -148,6 +147,8 @@ class ReplicatedBatchState(Recorder):
         self._got: list[Any] = []  # the last step's batches (``apply.Gathered``: made when read)
         self._warming = self._ch.warm_with(self._warm_pieces)  # a same-host follower warms while it spins
         self._reader = None if ch_sum else StepReader(STEP_SCHEMA.fingerprint.encode())  # the compiled read
+        self._fixed = fixed_head(STEP_SCHEMA.fingerprint.encode())  # the compiled writer's first header bytes
+        self._written = 0  # driver: frames that writer wrote whole (the codec wrote the others)
 
     # ---- every rank -----------------------------------------------------------------------
     @property
@@ -287,16 +288,8 @@ class ReplicatedBatchState(Recorder):
         # default: the specs' batches, made at the calls; defer_apply: made by the apply below
         batches = [] if self._defer else [b for b in self._batches if b is not None]
         digest = self._prev_check if self._defer else batch_check(batches)
-        dims, total = log.layout(digest)  # the frame's region, packed below straight into its slot
         req_ids, specs = list(log.req_ids), list(log.specs)
-        values: list[Any] = [step, check, req_ids, specs]
-        prep = self._ch.prepare(self._key, values, dims, one_run=8 * total, made=True)
-
-        def write(view: memoryview, addr: int, data_at: int) -> None:
-            if log.pack_into(digest, np.frombuffer(view, np.int64, total, data_at)) != total:  # one compiled copy
-                raise RuntimeError("ReplicatedBatchState: the step's columns changed between their layout and pack")
-
-        self._ch.publish(prep, FLAG_PACKED, prep.exact, prep.region, write)
+        self._written += send_step(self._ch, self._key, log, digest, step, check, self._fixed)
         mds: list[Any] = [None] * len(batches)
         if self._defer:  # sent: now the driver's replica takes the step, as every follower's
             batches, mds = self._apply_deferred(step, check, log.pack(digest), req_ids, specs, sink)

@@ -26,17 +26,20 @@ import numpy as np
 import torch
 
 from ..broadcast.schema import Schema
+from ..buffers import pack_up
 from ..builders.decode import DecodeSink
 from ..config import MetadataConfig
 from ..state import BatchState
-from ..broadcast.wire import FLAG_PACKED, FRAME_MAGIC, HEADER, MESSAGE_VERSION, Frame, WireError
+from ..broadcast.wire import (FLAG_PACKED, FRAME_MAGIC, HEADER, MAX_VALUES_BYTES, MESSAGE_VERSION, Frame, WireError,
+                              blocks_at)
 from ..jit import OK, warmer
-from .ops import COLUMNS, SPEC_WORDS, WIDE, WIDTHS, Columns
+from .ops import COLUMNS, SPEC_WORDS, WIDE, WIDTHS, Columns, OpLog
 from .ops_njit import R_BYTES, unpack_region
+from .step_write_njit import step_frame_size, write_step_frame
 from .step_read_njit import ASK_PARSER, F_READ, FIXED_HEAD, follow_decode, read_step_frame, replay_step
 
 __all__ = ["StepFrame", "STEP_SCHEMA", "step_key", "read_region", "state_fingerprint", "StepReader",
-           "FusedStep", "receive_step"]
+           "FusedStep", "receive_step", "send_step", "fixed_head"]
 
 
 class _Col:
@@ -172,8 +175,7 @@ class StepReader:
     """
 
     def __init__(self, fingerprint: bytes) -> None:
-        head = HEADER.pack(FRAME_MAGIC, MESSAGE_VERSION, FLAG_PACKED, fingerprint, 0, 0, 0, 0, 0, 0, 0, 0)
-        self._fixed = np.frombuffer(head[:FIXED_HEAD], np.uint8)
+        self._fixed = fixed_head(fingerprint)
         self.lid = -1  # the layout it reads (-1: off)
         self.taken = 0  #: frames a follower's receive took this way (:func:`receive_step`; the parser read the others)
         self.fused = FusedStep()  #: the steps of those replayed (and built) in the same call
@@ -211,6 +213,48 @@ class StepReader:
             fused = self.fused.apply(cols, v[4:4 + k], *fuse)
         return (cols, out[:(len(frame) - data_at) // 8], data_at, [int(v[0]), bool(v[1]), [], v[4:4 + k].tolist()],
                 fused)
+
+
+def fixed_head(fingerprint: bytes) -> np.ndarray:
+    """The first :data:`~.step_read_njit.FIXED_HEAD` bytes of every common step frame: magic,
+    version, ``FLAG_PACKED`` alone, the schema's ``fingerprint``."""
+    head = HEADER.pack(FRAME_MAGIC, MESSAGE_VERSION, FLAG_PACKED, fingerprint, 0, 0, 0, 0, 0, 0, 0, 0)
+    return np.frombuffer(head[:FIXED_HEAD], np.uint8)
+
+
+def send_step(ch: Any, key: tuple, log: OpLog, digest: np.ndarray, step: int, check: bool, fixed: np.ndarray) -> bool:
+    """The driver's step frame of ``log``'s columns and ``digest`` (values ``[step, check,
+    request ids, spec words]``) through ``ch`` (its ``FrameChannel``): the common frame (the
+    layout every follower holds, no checksum, no added request) written whole by ONE compiled
+    call into the slot (:func:`~.step_write_njit.write_step_frame`; ``fixed``:
+    :func:`fixed_head`), any other through the codec (``prepare`` / ``publish``), the region
+    packed straight into the slot either way. True when the compiled call wrote it."""
+    lid, _, lblock = ch.writer.layout(key)
+    if not (lblock or ch.checksum or log.req_ids):
+        flat, off, n, dims, starts = log.buffers
+        words = np.array(log.specs, np.int64)
+        total, vlen = step_frame_size(flat, off, n, digest, WIDTHS, dims, starts, step, words)
+        if vlen <= MAX_VALUES_BYTES:
+            data_at = blocks_at(0, vlen, len(dims))[1]
+
+            def write_all(view: memoryview, frame_step: int) -> None:
+                got = write_step_frame(np.frombuffer(view, np.uint8), np.frombuffer(view, np.int64, total, data_at),
+                                       fixed, lid, frame_step, step, check, words, dims, flat, off, n, digest,
+                                       WIDTHS, starts)
+                if got != total:
+                    raise RuntimeError("ReplicatedBatchState: the step's columns changed between their layout and pack")
+
+            ch.publish_written(data_at + pack_up(8 * total), write_all)
+            return True
+    dims_t, total = log.layout(digest)  # the frame's region, packed below straight into its slot
+    prep = ch.prepare(key, [step, check, list(log.req_ids), list(log.specs)], dims_t, one_run=8 * total, made=True)
+
+    def write(view: memoryview, addr: int, data_at: int) -> None:
+        if log.pack_into(digest, np.frombuffer(view, np.int64, total, data_at)) != total:  # one compiled copy
+            raise RuntimeError("ReplicatedBatchState: the step's columns changed between their layout and pack")
+
+    ch.publish(prep, FLAG_PACKED, prep.exact, prep.region, write)
+    return False
 
 
 def receive_step(ch: Any, reader: Optional[StepReader], keep: bool,
@@ -260,6 +304,26 @@ def _warm() -> None:
     r = StepReader(b"0" * 16)
     r.arm(0)
     r.read(memoryview(bytes(64)), 1)
+    # the compiled writer, then the fused read of what it wrote (a ring slot's writable view; the
+    # warm's dry read of a saved copy's read-only one): one decode step of one request
+    from ..buffers import OutputArenas
+    from .ops import TOK
+
+    st = BatchState(MetadataConfig(dense_compress_ratios=(), sparse_compress_ratios=(), window_size=0), 2)
+    slot = st.add_request(0, [1, 2], [0], 0)
+    log = OpLog(2)
+    log.ragged(TOK, np.array([slot]), np.array([1]), np.array([7]))
+    log.batch_spec(False, np.array([slot]), _NO_FREE[0], _NO_FREE[0], 0, True, -2)
+    flat, off, n, dims, starts = log.buffers
+    words, digest = np.array(log.specs, np.int64), np.zeros((0, 4), np.int64)
+    total, vlen = step_frame_size(flat, off, n, digest, WIDTHS, dims, starts, 1, words)
+    data_at = blocks_at(0, vlen, len(dims))[1]
+    frame = bytearray(data_at + pack_up(8 * total))
+    write_step_frame(np.frombuffer(frame, np.uint8), np.frombuffer(frame, np.int64, total, data_at), r._fixed, 0, 1,
+                     1, False, words, dims, flat, off, n, digest, WIDTHS, starts)
+    sink = DecodeSink(st.cfg, OutputArenas())
+    r.read(memoryview(bytes(frame)), 1, (st, sink), dry=True)
+    r.read(memoryview(frame), 1, (st, sink))
 
 
 def state_fingerprint(cfg: MetadataConfig, *caps: int) -> str:

@@ -7,8 +7,9 @@ step's own). Rank 0 then prints the p50 of each stage on the driver and, on the 
 held its metadata last, the stages from the driver's ring commit on::
 
     driver    record (begin_step, then its BatchState calls; announce: begin_step alone)
-              | layout (the region's sizes) | prepare
-              | write (slot reserved, header, values, shapes, the columns packed into the slot)
+              | layout (the region's sizes) | prepare (the codec's frames only)
+              | write (slot reserved, header, values, shapes, the columns packed into the slot:
+                       for the common frame ONE compiled call, "frames written compiled")
               | commit | own apply (defer_apply) | build
     follower  commit -> read | read | -> replay | replay + step check | -> sync end | build
 
@@ -45,16 +46,17 @@ FOLLOWER = (("replay + check", "apply_step>", "apply_step<"),
             ("to sync end", "apply_step<", "_sync<"), ("build", "_sync<", "end"))
 
 
-def _stamp(stamps: dict[str, float], owner: Any, name: str) -> None:
-    """Wrap ``owner.name`` in this process: its last call's start / end go to ``stamps``."""
-    f = getattr(owner, name)
+def _stamp(stamps: dict[str, float], owner: Any, name: str, as_name: str = "") -> None:
+    """Wrap ``owner.name`` in this process: its last call's start / end go to ``stamps`` (under
+    ``as_name`` when given: two calls that time one stage)."""
+    f, key = getattr(owner, name), as_name or name
 
     def timed(*a: Any, **k: Any) -> Any:
-        stamps[name + ">"] = pc()
+        stamps[key + ">"] = pc()
         try:
             return f(*a, **k)
         finally:
-            stamps[name + "<"] = pc()
+            stamps[key + "<"] = pc()
 
     setattr(owner, name, timed)
 
@@ -86,6 +88,8 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
         return got
 
     step_frame.follow_decode = followed
+    _stamp(stamps, step_frame, "step_frame_size", "layout")  # the compiled writer's frames: its sizes,
+    _stamp(stamps, channel.FrameChannel, "publish_written", "publish")  # then the frame written whole
     for owner, name in ((replicated, "apply_step"), (step_frame, "read_region"),
                         (channel.FrameChannel, "prepare"), (channel.FrameChannel, "publish"),
                         (wire.FrameReader, "parse"), (ops.OpLog, "layout"),
@@ -112,6 +116,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
             stamps["record<"] = pc()
         rep.sync_metadata(arenas)  # the step, then what its replay did not build
         stamps["end"] = pc()
+        stamps["written compiled"] = float(rank == 0 and "prepare>" not in stamps)
         rows.append(dict(stamps))
     every: list[Any] = [None] * world
     dist.all_gather_object(every, rows[args.warmup:])
@@ -133,6 +138,7 @@ def summarize(every: list[list[dict[str, float]]]) -> dict[str, Any]:
     last = [max(range(1, len(every)), key=lambda r: every[r][i]["end"]) for i in range(n)] if len(every) > 1 else []
     out: dict[str, Any] = {"end_to_end": _p50([max(r[i]["end"] for r in every) - drv[i]["t0"] for i in range(n)])}
     out["driver"] = {k: _p50([s[b] - s[a] for s in drv if a in s and b in s]) for k, a, b in DRIVER}
+    out["driver"]["frames written compiled"] = f"{int(sum(s.get('written compiled', 0.0) for s in drv))}/{n}"
     if last:
         fol = [every[r][i] for i, r in enumerate(last)]
         # the step's own read is its last (the warm's come before it): compiled, or the parser's
