@@ -31,6 +31,7 @@
 #                                            # this, alt), MODEL=seed|plain, WORKLOADS (default decode-64 decode-256)
 #   bash scripts/gpu_session.sh prefill      # the host's cores: steps with prompts (mixed, prompt), plain and
 #                                            # seed, worlds 2 and 8
+#   bash scripts/gpu_session.sh knobs        # world 8 decode-64 timeline: this / .alt / followers parking / not warming
 #   bash scripts/gpu_session.sh timeline     # the host's cores at world 8: replicate-defer's step as a
 #                                            # timeline (decode-64 / mixed / prompt, seed decode-64, .alt prompt)
 #   bash scripts/gpu_session.sh compare      # the host's cores, before / after in one run: the commit in
@@ -333,6 +334,20 @@ timeline)  # ~4 min: replicate-defer's step as a timeline at world 8 (profile_ph
       --defer --model $M --workload $W --steps 60 --out "$OUT/h200_wire.timeline-${V/:/-}.json"
   done
   ;;
+knobs)  # ~5 min: replicate-defer's decode-64 step as a timeline at world 8 (plain), this tree against
+  # .alt (git archive REV | tar -x -C .alt) in turn, and this tree with the followers parking at once
+  # (CPMETA_SHM_SPIN_US=0: begin_step's announce wakes them) or not warming while they spin (CPMETA_WARM=0)
+  [ -d .alt/scripts ] && (cd .alt && PYTHONPATH=$PWD python3 -c 'import cpmeta.jit as j; j.warm_all()')
+  python3 -c 'import cpmeta.jit as j; j.warm_all()'
+  for V in alt:1 this:1 spin0:1 warm0:1 this:2 alt:2 spin0:2 warm0:2; do
+    IFS=: read -r K N <<<"$V"
+    ROOT=$PWD; ENVS=""
+    case $K in alt) [ -d .alt/scripts ] || continue; ROOT=$PWD/.alt;; spin0) ENVS="CPMETA_SHM_SPIN_US=0";;
+      warm0) ENVS="CPMETA_WARM=0";; esac
+    TAILN=3 step knobs_${K}_$N 60 env $ENVS PYTHONPATH="$ROOT" python3 "$ROOT/scripts/profile_phases.py" sync --world 8 \
+      --defer --model plain --workload decode-64 --steps 80 --out "$OUT/h200_wire.knobs-$K-$N.json"
+  done
+  ;;
 short)  # ~9 min when the device time is short: the GPU tests, then compare's end-to-end step trimmed
   TAILN=8 step gpu_tests 240 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu or triton or graph or nccl" \
     tests/test_builders.py tests/test_builders_smoke.py tests/test_decode_inplace.py tests/test_cuda_graph.py \
@@ -350,7 +365,7 @@ short)  # ~9 min when the device time is short: the GPU tests, then compare's en
   done
   ;;
 *)
-  echo "unknown suite $SUITE: expected tests, bench-gpu, bench-cpu, compare, wire, replay, warm, rwarm, arena, warmbuild, width, widthab, spin, collective, pin, ab, prefill, timeline or short" >&2; exit 2
+  echo "unknown suite $SUITE: expected tests, bench-gpu, bench-cpu, compare, wire, replay, warm, rwarm, arena, warmbuild, width, widthab, spin, collective, pin, ab, prefill, timeline, knobs or short" >&2; exit 2
   ;;
 esac
 # one file for every log (the device tool brings back at most 8 files)

@@ -146,16 +146,19 @@ class FusedStep:
         self.count += 1
         return got[0], got[1:], self._at, check[:1 + int(words[4] + words[1])]  # 1 + sequences + placeholders
 
-    def apply(self, cols: Columns, words: Any, state: BatchState, sink: DecodeSink) -> Any:
+    def apply(self, cols: Columns, words: Any, state: BatchState, sink: DecodeSink, again: bool = False) -> Any:
         """The step of ``cols`` and spec words ``words`` on ``state``, the sink aimed at the
         shape its words name (as ``apply_step`` aims it); None (nothing applied) unless one
-        decode spec."""
+        decode spec. ``again``: the call with the sink's last aim took nothing (None at once
+        when the aim was already this shape: the step is not one the call takes)."""
         if len(words) != SPEC_WORDS or words[0] != 0:
             return None
         n = int(words[4] + words[1])
         t = n + int(words[6])
         if not sink.aimed(t, n):
             sink.refresh(t, n)
+        elif again:
+            return None
         w = np.asarray(words, np.int64)
         return self.took(replay_step(cols.buf, cols.starts, w, *self.tail(state, sink, False)), w)
 
@@ -210,7 +213,7 @@ class StepReader:
         data_at, k = int(v[2]), int(v[3])
         cols = Columns(out[:int(starts[-1])], starts, tuple(self._shapes.tolist()))
         if fuse is not None and fused is None and not dry and k == SPEC_WORDS:  # another shape: aimed, once more
-            fused = self.fused.apply(cols, v[4:4 + k], *fuse)
+            fused = self.fused.apply(cols, v[4:4 + k], *fuse, again=True)
         return (cols, out[:(len(frame) - data_at) // 8], data_at, [int(v[0]), bool(v[1]), [], v[4:4 + k].tolist()],
                 fused)
 
@@ -230,9 +233,14 @@ def send_step(ch: Any, key: tuple, log: OpLog, digest: np.ndarray, step: int, ch
     :func:`fixed_head`), any other through the codec (``prepare`` / ``publish``), the region
     packed straight into the slot either way. True when the compiled call wrote it."""
     lid, _, lblock = ch.writer.layout(key)
-    if not (lblock or ch.checksum or log.req_ids):
+    common = not (lblock or ch.checksum or log.req_ids) and step < 1 << 63
+    if common:
+        try:
+            words = np.array(log.specs, np.int64)
+        except OverflowError:  # a spec value past int64: the codec writes it, the followers name it
+            common = False
+    if common:
         flat, off, n, dims, starts = log.buffers
-        words = np.array(log.specs, np.int64)
         total, vlen = step_frame_size(flat, off, n, digest, WIDTHS, dims, starts, step, words)
         if vlen <= MAX_VALUES_BYTES:
             data_at = blocks_at(0, vlen, len(dims))[1]
