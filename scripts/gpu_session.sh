@@ -339,7 +339,7 @@ knobs)  # ~5 min: replicate-defer's decode-64 step as a timeline at world 8 (pla
   # (CPMETA_SHM_SPIN_US=0: begin_step's announce wakes them) or not warming while they spin (CPMETA_WARM=0)
   [ -d .alt/scripts ] && (cd .alt && PYTHONPATH=$PWD python3 -c 'import cpmeta.jit as j; j.warm_all()')
   python3 -c 'import cpmeta.jit as j; j.warm_all()'
-  for V in alt:1 this:1 spin0:1 warm0:1 this:2 alt:2 spin0:2 warm0:2; do
+  for V in alt:1 this:1 spin0:1 warm0:1 this:2 alt:2; do
     IFS=: read -r K N <<<"$V"
     ROOT=$PWD; ENVS=""
     case $K in alt) [ -d .alt/scripts ] || continue; ROOT=$PWD/.alt;; spin0) ENVS="CPMETA_SHM_SPIN_US=0";;
