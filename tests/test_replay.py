@@ -281,7 +281,9 @@ def test_decode_steps_replayed_and_built_in_one_call(cfg_name: str) -> None:
     step of appends and one decode spec of the sink's last shape is replayed AND built by one
     call from its columns; its batch, step check, metadata and state equal the two-call path's
     (``apply_step`` alone, on a twin) and ``prepare_decode`` of the driver's batch; any other step
-    (an add, a new shape, a prompt) is left to ``apply_step`` untouched."""
+    (an add, a new shape, a prompt) is left to ``apply_step`` untouched. What the call did not
+    build ``DecodeSink.fill`` builds (a wider table at step 4: the call left that shape in the
+    sink's aim, the arena still the narrower one)."""
     cfg = CFGS[cfg_name] if cfg_name == "plain" else default_config(max_model_len=4096)
     mk = lambda: BatchState(cfg, 4, max_tokens=32, max_blocks=20)  # noqa: E731
     d, b, twin = _Driver(mk()), mk(), mk()
@@ -307,7 +309,8 @@ def test_decode_steps_replayed_and_built_in_one_call(cfg_name: str) -> None:
         _assert_same_batches(batches_of(got), want)
         _assert_same_batches(batches_of(got2), want)
         assert (mds[0] is None) == (mds2[0] is None), step  # built in the replay's call either way
-        md = mds[0] if mds[0] is not None else sink.build(batches_of(got)[0])
+        # as sync_metadata builds what the call did not: fill (one kernel call when it can), else build
+        md = mds[0] if mds[0] is not None else sink.fill(batches_of(got)[0])
         md2 = mds2[0] if mds2[0] is not None else twin_sink.build(batches_of(got2)[0])
         assert_same(md, prepare_decode(want[0], cfg))
         assert_same(md2, md)
@@ -321,6 +324,37 @@ def test_decode_steps_replayed_and_built_in_one_call(cfg_name: str) -> None:
     cols, req_ids, specs, want, _ = d.frame()
     assert fuse.apply(cols, specs, b, sink) is None
     _assert_same_batches(apply_step(b, cols, req_ids, specs, sink)[0], want)
+
+
+@pytest.mark.parametrize("cfg_name", list(CFGS))
+def test_sink_fill_is_prepare_decode(cfg_name: str) -> None:
+    """``DecodeSink.fill`` (a replicated rank's build of a batch its replay did not build, and
+    the validating driver's build) equals ``prepare_decode`` on every batch -- one kernel call
+    into the aimed arena when the batch has a shape built before (a batch size that comes and
+    goes, a table that widens and another that does not), ``build`` else; a batch of user arrays
+    (not vouched) is built, checked, as ``prepare_decode`` checks it."""
+    cfg = CFGS[cfg_name] if cfg_name == "plain" else default_config(max_model_len=8192)
+    st = BatchState(cfg, 4, max_tokens=32, max_blocks=40)
+    comp = [1, 2] if cfg.max_ngram_size > 0 else []
+    slots = np.array([st.add_request(i, [5 + i, 6, 7], [i], i, compressed_token_ids=comp, num_computed=3)
+                      for i in range(3)])
+    sink = DecodeSink(cfg, OutputArenas())
+    built = []
+    for step in range(10):
+        st.append_tokens_batch(slots, np.arange(3, dtype=np.int64) + step, np.ones(3, np.int64))
+        if step in (3, 7):  # tables past 16 and then 32 columns: wider shapes
+            st.append_blocks_batch(slots, np.arange(48, dtype=np.int64) % 8, np.full(3, 16, np.int64))
+        batch = st.decode_batch(slots[:2] if step % 2 else slots, np.arange(4 if step % 2 else 6) + 100, 2)
+        before = sink.filled
+        assert_same(sink.fill(batch), prepare_decode(batch, cfg))
+        built.append(sink.filled > before)
+    assert built == [False, False, True, False, False, True, True, False, False, True], built
+    user = dataclasses.replace(batch)  # the same arrays, vouched for nothing
+    assert user.vouch_for(cfg) is None
+    assert_same(sink.fill(user), prepare_decode(batch, cfg))
+    bad = dataclasses.replace(batch, block_tables=batch.block_tables + 10**9)
+    with pytest.raises(ValueError, match="block"):
+        sink.fill(bad)
 
 
 def test_a_sink_that_never_built_fills_nothing() -> None:

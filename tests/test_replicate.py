@@ -140,7 +140,8 @@ def test_sync_metadata_builds_the_drivers_metadata(cfg_name: str, world: int, de
     """``sync_metadata``: every rank's metadata equals the driver's every step and what building
     its own ``rep.batches`` gives; on followers (and a ``defer_apply`` driver) most decode steps
     are built inside the replay's call (those of a shape built before with the same rows and
-    sequences: this trace's batch size comes and goes, ~3 in 4 in one process)."""
+    sequences: this trace's batch size comes and goes, ~3 in 4 in one process), on a validating
+    driver by one kernel call too (``DecodeSink.fill``)."""
     out = run_ranks(_trace_rank, world, 7, cfg_name, 240, 9, defer, False, True, timeout=240)
     _check_trace(out)
     for r, got in enumerate(out):
@@ -148,13 +149,14 @@ def test_sync_metadata_builds_the_drivers_metadata(cfg_name: str, world: int, de
             assert got["compiled_reads"] >= len(got["digests"]) // 3, (r, got["compiled_reads"])
         else:  # and written whole by the driver's compiled writer
             assert got["written"] >= len(got["digests"]) // 3, got["written"]
+        # most decode steps built by one kernel call into a kept arena (the replay's, or DecodeSink.fill's)
+        assert got["fused"] >= got["decode_steps"] // 2, (r, got["fused"], got["decode_steps"])
         if r or defer:
-            assert got["fused"] >= got["decode_steps"] // 2, (r, got["fused"], got["decode_steps"])
             # of those, the steps of appends and one decode spec: replayed and built in the call that read
             # them (a follower's compiled read; a defer_apply driver's own apply of the columns it packed)
             assert got["read_fused"] >= got["decode_steps"] // 3, (r, got["read_fused"], got["decode_steps"])
         else:  # the driver validated each call: its batches exist before the send, nothing to replay
-            assert got["fused"] == got["read_fused"] == 0
+            assert got["read_fused"] == 0
 
 
 @pytest.mark.parametrize("env", [{"CPMETA_FORCE_REMOTE": "1"}, {"CPMETA_CHECKSUM": "1"}], ids=["remote", "checksum"])

@@ -27,7 +27,7 @@ from ..metadata import FIELDS, InputMetadata
 from ..buffers import ArenaLayout, HostArena, OutputBuffers, get_or_create_stacked, get_or_create_tensor
 from ..state.batch import BatchInput, SequenceBatch, as_sequence_batch
 from .common_njit import ngram_table, raise_common
-from .decode_njit import E_KV_CA_OFFSET, decode_consts, decode_fill, decode_shape, field_offsets
+from .decode_njit import E_KV_CA_OFFSET, decode_consts, decode_fill, decode_fill_if, decode_shape, field_offsets
 from .int_ops import check_int32
 
 __all__ = ["prepare_decode", "DecodeSink", "DECODE_STACKED_FIELDS", "check_decode_out", "raise_decode_error"]
@@ -312,8 +312,10 @@ class DecodeSink:
         return self.args
 
     def aimed(self, total_q: int, n_seq: int) -> bool:
-        """Whether :attr:`args` aim at an arena of ``total_q`` rows and ``n_seq`` sequences."""
-        return self._tg is not None and int(self._want[0]) == total_q and int(self._want[1]) == n_seq
+        """Whether the sink aims at an arena of ``total_q`` rows and ``n_seq`` sequences (its
+        shape; call :meth:`refresh` before the kernel either way: a kernel call that did not fill
+        left the batch's shape in :attr:`args`)."""
+        return self._tg is not None and self._shape is not None and self._shape.key[:2] == (total_q, n_seq)
 
     def result(self) -> Optional[InputMetadata]:
         """The metadata the caller's kernel filled this step, else ``None`` (call :meth:`build`)."""
@@ -330,6 +332,28 @@ class DecodeSink:
         self._shapes.put(shape.key[:2], shape)
         self._aim(self._plan.target(self.arenas.arena(shape.layout), shape))
         return md
+
+    def fill(self, batch: SequenceBatch) -> InputMetadata:
+        """:meth:`build` of a decode batch vouched for this config with int64 arrays (one a
+        ``BatchState`` made): ONE kernel call into the arena the sink aims at -- its last shape,
+        else the last one built with the batch's rows and sequences -- when the batch has that
+        shape; else :meth:`build` (its named errors included)."""
+        if self._tg is not None and not batch.is_prompt and batch.vouch_for(self.cfg) is not None:
+            arrays = (batch.seqlen_q, batch.seqlen_k, batch.state_id, batch.is_placeholder, batch.tokens,
+                      batch.token_offsets, batch.compressed, batch.compressed_offsets, batch.block_tables,
+                      batch.block_table_offsets)
+            if all(a.dtype == _I64 for i, a in enumerate(arrays) if i != 3):
+                self.refresh()  # every kernel call aimed anew: a call that did not fill wrote the batch's shape
+                for _ in range(2):  # the last shape, then the one built with the batch's rows and sequences
+                    self._code[0] = decode_fill_if(*arrays, batch.lookback, *self.args[:7])
+                    md = self.result()
+                    if md is not None:
+                        return md
+                    key = (int(self._want[0]), int(self._want[1]))  # the batch's, as the kernel wrote it
+                    if self._code[0] != -1 or key not in self._shapes:
+                        break
+                    self.refresh(*key)
+        return self.build(batch)
 
     def _aim(self, tg: Optional[_Target]) -> None:
         self._tg = tg

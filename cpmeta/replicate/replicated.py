@@ -200,7 +200,7 @@ class ReplicatedBatchState(Recorder):
             sink = self._sink = DecodeSink(self.cfg, out)
         batches, mds = self._sync(sink)  # a batch the replay did not build: the builders
         return one_or_many([md if md is not None else prepare_prompt(b, self.cfg, out=out) if b.is_prompt
-                            else sink.build(b) for b, md in zip(batches, mds)])
+                            else sink.fill(b) for b, md in zip(batches, mds)])
 
     def _sync(self, sink: Optional[DecodeSink]) -> tuple[list[Any], list[Any]]:
         """One step: its batches (``apply.Gathered`` where the replay built one) and the metadata it built."""

@@ -155,10 +155,9 @@ class FusedStep:
             return None
         n = int(words[4] + words[1])
         t = n + int(words[6])
-        if not sink.aimed(t, n):
-            sink.refresh(t, n)
-        elif again:
+        if again and sink.aimed(t, n):
             return None
+        sink.refresh(t, n)
         w = np.asarray(words, np.int64)
         return self.took(replay_step(cols.buf, cols.starts, w, *self.tail(state, sink, False)), w)
 
