@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cpmeta import BatchState, OutputArenas, SequenceBatch, prepare_decode
-from cpmeta.builders.decode import DecodeSink
+from cpmeta.builders.decode_sink import DecodeSink
 from cpmeta.testing import assert_same
 from cpmeta.launch.scheduler import default_config, plain_config
 from cpmeta.replicate import apply as apply_mod

@@ -14,7 +14,7 @@ from typing import Any, Iterator, NamedTuple, Optional
 
 import numpy as np
 
-from ..builders.decode import DecodeSink
+from ..builders.decode_sink import DecodeSink
 from ..metadata import InputMetadata
 from ..state import BatchState, SequenceBatch
 from ..state.requests import next_free
@@ -82,7 +82,7 @@ def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[
                ) -> tuple[list[Any], np.ndarray, list[Optional[InputMetadata]]]:
     """Apply the step's runs to ``state`` in order; return the specs' batches (in call order),
     their step check (``digest.batch_check(batches)``, written by the replay) and, with a
-    ``sink`` (a :class:`~cpmeta.builders.decode.DecodeSink` on ``state``'s config), each decode
+    ``sink`` (a :class:`~cpmeta.builders.decode_sink.DecodeSink` on ``state``'s config), each decode
     batch's metadata when the replay's call built it too (:func:`~.replay_njit.replay_decode`:
     a vouched batch of the sink's last shape), else ``None`` (the caller builds it); with
     ``lazy`` such a batch comes as a :class:`Gathered` (:func:`batches_of` makes it).
@@ -183,7 +183,7 @@ def warm_replay(state: BatchState, cols: Columns, batches: list[SequenceBatch],
     the last step's ``batches`` (reading their arrays and the kernel). A generator, one piece per
     item: a follower spinning for its next step runs it (``ReplicatedBatchState.warm``) so the
     step meets warm caches, and stops between the pieces once the step is in. ``sink``: the
-    step's :class:`~cpmeta.builders.decode.DecodeSink` (its call is then the fused one)."""
+    step's :class:`~cpmeta.builders.decode_sink.DecodeSink` (its call is then the fused one)."""
     buf, starts, _ = cols
     runs = cols.col(0)
     args = (len(runs), runs, buf, starts[:-1].copy(), starts[1:], _NO_WORDS, 0, *state.kernel_arrays(), _NO_CHECK, 0,

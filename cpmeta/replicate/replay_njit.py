@@ -209,7 +209,7 @@ def replay_decode(r: int, runs: np.ndarray, buf: np.ndarray, at: np.ndarray, end
                   ) -> tuple[int, int, int, int, np.ndarray, np.ndarray, bool]:
     """:func:`replay`, and when it gathered a decode batch it vouched for, that batch's metadata
     in the same call: :func:`~cpmeta.builders.decode_njit.decode_fill_if` into the arena of
-    the shape last built with its rows and sequences (``k`` .. ``info``: ``cpmeta.builders.decode.DecodeSink.args``; its
+    the shape last built with its rows and sequences (``k`` .. ``info``: ``cpmeta.builders.decode_sink.DecodeSink.args``; its
     return in ``code[0]``, -1 when it did not fill). A follower's decode step is then ONE
     compiled call from its frame's columns to its metadata. Returns what :func:`replay` does."""
     status, r, si, crow, g, ph, ok = replay(r, runs, buf, at, end, spec, si, meta, active, token_ids, block_table,
@@ -243,9 +243,13 @@ def _warm() -> None:
     replay(0, runs, buf, at, end, spec, 0, *st.kernel_arrays(), np.zeros((2, 4), np.int64), 0, st.lookback,
            True, *st.free_stack())
     from ..buffers import OutputArenas
-    from ..builders.decode import DecodeSink
+    from ..builders.decode_sink import DecodeSink
 
     at[_TOK_SLOTS:_TOK_SLOTS + 3] = [0, 1, 2]  # the same step again: one more token, the fused build
     at[_SPEC_SLOTS:_SPEC_SLOTS + 3] = 3
+    sink = DecodeSink(st.cfg, OutputArenas())
     replay_decode(0, runs, buf, at, end, spec, 0, *st.kernel_arrays(), np.zeros((2, 4), np.int64), 0, st.lookback,
-                  True, *st.free_stack(), *DecodeSink(st.cfg, OutputArenas()).refresh())
+                  True, *st.free_stack(), *sink.refresh())
+    batch = st.decode_batch(np.array([st.add_request(1, [1, 2], [0], 0, num_computed=2)]))
+    sink.fill(batch)  # built (the first of its shape), then filled by DecodeSink.fill's one kernel call
+    sink.fill(batch)

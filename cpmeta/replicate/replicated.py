@@ -45,7 +45,7 @@ import torch.distributed as dist
 from .. import envs
 from ..config import MetadataConfig
 from ..buffers import OutputArenas
-from ..builders.decode import DecodeSink
+from ..builders.decode_sink import DecodeSink
 from ..builders.prompt import prepare_prompt
 from ..metadata import InputMetadata
 from ..state import BatchState, SequenceBatch
@@ -187,7 +187,7 @@ class ReplicatedBatchState(Recorder):
         """:meth:`sync`, then each batch's ``prepare_prompt`` / ``prepare_decode`` with ``out=out``,
         bit for bit (the same reuse contract: a result is valid until the next build of its shape
         into ``out``); a follower (and a ``defer_apply`` driver) replays a decode step of a shape
-        built before and builds it in ONE compiled call (``cpmeta.builders.decode.DecodeSink``).
+        built before and builds it in ONE compiled call (``cpmeta.builders.decode_sink.DecodeSink``).
         ``None`` / one / a tuple as :meth:`sync`; the batches are :attr:`batches`. Every rank::
 
             arenas = cpmeta.OutputArenas()

@@ -27,7 +27,7 @@ import torch
 
 from ..broadcast.schema import Schema
 from ..buffers import pack_up
-from ..builders.decode import DecodeSink
+from ..builders.decode_sink import DecodeSink
 from ..config import MetadataConfig
 from ..state import BatchState
 from ..broadcast.wire import (FLAG_PACKED, FRAME_MAGIC, HEADER, MAX_VALUES_BYTES, MESSAGE_VERSION, Frame, WireError,

@@ -34,7 +34,7 @@ import numpy as np
 
 import cpmeta
 from cpmeta.launch.scheduler import default_config, plain_config
-from cpmeta.builders.decode import DecodeSink
+from cpmeta.builders.decode_sink import DecodeSink
 from cpmeta.replicate.apply import apply_step
 from cpmeta.replicate.recorder import Recorder
 
