@@ -239,7 +239,7 @@ def decode_fill_if(seqlen_q: np.ndarray, seqlen_k: np.ndarray, state_id: np.ndar
     """:func:`decode_fill` of a batch whose arena shape is ``shape`` = ``(total_q, n_seq, width)``,
     the arena ``raw`` / ``fo`` is laid out for (a compiled caller that gathers the batch and
     fills the arena its rows and sequences had before in the same call: ``cpmeta.replicate``'s replay,
-    ``cpmeta.builders.decode.DecodeSink``). Another shape (:func:`decode_shape` with the
+    ``cpmeta.builders.decode_sink.DecodeSink``). Another shape (:func:`decode_shape` with the
     default width) writes nothing, puts the batch's shape in ``shape`` and returns -1; else
     :func:`decode_fill`'s code."""
     n = seqlen_q.shape[0]
