@@ -242,7 +242,7 @@ class ReplicatedBatchState(Recorder):
         yield
         if self._reader is not None:  # the compiled read of the same frame (read-only: its own buffers)
             if not whole:  # the frame's bytes, put together once per step
-                whole.append(memoryview(head + region.tobytes()))
+                whole.append(memoryview(bytearray(head + region.tobytes())))  # writable: a ring slot's kernels
             self._reader.read(whole[0], step, None if sink is None else (self.state, sink), dry=True)
             yield
         yield from warm_replay(self.state, cols, batches, sink)

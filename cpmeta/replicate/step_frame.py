@@ -310,9 +310,9 @@ def _warm() -> None:
     unpack_region(shapes, np.zeros(0, np.uint8), 0, WIDTHS, out, starts)
     r = StepReader(b"0" * 16)
     r.arm(0)
-    r.read(memoryview(bytes(64)), 1)
-    # the compiled writer, then the fused read of what it wrote (a ring slot's writable view; the
-    # warm's dry read of a saved copy's read-only one): one decode step of one request
+    r.read(memoryview(bytearray(64)), 1)  # writable, as a ring slot's view (one specialization each)
+    # the compiled writer, then the fused read of what it wrote (dry, as the follower's warm reads
+    # its saved copy, then as a step): one decode step of one request
     from ..buffers import OutputArenas
     from .ops import TOK
 
@@ -329,7 +329,7 @@ def _warm() -> None:
     write_step_frame(np.frombuffer(frame, np.uint8), np.frombuffer(frame, np.int64, total, data_at), r._fixed, 0, 1,
                      1, False, words, dims, flat, off, n, digest, WIDTHS, starts)
     sink = DecodeSink(st.cfg, OutputArenas())
-    r.read(memoryview(bytes(frame)), 1, (st, sink), dry=True)
+    r.read(memoryview(frame), 1, (st, sink), dry=True)
     r.read(memoryview(frame), 1, (st, sink))
 
 
