@@ -13,7 +13,7 @@ import numpy as np
 from .constants import INT32_MAX
 from .jit import kernel, warmer
 
-__all__ = ["fail", "blocks_needed_one", "copy_from0", "copy_ids", "crc32", "le_word"]
+__all__ = ["fail", "blocks_needed_one", "copy_from0", "copy_ids", "crc32", "le_word", "put_le_word"]
 
 
 def _crc_table() -> np.ndarray:
@@ -95,6 +95,13 @@ def le_word(buf: np.ndarray, at: int, n: int) -> int:
     return v
 
 
+@kernel
+def put_le_word(buf: np.ndarray, at: int, v: int, n: int) -> None:
+    """:func:`le_word`'s inverse: ``v``'s low ``n`` bytes (``n`` <= 8) little-endian at ``at``."""
+    for k in range(n):
+        buf[at + k] = (v >> (8 * k)) & 0xFF
+
+
 @warmer
 def _warm() -> None:
     """Each kernel once."""
@@ -106,3 +113,4 @@ def _warm() -> None:
     b = np.zeros(8, np.uint8)
     crc32(b, 0, 8, 0)
     le_word(b, 0, 8)
+    put_le_word(b, 0, 1, 8)

@@ -240,12 +240,11 @@ def decode_fill_if(seqlen_q: np.ndarray, seqlen_k: np.ndarray, state_id: np.ndar
     the arena ``raw`` / ``fo`` is laid out for (a compiled caller that gathers the batch and
     fills the arena its rows and sequences had before in the same call: ``cpmeta.replicate``'s replay,
     ``cpmeta.builders.decode_sink.DecodeSink``). Another shape (:func:`decode_shape` with the
-    default width) writes nothing, puts the batch's shape in ``shape`` and returns -1; else
+    default width) writes nothing and returns -1 (``shape``, the caller's aim, is only read); else
     :func:`decode_fill`'s code."""
     n = seqlen_q.shape[0]
     T, _, width = decode_shape(seqlen_q, tokens.shape[0], bt_off, lookback, k[_MNB])
     if T != shape[0] or n != shape[1] or width != shape[2]:
-        shape[0], shape[1], shape[2] = T, n, width
         return -1
     return decode_fill(seqlen_q, seqlen_k, state_id, is_ph, tokens, tok_off, comp, comp_off, bt, bt_off, k, table,
                        raw, fo, T, err, info)

@@ -18,7 +18,7 @@ from ..metadata import InputMetadata
 from ..state.batch import SequenceBatch
 from .common_njit import ngram_table
 from .decode import _I64, _Shape, _Target, _metadata, _plan, prepare_decode
-from .decode_njit import decode_fill_if
+from .decode_njit import decode_fill_if, decode_shape
 
 __all__ = ["DecodeSink"]
 
@@ -48,7 +48,7 @@ class DecodeSink:
         self._tg: Optional[_Target] = None
         self._shape: Optional[_Shape] = None
         self._shapes: BoundedCache[tuple[int, int], _Shape] = BoundedCache(16)  # (total_q, n_seq) -> last built
-        self._want = np.full(3, -1, np.int64)  # the aimed arena's (total_q, n_seq, width); the kernel's shape slot
+        self._want = np.full(3, -1, np.int64)  # the aimed arena's (total_q, n_seq, width): -1 until aimed
         self._code = np.full(1, -1, np.int64)  # the caller's kernel: decode_fill_if's return (-1: not filled)
         self.args: tuple = ()
         self.filled = 0  #: batches the caller's kernel built (:meth:`result` returned their metadata)
@@ -67,15 +67,11 @@ class DecodeSink:
                 self._shape = shape
                 self._aim(self._plan.target(a, shape))
             self._want[:] = shape.key
-        else:  # not aimed: no shape matches (the kernel writes a batch's shape here when it does not fill)
-            self._want[:] = -1
         return self.args
 
     def aimed(self, total_q: int, n_seq: int) -> bool:
-        """Whether the sink aims at an arena of ``total_q`` rows and ``n_seq`` sequences (its
-        shape; call :meth:`refresh` before the kernel either way: a kernel call that did not fill
-        left the batch's shape in :attr:`args`)."""
-        return self._tg is not None and self._shape is not None and self._shape.key[:2] == (total_q, n_seq)
+        """Whether :attr:`args` aim at an arena of ``total_q`` rows and ``n_seq`` sequences."""
+        return self._tg is not None and int(self._want[0]) == total_q and int(self._want[1]) == n_seq
 
     def result(self) -> Optional[InputMetadata]:
         """The metadata the caller's kernel filled this step, else ``None`` (call :meth:`build`)."""
@@ -95,24 +91,21 @@ class DecodeSink:
 
     def fill(self, batch: SequenceBatch) -> InputMetadata:
         """:meth:`build` of a decode batch vouched for this config with int64 arrays (one a
-        ``BatchState`` made): ONE kernel call into the arena the sink aims at -- its last shape,
-        else the last one built with the batch's rows and sequences -- when the batch has that
-        shape; else :meth:`build` (its named errors included)."""
+        ``BatchState`` made): ONE kernel call into the arena of the last shape built with the
+        batch's rows and sequences when the batch has that shape; else :meth:`build` (its named
+        errors included)."""
         if self._tg is not None and not batch.is_prompt and batch.vouch_for(self.cfg) is not None:
             arrays = (batch.seqlen_q, batch.seqlen_k, batch.state_id, batch.is_placeholder, batch.tokens,
                       batch.token_offsets, batch.compressed, batch.compressed_offsets, batch.block_tables,
                       batch.block_table_offsets)
             if all(a.dtype == _I64 for i, a in enumerate(arrays) if i != 3):
-                self.refresh()  # every kernel call aimed anew: a call that did not fill wrote the batch's shape
-                for _ in range(2):  # the last shape, then the one built with the batch's rows and sequences
-                    self._code[0] = decode_fill_if(*arrays, batch.lookback, *self.args[:7])
-                    md = self.result()
-                    if md is not None:
-                        return md
-                    key = (int(self._want[0]), int(self._want[1]))  # the batch's, as the kernel wrote it
-                    if self._code[0] != -1 or key not in self._shapes:
-                        break
-                    self.refresh(*key)
+                t, _, _ = decode_shape(batch.seqlen_q, len(batch.tokens), batch.block_table_offsets, batch.lookback,
+                                       self.cfg.max_num_blocks)
+                self.refresh(t, len(batch))
+                self._code[0] = decode_fill_if(*arrays, batch.lookback, *self.args[:7])
+                md = self.result()
+                if md is not None:
+                    return md
         return self.build(batch)
 
     def _aim(self, tg: Optional[_Target]) -> None:

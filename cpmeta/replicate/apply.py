@@ -112,7 +112,7 @@ def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[
     at[_RUNS], at[_DIGEST] = end[_RUNS], end[_DIGEST]  # no run reads them: read to their end
     first = None  # the replay's first return, when the compiled read made that call
     if fused is not None:  # F_PART: the read's call stopped at a run Python replays (and names)
-        _, first, at, check = fused
+        _, first, at, check = fused  # its check rows: the first ``rows`` of that buffer (below)
     try:
         words = np.array(spec, np.int64)
         rows = len(spec) // SPEC_WORDS + int(sum(spec[4::SPEC_WORDS]) + sum(spec[1::SPEC_WORDS]))
@@ -121,6 +121,8 @@ def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[
     arrays = state.kernel_arrays()
     if first is None:
         check = np.empty((rows if 0 <= rows <= _MAX_CHECK_ROWS else 0, 4), np.int64)  # else: batch_check below
+    else:
+        check = check[:rows]
     batches: list[Any] = []
     adds = iter(req_ids)
     # adds and finishes in the kernel too when every added id is new (else Python's calls name it)

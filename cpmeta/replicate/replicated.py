@@ -315,9 +315,10 @@ class ReplicatedBatchState(Recorder):
         return batches, mds
 
     def _receive(self, step: int, sink: Optional[DecodeSink]) -> tuple[list[Any], list[Any]]:
-        fuse = None if sink is None else (self.state, sink)
-        if sink is not None:
-            sink.refresh()  # aimed at the last shape: the compiled read builds a decode step of it
+        fuse = None
+        if sink is not None:  # aimed at the last shape: the compiled read builds a decode step of it
+            sink.refresh()
+            fuse = (self.state, sink)
         cols, (got_step, _check, req_ids, spec), saved, fused = receive_step(self._ch, self._reader, self._warming, fuse)
         if got_step != step:
             self._broken = f"step {got_step} arrived, step {step} expected"

@@ -138,13 +138,13 @@ class FusedStep:
         return (self._at, self._checks[self.count & 1], *state.kernel_arrays(), state.lookback, *_NO_FREE,
                 *sink.args, dry)
 
-    def took(self, got: tuple, words: np.ndarray) -> Any:
-        """None when nothing was applied, else ``(status, replay's return, cursors, check rows)``."""
+    def took(self, got: tuple) -> Any:
+        """None when nothing was applied, else ``(status, replay's return, cursors, check buffer)``."""
         if got[0] == F_READ or got[0] == ASK_PARSER:
             return None
         check = self._checks[self.count & 1]
         self.count += 1
-        return got[0], got[1:], self._at, check[:1 + int(words[4] + words[1])]  # 1 + sequences + placeholders
+        return got[0], got[1:], self._at, check
 
     def apply(self, cols: Columns, words: Any, state: BatchState, sink: DecodeSink, again: bool = False) -> Any:
         """The step of ``cols`` and spec words ``words`` on ``state``, the sink aimed at the
@@ -159,7 +159,7 @@ class FusedStep:
             return None
         sink.refresh(t, n)
         w = np.asarray(words, np.int64)
-        return self.took(replay_step(cols.buf, cols.starts, w, *self.tail(state, sink, False)), w)
+        return self.took(replay_step(cols.buf, cols.starts, w, *self.tail(state, sink, False)))
 
 
 _NO_FREE = (np.zeros(0, np.int64), np.zeros(1, np.int64), np.zeros(0, np.int64))  # the fused replay adds nothing
@@ -208,7 +208,7 @@ class StepReader:
             got = follow_decode(*head, *self.fused.tail(*fuse, dry))
             if got[0] == ASK_PARSER:
                 return None
-            fused = self.fused.took(got, v[4:])
+            fused = self.fused.took(got)
         data_at, k = int(v[2]), int(v[3])
         cols = Columns(out[:int(starts[-1])], starts, tuple(self._shapes.tolist()))
         if fuse is not None and fused is None and not dry and k == SPEC_WORDS:  # another shape: aimed, once more

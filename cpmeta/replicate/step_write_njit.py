@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..base_njit import crc32
+from ..base_njit import crc32, put_le_word
 from ..broadcast.wire import CRC_AT, HEADER, META_CRC_AT
 from ..jit import kernel
 from .ops_njit import pack_region
@@ -54,13 +54,6 @@ def _put_int(buf: np.ndarray, at: int, v: int) -> int:
     for i in range(n - 1):  # big-endian
         buf[at + 1 + i] = (v >> (8 * (n - 2 - i))) & 0xFF
     return at + n
-
-
-@kernel
-def _put_le(buf: np.ndarray, at: int, v: int, n: int) -> None:
-    """The little-endian ``n``-byte word ``v`` at ``at`` (``n`` <= 8)."""
-    for i in range(n):
-        buf[at + i] = (v >> (8 * i)) & 0xFF
 
 
 @kernel
@@ -101,12 +94,12 @@ def write_step_frame(frame: np.ndarray, region: np.ndarray, fixed: np.ndarray, l
     shapes_at = (_HEAD + vlen + 7) // 8 * 8
     data_at = (shapes_at + 8 * n_dims + 15) // 16 * 16
     frame[:_FIXED] = fixed
-    _put_le(frame, 24, lid, 4)
+    put_le_word(frame, 24, lid, 4)
     frame[CRC_AT:48] = 0  # frame crc, layout block length, values length, dims, meta crc (below)
-    _put_le(frame, 36, vlen, 4)
-    _put_le(frame, 40, n_dims, 4)
-    _put_le(frame, 48, 8 * total, 8)
-    _put_le(frame, 56, frame_step, 8)
+    put_le_word(frame, 36, vlen, 4)
+    put_le_word(frame, 40, n_dims, 4)
+    put_le_word(frame, 48, 8 * total, 8)
+    put_le_word(frame, 56, frame_step, 8)
     frame[_HEAD] = 0x94
     at = _put_int(frame, _HEAD + 1, step)
     frame[at] = 0xC3 if check else 0xC2
@@ -125,10 +118,10 @@ def write_step_frame(frame: np.ndarray, region: np.ndarray, fixed: np.ndarray, l
         at = _put_int(frame, at, words[i])
     frame[at:shapes_at] = 0
     for i in range(n_dims):
-        _put_le(frame, shapes_at + 8 * i, dims[i], 8)
+        put_le_word(frame, shapes_at + 8 * i, dims[i], 8)
     frame[shapes_at + 8 * n_dims:data_at] = 0
     frame[data_at + 8 * total:] = 0  # the region's padding to 16
     c = crc32(frame, 0, CRC_AT, 0)
     c = crc32(frame, CRC_AT + 4, META_CRC_AT, c)
-    _put_le(frame, META_CRC_AT, crc32(frame, META_CRC_AT + 4, data_at, c), 4)
+    put_le_word(frame, META_CRC_AT, crc32(frame, META_CRC_AT + 4, data_at, c), 4)
     return total
