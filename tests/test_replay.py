@@ -282,8 +282,8 @@ def test_decode_steps_replayed_and_built_in_one_call(cfg_name: str) -> None:
     call from its columns; its batch, step check, metadata and state equal the two-call path's
     (``apply_step`` alone, on a twin) and ``prepare_decode`` of the driver's batch; any other step
     (an add, a new shape, a prompt) is left to ``apply_step`` untouched. What the call did not
-    build ``DecodeSink.fill`` builds (a wider table at step 4: the call left that shape in the
-    sink's aim, the arena still the narrower one)."""
+    build ``DecodeSink.fill`` builds (a wider table at step 4: a kernel that once noted that
+    shape in the sink's aim filled it into the narrower arena)."""
     cfg = CFGS[cfg_name] if cfg_name == "plain" else default_config(max_model_len=4096)
     mk = lambda: BatchState(cfg, 4, max_tokens=32, max_blocks=20)  # noqa: E731
     d, b, twin = _Driver(mk()), mk(), mk()
@@ -359,8 +359,8 @@ def test_sink_fill_is_prepare_decode(cfg_name: str) -> None:
 
 def test_a_sink_that_never_built_fills_nothing() -> None:
     """A ``DecodeSink`` before its first ``build`` aims at no arena: the replay's call fills
-    nothing, however many steps of one shape come (its kernel notes each batch's shape in the
-    aim; an aim not reset filled an arena the sink does not have on the second such step)."""
+    nothing, however many steps of one shape come (a kernel that once noted each batch's shape
+    in the aim filled an arena the sink does not have on the second such step)."""
     cfg = CFGS["plain"]
     d, b = _Driver(BatchState(cfg, 4, max_tokens=32, max_blocks=20)), BatchState(cfg, 4, max_tokens=32, max_blocks=20)
     sink = DecodeSink(cfg, OutputArenas())
