@@ -5,7 +5,6 @@ parsers this module uses; unset or blank means the default).
 |---|---|---|
 | ``CPMETA_TENSOR_PATH`` | how ``MetadataBroadcaster`` moves tensors: ``auto``, ``packed`` (the tensor region inside the frame) or ``collective`` (the frame, then its tensor region as one NCCL/gloo broadcast) | ``auto`` |
 | ``CPMETA_CHECKSUM`` | ``1``: the driver stamps a crc32 of every broadcast frame; followers verify it and refuse a frame without one (a mismatch is a ``RuntimeError`` naming the rank). Every rank must set it alike (compared at construction). Costs a few us per step (docs/transport.md) | ``0`` |
-| ``CPMETA_POISON_ARENAS`` | ``1`` (debug): a persistent arena's previous result is retired when its turn comes again -- its tensors filled with poison (integers their dtype's max, floats NaN, bools True) and its derived objects refused -- and the step lands in new buffers, so a result read past its lifetime fails loudly instead of showing the next step's values (``cpmeta.broadcast.persistent``). Costs an allocation per step: off in production | ``0`` |
 | ``CPMETA_PACKED_MAX_BYTES`` | with ``auto`` and a CUDA device, CPU-built payloads up to this many bytes ride inside the object message and each rank copies them to its GPU with one H2D copy (larger ones: one NCCL broadcast) | ``1048576`` |
 | ``CPMETA_WARM`` | ``1``: a same-host follower spinning for its next step (after a message, or an announced one: ``begin_step``) replays the last step's frame checks and reads its arena (``cpmeta.broadcast.follower``) or its columns, the replay's call and the batch digests (``ReplicatedBatchState.warm``) every ~100 us, read-only, so the step lands on warm caches; ``0``: it only spins | ``1`` |
 | ``CPMETA_TEST_SEED`` | ``cpmeta.testing``: the seed every spawned rank seeds ``random`` and torch with (printed by each run; set it to reproduce one); 0 or unset = a fresh one per run | ``0`` |
@@ -20,8 +19,8 @@ from __future__ import annotations
 
 from cpmeta.transport.envs import env_bool, env_choice, env_int
 
-__all__ = ["tensor_path", "packed_max_bytes", "checksum", "poison_arenas", "TENSOR_PATHS", "CHECKSUM",
-           "POISON_ARENAS", "testing_seed", "TEST_SEED", "testing_start", "TEST_START", "START_METHODS", "warm",
+__all__ = ["tensor_path", "packed_max_bytes", "checksum", "TENSOR_PATHS", "CHECKSUM",
+           "testing_seed", "TEST_SEED", "testing_start", "TEST_START", "START_METHODS", "warm",
            "WARM"]
 
 TENSOR_PATHS = ("auto", "packed", "collective")
@@ -29,7 +28,6 @@ DEFAULT_PACKED_MAX_BYTES = 1 << 20
 TENSOR_PATH = "CPMETA_TENSOR_PATH"
 PACKED_MAX_BYTES = "CPMETA_PACKED_MAX_BYTES"
 CHECKSUM = "CPMETA_CHECKSUM"
-POISON_ARENAS = "CPMETA_POISON_ARENAS"
 TEST_SEED = "CPMETA_TEST_SEED"
 TEST_START = "CPMETA_TEST_START"
 START_METHODS = ("forkserver", "spawn")
@@ -49,11 +47,6 @@ def packed_max_bytes() -> int:
 def checksum() -> bool:
     """``CPMETA_CHECKSUM``: stamp (driver) / require (followers) a crc32 on every broadcast frame."""
     return env_bool(CHECKSUM, False)
-
-
-def poison_arenas() -> bool:
-    """``CPMETA_POISON_ARENAS``: retire and poison a persistent arena's result when it expires."""
-    return env_bool(POISON_ARENAS, False)
 
 
 def warm() -> bool:

@@ -402,7 +402,7 @@ Every rank runs a "forward" of each step that reads the step's broadcast metadat
     serial       driver builds step N, broadcast N (every rank), forward(N) to completion, next
     overlapped   forward(N) launched, then the driver builds and broadcasts step N+1 while it
                  runs; the rank then waits for forward(N). Needs the result of step N to survive
-                 step N+1's broadcast: ``PersistentPolicy(depth=2)`` ("valid until the broadcast
+                 step N+1's broadcast: ``persistent_outputs=2`` ("valid until the broadcast
                  after next"), or fresh tensors
 
 The forward is, on CUDA, a matmul loop on the current stream (``--forward-us`` long, calibrated)
@@ -563,14 +563,13 @@ def overlap_cell(rank: int, device: torch.device, args: argparse.Namespace, mode
     import torch.distributed as dist
 
     import cpmeta
-    from cpmeta.broadcast import PersistentPolicy
 
     steps = args.steps + 1  # (+1: the overlapped loop builds one step ahead)
     make = decode_steps(args.decode_seqs)
     fwd = Forward(device, args.forward_us, steps)
     alone = fwd.alone_s(make(0).to(device))
     with cpmeta.MetadataBroadcaster(src=0, device=device, timeout=args.timeout,
-                                    persistent_outputs=PersistentPolicy(depth=depth), metrics=True) as bc:
+                                    persistent_outputs=depth, metrics=True) as bc:
         times, sent = run_loop(bc, rank, steps, make, fwd, mode == "overlap", args.streams)
         st = bc.stats()
     want = torch.tensor(sent if rank == 0 else [0] * steps, dtype=torch.int64)
@@ -1053,7 +1052,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--device", choices=("auto", "cpu", "cuda", "nccl"), default="auto",
                    help="cpu: sleep forward; cuda: ranks share cuda:0 over gloo; nccl: a GPU per rank")
     p.add_argument("--cells", nargs="+", default=["serial:1", "overlap:2"],
-                   help="mode:depth (mode serial or overlap; depth of PersistentPolicy)")
+                   help="mode:depth (mode serial or overlap; depth: persistent_outputs=depth)")
     p.add_argument("--forward-us", type=float, default=None,
                    help="forward length (default: 300 on CUDA, 10000 for the CPU sleep)")
     p.add_argument("--decode-seqs", type=int, default=64)

@@ -227,7 +227,7 @@ arena)  # ~9 min: the CUDA paths of the builders' arenas and the broadcast (GPU 
   # against .alt (git archive REV | tar -x -C .alt) at worlds 2 and 8, runs ordered alt, this, this, alt
   TAILN=6 step gpu_tests 200 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu or graph or nccl" \
     tests/test_builders.py tests/test_builders_smoke.py tests/test_gpu_broadcast.py tests/test_broadcast_multirank.py \
-    tests/test_broadcast_persistent.py tests/test_cuda_graph.py tests/test_decode_inplace.py tests/test_persistent_policy.py
+    tests/test_broadcast_persistent.py tests/test_cuda_graph.py tests/test_decode_inplace.py tests/test_persistent_budget.py
   MQ=""; [ -d mq_bundle312 ] && MQ=":$PWD/mq_bundle312"
   python3 -c 'import cpmeta.jit as j; j.warm_all()'
   [ -d .alt/scripts ] && (cd .alt && PYTHONPATH=$PWD python3 -c 'import cpmeta.jit as j; j.warm_all()')
@@ -261,7 +261,7 @@ width)  # ~8 min: every decode path on the GPU after block_tables became as wide
   TAILN=6 step gpu_tests 260 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu or triton or graph or nccl" \
     tests/test_builders.py tests/test_builders_smoke.py tests/test_decode_inplace.py tests/test_cuda_graph.py \
     tests/test_gpu_broadcast.py tests/test_broadcast_persistent.py tests/test_stage_decode.py \
-    tests/test_kv_read_plan.py tests/test_persistent_policy.py tests/test_batch_state.py
+    tests/test_kv_read_plan.py tests/test_persistent_budget.py tests/test_batch_state.py
   TAILN=4 step gpu_decode_cp 150 python3 -m pytest -q -p no:cacheprovider tests/test_decode_cp.py \
     tests/test_decode_capacity.py tests/test_replicate_inplace.py
   TAILN=3 step attn_nccl1_seed 60 python3 -m cpmeta.launch --backend nccl --nproc-per-node 1 --model seed --workload mixed --cp-mirror --verify --attention-check --kv-interleave 16 --steps 12 --decode-seqs 16

@@ -87,9 +87,9 @@ def trace(kind: str, seed: int, steps: int = TRACE_STEPS) -> Iterator[Any]:
         yield _cut(full, n, tq)
 
 
-def run_trace(rank: int, world: int, kind: str, policy: Any, seed: int = 3,
+def run_trace(rank: int, world: int, kind: str, persistent: Any, seed: int = 3,
               steps: int = TRACE_STEPS) -> dict[str, Any]:
-    """Every rank: broadcast ``steps`` of trace ``kind`` with ``persistent_outputs=policy``;
+    """Every rank: broadcast ``steps`` of trace ``kind`` with ``persistent_outputs=persistent``;
     return the arenas, bytes and RSS growth of this rank, checking a few results on the way."""
     import cpmeta
 
@@ -101,7 +101,7 @@ def run_trace(rank: int, world: int, kind: str, policy: Any, seed: int = 3,
         steps_md = iter([None] * steps)
     rss0 = rss_bytes()
     peak = 0
-    with cpmeta.MetadataBroadcaster(src=0, timeout=120, persistent_outputs=policy,
+    with cpmeta.MetadataBroadcaster(src=0, timeout=120, persistent_outputs=persistent,
                                     metrics=True) as bc:
         for i, md in enumerate(steps_md):
             got = bc.broadcast(md)
@@ -121,16 +121,12 @@ def main() -> int:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from multiproc import run_ranks
 
-    import cpmeta.broadcast as cb
-
-    cases = [("off", False), ("True", True),
-             ("budget", cb.PersistentPolicy(max_bytes=32 << 20, max_layouts=16, min_repeats=2)),
-             ("decode only", cb.PersistentPolicy(kinds=("decode",)))]
-    print(f"{'trace':>16} {'policy':>12} {'rank':>4} {'arenas':>6} {'arena MiB':>9} "
+    cases = [("off", False), ("True", True), ("depth 2", 2)]
+    print(f"{'trace':>16} {'persistent':>12} {'rank':>4} {'arenas':>6} {'arena MiB':>9} "
           f"{'persisted':>9} {'fresh':>5} {'evicted':>7} {'RSS +MiB':>8} {'peak +MiB':>9}")
     for kind in ("chunked_prefill", "decode"):
-        for name, pol in cases:
-            for r in run_ranks(run_trace, 2, kind, pol, timeout=900):
+        for name, persistent in cases:
+            for r in run_ranks(run_trace, 2, kind, persistent, timeout=900):
                 print(f"{kind:>16} {name:>12} {r['rank']:>4} {r['arenas']:>6} "
                       f"{r['host_bytes'] / 2**20:>9.1f} {r['persisted']:>9} {r['fresh']:>5} "
                       f"{r['evicted']:>7} {r['rss_growth'] / 2**20:>8.1f} "

@@ -4,7 +4,7 @@ driver sent (``scripts/bench_gpu.py overlap``'s loop: the forward ends with a ch
 tensors, compared with the driver's).
 
 CPU: the forward is a thread sleeping, then reading (an asynchronous device); the result of step N
-must survive step N+1's broadcast, which ``PersistentPolicy(depth=2)`` guarantees. CUDA (skipped
+must survive step N+1's broadcast, which ``persistent_outputs=2`` guarantees. CUDA (skipped
 without it; run on a GPU machine): the forward is a matmul loop of a few hundred us on the current
 stream, then the checksum kernels; with ``streams=2`` each step runs on the other of two streams,
 so the device copy of step N+1 must wait for step N's kernels through the arena's event.

@@ -26,13 +26,9 @@ module              holds
 ``collect``         ``collect`` / ``collect_dict``: the driver's split by path (layout key,
                     tensors, values), cached per tuple of field types
 ``persistent``      ``persistent_outputs``: the pool of arenas per layout (``depth`` in turn), its
-                    budget, admission and LRU eviction, the lifetime of what it hands out
-``policy``          ``PersistentPolicy``: ``max_bytes``, ``max_layouts``, ``min_repeats``, ``kinds``,
-                    ``depth``
+                    budget and LRU eviction, the lifetime of what it hands out
 ``arena``           ``LayoutArena``: one layout's host (+ device) buffer and the object built once
-                    as its views; a repeated layout lands with one memmove; its generation
-                    (``cpmeta.lifetime``), CUDA stream ordering, debug poisoning
-``arena_views``     the arena's compiled helpers: getters, value setter, poison values
+                    as its views; a repeated layout lands with one memmove; CUDA stream ordering
 ``metrics``         ``bc.stats()``: per-step rings and counters, ``BroadcastStats``, refusal kinds,
                     the launch table, ``prometheus_collector``
 ``prometheus``      the ``prometheus_client`` collector (optional extra ``metrics``)
@@ -48,8 +44,7 @@ from __future__ import annotations
 
 from .broadcaster import MESSAGE_VERSION, SCHEMA_FINGERPRINT, MetadataBroadcaster
 from .metrics import BroadcastStats
-from .policy import PersistentPolicy
 from .tensor_dict import broadcast_tensor_dict, close_tensor_dict_channels
 
 __all__ = ["MetadataBroadcaster", "SCHEMA_FINGERPRINT", "MESSAGE_VERSION", "broadcast_tensor_dict",
-           "close_tensor_dict_channels", "PersistentPolicy", "BroadcastStats"]
+           "close_tensor_dict_channels", "BroadcastStats"]

@@ -7,7 +7,6 @@ the lifetime of what they hand out. One arena::
                 layout of a builder's cpmeta.buffers.ArenaLayout too; pinned on CUDA)
     device arena (CPU: the host arena itself; CUDA: one device buffer of the same bytes)
     md: the metadata built ONCE for the layout, its tensors views of the device arena
-    gen: a ``cpmeta.lifetime.Generation``, bumped when the arena's turn comes again
 
 On CUDA a step's device copy is ordered after the kernels that read the arena's previous result
 (stream order on the caller's stream, an event when the caller changed streams); refilling the
@@ -22,18 +21,42 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from ..lifetime import Generation, register
-from .arena_views import poison_value, tuple_getter, value_setter
 from .outputs import all_cpu, copy_out_of_frame, copy_views
 from .plan import Plan, one_source
 from .schema import Schema
 
-__all__ = ["LayoutArena"]
+__all__ = ["LayoutArena", "tuple_getter", "value_setter"]
 
 _DATA_PTR = torch.Tensor.data_ptr
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
 _IS = operator.is_
 _TOUCH_LINES = 1024  # cache lines a warm piece reads (64 KiB)
+
+
+def tuple_getter(names: list[str]) -> Any:
+    """``f(obj) -> tuple`` of the named attributes (one C call; ``()`` for none)."""
+    if not names:
+        return lambda obj: ()
+    if len(names) == 1:
+        get = operator.attrgetter(names[0])
+        return lambda obj: (get(obj),)
+    return operator.attrgetter(*names)
+
+
+def value_setter(plan: Plan) -> Any:
+    """``f(md, values)`` writing one step's values at the layout's value paths (made once)."""
+    schema = plan.schema
+    assert isinstance(schema, Schema), "persistent outputs hold dataclasses"
+    names = schema.field_names
+    slots = [(names[pos], sub) for pos, sub in plan.value_slots]
+
+    def set_values(md: Any, values: list[Any]) -> None:
+        for (n, sub), v in zip(slots, values):
+            if sub is None:
+                setattr(md, n, v)
+            else:
+                getattr(md, n)[sub] = v
+    return set_values
 
 
 class LayoutArena:
@@ -47,12 +70,12 @@ class LayoutArena:
     """
 
     __slots__ = ("region", "exact", "host", "host_ptr", "dev", "md", "tensors", "event",
-                 "gen", "reader_stream", "_fence", "src_ptrs", "_names", "_packed_ptrs", "_src",
+                 "reader_stream", "_fence", "src_ptrs", "_names", "_packed_ptrs", "_src",
                  "_offsets", "_nbytes", "_base", "_values", "_fixed", "_snap",
                  "_dict_snap", "_dict_lens", "_dict_tensors", "_lines")
 
     def __init__(self, plan: Plan, dims: tuple[int, ...], numels: list[int], starts: list[int],
-                 region: int, values: list[Any], device: torch.device, what: str = "") -> None:
+                 region: int, values: list[Any], device: torch.device) -> None:
         cuda = device.type == "cuda"
         self.region = region
         self.host = torch.empty(self.region, dtype=torch.uint8, pin_memory=cuda)
@@ -61,10 +84,6 @@ class LayoutArena:
         self.event: Any = torch.cuda.Event() if cuda else None  # the H2D copy read the host arena
         self._fence: Any = torch.cuda.Event() if cuda else None  # readers on another stream done
         self.reader_stream: Any = None  # CUDA: the stream current when the last result was returned
-        #: bumped each time the arena gets a new step's contents (cpmeta.lifetime): objects derived
-        #: from an earlier result check it and refuse to mix generations
-        self.gen = Generation(what or f"persistent arena of {region} bytes")
-        register(self.dev, self.gen)
         self.tensors = tensors = plan.views(self.dev, dims, numels, starts)
         self.md = plan.assemble(tensors, values)
         # byte offset of every tensor in the region: a source whose tensors lie at base + these
@@ -229,23 +248,6 @@ class LayoutArena:
             cur.wait_event(self._fence)
         self.reader_stream = cur
         return cur
-
-    def recycle(self) -> None:
-        """The previous result expires: its generation ends (derived objects now refuse it)."""
-        self.gen.bump()
-
-    def poison(self) -> None:
-        """Debug (``CPMETA_POISON_ARENAS``): retire this arena: every tensor of its result filled
-        with :func:`arena_views.poison_value` (host and device, stream-ordered after its readers),
-        its generation ended. The pool hands the layout's next step a new arena."""
-        self.wait_host()
-        views = self.host_views()
-        if self.event is not None:
-            self._after_readers()
-            views += self.tensors
-        for t in views:
-            t.fill_(poison_value(t.dtype))
-        self.gen.bump()
 
     def _current(self, values: list[Any]) -> Any:
         """The cached metadata with this step's values, after putting back what the caller

@@ -42,7 +42,7 @@ from .collect import collect, collect_dict
 from .follower import FollowerSide
 from .metrics import BroadcastMetrics, BroadcastStats
 from .outputs import all_cpu, check_out, copy_to_out, copy_views
-from .policy import PersistentPolicy
+from .persistent import depth_of
 from .dict_schema import DictSchema
 from .schema import INPUT_METADATA, SCHEMA_FINGERPRINT, Schema
 from .wire import FLAG_PACKED, WireError
@@ -92,13 +92,13 @@ class MetadataBroadcaster(FollowerSide):
         checksum: stamp a crc32 on every frame (default ``CPMETA_CHECKSUM``); followers verify
             any frame that carries one and, with it on, refuse a frame without one. Every rank
             must use the same setting (checked at construction: ``ValueError`` naming the ranks).
-        persistent_outputs: ``True`` or a :class:`~cpmeta.broadcast.policy.PersistentPolicy`:
-            every rank gets metadata whose tensors live in the broadcaster's arena for the step's
-            layout (fields, dtypes, shapes), the same object each time that arena's turn comes:
-            valid until ``depth`` (default 1) more broadcasts with the same layout
-            (``cpmeta.broadcast.persistent``). The policy bounds the bytes and layouts held and
-            persists only what repeats (``min_repeats``, step ``kinds``); other steps get fresh
-            tensors. Default ``False``: fresh tensors every call.
+        persistent_outputs: ``True`` or a depth (an int, ``True`` is 1): every rank gets
+            metadata whose tensors live in the broadcaster's arena for the step's layout (fields,
+            dtypes, shapes), ``depth`` arenas used in turn, the same object each time that
+            arena's turn comes: valid until ``depth`` more broadcasts with the same layout (2:
+            "until the broadcast after next", for an overlapped loop). Held layouts and bytes are
+            bounded, least recently used dropped first (``cpmeta.broadcast.persistent``).
+            Default ``False``: fresh tensors every call.
         metrics: keep per-step counters and latencies for :meth:`stats` (``cpmeta.broadcast.
             metrics``; about 1 us a step, plus ~0.4 us per same-host follower on the driver for
             the ring lag: docs/metrics.md). Default off: nothing is kept on the hot path.
@@ -116,7 +116,7 @@ class MetadataBroadcaster(FollowerSide):
         timeout: Any = ENV_TIMEOUT,
         force_remote: Optional[bool] = None,
         checksum: Optional[bool] = None,
-        persistent_outputs: bool | PersistentPolicy = False,
+        persistent_outputs: bool | int = False,
         metrics: bool = False,
     ) -> None:
         self.schema: Schema | DictSchema = (INPUT_METADATA if schema is InputMetadata else DictSchema()
@@ -124,8 +124,8 @@ class MetadataBroadcaster(FollowerSide):
         self.cls = schema
         self._collect: Any = partial(collect, schema=self.schema) if isinstance(self.schema, Schema) \
             else collect_dict
-        policy = PersistentPolicy.of(persistent_outputs)
-        if schema is dict and policy is not None:
+        depth = depth_of(persistent_outputs)
+        if schema is dict and depth:
             raise ValueError("persistent_outputs: tensor dicts (schema=dict) get fresh tensors every call")
         self.group = group if group is not None else dist.group.WORLD
         self.src = resolve_src(self.group, src, group_src)
@@ -149,11 +149,10 @@ class MetadataBroadcaster(FollowerSide):
         self._tensors: Any = None  # TensorChannel, created on first collective use
         self._pin = self.device.type == "cuda"
         self._persist: Any = None  # PersistentArenas with persistent_outputs
-        if policy is not None:
+        if depth:
             from .persistent import PersistentArenas
 
-            assert isinstance(self.schema, Schema)
-            self._persist = PersistentArenas(self.device, self.schema, policy)
+            self._persist = PersistentArenas(self.device, depth)
         self._metrics = BroadcastMetrics() if metrics else None
         self._warm_from = None
         self._warming = self._ch.warm_with(self._warm_pieces)  # FollowerSide.warm, piece by piece
@@ -208,7 +207,7 @@ class MetadataBroadcaster(FollowerSide):
         arenas = None if p is None else dict(
             layouts=len(p), arenas=sum(1 for _ in p.arenas()), host_bytes=p.host_bytes,
             device_bytes=p.device_bytes, persisted=p.persisted, fresh=p.fresh, created=p.created,
-            evicted=p.evicted, retired=p.retired)
+            evicted=p.evicted)
         slot = ring.handle.slot_size if ring is not None and self.is_src else 0
         group = str(getattr(self.group, "group_name", "") or "WORLD")
         return self._metrics.stats(self.rank, group, self.is_src, slot, arenas)

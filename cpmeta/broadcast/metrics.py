@@ -68,7 +68,7 @@ class BroadcastStats:
     ``lag_slots`` is the driver's on the shared-memory path, else ``None``; ``arenas`` the
     persistent arenas' counters (``None`` without ``persistent_outputs``): ``layouts``,
     ``arenas``, ``host_bytes``, ``device_bytes``, ``persisted`` / ``fresh`` steps, ``created`` /
-    ``evicted`` / ``retired`` arenas.
+    ``evicted`` arenas.
     """
 
     rank: int

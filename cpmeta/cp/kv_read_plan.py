@@ -31,7 +31,6 @@ import torch
 
 from ..config import MetadataConfig
 from ..jit import error_slot
-from ..lifetime import Generation, check, stamp
 from ..metadata import InputMetadata
 from . import kv_read_plan_njit as K
 
@@ -46,27 +45,21 @@ class KVReadPlan:
     Every field is filled by :func:`cp_kv_read_plan` (one compiled call) except ``slots`` /
     ``positions``, computed on first access (one compiled call for both) and kept.
 
-    Lifetime: the plan never changes under its holder. When ``md``'s block table lives in a
-    buffer registered with :mod:`cpmeta.lifetime` (a persistent broadcast arena,
-    ``persistent_outputs``), the plan keeps that table by reference and EVERY field raises
-    :class:`cpmeta.lifetime.StaleResultError` once a later broadcast rewrote it (the seqlens
-    were counted from the old step's lengths). Any other table -- a fresh tensor, or one in a
-    reused host arena (``prepare_decode(..., out=OutputArenas())``, refilled by the next call of
-    the same shape without a generation) -- is copied into the plan (one ``[n, width]`` int32
-    copy), so a later step cannot change it.
+    Lifetime: the plan never changes under its holder. It owns a copy of ``md``'s block table
+    (one ``[n, width]`` int32 copy), so a later step that rewrites the buffer the table came from
+    (a persistent broadcast arena, ``persistent_outputs``; a reused host arena,
+    ``prepare_decode(..., out=OutputArenas())``) cannot change it.
     """
 
     __slots__ = ("_seqlens", "_cu_seqlens", "_block_tables", "_max_total", "_total", "_host_table",
-                 "_keys", "_stamp", "block_size", "cp_rank", "cp_world_size", "cp_interleave", "is_prompt")
+                 "_keys", "block_size", "cp_rank", "cp_world_size", "cp_interleave", "is_prompt")
 
     def __init__(self, seqlens: torch.Tensor, cu_seqlens: torch.Tensor, block_tables: torch.Tensor,
                  max_total: int, total: int, host_table: np.ndarray, block_size: int, cp_rank: int,
-                 cp_world_size: int, cp_interleave: int, is_prompt: bool,
-                 stamp_: Optional[tuple[Generation, int]]) -> None:
+                 cp_world_size: int, cp_interleave: int, is_prompt: bool) -> None:
         self._seqlens, self._cu_seqlens, self._block_tables = seqlens, cu_seqlens, block_tables
         self._max_total, self._total, self._host_table = max_total, total, host_table
         self._keys: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-        self._stamp = stamp_
         self.block_size = block_size  # tokens per paged block (cfg.block_size)
         self.cp_rank = cp_rank  # the rank this plan is for
         self.cp_world_size = cp_world_size  # W: ranks the KV is sharded over (1 = not sharded)
@@ -81,43 +74,36 @@ class KVReadPlan:
     @property
     def seqlens(self) -> torch.Tensor:
         """[n] int32: keys this rank holds per entry (0 for placeholders)."""
-        check(self._stamp, "KVReadPlan.seqlens")
         return self._seqlens
 
     @property
     def cu_seqlens(self) -> torch.Tensor:
         """[n+1] int32: exclusive prefix sums of ``seqlens``."""
-        check(self._stamp, "KVReadPlan.cu_seqlens")
         return self._cu_seqlens
 
     @property
     def block_tables(self) -> torch.Tensor:
         """[n, width] int32: local offset ``j`` -> ``row[j // bs] * bs + j % bs``."""
-        check(self._stamp, "KVReadPlan.block_tables")
         return self._block_tables
 
     @property
     def max_total(self) -> int:
         """Most keys any rank holds in this plan (rank 0's sum): the all-gather size."""
-        check(self._stamp, "KVReadPlan.max_total")
         return self._max_total
 
     @property
     def total(self) -> int:
         """Keys this rank holds in the plan: ``cu_seqlens[-1]``."""
-        check(self._stamp, "KVReadPlan.total")
         return self._total
 
     @property
     def slots(self) -> torch.Tensor:
         """[total] int64: slot of each local key, entry-major, local offset ascending."""
-        check(self._stamp, "KVReadPlan.slots")
         return self._materialize()[0]
 
     @property
     def positions(self) -> torch.Tensor:
         """[total] int64: global key position of each local key (ascending within an entry)."""
-        check(self._stamp, "KVReadPlan.positions")
         return self._materialize()[1]
 
     def _materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -175,8 +161,7 @@ def cp_kv_read_plan(md: InputMetadata, cfg: MetadataConfig, *, cp_rank: int) -> 
 
     Returns a :class:`KVReadPlan` on ``md``'s device: ``seqlens`` int32 [n]
     (``cp_local_seqlens(len, W, cp_rank, I)``), ``cu_seqlens`` int32 [n+1], ``block_tables`` int32
-    [n, width] (``md``'s table itself when a registered persistent arena guards it -- then every
-    field raises ``StaleResultError`` once it is rewritten -- else a copy), ``max_total`` (rank
+    [n, width] (a copy of ``md``'s table), ``max_total`` (rank
     0's total) and the lazy ``slots`` / ``positions`` int64 [sum(seqlens)]. One compiled call
     (:func:`cpmeta.cp.kv_read_plan_njit.plan_seqlens`) counts and checks; one more fills the keys. A query row at position ``p`` sees the
     first ``cp_local_seqlens(p + 1, W, cp_rank, I)`` keys of its entry.
@@ -203,9 +188,7 @@ def cp_kv_read_plan(md: InputMetadata, cfg: MetadataConfig, *, cp_rank: int) -> 
         n = lens.shape[0]
     if table.dim() != 2 or table.shape[0] != n:
         raise ValueError(f"md.{name}: expected {n} rows (one per entry), got shape {tuple(table.shape)}")
-    st = stamp(table)
-    if st is None:  # nothing guards it (a fresh tensor or a reused host arena): the plan owns a copy
-        table = table.to(torch.int32, copy=True)
+    table = table.to(torch.int32, copy=True)  # the plan's own: a later step cannot rewrite it
     host_table = np.ascontiguousarray(table.detach().cpu().numpy(), np.int32)
     seqlens, cu = np.empty(n, np.int32), np.empty(n + 1, np.int32)
     meta, err = np.zeros(2, np.int64), error_slot()
@@ -222,5 +205,5 @@ def cp_kv_read_plan(md: InputMetadata, cfg: MetadataConfig, *, cp_rank: int) -> 
     dev = table.device
     return KVReadPlan(
         torch.from_numpy(seqlens).to(dev), torch.from_numpy(cu).to(dev), table, int(meta[0]), int(meta[1]),
-        host_table, bs, cp_rank, w, inter, bool(md.is_prompt), st,
+        host_table, bs, cp_rank, w, inter, bool(md.is_prompt),
     )
