@@ -22,7 +22,7 @@ module              holds
                     dtype / ndim and fixed dims; the dict key rules (``check_key``)
 ``dict_schema``     ``DictSchema``: a tensor dict's tree (one msgpack token list) and its tensors on
                     the frame (``broadcast_tensor_dict``)
-``value_check``     the per-frame value checks, compiled per layout
+``value_check``     the per-frame value checks: one rule per value, made once per layout
 ``collect``         ``collect`` / ``collect_dict``: the driver's split by path (layout key,
                     tensors, values), cached per tuple of field types
 ``persistent``      ``persistent_outputs``: the pool of arenas per layout (``depth`` in turn), its
