@@ -10,7 +10,7 @@ held its metadata last, the stages from the driver's ring commit on::
               | layout (the region's sizes) | prepare (the codec's frames only)
               | write (slot reserved, header, values, shapes, the columns packed into the slot:
                        for the common frame ONE compiled call, "frames written compiled")
-              | commit | own apply (defer_apply) | build
+              | commit | own apply (defer_apply; of which the fused replay + build, then apply_step) | build
     follower  commit -> read | read | -> replay | replay + step check | -> sync end | build
 
 where a follower's "read" is the compiled read of a common step frame (``StepReader.read``: the
@@ -41,7 +41,8 @@ pc = time.perf_counter
 #: (driver stage, from stamp, to stamp); ``>`` = a wrapped call's start, ``<`` its end
 DRIVER = (("record", "t0", "record<"), ("announce", "begin_step>", "begin_step<"), ("layout", "layout>", "layout<"), ("prepare", "prepare>", "prepare<"),
           ("write", "publish>", "commit>"), ("commit", "commit>", "commit<"),
-          ("own apply", "_apply_deferred>", "_apply_deferred<"), ("build", "_sync<", "end"))
+          ("own apply", "_apply_deferred>", "_apply_deferred<"), ("of which fused", "fused>", "fused<"),
+          ("then apply_step", "apply_step>", "apply_step<"), ("build", "_sync<", "end"))
 FOLLOWER = (("replay + check", "apply_step>", "apply_step<"),
             ("to sync end", "apply_step<", "_sync<"), ("build", "_sync<", "end"))
 
@@ -80,6 +81,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
     import cpmeta.replicate.step_frame as step_frame
 
     _stamp(stamps, step_frame.StepReader, "read")
+    _stamp(stamps, step_frame.FusedStep, "apply", "fused")  # a defer_apply driver's own replay + build
     follow = step_frame.follow_decode
 
     def followed(*a: Any) -> Any:  # the read's call: did it replay and build the step too?
