@@ -13,7 +13,7 @@ A builder's ``out=`` is one of three things, dispatched in one place per builder
   decides where that memory lives and how long a result stays valid. :class:`OutputArenas` is the
   implementation for an engine loop (one arena per batch shape, refilled every step).
 
-A builder takes each output field through :func:`alloc` / :func:`alloc_stacked` (the tensor and
+A builder takes each output field through :func:`alloc` (the tensor and
 its numpy view, from whichever of the three it was handed). Host buffers are pinned when CUDA is
 available, so the separate host-to-device step can copy them with ``non_blocking=True``.
 """
@@ -30,7 +30,7 @@ import torch
 from .cache import BoundedCache
 
 __all__ = ["get_or_create_tensor", "get_or_create_stacked", "ArenaLayout", "HostArena", "OutputBuffers",
-           "OutputArenas", "WIRE_DTYPES", "DTYPE_CODE", "PACK_ALIGN", "pack_up", "AllocOut", "alloc", "alloc_stacked"]
+           "OutputArenas", "WIRE_DTYPES", "DTYPE_CODE", "PACK_ALIGN", "pack_up", "AllocOut", "alloc"]
 
 @functools.lru_cache(maxsize=1)
 def _pin() -> bool:
@@ -320,7 +320,7 @@ class OutputArenas(OutputBuffers):
         return len(self._arenas)
 
 
-#: Where :func:`alloc` / :func:`alloc_stacked` put a field: the caller's ``out`` dict (reused and
+#: Where :func:`alloc` puts a field: the caller's ``out`` dict (reused and
 #: filled), a :class:`HostArena` (its views), or ``None`` (a new tensor each).
 AllocOut = Union[dict[str, torch.Tensor], HostArena, None]
 
@@ -337,19 +337,3 @@ def alloc(
         out = None
     t = get_or_create_tensor(out, name, tuple(shape), dtype)
     return t, t.numpy()
-
-
-def alloc_stacked(
-    out: AllocOut, name: str, ratios: Sequence[int], shape: Sequence[int],
-) -> tuple[dict[str, torch.Tensor], np.ndarray]:
-    """``get_or_create_stacked`` for int32 per-ratio rows: ``({"4": row view, ...}, numpy view
-    of the whole [len(ratios), *shape] buffer)``. Example: ratios ``(4, 128)``, shape ``(5,)``
-    -> a ``[2, 5]`` buffer whose rows are ``md.<name>["4"]`` and ``md.<name>["128"]``."""
-    if isinstance(out, HostArena):
-        got = out.take_rows(name)
-        if got is not None:
-            rows, a = got
-            return {str(r): t for r, t in zip(ratios, rows)}, a
-        out = None
-    t, views = get_or_create_stacked(out, name, [str(r) for r in ratios], tuple(shape), torch.int32)
-    return views, t.numpy()

@@ -265,10 +265,6 @@ class ShmRing(RingIO):
 
     # ------------------------------------------------------------------ lifecycle
 
-    @property
-    def is_writer(self) -> bool:
-        return self.reader_index is None
-
     def states(self) -> list[int]:
         """Per reader: EMPTY=0, ATTACHED=1, CLOSED=2 or ABSENT=3."""
         return [s.value for s in self._w.states]
