@@ -197,3 +197,23 @@ def test_layout_write_batch_without_a_report_and_too_short_a_view() -> None:
     with pytest.raises(BufferError) as e:
         layout.write_batch(short, sb)
     assert e.value.args == (staged.used,) and (short == -7).all()
+
+
+def test_configs_equal_but_for_their_ngram_table_stage_their_own() -> None:
+    """``MetadataConfig`` compares without ``ngram_lookup`` (a tensor: ``compare=False``), so two
+    configs that differ only in their table are EQUAL. The per-config memos (``StagingLayout.of``,
+    the builders' plans: ``cpmeta.cache.IdentityCache``) are keyed by the config object, not by
+    equality: a memo keyed by ``==`` would hand the second config the first one's layout, whose
+    writer reads the first table. Each config's staged windows must be its own reference."""
+    other = MetadataConfig(block_size=16, window_size=4, swa_block_size=6, dense_compress_ratios=(4,),
+                           sparse_compress_ratios=(4, 8), max_model_len=96, max_ngram_size=3, image_token_id=5,
+                           ngram_lookup=torch.arange(97, dtype=torch.int64) + 300)
+    assert other == ENGRAM and other.ngram_lookup is not ENGRAM.ngram_lookup
+    seqs = _seqs(ENGRAM, [[3, 7], [4, 6]])
+    got = []
+    for cfg in (ENGRAM, other, ENGRAM):
+        stg = DecodeStaging("cpu", 8)
+        staged = stg.fill(seqs, cfg)
+        assert_staged_is_reference(stg, staged, seqs, cfg)
+        got.append(prepare_decode(seqs, cfg).ngram_token_ids.tolist())
+    assert got[0] == got[2] != got[1]  # the tables differ, and so do the builds' Engram ids
