@@ -9,8 +9,11 @@ cycles through a few shapes keeps them and one that makes new shapes forever sta
   inserts go through ``put`` (the hot paths call ``get`` then ``put`` on a miss, no closure per
   call); :meth:`BoundedCache.get_or_make` for cold paths.
 - :class:`IdentityCache`: keyed by an object's IDENTITY (``id(obj)``, checked with ``is``; the
-  entry keeps the object alive, so its id cannot be reused). For keys that are expensive to hash,
-  e.g. a frozen config whose hash builds a tuple of every field on each call.
+  entry keeps the object alive, so its id cannot be reused). For keys whose equality leaves out
+  what the memo depends on -- ``MetadataConfig`` compares without its ``ngram_lookup`` table, and a
+  staging layout made for one config writes that config's table
+  (``tests/test_staging_njit.py::test_configs_equal_but_for_their_ngram_table_stage_their_own``) --
+  and for keys that are expensive to hash (that config's hash builds a tuple of every field).
 
 Example::
 
