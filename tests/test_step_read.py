@@ -1,7 +1,8 @@
 """The follower's compiled step frame read (``StepReader``) against the codec's parser.
 
-The compiled read takes only the common step frame (the layout the follower holds, no checksum,
-no added request) and leaves every other frame to the parser (``cpmeta.broadcast.wire``'s
+The compiled read takes only the common step frame (the layout the follower holds, no checksum;
+request ids of int64s and strs, which it hands to the codec to decode) and leaves every other
+frame to the parser (``cpmeta.broadcast.wire``'s
 ``FrameReader.parse`` and ``read_region``). These tests hold it to the parser: on named and
 random steps it takes the frame and gives what the parser gives; on every byte of hostile frames
 (flipped, resealed so the crc passes, cut, extended) it either leaves the frame to the parser or
@@ -10,7 +11,7 @@ gives exactly what the parser accepts -- never a frame the parser refuses.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import pytest
@@ -28,11 +29,20 @@ _WRITER = FrameWriter(STEP_SCHEMA, Plan)
 LID, PLAN, LBLOCK = _WRITER.layout(step_key())
 
 
-def _log(n: int, seed: int, drafts: int = 0, specs: int = 1) -> OpLog:
+#: request ids of every msgpack form the compiled read walks: fixstr, str 8 / 16 / 32 (multi-byte
+#: UTF-8), positive and negative ints of each width
+IDS = ["a", "", "req-" + "x" * 40, "é" * 200, "ü" * 40000, 0, 127, 128, 2**16, 2**40, 2**63 - 1, -1, -33, -2**15,
+       -2**63]
+
+
+def _log(n: int, seed: int, drafts: int = 0, specs: int = 1, ids: Sequence[Any] = ()) -> OpLog:
     """A decode-like step of ``n`` sequences: a token run, a block run, a finish, a state id,
-    ``specs`` decode specs (``drafts`` per sequence)."""
+    ``specs`` decode specs (``drafts`` per sequence); with ``ids``, one added request each
+    (two tokens, one block) first."""
     rng = np.random.default_rng(seed)
-    log = OpLog(max(n, 2) + 2)
+    log = OpLog(max(n, 2) + 2 + len(ids))
+    for i, rid in enumerate(ids):
+        log.add(n + 2 + i, rid, [5, 6], [9], [], i, 0, 0)
     slots = np.arange(n, dtype=np.int64)
     log.ragged(TOK, slots, np.ones(n, np.int64), rng.integers(0, 2**31, n))
     if n:
@@ -51,7 +61,8 @@ def _frame(log: OpLog, step: int, *, values: Optional[list[Any]] = None, flags: 
     """The frame ``ReplicatedBatchState._send`` writes for ``log`` (frame step ``step``; the
     replica's step in the values ``rstep``, default the same)."""
     digest = np.arange(4 * (len(log.specs) // 7 + 1), dtype=np.int64).reshape(-1, 4)
-    vals = values if values is not None else [step if rstep is None else rstep, step % 3 == 0, [], list(log.specs)]
+    vals = values if values is not None else [step if rstep is None else rstep, step % 3 == 0, list(log.req_ids),
+                                              list(log.specs)]
     vblock = encode_body(vals)
     lblock = LBLOCK if flags & FLAG_LAYOUT else b""
     dims, total = log.layout(digest)
@@ -117,17 +128,47 @@ def test_common_frames_read_as_the_parser_reads_them(n: int, drafts: int, specs:
     assert _compiled(frame, 8) is None  # another step: the parser names the gap / replay
 
 
+@pytest.mark.parametrize("ids", [IDS[:1], IDS, IDS[5:], IDS[:5] * 4])
+def test_frames_with_request_ids_read_as_the_parser_reads_them(ids: list[Any]) -> None:
+    """A step that adds requests: the compiled read walks the ids' array and the codec decodes
+    it; the same values and columns as the parser's."""
+    frame = _frame(_log(3, 1, ids=ids), 7)
+    want = _by_parser(frame, 7)
+    assert isinstance(want, tuple) and want[3][2] == ids
+    assert _compiled(frame, 7) == want
+
+
+ID = st.one_of(st.integers(-(2**63), 2**63 - 1), st.text(st.characters(blacklist_categories=("Cs",)), max_size=40))
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(n=st.integers(0, 40), drafts=st.integers(0, 3), specs=st.integers(0, 3), step=st.integers(1, 2**40),
-       rstep=st.integers(-(2**63), 2**63 - 1))
-def test_random_frames_read_as_the_parser_reads_them(n: int, drafts: int, specs: int, step: int, rstep: int) -> None:
-    frame = _frame(_log(n, step % 97, drafts, specs), step, rstep=rstep)
+       rstep=st.integers(-(2**63), 2**63 - 1), ids=st.lists(ID, max_size=20))
+def test_random_frames_read_as_the_parser_reads_them(n: int, drafts: int, specs: int, step: int, rstep: int,
+                                                     ids: list[Any]) -> None:
+    frame = _frame(_log(n, step % 97, drafts, specs, ids), step, rstep=rstep)
     want = _by_parser(frame, step)
     assert isinstance(want, tuple) and _compiled(frame, step) == want
 
 
+def test_a_request_id_of_broken_utf8_goes_to_the_parser() -> None:
+    """The kernel walks a str's bytes without reading them; the codec's decode refuses broken
+    UTF-8, so the read leaves the frame to the parser, which names it."""
+    frame = bytearray(_frame(_log(2, 1, ids=["abé"]), 7))
+    at = bytes(frame).index("abé".encode())
+    frame[at + 3] = 0x28  # é's second byte: no longer UTF-8
+    bad = reseal(bytes(frame), False)
+    assert _compiled(bad, 7) is None
+    assert _by_parser(bad, 7) == "CodecError"  # (the channel reports it as a malformed frame)
+
+
 @pytest.mark.parametrize("why,kw", [
-    ("a request added", {"values": [7, False, ["req-a", 3], [0, 0, 1, -2, 1, 0, 0]]}),
+    ("a uint64 request id", {"values": [7, False, ["req-a", 2**64 - 1], [0, 0, 1, -2, 1, 0, 0]]}),
+    ("a bool request id", {"values": [7, False, [True], [0, 0, 1, -2, 1, 0, 0]]}),
+    ("a float request id", {"values": [7, False, [1.0], [0, 0, 1, -2, 1, 0, 0]]}),
+    ("a bytes request id", {"values": [7, False, [b"r"], [0, 0, 1, -2, 1, 0, 0]]}),
+    ("a tuple request id", {"values": [7, False, [(1, 2)], [0, 0, 1, -2, 1, 0, 0]]}),
+    ("no request list", {"values": [7, False, None, [0, 0, 1, -2, 1, 0, 0]]}),
     ("the layout block", {"flags": FLAG_PACKED | FLAG_LAYOUT}),
     ("a checksum", {"flags": FLAG_PACKED | FLAG_CRC}),
     ("a uint64 spec word", {"values": [7, False, [], [2**64 - 1]]}),
@@ -158,11 +199,12 @@ def _hostile(frame: bytes) -> list[bytes]:
     return out
 
 
-@pytest.mark.parametrize("n,drafts", [(2, 0), (3, 2)])
-def test_hostile_frames_never_taken_where_the_parser_refuses(n: int, drafts: int) -> None:
+@pytest.mark.parametrize("n,drafts,ids", [(2, 0, ()), (3, 2, ()), (1, 0, ("r1", 300, "é" * 20, -5))])
+def test_hostile_frames_never_taken_where_the_parser_refuses(n: int, drafts: int, ids: tuple) -> None:
     """On every byte: the compiled read leaves the frame to the parser, or gives exactly what the
-    parser accepts."""
-    frame = _frame(_log(n, 5, drafts), 9)
+    parser accepts (request ids included: a flip inside a str that breaks its UTF-8 the codec's
+    decode refuses, and the parser names)."""
+    frame = _frame(_log(n, 5, drafts, ids=ids), 9)
     taken = 0
     for bad in _hostile(frame):
         got = _compiled(bad, 9)

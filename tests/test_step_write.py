@@ -1,7 +1,7 @@
 """The driver's compiled step frame writer (``step_write_njit.write_step_frame``) against the codec.
 
-The writer takes only the common step frame (the layout every follower holds, no checksum, no
-added request); these tests hold its bytes to what the codec writes for the same step
+The writer takes only the common step frame (the layout every follower holds, no checksum; the
+request ids as the codec's bytes); these tests hold its bytes to what the codec writes for the same step
 (``FrameWriter.write`` + ``encode_body`` + ``OpLog.pack_into`` + ``seal``, as
 ``tests/test_step_read.py``'s ``_frame`` puts them together) on named and random steps and on
 every msgpack int width of the spec words, into a slot full of stale bytes (the writer zeroes
@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from test_step_read import LID, _by_parser, _compiled, _frame, _log
+from test_step_read import ID, IDS, LID, _by_parser, _compiled, _frame, _log
 from cpmeta.broadcast.wire import blocks_at
 from cpmeta.buffers import pack_up
 from cpmeta.replicate.ops import WIDTHS, OpLog
@@ -31,20 +31,21 @@ def _written(log: OpLog, frame_step: int, rstep: int, check: bool) -> bytes:
     """The compiled writer's frame of ``log`` (``_frame``'s digest), into a slot of stale bytes."""
     digest = np.arange(4 * (len(log.specs) // 7 + 1), dtype=np.int64).reshape(-1, 4)
     words = np.array(log.specs, np.int64)
+    ids = np.frombuffer(encode_body(list(log.req_ids)), np.uint8)
     flat, off, n, dims, starts = log.buffers
-    total, vlen = step_frame_size(flat, off, n, digest, WIDTHS, dims, starts, rstep, words)
-    assert vlen == len(encode_body([rstep, check, [], list(log.specs)]))
+    total, vlen = step_frame_size(flat, off, n, digest, WIDTHS, dims, starts, rstep, words, ids)
+    assert vlen == len(encode_body([rstep, check, list(log.req_ids), list(log.specs)]))
     data_at = blocks_at(0, vlen, len(dims))[1]
     slot = np.full(data_at + pack_up(8 * total), 0xAB, np.uint8)
     got = write_step_frame(slot, slot[data_at:data_at + 8 * total].view(np.int64), FIXED, LID, frame_step, rstep,
-                           check, words, dims, flat, off, n, digest, WIDTHS, starts)
+                           check, ids, words, dims, flat, off, n, digest, WIDTHS, starts)
     assert got == total
     return slot.tobytes()
 
 
 def _same_as_codec(log: OpLog, frame_step: int, rstep: int, check: bool) -> None:
     got = _written(log, frame_step, rstep, check)
-    want = _frame(log, frame_step, values=[rstep, check, [], list(log.specs)])
+    want = _frame(log, frame_step, values=[rstep, check, list(log.req_ids), list(log.specs)])
     assert len(got) == len(want)
     bad = [i for i in range(len(got)) if got[i] != want[i]]
     assert not bad, f"bytes {bad[:8]} differ (frame of {len(got)})"
@@ -56,6 +57,11 @@ def _same_as_codec(log: OpLog, frame_step: int, rstep: int, check: bool) -> None
                                             (2, 0, 0), (5, 1, 3)])
 def test_common_frames_written_as_the_codec_writes_them(n: int, drafts: int, specs: int) -> None:
     _same_as_codec(_log(n, n, drafts, specs), 7, 7, n % 2 == 1)
+
+
+@pytest.mark.parametrize("ids", [IDS[:1], IDS, IDS[5:], IDS[:5] * 4])
+def test_frames_with_request_ids_written_as_the_codec_writes_them(ids: list) -> None:
+    _same_as_codec(_log(3, 1, ids=ids), 7, 7, True)
 
 
 @pytest.mark.parametrize("word", [0, 1, 31, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**63 - 1,
@@ -70,10 +76,10 @@ def test_every_int_width_of_the_values(word: int) -> None:
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @given(n=st.integers(0, 40), drafts=st.integers(0, 3), specs=st.integers(0, 4), frame_step=st.integers(1, 2**40),
-       rstep=st.integers(1, 2**62), check=st.booleans())
+       rstep=st.integers(1, 2**62), check=st.booleans(), ids=st.lists(ID, max_size=12))
 def test_random_frames_written_as_the_codec_writes_them(n: int, drafts: int, specs: int, frame_step: int, rstep: int,
-                                                        check: bool) -> None:
-    _same_as_codec(_log(n, frame_step % 1000, drafts, specs), frame_step, rstep, check)
+                                                        check: bool, ids: list) -> None:
+    _same_as_codec(_log(n, frame_step % 1000, drafts, specs, ids), frame_step, rstep, check)
 
 
 def test_a_region_of_another_length_is_refused_unsealed() -> None:
@@ -83,9 +89,10 @@ def test_a_region_of_another_length_is_refused_unsealed() -> None:
     digest = np.zeros((2, 4), np.int64)
     words = np.array(log.specs, np.int64)
     flat, off, n, dims, starts = log.buffers
-    total, _ = step_frame_size(flat, off, n, digest, WIDTHS, dims, starts, 1, words)
+    none = np.frombuffer(encode_body([]), np.uint8)
+    total, _ = step_frame_size(flat, off, n, digest, WIDTHS, dims, starts, 1, words, none)
     slot = np.zeros(4096, np.uint8)
     for k in (total - 1, total + 1):
-        got = write_step_frame(slot, slot[256:256 + 8 * k].view(np.int64), FIXED, LID, 1, 1, False, words, dims,
+        got = write_step_frame(slot, slot[256:256 + 8 * k].view(np.int64), FIXED, LID, 1, 1, False, none, words, dims,
                                flat, off, n, digest, WIDTHS, starts)
         assert got < 0 and not slot[:64].any()

@@ -33,10 +33,11 @@ from ..state import BatchState
 from ..broadcast.wire import (FLAG_PACKED, FRAME_MAGIC, HEADER, MAX_VALUES_BYTES, MESSAGE_VERSION, Frame, WireError,
                               blocks_at)
 from ..jit import OK, warmer
+from ..transport.codec import CodecError, decode_body, encode_body
 from .ops import COLUMNS, SPEC_WORDS, WIDE, WIDTHS, Columns, OpLog
 from .ops_njit import R_BYTES, unpack_region
 from .step_write_njit import step_frame_size, write_step_frame
-from .step_read_njit import ASK_PARSER, F_READ, FIXED_HEAD, follow_decode, read_step_frame, replay_step
+from .step_read_njit import ASK_PARSER, F_READ, FIXED_HEAD, VALS_HEAD, follow_decode, read_step_frame, replay_step
 
 __all__ = ["StepFrame", "STEP_SCHEMA", "step_key", "read_region", "state_fingerprint", "StepReader",
            "FusedStep", "receive_step", "send_step", "fixed_head"]
@@ -163,11 +164,12 @@ class FusedStep:
 
 
 _NO_FREE = (np.zeros(0, np.int64), np.zeros(1, np.int64), np.zeros(0, np.int64))  # the fused replay adds nothing
+_NO_IDS = np.frombuffer(encode_body([]), np.uint8)  # a step that adds no request: msgpack's empty array
 
 
 class StepReader:
     """A follower's step frame read in ONE compiled call (:mod:`.step_read_njit`) for the common
-    frame: the step layout this rank already holds, no checksum, no added request. Off until
+    frame: the step layout this rank already holds, no checksum. Off until
     :meth:`arm` names the layout (after the codec's parser accepted a step frame of it); a frame
     it does not take (``read`` returns None) goes to the parser. Given the replica and its
     ``DecodeSink`` (``fuse``), the same call replays and builds a decode step of the sink's
@@ -181,7 +183,7 @@ class StepReader:
         self.lid = -1  # the layout it reads (-1: off)
         self.taken = 0  #: frames a follower's receive took this way (:func:`receive_step`; the parser read the others)
         self.fused = FusedStep()  #: the steps of those replayed (and built) in the same call
-        self._vals = np.zeros(4 + SPEC_WORDS * _MAX_SPECS, np.int64)
+        self._vals = np.zeros(VALS_HEAD + SPEC_WORDS * _MAX_SPECS, np.int64)
         self._shapes = np.zeros(_N_DIMS, np.int64)
 
     def arm(self, lid: int) -> None:
@@ -191,10 +193,12 @@ class StepReader:
     def read(self, view: memoryview, want: int, fuse: Optional[tuple[BatchState, DecodeSink]] = None,
              dry: bool = False) -> Optional[tuple[Columns, np.ndarray, int, list[Any], Any]]:
         """Step ``want``'s frame in ``view``: its columns (as :func:`read_region` gives them), the
-        whole region (a private copy), where the region starts, the values ``[step, check, [],
-        spec words]`` and, with ``fuse`` = ``(state, sink)`` (the sink aimed by ``refresh()``),
-        what the same call applied (:meth:`FusedStep.took`). None when the compiled read does not
-        take the frame (the parser decides). ``dry``: the warm's read, nothing applied."""
+        whole region (a private copy), where the region starts, the values ``[step, check,
+        request ids, spec words]`` and, with ``fuse`` = ``(state, sink)`` (the sink aimed by
+        ``refresh()``), what the same call applied (:meth:`FusedStep.took`; nothing for a step
+        that adds requests). None when the compiled read does not take the frame (the parser
+        decides, and names what is wrong: request ids the codec refuses, e.g.). ``dry``: the
+        warm's read, nothing applied."""
         if self.lid < 0:
             return None
         frame = np.frombuffer(view, np.uint8)
@@ -209,12 +213,17 @@ class StepReader:
             if got[0] == ASK_PARSER:
                 return None
             fused = self.fused.took(got)
-        data_at, k = int(v[2]), int(v[3])
+        data_at, k, ids = int(v[2]), int(v[3]), []
+        if v[6] and not dry:  # the added requests' ids: the codec decodes them (strictly)
+            try:
+                ids = decode_body(view[int(v[4]):int(v[5])])
+            except CodecError:
+                return None
         cols = Columns(out[:int(starts[-1])], starts, tuple(self._shapes.tolist()))
-        if fuse is not None and fused is None and not dry and k == SPEC_WORDS:  # another shape: aimed, once more
-            fused = self.fused.apply(cols, v[4:4 + k], *fuse, again=True)
-        return (cols, out[:(len(frame) - data_at) // 8], data_at, [int(v[0]), bool(v[1]), [], v[4:4 + k].tolist()],
-                fused)
+        words = v[VALS_HEAD:VALS_HEAD + k]
+        if fuse is not None and fused is None and not dry and k == SPEC_WORDS and not v[6]:  # another shape: aimed, once more
+            fused = self.fused.apply(cols, words, *fuse, again=True)
+        return cols, out[:(len(frame) - data_at) // 8], data_at, [int(v[0]), bool(v[1]), ids, words.tolist()], fused
 
 
 def fixed_head(fingerprint: bytes) -> np.ndarray:
@@ -227,26 +236,29 @@ def fixed_head(fingerprint: bytes) -> np.ndarray:
 def send_step(ch: Any, key: tuple, log: OpLog, digest: np.ndarray, step: int, check: bool, fixed: np.ndarray) -> bool:
     """The driver's step frame of ``log``'s columns and ``digest`` (values ``[step, check,
     request ids, spec words]``) through ``ch`` (its ``FrameChannel``): the common frame (the
-    layout every follower holds, no checksum, no added request) written whole by ONE compiled
-    call into the slot (:func:`~.step_write_njit.write_step_frame`; ``fixed``:
-    :func:`fixed_head`), any other through the codec (``prepare`` / ``publish``), the region
-    packed straight into the slot either way. True when the compiled call wrote it."""
+    layout every follower holds, no checksum) written whole by ONE compiled call into the slot
+    (:func:`~.step_write_njit.write_step_frame`; ``fixed``: :func:`fixed_head`; the request ids,
+    if any, as the codec's bytes), any other through the codec (``prepare`` / ``publish``), the
+    region packed straight into the slot either way. True when the compiled call wrote it."""
     lid, _, lblock = ch.writer.layout(key)
-    common = not (lblock or ch.checksum or log.req_ids) and step < 1 << 63
+    common = not (lblock or ch.checksum) and step < 1 << 63
+    ids = _NO_IDS
     if common:
         try:
             words = np.array(log.specs, np.int64)
-        except OverflowError:  # a spec value past int64: the codec writes it, the followers name it
+            if log.req_ids:  # ints and strs (the recorder's rule); one the codec refuses it names below
+                ids = np.frombuffer(encode_body(log.req_ids, made=True), np.uint8)
+        except (OverflowError, ValueError):  # a spec value past int64, an unencodable id: the codec
             common = False
     if common:
         flat, off, n, dims, starts = log.buffers
-        total, vlen = step_frame_size(flat, off, n, digest, WIDTHS, dims, starts, step, words)
+        total, vlen = step_frame_size(flat, off, n, digest, WIDTHS, dims, starts, step, words, ids)
         if vlen <= MAX_VALUES_BYTES:
             data_at = blocks_at(0, vlen, len(dims))[1]
 
             def write_all(view: memoryview, frame_step: int) -> None:
                 got = write_step_frame(np.frombuffer(view, np.uint8), np.frombuffer(view, np.int64, total, data_at),
-                                       fixed, lid, frame_step, step, check, words, dims, flat, off, n, digest,
+                                       fixed, lid, frame_step, step, check, ids, words, dims, flat, off, n, digest,
                                        WIDTHS, starts)
                 if got != total:
                     raise RuntimeError("ReplicatedBatchState: the step's columns changed between their layout and pack")
@@ -323,11 +335,11 @@ def _warm() -> None:
     log.batch_spec(False, np.array([slot]), _NO_FREE[0], _NO_FREE[0], 0, True, -2)
     flat, off, n, dims, starts = log.buffers
     words, digest = np.array(log.specs, np.int64), np.zeros((0, 4), np.int64)
-    total, vlen = step_frame_size(flat, off, n, digest, WIDTHS, dims, starts, 1, words)
+    total, vlen = step_frame_size(flat, off, n, digest, WIDTHS, dims, starts, 1, words, _NO_IDS)
     data_at = blocks_at(0, vlen, len(dims))[1]
     frame = bytearray(data_at + pack_up(8 * total))
     write_step_frame(np.frombuffer(frame, np.uint8), np.frombuffer(frame, np.int64, total, data_at), r._fixed, 0, 1,
-                     1, False, words, dims, flat, off, n, digest, WIDTHS, starts)
+                     1, False, _NO_IDS, words, dims, flat, off, n, digest, WIDTHS, starts)
     sink = DecodeSink(st.cfg, OutputArenas())
     r.read(memoryview(frame), 1, (st, sink), dry=True)
     r.read(memoryview(frame), 1, (st, sink))

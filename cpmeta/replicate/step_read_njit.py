@@ -1,7 +1,7 @@
 """A follower's common step frame read in ONE compiled call: the header, the values and the region.
 
 Most frames a ``ReplicatedBatchState`` follower receives are alike: the step layout it already
-holds (its id only), no checksum, no added request (values ``[step, check, [], spec words]``).
+holds (its id only), no checksum (values ``[step, check, request ids, spec words]``).
 :func:`read_step_frame` accepts exactly such a frame -- proving what the frame codec's parser
 proves for it (:func:`cpmeta.broadcast.wire.read_head`, the values block and its check, the
 dims, then :func:`~cpmeta.replicate.ops_njit.unpack_region`) -- and copies its region out; any
@@ -14,12 +14,13 @@ The header words (``cpmeta.broadcast.wire``, little-endian): magic, version and 
 the schema fingerprint at 8-24, layout id 24, frame crc 28, layout / values block lengths 32 /
 36, dims 40, meta crc 44, tensor bytes 48, step 56; the values block at 64; the shapes 8-aligned
 after it, the region 16-aligned after them. The values block is msgpack: a 4-array of an int
-(the replica's step), a bool, an empty array (no added request's id) and an array of ints.
+(the replica's step), a bool, an array of the added requests' ids (each an int64 or a str; the
+caller decodes those bytes with the codec) and an array of ints.
 
 Worked example: a decode step of 64 sequences, step 2 -> values bytes ``94 02 c2 90 97 00 00
-01 fe 40 00 00`` (``[2, False, [], [0, 0, 1, -2, 64, 0, 0]]``) -> ``vals[:11] = [2, 0, data_at,
-7, 0, 0, 1, -2, 64, 0, 0]``, the 26 dims in ``shapes``, the columns in ``out``, their starts in
-``starts``.
+01 fe 40 00 00`` (``[2, False, [], [0, 0, 1, -2, 64, 0, 0]]``) -> ``vals[:14] = [2, 0, data_at,
+7, 67, 68, 0, 0, 0, 1, -2, 64, 0, 0]`` (the ids' array at bytes 67-68 of the frame: ``90``, none),
+the 26 dims in ``shapes``, the columns in ``out``, their starts in ``starts``.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from .ops import BLK, CMP, COLUMNS, SPEC, SPEC_WORDS, TOK
 from .ops_njit import unpack_region
 from .replay_njit import S_SPEC, replay_decode
 
-__all__ = ["read_step_frame", "follow_decode", "replay_step", "ASK_PARSER", "FIXED_HEAD", "F_READ", "F_DONE", "F_PART"]
+__all__ = ["read_step_frame", "follow_decode", "replay_step", "ASK_PARSER", "FIXED_HEAD", "F_READ", "F_DONE", "F_PART",
+           "VALS_HEAD"]
 
 #: the frame is not the common step frame, or not a well-formed one: the codec's parser decides
 ASK_PARSER = 1
@@ -47,6 +49,8 @@ _LAST = len(COLUMNS) - 1  # batch_digest: no run reads it (nor ``runs``, column 
 #: header bytes every accepted frame begins with (magic, version, flags, fingerprint)
 FIXED_HEAD = 24
 _HEAD = HEADER.size
+#: ``vals`` words before the spec words: step, bool, data_at, k, ids_at, ids_end, ids
+VALS_HEAD = 7
 
 
 @kernel
@@ -81,15 +85,55 @@ def _int(buf: np.ndarray, at: int, end: int) -> tuple[int, int]:
 
 
 @kernel
+def _ids(buf: np.ndarray, at: int, end: int) -> tuple[int, int]:
+    """``(count, next)`` of the msgpack array at ``at`` whose items are int64s or strs (what a
+    request id is); ``next`` -1 when it is anything else, or runs past ``end``."""
+    if at >= end:
+        return 0, -1
+    b = buf[at]
+    if 0x90 <= b <= 0x9F:
+        n, at = np.int64(b - 0x90), at + 1
+    elif b == 0xDC and at + 3 <= end:
+        n, at = _be(buf, at + 1, 2), at + 3
+    elif b == 0xDD and at + 5 <= end:
+        n, at = _be(buf, at + 1, 4), at + 5
+    else:
+        return 0, -1
+    for _ in range(n):
+        if at >= end:
+            return 0, -1
+        b = buf[at]
+        if 0xA0 <= b <= 0xBF:  # fixstr
+            ln, at = np.int64(b - 0xA0), at + 1
+        elif b == 0xD9 and at + 2 <= end:  # str 8 / 16 / 32
+            ln, at = np.int64(buf[at + 1]), at + 2
+        elif b == 0xDA and at + 3 <= end:
+            ln, at = _be(buf, at + 1, 2), at + 3
+        elif b == 0xDB and at + 5 <= end:
+            ln, at = _be(buf, at + 1, 4), at + 5
+        else:
+            _, at = _int(buf, at, end)
+            if at < 0:
+                return 0, -1
+            continue
+        at += ln
+        if at > end:
+            return 0, -1
+    return n, at
+
+
+@kernel
 def read_step_frame(frame: np.ndarray, fixed: np.ndarray, lid: int, want: int, widths: np.ndarray,
                     vals: np.ndarray, shapes: np.ndarray, out: np.ndarray, starts: np.ndarray) -> int:
     """Accept ``frame`` (uint8) when it is the common step frame of step ``want``: its first
     :data:`FIXED_HEAD` bytes ``fixed`` (flags exactly ``FLAG_PACKED``: no layout block, no
     checksum, no abort), layout id ``lid``, ``len(shapes)`` dims, a meta crc that matches, values
-    ``[int, bool, [], [int, ...]]``, the region as ``unpack_region`` proves it. Writes ``vals``,
-    ``shapes``, the region into ``out[:len(region) // 8]`` and the columns' starts. ``vals``: the step, the
-    bool, where the region starts, the number ``k`` of spec words, then the ``k`` words. Returns
-    OK, or :data:`ASK_PARSER` (nothing to rely on written)."""
+    ``[int, bool, [int | str, ...], [int, ...]]``, the region as ``unpack_region`` proves it. Writes
+    ``vals``, ``shapes``, the region into ``out[:len(region) // 8]`` and the columns' starts.
+    ``vals``: the step, the bool, where the region starts, the number ``k`` of spec words, the
+    request ids' msgpack array (its bytes ``frame[ids_at:ids_end]``, ``ids`` items: the caller
+    decodes them), then the ``k`` words. Returns OK, or :data:`ASK_PARSER` (nothing to rely on
+    written)."""
     n = frame.shape[0]
     n_dims = shapes.shape[0]
     if n < _HEAD:
@@ -113,10 +157,14 @@ def read_step_frame(frame: np.ndarray, fixed: np.ndarray, lid: int, want: int, w
     if vlen < 5 or frame[at] != 0x94:  # a 4-array
         return ASK_PARSER
     vals[0], at = _int(frame, at + 1, end)
-    if at < 0 or at + 2 >= end or (frame[at] != 0xC2 and frame[at] != 0xC3) or frame[at + 1] != 0x90:
-        return ASK_PARSER  # the bool, then an empty array of request ids
+    if at < 0 or at + 2 >= end or (frame[at] != 0xC2 and frame[at] != 0xC3):
+        return ASK_PARSER  # the bool
     vals[1] = frame[at] - 0xC2
-    at += 2
+    vals[4] = at + 1
+    vals[6], at = _ids(frame, at + 1, end)  # the request ids
+    if at < 0 or at >= end:
+        return ASK_PARSER
+    vals[5] = at
     b = frame[at]
     if 0x90 <= b <= 0x9F:
         k, at = np.int64(b - 0x90), at + 1
@@ -124,11 +172,11 @@ def read_step_frame(frame: np.ndarray, fixed: np.ndarray, lid: int, want: int, w
         k, at = _be(frame, at + 1, 2), at + 3
     else:
         return ASK_PARSER
-    if 4 + k > vals.shape[0]:
+    if VALS_HEAD + k > vals.shape[0]:
         return ASK_PARSER
     vals[2], vals[3] = data_at, k
     for i in range(k):
-        vals[4 + i], at = _int(frame, at, end)
+        vals[VALS_HEAD + i], at = _int(frame, at, end)
         if at < 0:
             return ASK_PARSER
     if at != end:  # the values block holds nothing after the list
@@ -209,8 +257,11 @@ def follow_decode(frame: np.ndarray, fixed: np.ndarray, lid: int, want: int, wid
                   ) -> tuple[int, int, int, int, int, np.ndarray, np.ndarray, bool]:
     """A follower's whole decode step in ONE call: :func:`read_step_frame`, then
     :func:`replay_step` on what it read (``at`` .. ``dry`` are its). Returns
-    :data:`ASK_PARSER` (not read: nothing else) or what :func:`replay_step` returns."""
+    :data:`ASK_PARSER` (not read: nothing else), :data:`F_READ` for a frame with request ids
+    (read only: Python's replay adds them), or what :func:`replay_step` returns."""
     if read_step_frame(frame, fixed, lid, want, widths, vals, shapes, out, starts) != OK:
         return ASK_PARSER, 0, 0, 0, 0, np.zeros(0, np.int64), np.zeros(0, np.bool_), False
-    return replay_step(out, starts, vals[4:4 + vals[3]], at, check, meta, active, token_ids, block_table, compressed,
+    if vals[6] != 0:
+        return F_READ, 0, 0, 0, 0, np.zeros(0, np.int64), np.zeros(0, np.bool_), False
+    return replay_step(out, starts, vals[VALS_HEAD:VALS_HEAD + vals[3]], at, check, meta, active, token_ids, block_table, compressed,
                        p, mark, err, lookback, stack, nfree, scratch, k, table, raw, fo, shape, ferr, info, code, dry)

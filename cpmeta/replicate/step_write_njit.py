@@ -1,15 +1,17 @@
 """The driver's common step frame written in ONE compiled call: the header, the values, the region.
 
 The mirror of :mod:`.step_read_njit`: most frames a ``ReplicatedBatchState`` driver sends are
-alike -- the step layout every follower holds (its id only), no checksum, no added request
-(values ``[step, check, [], spec words]``). :func:`write_step_frame` writes such a frame whole
+alike -- the step layout every follower holds (its id only), no checksum (values ``[step, check,
+request ids, spec words]``). :func:`write_step_frame` writes such a frame whole
 into the ring slot, byte for byte what the frame codec writes for it (``FrameWriter.write``,
 ``encode_body``, ``OpLog.pack_into``, ``seal``; ``tests/test_step_write.py`` holds the two to
 each other), its padding zeroed; :func:`step_frame_size` gives the sizes the slot is reserved
-with first. Any other frame goes through the codec as before.
+with first. Any other frame (the first, with its layout block; a checksummed one; a spec value
+past int64) goes through the codec as before.
 
 The values block is msgpack as ``msgpack.Packer`` writes it: ``0x94`` (a 4-array), the step, a
-bool (``0xc2`` / ``0xc3``), ``0x90`` (no request id), the spec words' array (``0x90 | k`` up to 15,
+bool (``0xc2`` / ``0xc3``), the request ids' array (the codec's bytes for it, ``ids``: ``0x90``
+when none), the spec words' array (``0x90 | k`` up to 15,
 else ``0xdc`` and a big-endian uint16) and each word in its shortest form (positive: fixint, then
 ``0xcc`` .. ``0xcf``; negative: fixint from -32, then ``0xd0`` .. ``0xd3``). Worked example: step
 2, False, words ``[0, 0, 1, -2, 64, 0, 0]`` -> ``94 02 c2 90 97 00 00 01 fe 40 00 00`` (12 bytes).
@@ -57,10 +59,11 @@ def _put_int(buf: np.ndarray, at: int, v: int) -> int:
 
 
 @kernel
-def values_len(step: int, words: np.ndarray) -> int:
-    """Bytes of the values block ``[step, check, [], words]``."""
+def values_len(step: int, words: np.ndarray, ids: np.ndarray) -> int:
+    """Bytes of the values block ``[step, check, request ids, words]`` (``ids``: the ids' array
+    as msgpack bytes)."""
     k = words.shape[0]
-    n = 1 + _int_len(step) + 2 + (1 if k <= 15 else 3)
+    n = 1 + _int_len(step) + 1 + ids.shape[0] + (1 if k <= 15 else 3)
     for i in range(k):
         n += _int_len(words[i])
     return n
@@ -68,21 +71,22 @@ def values_len(step: int, words: np.ndarray) -> int:
 
 @kernel
 def step_frame_size(flat: np.ndarray, off: np.ndarray, n: np.ndarray, digest: np.ndarray, widths: np.ndarray,
-                    dims: np.ndarray, starts: np.ndarray, step: int, words: np.ndarray) -> tuple[int, int]:
+                    dims: np.ndarray, starts: np.ndarray, step: int, words: np.ndarray, ids: np.ndarray
+                    ) -> tuple[int, int]:
     """``(values in the region, values block bytes)`` of the step frame of the op log's columns
     (``OpLog.buffers``) and ``digest``; writes the frame's ``dims`` and the columns' ``starts``."""
     got = pack_region(flat, off, n, digest, widths, flat[:0], dims, starts)
-    return (-got if got < 0 else got), values_len(step, words)
+    return (-got if got < 0 else got), values_len(step, words, ids)
 
 
 @kernel
 def write_step_frame(frame: np.ndarray, region: np.ndarray, fixed: np.ndarray, lid: int, frame_step: int,
-                     step: int, check: bool, words: np.ndarray, dims: np.ndarray, flat: np.ndarray,
+                     step: int, check: bool, ids: np.ndarray, words: np.ndarray, dims: np.ndarray, flat: np.ndarray,
                      off: np.ndarray, n: np.ndarray, digest: np.ndarray, widths: np.ndarray,
                      starts: np.ndarray) -> int:
     """The whole frame into ``frame`` (uint8, the slot reserved for exactly it): header (the
     first 24 bytes ``fixed``, layout id ``lid``, frame number ``frame_step``), the values
-    ``[step, check, [], words]``, the dims, the region (``region``: an int64 view of ``frame``
+    ``[step, check, request ids, words]`` (``ids``: the ids' array as the codec's msgpack), the dims, the region (``region``: an int64 view of ``frame``
     where the region starts, as long as its values), the padding zeroed, the meta crc last.
     Returns the region's values written (``len(region)``, else the columns changed since
     :func:`step_frame_size`: ``-need``, the frame unsealed)."""
@@ -90,7 +94,7 @@ def write_step_frame(frame: np.ndarray, region: np.ndarray, fixed: np.ndarray, l
     if total != region.shape[0]:
         return -abs(total)
     n_dims = dims.shape[0]
-    vlen = values_len(step, words)
+    vlen = values_len(step, words, ids)
     shapes_at = (_HEAD + vlen + 7) // 8 * 8
     data_at = (shapes_at + 8 * n_dims + 15) // 16 * 16
     frame[:_FIXED] = fixed
@@ -103,8 +107,9 @@ def write_step_frame(frame: np.ndarray, region: np.ndarray, fixed: np.ndarray, l
     frame[_HEAD] = 0x94
     at = _put_int(frame, _HEAD + 1, step)
     frame[at] = 0xC3 if check else 0xC2
-    frame[at + 1] = 0x90
-    at += 2
+    at += 1
+    frame[at:at + ids.shape[0]] = ids
+    at += ids.shape[0]
     k = words.shape[0]
     if k <= 15:
         frame[at] = 0x90 | k

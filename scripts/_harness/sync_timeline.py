@@ -15,8 +15,8 @@ held its metadata last, the stages from the driver's ring commit on::
 
 where a follower's "read" is the compiled read of a common step frame (``StepReader.read``: the
 header, the values and the columns in one call; for a decode step of the shape it built last
-also the replay and the build: "steps built in the read" counts them), or for the other frames (with an added
-request) the parser's and ``read_region``'s ("parse", "columns": their own rows, over the steps
+also the replay and the build: "steps built in the read" counts them), or for the other frames (the
+first, checksummed ones) the parser's and ``read_region``'s ("parse", "columns": their own rows, over the steps
 that took that path; "frames read compiled" counts the compiled ones among the last followers'),
 
 with ``sync_metadata`` (a decode step's build inside the replay's call: "build" is then what the
