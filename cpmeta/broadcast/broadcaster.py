@@ -42,7 +42,7 @@ from .collect import collect, collect_dict
 from .follower import FollowerSide
 from .metrics import BroadcastMetrics, BroadcastStats
 from .outputs import all_cpu, check_out, copy_to_out, copy_views
-from .persistent import depth_of
+from .persistent import PersistentArenas, depth_of
 from .dict_schema import DictSchema
 from .schema import INPUT_METADATA, SCHEMA_FINGERPRINT, Schema
 from .wire import FLAG_PACKED, WireError
@@ -150,8 +150,6 @@ class MetadataBroadcaster(FollowerSide):
         self._pin = self.device.type == "cuda"
         self._persist: Any = None  # PersistentArenas with persistent_outputs
         if depth:
-            from .persistent import PersistentArenas
-
             self._persist = PersistentArenas(self.device, depth)
         self._metrics = BroadcastMetrics() if metrics else None
         self._warm_from = None

@@ -233,6 +233,10 @@ def fixed_head(fingerprint: bytes) -> np.ndarray:
     return np.frombuffer(head[:FIXED_HEAD], np.uint8)
 
 
+def _changed() -> RuntimeError:
+    return RuntimeError("ReplicatedBatchState: the step's columns changed between their layout and pack")
+
+
 def send_step(ch: Any, key: tuple, log: OpLog, digest: np.ndarray, step: int, check: bool, fixed: np.ndarray) -> bool:
     """The driver's step frame of ``log``'s columns and ``digest`` (values ``[step, check,
     request ids, spec words]``) through ``ch`` (its ``FrameChannel``): the common frame (the
@@ -261,7 +265,7 @@ def send_step(ch: Any, key: tuple, log: OpLog, digest: np.ndarray, step: int, ch
                                        fixed, lid, frame_step, step, check, ids, words, dims, flat, off, n, digest,
                                        WIDTHS, starts)
                 if got != total:
-                    raise RuntimeError("ReplicatedBatchState: the step's columns changed between their layout and pack")
+                    raise _changed()
 
             ch.publish_written(data_at + pack_up(8 * total), write_all)
             return True
@@ -270,7 +274,7 @@ def send_step(ch: Any, key: tuple, log: OpLog, digest: np.ndarray, step: int, ch
 
     def write(view: memoryview, addr: int, data_at: int) -> None:
         if log.pack_into(digest, np.frombuffer(view, np.int64, total, data_at)) != total:  # one compiled copy
-            raise RuntimeError("ReplicatedBatchState: the step's columns changed between their layout and pack")
+            raise _changed()
 
     ch.publish(prep, FLAG_PACKED, prep.exact, prep.region, write)
     return False
