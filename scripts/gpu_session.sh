@@ -31,7 +31,7 @@
 #                                            # this, alt), MODEL=seed|plain, WORKLOADS (default decode-64 decode-256)
 #   bash scripts/gpu_session.sh prefill      # the host's cores: steps with prompts (mixed, prompt), plain and
 #                                            # seed, worlds 2 and 8
-#   bash scripts/gpu_session.sh knobs        # world 8 decode-64 timeline: this / .alt / followers parking / not warming
+#   bash scripts/gpu_session.sh knobs        # world 8 decode-64 timeline: this / .alt / .alt2 / followers parking / not warming
 #   bash scripts/gpu_session.sh timeline     # the host's cores at world 8: replicate-defer's step as a
 #                                            # timeline (decode-64 / mixed / prompt, seed decode-64, .alt prompt)
 #   bash scripts/gpu_session.sh compare      # the host's cores, before / after in one run: the commit in
@@ -334,15 +334,16 @@ timeline)  # ~4 min: replicate-defer's step as a timeline at world 8 (profile_ph
       --defer --model $M --workload $W --steps 60 --out "$OUT/h200_wire.timeline-${V/:/-}.json"
   done
   ;;
-knobs)  # ~5 min: replicate-defer's decode-64 step as a timeline at world 8 (plain), this tree against
-  # .alt (git archive REV | tar -x -C .alt) in turn, and this tree with the followers parking at once
-  # (CPMETA_SHM_SPIN_US=0: begin_step's announce wakes them) or not warming while they spin (CPMETA_WARM=0)
-  [ -d .alt/scripts ] && (cd .alt && PYTHONPATH=$PWD python3 -c 'import cpmeta.jit as j; j.warm_all()')
+knobs)  # ~5 min (~7 with .alt2): replicate-defer's decode-64 step as a timeline at world 8 (plain), this
+  # tree against .alt (git archive REV | tar -x -C .alt) and an experiment tree in .alt2, if carried, in
+  # turn, and this tree with the followers parking at once (CPMETA_SHM_SPIN_US=0: begin_step's announce
+  # wakes them) or not warming while they spin (CPMETA_WARM=0)
+  for A in .alt .alt2; do [ -d $A/scripts ] && (cd $A && PYTHONPATH=$PWD python3 -c 'import cpmeta.jit as j; j.warm_all()'); done
   python3 -c 'import cpmeta.jit as j; j.warm_all()'
-  for V in alt:1 this:1 spin0:1 warm0:1 this:2 alt:2; do
+  for V in alt:1 this:1 alt2:1 spin0:1 warm0:1 alt2:2 this:2 alt:2; do
     IFS=: read -r K N <<<"$V"
     ROOT=$PWD; ENVS=""
-    case $K in alt) [ -d .alt/scripts ] || continue; ROOT=$PWD/.alt;; spin0) ENVS="CPMETA_SHM_SPIN_US=0";;
+    case $K in alt|alt2) [ -d .$K/scripts ] || continue; ROOT=$PWD/.$K;; spin0) ENVS="CPMETA_SHM_SPIN_US=0";;
       warm0) ENVS="CPMETA_WARM=0";; esac
     TAILN=3 step knobs_${K}_$N 60 env $ENVS PYTHONPATH="$ROOT" python3 "$ROOT/scripts/profile_phases.py" sync --world 8 \
       --defer --model plain --workload decode-64 --steps 80 --out "$OUT/h200_wire.knobs-$K-$N.json"
