@@ -443,28 +443,3 @@ def test_one_compiled_specialization_per_kernel() -> None:
     st.append_tokens(a, (3,))
     for k in (append_rows, gather_step, vouch_step):
         assert len(k.signatures) == 1, (k, k.signatures)
-
-
-def test_touch_reads_the_rows_a_decode_gather_reads_and_writes_nothing() -> None:
-    """``BatchState.touch`` (a follower's warm-up) reads one value per cache line of each live
-    slot's token window, table and Engram ids -- exactly those ranges (its sum says which values
-    it read) -- skips slots out of range and changes nothing."""
-    from cpmeta.state.state_njit import touch_rows
-
-    st = BatchState(CFG, max_seqs=4)
-    rng = np.random.default_rng(7)
-    a = st.add_request("a", rng.integers(1, 99, 40).tolist(), list(range(3)), 0, compressed_token_ids=list(range(1, 30)))
-    b = st.add_request("b", rng.integers(1, 99, 9).tolist(), [5], 1)
-    arrays = st.kernel_arrays()
-    before = [x.copy() for x in arrays]
-    slots = np.array([a, b, -1, 7], np.int64)
-    meta, _, tok, bt, comp, p = arrays[:6]
-    want, lb = 0, st.lookback
-    for s in (a, b):
-        nt, nb, nc = int(st.num_tokens[s]), int(st.num_blocks[s]), int(st.num_compressed[s])
-        lo = max(nt - lb - 8, 0)
-        want += int(tok[s, lo:nt:8].sum() + bt[s, 0:nb:8].sum() + comp[s, lo:min(nc, nt):8].sum())
-    assert touch_rows(slots, meta, tok, bt, comp, p) == want
-    st.touch(slots)
-    assert all(np.array_equal(x, y) for x, y in zip(arrays, before))
-    assert len(touch_rows.signatures) == 1

@@ -80,12 +80,6 @@ class DecodeSink:
         self.filled += 1
         return _metadata(self._tg, int(self._want[1]), int(self._want[0]), self._tg.info)
 
-    def touch(self) -> None:
-        """Read one byte per cache line of the arena the sink aims at (writes nothing): a
-        follower warming up for the step that fills it."""
-        if self._tg is not None:
-            self._tg.raw[::64].sum()
-
     def build(self, batch: SequenceBatch) -> InputMetadata:
         """``prepare_decode(batch, cfg, out=arenas)``; later steps aim at this batch's shape."""
         md = prepare_decode(batch, self.cfg, out=self.arenas)

@@ -63,7 +63,7 @@ __all__ = ["ReplicatedBatchState", "StepSpec", "DEFAULT_CHECK_EVERY"]
 #: steps between two whole-replica digest comparisons (a collective over the gloo group)
 DEFAULT_CHECK_EVERY = 64
 _NO_CHECK = np.zeros((0, 4), np.int64)  # the batch check of a step without a batch spec
-_DIGEST, _SPEC_SLOTS = COLUMNS.index("batch_digest"), COLUMNS.index("spec_slots")
+_DIGEST = COLUMNS.index("batch_digest")
 
 
 class ReplicatedBatchState(Recorder):
@@ -219,11 +219,9 @@ class ReplicatedBatchState(Recorder):
         return batches, mds
 
     def warm(self) -> None:
-        """Follower: read the rows of the last step's sequences and the arena its build fills
-        (``BatchState.touch``, ``DecodeSink.touch``), then replay, read-only, the last step's
-        receive -- its frame checks on the saved head (this rank's step count untouched), the
-        columns cut from a copy of its region, the compiled replay's call and the batch digests
-        (``apply.warm_replay``). The ring calls it
+        """Follower: replay, read-only, the last step's receive -- its frame checks on the saved
+        head (this rank's step count untouched), the columns cut from a copy of its region, the
+        compiled replay's call and the batch digests (``apply.warm_replay``). The ring calls it
         every ~100 us while this rank spins for its next step (``CPMETA_WARM``); it changes
         nothing a caller sees, and one that raises is not called again."""
         for _ in self._warm_pieces():
@@ -236,10 +234,6 @@ class ReplicatedBatchState(Recorder):
         if got is None:
             return
         head, step, region, cols, batches, sink, whole = got
-        self.state.touch(cols.col(_SPEC_SLOTS))  # first the bytes the step reads and writes (its
-        if sink is not None:  # sequences' rows, the arena): an idle core lost them
-            sink.touch()
-        yield
         batches[:] = batches_of(batches)  # (in place: they are rep.batches' too)
         frame = self._ch.recheck(head, step)
         yield

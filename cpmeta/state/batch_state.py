@@ -20,7 +20,7 @@ from .checks import as_int_array, bad_id, check_int_arg, ids_in_int32
 from .requests import RequestBook
 from .state_njit import (
     E_CHUNK, E_CHUNK_PASSES, E_DRAFT_ID, E_NEGATIVE_ID, E_NUM_DRAFTS, E_PREFILL, E_REPEAT, E_SLOT, K_BLOCKS,
-    K_COMPRESSED, K_TOKENS, append_rows, gather_step, touch_rows, vouch_step,
+    K_COMPRESSED, K_TOKENS, append_rows, gather_step, vouch_step,
 )
 
 __all__ = ["BatchState", "VouchedStep"]
@@ -249,11 +249,6 @@ class BatchState(RequestBook):
         """The ``SequenceBatch`` of a :func:`~cpmeta.state.state_njit.gather_step` result that a
         compiled caller got on this state (``cpmeta.replicate.replay_njit``)."""
         return _batch_of(buf, ph, self._vouch if vouched else None, is_prompt, self.lookback)
-
-    def touch(self, slots: np.ndarray) -> None:
-        """Read (one value per cache line) the rows a decode gather of ``slots`` (int64) reads:
-        a follower warming up for its next step (writes nothing)."""
-        touch_rows(slots, self._meta, self.token_ids, self.block_table, self.compressed, self._p)
 
     def vouch_decode(self, slots: np.ndarray, draft_tokens: Optional[np.ndarray] = None,
                      num_drafts: Optional[np.ndarray | int] = None) -> Optional[VouchedStep]:

@@ -25,7 +25,7 @@ from ..constants import INT32_MAX
 from ..base_njit import blocks_needed_one, copy_from0, copy_ids, fail as _fail
 from ..jit import OK, kernel, warmer
 
-__all__ = ["append_rows", "gather_step", "touch_rows", "gathered_parts", "vouch_step", "check_slots", "state_params", "K_TOKENS", "K_BLOCKS",
+__all__ = ["append_rows", "gather_step", "gathered_parts", "vouch_step", "check_slots", "state_params", "K_TOKENS", "K_BLOCKS",
            "K_COMPRESSED", "M_TOKENS", "M_COMPUTED", "M_PROMPT", "M_BLOCKS", "M_COMPRESSED", "M_STATE",
            "M_VALID_START", "M_FIRST_BAD", "NO_BAD", "N_META", "E_SLOT", "E_REPEAT", "E_COUNTS", "E_CAPACITY", "E_NEGATIVE_ID",
            "E_CHUNK", "E_CHUNK_PASSES", "E_NUM_DRAFTS", "E_DRAFT_ID", "E_PREFILL"]
@@ -350,26 +350,6 @@ def vouch_step(slots: np.ndarray, q: np.ndarray, k_all: int, meta: np.ndarray, a
     return True
 
 
-@kernel
-def touch_rows(slots: np.ndarray, meta: np.ndarray, token_ids: np.ndarray, block_table: np.ndarray,
-               compressed: np.ndarray, p: np.ndarray) -> int:
-    """Read one int64 per cache line of what a decode gather of ``slots`` reads (each live
-    slot's counts, token window, table and Engram ids); writes nothing. A follower's warm-up
-    for its next step: rows its caches lost while it idled."""
-    acc, lb = 0, p[P_LOOKBACK]
-    for s in slots:
-        if 0 <= s < meta.shape[1]:
-            nt = meta[M_TOKENS, s]
-            lo = max(nt - lb - 8, 0)
-            for j in range(lo, nt, 8):
-                acc += token_ids[s, j]
-            for j in range(0, meta[M_BLOCKS, s], 8):
-                acc += block_table[s, j]
-            for j in range(lo, min(meta[M_COMPRESSED, s], nt), 8):
-                acc += compressed[s, j]
-    return acc
-
-
 @warmer
 def _warm() -> None:
     """Each kernel once on a 2-slot state (plain, block 16)."""
@@ -391,4 +371,3 @@ def _warm() -> None:
                 active, tok, bt, comp, p, mark, err)
     vouch_step(np.arange(2, dtype=np.int64), one, 0, meta, active, tok, bt, p, mark, err, np.zeros(2, np.int64),
                np.zeros(2, np.int64))
-    touch_rows(np.arange(2, dtype=np.int64), meta, tok, bt, comp, p)
