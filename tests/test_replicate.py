@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -65,10 +65,15 @@ def _counting(pieces: Any, out: dict, rep: Any) -> Any:
 
 
 def _trace_rank(rank: int, world: int, seed: int, cfg_name: str, steps: int, max_seqs: int,
-                defer: bool = False, announce: bool = False, metadata: bool = False) -> dict:
+                defer: bool = False, announce: bool = False, metadata: bool = False,
+                bulk: Optional[int] = None) -> dict:
     import cpmeta
+    import cpmeta.replicate.replicated as replicated
     from cpmeta.launch.strategies import SchedulerTee
     from replicate_trace import drive
+
+    if bulk is not None:  # frames above ``bulk`` bytes get the short warm (a prompt step's)
+        replicated.WARM_BULK_BYTES = bulk
 
     cfg = _config(cfg_name)
     out: dict = {"digests": [], "refusals": [], "ref": [], "mine": [], "mirrors": [], "warmed": 0, "warm_done": 0,
@@ -174,16 +179,19 @@ def test_named_trace_over_the_process_group_and_with_checksums(env: dict[str, st
     assert (out[0]["written"] == 0) == ("CPMETA_CHECKSUM" in env), out[0]["written"]
 
 
-@pytest.mark.parametrize("defer,metadata", [(False, False), (True, False), (True, True)])
-def test_followers_warming_for_announced_steps_change_nothing(defer: bool, metadata: bool) -> None:
+@pytest.mark.parametrize("defer,metadata,bulk", [(False, False, None), (True, False, None), (True, True, None),
+                                                 (True, True, 0)])
+def test_followers_warming_for_announced_steps_change_nothing(defer: bool, metadata: bool,
+                                                              bulk: Optional[int]) -> None:
     """Followers spinning for announced steps replay the last step's receive read-only
     (``ReplicatedBatchState.warm``: frame checks, columns, the replay's call, batch digests)
     dozens of times a step: every rank still builds the driver's metadata every step (and the
     replicas still compare equal every 16 steps), and the warm hook ran -- it was never dropped
     for raising. ``metadata``: ``sync_metadata``, its batches built in the replay's call left
-    unmade until read (by the warm, on most steps)."""
+    unmade until read (by the warm, on most steps). ``bulk`` 0: every frame counts as a prompt
+    step's (``WARM_BULK_BYTES``), warmed by the head check and the replay's entry alone."""
     # world 2: a follower warms only with a core of its own (2 ranks on a 2-core machine)
-    out = run_ranks(_trace_rank, 2, 11, "seed", 120, 9, defer, True, metadata, timeout=240)
+    out = run_ranks(_trace_rank, 2, 11, "seed", 120, 9, defer, True, metadata, bulk, timeout=240)
     _check_trace(out)
     assert out[1]["warmed"] >= 120, out[1]["warmed"]
     # the ring ran the hook's pieces to their end (a warm the frame did not cut short)

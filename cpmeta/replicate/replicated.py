@@ -64,6 +64,9 @@ __all__ = ["ReplicatedBatchState", "StepSpec", "DEFAULT_CHECK_EVERY"]
 DEFAULT_CHECK_EVERY = 64
 _NO_CHECK = np.zeros((0, 4), np.int64)  # the batch check of a step without a batch spec
 _DIGEST = COLUMNS.index("batch_digest")
+#: a step frame's region above which the warm only rechecks its head and enters the replay (a
+#: prompt step's copies and digests cost the spinning core more than they save the next step)
+WARM_BULK_BYTES = 64 << 10
 
 
 class ReplicatedBatchState(Recorder):
@@ -237,6 +240,9 @@ class ReplicatedBatchState(Recorder):
         batches[:] = batches_of(batches)  # (in place: they are rep.batches' too)
         frame = self._ch.recheck(head, step)
         yield
+        if region.nbytes > WARM_BULK_BYTES:  # a step with prompts: its bulk copies and digests
+            yield from warm_replay(self.state, cols, [], sink)  # would evict more than they warm
+            return
         h = frame.head
         read_region(frame, np.frombuffer(head, np.int64, h.n_dims, h.shapes_at), region.view(np.uint8))
         yield
