@@ -353,7 +353,12 @@ def test_bad_backend_and_device() -> None:
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_triton_kernels_in_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    import cpmeta
+
+    # the subprocess imports the cpmeta this process runs (a checkout run without an install too)
+    here = str(Path(cpmeta.__file__).resolve().parents[1])
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, (here, os.environ.get("PYTHONPATH"))))}
     root = Path(__file__).resolve().parent
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), "--interpret"], env=env, cwd=root.parent,

@@ -363,7 +363,12 @@ def test_blocks_of_equals_blocks_needed(max_model_len: int) -> None:
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_triton_kernels_in_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    import cpmeta
+
+    # the subprocess imports the cpmeta this process runs (a checkout run without an install too)
+    here = str(Path(cpmeta.__file__).resolve().parents[1])
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, (here, os.environ.get("PYTHONPATH"))))}
     proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--interpret"], env=env,
                           cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
