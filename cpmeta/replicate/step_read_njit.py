@@ -85,41 +85,38 @@ def _int(buf: np.ndarray, at: int, end: int) -> tuple[int, int]:
 
 
 @kernel
+def _len(buf: np.ndarray, at: int, end: int, fix: int, top: int, c8: int, c16: int, c32: int) -> tuple[int, int]:
+    """``(length, next)`` of the msgpack array or str header at ``at``: a fix form ``fix`` ..
+    ``top`` (the length in its low bits), or the code ``c8`` / ``c16`` / ``c32`` and a big-endian
+    1 / 2 / 4-byte length (``c8`` -1: no such form); ``next`` -1 for anything else or past ``end``.
+    Example: arrays ``(0x90, 0x9F, -1, 0xDC, 0xDD)``, ``dc 00 12`` -> ``(18, at + 3)``."""
+    if at >= end:
+        return 0, -1
+    b = np.int64(buf[at])
+    if fix <= b <= top:
+        return b - fix, at + 1
+    w = 1 if b == c8 else 2 if b == c16 else 4 if b == c32 else 0
+    if w == 0 or at + 1 + w > end:
+        return 0, -1
+    return _be(buf, at + 1, w), at + 1 + w
+
+
+@kernel
 def _ids(buf: np.ndarray, at: int, end: int) -> tuple[int, int]:
     """``(count, next)`` of the msgpack array at ``at`` whose items are int64s or strs (what a
     request id is); ``next`` -1 when it is anything else, or runs past ``end``."""
-    if at >= end:
-        return 0, -1
-    b = buf[at]
-    if 0x90 <= b <= 0x9F:
-        n, at = np.int64(b - 0x90), at + 1
-    elif b == 0xDC and at + 3 <= end:
-        n, at = _be(buf, at + 1, 2), at + 3
-    elif b == 0xDD and at + 5 <= end:
-        n, at = _be(buf, at + 1, 4), at + 5
-    else:
-        return 0, -1
+    n, at = _len(buf, at, end, 0x90, 0x9F, -1, 0xDC, 0xDD)
     for _ in range(n):
-        if at >= end:
-            return 0, -1
-        b = buf[at]
-        if 0xA0 <= b <= 0xBF:  # fixstr
-            ln, at = np.int64(b - 0xA0), at + 1
-        elif b == 0xD9 and at + 2 <= end:  # str 8 / 16 / 32
-            ln, at = np.int64(buf[at + 1]), at + 2
-        elif b == 0xDA and at + 3 <= end:
-            ln, at = _be(buf, at + 1, 2), at + 3
-        elif b == 0xDB and at + 5 <= end:
-            ln, at = _be(buf, at + 1, 4), at + 5
-        else:
+        if at < 0:
+            break
+        ln, nxt = _len(buf, at, end, 0xA0, 0xBF, 0xD9, 0xDA, 0xDB)
+        if nxt < 0:  # not a str: an int64, else refused
             _, at = _int(buf, at, end)
-            if at < 0:
-                return 0, -1
-            continue
-        at += ln
-        if at > end:
-            return 0, -1
-    return n, at
+        elif nxt + ln <= end:
+            at = nxt + ln
+        else:
+            at = -1
+    return (n, at) if at >= 0 else (0, -1)
 
 
 @kernel
@@ -165,14 +162,8 @@ def read_step_frame(frame: np.ndarray, fixed: np.ndarray, lid: int, want: int, w
     if at < 0 or at >= end:
         return ASK_PARSER
     vals[5] = at
-    b = frame[at]
-    if 0x90 <= b <= 0x9F:
-        k, at = np.int64(b - 0x90), at + 1
-    elif b == 0xDC and at + 3 <= end:
-        k, at = _be(frame, at + 1, 2), at + 3
-    else:
-        return ASK_PARSER
-    if VALS_HEAD + k > vals.shape[0]:
+    k, at = _len(frame, at, end, 0x90, 0x9F, -1, 0xDC, 0xDD)  # the spec words
+    if at < 0 or VALS_HEAD + k > vals.shape[0]:
         return ASK_PARSER
     vals[2], vals[3] = data_at, k
     for i in range(k):
