@@ -17,9 +17,7 @@ import dataclasses
 import importlib.util
 import os
 import random
-import subprocess
 import sys
-from pathlib import Path
 from typing import Any, Optional
 
 import pytest
@@ -353,19 +351,9 @@ def test_bad_backend_and_device() -> None:
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_triton_kernels_in_interpreter() -> None:
-    import cpmeta
+    from triton_interpret import run_interpreted
 
-    # the subprocess imports the cpmeta this process runs (a checkout run without an install too)
-    here = str(Path(cpmeta.__file__).resolve().parents[1])
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, (here, os.environ.get("PYTHONPATH"))))}
-    root = Path(__file__).resolve().parent
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--interpret"], env=env, cwd=root.parent,
-        capture_output=True, text=True, timeout=240,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "interpreter cases passed" in proc.stdout
+    run_interpreted(__file__, "interpreter cases passed")
 
 
 def _filled_out(cfg: MetadataConfig, n_cap: int, q_cap: int, fill: int) -> dict[str, torch.Tensor]:

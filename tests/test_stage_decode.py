@@ -13,12 +13,9 @@ state arrays must be what ``DecodeStaging.stage(state.decode_batch(...))`` write
 from __future__ import annotations
 
 import importlib.util
-import os
 import random
 import re
-import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -363,16 +360,9 @@ def test_blocks_of_equals_blocks_needed(max_model_len: int) -> None:
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_triton_kernels_in_interpreter() -> None:
-    import cpmeta
+    from triton_interpret import run_interpreted
 
-    # the subprocess imports the cpmeta this process runs (a checkout run without an install too)
-    here = str(Path(cpmeta.__file__).resolve().parents[1])
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, (here, os.environ.get("PYTHONPATH"))))}
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--interpret"], env=env,
-                          cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "interpreter steps passed" in proc.stdout
+    run_interpreted(__file__, "interpreter steps passed")
 
 
 def _interpreter_main() -> None:
