@@ -258,6 +258,33 @@ def _planted(rank: int, world: int, where: str) -> str:
     return "not caught"
 
 
+def _store_keys_rank(rank: int, world: int) -> list[int]:
+    """40 steps with a replica check every 2nd: the rendezvous store's key count after each check."""
+    import cpmeta
+    from cpmeta.transport._dist import store_of
+    from replicate_trace import drive
+
+    cfg = _config("plain")
+    rng = random.Random(5)
+    counts = []
+    with cpmeta.ReplicatedBatchState(cfg, 6, max_tokens=1024, check_every=2, timeout=30) as rep:
+        for step in range(1, 41):
+            if rank == 0:
+                drive(rep, cfg, rng, [])
+            rep.sync()
+            if step % 2 == 0:
+                counts.append(store_of().num_keys())
+    return counts
+
+
+def test_replica_checks_leave_one_check_of_keys_in_the_store() -> None:
+    """Each check's digests meet in the rendezvous store; a rank deletes its keys of the last
+    check at the next, so a long run does not grow the store (it held 4 keys more per check)."""
+    out = run_ranks(_store_keys_rank, 2, timeout=120)
+    for counts in out:
+        assert len(counts) == 20 and max(counts[2:]) == min(counts[2:]), counts
+
+
 @pytest.mark.parametrize("where", ["last token", "history"])
 def test_planted_divergence_is_caught_and_named(where: str) -> None:
     from multiproc import spawn_ranks

@@ -1,4 +1,4 @@
-"""The per-step batch check's kernels: one 64-bit digest per (sequence, part) of a step's batch.
+"""The replicated state's digests: one per (sequence, part) of a step's batch, one per replica slot.
 
 A step's ``SequenceBatch`` holds everything its build reads; the replicated state compares, every
 step, the driver's digests with each follower's (``cpmeta.replicate.digest.batch_check``). A
@@ -17,8 +17,12 @@ Worked example: one sequence ``seqlen_q = 1, seqlen_k = 5, num_tokens = 5, state
 words ``[1, 5, 5, 0, 0, 0]``, part 1 ``[1, 7]``, part 2 ``[2, 3, 4]``, part 3 ``[0]``; a replica
 whose table reads ``[3, 9]`` differs in part 2 only.
 
-crc32 and this digest both catch accidental divergence (a lost op, a stray write), not an
-adversary; this one runs at about a word per cycle (four lanes) inside the kernel, no copies.
+:func:`replica_slot_digests` is the periodic whole-replica check's (``cpmeta.replicate.digest``):
+one digest per slot of its counts and, in the check's band, its whole rows; :func:`fold` makes
+one int of them.
+
+These digests catch accidental divergence (a lost op, a stray write), not an adversary; they run
+at about a word per cycle (four lanes) inside the kernel, no copies.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import numpy as np
 
 from ..jit import kernel, warmer
 
-__all__ = ["PARTS", "seq_digests"]
+__all__ = ["PARTS", "seq_digests", "replica_slot_digests", "fold"]
 
 #: what each column of a digest row covers, in order
 PARTS = ("lengths and ids", "token window", "block table", "compressed window")
@@ -99,6 +103,33 @@ def seq_digests(out: np.ndarray, seqlen_q: np.ndarray, seqlen_k: np.ndarray, num
         out[s, 3] = _run(compressed, compressed_offsets[s], compressed_offsets[s + 1])
 
 
+@kernel
+def replica_slot_digests(out: np.ndarray, meta: np.ndarray, n_counts: int, active: np.ndarray,
+                         token_ids: np.ndarray, block_table: np.ndarray, compressed: np.ndarray, lo: int,
+                         hi: int) -> None:
+    """One digest per slot of a replica into ``out`` ``[max_seqs]``: the slot's counts (the first
+    ``n_counts`` rows of ``meta``, then ``active``) and, for the slots of the band ``[lo, hi)``,
+    its whole rows of ``token_ids``, ``block_table`` and ``compressed`` (stale ids past the
+    counts included), each row a :func:`_run`."""
+    zero = np.int64(0)
+    for s in range(out.shape[0]):
+        h = _BASIS
+        for m in range(n_counts):
+            h = _word(h, meta[m, s])
+        h = _word(h, np.int64(1) if active[s] else zero)
+        if lo <= s < hi:
+            h = _word(h, _run(token_ids[s], zero, np.int64(token_ids.shape[1])))
+            h = _word(h, _run(block_table[s], zero, np.int64(block_table.shape[1])))
+            h = _word(h, _run(compressed[s], zero, np.int64(compressed.shape[1])))
+        out[s] = _final(h)
+
+
+@kernel
+def fold(digests: np.ndarray) -> np.int64:
+    """One digest of a digest array (:func:`_run` over it)."""
+    return _run(digests, np.int64(0), np.int64(digests.shape[0]))
+
+
 @warmer
 def _warm() -> None:
     """The kernel on the module docstring's one sequence."""
@@ -107,3 +138,6 @@ def _warm() -> None:
     seq_digests(out, one, one * 5, one * 5, one * 0, one * 0, np.zeros(1, np.bool_), one * 7,
                 np.array([0, 1], np.int64), one[:0], np.zeros(2, np.int64), np.array([3, 4], np.int64),
                 np.array([0, 2], np.int64))
+    rows, per = np.zeros((1, 2), np.int64), np.zeros(1, np.int64)
+    replica_slot_digests(per, rows, 1, np.zeros(1, np.bool_), rows, rows, np.zeros((1, 0), np.int64), 0, 1)
+    fold(per)

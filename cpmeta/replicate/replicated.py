@@ -52,8 +52,7 @@ from ..state import BatchState, SequenceBatch
 from ..broadcast.channel import FrameChannel, resolve_src
 from ..transport.envs import ENV_TIMEOUT
 from .apply import ReplicaError, apply_step, batches_of, one_or_many, warm_replay
-from .digest import (N_BANDS, batch_check, first_difference, replica_digest, slot_digests, snapshot,
-                     where_differs)
+from .digest import N_BANDS, batch_check, first_difference, replica_digest, slot_digests, where_differs
 from .ops import COLUMNS, Columns
 from .recorder import Recorder, StepSpec, specs_of
 from .step_frame import STEP_SCHEMA, StepReader, fixed_head, read_region, receive_step, send_step, state_fingerprint, step_key
@@ -141,8 +140,7 @@ class ReplicatedBatchState(Recorder):
         self._prev_check = _NO_CHECK  # defer_apply: this rank's batch check of the last step
         self._specs: Optional[tuple[StepSpec, ...]] = ()  # a follower's made when read (~20 us) from
         self._specs_at = self._prev_specs_at = None  # type: Any  # its frame's (columns, spec words)
-        self._spec_digest: Optional[int] = None  # driver: the replica digest at spec time,
-        self._spec_snap: Any = None  # and what it covered (digest.snapshot)
+        self._spec_slots: Optional[np.ndarray] = None  # driver: the per-slot digests at spec time
         self._broken: Optional[str] = None  # why this replica refuses further steps
         self.step, self._closed = 0, False  # steps synced so far; close() called
         self._warm_from: Any = None  # (head bytes, step, its whole region, columns, batches, sink, [frame])
@@ -274,10 +272,9 @@ class ReplicatedBatchState(Recorder):
             self._hold_digest(step)
 
     def _hold_digest(self, step: int) -> None:
-        """Driver: this replica's digest for step ``step``'s check, and what it covered (the
-        slow path names the first differing request from it)."""
-        self._spec_digest = replica_digest(self.state, self._band(step))
-        self._spec_snap = snapshot(self.state, self._band(step))
+        """Driver: this replica's per-slot digests for step ``step``'s check (the slow path
+        names the first differing request from them)."""
+        self._spec_slots = slot_digests(self.state, self._band(step))
 
     def _band(self, step: int) -> int:
         return (step // max(self.check_every, 1)) % N_BANDS
@@ -372,9 +369,9 @@ class ReplicatedBatchState(Recorder):
         raises."""
         ctrl = self._ch.objects.ctrl
         ranks = dist.get_process_group_ranks(ctrl)
-        band = self._band(step)
-        digest = self._spec_digest if self._spec_digest is not None else replica_digest(self.state, band)
-        held, self._spec_digest, self._spec_snap = self._spec_snap, None, None
+        held, self._spec_slots = self._spec_slots, None
+        per_slot = held if held is not None else slot_digests(self.state, self._band(step))
+        digest = replica_digest(per_slot)
         from cpmeta.transport import gather_ints  # cpmeta -> transport only
 
         try:  # bounded by the timeout; a rank that never reports is named
@@ -386,7 +383,6 @@ class ReplicatedBatchState(Recorder):
         if len(set(got.values())) == 1:
             return
         # the slow path: every rank's per-slot digests (the driver's as of the step's spec)
-        per_slot = slot_digests(held if held is not None else snapshot(self.state, band))
         rows = [torch.zeros(self.state.max_seqs, dtype=torch.int64) for _ in ranks]
         dist.all_gather(rows, torch.from_numpy(per_slot), group=ctrl)
         ref = rows[ranks.index(self.src)].numpy()

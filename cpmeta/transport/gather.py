@@ -6,8 +6,11 @@ member would end in gloo's own error after the process group's timeout, naming a
 every member sets its value under ``<channel key>/<tag>/<rank>`` in torch.distributed's default
 store and waits for the others' within ``timeout`` on a helper thread, then marks it read and
 waits until every member has read (so the member hosting the store cannot leave early); a member
-whose key never came is named (``TimeoutError``: "rank 2 (host b) did not report ..."). Without a default store
-it falls back to a gloo all_gather bounded by the same timeout (which cannot say who is missing).
+whose key never came is named (``TimeoutError``: "rank 2 (host b) did not report ..."). Each
+member deletes its keys of the channel's previous gather once every member's value of this one
+is in (every member has then left the previous one), so the store holds one gather's keys per
+channel however long the run. Without a default store it falls back to a gloo all_gather bounded
+by the same timeout (which cannot say who is missing).
 
 Example: ranks [0, 1, 2] of a channel, tag "check-64": every rank calls
 ``gather_ints(ch, "check-64", digest)`` and gets ``{0: d0, 1: d1, 2: d2}``.
@@ -29,6 +32,7 @@ from ._dist import store_of, wait_work
 __all__ = ["gather_ints"]
 
 _GRACE_S = 1.0  # a store op that outlives the wait by this much is abandoned (cut-off host)
+_MINE: dict[str, list[str]] = {}  # channel key -> this member's keys of its last gather
 
 
 def gather_ints(ch: Any, tag: str, value: int) -> dict[int, int]:
@@ -55,7 +59,12 @@ def gather_ints(ch: Any, tag: str, value: int) -> dict[int, int]:
             except Exception:  # noqa: BLE001 - torch raises DistStoreError or RuntimeError
                 box["absent"] = [r for r, k in keys.items() if not store.check([k])]
                 return
-            got = {r: int(bytes(store.get(k))) for r, k in keys.items()}
+            got = {r: int(bytes(v)) for r, v in zip(keys, store.multi_get(list(keys.values())))}
+            for k in _MINE.pop(ch.channel_key, ()):  # every member has left the previous gather
+                try:
+                    store.delete_key(k)
+                except (RuntimeError, NotImplementedError):  # a store that cannot delete keeps them
+                    pass
             # every member has read every value before any returns: the member hosting the store
             # may exit right after (a check on a run's last step) and take the values with it
             store.set(f"{keys[me]}/read", "1")
@@ -64,6 +73,7 @@ def gather_ints(ch: Any, tag: str, value: int) -> dict[int, int]:
             except Exception:  # noqa: BLE001 - as above
                 box["absent"] = [r for r, k in keys.items() if not store.check([f"{k}/read"])]
                 return
+            _MINE[ch.channel_key] = [keys[me], f"{keys[me]}/read"]
             box["got"] = got
         except Exception as e:  # noqa: BLE001 - handed to the caller
             box["error"] = e

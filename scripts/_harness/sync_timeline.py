@@ -98,9 +98,11 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
                         (replicated.ReplicatedBatchState, "_apply_deferred"),
                         (replicated.ReplicatedBatchState, "_sync"), (replicated.ReplicatedBatchState, "begin_step")):
         _stamp(stamps, owner, name)
-    cfg = plain_config() if args.model == "plain" else default_config()
+    mml = args.max_model_len
+    cfg = plain_config(max_model_len=mml) if args.model == "plain" else default_config(max_model_len=mml)
     trace = StepTrace(cfg, args.workload, 0)
-    rep = cpmeta.ReplicatedBatchState(cfg, trace.max_seqs, defer_apply=args.defer, timeout=args.timeout)
+    rep = cpmeta.ReplicatedBatchState(cfg, trace.max_seqs, defer_apply=args.defer, timeout=args.timeout,
+                                      check_every=args.check_every)
     if rep._ch.objects.ring is not None:  # noqa: SLF001 - the ring's commit is the frame's publish
         _stamp(stamps, rep._ch.objects.ring, "commit")  # noqa: SLF001
     arenas = cpmeta.OutputArenas()
@@ -118,6 +120,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
             stamps["record<"] = pc()
         rep.sync_metadata(arenas)  # the step, then what its replay did not build
         stamps["end"] = pc()
+        stamps["replica check"] = float(bool(args.check_every) and rep.step % args.check_every == 0)
         stamps["written compiled"] = float(rank == 0 and "prepare>" not in stamps)
         rows.append(dict(stamps))
     every: list[Any] = [None] * world
@@ -138,7 +141,12 @@ def summarize(every: list[list[dict[str, float]]]) -> dict[str, Any]:
     """p50 µs of each stage: the driver's, and the last follower's of each step."""
     drv, n = every[0], len(every[0])
     last = [max(range(1, len(every)), key=lambda r: every[r][i]["end"]) for i in range(n)] if len(every) > 1 else []
-    out: dict[str, Any] = {"end_to_end": _p50([max(r[i]["end"] for r in every) - drv[i]["t0"] for i in range(n)])}
+    e2e = [max(r[i]["end"] for r in every) - drv[i]["t0"] for i in range(n)]
+    out: dict[str, Any] = {"end_to_end": _p50(e2e)}
+    checks = [i for i in range(n) if drv[i].get("replica check")]
+    if checks:  # the steps that compare whole replicas, and the others
+        out["end_to_end_check_steps"] = _p50([e2e[i] for i in checks])
+        out["end_to_end_other_steps"] = _p50([e2e[i] for i in range(n) if i not in set(checks)])
     out["driver"] = {k: _p50([s[b] - s[a] for s in drv if a in s and b in s]) for k, a, b in DRIVER}
     out["driver"]["frames written compiled"] = f"{int(sum(s.get('written compiled', 0.0) for s in drv))}/{n}"
     if last:
@@ -170,7 +178,9 @@ def sync_main(args: argparse.Namespace, argv: list[str]) -> int:
     res = summarize(run_world_procs(args.world, args, rank_main))
     print(f"world {args.world} {args.model} {args.workload} defer_apply={args.defer} park {args.park_ms} ms, "
           f"p50 us over {args.steps} steps")
-    print(f"  end to end {res['end_to_end']}")
+    print(f"  end to end {res['end_to_end']}" + (f" (steps with a replica check {res['end_to_end_check_steps']}, "
+                                                   f"others {res['end_to_end_other_steps']})"
+                                                   if "end_to_end_check_steps" in res else ""))
     for side in ("driver", "last follower"):
         if side in res:
             print(f"  {side:13s} " + "  ".join(f"{k} {v}" for k, v in res[side].items()))
