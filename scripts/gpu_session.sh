@@ -27,6 +27,8 @@
 #                                            # the launcher, this tree against .alt), the staging writer
 #   bash scripts/gpu_session.sh pin          # the host's cores at world 8: each rank unbound / bound to a core
 #                                            # of its own / bound with a busy driver (bench_step --pin)
+#   bash scripts/gpu_session.sh park         # the host's cores at world 8: the driver asleep / spinning through
+#                                            # its gap (decode-64 / decode-256), a decode-256 timeline
 #   bash scripts/gpu_session.sh ab           # the host's cores at world 8: this tree against .alt (alt, this,
 #                                            # this, alt), MODEL=seed|plain, WORKLOADS (default decode-64 decode-256)
 #   bash scripts/gpu_session.sh prefill      # the host's cores: steps with prompts (mixed, prompt), plain and
@@ -163,6 +165,22 @@ pin)  # ~6 min: does a rank bound to a core of its own meet warmer caches? world
       mq-replicate --steps 60 --warmup 6 --budget 4 --no-cold --out "$OUT/h200_wire.pin-$M-$K-$N.json"
   done
   rm -f "$OUT"/*.png  # the device tool brings back at most 8 files
+  ;;
+park)  # ~5 min: is the driver's side of a step slow because its core slept through the gap? world 8,
+  # plain decode-64 / decode-256, replicate-defer and mq-replicate, the driver asleep (--park sleep,
+  # the default) or spinning (--park busy) through its 3 ms, in turn; then replicate-defer's decode-256
+  # step as a timeline (profile_phases.py sync: the driver's stages, the last follower's)
+  MQ=""; [ -d mq_bundle312 ] && MQ=":$PWD/mq_bundle312"
+  python3 -c 'import cpmeta.jit as j; j.warm_all()'
+  for V in sleep:1 busy:1 busy:2 sleep:2; do
+    IFS=: read -r K N <<<"$V"
+    TAILN=6 step park_${K}_$N 80 env PYTHONPATH="$PWD$MQ" VLLM_TARGET_DEVICE=cpu python3 scripts/bench_step.py \
+      --park $K --model plain --worlds 8 --workloads decode-64 decode-256 --strategies replicate-defer mq-replicate \
+      --steps 60 --warmup 6 --budget 4 --no-cold --out "$OUT/h200_wire.park-$K-$N.json"
+  done
+  TAILN=3 step timeline_d256 60 python3 scripts/profile_phases.py sync --world 8 --defer --model plain \
+    --workload decode-256 --steps 60 --out "$OUT/h200_wire.timeline-plain-decode-256.json"
+  rm -f "$OUT"/*.png
   ;;
 ab)  # ~3 min: this tree against the tree in .alt (git archive REV | tar -x -C .alt), ordered alt,
   # this, this, alt; world 8, $WORKLOADS (default decode-64 decode-256; "mixed prompt" for steps that
