@@ -35,7 +35,7 @@ from .digest_njit import PARTS, fold, replica_slot_digests, seq_digests
 __all__ = ["batch_check", "first_difference", "where_differs", "replica_digest", "slot_digests", "N_BANDS",
            "PARTS"]
 
-N_BANDS = 8  # row bands of replica_digest
+N_BANDS = 8  # row bands of slot_digests (every slot's rows are digested once every N_BANDS checks)
 _I64 = np.int64
 
 
