@@ -27,13 +27,15 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 import numpy as np
+import torch
+import torch.distributed as dist
 
 from ..state import BatchState, SequenceBatch
 from ..state.state_njit import M_FIRST_BAD
 from .digest_njit import PARTS, fold, replica_slot_digests, seq_digests
 
-__all__ = ["batch_check", "first_difference", "where_differs", "replica_digest", "slot_digests", "N_BANDS",
-           "PARTS"]
+__all__ = ["batch_check", "first_difference", "where_differs", "replica_digest", "slot_digests", "slots_differ",
+           "N_BANDS", "PARTS"]
 
 N_BANDS = 8  # row bands of slot_digests (every slot's rows are digested once every N_BANDS checks)
 _I64 = np.int64
@@ -130,3 +132,16 @@ def slot_digests(st: BatchState, band: int) -> np.ndarray:
 def replica_digest(per_slot: np.ndarray) -> int:
     """The one int of a replica's :func:`slot_digests` that the ranks compare."""
     return int(fold(per_slot))
+
+
+def slots_differ(per_slot: np.ndarray, group: Any, src: int, st: BatchState) -> str:
+    """Collective over ``group`` (every rank, after the replica digests differed): every rank's
+    :func:`slot_digests` gathered, and where each rank's first differs from the driver's (global
+    rank ``src``), in words: ``"rank 2 first differs at slot 3 (request 'b' here)"``."""
+    ranks = dist.get_process_group_ranks(group)
+    rows = [torch.zeros(len(per_slot), dtype=torch.int64) for _ in ranks]
+    dist.all_gather(rows, torch.from_numpy(per_slot), group=group)
+    ref = rows[ranks.index(src)].numpy()
+    bad = [(r, int(np.flatnonzero(t.numpy() != ref)[0])) for r, t in zip(ranks, rows)
+           if not np.array_equal(t.numpy(), ref)]
+    return "; ".join(f"rank {r} first differs at slot {s} (request {st.request_of(s)!r} here)" for r, s in bad)

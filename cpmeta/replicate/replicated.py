@@ -27,7 +27,8 @@ refused); every step, before ``sync()`` returns, each follower compares digests 
 its batch's build reads (per sequence: lengths and ids, the token window, the block table, the
 Engram window) with the driver's, so a replica that would build different metadata is refused
 AT that step; and every ``check_every`` steps the ranks compare digests of their whole replicas
-(``cpmeta.replicate.digest``). A mismatch is a ``RuntimeError`` naming the rank, the step and
+(``cpmeta.replicate.digest``; exchanged while the engine runs, the verdict at the next
+``sync()``). A mismatch is a ``RuntimeError`` naming the rank, the step and
 the first differing request, after which that replica refuses every further step.
 
 While a same-host follower spins for its next step it warms (:meth:`ReplicatedBatchState.warm`,
@@ -52,14 +53,16 @@ from ..state import BatchState, SequenceBatch
 from ..broadcast.channel import FrameChannel, resolve_src
 from ..transport.envs import ENV_TIMEOUT
 from .apply import ReplicaError, apply_step, batches_of, one_or_many, warm_replay
-from .digest import N_BANDS, batch_check, first_difference, replica_digest, slot_digests, where_differs
+from .digest import (N_BANDS, batch_check, first_difference, replica_digest, slot_digests, slots_differ,
+                     where_differs)
 from .ops import COLUMNS, Columns
 from .recorder import Recorder, StepSpec, specs_of
 from .step_frame import STEP_SCHEMA, StepReader, fixed_head, read_region, receive_step, send_step, state_fingerprint, step_key
 
 __all__ = ["ReplicatedBatchState", "StepSpec", "DEFAULT_CHECK_EVERY"]
 
-#: steps between two whole-replica digest comparisons (a collective over the gloo group)
+#: steps between two whole-replica digest comparisons (a collective through the rendezvous store,
+#: its verdict at the sync after the check's step)
 DEFAULT_CHECK_EVERY = 64
 _NO_CHECK = np.zeros((0, 4), np.int64)  # the batch check of a step without a batch spec
 _DIGEST = COLUMNS.index("batch_digest")
@@ -95,7 +98,8 @@ class ReplicatedBatchState(Recorder):
         device: where this rank's metadata is built (``self.device``; default the current CUDA
             device for an NCCL group, else CPU): the replica itself is host arrays.
         check_every: steps between whole-replica digest comparisons (0 = never; the per-step
-            batch digest always runs).
+            batch digest always runs); a check's digests are exchanged while the engine runs
+            and its verdict raised at the next :meth:`sync` on every rank, naming the check's step.
         defer_apply: the driver only RECORDS its calls (``add_request``'s slot predicted from
             the state's hand-out order), sends the step at :meth:`sync`, then applies it to its
             own replica like every follower, in parallel with them (vLLM's order: its workers
@@ -141,6 +145,7 @@ class ReplicatedBatchState(Recorder):
         self._specs: Optional[tuple[StepSpec, ...]] = ()  # a follower's made when read (~20 us) from
         self._specs_at = self._prev_specs_at = None  # type: Any  # its frame's (columns, spec words)
         self._spec_slots: Optional[np.ndarray] = None  # driver: the per-slot digests at spec time
+        self._checking: Any = None  # (step, per-slot digests, the gather under way) of the last check
         self._broken: Optional[str] = None  # why this replica refuses further steps
         self.step, self._closed = 0, False  # steps synced so far; close() called
         self._warm_from: Any = None  # (head bytes, step, its whole region, columns, batches, sink, [frame])
@@ -210,13 +215,15 @@ class ReplicatedBatchState(Recorder):
         if self._broken is not None:
             raise RuntimeError(f"rank {self.rank}: replica diverged earlier ({self._broken}); "
                                "rebuild the ReplicatedBatchState")
+        if self._checking is not None:  # the last replica check's verdict (every rank, here)
+            self._check_verdict(*self._checking)
         step = self.step + 1
         check = bool(self.check_every) and step % self.check_every == 0
         batches, mds = self._send(step, check, sink) if self.is_src else self._receive(step, sink)
         self.step = step
         self._got = batches
         if check:
-            self._check_replicas(step)
+            self._start_check(step)
         return batches, mds
 
     def warm(self) -> None:
@@ -362,34 +369,32 @@ class ReplicatedBatchState(Recorder):
                            f"(rank {self.src}) at {where}; the replicas diverged, this replica refuses "
                            "further steps")
 
-    def _check_replicas(self, step: int) -> None:
-        """Collective: every rank's replica digest (``transport.gather_ints``: bounded by the
-        timeout, an absent rank named); on a mismatch the per-slot digests (one gloo all_gather:
-        every rank is alive, it just reported) name the first differing request, and EVERY rank
-        raises."""
-        ctrl = self._ch.objects.ctrl
-        ranks = dist.get_process_group_ranks(ctrl)
+    def _start_check(self, step: int) -> None:
+        """Every rank, at a check step: this replica's per-slot digests (the driver's as of the
+        step's spec) folded into one int, gathered from every rank (``transport.start_gather``:
+        through the rendezvous store, bounded by the timeout) while the engine goes on; the
+        verdict is taken at the next :meth:`sync` (:meth:`_check_verdict`)."""
         held, self._spec_slots = self._spec_slots, None
         per_slot = held if held is not None else slot_digests(self.state, self._band(step))
-        digest = replica_digest(per_slot)
-        from cpmeta.transport import gather_ints  # cpmeta -> transport only
+        from cpmeta.transport import start_gather  # cpmeta -> transport only
 
+        self._checking = (step, per_slot, start_gather(self._ch.objects, f"replica-check-{step}",
+                                                       replica_digest(per_slot)))
+
+    def _check_verdict(self, step: int, per_slot: np.ndarray, gathering: Any) -> None:
+        """Collective (every rank at the sync after check step ``step``): every rank's replica
+        digest (an absent rank named); on a mismatch EVERY rank raises, naming the first
+        differing request (``digest.slots_differ``: every rank is alive, it just reported)."""
+        self._checking = None
         try:  # bounded by the timeout; a rank that never reports is named
-            got = gather_ints(self._ch.objects, f"replica-check-{step}", digest)
+            got = gathering.result()
         except TimeoutError as e:
             self._broken = f"step {step}: replica check: {e}"
             raise TimeoutError(f"ReplicatedBatchState rank {self.rank}: step {step}: replica check: "
                                f"{e}") from None
         if len(set(got.values())) == 1:
             return
-        # the slow path: every rank's per-slot digests (the driver's as of the step's spec)
-        rows = [torch.zeros(self.state.max_seqs, dtype=torch.int64) for _ in ranks]
-        dist.all_gather(rows, torch.from_numpy(per_slot), group=ctrl)
-        ref = rows[ranks.index(self.src)].numpy()
-        bad = [(r, int(np.flatnonzero(t.numpy() != ref)[0])) for r, t in zip(ranks, rows)
-               if not np.array_equal(t.numpy(), ref)]
-        where = "; ".join(f"rank {r} first differs at slot {s} (request "
-                          f"{self.state.request_of(s)!r} here)" for r, s in bad)
+        where = slots_differ(per_slot, self._ch.objects.ctrl, self.src, self.state)
         self._broken = f"step {step}: replica digests differ"
         raise RuntimeError(f"rank {self.rank}: step {step}: replica digests differ from the "
                            f"driver's (rank {self.src}): {where}")

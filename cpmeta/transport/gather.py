@@ -13,7 +13,9 @@ channel however long the run. Without a default store it falls back to a gloo al
 by the same timeout (which cannot say who is missing).
 
 Example: ranks [0, 1, 2] of a channel, tag "check-64": every rank calls
-``gather_ints(ch, "check-64", digest)`` and gets ``{0: d0, 1: d1, 2: d2}``.
+``gather_ints(ch, "check-64", digest)`` and gets ``{0: d0, 1: d1, 2: d2}``; or
+``g = start_gather(ch, "check-64", digest)``, goes on, and later ``g.result()`` (the same dict or
+error: the exchange runs meanwhile).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import threading
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -29,7 +31,7 @@ import torch.distributed as dist
 from . import envs
 from ._dist import store_of, wait_work
 
-__all__ = ["gather_ints"]
+__all__ = ["gather_ints", "start_gather", "Gathering"]
 
 _GRACE_S = 1.0  # a store op that outlives the wait by this much is abandoned (cut-off host)
 _MINE: dict[str, list[str]] = {}  # channel key -> this member's keys of its last gather
@@ -38,16 +40,38 @@ _MINE: dict[str, list[str]] = {}  # channel key -> this member's keys of its las
 def gather_ints(ch: Any, tag: str, value: int) -> dict[int, int]:
     """Collective over the members of ObjectChannel ``ch`` (every member calls it with the same
     ``tag``, once per tag): ``{global rank: value}`` of every member (see the module doc)."""
+    return start_gather(ch, tag, value).result()
+
+
+class Gathering:
+    """A :func:`start_gather` under way: :meth:`result` waits for it, within the timeout counted
+    from its start, and returns or raises what :func:`gather_ints` would."""
+
+    def __init__(self, wait: Callable[[], dict[int, int]]) -> None:
+        self._wait = wait
+
+    def result(self) -> dict[int, int]:
+        return self._wait()
+
+
+def start_gather(ch: Any, tag: str, value: int) -> Gathering:
+    """:func:`gather_ints` begun: the exchange runs on a helper thread (or as an asynchronous gloo
+    all_gather) while the caller goes on; every member must later take its :meth:`~Gathering.result`."""
     ranks, me, timeout_s = ch.ranks, ch.rank, envs.wait_seconds(ch.timeout)
     store = store_of()
     if store is None:
         mine = torch.tensor([value], dtype=torch.int64)
         out = [torch.zeros(1, dtype=torch.int64) for _ in ranks]
         work = dist.all_gather(out, mine, group=ch.ctrl, async_op=True)
-        if not wait_work(work, time.monotonic() + timeout_s, out):
-            raise TimeoutError(f"rank {me}: {tag}: the ranks {ranks} did not all report within "
-                               f"{timeout_s:g} s")
-        return {r: int(t.item()) for r, t in zip(ranks, out)}
+        deadline = time.monotonic() + timeout_s
+
+        def collected() -> dict[int, int]:
+            if not wait_work(work, deadline, out):
+                raise TimeoutError(f"rank {me}: {tag}: the ranks {ranks} did not all report within "
+                                   f"{timeout_s:g} s")
+            return {r: int(t.item()) for r, t in zip(ranks, out)}
+
+        return Gathering(collected)
     keys = {r: f"{ch.channel_key}/{tag}/{r}" for r in ranks}
     box: dict[str, Any] = {}
 
@@ -80,13 +104,18 @@ def gather_ints(ch: Any, tag: str, value: int) -> dict[int, int]:
 
     t = threading.Thread(target=run, name="cpmeta-gather", daemon=True)
     t.start()
-    t.join(timeout_s + _GRACE_S)
-    if "got" in box:
-        return box["got"]
-    if box.get("absent"):
-        who = ", ".join(ch.who(r) for r in box["absent"])
-        raise TimeoutError(f"rank {me}: {tag}: {who} did not report within {timeout_s:g} s (died, "
-                           "stalled or cut off)")
-    if "error" in box:
-        raise box["error"]
-    raise TimeoutError(f"rank {me}: {tag}: the rendezvous store did not answer within {timeout_s:g} s")
+    deadline = time.monotonic() + timeout_s + _GRACE_S
+
+    def joined() -> dict[int, int]:
+        t.join(max(0.0, deadline - time.monotonic()))
+        if "got" in box:
+            return box["got"]
+        if box.get("absent"):
+            who = ", ".join(ch.who(r) for r in box["absent"])
+            raise TimeoutError(f"rank {me}: {tag}: {who} did not report within {timeout_s:g} s (died, "
+                               "stalled or cut off)")
+        if "error" in box:
+            raise box["error"]
+        raise TimeoutError(f"rank {me}: {tag}: the rendezvous store did not answer within {timeout_s:g} s")
+
+    return Gathering(joined)
