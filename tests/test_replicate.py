@@ -282,8 +282,8 @@ def test_replica_checks_leave_one_check_of_keys_in_the_store() -> None:
     """Each check's digests meet in the rendezvous store; a rank deletes its keys of the last
     check at the next, so a long run does not grow the store (it held 4 keys more per check)."""
     out = run_ranks(_store_keys_rank, 2, timeout=120)
-    for counts in out:
-        assert len(counts) == 19 and max(counts[2:]) == min(counts[2:]), counts
+    for counts in out:  # a rank a step ahead may have set its next check's key (one per rank)
+        assert len(counts) == 19 and max(counts[2:]) - min(counts[2:]) <= 2, counts
 
 
 @pytest.mark.parametrize("where", ["last token", "history"])

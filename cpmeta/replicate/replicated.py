@@ -387,7 +387,7 @@ class ReplicatedBatchState(Recorder):
         differing request (``digest.slots_differ``: every rank is alive, it just reported)."""
         self._checking = None
         try:  # bounded by the timeout; a rank that never reports is named
-            got = gathering.result()
+            got = gathering()
         except TimeoutError as e:
             self._broken = f"step {step}: replica check: {e}"
             raise TimeoutError(f"ReplicatedBatchState rank {self.rank}: step {step}: replica check: "

@@ -14,7 +14,7 @@ by the same timeout (which cannot say who is missing).
 
 Example: ranks [0, 1, 2] of a channel, tag "check-64": every rank calls
 ``gather_ints(ch, "check-64", digest)`` and gets ``{0: d0, 1: d1, 2: d2}``; or
-``g = start_gather(ch, "check-64", digest)``, goes on, and later ``g.result()`` (the same dict or
+``wait = start_gather(ch, "check-64", digest)``, goes on, and later ``wait()`` (the same dict or
 error: the exchange runs meanwhile).
 """
 
@@ -31,7 +31,7 @@ import torch.distributed as dist
 from . import envs
 from ._dist import store_of, wait_work
 
-__all__ = ["gather_ints", "start_gather", "Gathering"]
+__all__ = ["gather_ints", "start_gather"]
 
 _GRACE_S = 1.0  # a store op that outlives the wait by this much is abandoned (cut-off host)
 _MINE: dict[str, list[str]] = {}  # channel key -> this member's keys of its last gather
@@ -40,23 +40,14 @@ _MINE: dict[str, list[str]] = {}  # channel key -> this member's keys of its las
 def gather_ints(ch: Any, tag: str, value: int) -> dict[int, int]:
     """Collective over the members of ObjectChannel ``ch`` (every member calls it with the same
     ``tag``, once per tag): ``{global rank: value}`` of every member (see the module doc)."""
-    return start_gather(ch, tag, value).result()
+    return start_gather(ch, tag, value)()
 
 
-class Gathering:
-    """A :func:`start_gather` under way: :meth:`result` waits for it, within the timeout counted
-    from its start, and returns or raises what :func:`gather_ints` would."""
-
-    def __init__(self, wait: Callable[[], dict[int, int]]) -> None:
-        self._wait = wait
-
-    def result(self) -> dict[int, int]:
-        return self._wait()
-
-
-def start_gather(ch: Any, tag: str, value: int) -> Gathering:
+def start_gather(ch: Any, tag: str, value: int) -> Callable[[], dict[int, int]]:
     """:func:`gather_ints` begun: the exchange runs on a helper thread (or as an asynchronous gloo
-    all_gather) while the caller goes on; every member must later take its :meth:`~Gathering.result`."""
+    all_gather) while the caller goes on; calling what it returns waits for it, within the timeout
+    counted from the start, and returns or raises what :func:`gather_ints` would (every member
+    must call it)."""
     ranks, me, timeout_s = ch.ranks, ch.rank, envs.wait_seconds(ch.timeout)
     store = store_of()
     if store is None:
@@ -71,7 +62,7 @@ def start_gather(ch: Any, tag: str, value: int) -> Gathering:
                                    f"{timeout_s:g} s")
             return {r: int(t.item()) for r, t in zip(ranks, out)}
 
-        return Gathering(collected)
+        return collected
     keys = {r: f"{ch.channel_key}/{tag}/{r}" for r in ranks}
     box: dict[str, Any] = {}
 
@@ -118,4 +109,4 @@ def start_gather(ch: Any, tag: str, value: int) -> Gathering:
             raise box["error"]
         raise TimeoutError(f"rank {me}: {tag}: the rendezvous store did not answer within {timeout_s:g} s")
 
-    return Gathering(joined)
+    return joined
