@@ -335,3 +335,32 @@ def test_coalesced_buffer_is_laid_by_the_frame_rule(seed: int) -> None:
     lay = ArenaLayout([(str(i), d.shape, d.dtype) for i, d in enumerate(runs)])
     want = [lay.fields[str(i)][0] * d.dtype.itemsize for i, d in enumerate(runs)]
     assert plan(runs, 0)[0] == want
+
+
+def test_background_jobs_run_in_order_and_end_with_their_channel() -> None:
+    """``transport.background``: one helper thread per channel, jobs in order, a job's error
+    raised by its wait, a bounded wait that times out, the thread gone once the channel is."""
+    import gc
+    import threading
+
+    from cpmeta.transport import background
+
+    class Channel:  # what background needs of a channel: identity, a key for its messages
+        channel_key = "test/background"
+
+    ch, order, gate, before = Channel(), [], threading.Event(), set(threading.enumerate())
+    first = background(ch, lambda: gate.wait(10) and order.append(1))
+    with pytest.raises(TimeoutError, match="test/background"):
+        first(0.05)  # held by the gate
+    second = background(ch, lambda: order.append(2) or 7)
+    failing = background(ch, lambda: 1 // 0)
+    gate.set()
+    assert second(10) == 7 and order == [1, 2]
+    with pytest.raises(ZeroDivisionError):
+        failing(10)
+    helpers = [t for t in threading.enumerate() if t.name == "cpmeta-background" and t not in before]
+    assert len(helpers) == 1
+    del ch, first, second, failing
+    gc.collect()
+    helpers[0].join(5)
+    assert not helpers[0].is_alive()

@@ -258,6 +258,35 @@ def _planted(rank: int, world: int, where: str) -> str:
     return "not caught"
 
 
+def _last_check_at_close(rank: int, world: int) -> str:
+    """Follower rank 1 changes its replica's history behind its back at step 30; the run ends
+    right after step 32, a replica check step whose verdict no sync takes: close() does."""
+    import cpmeta
+    from replicate_trace import drive
+
+    cfg = _config("plain")
+    rng = random.Random(11)
+    try:
+        with cpmeta.ReplicatedBatchState(cfg, 6, max_tokens=1024, check_every=4, timeout=30) as rep:
+            for step in range(1, 33):
+                if rank == 0:
+                    drive(rep, cfg, rng, [])
+                if rank == 1 and step == 30:
+                    st = rep.state
+                    st.token_ids[int(st.active.nonzero()[0][0]), 0] += 1
+                rep.sync()
+    except RuntimeError as e:
+        return str(e)
+    return "not caught"
+
+
+def test_the_last_replica_check_is_judged_at_close() -> None:
+    out = run_ranks(_last_check_at_close, 2, timeout=120)
+    for r in (0, 1):
+        assert f"rank {r}: step 32: replica digests differ" in out[r], out[r]
+        assert "rank 1 first differs at slot" in out[r], out[r]
+
+
 def _store_keys_rank(rank: int, world: int) -> list[int]:
     """40 steps with a replica check every 2nd: the rendezvous store's key count after each
     check's verdict (the sync after it)."""

@@ -24,7 +24,7 @@ of ``token_ids`` [256, 4096] int64 is 1 MiB: ~0.1 ms.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -34,8 +34,8 @@ from ..state import BatchState, SequenceBatch
 from ..state.state_njit import M_FIRST_BAD
 from .digest_njit import PARTS, fold, replica_slot_digests, seq_digests
 
-__all__ = ["batch_check", "first_difference", "where_differs", "replica_digest", "slot_digests", "slots_differ",
-           "N_BANDS", "PARTS"]
+__all__ = ["batch_check", "first_difference", "where_differs", "replica_digest", "slot_digests", "digest_call",
+           "slots_differ", "N_BANDS", "PARTS"]
 
 N_BANDS = 8  # row bands of slot_digests (every slot's rows are digested once every N_BANDS checks)
 _I64 = np.int64
@@ -119,12 +119,12 @@ def _band(st: BatchState, band: int) -> slice:
 _N_COUNTS = M_FIRST_BAD
 
 
-def slot_digests(st: BatchState, band: int) -> np.ndarray:
-    """``[max_seqs]`` int64: one digest per slot of its counts and, in row band ``band``, its
-    whole rows (see the module docstring)."""
+def slot_digests(st: BatchState, band: int, out: Optional[np.ndarray] = None) -> np.ndarray:
+    """``[max_seqs]`` int64 (into ``out`` when given): one digest per slot of its counts and, in
+    row band ``band``, its whole rows (see the module docstring)."""
     meta, active, token_ids, block_table, compressed = st.kernel_arrays()[:5]
     sl = _band(st, band)
-    out = np.empty(st.max_seqs, _I64)
+    out = np.empty(st.max_seqs, _I64) if out is None else out
     replica_slot_digests(out, meta, _N_COUNTS, active, token_ids, block_table, compressed, sl.start, sl.stop)
     return out
 
@@ -132,6 +132,14 @@ def slot_digests(st: BatchState, band: int) -> np.ndarray:
 def replica_digest(per_slot: np.ndarray) -> int:
     """The one int of a replica's :func:`slot_digests` that the ranks compare."""
     return int(fold(per_slot))
+
+
+def digest_call(st: BatchState, band: int) -> tuple[np.ndarray, Callable[[], int]]:
+    """:func:`slot_digests` to be made by a helper thread (the kernel releases the GIL): the
+    per-slot array and the call that fills it and returns its :func:`replica_digest`. The
+    caller leaves ``st`` unchanged until that call has returned."""
+    out = np.empty(st.max_seqs, _I64)
+    return out, lambda: replica_digest(slot_digests(st, band, out))
 
 
 def slots_differ(per_slot: np.ndarray, group: Any, src: int, st: BatchState) -> str:

@@ -27,9 +27,9 @@ refused); every step, before ``sync()`` returns, each follower compares digests 
 its batch's build reads (per sequence: lengths and ids, the token window, the block table, the
 Engram window) with the driver's, so a replica that would build different metadata is refused
 AT that step; and every ``check_every`` steps the ranks compare digests of their whole replicas
-(``cpmeta.replicate.digest``; exchanged while the engine runs, the verdict at the next
-``sync()``). A mismatch is a ``RuntimeError`` naming the rank, the step and
-the first differing request, after which that replica refuses every further step.
+(``cpmeta.replicate.digest``: made and exchanged while the engine runs, the verdict at the next
+``sync()`` or ``close()``). A mismatch is a ``RuntimeError`` naming the rank, the step and the
+first differing request, after which that replica refuses every further step.
 
 While a same-host follower spins for its next step it warms (:meth:`ReplicatedBatchState.warm`,
 ``CPMETA_WARM``): it replays the last step's receive read-only, so the step lands on warm caches.
@@ -51,10 +51,10 @@ from ..builders.prompt import prepare_prompt
 from ..metadata import InputMetadata
 from ..state import BatchState, SequenceBatch
 from ..broadcast.channel import FrameChannel, resolve_src
+from ..transport import background, start_gather
 from ..transport.envs import ENV_TIMEOUT
 from .apply import ReplicaError, apply_step, batches_of, one_or_many, warm_replay
-from .digest import (N_BANDS, batch_check, first_difference, replica_digest, slot_digests, slots_differ,
-                     where_differs)
+from .digest import batch_check, digest_call, first_difference, slots_differ, where_differs
 from .ops import COLUMNS, Columns
 from .recorder import Recorder, StepSpec, specs_of
 from .step_frame import STEP_SCHEMA, StepReader, fixed_head, read_region, receive_step, send_step, state_fingerprint, step_key
@@ -128,12 +128,10 @@ class ReplicatedBatchState(Recorder):
         if device is None:
             nccl = "nccl" in str(dist.get_backend(self.group)).lower()
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
-        self.device = torch.device(device)
-        self.check_every = check_every
-        self.state = BatchState(cfg, max_seqs, max_tokens=max_tokens, max_blocks=max_blocks,
-                                max_compressed=max_compressed)
+        self.device, self.check_every = torch.device(device), check_every
+        st = self.state = BatchState(cfg, max_seqs, max_tokens=max_tokens, max_blocks=max_blocks,
+                                     max_compressed=max_compressed)
         ch_sum = envs.checksum() if checksum is None else bool(checksum)
-        st = self.state
         fp = state_fingerprint(cfg, st.max_seqs, st.max_tokens, st.max_blocks, st.max_compressed)
         self._ch = FrameChannel(self.group, self.src, STEP_SCHEMA, what="ReplicatedBatchState",
                                 timeout=timeout, force_remote=force_remote, checksum=ch_sum,
@@ -144,7 +142,7 @@ class ReplicatedBatchState(Recorder):
         self._prev_check = _NO_CHECK  # defer_apply: this rank's batch check of the last step
         self._specs: Optional[tuple[StepSpec, ...]] = ()  # a follower's made when read (~20 us) from
         self._specs_at = self._prev_specs_at = None  # type: Any  # its frame's (columns, spec words)
-        self._spec_slots: Optional[np.ndarray] = None  # driver: the per-slot digests at spec time
+        self._spec_slots = self._digesting = None  # type: Any  # the per-slot digests at spec time; until made
         self._checking: Any = None  # (step, per-slot digests, the gather under way) of the last check
         self._broken: Optional[str] = None  # why this replica refuses further steps
         self.step, self._closed = 0, False  # steps synced so far; close() called
@@ -152,8 +150,8 @@ class ReplicatedBatchState(Recorder):
         self._sink: Optional[DecodeSink] = None  # sync_metadata's, for its last ``out``
         self._got: list[Any] = []  # the last step's batches (``apply.Gathered``: made when read)
         self._warming = self._ch.warm_with(self._warm_pieces)  # a same-host follower warms while it spins
-        self._reader = None if ch_sum else StepReader(STEP_SCHEMA.fingerprint.encode())  # the compiled read
-        self._fixed = fixed_head(STEP_SCHEMA.fingerprint.encode())  # the compiled writer's first header bytes
+        fpb = STEP_SCHEMA.fingerprint.encode()  # the compiled read's, and the compiled writer's first header bytes
+        self._reader, self._fixed = None if ch_sum else StepReader(fpb), fixed_head(fpb)
         self._written = 0  # driver: frames that writer wrote whole (the codec wrote the others)
 
     # ---- every rank -----------------------------------------------------------------------
@@ -176,9 +174,8 @@ class ReplicatedBatchState(Recorder):
         return self.specs[0] if self.specs else None
 
     def begin_step(self) -> None:
-        """Driver: announce the next :meth:`sync` before recording the step (optional), so
-        same-host followers parked in ``sync()`` wake now and spin instead of paying their OS
-        wake-up when the frame lands (as ``MetadataBroadcaster.begin_step``)."""
+        """Driver: announce the next :meth:`sync` before recording the step (optional): same-host
+        followers parked in ``sync()`` wake now and spin (as ``MetadataBroadcaster.begin_step``)."""
         if self.is_src and not self._closed:
             self._ch.announce()
 
@@ -259,34 +256,42 @@ class ReplicatedBatchState(Recorder):
         yield from warm_replay(self.state, cols, batches, sink)
 
     def close(self) -> None:
-        """Release the shared-memory ring (idempotent)."""
+        """Release the shared-memory ring (idempotent), after the verdict of a check no sync took."""
         if not self._closed:
             self._closed = True
-            self._ch.close()
+            try:
+                if self._checking is not None and self._broken is None:
+                    self._check_verdict(*self._checking)
+            finally:
+                self._ch.close()
 
     def __enter__(self) -> "ReplicatedBatchState":
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: object, *exc: object) -> None:
+        self._checking = self._checking if kind is None else None  # an error on its way: no waiting
         self.close()
 
     # ---- internals ----------------------------------------------------------------------------
     def _at_spec(self) -> None:
-        """Driver: when the coming sync compares replicas, digest this replica NOW -- where every
-        follower's will stand after applying the step (calls after the spec travel later)."""
+        """Driver: when the coming sync compares replicas, digest this replica as it stands NOW --
+        where every follower's will after applying the step (calls after the spec travel later)."""
         step = self.step + 1
         if self.check_every and step % self.check_every == 0 and not self._defer:
-            self._hold_digest(step)
+            self._spec_slots = self._digest(step)
 
-    def _hold_digest(self, step: int) -> None:
-        """Driver: this replica's per-slot digests for step ``step``'s check (the slow path
-        names the first differing request from them)."""
-        self._spec_slots = slot_digests(self.state, self._band(step))
-
-    def _band(self, step: int) -> int:
-        return (step // max(self.check_every, 1)) % N_BANDS
+    def _digest(self, step: int) -> tuple[np.ndarray, Any]:
+        """This replica's per-slot digests for check step ``step`` begun on the channel's helper thread
+        (``(per_slot, wait)``); a replica changes only after they are made: the driver's next call
+        waits for them (:meth:`_driver`), a follower's next step for the verdict."""
+        per_slot, digest = digest_call(self.state, step // self.check_every)
+        self._digesting = per_slot, background(self._ch.objects, digest)
+        return self._digesting
 
     def _driver(self, what: str) -> None:
+        if self._digesting is not None:  # a check's digest reads the replica this call may change
+            wait, self._digesting = self._digesting[1], None
+            wait()
         if not self.is_src:
             raise RuntimeError(f"rank {self.rank}: {what} is the driver's call (src={self.src}); "
                                "followers call only sync() and read .state")
@@ -320,8 +325,6 @@ class ReplicatedBatchState(Recorder):
             raise ValueError(f"ReplicatedBatchState (defer_apply): step {step}: the state refused a "
                              f"call already sent: {e}; every replica refuses further steps "
                              "(rebuild the ReplicatedBatchState)") from None
-        if check:  # the replica now stands where it stood at the step's spec
-            self._hold_digest(step)
         return batches, mds
 
     def _receive(self, step: int, sink: Optional[DecodeSink]) -> tuple[list[Any], list[Any]]:
@@ -370,16 +373,13 @@ class ReplicatedBatchState(Recorder):
                            "further steps")
 
     def _start_check(self, step: int) -> None:
-        """Every rank, at a check step: this replica's per-slot digests (the driver's as of the
-        step's spec) folded into one int, gathered from every rank (``transport.start_gather``:
-        through the rendezvous store, bounded by the timeout) while the engine goes on; the
-        verdict is taken at the next :meth:`sync` (:meth:`_check_verdict`)."""
-        held, self._spec_slots = self._spec_slots, None
-        per_slot = held if held is not None else slot_digests(self.state, self._band(step))
-        from cpmeta.transport import start_gather  # cpmeta -> transport only
+        """Every rank, at a check step: this replica's per-slot digests (the default driver's as of
+        the step's spec, :meth:`_digest`) folded into one int and gathered from every rank on the
+        helper thread (``transport.start_gather``: the rendezvous store, bounded by the timeout)."""
+        per_slot, value = self._spec_slots or self._digest(step)
+        self._spec_slots = None
 
-        self._checking = (step, per_slot, start_gather(self._ch.objects, f"replica-check-{step}",
-                                                       replica_digest(per_slot)))
+        self._checking = (step, per_slot, start_gather(self._ch.objects, f"replica-check-{step}", value))
 
     def _check_verdict(self, step: int, per_slot: np.ndarray, gathering: Any) -> None:
         """Collective (every rank at the sync after check step ``step``): every rank's replica
