@@ -19,6 +19,7 @@ from ._ring_layout import (ANNOUNCE_SPIN_S, KIND_DATA, KIND_PAD, LIVENESS_SLICE_
                            WARM_EVERY_S, RingHandleFields, RingWords, cdiv)
 from ._segment import PeerWatch
 from .errors import PeerError, RingClosedError
+from .gather import PENDING
 
 __all__ = ["RingReader"]
 
@@ -205,9 +206,9 @@ class RingReader:
         end, next_warm = now + seconds, now if announced else now + WARM_EVERY_S
         h = w.head.value
         while h < target and now < end and not w.closed.value and (announced or w.announce.value == seen):
-            if yield_core:
+            if yield_core or PENDING[0]:  # the core to another rank, or the GIL to a helper thread
                 os.sched_yield()
-            elif warm is not None and now >= next_warm:
+            if warm is not None and now >= next_warm:  # (none while yielding the core)
                 warm = self._run_warm(warm, target)
                 next_warm = time.perf_counter() + WARM_EVERY_S
             h = w.head.value

@@ -38,6 +38,12 @@ __all__ = ["gather_ints", "start_gather", "background"]
 _GRACE_S = 1.0  # a store op that outlives the wait by this much is abandoned (cut-off host)
 _MINE: dict[str, list[str]] = {}  # channel key -> this member's keys of its last gather
 _JOBS: "weakref.WeakKeyDictionary[Any, queue.SimpleQueue]" = weakref.WeakKeyDictionary()  # channel -> its helper's
+#: ``[n]``: background jobs handed over and not yet done in this process. A ring reader spinning
+#: for its next message (Python, holding the GIL) lets the GIL go each turn while n > 0: a helper
+#: waiting for it would otherwise wait out the interpreter's switch interval (5 ms) at every step
+#: of its job -- and a replica check's exchange, with every follower spinning, for the driver.
+PENDING = [0]
+_COUNT = threading.Lock()  # PENDING's updates (from callers and helpers)
 
 
 def background(ch: Any, fn: Callable[[], Any]) -> Callable[[Optional[float]], Any]:
@@ -58,8 +64,12 @@ def background(ch: Any, fn: Callable[[], Any]) -> Callable[[Optional[float]], An
             box.append((True, fn()))
         except BaseException as e:  # noqa: BLE001 - raised by wait()
             box.append((False, e))
+        with _COUNT:
+            PENDING[0] -= 1
         done.set()
 
+    with _COUNT:
+        PENDING[0] += 1
     jobs.put(job)
 
     def wait(timeout: Optional[float] = None) -> Any:
