@@ -36,6 +36,7 @@
 #   bash scripts/gpu_session.sh knobs        # world 8 decode-64 timeline: this / .alt / .alt2 / followers parking / not warming
 #   bash scripts/gpu_session.sh timeline     # the host's cores at world 8: replicate-defer's step as a
 #                                            # timeline (decode-64 / mixed / prompt, seed decode-64, .alt prompt)
+#   bash scripts/gpu_session.sh check        # world 8: the periodic replica check, this tree against .alt
 #   bash scripts/gpu_session.sh compare      # the host's cores, before / after in one run: the commit in
 #                                            # .baseline (git archive REV | tar -x -C .baseline; carry it)
 #                                            # and this tree, end-to-end step (plain and compressed-KV
@@ -367,6 +368,22 @@ knobs)  # ~5 min (~7 with .alt2): replicate-defer's decode-64 step as a timeline
       --defer --model plain --workload decode-64 --steps 80 --out "$OUT/h200_wire.knobs-$K-$N.json"
   done
   ;;
+check)  # ~6 min: the periodic replica check at world 8 (plain, a 66 MiB token history a rank:
+  # --max-model-len 131072), this tree against .alt (git archive REV | tar -x -C .alt) in turn,
+  # replicate-defer and the default driver (profile_phases.py sync: check steps, the steps after
+  # them, the others, the verdicts' waits), then the prompt workload (check every 8 steps; twice)
+  [ -d .alt/scripts ] && (cd .alt && PYTHONPATH=$PWD python3 -c 'import cpmeta.jit as j; j.warm_all()')
+  python3 -c 'import cpmeta.jit as j; j.warm_all()'
+  for V in alt:defer this:defer this:default alt:default alt:prompt this:prompt this:prompt2 alt:prompt2; do
+    IFS=: read -r K M <<<"$V"
+    ROOT=$PWD; [ $K = alt ] && { [ -d .alt/scripts ] || continue; ROOT=$PWD/.alt; }
+    ARGS="--defer --workload decode-64 --steps 160 --check-every 8 --max-model-len 131072"
+    [ $M = default ] && ARGS="--workload decode-64 --steps 160 --check-every 8 --max-model-len 131072"
+    [ ${M%2} = prompt ] && ARGS="--defer --workload prompt --steps 96 --check-every 8"
+    TAILN=4 step check_${K}_$M 90 env PYTHONPATH="$ROOT" python3 "$ROOT/scripts/profile_phases.py" sync --world 8 \
+      --model plain --park-ms 2 $ARGS --out "$OUT/h200_wire.check-$K-$M.json"
+  done
+  ;;
 short)  # ~9 min when the device time is short: the GPU tests, then compare's end-to-end step trimmed
   TAILN=8 step gpu_tests 240 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu or triton or graph or nccl" \
     tests/test_builders.py tests/test_builders_smoke.py tests/test_decode_inplace.py tests/test_cuda_graph.py \
@@ -384,7 +401,7 @@ short)  # ~9 min when the device time is short: the GPU tests, then compare's en
   done
   ;;
 *)
-  echo "unknown suite $SUITE: expected tests, bench-gpu, bench-cpu, compare, wire, replay, warm, rwarm, arena, warmbuild, width, widthab, spin, collective, pin, ab, prefill, timeline, knobs or short" >&2; exit 2
+  echo "unknown suite $SUITE: expected tests, bench-gpu, bench-cpu, compare, wire, replay, warm, rwarm, arena, warmbuild, width, widthab, spin, collective, pin, ab, prefill, timeline, knobs, check or short" >&2; exit 2
   ;;
 esac
 # one file for every log (the device tool brings back at most 8 files)

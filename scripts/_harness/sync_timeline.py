@@ -42,9 +42,11 @@ pc = time.perf_counter
 DRIVER = (("record", "t0", "record<"), ("announce", "begin_step>", "begin_step<"), ("layout", "layout>", "layout<"), ("prepare", "prepare>", "prepare<"),
           ("write", "publish>", "commit>"), ("commit", "commit>", "commit<"),
           ("own apply", "_apply_deferred>", "_apply_deferred<"), ("of which fused", "fused>", "fused<"),
-          ("then apply_step", "apply_step>", "apply_step<"), ("build", "_sync<", "end"))
+          ("then apply_step", "apply_step>", "apply_step<"), ("build", "_sync<", "end"),
+          ("check verdict", "_check_verdict>", "_check_verdict<"))
 FOLLOWER = (("replay + check", "apply_step>", "apply_step<"),
-            ("to sync end", "apply_step<", "_sync<"), ("build", "_sync<", "end"))
+            ("to sync end", "apply_step<", "_sync<"), ("build", "_sync<", "end"),
+            ("check verdict", "_check_verdict>", "_check_verdict<"))
 
 
 def _stamp(stamps: dict[str, float], owner: Any, name: str, as_name: str = "") -> None:
@@ -96,7 +98,8 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
                         (channel.FrameChannel, "prepare"), (channel.FrameChannel, "publish"),
                         (wire.FrameReader, "parse"), (ops.OpLog, "layout"),
                         (replicated.ReplicatedBatchState, "_apply_deferred"),
-                        (replicated.ReplicatedBatchState, "_sync"), (replicated.ReplicatedBatchState, "begin_step")):
+                        (replicated.ReplicatedBatchState, "_sync"), (replicated.ReplicatedBatchState, "begin_step"),
+                        (replicated.ReplicatedBatchState, "_check_verdict")):
         _stamp(stamps, owner, name)
     mml = args.max_model_len
     cfg = plain_config(max_model_len=mml) if args.model == "plain" else default_config(max_model_len=mml)
