@@ -281,12 +281,12 @@ class ReplicatedBatchState(Recorder):
             self._spec_slots = self._digest(step)
 
     def _digest(self, step: int) -> tuple[np.ndarray, Any]:
-        """This replica's per-slot digests for check step ``step`` begun on the channel's helper thread
-        (``(per_slot, wait)``); a replica changes only after they are made: the driver's next call
-        waits for them (:meth:`_driver`), a follower's next step for the verdict."""
+        """``(per_slot, wait)``: this replica's digests for check step ``step``, begun on the helper
+        thread; the default driver's next call (:meth:`_driver`) or another rank's verdict waits."""
         per_slot, digest = digest_call(self.state, step // self.check_every)
-        self._digesting = per_slot, background(self._ch.objects, digest)
-        return self._digesting
+        made = per_slot, background(self._ch.objects, digest)
+        self._digesting = made if self.is_src and not self._defer else None
+        return made
 
     def _driver(self, what: str) -> None:
         if self._digesting is not None:  # a check's digest reads the replica this call may change
