@@ -10,7 +10,7 @@
 from .codec import CodecError, TensorDesc, decode, decode_body, encode, encode_body, schema_fingerprint
 from .envs import ENV_TIMEOUT
 from .errors import PeerError, RingClosedError
-from .gather import background, gather_ints, start_gather
+from .gather import background, start_gather
 from .object_channel import ObjectChannel
 from .shm_ring import ShmRing, ShmRingHandle, ring_from_process_group
 from .tensor_channel import TensorChannel
@@ -30,7 +30,6 @@ __all__ = [
     "ShmRingHandle",
     "ring_from_process_group",
     "ObjectChannel",
-    "gather_ints",
     "start_gather",
     "background",
     "TensorChannel",

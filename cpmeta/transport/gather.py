@@ -1,10 +1,11 @@
-"""``gather_ints``: every member's int, bounded by a timeout, a missing member named by rank.
+"""``start_gather``: every member's int, bounded by a timeout, a missing member named by rank.
 
 For checks that run now and then between the members of an ``ObjectChannel`` (e.g. a replicated
 state's digests, ``cpmeta.ReplicatedBatchState``): a gloo ``all_gather`` with a dead or stalled
 member would end in gloo's own error after the process group's timeout, naming a socket. Here
 every member sets its value under ``<channel key>/<tag>/<rank>`` in torch.distributed's default
-store and waits for the others' within ``timeout`` on a helper thread, then marks it read and
+store and waits for the others' within ``timeout`` on the channel's helper thread
+(:func:`background`, which runs other jobs of the channel too), then marks it read and
 waits until every member has read (so the member hosting the store cannot leave early); a member
 whose key never came is named (``TimeoutError``: "rank 2 (host b) did not report ..."). Each
 member deletes its keys of the channel's previous gather once every member's value of this one
@@ -12,10 +13,9 @@ is in (every member has then left the previous one), so the store holds one gath
 channel however long the run. Without a default store it falls back to a gloo all_gather bounded
 by the same timeout (which cannot say who is missing).
 
-Example: ranks [0, 1, 2] of a channel, tag "check-64": every rank calls
-``gather_ints(ch, "check-64", digest)`` and gets ``{0: d0, 1: d1, 2: d2}``; or
-``wait = start_gather(ch, "check-64", digest)``, goes on, and later ``wait()`` (the same dict or
-error: the exchange runs meanwhile).
+Example: ranks [0, 1, 2] of a channel, tag "check-64": every rank calls ``wait =
+start_gather(ch, "check-64", digest)``, goes on, and later ``wait()`` -> ``{0: d0, 1: d1, 2: d2}``
+(or the error; the exchange runs meanwhile).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch.distributed as dist
 from . import envs
 from ._dist import store_of, wait_work
 
-__all__ = ["gather_ints", "start_gather", "background"]
+__all__ = ["start_gather", "background"]
 
 _GRACE_S = 1.0  # a store op that outlives the wait by this much is abandoned (cut-off host)
 _MINE: dict[str, list[str]] = {}  # channel key -> this member's keys of its last gather
@@ -92,19 +92,14 @@ def _serve(jobs: queue.SimpleQueue) -> None:
         del job  # no reference to the channel while idle (its end ends this thread)
 
 
-def gather_ints(ch: Any, tag: str, value: int) -> dict[int, int]:
-    """Collective over the members of ObjectChannel ``ch`` (every member calls it with the same
-    ``tag``, once per tag): ``{global rank: value}`` of every member (see the module doc)."""
-    return start_gather(ch, tag, value)()
-
-
 def start_gather(ch: Any, tag: str, value: Union[int, Callable[[], int]]) -> Callable[[], dict[int, int]]:
-    """:func:`gather_ints` begun: the exchange runs on the channel's helper thread
-    (:func:`background`; without a store, an asynchronous gloo all_gather) while the caller goes
-    on; calling what it returns waits for it, within the timeout counted from the start, and
-    returns or raises what :func:`gather_ints` would (every member must call it). ``value`` may
-    be a call that makes this member's int: the helper thread makes it first (e.g. a digest of a
-    state the caller leaves alone until it waits)."""
+    """Collective over the members of ObjectChannel ``ch`` (every member calls it with the same
+    ``tag``, once per tag), begun: the exchange runs on the channel's helper thread (without a
+    store, as an asynchronous gloo all_gather) while the caller goes on; calling what it returns
+    waits for it, within the timeout counted from the start, and returns ``{global rank: value}``
+    of every member or raises (see the module doc). ``value`` may be a call that makes this
+    member's int: the helper thread makes it first (e.g. a digest of a state the caller leaves
+    alone until it waits)."""
     ranks, me, timeout_s = ch.ranks, ch.rank, envs.wait_seconds(ch.timeout)
     store = store_of()
     if store is None:
