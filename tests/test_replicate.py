@@ -12,6 +12,7 @@ caught and named: rank, step, request. Gaps and replays of the step numbers are 
 from __future__ import annotations
 
 import random
+import re
 import time
 from typing import Any, Optional
 
@@ -232,29 +233,34 @@ def test_driver_replica_equals_a_plain_batch_state() -> None:
     assert out[0] == [1] * 120, out[0]
 
 
-def _planted(rank: int, world: int, where: str) -> str:
+def _planted(rank: int, world: int, where: str, defer: bool = False) -> str:
     """Follower rank 1 changes its replica behind its back at step 30; what every rank sees."""
     import cpmeta
+    from cpmeta.launch.strategies import SchedulerTee
     from replicate_trace import drive
 
     cfg = _config("plain")
     rng = random.Random(11)
-    with cpmeta.ReplicatedBatchState(cfg, 6, max_tokens=1024, check_every=4, timeout=30) as rep:
+    every = 0 if where == "table" else 4  # the per-step check alone (the others then meet no replica check)
+    with cpmeta.ReplicatedBatchState(cfg, 6, max_tokens=1024, check_every=every, timeout=30, defer_apply=defer) as rep:
+        target = SchedulerTee(cpmeta.BatchState(cfg, 6, max_tokens=1024), rep) if defer else rep
         try:
             for step in range(1, 200):
                 if rank == 0:
-                    drive(rep, cfg, rng, [])
+                    drive(target, cfg, rng, [])
                 if rank == 1 and step == 30:
                     st = rep.state
                     live = [int(s) for s in st.active.nonzero()[0]]
                     s = live[0]
-                    if where == "last token":  # what the next decode of s reads
+                    if where == "last token":  # the token before the step's appends
                         st.token_ids[s, st.num_tokens[s] - 1] += 1
+                    elif where == "table":  # what the next decode of s reads (its whole table)
+                        st.block_table[s, 0] += 1
                     else:  # deep in its history: only the whole-replica check can see it
                         st.token_ids[s, 0] += 1
                 rep.sync()
         except RuntimeError as e:
-            return str(e)
+            return f"sync {step}: {e}"
     return "not caught"
 
 
@@ -326,6 +332,21 @@ def test_planted_divergence_is_caught_and_named(where: str) -> None:
     if where == "history":  # the collective check: every rank raises the same verdict
         for r in (0, 2):
             assert "rank 1 first differs at slot" in out[r], out[r]
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_planted_table_divergence_is_refused_by_the_step_check(defer: bool) -> None:
+    """A follower's changed block-table entry is refused by the per-step batch check at the next
+    step whose build reads that table, named with the table as the part; with ``defer_apply``
+    (the driver's check of step k rides in step k + 1's frame) at the sync after that step, still
+    naming the step whose batch differs."""
+    from multiproc import spawn_ranks
+
+    with spawn_ranks(_planted, 3, "table", defer, timeout=120) as g:
+        out = g.results(allow_dead=(0, 2))
+    m = re.match(r"sync (\d+): rank 1: step (\d+): this replica's batch differs from the driver's \(rank 0\) "
+                 r"at request .*: block table", out[1])
+    assert m and int(m.group(2)) >= 30 and int(m.group(1)) == int(m.group(2)) + defer, out[1]
 
 
 def _diverged_at_step_2(rank: int, world: int, what: str) -> list[str]:
