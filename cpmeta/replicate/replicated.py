@@ -378,7 +378,6 @@ class ReplicatedBatchState(Recorder):
         helper thread (``transport.start_gather``: the rendezvous store, bounded by the timeout)."""
         per_slot, value = self._spec_slots or self._digest(step)
         self._spec_slots = None
-
         self._checking = (step, per_slot, start_gather(self._ch.objects, f"replica-check-{step}", value))
 
     def _check_verdict(self, step: int, per_slot: np.ndarray, gathering: Any) -> None:
