@@ -244,6 +244,7 @@ def _planted(rank: int, world: int, where: str, defer: bool = False) -> str:
     every = 0 if where == "table" else 4  # the per-step check alone (the others then meet no replica check)
     with cpmeta.ReplicatedBatchState(cfg, 6, max_tokens=1024, check_every=every, timeout=30, defer_apply=defer) as rep:
         target = SchedulerTee(cpmeta.BatchState(cfg, 6, max_tokens=1024), rep) if defer else rep
+        arenas = cpmeta.OutputArenas()
         try:
             for step in range(1, 200):
                 if rank == 0:
@@ -258,9 +259,13 @@ def _planted(rank: int, world: int, where: str, defer: bool = False) -> str:
                         st.block_table[s, 0] += 1
                     else:  # deep in its history: only the whole-replica check can see it
                         st.token_ids[s, 0] += 1
-                rep.sync()
+                if where == "table":  # a follower's decode step of a shape built before: one compiled call
+                    rep.sync_metadata(arenas)
+                else:
+                    rep.sync()
         except RuntimeError as e:
-            return f"sync {step}: {e}"
+            fused = rep._reader.fused.count if rep._reader is not None else 0  # noqa: SLF001
+            return f"sync {step} fused {fused}: {e}"
     return "not caught"
 
 
@@ -344,9 +349,61 @@ def test_planted_table_divergence_is_refused_by_the_step_check(defer: bool) -> N
 
     with spawn_ranks(_planted, 3, "table", defer, timeout=120) as g:
         out = g.results(allow_dead=(0, 2))
-    m = re.match(r"sync (\d+): rank 1: step (\d+): this replica's batch differs from the driver's \(rank 0\) "
-                 r"at request .*: block table", out[1])
-    assert m and int(m.group(2)) >= 30 and int(m.group(1)) == int(m.group(2)) + defer, out[1]
+    m = re.match(r"sync (\d+) fused (\d+): rank 1: step (\d+): this replica's batch differs from the driver's "
+                 r"\(rank 0\) at request .*: block table", out[1])
+    assert m and int(m.group(3)) >= 30 and int(m.group(1)) == int(m.group(3)) + defer, out[1]
+    assert int(m.group(2)) >= 1, out[1]  # decode steps read, replayed and built in one call
+
+
+def _steady_decode(rank: int, world: int, defer: bool) -> list[str]:
+    """Four requests decode one token a step (appends and one decode spec of one shape: a
+    follower reads, replays and builds each step in one compiled call); before step 12 follower
+    rank 1 changes a block-table entry of slot 0, which every decode build reads. What each
+    rank sees at each step, and how many steps took the one-call path."""
+    import numpy as np
+
+    import cpmeta
+
+    cfg = _config("plain")
+    seen: list[str] = []
+    arenas = cpmeta.OutputArenas()
+    with cpmeta.ReplicatedBatchState(cfg, 4, max_tokens=1024, check_every=0, timeout=30, defer_apply=defer) as rep:
+        slots = np.arange(4, dtype=np.int64)
+        for step in range(1, 20):
+            try:
+                if rank == 0 and step == 1:
+                    for i in range(4):
+                        rep.add_request(f"r{i}", list(range(1, 41)), list(range(8 * i, 8 * i + 8)), i,
+                                        num_computed=40)
+                elif rank == 0:
+                    rep.append_tokens_batch(slots, np.full(4, step, np.int64), np.ones(4, np.int64))
+                if rank == 0:
+                    rep.decode_batch(slots)
+                if rank == 1 and step == 12:
+                    rep.state.block_table[0, 1] += 1
+                rep.sync_metadata(arenas)
+                seen.append(f"step {step}: ok")
+            except RuntimeError as e:
+                seen.append(f"step {step}: {e}")
+                break
+    return seen + [f"fused {rep._reader.fused.count if rep._reader is not None else 0}"]  # noqa: SLF001
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_a_divergence_in_a_one_call_step_is_refused(defer: bool) -> None:
+    """The per-step check on the follower's one-call decode step (its check's digests made in
+    that call; under ``defer_apply`` compared at the next step): a changed block-table entry is
+    refused at step 12, or at 13 naming step 12; the others go on."""
+    from multiproc import spawn_ranks
+
+    with spawn_ranks(_steady_decode, 3, defer, timeout=120) as g:
+        out = g.results(allow_dead=(0, 2))
+    fol = out[1]
+    at = 12 + defer
+    assert fol[:at - 1] == [f"step {i}: ok" for i in range(1, at)], fol
+    assert fol[at - 1].startswith(f"step {at}: rank 1: step 12: this replica's batch differs from the driver's "
+                                  "(rank 0) at request 'r0' (slot 0), sequence 0 of batch 0: block table"), fol
+    assert int(fol[-1].split()[1]) >= 8, fol  # the steps before it took the one-call path
 
 
 def _diverged_at_step_2(rank: int, world: int, what: str) -> list[str]:
