@@ -14,8 +14,8 @@ channel however long the run. Without a default store it falls back to a gloo al
 by the same timeout (which cannot say who is missing).
 
 Example: ranks [0, 1, 2] of a channel, tag "check-64": every rank calls ``wait =
-start_gather(ch, "check-64", digest)``, goes on, and later ``wait()`` -> ``{0: d0, 1: d1, 2: d2}``
-(or the error; the exchange runs meanwhile).
+start_gather(ch, "check-64", lambda: digest)``, goes on, and later ``wait()`` -> ``{0: d0, 1: d1,
+2: d2}`` (or the error; the exchange runs meanwhile).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import threading
 import time
 import weakref
 from datetime import timedelta
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -92,18 +92,17 @@ def _serve(jobs: queue.SimpleQueue) -> None:
         del job  # no reference to the channel while idle (its end ends this thread)
 
 
-def start_gather(ch: Any, tag: str, value: Union[int, Callable[[], int]]) -> Callable[[], dict[int, int]]:
+def start_gather(ch: Any, tag: str, value: Callable[[], int]) -> Callable[[], dict[int, int]]:
     """Collective over the members of ObjectChannel ``ch`` (every member calls it with the same
     ``tag``, once per tag), begun: the exchange runs on the channel's helper thread (without a
     store, as an asynchronous gloo all_gather) while the caller goes on; calling what it returns
     waits for it, within the timeout counted from the start, and returns ``{global rank: value}``
-    of every member or raises (see the module doc). ``value`` may be a call that makes this
-    member's int: the helper thread makes it first (e.g. a digest of a state the caller leaves
-    alone until it waits)."""
+    of every member or raises (see the module doc). ``value`` makes this member's int, on the
+    helper thread first (e.g. a digest of a state the caller leaves alone until it waits)."""
     ranks, me, timeout_s = ch.ranks, ch.rank, envs.wait_seconds(ch.timeout)
     store = store_of()
     if store is None:
-        mine = torch.tensor([value() if callable(value) else value], dtype=torch.int64)
+        mine = torch.tensor([value()], dtype=torch.int64)
         out = [torch.zeros(1, dtype=torch.int64) for _ in ranks]
         work = dist.all_gather(out, mine, group=ch.ctrl, async_op=True)
         deadline = time.monotonic() + timeout_s
@@ -120,7 +119,7 @@ def start_gather(ch: Any, tag: str, value: Union[int, Callable[[], int]]) -> Cal
 
     def run() -> None:
         try:
-            store.set(keys[me], str(value() if callable(value) else value))
+            store.set(keys[me], str(value()))
             try:
                 store.wait(list(keys.values()), timedelta(seconds=timeout_s))
             except Exception:  # noqa: BLE001 - torch raises DistStoreError or RuntimeError
