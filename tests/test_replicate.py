@@ -611,6 +611,55 @@ def test_dead_or_stalled_follower_is_named(fault: str) -> None:
     assert not project_shm_entries()
 
 
+def _killed_after_check(rank: int, world: int, defer: bool) -> dict:
+    """Rank 2 dies (SIGKILL) right after step 20, a replica check step, with a 60 s timeout; the
+    others meet its absence in the check's verdict at step 21's sync: how, and how soon."""
+    import os
+    import signal
+    import time as _time
+
+    import cpmeta
+    from cpmeta.launch.strategies import SchedulerTee
+    from replicate_trace import drive
+
+    cfg = _config("plain")
+    rng = random.Random(3)
+    out: dict = {"etype": None, "error": None, "t_fault": None, "t_err": None}
+    with cpmeta.ReplicatedBatchState(cfg, 6, max_tokens=1024, timeout=60, check_every=4,
+                                     defer_apply=defer) as rep:
+        # deferred: the scheduler's own state validates each call (as _trace_rank drives it)
+        target = SchedulerTee(cpmeta.BatchState(cfg, 6, max_tokens=1024), rep) if defer else rep
+        try:
+            for step in range(1, 40):
+                if rank == 0:
+                    drive(target, cfg, rng, [])
+                if step == 21:
+                    if rank == 2:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    out["t_fault"] = _time.monotonic()
+                rep.sync()
+        except Exception as e:  # noqa: BLE001 - the fault, by whatever name it surfaces
+            out.update(etype=type(e).__name__, error=str(e)[:400], t_err=_time.monotonic(), step=step)
+    return out
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_a_rank_dead_after_a_check_is_named_at_the_verdict_not_the_timeout(defer: bool) -> None:
+    """The verdict of a replica check waits for every rank's digests (the rendezvous store, up to
+    the timeout); a member that died meanwhile is named as soon as this rank can see it gone --
+    the driver its reader's process, a follower the driver's closed ring -- not after the 60 s."""
+    from multiproc import spawn_ranks
+
+    with spawn_ranks(_killed_after_check, 3, defer, timeout=120) as g:
+        out = g.results(allow_dead=(2,))
+    drv, fol = out[0], out[1]
+    assert drv["step"] == 21 and drv["etype"] == "PeerError", drv
+    assert "step 20: replica check" in drv["error"] and "rank 2" in drv["error"] and "died" in drv["error"], drv
+    assert drv["t_err"] - drv["t_fault"] < 15.0, drv  # the timeout is 60 s
+    assert fol["step"] == 21 and fol["etype"] == "PeerError" and "rank 0" in fol["error"], fol
+    assert fol["t_err"] - fol["t_fault"] < 15.0, fol
+
+
 def _deferred_refusal(rank: int, world: int) -> list[str]:
     """``defer_apply``: a call the state refuses is only found at ``sync()``, on every rank."""
     import cpmeta

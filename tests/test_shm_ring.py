@@ -194,6 +194,18 @@ def test_closed_reader_reported_at_the_next_message() -> None:
     readers[0].close()
 
 
+def test_gone_peers_name_closed_ends_on_either_side() -> None:
+    """``gone_peers``: what each end sees gone without a message (for waits outside the ring):
+    the writer a reader that closed, a reader the writer that closed; nothing while all live."""
+    w, readers = _ring(2, timeout=5.0)
+    assert w.gone_peers() == [] and readers[0].gone_peers() == []
+    readers[1].close()
+    assert w.gone_peers() == ["rank 2 (reader 1) closed the ring"]
+    w.close()
+    assert readers[0].gone_peers() == ["rank 0 (writer) closed the ring"]
+    readers[0].close()
+
+
 def test_absent_reader_not_waited_for() -> None:
     w = ShmRing.create(2, slot_size=64, num_slots=2, timeout=1.0)
     r0 = ShmRing.attach(ShmRingHandle.from_bytes(w.handle.to_bytes()), 0)

@@ -385,12 +385,11 @@ class ReplicatedBatchState(Recorder):
         digest (an absent rank named); on a mismatch EVERY rank raises, naming the first
         differing request (``digest.slots_differ``: every rank is alive, it just reported)."""
         self._checking = None
-        try:  # bounded by the timeout; a rank that never reports is named
+        try:  # bounded by the timeout; a rank that never reports, or is seen gone, is named
             got = gathering()
-        except TimeoutError as e:
+        except (TimeoutError, ConnectionError) as e:  # (transport's PeerError: a ConnectionError)
             self._broken = f"step {step}: replica check: {e}"
-            raise TimeoutError(f"ReplicatedBatchState rank {self.rank}: step {step}: replica check: "
-                               f"{e}") from None
+            raise type(e)(f"ReplicatedBatchState rank {self.rank}: step {step}: replica check: {e}") from None
         if len(set(got.values())) == 1:
             return
         where = slots_differ(per_slot, self._ch.objects.ctrl, self.src, self.state)

@@ -32,10 +32,12 @@ import torch.distributed as dist
 
 from . import envs
 from ._dist import store_of, wait_work
+from .errors import PeerError
 
 __all__ = ["start_gather", "background"]
 
 _GRACE_S = 1.0  # a store op that outlives the wait by this much is abandoned (cut-off host)
+_SLICE_S = 0.25  # a waiting member looks for gone peers (ObjectChannel.gone_peers) this often
 _MINE: dict[str, list[str]] = {}  # channel key -> this member's keys of its last gather
 _JOBS: "weakref.WeakKeyDictionary[Any, queue.SimpleQueue]" = weakref.WeakKeyDictionary()  # channel -> its helper's
 #: ``[n]``: background jobs handed over and not yet done in this process. A ring reader spinning
@@ -148,17 +150,31 @@ def start_gather(ch: Any, tag: str, value: Callable[[], int]) -> Callable[[], di
     deadline = time.monotonic() + timeout_s + _GRACE_S
 
     def joined() -> dict[int, int]:
-        try:
-            ran(max(0.0, deadline - time.monotonic()))
-        except TimeoutError:
-            pass
+        while True:  # in slices: a member seen gone ends the wait, not the whole timeout
+            left = deadline - time.monotonic()
+            try:
+                ran(max(0.0, min(left, _SLICE_S)))
+                break
+            except TimeoutError:
+                if left <= _SLICE_S:
+                    break  # the timeout: named below from what the exchange saw
+            gone = ch.gone_peers()
+            if gone:
+                try:
+                    ran(_GRACE_S)  # it may have ended with that member's last read
+                    break
+                except TimeoutError:
+                    raise PeerError(f"rank {me}: {tag}: {'; '.join(gone)} before the exchange ended") from None
         if "got" in box:
             return box["got"]
         if box.get("absent"):
             who = ", ".join(ch.who(r) for r in box["absent"])
             raise TimeoutError(f"rank {me}: {tag}: {who} did not report within {timeout_s:g} s (died, "
                                "stalled or cut off)")
-        if "error" in box:
+        if "error" in box:  # the store failed: its host (the driver, as a rule) may be gone
+            gone = ch.gone_peers()
+            if gone:
+                raise PeerError(f"rank {me}: {tag}: {'; '.join(gone)}; the rendezvous store: {box['error']}")
             raise box["error"]
         raise TimeoutError(f"rank {me}: {tag}: the rendezvous store did not answer within {timeout_s:g} s")
 

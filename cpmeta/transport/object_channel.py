@@ -240,6 +240,14 @@ class ObjectChannel(RemotePath):
         if self.ring is not None and self.rank == self.src:
             self.ring.announce()
 
+    def gone_peers(self) -> list[str]:
+        """Members this rank can see are gone, each named: through the ring (the driver its
+        readers, a reader the driver) and the same-host members of the process-group path (by
+        pid); a member on another host is not seen here (its failure surfaces at the next
+        message, or its silence at the timeout)."""
+        gone = [] if self.ring is None else self.ring.gone_peers()
+        return gone + [f"{self.who(r)}, pid {w.pid}, died" for r, w in self._watch.items() if w.dead()]
+
     # ------------------------------------------------------------------ lifecycle
 
     def close(self) -> None:

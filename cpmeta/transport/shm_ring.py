@@ -269,6 +269,24 @@ class ShmRing(RingIO):
         """Per reader: EMPTY=0, ATTACHED=1, CLOSED=2 or ABSENT=3."""
         return [s.value for s in self._w.states]
 
+    def gone_peers(self) -> list[str]:
+        """The peers this end can see are gone, each named (the writer sees its readers, a reader
+        the writer): closed their end, or their process died. For a wait outside the ring (e.g.
+        a rendezvous) that should not outlast a dead peer by the whole timeout."""
+        if self.reader_index is not None:
+            who = self._label(None)
+            return ([f"{who} closed the ring"] if self._w.closed.value else
+                    [f"{who}, pid {self.handle.writer_pid}, died"] if self._watch[-1].dead() else [])
+        gone = []
+        for i, (st, pid) in enumerate(zip(self.states(), self._w.pids)):
+            if st == CLOSED:
+                gone.append(f"{self._label(i)} closed the ring")
+            elif st == ATTACHED:
+                watch = self._watch.get(i) or self._watch.setdefault(i, PeerWatch(pid.value))
+                if watch.dead():
+                    gone.append(f"{self._label(i)}, pid {watch.pid}, died")
+        return gone
+
     def mark_absent(self, reader_index: int) -> None:
         """Writer: reader ``reader_index`` will never attach; do not wait for it."""
         if self._w.states[reader_index].value == EMPTY:
