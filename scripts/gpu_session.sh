@@ -36,6 +36,7 @@
 #   bash scripts/gpu_session.sh knobs        # world 8 decode-64 timeline: this / .alt / .alt2 / followers parking / not warming
 #   bash scripts/gpu_session.sh timeline     # the host's cores at world 8: replicate-defer's step as a
 #                                            # timeline (decode-64 / mixed / prompt, seed decode-64, .alt prompt)
+#   bash scripts/gpu_session.sh wake         # world 8 decode-64 timeline: this / .alt, followers parked or spinning
 #   bash scripts/gpu_session.sh check        # world 8: the periodic replica check, this tree against .alt
 #   bash scripts/gpu_session.sh compare      # the host's cores, before / after in one run: the commit in
 #                                            # .baseline (git archive REV | tar -x -C .baseline; carry it)
@@ -366,6 +367,20 @@ knobs)  # ~5 min (~7 with .alt2): replicate-defer's decode-64 step as a timeline
       warm0) ENVS="CPMETA_WARM=0";; esac
     TAILN=3 step knobs_${K}_$N 60 env $ENVS PYTHONPATH="$ROOT" python3 "$ROOT/scripts/profile_phases.py" sync --world 8 \
       --defer --model plain --workload decode-64 --steps 80 --out "$OUT/h200_wire.knobs-$K-$N.json"
+  done
+  ;;
+wake)  # ~4 min: replicate-defer's decode-64 step as a timeline at world 8 (plain), this tree against
+  # .alt (git archive REV | tar -x -C .alt) in turn, with the followers parked between steps
+  # (CPMETA_SHM_SPIN_US=0: begin_step's announce wakes them, as after an engine's long forward pass)
+  # and spinning through the gap (the default at a 3 ms gap: the announce wakes nobody)
+  [ -d .alt/scripts ] && (cd .alt && PYTHONPATH=$PWD python3 -c 'import cpmeta.jit as j; j.warm_all()')
+  python3 -c 'import cpmeta.jit as j; j.warm_all()'
+  for V in alt:park this:park this:spin alt:spin alt:park2 this:park2; do
+    IFS=: read -r K M <<<"$V"
+    ROOT=$PWD; [ $K = alt ] && { [ -d .alt/scripts ] || continue; ROOT=$PWD/.alt; }
+    ENVS=""; [ "${M#park}" != "$M" ] && ENVS="CPMETA_SHM_SPIN_US=0"
+    TAILN=3 step wake_${K}_$M 70 env $ENVS PYTHONPATH="$ROOT" python3 "$ROOT/scripts/profile_phases.py" sync --world 8 \
+      --defer --model plain --workload decode-64 --steps 80 --out "$OUT/h200_wire.wake-$K-$M.json"
   done
   ;;
 check)  # ~6 min: the periodic replica check at world 8 (plain, a 66 MiB token history a rank:

@@ -519,39 +519,3 @@ def test_spinning_reader_warms_while_it_waits_for_the_next_message() -> None:
     finally:
         for x in (w, r):
             x.close()
-
-
-def test_an_announce_wakes_every_parked_reader_through_the_first_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``announce`` wakes ONE parked reader (one wake on the writer's thread) and that reader
-    wakes the others: all three parked readers spin for the announced message (their warm hooks
-    run) before it is written. The readers' liveness slice is made 5 s here, so a reader the
-    relay missed would sleep until the message's own wake (and never warm)."""
-    import cpmeta.transport._ring_read as ring_read
-
-    monkeypatch.setattr(ring_read, "LIVENESS_SLICE_S", 5.0)
-    w, readers = _ring(3)
-    warmed: list[list[float]] = [[] for _ in readers]
-    got: list[list[bytes]] = [[] for _ in readers]
-    try:
-        for i, r in enumerate(readers):
-            r._spin_s = 0.0  # noqa: SLF001 - park at once after a message
-            r._yield_spin = False  # noqa: SLF001 - warm even where the host has fewer cores than readers
-            r.warm = lambda i=i: warmed[i].append(time.monotonic())  # type: ignore[misc]
-        threads = [threading.Thread(target=lambda r=r, g=g: g.extend([r.read_bytes(), r.read_bytes()]))
-                   for r, g in zip(readers, got)]
-        for t in threads:
-            t.start()
-        w.write(b"0")
-        time.sleep(0.3)  # every reader parked for the next message
-        assert all(r._w.waiting[r.reader_index].value for r in readers)  # noqa: SLF001
-        w.announce()
-        time.sleep(0.5)
-        written = time.monotonic()
-        w.write(b"1")
-        for t in threads:
-            t.join(10.0)
-        assert got == [[b"0", b"1"]] * 3
-        assert all(calls and calls[0] < written for calls in warmed), [c[:1] for c in warmed]
-    finally:
-        for x in (w, *readers):
-            x.close()

@@ -144,18 +144,13 @@ class RingIO(RingReader):
 
     def announce(self) -> None:
         """Writer: a message is coming soon. Parked readers wake now and spin (for at most
-        ``ANNOUNCE_SPIN_S``) so that the message meets a running reader; cheap when none waits.
-        The writer wakes ONE parked reader, which wakes the others (``RingReader._wait_data``):
-        each wake costs the caller's thread, and the readers have the time the writer spends
-        preparing the message; without fences every reader is woken here."""
+        ``ANNOUNCE_SPIN_S``) so that the message meets a running reader; cheap when none waits."""
         if self.reader_index is not None:
             raise RuntimeError("ShmRing.announce: this end is a reader")
         self._w.announce.value = (self._w.announce.value + 1) & 0xFFFFFFFF
         fence()  # announce store before the loads of the readers' waiting flags
-        if not HAVE_FENCE:
+        if not HAVE_FENCE or any(map(_VALUE, self._w.waiting)):
             futex_wake(self._head_addr)
-        elif any(map(_VALUE, self._w.waiting)):
-            futex_wake(self._head_addr, 1)
 
     def _stream_out(self, parts: list[memoryview], length: int, k: int, head: int,
                     deadline: float) -> None:

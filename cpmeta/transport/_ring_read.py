@@ -178,8 +178,6 @@ class RingReader:
         while True:
             if w.announce.value != self._announce_seen:
                 self._announce_seen = w.announce.value
-                if HAVE_FENCE and any(x.value for x in w.waiting):
-                    futex_wake(self._head_addr)  # the writer woke one of us: the others, from here
                 h = self._spin(target, ANNOUNCE_SPIN_S, deadline is None, True)
                 if h >= target:
                     return self._acquired(h)
