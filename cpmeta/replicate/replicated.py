@@ -153,6 +153,8 @@ class ReplicatedBatchState(Recorder):
         fpb = STEP_SCHEMA.fingerprint.encode()  # the compiled read's, and the compiled writer's first header bytes
         self._reader, self._fixed = None if ch_sum else StepReader(fpb), fixed_head(fpb)
         self._written = 0  # driver: frames that writer wrote whole (the codec wrote the others)
+        if check_every:  # the helper thread and the digest kernels' load (~8 ms) now, not at the first check
+            self._digest(0)
 
     # ---- every rank -----------------------------------------------------------------------
     @property
