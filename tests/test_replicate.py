@@ -640,7 +640,7 @@ def test_dead_or_stalled_follower_is_named(fault: str) -> None:
     assert not project_shm_entries()
 
 
-def _killed_after_check(rank: int, world: int, defer: bool) -> dict:
+def _killed_after_check(rank: int, world: int, defer: bool, remote: bool) -> dict:
     """Rank 2 dies (SIGKILL) right after step 20, a replica check step, with a 60 s timeout; the
     others meet its absence in the check's verdict at step 21's sync: how, and how soon."""
     import os
@@ -655,7 +655,7 @@ def _killed_after_check(rank: int, world: int, defer: bool) -> dict:
     rng = random.Random(3)
     out: dict = {"etype": None, "error": None, "t_fault": None, "t_err": None}
     with cpmeta.ReplicatedBatchState(cfg, 6, max_tokens=1024, timeout=60, check_every=4,
-                                     defer_apply=defer) as rep:
+                                     defer_apply=defer, force_remote=remote) as rep:
         # deferred: the scheduler's own state validates each call (as _trace_rank drives it)
         target = SchedulerTee(cpmeta.BatchState(cfg, 6, max_tokens=1024), rep) if defer else rep
         try:
@@ -672,20 +672,23 @@ def _killed_after_check(rank: int, world: int, defer: bool) -> dict:
     return out
 
 
-@pytest.mark.parametrize("defer", [False, True])
-def test_a_rank_dead_after_a_check_is_named_at_the_verdict_not_the_timeout(defer: bool) -> None:
+@pytest.mark.parametrize("defer,remote", [(False, False), (True, False), (False, True)],
+                         ids=["default", "defer", "process-group"])
+def test_a_rank_dead_after_a_check_is_named_at_the_verdict_not_the_timeout(defer: bool, remote: bool) -> None:
     """The verdict of a replica check waits for every rank's digests (the rendezvous store, up to
     the timeout); a member that died meanwhile is named as soon as this rank can see it gone --
-    the driver its reader's process, a follower the driver's closed ring -- not after the 60 s."""
+    the driver its reader's process (or, on the process-group path, its same-host member's), a
+    follower the driver's closed ring or its process -- not after the 60 s."""
     from multiproc import spawn_ranks
 
-    with spawn_ranks(_killed_after_check, 3, defer, timeout=120) as g:
+    with spawn_ranks(_killed_after_check, 3, defer, remote, timeout=120) as g:
         out = g.results(allow_dead=(2,))
     drv, fol = out[0], out[1]
     assert drv["step"] == 21 and drv["etype"] == "PeerError", drv
     assert "step 20: replica check" in drv["error"] and "rank 2" in drv["error"] and "died" in drv["error"], drv
     assert drv["t_err"] - drv["t_fault"] < 15.0, drv  # the timeout is 60 s
-    assert fol["step"] == 21 and fol["etype"] == "PeerError" and "rank 0" in fol["error"], fol
+    assert fol["step"] == 21 and fol["etype"] == "PeerError", fol  # the process-group path's members watch
+    assert ("rank 2" if remote else "rank 0") in fol["error"], fol  # each other; a ring reader its writer
     assert fol["t_err"] - fol["t_fault"] < 15.0, fol
 
 
