@@ -204,6 +204,7 @@ def test_gone_peers_name_closed_ends_on_either_side() -> None:
     w.close()
     assert readers[0].gone_peers() == ["rank 0 (writer) closed the ring"]
     readers[0].close()
+    assert w.gone_peers() == [] and readers[0].gone_peers() == []  # released ends see nothing
 
 
 def test_absent_reader_not_waited_for() -> None:

@@ -273,6 +273,8 @@ class ShmRing(RingIO):
         """The peers this end can see are gone, each named (the writer sees its readers, a reader
         the writer): closed their end, or their process died. For a wait outside the ring (e.g.
         a rendezvous) that should not outlast a dead peer by the whole timeout."""
+        if self.closed:  # this end is released: nothing to look at
+            return []
         if self.reader_index is not None:
             who = self._label(None)
             return ([f"{who} closed the ring"] if self._w.closed.value else
@@ -282,7 +284,9 @@ class ShmRing(RingIO):
             if st == CLOSED:
                 gone.append(f"{self._label(i)} closed the ring")
             elif st == ATTACHED:
-                watch = self._watch.get(i) or self._watch.setdefault(i, PeerWatch(pid.value))
+                watch = self._watch.get(i)
+                if watch is None:
+                    watch = self._watch[i] = PeerWatch(pid.value)
                 if watch.dead():
                     gone.append(f"{self._label(i)}, pid {watch.pid}, died")
         return gone
