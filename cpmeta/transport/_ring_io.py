@@ -16,16 +16,20 @@ import time
 from typing import Any, Optional, Sequence, Union
 
 from ._futex import HAVE_FENCE, NEEDS_RELEASE_FENCE, fence, futex_wait, futex_wake
-from ._ring_layout import ABSENT, ATTACHED, CLOSED, KIND_DATA, KIND_PAD, LIVENESS_SLICE_S, MSG_HEADER, cdiv
+from ._ring_layout import (ABSENT, ATTACHED, CLOSED, KIND_DATA, KIND_PAD, LIVENESS_SLICE_S, MSG_HEADER, OFF_ANNOUNCE,
+                           R_WAITING, READER_STRIDE, READERS_AT, cdiv)
 from ._ring_read import RingReader
 from ._segment import PeerWatch
 from .errors import PeerError
+from .ring_njit import ring_announce
 
 __all__ = ["RingIO"]
 
 Buffers = Union[bytes, bytearray, memoryview, Sequence[Any]]
 _HDR_LEN = MSG_HEADER.size
 _VALUE = operator.attrgetter("value")
+# the announce word and reader 0's waiting flag as indexes of RingWords.m32 (ring_njit.ring_announce)
+_ANNOUNCE32, _WAITING32, _STRIDE32 = OFF_ANNOUNCE // 4, (READERS_AT + R_WAITING) // 4, READER_STRIDE // 4
 
 
 class _Cursor:
@@ -147,10 +151,12 @@ class RingIO(RingReader):
         ``ANNOUNCE_SPIN_S``) so that the message meets a running reader; cheap when none waits."""
         if self.reader_index is not None:
             raise RuntimeError("ShmRing.announce: this end is a reader")
+        if HAVE_FENCE:  # one compiled call: the word, the fence, the flags (~8 us after an idle, not ~15)
+            if ring_announce(self._w.m32, _ANNOUNCE32, _WAITING32, _STRIDE32, len(self._w.waiting)):
+                futex_wake(self._head_addr)
+            return
         self._w.announce.value = (self._w.announce.value + 1) & 0xFFFFFFFF
-        fence()  # announce store before the loads of the readers' waiting flags
-        if not HAVE_FENCE or any(map(_VALUE, self._w.waiting)):
-            futex_wake(self._head_addr)
+        futex_wake(self._head_addr)  # without fences: always
 
     def _stream_out(self, parts: list[memoryview], length: int, k: int, head: int,
                     deadline: float) -> None:

@@ -9,6 +9,8 @@ import mmap
 import struct
 from typing import Protocol
 
+import numpy as np
+
 __all__ = ["MAGIC", "VERSION", "HDR", "MSG_HEADER", "cdiv", "data_offset", "EMPTY", "ATTACHED", "CLOSED",
            "ABSENT", "LIVENESS_SLICE_S", "DEFAULT_SPIN_US", "ANNOUNCE_SPIN_S", "WARM_EVERY_S", "OFF_ANNOUNCE",
            "RingWords", "RingHandleFields"]
@@ -72,10 +74,12 @@ class RingWords:
     the mapping has no exports left and can be closed even while the ring object lives on."""
 
     __slots__ = ("base", "head", "writer_waiting", "announce", "closed", "tails", "states", "pids",
-                 "waiting")
+                 "waiting", "m32")
 
     def __init__(self, mm: mmap.mmap, num_readers: int) -> None:
         blocks = [READERS_AT + READER_STRIDE * i for i in range(num_readers)]
+        #: the control block as uint32 words, for the writer's compiled announce (ring_njit)
+        self.m32 = np.frombuffer(mm, np.uint32, data_offset(num_readers) // 4)
         u32, u64 = ctypes.c_uint32.from_buffer, ctypes.c_uint64.from_buffer
         self.base = ctypes.c_char.from_buffer(mm, 0)  # its address = the mapping's, for memmove
         self.head = u64(mm, OFF_HEAD)
