@@ -16,6 +16,8 @@ Word indexes are in uint32 units: ``m32[OFF_ANNOUNCE // 4]`` is the announce wor
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 from numba.core import types
 from numba.core.extending import intrinsic
@@ -26,9 +28,9 @@ __all__ = ["ring_announce"]
 
 
 @intrinsic
-def _fence_seq_cst(typingctx):  # type: ignore[no-untyped-def]
+def _fence_seq_cst(typingctx: Any) -> Any:
     """``fence seq_cst``: a full barrier (x86: mfence), and no compiler reordering across it."""
-    def codegen(context, builder, sig, args):  # type: ignore[no-untyped-def]
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         builder.fence("seq_cst")
         return context.get_dummy_value()
     return types.void(), codegen
@@ -39,7 +41,7 @@ def ring_announce(m32: np.ndarray, announce_at: int, waiting_at: int, stride: in
     """``m32[announce_at] += 1`` (mod 2**32), a full fence, then whether any of the ``n`` readers'
     flags (``m32[waiting_at + i * stride]``) is set."""
     m32[announce_at] = np.uint32((np.int64(m32[announce_at]) + 1) & 0xFFFFFFFF)
-    _fence_seq_cst()
+    _fence_seq_cst()  # type: ignore[call-arg]  # (numba supplies the typing context)
     for i in range(n):
         if m32[waiting_at + i * stride] != 0:
             return True
