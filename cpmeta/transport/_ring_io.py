@@ -151,12 +151,10 @@ class RingIO(RingReader):
         ``ANNOUNCE_SPIN_S``) so that the message meets a running reader; cheap when none waits."""
         if self.reader_index is not None:
             raise RuntimeError("ShmRing.announce: this end is a reader")
-        if HAVE_FENCE:  # one compiled call: the word, the fence, the flags (~8 us after an idle, not ~15)
-            if ring_announce(self._w.m32, _ANNOUNCE32, _WAITING32, _STRIDE32, len(self._w.waiting)):
-                futex_wake(self._head_addr)
-            return
-        self._w.announce.value = (self._w.announce.value + 1) & 0xFFFFFFFF
-        futex_wake(self._head_addr)  # without fences: always
+        # one compiled call: the word, the fence, the flags (~8 us after an idle, not ~15); readers
+        # without libatomic fences cannot be trusted to have set their flag first: wake them always
+        if ring_announce(self._w.m32, _ANNOUNCE32, _WAITING32, _STRIDE32, len(self._w.waiting)) or not HAVE_FENCE:
+            futex_wake(self._head_addr)
 
     def _stream_out(self, parts: list[memoryview], length: int, k: int, head: int,
                     deadline: float) -> None:
