@@ -672,24 +672,35 @@ def _killed_after_check(rank: int, world: int, defer: bool, remote: bool) -> dic
     return out
 
 
-@pytest.mark.parametrize("defer,remote", [(False, False), (True, False), (False, True)],
-                         ids=["default", "defer", "process-group"])
-def test_a_rank_dead_after_a_check_is_named_at_the_verdict_not_the_timeout(defer: bool, remote: bool) -> None:
+@pytest.mark.parametrize("defer,remote,hosts", [(False, False, ()), (True, False, ()), (False, True, ()),
+                                                (False, False, ("a", "a", "b", "c"))],
+                         ids=["default", "defer", "process-group", "other-hosts"])
+def test_a_rank_dead_after_a_check_is_named_at_the_verdict_not_the_timeout(defer: bool, remote: bool,
+                                                                          hosts: tuple) -> None:
     """The verdict of a replica check waits for every rank's digests (the rendezvous store, up to
-    the timeout); a member that died meanwhile is named as soon as this rank can see it gone --
-    the driver its reader's process (or, on the process-group path, its same-host member's), a
-    follower the driver's closed ring or its process -- not after the 60 s."""
+    the timeout); a member that died meanwhile is named as soon as a rank can see it gone -- the
+    driver its reader's process (or, on the process-group path, its same-host member's, or a
+    member on another host whose connection closed), a follower the driver's closed ring or its
+    process -- not after the 60 s; a member that can see nothing of it (``other-hosts``: rank 3
+    alone on host c, rank 2 on b) hears it from the one that saw it."""
     from multiproc import spawn_ranks
 
-    with spawn_ranks(_killed_after_check, 3, defer, remote, timeout=120) as g:
+    ids = [{"CPMETA_HOST_ID": h} for h in hosts] if hosts else None
+    with spawn_ranks(_killed_after_check, len(hosts) or 3, defer, remote, timeout=120, rank_env=ids) as g:
         out = g.results(allow_dead=(2,))
     drv, fol = out[0], out[1]
     assert drv["step"] == 21 and drv["etype"] == "PeerError", drv
-    assert "step 20: replica check" in drv["error"] and "rank 2" in drv["error"] and "died" in drv["error"], drv
+    gone = "closed its connection" if hosts else "died"
+    assert "step 20: replica check" in drv["error"] and "rank 2" in drv["error"] and gone in drv["error"], drv
     assert drv["t_err"] - drv["t_fault"] < 15.0, drv  # the timeout is 60 s
     assert fol["step"] == 21 and fol["etype"] == "PeerError", fol  # the process-group path's members watch
     assert ("rank 2" if remote else "rank 0") in fol["error"], fol  # each other; a ring reader its writer
     assert fol["t_err"] - fol["t_fault"] < 15.0, fol
+    if hosts:  # told by the driver (through the store, before the driver raised)
+        far = out[3]
+        assert far["step"] == 21 and far["etype"] == "PeerError", far
+        assert "rank 0 saw rank 2 (host b) closed its connection" in far["error"], far
+        assert far["t_err"] - far["t_fault"] < 15.0, far
 
 
 def _deferred_refusal(rank: int, world: int) -> list[str]:

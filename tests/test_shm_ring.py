@@ -198,13 +198,13 @@ def test_gone_peers_name_closed_ends_on_either_side() -> None:
     """``gone_peers``: what each end sees gone without a message (for waits outside the ring):
     the writer a reader that closed, a reader the writer that closed; nothing while all live."""
     w, readers = _ring(2, timeout=5.0)
-    assert w.gone_peers() == [] and readers[0].gone_peers() == []
+    assert w.gone_peers() == {} and readers[0].gone_peers() == {}
     readers[1].close()
-    assert w.gone_peers() == ["rank 2 (reader 1) closed the ring"]
+    assert w.gone_peers() == {2: "rank 2 (reader 1) closed the ring"}
     w.close()
-    assert readers[0].gone_peers() == ["rank 0 (writer) closed the ring"]
+    assert readers[0].gone_peers() == {0: "rank 0 (writer) closed the ring"}
     readers[0].close()
-    assert w.gone_peers() == [] and readers[0].gone_peers() == []  # released ends see nothing
+    assert w.gone_peers() == {} and readers[0].gone_peers() == {}  # released ends see nothing
 
 
 def test_absent_reader_not_waited_for() -> None:

@@ -27,6 +27,7 @@ idle source from a partitioned one), so an idle ``src`` keeps it alive with hear
 
 from __future__ import annotations
 
+import math
 import socket
 import struct
 import threading
@@ -41,7 +42,7 @@ from . import envs
 from .codec import CodecError
 from .coalesce import tensor_memoryview
 
-__all__ = ["group_ranks", "gloo_group", "cpu_group", "host_key", "host_label", "wait_work",
+__all__ = ["group_ranks", "gloo_group", "cpu_group", "host_key", "host_label", "wait_work", "bounded",
            "bcast_frame", "send_abort", "post_reason", "fetch_reason", "store_of", "RemoteFailure",
            "RemoteAbort", "Heartbeat", "REMOTE_INLINE_BYTES", "HOST_KEY_BYTES", "HEARTBEAT_SHARE"]
 
@@ -162,10 +163,10 @@ def store_of() -> Any:
         return None
 
 
-def _bounded(fn: Any, wait_s: float) -> None:
+def bounded(fn: Any, wait_s: float) -> None:
     """Run ``fn()`` on a daemon thread for at most ``wait_s``: a store op on a cut-off host
     blocks for the store's own timeout, which must not hold up the caller."""
-    t = threading.Thread(target=fn, name="cpmeta-reason", daemon=True)
+    t = threading.Thread(target=fn, name="cpmeta-store", daemon=True)
     t.start()
     t.join(wait_s)
 
@@ -192,7 +193,7 @@ def post_reason(key: str, reason: str, readers: Sequence[int] = (),
         except Exception:  # noqa: BLE001 - best effort: a reader that never asks costs wait_s
             pass
 
-    _bounded(put, wait_s)
+    bounded(put, wait_s)
 
 
 def _seen_key(key: str, rank: int) -> str:
@@ -216,7 +217,7 @@ def fetch_reason(key: str, rank: int, wait_s: float = ABORT_WAIT_S) -> Optional[
         except Exception:  # noqa: BLE001 - no reason: the caller says what it saw
             pass
 
-    _bounded(get, wait_s + 0.1)
+    bounded(get, wait_s + 0.1)
     return box[0] if box else None
 
 
@@ -233,12 +234,19 @@ class Heartbeat:
     Example: followers' timeout 3 s, ``period_s`` 0.75: a driver with no requests for an hour
     sends each follower a heartbeat every 0.75 s; a driver SIGSTOPped or cut off sends none,
     and its followers raise ``TimeoutError`` 3 s after the last one they took.
+
+    :meth:`poke` sends one now (to each follower that took its last): a wait outside the
+    channel (a replica check's verdict) asks who is gone; a follower whose connection gloo
+    closed (its process died, its host reset the link) then shows in :attr:`broken`.
     """
 
     def __init__(self, group: Any, followers: list[int], period_s: float) -> None:
         self.group, self.period_s = group, period_s
         self.last = time.monotonic()  # when the last message was posted to every follower
+        self.broken: dict[int, str] = {}  #: follower -> gloo's error of a heartbeat to it
         self._stop = threading.Event()
+        self._poked = -math.inf  # when poke() last asked for a heartbeat now
+        self._wake = {r: threading.Event() for r in followers}
         self._head = _head(HEARTBEAT_LENGTH)
         for r in followers:
             threading.Thread(target=self._run, args=(r,), name=f"cpmeta-heartbeat-{r}",
@@ -247,29 +255,40 @@ class Heartbeat:
     def stop(self) -> None:
         """No more heartbeats (one a follower has not taken yet stays posted: it skips it)."""
         self._stop.set()
+        for e in self._wake.values():
+            e.set()
+
+    def poke(self) -> None:
+        """A heartbeat to every follower now, except one whose last is still untaken (its send
+        fails by itself when the connection closes)."""
+        self._poked = time.monotonic()
+        for e in self._wake.values():
+            e.set()
 
     def _run(self, dst: int) -> None:
-        sent = self.last
+        sent, wake = self.last, self._wake[dst]
         while True:
-            due = max(self.last, sent) + self.period_s
-            if self._stop.wait(max(0.0, due - time.monotonic())):
-                return
+            wake.wait(max(0.0, max(self.last, sent) + self.period_s - time.monotonic()))
+            wake.clear()
             with _POST:
                 now = time.monotonic()
                 if self._stop.is_set():
                     return
-                if max(self.last, sent) + self.period_s > now:
-                    continue  # a message went out meanwhile
+                if self._poked <= sent and max(self.last, sent) + self.period_s > now:
+                    continue  # a message went out meanwhile, and no poke since the last heartbeat
                 try:
                     work = dist.isend(self._head, dst=dst, group=self.group, tag=HEAD_TAG)
-                except RuntimeError:
-                    return  # its connection is gone: the next message names it
+                except RuntimeError as e:
+                    self.broken[dst] = str(e)  # its connection is gone: the next message names it too
+                    return
                 sent = now
             try:
                 if work is not None:  # None only for a rank outside the group: never here
                     work.wait(timedelta(seconds=envs.FOREVER_S))
-            except RuntimeError:
-                return  # closed connection, or the group closed after a timeout elsewhere
+            except RuntimeError as e:  # closed connection, or the group closed after a timeout elsewhere
+                if not self._stop.is_set():
+                    self.broken[dst] = str(e)
+                return
 
 
 def _send_all(parts: list[torch.Tensor], followers: list[int], group: Any, deadline: float,

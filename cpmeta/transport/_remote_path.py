@@ -30,13 +30,14 @@ from ._dist import (ABORT_WAIT_S, Heartbeat, RemoteAbort, RemoteFailure, bcast_f
 from ._segment import PeerWatch
 from .errors import PeerError
 
-__all__ = ["RemotePath", "DEAD_PEER_GRACE_S", "SRC_MARGIN_S", "SRC_MARGIN_SHARE"]
+__all__ = ["RemotePath", "LINK_CLOSED", "DEAD_PEER_GRACE_S", "SRC_MARGIN_S", "SRC_MARGIN_SHARE"]
 
 DEAD_PEER_GRACE_S = 0.2  # after a gloo error, how long to look for the dead same-host peer
 SRC_MARGIN_S = 0.25  # src gives up on a follower this much before the followers give up on src
 SRC_MARGIN_SHARE = 0.1  # ... or this share of the timeout, when that is smaller
 REASON_SLACK_S = 0.05  # src raises at least this long before its own timeout
 REASON_MIN_WAIT_S = 0.02  # the shortest wait for the reason to be stored
+LINK_CLOSED = "closed its connection (its process died, or its host reset the link)"
 
 
 class RemotePath:
@@ -104,8 +105,7 @@ class RemotePath:
                  "(stalled, stopped or unreachable)" for r in e.stalled]
         dead = self._dead_among(list(e.broken))
         for r, msg in sorted(e.broken.items()):
-            how = (f"died (pid {self._watch[r].pid})" if r in dead else
-                   "closed its connection (its process died, or its host reset the link)")
+            how = f"died (pid {self._watch[r].pid})" if r in dead else LINK_CLOSED
             parts.append(f"{self.who(r)} {how}: {msg}")
         text = "; ".join(parts)
         # for followers that see the group close; the healthy remote ones take it before we

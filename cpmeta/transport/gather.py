@@ -10,8 +10,11 @@ waits until every member has read (so the member hosting the store cannot leave 
 whose key never came is named (``TimeoutError``: "rank 2 (host b) did not report ..."). Each
 member deletes its keys of the channel's previous gather once every member's value of this one
 is in (every member has then left the previous one), so the store holds one gather's keys per
-channel however long the run. Without a default store it falls back to a gloo all_gather bounded
-by the same timeout (which cannot say who is missing).
+channel however long the run. A member that sees another gone (``ObjectChannel.gone_peers``)
+raises ``PeerError`` naming it and, first, writes that text into the gone member's keys (a value
+``gone:<text>``, through a store connection of its own): every other member's wait ends with the
+same named error, a member on a third host included. Without a default store it falls back to a
+gloo all_gather bounded by the same timeout (which cannot say who is missing).
 
 Example: ranks [0, 1, 2] of a channel, tag "check-64": every rank calls ``wait =
 start_gather(ch, "check-64", lambda: digest)``, goes on, and later ``wait()`` -> ``{0: d0, 1: d1,
@@ -31,13 +34,14 @@ import torch
 import torch.distributed as dist
 
 from . import envs
-from ._dist import store_of, wait_work
+from ._dist import bounded, store_of, wait_work
 from .errors import PeerError
 
 __all__ = ["start_gather", "background"]
 
 _GRACE_S = 1.0  # a store op that outlives the wait by this much is abandoned (cut-off host)
 _SLICE_S = 0.25  # a waiting member looks for gone peers (ObjectChannel.gone_peers) this often
+_GONE = b"gone:"  # a gather value that says a member is gone (written by one that saw it)
 _MINE: dict[str, list[str]] = {}  # channel key -> this member's keys of its last gather
 _JOBS: "weakref.WeakKeyDictionary[Any, queue.SimpleQueue]" = weakref.WeakKeyDictionary()  # channel -> its helper's
 #: ``[n]``: background jobs handed over and not yet done in this process. A ring reader spinning
@@ -85,6 +89,30 @@ def background(ch: Any, fn: Callable[[], Any]) -> Callable[[Optional[float]], An
     return wait
 
 
+def _told(values: list[bytes], box: dict[str, Any]) -> bool:
+    """Whether a gather's values hold a member's word that another one is gone (:func:`_tell`):
+    ``box["told"]`` is then its text."""
+    told = [v[len(_GONE):].decode(errors="replace") for v in values if v.startswith(_GONE)]
+    if told:
+        box["told"] = told[0]
+    return bool(told)
+
+
+def _tell(store: Any, keys: list[str], text: str) -> None:
+    """End every member's wait of a gather: the gone members' keys (and their read marks) set
+    to ``text`` through a connection of its own (the helper thread's wait holds the store's),
+    bounded: the store's host may be the one gone."""
+    def post() -> None:
+        try:
+            own = store.clone()
+            for k in keys:
+                own.multi_set([k, f"{k}/read"], [_GONE + text.encode()] * 2)
+        except Exception:  # noqa: BLE001 - best effort: the others then meet the timeout
+            pass
+
+    bounded(post, _GRACE_S)
+
+
 def _serve(jobs: queue.SimpleQueue) -> None:
     while True:
         job = jobs.get()
@@ -127,7 +155,10 @@ def start_gather(ch: Any, tag: str, value: Callable[[], int]) -> Callable[[], di
             except Exception:  # noqa: BLE001 - torch raises DistStoreError or RuntimeError
                 box["absent"] = [r for r, k in keys.items() if not store.check([k])]
                 return
-            got = {r: int(bytes(v)) for r, v in zip(keys, store.multi_get(list(keys.values())))}
+            raw = [bytes(v) for v in store.multi_get(list(keys.values()))]
+            if _told(raw, box):
+                return
+            got = {r: int(v) for r, v in zip(keys, raw)}
             for k in _MINE.pop(ch.channel_key, ()):  # every member has left the previous gather
                 try:
                     store.delete_key(k)
@@ -136,10 +167,13 @@ def start_gather(ch: Any, tag: str, value: Callable[[], int]) -> Callable[[], di
             # every member has read every value before any returns: the member hosting the store
             # may exit right after (a check on a run's last step) and take the values with it
             store.set(f"{keys[me]}/read", "1")
+            reads = [f"{k}/read" for k in keys.values()]
             try:
-                store.wait([f"{k}/read" for k in keys.values()], timedelta(seconds=timeout_s))
+                store.wait(reads, timedelta(seconds=timeout_s))
             except Exception:  # noqa: BLE001 - as above
                 box["absent"] = [r for r, k in keys.items() if not store.check([f"{k}/read"])]
+                return
+            if _told([bytes(v) for v in store.multi_get(reads)], box):
                 return
             _MINE[ch.channel_key] = [keys[me], f"{keys[me]}/read"]
             box["got"] = got
@@ -164,18 +198,21 @@ def start_gather(ch: Any, tag: str, value: Callable[[], int]) -> Callable[[], di
                     ran(_GRACE_S)  # it may have ended with that member's last read
                     break
                 except TimeoutError:
-                    raise PeerError(f"rank {me}: {tag}: {'; '.join(gone)} before the exchange ended") from None
+                    text = "; ".join(gone.values())
+                    _tell(store, [k for r, k in keys.items() if r in gone], f"rank {me} saw {text}")
+                    raise PeerError(f"rank {me}: {tag}: {text} before the exchange ended") from None
         if "got" in box:
             return box["got"]
+        if "told" in box:  # another member saw one gone and ended every member's wait with it
+            raise PeerError(f"rank {me}: {tag}: {box['told']} before the exchange ended")
         if box.get("absent"):
             who = ", ".join(ch.who(r) for r in box["absent"])
             raise TimeoutError(f"rank {me}: {tag}: {who} did not report within {timeout_s:g} s (died, "
                                "stalled or cut off)")
         if "error" in box:  # the store failed: its host (the driver, as a rule) may be gone
             gone = ch.gone_peers()
-            if gone:
-                raise PeerError(f"rank {me}: {tag}: {'; '.join(gone)}; the rendezvous store: {box['error']}")
-            raise box["error"]
+            why = "; ".join(gone.values()) if gone else "its host may be gone"
+            raise PeerError(f"rank {me}: {tag}: {why}; the rendezvous store: {box['error']}")
         raise TimeoutError(f"rank {me}: {tag}: the rendezvous store did not answer within {timeout_s:g} s")
 
     return joined

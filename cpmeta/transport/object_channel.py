@@ -18,7 +18,7 @@ import torch.distributed as dist
 from . import envs
 from ._dist import (HEARTBEAT_SHARE, Heartbeat, cpu_group, fetch_reason, group_ranks, host_key, host_label,
                     store_of)
-from ._remote_path import RemotePath
+from ._remote_path import LINK_CLOSED, RemotePath
 from ._segment import PeerWatch
 from ._setup import Member, Scalar, exchange
 from .coalesce import tensor_memoryview
@@ -240,13 +240,21 @@ class ObjectChannel(RemotePath):
         if self.ring is not None and self.rank == self.src:
             self.ring.announce()
 
-    def gone_peers(self) -> list[str]:
-        """Members this rank can see are gone, each named: through the ring (the driver its
-        readers, a reader the driver) and the same-host members of the process-group path (by
-        pid); a member on another host is not seen here (its failure surfaces at the next
-        message, or its silence at the timeout)."""
-        gone = [] if self.ring is None else self.ring.gone_peers()
-        return gone + [f"{self.who(r)}, pid {w.pid}, died" for r, w in self._watch.items() if w.dead()]
+    def gone_peers(self) -> dict[int, str]:
+        """Members this rank can see are gone, by global rank, each named: through the ring (the
+        driver its readers, a reader the driver), the same-host members of the process-group
+        path (by pid) and, on the driver, a follower on another host whose connection closed
+        (each call pokes the heartbeats: a send to such a follower fails once gloo sees the link
+        close). A follower does not see a member on another host (``start_gather`` passes on
+        what another member saw)."""
+        gone = {} if self.ring is None else self.ring.gone_peers()
+        gone.update({r: f"{self.who(r)}, pid {w.pid}, died" for r, w in self._watch.items() if w.dead()})
+        hb = self._heartbeat
+        if hb is not None and self.failure is None:
+            hb.poke()
+            for r, why in sorted(hb.broken.items()):
+                gone.setdefault(r, f"{self.who(r)} {LINK_CLOSED}: {why}")
+        return gone
 
     # ------------------------------------------------------------------ lifecycle
 

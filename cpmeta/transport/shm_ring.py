@@ -269,26 +269,27 @@ class ShmRing(RingIO):
         """Per reader: EMPTY=0, ATTACHED=1, CLOSED=2 or ABSENT=3."""
         return [s.value for s in self._w.states]
 
-    def gone_peers(self) -> list[str]:
-        """The peers this end can see are gone, each named (the writer sees its readers, a reader
-        the writer): closed their end, or their process died. For a wait outside the ring (e.g.
-        a rendezvous) that should not outlast a dead peer by the whole timeout."""
+    def gone_peers(self) -> dict[int, str]:
+        """The peers this end can see are gone, by rank, each named (the writer sees its
+        readers, a reader the writer): closed their end, or their process died. For a wait
+        outside the ring (e.g. a rendezvous) that should not outlast a dead peer by the whole
+        timeout. Example: ``{2: "rank 2 (reader 1) closed the ring"}``."""
         if self.closed:  # this end is released: nothing to look at
-            return []
+            return {}
         if self.reader_index is not None:
-            who = self._label(None)
-            return ([f"{who} closed the ring"] if self._w.closed.value else
-                    [f"{who}, pid {self.handle.writer_pid}, died"] if self._watch[-1].dead() else [])
-        gone = []
+            who, w = self._label(None), self.handle.writer_rank
+            return ({w: f"{who} closed the ring"} if self._w.closed.value else
+                    {w: f"{who}, pid {self.handle.writer_pid}, died"} if self._watch[-1].dead() else {})
+        gone = {}
         for i, (st, pid) in enumerate(zip(self.states(), self._w.pids)):
             if st == CLOSED:
-                gone.append(f"{self._label(i)} closed the ring")
+                gone[self.handle.reader_ranks[i]] = f"{self._label(i)} closed the ring"
             elif st == ATTACHED:
                 watch = self._watch.get(i)
                 if watch is None:
                     watch = self._watch[i] = PeerWatch(pid.value)
                 if watch.dead():
-                    gone.append(f"{self._label(i)}, pid {watch.pid}, died")
+                    gone[self.handle.reader_ranks[i]] = f"{self._label(i)}, pid {watch.pid}, died"
         return gone
 
     def mark_absent(self, reader_index: int) -> None:
