@@ -640,9 +640,10 @@ def test_dead_or_stalled_follower_is_named(fault: str) -> None:
     assert not project_shm_entries()
 
 
-def _killed_after_check(rank: int, world: int, defer: bool, remote: bool) -> dict:
-    """Rank 2 dies (SIGKILL) right after step 20, a replica check step, with a 60 s timeout; the
-    others meet its absence in the check's verdict at step 21's sync: how, and how soon."""
+def _killed_after_check(rank: int, world: int, defer: bool, remote: bool, timeout: Optional[float] = 60) -> dict:
+    """Rank 2 dies (SIGKILL) right after step 20, a replica check step, with a 60 s timeout (or
+    ``timeout``); the others meet its absence in the check's verdict at step 21's sync: how, and
+    how soon."""
     import os
     import signal
     import time as _time
@@ -654,7 +655,7 @@ def _killed_after_check(rank: int, world: int, defer: bool, remote: bool) -> dic
     cfg = _config("plain")
     rng = random.Random(3)
     out: dict = {"etype": None, "error": None, "t_fault": None, "t_err": None}
-    with cpmeta.ReplicatedBatchState(cfg, 6, max_tokens=1024, timeout=60, check_every=4,
+    with cpmeta.ReplicatedBatchState(cfg, 6, max_tokens=1024, timeout=timeout, check_every=4,
                                      defer_apply=defer, force_remote=remote) as rep:
         # deferred: the scheduler's own state validates each call (as _trace_rank drives it)
         target = SchedulerTee(cpmeta.BatchState(cfg, 6, max_tokens=1024), rep) if defer else rep
@@ -672,21 +673,23 @@ def _killed_after_check(rank: int, world: int, defer: bool, remote: bool) -> dic
     return out
 
 
-@pytest.mark.parametrize("defer,remote,hosts", [(False, False, ()), (True, False, ()), (False, True, ()),
-                                                (False, False, ("a", "a", "b", "c"))],
-                         ids=["default", "defer", "process-group", "other-hosts"])
-def test_a_rank_dead_after_a_check_is_named_at_the_verdict_not_the_timeout(defer: bool, remote: bool,
-                                                                          hosts: tuple) -> None:
+@pytest.mark.parametrize("defer,remote,hosts,timeout", [
+    (False, False, (), 60), (True, False, (), 60), (False, True, (), 60),
+    (False, False, ("a", "a", "b", "c"), 60), (False, False, ("a", "a", "b", "c"), None)],
+    ids=["default", "defer", "process-group", "other-hosts", "other-hosts-unbounded"])
+def test_a_rank_dead_after_a_check_is_named_at_the_verdict_not_the_timeout(
+        defer: bool, remote: bool, hosts: tuple, timeout: Optional[float]) -> None:
     """The verdict of a replica check waits for every rank's digests (the rendezvous store, up to
     the timeout); a member that died meanwhile is named as soon as a rank can see it gone -- the
     driver its reader's process (or, on the process-group path, its same-host member's, or a
-    member on another host whose connection closed), a follower the driver's closed ring or its
-    process -- not after the 60 s; a member that can see nothing of it (``other-hosts``: rank 3
-    alone on host c, rank 2 on b) hears it from the one that saw it."""
+    member on another host whose connection closed: with no timeout too, where the verdict
+    would wait for ever), a follower the driver's closed ring or its process -- not after the
+    60 s; a member that can see nothing of it (``other-hosts``: rank 3 alone on host c, rank 2
+    on b) hears it from the one that saw it."""
     from multiproc import spawn_ranks
 
     ids = [{"CPMETA_HOST_ID": h} for h in hosts] if hosts else None
-    with spawn_ranks(_killed_after_check, len(hosts) or 3, defer, remote, timeout=120, rank_env=ids) as g:
+    with spawn_ranks(_killed_after_check, len(hosts) or 3, defer, remote, timeout, timeout=120, rank_env=ids) as g:
         out = g.results(allow_dead=(2,))
     drv, fol = out[0], out[1]
     assert drv["step"] == 21 and drv["etype"] == "PeerError", drv

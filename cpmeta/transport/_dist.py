@@ -235,9 +235,9 @@ class Heartbeat:
     sends each follower a heartbeat every 0.75 s; a driver SIGSTOPped or cut off sends none,
     and its followers raise ``TimeoutError`` 3 s after the last one they took.
 
-    :meth:`poke` sends one now (to each follower that took its last): a wait outside the
-    channel (a replica check's verdict) asks who is gone; a follower whose connection gloo
-    closed (its process died, its host reset the link) then shows in :attr:`broken`.
+    :meth:`poke` sends one now (to each follower that took its last; ``period_s`` inf: only
+    then): a wait outside the channel (a replica check's verdict) asks who is gone; a follower
+    whose connection gloo closed (its process died, its host reset the link) shows in :attr:`broken`.
     """
 
     def __init__(self, group: Any, followers: list[int], period_s: float) -> None:
@@ -268,7 +268,8 @@ class Heartbeat:
     def _run(self, dst: int) -> None:
         sent, wake = self.last, self._wake[dst]
         while True:
-            wake.wait(max(0.0, max(self.last, sent) + self.period_s - time.monotonic()))
+            due = max(self.last, sent) + self.period_s  # inf: only when poked
+            wake.wait(None if due == math.inf else max(0.0, due - time.monotonic()))
             wake.clear()
             with _POST:
                 now = time.monotonic()

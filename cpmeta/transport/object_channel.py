@@ -10,6 +10,7 @@ travel inside a raw frame (:meth:`ObjectChannel.send_frame`), laid out by the fr
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Callable, Mapping, Optional, TypeVar
 
 import torch
@@ -133,9 +134,9 @@ class ObjectChannel(RemotePath):
             self._watch = {r: PeerWatch(pids[r]) for r in [src, *self.remote_ranks]
                            if r != self.rank and keys[r] == key}
             bounds = [m.timeout for m in members if m.rank in self.remote_ranks and m.timeout]
-            if self.rank == src and bounds:  # followers with no bound need no heartbeat
+            if self.rank == src:  # followers with no bound get heartbeats only when poked (gone_peers)
                 self._heartbeat = Heartbeat(self.ctrl, self.remote_ranks,
-                                            HEARTBEAT_SHARE * min(bounds))
+                                            HEARTBEAT_SHARE * min(bounds) if bounds else math.inf)
 
     @property
     def channel_key(self) -> str:
