@@ -211,8 +211,9 @@ def start_gather(ch: Any, tag: str, value: Callable[[], int]) -> Callable[[], di
                                "stalled or cut off)")
         if "error" in box:  # the store failed: its host (the driver, as a rule) may be gone
             gone = ch.gone_peers()
-            why = "; ".join(gone.values()) if gone else "its host may be gone"
-            raise PeerError(f"rank {me}: {tag}: {why}; the rendezvous store: {box['error']}")
+            why = "; ".join(gone.values()) + "; the rendezvous store" if gone else \
+                "the rendezvous store failed (its host may be gone)"
+            raise PeerError(f"rank {me}: {tag}: {why}: {box['error']}")
         raise TimeoutError(f"rank {me}: {tag}: the rendezvous store did not answer within {timeout_s:g} s")
 
     return joined
