@@ -670,6 +670,8 @@ def _killed_after_check(rank: int, world: int, defer: bool, remote: bool, timeou
                 rep.sync()
         except Exception as e:  # noqa: BLE001 - the fault, by whatever name it surfaces
             out.update(etype=type(e).__name__, error=str(e)[:400], t_err=_time.monotonic(), step=step)
+            if rank == 0:  # the store's host (as an engine logging its error) outlives the others' reads
+                _time.sleep(1.0)
     return out
 
 
