@@ -271,15 +271,20 @@ class RingIO(RingReader):
                     raise PeerError(f"ShmRing writer: {self._label(i)}, pid {watch.pid}, died "
                                     f"{behind} slot(s) behind")
 
+    def _reader_watch(self, i: int) -> PeerWatch:
+        """Reader ``i``'s process watch (made at first use from the pid it wrote when attaching)."""
+        watch = self._watch.get(i)
+        if watch is None:
+            watch = self._watch[i] = PeerWatch(self._w.pids[i].value)
+        return watch
+
     def _alive_poll(self, states: tuple[int, ...]
                     ) -> tuple[tuple[int, ...], Optional[Any], list[int]]:
         """``(states, one poll object over the attached readers' pidfds or None, attached
         readers without one)``."""
         poll, rest = None, []
         for i in [i for i, st in enumerate(states) if st == ATTACHED]:
-            watch = self._watch.get(i)
-            if watch is None:
-                watch = self._watch[i] = PeerWatch(self._w.pids[i].value)
+            watch = self._reader_watch(i)
             fd = watch.pollable
             if fd is None:
                 rest.append(i)
@@ -299,9 +304,7 @@ class RingIO(RingReader):
                 raise PeerError(f"ShmRing writer: {self._label(i)} closed the ring "
                                 f"{behind} slot(s) behind")
             if self._w.states[i].value == ATTACHED:
-                watch = self._watch.get(i)
-                if watch is None:
-                    watch = self._watch[i] = PeerWatch(self._w.pids[i].value)
+                watch = self._reader_watch(i)
                 if watch.dead():
                     raise PeerError(f"ShmRing writer: {self._label(i)}, pid {watch.pid}, died "
                                     f"{behind} slot(s) behind")

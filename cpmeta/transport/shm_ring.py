@@ -281,15 +281,11 @@ class ShmRing(RingIO):
             return ({w: f"{who} closed the ring"} if self._w.closed.value else
                     {w: f"{who}, pid {self.handle.writer_pid}, died"} if self._watch[-1].dead() else {})
         gone = {}
-        for i, (st, pid) in enumerate(zip(self.states(), self._w.pids)):
+        for i, st in enumerate(self.states()):
             if st == CLOSED:
                 gone[self.handle.reader_ranks[i]] = f"{self._label(i)} closed the ring"
-            elif st == ATTACHED:
-                watch = self._watch.get(i)
-                if watch is None:
-                    watch = self._watch[i] = PeerWatch(pid.value)
-                if watch.dead():
-                    gone[self.handle.reader_ranks[i]] = f"{self._label(i)}, pid {watch.pid}, died"
+            elif st == ATTACHED and self._reader_watch(i).dead():
+                gone[self.handle.reader_ranks[i]] = f"{self._label(i)}, pid {self._watch[i].pid}, died"
         return gone
 
     def mark_absent(self, reader_index: int) -> None:
