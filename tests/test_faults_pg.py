@@ -121,14 +121,14 @@ FAKE_CLONE_MAPS = [
     "7f0000100000-7f0000200000 r--p 00000000 08:01 1235 /home/u/cpmeta/.venv/lib/python3.12/"
     "site-packages/numpy/core/_multiarray_umath.cpython-312-x86_64-linux-gnu.so\n",
     "7f0000200000-7f0000300000 r--p 00000000 08:01 1236 /home/u/cpmeta/cpmeta-ring\n",
-    "7f0000300000-7f0000400000 rw-s 00000000 00:05 77 /tmp/cpmeta/cpmeta-" + "ab" * 16 + "\n",
+    "7f0000300000-7f0000400000 rw-s 00000000 00:05 77 /tmp/cpmeta/cpmeta-effffffc-4121-" + "ab" * 16 + "\n",
     "7f0000400000-7f0000500000 rw-s 00000000 00:05 78 /memfd:cpmeta-ring-other (deleted)\n",
     "7f0000500000-7f0000600000 rw-p 00000000 00:00 0 \n",
 ]
 REAL_SEGMENT_MAPS = [
     "7f0000600000-7f0000700000 rw-s 00000000 00:01 99 /memfd:cpmeta-ring (deleted)\n",
-    "7f0000700000-7f0000800000 rw-s 00000000 00:17 98 /dev/shm/cpmeta-" + "0f" * 16 + "\n",
-    "7f0000800000-7f0000900000 rw-s 00000000 00:17 97 /dev/shm/cpmeta-" + "0f" * 16 + " (deleted)\n",
+    "7f0000700000-7f0000800000 rw-s 00000000 00:17 98 /dev/shm/cpmeta-effffffc-4121-" + "0f" * 16 + "\n",
+    "7f0000800000-7f0000900000 rw-s 00000000 00:17 97 /dev/shm/cpmeta-effffffc-4121-" + "0f" * 16 + " (deleted)\n",
 ]
 
 

@@ -29,6 +29,9 @@ import os
 import pickle
 import re
 import struct
+import subprocess
+import sys
+import time
 import zlib
 from pathlib import Path
 from typing import Any, Iterator
@@ -55,7 +58,7 @@ BANNED_ATTRS = {  # attributes that pickle whatever object they are reached thro
     "read_pickle", "to_pickle", "loads_pickle", "allow_pickle",
 }
 NOBODY_UID = 65534
-SEGMENT_NAME = re.compile(r"^cpmeta-[0-9a-f]{32}$")
+SEGMENT_NAME = re.compile(r"^cpmeta-([0-9a-f]+)-([0-9]+)-([0-9a-f]{32})$")
 
 
 # ----------------------------------------------------------------------------- 1. static scan
@@ -384,13 +387,17 @@ def test_named_segments_are_private_random_and_exclusive(monkeypatch: pytest.Mon
     segs = [_segment.create_segment(4096, use_memfd=False) for _ in range(64)]
     try:
         names = [os.path.basename(s.path) for s in segs]
-        assert all(SEGMENT_NAME.match(n) for n in names), names[:3]
+        parts = [SEGMENT_NAME.match(n) for n in names]
+        assert all(parts), names[:3]
+        # who made it (pid namespace, pid: what the reaper of a killed writer's name needs) ...
+        ns = format(os.stat("/proc/self/ns/pid").st_ino, "x")
+        assert {(m[1], int(m[2])) for m in parts if m} == {(ns, os.getpid())}, names[:3]
         assert len(set(names)) == len(names)
         for s in segs:
             st = os.fstat(s.fd)
             assert st.st_mode & 0o777 == 0o600 and st.st_uid == os.geteuid()
-        # 64 x 128 random bits: no shared prefix longer than chance allows, no pid/time inside
-        hexes = [n[len("cpmeta-"):] for n in names]
+        # ... then 64 x 128 random bits: no shared prefix longer than chance allows, no pid/time
+        hexes = [m[3] for m in parts if m]
         longest = max(len(os.path.commonprefix([a, b])) for a in hexes for b in hexes if a != b)
         assert longest <= 6, longest
         # a name made from the pid carries it in every name; random hex holds a 4-5 digit run
@@ -402,7 +409,7 @@ def test_named_segments_are_private_random_and_exclusive(monkeypatch: pytest.Mon
             os.unlink(s.path)
     # a planted file or symlink at the next name is refused, never opened or followed
     monkeypatch.setattr(_segment.secrets, "token_hex", lambda n: "ab" * n)
-    planted = tmp_path / ("cpmeta-" + "ab" * 16)
+    planted = tmp_path / f"cpmeta-{ns}-{os.getpid()}-{'ab' * 16}"
     target = tmp_path / "victim"
     target.write_text("keep")
     planted.symlink_to(target)
@@ -412,6 +419,40 @@ def test_named_segments_are_private_random_and_exclusive(monkeypatch: pytest.Mon
         assert target.read_text() == "keep"
     finally:
         planted.unlink()
+
+
+def test_a_killed_writers_name_is_reaped_and_nothing_else(monkeypatch: pytest.MonkeyPatch,
+                                                          tmp_path: Path) -> None:
+    """``reap_dead_segments`` unlinks a name of this user and pid namespace whose process is
+    gone, and leaves a live process's name, another namespace's, its own and any other file."""
+    from cpmeta.transport import _segment
+
+    monkeypatch.setattr(_segment, "_SHM_DIR", str(tmp_path))
+    ns = format(os.stat("/proc/self/ns/pid").st_ino, "x")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # exited and reaped: its pid names no process (unless reused within the test)
+    other_ns = format(int(ns, 16) ^ 1, "x")
+    names = {
+        "dead": f"cpmeta-{ns}-{gone.pid}-{'1a' * 16}",
+        "live": f"cpmeta-{ns}-{os.getppid()}-{'2b' * 16}",
+        "mine": f"cpmeta-{ns}-{os.getpid()}-{'3c' * 16}",
+        "other-ns": f"cpmeta-{other_ns}-{gone.pid}-{'4d' * 16}",
+        "not-ours": f"cpmeta-{ns}-{gone.pid}-short",
+    }
+    for n in names.values():
+        (tmp_path / n).write_bytes(b"")
+    assert _segment.reap_dead_segments() == [str(tmp_path / names["dead"])]
+    assert sorted(os.listdir(tmp_path)) == sorted(v for k, v in names.items() if k != "dead")
+    # the next named segment reaps first: a second dead writer's name goes when it is made
+    (tmp_path / names["dead"]).write_bytes(b"")
+    seg = _segment.create_segment(4096, use_memfd=False)
+    os.close(seg.fd)
+    os.unlink(seg.path)
+    assert not (tmp_path / names["dead"]).exists()
+    # a grace waits for a live writer, and only that long
+    t0 = time.monotonic()
+    assert _segment.reap_dead_segments(grace_s=0.1) == []
+    assert time.monotonic() - t0 >= 0.1
 
 
 def test_memfd_segment_mode_and_no_name() -> None:

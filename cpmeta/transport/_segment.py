@@ -6,8 +6,13 @@ Segment kinds, in order of preference:
    ``/proc/<writer pid>/fd/<fd>`` (same user only: the kernel applies a ptrace-read check).
    There is no name at all, so a SIGKILLed writer or reader can never leak it.
 2. ``/dev/shm`` file (or the temp dir off Linux): created ``O_EXCL`` with mode 0600 under an
-   unguessable name (``cpmeta-`` + 32 hex digits) and unlinked by the writer as soon as every
-   reader has attached.
+   unguessable name and unlinked by the writer as soon as every reader has attached. The name
+   says who made it: ``cpmeta-<pid namespace>-<pid>-`` + 32 random hex digits (e.g.
+   ``cpmeta-effffffc-4121-9f0c...``), so a name whose writer was killed before it could unlink
+   it is reaped (:func:`reap_dead_segments`) by a same-host reader whose setup failed, and by
+   the next writer that makes a named segment: a name of this user, this pid namespace and a
+   process that no longer runs (a pid reused since is left alone; another namespace's pids mean
+   nothing here, so its names are never touched).
 
 Python's ``multiprocessing`` resource tracker is never involved (plain ``os.open`` + ``mmap``).
 """
@@ -19,16 +24,18 @@ import re
 import secrets
 import select
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Optional
 
 __all__ = ["Segment", "create_segment", "open_segment", "PeerWatch", "SEGMENT_PREFIX",
-           "MEMFD_NAME", "is_segment_path"]
+           "MEMFD_NAME", "is_segment_path", "reap_dead_segments", "REAP_GRACE_S"]
 
 SEGMENT_PREFIX = "cpmeta-"
 MEMFD_NAME = SEGMENT_PREFIX + "ring"  # /proc shows it as "/memfd:cpmeta-ring (deleted)"
 NAME_TOKEN_BYTES = 16  # random bytes of a /dev/shm name (32 hex digits)
-_NAME_RE = re.compile(re.escape(SEGMENT_PREFIX) + f"[0-9a-f]{{{2 * NAME_TOKEN_BYTES}}}")
+_NAME_RE = re.compile(re.escape(SEGMENT_PREFIX) + f"([0-9a-f]+)-([0-9]+)-[0-9a-f]{{{2 * NAME_TOKEN_BYTES}}}")
+REAP_GRACE_S = 0.5  # a failed reader's wait for a dying writer's process to be gone
 _DELETED = " (deleted)"
 _SHM_DIR = "/dev/shm"
 _MODE = 0o600
@@ -66,8 +73,9 @@ def create_segment(size: int, *, use_memfd: bool = True) -> Segment:
         if path is not None:
             return Segment(fd, path, None)
         os.close(fd)
-    directory = _SHM_DIR if os.path.isdir(_SHM_DIR) else tempfile.gettempdir()
-    path = os.path.join(directory, SEGMENT_PREFIX + secrets.token_hex(NAME_TOKEN_BYTES))
+    reap_dead_segments()
+    name = f"{SEGMENT_PREFIX}{_pid_ns() or '0'}-{os.getpid()}-{secrets.token_hex(NAME_TOKEN_BYTES)}"
+    path = os.path.join(_shm_dir(), name)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), _MODE)
     try:
         os.ftruncate(fd, size)
@@ -78,12 +86,68 @@ def create_segment(size: int, *, use_memfd: bool = True) -> Segment:
     return Segment(fd, path, path)
 
 
+def _shm_dir() -> str:
+    return _SHM_DIR if os.path.isdir(_SHM_DIR) else tempfile.gettempdir()
+
+
+def _pid_ns() -> Optional[str]:
+    """This process's pid namespace (the inode of ``/proc/self/ns/pid``, hex), None if unknown."""
+    try:
+        return format(os.stat("/proc/self/ns/pid").st_ino, "x")
+    except OSError:
+        return None
+
+
+def reap_dead_segments(grace_s: float = 0.0) -> list[str]:
+    """Unlink the named segments whose writer died before it unlinked them; returns their paths.
+
+    A candidate is a name :func:`create_segment` makes, owned by this user, made in this
+    process's pid namespace by another process that no longer runs (:class:`PeerWatch`). With
+    ``grace_s`` > 0 it waits up to that long, in 10 ms steps, while candidates of live writers
+    remain: a reader that saw its writer's connection close may look before the kernel has
+    finished the writer's exit. Example: ``cpmeta-effffffc-4121-<hex>`` with pid 4121 killed
+    -> unlinked; the same with 4121 running, or ``cpmeta-e0000001-...`` -> left."""
+    ns = _pid_ns()
+    if ns is None:  # no /proc: pids cannot be told apart from another namespace's
+        return []
+    directory, me, uid = _shm_dir(), os.getpid(), os.getuid()
+    deadline = time.monotonic() + grace_s
+    reaped = []
+    while True:
+        alive = 0
+        for name in os.listdir(directory):
+            m = _NAME_RE.fullmatch(name)
+            if m is None or m[1] != ns or int(m[2]) == me:
+                continue
+            path = os.path.join(directory, name)
+            try:
+                if os.lstat(path).st_uid != uid:
+                    continue
+            except FileNotFoundError:
+                continue
+            watch = PeerWatch(int(m[2]))
+            dead = watch.dead()
+            watch.close()
+            if not dead:
+                alive += 1
+                continue
+            try:
+                os.unlink(path)
+                reaped.append(path)
+            except FileNotFoundError:
+                pass  # another reaper was first
+        if not alive or time.monotonic() >= deadline:
+            return reaped
+        time.sleep(0.01)
+
+
 def is_segment_path(path: str) -> bool:
     """True when ``path`` -- a ``/proc/<pid>/fd`` link target or the path column of
     ``/proc/<pid>/maps`` -- names a segment made by :func:`create_segment`, exactly:
-    ``/memfd:cpmeta-ring`` or ``<shm dir>/cpmeta-<32 hex>``, with or without the kernel's
-    `` (deleted)`` suffix. A library under a directory called ``cpmeta`` is not one
-    (``/src/cpmeta/.venv/.../libtorch.so`` -> False; ``/dev/shm/cpmeta-`` + 32 hex -> True).
+    ``/memfd:cpmeta-ring`` or ``<shm dir>/cpmeta-<ns hex>-<pid>-<32 hex>``, with or without the
+    kernel's `` (deleted)`` suffix. A library under a directory called ``cpmeta`` is not one
+    (``/src/cpmeta/.venv/.../libtorch.so`` -> False; ``/dev/shm/cpmeta-effffffc-4121-`` + 32 hex
+    -> True).
     """
     if path.endswith(_DELETED):
         path = path[:-len(_DELETED)]

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from . import _futex, envs
 from ._dist import group_ranks, wait_work
+from ._segment import REAP_GRACE_S, reap_dead_segments
 from .coalesce import tensor_memoryview
 
 __all__ = ["exchange_ring", "HANDLE_BYTES", "RingEnd"]
@@ -49,7 +50,8 @@ def exchange_ring(group: Any, src: int, readers: Optional[Sequence[int]],
     and marked absent, so the writer never waits for it; every member learns the same list.
     Two collectives: a broadcast of the handle and an all_reduce of the attach flags, each
     waited for at most ``timeout`` seconds (default ``CPMETA_TRANSPORT_TIMEOUT``) in all:
-    ``TimeoutError`` naming the step (the writer end is closed first: nothing leaks).
+    ``TimeoutError`` naming the step (the writer end is closed first: nothing leaks; a reader
+    whose writer died first reaps the name it may have left, ``_segment.reap_dead_segments``).
     On a platform the ring refuses (``_futex.ring_unsupported_reason``) ``src`` sends an empty
     handle, so every reader is left out, and logs ONE warning per process.
 
@@ -93,6 +95,8 @@ def exchange_ring(group: Any, src: int, readers: Optional[Sequence[int]],
     except BaseException:
         if ring is not None:
             ring.close()
+        if me in readers:  # a writer killed before it could unlink its segment's name leaks it
+            reap_dead_segments(REAP_GRACE_S)
         raise
     attached = [r for r in readers if flags[ranks.index(r)].item()]
     if me == src and ring is not None:

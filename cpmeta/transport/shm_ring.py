@@ -80,7 +80,7 @@ class ShmRingHandle:
     ``reader_ranks[i]`` / ``writer_rank`` label processes in error messages (e.g. global ranks).
     """
 
-    path: str  # /proc/<pid>/fd/<n> (memfd) or /dev/shm/cpmeta-<32 hex>
+    path: str  # /proc/<pid>/fd/<n> (memfd) or /dev/shm/cpmeta-<ns>-<pid>-<32 hex>
     nonce: bytes  # 16 random bytes, also in the segment header: guards against stale paths
     num_readers: int
     slot_size: int
