@@ -357,9 +357,11 @@ def _seed() -> int:
 
 def _survivor_saw(rec: dict) -> bool:
     """The surviving follower of a follower's death: the driver's close (``RingClosedError``
-    naming writer rank 0) or, when the driver's abort frame for the failed step got into the
+    naming writer rank 0 and the dead rank 2 it saw gone before) or, when the driver's abort frame for the failed step got into the
     ring first (issue 38's step protocol: the same named error on every rank), that abort --
     the builtin class of the driver's ``PeerError`` naming the dead rank 2."""
+    if rec["etype"] == "RingClosedError":  # the close, with the reader it saw gone before it
+        return "rank 0" in rec["error"] and "gone before it: rank 2 (reader 1), pid" in rec["error"]
     if rec["etype"] in FAULT_ERRORS:
         return "rank 0" in rec["error"]
     return (rec["etype"] == "OSError" and "the driver (rank 0) refused this step: PeerError"

@@ -189,8 +189,9 @@ def test_closed_reader_reported_at_the_next_message() -> None:
         w.write(b"z")
     assert w.backlog() == head  # nothing published
     assert readers[0].read_bytes() == b"before"
-    w.close()
-    with pytest.raises(RingClosedError):
+    w.close()  # the survivor hears what the writer saw gone, not only that it closed
+    with pytest.raises(RingClosedError, match=r"writer rank 0 closed the ring \(gone before "
+                                              r"it: rank 2 \(reader 1\) closed the ring\)"):
         readers[0].read_bytes()
     readers[0].close()
 

@@ -19,7 +19,6 @@ from ._futex import HAVE_FENCE, NEEDS_RELEASE_FENCE, fence, futex_wait, futex_wa
 from ._ring_layout import (ABSENT, ATTACHED, CLOSED, KIND_DATA, KIND_PAD, LIVENESS_SLICE_S, MSG_HEADER, OFF_ANNOUNCE,
                            R_WAITING, READER_STRIDE, READERS_AT, cdiv)
 from ._ring_read import RingReader
-from ._segment import PeerWatch
 from .errors import PeerError
 from .ring_njit import ring_announce
 
@@ -270,13 +269,6 @@ class RingIO(RingReader):
                     behind = self._w.head.value - self._w.tails[i].value
                     raise PeerError(f"ShmRing writer: {self._label(i)}, pid {watch.pid}, died "
                                     f"{behind} slot(s) behind")
-
-    def _reader_watch(self, i: int) -> PeerWatch:
-        """Reader ``i``'s process watch (made at first use from the pid it wrote when attaching)."""
-        watch = self._watch.get(i)
-        if watch is None:
-            watch = self._watch[i] = PeerWatch(self._w.pids[i].value)
-        return watch
 
     def _alive_poll(self, states: tuple[int, ...]
                     ) -> tuple[tuple[int, ...], Optional[Any], list[int]]:

@@ -15,8 +15,8 @@ import time
 from typing import Any, Callable, Optional, TypeVar
 
 from ._futex import HAVE_FENCE, NEEDS_RELEASE_FENCE, fence, futex_wait, futex_wake
-from ._ring_layout import (ANNOUNCE_SPIN_S, KIND_DATA, KIND_PAD, LIVENESS_SLICE_S, MSG_HEADER,
-                           WARM_EVERY_S, RingHandleFields, RingWords, cdiv)
+from ._ring_layout import (ANNOUNCE_SPIN_S, ATTACHED, CLOSED, KIND_DATA, KIND_PAD, LIVENESS_SLICE_S,
+                           MSG_HEADER, WARM_EVERY_S, RingHandleFields, RingWords, cdiv)
 from ._segment import PeerWatch
 from .errors import PeerError, RingClosedError
 from .gather import PENDING
@@ -53,6 +53,26 @@ class RingReader:
         """``i`` as an error message names it: "rank 2 (reader 1)" or "rank 0 (writer)"."""
         return f"rank {self.handle.reader_ranks[i]} (reader {i})" if i is not None else \
             f"rank {self.handle.writer_rank} (writer)"
+
+    def _reader_watch(self, i: int) -> PeerWatch:
+        """Reader ``i``'s process watch (made at first use from the pid it wrote when attaching)."""
+        watch = self._watch.get(i)
+        if watch is None:
+            watch = self._watch[i] = PeerWatch(self._w.pids[i].value)
+        return watch
+
+    def _readers_gone(self) -> dict[int, str]:
+        """The other readers that closed their end or whose process died, by rank, each named:
+        ``{2: "rank 2 (reader 1), pid 812, died"}``."""
+        gone = {}
+        for i, st in enumerate(s.value for s in self._w.states):
+            if i == self.reader_index:
+                continue
+            if st == CLOSED:
+                gone[self.handle.reader_ranks[i]] = f"{self._label(i)} closed the ring"
+            elif st == ATTACHED and self._reader_watch(i).dead():
+                gone[self.handle.reader_ranks[i]] = f"{self._label(i)}, pid {self._watch[i].pid}, died"
+        return gone
 
     def _ring_pos(self, start_slot: int, msg_offset: int) -> int:
         """Ring byte offset of byte ``msg_offset`` of the message starting at slot ``start_slot``.
@@ -243,7 +263,9 @@ class RingReader:
         if self._w.closed.value:
             if self._w.head.value >= target:  # published, then closed: read it first (the caller re-reads head)
                 return
-            raise RingClosedError(f"ShmRing reader {me}: {who} closed the ring")
+            gone = "; ".join(self._readers_gone().values())  # what the writer may have closed for
+            raise RingClosedError(f"ShmRing reader {me}: {who} closed the ring"
+                                  + (f" (gone before it: {gone})" if gone else ""))
         if self._watch[-1].dead():
             raise PeerError(f"ShmRing reader {me}: {who}, pid {self.handle.writer_pid}, died")
         if deadline is not None and time.monotonic() >= deadline:

@@ -280,13 +280,7 @@ class ShmRing(RingIO):
             who, w = self._label(None), self.handle.writer_rank
             return ({w: f"{who} closed the ring"} if self._w.closed.value else
                     {w: f"{who}, pid {self.handle.writer_pid}, died"} if self._watch[-1].dead() else {})
-        gone = {}
-        for i, st in enumerate(self.states()):
-            if st == CLOSED:
-                gone[self.handle.reader_ranks[i]] = f"{self._label(i)} closed the ring"
-            elif st == ATTACHED and self._reader_watch(i).dead():
-                gone[self.handle.reader_ranks[i]] = f"{self._label(i)}, pid {self._watch[i].pid}, died"
-        return gone
+        return self._readers_gone()
 
     def mark_absent(self, reader_index: int) -> None:
         """Writer: reader ``reader_index`` will never attach; do not wait for it."""
