@@ -6,6 +6,8 @@ import hashlib
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -522,3 +524,64 @@ def test_spinning_reader_warms_while_it_waits_for_the_next_message() -> None:
     finally:
         for x in (w, r):
             x.close()
+
+
+# ----------------------------------------------------------------------------- a full tmpfs
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Any) -> Any:
+    """A 1 MiB tmpfs (a container's small /dev/shm, in miniature); root only."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        yield str(mnt)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def test_a_full_tmpfs_refuses_the_ring_at_create_not_with_sigbus_at_a_write(tiny_tmpfs: str) -> None:
+    """A /dev/shm segment larger than the room left: ``OSError`` (ENOSPC) at create, nothing left
+    behind; a ring that fits works. (A sparse segment was created and the process died of SIGBUS
+    at the first write that touched a page with no room: exit 135 in a subprocess, 2026-12-06.)"""
+    script = f"""
+import errno, os
+from cpmeta.transport import _segment, ShmRing, ShmRingHandle
+_segment._SHM_DIR = {tiny_tmpfs!r}
+try:
+    ShmRing.create(1, slot_size=65536, num_slots=64, use_memfd=False)  # 4 MiB
+except OSError as e:
+    assert e.errno == errno.ENOSPC and {tiny_tmpfs!r} in str(e), e
+else:
+    raise AssertionError("a 4 MiB ring was made in a 1 MiB tmpfs")
+assert os.listdir({tiny_tmpfs!r}) == []
+w = ShmRing.create(1, slot_size=4096, num_slots=64, use_memfd=False)  # 260 KiB: fits
+r = ShmRing.attach(ShmRingHandle.from_bytes(w.handle.to_bytes()), 0)
+w.wait_attached()
+for i in range(200):
+    w.write(b"%d" % i * 1000)
+    assert r.read_bytes() == b"%d" % i * 1000
+r.close()
+w.close()
+assert os.listdir({tiny_tmpfs!r}) == []
+"""
+    got = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert got.returncode == 0, (got.returncode, got.stderr[-2000:])
+
+
+def _full_shm_channel(rank: int, world_size: int, shm_dir: str) -> Any:
+    from cpmeta.transport import ObjectChannel, _segment
+
+    _segment._SHM_DIR = shm_dir
+    del os.memfd_create  # the named fallback: the one a small /dev/shm limits
+    with ObjectChannel(slot_size=65536, num_slots=64, timeout=30.0) as ch:
+        got = [ch.broadcast({"step": k} if rank == 0 else None) for k in range(20)]
+        return ch.ring is None, got
+
+
+def test_a_full_tmpfs_sends_every_follower_over_the_process_group(tiny_tmpfs: str) -> None:
+    """The driver cannot reserve its ring: every rank still gets every message, over gloo."""
+    out = run_ranks(_full_shm_channel, 2, tiny_tmpfs, timeout=90)
+    assert out == [(True, [{"step": k} for k in range(20)])] * 2

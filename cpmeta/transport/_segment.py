@@ -19,6 +19,7 @@ Python's ``multiprocessing`` resource tracker is never involved (plain ``os.open
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import secrets
@@ -59,13 +60,31 @@ def _memfd_usable(fd: int) -> Optional[str]:
     return path
 
 
+def _reserve(fd: int, size: int, where: str) -> None:
+    """Give the segment its pages now: on a full tmpfs (a container's small /dev/shm) or a spent
+    memory limit the setup fails with ``OSError`` naming it, where a sparse file would kill the
+    process with SIGBUS at the first write that touches a page with no room behind it. A file
+    system that cannot preallocate is left sparse."""
+    if not hasattr(os, "posix_fallocate"):
+        return
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            return
+        raise OSError(e.errno, f"cannot reserve {size} bytes of shared memory for the ring in "
+                               f"{where}: {e.strerror}") from None
+
+
 def create_segment(size: int, *, use_memfd: bool = True) -> Segment:
-    """Create a zero-filled segment of ``size`` bytes readable/writable by this user only."""
+    """Create a zero-filled segment of ``size`` bytes readable/writable by this user only, its
+    pages reserved (``OSError`` at once when there is no room for them)."""
     if use_memfd and hasattr(os, "memfd_create"):
         fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
         try:
             os.fchmod(fd, _MODE)
             os.ftruncate(fd, size)
+            _reserve(fd, size, "a memfd")
             path = _memfd_usable(fd)
         except OSError:
             os.close(fd)
@@ -79,6 +98,7 @@ def create_segment(size: int, *, use_memfd: bool = True) -> Segment:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), _MODE)
     try:
         os.ftruncate(fd, size)
+        _reserve(fd, size, os.path.dirname(path))
     except OSError:
         os.close(fd)
         os.unlink(path)
