@@ -708,6 +708,66 @@ def test_a_rank_dead_after_a_check_is_named_at_the_verdict_not_the_timeout(
         assert far["t_err"] - far["t_fault"] < 15.0, far
 
 
+def _driver_killed_after_check(rank: int, world: int, port: int, timeout: Optional[float]) -> dict:
+    """Hosts a, b, c (``CPMETA_HOST_ID``), the rendezvous store in the test's process (as
+    torchrun's agent holds it): the driver dies (SIGKILL) right after step 20, a replica check
+    step; how, and how soon, each follower meets it in the check's verdict at step 21's sync."""
+    import os
+    import signal
+    import time as _time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import cpmeta
+    from replicate_trace import drive
+
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    cfg = _config("plain")
+    rng = random.Random(3)
+    out: dict = {"etype": None, "error": None, "t_fault": None, "t_err": None}
+    with cpmeta.ReplicatedBatchState(cfg, 6, max_tokens=1024, timeout=timeout, check_every=4) as rep:
+        try:
+            for step in range(1, 40):
+                if rank == 0:
+                    drive(rep, cfg, rng, [])
+                if step == 21:
+                    if rank == 0:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    out["t_fault"] = _time.monotonic()
+                rep.sync()
+        except Exception as e:  # noqa: BLE001 - the fault, by whatever name it surfaces
+            out.update(etype=type(e).__name__, error=str(e)[:400], t_err=_time.monotonic(), step=step)
+    return out
+
+
+@pytest.mark.parametrize("timeout", [60, None], ids=["bounded", "unbounded"])
+def test_a_driver_dead_after_a_check_is_named_by_far_followers_while_the_store_lives(
+        timeout: Optional[float]) -> None:
+    """Followers on other hosts than the driver, the store outliving the driver (torchrun's
+    agent holds it): each one's verdict wait watches its connection to the driver
+    (``LinkWatch``) and names the driver as soon as it closes -- where it waited out the 60 s
+    timeout (``TimeoutError`` naming the driver absent) or, with no timeout, for ever."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from multiproc import spawn_ranks
+
+    master = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=120))
+    ids = [{"CPMETA_HOST_ID": h} for h in ("a", "b", "c")]
+    with spawn_ranks(_driver_killed_after_check, 3, master.port, timeout, timeout=120, rank_env=ids,
+                     init=False) as g:
+        out = g.results(allow_dead=(0,))
+    for fol in out[1:]:
+        assert fol["step"] == 21 and fol["etype"] == "PeerError", fol
+        assert "replica-check-20" in fol["error"] and "rank 0 (src, host a) closed its connection" \
+            in fol["error"], fol
+        assert fol["t_err"] - fol["t_fault"] < 15.0, fol  # the timeout is 60 s (or none)
+
+
 def _deferred_refusal(rank: int, world: int) -> list[str]:
     """``defer_apply``: a call the state refuses is only found at ``sync()``, on every rank."""
     import cpmeta

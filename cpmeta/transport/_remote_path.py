@@ -19,10 +19,13 @@ rank 1 (host b): rank 0 (src, host a) stopped the channel at message 3: <that te
 
 from __future__ import annotations
 
+import threading
 import time
+from datetime import timedelta
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from . import envs
 from ._dist import (ABORT_WAIT_S, Heartbeat, RemoteAbort, RemoteFailure, bcast_frame, fetch_reason,
@@ -30,7 +33,7 @@ from ._dist import (ABORT_WAIT_S, Heartbeat, RemoteAbort, RemoteFailure, bcast_f
 from ._segment import PeerWatch
 from .errors import PeerError
 
-__all__ = ["RemotePath", "LINK_CLOSED", "DEAD_PEER_GRACE_S", "SRC_MARGIN_S", "SRC_MARGIN_SHARE"]
+__all__ = ["RemotePath", "LinkWatch", "LINK_CLOSED", "PROBE_TAG", "DEAD_PEER_GRACE_S", "SRC_MARGIN_S", "SRC_MARGIN_SHARE"]
 
 DEAD_PEER_GRACE_S = 0.2  # after a gloo error, how long to look for the dead same-host peer
 SRC_MARGIN_S = 0.25  # src gives up on a follower this much before the followers give up on src
@@ -38,6 +41,31 @@ SRC_MARGIN_SHARE = 0.1  # ... or this share of the timeout, when that is smaller
 REASON_SLACK_S = 0.05  # src raises at least this long before its own timeout
 REASON_MIN_WAIT_S = 0.02  # the shortest wait for the reason to be stored
 LINK_CLOSED = "closed its connection (its process died, or its host reset the link)"
+PROBE_TAG = 0x43504D50  # point-to-point tag of a follower's link probe ("CPMP"): never received
+
+
+class LinkWatch:
+    """A follower's watch on its gloo connection to ``src`` (a member on another host, whose
+    process it cannot see): one 1-byte send to ``src``, on a tag ``src`` never receives, stays
+    posted, its wait on a daemon thread; gloo fails it the moment the connection closes (``src``'s
+    process died, or its host reset the link) and :attr:`closed` is then gloo's error, else None.
+    For waits outside the channel (a replica check's verdict) that must not outlast a dead
+    ``src`` when the rendezvous store lives on elsewhere (torchrun's agent). One thread, and one
+    pending send ``src`` holds a tally of, for the channel's life."""
+
+    def __init__(self, group: Any, src: int) -> None:
+        self.closed: Optional[str] = None
+        self._byte = torch.zeros(1, dtype=torch.uint8)
+        threading.Thread(target=self._run, args=(group, src), name=f"cpmeta-link-{src}",
+                         daemon=True).start()
+
+    def _run(self, group: Any, src: int) -> None:
+        try:
+            work = dist.isend(self._byte, dst=src, group=group, tag=PROBE_TAG)
+            if work is not None:
+                work.wait(timedelta(seconds=envs.FOREVER_S))
+        except RuntimeError as e:  # the connection closed (or the group failed elsewhere)
+            self.closed = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 class RemotePath:
@@ -55,6 +83,7 @@ class RemotePath:
     _watch: dict[int, PeerWatch]
     _remote_group: Any
     _heartbeat: Optional[Heartbeat]
+    _link: Optional[LinkWatch]  # a follower's watch on src across hosts, from its first look
     _reason_key: str
 
     def who(self, rank: int) -> str:
@@ -91,6 +120,17 @@ class RemotePath:
         self.failure = str(err)
         self._stop_heartbeat()
         raise err
+
+    def _src_link_closed(self) -> Optional[str]:
+        """A follower of the process-group path whose ``src`` lives on another host: gloo's
+        error once its connection to ``src`` closed, else None (the watch starts at the first
+        call: :class:`LinkWatch`)."""
+        if self.rank == self.src or self.rank not in self.remote_ranks or self.src in self._watch \
+                or self.failure is not None:
+            return None  # src itself, a ring reader, a same-host src (its pid is watched), spent
+        if self._link is None:
+            self._link = LinkWatch(self._remote_group, self.src)
+        return self._link.closed
 
     def _stop_heartbeat(self) -> None:
         if self._heartbeat is not None:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from . import envs
 from ._dist import (HEARTBEAT_SHARE, Heartbeat, cpu_group, fetch_reason, group_ranks, host_key, host_label,
                     store_of)
-from ._remote_path import LINK_CLOSED, RemotePath
+from ._remote_path import LINK_CLOSED, LinkWatch, RemotePath
 from ._segment import PeerWatch
 from ._setup import Member, Scalar, exchange
 from .coalesce import tensor_memoryview
@@ -89,6 +89,7 @@ class ObjectChannel(RemotePath):
         self._frame_buf: Optional[torch.Tensor] = None  # src: reused buffer of send_frame
         self._remote_group: Any = None
         self._heartbeat: Optional[Heartbeat] = None  # src of the process-group path
+        self._link: Optional[LinkWatch] = None  # a far follower's watch on src (gone_peers)
         self.ring: Any = None
         self.hosts: dict[int, str] = {}  # global rank -> host label, for error messages
         self._reason_key = ""  # where src leaves why it stopped (transport._dist.post_reason)
@@ -244,12 +245,16 @@ class ObjectChannel(RemotePath):
     def gone_peers(self) -> dict[int, str]:
         """Members this rank can see are gone, by global rank, each named: through the ring (the
         driver its readers, a reader the driver), the same-host members of the process-group
-        path (by pid) and, on the driver, a follower on another host whose connection closed
-        (each call pokes the heartbeats: a send to such a follower fails once gloo sees the link
-        close). A follower does not see a member on another host (``start_gather`` passes on
-        what another member saw)."""
+        path (by pid), on the driver a follower on another host whose connection closed (each
+        call pokes the heartbeats: a send to such a follower fails once gloo sees the link close)
+        and on such a follower its driver's (:class:`~cpmeta.transport._remote_path.LinkWatch`,
+        from the first call). A follower does not see another follower on another host
+        (``start_gather`` passes on what another member saw)."""
         gone = {} if self.ring is None else self.ring.gone_peers()
         gone.update({r: f"{self.who(r)}, pid {w.pid}, died" for r, w in self._watch.items() if w.dead()})
+        closed = self._src_link_closed()
+        if closed is not None:
+            gone.setdefault(self.src, f"{self.who(self.src)} {LINK_CLOSED}: {closed}")
         hb = self._heartbeat
         if hb is not None and self.failure is None:
             hb.poke()
