@@ -640,18 +640,27 @@ def test_dead_or_stalled_follower_is_named(fault: str) -> None:
     assert not project_shm_entries()
 
 
-def _killed_after_check(rank: int, world: int, defer: bool, remote: bool, timeout: Optional[float] = 60) -> dict:
-    """Rank 2 dies (SIGKILL) right after step 20, a replica check step, with a 60 s timeout (or
-    ``timeout``); the others meet its absence in the check's verdict at step 21's sync: how, and
-    how soon."""
+def _killed_after_check(rank: int, world: int, defer: bool, remote: bool, timeout: Optional[float] = 60,
+                        victim: int = 2, port: Optional[int] = None) -> dict:
+    """Rank ``victim`` dies (SIGKILL) right after step 20, a replica check step, with a 60 s
+    timeout (or ``timeout``); the others meet its absence in the check's verdict at step 21's
+    sync: how, and how soon. ``port``: the rendezvous store is the test process's (as torchrun's
+    agent holds it), not rank 0's."""
     import os
     import signal
     import time as _time
+    from datetime import timedelta
+
+    import torch.distributed as dist
 
     import cpmeta
     from cpmeta.launch.strategies import SchedulerTee
     from replicate_trace import drive
 
+    if port is not None:
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=60))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=120))
     cfg = _config("plain")
     rng = random.Random(3)
     out: dict = {"etype": None, "error": None, "t_fault": None, "t_err": None}
@@ -664,7 +673,7 @@ def _killed_after_check(rank: int, world: int, defer: bool, remote: bool, timeou
                 if rank == 0:
                     drive(target, cfg, rng, [])
                 if step == 21:
-                    if rank == 2:
+                    if rank == victim:
                         os.kill(os.getpid(), signal.SIGKILL)
                     out["t_fault"] = _time.monotonic()
                 rep.sync()
@@ -708,40 +717,6 @@ def test_a_rank_dead_after_a_check_is_named_at_the_verdict_not_the_timeout(
         assert far["t_err"] - far["t_fault"] < 15.0, far
 
 
-def _driver_killed_after_check(rank: int, world: int, port: int, timeout: Optional[float]) -> dict:
-    """Hosts a, b, c (``CPMETA_HOST_ID``), the rendezvous store in the test's process (as
-    torchrun's agent holds it): the driver dies (SIGKILL) right after step 20, a replica check
-    step; how, and how soon, each follower meets it in the check's verdict at step 21's sync."""
-    import os
-    import signal
-    import time as _time
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    import cpmeta
-    from replicate_trace import drive
-
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
-    cfg = _config("plain")
-    rng = random.Random(3)
-    out: dict = {"etype": None, "error": None, "t_fault": None, "t_err": None}
-    with cpmeta.ReplicatedBatchState(cfg, 6, max_tokens=1024, timeout=timeout, check_every=4) as rep:
-        try:
-            for step in range(1, 40):
-                if rank == 0:
-                    drive(rep, cfg, rng, [])
-                if step == 21:
-                    if rank == 0:
-                        os.kill(os.getpid(), signal.SIGKILL)
-                    out["t_fault"] = _time.monotonic()
-                rep.sync()
-        except Exception as e:  # noqa: BLE001 - the fault, by whatever name it surfaces
-            out.update(etype=type(e).__name__, error=str(e)[:400], t_err=_time.monotonic(), step=step)
-    return out
-
-
 @pytest.mark.parametrize("timeout", [60, None], ids=["bounded", "unbounded"])
 def test_a_driver_dead_after_a_check_is_named_by_far_followers_while_the_store_lives(
         timeout: Optional[float]) -> None:
@@ -758,8 +733,8 @@ def test_a_driver_dead_after_a_check_is_named_by_far_followers_while_the_store_l
     master = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False,
                            timeout=timedelta(seconds=120))
     ids = [{"CPMETA_HOST_ID": h} for h in ("a", "b", "c")]
-    with spawn_ranks(_driver_killed_after_check, 3, master.port, timeout, timeout=120, rank_env=ids,
-                     init=False) as g:
+    with spawn_ranks(_killed_after_check, 3, False, False, timeout, 0, master.port, timeout=120,
+                     rank_env=ids, init=False) as g:
         out = g.results(allow_dead=(0,))
     for fol in out[1:]:
         assert fol["step"] == 21 and fol["etype"] == "PeerError", fol
