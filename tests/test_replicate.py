@@ -641,26 +641,18 @@ def test_dead_or_stalled_follower_is_named(fault: str) -> None:
 
 
 def _killed_after_check(rank: int, world: int, defer: bool, remote: bool, timeout: Optional[float] = 60,
-                        victim: int = 2, port: Optional[int] = None) -> dict:
+                        victim: int = 2) -> dict:
     """Rank ``victim`` dies (SIGKILL) right after step 20, a replica check step, with a 60 s
     timeout (or ``timeout``); the others meet its absence in the check's verdict at step 21's
-    sync: how, and how soon. ``port``: the rendezvous store is the test process's (as torchrun's
-    agent holds it), not rank 0's."""
+    sync: how, and how soon."""
     import os
     import signal
     import time as _time
-    from datetime import timedelta
-
-    import torch.distributed as dist
 
     import cpmeta
     from cpmeta.launch.strategies import SchedulerTee
     from replicate_trace import drive
 
-    if port is not None:
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=60))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=120))
     cfg = _config("plain")
     rng = random.Random(3)
     out: dict = {"etype": None, "error": None, "t_fault": None, "t_err": None}
@@ -733,8 +725,9 @@ def test_a_driver_dead_after_a_check_is_named_by_far_followers_while_the_store_l
     master = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False,
                            timeout=timedelta(seconds=120))
     ids = [{"CPMETA_HOST_ID": h} for h in ("a", "b", "c")]
-    with spawn_ranks(_killed_after_check, 3, False, False, timeout, 0, master.port, timeout=120,
-                     rank_env=ids, init=False) as g:
+    agent = {"MASTER_PORT": str(master.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}  # as torchrun's
+    with spawn_ranks(_killed_after_check, 3, False, False, timeout, 0, timeout=120, env=agent,
+                     rank_env=ids) as g:
         out = g.results(allow_dead=(0,))
     for fol in out[1:]:
         assert fol["step"] == 21 and fol["etype"] == "PeerError", fol
