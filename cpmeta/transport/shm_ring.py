@@ -53,6 +53,7 @@ import logging
 import mmap
 import os
 import secrets
+import sys
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -71,6 +72,9 @@ __all__ = ["ShmRing", "ShmRingHandle", "ring_from_process_group", "PeerError", "
            "EMPTY", "ATTACHED", "CLOSED", "ABSENT"]
 
 logger = logging.getLogger(__name__)
+#: Python 3.13+: the mapping keeps no descriptor of its own (CPython's mmap dups the fd it maps
+#: otherwise), so once the fd below is closed nothing but the mapping reaches the segment
+_MMAP_KW: dict[str, Any] = {"trackfd": False} if sys.version_info >= (3, 13) else {}
 
 
 @dataclass(frozen=True)
@@ -166,7 +170,7 @@ class ShmRing(RingIO):
         self._data_at = data_offset(handle.num_readers)
         self._ring_bytes = handle.slot_size * handle.num_slots
         try:
-            mm = mmap.mmap(fd, self._data_at + self._ring_bytes)
+            mm = mmap.mmap(fd, self._data_at + self._ring_bytes, **_MMAP_KW)
         except (OSError, ValueError):
             os.close(fd)  # a short or foreign file: do not leak the descriptor
             raise
