@@ -44,7 +44,8 @@ from .coalesce import tensor_memoryview
 
 __all__ = ["group_ranks", "gloo_group", "cpu_group", "host_key", "host_label", "wait_work", "bounded",
            "bcast_frame", "send_abort", "post_reason", "fetch_reason", "store_of", "RemoteFailure",
-           "RemoteAbort", "Heartbeat", "REMOTE_INLINE_BYTES", "HOST_KEY_BYTES", "HEARTBEAT_SHARE"]
+           "RemoteAbort", "Heartbeat", "REMOTE_INLINE_BYTES", "HOST_KEY_BYTES", "HEARTBEAT_SHARE",
+           "first_line"]
 
 HOST_KEY_BYTES = 256  # most bytes of a host key (the setup exchange carries it)
 REMOTE_INLINE_BYTES = 8192  # head of a remote message: this many bytes + the length word
@@ -304,7 +305,7 @@ def _send_all(parts: list[torch.Tensor], followers: list[int], group: Any, deadl
             try:
                 works.append((r, [dist.isend(t, dst=r, group=group, tag=HEAD_TAG) for t in parts]))
             except RuntimeError as e:
-                broken[r] = _first_line(e)
+                broken[r] = first_line(e)
         if heartbeat is not None:
             heartbeat.last = time.monotonic()
     for r, mine in works:
@@ -315,12 +316,12 @@ def _send_all(parts: list[torch.Tensor], followers: list[int], group: Any, deadl
             if stalled:  # gloo closed the group at the first timeout: this one was not done
                 stalled.append(r)
             else:
-                broken[r] = _first_line(e)
+                broken[r] = first_line(e)
     if stalled or broken:
         raise RemoteFailure(stalled, broken, timeout_s)
 
 
-def _first_line(e: Exception) -> str:
+def first_line(e: Exception) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from . import envs
 from ._dist import (ABORT_WAIT_S, Heartbeat, RemoteAbort, RemoteFailure, bcast_frame, fetch_reason,
-                    post_reason, send_abort)
+                    first_line, post_reason, send_abort)
 from ._segment import PeerWatch
 from .errors import PeerError
 
@@ -65,7 +65,7 @@ class LinkWatch:
             if work is not None:
                 work.wait(timedelta(seconds=envs.FOREVER_S))
         except RuntimeError as e:  # the connection closed (or the group failed elsewhere)
-            self.closed = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            self.closed = first_line(e)
 
 
 class RemotePath:
