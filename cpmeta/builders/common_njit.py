@@ -292,7 +292,10 @@ def ngram_table(cfg: MetadataConfig) -> np.ndarray:
 
 
 def _as_int64(t: torch.Tensor) -> np.ndarray:
-    return t.detach().cpu().to(torch.int64).contiguous().numpy()
+    """Read-only, as :data:`NO_TABLE` (one array type: one compiled signature of each kernel)."""
+    a = t.detach().cpu().to(torch.int64).contiguous().numpy()
+    a.flags.writeable = False
+    return a
 
 
 @kernel

@@ -24,7 +24,7 @@ from ..config import MetadataConfig
 from ..constants import INT32_MAX, PAD_SLOT_ID, TABLE_WIDTH_ALIGN
 from ..jit import OK, kernel, warmer
 from .common_njit import (
-    COMMON_CODES_END, E_NGRAM_TABLE, check_tables, compressed_slot, fail,
+    COMMON_CODES_END, E_NGRAM_TABLE, NO_TABLE, check_tables, compressed_slot, fail,
     fill_common_rows, fill_cu_seqlens, fill_ngram_rows,
 )
 
@@ -264,5 +264,5 @@ def _warm() -> None:
     decode_shape(np.array([1, 2], i64), 3, np.array([0, 1, 2], i64), 0, 4)
     decode_fill(np.array([1, 2], i64), np.array([5, 9], i64), np.array([0, 1], i64), np.zeros(2, np.bool_),
                 np.array([4, 7, 8], i64), np.array([0, 1, 3], i64), np.zeros(0, i64), np.zeros(3, i64),
-                np.array([3, 6], i64), np.array([0, 1, 2], i64), decode_consts(cfg), np.zeros(0, i64),
+                np.array([3, 6], i64), np.array([0, 1, 2], i64), decode_consts(cfg), NO_TABLE,
                 HostArena(lay).raw.numpy(), field_offsets(lay), 3, np.zeros(4, i64), np.zeros(2, i64))

@@ -121,4 +121,5 @@ class DecodeSink:
 
 
 _NO_RAW, _NO_OFFSETS = np.zeros(0, np.uint8), np.zeros(1, np.int64)  # a sink not aimed yet: no arena
+_NO_OFFSETS.flags.writeable = False  # as field_offsets' (one compiled signature)
 _NO_ERR, _NO_INFO = np.zeros(4, np.int64), np.zeros(2, np.int64)

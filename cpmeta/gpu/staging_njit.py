@@ -354,7 +354,7 @@ def stage_state(slots: np.ndarray, nt: np.ndarray, sk: np.ndarray, drafts: np.nd
 @warmer
 def _warm() -> None:
     """Both writers once on tiny inputs, in the argument types the library passes: the batch
-    writer without and with an ``ngram_lookup`` table (a read-only empty table, a writable one),
+    writer without and with an ``ngram_lookup`` table (read-only, as :func:`ngram_table` gives them),
     the state writer over a real state's arrays, int64 and int32 drafts."""
     from ..state.batch_state import BatchState
 
@@ -364,9 +364,11 @@ def _warm() -> None:
 
     i64 = np.int64
     view, report = np.zeros(256, np.int32), np.zeros(REPORT_LEN, i64)
+    table8 = np.arange(8, dtype=i64)
+    table8.flags.writeable = False
     for cfg in (MetadataConfig.compressed_swa(), MetadataConfig.compressed_swa(max_ngram_size=2, image_token_id=5)):
         consts, ratios = layout(cfg)
-        for table in (NO_TABLE, np.arange(8, dtype=i64)):  # NO_TABLE is read-only, a config's table is not
+        for table in (NO_TABLE, table8):
             stage_batch(np.array([1], i64), np.array([3], i64), np.array([0], i64), np.zeros(1, np.bool_),
                         np.array([4, 5, 6], i64), np.array([0, 3], i64), np.zeros(0, i64), np.zeros(2, i64),
                         np.array([2], i64), np.array([0, 1], i64), consts, ratios, table, view, report)

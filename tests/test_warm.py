@@ -1,0 +1,116 @@
+"""``cpmeta.jit.warm_all()`` compiles what the step path runs: after it, real steps add no kernel
+signature (a missing one is a compile of seconds at an engine's first steps, or a cache load the
+warm-up did not pay)."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from cpmeta.testing import run_ranks
+
+
+def kernel_signatures() -> set[tuple[str, str]]:
+    """``(kernel, signature)`` of every compiled kernel of cpmeta this process holds."""
+    import numba
+
+    import cpmeta.jit as jit
+
+    got = set()
+    for name in jit.kernel_modules():
+        mod = importlib.import_module(name)
+        for attr, obj in vars(mod).items():
+            if isinstance(obj, numba.core.dispatcher.Dispatcher) and obj.py_func.__module__ == name:
+                got.update((f"{name}.{attr}", str(sig)) for sig in obj.signatures)
+    return got
+
+
+# every strategy of the launch on both models: prompts (chunked), decode with drafts, the mirror,
+# the driver's rebuild (--verify), the interleaved KV slot mapping of the plain model
+RUNS = [
+    [*common, "--strategy", strategy, "--model", model]
+    for common in (["--workload", "mixed", "--steps", "12", "--cp-mirror", "--verify", "--decode-seqs", "16",
+                    "--prompt-seqs", "2", "--max-prompt", "300"],)
+    for model, extra in (("seed", []), ("plain", []))
+    for strategy in ("broadcast", "replicate", "replicate-defer")
+]
+RUNS += [[*r, "--kv-interleave", "4"] for r in RUNS if "plain" in r]
+
+
+def _split(sig: str) -> list[str]:
+    """A signature's argument types (commas inside brackets kept)."""
+    out, depth, cur = [], 0, ""
+    for ch in sig[1:-1]:
+        depth += ch in "([" and 1 or ch in ")]" and -1 or 0
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    return out + [cur.strip()]
+
+
+def _named(new: list[tuple[str, str]], warm: set[tuple[str, str]]) -> list[str]:
+    """Each new signature as the kernel and the arguments where it differs from a warm one."""
+    import inspect
+
+    lines = []
+    for name, sig in new:
+        mod, fn = name.rsplit(".", 1)
+        params = list(inspect.signature(getattr(importlib.import_module(mod), fn).py_func).parameters)
+        mine = _split(sig)
+        diffs = [[f"{p}: {w} -> {m}" for p, w, m in zip(params, _split(ws), mine) if w != m]
+                 for n, ws in warm if n == name]
+        lines.append(f"{name}: " + ("; ".join(min(diffs, key=len)) if diffs else "no warm signature"))
+    return lines
+
+
+def _steps_after_warm(rank: int, world: int) -> list[str]:
+    import cpmeta.jit as jit
+    from cpmeta.launch.worker import build_parser, check_args, run_steps
+
+    jit.warm_all()
+    warm = kernel_signatures()
+    for argv in RUNS:
+        args = build_parser().parse_args(argv)
+        assert check_args(args, world) is None
+        run_steps(args, rank, world, torch.device("cpu"))
+    return _named(sorted(kernel_signatures() - warm), warm)
+
+
+def test_steps_after_warm_all_add_no_kernel_signature() -> None:
+    driver, follower = run_ranks(_steps_after_warm, 2, timeout=600)
+    assert (driver, follower) == ([], []), "kernel signatures warm_all() left out:\n" + "\n".join(
+        f"rank {r}: {line}" for r, lines in enumerate((driver, follower)) for line in lines)
+
+
+def _inplace_after_warm(rank: int, world: int) -> list[str]:
+    """The in-place decode path on the CPU (its torch kernels): from a batch, and staged straight
+    from a state with int32 and int64 drafts, on the launch's seed and plain models."""
+    import numpy as np
+
+    import cpmeta.jit as jit
+    from cpmeta import BatchState
+    from cpmeta.config import blocks_needed
+    from cpmeta.gpu.decode_inplace import DecodeStaging, prepare_decode_inplace
+    from cpmeta.gpu.decode_staging import stage_decode
+    from cpmeta.launch.scheduler import default_config, plain_config
+
+    jit.warm_all()
+    warm = kernel_signatures()
+    for cfg in (default_config(), plain_config()):
+        st = BatchState(cfg, max_seqs=4)
+        lens = [300 + 50 * i for i in range(3)]  # each sequence's seqlen_k at its decode step
+        slots = np.array([st.add_request(i, list(range(1, n)), list(range(100 * i, 100 * i + blocks_needed(n, cfg))),
+                                         i, num_computed=n - 1) for i, n in enumerate(lens)])
+        prepare_decode_inplace(st.decode_batch(slots), cfg, device="cpu", backend="torch")
+        staging = DecodeStaging("cpu", 8)
+        for dtype in (np.int32, np.int64):
+            stage_decode(staging, st, slots, np.array([5, 6, 7], dtype), 1)
+    return _named(sorted(kernel_signatures() - warm), warm)
+
+
+def test_inplace_steps_after_warm_all_add_no_kernel_signature() -> None:
+    [got] = run_ranks(_inplace_after_warm, 1, timeout=300)
+    assert got == [], "kernel signatures warm_all() left out:\n" + "\n".join(got)
