@@ -38,6 +38,8 @@
 #                                            # timeline (decode-64 / mixed / prompt, seed decode-64, .alt prompt)
 #   bash scripts/gpu_session.sh wake         # world 8 decode-64 timeline: this / .alt, followers parked or spinning
 #   bash scripts/gpu_session.sh check        # world 8: the periodic replica check, this tree against .alt
+#   bash scripts/gpu_session.sh compile      # the host's cores: the kernels compiled into an empty numba cache
+#                                            # by 1, 2 and warm_all's default count of processes, then loaded
 #   bash scripts/gpu_session.sh compare      # the host's cores, before / after in one run: the commit in
 #                                            # .baseline (git archive REV | tar -x -C .baseline; carry it)
 #                                            # and this tree, end-to-end step (plain and compressed-KV
@@ -87,6 +89,14 @@ tests)  # ~9 min: GPU tests of every device path, NCCL / gloo-on-cuda launch che
     TAILN=3 step attn_nccl${NGPU} 150 python3 -m cpmeta.launch --backend nccl --nproc-per-node "$NGPU" --workload mixed --cp-mirror --verify --attention-check --kv-interleave 128 --steps 12 --decode-seqs 16
     TAILN=8 step launch_nccl$NGPU 120 python3 -m cpmeta.launch --backend nccl --nproc-per-node "$NGPU" --workload mixed --cp-mirror --attn-info --kv-interleave 16 --steps 200 --verify
   fi
+  ;;
+compile)  # ~3 min: cpmeta.jit.warm_all() on a cold cache (an empty NUMBA_CACHE_DIR each), then a load of it
+  for J in 1 2 default; do
+    D=$(mktemp -d); A=$([ $J = default ] || echo "jobs=$J")
+    TAILN=1 step compile_$J 200 env NUMBA_CACHE_DIR="$D" python3 -c "import time, cpmeta.jit as j, cpmeta.envs as e; t = time.perf_counter(); j.warm_all($A); print(f'jobs=$J (default {e.warm_jobs()}): compiled in {time.perf_counter() - t:.1f} s')"
+    TAILN=1 step load_$J 60 env NUMBA_CACHE_DIR="$D" python3 -c "import time, cpmeta.jit as j; t = time.perf_counter(); j.warm_all(); print(f'loaded in {time.perf_counter() - t:.1f} s')"
+    rm -rf "$D"
+  done
   ;;
 bench-gpu)  # ~9 min: device-resident figures
   TAILN=20 step bench_step_cuda0 150 python3 scripts/bench_step.py --device cuda --worlds 2 3 --strategies broadcast replicate \

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable
 
 import pytest
@@ -92,3 +93,17 @@ def test_registry_errors_name_the_variable(monkeypatch: pytest.MonkeyPatch) -> N
         monkeypatch.setenv(name, bad)
         with pytest.raises(ValueError, match=f"^{name}: expected .*, got '{bad}'$"):
             fn()
+
+
+def test_warm_jobs_share_the_cpus_among_the_hosts_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpus = len(os.sched_getaffinity(0))
+    monkeypatch.delenv(cpmeta_envs.WARM_JOBS, raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert cpmeta_envs.warm_jobs() == max(1, min(8, cpus))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cpus + 1))  # more ranks than CPUs: each compiles alone
+    assert cpmeta_envs.warm_jobs() == 1
+    monkeypatch.setenv(cpmeta_envs.WARM_JOBS, "3")
+    assert cpmeta_envs.warm_jobs() == 3
+    monkeypatch.setenv(cpmeta_envs.WARM_JOBS, "0")
+    with pytest.raises(ValueError, match=r"^CPMETA_WARM_JOBS: expected an int >= 1, got '0'$"):
+        cpmeta_envs.warm_jobs()

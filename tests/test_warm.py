@@ -5,25 +5,39 @@ warm-up did not pay)."""
 from __future__ import annotations
 
 import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 from cpmeta.testing import run_ranks
 
 
-def kernel_signatures() -> set[tuple[str, str]]:
-    """``(kernel, signature)`` of every compiled kernel of cpmeta this process holds."""
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def kernel_dispatchers() -> list[Any]:
+    """Every kernel of cpmeta (numba dispatchers defined in the kernel modules)."""
     import numba
 
     import cpmeta.jit as jit
 
-    got = set()
+    got = []
     for name in jit.kernel_modules():
         mod = importlib.import_module(name)
-        for attr, obj in vars(mod).items():
-            if isinstance(obj, numba.core.dispatcher.Dispatcher) and obj.py_func.__module__ == name:
-                got.update((f"{name}.{attr}", str(sig)) for sig in obj.signatures)
+        got += [obj for obj in vars(mod).values()
+                if isinstance(obj, numba.core.dispatcher.Dispatcher) and obj.py_func.__module__ == name]
     return got
+
+
+def kernel_signatures() -> set[tuple[str, str]]:
+    """``(kernel, signature)`` of every compiled kernel of cpmeta this process holds."""
+    return {(f"{d.py_func.__module__}.{d.py_func.__name__}", str(sig)) for d in kernel_dispatchers()
+            for sig in d.signatures}
 
 
 # every strategy of the launch on both models: prompts (chunked), decode with drafts, the mirror,
@@ -114,3 +128,18 @@ def _inplace_after_warm(rank: int, world: int) -> list[str]:
 def test_inplace_steps_after_warm_all_add_no_kernel_signature() -> None:
     [got] = run_ranks(_inplace_after_warm, 1, timeout=300)
     assert got == [], "kernel signatures warm_all() left out:\n" + "\n".join(got)
+
+
+@pytest.mark.long
+def test_a_cold_cache_filled_by_two_processes_is_whole(tmp_path: Path) -> None:
+    """``warm_all(jobs=2)`` on an empty cache (a helper process compiling beside this one) leaves
+    every kernel of the warm-up in it: a fresh process then loads all and compiles none."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", "import cpmeta.jit as j; j.warm_all(jobs=2)"], env=env, check=True,
+                   timeout=600, cwd=ROOT)
+    check = ("import numba, cpmeta.jit as j; j.warm_all(jobs=1); import tests.test_warm as t; "
+             "print(sum(1 for _ in t.kernel_signatures())); "
+             "print([f'{d.py_func.__qualname__}{s}' for d in t.kernel_dispatchers() for s in d.stats.cache_misses])")
+    out = subprocess.run([sys.executable, "-c", check], env=env, check=True, timeout=600, cwd=ROOT,
+                         capture_output=True, text=True).stdout.splitlines()
+    assert int(out[0]) > 50 and out[1] == "[]", out
