@@ -172,10 +172,11 @@ def warm_all(jobs: Optional[int] = None) -> dict[str, float]:
     each take the next warmer no other took (in registration order: a module's after those of
     the kernel modules it imports, so a composite kernel mostly finds its callees cached); then
     this process runs every warmer, loading what the helpers wrote (compiling whatever they did
-    not), and the seconds returned are that last run's. ``jobs``: default ``CPMETA_WARM_JOBS`` (``cpmeta.envs.warm_jobs``:
-    this process's CPUs over the host's torchrun ranks, at most 8); 1 compiles here alone.
-    Numba's compiler holds one lock per process, hence processes. Example: the 2-core VM, an
-    empty cache: 56-61 s with ``jobs=1``, 36-41 s with 2 (two runs each, 2026-12-06)."""
+    not), and the seconds returned are that last run's. ``jobs``: default ``CPMETA_WARM_JOBS``
+    (``cpmeta.envs.warm_jobs``: this process's CPUs over the host's torchrun ranks, at most 8); 1
+    compiles here alone. Numba's compiler holds one lock per process, hence processes. Example:
+    the 2-core VM, an empty cache: 56-61 s with ``jobs=1``, 36-41 s with 2 (two runs each,
+    2026-12-06)."""
     for mod in kernel_modules():
         importlib.import_module(mod)
     base = "cpmeta.base_njit._warm"
@@ -187,7 +188,8 @@ def warm_all(jobs: Optional[int] = None) -> dict[str, float]:
 
         jobs = warm_jobs()
     rest = [n for n in _WARMERS if n != base]
-    if jobs > 1 and importlib.import_module("cpmeta.base_njit").fail.stats.cache_misses:  # compiled: a cold cache
+    cold = bool(importlib.import_module("cpmeta.base_njit").fail.stats.cache_misses)  # it just compiled
+    if jobs > 1 and cold:
         with tempfile.TemporaryDirectory(prefix="cpmeta-warm-") as claims:
             code = (f"import sys; sys.path.insert(0, {os.path.dirname(_HERE)!r}); import cpmeta.jit as j; "
                     f"j.claim_and_warm({rest!r}, {claims!r})")
