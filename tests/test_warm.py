@@ -45,7 +45,7 @@ def kernel_signatures() -> set[tuple[str, str]]:
 RUNS = [
     [*common, "--strategy", strategy, "--model", model]
     for common in (["--workload", "mixed", "--steps", "12", "--cp-mirror", "--verify", "--decode-seqs", "16",
-                    "--prompt-seqs", "2", "--max-prompt", "300"],)
+                    "--prompt-seqs", "2", "--max-prompt", "300", "--attn-info"],)
     for model, extra in (("seed", []), ("plain", []))
     for strategy in ("broadcast", "replicate", "replicate-defer")
 ]
