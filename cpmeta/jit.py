@@ -176,7 +176,7 @@ def warm_all(jobs: Optional[int] = None) -> dict[str, float]:
     (``cpmeta.envs.warm_jobs``: this process's CPUs over the host's torchrun ranks, at most 8); 1
     compiles here alone. Numba's compiler holds one lock per process, hence processes. Example:
     the 2-core VM, an empty cache: 56-61 s with ``jobs=1``, 36-41 s with 2 (two runs each,
-    2026-12-06)."""
+    2026-12-06); the H100 host's 16 cores: 66.1 s with 1, 45.9 s with 2, 26.7 s with 8."""
     for mod in kernel_modules():
         importlib.import_module(mod)
     base = "cpmeta.base_njit._warm"
