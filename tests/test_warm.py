@@ -42,13 +42,10 @@ def kernel_signatures() -> set[tuple[str, str]]:
 
 # every strategy of the launch on both models: prompts (chunked), decode with drafts, the mirror,
 # the driver's rebuild (--verify), the interleaved KV slot mapping of the plain model
-RUNS = [
-    [*common, "--strategy", strategy, "--model", model]
-    for common in (["--workload", "mixed", "--steps", "12", "--cp-mirror", "--verify", "--decode-seqs", "16",
-                    "--prompt-seqs", "2", "--max-prompt", "300", "--attn-info"],)
-    for model, extra in (("seed", []), ("plain", []))
-    for strategy in ("broadcast", "replicate", "replicate-defer")
-]
+COMMON = ["--workload", "mixed", "--steps", "12", "--cp-mirror", "--verify", "--decode-seqs", "16",
+          "--prompt-seqs", "2", "--max-prompt", "300", "--attn-info"]
+RUNS = [[*COMMON, "--strategy", strategy, "--model", model]
+        for model in ("seed", "plain") for strategy in ("broadcast", "replicate", "replicate-defer")]
 RUNS += [[*r, "--kv-interleave", "4"] for r in RUNS if "plain" in r]
 
 
@@ -56,7 +53,10 @@ def _split(sig: str) -> list[str]:
     """A signature's argument types (commas inside brackets kept)."""
     out, depth, cur = [], 0, ""
     for ch in sig[1:-1]:
-        depth += ch in "([" and 1 or ch in ")]" and -1 or 0
+        if ch in "([":
+            depth += 1
+        elif ch in ")]":
+            depth -= 1
         if ch == "," and depth == 0:
             out.append(cur.strip())
             cur = ""
@@ -138,7 +138,7 @@ def test_a_cold_cache_filled_by_two_processes_is_whole(tmp_path: Path) -> None:
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
     subprocess.run([sys.executable, "-c", "import cpmeta.jit as j; j.warm_all(jobs=2)"], env=env, check=True,
                    timeout=600, cwd=ROOT)
-    check = ("import numba, cpmeta.jit as j; j.warm_all(jobs=1); import tests.test_warm as t; "
+    check = ("import cpmeta.jit as j; j.warm_all(jobs=1); import tests.test_warm as t; "
              "print(sum(1 for _ in t.kernel_signatures())); "
              "print([f'{d.py_func.__qualname__}{s}' for d in t.kernel_dispatchers() for s in d.stats.cache_misses])")
     out = subprocess.run([sys.executable, "-c", check], env=env, check=True, timeout=600, cwd=ROOT,
