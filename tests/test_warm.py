@@ -34,9 +34,9 @@ def kernel_dispatchers() -> list[Any]:
     return got
 
 
-def kernel_signatures() -> set[tuple[str, str]]:
-    """``(kernel, signature)`` of every compiled kernel of cpmeta this process holds."""
-    return {(f"{d.py_func.__module__}.{d.py_func.__name__}", str(sig)) for d in kernel_dispatchers()
+def kernel_signatures() -> set[tuple[str, tuple[str, ...]]]:
+    """``(kernel, its argument types)`` of every compiled kernel of cpmeta this process holds."""
+    return {(f"{d.py_func.__module__}.{d.py_func.__name__}", tuple(map(str, sig))) for d in kernel_dispatchers()
             for sig in d.signatures}
 
 
@@ -49,23 +49,7 @@ RUNS = [[*COMMON, "--strategy", strategy, "--model", model]
 RUNS += [[*r, "--kv-interleave", "4"] for r in RUNS if "plain" in r]
 
 
-def _split(sig: str) -> list[str]:
-    """A signature's argument types (commas inside brackets kept)."""
-    out, depth, cur = [], 0, ""
-    for ch in sig[1:-1]:
-        if ch in "([":
-            depth += 1
-        elif ch in ")]":
-            depth -= 1
-        if ch == "," and depth == 0:
-            out.append(cur.strip())
-            cur = ""
-        else:
-            cur += ch
-    return out + [cur.strip()]
-
-
-def _named(new: list[tuple[str, str]], warm: set[tuple[str, str]]) -> list[str]:
+def _named(new: list[tuple[str, tuple[str, ...]]], warm: set[tuple[str, tuple[str, ...]]]) -> list[str]:
     """Each new signature as the kernel and the arguments where it differs from a warm one."""
     import inspect
 
@@ -73,8 +57,7 @@ def _named(new: list[tuple[str, str]], warm: set[tuple[str, str]]) -> list[str]:
     for name, sig in new:
         mod, fn = name.rsplit(".", 1)
         params = list(inspect.signature(getattr(importlib.import_module(mod), fn).py_func).parameters)
-        mine = _split(sig)
-        diffs = [[f"{p}: {w} -> {m}" for p, w, m in zip(params, _split(ws), mine) if w != m]
+        diffs = [[f"{p}: {w} -> {m}" for p, w, m in zip(params, ws, sig) if w != m]
                  for n, ws in warm if n == name]
         lines.append(f"{name}: " + ("; ".join(min(diffs, key=len)) if diffs else "no warm signature"))
     return lines
