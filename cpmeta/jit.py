@@ -33,6 +33,8 @@ from __future__ import annotations
 import hashlib
 import importlib
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -44,7 +46,7 @@ import numba
 import numpy as np
 from numba.core import caching, types
 
-__all__ = ["kernel", "OK", "error_slot", "warmer", "warm_all", "claim_and_warm", "kernel_modules", "sources_stamp"]
+__all__ = ["kernel", "OK", "error_slot", "warmer", "warm_all", "warmers", "claim_and_warm", "kernel_modules", "sources_stamp"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -147,6 +149,12 @@ def warmer(fn: Callable[[], None]) -> Callable[[], None]:
     return fn
 
 
+def warmers() -> list[str]:
+    """The registered warmers' names in registration order (those of the modules imported so far;
+    :func:`warm_all` imports them all). Example: ``"cpmeta.base_njit._warm"``."""
+    return list(_WARMERS)
+
+
 def kernel_modules() -> list[str]:
     """Every ``cpmeta`` module named ``*_njit`` and its wrapper beside it (``x.py`` for
     ``x_njit.py``) where one exists, sorted. Example: ``cpmeta.builders.prompt_njit`` and
@@ -167,16 +175,19 @@ def warm_all(jobs: Optional[int] = None) -> dict[str, float]:
     """Import every kernel module and run its warmers; returns ``{warmer: seconds}`` (the first
     process compiles and writes the cache; later ones load it -- the README states both times).
 
-    A cold cache (the base module's kernels just compiled) is filled by ``jobs`` processes at once:
-    ``jobs - 1`` helpers (``python -c``, this package's folder first on their path) and this one
-    each take the next warmer no other took (in registration order: a module's after those of
-    the kernel modules it imports, so a composite kernel mostly finds its callees cached); then
-    this process runs every warmer, loading what the helpers wrote (compiling whatever they did
-    not), and the seconds returned are that last run's. ``jobs``: default ``CPMETA_WARM_JOBS``
-    (``cpmeta.envs.warm_jobs``: this process's CPUs over the host's torchrun ranks, at most 8); 1
-    compiles here alone. Numba's compiler holds one lock per process, hence processes. Example:
-    the 2-core VM, an empty cache: 56-61 s with ``jobs=1``, 36-41 s with 2 (two runs each,
-    2026-12-06); the H100 host's 16 cores: 66.1 s with 1, 45.9 s with 2, 26.7 s with 8."""
+    A cold cache (the base module's kernels just compiled) is filled by every process warming it
+    at once, not by each of them: the torchrun ranks of a host and ``jobs - 1`` helpers each rank
+    starts (``python -c``, this package's folder first on their path) each take the next warmer no
+    other took (a claim file in one folder beside the cache, :func:`claim_and_warm`; registration
+    order: a module's after those of the kernel modules it imports, so a composite kernel mostly
+    finds its callees cached). Then this process runs every warmer, after waiting for a claimed
+    one to finish, loading what the others wrote (compiling whatever they did not); the seconds
+    returned are that last run's. ``jobs``: default ``CPMETA_WARM_JOBS`` (``cpmeta.envs.warm_jobs``:
+    this process's CPUs over the host's torchrun ranks, at most 8); 1 starts no helper. Numba's
+    compiler holds one lock per process, hence processes. Example: the 2-core VM, an empty cache:
+    56-61 s with ``jobs=1``, 36-41 s with 2 (two runs each, 2026-12-06); two ranks at once, one
+    process each (``LOCAL_WORLD_SIZE=2``): 54-62 s when each compiled everything, 34-38 s sharing;
+    the H100 host's 16 cores: 66.1 s with 1, 45.9 s with 2, 26.7 s with 8."""
     for mod in kernel_modules():
         importlib.import_module(mod)
     base = "cpmeta.base_njit._warm"
@@ -187,28 +198,31 @@ def warm_all(jobs: Optional[int] = None) -> dict[str, float]:
         from .envs import warm_jobs
 
         jobs = warm_jobs()
-    rest = [n for n in _WARMERS if n != base]
+    rest = [n for n in warmers() if n != base]
     cold = bool(importlib.import_module("cpmeta.base_njit").fail.stats.cache_misses)  # it just compiled
-    if jobs > 1 and cold:
-        with tempfile.TemporaryDirectory(prefix="cpmeta-warm-") as claims:
-            code = (f"import sys; sys.path.insert(0, {os.path.dirname(_HERE)!r}); import cpmeta.jit as j; "
-                    f"j.claim_and_warm({rest!r}, {claims!r})")
-            helpers: list[subprocess.Popen[bytes]] = []
-            try:  # a helper that cannot start or dies leaves its warmers to this process's last pass
-                helpers += [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL)
-                            for _ in range(jobs - 1)]
-            except OSError:
-                pass
-            try:
-                claim_and_warm(rest, claims)
-            except BaseException:
-                for h in helpers:
-                    h.kill()
-                raise
-            finally:
-                for h in helpers:
-                    h.wait()
+    claims = _claims_folder(cold)
+    if claims is not None:
+        code = (f"import sys; sys.path.insert(0, {os.path.dirname(_HERE)!r}); import cpmeta.jit as j; "
+                f"j.claim_and_warm({rest!r}, {claims!r})")
+        helpers: list[subprocess.Popen[bytes]] = []
+        try:  # a helper that cannot start or dies leaves its warmers to this process's last pass
+            helpers += [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL)
+                        for _ in range(jobs - 1 if cold else 0)]
+        except OSError:
+            pass
+        try:
+            claim_and_warm(rest, claims)
+        except BaseException:
+            for h in helpers:
+                h.kill()
+            raise
+        finally:
+            for h in helpers:
+                h.wait()
+    deadline = time.monotonic() + 600
     for name in rest:
+        while claims is not None and _compiling(os.path.join(claims, name)) and time.monotonic() < deadline:
+            time.sleep(0.02)
         t0 = time.perf_counter()
         _WARMERS[name]()
         took[name] = time.perf_counter() - t0
@@ -217,12 +231,76 @@ def warm_all(jobs: Optional[int] = None) -> dict[str, float]:
 
 def claim_and_warm(names: list[str], claims: str) -> None:
     """Run each warmer of ``names`` (in order) that no other process of :func:`warm_all` claimed
-    first: a claim is a file created exclusively in the folder ``claims``."""
+    first: a claim is a file created exclusively in the folder ``claims`` holding the claimer's
+    pid; ``<claim>.done`` follows once the warmer returned."""
     for mod in kernel_modules():
         importlib.import_module(mod)
     for name in names:
+        path = os.path.join(claims, name)
         try:
-            os.close(os.open(os.path.join(claims, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             continue
+        except OSError:  # the folder is gone (another warm-up found it stale): run it anyway
+            _WARMERS[name]()
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
         _WARMERS[name]()
+        with open(path + ".done", "w"):
+            pass
+
+
+def _claims_folder(cold: bool) -> Optional[str]:
+    """The folder where the warm-ups of this cache share out the warmers: beside the base module's
+    cache entries, named by the kernels' sources stamp, numba and Python. A warm cache uses the one
+    that exists (other ranks may still be filling it), else none; a cold one makes it anew where
+    no process that made or claimed in it lives (left by a finished or killed warm-up: the cache
+    was lost since), and removes those of other stamps. ``None`` where none can be made."""
+    mod = importlib.import_module("cpmeta.base_njit")
+    locator = _KernelSourcesLocator.from_function(mod.fail.py_func, mod.fail.py_func.__code__.co_filename)
+    key = hashlib.sha256(f"{sources_stamp()} {numba.__version__} {sys.version}".encode()).hexdigest()[:16]
+    parent = locator.get_cache_path() if locator is not None else tempfile.gettempdir()
+    folder = os.path.join(parent, f"cpmeta-warm-{key}")
+    if not cold:
+        return folder if os.path.isdir(folder) else None
+    try:
+        for name in os.listdir(parent):
+            old = os.path.join(parent, name)
+            if re.fullmatch("cpmeta-warm-[0-9a-f]{16}", name) and not _filling(old):
+                gone = f"{old}.gone-{os.getpid()}"
+                os.rename(old, gone)  # atomic: a warm-up beside this one cannot lose a fresh folder to it
+                shutil.rmtree(gone, ignore_errors=True)
+    except OSError:
+        pass
+    try:
+        made = tempfile.mkdtemp(prefix="cpmeta-warm-new-", dir=parent)
+        with open(os.path.join(made, "owner"), "w") as f:
+            f.write(str(os.getpid()))
+        try:
+            os.rename(made, folder)
+        except OSError:  # another rank made it first: use theirs
+            shutil.rmtree(made, ignore_errors=True)
+    except OSError:
+        return None
+    return folder if os.path.isdir(folder) else None
+
+
+def _filling(folder: str) -> bool:
+    """Whether the process that made ``folder`` or one with a warmer claimed in it lives."""
+    names = os.listdir(folder)
+    return any(_compiling(os.path.join(folder, n)) for n in names if not n.endswith(".done"))
+
+
+def _compiling(claim: str) -> bool:
+    """Whether the process whose pid ``claim`` holds lives and ``<claim>.done`` does not exist.
+    Example: a missing ``claim`` -> False; an empty one (its pid being written) -> True."""
+    try:
+        with open(claim) as f:
+            pid = int(f.read() or os.getpid())
+        os.kill(pid, 0)
+    except PermissionError:  # alive, another user's
+        pass
+    except (OSError, ValueError):  # no claim, a garbled one, or its process is gone
+        return False
+    return not os.path.exists(claim + ".done")

@@ -115,12 +115,23 @@ def test_inplace_steps_after_warm_all_add_no_kernel_signature() -> None:
 
 
 @pytest.mark.long
-def test_a_cold_cache_filled_by_two_processes_is_whole(tmp_path: Path) -> None:
-    """``warm_all(jobs=2)`` on an empty cache (a helper process compiling beside this one) leaves
-    every kernel of the warm-up in it: a fresh process then loads all and compiles none."""
+def test_ranks_warming_a_cold_cache_share_it_out_and_leave_it_whole(tmp_path: Path) -> None:
+    """Two ranks of a host call ``warm_all`` at once on an empty cache (one with a helper process,
+    ``jobs=2``, one alone): every warmer is claimed once, both ranks took some, each claim is
+    finished, and a fresh process then loads every kernel and compiles none."""
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
-    subprocess.run([sys.executable, "-c", "import cpmeta.jit as j; j.warm_all(jobs=2)"], env=env, check=True,
-                   timeout=600, cwd=ROOT)
+    ranks = [subprocess.Popen([sys.executable, "-c", f"import cpmeta.jit as j; j.warm_all(jobs={jobs})"], env=env,
+                              cwd=ROOT) for jobs in (2, 1)]
+    assert [r.wait(timeout=600) for r in ranks] == [0, 0]
+    [claims] = tmp_path.rglob("cpmeta-warm-*")
+    taken = {p.name: p.read_text() for p in claims.iterdir() if p.name != "owner" and p.suffix != ".done"}
+    import cpmeta.jit as jit
+
+    for mod in jit.kernel_modules():
+        importlib.import_module(mod)
+    assert sorted(taken) == sorted(n for n in jit.warmers() if n != "cpmeta.base_njit._warm")
+    assert all((claims / f"{n}.done").exists() for n in taken)
+    assert {str(r.pid) for r in ranks} <= set(taken.values()), "a rank took no warmer"
     check = ("import cpmeta.jit as j; j.warm_all(jobs=1); import tests.test_warm as t; "
              "print(sum(1 for _ in t.kernel_signatures())); "
              "print([f'{d.py_func.__qualname__}{s}' for d in t.kernel_dispatchers() for s in d.stats.cache_misses])")
