@@ -90,12 +90,27 @@ tests)  # ~9 min: GPU tests of every device path, NCCL / gloo-on-cuda launch che
     TAILN=8 step launch_nccl$NGPU 120 python3 -m cpmeta.launch --backend nccl --nproc-per-node "$NGPU" --workload mixed --cp-mirror --attn-info --kv-interleave 16 --steps 200 --verify
   fi
   ;;
-compile)  # ~3 min: cpmeta.jit.warm_all() on a cold cache (an empty NUMBA_CACHE_DIR each), then a load of it
+compile)  # ~6 min: cpmeta.jit.warm_all() on a cold cache (an empty NUMBA_CACHE_DIR each), then a load of it
   for J in 1 2 default; do
     D=$(mktemp -d); A=$([ $J = default ] || echo "jobs=$J")
     TAILN=1 step compile_$J 200 env NUMBA_CACHE_DIR="$D" python3 -c "import time, cpmeta.jit as j, cpmeta.envs as e; t = time.perf_counter(); j.warm_all($A); print(f'jobs=$J (default {e.warm_jobs()}): compiled in {time.perf_counter() - t:.1f} s')"
     TAILN=1 step load_$J 60 env NUMBA_CACHE_DIR="$D" python3 -c "import time, cpmeta.jit as j; t = time.perf_counter(); j.warm_all(); print(f'loaded in {time.perf_counter() - t:.1f} s')"
     rm -rf "$D"
+  done
+  # the host's ranks at once (torchrun's LOCAL_WORLD_SIZE=8), one cold cache each run; ALT=<tree>
+  # (carried) first, e.g. a tree whose ranks each compiled everything (539fa15)
+  for T in ${ALT:-} "$PWD"; do
+    TAILN=1 step "compile_ranks_$(basename "$T")" 400 python3 -c '
+import os, subprocess, sys, tempfile, time
+with tempfile.TemporaryDirectory() as d:
+    env = {**os.environ, "NUMBA_CACHE_DIR": d, "LOCAL_WORLD_SIZE": "8", "PYTHONPATH": sys.argv[1]}
+    code = "import time; t = time.perf_counter(); import cpmeta.jit as j; j.warm_all(); print(f\"{time.perf_counter() - t:.1f}\")"
+    t = time.perf_counter()
+    ps = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True) for _ in range(8)]
+    each = [p.communicate()[0].strip() for p in ps]
+    assert all(p.returncode == 0 for p in ps), each
+    print(f"{sys.argv[1]}: 8 ranks warmed one cold cache, each {each} s, the last done {time.perf_counter() - t:.1f} s after the start")
+' "$T"
   done
   ;;
 bench-gpu)  # ~9 min: device-resident figures
