@@ -118,7 +118,8 @@ def test_inplace_steps_after_warm_all_add_no_kernel_signature() -> None:
 def test_ranks_warming_a_cold_cache_share_it_out_and_leave_it_whole(tmp_path: Path) -> None:
     """Two ranks of a host call ``warm_all`` at once on an empty cache (one with a helper process,
     ``jobs=2``, one alone): every warmer is claimed once, both ranks took some, each claim is
-    finished, and a fresh process then loads every kernel and compiles none."""
+    finished; once the cache is lost, a later cold warm-up starts a pool of its own rather than
+    finding every warmer taken; a fresh process then loads every kernel and compiles none."""
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
     ranks = [subprocess.Popen([sys.executable, "-c", f"import cpmeta.jit as j; j.warm_all(jobs={jobs})"], env=env,
                               cwd=ROOT) for jobs in (2, 1)]
@@ -132,6 +133,14 @@ def test_ranks_warming_a_cold_cache_share_it_out_and_leave_it_whole(tmp_path: Pa
     assert sorted(taken) == sorted(n for n in jit.warmers() if n != "cpmeta.base_njit._warm")
     assert all((claims / f"{n}.done").exists() for n in taken)
     assert {str(r.pid) for r in ranks} <= set(taken.values()), "a rank took no warmer"
+    # the cache lost, its finished pool left: a cold warm-up makes a new pool and shares it out
+    for entry in [*tmp_path.rglob("*.nbi"), *tmp_path.rglob("*.nbc")]:
+        entry.unlink()
+    again = subprocess.Popen([sys.executable, "-c", "import cpmeta.jit as j; j.warm_all(jobs=2)"], env=env, cwd=ROOT)
+    assert again.wait(timeout=600) == 0
+    [claims] = tmp_path.rglob("cpmeta-warm-*")
+    assert (claims / "owner").read_text() == str(again.pid)
+    assert str(again.pid) in {p.read_text() for p in claims.iterdir() if p.suffix != ".done"}
     check = ("import cpmeta.jit as j; j.warm_all(jobs=1); import tests.test_warm as t; "
              "print(sum(1 for _ in t.kernel_signatures())); "
              "print([f'{d.py_func.__qualname__}{s}' for d in t.kernel_dispatchers() for s in d.stats.cache_misses])")
