@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import logging
 import os
 import re
 import shutil
@@ -57,6 +58,12 @@ _WARMERS: dict[str, Callable[[], None]] = {}
 
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+
+logger = logging.getLogger(__name__)
+
+#: How long :func:`warm_all`'s last pass waits, all warmers together, for ones other processes
+#: claimed (a warmer compiles in 0.1-10 s on the 2-core VM alone) before compiling them itself.
+CLAIM_WAIT_S = 120
 
 
 def _is_kernel_file(path: str) -> bool:
@@ -181,10 +188,11 @@ def warm_all(jobs: Optional[int] = None) -> dict[str, float]:
     other took (a claim file in one folder beside the cache, :func:`claim_and_warm`; registration
     order: a module's after those of the kernel modules it imports, so a composite kernel mostly
     finds its callees cached). Then this process runs every warmer, after waiting for a claimed
-    one to finish, loading what the others wrote (compiling whatever they did not); the seconds
-    returned are that last run's. ``jobs``: default ``CPMETA_WARM_JOBS`` (``cpmeta.envs.warm_jobs``:
-    this process's CPUs over the host's torchrun ranks, at most 8); 1 starts no helper. Numba's
-    compiler holds one lock per process, hence processes. Example: the 2-core VM, an empty cache:
+    one to finish (:data:`CLAIM_WAIT_S` at most, then a warning naming it), loading what the
+    others wrote (compiling whatever they did not); the seconds returned are that last run's.
+    ``jobs``: default ``CPMETA_WARM_JOBS`` (``cpmeta.envs.warm_jobs``: this process's CPUs over
+    the host's torchrun ranks, at most 8); 1 starts no helper. Numba's compiler holds one lock per
+    process, hence processes. Example: the 2-core VM, an empty cache:
     56-61 s with ``jobs=1``, 36-41 s with 2 (two runs each, 2026-12-06); two ranks at once, one
     process each (``LOCAL_WORLD_SIZE=2``): 54-62 s when each compiled everything, 34-38 s sharing;
     two H100 hosts' 16 cores: 37.5-66.1 s with 1, 25.5-45.9 s with 2, 18.1-26.7 s with 8."""
@@ -219,9 +227,13 @@ def warm_all(jobs: Optional[int] = None) -> dict[str, float]:
         finally:
             for h in helpers:
                 h.wait()
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + CLAIM_WAIT_S
     for name in rest:
-        while claims is not None and _compiling(os.path.join(claims, name)) and time.monotonic() < deadline:
+        while claims is not None and (pid := _claimant(os.path.join(claims, name))) is not None:
+            if time.monotonic() > deadline:  # a stuck claimant: compile it here, and say so
+                logger.warning("cpmeta.jit.warm_all: %s, claimed by pid %d, unfinished after %d s; compiling it "
+                               "here", name, pid, CLAIM_WAIT_S)
+                break
             time.sleep(0.02)
         t0 = time.perf_counter()
         _WARMERS[name]()
@@ -291,18 +303,20 @@ def _claims_folder(cold: bool) -> Optional[str]:
 def _filling(folder: str) -> bool:
     """Whether the process that made ``folder`` or one with a warmer claimed in it lives."""
     names = os.listdir(folder)
-    return any(_compiling(os.path.join(folder, n)) for n in names if not n.endswith(".done"))
+    return any(_claimant(os.path.join(folder, n)) is not None for n in names if not n.endswith(".done"))
 
 
-def _compiling(claim: str) -> bool:
-    """Whether the process whose pid ``claim`` holds lives and ``<claim>.done`` does not exist.
-    Example: a missing ``claim`` -> False; an empty one (its pid being written) -> True."""
+def _claimant(claim: str) -> Optional[int]:
+    """The pid in ``claim`` while that process lives and ``<claim>.done`` does not exist, else
+    None. Example: a missing ``claim`` -> None; an empty one (its pid being written) -> 0."""
     try:
         with open(claim) as f:
-            pid = int(f.read() or os.getpid())
-        os.kill(pid, 0)
+            text = f.read()
+        pid = int(text or 0)
+        if pid:
+            os.kill(pid, 0)
     except PermissionError:  # alive, another user's
         pass
     except (OSError, ValueError):  # no claim, a garbled one, or its process is gone
-        return False
-    return not os.path.exists(claim + ".done")
+        return None
+    return None if os.path.exists(claim + ".done") else pid

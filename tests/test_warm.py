@@ -114,6 +114,34 @@ def test_inplace_steps_after_warm_all_add_no_kernel_signature() -> None:
     assert got == [], "kernel signatures warm_all() left out:\n" + "\n".join(got)
 
 
+def test_warm_all_waits_for_claimed_warmers_and_names_a_stuck_one(tmp_path: Path, monkeypatch: Any,
+                                                                   caplog: Any) -> None:
+    """The last pass waits for a warmer a live process claimed until its ``.done`` appears; one
+    finished, or claimed by a process gone, is not waited for; a claimant still at it after
+    ``CLAIM_WAIT_S`` is named in a warning and the warmer runs here."""
+    import threading
+
+    import cpmeta.jit as jit
+
+    jit.warm_all(jobs=1)  # every kernel module imported, every warmer registered
+    done, dead, waited, stuck = [n for n in jit.warmers() if n != "cpmeta.base_njit._warm"][:4]
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    for name, pid in ((done, os.getpid()), (dead, gone.pid), (waited, os.getpid()), (stuck, os.getpid())):
+        (tmp_path / name).write_text(str(pid))
+    (tmp_path / f"{done}.done").touch()
+    monkeypatch.setattr(jit, "_claims_folder", lambda cold: str(tmp_path))
+    monkeypatch.setattr(jit, "CLAIM_WAIT_S", 5)
+    finish = threading.Timer(0.5, (tmp_path / f"{waited}.done").touch)
+    finish.start()
+    with caplog.at_level("WARNING", logger="cpmeta.jit"):
+        jit.warm_all(jobs=1)
+    finish.join()
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [f"cpmeta.jit.warm_all: {stuck}, claimed by pid {os.getpid()}, unfinished after 5 s; compiling "
+                    "it here"], said
+
+
 @pytest.mark.long
 def test_ranks_warming_a_cold_cache_share_it_out_and_leave_it_whole(tmp_path: Path) -> None:
     """Two ranks of a host call ``warm_all`` at once on an empty cache (one with a helper process,
