@@ -29,8 +29,8 @@ When a rank holds something else, every rank raises the same ``AssertionError`` 
 4 on rank 0``.
 
 :func:`run_ranks` starts ``world_size`` processes -- forks of one server process that imported
-torch and cpmeta once (``forkserver``: ~0.1 s a rank, where a fresh interpreter importing torch
-takes ~1.5 s on 2 cores), or fresh interpreters (``spawn``: with ``child_setup``, or
+torch and cpmeta and loaded (on a cold numba cache: compiled) every kernel once (``forkserver``:
+~0.1 s a rank, where a fresh interpreter importing torch takes ~1.5 s on 2 cores), or fresh interpreters (``spawn``: with ``child_setup``, or
 ``CPMETA_TEST_START=spawn``); either way the function must be importable, i.e. defined at module
 level, and its arguments and result picklable -- gives each ``MASTER_ADDR``/``MASTER_PORT`` (a
 free port), ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``OMP_NUM_THREADS=1``

@@ -275,15 +275,18 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: st
     return group
 
 
-#: What the fork server imports once, so a forked rank starts with them loaded.
-_PRELOAD = ["torch", "torch.distributed", "numpy", "cpmeta", "cpmeta.testing.ranks"]
+#: What the fork server imports once, so a forked rank starts with them loaded; the last one
+#: compiles or loads every kernel there.
+_PRELOAD = ["torch", "torch.distributed", "numpy", "cpmeta", "cpmeta.testing.ranks", "cpmeta.testing._server"]
 
 
 def _fork_server() -> Any:
     """The ``forkserver`` context, its server started (once per test process) with the modules
     of :data:`_PRELOAD` imported and ``OMP_NUM_THREADS=1`` (read when torch loads its OpenMP
-    runtime): a rank is then a fork of it (~0.2 s) instead of a fresh interpreter importing
-    torch (~1.5 s on 2 cores). Ranks take over the test process's environment in :func:`_worker`."""
+    runtime), and every kernel compiled or loaded (``cpmeta.jit.warm_all``; on a cold cache the
+    first ranks wait for it): a rank is then a fork of it (~0.2 s, its kernels in memory) instead
+    of a fresh interpreter importing torch (~1.5 s on 2 cores) and loading each kernel it calls.
+    Ranks take over the test process's environment in :func:`_worker`."""
     from multiprocessing import forkserver
 
     ctx = mp.get_context("forkserver")
