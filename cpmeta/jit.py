@@ -309,6 +309,7 @@ def _filling(folder: str) -> bool:
 def _claimant(claim: str) -> Optional[int]:
     """The pid in ``claim`` while that process lives and ``<claim>.done`` does not exist, else
     None. Example: a missing ``claim`` -> None; an empty one (its pid being written) -> 0."""
+    pid = 0  # unknown: a claim this user may not read (another user's, alive)
     try:
         with open(claim) as f:
             text = f.read()

@@ -142,6 +142,26 @@ def test_warm_all_waits_for_claimed_warmers_and_names_a_stuck_one(tmp_path: Path
                     "it here"], said
 
 
+def test_a_claim_this_user_cannot_read_counts_as_live_until_done(tmp_path: Path, monkeypatch: Any) -> None:
+    """Another user's claim (unreadable here): its claimant is taken as alive, pid unknown (0)."""
+    import builtins
+
+    import cpmeta.jit as jit
+
+    claim, real_open = tmp_path / "cpmeta.x._warm", builtins.open
+
+    def guarded(path: Any, *args: Any, **kw: Any) -> Any:
+        if str(path) == str(claim):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args, **kw)
+
+    claim.write_text("1")
+    monkeypatch.setattr(builtins, "open", guarded)
+    assert jit._claimant(str(claim)) == 0
+    (tmp_path / "cpmeta.x._warm.done").touch()
+    assert jit._claimant(str(claim)) is None
+
+
 @pytest.mark.long
 def test_ranks_warming_a_cold_cache_share_it_out_and_leave_it_whole(tmp_path: Path) -> None:
     """Two ranks of a host call ``warm_all`` at once on an empty cache (one with a helper process,
