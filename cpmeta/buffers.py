@@ -33,8 +33,9 @@ __all__ = ["get_or_create_tensor", "get_or_create_stacked", "ArenaLayout", "Host
            "OutputArenas", "WIRE_DTYPES", "DTYPE_CODE", "PACK_ALIGN", "pack_up", "AllocOut", "alloc"]
 
 @functools.lru_cache(maxsize=1)
-def _pin() -> bool:
-    """Allocate pinned host memory when a GPU exists (cached: checked once per process)."""
+def pin_host_memory() -> bool:
+    """Whether host buffers are allocated pinned: when a GPU exists (checked once per process;
+    ``pin_host_memory.cache_clear()`` asks again)."""
     return torch.cuda.is_available()
 
 
@@ -71,7 +72,7 @@ def get_or_create_tensor(
         ):
             return t[: shape[0]]
         raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)} in out")
-    t = torch.empty(shape, dtype=dtype, pin_memory=_pin())
+    t = torch.empty(shape, dtype=dtype, pin_memory=pin_host_memory())
     if out is not None:
         out[name] = t
     return t
@@ -112,7 +113,7 @@ def get_or_create_stacked(
             raise ValueError(f"{name}: expected shape {full}, got {tuple(t.shape)} in out")
         stacked = t
     else:
-        stacked = torch.empty(full, dtype=dtype, pin_memory=_pin())
+        stacked = torch.empty(full, dtype=dtype, pin_memory=pin_host_memory())
         if out is not None:
             out[name] = stacked
     views = {}
@@ -214,7 +215,7 @@ class HostArena:
 
     def __init__(self, layout: ArenaLayout, raw: Optional[torch.Tensor] = None) -> None:
         if raw is None:
-            raw = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=_pin())
+            raw = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=pin_host_memory())
         elif (raw.dtype != torch.uint8 or raw.device.type != "cpu" or raw.dim() != 1 or not raw.is_contiguous()
               or raw.shape[0] < layout.nbytes):
             raise ValueError(f"raw: expected a contiguous 1-D CPU uint8 tensor of >= {layout.nbytes} bytes, "

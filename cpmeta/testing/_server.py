@@ -17,4 +17,4 @@ try:
     cpmeta.jit.warm_all()
 finally:
     torch.cuda.is_available = is_available
-    cpmeta.buffers._pin.cache_clear()
+    cpmeta.buffers.pin_host_memory.cache_clear()
