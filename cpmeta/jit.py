@@ -182,7 +182,7 @@ def warm_all(jobs: Optional[int] = None) -> dict[str, float]:
     """Import every kernel module and run its warmers; returns ``{warmer: seconds}`` (the first
     process compiles and writes the cache; later ones load it -- the README states both times).
 
-    A cold cache (the base module's kernels just compiled) is filled by every process warming it
+    A cold cache (no entry for the base module's first kernel) is filled by every process warming it
     at once, not by each of them: the torchrun ranks of a host and ``jobs - 1`` helpers each rank
     starts (``python -c``, this package's folder first on their path) each take the next warmer no
     other took (a claim file in one folder beside the cache, :func:`claim_and_warm`; registration
@@ -199,6 +199,10 @@ def warm_all(jobs: Optional[int] = None) -> dict[str, float]:
     for mod in kernel_modules():
         importlib.import_module(mod)
     base = "cpmeta.base_njit._warm"
+    # cold: numba's index of the base module's first kernel, read before this process compiles
+    # anything; the pool exists before its cache entries do, so a rank loading them finds it
+    cold = not importlib.import_module("cpmeta.base_njit").fail._cache._cache_file._load_index()
+    claims = _claims_folder(cold)
     t0 = time.perf_counter()
     _WARMERS[base]()
     took = {base: time.perf_counter() - t0}
@@ -207,8 +211,6 @@ def warm_all(jobs: Optional[int] = None) -> dict[str, float]:
 
         jobs = warm_jobs()
     rest = [n for n in warmers() if n != base]
-    cold = bool(importlib.import_module("cpmeta.base_njit").fail.stats.cache_misses)  # it just compiled
-    claims = _claims_folder(cold)
     if claims is not None:
         code = (f"import sys; sys.path.insert(0, {os.path.dirname(_HERE)!r}); import cpmeta.jit as j; "
                 f"j.claim_and_warm({rest!r}, {claims!r})")
