@@ -192,10 +192,8 @@ def warm_all(jobs: Optional[int] = None) -> dict[str, float]:
     others wrote (compiling whatever they did not); the seconds returned are that last run's.
     ``jobs``: default ``CPMETA_WARM_JOBS`` (``cpmeta.envs.warm_jobs``: this process's CPUs over
     the host's torchrun ranks, at most 8); 1 starts no helper. Numba's compiler holds one lock per
-    process, hence processes. Example: the 2-core VM, an empty cache:
-    56-61 s with ``jobs=1``, 36-41 s with 2 (two runs each, 2026-12-06); two ranks at once, one
-    process each (``LOCAL_WORLD_SIZE=2``): 54-62 s when each compiled everything, 34-38 s sharing;
-    two H100 hosts' 16 cores: 37.5-66.1 s with 1, 25.5-45.9 s with 2, 18.1-26.7 s with 8."""
+    process, hence processes. docs/build.md gives the measured times (an empty cache: 36-41 s
+    on the 2-core VM with its default of 2, 18.1 s on an H100 host's 16 cores with 8)."""
     for mod in kernel_modules():
         importlib.import_module(mod)
     base = "cpmeta.base_njit._warm"
