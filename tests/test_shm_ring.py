@@ -585,3 +585,125 @@ def test_a_full_tmpfs_sends_every_follower_over_the_process_group(tiny_tmpfs: st
     """The driver cannot reserve its ring: every rank still gets every message, over gloo."""
     out = run_ranks(_full_shm_channel, 2, tiny_tmpfs, timeout=90)
     assert out == [(True, [{"step": k} for k in range(20)])] * 2
+
+
+def _fake_cgroups(tmp_path: Any, monkeypatch: Any, v1: bool, levels: dict[str, tuple[str, int, int]],
+                  swap_kb: int = 0) -> None:
+    """A cgroup tree under ``tmp_path``: ``levels`` maps a folder below the mount to its
+    (limit, usage, file pages); this process sits in the deepest."""
+    from cpmeta.transport import _segment
+
+    mount = tmp_path / ("memory" if v1 else "")
+    names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_") if v1 else \
+        ("memory.max", "memory.current", "")
+    for rel, (limit, usage, files) in levels.items():
+        d = mount / rel.strip("/") if rel != "/" else mount
+        d.mkdir(parents=True, exist_ok=True)
+        (d / names[0]).write_text(f"{limit}\n")
+        (d / names[1]).write_text(f"{usage}\n")
+        (d / "memory.stat").write_text(f"{names[2]}active_file {files // 2}\n{names[2]}inactive_file "
+                                       f"{files - files // 2}\n{names[2]}shmem 0\n")
+    leaf = max(levels, key=len)
+    (tmp_path / "self_cgroup").write_text((f"5:memory:{leaf}\n0::/\n" if v1 else f"0::{leaf}\n"))
+    (tmp_path / "meminfo").write_text(f"MemTotal: 1000 kB\nSwapTotal: {swap_kb} kB\n")
+    monkeypatch.setattr(_segment, "_CGROUP_ROOT", str(tmp_path))
+    monkeypatch.setattr(_segment, "_PROC_CGROUP", str(tmp_path / "self_cgroup"))
+    monkeypatch.setattr(_segment, "_MEMINFO", str(tmp_path / "meminfo"))
+
+
+@pytest.mark.parametrize("v1", [True, False], ids=["cgroup-v1", "cgroup-v2"])
+def test_memory_cgroup_room_is_the_tightest_limit_less_what_reclaim_cannot_free(tmp_path: Any, monkeypatch: Any,
+                                                                               v1: bool) -> None:
+    """The room of the leaf and of each limited ancestor; file pages count as free, the least
+    wins and names its folder; no limit, or swap on the host: unknown (None)."""
+    from cpmeta.transport._segment import memory_cgroup_room
+
+    unlimited = str((1 << 63) - 4096) if v1 else "max"
+    mib = 1 << 20
+    _fake_cgroups(tmp_path, monkeypatch, v1, {"/": (unlimited, 900 * mib, 0),
+                                              "/job": (1024 * mib, 800 * mib, 300 * mib),
+                                              "/job/rank0": (unlimited, 100 * mib, 0)})
+    job = os.path.join(str(tmp_path), "memory" if v1 else "", "job")
+    assert memory_cgroup_room() == (524 * mib, os.path.normpath(job))
+    _fake_cgroups(tmp_path, monkeypatch, v1, {"/job": (1024 * mib, 800 * mib, 300 * mib),
+                                              "/job/rank0": (600 * mib, 500 * mib, 0)})
+    assert memory_cgroup_room() == (100 * mib, os.path.normpath(job + "/rank0"))
+    _fake_cgroups(tmp_path, monkeypatch, v1, {"/job": (1024 * mib, 800 * mib, 300 * mib),
+                                              "/job/rank0": (600 * mib, 500 * mib, 0)}, swap_kb=1024)
+    assert memory_cgroup_room() is None
+    _fake_cgroups(tmp_path, monkeypatch, v1, {"/job": (unlimited, 800 * mib, 0)})
+    assert memory_cgroup_room() is None
+
+
+def test_a_ring_past_its_memory_cgroup_room_is_refused_with_oserror(tmp_path: Any, monkeypatch: Any) -> None:
+    """The check comes before any segment exists: ``OSError`` (ENOMEM) naming the size, the
+    cgroup and the variables that size the ring, and no descriptor left open; a ring within
+    the room is made."""
+    import errno
+
+    from cpmeta.transport import _segment
+
+    _fake_cgroups(tmp_path, monkeypatch, False, {"/job": (64 << 20, 60 << 20, 0)})
+    fds = set(os.listdir("/proc/self/fd"))
+    for memfd in (True, False):
+        with pytest.raises(OSError) as err:
+            ShmRing.create(1, slot_size=65536, num_slots=128, use_memfd=memfd)  # 8 MiB > 4 MiB of room
+        assert err.value.errno == errno.ENOMEM
+        assert f"memory cgroup {tmp_path}/job has room for {4 << 20} more" in str(err.value)
+        assert "CPMETA_SHM_SLOT_SIZE" in str(err.value)
+    assert set(os.listdir("/proc/self/fd")) == fds
+    ShmRing.create(1, slot_size=4096, num_slots=64).close()
+    assert _segment.memory_cgroup_room() == (4 << 20, f"{tmp_path}/job")
+
+
+def test_a_memfd_past_a_real_memory_cgroup_limit_is_an_oserror_not_the_oom_killer() -> None:
+    """A process in a cgroup v1 memory cgroup limited to 256 MiB asks for a 512 MiB ring: it
+    gets ``OSError`` and lives (without the check the reservation ended it with SIGKILL: exit
+    137, 2026-12-06); a 4 MiB ring works there. Root and a v1 memory hierarchy only."""
+    base = "/sys/fs/cgroup/memory"
+    if os.geteuid() != 0 or not os.path.isfile(os.path.join(base, "memory.limit_in_bytes")):
+        pytest.skip("needs root and a cgroup v1 memory hierarchy")
+    group = os.path.join(base, f"cpmeta-test-{os.getpid()}-{random.Random().getrandbits(32):08x}")
+    try:
+        os.mkdir(group)
+        with open(os.path.join(group, "memory.limit_in_bytes"), "w") as f:
+            f.write(str(256 << 20))
+    except OSError as e:
+        pytest.skip(f"cannot make a memory cgroup here: {e}")
+    script = f"""
+import errno, os
+with open({os.path.join(group, "cgroup.procs")!r}, "w") as f:
+    f.write(str(os.getpid()))
+from cpmeta.transport import ShmRing
+try:
+    ShmRing.create(1, slot_size=1 << 20, num_slots=512)
+except OSError as e:
+    assert e.errno == errno.ENOMEM and {group!r} in str(e), e
+else:
+    raise AssertionError("a 512 MiB ring was made in a 256 MiB cgroup")
+ShmRing.create(1, slot_size=65536, num_slots=64).close()
+"""
+    try:
+        got = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    finally:
+        os.rmdir(group)
+    assert got.returncode == 0, (got.returncode, got.stderr[-2000:])
+
+
+def _cgroup_full_channel(rank: int, world_size: int, root: str) -> Any:
+    from cpmeta.transport import ObjectChannel, _segment
+
+    _segment._CGROUP_ROOT, _segment._PROC_CGROUP, _segment._MEMINFO = \
+        root, os.path.join(root, "self_cgroup"), os.path.join(root, "meminfo")
+    with ObjectChannel(slot_size=65536, num_slots=64, timeout=30.0) as ch:
+        got = [ch.broadcast({"step": k} if rank == 0 else None) for k in range(20)]
+        return ch.ring is None, got
+
+
+def test_a_memory_cgroup_without_room_sends_every_follower_over_the_process_group(tmp_path: Any,
+                                                                                   monkeypatch: Any) -> None:
+    """The driver's cgroup has 1 MiB of room for a 4 MiB ring: every rank still gets every
+    message, over gloo."""
+    _fake_cgroups(tmp_path, monkeypatch, False, {"/job": (64 << 20, 63 << 20, 0)})
+    out = run_ranks(_cgroup_full_channel, 2, str(tmp_path), timeout=90)
+    assert out == [(True, [{"step": k} for k in range(20)])] * 2

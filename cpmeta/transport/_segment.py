@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 __all__ = ["Segment", "create_segment", "open_segment", "PeerWatch", "SEGMENT_PREFIX",
-           "MEMFD_NAME", "is_segment_path", "reap_dead_segments", "REAP_GRACE_S"]
+           "MEMFD_NAME", "is_segment_path", "reap_dead_segments", "REAP_GRACE_S", "memory_cgroup_room"]
 
 SEGMENT_PREFIX = "cpmeta-"
 MEMFD_NAME = SEGMENT_PREFIX + "ring"  # /proc shows it as "/memfd:cpmeta-ring (deleted)"
@@ -39,6 +39,9 @@ _NAME_RE = re.compile(re.escape(SEGMENT_PREFIX) + f"([0-9a-f]+)-([0-9]+)-[0-9a-f
 REAP_GRACE_S = 0.5  # a failed reader's wait for a dying writer's process to be gone
 _DELETED = " (deleted)"
 _SHM_DIR = "/dev/shm"
+_CGROUP_ROOT = "/sys/fs/cgroup"
+_PROC_CGROUP = "/proc/self/cgroup"
+_MEMINFO = "/proc/meminfo"
 _MODE = 0o600
 
 
@@ -76,9 +79,70 @@ def _reserve(fd: int, size: int, where: str) -> None:
                                f"{where}: {e.strerror}") from None
 
 
+def memory_cgroup_room() -> Optional[tuple[int, str]]:
+    """``(bytes, folder)``: the least room left in the memory cgroups this process is charged to
+    (its own and every ancestor with a limit) and the cgroup folder where it is least, or None
+    when no limit applies, the files cannot be read, or the host has swap. Room is the limit
+    less the usage that reclaim cannot free (the usage less its file pages: a segment's pages
+    are shared memory, which stays). A segment's pages are charged to the cgroup of the process
+    that reserves them; past the limit the kernel's answer is its OOM killer, not an error.
+    Example: cgroup v2 ``/sys/fs/cgroup/job`` with ``memory.max`` 1073741824, ``memory.current``
+    805306368 of which 268435456 file pages -> ``(536870912, "/sys/fs/cgroup/job")``."""
+    try:
+        with open(_MEMINFO) as f:
+            if any(line.startswith("SwapTotal:") and int(line.split()[1]) for line in f):
+                return None  # the kernel may swap other pages out rather than kill
+        with open(_PROC_CGROUP) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    found = None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # cgroup v2 (unless memory is a v1 controller: checked below too)
+            found = found or (_CGROUP_ROOT, path, "memory.max", "memory.current", "")
+        elif "memory" in controllers.split(","):
+            found = (os.path.join(_CGROUP_ROOT, "memory"), path, "memory.limit_in_bytes",
+                     "memory.usage_in_bytes", "total_")
+    if found is None:
+        return None
+    mount, path, limit_file, usage_file, stat_prefix = found
+    best: Optional[tuple[int, str]] = None
+    folder = os.path.normpath(mount + "/" + path)
+    while True:  # the process's own folder up to the mount's root (a cgroup namespace hides the rest)
+        try:
+            with open(os.path.join(folder, limit_file)) as f:
+                raw = f.read().strip()
+            if raw != "max" and int(raw) < 1 << 62:  # v1 writes "no limit" as ~2**63
+                with open(os.path.join(folder, usage_file)) as f:
+                    usage = int(f.read())
+                with open(os.path.join(folder, "memory.stat")) as f:
+                    stat = dict(line.split() for line in f if line.strip())
+                files = sum(int(stat.get(stat_prefix + k, 0)) for k in ("active_file", "inactive_file"))
+                room = max(0, int(raw) - max(0, usage - files))
+                if best is None or room < best[0]:
+                    best = (room, folder)
+        except (OSError, ValueError):
+            pass  # a folder of this namespace's parents that is not mounted here, or unreadable
+        if folder == mount or len(folder) <= len(mount):
+            return best
+        folder = os.path.dirname(folder)
+
+
+def _check_cgroup_room(size: int, where: str) -> None:
+    room = memory_cgroup_room()
+    if room is not None and size > room[0]:
+        raise OSError(errno.ENOMEM, f"cannot reserve {size} bytes of shared memory for the ring in {where}: the "
+                                    f"memory cgroup {room[1]} has room for {room[0]} more, and past its limit the "
+                                    "kernel kills a process instead of failing the call (CPMETA_SHM_SLOT_SIZE x "
+                                    "CPMETA_SHM_NUM_SLOTS sets the ring's size)")
+
+
 def create_segment(size: int, *, use_memfd: bool = True) -> Segment:
     """Create a zero-filled segment of ``size`` bytes readable/writable by this user only, its
-    pages reserved (``OSError`` at once when there is no room for them)."""
+    pages reserved (``OSError`` at once when there is no room for them: a full tmpfs, or a memory
+    cgroup without room for them, :func:`memory_cgroup_room`)."""
+    _check_cgroup_room(size, "a memfd" if use_memfd and hasattr(os, "memfd_create") else _shm_dir())
     if use_memfd and hasattr(os, "memfd_create"):
         fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
         try:
