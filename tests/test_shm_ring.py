@@ -657,9 +657,10 @@ def test_a_ring_past_its_memory_cgroup_room_is_refused_with_oserror(tmp_path: An
 
 
 def test_a_memfd_past_a_real_memory_cgroup_limit_is_an_oserror_not_the_oom_killer() -> None:
-    """A process in a cgroup v1 memory cgroup limited to 256 MiB asks for a 512 MiB ring: it
-    gets ``OSError`` and lives (without the check the reservation ended it with SIGKILL: exit
-    137, 2026-12-06); a 4 MiB ring works there. Root and a v1 memory hierarchy only."""
+    """A process in a cgroup v1 memory cgroup limited to 768 MiB (torch imported: ~160 MiB in
+    use) asks for a 1 GiB ring: it gets ``OSError`` and lives (without the check the reservation
+    ended it with SIGKILL: exit 137, 2026-12-06); a 4 MiB ring works there. Root and a v1 memory
+    hierarchy only."""
     base = "/sys/fs/cgroup/memory"
     if os.geteuid() != 0 or not os.path.isfile(os.path.join(base, "memory.limit_in_bytes")):
         pytest.skip("needs root and a cgroup v1 memory hierarchy")
@@ -667,7 +668,7 @@ def test_a_memfd_past_a_real_memory_cgroup_limit_is_an_oserror_not_the_oom_kille
     try:
         os.mkdir(group)
         with open(os.path.join(group, "memory.limit_in_bytes"), "w") as f:
-            f.write(str(256 << 20))
+            f.write(str(768 << 20))
     except OSError as e:
         pytest.skip(f"cannot make a memory cgroup here: {e}")
     script = f"""
@@ -676,11 +677,11 @@ with open({os.path.join(group, "cgroup.procs")!r}, "w") as f:
     f.write(str(os.getpid()))
 from cpmeta.transport import ShmRing
 try:
-    ShmRing.create(1, slot_size=1 << 20, num_slots=512)
+    ShmRing.create(1, slot_size=1 << 20, num_slots=1024)
 except OSError as e:
     assert e.errno == errno.ENOMEM and {group!r} in str(e), e
 else:
-    raise AssertionError("a 512 MiB ring was made in a 256 MiB cgroup")
+    raise AssertionError("a 1 GiB ring was made in a 768 MiB cgroup")
 ShmRing.create(1, slot_size=65536, num_slots=64).close()
 """
     try:
