@@ -68,6 +68,8 @@ W="1"; for w in 2 4 8; do [ "$NGPU" -ge "$w" ] && W="$W $w"; done
 
 case "$SUITE" in
 tests)  # ~9 min: GPU tests of every device path, NCCL / gloo-on-cuda launch checks, the real model
+  # the memory cgroup's room this host reports (a ring larger than it is refused) and its tests
+  TAILN=3 step cgroup_room 60 bash -c 'python3 -c "from cpmeta.transport._segment import memory_cgroup_room as m; print(\"room:\", m())" && python3 -m pytest -q -p no:cacheprovider -rs tests/test_shm_ring.py -k cgroup'
   TAILN=6 step gpu_tests 250 python3 -m pytest -q -p no:cacheprovider -k "cuda or gpu or triton or graph or nccl" \
     tests/test_builders.py tests/test_builders_smoke.py tests/test_decode_inplace.py tests/test_cuda_graph.py \
     tests/test_slot_mapping.py tests/test_yoco_cp.py tests/test_mirror_metadata.py tests/test_gpu_broadcast.py \
