@@ -604,7 +604,8 @@ def _fake_cgroups(tmp_path: Any, monkeypatch: Any, v1: bool, levels: dict[str, t
         (d / "memory.stat").write_text(f"{names[2]}active_file {files // 2}\n{names[2]}inactive_file "
                                        f"{files - files // 2}\n{names[2]}shmem 0\n")
     leaf = max(levels, key=len)
-    (tmp_path / "self_cgroup").write_text((f"5:memory:{leaf}\n0::/\n" if v1 else f"0::{leaf}\n"))
+    (tmp_path / "self_cgroup").write_text(("5:memory:" + leaf + "\n0::/\n" if v1 else "0::" + leaf + "\n")
+                                          + "garbled line\n")
     (tmp_path / "meminfo").write_text(f"MemTotal: 1000 kB\nSwapTotal: {swap_kb} kB\n")
     monkeypatch.setattr(_segment, "_CGROUP_ROOT", str(tmp_path))
     monkeypatch.setattr(_segment, "_PROC_CGROUP", str(tmp_path / "self_cgroup"))

@@ -97,8 +97,10 @@ def memory_cgroup_room() -> Optional[tuple[int, str]]:
     except OSError:
         return None
     found = None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
+    for parts in (line.split(":", 2) for line in lines):
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
         if controllers == "":  # cgroup v2 (unless memory is a v1 controller: checked below too)
             found = found or (_CGROUP_ROOT, path, "memory.max", "memory.current", "")
         elif "memory" in controllers.split(","):
