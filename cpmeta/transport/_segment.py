@@ -126,7 +126,7 @@ def memory_cgroup_room() -> Optional[tuple[int, str]]:
                     best = (room, folder)
         except (OSError, ValueError):
             pass  # a folder of this namespace's parents that is not mounted here, or unreadable
-        if folder == mount or len(folder) <= len(mount):
+        if len(folder) <= len(mount):  # the mount's root done (or a path that left it)
             return best
         folder = os.path.dirname(folder)
 
