@@ -588,12 +588,14 @@ def test_a_full_tmpfs_sends_every_follower_over_the_process_group(tiny_tmpfs: st
 
 
 def _fake_cgroups(tmp_path: Any, monkeypatch: Any, v1: bool, levels: dict[str, tuple[str, int, int]],
-                  swap_kb: int = 0) -> None:
+                  swap_kb: int = 0, mount_at: str = "", root: str = "/") -> None:
     """A cgroup tree under ``tmp_path``: ``levels`` maps a folder below the mount to its
-    (limit, usage, file pages); this process sits in the deepest."""
+    (limit, usage, file pages); this process sits in the deepest, ``root`` + that folder in
+    the hierarchy, and the mount (``tmp_path/memory`` for v1, ``tmp_path/mount_at`` for v2)
+    shows the hierarchy's ``root``."""
     from cpmeta.transport import _segment
 
-    mount = tmp_path / ("memory" if v1 else "")
+    mount = tmp_path / ("memory" if v1 else mount_at)
     names = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_") if v1 else \
         ("memory.max", "memory.current", "")
     for rel, (limit, usage, files) in levels.items():
@@ -603,11 +605,17 @@ def _fake_cgroups(tmp_path: Any, monkeypatch: Any, v1: bool, levels: dict[str, t
         (d / names[1]).write_text(f"{usage}\n")
         (d / "memory.stat").write_text(f"{names[2]}active_file {files // 2}\n{names[2]}inactive_file "
                                        f"{files - files // 2}\n{names[2]}shmem 0\n")
-    leaf = max(levels, key=len)
+    leaf = os.path.normpath(root + "/" + max(levels, key=len))
     (tmp_path / "self_cgroup").write_text(("5:memory:" + leaf + "\n0::/\n" if v1 else "0::" + leaf + "\n")
                                           + "garbled line\n")
     (tmp_path / "meminfo").write_text(f"MemTotal: 1000 kB\nSwapTotal: {swap_kb} kB\n")
-    monkeypatch.setattr(_segment, "_CGROUP_ROOT", str(tmp_path))
+    point = str(mount).replace(" ", "\\040")  # mountinfo's escape for a space
+    (tmp_path / "mountinfo").write_text(
+        "22 1 0:21 / /proc rw - proc proc rw\ngarbled\n"
+        f"35 31 0:32 {root} {point if v1 else tmp_path / 'memory'} rw - cgroup cgroup rw,memory\n"
+        f"36 31 0:33 / {tmp_path / 'cpu'} rw - cgroup cgroup rw,cpu\n"
+        f"41 31 0:38 {root} {point if not v1 else tmp_path / 'unified'} rw - cgroup2 cgroup2 rw\n")
+    monkeypatch.setattr(_segment, "_MOUNTINFO", str(tmp_path / "mountinfo"))
     monkeypatch.setattr(_segment, "_PROC_CGROUP", str(tmp_path / "self_cgroup"))
     monkeypatch.setattr(_segment, "_MEMINFO", str(tmp_path / "meminfo"))
 
@@ -633,6 +641,22 @@ def test_memory_cgroup_room_is_the_tightest_limit_less_what_reclaim_cannot_free(
                                               "/job/rank0": (600 * mib, 500 * mib, 0)}, swap_kb=1024)
     assert memory_cgroup_room() is None
     _fake_cgroups(tmp_path, monkeypatch, v1, {"/job": (unlimited, 800 * mib, 0)})
+    assert memory_cgroup_room() is None
+
+
+def test_memory_cgroup_room_finds_the_hierarchy_where_mountinfo_puts_it(tmp_path: Any, monkeypatch: Any) -> None:
+    """A hybrid host's v2 at ``unified`` (a path with a space), a container's mount of its own
+    subtree (the mount's root is that subtree's folder), and a mount of a subtree that does not
+    hold the process (unknown: None)."""
+    from cpmeta.transport._segment import memory_cgroup_room
+
+    mib = 1 << 20
+    _fake_cgroups(tmp_path, monkeypatch, False, {"/job": (1024 * mib, 800 * mib, 0)}, mount_at="uni fied")
+    assert memory_cgroup_room() == (224 * mib, str(tmp_path / "uni fied" / "job"))
+    _fake_cgroups(tmp_path, monkeypatch, False, {"/": (512 * mib, 100 * mib, 0), "/rank0": ("max", 50 * mib, 0)},
+                  mount_at="box", root="/kubepods/pod7")
+    assert memory_cgroup_room() == (412 * mib, str(tmp_path / "box"))
+    (tmp_path / "self_cgroup").write_text("0::/elsewhere/rank0\n")
     assert memory_cgroup_room() is None
 
 
@@ -695,8 +719,8 @@ ShmRing.create(1, slot_size=65536, num_slots=64).close()
 def _cgroup_full_channel(rank: int, world_size: int, root: str) -> Any:
     from cpmeta.transport import ObjectChannel, _segment
 
-    _segment._CGROUP_ROOT, _segment._PROC_CGROUP, _segment._MEMINFO = \
-        root, os.path.join(root, "self_cgroup"), os.path.join(root, "meminfo")
+    _segment._MOUNTINFO, _segment._PROC_CGROUP, _segment._MEMINFO = \
+        os.path.join(root, "mountinfo"), os.path.join(root, "self_cgroup"), os.path.join(root, "meminfo")
     with ObjectChannel(slot_size=65536, num_slots=64, timeout=30.0) as ch:
         got = [ch.broadcast({"step": k} if rank == 0 else None) for k in range(20)]
         return ch.ring is None, got

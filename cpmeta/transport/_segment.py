@@ -39,7 +39,7 @@ _NAME_RE = re.compile(re.escape(SEGMENT_PREFIX) + f"([0-9a-f]+)-([0-9]+)-[0-9a-f
 REAP_GRACE_S = 0.5  # a failed reader's wait for a dying writer's process to be gone
 _DELETED = " (deleted)"
 _SHM_DIR = "/dev/shm"
-_CGROUP_ROOT = "/sys/fs/cgroup"
+_MOUNTINFO = "/proc/self/mountinfo"
 _PROC_CGROUP = "/proc/self/cgroup"
 _MEMINFO = "/proc/meminfo"
 _MODE = 0o600
@@ -79,21 +79,44 @@ def _reserve(fd: int, size: int, where: str) -> None:
                                f"{where}: {e.strerror}") from None
 
 
+def _cgroup_mounts() -> dict[str, tuple[str, str]]:
+    """Where this mount namespace shows each cgroup hierarchy that can hold a memory limit:
+    ``"memory"`` (the v1 controller) and ``""`` (v2) to ``(mount point, root)``, the root being
+    the folder of the hierarchy the mount shows (``/`` unless a subtree is bind-mounted), from
+    ``/proc/self/mountinfo``; the first mount of each wins."""
+    found: dict[str, tuple[str, str]] = {}
+    with open(_MOUNTINFO) as f:
+        for line in f:
+            left, sep, right = line.partition(" - ")
+            fields, tail = left.split(), right.split()
+            if not sep or len(fields) < 5 or len(tail) < 3:
+                continue
+            root, point = (re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), x) for x in fields[3:5])
+            if tail[0] == "cgroup2":
+                found.setdefault("", (point, root))
+            elif tail[0] == "cgroup" and "memory" in tail[2].split(","):
+                found.setdefault("memory", (point, root))
+    return found
+
+
 def memory_cgroup_room() -> Optional[tuple[int, str]]:
     """``(bytes, folder)``: the least room left in the memory cgroups this process is charged to
     (its own and every ancestor with a limit) and the cgroup folder where it is least, or None
     when no limit applies, the files cannot be read, or the host has swap. Room is the limit
     less the usage that reclaim cannot free (the usage less its file pages: a segment's pages
     are shared memory, which stays). A segment's pages are charged to the cgroup of the process
-    that reserves them; past the limit the kernel's answer is its OOM killer, not an error.
-    Example: cgroup v2 ``/sys/fs/cgroup/job`` with ``memory.max`` 1073741824, ``memory.current``
-    805306368 of which 268435456 file pages -> ``(536870912, "/sys/fs/cgroup/job")``."""
+    that reserves them; past the limit the kernel's answer is its OOM killer, not an error. The
+    hierarchy is found wherever it is mounted (a hybrid host's v2 at ``/sys/fs/cgroup/unified``,
+    a container's bind-mounted subtree). Example: cgroup v2 ``/sys/fs/cgroup/job`` with
+    ``memory.max`` 1073741824, ``memory.current`` 805306368 of which 268435456 file pages ->
+    ``(536870912, "/sys/fs/cgroup/job")``."""
     try:
         with open(_MEMINFO) as f:
             if any(line.startswith("SwapTotal:") and int(line.split()[1]) for line in f):
                 return None  # the kernel may swap other pages out rather than kill
         with open(_PROC_CGROUP) as f:
             lines = f.read().splitlines()
+        mounts = _cgroup_mounts()
     except OSError:
         return None
     found = None
@@ -101,16 +124,18 @@ def memory_cgroup_room() -> Optional[tuple[int, str]]:
         if len(parts) != 3:
             continue
         _, controllers, path = parts
-        if controllers == "":  # cgroup v2 (unless memory is a v1 controller: checked below too)
-            found = found or (_CGROUP_ROOT, path, "memory.max", "memory.current", "")
-        elif "memory" in controllers.split(","):
-            found = (os.path.join(_CGROUP_ROOT, "memory"), path, "memory.limit_in_bytes",
-                     "memory.usage_in_bytes", "total_")
+        if controllers == "" and "" in mounts:  # cgroup v2 (unless memory is a v1 controller)
+            found = found or (mounts[""], path, "memory.max", "memory.current", "")
+        elif "memory" in controllers.split(",") and "memory" in mounts:
+            found = (mounts["memory"], path, "memory.limit_in_bytes", "memory.usage_in_bytes", "total_")
     if found is None:
         return None
-    mount, path, limit_file, usage_file, stat_prefix = found
+    (mount, root), path, limit_file, usage_file, stat_prefix = found
+    below = os.path.relpath(path, root)  # the process's folder as the mount shows it
+    if below.startswith(".."):
+        return None  # the mount shows a subtree that does not hold this process
     best: Optional[tuple[int, str]] = None
-    folder = os.path.normpath(mount + "/" + path)
+    folder = os.path.normpath(os.path.join(mount, below))
     while True:  # the process's own folder up to the mount's root (a cgroup namespace hides the rest)
         try:
             with open(os.path.join(folder, limit_file)) as f:
@@ -125,8 +150,8 @@ def memory_cgroup_room() -> Optional[tuple[int, str]]:
                 if best is None or room < best[0]:
                     best = (room, folder)
         except (OSError, ValueError):
-            pass  # a folder of this namespace's parents that is not mounted here, or unreadable
-        if len(folder) <= len(mount):  # the mount's root done (or a path that left it)
+            pass  # unreadable, or a level without the controller's files
+        if len(folder) <= len(mount):  # the mount's root done
             return best
         folder = os.path.dirname(folder)
 
