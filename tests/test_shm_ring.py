@@ -681,6 +681,48 @@ def test_a_ring_past_its_memory_cgroup_room_is_refused_with_oserror(tmp_path: An
     assert _segment.memory_cgroup_room() == (4 << 20, f"{tmp_path}/job")
 
 
+@pytest.mark.parametrize("memfd", [True, False], ids=["memfd", "dev-shm"])
+def test_a_large_ring_reads_the_room_again_before_each_step_of_its_reservation(tmp_path: Any, monkeypatch: Any,
+                                                                               memfd: bool) -> None:
+    """Another process of the cgroup takes most of its room while a 4-step ring is being
+    reserved: the next step is refused with the same named ``OSError``, the partly reserved
+    segment is gone (no descriptor, no /dev/shm name); with nobody taking room all four steps
+    are made."""
+    import errno
+
+    from cpmeta.transport import _segment
+
+    mib = 1 << 20
+    _fake_cgroups(tmp_path, monkeypatch, False, {"/job": (64 * mib, 40 * mib, 0)})
+    monkeypatch.setattr(_segment, "RESERVE_STEP", 1 * mib)
+    real, steps = os.posix_fallocate, []
+
+    def fallocate(fd: int, offset: int, length: int) -> None:
+        steps.append((offset, length))
+        real(fd, offset, length)
+        if len(steps) == 2 and taker:  # our 2 MiB, then another driver's ring takes 21.5 of the 22 left
+            (tmp_path / "job" / "memory.current").write_text(f"{64 * mib - mib // 2}\n")
+
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+    mine = f"-{os.getpid()}-"  # names of this process (another's dead leftovers may be reaped meanwhile)
+    fds, names = set(os.listdir("/proc/self/fd")), {n for n in os.listdir(_segment._shm_dir()) if mine in n}
+    taker = True
+    with pytest.raises(OSError) as err:
+        _segment.create_segment(4 * mib, use_memfd=memfd)
+    assert err.value.errno == errno.ENOMEM and steps == [(0, mib), (mib, mib)]
+    assert f"has room for {mib // 2} more, less than the next step of its reservation ({mib} bytes)" in str(err.value)
+    assert set(os.listdir("/proc/self/fd")) == fds and {n for n in os.listdir(_segment._shm_dir()) if mine in n} == names
+    _fake_cgroups(tmp_path, monkeypatch, False, {"/job": (64 * mib, 40 * mib, 0)})
+    taker, steps[:] = False, []
+    seg = _segment.create_segment(4 * mib, use_memfd=memfd)
+    try:
+        assert steps == [(k * mib, mib) for k in range(4)] and os.fstat(seg.fd).st_size == 4 * mib
+    finally:
+        os.close(seg.fd)
+        if seg.unlink_path:
+            os.unlink(seg.unlink_path)
+
+
 def test_a_memfd_past_a_real_memory_cgroup_limit_is_an_oserror_not_the_oom_killer() -> None:
     """A process in a cgroup v1 memory cgroup limited to 768 MiB (torch imported: ~160 MiB in
     use) asks for a 1 GiB ring: it gets ``OSError`` and lives (without the check the reservation

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 __all__ = ["Segment", "create_segment", "open_segment", "PeerWatch", "SEGMENT_PREFIX",
-           "MEMFD_NAME", "is_segment_path", "reap_dead_segments", "REAP_GRACE_S", "memory_cgroup_room"]
+           "MEMFD_NAME", "is_segment_path", "reap_dead_segments", "REAP_GRACE_S", "memory_cgroup_room",
+           "RESERVE_STEP"]
 
 SEGMENT_PREFIX = "cpmeta-"
 MEMFD_NAME = SEGMENT_PREFIX + "ring"  # /proc shows it as "/memfd:cpmeta-ring (deleted)"
@@ -43,6 +44,7 @@ _MOUNTINFO = "/proc/self/mountinfo"
 _PROC_CGROUP = "/proc/self/cgroup"
 _MEMINFO = "/proc/meminfo"
 _MODE = 0o600
+RESERVE_STEP = 64 << 20  # a larger segment's pages are reserved in steps of this many bytes
 
 
 @dataclass
@@ -67,16 +69,23 @@ def _reserve(fd: int, size: int, where: str) -> None:
     """Give the segment its pages now: on a full tmpfs (a container's small /dev/shm) or a spent
     memory limit the setup fails with ``OSError`` naming it, where a sparse file would kill the
     process with SIGBUS at the first write that touches a page with no room behind it. A file
-    system that cannot preallocate is left sparse."""
+    system that cannot preallocate is left sparse. A segment over ``RESERVE_STEP`` is reserved
+    in steps, the memory cgroup's room read again before each: other processes of the cgroup
+    (the drivers of a host's other CP groups making their rings at the same moment) may have
+    taken it since :func:`create_segment` looked, and then each can overshoot by a step at most."""
     if not hasattr(os, "posix_fallocate"):
         return
-    try:
-        os.posix_fallocate(fd, 0, size)
-    except OSError as e:
-        if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-            return
-        raise OSError(e.errno, f"cannot reserve {size} bytes of shared memory for the ring in "
-                               f"{where}: {e.strerror}") from None
+    for start in range(0, size, RESERVE_STEP):
+        length = min(RESERVE_STEP, size - start)
+        if start:
+            _check_cgroup_room(size, where, length)
+        try:
+            os.posix_fallocate(fd, start, length)
+        except OSError as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                return
+            raise OSError(e.errno, f"cannot reserve {size} bytes of shared memory for the ring in "
+                                   f"{where}: {e.strerror}") from None
 
 
 def _cgroup_mounts() -> dict[str, tuple[str, str]]:
@@ -156,13 +165,17 @@ def memory_cgroup_room() -> Optional[tuple[int, str]]:
         folder = os.path.dirname(folder)
 
 
-def _check_cgroup_room(size: int, where: str) -> None:
+def _check_cgroup_room(size: int, where: str, need: Optional[int] = None) -> None:
+    """``OSError`` (ENOMEM) when the memory cgroup has less room than ``need`` (default: all
+    ``size`` bytes of the segment) more bytes."""
     room = memory_cgroup_room()
-    if room is not None and size > room[0]:
+    need = size if need is None else need
+    if room is not None and need > room[0]:
         raise OSError(errno.ENOMEM, f"cannot reserve {size} bytes of shared memory for the ring in {where}: the "
-                                    f"memory cgroup {room[1]} has room for {room[0]} more, and past its limit the "
-                                    "kernel kills a process instead of failing the call (CPMETA_SHM_SLOT_SIZE x "
-                                    "CPMETA_SHM_NUM_SLOTS sets the ring's size)")
+                                    f"memory cgroup {room[1]} has room for {room[0]} more"
+                                    f"{'' if need == size else f', less than the next step of its reservation ({need} bytes)'}, and past "
+                                    "its limit the kernel kills a process instead of failing the call "
+                                    "(CPMETA_SHM_SLOT_SIZE x CPMETA_SHM_NUM_SLOTS sets the ring's size)")
 
 
 def create_segment(size: int, *, use_memfd: bool = True) -> Segment:
