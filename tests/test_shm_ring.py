@@ -25,7 +25,8 @@ pytestmark = pytest.mark.timeout(180)
 
 def _shm_listing() -> set[str]:
     """Entries of /dev/shm this package could create (other processes on the machine may add
-    unrelated ones while the test runs)."""
+    unrelated ones while the test runs). A test asserts that the listing after it is a subset of
+    the one before: a name left by a writer killed in an earlier run may be reaped meanwhile."""
     if not os.path.isdir("/dev/shm"):
         return set()
     return {n for n in os.listdir("/dev/shm") if n.startswith(("cpmeta", "psm_"))}
@@ -238,14 +239,14 @@ def test_named_segment_unlinked_after_attach_and_handle_checks() -> None:
     assert not os.path.exists(w.handle.path)
     r.close()
     w.close()
-    assert _shm_listing() == before
+    assert _shm_listing() <= before
 
 
 def test_memfd_leaves_no_name_and_close_is_idempotent() -> None:
     before = _shm_listing()
     w, readers = _ring(1)
     assert w.handle.path.startswith("/proc/")
-    assert _shm_listing() == before
+    assert _shm_listing() <= before
     for r in (w, *readers):
         r.close()
         r.close()
@@ -304,7 +305,7 @@ def test_multiprocess_random_payloads_wraparound_slow_reader() -> None:
     seed = random.randrange(1 << 30)
     out = run_ranks(_ring_ranks, 3, seed, timeout=150)
     assert out[1] == out[2] == [len(_payloads(seed))]
-    assert _shm_listing() == before
+    assert _shm_listing() <= before
 
 
 def test_idle_follower_uses_almost_no_cpu() -> None:
@@ -357,7 +358,7 @@ def test_sigkilled_reader_reported_by_rank_fast() -> None:
     assert "rank 2 (reader 1)" in msg and "died" in msg
     assert elapsed < 20.0  # the ring timeout is 60 s: detected from the pid, not the timeout
     assert "closed the ring" in out[1][0]
-    assert _shm_listing() == before
+    assert _shm_listing() <= before
 
 
 def test_sigkilled_writer_reported_fast() -> None:
@@ -366,7 +367,7 @@ def test_sigkilled_writer_reported_fast() -> None:
         out = group.results(allow_dead=[0])
     for msg, elapsed in out[1:]:
         assert "writer rank 0" in msg and elapsed < 20.0
-    assert _shm_listing() == before
+    assert _shm_listing() <= before
 
 
 def _kill_reader_between_messages(rank: int, world_size: int) -> list:
@@ -401,7 +402,7 @@ def test_dead_reader_named_at_the_next_write() -> None:
     msg, writes = out[0]
     assert "rank 2 (reader 1)" in msg and "died" in msg, msg
     assert writes == 0, f"{writes} writes went to a ring whose reader was already dead"
-    assert _shm_listing() == before
+    assert _shm_listing() <= before
 
 
 def test_peer_watch_with_a_pidfd_above_1024() -> None:
