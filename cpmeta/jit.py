@@ -197,9 +197,7 @@ def warm_all(jobs: Optional[int] = None) -> dict[str, float]:
     for mod in kernel_modules():
         importlib.import_module(mod)
     base = "cpmeta.base_njit._warm"
-    # cold: numba's index of the base module's first kernel, read before this process compiles
-    # anything; the pool exists before its cache entries do, so a rank loading them finds it
-    cold = not importlib.import_module("cpmeta.base_njit").fail._cache._cache_file._load_index()
+    cold = _cache_is_cold(importlib.import_module("cpmeta.base_njit").fail)
     claims = _claims_folder(cold)
     t0 = time.perf_counter()
     _WARMERS[base]()
@@ -239,6 +237,18 @@ def warm_all(jobs: Optional[int] = None) -> dict[str, float]:
         _WARMERS[name]()
         took[name] = time.perf_counter() - t0
     return took
+
+
+def _cache_is_cold(kernel: Any) -> bool:
+    """Whether numba's cache has no entry for ``kernel``, read from its index before this
+    process compiles anything (the pool exists before its cache entries do, so a rank loading
+    them finds it). The index is numba's private API: a numba that moved it reads as a warm
+    cache (no pool; every process compiles what it lacks itself, as with ``jobs=1``)."""
+    try:
+        return not kernel._cache._cache_file._load_index()
+    except Exception as e:  # noqa: BLE001 -- any change of numba's internals means "unknown"
+        logger.debug("cpmeta.jit: numba's cache index unreadable (%r); warming without a pool", e)
+        return False
 
 
 def claim_and_warm(names: list[str], claims: str) -> None:

@@ -162,6 +162,26 @@ def test_a_claim_this_user_cannot_read_counts_as_live_until_done(tmp_path: Path,
     assert jit._claimant(str(claim)) is None
 
 
+def test_a_numba_without_the_cache_index_warms_without_a_pool(monkeypatch: Any) -> None:
+    """The cache's coldness is read from numba's private index; where a numba release moved it,
+    the cache reads as warm (no claims folder, no helper) and ``warm_all`` still runs every
+    warmer."""
+    import cpmeta.base_njit as base
+    import cpmeta.jit as jit
+
+    assert jit._cache_is_cold(base.fail) is False  # this run's cache holds the kernels already
+
+    class Moved:  # a dispatcher as a numba without ``_cache._cache_file`` would have
+        _cache = object()
+
+    assert jit._cache_is_cold(Moved()) is False
+    folders: list[bool] = []
+    monkeypatch.setattr(jit, "_cache_is_cold", lambda kernel: False)
+    monkeypatch.setattr(jit, "_claims_folder", lambda cold: folders.append(cold))
+    took = jit.warm_all(jobs=4)
+    assert folders == [False] and set(took) == set(jit.warmers())
+
+
 @pytest.mark.long
 def test_ranks_warming_a_cold_cache_share_it_out_and_leave_it_whole(tmp_path: Path) -> None:
     """Two ranks of a host call ``warm_all`` at once on an empty cache (one with a helper process,
