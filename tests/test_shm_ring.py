@@ -712,7 +712,8 @@ def test_a_large_ring_reads_the_room_again_before_each_step_of_its_reservation(t
         _segment.create_segment(4 * mib, use_memfd=memfd)
     assert err.value.errno == errno.ENOMEM and steps == [(0, mib), (mib, mib)]
     assert f"has room for {mib // 2} more, less than the next step of its reservation ({mib} bytes)" in str(err.value)
-    assert set(os.listdir("/proc/self/fd")) == fds and {n for n in os.listdir(_segment._shm_dir()) if mine in n} == names
+    assert set(os.listdir("/proc/self/fd")) == fds
+    assert {n for n in os.listdir(_segment._shm_dir()) if mine in n} == names
     _fake_cgroups(tmp_path, monkeypatch, False, {"/job": (64 * mib, 40 * mib, 0)})
     taker, steps[:] = False, []
     seg = _segment.create_segment(4 * mib, use_memfd=memfd)

@@ -171,10 +171,10 @@ def _check_cgroup_room(size: int, where: str, need: Optional[int] = None) -> Non
     room = memory_cgroup_room()
     need = size if need is None else need
     if room is not None and need > room[0]:
+        step = "" if need == size else f", less than the next step of its reservation ({need} bytes)"
         raise OSError(errno.ENOMEM, f"cannot reserve {size} bytes of shared memory for the ring in {where}: the "
-                                    f"memory cgroup {room[1]} has room for {room[0]} more"
-                                    f"{'' if need == size else f', less than the next step of its reservation ({need} bytes)'}, and past "
-                                    "its limit the kernel kills a process instead of failing the call "
+                                    f"memory cgroup {room[1]} has room for {room[0]} more{step}, and past its "
+                                    "limit the kernel kills a process instead of failing the call "
                                     "(CPMETA_SHM_SLOT_SIZE x CPMETA_SHM_NUM_SLOTS sets the ring's size)")
 
 
