@@ -337,6 +337,24 @@ def test_slot_overflow(is_prompt: bool) -> None:
         _build([seq], cfg, is_prompt)
 
 
+@pytest.mark.parametrize("build", ["prompt", "prompt_cp"])
+def test_prompt_engram_errors_name_the_sequence_not_the_row(build: str) -> None:
+    """Prompts of 3 rows each: the look-back's errors name the sequence whose row read the id
+    (seqs[1]: rows 3..5), from the whole-batch build and from one CP rank's rows alike."""
+    from cpmeta.cp import prepare_prompt_cp
+
+    eng = MetadataConfig.compressed_swa(max_ngram_size=3, ngram_lookup=torch.tensor([5, 6, 2**31]))
+    run = (lambda b: cpmeta.prepare_prompt(b, eng)) if build == "prompt" else \
+        (lambda b: prepare_prompt_cp(b, eng, 0, 1))
+    good = SequenceMetadata(3, 3, [1], 0, [0, 1, 1])
+    assert run([good]).ngram_token_ids.tolist()[:3] == [[5, 0, 0], [6, 5, 0], [6, 6, 5]]  # CP: then a pad row
+    with pytest.raises(ValueError, match=re.escape("ngram_token_ids: an id of seqs[1] does not fit in int32")):
+        run([good, SequenceMetadata(3, 3, [2], 1, [0, 1, 2])])
+    with pytest.raises(ValueError, match=re.escape("ngram_lookup: a token id of seqs[1] read by ngram_token_ids is "
+                                                   "outside the table (3 entries)")):
+        run([good, SequenceMetadata(3, 3, [2], 1, [0, 7, 1])])
+
+
 def _decode_one(k: int, table: list[int], state: int, tokens: list[int]) -> SequenceMetadata:
     return SequenceMetadata(1, k, table, state, tokens)
 
@@ -381,9 +399,11 @@ def test_decode_kernel_errors_name_the_field_and_write_nothing() -> None:
     # Engram: a table read out of range anywhere wins over an id outside int32 in an earlier row
     eng = MetadataConfig.compressed_swa(max_ngram_size=3, ngram_lookup=torch.tensor([5, 6, 2**31]))
     wide = _decode_one(5, [1], 0, [0, 1, 2, 0, 1])  # row pos 4 looks back at token 2 -> 2**31
-    with pytest.raises(ValueError, match=re.escape("ngram_token_ids: an id does not fit in int32")):
-        cpmeta.prepare_decode([wide], eng)
-    with pytest.raises(ValueError, match=re.escape("ngram_lookup: a token id read by ngram_token_ids is outside the table")):
+    with pytest.raises(ValueError, match=re.escape("ngram_token_ids: an id of seqs[1] does not fit in int32 (an "
+                                                   "ngram_lookup entry or a compressed token id)")):
+        cpmeta.prepare_decode([_decode_one(5, [1], 1, [0, 1, 1, 0, 1]), wide], eng)
+    with pytest.raises(ValueError, match=re.escape("ngram_lookup: a token id of seqs[1] read by ngram_token_ids is "
+                                                   "outside the table (3 entries)")):
         cpmeta.prepare_decode([wide, _decode_one(5, [1], 1, [0, 1, 7, 0, 1])], eng)
     assert cpmeta.prepare_decode([_decode_one(5, [1], 0, [0, 1, 1, 0, 1])], eng).ngram_token_ids.tolist() == [[6, 5, 6]]
     # sum(seqlen_k) past int32: three sequences of 2**30 keys (array input: one window id each)

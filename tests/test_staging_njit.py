@@ -147,10 +147,14 @@ ERRORS: dict[str, tuple[MetadataConfig, Callable[[], "list[SequenceMetadata] | S
                                             f"got {CFG.max_block_id + 1} at index 1 (slot_mapping_store_ca int32")),
     "sum(seqlen_k)": (HUGE, lambda: _huge([2**29] * 5), r"^cu_seqlens_k: int32 overflow, sum\(seqlen_k\) = 2684354560"),
     "kv_ca offsets": (HUGE, lambda: _huge([9] * 4, sq=4), r"^kv_ca_index_offset_len: int32 overflow, total_q \(16\)"),
-    "token outside ngram_lookup": (ENGRAM, lambda: _seqs(ENGRAM, [[3, 7], [4, 6]], at={18: 500}),
-                                   "^ngram_lookup: a token id read by ngram_token_ids is outside the table$"),
-    "compressed id past int32": (ENGRAM, lambda: _seqs(ENGRAM, [[3, 7], [4, 6]], compressed=(1,) * 17 + (2**31,)),
-                                 "^ngram_token_ids: an id does not fit in int32$"),
+    "token outside ngram_lookup": (ENGRAM, lambda: _seqs(ENGRAM, [[3, 7]]) + _seqs(ENGRAM, [[], [4, 6]],
+                                                                                at={18: 500})[1:],
+                                   r"^ngram_lookup: a token id of seqs\[1\] read by ngram_token_ids is outside the "
+                                   r"table \(97 entries\)$"),
+    "compressed id past int32": (ENGRAM, lambda: _seqs(ENGRAM, [[3, 7]]) + _seqs(ENGRAM, [[], [4, 6]],
+                                                                              compressed=(1,) * 17 + (2**31,))[1:],
+                                 r"^ngram_token_ids: an id of seqs\[1\] does not fit in int32 \(an ngram_lookup "
+                                 r"entry or a compressed token id\)$"),
 }
 
 

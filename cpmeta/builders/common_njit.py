@@ -42,9 +42,11 @@ E_SWA_STATE = 2
 E_BLOCK_NEGATIVE = 3
 #: A needed block id > ``max_block_id``: same slots as :data:`E_BLOCK_NEGATIVE`.
 E_BLOCK_TOO_LARGE = 4
-#: ``ngram_lookup`` read outside the table: ``err[2]`` the raw token id.
+#: ``ngram_lookup`` read outside the table: ``err[1]`` the sequence (the builders set it after
+#: :func:`fill_ngram_rows`, which records its row), ``err[3]`` the table's length.
 E_NGRAM_TABLE = 5
-#: An ``ngram_token_ids`` value outside int32: ``err[2]`` the value.
+#: An ``ngram_token_ids`` value outside int32: ``err[1]`` the sequence (set as for
+#: :data:`E_NGRAM_TABLE`), ``err[2]`` the value.
 E_NGRAM_INT32 = 6
 #: Builder-specific codes start here.
 COMMON_CODES_END = 16
@@ -255,9 +257,12 @@ def ngram_of_rows(seqlen_q: np.ndarray, seqlen_k: np.ndarray, tokens: np.ndarray
         s = np.searchsorted(cu_q, r, side="right") - 1
         sk = seqlen_k[s]
         lo = sk - (tok_off[s + 1] - tok_off[s])
+        had = err[0]
         code = fill_ngram_rows(0, 1, sk - seqlen_q[s] + r - cu_q[s], tokens, tok_off[s], lo, comp,
                                comp_off[s], comp_off[s + 1] - comp_off[s], pad_id, image_id, has_image,
                                table, has_table, out[i:i + 1], err)
+        if code != OK or (had == 0 and err[0] != 0):
+            err[1] = s  # the sequence, not the row, names it
         if code != OK:
             return code
     return OK
@@ -325,9 +330,11 @@ def raise_common(err: np.ndarray, cfg: MetadataConfig) -> None:
             f"({what} int32 overflow: block id * b_c + b_c - 1 must be <= 2**31 - 1, "
             f"b_c = block_size // min_ratio = {bc})")
     elif code == E_NGRAM_TABLE:
-        raise ValueError("ngram_lookup: a token id read by ngram_token_ids is outside the table")
+        raise ValueError(f"ngram_lookup: a token id of seqs[{i}] read by ngram_token_ids is outside the table "
+                         f"({lim} entries)")
     elif code == E_NGRAM_INT32:
-        raise ValueError("ngram_token_ids: an id does not fit in int32")
+        raise ValueError(f"ngram_token_ids: an id of seqs[{i}] does not fit in int32 (an ngram_lookup entry or a "
+                         "compressed token id)")
 
 
 @warmer

@@ -143,7 +143,7 @@ def _check_windows(seqlen_q: np.ndarray, seqlen_k: np.ndarray, tokens: np.ndarra
     1)``). Example: G = 3, barrier at element 1 -> element 0 is never read, elements 1.. only by
     rows whose range excludes a barrier."""
     G = k[_G]
-    bad32 = False
+    bad32 = -1  # the first sequence with a value outside int32
     for s in range(seqlen_q.shape[0]):
         q0 = seqlen_k[s] - seqlen_q[s]
         lo = seqlen_k[s] - (tok_off[s + 1] - tok_off[s])
@@ -158,9 +158,9 @@ def _check_windows(seqlen_q: np.ndarray, seqlen_k: np.ndarray, tokens: np.ndarra
                 continue
             if not ok:
                 return fail(err, E_NGRAM_TABLE, s, i, table.shape[0])
-            if v > INT32_MAX or v < -INT32_MAX - 1:
-                bad32 = True
-    return fail(err, E_NGRAM_INT32, -1, 0, INT32_MAX) if bad32 else OK
+            if (v > INT32_MAX or v < -INT32_MAX - 1) and bad32 < 0:
+                bad32 = s
+    return fail(err, E_NGRAM_INT32, bad32, 0, INT32_MAX) if bad32 >= 0 else OK
 
 
 @kernel
