@@ -78,7 +78,7 @@ def _take(cols: Columns, at: np.ndarray, c: int, k: int) -> Any:
 
 
 def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[int],
-               sink: Optional[DecodeSink] = None, lazy: bool = False, fused: Any = None
+               sink: Optional[DecodeSink] = None, lazy: bool = False, fused: Any = None, digest: bool = True
                ) -> tuple[list[Any], np.ndarray, list[Optional[InputMetadata]]]:
     """Apply the step's runs to ``state`` in order; return the specs' batches (in call order),
     their step check (``digest.batch_check(batches)``, written by the replay) and, with a
@@ -97,7 +97,8 @@ def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[
     replayed here with the ``BatchState`` call the driver made, which raises the named error of
     a refused run. ``fused``: what the follower's compiled read already applied of this step
     (``step_frame.StepReader.read``: the whole decode step, or up to a run it leaves to this
-    replay), else None.
+    replay), else None. ``digest=False``: no step check (an empty one returned; the caller
+    makes it later from the batches, :func:`~cpmeta.replicate.digest.batch_check`).
     """
     if fused is not None and fused[0] == F_DONE:  # the read's call replayed and built it
         _, (_, _, _, crow, gbuf, ph, vouched), _, check = fused
@@ -119,8 +120,8 @@ def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[
     except (OverflowError, TypeError, ValueError):
         words, rows = _NO_WORDS, 0  # every spec then replayed below, which names the bad value
     arrays = state.kernel_arrays()
-    if first is None:
-        check = np.empty((rows if 0 <= rows <= _MAX_CHECK_ROWS else 0, 4), np.int64)  # else: batch_check below
+    if first is None:  # rows past _MAX_CHECK_ROWS: batch_check below
+        check = np.empty((rows if digest and 0 <= rows <= _MAX_CHECK_ROWS else 0, 4), np.int64)
     else:
         check = check[:rows]
     batches: list[Any] = []
@@ -175,6 +176,8 @@ def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[
                            f"{(at[i] - starts[i]) // _WIDTH[i]}")
     if next(adds, None) is not None or len(spec) != SPEC_WORDS * len(batches):
         raise ReplicaError("step frame: more request ids or specs than its runs use")
+    if not digest:
+        return batches, _NO_CHECK, mds
     return batches, (check if replayed and crow == len(check) else batch_check(batches_of(batches))), mds
 
 

@@ -140,6 +140,7 @@ class ReplicatedBatchState(Recorder):
         self._key = step_key()
         self._init_recorder(bool(defer_apply))
         self._prev_check = _NO_CHECK  # defer_apply: this rank's batch check of the last step
+        self._check_due: Any = None  # defer_apply follower: the batches that check is of, until made
         self._specs: Optional[tuple[StepSpec, ...]] = ()  # a follower's made when read (~20 us) from
         self._specs_at = self._prev_specs_at = None  # type: Any  # its frame's (columns, spec words)
         self._spec_slots = self._digesting = None  # type: Any  # the per-slot digests at spec time; until made
@@ -152,6 +153,8 @@ class ReplicatedBatchState(Recorder):
         self._warming = self._ch.warm_with(self._warm_pieces)  # a same-host follower warms while it spins
         fpb = STEP_SCHEMA.fingerprint.encode()  # the compiled read's, and the compiled writer's first header bytes
         self._reader, self._fixed = None if ch_sum else StepReader(fpb), fixed_head(fpb)
+        if self._reader is not None:  # a defer_apply follower makes its step check later (_check_later)
+            self._reader.fused.digest = self.is_src or not self._defer
         self._written = 0  # driver: frames that writer wrote whole (the codec wrote the others)
         if check_every:  # the helper thread and the digest kernels' load (~8 ms) now, not at the first check
             self._digest(0)
@@ -331,6 +334,8 @@ class ReplicatedBatchState(Recorder):
 
     def _receive(self, step: int, sink: Optional[DecodeSink]) -> tuple[list[Any], list[Any]]:
         fuse = None
+        if self._defer:  # the last step's check before this step's replay reuses its buffers
+            self._check_made()
         if sink is not None:  # aimed at the last shape: the compiled read builds a decode step of it
             sink.refresh()
             fuse = (self.state, sink)
@@ -342,7 +347,8 @@ class ReplicatedBatchState(Recorder):
                                "); the replica refuses it")
         self._specs, self._specs_at = None, (cols, spec)
         try:
-            batches, mine, mds = apply_step(self.state, cols, req_ids, spec, sink, lazy=True, fused=fused)
+            batches, mine, mds = apply_step(self.state, cols, req_ids, spec, sink, lazy=True, fused=fused,
+                                            digest=not self._defer)
         except (ReplicaError, ValueError, IndexError) as e:
             self._broken = f"step {step}: {e}"
             why = ("the driver's replica refused it too (defer_apply: a bad call)" if self._defer
@@ -350,6 +356,8 @@ class ReplicatedBatchState(Recorder):
             raise RuntimeError(f"rank {self.rank}: step {step}: this replica cannot apply the "
                                f"driver's step ({why}): {type(e).__name__}: {e}") from None
         self._compare(mine, cols.col(_DIGEST), step)
+        if self._defer:
+            self._check_later(batches)
         if saved:
             self._warm_from = (saved[0], step, saved[1], cols, batches, sink, [])
         return batches, mds
@@ -360,9 +368,9 @@ class ReplicatedBatchState(Recorder):
         step's own, or with ``defer_apply`` the previous step's; a difference breaks the replica
         and raises, naming this rank, the step, the request and what differs (``theirs``: the
         frame's ``batch_digest``)."""
-        if self._defer:
+        if self._defer:  # (this step's check: made later, _check_later)
             mine, at, specs_at = self._prev_check, step - 1, self._prev_specs_at
-            self._prev_check, self._prev_specs_at = check, self._specs_at
+            self._prev_specs_at = self._specs_at
         else:
             mine, at, specs_at = check, step, self._specs_at
         diff = first_difference(mine, theirs)
@@ -373,6 +381,20 @@ class ReplicatedBatchState(Recorder):
         raise RuntimeError(f"rank {self.rank}: step {at}: this replica's batch differs from the driver's "
                            f"(rank {self.src}) at {where}; the replicas diverged, this replica refuses "
                            "further steps")
+
+    def _check_later(self, batches: list[Any]) -> None:
+        """``defer_apply`` follower: this step's check (``batch_check`` of its batches, compared
+        with the one the next frame carries) is made by :meth:`_check_made` when the next
+        ``sync()`` begins, before its replay reuses the buffers the batches view: while this
+        rank waits for the driver's next frame, not on this step's path."""
+        self._check_due = list(batches) if batches else None  # (the caller's list is made in place when read)
+        if not batches:
+            self._prev_check = _NO_CHECK
+
+    def _check_made(self) -> None:
+        if self._check_due is not None:
+            due, self._check_due = self._check_due, None
+            self._prev_check = batch_check(batches_of(due))
 
     def _start_check(self, step: int) -> None:
         """Every rank, at a check step: this replica's per-slot digests (the default driver's as of

@@ -130,12 +130,14 @@ class FusedStep:
 
     def __init__(self) -> None:
         self.count = 0  #: steps replayed (and built) this way
+        self.digest = True  #: write the step check's rows (``defer_apply`` ranks make them later)
         self._at = np.zeros(len(COLUMNS), np.int64)
         self._checks: list[np.ndarray] = []
 
     def tail(self, state: BatchState, sink: DecodeSink, dry: bool) -> tuple:
-        if not self._checks:  # rows: a header, one per sequence and placeholder
-            self._checks = [np.empty((1 + state.max_seqs + 256, 4), np.int64) for _ in range(2)]
+        if not self._checks:  # rows: a header, one per sequence and placeholder (none: no digests)
+            rows = 1 + state.max_seqs + 256 if self.digest else 0
+            self._checks = [np.empty((rows, 4), np.int64) for _ in range(2)]
         return (self._at, self._checks[self.count & 1], *state.kernel_arrays(), state.lookback, *_NO_FREE,
                 *sink.args, dry)
 

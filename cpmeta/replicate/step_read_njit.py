@@ -195,8 +195,9 @@ def replay_step(buf: np.ndarray, starts: np.ndarray, words: np.ndarray, at: np.n
     ``ops.Columns``) and spec words: for a step whose runs are appends (``TOK`` / ``BLK`` /
     ``CMP``) and one decode spec, last, of the shape the sink aims at (``shape[:2]`` = its rows
     and sequences), :func:`~cpmeta.replicate.replay_njit.replay_decode` from run 0, its check
-    rows in ``check[:1 + sequences + placeholders]``, cursors in ``at``. ``k`` .. ``code``: the
-    sink's arguments; ``dry`` (the warm): the replay's entry only, nothing applied.
+    rows in ``check[:1 + sequences + placeholders]`` (a ``check`` of no rows: none, the caller
+    makes the check later), cursors in ``at``. ``k`` .. ``code``: the sink's arguments; ``dry``
+    (the warm): the replay's entry only, nothing applied.
 
     Returns ``(status, *replay)``: :data:`F_READ` (nothing applied: not such a step; Python's
     replay takes it), :data:`F_DONE` (every run applied, every column read to its end) or
@@ -211,8 +212,9 @@ def replay_step(buf: np.ndarray, starts: np.ndarray, words: np.ndarray, at: np.n
         if (c != SPEC or n != 1) if i == n_runs - 1 else (c != TOK and c != BLK and c != CMP):
             return F_READ, 0, 0, 0, 0, empty, no_ph, False
     n_seq = words[4] + words[1]  # a row per sequence and placeholder, one per draft
+    rows = 1 + n_seq if check.shape[0] > 0 else 0  # the step check's rows (none: made later)
     if words[1] < 0 or words[4] < 0 or words[6] < 0 or n_seq + words[6] != shape[0] or n_seq != shape[1] \
-            or 1 + n_seq > check.shape[0]:
+            or rows > check.shape[0]:
         return F_READ, 0, 0, 0, 0, empty, no_ph, False
     runs = buf[starts[0]:starts[1]].reshape((n_runs, 2))
     end = starts[1:]
@@ -226,10 +228,10 @@ def replay_step(buf: np.ndarray, starts: np.ndarray, words: np.ndarray, at: np.n
     at[0], at[_LAST] = end[0], end[_LAST]
     code[0] = -1
     status, r, si, crow, g, ph, ok = replay_decode(0, runs, buf, at, end, words, 0, meta, active, token_ids,
-                                                   block_table, compressed, p, mark, err, check[:1 + n_seq], 0,
+                                                   block_table, compressed, p, mark, err, check[:rows], 0,
                                                    lookback, False, stack, nfree, scratch, k, table, raw, fo,
                                                    shape, ferr, info, code)
-    if status != S_SPEC or r != n_runs or crow != 1 + n_seq:
+    if status != S_SPEC or r != n_runs or crow != rows:
         return F_PART, status, r, si, crow, g, ph, ok
     for c in range(_LAST + 1):
         if at[c] != end[c]:
