@@ -29,10 +29,8 @@ Engram window) with the driver's, so a replica that would build different metada
 AT that step; and every ``check_every`` steps the ranks compare digests of their whole replicas
 (``cpmeta.replicate.digest``: made and exchanged while the engine runs, the verdict at the next
 ``sync()`` or ``close()``). A mismatch is a ``RuntimeError`` naming the rank, the step and the
-first differing request, after which that replica refuses every further step.
-
-While a same-host follower spins for its next step it warms (:meth:`ReplicatedBatchState.warm`,
-``CPMETA_WARM``): it replays the last step's receive read-only, so the step lands on warm caches.
+first differing request, after which that replica refuses every further step. While a
+same-host follower spins for its next step it warms (:meth:`ReplicatedBatchState.warm`).
 """
 
 from __future__ import annotations
@@ -139,8 +137,8 @@ class ReplicatedBatchState(Recorder):
                                        "defer_apply setting": bool(defer_apply)})
         self._key = step_key()
         self._init_recorder(bool(defer_apply))
-        self._prev_check = _NO_CHECK  # defer_apply: this rank's batch check of the last step
-        self._check_due: Any = None  # defer_apply follower: the batches that check is of, until made
+        # defer_apply: this rank's batch check of the last step; a follower's: the batches it is of, until made
+        self._prev_check, self._check_due = _NO_CHECK, None  # type: np.ndarray, Any
         self._specs: Optional[tuple[StepSpec, ...]] = ()  # a follower's made when read (~20 us) from
         self._specs_at = self._prev_specs_at = None  # type: Any  # its frame's (columns, spec words)
         self._spec_slots = self._digesting = None  # type: Any  # the per-slot digests at spec time; until made
@@ -153,7 +151,7 @@ class ReplicatedBatchState(Recorder):
         self._warming = self._ch.warm_with(self._warm_pieces)  # a same-host follower warms while it spins
         fpb = STEP_SCHEMA.fingerprint.encode()  # the compiled read's, and the compiled writer's first header bytes
         self._reader, self._fixed = None if ch_sum else StepReader(fpb), fixed_head(fpb)
-        if self._reader is not None:  # a defer_apply follower makes its step check later (_check_later)
+        if self._reader is not None:  # a defer_apply follower makes its step check later (_receive)
             self._reader.fused.digest = self.is_src or not self._defer
         self._written = 0  # driver: frames that writer wrote whole (the codec wrote the others)
         if check_every:  # the helper thread and the digest kernels' load (~8 ms) now, not at the first check
@@ -229,11 +227,8 @@ class ReplicatedBatchState(Recorder):
         return batches, mds
 
     def warm(self) -> None:
-        """Follower: replay, read-only, the last step's receive -- its frame checks on the saved
-        head (this rank's step count untouched), the columns cut from a copy of its region, the
-        compiled replay's call and the batch digests (``apply.warm_replay``). The ring calls it
-        every ~100 us while this rank spins for its next step (``CPMETA_WARM``); it changes
-        nothing a caller sees, and one that raises is not called again."""
+        """Follower: replay the last step's receive read-only (``apply.warm_replay``), so the step lands on
+        warm caches; the ring calls it every ~100 us while this rank spins (``CPMETA_WARM``)."""
         for _ in self._warm_pieces():
             pass
 
@@ -334,8 +329,8 @@ class ReplicatedBatchState(Recorder):
 
     def _receive(self, step: int, sink: Optional[DecodeSink]) -> tuple[list[Any], list[Any]]:
         fuse = None
-        if self._defer:  # the last step's check before this step's replay reuses its buffers
-            self._check_made()
+        if self._check_due is not None:  # defer_apply: the last step's check, before this replay reuses its buffers
+            self._prev_check, self._check_due = batch_check(batches_of(self._check_due)), None
         if sink is not None:  # aimed at the last shape: the compiled read builds a decode step of it
             sink.refresh()
             fuse = (self.state, sink)
@@ -356,19 +351,16 @@ class ReplicatedBatchState(Recorder):
             raise RuntimeError(f"rank {self.rank}: step {step}: this replica cannot apply the "
                                f"driver's step ({why}): {type(e).__name__}: {e}") from None
         self._compare(mine, cols.col(_DIGEST), step)
-        if self._defer:
-            self._check_later(batches)
+        self._check_due = list(batches) if self._defer else None  # defer_apply: checked when the next sync begins
         if saved:
             self._warm_from = (saved[0], step, saved[1], cols, batches, sink, [])
         return batches, mds
 
     def _compare(self, check: np.ndarray, theirs: np.ndarray, step: int) -> None:
-        """Follower: this replica's batch check (``check``: ``batch_check`` of the step's
-        batches, as the replay wrote it) against the driver's (``batch_digest``) -- the
-        step's own, or with ``defer_apply`` the previous step's; a difference breaks the replica
-        and raises, naming this rank, the step, the request and what differs (``theirs``: the
-        frame's ``batch_digest``)."""
-        if self._defer:  # (this step's check: made later, _check_later)
+        """Follower: this replica's batch check (``check``, as the replay wrote it; ``defer_apply``:
+        the last step's) against the frame's ``batch_digest`` (``theirs``); a difference breaks the
+        replica and raises, naming this rank, the step, the request and what differs."""
+        if self._defer:  # (this step's check: made when the next sync begins)
             mine, at, specs_at = self._prev_check, step - 1, self._prev_specs_at
             self._prev_specs_at = self._specs_at
         else:
@@ -381,20 +373,6 @@ class ReplicatedBatchState(Recorder):
         raise RuntimeError(f"rank {self.rank}: step {at}: this replica's batch differs from the driver's "
                            f"(rank {self.src}) at {where}; the replicas diverged, this replica refuses "
                            "further steps")
-
-    def _check_later(self, batches: list[Any]) -> None:
-        """``defer_apply`` follower: this step's check (``batch_check`` of its batches, compared
-        with the one the next frame carries) is made by :meth:`_check_made` when the next
-        ``sync()`` begins, before its replay reuses the buffers the batches view: while this
-        rank waits for the driver's next frame, not on this step's path."""
-        self._check_due = list(batches) if batches else None  # (the caller's list is made in place when read)
-        if not batches:
-            self._prev_check = _NO_CHECK
-
-    def _check_made(self) -> None:
-        if self._check_due is not None:
-            due, self._check_due = self._check_due, None
-            self._prev_check = batch_check(batches_of(due))
 
     def _start_check(self, step: int) -> None:
         """Every rank, at a check step: this replica's per-slot digests (the default driver's as of
