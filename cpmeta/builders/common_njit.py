@@ -42,11 +42,10 @@ E_SWA_STATE = 2
 E_BLOCK_NEGATIVE = 3
 #: A needed block id > ``max_block_id``: same slots as :data:`E_BLOCK_NEGATIVE`.
 E_BLOCK_TOO_LARGE = 4
-#: ``ngram_lookup`` read outside the table: ``err[1]`` the sequence (the builders set it after
-#: :func:`fill_ngram_rows`, which records its row), ``err[3]`` the table's length.
+#: ``ngram_lookup`` read outside the table: ``err[1]`` the sequence, ``err[2]`` the raw token id,
+#: ``err[3]`` the table's length.
 E_NGRAM_TABLE = 5
-#: An ``ngram_token_ids`` value outside int32: ``err[1]`` the sequence (set as for
-#: :data:`E_NGRAM_TABLE`), ``err[2]`` the value.
+#: An ``ngram_token_ids`` value outside int32: ``err[1]`` the sequence, ``err[2]`` the value.
 E_NGRAM_INT32 = 6
 #: Builder-specific codes start here.
 COMMON_CODES_END = 16
@@ -170,11 +169,11 @@ def fill_common_rows(s: int, row0: int, sq: int, sk: int, state_id: int, is_ph: 
 
 
 @kernel
-def fill_ngram_rows(row0: int, sq: int, q_start: int, tokens: np.ndarray, tok_start: int, lo: int,
+def fill_ngram_rows(seq: int, row0: int, sq: int, q_start: int, tokens: np.ndarray, tok_start: int, lo: int,
                     comp: np.ndarray, comp_start: int, comp_len: int, pad_id: int, image_id: int,
                     has_image: bool, table: np.ndarray, has_table: bool, out: np.ndarray,
                     err: np.ndarray) -> int:
-    """``ngram_token_ids`` rows ``[row0, row0 + sq)`` of one sequence (``out`` [total_q, N] int32).
+    """``ngram_token_ids`` rows ``[row0, row0 + sq)`` of sequence ``seq`` (``out`` [total_q, N] int32).
 
     Column c of the row at ``pos = q_start + j`` looks back to ``t = pos - c``: pad when ``t <
     0`` or a raw token at ``t..pos`` is the image sentinel (``has_image``); else
@@ -223,13 +222,13 @@ def fill_ngram_rows(row0: int, sq: int, q_start: int, tokens: np.ndarray, tok_st
                 v = comp[comp_start + k]
             elif has_table:
                 if tok < 0 or tok >= nt:
-                    return fail(err, E_NGRAM_TABLE, r, tok, nt)
+                    return fail(err, E_NGRAM_TABLE, seq, tok, nt)
                 v = table[tok]
             else:
                 v = tok
             if v > INT32_MAX or v < _I32_MIN:
                 if err[0] == 0:
-                    fail(err, E_NGRAM_INT32, r, v, INT32_MAX)
+                    fail(err, E_NGRAM_INT32, seq, v, INT32_MAX)
                 out[r, c] = 0
                 continue
             out[r, c] = v
@@ -257,12 +256,9 @@ def ngram_of_rows(seqlen_q: np.ndarray, seqlen_k: np.ndarray, tokens: np.ndarray
         s = np.searchsorted(cu_q, r, side="right") - 1
         sk = seqlen_k[s]
         lo = sk - (tok_off[s + 1] - tok_off[s])
-        had = err[0]
-        code = fill_ngram_rows(0, 1, sk - seqlen_q[s] + r - cu_q[s], tokens, tok_off[s], lo, comp,
+        code = fill_ngram_rows(s, 0, 1, sk - seqlen_q[s] + r - cu_q[s], tokens, tok_off[s], lo, comp,
                                comp_off[s], comp_off[s + 1] - comp_off[s], pad_id, image_id, has_image,
                                table, has_table, out[i:i + 1], err)
-        if code != OK or (had == 0 and err[0] != 0):
-            err[1] = s  # the sequence, not the row, names it
         if code != OK:
             return code
     return OK
@@ -354,7 +350,7 @@ def _warm() -> None:
     i32 = [np.zeros(2, np.int32) for _ in range(4)]
     b = [np.zeros(2, np.bool_) for _ in range(2)]
     fill_common_rows(0, 0, 2, 5, 1, False, toks, 3, 4, False, i32[0], i32[1], b[0], b[1], i32[2], i32[3])
-    fill_ngram_rows(0, 2, 3, toks, 0, 2, np.zeros(0, np.int64), 0, 0, 0, -1, False,
+    fill_ngram_rows(0, 0, 2, 3, toks, 0, 2, np.zeros(0, np.int64), 0, 0, 0, -1, False,
                     np.zeros(0, np.int64), False, np.zeros((2, 2), np.int32), err)
     ngram_of_rows(sq, sk, toks, np.array([0, 3], np.int64), np.zeros(0, np.int64), np.zeros(2, np.int64),
                   np.array([1, -1], np.int64), 0, -1, False, np.zeros(0, np.int64), False,

@@ -193,12 +193,9 @@ def decode_fill(seqlen_q: np.ndarray, seqlen_k: np.ndarray, state_id: np.ndarray
                          valid, qidx, swa)
         if N > 0:
             win = tok_off[s + 1] - tok_off[s]
-            had = err[0]
-            code = fill_ngram_rows(r0, q, q0, tokens, tok_off[s], sk - win, comp, comp_off[s],
+            code = fill_ngram_rows(s, r0, q, q0, tokens, tok_off[s], sk - win, comp, comp_off[s],
                                    comp_off[s + 1] - comp_off[s], k[_PAD], k[_IMG], k[_HAS_IMG] != 0, table,
                                    table.shape[0] > 0, ngram, err)
-            if code == E_NGRAM_TABLE or (had == 0 and err[0] != 0):
-                err[1] = s  # the sequence, not the row, names it
             if code == E_NGRAM_TABLE:
                 return code
         b0 = bt_off[s]

@@ -175,12 +175,9 @@ def prompt_fill(seqlen_q: np.ndarray, seqlen_k: np.ndarray, state_id: np.ndarray
         fill_common_rows(s, 0, q, sk, state_id[s], is_ph[s], tokens, tok_off[s + 1], S, force, positions[r0:r1],
                          input_ids[r0:r1], gate[r0:r1], valid[r0:r1], qidx[r0:r1], swa[r0:r1] if S > 0 else swa)
         if ngram_on:
-            had = err[0]
-            code = fill_ngram_rows(0, q, sk - q, tokens, tok_off[s], sk - (tok_off[s + 1] - tok_off[s]), comp,
+            code = fill_ngram_rows(s, 0, q, sk - q, tokens, tok_off[s], sk - (tok_off[s + 1] - tok_off[s]), comp,
                                    comp_off[s], comp_off[s + 1] - comp_off[s], k[_PAD], k[_IMG], k[_HAS_IMG] != 0,
                                    table, table.shape[0] > 0, ngram[r0:r1], err)
-            if code == E_NGRAM_TABLE or (had == 0 and err[0] != 0):
-                err[1] = s  # the sequence, not the row, names it
             if code == E_NGRAM_TABLE:
                 return code
     # ---- the sliding-window state cache: state slots, SWA load plan, pivots (and YoCo mask's)
