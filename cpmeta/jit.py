@@ -19,6 +19,8 @@ Cache validity: numba keys a function's cache on its own file's modification tim
 kernel whose callee in another module changed would load stale machine code. Every kernel of
 cpmeta is therefore stamped with ONE hash over the source of every kernel module and this one
 (:func:`sources_stamp`): any edit recompiles them all. The cache stays where numba would put it.
+The stamp goes in through numba's private locator list; a numba without it gets a warning at
+import and caches on its own per-file stamps (:data:`STAMPED` False).
 
 Warm-up: kernel modules are named ``*_njit.py`` (found by that name, nothing to list); a
 function that calls the kernels once on a tiny input is registered with :func:`warmer` in the
@@ -86,12 +88,17 @@ def sources_stamp() -> str:
     return h.hexdigest()
 
 
-class _KernelSourcesLocator(caching._CacheLocator):
+# numba's private cache machinery (every numba since the 0.59 floor has it): a numba that moved it
+# still compiles and caches cpmeta's kernels, on numba's own per-file stamps (a warning says so)
+_NUMBA_BASE: Any = getattr(caching, "_CacheLocator", object)
+_NUMBA_ORDER: Any = getattr(getattr(caching, "CacheImpl", None), "_locator_classes", None)
+_NUMBA_PLACEMENT: Any = tuple(getattr(caching, n, None) for n in (
+    "UserProvidedCacheLocator", "InTreeCacheLocator", "UserWideCacheLocator"))
+
+
+class _KernelSourcesLocator(_NUMBA_BASE):  # type: ignore[misc]
     """Numba's own cache placement (``NUMBA_CACHE_DIR``, else the module's ``__pycache__``, else
     the per-user cache), with :func:`sources_stamp` as the source stamp of every cpmeta kernel."""
-
-    _PLACEMENT = (caching.UserProvidedCacheLocator, caching.InTreeCacheLocator,
-                  caching.UserWideCacheLocator)
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
@@ -112,17 +119,23 @@ class _KernelSourcesLocator(caching._CacheLocator):
     def from_function(cls, py_func: Any, py_file: str) -> Optional["_KernelSourcesLocator"]:
         if not _is_kernel_file(py_file):
             return None
-        for placement in cls._PLACEMENT:
+        for placement in _NUMBA_PLACEMENT:
             inner = placement.from_function(py_func, py_file)
             if inner is not None:
                 return cls(inner)
         return None
 
 
-# numba tries its cache locators in this order (numba >= 0.59, the pinned floor); ours goes first
-_LOCATORS = cast("list[Any]", caching.CacheImpl._locator_classes)
-if _KernelSourcesLocator not in _LOCATORS:
-    _LOCATORS.insert(0, _KernelSourcesLocator)
+#: Whether every kernel's cache entry carries :func:`sources_stamp` (numba tries its locators in
+#: ``_locator_classes``' order; ours goes first).
+STAMPED = _NUMBA_BASE is not object and None not in _NUMBA_PLACEMENT and isinstance(_NUMBA_ORDER, list)
+if not STAMPED:
+    logger.warning("cpmeta.jit: numba %s moved the private cache locators cpmeta stamps its kernels "
+                   "through (numba.core.caching); kernels are cached on numba's own "
+                   "per-file stamps, so after editing a kernel module clear the cache (NUMBA_CACHE_DIR or "
+                   "__pycache__)", numba.__version__)
+elif _KernelSourcesLocator not in _NUMBA_ORDER:
+    _NUMBA_ORDER.insert(0, _KernelSourcesLocator)
 
 
 def kernel(fn: F) -> F:
@@ -282,7 +295,8 @@ def _claims_folder(cold: bool) -> Optional[str]:
     no process that made or claimed in it lives (left by a finished or killed warm-up: the cache
     was lost since), and removes such dead ones of other stamps. ``None`` where none can be made."""
     mod = importlib.import_module("cpmeta.base_njit")
-    locator = _KernelSourcesLocator.from_function(mod.fail.py_func, mod.fail.py_func.__code__.co_filename)
+    locator = (_KernelSourcesLocator.from_function(mod.fail.py_func, mod.fail.py_func.__code__.co_filename)
+               if STAMPED else None)
     key = hashlib.sha256(f"{sources_stamp()} {numba.__version__} {sys.version}".encode()).hexdigest()[:16]
     parent = locator.get_cache_path() if locator is not None else tempfile.gettempdir()
     folder = os.path.join(parent, f"cpmeta-warm-{key}")

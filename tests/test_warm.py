@@ -182,6 +182,28 @@ def test_a_numba_without_the_cache_index_warms_without_a_pool(monkeypatch: Any) 
     assert folders == [False] and set(took) == set(jit.warmers())
 
 
+def test_a_numba_without_the_private_locators_still_imports_and_runs_kernels(tmp_path: Path) -> None:
+    """cpmeta stamps its kernels' cache entries through numba's private locator list; a numba
+    release that moved it must not break ``import cpmeta``: a warning names the numba and the
+    kernels compile and cache on numba's own stamps (a fresh cache: the shared one keeps its
+    stamps). One small kernel compiles in the child."""
+    import cpmeta.jit as jit
+    from numba.core import caching
+
+    assert jit.STAMPED and caching.CacheImpl._locator_classes[0] is jit._KernelSourcesLocator
+    code = ("import zlib, numpy as np; from numba.core import caching; del caching._CacheLocator; "
+            "import cpmeta.jit as j, cpmeta.base_njit as b; assert not j.STAMPED; "
+            "x = np.frombuffer(b'cpmeta', np.uint8); "
+            "assert b.crc32(x, 0, 6, 0) == zlib.crc32(b'cpmeta'), b.crc32(x, 0, 6, 0); "
+            "assert not any(c.__name__ == '_KernelSourcesLocator' for c in caching.CacheImpl._locator_classes); "
+            "print(sorted(p.suffix for p in __import__('pathlib').Path(%r).rglob('*crc32*')))" % str(tmp_path))
+    run = subprocess.run([sys.executable, "-c", code], env={**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)},
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert f"numba {__import__('numba').__version__} moved the private cache locators" in run.stderr
+    assert run.stdout.split() == ["['.nbc',", "'.nbi']"], run.stdout
+
+
 @pytest.mark.long
 def test_ranks_warming_a_cold_cache_share_it_out_and_leave_it_whole(tmp_path: Path) -> None:
     """Two ranks of a host call ``warm_all`` at once on an empty cache (one with a helper process,
