@@ -96,7 +96,7 @@ _NUMBA_PLACEMENT: Any = tuple(getattr(caching, n, None) for n in (
     "UserProvidedCacheLocator", "InTreeCacheLocator", "UserWideCacheLocator"))
 
 
-class _KernelSourcesLocator(_NUMBA_BASE):  # type: ignore[misc]
+class _KernelSourcesLocator(_NUMBA_BASE):
     """Numba's own cache placement (``NUMBA_CACHE_DIR``, else the module's ``__pycache__``, else
     the per-user cache), with :func:`sources_stamp` as the source stamp of every cpmeta kernel."""
 
