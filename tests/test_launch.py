@@ -37,6 +37,8 @@ def test_readme_main_job_passes(tmp_path: Path) -> None:
     assert "bit-identical" in res.stdout
     summary = json.loads(out.read_text())
     assert len(summary["ranks"]) == 2 and summary["steps"] == 8
+    # every kernel compiled or loaded before the first step (cpmeta.jit.warm_all), the time said
+    assert f"kernels ready in {summary['warm_s']:.1f} s" in res.stdout and summary["warm_s"] > 0
 
 
 @pytest.mark.parametrize("workload", ["prompt", "decode"])

@@ -34,6 +34,7 @@ import cpmeta
 import cpmeta.cp
 import cpmeta.constants
 from cpmeta.metadata import InputMetadata
+from cpmeta import jit
 
 from . import comm
 from . import envs
@@ -267,6 +268,8 @@ def _print_table(summary: dict[str, Any], args: Any, backend: str, world: int) -
         f"cpmeta launch: strategy={args.strategy} workload={args.workload} steps={args.steps} "
         f"({args.steps - args.warmup} timed after {args.warmup} warm-up) world={world} backend={backend} model={args.model} "
         f"cp_mirror={args.cp_mirror} verify={args.verify}",
+        f"kernels ready in {summary['warm_s']:.1f} s (rank 0: compiled, or loaded from numba's cache: "
+        "cpmeta.jit.warm_all)",
         f"bytes per step (avg): {rows[0][-1]:.0f}",
         f"{'rank':>4} {'build p50':>10} {'build p90':>10} {move + ' p50':>10} {move + ' p90':>10} "
         f"{'mirror p50':>10} {'mirror p90':>10}   (microseconds; nan: the rank has no such phase)",
@@ -316,6 +319,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _run(args: Any) -> int:
     logging.basicConfig(level=logging.WARNING)
     backend = resolve_backend(args.backend)
+    t0 = time.perf_counter()  # every kernel compiled (a cold cache, shared out) or loaded, before the
+    jit.warm_all()            # group's timeout starts and before the first step: none in a timed one
+    warm_s = time.perf_counter() - t0
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(args.timeout, 30)))
     rank, world = dist.get_rank(), dist.get_world_size()
     if backend == "nccl":
@@ -332,7 +338,7 @@ def _run(args: Any) -> int:
         stats = run_steps(args, rank, world, device)
         summary = summarize(stats, world, device)
         if summary is not None:
-            summary["attn_err"] = stats["attn_err"]
+            summary["attn_err"], summary["warm_s"] = stats["attn_err"], warm_s
             summary.update(strategy=args.strategy, workload=args.workload, model=args.model, steps=args.steps, world=world, backend=backend,
                            host=socket.gethostname(), date=datetime.date.today().isoformat())
             _print_table(summary, args, backend, world)
