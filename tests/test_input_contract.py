@@ -263,6 +263,19 @@ def test_batch_state_refuses_bools_and_floats_as_ints() -> None:
         _refused(st, call, (TypeError, ValueError), msg)
 
 
+def test_a_decode_batch_of_no_slots_refuses_drafts() -> None:
+    """No slots and some drafts: the draft counts' error (the refused step's empty buffer was
+    taken for a batch of no rows, and reading its offsets raised ``IndexError``); no slots and no
+    drafts is a batch of no rows."""
+    st = BatchState(SWA, max_seqs=2)
+    st.add_request("a", [1, 2, 3], [1], 0, num_computed=3)
+    none = np.zeros(0, np.int64)
+    for drafts, count in ((np.array([5, 6]), 2), (np.array([5, 6]), 0), (np.array([5]), np.zeros(0, np.int64))):
+        _refused(st, lambda: st.decode_batch(none, drafts, count), ValueError,
+                 r"num_drafts: expected 0 counts >= 0 \(or one count for all\) summing to \d drafts")
+    assert st.decode_batch(none, none, 2).seqlen_q.tolist() == []
+
+
 # ---- seqlen_k, int32 overflow, blocks_needed ---------------------------------------------------
 
 

@@ -506,6 +506,8 @@ BAD = [  # (record the bad part, tamper (columns, spec words), exception, messag
           "request 'b': tokens: expected ids >= 0, got -3"),
     _case("decode_lens_not_per_slot", lambda g: _spec(g, False, [0, 1], [1], [5], 0, -1), None, ValueError,
           "num_drafts: expected 2 counts >= 0"),
+    _case("decode_no_slots_with_drafts", lambda g: _spec(g, False, [], [], [5, 6], 0, 2), None, ValueError,
+          r"num_drafts: expected 0 counts >= 0 \(or one count for all\) summing to 2 drafts"),
     _case("decode_drafts_without_counts", lambda g: _spec(g, False, [0, 1], [], [5, 6], 0, -2), None, ValueError,
           "num_drafts: expected 2 counts >= 0 summing to 2 drafts"),
     _case("prompt_negative_placeholders", lambda g: _spec(g, True, [2], [1], [], -1, -2), None, ValueError,

@@ -226,7 +226,7 @@ class BatchState(RequestBook):
         buf, ph, vouched = gather_step(is_prompt, slots, q, k_all, drafts, n_ph, advance, self._meta, self.active,
                                        self.token_ids, self.block_table, self.compressed, self._p, self._seen,
                                        self._err)
-        if len(ph) == len(slots) + n_ph:
+        if len(buf):  # (a batch of no rows still has its offsets; a refused step: no buffer)
             return _batch_of(buf, ph, self._vouch if vouched else None, is_prompt, self.lookback)
         code, i, v, lim = self._err.tolist()
         if code in (E_SLOT, E_REPEAT):

@@ -158,7 +158,8 @@ def gather_step(is_prompt: bool, slots: np.ndarray, q: np.ndarray, k_all: int, d
     ``k_all`` each when ``k_all >= 0``; ``q`` is then unread), the next ids of ``drafts``.
     ``n_ph`` placeholder rows follow (seqlen 1, token 0, ``blocks_needed(1)`` zero blocks).
 
-    Pass 1 checks (the first failure returns its code, nothing written): live distinct slots;
+    Pass 1 checks (the first failure writes its code into ``err`` and returns an EMPTY buffer,
+    nothing else written; a batch of no rows has one of 3 entries): live distinct slots;
     prompt: chunks >= 1 within the confirmed tokens; decode: draft counts, draft ids in int32,
     prefill done. It counts the windows (``[lo, seqlen_k)``, ``lo = max(q_start - lookback,
     0)``), tables and Engram ids. Pass 2 allocates the batch's ONE int64 buffer (the step's
