@@ -256,6 +256,10 @@ def test_batch_state_refuses_bools_and_floats_as_ints() -> None:
         (lambda: st.append_tokens(a, [4.5]), r"request 'a': tokens: expected ints, got float64"),
         (lambda: st.append_tokens_batch(np.array([0.0]), np.array([4]), np.array([1])), r"slots: expected ints"),
         (lambda: st.decode_batch(np.array([a]), num_placeholders=True), r"num_placeholders: expected an int"),
+        (lambda: st.decode_batch(np.array([a]), num_placeholders=2**31),  # (was a MemoryError from the gather)
+         r"num_placeholders: expected <= 65536 \(rows padding one batch\), got 2147483648"),
+        (lambda: st.prompt_batch(np.array([a]), np.array([1]), num_placeholders=np.int64(65537)),
+         r"num_placeholders: expected <= 65536"),
         (lambda: st.decode_batch(np.array([a]), np.array([1.5]), 1), r"draft_tokens: expected ints"),
         (lambda: st.decode_batch(np.array([a]), np.array([5]), np.array([1.0])), r"num_drafts: expected 1 counts"),
         (lambda: st.prompt_batch(np.array([a]), np.array([1.0])), r"chunk_lens: expected ints"),

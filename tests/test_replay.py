@@ -512,6 +512,8 @@ BAD = [  # (record the bad part, tamper (columns, spec words), exception, messag
           "num_drafts: expected 2 counts >= 0 summing to 2 drafts"),
     _case("prompt_negative_placeholders", lambda g: _spec(g, True, [2], [1], [], -1, -2), None, ValueError,
           "num_placeholders: expected >= 0, got -1"),
+    _case("decode_placeholders_past_the_bound", lambda g: _spec(g, False, [0], [], [], 2**31, 0), None, ValueError,
+          "num_placeholders: expected <= 65536 .rows padding one batch., got 2147483648"),
     _case("add_counts_negative_summing_right",  # one request's count -1, the next's +1: the sum still fits
           lambda g: (g.add(3, "x", [1], [0], [], 0, 0, 0), g.add(4, "y", [2], [0], [], 0, 0, 0)),
           lambda c, w: (_put(c, "add_meta", (0, 4), 2), _put(c, "add_meta", (1, 4), 0)), ValueError,

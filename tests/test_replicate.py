@@ -747,6 +747,10 @@ def _deferred_refusal(rank: int, world: int) -> list[str]:
         if rank == 0:
             a = rep.add_request("a", [1, 2, 3], [5], 0, num_computed=3)
             seen.append(f"slot {a}")
+            try:  # an argument's own bounds are checked as the call is recorded: nothing recorded
+                rep.decode_batch([a], num_placeholders=2**31)
+            except ValueError as e:
+                seen.append(f"at once: {e}")
             rep.decode_batch([a])
         batch = rep.sync()
         seen.append(f"n={len(batch)}")
@@ -763,9 +767,10 @@ def _deferred_refusal(rank: int, world: int) -> list[str]:
 
 def test_deferred_apply_refused_call_breaks_every_replica() -> None:
     out = run_ranks(_deferred_refusal, 2, timeout=120)
-    assert out[0][:2] == ["slot 0", "n=1"] and out[1][0] == "n=1", out
-    assert out[0][2].startswith("ValueError: ReplicatedBatchState (defer_apply): step 2: the state refused"), out[0]
-    assert "got [3] without one" in out[0][2] and "rebuild" in out[0][2], out[0]
+    assert out[0][:3] == ["slot 0", "at once: num_placeholders: expected <= 65536 (rows padding one batch), got "
+                          "2147483648", "n=1"] and out[1][0] == "n=1", out
+    assert out[0][3].startswith("ValueError: ReplicatedBatchState (defer_apply): step 2: the state refused"), out[0]
+    assert "got [3] without one" in out[0][3] and "rebuild" in out[0][3], out[0]
     assert out[1][1].startswith("RuntimeError: rank 1: step 2: this replica cannot apply") and \
         "refused it too" in out[1][1], out[1]
     for seen in out:  # and every later step is refused

@@ -17,7 +17,7 @@ from typing import Any, Callable, Hashable, NamedTuple, Optional, Sequence
 import numpy as np
 
 from ..state import BatchState, SequenceBatch
-from ..state.checks import as_int_array
+from ..state.checks import as_int_array, check_placeholders
 from ..state.requests import add_arguments, next_free
 from .ops import BLK, CMP, COLUMNS, SID, SPEC_WORDS, SVS, TOK, Columns, OpLog, flat_ints
 
@@ -218,6 +218,7 @@ class Recorder(ABC):
         """A batch spec of the step: ``BatchState.prompt_batch`` (made on the driver now, on every
         follower when it applies the step); :meth:`sync` returns the batch on every rank."""
         self._driver("prompt_batch")
+        check_placeholders(num_placeholders)
         slots_a, lens = _ints(slots), _ints(chunk_lens)
         batch = None if self._defer else \
             self.state.prompt_batch(slots_a, lens, num_placeholders=num_placeholders, advance=advance)
@@ -229,6 +230,7 @@ class Recorder(ABC):
                      num_drafts: Optional[np.ndarray | int] = None, *, num_placeholders: int = 0) -> None:
         """A batch spec of the step: ``BatchState.decode_batch`` (see :meth:`prompt_batch`)."""
         self._driver("decode_batch")
+        check_placeholders(num_placeholders)
         batch = None if self._defer else \
             self.state.decode_batch(slots, draft_tokens, num_drafts, num_placeholders=num_placeholders)
         nd = num_drafts

@@ -36,7 +36,7 @@ from ..base_njit import copy_from0
 from ..jit import kernel, warmer
 from ..state.requests_njit import add_rows, finish_rows
 from ..state.state_njit import (K_BLOCKS, K_COMPRESSED, K_TOKENS, M_BLOCKS, M_COMPRESSED, M_FIRST_BAD, M_TOKENS,
-                                append_rows, gather_step, gathered_parts)
+                                MAX_PLACEHOLDERS, append_rows, gather_step, gathered_parts)
 from ..builders.decode_njit import decode_fill_if
 from .digest_njit import seq_digests
 from .ops import ADD, BLK, CMP, COLUMNS, FIN, SPEC, SPEC_WORDS, TOK
@@ -160,7 +160,8 @@ def replay(r: int, runs: np.ndarray, buf: np.ndarray, at: np.ndarray, end: np.nd
             is_prompt, n_ph, advance, uniform = spec[si], spec[si + 1], spec[si + 2], spec[si + 3]
             ns, nl, nd = spec[si + 4], spec[si + 5], spec[si + 6]
             c = _SPEC_SLOTS
-            if n_ph < 0 or not (_fits(at, end, c, ns) and _fits(at, end, c + 1, nl) and _fits(at, end, c + 2, nd)):
+            if n_ph < 0 or n_ph > MAX_PLACEHOLDERS or not (
+                    _fits(at, end, c, ns) and _fits(at, end, c + 1, nl) and _fits(at, end, c + 2, nd)):
                 return S_RUN, r, si, crow, empty, no_ph, False
             slots = buf[at[c]:at[c] + ns]
             lens = buf[at[c + 1]:at[c + 1] + nl]

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 import numpy as np
 
 from .batch import SequenceBatch, Vouch
-from .checks import as_int_array, bad_id, check_int_arg, ids_in_int32
+from .checks import as_int_array, bad_id, check_int_arg, check_placeholders, ids_in_int32
 from .requests import RequestBook
 from .state_njit import (
     E_CHUNK, E_CHUNK_PASSES, E_DRAFT_ID, E_NEGATIVE_ID, E_NUM_DRAFTS, E_PREFILL, E_REPEAT, E_SLOT, K_BLOCKS,
@@ -33,12 +33,6 @@ def _kernel_ints(a: np.ndarray) -> np.ndarray:
     array type of the kernels' arguments (a copy only when ``a`` is not such an array)."""
     a = a.astype(np.int64, copy=False)
     return a if a.flags.c_contiguous and a.flags.writeable else a.copy()
-
-
-def _check_placeholders(n: object) -> None:
-    """``num_placeholders``: an int >= 0 (numpy integers count, bools do not)."""
-    if type(n) is not int or n < 0:
-        check_int_arg("num_placeholders", n, lo=0)
 
 
 def is_draft_count(num_drafts: Any) -> bool:
@@ -179,8 +173,9 @@ class BatchState(RequestBook):
                      advance: bool = True) -> SequenceBatch:
         """A prompt ``SequenceBatch``: request ``slots[i]`` prefills its next ``chunk_lens[i]``
         tokens (``q_start = num_computed``). ``advance``: count them as computed (default).
-        Example: a 10-token prompt, chunks ``[4]`` then ``[6]`` -> seqlen (q, k) = (4, 4), (6, 10)."""
-        _check_placeholders(num_placeholders)
+        ``num_placeholders`` rows (seqlen 1, at most ``MAX_PLACEHOLDERS`` = 65,536) follow, as
+        in :meth:`decode_batch`. Example: a 10-token prompt, chunks ``[4]`` then ``[6]`` -> seqlen (q, k) = (4, 4), (6, 10)."""
+        check_placeholders(num_placeholders)
         slots, q = as_int_array("slots", slots), as_int_array("chunk_lens", chunk_lens)
         return self._gather(True, slots, q, -1, _EMPTY, num_placeholders, bool(advance))
 
@@ -192,7 +187,7 @@ class BatchState(RequestBook):
         may be ONE int, the count of every request (the common MTP step: ``decode_batch(slots,
         drafts, 2)`` with ``2 * len(slots)`` drafts). Draft ids must be in ``[0, 2**31 - 1]``
         (``ValueError`` naming the request); slots distinct."""
-        _check_placeholders(num_placeholders)
+        check_placeholders(num_placeholders)
         slots = as_int_array("slots", slots)
         try:
             drafts = _EMPTY if draft_tokens is None else as_int_array("draft_tokens", draft_tokens)

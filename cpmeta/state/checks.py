@@ -18,8 +18,10 @@ from typing import Any, Optional
 import numpy as np
 
 from ..constants import INT32_MAX
+from .state_njit import MAX_PLACEHOLDERS
 
-__all__ = ["check_window_ids", "ids_in_int32", "check_int_arg", "as_int_array", "bad_id"]
+__all__ = ["check_window_ids", "ids_in_int32", "check_int_arg", "as_int_array", "bad_id", "check_placeholders",
+           "MAX_PLACEHOLDERS"]
 
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 
@@ -61,6 +63,16 @@ def check_window_ids(tokens: np.ndarray, token_offsets: np.ndarray, seqlen_q: np
 
 def _who(req: Any) -> str:
     return "" if req is None else f"request {req!r}: "
+
+
+def check_placeholders(n: object) -> None:
+    """``num_placeholders``: an int in ``[0, MAX_PLACEHOLDERS]`` (numpy integers count, bools do
+    not), else ``TypeError`` / ``ValueError`` naming it."""
+    if type(n) is not int or not 0 <= n <= MAX_PLACEHOLDERS:
+        check_int_arg("num_placeholders", n, lo=0)
+        if n > MAX_PLACEHOLDERS:  # type: ignore[operator]  # an int by now
+            raise ValueError(f"num_placeholders: expected <= {MAX_PLACEHOLDERS} (rows padding one batch), "
+                             f"got {n!r}")
 
 
 def check_int_arg(name: str, v: Any, req: Any = None, lo: Optional[int] = None) -> None:

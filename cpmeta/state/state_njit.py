@@ -28,7 +28,7 @@ from ..jit import OK, kernel, warmer
 __all__ = ["append_rows", "gather_step", "gathered_parts", "vouch_step", "check_slots", "state_params", "K_TOKENS", "K_BLOCKS",
            "K_COMPRESSED", "M_TOKENS", "M_COMPUTED", "M_PROMPT", "M_BLOCKS", "M_COMPRESSED", "M_STATE",
            "M_VALID_START", "M_FIRST_BAD", "NO_BAD", "N_META", "E_SLOT", "E_REPEAT", "E_COUNTS", "E_CAPACITY", "E_NEGATIVE_ID",
-           "E_CHUNK", "E_CHUNK_PASSES", "E_NUM_DRAFTS", "E_DRAFT_ID", "E_PREFILL"]
+           "E_CHUNK", "E_CHUNK_PASSES", "E_NUM_DRAFTS", "E_DRAFT_ID", "E_PREFILL", "MAX_PLACEHOLDERS"]
 
 # rows of ``meta`` ([N_META, max_seqs] int64): the per-slot counts, and M_FIRST_BAD: the index of
 # the slot's first block id outside [0, max_block_id] (NO_BAD: none), kept by every table write
@@ -41,6 +41,10 @@ P_LOOKBACK, P_BLOCK, P_MIN_RATIO, P_KV_CYCLE, P_KV_INTER, P_MAX_LEN, P_MAX_BLOCK
 # what append_rows appends (which ids are checked)
 K_TOKENS, K_BLOCKS, K_COMPRESSED = range(3)
 
+#: The placeholder rows one batch may pad with (``num_placeholders``: up to a captured CUDA-graph
+#: size; a gather allocates the batch's rows at once, so an unbounded count would ask for
+#: gigabytes where it should be refused: ``state.checks.check_placeholders``, the replay).
+MAX_PLACEHOLDERS = 1 << 16
 E_SLOT = 1  #: ``slots[err[1]]`` is outside ``[0, max_seqs)`` or holds no live request
 E_REPEAT = 2  #: ``slots[err[1]]`` appeared earlier in ``slots``
 E_COUNTS = 3  #: counts: wrong length, a negative count, or a sum other than the values' length
