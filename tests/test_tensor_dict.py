@@ -84,8 +84,14 @@ def _refusals(rank: int, world: int) -> list[str]:
     import cpmeta.broadcast
 
     res = []
+    import warnings
+
+    with warnings.catch_warnings():  # (nested tensors are a prototype)
+        warnings.simplefilter("ignore")
+        nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
     for bad in ({"x": {"nested": [1, np.int64(2)]}}, {(1, 2): 1}, {"x": object()},
-                {"s": torch.Size([2])}):
+                {"s": torch.Size([2])}, {"a": torch.ones(2), "m": [torch.eye(2).to_sparse()]},
+                {"n": nested}, {"c": torch.eye(2).to_sparse_csr()}):
         try:  # refused on the driver before its frame is written; every follower's call of
             cpmeta.broadcast_tensor_dict(bad if rank == 0 else None)  # the step raises it too
             res.append("sent")
@@ -93,6 +99,15 @@ def _refusals(rank: int, world: int) -> list[str]:
             res.append(type(e).__name__ + ": " + str(e)[:160])
     ok = cpmeta.broadcast_tensor_dict({"ok": 1} if rank == 0 else None)  # the next call is fine
     res.append(str(ok))
+    import torch.distributed as dist
+
+    alone = [dist.new_group([r]) for r in range(world)][rank]  # a group of one: the same checks
+    try:
+        cpmeta.broadcast_tensor_dict({"m": torch.eye(2).to_sparse()}, group=alone)
+        res.append("sent")
+    except TypeError as e:
+        res.append(str(e)[:42])
+    dist.barrier()  # (rank 0 hosts the store the groups were made through)
     cpmeta.broadcast.close_tensor_dict_channels()
     return res
 
@@ -101,9 +116,14 @@ def test_bad_dicts_refused_on_the_driver_naming_the_key() -> None:
     drv, fol = run_ranks(_refusals, 2, timeout=120)
     assert drv[0].startswith("TypeError") and "x.nested.1: int64" in drv[0], drv
     assert "(1, 2)" in drv[1] and "x: object" in drv[2] and "s: Size" in drv[3], drv
-    for d, f in zip(drv[:4], fol[:4]):  # the same error class on the follower, naming the path
+    # torch's own errors for these name no key (a sparse tensor's copy, a nested tensor's shape)
+    assert drv[4:7] == [f"TypeError: {k}: a {kind} tensor cannot be broadcast (dense, strided tensors only: "
+                        ".to_dense() it first)" for k, kind in (("m.0", "sparse_coo"), ("n", "nested"),
+                                                                 ("c", "sparse_csr"))], drv
+    for d, f in zip(drv[:7], fol[:7]):  # the same error class on the follower, naming the path
         assert f.split(":")[0] == d.split(":")[0] and d.split(": ", 1)[1][:30] in f, (d, f)
-    assert drv[4] == fol[4] == "{'ok': 1}", (drv, fol)
+    assert drv[7] == fol[7] == "{'ok': 1}", (drv, fol)
+    assert drv[8] == fol[8] == "m: a sparse_coo tensor cannot be broadcast", (drv, fol)
 
 
 def _vllm_rank(rank: int, world: int) -> list[str]:

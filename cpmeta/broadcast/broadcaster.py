@@ -38,7 +38,7 @@ from .. import envs
 from ..metadata import InputMetadata
 from . import wire
 from .channel import FrameChannel, Prepared, resolve_src
-from .collect import collect, collect_dict
+from .collect import collect, collect_dict, not_dense
 from .follower import FollowerSide
 from .metrics import BroadcastMetrics, BroadcastStats
 from .outputs import all_cpu, check_out, copy_to_out, copy_views
@@ -292,6 +292,15 @@ class MetadataBroadcaster(FollowerSide):
         if ring is not None and self._metrics is not None:
             self._metrics.backlog(ring.backlog())
         key, tensors, values = self._collect(md)
+        try:
+            return self._send_collected(md, out, key, tensors, values)
+        except RuntimeError:  # torch's error for a sparse or nested tensor names no field
+            err = not_dense(key, tensors)
+            if err is None:
+                raise
+            raise err from None
+
+    def _send_collected(self, md: Any, out: Any, key: tuple, tensors: list[torch.Tensor], values: list[Any]) -> Any:
         prep = self._ch.prepare(key, values, None, tensors)
         self._info = (prep.exact + len(prep.vblock) + len(prep.lblock), bool(prep.lblock))
         packed = self._use_packed(tensors, prep.region)

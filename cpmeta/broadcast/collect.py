@@ -20,7 +20,7 @@ from .dict_schema import check_dict_key
 from .schema import INPUT_METADATA, Schema
 from .wire import ALIAS_SEP, DTYPE_CODE, MAX_LAYOUTS, PATH_SEP, WIRE_DTYPES, getter
 
-__all__ = ["collect", "collect_dict", "Walk", "field_kinds"]
+__all__ = ["collect", "collect_dict", "Walk", "field_kinds", "not_dense"]
 
 
 def collect(md: Any, schema: Schema = INPUT_METADATA) -> tuple[tuple, list[torch.Tensor], list[Any]]:
@@ -191,3 +191,16 @@ class Walk:
 
 _DTYPE = operator.attrgetter("dtype")
 _DIM = torch.Tensor.dim
+
+
+def not_dense(key: tuple, tensors: list[torch.Tensor]) -> Optional[TypeError]:
+    """The named error for the first of a step's ``tensors`` (layout order, ``key`` their layout
+    key) that is not dense and strided -- a sparse or nested tensor, whose own torch error (at its
+    shape or its copy) names no field -- else None. Example: ``{"m": t.to_sparse()}`` ->
+    ``TypeError("m: a sparse_coo tensor cannot be broadcast (dense, strided tensors only: ...)")``."""
+    for path, t in zip(key[0].split(PATH_SEP), tensors):
+        if t.layout is not torch.strided or t.is_nested:
+            kind = "nested" if t.is_nested else str(t.layout).replace("torch.", "")
+            return TypeError(f"{path.split(ALIAS_SEP)[0]}: a {kind} tensor cannot be broadcast (dense, strided "
+                             "tensors only: .to_dense() it first)")
+    return None

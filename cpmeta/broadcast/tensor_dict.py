@@ -35,7 +35,9 @@ import torch.distributed as dist
 
 from cpmeta.transport.envs import ENV_TIMEOUT
 
+from .collect import not_dense
 from .dict_schema import TREE_KEY, decode_tree, encode_tree
+from .wire import PATH_SEP
 
 __all__ = ["broadcast_tensor_dict", "close_tensor_dict_channels"]
 
@@ -73,7 +75,10 @@ def broadcast_tensor_dict(tensor_dict: Optional[dict[Any, Any]] = None, src: int
                          f"{src!r}")
     if size == 1:
         if tensor_dict is not None:
-            encode_tree(tensor_dict)  # the checks a larger group would make
+            _, tensors, labels = encode_tree(tensor_dict)  # the checks a larger group would make
+            err = not_dense((PATH_SEP.join(labels),), tensors)
+            if err is not None:
+                raise err
         return tensor_dict
     bc = _channel(g, src, device, timeout)
     if bc.is_src:
