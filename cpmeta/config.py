@@ -164,8 +164,8 @@ class MetadataConfig:
         if not isinstance(self.force_load_balance, bool):
             raise ValueError(f"force_load_balance: expected a bool, got {self.force_load_balance!r}")
         k = self.yoco_keep_tokens
-        if k is not None and (not _is_int(k) or k < 1):
-            raise ValueError(f"yoco_keep_tokens: expected an int >= 1 or None, got {k!r}")
+        if k is not None and (not _is_int(k) or not 1 <= k <= INT32_MAX):
+            raise ValueError(f"yoco_keep_tokens: expected an int in [1, 2**31 - 1] or None, got {k!r}")
         if self.yoco_mode not in YOCO_MODES:
             raise ValueError(f"yoco_mode: expected one of {YOCO_MODES}, got {self.yoco_mode!r}")
         if k is not None and self.window_size == 0:
