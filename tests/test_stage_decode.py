@@ -296,6 +296,9 @@ def test_invalid_batches_raise_the_builders_messages() -> None:
                      lambda: st.decode_batch(slots, np.array([1, 2]), bad)):
             with pytest.raises(ValueError, match=r"num_drafts: expected 2 counts >= 0 \(or one count for all\)"):
                 call()
+    for bad, kind in ((1.5, TypeError), (True, TypeError), (-1, ValueError), (2**31, ValueError)):  # as decode_batch
+        with pytest.raises(kind, match="num_placeholders: expected"):
+            stage_decode(DecodeStaging("cpu"), st, slots, num_placeholders=bad)
     # a negative block id inside the needed prefix: the fallback's message
     bad = BatchState(cfg, 2)
     s = bad.add_request("x", list(range(20)), [4, -1], 0, num_computed=20)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..state.batch import BatchInput, as_sequence_batch
+from ..state.checks import check_placeholders
 from ..config import MetadataConfig
 from .decode_buffers import OutCache, OutCapacity
 from .staging_header import StagedDecode
@@ -353,8 +354,9 @@ def stage_decode(staging: DecodeStaging, st: "BatchState", slots: np.ndarray,
     Any error is thus the builders' own message.
     Example: ``staged = stage_decode(staging, st, slots, drafts, 2); staging.replay(g)``.
     """
+    check_placeholders(num_placeholders)  # (int() took 1.5 as 1 and True as 1)
     n_ph = int(num_placeholders)
-    step = None if st.cfg.max_ngram_size or n_ph < 0 else st.vouch_decode(slots, draft_tokens, num_drafts)
+    step = None if st.cfg.max_ngram_size else st.vouch_decode(slots, draft_tokens, num_drafts)
     if step is not None:
         layout = StagingLayout.of(st.cfg)
         cap = staging.out_capacity if capacity is ... else capacity  # checked before any write
