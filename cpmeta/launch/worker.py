@@ -50,6 +50,7 @@ BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_WARMUP = 5
 MIN_PROMPT = 16  # SyntheticScheduler draws prompt lengths from [16, --max-prompt]
+MAX_SEQS = 4096  # --decode-seqs / --prompt-seqs: a state of 4,096 rows of the seed model's history is ~270 MB
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,6 +111,9 @@ def check_args(args: Any, nproc: int) -> Optional[str]:
                              ("--kv-interleave", args.kv_interleave, 0)):
         if value < low:
             return f"{name}: expected >= {low}, got {value}"
+    for name, value in (("--decode-seqs", args.decode_seqs), ("--prompt-seqs", args.prompt_seqs)):
+        if value > MAX_SEQS:  # each rank's state holds a token history row per sequence
+            return f"{name}: expected <= {MAX_SEQS}, got {value}"
     if args.warmup >= args.steps:
         return f"--warmup: expected < --steps ({args.steps}), got {args.warmup}"
     if not args.timeout > 0 or args.timeout == float("inf"):
