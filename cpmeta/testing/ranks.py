@@ -239,8 +239,14 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: st
     and before torch is imported (e.g. to enter a network namespace); ``init=False`` skips
     ``init_process_group``.
     """
+    if type(world_size) is not int:  # (a bool, a float, a numpy int: the ranks' WORLD_SIZE text)
+        raise TypeError(f"world_size: expected an int, got {world_size!r}")
     if world_size < 1:
         raise ValueError(f"world_size: expected >= 1, got {world_size}")
+    if not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
+        raise ValueError(f"timeout: expected a finite number of seconds > 0, got {timeout!r}")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend: expected 'gloo' or 'nccl', got {backend!r}")
     if rank_env is not None and len(rank_env) != world_size:
         raise ValueError(f"rank_env: expected one mapping per rank ({world_size}), got {len(rank_env)}")
     if seed is None:
