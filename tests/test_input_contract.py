@@ -267,6 +267,27 @@ def test_batch_state_refuses_bools_and_floats_as_ints() -> None:
         _refused(st, call, (TypeError, ValueError), msg)
 
 
+@pytest.mark.parametrize("kw,err", [
+    ({"max_seqs": 1.5}, "TypeError: max_seqs: expected an int, got 1.5"),  # (was taken as 1)
+    ({"max_seqs": True}, "TypeError: max_seqs: expected an int, got True"),
+    ({"max_seqs": None}, "TypeError: max_seqs: expected an int, got None"),
+    ({"max_seqs": 0}, "ValueError: max_seqs: expected >= 1, got 0"),
+    ({"max_tokens": -5}, "ValueError: max_tokens: expected >= 1, got -5"),  # (numpy's "negative dimensions")
+    ({"max_tokens": 0}, "ValueError: max_tokens: expected >= 1, got 0"),
+    ({"max_blocks": 2.0}, "TypeError: max_blocks: expected an int, got 2.0"),
+    ({"max_compressed": -1}, "ValueError: max_compressed: expected >= 0, got -1"),
+])
+def test_batch_state_capacities_are_checked_by_name(kw: dict, err: str) -> None:
+    with pytest.raises((TypeError, ValueError)) as info:
+        BatchState(SWA, kw.pop("max_seqs", 2), **kw)
+    assert f"{info.type.__name__}: {info.value}" == err
+
+
+def test_a_state_too_large_to_allocate_names_its_capacities() -> None:
+    with pytest.raises(MemoryError, match=r"BatchState: max_seqs=1099511627776 slots of max_tokens=\d+, max_blocks="):
+        BatchState(SWA, 2**40)
+
+
 def test_a_decode_batch_of_no_slots_refuses_drafts() -> None:
     """No slots and some drafts: the draft counts' error (the refused step's empty buffer was
     taken for a batch of no rows, and reading its offsets raised ``IndexError``); no slots and no

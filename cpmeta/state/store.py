@@ -39,6 +39,7 @@ import numpy as np
 
 from ..config import MetadataConfig, blocks_needed
 from .batch import Vouch, window_lookback
+from .checks import check_int_arg
 from .state_njit import (
     E_CAPACITY, E_COUNTS, E_REPEAT, E_SLOT, M_BLOCKS, M_COMPRESSED, M_COMPUTED, M_FIRST_BAD, M_PROMPT, M_STATE,
     M_TOKENS, M_VALID_START, N_META, NO_BAD, state_params,
@@ -65,8 +66,10 @@ class StateStore:
 
     def __init__(self, cfg: MetadataConfig, max_seqs: int, *, max_tokens: Optional[int] = None,
                  max_blocks: Optional[int] = None, max_compressed: Optional[int] = None) -> None:
-        if max_seqs < 1:
-            raise ValueError(f"max_seqs: expected >= 1, got {max_seqs}")
+        check_int_arg("max_seqs", max_seqs, lo=1)  # (1.5 and True were taken as 1, -5 was numpy's
+        for name, v in (("max_tokens", max_tokens), ("max_blocks", max_blocks), ("max_compressed", max_compressed)):
+            if v is not None:  # "negative dimensions are not allowed")
+                check_int_arg(name, v, lo=0 if name == "max_compressed" else 1)
         self.cfg = cfg
         self.max_seqs = n = int(max_seqs)
         self.max_tokens = int(max_tokens if max_tokens is not None else cfg.max_model_len)
@@ -75,9 +78,15 @@ class StateStore:
             max_compressed = self.max_tokens if cfg.max_ngram_size > 0 else 0
         self.max_compressed = int(max_compressed)
         self.lookback = window_lookback(cfg)
-        self.token_ids = np.zeros((n, self.max_tokens), np.int64)
-        self.block_table = np.zeros((n, self.max_blocks), np.int64)
-        self.compressed = np.zeros((n, self.max_compressed), np.int64)
+        try:
+            self.token_ids = np.zeros((n, self.max_tokens), np.int64)
+            self.block_table = np.zeros((n, self.max_blocks), np.int64)
+            self.compressed = np.zeros((n, self.max_compressed), np.int64)
+        except (MemoryError, ValueError) as e:  # the rows every slot holds, allocated at once
+            rows = 8 * n * (self.max_tokens + self.max_blocks + self.max_compressed)
+            raise MemoryError(f"BatchState: max_seqs={n} slots of max_tokens={self.max_tokens}, max_blocks="
+                              f"{self.max_blocks} and max_compressed={self.max_compressed} int64 entries are "
+                              f"{rows / 2**30:.3g} GiB: {e}") from None
         self._meta = np.zeros((N_META, n), np.int64)
         self.num_tokens, self.num_computed, self.prompt_len = (self._meta[M_TOKENS], self._meta[M_COMPUTED],
                                                                self._meta[M_PROMPT])
