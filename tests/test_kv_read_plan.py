@@ -235,6 +235,26 @@ def test_errors_name_the_field() -> None:
         cpmeta.cp_kv_read_plan(short, unsharded, cp_rank=0)
     with pytest.raises(ValueError, match="context_lens"):
         cpmeta.cp_kv_read_plan(InputMetadata(is_prompt=False), cfg, cp_rank=0)
+    # index fields of another shape or kind: named before the kernel (a 2-D or float one made numba
+    # compile another signature and fail with a TypingError; a short one was read past its end)
+    one_d = "expected a 1-D integer tensor"
+    for bad, match in (
+            ({"query_indices": md.query_indices.view(1, -1)}, rf"md.query_indices: {one_d}"),
+            ({"cu_seqlens_q": md.cu_seqlens_q.float()}, rf"md.cu_seqlens_q: {one_d} of 2 entries"),
+            ({"cu_seqlens_q": md.cu_seqlens_q[:1]}, rf"md.cu_seqlens_q: {one_d} of 2 entries"),
+            ({"cu_seqlens_q": torch.tensor([5, 9], dtype=I32)},
+             r"md.cu_seqlens_q\[0\]: expected a query row in \[0, 1\]"),
+            ({"cu_seqlens_k": torch.tensor([9, 0], dtype=I32)},
+             r"md.cu_seqlens_k\[1\] - cu_seqlens_k\[0\]: expected a key count >= 0, got -9"),
+            ({"seq_block_tables": md.seq_block_tables.float()}, r"md.seq_block_tables: expected an integer table")):
+        with pytest.raises(ValueError, match=match):
+            cpmeta.cp_kv_read_plan(dataclasses.replace(md, **bad), cfg, cp_rank=0)
+    dec = cpmeta.prepare_decode([seq], cfg)
+    for bad, match in (({"query_indices": dec.query_indices[:0]}, rf"md.query_indices: {one_d} of 1 entries"),
+                       ({"context_lens": torch.tensor([-3], dtype=I32)},
+                        r"md.context_lens\[0\]: expected a key count >= 0, got -3")):
+        with pytest.raises(ValueError, match=match):
+            cpmeta.cp_kv_read_plan(dataclasses.replace(dec, **bad), cfg, cp_rank=0)
 
 
 def test_slots_past_int32_are_exact() -> None:

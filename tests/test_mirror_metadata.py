@@ -123,6 +123,12 @@ def test_prepare_for_mirror_cp_rejects() -> None:
         prepare_for_mirror_cp(prepare_for_mirror_cp(md, 0, 2), 0, 2)
     with pytest.raises(TypeError, match="InputMetadata"):
         prepare_for_mirror_cp({"positions": md.positions}, 0, 2)  # type: ignore[arg-type]
+    # a row field shorter or longer than positions: named (the gather's IndexError named only
+    # mirror_index, and a longer field was gathered as if it fit)
+    for name, bad in (("valid_token_mask", md.valid_token_mask[:2]), ("gate_force_random", md.gate_force_random[:0]),
+                      ("ngram_token_ids", torch.zeros(5, 2, dtype=I32))):
+        with pytest.raises(ValueError, match=rf"md\.{name}: expected 4 rows \(one per query row, as md.positions\)"):
+            prepare_for_mirror_cp(md.replace(**{name: bad}), 0, 2)
 
 
 def test_public_exports() -> None:

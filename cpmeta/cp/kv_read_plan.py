@@ -144,8 +144,16 @@ def _check_args(md: InputMetadata, cfg: MetadataConfig, cp_rank: int) -> None:
                          "it was taken from (the keys are the same)")
 
 
-def _host(t: torch.Tensor) -> np.ndarray:
-    """int64 host copy of a small index tensor (no copy for a CPU int64 one)."""
+def _host(md: InputMetadata, name: str, n: int = -1) -> np.ndarray:
+    """int64 host copy of ``md.<name>``, a small 1-D integer index tensor (no copy for a CPU int64
+    one) of ``n`` entries when ``n >= 0``, else ``ValueError`` naming the field (a float, 2-D or
+    short one would reach the kernel: a compile of another signature, or a read past its end)."""
+    t = getattr(md, name)
+    if t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool \
+            or (n >= 0 and t.shape[0] != n):
+        want = f"{n} entries" if n >= 0 else "entries"
+        raise ValueError(f"md.{name}: expected a 1-D integer tensor of {want}, got {t.dtype} of shape "
+                         f"{tuple(t.shape)}")
     return np.ascontiguousarray(t.detach().cpu().numpy(), np.int64)
 
 
@@ -161,10 +169,11 @@ def cp_kv_read_plan(md: InputMetadata, cfg: MetadataConfig, *, cp_rank: int) -> 
 
     Returns a :class:`KVReadPlan` on ``md``'s device: ``seqlens`` int32 [n]
     (``cp_local_seqlens(len, W, cp_rank, I)``), ``cu_seqlens`` int32 [n+1], ``block_tables`` int32
-    [n, width] (a copy of ``md``'s table), ``max_total`` (rank
-    0's total) and the lazy ``slots`` / ``positions`` int64 [sum(seqlens)]. One compiled call
-    (:func:`cpmeta.cp.kv_read_plan_njit.plan_seqlens`) counts and checks; one more fills the keys. A query row at position ``p`` sees the
-    first ``cp_local_seqlens(p + 1, W, cp_rank, I)`` keys of its entry.
+    [n, width] (a copy of ``md``'s table), ``max_total`` (rank 0's total) and the lazy ``slots``
+    / ``positions`` int64 [sum(seqlens)]. One compiled call
+    (:func:`cpmeta.cp.kv_read_plan_njit.plan_seqlens`) counts and checks; one more fills the
+    keys. A query row at position ``p`` sees the first ``cp_local_seqlens(p + 1, W, cp_rank, I)``
+    keys of its entry.
 
     Example (module docstring in full): ``W=2, I=2, block_size=4``, decode rows at positions
     6 and 9 of one sequence with table ``[3, 9, 5]`` (``context_lens = [7, 10]``): rank 1 gets
@@ -172,28 +181,41 @@ def cp_kv_read_plan(md: InputMetadata, cfg: MetadataConfig, *, cp_rank: int) -> 
     ``slots = [12, 13, 14, 12, 13, 14, 15]``, ``max_total = 4 + 6 = 10``.
 
     Raises ``ValueError`` naming the field when a table is too narrow or an entry would read a
-    ``-1`` block id (e.g. seed-config decode tables defined only for compressed KV).
+    ``-1`` block id (e.g. seed-config decode tables defined only for compressed KV), and when an
+    index field it reads is not a 1-D integer tensor of its length, a key count is negative or a
+    prompt's first query row is outside ``query_indices``.
     """
     _check_args(md, cfg, cp_rank)
     assert md.query_indices is not None
     w, inter, bs = cfg.kv_cp_world_size, cfg.kv_cp_interleave, cfg.block_size
     if md.is_prompt:
-        assert md.cu_seqlens_k is not None and md.cu_seqlens_q is not None and md.seq_block_tables is not None
-        lens, cu_q, table, name = _host(md.cu_seqlens_k), _host(md.cu_seqlens_q), md.seq_block_tables, \
-            "seq_block_tables"
-        n = lens.shape[0] - 1
+        assert md.seq_block_tables is not None
+        lens = _host(md, "cu_seqlens_k")
+        n = max(lens.shape[0] - 1, 0)
+        cu_q, qidx, table, name = _host(md, "cu_seqlens_q", n + 1), _host(md, "query_indices"), \
+            md.seq_block_tables, "seq_block_tables"
     else:
-        assert md.context_lens is not None and md.block_tables is not None
-        lens, cu_q, table, name = _host(md.context_lens), np.zeros(1, np.int64), md.block_tables, "block_tables"
+        assert md.block_tables is not None
+        lens = _host(md, "context_lens")
         n = lens.shape[0]
-    if table.dim() != 2 or table.shape[0] != n:
-        raise ValueError(f"md.{name}: expected {n} rows (one per entry), got shape {tuple(table.shape)}")
+        cu_q, qidx, table, name = np.zeros(1, np.int64), _host(md, "query_indices", n), md.block_tables, \
+            "block_tables"
+    if table.dim() != 2 or table.shape[0] != n or table.dtype.is_floating_point or table.dtype == torch.bool:
+        raise ValueError(f"md.{name}: expected an integer table of {n} rows (one per entry), got {table.dtype} "
+                         f"of shape {tuple(table.shape)}")
     table = table.to(torch.int32, copy=True)  # the plan's own: a later step cannot rewrite it
     host_table = np.ascontiguousarray(table.detach().cpu().numpy(), np.int32)
     seqlens, cu = np.empty(n, np.int32), np.empty(n + 1, np.int32)
     meta, err = np.zeros(2, np.int64), error_slot()
-    code = K.plan_seqlens(bool(md.is_prompt), lens, cu_q, _host(md.query_indices), host_table, w, cp_rank,
-                          inter, bs, seqlens, cu, meta, err)
+    code = K.plan_seqlens(bool(md.is_prompt), lens, cu_q, qidx, host_table, w, cp_rank, inter, bs, seqlens, cu,
+                          meta, err)
+    if code == K.E_NEGATIVE:
+        what = f"cu_seqlens_k[{int(err[1]) + 1}] - cu_seqlens_k[{int(err[1])}]" if md.is_prompt \
+            else f"context_lens[{int(err[1])}]"
+        raise ValueError(f"md.{what}: expected a key count >= 0, got {int(err[2])}")
+    if code == K.E_ROW:
+        raise ValueError(f"md.cu_seqlens_q[{int(err[1])}]: expected a query row in [0, {qidx.shape[0]}] "
+                         f"(query_indices), got {int(err[2])}")
     if code == K.E_WIDTH:
         raise ValueError(f"md.{name}: expected at least {int(err[2])} columns for the keys rank "
                          f"{cp_rank} holds (block_size={bs}), got {table.shape[1]}")

@@ -17,11 +17,12 @@ import numpy as np
 from ..constants import PLACEHOLDER_QUERY_INDEX
 from ..jit import OK, kernel, warmer
 
-__all__ = ["plan_seqlens", "plan_keys", "local_seqlens", "E_WIDTH", "E_MISSING_BLOCK", "E_NEGATIVE"]
+__all__ = ["plan_seqlens", "plan_keys", "local_seqlens", "E_WIDTH", "E_MISSING_BLOCK", "E_NEGATIVE", "E_ROW"]
 
 E_WIDTH = 1  #: the table has fewer columns than the ``err[2]`` blocks an entry needs
 E_MISSING_BLOCK = 2  #: entry ``err[1]`` reads block column ``err[2]``, which is -1
 E_NEGATIVE = 3  #: length ``err[1]`` is negative (``err[2]``)
+E_ROW = 4  #: prompt entry ``err[1]``'s first query row ``err[2]`` (``cu_seqlens_q``) is outside ``query_indices``
 
 
 @kernel
@@ -54,8 +55,9 @@ def plan_seqlens(is_prompt: bool, lens: np.ndarray, cu_q: np.ndarray, qidx: np.n
     Entry ``i``'s keys: prompt ``lens[i+1] - lens[i]`` (``lens`` = ``cu_seqlens_k``), 0 when its
     first query row ``qidx[cu_q[i]]`` is a placeholder; decode ``lens[i]`` (``context_lens``), 0
     when ``qidx[i]`` is. Rank ``r`` holds ``(L // (W*I)) * I + clamp(L % (W*I) - r*I, 0, I)``
-    (``r = 0`` when ``W == 1``). Checks (after the counts): the table has ``cdiv(max seqlen,
-    bs)`` columns, and no entry reads a -1 block id (its last read column)."""
+    (``r = 0`` when ``W == 1``). Checks: no entry has a negative length or (prompt) a first
+    query row outside ``qidx``; after the counts, the table has ``cdiv(max seqlen, bs)``
+    columns, and no entry reads a -1 block id (its last read column)."""
     n = seqlens.shape[0]
     r = rank if world > 1 else 0
     max_total = 0
@@ -66,10 +68,16 @@ def plan_seqlens(is_prompt: bool, lens: np.ndarray, cu_q: np.ndarray, qidx: np.n
         if is_prompt:
             keys = lens[i + 1] - lens[i]
             row = cu_q[i]
+            if row < 0 or row > qidx.shape[0]:  # (the caller sized lens, cu_q and qidx: n + 1, n + 1, any)
+                err[0], err[1], err[2] = E_ROW, i, row
+                return E_ROW
             ph = row < qidx.shape[0] and qidx[row] == PLACEHOLDER_QUERY_INDEX
         else:
             keys = lens[i]
-            ph = qidx[i] == PLACEHOLDER_QUERY_INDEX
+            ph = qidx[i] == PLACEHOLDER_QUERY_INDEX  # (the caller sized qidx: n)
+        if keys < 0:
+            err[0], err[1], err[2] = E_NEGATIVE, i, keys
+            return E_NEGATIVE
         if ph:
             keys = 0
         mine = _local(keys, world, r, inter)

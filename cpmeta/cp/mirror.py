@@ -92,19 +92,27 @@ def _gathered_fields(md: InputMetadata, gather: RowGather, valid: torch.Tensor) 
     """The row fields of ``md`` gathered into the mirror layout (pad rows 0 / False / -1); one
     compiled gather per field on the CPU. ``valid``: ``mirror_cp_index != -1``."""
     assert md.positions is not None  # the caller ran _check_prompt_md
+    total_q = int(md.positions.shape[0])
+
+    def rows(name: str, t: torch.Tensor, fill: Any) -> torch.Tensor:
+        if t.dim() == 0 or t.shape[0] != total_q:  # (the gather named only mirror_index)
+            raise ValueError(f"md.{name}: expected {total_q} rows (one per query row, as md.positions), got "
+                             f"shape {tuple(t.shape)}")
+        return gather(t, fill)
+
     out: dict[str, Any] = {"positions": gather(md.positions, 0)}
     if md.valid_token_mask is not None:
-        out["valid_token_mask"] = gather(md.valid_token_mask, False)
+        out["valid_token_mask"] = rows("valid_token_mask", md.valid_token_mask, False)
     else:
         out["valid_token_mask"] = valid
     if md.ngram_token_ids is not None:
-        out["ngram_token_ids"] = gather(md.ngram_token_ids, 0)
+        out["ngram_token_ids"] = rows("ngram_token_ids", md.ngram_token_ids, 0)
     if md.gate_force_random is not None:
-        out["gate_force_random_cp"] = gather(md.gate_force_random, False)
+        out["gate_force_random_cp"] = rows("gate_force_random", md.gate_force_random, False)
     for name, fill in _DERIVED_ROW_FILLS.items():  # expanded before the mirror: same as after
         value = getattr(md, name)
         if isinstance(value, dict):
-            out[name] = {k: gather(v, fill) for k, v in value.items()}
+            out[name] = {k: rows(f"{name}[{k!r}]", v, fill) for k, v in value.items()}
         elif isinstance(value, torch.Tensor):
-            out[name] = gather(value, fill)
+            out[name] = rows(name, value, fill)
     return out
