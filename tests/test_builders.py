@@ -275,6 +275,27 @@ def test_compute_attn_info_fills_only_none_fields() -> None:
     assert md.kv_ca_index is not None and md.kv_ca_index_len is not None
 
 
+def test_compute_attn_info_names_a_field_of_another_shape_or_config() -> None:
+    """Shapes, dtypes and the config's ratios / window, read without a device sync (torch's own
+    errors named no field: "too many indices", an index out of bounds for another block size)."""
+    case = next(c for c in NAMED_CASES if c.name == "first_chunk")
+    cfg = case.cfg
+    md = _build(case.seqs, cfg, True)
+    piv, ol = md.kv_swa_full_index_pivots, md.kv_ca_index_offset_len
+    assert piv is not None and ol
+    k = next(iter(ol))
+    piv_name, ol_name = "md.kv_swa_full_index_pivots", rf"md.kv_ca_index_offset_len\['{k}'\]"
+    for changes, match in (
+            ({"kv_swa_full_index_pivots": piv[:, :3]}, rf"{piv_name}: expected an integer tensor \[rows, 4\]"),
+            ({"kv_swa_full_index_pivots": piv.bool()}, rf"{piv_name}: expected an integer tensor"),
+            ({"kv_ca_index_offset_len": {k: ol[k].reshape(-1)}}, rf"{ol_name}: expected an integer tensor"),
+            ({"kv_ca_index_offset_len": {"3": ol[k]}}, r"md.kv_ca_index_offset_len\['3'\]: not a compressed ratio")):
+        with pytest.raises(ValueError, match=match):
+            dataclasses.replace(md, **changes).compute_attn_info(cfg)
+    with pytest.raises(ValueError, match=rf"{piv_name}: sliding-window metadata, but cfg.window_size is 0"):
+        dataclasses.replace(md, kv_ca_index_offset_len=None).compute_attn_info(MetadataConfig())
+
+
 # ---- validation and int32 overflow ------------------------------------------------------------
 
 

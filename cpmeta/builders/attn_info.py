@@ -149,6 +149,19 @@ def _gather_rows(x: torch.Tensor, mirror: Optional[torch.Tensor], zero_cols: sli
     return g
 
 
+def _check_rows(name: str, t: torch.Tensor, cols: int, window: int = 1) -> None:
+    """``md.<name>`` is an integer ``[rows, cols]`` (``cols`` 0: any width; its shape and dtype
+    only: no device sync) and, with ``window`` 0, not sliding-window metadata (torch's own errors
+    for either named no field)."""
+    if t.dim() != 2 or (cols and t.shape[1] != cols) or t.dtype.is_floating_point or t.dtype.is_complex \
+            or t.dtype == torch.bool:
+        raise ValueError(f"md.{name}: expected an integer tensor [rows, {cols or 'width'}], got {t.dtype} of "
+                         f"shape {tuple(t.shape)}")
+    if window <= 0:
+        raise ValueError(f"md.{name}: sliding-window metadata, but cfg.window_size is 0 (metadata built "
+                         "with another config?)")
+
+
 def compute_attn_info(md: _MD, cfg: MetadataConfig) -> _MD:
     """Fill ``kv_ca_index``, ``kv_ca_index_len``, ``kv_swa_full_index`` (prompt) and
     ``kv_swa_index`` (decode) where they are ``None``; returns ``md`` (modified in place).
@@ -161,10 +174,17 @@ def compute_attn_info(md: _MD, cfg: MetadataConfig) -> _MD:
     A switched-off feature (docs/design.md section 14) has no offsets or pivots, so nothing of it is expanded:
     without compressed KV ``kv_ca_index`` / ``kv_ca_index_len`` stay ``None``, with
     ``window_size == 0`` the SWA indices do; a plain config's metadata is returned unchanged.
+    A field of another shape, or metadata whose compressed ratios or sliding window ``cfg`` does
+    not have (built with another config), is a ``ValueError`` naming the field.
     """
     mirror = md.mirror_cp_index
     ol = md.kv_ca_index_offset_len
     if ol is not None and (md.kv_ca_index is None or md.kv_ca_index_len is None):
+        for k, v in ol.items():
+            if not (isinstance(k, str) and k.isdigit() and int(k) in cfg.ca_ratios):
+                raise ValueError(f"md.kv_ca_index_offset_len[{k!r}]: not a compressed ratio of cfg "
+                                 f"{cfg.ca_ratios} (metadata built with another config?)")
+            _check_rows(f"kv_ca_index_offset_len[{k!r}]", v, 2)
         rows = {k: _gather_rows(v, mirror, slice(1, 2)) for k, v in ol.items()}
         lens = {k: v[:, 1].contiguous() for k, v in rows.items()}
         if md.kv_ca_index_len is None:
@@ -181,15 +201,18 @@ def compute_attn_info(md: _MD, cfg: MetadataConfig) -> _MD:
                     if bt is None:  # the builders always fill it; a hand-made metadata may not
                         raise ValueError("md.block_tables: expected decode metadata with kv_ca_index_offset_len "
                                          "to carry block_tables, got None")
+                    _check_rows("block_tables", bt, 0)
                     md.kv_ca_index[k] = expand_paged_offset_len(v[:, 0], lens[k], width, bt, tpb)
     W = cfg.window_size
     if md.is_prompt:
         piv = md.kv_swa_full_index_pivots
         if md.kv_swa_full_index is None and piv is not None:
+            _check_rows("kv_swa_full_index_pivots", piv, 4, W)
             md.kv_swa_full_index = expand_swa_pivots(_gather_rows(piv, mirror, slice(1, 4, 2)), W)
     else:
         sol = md.kv_swa_index_offset_len
         if md.kv_swa_index is None and sol is not None:
+            _check_rows("kv_swa_index_offset_len", sol, 2, W)
             g = _gather_rows(sol, mirror, slice(1, 2))
             md.kv_swa_index = expand_swa_ring(g, W, cfg.swa_block_size)
     return md
