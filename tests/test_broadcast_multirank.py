@@ -187,6 +187,12 @@ def _bad_calls(rank: int, world: int) -> list[str]:
     import cpmeta
 
     errs = []
+    for make in (lambda: cpmeta.MetadataBroadcaster(src=0, timeout=30, checksum="no"),  # (was on)
+                 lambda: cpmeta.ReplicatedBatchState(cpmeta.MetadataConfig(), 2, defer_apply="yes")):
+        try:  # refused on every rank before the constructor's first collective
+            make().close()
+        except TypeError as e:
+            errs.append(str(e))
     with cpmeta.MetadataBroadcaster(src=0, timeout=30) as bc:
         try:
             bc.broadcast(None if rank == 0 else cpmeta.InputMetadata())
@@ -196,7 +202,9 @@ def _bad_calls(rank: int, world: int) -> list[str]:
 
 
 def test_wrong_role_arguments_raise_before_sending() -> None:
-    assert run_ranks(_bad_calls, 2, timeout=120) == [["TypeError"], ["ValueError"]]
+    flags = ["checksum: expected a bool (or None for the default), got 'no'",
+             "defer_apply: expected a bool (or None for the default), got 'yes'"]
+    assert run_ranks(_bad_calls, 2, timeout=120) == [flags + ["TypeError"], flags + ["ValueError"]]
 
 
 HIGH_FD_FLOOR = 1024  # select.select() refuses descriptors >= FD_SETSIZE (1024 on Linux)

@@ -37,7 +37,7 @@ from cpmeta.transport.envs import ENV_TIMEOUT
 from .. import envs
 from ..metadata import InputMetadata
 from . import wire
-from .channel import FrameChannel, Prepared, resolve_src
+from .channel import FrameChannel, Prepared, check_flags, resolve_src
 from .collect import collect, collect_dict, not_dense
 from .follower import FollowerSide
 from .metrics import BroadcastMetrics, BroadcastStats
@@ -119,6 +119,7 @@ class MetadataBroadcaster(FollowerSide):
         persistent_outputs: bool | int = False,
         metrics: bool = False,
     ) -> None:
+        check_flags(checksum=checksum, metrics=metrics, force_remote=force_remote)
         self.schema: Schema | DictSchema = (INPUT_METADATA if schema is InputMetadata else DictSchema()
                                             if schema is dict else Schema.of(schema))
         self.cls = schema

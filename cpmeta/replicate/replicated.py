@@ -48,7 +48,7 @@ from ..builders.decode_sink import DecodeSink
 from ..builders.prompt import prepare_prompt
 from ..metadata import InputMetadata
 from ..state import BatchState, SequenceBatch
-from ..broadcast.channel import FrameChannel, resolve_src
+from ..broadcast.channel import FrameChannel, check_flags, resolve_src
 from ..transport import background, start_gather
 from ..transport.envs import ENV_TIMEOUT
 from .apply import ReplicaError, apply_step, batches_of, one_or_many, warm_replay
@@ -78,9 +78,7 @@ class ReplicatedBatchState(Recorder):
     methods (plus ``append_blocks_batch`` / ``append_compressed_batch``) and the step's batch
     spec on it (``prompt_batch`` / ``decode_batch``; a mixed step may make one of each); EVERY
     rank calls :meth:`sync` once per step and gets that step's ``SequenceBatch`` from its own
-    replica (``None`` for a step without a spec, a tuple of batches in call order for a step
-    with several).
-    Per-rank example (2 ranks)::
+    replica (``None`` without a spec, a tuple in call order with several). Per-rank example::
 
         rep = ReplicatedBatchState(cfg, max_seqs=256, group=cp_group, group_src=0)  # both
         if cp_rank == 0:                                        # the driver only
@@ -118,6 +116,7 @@ class ReplicatedBatchState(Recorder):
                  defer_apply: bool = False) -> None:
         if type(check_every) is not int or check_every < 0:
             raise ValueError(f"check_every: expected an int >= 0, got {check_every!r}")
+        check_flags(checksum=checksum, force_remote=force_remote, defer_apply=defer_apply)
         self.cfg = cfg
         self.group = group if group is not None else dist.group.WORLD
         self.src = resolve_src(self.group, src, group_src)
