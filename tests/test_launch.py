@@ -79,7 +79,8 @@ BAD_INPUTS = {  # argv -> what the one-line error must say (validated before any
     "warmup-vs-steps": (["--steps", "4", "--warmup", "4"], "--warmup: expected < --steps (4), got 4"),
     "decode-seqs": (["--decode-seqs", "0"], "--decode-seqs: expected >= 1, got 0"),
     "prompt-seqs": (["--prompt-seqs", "0"], "--prompt-seqs: expected >= 1, got 0"),
-    "decode-seqs-huge": (["--decode-seqs", "100000000"], "--decode-seqs: expected <= 4096, got 100000000"),  # (numpy's 6 TiB error)
+    # (10**8 ended in numpy's 6 TiB allocation error in every rank)
+    "decode-seqs-huge": (["--decode-seqs", "100000000"], "--decode-seqs: expected <= 4096, got 100000000"),
     "max-prompt": (["--max-prompt", "8"], "--max-prompt: expected >= 16, got 8"),
     "timeout": (["--timeout", "0"], "--timeout: expected a finite number of seconds > 0"),
     "kv-interleave-negative": (["--kv-interleave", "-2"], "--kv-interleave: expected >= 0, got -2"),

@@ -129,7 +129,8 @@ def test_run_ranks_reports_every_ranks_failure() -> None:
     ({"world_size": 2.0}, "TypeError: world_size: expected an int, got 2.0"),
     ({"world_size": 0}, "ValueError: world_size: expected >= 1, got 0"),
     ({"world_size": 2, "timeout": 0}, "ValueError: timeout: expected a finite number of seconds > 0, got 0"),
-    ({"world_size": 2, "timeout": float("nan")}, "ValueError: timeout: expected a finite number of seconds > 0, got nan"),
+    ({"world_size": 2, "timeout": float("nan")},
+     "ValueError: timeout: expected a finite number of seconds > 0, got nan"),
     ({"world_size": 2, "backend": "mpi"}, "ValueError: backend: expected 'gloo' or 'nccl', got 'mpi'"),
 ])
 def test_bad_arguments_are_refused_before_any_rank_starts(kw: dict, err: str) -> None:

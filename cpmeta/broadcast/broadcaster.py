@@ -301,7 +301,8 @@ class MetadataBroadcaster(FollowerSide):
                 raise
             raise err from None
 
-    def _send_collected(self, md: Any, out: Any, key: tuple, tensors: list[torch.Tensor], values: list[Any]) -> Any:
+    def _send_collected(self, md: Any, out: Any, key: tuple, tensors: list[torch.Tensor],
+                        values: list[Any]) -> Any:
         prep = self._ch.prepare(key, values, None, tensors)
         self._info = (prep.exact + len(prep.vblock) + len(prep.lblock), bool(prep.lblock))
         packed = self._use_packed(tensors, prep.region)

@@ -174,7 +174,8 @@ class BatchState(RequestBook):
         """A prompt ``SequenceBatch``: request ``slots[i]`` prefills its next ``chunk_lens[i]``
         tokens (``q_start = num_computed``). ``advance``: count them as computed (default).
         ``num_placeholders`` rows (seqlen 1, at most ``MAX_PLACEHOLDERS`` = 65,536) follow, as
-        in :meth:`decode_batch`. Example: a 10-token prompt, chunks ``[4]`` then ``[6]`` -> seqlen (q, k) = (4, 4), (6, 10)."""
+        in :meth:`decode_batch`. Example: a 10-token prompt, chunks ``[4]`` then ``[6]`` ->
+        seqlen (q, k) = (4, 4), (6, 10)."""
         check_placeholders(num_placeholders)
         slots, q = as_int_array("slots", slots), as_int_array("chunk_lens", chunk_lens)
         return self._gather(True, slots, q, -1, _EMPTY, num_placeholders, bool(advance))
