@@ -91,7 +91,7 @@ def _refusals(rank: int, world: int) -> list[str]:
         nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
     for bad in ({"x": {"nested": [1, np.int64(2)]}}, {(1, 2): 1}, {"x": object()},
                 {"s": torch.Size([2])}, {"a": torch.ones(2), "m": [torch.eye(2).to_sparse()]},
-                {"n": nested}, {"c": torch.eye(2).to_sparse_csr()}):
+                {"n": nested}, {"c": torch.eye(2).to_sparse_csr()}, {"x": "\ud800"}, {"a": {"\udc00": 1}}):
         try:  # refused on the driver before its frame is written; every follower's call of
             cpmeta.broadcast_tensor_dict(bad if rank == 0 else None)  # the step raises it too
             res.append("sent")
@@ -120,10 +120,15 @@ def test_bad_dicts_refused_on_the_driver_naming_the_key() -> None:
     assert drv[4:7] == [f"TypeError: {k}: a {kind} tensor cannot be broadcast (dense, strided tensors only: "
                         ".to_dense() it first)" for k, kind in (("m.0", "sparse_coo"), ("n", "nested"),
                                                                  ("c", "sparse_csr"))], drv
-    for d, f in zip(drv[:7], fol[:7]):  # the same error class on the follower, naming the path
+    # a str msgpack cannot encode (a lone surrogate) was named by its place in the values block,
+    # "$[0][4]"; the refused key is escaped in the text (the abort frame must encode)
+    assert drv[7:9] == ["ValueError: x: 'utf-8' codec can't encode character '\\ud800' in position 0: surrogates "
+                        "not allowed", "ValueError: a.\\udc00: 'utf-8' codec can't encode character '\\udc00' in "
+                        "position 0: surrogates not allowed"], drv
+    for d, f in zip(drv[:9], fol[:9]):  # the same error class on the follower, naming the path
         assert f.split(":")[0] == d.split(":")[0] and d.split(": ", 1)[1][:30] in f, (d, f)
-    assert drv[7] == fol[7] == "{'ok': 1}", (drv, fol)
-    assert drv[8] == fol[8] == "m: a sparse_coo tensor cannot be broadcast", (drv, fol)
+    assert drv[9] == fol[9] == "{'ok': 1}", (drv, fol)
+    assert drv[10] == fol[10] == "m: a sparse_coo tensor cannot be broadcast", (drv, fol)
 
 
 def _vllm_rank(rank: int, world: int) -> list[str]:

@@ -38,7 +38,7 @@ from .. import envs
 from ..metadata import InputMetadata
 from . import wire
 from .channel import FrameChannel, Prepared, check_flags, resolve_src
-from .collect import collect, collect_dict, not_dense
+from .collect import collect, collect_dict, not_dense, value_failure
 from .follower import FollowerSide
 from .metrics import BroadcastMetrics, BroadcastStats
 from .outputs import all_cpu, check_out, copy_to_out, copy_views
@@ -300,6 +300,11 @@ class MetadataBroadcaster(FollowerSide):
             if err is None:
                 raise
             raise err from None
+        except ValueError as e:  # the codec's names a value by its place in the values block
+            named = value_failure(key, values, str(e))
+            if named is None:
+                raise
+            raise ValueError(named) from None
 
     def _send_collected(self, md: Any, out: Any, key: tuple, tensors: list[torch.Tensor],
                         values: list[Any]) -> Any:

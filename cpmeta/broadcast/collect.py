@@ -11,16 +11,17 @@ or per key tuple (dicts), so a step of a known layout is a few C-level gathers.
 from __future__ import annotations
 
 import operator
+import re
 from typing import Any, Optional
 
 import torch
 
 from ..cache import BoundedCache
-from .dict_schema import check_dict_key
+from .dict_schema import TREE_KEY, check_dict_key, token_path
 from .schema import INPUT_METADATA, Schema
 from .wire import ALIAS_SEP, DTYPE_CODE, MAX_LAYOUTS, PATH_SEP, WIRE_DTYPES, getter
 
-__all__ = ["collect", "collect_dict", "Walk", "field_kinds", "not_dense"]
+__all__ = ["collect", "collect_dict", "Walk", "field_kinds", "not_dense", "value_failure"]
 
 
 def collect(md: Any, schema: Schema = INPUT_METADATA) -> tuple[tuple, list[torch.Tensor], list[Any]]:
@@ -204,3 +205,20 @@ def not_dense(key: tuple, tensors: list[torch.Tensor]) -> Optional[TypeError]:
             return TypeError(f"{path.split(ALIAS_SEP)[0]}: a {kind} tensor cannot be broadcast (dense, strided "
                              "tensors only: .to_dense() it first)")
     return None
+
+
+def value_failure(key: tuple, values: list[Any], text: str) -> Optional[str]:
+    """The codec's refusal of a step's values (``$[i]...: why``, e.g. a str with a lone
+    surrogate) with the field's path for ``$[i]`` (``key``'s i-th value path; inside a tensor
+    dict's tree, the key path of the refused token); None for any other text. Example:
+    ``"$[0][4]: 'utf-8' codec can't encode ..."`` of ``{"x": "\\ud800"}`` -> ``"x: 'utf-8' ..."``."""
+    m = re.fullmatch(r"\$\[(\d+)\]((?:\[\d+\]|\.[^:]*)*): (.*)", text, re.S)
+    paths = key[3].split(PATH_SEP) if len(key) > 3 and isinstance(key[3], str) else []
+    if m is None or int(m[1]) >= len(paths):
+        return None
+    i, rest, why = int(m[1]), m[2], m[3]
+    token = re.fullmatch(r"\[(\d+)\]", rest)
+    where = f"{paths[i]}{rest}"
+    if paths[i] == TREE_KEY and token is not None and isinstance(values[i], list):
+        where = token_path(values[i], int(token[1]))
+    return f"{ascii(where)[1:-1] if not where.isascii() else where}: {why}"  # (the refused key itself, escaped)

@@ -37,7 +37,7 @@ from ..cache import BoundedCache
 from .schema import MAX_LAYOUT_PATHS
 from .value_check import MAX_INT, MIN_INT, LayoutError
 
-__all__ = ["DictSchema", "TreeCheck", "check_dict_key", "encode_tree", "decode_tree", "TREE_KEY",
+__all__ = ["DictSchema", "TreeCheck", "check_dict_key", "encode_tree", "decode_tree", "token_path", "TREE_KEY",
            "MAX_DEPTH", "MAX_TENSORS", "MAX_LABEL"]
 
 TREE_KEY = "#tree"
@@ -232,6 +232,32 @@ def _path_text(path: tuple) -> str:
         path, k = path
         keys.append(str(k))
     return ".".join(reversed(keys))
+
+
+def token_path(tokens: list[Any], j: int) -> str:
+    """The key path of the entry whose key or value is token ``j`` of a driver's tree (for naming
+    a value the codec refused: a lone surrogate in a str). Example: tokens of ``{"a": [1, "x"]}``
+    are ``[2, 1, "a", 3, 2, 0, 1, 0, "x"]``; token 8 -> ``"a.1"``."""
+    def walk(at: int, path: tuple) -> tuple[int, Optional[str]]:
+        tag, n = tokens[at], tokens[at + 1]
+        if j in (at, at + 1):
+            return at + 2, _path_text(path)
+        at += 2
+        if tag in (VAL, TENSOR):
+            return at, None
+        for i in range(n):
+            sub: tuple = (path, i)
+            if tag == DICT:
+                sub = (path, tokens[at])
+                if at == j:
+                    return at, _path_text(sub)
+                at += 1
+            at, found = walk(at, sub)
+            if found is not None:
+                return at, found
+        return at, None
+
+    return walk(0, ())[1] or "tensor_dict"
 
 
 # ---- a follower: (tokens, tensors) -> dict ----------------------------------------------------

@@ -123,10 +123,13 @@ class DriverAbort(Exception):
 
 def abort_values(e: BaseException) -> list[str]:
     """The values block of an abort frame for the driver's error ``e``: ``[class, builtin base,
-    message]``. Example: a ``WireError`` -> ``["WireError", "ValueError", "values block of ..."]``."""
+    message]``. Example: a ``WireError`` -> ``["WireError", "ValueError", "values block of ..."]``.
+    A message with what UTF-8 cannot carry (a lone surrogate of a refused key) is escaped: the
+    abort itself must encode, or every follower waits for a frame that never comes."""
     base = next((c.__name__ for c in type(e).__mro__ if c.__name__ in ABORT_BASES
                  and ABORT_BASES[c.__name__] is c), "RuntimeError")
-    return [type(e).__name__, base, str(e)[:MAX_ABORT_TEXT]]
+    text = str(e)[:MAX_ABORT_TEXT].encode("utf-8", "backslashreplace").decode("utf-8")
+    return [type(e).__name__, base, text]
 
 
 def getter(idx: list[int]) -> Any:
