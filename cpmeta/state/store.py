@@ -66,9 +66,10 @@ class StateStore:
 
     def __init__(self, cfg: MetadataConfig, max_seqs: int, *, max_tokens: Optional[int] = None,
                  max_blocks: Optional[int] = None, max_compressed: Optional[int] = None) -> None:
-        check_int_arg("max_seqs", max_seqs, lo=1)  # (1.5 and True were taken as 1, -5 was numpy's
+        # by name: 1.5 and True were taken as 1 slot, -5 tokens was numpy's "negative dimensions"
+        check_int_arg("max_seqs", max_seqs, lo=1)
         for name, v in (("max_tokens", max_tokens), ("max_blocks", max_blocks), ("max_compressed", max_compressed)):
-            if v is not None:  # "negative dimensions are not allowed")
+            if v is not None:
                 check_int_arg(name, v, lo=0 if name == "max_compressed" else 1)
         self.cfg = cfg
         self.max_seqs = n = int(max_seqs)
@@ -83,10 +84,10 @@ class StateStore:
             self.block_table = np.zeros((n, self.max_blocks), np.int64)
             self.compressed = np.zeros((n, self.max_compressed), np.int64)
         except (MemoryError, ValueError) as e:  # the rows every slot holds, allocated at once
-            rows = 8 * n * (self.max_tokens + self.max_blocks + self.max_compressed)
+            nbytes = 8 * n * (self.max_tokens + self.max_blocks + self.max_compressed)
             raise MemoryError(f"BatchState: max_seqs={n} slots of max_tokens={self.max_tokens}, max_blocks="
                               f"{self.max_blocks} and max_compressed={self.max_compressed} int64 entries are "
-                              f"{rows / 2**30:.3g} GiB: {e}") from None
+                              f"{nbytes / 2**30:.3g} GiB: {e}") from None
         self._meta = np.zeros((N_META, n), np.int64)
         self.num_tokens, self.num_computed, self.prompt_len = (self._meta[M_TOKENS], self._meta[M_COMPUTED],
                                                                self._meta[M_PROMPT])

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import multiprocessing as mp
 
+import numpy as np
 import torch
 
 from .. import envs
@@ -239,8 +240,10 @@ def spawn_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: st
     and before torch is imported (e.g. to enter a network namespace); ``init=False`` skips
     ``init_process_group``.
     """
-    if type(world_size) is not int:  # (a bool, a float, a numpy int: the ranks' WORLD_SIZE text)
+    # refused before any rank starts (world_size=True started one rank whose WORLD_SIZE was "True")
+    if not isinstance(world_size, (int, np.integer)) or isinstance(world_size, bool):
         raise TypeError(f"world_size: expected an int, got {world_size!r}")
+    world_size = int(world_size)
     if world_size < 1:
         raise ValueError(f"world_size: expected >= 1, got {world_size}")
     if not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
