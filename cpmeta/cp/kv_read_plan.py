@@ -33,6 +33,7 @@ from ..config import MetadataConfig
 from ..jit import error_slot
 from ..metadata import InputMetadata
 from . import kv_read_plan_njit as K
+from .mirror_plan import host_cu
 
 __all__ = ["KVReadPlan", "cp_kv_read_plan"]
 
@@ -145,16 +146,13 @@ def _check_args(md: InputMetadata, cfg: MetadataConfig, cp_rank: int) -> None:
 
 
 def _host(md: InputMetadata, name: str, n: int = -1) -> np.ndarray:
-    """int64 host copy of ``md.<name>``, a small 1-D integer index tensor (no copy for a CPU int64
-    one) of ``n`` entries when ``n >= 0``, else ``ValueError`` naming the field (a float, 2-D or
-    short one would reach the kernel: a compile of another signature, or a read past its end)."""
-    t = getattr(md, name)
-    if t.dim() != 1 or t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool \
-            or (n >= 0 and t.shape[0] != n):
-        want = f"{n} entries" if n >= 0 else "entries"
-        raise ValueError(f"md.{name}: expected a 1-D integer tensor of {want}, got {t.dtype} of shape "
-                         f"{tuple(t.shape)}")
-    return np.ascontiguousarray(t.detach().cpu().numpy(), np.int64)
+    """int64 host copy of ``md.<name>`` (:func:`~cpmeta.cp.mirror_plan.host_cu`: a 1-D integer
+    tensor, else ``TypeError``) of ``n`` entries when ``n >= 0``, else ``ValueError`` (a float,
+    2-D or short one would reach the kernel: a compile of another signature, or a read past its end)."""
+    h = host_cu(f"md.{name}", getattr(md, name))
+    if n >= 0 and h.shape[0] != n:
+        raise ValueError(f"md.{name}: expected {n} entries, got {h.shape[0]}")
+    return h
 
 
 def cp_kv_read_plan(md: InputMetadata, cfg: MetadataConfig, *, cp_rank: int) -> KVReadPlan:
@@ -182,8 +180,8 @@ def cp_kv_read_plan(md: InputMetadata, cfg: MetadataConfig, *, cp_rank: int) -> 
 
     Raises ``ValueError`` naming the field when a table is too narrow or an entry would read a
     ``-1`` block id (e.g. seed-config decode tables defined only for compressed KV), and when an
-    index field it reads is not a 1-D integer tensor of its length, a key count is negative or a
-    prompt's first query row is outside ``query_indices``.
+    index field it reads is not of its length, a key count is negative or a prompt's first query
+    row is outside ``query_indices``; ``TypeError`` when an index field is not a 1-D integer tensor.
     """
     _check_args(md, cfg, cp_rank)
     assert md.query_indices is not None

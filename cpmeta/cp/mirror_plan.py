@@ -49,7 +49,7 @@ def host_cu(name: str, cu: object) -> np.ndarray:
     """int64 host copy of a 1-D integer tensor (one tiny device-to-host copy on CUDA); its data
     is checked by :func:`mirror_plan`."""
     if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype.is_floating_point \
-            or cu.dtype == torch.bool:
+            or cu.dtype.is_complex or cu.dtype == torch.bool:
         raise TypeError(f"{name}: expected a 1-D integer tensor, got {describe(cu)}")
     return np.ascontiguousarray(cu.detach().to("cpu", torch.int64).numpy())
 
