@@ -102,11 +102,12 @@ def _refusals(rank: int, world: int) -> list[str]:
     import torch.distributed as dist
 
     alone = [dist.new_group([r]) for r in range(world)][rank]  # a group of one: the same checks
-    try:
-        cpmeta.broadcast_tensor_dict({"m": torch.eye(2).to_sparse()}, group=alone)
-        res.append("sent")
-    except TypeError as e:
-        res.append(str(e)[:42])
+    for bad in ({"m": torch.eye(2).to_sparse()}, {"a": {"\udc00": 1}}):
+        try:
+            cpmeta.broadcast_tensor_dict(bad, group=alone)
+            res.append("sent")
+        except (TypeError, ValueError) as e:
+            res.append(str(e)[:42])
     dist.barrier()  # (rank 0 hosts the store the groups were made through)
     cpmeta.broadcast.close_tensor_dict_channels()
     return res
@@ -129,6 +130,7 @@ def test_bad_dicts_refused_on_the_driver_naming_the_key() -> None:
         assert f.split(":")[0] == d.split(":")[0] and d.split(": ", 1)[1][:30] in f, (d, f)
     assert drv[9] == fol[9] == "{'ok': 1}", (drv, fol)
     assert drv[10] == fol[10] == "m: a sparse_coo tensor cannot be broadcast", (drv, fol)
+    assert drv[11] == fol[11] == drv[8][len("ValueError: "):][:42], (drv, fol)
 
 
 def _vllm_rank(rank: int, world: int) -> list[str]:

@@ -35,7 +35,8 @@ import torch.distributed as dist
 
 from cpmeta.transport.envs import ENV_TIMEOUT
 
-from .collect import not_dense
+from ..transport.codec import encode_body
+from .collect import not_dense, value_failure
 from .dict_schema import TREE_KEY, decode_tree, encode_tree
 from .wire import PATH_SEP
 
@@ -75,10 +76,11 @@ def broadcast_tensor_dict(tensor_dict: Optional[dict[Any, Any]] = None, src: int
                          f"{src!r}")
     if size == 1:
         if tensor_dict is not None:
-            _, tensors, labels = encode_tree(tensor_dict)  # the checks a larger group would make
+            tokens, tensors, labels = encode_tree(tensor_dict)  # the checks a larger group would make
             err = not_dense((PATH_SEP.join(labels),), tensors)
             if err is not None:
                 raise err
+            _encodes(tokens)
         return tensor_dict
     bc = _channel(g, src, device, timeout)
     if bc.is_src:
@@ -97,6 +99,18 @@ def broadcast_tensor_dict(tensor_dict: Optional[dict[Any, Any]] = None, src: int
                          "tensor_dict; the others pass None (this step was received and dropped)")
     tokens = got.pop(TREE_KEY)
     return decode_tree(tokens, list(got.values()))
+
+
+def _encodes(tokens: list[Any]) -> None:
+    """The codec's check of a group of one's tree (a str with a lone surrogate), named as a
+    larger group's driver names it (the tree's tokens are small: a few us)."""
+    try:
+        encode_body([tokens])
+    except ValueError as e:
+        named = value_failure((None, None, None, TREE_KEY), [tokens], str(e))
+        if named is None:
+            raise
+        raise ValueError(named) from None
 
 
 def _channel(group: Any, src: int, device: Optional[torch.device | str],
