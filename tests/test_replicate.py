@@ -775,3 +775,54 @@ def test_deferred_apply_refused_call_breaks_every_replica() -> None:
         "refused it too" in out[1][1], out[1]
     for seen in out:  # and every later step is refused
         assert seen[-1].startswith("RuntimeError: rank ") and "diverged earlier" in seen[-1], seen
+
+
+def _deferred_bad_arguments(rank: int, world: int) -> list[str]:
+    """``defer_apply``: what a call's arguments alone show is refused at the call, naming the
+    argument, and records nothing (nor takes a slot): the step that follows is every rank's."""
+    import cpmeta
+    from cpmeta.testing import assert_same_on_ranks
+
+    cfg = _config("plain")
+    seen = []
+    with cpmeta.ReplicatedBatchState(cfg, 4, max_tokens=1024, timeout=30, defer_apply=True) as rep:
+        if rank == 0:
+            a = rep.add_request("a", [1, 2, 3], [5], 0, num_computed=3)
+            for call in (lambda: rep.add_request("b", [1, 2], "x", 1),  # was: int('x'), slot 1 taken
+                         lambda: rep.add_request("b", [1, 2], [6], 1.5),
+                         lambda: rep.append_tokens(1.5, [7]),  # was: recorded for slot 1
+                         lambda: rep.append_tokens_batch([a], [7], [-1]),  # was: a frame no rank could read
+                         lambda: rep.append_blocks_batch([a], [7.0], [1]),
+                         lambda: rep.set_state_id(a, 2.5),
+                         lambda: rep.finish(0.0),
+                         lambda: rep.decode_batch([0.0]),
+                         lambda: rep.decode_batch([a], [7], 1.5),
+                         lambda: rep.decode_batch([a], [7, 8], 1)):
+                try:
+                    call()
+                    seen.append("recorded")
+                except (TypeError, ValueError) as e:
+                    seen.append(f"{type(e).__name__}: {e}")
+            c = rep.add_request("c", [4, 5], [6], 1, num_computed=2)
+            seen.append(f"slots {a} {c}")
+            rep.decode_batch([a, c], [7, 8], 1)
+        batch = rep.sync()
+        assert_same_on_ranks(cpmeta.prepare(batch, cfg))
+        seen.append(f"c in slot {rep.state.slot_of('c')}")
+    return seen
+
+
+def test_deferred_calls_refuse_bad_arguments_at_the_call() -> None:
+    drv, fol = run_ranks(_deferred_bad_arguments, 2, timeout=120)
+    assert drv[:10] == [
+        "TypeError: request 'b': block_table: expected ints, got <U1 values",
+        "TypeError: request 'b': state_id: expected an int, got 1.5",
+        "TypeError: slot: expected an int, got 1.5",
+        "ValueError: counts: expected 1 counts >= 0 summing to 1 tokens",
+        "TypeError: block ids: expected ints, got float64 values",
+        "TypeError: state_id: expected an int, got 2.5",
+        "TypeError: slot: expected an int, got 0.0",
+        "TypeError: slots: expected ints, got float64 values",
+        "TypeError: num_drafts: expected ints, got float64 values",
+        "ValueError: num_drafts: expected 1 counts >= 0 (or one count for all) summing to 2 drafts"], drv
+    assert drv[10:] == ["slots 0 1", "c in slot 1"] and fol == ["c in slot 1"], (drv, fol)

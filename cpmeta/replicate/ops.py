@@ -182,11 +182,12 @@ class OpLog:
             raise ValueError(f"{what}_counts: expected {len(slots)} counts >= 0 summing to {len(ids)} {what}_ids")
         self.req_ids += req_ids
 
-    def ragged(self, code: int, slots: Any, counts: Any, flat: np.ndarray) -> None:
+    def ragged(self, code: int, slots: Any, counts: Any, flat: np.ndarray) -> bool:
         """TOK / BLK / CMP entries: ``counts[i]`` values of ``flat`` for ``slots[i]`` (arrays,
-        or one slot and its count: a single-slot call)."""
-        self._call(log_ragged, self._seen, self._st, code, _RAGGED[code], flat_ints(slots), flat_ints(counts),
-                   flat_ints(flat))
+        or one slot and its count: a single-slot call). True (nothing recorded) when the counts
+        are not one per slot, ``>= 0``, summing to ``len(flat)``."""
+        return self._call(log_ragged, self._seen, self._st, code, _RAGGED[code], flat_ints(slots), flat_ints(counts),
+                          flat_ints(flat)) < 0
 
     def pair(self, code: int, slot: int, value: int) -> None:
         self._call(log_pair, self._seen, self._st, code, _SID if code == SID else _SVS,

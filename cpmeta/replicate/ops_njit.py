@@ -91,18 +91,6 @@ def _entry(flat: np.ndarray, off: np.ndarray, n: np.ndarray, seen: np.ndarray, s
 
 
 @kernel
-def log_ragged(flat: np.ndarray, off: np.ndarray, cap: np.ndarray, n: np.ndarray, seen: np.ndarray, st: np.ndarray,
-               code: int, c: int, slots: np.ndarray, counts: np.ndarray, values: np.ndarray) -> int:
-    """``TOK`` / ``BLK`` / ``CMP`` entries: slots at column ``c``, counts at ``c + 1``, the flat
-    values at ``c + 2``."""
-    lack = _lack(cap, n, ((RUNS, 2), (c, len(slots)), (c + 1, len(counts)), (c + 2, len(values))))
-    if lack == OK:
-        _entry(flat, off, n, seen, st, code, slots, len(slots))
-        _put3(flat, off, n, c, slots, counts, values)
-    return lack
-
-
-@kernel
 def _counts_ok(counts: np.ndarray, k: int, total: int) -> bool:
     """``k`` counts, each ``>= 0``, summing to ``total`` (never wraps)."""
     if len(counts) != k:
@@ -113,6 +101,21 @@ def _counts_ok(counts: np.ndarray, k: int, total: int) -> bool:
             return False
         s += v
     return s == total
+
+
+@kernel
+def log_ragged(flat: np.ndarray, off: np.ndarray, cap: np.ndarray, n: np.ndarray, seen: np.ndarray, st: np.ndarray,
+               code: int, c: int, slots: np.ndarray, counts: np.ndarray, values: np.ndarray) -> int:
+    """``TOK`` / ``BLK`` / ``CMP`` entries: slots at column ``c``, counts at ``c + 1``, the flat
+    values at ``c + 2``; -1 (nothing written) when the counts are not one per slot, ``>= 0``,
+    summing to the values."""
+    if not _counts_ok(counts, len(slots), len(values)):
+        return -1
+    lack = _lack(cap, n, ((RUNS, 2), (c, len(slots)), (c + 1, len(counts)), (c + 2, len(values))))
+    if lack == OK:
+        _entry(flat, off, n, seen, st, code, slots, len(slots))
+        _put3(flat, off, n, c, slots, counts, values)
+    return lack
 
 
 @kernel

@@ -17,7 +17,7 @@ from typing import Any, Callable, Hashable, NamedTuple, Optional, Sequence
 import numpy as np
 
 from ..state import BatchState, SequenceBatch
-from ..state.checks import as_int_array, check_placeholders
+from ..state.checks import as_int_array, check_int_arg, check_placeholders, is_draft_count
 from ..state.requests import add_arguments, next_free
 from .ops import BLK, CMP, COLUMNS, SID, SPEC_WORDS, SVS, TOK, Columns, OpLog, flat_ints
 
@@ -51,9 +51,10 @@ def decode_spec(slots: np.ndarray, lens: np.ndarray, drafts: np.ndarray, uniform
     return StepSpec(False, slots, None, drafts if len(drafts) or nd is not None else None, nd, n_ph, True)
 
 
-def _ints(values: Any) -> np.ndarray:
-    """A private flat int64 copy of values the driver's state just accepted."""
-    return np.array(values, np.int64).reshape(-1)
+def _ints(name: str, values: Any) -> np.ndarray:
+    """A private flat int64 copy of ``values`` (ints only: ``as_int_array`` names anything else;
+    with ``defer_apply`` no state has checked them yet)."""
+    return np.array(as_int_array(name, values))
 
 
 class Recorder(ABC):
@@ -94,13 +95,18 @@ class Recorder(ABC):
         int or str, they travel in the frame)."""
         self._driver("add_request")
         rid = _request_id(req_id)
-        if self._defer:
+        if self._defer:  # the state's argument checks now, its checks against the replica at sync
             if not self._free_model:
                 raise ValueError(f"request {rid!r}: all max_seqs={self.state.max_seqs} slots are in use")
-            s = self._free_model.pop()
-            self._rec.add(s, rid, prompt_token_ids, block_table, compressed_token_ids, int(state_id),
-                          int(swa_valid_start), int(num_computed))
-            return s
+            for name, v in (("state_id", state_id), ("swa_valid_start", swa_valid_start),
+                            ("num_computed", num_computed)):
+                check_int_arg(name, v, rid)
+            ids = [as_int_array(name, v, rid) for name, v in (
+                ("prompt_token_ids", prompt_token_ids), ("block_table", block_table),
+                ("compressed_token_ids", compressed_token_ids))]
+            s = self._free_model[-1]
+            self._rec.add(s, rid, *ids, int(state_id), int(swa_valid_start), int(num_computed))
+            return self._free_model.pop()  # (a refused call takes no slot)
         st = self.state
         s = st.add_request(rid, prompt_token_ids, block_table, state_id,
                            compressed_token_ids=compressed_token_ids, swa_valid_start=swa_valid_start,
@@ -145,42 +151,65 @@ class Recorder(ABC):
 
     def append_tokens(self, slot: int, tokens: Sequence[int]) -> None:
         self._driver("append_tokens")
-        self._on_state(self.state.append_tokens, slot, tokens)
-        t = flat_ints(tokens)
-        self._rec.ragged(TOK, int(slot), len(t), t)
+        self._append_one(TOK, self.state.append_tokens, slot, tokens, "tokens")
 
     def append_tokens_batch(self, slots: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> None:
         self._driver("append_tokens_batch")
-        self._on_state(self.state.append_tokens_batch, slots, tokens, counts)
-        self._rec.ragged(TOK, slots, counts, tokens)  # OpLog makes them flat int64
+        self._append_many(TOK, self.state.append_tokens_batch, slots, tokens, counts, "tokens")
 
     def append_blocks(self, slot: int, blocks: Sequence[int]) -> None:
         self._driver("append_blocks")
-        self._on_state(self.state.append_blocks, slot, blocks)
-        b = flat_ints(blocks)
-        self._rec.ragged(BLK, int(slot), len(b), b)
+        self._append_one(BLK, self.state.append_blocks, slot, blocks, "blocks")
 
     def append_blocks_batch(self, slots: np.ndarray, blocks: np.ndarray, counts: np.ndarray) -> None:
         """``BatchState.append_blocks_batch``: every request's new block ids in one call."""
         self._driver("append_blocks_batch")
-        self._on_state(self.state.append_blocks_batch, slots, blocks, counts)
-        self._rec.ragged(BLK, slots, counts, blocks)  # OpLog makes them flat int64
+        self._append_many(BLK, self.state.append_blocks_batch, slots, blocks, counts, "block ids")
 
     def append_compressed(self, slot: int, ids: Sequence[int]) -> None:
         self._driver("append_compressed")
-        self._on_state(self.state.append_compressed, slot, ids)
-        c = flat_ints(ids)
-        self._rec.ragged(CMP, int(slot), len(c), c)
+        self._append_one(CMP, self.state.append_compressed, slot, ids, "compressed ids")
 
     def append_compressed_batch(self, slots: np.ndarray, ids: np.ndarray, counts: np.ndarray) -> None:
         self._driver("append_compressed_batch")
-        self._on_state(self.state.append_compressed_batch, slots, ids, counts)
-        self._rec.ragged(CMP, slots, counts, ids)  # OpLog makes them flat int64
+        self._append_many(CMP, self.state.append_compressed_batch, slots, ids, counts, "compressed ids")
+
+    def _append_one(self, code: int, call: Callable[..., Any], slot: Any, values: Any, what: str) -> None:
+        """A one-slot append: made on the replica (it checks), or with ``defer_apply`` its
+        arguments checked as the replica's call checks them (whether a request lives in the
+        slot: the replica's check at sync) -- then recorded."""
+        if self._defer:
+            s, v = self._slot(slot), as_int_array(what, values)
+        else:
+            call(slot, values)
+            s, v = int(slot), flat_ints(values)
+        self._rec.ragged(code, s, len(v), v)
+
+    def _append_many(self, code: int, call: Callable[..., Any], slots: Any, values: Any, counts: Any,
+                     what: str) -> None:
+        """A batch append, as :meth:`_append_one` (with ``defer_apply``: ints only, the counts
+        ``>= 0`` summing to the values, checked as they are recorded)."""
+        if self._defer:
+            slots, counts, values = as_int_array("slots", slots), as_int_array("counts", counts), \
+                as_int_array(what, values)
+        else:
+            call(slots, values, counts)
+        if self._rec.ragged(code, slots, counts, values):
+            raise ValueError(f"counts: expected {len(slots)} counts >= 0 summing to {len(values)} {what}")
+
+    def _slot(self, slot: Any) -> int:
+        """A deferred one-slot call's slot: an int (never a float taken as one) in ``[0, max_seqs)``."""
+        if type(slot) is not int:
+            check_int_arg("slot", slot)
+        if not 0 <= slot < self.state.max_seqs:
+            raise ValueError(f"slot {slot}: no live request there")
+        return int(slot)
 
     def set_state_id(self, slot: int, state_id: int) -> None:
         self._driver("set_state_id")
         if self._defer:
-            self._rec.pair(SID, int(slot), int(state_id))
+            check_int_arg("state_id", state_id)
+            self._rec.pair(SID, self._slot(slot), int(state_id))
             return
         self.state.set_state_id(slot, state_id)
         self._rec.pair(SID, int(slot), int(self.state.state_id[slot]))
@@ -188,7 +217,8 @@ class Recorder(ABC):
     def set_swa_valid_start(self, slot: int, swa_valid_start: int) -> None:
         self._driver("set_swa_valid_start")
         if self._defer:
-            self._rec.pair(SVS, int(slot), int(swa_valid_start))
+            check_int_arg("swa_valid_start", swa_valid_start)
+            self._rec.pair(SVS, self._slot(slot), int(swa_valid_start))
             return
         self.state.set_swa_valid_start(slot, swa_valid_start)
         self._rec.pair(SVS, int(slot), int(self.state.swa_valid_start[slot]))
@@ -196,10 +226,12 @@ class Recorder(ABC):
     def finish(self, slot: int) -> None:
         self._driver("finish")
         if self._defer:
-            self._free_model.append(int(slot))
+            s = self._slot(slot)
+            self._free_model.append(s)
         else:
             self.state.finish(slot)
-        self._rec.finish(np.array((slot,), np.int64))
+            s = int(slot)
+        self._rec.finish(np.array((s,), np.int64))
 
     def finish_batch(self, slots: Sequence[int] | np.ndarray) -> None:
         """``BatchState.finish_batch``: a step's finished requests, one recording call."""
@@ -219,7 +251,7 @@ class Recorder(ABC):
         follower when it applies the step); :meth:`sync` returns the batch on every rank."""
         self._driver("prompt_batch")
         check_placeholders(num_placeholders)
-        slots_a, lens = _ints(slots), _ints(chunk_lens)
+        slots_a, lens = _ints("slots", slots), _ints("chunk_lens", chunk_lens)
         batch = None if self._defer else \
             self.state.prompt_batch(slots_a, lens, num_placeholders=num_placeholders, advance=advance)
         self._spec_recorded(batch, StepSpec(True, slots_a, lens, None, None, int(num_placeholders),
@@ -233,11 +265,13 @@ class Recorder(ABC):
         check_placeholders(num_placeholders)
         batch = None if self._defer else \
             self.state.decode_batch(slots, draft_tokens, num_drafts, num_placeholders=num_placeholders)
+        slots_a = _ints("slots", slots)
+        drafts = _EMPTY if draft_tokens is None else _ints("draft_tokens", draft_tokens)
         nd = num_drafts
-        uniform = -2 if nd is None else int(nd) if isinstance(nd, (int, np.integer)) or np.ndim(nd) == 0 else -1
-        lens = _ints(num_drafts) if uniform == -1 else _EMPTY
-        drafts = _EMPTY if draft_tokens is None else _ints(draft_tokens)
-        slots_a = _ints(slots)
+        uniform = -2 if nd is None else int(nd) if is_draft_count(nd) else -1
+        lens = _ints("num_drafts", nd) if uniform == -1 else _EMPTY
+        if self._defer:
+            _check_drafts(len(slots_a), nd, lens, len(drafts))
         self._spec_recorded(batch, decode_spec(slots_a, lens, drafts, uniform, int(num_placeholders)))
         self._log.batch_spec(False, slots_a, lens, drafts, num_placeholders, True, uniform)
 
@@ -254,6 +288,19 @@ class Recorder(ABC):
     @abstractmethod
     def _at_spec(self) -> None:
         """What the replicated state does once a spec is made (its check-step digest)."""
+
+
+def _check_drafts(n: int, nd: Any, lens: np.ndarray, n_drafts: int) -> None:
+    """A deferred decode spec's draft counts as ``BatchState.decode_batch`` holds them: one count
+    ``>= 0`` for all, or ``n`` counts ``>= 0``, summing to the drafts given (none: no drafts)."""
+    if nd is None:
+        ok = n_drafts == 0
+    elif is_draft_count(nd):
+        ok = nd >= 0 and n * nd == n_drafts
+    else:
+        ok = len(lens) == n and (not n or int(lens.min()) >= 0) and int(lens.sum()) == n_drafts
+    if not ok:
+        raise ValueError(f"num_drafts: expected {n} counts >= 0 (or one count for all) summing to {n_drafts} drafts")
 
 
 def _request_id(req_id: Any) -> Any:

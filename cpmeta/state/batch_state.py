@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 import numpy as np
 
 from .batch import SequenceBatch, Vouch
-from .checks import as_int_array, bad_id, check_int_arg, check_placeholders, ids_in_int32
+from .checks import as_int_array, bad_id, check_int_arg, check_placeholders, ids_in_int32, is_draft_count
 from .requests import RequestBook
 from .state_njit import (
     E_CHUNK, E_CHUNK_PASSES, E_DRAFT_ID, E_NEGATIVE_ID, E_NUM_DRAFTS, E_PREFILL, E_REPEAT, E_SLOT, K_BLOCKS,
@@ -33,12 +33,6 @@ def _kernel_ints(a: np.ndarray) -> np.ndarray:
     array type of the kernels' arguments (a copy only when ``a`` is not such an array)."""
     a = a.astype(np.int64, copy=False)
     return a if a.flags.c_contiguous and a.flags.writeable else a.copy()
-
-
-def is_draft_count(num_drafts: Any) -> bool:
-    """``num_drafts`` given as ONE count for every request of the step (an int, not a bool)
-    rather than one count per request."""
-    return isinstance(num_drafts, (int, np.integer)) and not isinstance(num_drafts, (bool, np.bool_))
 
 
 class VouchedStep(NamedTuple):
