@@ -185,7 +185,10 @@ def test_ids_counts_and_values_are_checked_before_any_request() -> None:
         ((["a"], [1], [1, 0], [0], [1], [1]), ValueError, r"token_counts: expected 1 counts"),
         ((["a"], [1.0], [1], [0], [1], [1]), TypeError, r"token_ids: expected ints, got float64 values"),
         ((["a"], [1], [1], [0], [1], [1, 2]), ValueError, r"state_ids: expected 1 values \(one per request\), got 2"),
-        (([["a"]], [1], [1], [0], [1], [1]), TypeError, r"unhashable"),
+        (([["a"]], [1], [1], [0], [1], [1]), TypeError,
+         r"request \['a'\]: a request id is hashable \(an int, a str, ...\), got list"),
+        ((None, [1], [1], [0], [1], [1]), TypeError, r"req_ids: expected a sequence of request ids, got None"),
+        (("ab", [1, 2], [1, 1], [0, 0], [1, 1], [1, 2]), TypeError, r"req_ids: .* got 'ab'"),  # not 'a', 'b'
     ]
     for args, err, msg in cases:
         with pytest.raises(err, match=msg):

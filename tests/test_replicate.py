@@ -797,7 +797,8 @@ def _deferred_bad_arguments(rank: int, world: int) -> list[str]:
                          lambda: rep.finish(0.0),
                          lambda: rep.decode_batch([0.0]),
                          lambda: rep.decode_batch([a], [7], 1.5),
-                         lambda: rep.decode_batch([a], [7, 8], 1)):
+                         lambda: rep.decode_batch([a], [7, 8], 1),
+                         lambda: rep.add_requests_batch("bc", [1, 2], [1, 1], [6, 7], [1, 1], [2, 3])):  # was: 'b', 'c'
                 try:
                     call()
                     seen.append("recorded")
@@ -814,7 +815,7 @@ def _deferred_bad_arguments(rank: int, world: int) -> list[str]:
 
 def test_deferred_calls_refuse_bad_arguments_at_the_call() -> None:
     drv, fol = run_ranks(_deferred_bad_arguments, 2, timeout=120)
-    assert drv[:10] == [
+    assert drv[:11] == [
         "TypeError: request 'b': block_table: expected ints, got <U1 values",
         "TypeError: request 'b': state_id: expected an int, got 1.5",
         "TypeError: slot: expected an int, got 1.5",
@@ -824,5 +825,6 @@ def test_deferred_calls_refuse_bad_arguments_at_the_call() -> None:
         "TypeError: slot: expected an int, got 0.0",
         "TypeError: slots: expected ints, got float64 values",
         "TypeError: num_drafts: expected ints, got float64 values",
-        "ValueError: num_drafts: expected 1 counts >= 0 (or one count for all) summing to 2 drafts"], drv
-    assert drv[10:] == ["slots 0 1", "c in slot 1"] and fol == ["c in slot 1"], (drv, fol)
+        "ValueError: num_drafts: expected 1 counts >= 0 (or one count for all) summing to 2 drafts",
+        "TypeError: req_ids: expected a sequence of request ids, got 'bc'"], drv
+    assert drv[11:] == ["slots 0 1", "c in slot 1"] and fol == ["c in slot 1"], (drv, fol)

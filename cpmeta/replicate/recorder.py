@@ -18,7 +18,7 @@ import numpy as np
 
 from ..state import BatchState, SequenceBatch
 from ..state.checks import as_int_array, check_int_arg, check_placeholders, is_draft_count
-from ..state.requests import add_arguments, next_free
+from ..state.requests import add_arguments, id_list, next_free
 from .ops import BLK, CMP, COLUMNS, SID, SPEC_WORDS, SVS, TOK, Columns, OpLog, flat_ints
 
 __all__ = ["Recorder", "StepSpec", "specs_of"]
@@ -126,7 +126,7 @@ class Recorder(ABC):
         ``add_request`` calls it equals, in one recording call (every rank applies the run in
         one call)."""
         self._driver("add_requests_batch")
-        rids = [_request_id(r) for r in req_ids]
+        rids = [_request_id(r) for r in id_list(req_ids)]
         n = len(rids)
         if self._defer:  # recorded only: the replica's one call checks the values at sync
             if n > len(self._free_model):

@@ -17,7 +17,7 @@ from .requests_njit import E_COMPUTED, E_EMPTY, E_FULL, E_STATE_HELD, add_rows, 
 from .state_njit import E_CAPACITY, E_COUNTS, E_NEGATIVE_ID
 from .store import StateStore
 
-__all__ = ["RequestBook", "add_arguments", "next_free"]
+__all__ = ["RequestBook", "add_arguments", "next_free", "id_list"]
 
 _EMPTY = np.zeros(0, np.int64)
 
@@ -36,8 +36,7 @@ class RequestBook(StateStore):
         request may hold ``state_id`` (both would write the same ``slot_mapping_store_swa``
         slots; without the cache state ids are read by no field and may repeat). Nothing
         changes when a check fails or a limit is exceeded."""
-        if req_id in self._slot:
-            raise ValueError(f"request {req_id!r}: already in the batch state (slot {self._slot[req_id]})")
+        self._check_new_ids([req_id])
         if not self._free:
             raise ValueError(f"request {req_id!r}: all max_seqs={self.max_seqs} slots are in use")
         check_int_arg("state_id", state_id, req_id)
@@ -66,7 +65,7 @@ class RequestBook(StateStore):
         already in the state or given twice are checked first); a failing check adds NONE of
         the requests. Example: ``st.add_requests_batch(["a", "b"], [5, 6, 7], [2, 1], [3, 9],
         [1, 1], [0, 1])`` -> slots ``[0, 1]``: "a" holds prompt ``[5, 6]`` and table ``[3]``."""
-        ids = list(req_ids)
+        ids = id_list(req_ids)
         self._check_new_ids(ids)
         flat, scalars = add_arguments(len(ids), token_ids, token_counts, block_ids, block_counts, state_ids,
                                       compressed_ids, compressed_counts, swa_valid_starts, num_computed)
@@ -85,6 +84,9 @@ class RequestBook(StateStore):
         """``ValueError`` for an id already in the state or given twice in one call."""
         taken: dict[Hashable, int] = {}
         for i, r in enumerate(ids):
+            if getattr(r, "__hash__", None) is None:  # (a list, a dict, a numpy array)
+                raise TypeError(f"request {r!r}: a request id is hashable (an int, a str, ...), got "
+                                f"{type(r).__name__}")
             if r in self._slot:
                 raise ValueError(f"request {r!r}: already in the batch state (slot {self._slot[r]})")
             if taken.setdefault(r, i) != i:
@@ -211,6 +213,14 @@ def next_free(free: list[int], n: int) -> list[int]:
     """The slots the next ``n`` adds take from the free list ``free`` (``free_slots()``'s order:
     the last first); fewer when fewer are free. Example: ``next_free([7, 6, 5], 2)`` -> ``[5, 6]``."""
     return free[::-1][:n]
+
+
+def id_list(req_ids: Any) -> list[Any]:
+    """``add_requests_batch``'s request ids as a list: a sequence of ids (not a str or bytes,
+    which would be taken a character each), else ``TypeError`` naming ``req_ids``."""
+    if isinstance(req_ids, (str, bytes)) or not hasattr(req_ids, "__len__") or not hasattr(req_ids, "__iter__"):
+        raise TypeError(f"req_ids: expected a sequence of request ids, got {req_ids!r}")
+    return list(req_ids)
 
 
 def add_arguments(n: int, token_ids: Any, token_counts: Any, block_ids: Any, block_counts: Any, state_ids: Any,
