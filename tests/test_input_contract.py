@@ -263,6 +263,8 @@ def test_batch_state_refuses_bools_and_floats_as_ints() -> None:
         (lambda: st.decode_batch(np.array([a]), np.array([1.5]), 1), r"draft_tokens: expected ints"),
         (lambda: st.decode_batch(np.array([a]), np.array([5]), np.array([1.0])), r"num_drafts: expected 1 counts"),
         (lambda: st.prompt_batch(np.array([a]), np.array([1.0])), r"chunk_lens: expected ints"),
+        (lambda: st.prompt_batch(np.array([a]), np.array([1]), advance="no"),  # (was taken as True)
+         r"advance: expected a bool, got 'no'"),
     ):
         _refused(st, call, (TypeError, ValueError), msg)
 

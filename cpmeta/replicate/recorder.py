@@ -17,7 +17,7 @@ from typing import Any, Callable, Hashable, NamedTuple, Optional, Sequence
 import numpy as np
 
 from ..state import BatchState, SequenceBatch
-from ..state.checks import as_int_array, check_int_arg, check_placeholders, is_draft_count
+from ..state.checks import as_int_array, check_bool, check_int_arg, check_placeholders, is_draft_count
 from ..state.requests import add_arguments, id_list, next_free
 from .ops import BLK, CMP, COLUMNS, SID, SPEC_WORDS, SVS, TOK, Columns, OpLog, flat_ints
 
@@ -251,6 +251,7 @@ class Recorder(ABC):
         follower when it applies the step); :meth:`sync` returns the batch on every rank."""
         self._driver("prompt_batch")
         check_placeholders(num_placeholders)
+        check_bool("advance", advance)
         slots_a, lens = _ints("slots", slots), _ints("chunk_lens", chunk_lens)
         batch = None if self._defer else \
             self.state.prompt_batch(slots_a, lens, num_placeholders=num_placeholders, advance=advance)

@@ -16,7 +16,8 @@ from typing import Any, NamedTuple, Optional, Sequence
 import numpy as np
 
 from .batch import SequenceBatch, Vouch
-from .checks import as_int_array, bad_id, check_int_arg, check_placeholders, ids_in_int32, is_draft_count
+from .checks import as_int_array, bad_id, check_bool, check_int_arg, check_placeholders, ids_in_int32, \
+    is_draft_count
 from .requests import RequestBook
 from .state_njit import (
     E_CHUNK, E_CHUNK_PASSES, E_DRAFT_ID, E_NEGATIVE_ID, E_NUM_DRAFTS, E_PREFILL, E_REPEAT, E_SLOT, K_BLOCKS,
@@ -171,6 +172,7 @@ class BatchState(RequestBook):
         in :meth:`decode_batch`. Example: a 10-token prompt, chunks ``[4]`` then ``[6]`` ->
         seqlen (q, k) = (4, 4), (6, 10)."""
         check_placeholders(num_placeholders)
+        check_bool("advance", advance)
         slots, q = as_int_array("slots", slots), as_int_array("chunk_lens", chunk_lens)
         return self._gather(True, slots, q, -1, _EMPTY, num_placeholders, bool(advance))
 

@@ -21,7 +21,7 @@ from ..constants import INT32_MAX
 from .state_njit import MAX_PLACEHOLDERS
 
 __all__ = ["check_window_ids", "ids_in_int32", "check_int_arg", "as_int_array", "bad_id", "check_placeholders",
-           "is_draft_count", "MAX_PLACEHOLDERS"]
+           "is_draft_count", "check_bool", "MAX_PLACEHOLDERS"]
 
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 
@@ -73,6 +73,12 @@ def check_placeholders(n: object) -> None:
         if n > MAX_PLACEHOLDERS:  # type: ignore[operator]  # an int by now
             raise ValueError(f"num_placeholders: expected <= {MAX_PLACEHOLDERS} (rows padding one batch), "
                              f"got {n!r}")
+
+
+def check_bool(name: str, v: object) -> None:
+    """``v`` is a bool (a numpy bool counts), else ``TypeError`` naming it (``"no"`` is not False)."""
+    if not isinstance(v, (bool, np.bool_)):
+        raise TypeError(f"{name}: expected a bool, got {v!r}")
 
 
 def is_draft_count(num_drafts: Any) -> bool:
