@@ -306,6 +306,8 @@ class OutputArenas(OutputBuffers):
     __slots__ = ("_arenas", "max_shapes")
 
     def __init__(self, max_shapes: int = 8) -> None:
+        if not isinstance(max_shapes, (int, np.integer)) or isinstance(max_shapes, bool):
+            raise TypeError(f"max_shapes: expected an int, got {max_shapes!r}")
         if max_shapes < 1:
             raise ValueError(f"max_shapes: expected >= 1, got {max_shapes}")
         self.max_shapes = int(max_shapes)

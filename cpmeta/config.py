@@ -16,7 +16,7 @@ import torch
 
 from .constants import INT32_MAX
 
-__all__ = ["MetadataConfig", "YOCO_MODES", "blocks_needed", "blocks_needed_array", "blocks_needed_tensor",
+__all__ = ["MetadataConfig", "YOCO_MODES", "check_config", "blocks_needed", "blocks_needed_array", "blocks_needed_tensor",
            "seqlen_k_covered"]
 
 YOCO_MODES = ("mask", "compact")
@@ -261,6 +261,13 @@ class MetadataConfig:
 
 
 # ---- the one block rule (docs/design.md sections 3 and 14) -------------------------------------------
+
+
+def check_config(cfg: object) -> None:
+    """``TypeError`` naming ``cfg`` unless it is a :class:`MetadataConfig` (a wrong object would
+    fail later on an attribute it lacks, naming nothing)."""
+    if type(cfg) is not MetadataConfig and not isinstance(cfg, MetadataConfig):
+        raise TypeError(f"cfg: expected a MetadataConfig, got {type(cfg).__name__}")
 
 
 def blocks_needed(seqlen_k: int, cfg: MetadataConfig) -> int:

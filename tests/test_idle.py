@@ -34,7 +34,7 @@ IDLE_S = 2 * TIMEOUT_S + 0.5  # how long the followers wait for the next message
 STEPS = 100  # messages after the idle gap
 RING = {"slot_size": 4096, "num_slots": 8}
 CLOSE_TIMEOUT_S = 3.0  # the channels of the follower-closes test
-BAD_TIMEOUTS = (0, -1, float("inf"), float("nan"), True, "5")
+BAD_TIMEOUTS = (0, -1, float("inf"), float("nan"), True, "5", 2**63)  # (2**63: was an OverflowError of time_t)
 
 
 def _mark(tmp: str, name: str) -> None:

@@ -347,3 +347,67 @@ def test_blocks_needed_refuses_floats_and_negative_counts() -> None:
             blocks_needed(bad, SWA)  # type: ignore[arg-type]
     assert blocks_needed(0, SWA) == 0 and blocks_needed(np.uint32(17), SWA) == 1
     assert type(blocks_needed(np.int64(300), MetadataConfig.compressed_swa())) is int
+
+
+def test_a_wrong_config_or_flag_is_named_before_it_is_used() -> None:
+    """Each of these failed on an attribute the object lacks (``'NoneType' object has no attribute
+    'max_ngram_size'``), an overflow, or was taken by its truth."""
+    import cpmeta
+
+    cfg = MetadataConfig(block_size=4, max_model_len=64)
+    st = BatchState(cfg, 2)
+    a = st.add_request("a", [1, 2, 3], [1], 0, num_computed=3)
+    batch = st.decode_batch(np.array([a]))
+    md = cpmeta.prepare(batch, cfg)
+    for call, err, msg in (
+            (lambda: cpmeta.prepare(batch, None), TypeError, "cfg: expected a MetadataConfig, got NoneType"),
+            (lambda: prepare_decode([], "cfg"), TypeError, "cfg: expected a MetadataConfig, got str"),
+            (lambda: BatchState({"block_size": 4}, 2), TypeError, "cfg: expected a MetadataConfig, got dict"),
+            (lambda: md.compute_attn_info(None), TypeError, "cfg: expected a MetadataConfig"),
+            (lambda: cpmeta.prepare(batch, cfg, is_prompt="no"), TypeError, "is_prompt: expected a bool or None, got 'no'"),
+            (lambda: cpmeta.OutputArenas(float("inf")), TypeError, "max_shapes: expected an int, got inf"),
+            (lambda: cpmeta.cp_kv_read_plan(md, cfg, cp_rank=2**63), ValueError,
+             re.escape("cp_rank: expected 0 <= cp_rank < 2**31, got 9223372036854775808"))):
+        with pytest.raises(err, match=msg):
+            call()
+    assert cpmeta.prepare(batch, cfg, is_prompt=np.bool_(False)).num_seqs == 1
+
+
+def _group_and_device(rank: int, world: int) -> list[str]:
+    import torch
+
+    import cpmeta
+    from cpmeta.transport import ObjectChannel, TensorChannel
+
+    cfg = MetadataConfig(block_size=4, max_model_len=64)
+    out = []
+    makers = (lambda **kw: cpmeta.MetadataBroadcaster(**kw), lambda **kw: cpmeta.ReplicatedBatchState(cfg, 2, **kw),
+              lambda **kw: ObjectChannel(**kw), lambda **kw: TensorChannel(**kw),
+              lambda **kw: cpmeta.broadcast_tensor_dict({"a": 1}, **kw))
+    cuda = f"cuda:{torch.cuda.device_count()}"  # one past this process's CUDA devices (or the first of none)
+    for make in makers:
+        for kw in ({"group": "world"}, {"group": 0}, {"device": "x"}, {"device": "meta"}, {"device": cuda}):
+            if "device" in kw and make in makers[2:3]:
+                continue  # (an ObjectChannel moves bytes: it has no device)
+            try:
+                make(**kw)
+                out.append("made")
+            except (TypeError, ValueError) as e:
+                out.append(f"{type(e).__name__}: {e}")
+    return out
+
+
+def test_a_wrong_group_or_device_is_named_by_every_constructor() -> None:
+    """``group="world"`` was a ``KeyError`` of torch's group lookups (an ``AttributeError`` in
+    ``broadcast_tensor_dict``); ``device="x"`` torch's list of device types, ``"meta"`` a later
+    failure, a CUDA device this process lacks a pinned-memory or device-query ``RuntimeError``."""
+    from cpmeta.testing import run_ranks
+
+    (out,) = run_ranks(_group_and_device, 1, timeout=120)
+    group = "TypeError: group: expected a torch.distributed ProcessGroup or None, got "
+    dev = "ValueError: device: expected a CPU or CUDA device ('cpu', 'cuda:0', a torch.device), got "
+    import torch
+    n = torch.cuda.device_count()
+    want = [group + "str", group + "int", dev + "'x'", dev + "'meta'",
+            f"ValueError: device: cuda:{n}, but this process sees {n} CUDA device(s)"]
+    assert out == want * 2 + want[:2] + want * 2, out

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from cpmeta.transport.coalesce import tensor_memoryview
-from cpmeta.transport.envs import ENV_TIMEOUT
+from cpmeta.transport.envs import ENV_TIMEOUT, resolve_device, resolve_group
 
 from .. import envs
 from ..metadata import InputMetadata
@@ -128,14 +128,12 @@ class MetadataBroadcaster(FollowerSide):
         depth = depth_of(persistent_outputs)
         if schema is dict and depth:
             raise ValueError("persistent_outputs: tensor dicts (schema=dict) get fresh tensors every call")
-        self.group = group if group is not None else dist.group.WORLD
+        self.group = resolve_group(group)
         self.src = resolve_src(self.group, src, group_src)
         self.rank = dist.get_rank()
         self.is_src = self.rank == self.src
         backend = str(dist.get_backend(self.group)).lower()
-        if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else "cpu"
-        self.device = torch.device(device)
+        self.device = resolve_device(device, self.group)
         self.tensor_path = tensor_path or envs.tensor_path()
         if self.tensor_path not in envs.TENSOR_PATHS:
             raise ValueError(f"tensor_path: expected one of {envs.TENSOR_PATHS}, got {self.tensor_path!r}")

@@ -33,7 +33,7 @@ from typing import Any, Optional, cast
 import torch
 import torch.distributed as dist
 
-from cpmeta.transport.envs import ENV_TIMEOUT
+from cpmeta.transport.envs import ENV_TIMEOUT, resolve_device, resolve_group
 
 from ..transport.codec import encode_body
 from .collect import not_dense, value_failure
@@ -69,12 +69,14 @@ def broadcast_tensor_dict(tensor_dict: Optional[dict[Any, Any]] = None, src: int
                                   if rank == 0 else None)
         # rank 0: its own dict; rank 1: {"ids": tensor([0, 1, 2, 3]), "n": 4, 3: (None, 0.5)}
     """
-    g = group if group is not None else dist.group.WORLD
+    g = resolve_group(group)
     size = dist.get_world_size(g)
     if type(src) is not int or not 0 <= src < size:
         raise ValueError(f"src: expected the driver's rank inside the group (0..{size - 1}), got "
                          f"{src!r}")
     if size == 1:
+        if device is not None:
+            resolve_device(device, g)  # the check a larger group's channel makes
         if tensor_dict is not None:
             tokens, tensors, labels = encode_tree(tensor_dict)  # the checks a larger group would make
             err = not_dense((PATH_SEP.join(labels),), tensors)

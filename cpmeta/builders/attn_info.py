@@ -17,7 +17,7 @@ from typing import Optional, Protocol, TypeVar
 
 import torch
 
-from ..config import MetadataConfig
+from ..config import MetadataConfig, check_config
 from ..constants import PAD_SLOT_ID
 
 __all__ = ["compute_attn_info", "expand_offset_len", "expand_paged_offset_len", "expand_swa_pivots",
@@ -177,6 +177,7 @@ def compute_attn_info(md: _MD, cfg: MetadataConfig) -> _MD:
     A field of another shape, or metadata whose compressed ratios or sliding window ``cfg`` does
     not have (built with another config), is a ``ValueError`` naming the field.
     """
+    check_config(cfg)
     mirror = md.mirror_cp_index
     ol = md.kv_ca_index_offset_len
     if ol is not None and (md.kv_ca_index is None or md.kv_ca_index_len is None):

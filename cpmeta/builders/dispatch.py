@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence, Union, overload
 
+import numpy as np
+
 from ..config import MetadataConfig
 from ..metadata import InputMetadata
 from ..sequence import SequenceMetadata
@@ -63,6 +65,8 @@ def prepare(batch: Union[SequenceBatch, tuple[SequenceBatch, ...], Sequence[Sequ
 
 
 def _one(batch: Any, cfg: MetadataConfig, is_prompt: Optional[bool], out: Any) -> InputMetadata:
+    if is_prompt is not None and not isinstance(is_prompt, (bool, np.bool_)):
+        raise TypeError(f"is_prompt: expected a bool or None, got {is_prompt!r}")
     if isinstance(batch, SequenceBatch):
         if is_prompt is not None and bool(is_prompt) != batch.is_prompt:
             raise ValueError(f"is_prompt={is_prompt} but the SequenceBatch is a "

@@ -29,7 +29,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ..config import MetadataConfig
+from ..config import MetadataConfig, check_config
 from ..jit import error_slot
 from ..metadata import InputMetadata
 from . import kv_read_plan_njit as K
@@ -124,13 +124,12 @@ class KVReadPlan:
 def _check_args(md: InputMetadata, cfg: MetadataConfig, cp_rank: int) -> None:
     if not isinstance(md, InputMetadata):
         raise TypeError(f"md: expected InputMetadata, got {type(md).__name__}")
-    if not isinstance(cfg, MetadataConfig):
-        raise TypeError(f"cfg: expected MetadataConfig, got {type(cfg).__name__}")
+    check_config(cfg)
     if not isinstance(cp_rank, int) or isinstance(cp_rank, bool):
         raise TypeError(f"cp_rank: expected an int, got {type(cp_rank).__name__}")
     w = cfg.kv_cp_world_size
-    if cp_rank < 0 or (w > 1 and cp_rank >= w):
-        bound = f"0 <= cp_rank < kv_cp_world_size ({w})" if w > 1 else "cp_rank >= 0"
+    if cp_rank < 0 or cp_rank >= (w if w > 1 else 1 << 31):
+        bound = f"0 <= cp_rank < kv_cp_world_size ({w})" if w > 1 else "0 <= cp_rank < 2**31"
         raise ValueError(f"cp_rank: expected {bound}, got {cp_rank}")
     if md.is_prompt is None:
         raise ValueError("md.is_prompt: expected prompt or decode metadata, got None")

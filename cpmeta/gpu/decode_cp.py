@@ -100,7 +100,9 @@ class StagedDecodeBroadcaster:
         from .staged_frame import STAGED_SCHEMA, error_key, staged_key
 
         self.cfg = cfg
-        self.group = group if group is not None else dist.group.WORLD
+        from ..transport.envs import resolve_group
+
+        self.group = resolve_group(group)
         self.src = resolve_src(self.group, src, group_src)
         self.rank = dist.get_rank()
         self.is_src = self.rank == self.src

@@ -101,11 +101,11 @@ class Recorder(ABC):
             for name, v in (("state_id", state_id), ("swa_valid_start", swa_valid_start),
                             ("num_computed", num_computed)):
                 check_int_arg(name, v, rid)
-            ids = [as_int_array(name, v, rid) for name, v in (
+            toks, blocks, comp = (as_int_array(name, v, rid) for name, v in (
                 ("prompt_token_ids", prompt_token_ids), ("block_table", block_table),
-                ("compressed_token_ids", compressed_token_ids))]
+                ("compressed_token_ids", compressed_token_ids)))
             s = self._free_model[-1]
-            self._rec.add(s, rid, *ids, int(state_id), int(swa_valid_start), int(num_computed))
+            self._rec.add(s, rid, toks, blocks, comp, int(state_id), int(swa_valid_start), int(num_computed))
             return self._free_model.pop()  # (a refused call takes no slot)
         st = self.state
         s = st.add_request(rid, prompt_token_ids, block_table, state_id,

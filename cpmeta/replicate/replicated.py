@@ -50,7 +50,7 @@ from ..metadata import InputMetadata
 from ..state import BatchState, SequenceBatch
 from ..broadcast.channel import FrameChannel, check_flags, resolve_src
 from ..transport import background, start_gather
-from ..transport.envs import ENV_TIMEOUT
+from ..transport.envs import ENV_TIMEOUT, resolve_device, resolve_group
 from .apply import ReplicaError, apply_step, batches_of, one_or_many, warm_replay
 from .digest import batch_check, digest_call, first_difference, slots_differ, where_differs
 from .ops import COLUMNS, Columns
@@ -118,14 +118,11 @@ class ReplicatedBatchState(Recorder):
             raise ValueError(f"check_every: expected an int >= 0, got {check_every!r}")
         check_flags(checksum=checksum, force_remote=force_remote, defer_apply=defer_apply)
         self.cfg = cfg
-        self.group = group if group is not None else dist.group.WORLD
+        self.group = resolve_group(group)
         self.src = resolve_src(self.group, src, group_src)
         self.rank = dist.get_rank()
         self.is_src = self.rank == self.src
-        if device is None:
-            nccl = "nccl" in str(dist.get_backend(self.group)).lower()
-            device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
-        self.device, self.check_every = torch.device(device), check_every
+        self.device, self.check_every = resolve_device(device, self.group), check_every
         st = self.state = BatchState(cfg, max_seqs, max_tokens=max_tokens, max_blocks=max_blocks,
                                      max_compressed=max_compressed)
         ch_sum = envs.checksum() if checksum is None else bool(checksum)

@@ -16,7 +16,7 @@ from typing import NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
-from ..config import MetadataConfig, blocks_needed_array
+from ..config import MetadataConfig, blocks_needed_array, check_config
 from ..int_lists import first_bad, int_array
 from ..sequence import SequenceMetadata, check_distinct_state_ids, validate_batch
 from .checks import check_window_ids
@@ -252,6 +252,7 @@ def as_sequence_batch(seqs: BatchInput, cfg: MetadataConfig, *, is_prompt: bool)
     ``SequenceBatch.from_sequences``. A batch of the other path is a ``ValueError``. Example: a
     decode builder handed a prompt batch -> ``"seqs: expected a decode SequenceBatch, got a
     prompt one"``."""
+    check_config(cfg)
     if isinstance(seqs, SequenceBatch):
         if seqs.is_prompt != is_prompt:
             want, got = ("prompt", "decode") if is_prompt else ("decode", "prompt")

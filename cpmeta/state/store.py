@@ -37,7 +37,7 @@ from typing import Any, Hashable, Optional
 
 import numpy as np
 
-from ..config import MetadataConfig, blocks_needed
+from ..config import MetadataConfig, blocks_needed, check_config
 from .batch import Vouch, window_lookback
 from .checks import check_int_arg
 from .state_njit import (
@@ -67,6 +67,7 @@ class StateStore:
     def __init__(self, cfg: MetadataConfig, max_seqs: int, *, max_tokens: Optional[int] = None,
                  max_blocks: Optional[int] = None, max_compressed: Optional[int] = None) -> None:
         # by name: 1.5 and True were taken as 1 slot, -5 tokens was numpy's "negative dimensions"
+        check_config(cfg)
         check_int_arg("max_seqs", max_seqs, lo=1)
         for name, v in (("max_tokens", max_tokens), ("max_blocks", max_blocks), ("max_compressed", max_compressed)):
             if v is not None:

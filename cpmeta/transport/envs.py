@@ -23,7 +23,10 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from typing import Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "FORCE_REMOTE",
@@ -43,6 +46,8 @@ __all__ = [
     "ENV_TIMEOUT",
     "Timeout",
     "resolve_timeout",
+    "resolve_group",
+    "resolve_device",
     "wait_seconds",
     "env_str",
     "env_bool",
@@ -169,8 +174,8 @@ def transport_timeout() -> float:
     """``CPMETA_TRANSPORT_TIMEOUT`` in seconds (a finite float > 0: ``inf`` / ``nan`` are refused;
     ``timeout=None`` on a constructor is how a caller asks for no bound)."""
     value = env_float(TRANSPORT_TIMEOUT, DEFAULT_TIMEOUT_S, positive=True)
-    if not math.isfinite(value):
-        raise _bad(TRANSPORT_TIMEOUT, "a finite float > 0", str(_raw(TRANSPORT_TIMEOUT)))
+    if not math.isfinite(value) or value > FOREVER_S:
+        raise _bad(TRANSPORT_TIMEOUT, "a finite float > 0 (at most ten years)", str(_raw(TRANSPORT_TIMEOUT)))
     return value
 
 
@@ -199,10 +204,45 @@ def resolve_timeout(value: Timeout, name: str = "timeout") -> Optional[float]:
     if value is None:
         return None
     if (isinstance(value, bool) or not isinstance(value, numbers.Real)
-            or not math.isfinite(float(value)) or float(value) <= 0):
-        raise ValueError(f"{name}: expected a finite number of seconds > 0, or None to wait "
-                         f"forever, got {value!r}")
+            or not math.isfinite(float(value)) or not 0 < float(value) <= FOREVER_S):
+        raise ValueError(f"{name}: expected a finite number of seconds > 0 (at most {FOREVER_S:.0f}: ten "
+                         f"years), or None to wait forever, got {value!r}")
     return float(value)
+
+
+def resolve_group(group: object) -> Any:
+    """A constructor's ``group=``: a ``torch.distributed`` process group, ``None`` for the
+    default (WORLD) group, else ``TypeError`` naming it (a wrong object failed later in torch's
+    own lookups, with a ``KeyError`` of that object)."""
+    import torch.distributed as dist  # (this module is torch-free otherwise)
+
+    if group is None:
+        return dist.group.WORLD
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group: expected a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+    return group
+
+
+def resolve_device(device: object, group: object) -> "torch.device":
+    """A constructor's ``device=`` as a ``torch.device``: None -> the current CUDA device for an
+    NCCL ``group``, else the CPU; a CPU or CUDA device this process has, else ``ValueError``
+    naming it (torch's own errors came later, from a pinned buffer or a device query)."""
+    import torch
+    import torch.distributed as dist
+
+    if device is None:
+        nccl = "nccl" in str(dist.get_backend(group)).lower()  # type: ignore[arg-type]
+        return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    try:
+        d = torch.device(device)  # type: ignore[call-overload]
+    except (RuntimeError, TypeError):
+        d = None
+    if d is None or d.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: expected a CPU or CUDA device ('cpu', 'cuda:0', a torch.device), got {device!r}")
+    n = torch.cuda.device_count() if d.type == "cuda" else 0
+    if d.type == "cuda" and (n == 0 or (d.index or 0) >= n):
+        raise ValueError(f"device: {d}, but this process sees {n} CUDA device(s)")
+    return d
 
 
 def wait_seconds(timeout: Optional[float]) -> float:

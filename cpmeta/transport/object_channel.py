@@ -70,7 +70,7 @@ class ObjectChannel(RemotePath):
                  timeout: envs.Timeout = envs.ENV_TIMEOUT, schema: bytes = b"",
                  slot_size: Optional[int] = None, num_slots: Optional[int] = None,
                  agree: Optional[Mapping[str, Scalar]] = None) -> None:
-        self.group = dist.group.WORLD if group is None else group
+        self.group = envs.resolve_group(group)
         self.src = src
         self.rank = dist.get_rank()
         self.ranks = group_ranks(self.group)

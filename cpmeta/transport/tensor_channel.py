@@ -73,17 +73,14 @@ class TensorChannel:
                  *, verify: Optional[bool] = None, reuse_buffers: bool = False,
                  timeout: envs.Timeout = envs.ENV_TIMEOUT) -> None:
         self.timeout = envs.resolve_timeout(timeout)  # first: a bad value is refused before any use
-        self.group = dist.group.WORLD if group is None else group
+        self.group = envs.resolve_group(group)
         self.src = src
         self.rank = dist.get_rank()
         ranks = group_ranks(self.group)
         if src not in ranks:
             raise ValueError(f"src: global rank {src} is not in the group {ranks}")
         self.ranks = ranks
-        if device is None:
-            nccl = "nccl" in str(dist.get_backend(self.group)).lower()
-            device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-        self.device = torch.device(device)
+        self.device = envs.resolve_device(device, self.group)
         self.verify = self.device.type == "cpu" if verify is None else verify
         self.reuse_buffers = reuse_buffers
         # gloo moves CUDA tensors on its own streams: sync around its broadcast
