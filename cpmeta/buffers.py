@@ -59,6 +59,8 @@ def get_or_create_tensor(
     shape = tuple(int(s) for s in shape)
     if out is not None and name in out:
         t = out[name]
+        if type(t) is not torch.Tensor and not isinstance(t, torch.Tensor):
+            raise TypeError(f"out[{name!r}]: expected a tensor, got {type(t).__name__}")
         if t.dtype != dtype:
             raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype} in out")
         if tuple(t.shape) == shape:
@@ -98,6 +100,8 @@ def get_or_create_stacked(
     full = (len(keys), *shape)
     if out is not None and name in out:
         t = out[name]
+        if type(t) is not torch.Tensor and not isinstance(t, torch.Tensor):
+            raise TypeError(f"out[{name!r}]: expected a tensor, got {type(t).__name__}")
         if t.dtype != dtype:
             raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype} in out")
         ok_exact = tuple(t.shape) == full

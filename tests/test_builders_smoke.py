@@ -202,6 +202,9 @@ def test_out_refills_same_tensors_and_rejects_mismatch() -> None:
     assert torch.equal(md2.kv_ca_index_offset_len["128"], fresh.kv_ca_index_offset_len["128"])
     with pytest.raises(ValueError, match=r"^\w+: expected shape \(12,\), got \(15,\) in out"):
         prepare_decode(mk()[:4], cfg, out=out)  # the first [total_q] field checked is named
+    for key in ("klen", "block_tables"):  # a value that is no tensor (was an AttributeError of .dtype / .dim)
+        with pytest.raises(TypeError, match=rf"^out\['{key}'\]: expected a tensor, got str$"):
+            prepare_decode(seqs2, cfg, out={**out, key: "x"})
 
 
 def test_output_arenas_refill_one_arena_per_shape() -> None:

@@ -226,6 +226,8 @@ def prepare_decode(
         width = _fixed_width("table_width", table_width, widest, cfg)
     elif isinstance(out, dict) and out.get("block_tables") is not None:
         bt = out["block_tables"]
+        if not isinstance(bt, torch.Tensor):
+            raise TypeError(f"out['block_tables']: expected a tensor, got {type(bt).__name__}")
         width = _fixed_width("out['block_tables']", int(bt.shape[1]) if bt.dim() == 2 else -1, widest, cfg,
                              f"shape {tuple(bt.shape)}")
     shape = plan.shape(cfg, T, n, width)
