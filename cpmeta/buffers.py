@@ -39,6 +39,16 @@ def pin_host_memory() -> bool:
     return torch.cuda.is_available()
 
 
+def _stored(out: dict[str, torch.Tensor], name: str, dtype: torch.dtype) -> torch.Tensor:
+    """``out[name]``: a tensor of ``dtype``, else ``TypeError`` / ``ValueError`` naming it."""
+    t = out[name]
+    if type(t) is not torch.Tensor and not isinstance(t, torch.Tensor):
+        raise TypeError(f"out[{name!r}]: expected a tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype} in out")
+    return t
+
+
 def get_or_create_tensor(
     out: Optional[dict[str, torch.Tensor]],
     name: str,
@@ -58,11 +68,7 @@ def get_or_create_tensor(
     """
     shape = tuple(int(s) for s in shape)
     if out is not None and name in out:
-        t = out[name]
-        if type(t) is not torch.Tensor and not isinstance(t, torch.Tensor):
-            raise TypeError(f"out[{name!r}]: expected a tensor, got {type(t).__name__}")
-        if t.dtype != dtype:
-            raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype} in out")
+        t = _stored(out, name, dtype)
         if tuple(t.shape) == shape:
             return t
         if (
@@ -99,11 +105,7 @@ def get_or_create_stacked(
     shape = tuple(int(s) for s in shape)
     full = (len(keys), *shape)
     if out is not None and name in out:
-        t = out[name]
-        if type(t) is not torch.Tensor and not isinstance(t, torch.Tensor):
-            raise TypeError(f"out[{name!r}]: expected a tensor, got {type(t).__name__}")
-        if t.dtype != dtype:
-            raise ValueError(f"{name}: expected dtype {dtype}, got {t.dtype} in out")
+        t = _stored(out, name, dtype)
         ok_exact = tuple(t.shape) == full
         ok_prefix = (
             allow_prefix

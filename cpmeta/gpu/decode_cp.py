@@ -97,19 +97,15 @@ class StagedDecodeBroadcaster:
                  checksum: Optional[bool] = None) -> None:
         from .. import envs
         from ..broadcast.channel import FrameChannel, resolve_src
+        from ..transport.envs import resolve_device, resolve_group
         from .staged_frame import STAGED_SCHEMA, error_key, staged_key
 
         self.cfg = cfg
-        from ..transport.envs import resolve_group
-
         self.group = resolve_group(group)
         self.src = resolve_src(self.group, src, group_src)
         self.rank = dist.get_rank()
         self.is_src = self.rank == self.src
-        if device is None:
-            nccl = "nccl" in str(dist.get_backend(self.group)).lower()
-            device = torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu"
-        self.device = torch.device(device)
+        self.device = resolve_device(device, self.group)
         self.backend = _resolve_backend(backend, self.device)
         self.staging = staging if staging is not None else DecodeStaging(self.device)
         if not _same_device(self.staging.device, self.device):
