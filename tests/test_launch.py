@@ -83,6 +83,7 @@ BAD_INPUTS = {  # argv -> what the one-line error must say (validated before any
     "decode-seqs-huge": (["--decode-seqs", "100000000"], "--decode-seqs: expected <= 4096, got 100000000"),
     "max-prompt": (["--max-prompt", "8"], "--max-prompt: expected >= 16, got 8"),
     "timeout": (["--timeout", "0"], "--timeout: expected a finite number of seconds > 0"),
+    "timeout-huge": (["--timeout", "1e12"], "--timeout: expected a finite number of seconds > 0 (at most 315360000)"),
     "kv-interleave-negative": (["--kv-interleave", "-2"], "--kv-interleave: expected >= 0, got -2"),
     "kv-interleave-divisor": (["--kv-interleave", "3"],
                               "--kv-interleave: expected 0 (off) or a divisor of the KV block size 128, got 3"),

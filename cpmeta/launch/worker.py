@@ -35,6 +35,7 @@ import cpmeta.cp
 import cpmeta.constants
 from cpmeta.metadata import InputMetadata
 from cpmeta import jit
+from cpmeta.transport.envs import FOREVER_S
 
 from . import comm
 from . import envs
@@ -116,8 +117,8 @@ def check_args(args: Any, nproc: int) -> Optional[str]:
             return f"{name}: expected <= {MAX_SEQS}, got {value}"
     if args.warmup >= args.steps:
         return f"--warmup: expected < --steps ({args.steps}), got {args.warmup}"
-    if not args.timeout > 0 or args.timeout == float("inf"):
-        return f"--timeout: expected a finite number of seconds > 0, got {args.timeout}"
+    if not 0 < args.timeout <= FOREVER_S:  # (a larger one overflowed the platform's time_t)
+        return f"--timeout: expected a finite number of seconds > 0 (at most {FOREVER_S:.0f}), got {args.timeout}"
     if args.model == "plain" and args.workload == "yoco":
         return "--workload yoco: needs the sliding window of --model seed; a plain model has none"
     block = model_config(args.model, workload=args.workload).block_size
