@@ -61,6 +61,8 @@ def test_assert_same_names_field_and_first_index() -> None:
         assert_same({"t": torch.zeros(2, dtype=torch.int32)}, {"t": torch.zeros(2, dtype=torch.int64)})
     with pytest.raises(AssertionError, match=re.escape("first at index (1, 0): -0.0 here, 0.0")):
         assert_same([torch.zeros(2, 2).index_fill(0, torch.tensor([1]), -0.0)], [torch.zeros(2, 2)])
+    with pytest.raises(TypeError, match=r"^m\.0: a sparse_coo tensor has no bytes to compare"):
+        assert_same({"m": [torch.eye(2).to_sparse()]}, {"m": [torch.eye(2)]})  # (was torch's copy error)
     t = torch.arange(3)
     with pytest.raises(AssertionError, match=re.escape("'<aliasing>' differs")):
         assert_same({"a": t, "b": t}, {"a": t.clone(), "b": t.clone()})
@@ -80,6 +82,8 @@ def _scenarios(rank: int, world_size: int) -> list[str]:
         lambda: assert_same_on_ranks({"pos": p, **({} if rank == 0 else {"n": 1}),
                                       **({"extra": 1} if rank == 2 else {})}, src=1),
         lambda: assert_same_on_ranks({"n": rank == 2, "t": p.long() if rank == 1 else p}),
+        # a tensor without bytes on one rank: every rank raises (none left in a collective)
+        lambda: assert_same_on_ranks({"pos": p.to_sparse() if rank == 1 else p}),
     ]
     if rank in (1, 2):  # the subgroup's rank 1 (global rank 2) is the reference
         cases.append(lambda: assert_same_on_ranks([p + (rank == 1)], src=1, group=sub))
@@ -88,17 +92,19 @@ def _scenarios(rank: int, world_size: int) -> list[str]:
         try:
             case()
             out.append("")
-        except AssertionError as e:
-            out.append(str(e))
+        except (AssertionError, TypeError) as e:
+            out.append(f"{type(e).__name__}: {e}" if isinstance(e, TypeError) else str(e))
     return out
 
 
 def test_assert_same_on_ranks_same_message_on_every_rank() -> None:
     res = run_ranks(_scenarios, 3)
-    for case in range(4):
+    for case in range(5):
         assert res[0][case] == res[1][case] == res[2][case], case
-    assert res[1][4] == res[2][4]
-    ok, tampered, keys, kinds, sub = res[1]
+    assert res[1][5] == res[2][5]
+    ok, tampered, keys, kinds, sparse, sub = res[1]
+    assert sparse == ("TypeError: rank 1: pos: a sparse_coo tensor has no bytes to compare (dense tensors with "
+                      "data only)")
     assert ok == ""
     assert tampered == ("rank 1: 'pos' differs from rank 0's: 1 of 20 elements, first at index (2,): "
                         "9 here, 2 on rank 0")

@@ -37,6 +37,10 @@ def _flatten(value: Any) -> dict[str, Any]:
         elif isinstance(v, (list, tuple)):
             items = list(enumerate(v))
         else:
+            if isinstance(v, torch.Tensor) and (v.layout != torch.strided or v.is_nested or v.is_meta):
+                kind = "meta" if v.is_meta else "nested" if v.is_nested else str(v.layout).replace("torch.", "")
+                raise TypeError(f"{path or 'value'}: a {kind} tensor has no bytes to compare (dense tensors "
+                                "with data only)")
             flat[path] = v
             return
         if not items and path:
@@ -123,7 +127,8 @@ def assert_same_on_ranks(value: Any, *, src: int = 0, group: Any = None) -> None
     differences (field, first differing index, both values) and the messages are all-gathered.
     Per-rank example, 2 ranks, rank 1 holding ``{"positions": tensor([0, 1, 9])}`` where rank 0
     holds ``tensor([0, 1, 2])``: both ranks raise ``rank 1: 'positions' differs from rank 0's:
-    1 of 3 elements, first at index (2,): 9 here, 2 on rank 0``.
+    1 of 3 elements, first at index (2,): 9 here, 2 on rank 0``. A tensor without bytes to
+    compare (sparse, nested, meta) on any rank is a ``TypeError`` naming it on every rank.
     """
     import torch.distributed as dist
 
@@ -131,8 +136,15 @@ def assert_same_on_ranks(value: Any, *, src: int = 0, group: Any = None) -> None
     if not 0 <= src < size:
         raise ValueError(f"src: expected a rank of the group in [0, {size}), got {src}")
     wire = _Bytes(group, src if group is None else dist.get_global_rank(group, src), size)
-    flat = _flatten(value)
-    table = {p: _digest(v) for p, v in flat.items()}
+    try:
+        flat = _flatten(value)
+        table = {p: _digest(v) for p, v in flat.items()}
+        refused = ""
+    except TypeError as e:  # (a tensor without bytes): raised on EVERY rank, none left waiting
+        flat, table, refused = {}, {}, f"rank {me}: {e}"
+    refusals = [m.decode() for m in wire.gather(refused.encode())]
+    if any(refusals):
+        raise TypeError("; ".join(m for m in refusals if m))
     theirs: dict[str, str] = json.loads(wire.bcast(json.dumps(table).encode() if me == src else None))
     differing = [p for p in theirs if table.get(p) != theirs[p]] + [p for p in table if p not in theirs]
     union: list[str] = []
