@@ -230,7 +230,8 @@ def test_channel_timeout_values_checked_at_construction() -> None:
         for name in ("ObjectChannel", "TensorChannel", "MetadataBroadcaster"):
             msgs = rec["refused"].get(name, [])
             assert len(msgs) == len(BAD_TIMEOUTS), (name, msgs)
-            assert all("timeout: expected a finite number of seconds > 0, or None" in m for m in msgs), msgs
+            assert all("timeout: expected a finite number of seconds > 0 (at most 315360000: ten years), or None"
+                       in m for m in msgs), msgs
         assert rec["none"] == (None, None, None), rec
         assert rec["default"] == (300.0, 300.0), rec
         assert rec["got"] == ("hello", [0, 1, 2, 3, 4]), rec

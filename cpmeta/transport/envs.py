@@ -196,8 +196,10 @@ def resolve_timeout(value: Timeout, name: str = "timeout") -> Optional[float]:
     """A constructor's ``timeout=`` as seconds, or None (wait forever), checked at once.
 
     ``ENV_TIMEOUT`` -> ``CPMETA_TRANSPORT_TIMEOUT`` (300.0 unset); ``None`` -> None; ``2`` ->
-    2.0; ``0``, ``-1``, ``float('inf')``, ``float('nan')``, ``True`` or ``"5"`` -> ``ValueError(
-    "timeout: expected a finite number of seconds > 0, or None to wait forever, got inf")``.
+    2.0; ``0``, ``-1``, ``float('inf')``, ``float('nan')``, ``True``, ``"5"`` or more than ten years
+    (``FOREVER_S``; ``2**63`` overflowed the platform's ``time_t``) -> ``ValueError("timeout:
+    expected a finite number of seconds > 0 (at most 315360000: ten years), or None to wait
+    forever, got inf")``.
     """
     if value is ENV_TIMEOUT:
         return transport_timeout()
