@@ -197,8 +197,12 @@ class InputMetadata:
     @classmethod
     def from_flatten_dict(cls, flat: dict[str, Any]) -> "InputMetadata":
         """Inverse of :meth:`to_flatten_dict` (keys split at the first ``.``)."""
+        if not isinstance(flat, dict):
+            raise TypeError(f"flat: expected a dict of field paths, got {type(flat).__name__}")
         kwargs: dict[str, Any] = {}
         for key, v in flat.items():
+            if not isinstance(key, str):
+                raise TypeError(f"{key!r}: a field path is a str, got {type(key).__name__}")
             name, dot, sub = key.partition(".")
             if name not in _FIELD_SET:
                 raise KeyError(f"{key}: InputMetadata has no field {name!r}")
@@ -226,6 +230,8 @@ class InputMetadata:
         Fields that are ``None`` in ``other`` are skipped; a tensor in ``other`` with no
         destination here, or a shape/dtype mismatch, is a ``ValueError`` naming the path.
         """
+        if not isinstance(other, InputMetadata):
+            raise TypeError(f"other: expected InputMetadata, got {type(other).__name__}")
         for name in _FIELD_NAMES:
             src = getattr(other, name)
             if src is None:

@@ -148,6 +148,13 @@ def test_from_flatten_dict_errors() -> None:
         InputMetadata.from_flatten_dict({"no_such_field": 1})
     with pytest.raises(TypeError, match=re.escape("klen")):
         InputMetadata.from_flatten_dict({"klen": torch.zeros(1), "klen.4": torch.zeros(1)})
+    # not a dict, a key that is not a str, a copy from something else: named (were AttributeErrors)
+    with pytest.raises(TypeError, match=r"^flat: expected a dict of field paths, got list$"):
+        InputMetadata.from_flatten_dict(["positions"])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^1: a field path is a str, got int$"):
+        InputMetadata.from_flatten_dict({1: torch.zeros(1)})  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match=r"^other: expected InputMetadata, got dict$"):
+        InputMetadata().recursive_copy_({"positions": torch.zeros(1)})  # type: ignore[arg-type]
 
 
 def test_split_at_the_first_dot() -> None:
