@@ -265,6 +265,8 @@ def test_batch_state_refuses_bools_and_floats_as_ints() -> None:
         (lambda: st.prompt_batch(np.array([a]), np.array([1.0])), r"chunk_lens: expected ints"),
         (lambda: st.prompt_batch(np.array([a]), np.array([1]), advance="no"),  # (was taken as True)
          r"advance: expected a bool, got 'no'"),
+        (lambda: st.request_of(-1), r"slot: expected a slot in \[0, \d+\), got -1"),  # (was the last slot's)
+        (lambda: st.state_holder(1.5), r"state_id: expected an int, got 1.5"),
     ):
         _refused(st, call, (TypeError, ValueError), msg)
 

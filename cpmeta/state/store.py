@@ -130,8 +130,11 @@ class StateStore:
             raise ValueError(f"request {req_id!r}: not in the batch state") from None
 
     def request_of(self, slot: int) -> Any:
-        """The request id in ``slot`` (``None`` for a free slot)."""
+        """The request id in ``slot`` (``None`` for a free slot; a slot outside ``[0, max_seqs)``
+        is a ``ValueError``: -1 read the last slot's request)."""
         _check_slot_arg(slot)
+        if not 0 <= slot < self.max_seqs:
+            raise ValueError(f"slot: expected a slot in [0, {self.max_seqs}), got {slot}")
         return self._req[slot]
 
     def _live(self, slot: int) -> Any:
@@ -149,6 +152,7 @@ class StateStore:
     def state_holder(self, state_id: int, but: int = -1) -> Optional[int]:
         """The slot of a live request other than slot ``but`` whose state id is ``state_id``, or
         ``None`` (O(max_seqs), vectorized; requests join and move rarely)."""
+        check_int_arg("state_id", state_id)
         held = np.flatnonzero(self.active & (self.state_id == state_id))
         held = held[held != but]
         return int(held[0]) if len(held) else None
