@@ -342,8 +342,11 @@ def test_bad_backend_and_device() -> None:
     if HAS_TRITON and not os.environ.get("TRITON_INTERPRET"):
         with pytest.raises(ValueError, match="TRITON_INTERPRET"):
             prepare_decode_inplace(seqs, cfg, device="cpu", backend="triton")
-    with pytest.raises(ValueError, match="staging"):
-        prepare_decode_inplace(seqs, cfg, device="cpu", staging=DecodeStaging("meta"))
+    with pytest.raises(ValueError, match="device: expected a CPU or CUDA device"):
+        DecodeStaging("meta")  # (a staging buffer holds real bytes: refused when made)
+    if torch.cuda.is_available():  # a staging buffer of another device
+        with pytest.raises(ValueError, match="staging"):
+            prepare_decode_inplace(seqs, cfg, device="cpu", staging=DecodeStaging("cuda"))
 
 
 # ---- the real Triton kernels in the interpreter --------------------------------------------------

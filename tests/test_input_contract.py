@@ -413,3 +413,31 @@ def test_a_wrong_group_or_device_is_named_by_every_constructor() -> None:
     want = [group + "str", group + "int", dev + "'x'", dev + "'meta'",
             f"ValueError: device: cuda:{n}, but this process sees {n} CUDA device(s)"]
     assert out == want * 2 + want[:2] + want * 2, out
+
+
+def test_cp_and_staging_helpers_name_a_wrong_argument() -> None:
+    """Each was an ``AttributeError`` of the object passed, an overflow or torch's own error."""
+    import torch
+
+    import cpmeta.cp as cp
+    from cpmeta.gpu import DecodeStaging, prepare_decode_inplace
+
+    cfg = MetadataConfig(block_size=4, max_model_len=64)
+    st = BatchState(cfg, 2)
+    a = st.add_request("a", [1, 2, 3], [1], 0, num_computed=3)
+    md = prepare_decode(st.decode_batch(np.array([a])), cfg)
+    for call, err, msg in (
+            (lambda: cp.compute_slot_mapping_from_metadata(md, "16"), TypeError,
+             "block_size: expected an int or the MetadataConfig the metadata was built with, got str"),
+            (lambda: cp.compute_slot_mapping_from_metadata({"positions": 1}, 16), TypeError,
+             r"md: expected InputMetadata \(or a view of it\), got dict"),
+            (lambda: cp.cp_local_seqlens(torch.tensor([5]), 2**63, 0, 16), ValueError,
+             r"cp_world_size: expected 1 <= cp_world_size < 2147483648, got 9223372036854775808"),
+            (lambda: cp.cp_local_seqlens(torch.tensor([5]), 2, 0, 2**63), ValueError, "cp_interleave: expected"),
+            (lambda: DecodeStaging("cpu", -1), ValueError, r"capacity: expected >= 0 \(int32 elements\), got -1"),
+            (lambda: DecodeStaging("x"), ValueError, "device: expected a CPU or CUDA device"),
+            (lambda: DecodeStaging(f"cuda:{torch.cuda.device_count()}"), ValueError, "CUDA device"),
+            (lambda: prepare_decode_inplace(st.decode_batch(np.array([a])), cfg, device="x"), ValueError,
+             "device: expected a CPU or CUDA device")):
+        with pytest.raises(err, match=msg):
+            call()

@@ -58,9 +58,9 @@ def cp_local_seqlens(
         raise TypeError(f"seqlens_k: expected an int32/int64 tensor, got {getattr(seqlens_k, 'dtype', type(seqlens_k))}")
     if seqlens_k.dim() != 1:
         raise ValueError(f"seqlens_k: expected a 1-D tensor, got shape {tuple(seqlens_k.shape)}")
-    _int("cp_world_size", cp_world_size, 1)
+    _int("cp_world_size", cp_world_size, 1, 1 << 31)  # (2**63 was an OverflowError of the kernel's call)
     _int("cp_rank", cp_rank, 0, cp_world_size)
-    _int("cp_interleave", cp_interleave, 1)
+    _int("cp_interleave", cp_interleave, 1, 1 << 31)
     host = np.ascontiguousarray(seqlens_k.detach().cpu().numpy(), np.int64)
     out = np.empty(host.shape[0], np.int32)
     if local_seqlens(host, cp_world_size, cp_rank, cp_interleave, out, error_slot()):

@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from ..config import MetadataConfig
 from ..constants import INT32_MAX, PAD_SLOT_ID, PLACEHOLDER_QUERY_INDEX
 from .slot_mapping import compute_slot_mapping, int_arg
 
@@ -68,6 +69,11 @@ def compute_slot_mapping_from_metadata(
     :func:`compute_slot_mapping` (``kv_cache_block_size``, ``cp_world_size``, ``cp_rank``,
     ``cp_interleave``, ``pad_id``, ``circular``, ``backend``).
     """
+    if not all(hasattr(md, f) for f in ("cu_seqlens_q", "positions", "positions_cp")):
+        raise TypeError(f"md: expected InputMetadata (or a view of it), got {type(md).__name__}")
+    if not isinstance(block_size, (int, MetadataConfig)) or isinstance(block_size, bool):
+        raise TypeError(f"block_size: expected an int or the MetadataConfig the metadata was built with, got "
+                        f"{type(block_size).__name__}")
     qsl = md.cu_seqlens_q
     positions = md.positions_cp if md.positions_cp is not None else md.positions
     if qsl is None or positions is None:

@@ -90,7 +90,9 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 def _resolve_device(device: Optional[torch.device | str], out: Out) -> torch.device:
     if device is not None:
-        return torch.device(device)
+        from ..transport.envs import resolve_device
+
+        return resolve_device(device, None)  # (a CPU or CUDA device this process has, else named)
     if out and "positions" in out:
         return out["positions"].device
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

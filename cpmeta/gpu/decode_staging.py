@@ -74,7 +74,15 @@ class DecodeStaging:
     """
 
     def __init__(self, device: torch.device | str, capacity: int = 4096, *, fixed: bool = False) -> None:
-        self.device = torch.device(device)
+        from ..transport.envs import resolve_device
+
+        if device is None:
+            raise TypeError("device: expected a CPU or CUDA device, got None")
+        if not isinstance(capacity, int) or isinstance(capacity, bool):
+            raise TypeError(f"capacity: expected an int, got {capacity!r}")
+        if capacity < 0:
+            raise ValueError(f"capacity: expected >= 0 (int32 elements), got {capacity}")
+        self.device = resolve_device(device, None)
         self.fixed = fixed
         self._event: Optional[torch.cuda.Event] = None  # last upload done (host buffer free again)
         self._read_event: Optional[torch.cuda.Event] = None  # last consumer on ANOTHER stream done
