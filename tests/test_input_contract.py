@@ -438,6 +438,8 @@ def test_cp_and_staging_helpers_name_a_wrong_argument() -> None:
             (lambda: DecodeStaging("x"), ValueError, "device: expected a CPU or CUDA device"),
             (lambda: DecodeStaging(f"cuda:{torch.cuda.device_count()}"), ValueError, "CUDA device"),
             (lambda: prepare_decode_inplace(st.decode_batch(np.array([a])), cfg, device="x"), ValueError,
-             "device: expected a CPU or CUDA device")):
+             "device: expected a CPU or CUDA device"),
+            (lambda: prepare_decode_inplace(st.decode_batch(np.array([a])), cfg, device="cpu", staging="cpu"),
+             TypeError, "staging: expected a cpmeta.gpu.DecodeStaging, got str")):
         with pytest.raises(err, match=msg):
             call()

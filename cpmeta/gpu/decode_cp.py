@@ -107,6 +107,8 @@ class StagedDecodeBroadcaster:
         self.is_src = self.rank == self.src
         self.device = resolve_device(device, self.group)
         self.backend = _resolve_backend(backend, self.device)
+        if staging is not None and not isinstance(staging, DecodeStaging):
+            raise TypeError(f"staging: expected a cpmeta.gpu.DecodeStaging, got {type(staging).__name__}")
         self.staging = staging if staging is not None else DecodeStaging(self.device)
         if not _same_device(self.staging.device, self.device):
             raise ValueError(f"staging: expected a staging buffer for {self.device}, got one for "

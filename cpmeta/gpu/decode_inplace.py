@@ -190,6 +190,8 @@ def prepare_decode_inplace(
     check_decode_out(out)
     dev = _resolve_device(device, out)
     be = resolve_backend(backend, dev)
+    if staging is not None and not isinstance(staging, DecodeStaging):
+        raise TypeError(f"staging: expected a cpmeta.gpu.DecodeStaging, got {type(staging).__name__}")
     st = staging if staging is not None else _default_staging(dev)
     if not same_device(st.device, dev):
         raise ValueError(f"staging: expected a staging buffer for {dev}, got one for {st.device}")
