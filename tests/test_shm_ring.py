@@ -777,3 +777,22 @@ def test_a_memory_cgroup_without_room_sends_every_follower_over_the_process_grou
     _fake_cgroups(tmp_path, monkeypatch, False, {"/job": (64 << 20, 63 << 20, 0)})
     out = run_ranks(_cgroup_full_channel, 2, str(tmp_path), timeout=90)
     assert out == [(True, [{"step": k} for k in range(20)])] * 2
+
+
+def test_ring_arguments_are_named() -> None:
+    """A size past int32 was an ``OverflowError`` of the segment's size, a handle that is not one
+    an ``AttributeError`` of ``num_readers``."""
+    for kw, err, msg in (({"slot_size": 2**63}, ValueError, "slot_size: expected an int within int32"),
+                         ({"num_slots": 1.5}, TypeError, "num_slots: expected an int, got 1.5")):
+        with pytest.raises(err, match=msg):
+            ShmRing.create(1, **kw)
+    with pytest.raises(ValueError, match="num_readers: expected an int within int32"):
+        ShmRing.create(2**63)
+    w = ShmRing.create(1, slot_size=64, num_slots=2, timeout=5)
+    try:
+        with pytest.raises(TypeError, match=r"^handle: expected a ShmRingHandle .*, got bytes$"):
+            ShmRing.attach(b"x", 0)
+        with pytest.raises(TypeError, match=r"^reader_index: expected an int, got True$"):
+            ShmRing.attach(w.handle, True)
+    finally:
+        w.close()

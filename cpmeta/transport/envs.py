@@ -47,6 +47,7 @@ __all__ = [
     "Timeout",
     "resolve_timeout",
     "resolve_group",
+    "is_rank",
     "resolve_device",
     "wait_seconds",
     "env_str",
@@ -210,6 +211,12 @@ def resolve_timeout(value: Timeout, name: str = "timeout") -> Optional[float]:
         raise ValueError(f"{name}: expected a finite number of seconds > 0 (at most {FOREVER_S:.0f}: ten "
                          f"years), or None to wait forever, got {value!r}")
     return float(value)
+
+
+def is_rank(v: object) -> bool:
+    """``v`` is an int that can name a rank (a numpy integer counts; a bool or a tensor does not:
+    a tensor's ``in`` test over the ranks was an ambiguous-truth error)."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def resolve_group(group: object) -> Any:

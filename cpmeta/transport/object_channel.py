@@ -74,7 +74,7 @@ class ObjectChannel(RemotePath):
         self.src = src
         self.rank = dist.get_rank()
         self.ranks = group_ranks(self.group)
-        if src not in self.ranks or self.rank not in self.ranks:
+        if not envs.is_rank(src) or src not in self.ranks or self.rank not in self.ranks:
             raise ValueError(f"src: global ranks {src} (src) and {self.rank} (caller) must both be "
                              f"in the group {self.ranks}")
         self.schema = schema

@@ -51,6 +51,7 @@ import ctypes
 import errno
 import logging
 import mmap
+import numbers
 import os
 import secrets
 import sys
@@ -75,6 +76,14 @@ logger = logging.getLogger(__name__)
 #: Python 3.13+: the mapping keeps no descriptor of its own (CPython's mmap dups the fd it maps
 #: otherwise), so once the fd below is closed nothing but the mapping reaches the segment
 _MMAP_KW: dict[str, Any] = {"trackfd": False} if sys.version_info >= (3, 13) else {}
+
+
+def _check_count(name: str, v: object) -> None:
+    """An int argument within int32 (a numpy integer counts, a bool does not), else named."""
+    if not isinstance(v, numbers.Integral) or isinstance(v, bool):
+        raise TypeError(f"{name}: expected an int, got {v!r}")
+    if not -(1 << 31) <= int(v) < 1 << 31:
+        raise ValueError(f"{name}: expected an int within int32, got {v}")
 
 
 @dataclass(frozen=True)
@@ -210,6 +219,8 @@ class ShmRing(RingIO):
         timeout_s = envs.resolve_timeout(timeout)
         slot_size = envs.shm_slot_size() if slot_size is None else slot_size
         num_slots = envs.shm_num_slots() if num_slots is None else num_slots
+        for name, v in (("num_readers", num_readers), ("slot_size", slot_size), ("num_slots", num_slots)):
+            _check_count(name, v)
         ranks = tuple(range(1, num_readers + 1)) if reader_ranks is None else tuple(reader_ranks)
         if num_readers < 1 or len(ranks) != num_readers:
             raise ValueError(f"num_readers: expected >= 1 and one rank each, got {num_readers}, {ranks}")
@@ -234,6 +245,9 @@ class ShmRing(RingIO):
         """Attach as reader ``reader_index`` (0-based) of the ring described by ``handle``
         (``timeout`` as for :meth:`create`)."""
         timeout_s = envs.resolve_timeout(timeout)
+        if not isinstance(handle, ShmRingHandle):
+            raise TypeError(f"handle: expected a ShmRingHandle (the writer's ring.handle), got {type(handle).__name__}")
+        _check_count("reader_index", reader_index)
         if not 0 <= reader_index < handle.num_readers:
             raise ValueError(f"reader_index: expected 0..{handle.num_readers - 1}, got {reader_index}")
         ring = cls(handle, open_segment(handle.path), reader_index=reader_index, unlink_path=None,
