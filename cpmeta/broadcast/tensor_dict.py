@@ -33,9 +33,9 @@ from typing import Any, Optional, cast
 import torch
 import torch.distributed as dist
 
+from cpmeta.transport.codec import encode_body
 from cpmeta.transport.envs import ENV_TIMEOUT, resolve_device, resolve_group
 
-from ..transport.codec import encode_body
 from .collect import not_dense, value_failure
 from .dict_schema import TREE_KEY, decode_tree, encode_tree
 from .wire import PATH_SEP

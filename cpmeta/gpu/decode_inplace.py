@@ -42,6 +42,7 @@ from ..state.batch import BatchInput
 from ..config import MetadataConfig
 from ..builders.decode import check_decode_out
 from ..metadata import InputMetadata
+from ..transport.envs import resolve_device
 
 __all__ = [
     "prepare_decode_inplace",
@@ -90,8 +91,6 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 def _resolve_device(device: Optional[torch.device | str], out: Out) -> torch.device:
     if device is not None:
-        from ..transport.envs import resolve_device
-
         return resolve_device(device, None)  # (a CPU or CUDA device this process has, else named)
     if out and "positions" in out:
         return out["positions"].device

@@ -24,6 +24,7 @@ import torch
 from ..state.batch import BatchInput, as_sequence_batch
 from ..state.checks import check_placeholders
 from ..config import MetadataConfig
+from ..transport.envs import resolve_device
 from .decode_buffers import OutCache, OutCapacity
 from .staging_header import StagedDecode
 from .staging_layout import StagingLayout, staging_capacity
@@ -74,8 +75,6 @@ class DecodeStaging:
     """
 
     def __init__(self, device: torch.device | str, capacity: int = 4096, *, fixed: bool = False) -> None:
-        from ..transport.envs import resolve_device
-
         if device is None:
             raise TypeError("device: expected a CPU or CUDA device, got None")
         if not isinstance(capacity, int) or isinstance(capacity, bool):

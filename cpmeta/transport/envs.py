@@ -6,6 +6,9 @@ or empty (after stripping blanks) means the default.
 The typed parsers :func:`env_str`, :func:`env_bool`, :func:`env_int`, :func:`env_float` and
 :func:`env_choice` are the one place the project parses environment variables: ``cpmeta.envs``
 and ``launch.envs`` use them too. Bad values raise ``ValueError("NAME: expected ..., got ...")``.
+Beside them, the constructors' shared argument checks, whose defaults come from here or from the
+process group: :func:`resolve_timeout`, :func:`resolve_group`, :func:`resolve_device`,
+:func:`is_rank`.
 
 | variable | meaning | default |
 |---|---|---|
