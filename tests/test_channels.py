@@ -364,3 +364,24 @@ def test_background_jobs_run_in_order_and_end_with_their_channel() -> None:
     gc.collect()
     helpers[0].join(5)
     assert not helpers[0].is_alive()
+
+
+def _switches(rank: int, world: int) -> list[str]:
+    out = []
+    for make in (lambda: ObjectChannel(None, 0, force_remote="no"), lambda: TensorChannel(None, 0, verify=1),
+                 lambda: ObjectChannel(None, torch.tensor(0)), lambda: TensorChannel(None, torch.tensor([0, 1]))):
+        try:
+            make()
+            out.append("made")
+        except (TypeError, ValueError) as e:
+            out.append(f"{type(e).__name__}: {e}")
+    return out
+
+
+def test_channel_switches_and_src_are_checked_by_name() -> None:
+    """``force_remote="no"`` was on (taken by its truth); a tensor ``src`` failed in torch's
+    ambiguous truth of a tensor comparison."""
+    (out,) = run_ranks(_switches, 1, timeout=60)
+    assert out[:2] == ["TypeError: force_remote: expected a bool (or None for the default), got 'no'",
+                       "TypeError: verify: expected a bool (or None for the default), got 1"], out
+    assert all(m.startswith("ValueError: src: global rank") for m in out[2:]), out

@@ -32,12 +32,12 @@ import torch
 import torch.distributed as dist
 
 from cpmeta.transport.coalesce import tensor_memoryview
-from cpmeta.transport.envs import ENV_TIMEOUT, resolve_device, resolve_group
+from cpmeta.transport.envs import ENV_TIMEOUT, check_flags, resolve_device, resolve_group
 
 from .. import envs
 from ..metadata import InputMetadata
 from . import wire
-from .channel import FrameChannel, Prepared, check_flags, resolve_src
+from .channel import FrameChannel, Prepared, resolve_src
 from .collect import collect, collect_dict, not_dense, value_failure
 from .follower import FollowerSide
 from .metrics import BroadcastMetrics, BroadcastStats

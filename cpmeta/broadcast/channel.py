@@ -45,7 +45,7 @@ from .wire import (FLAG_ABORT, FLAG_CRC, FLAG_LAYOUT, FLAG_PACKED, MAX_FRAME_DIM
                    MAX_VALUES_BYTES, DriverAbort, Frame, FrameMismatch, FrameReader, FrameWriter,
                    WireError, abort_values, blocks_at, pack_up, seal)
 
-__all__ = ["FrameChannel", "Prepared", "resolve_src", "check_flags"]
+__all__ = ["FrameChannel", "Prepared", "resolve_src"]
 
 _MALFORMED = (CodecError, WireError, KeyError, TypeError, ValueError, IndexError, struct.error)
 
@@ -325,14 +325,6 @@ class FrameChannel:
 
     def close(self) -> None:
         self.objects.close()
-
-
-def check_flags(**flags: Any) -> None:
-    """Each flag is a bool or None (a constructor's switches: ``checksum="no"`` would be on), else
-    ``TypeError`` naming it; checked before the constructor's first collective."""
-    for name, v in flags.items():
-        if v is not None and type(v) is not bool:
-            raise TypeError(f"{name}: expected a bool (or None for the default), got {v!r}")
 
 
 def resolve_src(group: Any, src: Optional[int], group_src: Optional[int]) -> int:

@@ -48,9 +48,9 @@ from ..builders.decode_sink import DecodeSink
 from ..builders.prompt import prepare_prompt
 from ..metadata import InputMetadata
 from ..state import BatchState, SequenceBatch
-from ..broadcast.channel import FrameChannel, check_flags, resolve_src
+from ..broadcast.channel import FrameChannel, resolve_src
 from ..transport import background, start_gather
-from ..transport.envs import ENV_TIMEOUT, resolve_device, resolve_group
+from ..transport.envs import ENV_TIMEOUT, check_flags, resolve_device, resolve_group
 from .apply import ReplicaError, apply_step, batches_of, one_or_many, warm_replay
 from .digest import batch_check, digest_call, first_difference, slots_differ, where_differs
 from .ops import COLUMNS, Columns

@@ -8,7 +8,7 @@ The typed parsers :func:`env_str`, :func:`env_bool`, :func:`env_int`, :func:`env
 and ``launch.envs`` use them too. Bad values raise ``ValueError("NAME: expected ..., got ...")``.
 Beside them, the constructors' shared argument checks, whose defaults come from here or from the
 process group: :func:`resolve_timeout`, :func:`resolve_group`, :func:`resolve_device`,
-:func:`is_rank`.
+:func:`is_rank`, :func:`check_flags`.
 
 | variable | meaning | default |
 |---|---|---|
@@ -51,6 +51,7 @@ __all__ = [
     "resolve_timeout",
     "resolve_group",
     "is_rank",
+    "check_flags",
     "resolve_device",
     "wait_seconds",
     "env_str",
@@ -214,6 +215,14 @@ def resolve_timeout(value: Timeout, name: str = "timeout") -> Optional[float]:
         raise ValueError(f"{name}: expected a finite number of seconds > 0 (at most {FOREVER_S:.0f}: ten "
                          f"years), or None to wait forever, got {value!r}")
     return float(value)
+
+
+def check_flags(**flags: object) -> None:
+    """Each flag is a bool or None (a constructor's switches: ``checksum="no"`` would be on), else
+    ``TypeError`` naming it; checked before the constructor's first collective."""
+    for name, v in flags.items():
+        if v is not None and type(v) is not bool:
+            raise TypeError(f"{name}: expected a bool (or None for the default), got {v!r}")
 
 
 def is_rank(v: object) -> bool:

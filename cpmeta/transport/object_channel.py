@@ -95,7 +95,8 @@ class ObjectChannel(RemotePath):
         self._reason_key = ""  # where src leaves why it stopped (transport._dist.post_reason)
         self.local_ranks: list[int] = []
         self.remote_ranks: list[int] = []
-        force = envs.force_remote() if force_remote is None else bool(force_remote)
+        envs.check_flags(force_remote=force_remote)
+        force = envs.force_remote() if force_remote is None else force_remote
         try:
             if store_of() is None:  # the exchange falls back to a gloo all_gather
                 self.ctrl = cpu_group(self.group, wait_s)

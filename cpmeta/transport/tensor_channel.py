@@ -73,6 +73,7 @@ class TensorChannel:
                  *, verify: Optional[bool] = None, reuse_buffers: bool = False,
                  timeout: envs.Timeout = envs.ENV_TIMEOUT) -> None:
         self.timeout = envs.resolve_timeout(timeout)  # first: a bad value is refused before any use
+        envs.check_flags(verify=verify, reuse_buffers=reuse_buffers)
         self.group = envs.resolve_group(group)
         self.src = src
         self.rank = dist.get_rank()
