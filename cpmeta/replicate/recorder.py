@@ -253,6 +253,8 @@ class Recorder(ABC):
         check_placeholders(num_placeholders)
         check_bool("advance", advance)
         slots_a, lens = _ints("slots", slots), _ints("chunk_lens", chunk_lens)
+        if self._defer and (len(lens) != len(slots_a) or len(lens) and int(lens.min()) < 1):
+            raise ValueError(f"chunk_lens: expected {len(slots_a)} chunk lengths >= 1, got {lens.tolist()[:8]}")
         batch = None if self._defer else \
             self.state.prompt_batch(slots_a, lens, num_placeholders=num_placeholders, advance=advance)
         self._spec_recorded(batch, StepSpec(True, slots_a, lens, None, None, int(num_placeholders),
