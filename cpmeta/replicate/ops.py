@@ -32,7 +32,7 @@ run code    columns (int64; ragged ones flat with counts)          applied as
 
 from __future__ import annotations
 
-from typing import Any, Hashable, NamedTuple
+from typing import Any, Hashable, NamedTuple, Optional
 
 import numpy as np
 
@@ -101,6 +101,18 @@ def flat_ints(values: Any) -> np.ndarray:
     return a if a.ndim == 1 else a.reshape(-1)
 
 
+def _negative_id(what: str, ids: np.ndarray, counts: np.ndarray, owners: Optional[list[Any]] = None) -> None:
+    """Raise the ``ValueError`` naming the first negative id of the flat ``ids`` (``counts[i]``
+    of them per owner, ``what`` formatted with owner ``i``): error path only. Example: ids ``[4,
+    -1]``, counts ``[1, 1]``, owners ``[3, 5]``, ``"slot {}: tokens"`` -> ``slot 5: tokens:
+    expected ids >= 0, got -1 at index 0``."""
+    f = int(np.flatnonzero(ids < 0)[0])
+    i = int(np.searchsorted(np.cumsum(counts), f, side="right"))
+    at = f - int(counts[:i].sum())
+    who = what.format(repr(owners[i])) if owners is not None else what
+    raise ValueError(f"{who}: expected ids >= 0, got {int(ids[f])} at index {at}")
+
+
 class OpLog:
     """The driver's record of one step (see the module docstring) in ONE preallocated int64
     buffer, every call one compiled kernel (:mod:`cpmeta.replicate.ops_njit`: the values
@@ -166,8 +178,9 @@ class OpLog:
             swa_valid_start: int, num_computed: int) -> None:
         tokens, blocks, comp = flat_ints(tokens), flat_ints(blocks), flat_ints(comp)
         m = np.array((slot, state_id, swa_valid_start, num_computed, len(tokens), len(blocks), len(comp)), np.int64)
-        self._call(log_add, self._seen, self._st, ADD, m[:1], m[1:4].reshape(3, 1), tokens, m[4:5], blocks, m[5:6],
-                   comp, m[6:7])
+        if self._call(log_add, self._seen, self._st, ADD, m[:1], m[1:4].reshape(3, 1), tokens, m[4:5], blocks, m[5:6],
+                      comp, m[6:7]):
+            _negative_id(f"request {req_id!r}: prompt_token_ids", tokens, m[4:5])
         self.req_ids.append(req_id)
 
     def add_many(self, slots: np.ndarray, req_ids: list[Hashable], scalars: np.ndarray, tokens: np.ndarray,
@@ -177,6 +190,8 @@ class OpLog:
         ``cc[i]`` of the flat ``tokens`` / ``blocks`` / ``comp``. Counts that are not ``n`` values
         ``>= 0`` summing to their ids: ``ValueError`` naming them, nothing recorded."""
         got = self._call(log_add, self._seen, self._st, ADD, slots, scalars, tokens, tc, blocks, bc, comp, cc)
+        if got == -4:
+            _negative_id("request {}: prompt_token_ids", tokens, tc, req_ids)
         if got:
             what, ids = (("token", tokens), ("block", blocks), ("compressed", comp))[-1 - got]
             raise ValueError(f"{what}_counts: expected {len(slots)} counts >= 0 summing to {len(ids)} {what}_ids")
@@ -185,9 +200,13 @@ class OpLog:
     def ragged(self, code: int, slots: Any, counts: Any, flat: np.ndarray) -> bool:
         """TOK / BLK / CMP entries: ``counts[i]`` values of ``flat`` for ``slots[i]`` (arrays,
         or one slot and its count: a single-slot call). True (nothing recorded) when the counts
-        are not one per slot, ``>= 0``, summing to ``len(flat)``."""
-        return self._call(log_ragged, self._seen, self._st, code, _RAGGED[code], flat_ints(slots), flat_ints(counts),
-                          flat_ints(flat)) < 0
+        are not one per slot, ``>= 0``, summing to ``len(flat)``; a negative token id is a
+        ``ValueError`` naming its slot (nothing recorded)."""
+        s, c, v = flat_ints(slots), flat_ints(counts), flat_ints(flat)
+        got = self._call(log_ragged, self._seen, self._st, code, _RAGGED[code], s, c, v, code == TOK)
+        if got == -2:
+            _negative_id("slot {}: tokens", v, c, s.tolist())
+        return got < 0
 
     def pair(self, code: int, slot: int, value: int) -> None:
         self._call(log_pair, self._seen, self._st, code, _SID if code == SID else _SVS,

@@ -104,13 +104,24 @@ def _counts_ok(counts: np.ndarray, k: int, total: int) -> bool:
 
 
 @kernel
+def _ids_ok(values: np.ndarray) -> bool:
+    """Every id ``>= 0`` (token ids: what the state's apply would refuse)."""
+    for v in values:
+        if v < 0:
+            return False
+    return True
+
+
+@kernel
 def log_ragged(flat: np.ndarray, off: np.ndarray, cap: np.ndarray, n: np.ndarray, seen: np.ndarray, st: np.ndarray,
-               code: int, c: int, slots: np.ndarray, counts: np.ndarray, values: np.ndarray) -> int:
+               code: int, c: int, slots: np.ndarray, counts: np.ndarray, values: np.ndarray, ids: bool) -> int:
     """``TOK`` / ``BLK`` / ``CMP`` entries: slots at column ``c``, counts at ``c + 1``, the flat
     values at ``c + 2``; -1 (nothing written) when the counts are not one per slot, ``>= 0``,
-    summing to the values."""
+    summing to the values, -2 when ``ids`` and a value is negative."""
     if not _counts_ok(counts, len(slots), len(values)):
         return -1
+    if ids and not _ids_ok(values):
+        return -2
     lack = _lack(cap, n, ((RUNS, 2), (c, len(slots)), (c + 1, len(counts)), (c + 2, len(values))))
     if lack == OK:
         _entry(flat, off, n, seen, st, code, slots, len(slots))
@@ -127,7 +138,7 @@ def log_add(flat: np.ndarray, off: np.ndarray, cap: np.ndarray, n: np.ndarray, s
     ``blocks`` / ``comp``. Writes the ``add_meta`` rows (slot, state id, valid start, num
     computed, #tokens, #blocks, #compressed) and the flat ids. ``-1`` / ``-2`` / ``-3`` (nothing
     written) when the token / block / compressed counts are not ``k`` values ``>= 0`` summing
-    to their ids."""
+    to their ids, ``-4`` when a token id is negative."""
     k = len(slots)
     if not _counts_ok(tc, k, len(tokens)):
         return -1
@@ -135,6 +146,8 @@ def log_add(flat: np.ndarray, off: np.ndarray, cap: np.ndarray, n: np.ndarray, s
         return -2
     if not _counts_ok(cc, k, len(comp)):
         return -3
+    if not _ids_ok(tokens):
+        return -4
     lack = _lack(cap, n, ((RUNS, 2), (ADD_META, 7 * k), (ADD_TOKENS, len(tokens)), (ADD_TOKENS + 1, len(blocks)),
                           (ADD_TOKENS + 2, len(comp))))
     if lack == OK:
