@@ -16,8 +16,8 @@ import torch
 
 from .constants import INT32_MAX
 
-__all__ = ["MetadataConfig", "YOCO_MODES", "check_config", "blocks_needed", "blocks_needed_array", "blocks_needed_tensor",
-           "seqlen_k_covered"]
+__all__ = ["MetadataConfig", "YOCO_MODES", "check_config", "blocks_needed", "blocks_needed_array",
+           "blocks_needed_tensor", "seqlen_k_covered"]
 
 YOCO_MODES = ("mask", "compact")
 

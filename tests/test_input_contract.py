@@ -366,7 +366,8 @@ def test_a_wrong_config_or_flag_is_named_before_it_is_used() -> None:
             (lambda: prepare_decode([], "cfg"), TypeError, "cfg: expected a MetadataConfig, got str"),
             (lambda: BatchState({"block_size": 4}, 2), TypeError, "cfg: expected a MetadataConfig, got dict"),
             (lambda: md.compute_attn_info(None), TypeError, "cfg: expected a MetadataConfig"),
-            (lambda: cpmeta.prepare(batch, cfg, is_prompt="no"), TypeError, "is_prompt: expected a bool or None, got 'no'"),
+            (lambda: cpmeta.prepare(batch, cfg, is_prompt="no"), TypeError,
+             "is_prompt: expected a bool or None, got 'no'"),
             (lambda: cpmeta.OutputArenas(float("inf")), TypeError, "max_shapes: expected an int, got inf"),
             (lambda: cpmeta.cp_kv_read_plan(md, cfg, cp_rank=2**63), ValueError,
              re.escape("cp_rank: expected 0 <= cp_rank < 2**31, got 9223372036854775808"))):
