@@ -801,6 +801,8 @@ def _deferred_bad_arguments(rank: int, world: int) -> list[str]:
                          lambda: rep.prompt_batch([a], [0]),
                          lambda: rep.append_tokens(a, [5, -1]),  # (a rejected draft's -1, say)
                          lambda: rep.add_request("b", [1, -2], [6], 1),
+                         lambda: rep.add_request("a", [1], [6], 1),  # was: refused at sync, every replica broken
+                         lambda: rep.finish(3),
                          lambda: rep.add_requests_batch("bc", [1, 2], [1, 1], [6, 7], [1, 1], [2, 3])):  # was: 'b', 'c'
                 try:
                     call()
@@ -818,7 +820,7 @@ def _deferred_bad_arguments(rank: int, world: int) -> list[str]:
 
 def test_deferred_calls_refuse_bad_arguments_at_the_call() -> None:
     drv, fol = run_ranks(_deferred_bad_arguments, 2, timeout=120)
-    assert drv[:14] == [
+    assert drv[:16] == [
         "TypeError: request 'b': block_table: expected ints, got <U1 values",
         "TypeError: request 'b': state_id: expected an int, got 1.5",
         "TypeError: slot: expected an int, got 1.5",
@@ -832,5 +834,7 @@ def test_deferred_calls_refuse_bad_arguments_at_the_call() -> None:
         "ValueError: chunk_lens: expected 1 chunk lengths >= 1, got [0]",
         "ValueError: slot 0: tokens: expected ids >= 0, got -1 at index 1",
         "ValueError: request 'b': prompt_token_ids: expected ids >= 0, got -2 at index 1",
+        "ValueError: request 'a': already in the batch state (slot 0)",
+        "ValueError: slot 3: no live request there",
         "TypeError: req_ids: expected a sequence of request ids, got 'bc'"], drv
-    assert drv[14:] == ["slots 0 1", "c in slot 1"] and fol == ["c in slot 1"], (drv, fol)
+    assert drv[16:] == ["slots 0 1", "c in slot 1"] and fol == ["c in slot 1"], (drv, fol)

@@ -68,6 +68,10 @@ class Recorder(ABC):
         #: (``_free_model`` predicts ``add_request``'s slots: the state's hand-out order)
         self._defer = defer
         self._free_model = self.state.free_slots()
+        #: defer_apply: the live requests as the recorded calls leave them (id -> slot, and each
+        #: slot's id or None), for refusing an id already live or a finish of a free slot at the call
+        self._owner: list[Any] = [self.state.request_of(s) for s in range(n)]
+        self._live_model: dict[Hashable, int] = {r: s for s, r in enumerate(self._owner) if r is not None}
         self._log = OpLog(n)  # this step's calls, up to and with its last batch spec
         self._next = OpLog(n)  # calls made after the last spec: the next step's first ops
         self._batches: list[Optional[SequenceBatch]] = []  # None: deferred (made at sync)
@@ -96,6 +100,7 @@ class Recorder(ABC):
         self._driver("add_request")
         rid = _request_id(req_id)
         if self._defer:  # the state's argument checks now, its checks against the replica at sync
+            self._new_ids([rid])
             if not self._free_model:
                 raise ValueError(f"request {rid!r}: all max_seqs={self.state.max_seqs} slots are in use")
             for name, v in (("state_id", state_id), ("swa_valid_start", swa_valid_start),
@@ -106,6 +111,7 @@ class Recorder(ABC):
                 ("compressed_token_ids", compressed_token_ids)))
             s = self._free_model[-1]
             self._rec.add(s, rid, toks, blocks, comp, int(state_id), int(swa_valid_start), int(num_computed))
+            self._live_model[rid], self._owner[s] = s, rid
             return self._free_model.pop()  # (a refused call takes no slot)
         st = self.state
         s = st.add_request(rid, prompt_token_ids, block_table, state_id,
@@ -129,6 +135,7 @@ class Recorder(ABC):
         rids = [_request_id(r) for r in id_list(req_ids)]
         n = len(rids)
         if self._defer:  # recorded only: the replica's one call checks the values at sync
+            self._new_ids(rids)
             if n > len(self._free_model):
                 raise ValueError(f"request {rids[len(self._free_model)]!r}: all max_seqs={self.state.max_seqs} "
                                  "slots are in use")
@@ -138,6 +145,8 @@ class Recorder(ABC):
             slots = np.array(next_free(free, n), np.int64)
             self._rec.add_many(slots, rids, scal, *flat)  # counts checked as the replica's add would
             del free[len(free) - n:]
+            for r, s in zip(rids, slots.tolist()):
+                self._live_model[r], self._owner[s] = s, r
             return slots
         st = self.state
         slots = st.add_requests_batch(rids, token_ids, token_counts, block_ids, block_counts, state_ids,
@@ -197,6 +206,33 @@ class Recorder(ABC):
         if self._rec.ragged(code, slots, counts, values):
             raise ValueError(f"counts: expected {len(slots)} counts >= 0 summing to {len(values)} {what}")
 
+    def _new_ids(self, rids: list[Any]) -> None:
+        """With ``defer_apply``: ``ValueError`` (the state's message) for an id live in the model
+        or given twice (the replica's add would refuse it at sync, breaking every replica)."""
+        taken: dict[Any, int] = {}
+        for i, r in enumerate(rids):
+            if r in self._live_model:
+                raise ValueError(f"request {r!r}: already in the batch state (slot {self._live_model[r]})")
+            if taken.setdefault(r, i) != i:
+                raise ValueError(f"request {r!r}: given twice in one add_requests_batch call (positions "
+                                 f"{taken[r]} and {i})")
+
+    def _finished(self, slots: np.ndarray) -> None:
+        """With ``defer_apply``: the model's requests in ``slots`` leave it (``ValueError``, the
+        state's message, for a free slot or one given twice: nothing changes); their slots are
+        free again in the hand-out order."""
+        owner, given = self._owner, slots.tolist()
+        free = [s for s in given if not 0 <= s < len(owner) or owner[s] is None]
+        if free:
+            raise ValueError(f"slots: expected slots of live requests, got {free[:4]} without one")
+        if len(set(given)) != len(given):
+            s = next(s for i, s in enumerate(given) if s in given[:i])
+            raise ValueError(f"slots: request {owner[s]!r} (slot {s}) appears twice in one step")
+        for s in given:
+            del self._live_model[owner[s]]
+            owner[s] = None
+        self._free_model += given
+
     def _slot(self, slot: Any) -> int:
         """A deferred one-slot call's slot: an int (never a float taken as one) in ``[0, max_seqs)``."""
         if type(slot) is not int:
@@ -227,7 +263,9 @@ class Recorder(ABC):
         self._driver("finish")
         if self._defer:
             s = self._slot(slot)
-            self._free_model.append(s)
+            if self._owner[s] is None:
+                raise ValueError(f"slot {s}: no live request there")
+            self._finished(np.array((s,), np.int64))
         else:
             self.state.finish(slot)
             s = int(slot)
@@ -240,7 +278,7 @@ class Recorder(ABC):
         if not len(s):
             return
         if self._defer:
-            self._free_model += s.tolist()
+            self._finished(s)
         else:
             self.state.finish_batch(s)
         self._rec.finish(s)
