@@ -18,7 +18,7 @@ import numpy as np
 
 from ..state import BatchState, SequenceBatch
 from ..state.checks import as_int_array, check_bool, check_int_arg, check_placeholders, is_draft_count
-from ..state.requests import add_arguments, id_list, next_free
+from ..state.requests import add_arguments, check_new_ids, id_list, next_free
 from .ops import BLK, CMP, COLUMNS, SID, SPEC_WORDS, SVS, TOK, Columns, OpLog, flat_ints
 
 __all__ = ["Recorder", "StepSpec", "specs_of"]
@@ -100,7 +100,7 @@ class Recorder(ABC):
         self._driver("add_request")
         rid = _request_id(req_id)
         if self._defer:  # the state's argument checks now, its checks against the replica at sync
-            self._new_ids([rid])
+            check_new_ids([rid], self._live_model)
             if not self._free_model:
                 raise ValueError(f"request {rid!r}: all max_seqs={self.state.max_seqs} slots are in use")
             for name, v in (("state_id", state_id), ("swa_valid_start", swa_valid_start),
@@ -135,7 +135,7 @@ class Recorder(ABC):
         rids = [_request_id(r) for r in id_list(req_ids)]
         n = len(rids)
         if self._defer:  # recorded only: the replica's one call checks the values at sync
-            self._new_ids(rids)
+            check_new_ids(rids, self._live_model)
             if n > len(self._free_model):
                 raise ValueError(f"request {rids[len(self._free_model)]!r}: all max_seqs={self.state.max_seqs} "
                                  "slots are in use")
@@ -205,17 +205,6 @@ class Recorder(ABC):
             call(slots, values, counts)
         if self._rec.ragged(code, slots, counts, values):
             raise ValueError(f"counts: expected {len(slots)} counts >= 0 summing to {len(values)} {what}")
-
-    def _new_ids(self, rids: list[Any]) -> None:
-        """With ``defer_apply``: ``ValueError`` (the state's message) for an id live in the model
-        or given twice (the replica's add would refuse it at sync, breaking every replica)."""
-        taken: dict[Any, int] = {}
-        for i, r in enumerate(rids):
-            if r in self._live_model:
-                raise ValueError(f"request {r!r}: already in the batch state (slot {self._live_model[r]})")
-            if taken.setdefault(r, i) != i:
-                raise ValueError(f"request {r!r}: given twice in one add_requests_batch call (positions "
-                                 f"{taken[r]} and {i})")
 
     def _finished(self, slots: np.ndarray) -> None:
         """With ``defer_apply``: the model's requests in ``slots`` leave it (``ValueError``, the

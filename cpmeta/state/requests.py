@@ -8,7 +8,7 @@ before anything changes, and a refusal names the request and the field or limit.
 
 from __future__ import annotations
 
-from typing import Any, Hashable, Optional, Sequence
+from typing import Any, Hashable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -17,7 +17,7 @@ from .requests_njit import E_COMPUTED, E_EMPTY, E_FULL, E_STATE_HELD, add_rows, 
 from .state_njit import E_CAPACITY, E_COUNTS, E_NEGATIVE_ID
 from .store import StateStore
 
-__all__ = ["RequestBook", "add_arguments", "next_free", "id_list"]
+__all__ = ["RequestBook", "add_arguments", "next_free", "id_list", "check_new_ids"]
 
 _EMPTY = np.zeros(0, np.int64)
 
@@ -36,7 +36,7 @@ class RequestBook(StateStore):
         request may hold ``state_id`` (both would write the same ``slot_mapping_store_swa``
         slots; without the cache state ids are read by no field and may repeat). Nothing
         changes when a check fails or a limit is exceeded."""
-        self._check_new_ids([req_id])
+        check_new_ids([req_id], self._slot)
         if not self._free:
             raise ValueError(f"request {req_id!r}: all max_seqs={self.max_seqs} slots are in use")
         check_int_arg("state_id", state_id, req_id)
@@ -66,7 +66,7 @@ class RequestBook(StateStore):
         the requests. Example: ``st.add_requests_batch(["a", "b"], [5, 6, 7], [2, 1], [3, 9],
         [1, 1], [0, 1])`` -> slots ``[0, 1]``: "a" holds prompt ``[5, 6]`` and table ``[3]``."""
         ids = id_list(req_ids)
-        self._check_new_ids(ids)
+        check_new_ids(ids, self._slot)
         flat, scalars = add_arguments(len(ids), token_ids, token_counts, block_ids, block_counts, state_ids,
                                       compressed_ids, compressed_counts, swa_valid_starts, num_computed)
         toks, tc, blocks, bc, comp, cc = flat
@@ -77,21 +77,8 @@ class RequestBook(StateStore):
         """``add_requests_batch`` of arguments already as :func:`add_arguments` makes them
         (contiguous int64: the flat ids and counts, ``[3, n]`` scalars): a replica applying a
         step frame's columns (``cpmeta.replicate.apply``). The same checks and messages."""
-        self._check_new_ids(ids)
+        check_new_ids(ids, self._slot)
         return self._add(ids, toks, tc, blocks, bc, comp, cc, scalars)
-
-    def _check_new_ids(self, ids: list[Any]) -> None:
-        """``ValueError`` for an id already in the state or given twice in one call."""
-        taken: dict[Hashable, int] = {}
-        for i, r in enumerate(ids):
-            if getattr(r, "__hash__", None) is None:  # (a list, a dict, a numpy array)
-                raise TypeError(f"request {r!r}: a request id is hashable (an int, a str, ...), got "
-                                f"{type(r).__name__}")
-            if r in self._slot:
-                raise ValueError(f"request {r!r}: already in the batch state (slot {self._slot[r]})")
-            if taken.setdefault(r, i) != i:
-                raise ValueError(f"request {r!r}: given twice in one add_requests_batch call (positions "
-                                 f"{taken[r]} and {i})")
 
     def _add(self, ids: list[Any], toks: np.ndarray, tc: np.ndarray, blocks: np.ndarray, bc: np.ndarray,
              comp: np.ndarray, cc: np.ndarray, scalars: np.ndarray) -> np.ndarray:
@@ -213,6 +200,22 @@ def next_free(free: list[int], n: int) -> list[int]:
     """The slots the next ``n`` adds take from the free list ``free`` (``free_slots()``'s order:
     the last first); fewer when fewer are free. Example: ``next_free([7, 6, 5], 2)`` -> ``[5, 6]``."""
     return free[::-1][:n]
+
+
+def check_new_ids(ids: list[Any], live: Mapping[Hashable, int]) -> None:
+    """``ValueError`` for an id already live (``live``: id -> slot) or given twice in one call,
+    ``TypeError`` for one that is not hashable. Shared by the state and the replicated
+    recorder's model of it (``defer_apply``), so both refuse with the same message."""
+    taken: dict[Hashable, int] = {}
+    for i, r in enumerate(ids):
+        if getattr(r, "__hash__", None) is None:  # (a list, a dict, a numpy array)
+            raise TypeError(f"request {r!r}: a request id is hashable (an int, a str, ...), got "
+                            f"{type(r).__name__}")
+        if r in live:
+            raise ValueError(f"request {r!r}: already in the batch state (slot {live[r]})")
+        if taken.setdefault(r, i) != i:
+            raise ValueError(f"request {r!r}: given twice in one add_requests_batch call (positions "
+                             f"{taken[r]} and {i})")
 
 
 def id_list(req_ids: Any) -> list[Any]:
