@@ -51,7 +51,6 @@ import ctypes
 import errno
 import logging
 import mmap
-import numbers
 import os
 import secrets
 import sys
@@ -80,9 +79,9 @@ _MMAP_KW: dict[str, Any] = {"trackfd": False} if sys.version_info >= (3, 13) els
 
 def _check_count(name: str, v: object) -> None:
     """An int argument within int32 (a numpy integer counts, a bool does not), else named."""
-    if not isinstance(v, numbers.Integral) or isinstance(v, bool):
+    if not envs.is_rank(v):
         raise TypeError(f"{name}: expected an int, got {v!r}")
-    if not -(1 << 31) <= int(v) < 1 << 31:
+    if not -(1 << 31) <= int(v) < 1 << 31:  # type: ignore[call-overload]  # (is_rank: an Integral)
         raise ValueError(f"{name}: expected an int within int32, got {v}")
 
 
