@@ -755,7 +755,7 @@ def _deferred_refusal(rank: int, world: int) -> list[str]:
         batch = rep.sync()
         seen.append(f"n={len(batch)}")
         if rank == 0:
-            rep.append_tokens(3, [7])  # slot 3 holds no request: recorded, sent, refused by every state
+            rep.append_tokens(a, [7] * 1100)  # past max_tokens: recorded, sent, refused by every state
         for _ in range(2):
             try:
                 rep.sync()
@@ -770,7 +770,7 @@ def test_deferred_apply_refused_call_breaks_every_replica() -> None:
     assert out[0][:3] == ["slot 0", "at once: num_placeholders: expected <= 65536 (rows padding one batch), got "
                           "2147483648", "n=1"] and out[1][0] == "n=1", out
     assert out[0][3].startswith("ValueError: ReplicatedBatchState (defer_apply): step 2: the state refused"), out[0]
-    assert "got [3] without one" in out[0][3] and "rebuild" in out[0][3], out[0]
+    assert "1103 tokens exceed max_tokens=1024" in out[0][3] and "rebuild" in out[0][3], out[0]
     assert out[1][1].startswith("RuntimeError: rank 1: step 2: this replica cannot apply") and \
         "refused it too" in out[1][1], out[1]
     for seen in out:  # and every later step is refused
@@ -803,6 +803,11 @@ def _deferred_bad_arguments(rank: int, world: int) -> list[str]:
                          lambda: rep.add_request("b", [1, -2], [6], 1),
                          lambda: rep.add_request("a", [1], [6], 1),  # was: refused at sync, every replica broken
                          lambda: rep.finish(3),
+                         lambda: rep.append_tokens(2, [7]),  # was: refused at sync (no request there)
+                         lambda: rep.append_tokens_batch([a, 3], [7, 8], [1, 1]),
+                         lambda: rep.set_state_id(1, 5),
+                         lambda: rep.decode_batch([a, a]),
+                         lambda: rep.prompt_batch([2], [1]),
                          lambda: rep.add_requests_batch("bc", [1, 2], [1, 1], [6, 7], [1, 1], [2, 3])):  # was: 'b', 'c'
                 try:
                     call()
@@ -820,7 +825,7 @@ def _deferred_bad_arguments(rank: int, world: int) -> list[str]:
 
 def test_deferred_calls_refuse_bad_arguments_at_the_call() -> None:
     drv, fol = run_ranks(_deferred_bad_arguments, 2, timeout=120)
-    assert drv[:16] == [
+    assert drv[:21] == [
         "TypeError: request 'b': block_table: expected ints, got <U1 values",
         "TypeError: request 'b': state_id: expected an int, got 1.5",
         "TypeError: slot: expected an int, got 1.5",
@@ -836,5 +841,10 @@ def test_deferred_calls_refuse_bad_arguments_at_the_call() -> None:
         "ValueError: request 'b': prompt_token_ids: expected ids >= 0, got -2 at index 1",
         "ValueError: request 'a': already in the batch state (slot 0)",
         "ValueError: slot 3: no live request there",
+        "ValueError: slot 2: no live request there",
+        "ValueError: slots: expected slots of live requests, got [3] without one",
+        "ValueError: slot 1: no live request there",
+        "ValueError: slots: request 'a' (slot 0) appears twice in one step",
+        "ValueError: slots: expected slots of live requests, got [2] without one",
         "TypeError: req_ids: expected a sequence of request ids, got 'bc'"], drv
-    assert drv[16:] == ["slots 0 1", "c in slot 1"] and fol == ["c in slot 1"], (drv, fol)
+    assert drv[21:] == ["slots 0 1", "c in slot 1"] and fol == ["c in slot 1"], (drv, fol)

@@ -19,6 +19,8 @@ import numpy as np
 from ..state import BatchState, SequenceBatch
 from ..state.checks import as_int_array, check_bool, check_int_arg, check_placeholders, is_draft_count
 from ..state.requests import add_arguments, check_new_ids, id_list, next_free
+from ..state.state_njit import check_slots
+from ..state.store import raise_slots
 from .ops import BLK, CMP, COLUMNS, SID, SPEC_WORDS, SVS, TOK, Columns, OpLog, flat_ints
 
 __all__ = ["Recorder", "StepSpec", "specs_of"]
@@ -68,10 +70,13 @@ class Recorder(ABC):
         #: (``_free_model`` predicts ``add_request``'s slots: the state's hand-out order)
         self._defer = defer
         self._free_model = self.state.free_slots()
-        #: defer_apply: the live requests as the recorded calls leave them (id -> slot, and each
-        #: slot's id or None), for refusing an id already live or a finish of a free slot at the call
+        #: defer_apply: the live requests as the recorded calls leave them (id -> slot, each
+        #: slot's id or None, and as a mask), for refusing at the call an id already live and a
+        #: slot without a live request (appended to, batched, finished, given twice)
         self._owner: list[Any] = [self.state.request_of(s) for s in range(n)]
         self._live_model: dict[Hashable, int] = {r: s for s, r in enumerate(self._owner) if r is not None}
+        self._active = np.array([r is not None for r in self._owner], bool)
+        self._mark, self._err = np.zeros(n, np.int64), np.zeros(4, np.int64)  # check_slots' scratch
         self._log = OpLog(n)  # this step's calls, up to and with its last batch spec
         self._next = OpLog(n)  # calls made after the last spec: the next step's first ops
         self._batches: list[Optional[SequenceBatch]] = []  # None: deferred (made at sync)
@@ -111,7 +116,7 @@ class Recorder(ABC):
                 ("compressed_token_ids", compressed_token_ids)))
             s = self._free_model[-1]
             self._rec.add(s, rid, toks, blocks, comp, int(state_id), int(swa_valid_start), int(num_computed))
-            self._live_model[rid], self._owner[s] = s, rid
+            self._live_model[rid], self._owner[s], self._active[s] = s, rid, True
             return self._free_model.pop()  # (a refused call takes no slot)
         st = self.state
         s = st.add_request(rid, prompt_token_ids, block_table, state_id,
@@ -147,6 +152,7 @@ class Recorder(ABC):
             del free[len(free) - n:]
             for r, s in zip(rids, slots.tolist()):
                 self._live_model[r], self._owner[s] = s, r
+            self._active[slots] = True
             return slots
         st = self.state
         slots = st.add_requests_batch(rids, token_ids, token_counts, block_ids, block_counts, state_ids,
@@ -185,8 +191,8 @@ class Recorder(ABC):
 
     def _append_one(self, code: int, call: Callable[..., Any], slot: Any, values: Any, what: str) -> None:
         """A one-slot append: made on the replica (it checks), or with ``defer_apply`` its
-        arguments checked as the replica's call checks them (whether a request lives in the
-        slot: the replica's check at sync) -- then recorded."""
+        arguments checked as the replica's call checks them (its slot against the live model,
+        its capacity: the replica's check at sync) -- then recorded."""
         if self._defer:
             s, v = self._slot(slot), as_int_array(what, values)
         else:
@@ -196,37 +202,41 @@ class Recorder(ABC):
 
     def _append_many(self, code: int, call: Callable[..., Any], slots: Any, values: Any, counts: Any,
                      what: str) -> None:
-        """A batch append, as :meth:`_append_one` (with ``defer_apply``: ints only, the counts
-        ``>= 0`` summing to the values, checked as they are recorded)."""
+        """A batch append, as :meth:`_append_one` (with ``defer_apply``: ints only, live distinct
+        slots, the counts ``>= 0`` summing to the values, checked as they are recorded)."""
         if self._defer:
             slots, counts, values = as_int_array("slots", slots), as_int_array("counts", counts), \
                 as_int_array(what, values)
+            self._live_slots(slots)
         else:
             call(slots, values, counts)
         if self._rec.ragged(code, slots, counts, values):
             raise ValueError(f"counts: expected {len(slots)} counts >= 0 summing to {len(values)} {what}")
 
+    def _live_slots(self, slots: np.ndarray) -> None:
+        """With ``defer_apply``: ``slots`` (int64) are distinct slots of the model's live
+        requests (``ValueError``, the state's message, naming the first that is not)."""
+        if check_slots(slots, self._active, self._mark, self._err):
+            raise_slots(slots, self._active, self._owner)
+
     def _finished(self, slots: np.ndarray) -> None:
-        """With ``defer_apply``: the model's requests in ``slots`` leave it (``ValueError``, the
-        state's message, for a free slot or one given twice: nothing changes); their slots are
-        free again in the hand-out order."""
-        owner, given = self._owner, slots.tolist()
-        free = [s for s in given if not 0 <= s < len(owner) or owner[s] is None]
-        if free:
-            raise ValueError(f"slots: expected slots of live requests, got {free[:4]} without one")
-        if len(set(given)) != len(given):
-            s = next(s for i, s in enumerate(given) if s in given[:i])
-            raise ValueError(f"slots: request {owner[s]!r} (slot {s}) appears twice in one step")
+        """With ``defer_apply``: the model's requests in ``slots`` leave it (a free slot or one
+        given twice: ``ValueError``, nothing changes); their slots are free again in the
+        hand-out order."""
+        self._live_slots(slots)
+        given = slots.tolist()
         for s in given:
-            del self._live_model[owner[s]]
-            owner[s] = None
+            del self._live_model[self._owner[s]]
+            self._owner[s] = None
+        self._active[slots] = False
         self._free_model += given
 
     def _slot(self, slot: Any) -> int:
-        """A deferred one-slot call's slot: an int (never a float taken as one) in ``[0, max_seqs)``."""
+        """A deferred one-slot call's slot: an int (never a float taken as one) holding a live
+        request of the model (the state's message otherwise)."""
         if type(slot) is not int:
             check_int_arg("slot", slot)
-        if not 0 <= slot < self.state.max_seqs:
+        if not 0 <= slot < self.state.max_seqs or self._owner[slot] is None:
             raise ValueError(f"slot {slot}: no live request there")
         return int(slot)
 
@@ -252,8 +262,6 @@ class Recorder(ABC):
         self._driver("finish")
         if self._defer:
             s = self._slot(slot)
-            if self._owner[s] is None:
-                raise ValueError(f"slot {s}: no live request there")
             self._finished(np.array((s,), np.int64))
         else:
             self.state.finish(slot)
@@ -280,6 +288,8 @@ class Recorder(ABC):
         check_placeholders(num_placeholders)
         check_bool("advance", advance)
         slots_a, lens = _ints("slots", slots), _ints("chunk_lens", chunk_lens)
+        if self._defer:
+            self._live_slots(slots_a)
         if self._defer and (len(lens) != len(slots_a) or len(lens) and int(lens.min()) < 1):
             raise ValueError(f"chunk_lens: expected {len(slots_a)} chunk lengths >= 1, got {lens.tolist()[:8]}")
         batch = None if self._defer else \
@@ -296,6 +306,8 @@ class Recorder(ABC):
         batch = None if self._defer else \
             self.state.decode_batch(slots, draft_tokens, num_drafts, num_placeholders=num_placeholders)
         slots_a = _ints("slots", slots)
+        if self._defer:
+            self._live_slots(slots_a)
         drafts = _EMPTY if draft_tokens is None else _ints("draft_tokens", draft_tokens)
         nd = num_drafts
         uniform = -2 if nd is None else int(nd) if is_draft_count(nd) else -1

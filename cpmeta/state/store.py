@@ -45,7 +45,7 @@ from .state_njit import (
     M_TOKENS, M_VALID_START, N_META, NO_BAD, state_params,
 )
 
-__all__ = ["StateStore"]
+__all__ = ["StateStore", "raise_slots"]
 
 _A = np.ndarray
 KernelArrays = tuple[_A, _A, _A, _A, _A, _A, _A, _A]  # :meth:`StateStore.kernel_arrays`, eight arrays
@@ -159,17 +159,8 @@ class StateStore:
 
     # ---- the kernels' error codes as messages (error path only) -----------------------------
     def _raise_slots(self, slots: np.ndarray) -> None:
-        """``ValueError("slots: ...")`` when ``slots`` holds a slot without a live request or one
-        slot twice (the first repeated position names its request); nothing when they are fine."""
-        ok = (slots >= 0) & (slots < self.max_seqs)
-        ok[ok] = self.active[slots[ok]]
-        if not ok.all():
-            raise ValueError(f"slots: expected slots of live requests, got {slots[~ok].tolist()[:4]} without one")
-        _, first = np.unique(slots, return_index=True)
-        rep = np.setdiff1d(np.arange(len(slots)), first)
-        if rep.size:
-            s = int(slots[rep[0]])
-            raise ValueError(f"slots: request {self._req[s]!r} (slot {s}) appears twice in one step")
+        """:func:`raise_slots` over this state's live requests."""
+        raise_slots(slots, self.active, self._req)
 
     def _raise_append(self, code: int, slots: np.ndarray, n_values: int, what: str, name: str) -> None:
         """The message of an :func:`~cpmeta.state.state_njit.append_rows` code other than the
@@ -181,3 +172,19 @@ class StateStore:
         assert code == E_CAPACITY, code
         _, i, new, cap = self._err.tolist()
         self._fits(self._req[int(slots[i])], what, new, cap, name)
+
+
+def raise_slots(slots: np.ndarray, active: np.ndarray, req: list[Any]) -> None:
+    """``ValueError("slots: ...")`` when ``slots`` (int64) holds a slot without a live request
+    (``active`` [max_seqs] bool) or one slot twice (the first repeated position names its request,
+    ``req[slot]``); nothing when they are fine. The state's message, and a deferred recorder's
+    over its model of the live requests."""
+    ok = (slots >= 0) & (slots < len(active))
+    ok[ok] = active[slots[ok]]
+    if not ok.all():
+        raise ValueError(f"slots: expected slots of live requests, got {slots[~ok].tolist()[:4]} without one")
+    _, first = np.unique(slots, return_index=True)
+    rep = np.setdiff1d(np.arange(len(slots)), first)
+    if rep.size:
+        s = int(slots[rep[0]])
+        raise ValueError(f"slots: request {req[s]!r} (slot {s}) appears twice in one step")
