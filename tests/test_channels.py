@@ -369,7 +369,9 @@ def test_background_jobs_run_in_order_and_end_with_their_channel() -> None:
 def _switches(rank: int, world: int) -> list[str]:
     out = []
     for make in (lambda: ObjectChannel(None, 0, force_remote="no"), lambda: TensorChannel(None, 0, verify=1),
-                 lambda: ObjectChannel(None, torch.tensor(0)), lambda: TensorChannel(None, torch.tensor([0, 1]))):
+                 lambda: ObjectChannel(None, torch.tensor(0)), lambda: TensorChannel(None, torch.tensor([0, 1])),
+                 lambda: ObjectChannel(None, 0, agree=torch.tensor([1, 2])),
+                 lambda: ObjectChannel(None, 0, agree={"n": torch.tensor(3)})):
         try:
             make()
             out.append("made")
@@ -379,9 +381,12 @@ def _switches(rank: int, world: int) -> list[str]:
 
 
 def test_channel_switches_and_src_are_checked_by_name() -> None:
-    """``force_remote="no"`` was on (taken by its truth); a tensor ``src`` failed in torch's
-    ambiguous truth of a tensor comparison."""
+    """``force_remote="no"`` was on (taken by its truth); a tensor ``src`` or ``agree`` failed in
+    torch's ambiguous truth of a tensor comparison."""
     (out,) = run_ranks(_switches, 1, timeout=60)
     assert out[:2] == ["TypeError: force_remote: expected a bool (or None for the default), got 'no'",
                        "TypeError: verify: expected a bool (or None for the default), got 1"], out
-    assert all(m.startswith("ValueError: src: global rank") for m in out[2:]), out
+    assert all(m.startswith("ValueError: src: global rank") for m in out[2:4]), out
+    assert out[4:] == ["TypeError: agree: expected a mapping of setting names to scalars, got Tensor",
+                       "TypeError: agree['n']: expected a str setting name and a scalar (None, bool, int, float or "
+                       "str), got Tensor"], out

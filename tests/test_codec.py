@@ -272,6 +272,8 @@ def test_size_limit() -> None:
     with pytest.raises(CodecError, match="exceeds the limit"):
         decode(data, max_bytes=100)
     assert decode(data, max_bytes=len(data)) == b"x" * 1000
+    with pytest.raises(TypeError, match="max_bytes: expected an int, got Tensor"):  # was torch's ambiguous truth
+        decode(data, max_bytes=torch.tensor([100, 2000]))  # type: ignore[arg-type]
 
 
 def test_not_bytes() -> None:

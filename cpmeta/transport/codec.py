@@ -308,13 +308,14 @@ def decode(data: Any, *, schema: bytes = b"", max_bytes: Optional[int] = None) -
 
     ``schema`` must equal the fingerprint the sender passed (else ``CodecError`` with
     "schema fingerprint mismatch"); a different protocol version gives "protocol version
-    mismatch". ``max_bytes`` defaults to ``CPMETA_MAX_MESSAGE_BYTES``. Raises only CodecError.
+    mismatch". ``max_bytes`` defaults to ``CPMETA_MAX_MESSAGE_BYTES``. Raises only CodecError
+    (and ``TypeError`` for a ``max_bytes`` that is not an int).
     """
     try:
         view = memoryview(data).cast("B")
     except TypeError:
         raise CodecError(f"expected a bytes-like object, got {type(data).__name__}") from None
-    limit = envs.max_message_bytes() if max_bytes is None else max_bytes
+    limit = _limit(max_bytes)
     n = view.nbytes
     if n > limit:
         raise CodecError(f"message of {n} bytes exceeds the limit of {limit} bytes")
@@ -337,6 +338,15 @@ def decode(data: Any, *, schema: bytes = b"", max_bytes: Optional[int] = None) -
     return decode_body(view[body_at:], max_bytes=limit)
 
 
+def _limit(max_bytes: Optional[int]) -> int:
+    """A decode's byte limit: ``max_bytes``, or ``CPMETA_MAX_MESSAGE_BYTES`` for None."""
+    if max_bytes is None:
+        return envs.max_message_bytes()
+    if not envs.is_int(max_bytes):
+        raise TypeError(f"max_bytes: expected an int, got {type(max_bytes).__name__}")
+    return int(max_bytes)
+
+
 def decode_body(data: Any, *, max_bytes: Optional[int] = None) -> Any:
     """Strictly parse a bare msgpack body made by :func:`encode_body` (untrusted input: the same
     rules as :func:`decode`, without the header). Raises only CodecError."""
@@ -345,7 +355,7 @@ def decode_body(data: Any, *, max_bytes: Optional[int] = None) -> Any:
     except TypeError:
         raise CodecError(f"expected a bytes-like object, got {type(data).__name__}") from None
     n = body.nbytes
-    limit = envs.max_message_bytes() if max_bytes is None else max_bytes
+    limit = _limit(max_bytes)
     if n > limit:
         raise CodecError(f"message of {n} bytes exceeds the limit of {limit} bytes")
     try:

@@ -8,7 +8,7 @@ The typed parsers :func:`env_str`, :func:`env_bool`, :func:`env_int`, :func:`env
 and ``launch.envs`` use them too. Bad values raise ``ValueError("NAME: expected ..., got ...")``.
 Beside them, the constructors' shared argument checks, whose defaults come from here or from the
 process group: :func:`resolve_timeout`, :func:`resolve_group`, :func:`resolve_device`,
-:func:`is_rank`, :func:`check_flags`.
+:func:`is_int`, :func:`check_flags`, :func:`agree_settings`.
 
 | variable | meaning | default |
 |---|---|---|
@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Union
 
 if TYPE_CHECKING:
     import torch
@@ -50,7 +50,8 @@ __all__ = [
     "Timeout",
     "resolve_timeout",
     "resolve_group",
-    "is_rank",
+    "is_int",
+    "agree_settings",
     "check_flags",
     "resolve_device",
     "wait_seconds",
@@ -225,10 +226,26 @@ def check_flags(**flags: object) -> None:
             raise TypeError(f"{name}: expected a bool (or None for the default), got {v!r}")
 
 
-def is_rank(v: object) -> bool:
-    """``v`` is an int that can name a rank (a numpy integer counts; a bool or a tensor does not:
-    a tensor's ``in`` test over the ranks was an ambiguous-truth error)."""
+def is_int(v: object) -> bool:
+    """``v`` is an int -- a rank, a count, a byte limit (a numpy integer counts; a bool or a tensor
+    does not: a tensor's ``in`` test over the ranks was an ambiguous-truth error)."""
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def agree_settings(agree: object) -> dict[str, Any]:
+    """A channel's ``agree=`` as a dict: ``None`` (none) or a mapping of str setting names to
+    scalars (None, bool, int, float, str: what every member's setup record carries and compares),
+    else ``TypeError`` naming it (a tensor was torch's ambiguous truth, a numpy value the codec's
+    refusal at the setup)."""
+    if agree is None:
+        return {}
+    if not isinstance(agree, Mapping):
+        raise TypeError(f"agree: expected a mapping of setting names to scalars, got {type(agree).__name__}")
+    for k, v in agree.items():
+        if type(k) is not str or not (v is None or type(v) in (bool, int, float, str)):
+            raise TypeError(f"agree[{k!r}]: expected a str setting name and a scalar (None, bool, int, "
+                            f"float or str), got {type(v).__name__}")
+    return dict(agree)
 
 
 def resolve_group(group: object) -> Any:

@@ -74,7 +74,7 @@ class ObjectChannel(RemotePath):
         self.src = src
         self.rank = dist.get_rank()
         self.ranks = group_ranks(self.group)
-        if not envs.is_rank(src) or src not in self.ranks or self.rank not in self.ranks:
+        if not envs.is_int(src) or src not in self.ranks or self.rank not in self.ranks:
             raise ValueError(f"src: global ranks {src} (src) and {self.rank} (caller) must both be "
                              f"in the group {self.ranks}")
         self.schema = schema
@@ -96,13 +96,14 @@ class ObjectChannel(RemotePath):
         self.local_ranks: list[int] = []
         self.remote_ranks: list[int] = []
         envs.check_flags(force_remote=force_remote)
+        settings = envs.agree_settings(agree)
         force = envs.force_remote() if force_remote is None else force_remote
         try:
             if store_of() is None:  # the exchange falls back to a gloo all_gather
                 self.ctrl = cpu_group(self.group, wait_s)
-                members = exchange(self.ctrl, src, dict(agree or {}), key, wait_s, self.timeout)
+                members = exchange(self.ctrl, src, settings, key, wait_s, self.timeout)
             else:  # first: it names a rank that never came, before any gloo group waits for it
-                members = exchange(self.group, src, dict(agree or {}), key, wait_s, self.timeout)
+                members = exchange(self.group, src, settings, key, wait_s, self.timeout)
                 self.ctrl = cpu_group(self.group, wait_s)
             self._connect(members, key, force, slot_size, num_slots)
         except (TimeoutError, ValueError) as e:

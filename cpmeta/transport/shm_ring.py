@@ -79,9 +79,9 @@ _MMAP_KW: dict[str, Any] = {"trackfd": False} if sys.version_info >= (3, 13) els
 
 def _check_count(name: str, v: object) -> None:
     """An int argument within int32 (a numpy integer counts, a bool does not), else named."""
-    if not envs.is_rank(v):
+    if not envs.is_int(v):
         raise TypeError(f"{name}: expected an int, got {v!r}")
-    if not -(1 << 31) <= int(v) < 1 << 31:  # type: ignore[call-overload]  # (is_rank: an Integral)
+    if not -(1 << 31) <= int(v) < 1 << 31:  # type: ignore[call-overload]  # (is_int: an Integral)
         raise ValueError(f"{name}: expected an int within int32, got {v}")
 
 

@@ -78,7 +78,7 @@ class TensorChannel:
         self.src = src
         self.rank = dist.get_rank()
         ranks = group_ranks(self.group)
-        if not envs.is_rank(src) or src not in ranks:
+        if not envs.is_int(src) or src not in ranks:
             raise ValueError(f"src: global rank {src} is not in the group {ranks}")
         self.ranks = ranks
         self.device = envs.resolve_device(device, self.group)
