@@ -296,6 +296,19 @@ def test_compute_attn_info_names_a_field_of_another_shape_or_config() -> None:
         dataclasses.replace(md, kv_ca_index_offset_len=None).compute_attn_info(MetadataConfig())
 
 
+def test_compute_attn_info_names_decode_metadata_of_a_larger_block_size() -> None:
+    """Decode metadata built with a block size twice the config's (same ratios) read past
+    ``block_tables`` in torch's indexing (CPU: an index error naming no field; CUDA: a device
+    assert). On CPU a ``ValueError`` names the field; the config it was built with still expands it."""
+    case = next(c for c in NAMED_CASES if not c.is_prompt and c.cfg.ca_ratios and len(c.seqs) > 1)
+    md = _build(case.seqs, case.cfg, False)
+    half = dataclasses.replace(case.cfg, block_size=case.cfg.block_size // 2)
+    with pytest.raises(ValueError, match=r"md.kv_ca_index_offset_len\['\d+'\]: keys reach entry \d+ of "
+                                         r"md.block_tables' \d+ .*another block_size"):
+        dataclasses.replace(md).compute_attn_info(half)
+    assert dataclasses.replace(md).compute_attn_info(case.cfg).kv_ca_index is not None
+
+
 # ---- validation and int32 overflow ------------------------------------------------------------
 
 

@@ -162,6 +162,21 @@ def _check_rows(name: str, t: torch.Tensor, cols: int, window: int = 1) -> None:
                          "with another config?)")
 
 
+def _check_paged(name: str, off: torch.Tensor, ln: torch.Tensor, blocks: int, tpb: int) -> None:
+    """Decode rows on CPU: every row's keys (``off`` to ``off + ln - 1``, ``off`` alone for an
+    empty row) index one of the ``blocks`` entries of ``block_tables`` at ``tpb`` keys a block,
+    else a ``ValueError`` naming the field (metadata of a larger block size read past the table:
+    torch's index error, a device assert on CUDA, named no field)."""
+    if not len(off):
+        return
+    last = off.long() + (ln.long() - 1).clamp(min=0)
+    lo, hi = int(off.min()), int(last.max()) // tpb
+    if lo < 0 or hi >= blocks:
+        raise ValueError(f"md.{name}: keys reach entry {hi if lo >= 0 else lo // tpb} of md.block_tables' "
+                         f"{blocks} at {tpb} keys a block (cfg.block_size / ratio; metadata built with "
+                         "another block_size?)")
+
+
 def compute_attn_info(md: _MD, cfg: MetadataConfig) -> _MD:
     """Fill ``kv_ca_index``, ``kv_ca_index_len``, ``kv_swa_full_index`` (prompt) and
     ``kv_swa_index`` (decode) where they are ``None``; returns ``md`` (modified in place).
@@ -203,6 +218,8 @@ def compute_attn_info(md: _MD, cfg: MetadataConfig) -> _MD:
                         raise ValueError("md.block_tables: expected decode metadata with kv_ca_index_offset_len "
                                          "to carry block_tables, got None")
                     _check_rows("block_tables", bt, 0)
+                    if bt.device.type == "cpu" and bt.numel():  # (a host check is free on CPU)
+                        _check_paged(f"kv_ca_index_offset_len[{k!r}]", v[:, 0], lens[k], bt.numel(), tpb)
                     md.kv_ca_index[k] = expand_paged_offset_len(v[:, 0], lens[k], width, bt, tpb)
     W = cfg.window_size
     if md.is_prompt:
