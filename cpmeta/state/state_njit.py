@@ -371,6 +371,7 @@ def _warm() -> None:
     for kind, rows, have in ((K_TOKENS, tok, meta[M_TOKENS]), (K_BLOCKS, bt, meta[M_BLOCKS])):
         append_rows(kind, np.arange(2, dtype=np.int64), np.array([3, 4], np.int64), one, rows, have, active,
                     mark, meta[M_FIRST_BAD], p, err)
+    check_slots(np.arange(2, dtype=np.int64), active, mark, err)  # (also a deferred recorder's own call)
     meta[M_PROMPT] = meta[M_COMPUTED] = 1
     gather_step(False, np.arange(2, dtype=np.int64), one, -1, np.array([5, 6], np.int64), 1, False, meta,
                 active, tok, bt, comp, p, mark, err)
