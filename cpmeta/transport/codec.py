@@ -349,7 +349,8 @@ def _limit(max_bytes: Optional[int]) -> int:
 
 def decode_body(data: Any, *, max_bytes: Optional[int] = None) -> Any:
     """Strictly parse a bare msgpack body made by :func:`encode_body` (untrusted input: the same
-    rules as :func:`decode`, without the header). Raises only CodecError."""
+    rules as :func:`decode`, without the header). Raises only CodecError (and ``TypeError``
+    for a ``max_bytes`` that is not an int)."""
     try:
         body = memoryview(data).cast("B")
     except TypeError:
