@@ -100,8 +100,10 @@ class ReplicatedBatchState(Recorder):
             the state's hand-out order), sends the step at :meth:`sync`, then applies it to its
             own replica like every follower, in parallel with them (vLLM's order: its workers
             update their ``InputBatch`` after the broadcast). Faster end to end (the driver's
-            apply leaves the critical path), but a call the state refuses surfaces at ``sync()``
-            on EVERY rank and leaves every replica refusing further steps (rebuild), and the
+            apply leaves the critical path), but a call the state refuses for what only its
+            arrays show (a chunk past the prompt, a capacity, a decode still in prefill, a held
+            state id; the rest is refused at the call) surfaces at ``sync()`` on EVERY rank and
+            leaves every replica refusing further steps (rebuild), and the
             per-step batch check of step ``k`` is compared at step ``k + 1``. Use it when the
             scheduler vouches for its calls; the default validates each call on the driver first.
         timeout, force_remote, checksum: as for ``MetadataBroadcaster``.
