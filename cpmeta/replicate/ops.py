@@ -67,6 +67,7 @@ _WIDTH = [WIDE.get(c, 1) for c in COLUMNS]
 #: values per row of each column (1, or a wide column's second dim), frame order
 WIDTHS = np.array(_WIDTH, np.int64)
 _NOTHING = np.zeros(0, np.int64)  # OpLog.layout's output: the sizes alone
+_NO_LIVE = (np.zeros(0, np.bool_), _NOTHING, np.zeros(4, np.int64))  # ragged: no live-slot check
 assert (ops_njit.SPEC_CODE, ops_njit.RUNS, ops_njit.ADD_META, ops_njit.ADD_TOKENS, ops_njit.SPEC_SLOTS) == (
     SPEC, _RUNS, _ADD_META, _ADD_TOKENS, _SPEC_SLOTS), "ops_njit's constants = this module's"
 
@@ -197,16 +198,23 @@ class OpLog:
             raise ValueError(f"{what}_counts: expected {len(slots)} counts >= 0 summing to {len(ids)} {what}_ids")
         self.req_ids += req_ids
 
-    def ragged(self, code: int, slots: Any, counts: Any, flat: np.ndarray) -> bool:
+    def ragged(self, code: int, slots: Any, counts: Any, flat: np.ndarray,
+               live: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None) -> int:
         """TOK / BLK / CMP entries: ``counts[i]`` values of ``flat`` for ``slots[i]`` (arrays,
-        or one slot and its count: a single-slot call). True (nothing recorded) when the counts
-        are not one per slot, ``>= 0``, summing to ``len(flat)``; a negative token id is a
-        ``ValueError`` naming its slot (nothing recorded)."""
-        s, c, v = flat_ints(slots), flat_ints(counts), flat_ints(flat)
-        got = self._call(log_ragged, self._seen, self._st, code, _RAGGED[code], s, c, v, code == TOK)
+        or one slot and its count: a single-slot call). Returns 0, or (nothing recorded) -1 when
+        the counts are not one per slot, ``>= 0``, summing to ``len(flat)``, -3 when ``live`` =
+        ``(active, mark, err)`` is given (a deferred recorder's live requests and
+        ``check_slots``' scratch; the three arrays then flat int64 already) and a slot is not live
+        or appears twice; a negative token id is a ``ValueError`` naming its slot."""
+        if live is None:
+            s, c, v = flat_ints(slots), flat_ints(counts), flat_ints(flat)
+            live = _NO_LIVE
+        else:
+            s, c, v = slots, counts, flat
+        got = self._call(log_ragged, self._seen, self._st, code, _RAGGED[code], s, c, v, code == TOK, *live)
         if got == -2:
             _negative_id("slot {}: tokens", v, c, s.tolist())
-        return got < 0
+        return got
 
     def pair(self, code: int, slot: int, value: int) -> None:
         self._call(log_pair, self._seen, self._st, code, _SID if code == SID else _SVS,

@@ -26,6 +26,7 @@ import numpy as np
 
 from ..base_njit import copy_from0
 from ..jit import OK, kernel
+from ..state.state_njit import check_slots
 
 __all__ = ["log_ragged", "log_add", "log_pair", "log_slots", "log_spec", "log_extend", "pack_region", "unpack_region",
            "R_DIMS", "R_BYTES", "SPEC_CODE", "RUNS", "ADD_META", "ADD_TOKENS", "SPEC_SLOTS"]
@@ -114,10 +115,15 @@ def _ids_ok(values: np.ndarray) -> bool:
 
 @kernel
 def log_ragged(flat: np.ndarray, off: np.ndarray, cap: np.ndarray, n: np.ndarray, seen: np.ndarray, st: np.ndarray,
-               code: int, c: int, slots: np.ndarray, counts: np.ndarray, values: np.ndarray, ids: bool) -> int:
+               code: int, c: int, slots: np.ndarray, counts: np.ndarray, values: np.ndarray, ids: bool,
+               active: np.ndarray, mark: np.ndarray, err: np.ndarray) -> int:
     """``TOK`` / ``BLK`` / ``CMP`` entries: slots at column ``c``, counts at ``c + 1``, the flat
-    values at ``c + 2``; -1 (nothing written) when the counts are not one per slot, ``>= 0``,
-    summing to the values, -2 when ``ids`` and a value is negative."""
+    values at ``c + 2``; nothing written and -3 when ``active`` is given (not empty: a deferred
+    recorder's live requests; ``mark`` / ``err`` the state's ``check_slots`` scratch) and a slot
+    is not one of them or appears twice, -1 when the counts are not one per slot, ``>= 0``,
+    summing to the values, -2 when ``ids`` and a value is negative (the state's order)."""
+    if len(active) and check_slots(slots, active, mark, err):
+        return -3
     if not _counts_ok(counts, len(slots), len(values)):
         return -1
     if ids and not _ids_ok(values):

@@ -204,13 +204,17 @@ class Recorder(ABC):
                      what: str) -> None:
         """A batch append, as :meth:`_append_one` (with ``defer_apply``: ints only, live distinct
         slots, the counts ``>= 0`` summing to the values, checked as they are recorded)."""
+        live = None
         if self._defer:
             slots, counts, values = as_int_array("slots", slots), as_int_array("counts", counts), \
                 as_int_array(what, values)
-            self._live_slots(slots)
+            live = self._active, self._mark, self._err
         else:
             call(slots, values, counts)
-        if self._rec.ragged(code, slots, counts, values):
+        got = self._rec.ragged(code, slots, counts, values, live)
+        if got == -3:
+            raise_slots(slots, self._active, self._owner)
+        if got:
             raise ValueError(f"counts: expected {len(slots)} counts >= 0 summing to {len(values)} {what}")
 
     def _live_slots(self, slots: np.ndarray) -> None:

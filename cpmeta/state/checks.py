@@ -24,6 +24,7 @@ __all__ = ["check_window_ids", "ids_in_int32", "check_int_arg", "as_int_array", 
            "is_draft_count", "check_bool", "MAX_PLACEHOLDERS"]
 
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+_I64 = np.dtype(np.int64)  # (numpy's native int64 dtype is one object: an ``is`` test)
 
 
 def ids_in_int32(ids: np.ndarray) -> bool:
@@ -104,6 +105,10 @@ def as_int_array(name: str, values: Any, req: Any = None) -> np.ndarray:
     writable int64 array (no copy for such an array), else ``TypeError`` / ``ValueError`` naming the field (and the
     request, ``req`` not ``None``): floats, bools and ints beyond int64 are refused, never cast
     (``np.asarray([1.5], np.int64)`` would truncate to 1). An empty input of any type is fine."""
+    if type(values) is np.ndarray and values.dtype is _I64 and values.ndim == 1:  # the common case, first
+        f = values.flags
+        if f.c_contiguous and f.writeable:
+            return values
     try:
         a = np.asarray(values)
     except (OverflowError, TypeError, ValueError) as e:
