@@ -78,7 +78,15 @@ def _trace_rank(rank: int, world: int, seed: int, cfg_name: str, steps: int, max
 
     cfg = _config(cfg_name)
     out: dict = {"digests": [], "refusals": [], "ref": [], "mine": [], "mirrors": [], "warmed": 0, "warm_done": 0,
-                 "warm_made": 0, "decode_steps": 0}
+                 "warm_made": 0, "decode_steps": 0, "direct": 0, "direct_refused": 0}
+    if rank == 0:  # the driver's frames claimed, written and published in the ring by one compiled call
+        import cpmeta.replicate.step_frame as step_frame
+
+        def counted_send(*a: Any, send: Any = step_frame.send_step_frame) -> int:
+            got = send(*a)
+            out["direct" if got >= 0 else "direct_refused"] += 1
+            return got
+        step_frame.send_step_frame = counted_send
     arenas = cpmeta.OutputArenas()
     with cpmeta.ReplicatedBatchState(cfg, max_seqs, max_tokens=1024, check_every=16, timeout=60,
                                      defer_apply=defer) as rep:
@@ -153,8 +161,9 @@ def test_sync_metadata_builds_the_drivers_metadata(cfg_name: str, world: int, de
     for r, got in enumerate(out):
         if r:  # a follower's frames without an added request: read by the compiled read
             assert got["compiled_reads"] >= len(got["digests"]) // 3, (r, got["compiled_reads"])
-        else:  # and written whole by the driver's compiled writer
+        else:  # and written whole by the driver's compiled writer, published by the same call
             assert got["written"] >= len(got["digests"]) // 3, got["written"]
+            assert got["direct"] == got["written"] and not got["direct_refused"], got
         # most decode steps built by one kernel call into a kept arena (the replay's, or DecodeSink.fill's)
         assert got["fused"] >= got["decode_steps"] // 2, (r, got["fused"], got["decode_steps"])
         if r or defer:
@@ -178,6 +187,18 @@ def test_named_trace_over_the_process_group_and_with_checksums(env: dict[str, st
     # the compiled read takes the frames from the process group too; with the checksum the parser reads them all
     assert (out[1]["compiled_reads"] == 0) == ("CPMETA_CHECKSUM" in env), out[1]["compiled_reads"]
     assert (out[0]["written"] == 0) == ("CPMETA_CHECKSUM" in env), out[0]["written"]
+    assert out[0]["direct"] == out[0]["direct_refused"] == 0  # no ring / a checksummed frame: the Python path
+
+
+def test_a_small_ring_sends_the_frames_a_claim_refuses_through_the_python_path() -> None:
+    """A ring of three 512-byte slots: the driver's compiled send claims the frames that fit before
+    the ring's end with their slots free and leaves the others (a pad, a wait for the follower, a
+    prompt step larger than the ring) to the transport's Python path; every rank builds the
+    driver's metadata every step either way."""
+    env = {"CPMETA_SHM_NUM_SLOTS": "3", "CPMETA_SHM_SLOT_SIZE": "512"}
+    out = run_ranks(_trace_rank, 2, 7, "plain", 120, 9, True, False, True, env=env, timeout=240)
+    _check_trace(out)
+    assert out[0]["direct"] > 20 and out[0]["direct_refused"] > 5, out[0]
 
 
 @pytest.mark.parametrize("defer,metadata,bulk", [(False, False, None), (True, False, None), (True, True, None),

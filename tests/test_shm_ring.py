@@ -12,12 +12,14 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 import torch.distributed as dist
 
 from multiproc import spawn_ranks, run_ranks
 from cpmeta.transport import PeerError, RingClosedError, ShmRing, ShmRingHandle
 from cpmeta.transport._segment import is_segment_path
+from cpmeta.transport.ring_njit import CLAIM_CLOSED, CLAIM_SLOW, ring_claim, ring_publish
 from cpmeta.transport.shm_ring import ABSENT, ATTACHED, CLOSED
 
 pytestmark = pytest.mark.timeout(180)
@@ -81,6 +83,94 @@ def test_wraparound_thousands_with_slow_reader() -> None:
         out = _pump(w, readers, msgs, slow=1)
         assert all(o == msgs for o in out)
         assert w._w.head.value > 3 * w.handle.num_slots  # wrapped many times
+    finally:
+        for r in (w, *readers):
+            r.close()
+
+
+def _direct_write(w: ShmRing, payload: bytes) -> str:
+    """``payload`` sent as a compiled writer sends it (``direct()``'s words, ``ring_claim``, the
+    bytes, ``ring_publish``, ``direct_published``) -- through ``write`` when the claim refuses
+    (a pad, a wait, a message larger than the ring). Returns the path taken."""
+    words = w.direct()
+    if words is not None:
+        m32, m64, m8, n, slots, size, data_at, floor = words
+        pos, head = ring_claim(m32, m64, n, slots, size, data_at, len(payload), floor)
+        if pos >= 0:
+            m8[pos:pos + len(payload)] = np.frombuffer(payload, np.uint8)
+            w.direct_published(ring_publish(m32, m64, n, head))
+            return "direct"
+        assert pos in (CLAIM_SLOW, CLAIM_CLOSED)
+    w.write(payload)
+    return "write"
+
+
+def test_compiled_writer_claims_in_place_and_leaves_pads_and_waits_to_write() -> None:
+    """Messages claimed, filled and published by the compiled calls reach every reader in order
+    with the ones ``write`` sends when a claim needs a pad, a wait (a slow reader) or more than
+    the ring; the writer's tail floor is refreshed by the claim itself (no ``write`` needed)."""
+    rng = random.Random(11)
+    msgs = [rng.randbytes(rng.choice([0, 5, 48, 60, 100, 200, 300])) for _ in range(2000)]
+    w, readers = _ring(2)
+    paths: dict[str, int] = {}
+    out: list[list[bytes]] = [[], []]
+
+    def consume(i: int) -> None:
+        for k in range(len(msgs)):
+            if i == 1 and k % 7 == 0:
+                time.sleep(0.001)
+            out[i].append(readers[i].read_bytes())
+
+    threads = [threading.Thread(target=consume, args=(i,)) for i in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for m in msgs:
+            p = _direct_write(w, m)
+            paths[p] = paths.get(p, 0) + 1
+        for t in threads:
+            t.join(30)
+        assert out == [msgs, msgs]
+        assert paths["direct"] > 200 and paths["write"] > 100, paths  # both paths, interleaved
+    finally:
+        for r in (w, *readers):
+            r.close()
+
+
+def test_compiled_claim_refuses_past_a_closed_reader_and_wakes_a_parked_one() -> None:
+    """A claim past a reader that closed its end writes nothing (``write`` then names it);
+    ``direct()`` is the writer's, and not while a ``reserve`` is pending; a publish tells the
+    writer to wake a reader parked in ``FUTEX_WAIT``, which then reads the message."""
+    w, readers = _ring(2, timeout=5.0)
+    try:
+        assert readers[0].direct() is None
+        view, _ = w.reserve(8)
+        view.release()
+        assert w.direct() is None
+        w.commit()
+        for r in readers:
+            assert r.read_bytes() == bytes(8)
+        readers[0]._spin_s = 0.0  # parks at once
+        got: list[bytes] = []
+        t = threading.Thread(target=lambda: got.append(readers[0].read_bytes()))
+        t.start()
+        deadline = time.monotonic() + 10
+        while not w._w.waiting[0].value and time.monotonic() < deadline:
+            time.sleep(0.001)
+        m32, m64, m8, n, slots, size, data_at, floor = w.direct()
+        pos, head = ring_claim(m32, m64, n, slots, size, data_at, 3, floor)
+        m8[pos:pos + 3] = np.frombuffer(b"abc", np.uint8)
+        wake = ring_publish(m32, m64, n, head)
+        assert wake  # reader 0's waiting flag
+        w.direct_published(wake)
+        t.join(10)
+        assert got == [b"abc"] and readers[1].read_bytes() == b"abc"
+        readers[1].close()
+        before = w._w.head.value
+        assert ring_claim(*w.direct()[:2], n, slots, size, data_at, 3, w.direct()[7]) == (CLAIM_CLOSED, 0)
+        assert w._w.head.value == before
+        with pytest.raises(PeerError, match=r"rank 2 \(reader 1\) closed the ring"):
+            _direct_write(w, b"z")
     finally:
         for r in (w, *readers):
             r.close()

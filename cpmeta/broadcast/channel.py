@@ -183,6 +183,22 @@ class FrameChannel:
         step = self.writer.step + 1
         self._send_step(nbytes, lambda view, addr: write(view, step), lambda: setattr(self.writer, "step", step))
 
+    def direct(self) -> Optional[Any]:
+        """The ring (``ShmRing``) a compiled writer sends the next :meth:`publish_written` frame
+        through, claimed, written and published in its own call (``ShmRing.direct``; then
+        :meth:`direct_sent`) -- only same-host followers, no checksum, no abort pending -- else
+        None."""
+        if self.checksum or self._aborts:
+            return None
+        return self.objects.direct_ring()
+
+    def direct_sent(self, ring: Any, wake: bool) -> None:
+        """A compiled writer published frame ``writer.step + 1`` into ``ring``: counted as sent
+        first (a dead reader named by the liveness poll after it does not undo it), then what the
+        ring does after a publish (``ShmRing.direct_published``)."""
+        self.writer.step += 1
+        ring.direct_published(wake)
+
     def _sent(self, step: int, prep: Prepared) -> None:
         self.writer.step = step
         if prep.lblock:

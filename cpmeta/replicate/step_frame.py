@@ -36,7 +36,7 @@ from ..jit import OK, warmer
 from ..transport.codec import CodecError, decode_body, encode_body
 from .ops import COLUMNS, SPEC_WORDS, WIDE, WIDTHS, Columns, OpLog
 from .ops_njit import R_BYTES, unpack_region
-from .step_write_njit import step_frame_size, write_step_frame
+from .step_write_njit import S_CHANGED, send_step_frame, step_frame_size, write_step_frame
 from .step_read_njit import ASK_PARSER, F_READ, FIXED_HEAD, VALS_HEAD, follow_decode, read_step_frame, replay_step
 
 __all__ = ["StepFrame", "STEP_SCHEMA", "step_key", "read_region", "state_fingerprint", "StepReader",
@@ -244,8 +244,10 @@ def send_step(ch: Any, key: tuple, log: OpLog, digest: np.ndarray, step: int, ch
     request ids, spec words]``) through ``ch`` (its ``FrameChannel``): the common frame (the
     layout every follower holds, no checksum) written whole by ONE compiled call into the slot
     (:func:`~.step_write_njit.write_step_frame`; ``fixed``: :func:`fixed_head`; the request ids,
-    if any, as the codec's bytes), any other through the codec (``prepare`` / ``publish``), the
-    region packed straight into the slot either way. True when the compiled call wrote it."""
+    if any, as the codec's bytes) -- with only same-host followers and room in the ring, the
+    same call claims and publishes the slot too (:func:`~.step_write_njit.send_step_frame`) --
+    any other through the codec (``prepare`` / ``publish``), the region packed straight into the
+    slot either way. True when the compiled call wrote it."""
     lid, _, lblock = ch.writer.layout(key)
     common = not (lblock or ch.checksum) and step < 1 << 63
     ids = _NO_IDS
@@ -258,6 +260,16 @@ def send_step(ch: Any, key: tuple, log: OpLog, digest: np.ndarray, step: int, ch
             common = False
     if common:
         flat, off, n, dims, starts = log.buffers
+        ring = ch.direct()  # only same-host followers: claimed, written and published by one call
+        if ring is not None and (mapped := ring.direct()) is not None:
+            m32, m64, m8, readers, slots, size, ring_at, floor = mapped
+            got = send_step_frame(m32, m64, m8, readers, slots, size, ring_at, floor, fixed, lid, ch.writer.step + 1,
+                                  step, check, ids, words, flat, off, n, dims, starts, digest, WIDTHS, MAX_VALUES_BYTES)
+            if got >= 0:
+                ch.direct_sent(ring, bool(got))
+                return True
+            if got == S_CHANGED:
+                raise _changed()
         total, vlen = step_frame_size(flat, off, n, digest, WIDTHS, dims, starts, step, words, ids)
         if vlen <= MAX_VALUES_BYTES:
             data_at = blocks_at(0, vlen, len(dims))[1]
@@ -322,7 +334,8 @@ def receive_step(ch: Any, reader: Optional[StepReader], keep: bool,
 @warmer
 def _warm() -> None:
     """Compile / load :func:`~cpmeta.replicate.ops_njit.unpack_region` on an empty step's region,
-    and the compiled read on a header it refuses."""
+    the compiled read on a header it refuses, the compiled writer (into a buffer and into a
+    scratch ring) and the fused read of what it wrote."""
     out, starts = np.empty(0, np.int64), np.empty(len(COLUMNS) + 1, np.int64)
     shapes = np.array([d for w in WIDTHS.tolist() for d in ((0,) if w == 1 else (0, w))], np.int64)
     unpack_region(shapes, np.zeros(0, np.uint8), 0, WIDTHS, out, starts)
@@ -346,6 +359,14 @@ def _warm() -> None:
     frame = bytearray(data_at + pack_up(8 * total))
     write_step_frame(np.frombuffer(frame, np.uint8), np.frombuffer(frame, np.int64, total, data_at), r._fixed, 0, 1,
                      1, False, _NO_IDS, words, dims, flat, off, n, digest, WIDTHS, starts)
+    # the same frame claimed, written and published in a scratch ring mapping (one reader, two
+    # slots of 1 KB), byte for byte
+    ring_at = 4096  # a one-reader ring's control block: one page
+    m8 = np.zeros(ring_at + 2048, np.uint8)
+    m32, m64 = m8[:ring_at].view(np.uint32), m8.view(np.uint64)
+    assert send_step_frame(m32, m64, m8, 1, 2, 1024, ring_at, 0, r._fixed, 0, 1, 1, False, _NO_IDS, words, flat,
+                           off, n, dims, starts, digest, WIDTHS, MAX_VALUES_BYTES) == 0
+    assert m8[ring_at + 16:ring_at + 16 + len(frame)].tobytes() == bytes(frame)
     sink = DecodeSink(st.cfg, OutputArenas())
     r.read(memoryview(frame), 1, (st, sink), dry=True)
     r.read(memoryview(frame), 1, (st, sink))

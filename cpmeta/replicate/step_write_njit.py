@@ -6,7 +6,8 @@ request ids, spec words]``). :func:`write_step_frame` writes such a frame whole
 into the ring slot, byte for byte what the frame codec writes for it (``FrameWriter.write``,
 ``encode_body``, ``OpLog.pack_into``, ``seal``; ``tests/test_step_write.py`` holds the two to
 each other), its padding zeroed; :func:`step_frame_size` gives the sizes the slot is reserved
-with first. Any other frame (the first, with its layout block; a checksummed one; a spec value
+with first. :func:`send_step_frame` does all of it and the ring's claim and publish in one call
+(``transport/ring_njit``): the driver's send without the transport's Python. Any other frame (the first, with its layout block; a checksummed one; a spec value
 past int64) goes through the codec as before.
 
 The values block is msgpack as ``msgpack.Packer`` writes it: ``0x94`` (a 4-array), the step, a
@@ -24,9 +25,12 @@ import numpy as np
 from ..base_njit import crc32, put_le_word
 from ..broadcast.wire import CRC_AT, HEADER, META_CRC_AT
 from ..jit import kernel
+from ..transport.ring_njit import ring_claim, ring_publish
 from .ops_njit import pack_region
 
-__all__ = ["write_step_frame", "step_frame_size", "values_len"]
+__all__ = ["write_step_frame", "step_frame_size", "values_len", "send_step_frame", "S_VALUES", "S_CHANGED"]
+
+S_VALUES, S_CHANGED = -3, -4  # send_step_frame: values over the codec's limit; the columns changed mid-write
 
 _HEAD = HEADER.size
 _FIXED = 24  # magic, version, flags, fingerprint: the caller's template
@@ -130,3 +134,31 @@ def write_step_frame(frame: np.ndarray, region: np.ndarray, fixed: np.ndarray, l
     c = crc32(frame, CRC_AT + 4, META_CRC_AT, c)
     put_le_word(frame, META_CRC_AT, crc32(frame, META_CRC_AT + 4, data_at, c), 4)
     return total
+
+
+@kernel
+def send_step_frame(m32: np.ndarray, m64: np.ndarray, m8: np.ndarray, readers: int, num_slots: int,
+                    slot_size: int, ring_data_at: int, floor: int, fixed: np.ndarray, lid: int, frame_step: int,
+                    step: int, check: bool, ids: np.ndarray, words: np.ndarray, flat: np.ndarray, off: np.ndarray,
+                    n: np.ndarray, dims: np.ndarray, starts: np.ndarray, digest: np.ndarray, widths: np.ndarray,
+                    max_values: int) -> int:
+    """The common step frame (:func:`write_step_frame`'s arguments) claimed, written and
+    published in a shared-memory ring (``ShmRing.direct``'s words, then ``m8`` / ``m64``: the
+    mapping as bytes / uint64): 1 when a parked reader must be woken, 0 when none, ``S_VALUES``
+    (nothing written) when the values block is over ``max_values`` bytes, ``S_CHANGED`` (nothing
+    published) as :func:`write_step_frame`'s refusal, the ring's
+    ``CLAIM_CLOSED`` / ``CLAIM_SLOW`` (nothing published) when the Python path must send it."""
+    total, vlen = step_frame_size(flat, off, n, digest, widths, dims, starts, step, words, ids)
+    if vlen > max_values:
+        return S_VALUES
+    shapes_at = (_HEAD + vlen + 7) // 8 * 8
+    data_at = (shapes_at + 8 * dims.shape[0] + 15) // 16 * 16
+    nbytes = data_at + (8 * total + 15) // 16 * 16
+    pos, head = ring_claim(m32, m64, readers, num_slots, slot_size, ring_data_at, nbytes, floor)
+    if pos < 0:
+        return pos
+    region = m64[(pos + data_at) // 8:(pos + data_at) // 8 + total].view(np.int64)
+    if write_step_frame(m8[pos:pos + nbytes], region, fixed, lid, frame_step, step, check, ids, words, dims, flat,
+                        off, n, digest, widths, starts) != total:
+        return S_CHANGED  # (claimed, never published: the next claim takes the same slots)
+    return 1 if ring_publish(m32, m64, readers, head) else 0

@@ -15,6 +15,8 @@ import select
 import time
 from typing import Any, Optional, Sequence, Union
 
+import numpy as np
+
 from ._futex import HAVE_FENCE, NEEDS_RELEASE_FENCE, fence, futex_wait, futex_wake
 from ._ring_layout import (ABSENT, ATTACHED, CLOSED, KIND_DATA, KIND_PAD, LIVENESS_SLICE_S, MSG_HEADER, OFF_ANNOUNCE,
                            R_WAITING, READER_STRIDE, READERS_AT, cdiv)
@@ -138,6 +140,26 @@ class RingIO(RingReader):
         if head is None:
             raise RuntimeError("ShmRing.commit: nothing reserved")
         self._publish(head)
+        self.messages_out += 1
+        self._check_alive_readers()
+
+    def direct(self) -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray, int, int, int, int, int]]:
+        """Writer: what a compiled writer claims, fills and publishes the next message with
+        (``ring_njit.ring_claim`` / ``ring_publish``; then :meth:`direct_published`): ``(m32,
+        m64, m8, readers, slots, slot size, data offset, tail floor)``; None while a
+        :meth:`reserve` is pending. A claim it refuses goes through :meth:`reserve`."""
+        if self.reader_index is not None or self._pending is not None:
+            return None
+        w = self._w
+        return (w.m32, w.m64, w.m8, len(w.states), self.handle.num_slots, self.handle.slot_size, self._data_at,
+                self._tail_floor)
+
+    def direct_published(self, wake: bool) -> None:
+        """Writer: a compiled writer published one message (``ring_publish`` returned ``wake``):
+        what :meth:`commit` does after its publish -- wake parked readers, count the message,
+        poll the readers' liveness."""
+        if wake or not HAVE_FENCE:
+            futex_wake(self._head_addr)
         self.messages_out += 1
         self._check_alive_readers()
 

@@ -74,12 +74,15 @@ class RingWords:
     the mapping has no exports left and can be closed even while the ring object lives on."""
 
     __slots__ = ("base", "head", "writer_waiting", "announce", "closed", "tails", "states", "pids",
-                 "waiting", "m32")
+                 "waiting", "m32", "m64", "m8")
 
     def __init__(self, mm: mmap.mmap, num_readers: int) -> None:
         blocks = [READERS_AT + READER_STRIDE * i for i in range(num_readers)]
-        #: the control block as uint32 words, for the writer's compiled announce (ring_njit)
+        #: the control block as uint32 words, the whole mapping as uint64 words (its length is a
+        #: multiple of 8: slot sizes are) and as bytes, for the writer's compiled calls (ring_njit)
         self.m32 = np.frombuffer(mm, np.uint32, data_offset(num_readers) // 4)
+        self.m64 = np.frombuffer(mm, np.uint64)
+        self.m8 = np.frombuffer(mm, np.uint8)
         u32, u64 = ctypes.c_uint32.from_buffer, ctypes.c_uint64.from_buffer
         self.base = ctypes.c_char.from_buffer(mm, 0)  # its address = the mapping's, for memmove
         self.head = u64(mm, OFF_HEAD)

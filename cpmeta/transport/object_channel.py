@@ -25,7 +25,7 @@ from ._setup import Member, Scalar, exchange
 from .coalesce import tensor_memoryview
 from .codec import decode, encode
 from .errors import PeerError, RingClosedError
-from .shm_ring import ring_from_process_group
+from .shm_ring import ShmRing, ring_from_process_group
 
 __all__ = ["ObjectChannel"]
 
@@ -197,6 +197,13 @@ class ObjectChannel(RemotePath):
         without a ring). A send that raises a peer's death may have published first (the ring
         polls liveness after each publish): compare this around the call to tell."""
         return self.ring.messages_out if self.ring is not None else 0
+
+    def direct_ring(self) -> Optional[ShmRing]:
+        """``src``: the ring a compiled writer fills and publishes a message in place
+        (``ShmRing.direct``), when :meth:`send_frame` would write into it (only same-host
+        followers); else None."""
+        self._check_usable()
+        return self.ring if self._remote_group is None else None
 
     def send_frame(self, nbytes: int, fill: Callable[[memoryview, int], None]) -> None:
         """``src`` only: one message of ``nbytes`` bytes that ``fill(view, address)`` writes.

@@ -1,4 +1,5 @@
-"""The ring writer's announce as ONE compiled call over the control block's words.
+"""The ring writer's words in compiled code: the announce as ONE call, and a message's claim and
+publish for a compiled writer that fills its slot in between (:func:`ring_claim`, :func:`ring_publish`).
 
 ``ShmRing.announce`` (a driver's ``begin_step``) bumps the ``announce`` word, fences, and reads
 every reader's ``waiting`` flag to learn whether one is parked (to wake). Through ctypes each of
@@ -7,6 +8,14 @@ on the 2-core VM where this kernel over a ``uint32`` view of the same words cost
 against 0.5), on the step's critical path. It does exactly what ``_ring_io`` did word by word,
 with the same full fence between the store and the loads (StoreLoad: the reader sets its flag,
 fences, and re-reads ``announce`` before it parks). The futex wake itself stays in Python.
+
+A compiled writer (the replicated step's frame: ``replicate/step_write_njit.send_step_frame``)
+claims, writes and publishes a message inside its own call: ``ring_claim`` takes only the case
+that needs no wait and no pad (no reader closed, the message fits before the ring's end, the
+writer's tail floor proves the room), the Python path (``ShmRing.reserve``) every other;
+``ring_publish`` is ``_publish``'s order: the payload's stores, a release fence, the head, a full
+fence, then the readers' waiting flags. ``ShmRing.direct`` hands the words, ``direct_published``
+does what ``commit`` does after its publish (the wake, the count, the liveness poll).
 
 Word indexes are in uint32 units: ``m32[OFF_ANNOUNCE // 4]`` is the announce word,
 ``m32[(READERS_AT + READER_STRIDE * i + R_WAITING) // 4]`` reader ``i``'s flag. Worked example,
@@ -23,8 +32,16 @@ from numba.core import types
 from numba.core.extending import intrinsic
 
 from ..jit import kernel, warmer
+from ._ring_layout import ABSENT, CLOSED, MSG_HEADER, OFF_HEAD, R_STATE, R_TAIL, R_WAITING, READER_STRIDE, READERS_AT
 
-__all__ = ["ring_announce"]
+__all__ = ["ring_announce", "ring_claim", "ring_publish", "CLAIM_CLOSED", "CLAIM_SLOW"]
+
+CLAIM_CLOSED, CLAIM_SLOW = -1, -2  # ring_claim: a reader closed its end; a wait or a pad is needed
+_HDR = MSG_HEADER.size
+# the head and reader 0's tail as uint64 indexes of the mapping; reader 0's state and waiting flag
+# as uint32 indexes
+_HEAD64, _TAIL64, _STRIDE64 = OFF_HEAD // 8, (READERS_AT + R_TAIL) // 8, READER_STRIDE // 8
+_STATE32, _WAITING32, _STRIDE32 = (READERS_AT + R_STATE) // 4, (READERS_AT + R_WAITING) // 4, READER_STRIDE // 4
 
 
 @intrinsic
@@ -32,6 +49,15 @@ def _fence_seq_cst(typingctx: Any) -> Any:
     """``fence seq_cst``: a full barrier (x86: mfence), and no compiler reordering across it."""
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         builder.fence("seq_cst")
+        return context.get_dummy_value()
+    return types.void(), codegen
+
+
+@intrinsic
+def _fence_release(typingctx: Any) -> Any:
+    """``fence release``: earlier loads and stores before any later store (x86: no instruction)."""
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        builder.fence("release")
         return context.get_dummy_value()
     return types.void(), codegen
 
@@ -48,9 +74,65 @@ def ring_announce(m32: np.ndarray, announce_at: int, waiting_at: int, stride: in
     return False
 
 
+@kernel
+def ring_claim(m32: np.ndarray, m64: np.ndarray, readers: int, num_slots: int, slot_size: int, data_at: int,
+               length: int, floor: int) -> tuple[int, int]:
+    """``(payload offset in the mapping, head after the message)`` of a message of ``length``
+    bytes, its header (length, kind DATA, pad 0) written at its first slot -- or
+    ``(CLAIM_CLOSED, 0)`` when a reader closed its end, ``(CLAIM_SLOW, 0)`` when the message
+    would run past the ring's end (a pad first) or its slots are not all free (the slowest
+    waited-for reader's tail, read when ``floor``, a lower bound of them, does not prove the
+    room: a wait): nothing written then. ``m32``: the control block as uint32, ``m64``: the
+    whole mapping as uint64, ``data_at``: the data's byte offset."""
+    for i in range(readers):
+        if m32[_STATE32 + i * _STRIDE32] == CLOSED:
+            return CLAIM_CLOSED, 0
+    head = np.int64(m64[_HEAD64])
+    k = (_HDR + length + slot_size - 1) // slot_size
+    first = head % num_slots
+    if first + k > num_slots:
+        return CLAIM_SLOW, 0
+    if head + k - floor > num_slots:  # tails only grow: the slowest one now (ShmRing._slowest)
+        floor = head
+        for i in range(readers):
+            if m32[_STATE32 + i * _STRIDE32] != ABSENT:
+                floor = min(floor, np.int64(m64[_TAIL64 + i * _STRIDE64]))
+        if head + k - floor > num_slots:
+            return CLAIM_SLOW, 0
+    at = (data_at + first * slot_size) // 8
+    m64[at] = np.uint64(length)
+    m64[at + 1] = np.uint64(0)  # kind DATA (0), pad 0
+    return data_at + first * slot_size + _HDR, head + k
+
+
+@kernel
+def ring_publish(m32: np.ndarray, m64: np.ndarray, readers: int, head: int) -> bool:
+    """Publish up to ``head``: the payload's stores first (release), the head, a full fence, then
+    whether a reader's waiting flag is set (the caller wakes them: ``futex_wake`` on the head)."""
+    _fence_release()  # type: ignore[call-arg]  # (numba supplies the typing context)
+    m64[_HEAD64] = np.uint64(head)
+    _fence_seq_cst()
+    for i in range(readers):
+        if m32[_WAITING32 + i * _STRIDE32] != 0:
+            return True
+    return False
+
+
 @warmer
 def _warm() -> None:
-    """The kernel once on a scratch block (2 readers, reader 1 parked), checked."""
-    m32 = np.zeros(128, np.uint32)
+    """The kernels once on a scratch mapping (2 readers, reader 1 parked; 4 slots of 64 bytes
+    from byte 512), checked."""
+    m32 = np.zeros(256, np.uint32)
     m32[48], m32[84] = 0xFFFFFFFF, 1
     assert ring_announce(m32, 48, 68, 16, 2) and m32[48] == 0
+    m64 = m32.view(np.uint64)
+    m64[_HEAD64] = 5  # at slot 1 a 200-byte message would run past the end: a pad first
+    assert ring_claim(m32, m64, 2, 4, 64, 512, 200, 5) == (CLAIM_SLOW, 0)
+    m64[_HEAD64] = 4  # at slot 0 it fits once every tail is 4: reader 1's is 3 (a wait), then 4
+    m64[_TAIL64], m64[_TAIL64 + _STRIDE64] = 4, 3
+    assert ring_claim(m32, m64, 2, 4, 64, 512, 200, 0) == (CLAIM_SLOW, 0)
+    m64[_TAIL64 + _STRIDE64] = 4
+    assert ring_claim(m32, m64, 2, 4, 64, 512, 200, 0) == (512 + 16, 8) and m64[64] == 200
+    assert ring_publish(m32, m64, 2, 8) and m64[_HEAD64] == 8
+    m32[_STATE32 + _STRIDE32] = CLOSED
+    assert ring_claim(m32, m64, 2, 4, 64, 512, 8, 8) == (CLAIM_CLOSED, 0)
