@@ -10,7 +10,9 @@ held its metadata last, the stages from the driver's ring commit on::
               | layout (the region's sizes) | prepare (the codec's frames only)
               | write (slot reserved, header, values, shapes, the columns packed into the slot:
                        for the common frame ONE compiled call, "frames written compiled")
-              | commit | own apply (defer_apply; of which the fused replay + build, then apply_step) | build
+              | commit | or, with only same-host followers, "write + publish": the common frame
+                claimed, written and published by ONE compiled call (send_step_frame)
+              | own apply (defer_apply; of which the fused replay + build, then apply_step) | build
     follower  commit -> read | read | -> replay | replay + step check | -> sync end | build
 
 where a follower's "read" is the compiled read of a common step frame (``StepReader.read``: the
@@ -41,6 +43,7 @@ pc = time.perf_counter
 #: (driver stage, from stamp, to stamp); ``>`` = a wrapped call's start, ``<`` its end
 DRIVER = (("record", "t0", "record<"), ("announce", "begin_step>", "begin_step<"), ("layout", "layout>", "layout<"), ("prepare", "prepare>", "prepare<"),
           ("write", "publish>", "commit>"), ("commit", "commit>", "commit<"),
+          ("write + publish", "direct>", "direct<"),
           ("own apply", "_apply_deferred>", "_apply_deferred<"), ("of which fused", "fused>", "fused<"),
           ("then apply_step", "apply_step>", "apply_step<"), ("build", "_sync<", "end"),
           ("check verdict", "_check_verdict>", "_check_verdict<"))
@@ -92,6 +95,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
         return got
 
     step_frame.follow_decode = followed
+    _stamp(stamps, step_frame, "send_step_frame", "direct")  # claimed, written and published in one call
     _stamp(stamps, step_frame, "step_frame_size", "layout")  # the compiled writer's frames: its sizes,
     _stamp(stamps, channel.FrameChannel, "publish_written", "publish")  # then the frame written whole
     for owner, name in ((replicated, "apply_step"), (step_frame, "read_region"),
@@ -162,8 +166,9 @@ def summarize(every: list[list[dict[str, float]]]) -> dict[str, Any]:
         fast = [f.get("read<", 0.0) > f.get("parse<", 0.0) for f in fol]
         start = ["read>" if q else "parse>" for q in fast]
         end = ["read<" if q else "read_region<" for q in fast]
-        stages = {"commit -> read": _p50([f[a] - d["commit<"] for f, d, a in zip(fol, drv, start)
-                                          if a in f and "commit<" in d]),
+        # the frame's publish: the ring's commit, or the end of the one call that wrote it
+        pub = [d.get("commit<", d.get("direct<")) for d in drv]
+        stages = {"commit -> read": _p50([f[a] - c for f, c, a in zip(fol, pub, start) if a in f and c is not None]),
                   "read": _p50([f[b] - f[a] for f, a, b in zip(fol, start, end) if a in f and b in f]),
                   "parse": _p50([f["parse<"] - f["parse>"] for f, q in zip(fol, fast) if not q and "parse<" in f]),
                   "columns": _p50([f["read_region<"] - f["parse<"] for f, q in zip(fol, fast)
