@@ -91,16 +91,21 @@ def test_wraparound_thousands_with_slow_reader() -> None:
 def _direct_write(w: ShmRing, payload: bytes) -> str:
     """``payload`` sent as a compiled writer sends it (``direct()``'s words, ``ring_claim``, the
     bytes, ``ring_publish``, ``direct_published``) -- through ``write`` when the claim refuses
-    (a pad, a wait, a message larger than the ring). Returns the path taken."""
-    words = w.direct()
-    if words is not None:
+    (a pad, a wait, a message larger than the ring, a closed reader). Returns the path taken."""
+    def claimed() -> bool:  # (its views of the mapping die with it: nothing pins the mapping after)
+        words = w.direct()
+        assert words is not None
         m32, m64, m8, n, slots, size, data_at, floor = words
         pos, head = ring_claim(m32, m64, n, slots, size, data_at, len(payload), floor)
-        if pos >= 0:
-            m8[pos:pos + len(payload)] = np.frombuffer(payload, np.uint8)
-            w.direct_published(ring_publish(m32, m64, n, head))
-            return "direct"
-        assert pos in (CLAIM_SLOW, CLAIM_CLOSED)
+        if pos < 0:
+            assert pos in (CLAIM_SLOW, CLAIM_CLOSED)
+            return False
+        m8[pos:pos + len(payload)] = np.frombuffer(payload, np.uint8)
+        w.direct_published(ring_publish(m32, m64, n, head))
+        return True
+
+    if claimed():
+        return "direct"
     w.write(payload)
     return "write"
 
@@ -163,11 +168,12 @@ def test_compiled_claim_refuses_past_a_closed_reader_and_wakes_a_parked_one() ->
         wake = ring_publish(m32, m64, n, head)
         assert wake  # reader 0's waiting flag
         w.direct_published(wake)
+        del m32, m64, m8  # no view of the mapping outlives its use (close unmaps it)
         t.join(10)
         assert got == [b"abc"] and readers[1].read_bytes() == b"abc"
         readers[1].close()
         before = w._w.head.value
-        assert ring_claim(*w.direct()[:2], n, slots, size, data_at, 3, w.direct()[7]) == (CLAIM_CLOSED, 0)
+        assert ring_claim(*w.direct()[:2], n, slots, size, data_at, 3, 0) == (CLAIM_CLOSED, 0)
         assert w._w.head.value == before
         with pytest.raises(PeerError, match=r"rank 2 \(reader 1\) closed the ring"):
             _direct_write(w, b"z")

@@ -259,17 +259,15 @@ def send_step(ch: Any, key: tuple, log: OpLog, digest: np.ndarray, step: int, ch
         except (OverflowError, ValueError):  # a spec value past int64, an unencodable id: the codec
             common = False
     if common:
-        flat, off, n, dims, starts = log.buffers
         ring = ch.direct()  # only same-host followers: claimed, written and published by one call
-        if ring is not None and (mapped := ring.direct()) is not None:
-            m32, m64, m8, readers, slots, size, ring_at, floor = mapped
-            got = send_step_frame(m32, m64, m8, readers, slots, size, ring_at, floor, fixed, lid, ch.writer.step + 1,
-                                  step, check, ids, words, flat, off, n, dims, starts, digest, WIDTHS, MAX_VALUES_BYTES)
-            if got >= 0:
-                ch.direct_sent(ring, bool(got))
-                return True
-            if got == S_CHANGED:
-                raise _changed()
+        got = -1 if ring is None else _send_direct(ring, fixed, lid, ch.writer.step + 1, step, check, ids, words,
+                                                     log.buffers, digest)
+        if got >= 0:
+            ch.direct_sent(ring, bool(got))  # (its liveness poll may raise: no view of the ring is held here)
+            return True
+        if got == S_CHANGED:
+            raise _changed()
+        flat, off, n, dims, starts = log.buffers
         total, vlen = step_frame_size(flat, off, n, digest, WIDTHS, dims, starts, step, words, ids)
         if vlen <= MAX_VALUES_BYTES:
             data_at = blocks_at(0, vlen, len(dims))[1]
@@ -292,6 +290,19 @@ def send_step(ch: Any, key: tuple, log: OpLog, digest: np.ndarray, step: int, ch
 
     ch.publish(prep, FLAG_PACKED, prep.exact, prep.region, write)
     return False
+
+
+def _send_direct(ring: Any, fixed: np.ndarray, lid: int, frame_step: int, step: int, check: bool, ids: np.ndarray,
+                 words: np.ndarray, buffers: tuple[np.ndarray, ...], digest: np.ndarray) -> int:
+    """:func:`~.step_write_njit.send_step_frame` into ``ring`` (``ShmRing.direct``'s words; -1
+    while the ring holds a reserved message): its return. The ring's arrays die with this call."""
+    mapped = ring.direct()
+    if mapped is None:
+        return -1
+    m32, m64, m8, readers, slots, size, ring_at, floor = mapped
+    flat, off, n, dims, starts = buffers
+    return int(send_step_frame(m32, m64, m8, readers, slots, size, ring_at, floor, fixed, lid, frame_step, step, check,
+                               ids, words, flat, off, n, dims, starts, digest, WIDTHS, MAX_VALUES_BYTES))
 
 
 def receive_step(ch: Any, reader: Optional[StepReader], keep: bool,

@@ -7,8 +7,9 @@ into the ring slot, byte for byte what the frame codec writes for it (``FrameWri
 ``encode_body``, ``OpLog.pack_into``, ``seal``; ``tests/test_step_write.py`` holds the two to
 each other), its padding zeroed; :func:`step_frame_size` gives the sizes the slot is reserved
 with first. :func:`send_step_frame` does all of it and the ring's claim and publish in one call
-(``transport/ring_njit``): the driver's send without the transport's Python. Any other frame (the first, with its layout block; a checksummed one; a spec value
-past int64) goes through the codec as before.
+(``transport/ring_njit``): the driver's send without the transport's Python. Any other frame
+(the first, with its layout block; a checksummed one; a spec value past int64) goes through the
+codec as before.
 
 The values block is msgpack as ``msgpack.Packer`` writes it: ``0x94`` (a 4-array), the step, a
 bool (``0xc2`` / ``0xc3``), the request ids' array (the codec's bytes for it, ``ids``: ``0x90``
