@@ -21,15 +21,17 @@ from cpmeta.broadcast.wire import blocks_at
 from cpmeta.buffers import pack_up
 from cpmeta.replicate.ops import WIDTHS, OpLog
 from cpmeta.replicate.step_frame import STEP_SCHEMA, fixed_head
-from cpmeta.replicate.step_write_njit import step_frame_size, write_step_frame
+from cpmeta.replicate.step_write_njit import S_VALUES, send_step_frame, step_frame_size, write_step_frame
+from cpmeta.transport import ShmRing, ShmRingHandle
 from cpmeta.transport.codec import encode_body
+from cpmeta.transport.ring_njit import CLAIM_SLOW
 
 FIXED = fixed_head(STEP_SCHEMA.fingerprint.encode())
 
 
 def _written(log: OpLog, frame_step: int, rstep: int, check: bool) -> bytes:
     """The compiled writer's frame of ``log`` (``_frame``'s digest), into a slot of stale bytes."""
-    digest = np.arange(4 * (len(log.specs) // 7 + 1), dtype=np.int64).reshape(-1, 4)
+    digest = _digest(log)
     words = np.array(log.specs, np.int64)
     ids = np.frombuffer(encode_body(list(log.req_ids)), np.uint8)
     flat, off, n, dims, starts = log.buffers
@@ -41,6 +43,10 @@ def _written(log: OpLog, frame_step: int, rstep: int, check: bool) -> bytes:
                            check, ids, words, dims, flat, off, n, digest, WIDTHS, starts)
     assert got == total
     return slot.tobytes()
+
+
+def _digest(log: OpLog) -> np.ndarray:
+    return np.arange(4 * (len(log.specs) // 7 + 1), dtype=np.int64).reshape(-1, 4)
 
 
 def _same_as_codec(log: OpLog, frame_step: int, rstep: int, check: bool) -> None:
@@ -96,3 +102,51 @@ def test_a_region_of_another_length_is_refused_unsealed() -> None:
         got = write_step_frame(slot, slot[256:256 + 8 * k].view(np.int64), FIXED, LID, 1, 1, False, none, words, dims,
                                flat, off, n, digest, WIDTHS, starts)
         assert got < 0 and not slot[:64].any()
+
+
+def _sent(w: ShmRing, log: OpLog, frame_step: int, rstep: int, check: bool, max_values: int = 1 << 20) -> int:
+    """``send_step_frame`` of ``log`` into the ring ``w`` (then ``direct_published``): its return."""
+    words, ids = np.array(log.specs, np.int64), np.frombuffer(encode_body(list(log.req_ids)), np.uint8)
+    flat, off, n, dims, starts = log.buffers
+    got = int(send_step_frame(*w.direct(), FIXED, LID, frame_step, rstep, check, ids, words, flat, off, n, dims,
+                              starts, _digest(log), WIDTHS, max_values))
+    if got >= 0:
+        w.direct_published(bool(got))
+    return got
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(n=st.integers(0, 40), drafts=st.integers(0, 3), specs=st.integers(0, 4), frame_step=st.integers(1, 2**40),
+       rstep=st.integers(1, 2**62), check=st.booleans(), ids=st.lists(ID, max_size=12))
+def test_random_frames_claimed_written_and_published_in_a_ring_as_the_writer_writes_them(
+        n: int, drafts: int, specs: int, frame_step: int, rstep: int, check: bool, ids: list) -> None:
+    """``send_step_frame`` (the driver's send in one call) publishes in a real ring the bytes the
+    compiled writer writes into a slot (the codec's, above), as one message a reader takes whole."""
+    w = ShmRing.create(1, slot_size=4096, num_slots=8, timeout=5.0)
+    r = ShmRing.attach(ShmRingHandle.from_bytes(w.handle.to_bytes()), 0, timeout=5.0)
+    try:
+        log = _log(n, frame_step % 1000, drafts, specs, ids)
+        assert _sent(w, log, frame_step, rstep, check) >= 0
+        assert r.read_bytes() == _written(log, frame_step, rstep, check)
+    finally:
+        r.close()
+        w.close()
+
+
+def test_a_send_the_ring_cannot_take_now_publishes_nothing() -> None:
+    """Nothing is published (the head stays) when the values are over the limit (the codec's path
+    names them) or the slots are not free (the reader holds them: the Python path waits); the
+    frame goes once the reader frees them."""
+    w = ShmRing.create(1, slot_size=1024, num_slots=2, timeout=5.0)
+    r = ShmRing.attach(ShmRingHandle.from_bytes(w.handle.to_bytes()), 0, timeout=5.0)
+    try:
+        log = _log(3, 1)
+        assert _sent(w, log, 1, 1, False, max_values=4) == S_VALUES and w.backlog() == 0
+        assert _sent(w, log, 1, 1, False) >= 0 and _sent(w, log, 2, 2, False) >= 0 and w.backlog() == 2
+        assert _sent(w, log, 3, 3, False) == CLAIM_SLOW and w.backlog() == 2  # both slots unread
+        assert r.read_bytes() == _written(log, 1, 1, False)
+        assert _sent(w, log, 3, 3, False) >= 0 and w.backlog() == 2  # the claim read the reader's tail
+        assert [r.read_bytes() for _ in range(2)] == [_written(log, s, s, False) for s in (2, 3)]
+    finally:
+        r.close()
+        w.close()
