@@ -20,6 +20,7 @@ from ._ring_layout import (ANNOUNCE_SPIN_S, ATTACHED, CLOSED, KIND_DATA, KIND_PA
 from ._segment import PeerWatch
 from .errors import PeerError, RingClosedError
 from .gather import PENDING
+from .ring_njit import ring_release
 
 __all__ = ["RingReader"]
 
@@ -171,11 +172,8 @@ class RingReader:
     def _release(self, tail: int) -> None:
         i = self.reader_index
         assert i is not None  # only the read path (a reader end) gets here
-        if NEEDS_RELEASE_FENCE:
-            fence()  # finish reading the slots before handing them back
-        self._w.tails[i].value = tail
-        fence()  # tail store before loading writer_waiting (StoreLoad)
-        if not HAVE_FENCE or self._w.writer_waiting.value:
+        # the slots' reads, the tail store, a full fence (StoreLoad), the writer's flag: one call
+        if ring_release(self._w.m32, self._w.m64, i, tail) or not HAVE_FENCE:
             futex_wake(self._tail_addrs[i])
 
     def _wait_data(self, target: int, deadline: Optional[float]) -> int:

@@ -1,5 +1,6 @@
-"""The ring writer's words in compiled code: the announce as ONE call, and a message's claim and
-publish for a compiled writer that fills its slot in between (:func:`ring_claim`, :func:`ring_publish`).
+"""The ring's words in compiled code: the writer's announce as ONE call, a message's claim and
+publish for a compiled writer that fills its slot in between (:func:`ring_claim`,
+:func:`ring_publish`), and a reader's release of the slots it read (:func:`ring_release`).
 
 ``ShmRing.announce`` (a driver's ``begin_step``) bumps the ``announce`` word, fences, and reads
 every reader's ``waiting`` flag to learn whether one is parked (to wake). Through ctypes each of
@@ -32,9 +33,10 @@ from numba.core import types
 from numba.core.extending import intrinsic
 
 from ..jit import kernel, warmer
-from ._ring_layout import ABSENT, CLOSED, MSG_HEADER, OFF_HEAD, R_STATE, R_TAIL, R_WAITING, READER_STRIDE, READERS_AT
+from ._ring_layout import (ABSENT, CLOSED, MSG_HEADER, OFF_HEAD, OFF_WRITER_WAITING, R_STATE, R_TAIL, R_WAITING,
+                           READER_STRIDE, READERS_AT)
 
-__all__ = ["ring_announce", "ring_claim", "ring_publish", "CLAIM_CLOSED", "CLAIM_SLOW"]
+__all__ = ["ring_announce", "ring_claim", "ring_publish", "ring_release", "CLAIM_CLOSED", "CLAIM_SLOW"]
 
 CLAIM_CLOSED, CLAIM_SLOW = -1, -2  # ring_claim: a reader closed its end; a wait or a pad is needed
 _HDR = MSG_HEADER.size
@@ -42,6 +44,7 @@ _HDR = MSG_HEADER.size
 # as uint32 indexes
 _HEAD64, _TAIL64, _STRIDE64 = OFF_HEAD // 8, (READERS_AT + R_TAIL) // 8, READER_STRIDE // 8
 _STATE32, _WAITING32, _STRIDE32 = (READERS_AT + R_STATE) // 4, (READERS_AT + R_WAITING) // 4, READER_STRIDE // 4
+_WRITER_WAITING32 = OFF_WRITER_WAITING // 4
 
 
 @intrinsic
@@ -118,6 +121,17 @@ def ring_publish(m32: np.ndarray, m64: np.ndarray, readers: int, head: int) -> b
     return False
 
 
+@kernel
+def ring_release(m32: np.ndarray, m64: np.ndarray, reader: int, tail: int) -> bool:
+    """Reader ``reader`` hands its slots back up to ``tail``: its reads of them first (release),
+    its tail, a full fence, then whether the writer's waiting flag is set (the caller wakes it:
+    ``futex_wake`` on the tail) -- ``RingReader._release``'s words in one call."""
+    _fence_release()  # type: ignore[call-arg]
+    m64[_TAIL64 + reader * _STRIDE64] = np.uint64(tail)
+    _fence_seq_cst()
+    return m32[_WRITER_WAITING32] != 0
+
+
 @warmer
 def _warm() -> None:
     """The kernels once on a scratch mapping (2 readers, reader 1 parked; 4 slots of 64 bytes
@@ -136,3 +150,6 @@ def _warm() -> None:
     assert ring_publish(m32, m64, 2, 8) and m64[_HEAD64] == 8
     m32[_STATE32 + _STRIDE32] = CLOSED
     assert ring_claim(m32, m64, 2, 4, 64, 512, 8, 8) == (CLAIM_CLOSED, 0)
+    assert not ring_release(m32, m64, 1, 7) and m64[_TAIL64 + _STRIDE64] == 7
+    m32[_WRITER_WAITING32] = 1
+    assert ring_release(m32, m64, 0, 9) and m64[_TAIL64] == 9
