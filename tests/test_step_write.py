@@ -6,7 +6,9 @@ request ids as the codec's bytes); these tests hold its bytes to what the codec 
 ``tests/test_step_read.py``'s ``_frame`` puts them together) on named and random steps and on
 every msgpack int width of the spec words, into a slot full of stale bytes (the writer zeroes
 the padding the codec leaves as it finds it); the parser and the compiled read take what it
-writes. A ``ReplicatedBatchState`` run (``tests/test_replicate.py``) sends with it.
+writes. ``send_step_frame`` (the same writer claiming and publishing its ring slots in one call)
+publishes those bytes in a real ring, or nothing when the ring cannot take the frame now. A
+``ReplicatedBatchState`` run (``tests/test_replicate.py``) sends with it.
 """
 
 from __future__ import annotations
