@@ -17,12 +17,12 @@ from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 
-from ._futex import HAVE_FENCE, NEEDS_RELEASE_FENCE, fence, futex_wait, futex_wake
+from ._futex import HAVE_FENCE, fence, futex_wait, futex_wake
 from ._ring_layout import (ABSENT, ATTACHED, CLOSED, KIND_DATA, KIND_PAD, LIVENESS_SLICE_S, MSG_HEADER, OFF_ANNOUNCE,
                            R_WAITING, READER_STRIDE, READERS_AT, cdiv)
 from ._ring_read import RingReader
 from .errors import PeerError
-from .ring_njit import ring_announce
+from .ring_njit import ring_announce, ring_publish
 
 __all__ = ["RingIO"]
 
@@ -140,8 +140,7 @@ class RingIO(RingReader):
         if head is None:
             raise RuntimeError("ShmRing.commit: nothing reserved")
         self._publish(head)
-        self.messages_out += 1
-        self._check_alive_readers()
+        self._published()
 
     def direct(self) -> Optional[tuple[np.ndarray, np.ndarray, np.ndarray, int, int, int, int, int]]:
         """Writer: what a compiled writer claims, fills and publishes the next message with
@@ -160,6 +159,11 @@ class RingIO(RingReader):
         poll the readers' liveness."""
         if wake or not HAVE_FENCE:
             futex_wake(self._head_addr)
+        self._published()
+
+    def _published(self) -> None:
+        """A message published whole: count it, then poll the readers' liveness (off their
+        critical path: they hold the message already)."""
         self.messages_out += 1
         self._check_alive_readers()
 
@@ -203,11 +207,10 @@ class RingIO(RingReader):
         return (pos + chunk.nbytes) % self._ring_bytes
 
     def _publish(self, head: int) -> None:
-        if NEEDS_RELEASE_FENCE:
-            fence()  # payload stores before the head store
-        self._w.head.value = head
-        fence()  # head store before the loads of the readers' waiting flags (StoreLoad)
-        if not HAVE_FENCE or any(map(_VALUE, self._w.waiting)):
+        # payload stores, the head store, a full fence (StoreLoad), the readers' waiting flags:
+        # the compiled writer's publish (ring_njit.ring_publish), one call
+        w = self._w
+        if ring_publish(w.m32, w.m64, len(w.waiting), head) or not HAVE_FENCE:
             futex_wake(self._head_addr)
 
     def _wait_space(self, head: int, k: int, deadline: float) -> int:

@@ -14,9 +14,11 @@ A compiled writer (the replicated step's frame: ``replicate/step_write_njit.send
 claims, writes and publishes a message inside its own call: ``ring_claim`` takes only the case
 that needs no wait and no pad (no reader closed, the message fits before the ring's end, the
 writer's tail floor proves the room), the Python path (``ShmRing.reserve``) every other;
-``ring_publish`` is ``_publish``'s order: the payload's stores, a release fence, the head, a full
-fence, then the readers' waiting flags. ``ShmRing.direct`` hands the words, ``direct_published``
-does what ``commit`` does after its publish (the wake, the count, the liveness poll).
+``ring_publish`` -- the payload's stores, a release fence, the head, a full fence, then the
+readers' waiting flags -- is every publish of the ring's (``commit``'s and a pad's too: 7.9 ->
+5.6 µs after an idle on the VM against the ctypes words, 17.5 -> 9.1 with seven readers).
+``ShmRing.direct`` hands the words, ``direct_published`` does what ``commit`` does after its
+publish (the wake, the count, the liveness poll).
 
 Word indexes are in uint32 units: ``m32[OFF_ANNOUNCE // 4]`` is the announce word,
 ``m32[(READERS_AT + READER_STRIDE * i + R_WAITING) // 4]`` reader ``i``'s flag. Worked example,
@@ -47,22 +49,21 @@ _STATE32, _WAITING32, _STRIDE32 = (READERS_AT + R_STATE) // 4, (READERS_AT + R_W
 _WRITER_WAITING32 = OFF_WRITER_WAITING // 4
 
 
-@intrinsic
-def _fence_seq_cst(typingctx: Any) -> Any:
-    """``fence seq_cst``: a full barrier (x86: mfence), and no compiler reordering across it."""
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        builder.fence("seq_cst")
-        return context.get_dummy_value()
-    return types.void(), codegen
+def _fence_of(order: str) -> Any:
+    """An intrinsic for LLVM's ``fence <order>``: ``seq_cst`` a full barrier (x86: mfence),
+    ``release`` earlier loads and stores before any later store (x86: no instruction); the
+    compiler reorders nothing across either."""
+    def fence(typingctx: Any) -> Any:
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            builder.fence(order)
+            return context.get_dummy_value()
+        return types.void(), codegen
+
+    fence.__name__ = fence.__qualname__ = f"_fence_{order}"  # (one typing template each)
+    return intrinsic(fence)
 
 
-@intrinsic
-def _fence_release(typingctx: Any) -> Any:
-    """``fence release``: earlier loads and stores before any later store (x86: no instruction)."""
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        builder.fence("release")
-        return context.get_dummy_value()
-    return types.void(), codegen
+_fence_seq_cst, _fence_release = _fence_of("seq_cst"), _fence_of("release")
 
 
 @kernel
@@ -70,9 +71,15 @@ def ring_announce(m32: np.ndarray, announce_at: int, waiting_at: int, stride: in
     """``m32[announce_at] += 1`` (mod 2**32), a full fence, then whether any of the ``n`` readers'
     flags (``m32[waiting_at + i * stride]``) is set."""
     m32[announce_at] = np.uint32((np.int64(m32[announce_at]) + 1) & 0xFFFFFFFF)
-    _fence_seq_cst()  # type: ignore[call-arg]  # (numba supplies the typing context)
+    _fence_seq_cst()
+    return _any_set(m32, waiting_at, stride, n)
+
+
+@kernel
+def _any_set(m32: np.ndarray, at: int, stride: int, n: int) -> bool:
+    """Whether any of the ``n`` flags ``m32[at + i * stride]`` is set (readers' waiting flags)."""
     for i in range(n):
-        if m32[waiting_at + i * stride] != 0:
+        if m32[at + i * stride] != 0:
             return True
     return False
 
@@ -112,13 +119,10 @@ def ring_claim(m32: np.ndarray, m64: np.ndarray, readers: int, num_slots: int, s
 def ring_publish(m32: np.ndarray, m64: np.ndarray, readers: int, head: int) -> bool:
     """Publish up to ``head``: the payload's stores first (release), the head, a full fence, then
     whether a reader's waiting flag is set (the caller wakes them: ``futex_wake`` on the head)."""
-    _fence_release()  # type: ignore[call-arg]  # (numba supplies the typing context)
+    _fence_release()
     m64[_HEAD64] = np.uint64(head)
     _fence_seq_cst()
-    for i in range(readers):
-        if m32[_WAITING32 + i * _STRIDE32] != 0:
-            return True
-    return False
+    return _any_set(m32, _WAITING32, _STRIDE32, readers)
 
 
 @kernel
@@ -126,7 +130,7 @@ def ring_release(m32: np.ndarray, m64: np.ndarray, reader: int, tail: int) -> bo
     """Reader ``reader`` hands its slots back up to ``tail``: its reads of them first (release),
     its tail, a full fence, then whether the writer's waiting flag is set (the caller wakes it:
     ``futex_wake`` on the tail) -- ``RingReader._release``'s words in one call."""
-    _fence_release()  # type: ignore[call-arg]
+    _fence_release()
     m64[_TAIL64 + reader * _STRIDE64] = np.uint64(tail)
     _fence_seq_cst()
     return m32[_WRITER_WAITING32] != 0
