@@ -16,6 +16,7 @@ import re
 import time
 from typing import Any, Optional
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -100,6 +101,7 @@ def _trace_rank(rank: int, world: int, seed: int, cfg_name: str, steps: int, max
         # deferred: driven as an engine drives it, the scheduler's own state validating each call
         target = SchedulerTee(cpmeta.BatchState(cfg, max_seqs, max_tokens=1024), rep) if defer else rep
         rng, rng_ref = random.Random(seed), random.Random(seed)
+        held = []  # every step's spec, as an engine may keep it: it stays that step's
         for _ in range(steps):
             if rank == 0 and announce:  # the scheduler decides for 2 ms: followers warm ~20 times
                 rep.begin_step()
@@ -115,17 +117,24 @@ def _trace_rank(rank: int, world: int, seed: int, cfg_name: str, steps: int, max
             else:
                 md = _build(rep.sync(), cfg)
             out["digests"].append(_digest(md))
+            if rep.spec is not None:
+                held.append((rep.spec, _spec_values(rep.spec)))
             out["decode_steps"] += md is not None and not md.is_prompt
             if md is not None and md.is_prompt and world > 1:  # every rank's own zigzag share
                 out["mine"].append(_digest(cpmeta.prepare_for_mirror_cp(md, rank, world)))
                 if rank == 0:  # and the driver's view of every rank's share
                     out["mirrors"].append([_digest(cpmeta.prepare_for_mirror_cp(md, r, world))
                                            for r in range(world)])
+        out["specs_changed"] = [i for i, (sp, values) in enumerate(held) if _spec_values(sp) != values]
         out["fused"] = rep._sink.filled if rep._sink is not None else 0  # noqa: SLF001 - the replay's builds
         out["compiled_reads"] = rep._reader.taken if rep._reader is not None else 0  # noqa: SLF001
         out["read_fused"] = rep._reader.fused.count if rep._reader is not None else 0  # noqa: SLF001 - in one call
         out["written"] = rep._written  # noqa: SLF001 - the driver's frames written by one compiled call
     return out
+
+
+def _spec_values(spec: Any) -> list:
+    return [None if x is None else np.asarray(x).tolist() for x in spec[1:5]]
 
 
 def _check_trace(out: list[dict]) -> None:
@@ -134,6 +143,7 @@ def _check_trace(out: list[dict]) -> None:
         bad = [i for i, (a, b) in enumerate(zip(drv["digests"], got["digests"])) if a != b]
         assert not bad and len(got["digests"]) == len(drv["digests"]), f"rank {r} differs at {bad[:5]}"
         assert got["mine"] == [m[r] for m in drv["mirrors"]], f"rank {r}: its zigzag share differs"
+        assert not got["specs_changed"], f"rank {r}: specs kept from steps {got['specs_changed'][:5]} changed"
     bad = [i for i, (a, b) in enumerate(zip(drv["digests"], drv["ref"])) if a != b]
     assert not bad, f"the driver's replica differs from a plain BatchState at steps {bad[:5]}"
     assert all(not k.endswith("accepted") for k in drv["refusals"]), drv["refusals"]

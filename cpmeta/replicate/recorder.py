@@ -364,14 +364,15 @@ def _request_id(req_id: Any) -> Any:
 
 
 def specs_of(cols: Columns, spec: list[int]) -> tuple[StepSpec, ...]:
-    """A follower's :class:`StepSpec` s of a received step (its spec values and columns)."""
+    """A follower's :class:`StepSpec` s of a received step (its spec values and columns), their
+    arrays copies (the columns' buffer is the read's, reused two steps later)."""
     out, at = [], [0, 0, 0]
     s_col, l_col, d_col = (cols.col(_SPEC_SLOTS + i) for i in range(3))
     for i in range(0, len(spec) - SPEC_WORDS + 1, SPEC_WORDS):
         is_prompt, n_ph, advance, uniform, ns, nl, nd = spec[i:i + SPEC_WORDS]
-        slots = s_col[at[0]:at[0] + ns]
-        lens = l_col[at[1]:at[1] + nl]
-        drafts = d_col[at[2]:at[2] + nd]
+        slots = s_col[at[0]:at[0] + ns].copy()
+        lens = l_col[at[1]:at[1] + nl].copy()
+        drafts = d_col[at[2]:at[2] + nd].copy()
         at = [at[0] + ns, at[1] + nl, at[2] + nd]
         out.append(StepSpec(True, slots, lens, None, None, n_ph, bool(advance)) if is_prompt
                    else decode_spec(slots, lens, drafts, uniform, n_ph))

@@ -187,6 +187,11 @@ class StepReader:
         self.fused = FusedStep()  #: the steps of those replayed (and built) in the same call
         self._vals = np.zeros(VALS_HEAD + SPEC_WORDS * _MAX_SPECS, np.int64)
         self._shapes = np.zeros(_N_DIMS, np.int64)
+        # the columns' buffers, used in turn: a step's columns stay valid through the next step
+        # (the defer check and the warm read the last one); grown, never allocated per step
+        self._out = [np.empty(1024, np.int64), np.empty(1024, np.int64)]
+        self._starts = [np.empty(len(COLUMNS) + 1, np.int64), np.empty(len(COLUMNS) + 1, np.int64)]
+        self._turn = 0
 
     def arm(self, lid: int) -> None:
         """Read frames of layout ``lid`` from now on (the parser accepted one: this rank holds it)."""
@@ -204,7 +209,10 @@ class StepReader:
         if self.lid < 0:
             return None
         frame = np.frombuffer(view, np.uint8)
-        out, starts, v = np.empty(len(frame) // 8, np.int64), np.empty(len(COLUMNS) + 1, np.int64), self._vals
+        turn, v = self._turn, self._vals  # (a dry read warms the buffer the next step's read takes)
+        out, starts = self._out[turn], self._starts[turn]
+        if len(out) < len(frame) // 8:
+            out = self._out[turn] = np.empty(len(frame) // 4, np.int64)
         head = (frame, self._fixed, self.lid, want, WIDTHS, v, self._shapes, out, starts)
         fused = None
         if fuse is None:
@@ -221,6 +229,8 @@ class StepReader:
                 ids = decode_body(view[int(v[4]):int(v[5])])
             except CodecError:
                 return None
+        if not dry:
+            self._turn = turn ^ 1
         cols = Columns(out[:int(starts[-1])], starts, tuple(self._shapes.tolist()))
         words = v[VALS_HEAD:VALS_HEAD + k]
         if fuse is not None and fused is None and not dry and k == SPEC_WORDS and not v[6]:  # another shape: aimed, once more
