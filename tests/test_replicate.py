@@ -694,12 +694,12 @@ def _killed_after_check(rank: int, world: int, defer: bool, remote: bool, timeou
         target = SchedulerTee(cpmeta.BatchState(cfg, 6, max_tokens=1024), rep) if defer else rep
         try:
             for step in range(1, 40):
-                if rank == 0:
-                    drive(target, cfg, rng, [])
-                if step == 21:
-                    if rank == victim:
+                if step == 21:  # (a dying driver before it records: its helper thread, which posts
+                    if rank == victim:  # its check's value, then gets no time to end the gather)
                         os.kill(os.getpid(), signal.SIGKILL)
                     out["t_fault"] = _time.monotonic()
+                if rank == 0:
+                    drive(target, cfg, rng, [])
                 rep.sync()
         except Exception as e:  # noqa: BLE001 - the fault, by whatever name it surfaces
             out.update(etype=type(e).__name__, error=str(e)[:400], t_err=_time.monotonic(), step=step)
