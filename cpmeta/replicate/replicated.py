@@ -203,6 +203,8 @@ class ReplicatedBatchState(Recorder):
         if sink is None or sink.arenas is not out:
             sink = self._sink = DecodeSink(self.cfg, out)
         batches, mds = self._sync(sink)  # a batch the replay did not build: the builders
+        if len(mds) == 1 and mds[0] is not None:  # (a decode step the replay's call built)
+            return mds[0]
         return one_or_many([md if md is not None else prepare_prompt(b, self.cfg, out=out) if b.is_prompt
                             else sink.fill(b) for b, md in zip(batches, mds)])
 
@@ -252,6 +254,10 @@ class ReplicatedBatchState(Recorder):
             self._reader.read(whole[0], step, None if sink is None else (self.state, sink), dry=True)
             yield
         yield from warm_replay(self.state, cols, batches, sink)
+        if sink is not None:  # the next step's metadata object made now; the check's compare warmed
+            yield
+            sink.prepare()
+            first_difference(self._prev_check, self._prev_check)
 
     def close(self) -> None:
         """Release the shared-memory ring (idempotent), after the verdict of a check no sync took."""
