@@ -41,7 +41,7 @@ class DecodeSink:
         md = md if md is not None else sink.build(batch)
     """
 
-    __slots__ = ("cfg", "arenas", "args", "filled", "_plan", "_tg", "_shape", "_shapes", "_want", "_code", "_ready")
+    __slots__ = ("cfg", "arenas", "args", "filled", "_plan", "_tg", "_shape", "_shapes", "_want", "_code")
 
     def __init__(self, cfg: MetadataConfig, arenas: OutputBuffers) -> None:
         self.cfg, self.arenas, self._plan = cfg, arenas, _plan(cfg)
@@ -52,7 +52,6 @@ class DecodeSink:
         self._code = np.full(1, -1, np.int64)  # the caller's kernel: decode_fill_if's return (-1: not filled)
         self.args: tuple = ()
         self.filled = 0  #: batches the caller's kernel built (:meth:`result` returned their metadata)
-        self._ready: Optional[tuple] = None  # prepare()'s (target, n_seq, total_q, metadata)
         self._aim(None)
 
     def refresh(self, total_q: int = -1, n_seq: int = -1) -> tuple:
@@ -76,26 +75,10 @@ class DecodeSink:
 
     def result(self) -> Optional[InputMetadata]:
         """The metadata the caller's kernel filled this step, else ``None`` (call :meth:`build`)."""
-        tg = self._tg
-        if self._code[0] != 0 or tg is None:
+        if self._code[0] != 0 or self._tg is None:
             return None
         self.filled += 1
-        n, T, ready = int(self._want[1]), int(self._want[0]), self._ready
-        self._ready = None
-        if ready is not None and ready[0] is tg and ready[1] == n and ready[2] == T:  # made by prepare()
-            md = ready[3]
-            md.max_seqlen_q, md.max_seqlen_k = int(tg.info[0]), int(tg.info[1])
-            return md
-        return _metadata(tg, n, T, tg.info)
-
-    def prepare(self) -> None:
-        """Make the next :meth:`result`'s metadata now, for the arena and shape aimed at (a new
-        object each call; the kernel's two maxima are set when it is returned): a follower
-        spinning for its next step makes it there, not after the step's call."""
-        tg = self._tg
-        if tg is not None:
-            n, T = int(self._want[1]), int(self._want[0])
-            self._ready = (tg, n, T, _metadata(tg, n, T, tg.info))
+        return _metadata(self._tg, int(self._want[1]), int(self._want[0]), self._tg.info)
 
     def build(self, batch: SequenceBatch) -> InputMetadata:
         """``prepare_decode(batch, cfg, out=arenas)``; later steps aim at this batch's shape."""

@@ -254,10 +254,6 @@ class ReplicatedBatchState(Recorder):
             self._reader.read(whole[0], step, None if sink is None else (self.state, sink), dry=True)
             yield
         yield from warm_replay(self.state, cols, batches, sink)
-        if sink is not None:  # the next step's metadata object made now; the check's compare warmed
-            yield
-            sink.prepare()
-            first_difference(self._prev_check, self._prev_check)
 
     def close(self) -> None:
         """Release the shared-memory ring (idempotent), after the verdict of a check no sync took."""
