@@ -4,7 +4,9 @@ Every rank wraps the library's stage functions in its own process (nothing chang
 library) and stamps ``perf_counter`` -- one clock for every process of a host -- at each stage's
 start and end; the last call of a stage in a step wins (a follower's warm calls come before the
 step's own). Rank 0 then prints the p50 of each stage on the driver and, on the follower that
-held its metadata last, the stages from the driver's ring commit on::
+held its metadata last, the stages from the driver's ring commit on (``--split-read``: a
+follower's compiled read without the replay, which ``apply_step``'s own compiled call then
+makes with the build, timed alone: which half of the one-call step costs what)::
 
     driver    record (begin_step, then its BatchState calls; announce: begin_step alone)
               | layout (the region's sizes) | prepare (the codec's frames only)
@@ -48,6 +50,7 @@ DRIVER = (("record", "t0", "record<"), ("announce", "begin_step>", "begin_step<"
           ("then apply_step", "apply_step>", "apply_step<"), ("build", "_sync<", "end"),
           ("check verdict", "_check_verdict>", "_check_verdict<"))
 FOLLOWER = (("replay + check", "apply_step>", "apply_step<"),
+            ("of which replay + build (--split-read)", "replay_decode>", "replay_decode<"),
             ("to sync end", "apply_step<", "_sync<"), ("build", "_sync<", "end"),
             ("check verdict", "_check_verdict>", "_check_verdict<"))
 
@@ -85,6 +88,14 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
     stamps: dict[str, float] = {}
     import cpmeta.replicate.step_frame as step_frame
 
+    if args.split_read:  # the compiled read alone: apply_step's own call then replays and builds
+        read = step_frame.StepReader.read
+
+        def read_only(self: Any, view: Any, want: int, fuse: Any = None, dry: bool = False) -> Any:
+            return read(self, view, want, fuse if dry else None, dry)
+        step_frame.StepReader.read = read_only
+        import cpmeta.replicate.apply as apply_mod
+        _stamp(stamps, apply_mod, "replay_decode")
     _stamp(stamps, step_frame.StepReader, "read")
     _stamp(stamps, step_frame.FusedStep, "apply", "fused")  # a defer_apply driver's own replay + build
     follow = step_frame.follow_decode
