@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import numpy as np
@@ -43,15 +44,8 @@ __all__ = ["StepFrame", "STEP_SCHEMA", "step_key", "read_region", "state_fingerp
            "FusedStep", "receive_step", "send_step", "fixed_head"]
 
 
-class _Col:
-    """Field metadata of a step-frame column: int64, rank 1 or 2 (the schema pins both)."""
-
-    def __init__(self, ndim: int) -> None:
-        self.dtype, self.ndim = torch.int64, ndim
-
-
-def _col(name: str) -> Any:
-    return field(default=None, metadata={"cpmeta": _Col(2 if name in WIDE else 1)})
+def _col(name: str) -> Any:  # a column's field metadata: int64, rank 1 or 2 (the schema pins both)
+    return field(default=None, metadata={"cpmeta": SimpleNamespace(dtype=torch.int64, ndim=2 if name in WIDE else 1)})
 
 
 @dataclass(slots=True)
@@ -187,11 +181,9 @@ class StepReader:
         self.fused = FusedStep()  #: the steps of those replayed (and built) in the same call
         self._vals = np.zeros(VALS_HEAD + SPEC_WORDS * _MAX_SPECS, np.int64)
         self._shapes = np.zeros(_N_DIMS, np.int64)
-        # the columns' buffers, used in turn: a step's columns stay valid through the next step
-        # (the defer check and the warm read the last one); grown, never allocated per step
-        self._out = [np.empty(1024, np.int64), np.empty(1024, np.int64)]
-        self._starts = [np.empty(len(COLUMNS) + 1, np.int64), np.empty(len(COLUMNS) + 1, np.int64)]
-        self._turn = 0
+        # the columns' buffers: used in turn (a step's stay valid through the next), grown, not made per step
+        self._out, self._turn = [np.empty(1024, np.int64) for _ in range(2)], 0
+        self._starts = np.empty((2, len(COLUMNS) + 1), np.int64)
 
     def arm(self, lid: int) -> None:
         """Read frames of layout ``lid`` from now on (the parser accepted one: this rank holds it)."""
@@ -229,8 +221,7 @@ class StepReader:
                 ids = decode_body(view[int(v[4]):int(v[5])])
             except CodecError:
                 return None
-        if not dry:
-            self._turn = turn ^ 1
+        self._turn = turn if dry else turn ^ 1
         cols = Columns(out[:int(starts[-1])], starts, tuple(self._shapes.tolist()))
         words = v[VALS_HEAD:VALS_HEAD + k]
         if fuse is not None and fused is None and not dry and k == SPEC_WORDS and not v[6]:  # another shape: aimed, once more
