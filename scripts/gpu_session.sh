@@ -40,6 +40,8 @@
 #   bash scripts/gpu_session.sh check        # world 8: the periodic replica check, this tree against .alt
 #   bash scripts/gpu_session.sh compile      # the host's cores: the kernels compiled into an empty numba cache
 #                                            # by 1, 2 and warm_all's default count of processes, then loaded
+#   bash scripts/gpu_session.sh core         # the host's core: a follower's replay + build hot in one process, alone
+#                                            # and beside busy cores; a world-8 follower's split read
 #   bash scripts/gpu_session.sh compare      # the host's cores, before / after in one run: the commit in
 #                                            # .baseline (git archive REV | tar -x -C .baseline; carry it)
 #                                            # and this tree, end-to-end step (plain and compressed-KV
@@ -442,8 +444,27 @@ short)  # ~9 min when the device time is short: the GPU tests, then compare's en
       --steps 40 --warmup 6 --budget 3 --no-cold --out "$OUT/h200_step.plain.$V.json"
   done
   ;;
+core)  # ~5 min: the host's core for a follower's decode step -- replay + build hot in ONE process
+  # (profile_phases.py replay --build), alone and beside 7 / 15 busy cores (the clock under load),
+  # then after a 3 ms gap; a world-8 follower's split read (sync --split-read), idle 3 ms / none
+  lscpu | grep -E "Model name|MHz|^CPU\(s\)|Thread" ; grep MHz /proc/cpuinfo | sort | uniq -c | head -4
+  TAILN=1 step core_warm 200 python3 -c "import cpmeta.jit as j; j.warm_all()"
+  for B in 0 7 15; do
+    for i in $(seq 1 $B); do (exec yes > /dev/null) & done
+    sleep 1; [ "$B" -gt 0 ] && { grep MHz /proc/cpuinfo | sort | uniq -c | head -3; }
+    for W in decode-64 decode-256; do
+      TAILN=1 step core_busy${B}_$W 90 python3 scripts/profile_phases.py replay --workload $W --build --gap-ms 0 --steps 400 --out ""
+    done
+    [ "$B" -gt 0 ] && { kill $(jobs -p) 2>/dev/null; wait 2>/dev/null; }
+  done
+  TAILN=1 step core_gap3 90 python3 scripts/profile_phases.py replay --workload decode-64 --build --gap-ms 3 --steps 400 --out ""
+  for P in 3 0; do
+    TAILN=4 step core_split_park$P 150 python3 scripts/profile_phases.py sync --world 8 --defer --model plain --workload decode-64 \
+      --split-read --park-ms $P --steps 250 --out ""
+  done
+  ;;
 *)
-  echo "unknown suite $SUITE: expected tests, bench-gpu, bench-cpu, compare, wire, replay, warm, rwarm, arena, warmbuild, width, widthab, spin, collective, pin, ab, prefill, timeline, knobs, check or short" >&2; exit 2
+  echo "unknown suite $SUITE: expected tests, bench-gpu, bench-cpu, compare, wire, replay, warm, rwarm, arena, warmbuild, width, widthab, spin, collective, pin, ab, prefill, timeline, knobs, check, core or short" >&2; exit 2
   ;;
 esac
 # one file for every log (the device tool brings back at most 8 files)
