@@ -16,6 +16,7 @@ makes with the build, timed alone: which half of the one-call step costs what)::
                 claimed, written and published by ONE compiled call (send_step_frame)
               | own apply (defer_apply; of which the fused replay + build, then apply_step) | build
     follower  commit -> read | read | -> replay | replay + step check | -> sync end | build
+              (and its last warm before the read: how long, and where it ended from the publish)
 
 where a follower's "read" is the compiled read of a common step frame (``StepReader.read``: the
 header, the values and the columns in one call; for a decode step of the shape it built last
@@ -52,6 +53,7 @@ DRIVER = (("record", "t0", "record<"), ("announce", "begin_step>", "begin_step<"
 FOLLOWER = (("replay + check", "apply_step>", "apply_step<"),
             ("of which replay + build (--split-read)", "replay_decode>", "replay_decode<"),
             ("to sync end", "apply_step<", "_sync<"), ("build", "_sync<", "end"),
+            ("last warm before the read", "_run_warm>", "_run_warm<"),
             ("check verdict", "_check_verdict>", "_check_verdict<"))
 
 
@@ -123,6 +125,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
                                       check_every=args.check_every)
     if rep._ch.objects.ring is not None:  # noqa: SLF001 - the ring's commit is the frame's publish
         _stamp(stamps, rep._ch.objects.ring, "commit")  # noqa: SLF001
+        _stamp(stamps, rep._ch.objects.ring, "_run_warm")  # noqa: SLF001 - a follower's warm while it spins
     arenas = cpmeta.OutputArenas()
     rows = []
     for _ in range(args.warmup + args.steps):
@@ -184,6 +187,8 @@ def summarize(every: list[list[dict[str, float]]]) -> dict[str, Any]:
                   "parse": _p50([f["parse<"] - f["parse>"] for f, q in zip(fol, fast) if not q and "parse<" in f]),
                   "columns": _p50([f["read_region<"] - f["parse<"] for f, q in zip(fol, fast)
                                    if not q and "read_region<" in f]),
+                  "publish -> last warm's end": _p50([f["_run_warm<"] - c for f, c in zip(fol, pub)
+                                                      if "_run_warm<" in f and c is not None]),
                   "to replay": _p50([f["apply_step>"] - f[b] for f, b in zip(fol, end) if b in f and "apply_step>" in f])}
         stages.update({k: _p50([s[b] - s[a] for s in fol if a in s and b in s]) for k, a, b in FOLLOWER})
         stages["frames read compiled"] = f"{sum(fast)}/{len(fast)}"
