@@ -10,7 +10,7 @@ to its columns, or whose ``add_request`` lands in another slot than the driver's
 
 from __future__ import annotations
 
-from typing import Any, Iterator, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
@@ -181,25 +181,19 @@ def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[
     return batches, (check if replayed and crow == len(check) else batch_check(batches_of(batches))), mds
 
 
-def warm_replay(state: BatchState, cols: Columns, batches: list[SequenceBatch],
-                sink: Optional[DecodeSink] = None) -> Iterator[None]:
-    """Run, read-only, what :func:`apply_step` runs on a step like ``cols``: the compiled replay's
-    call with the state's arrays (from the end of the runs: nothing applied), then the digests of
-    the last step's ``batches`` (reading their arrays and the kernel). A generator, one piece per
-    item: a follower spinning for its next step runs it (``ReplicatedBatchState.warm``) so the
-    step meets warm caches, and stops between the pieces once the step is in. ``sink``: the
-    step's :class:`~cpmeta.builders.decode_sink.DecodeSink` (its call is then the fused one)."""
+def warm_replay(state: BatchState, cols: Columns, sink: Optional[DecodeSink] = None) -> None:
+    """Enter, read-only, the compiled replay :func:`apply_step` runs on a step like ``cols``: its
+    call with the state's arrays from the end of the runs (nothing applied), the fused one with a
+    ``sink`` (:class:`~cpmeta.builders.decode_sink.DecodeSink`) -- a spinning follower's warm after
+    a frame too large to read again (``ReplicatedBatchState.warm``)."""
     buf, starts, _ = cols
     runs = cols.col(0)
     args = (len(runs), runs, buf, starts[:-1].copy(), starts[1:], _NO_WORDS, 0, *state.kernel_arrays(), _NO_CHECK, 0,
             state.lookback, False, *_NO_FREE)
     if sink is None:
         replay(*args)
-    else:  # the call a step with a sink makes (at the runs' end it returns at once: nothing filled)
+    else:  # (at the runs' end it returns at once: nothing filled)
         replay_decode(*args, *sink.args)
-    if batches:
-        yield
-        batch_check(batches)
 
 
 _NO_WORDS = np.zeros(0, np.int64)

@@ -35,7 +35,7 @@ same-host follower spins for its next step it warms (:meth:`ReplicatedBatchState
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -55,7 +55,7 @@ from .apply import ReplicaError, apply_step, batches_of, one_or_many, warm_repla
 from .digest import batch_check, digest_call, first_difference, slots_differ, where_differs
 from .ops import COLUMNS, Columns
 from .recorder import Recorder, StepSpec, specs_of
-from .step_frame import STEP_SCHEMA, StepReader, fixed_head, read_region, receive_step, send_step, state_fingerprint, step_key
+from .step_frame import STEP_SCHEMA, StepReader, fixed_head, receive_step, send_step, state_fingerprint, step_key
 
 __all__ = ["ReplicatedBatchState", "StepSpec", "DEFAULT_CHECK_EVERY"]
 
@@ -64,8 +64,8 @@ __all__ = ["ReplicatedBatchState", "StepSpec", "DEFAULT_CHECK_EVERY"]
 DEFAULT_CHECK_EVERY = 64
 _NO_CHECK = np.zeros((0, 4), np.int64)  # the batch check of a step without a batch spec
 _DIGEST = COLUMNS.index("batch_digest")
-#: a step frame's region above which the warm only rechecks its head and enters the replay (a
-#: prompt step's copies and digests cost the spinning core more than they save the next step)
+#: a step frame's region above which the warm only enters the replay (a prompt step's copy costs
+#: the spinning core more than it saves the next step)
 WARM_BULK_BYTES = 64 << 10
 
 
@@ -143,10 +143,10 @@ class ReplicatedBatchState(Recorder):
         self._checking: Any = None  # (step, per-slot digests, the gather under way) of the last check
         self._broken: Optional[str] = None  # why this replica refuses further steps
         self.step, self._closed = 0, False  # steps synced so far; close() called
-        self._warm_from: Any = None  # (head bytes, step, its whole region, columns, batches, sink, [frame])
+        self._warm_from: Any = None  # (head bytes, step, its whole region, columns, sink, [frame])
         self._sink: Optional[DecodeSink] = None  # sync_metadata's, for its last ``out``
         self._got: list[Any] = []  # the last step's batches (``apply.Gathered``: made when read)
-        self._warming = self._ch.warm_with(self._warm_pieces)  # a same-host follower warms while it spins
+        self._warming = self._ch.warm_with(self.warm)  # a same-host follower warms while it spins
         fpb = STEP_SCHEMA.fingerprint.encode()  # the compiled read's, and the compiled writer's first header bytes
         self._reader, self._fixed = None if ch_sum else StepReader(fpb), fixed_head(fpb)
         if self._reader is not None:  # a defer_apply follower makes its step check later (_receive)
@@ -227,33 +227,21 @@ class ReplicatedBatchState(Recorder):
         return batches, mds
 
     def warm(self) -> None:
-        """Follower: replay the last step's receive read-only (``apply.warm_replay``), so the step lands on
-        warm caches; the ring calls it every ~100 us while this rank spins (``CPMETA_WARM``)."""
-        for _ in self._warm_pieces():
-            pass
-
-    def _warm_pieces(self) -> Iterator[None]:
-        """:meth:`warm` one piece at a time (the ring's hook: it stops between two pieces once
-        the next frame is in, so a frame landing mid-warm waits one piece, not the whole warm)."""
+        """Follower: the last step's frame read again by the compiled read, read-only (into the
+        reader's other buffer, the replay entered at the end of its runs: nothing applied), so the
+        step lands on warm code; the ring calls it every ~100 us while this rank spins
+        (``CPMETA_WARM``). After a frame over ``WARM_BULK_BYTES`` (a prompt step's) only the
+        replay's entry; nothing before the compiled read holds the frame's layout."""
         got = self._warm_from
-        if got is None:
+        if got is None or self._reader is None or self._reader.lid < 0:
             return
-        head, step, region, cols, batches, sink, whole = got
-        batches[:] = batches_of(batches)  # (in place: they are rep.batches' too)
-        frame = self._ch.recheck(head, step)
-        yield
-        if region.nbytes > WARM_BULK_BYTES:  # a step with prompts: its bulk copies and digests
-            yield from warm_replay(self.state, cols, [], sink)  # would evict more than they warm
+        head, step, region, cols, sink, whole = got
+        if region.nbytes > WARM_BULK_BYTES:  # its copy would evict more than it warms
+            warm_replay(self.state, cols, sink)
             return
-        h = frame.head
-        read_region(frame, np.frombuffer(head, np.int64, h.n_dims, h.shapes_at), region.view(np.uint8))
-        yield
-        if self._reader is not None:  # the compiled read of the same frame (read-only: its own buffers)
-            if not whole:  # the frame's bytes, put together once per step
-                whole.append(memoryview(bytearray(head + region.tobytes())))  # writable: a ring slot's kernels
-            self._reader.read(whole[0], step, None if sink is None else (self.state, sink), dry=True)
-            yield
-        yield from warm_replay(self.state, cols, batches, sink)
+        if not whole:  # the frame's bytes, put together once per step (writable: a ring slot's kernels)
+            whole.append(memoryview(bytearray(head + region.tobytes())))
+        self._reader.read(whole[0], step, None if sink is None else (self.state, sink), dry=True)
 
     def close(self) -> None:
         """Release the shared-memory ring (idempotent), after the verdict of a check no sync took."""
@@ -353,7 +341,7 @@ class ReplicatedBatchState(Recorder):
         self._compare(mine, cols.col(_DIGEST), step)
         self._check_due = list(batches) if self._defer else None  # defer_apply: checked when the next sync begins
         if saved:
-            self._warm_from = (saved[0], step, saved[1], cols, batches, sink, [])
+            self._warm_from = (saved[0], step, saved[1], cols, sink, [])
         return batches, mds
 
     def _compare(self, check: np.ndarray, theirs: np.ndarray, step: int) -> None:
