@@ -154,6 +154,11 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
     dist.destroy_process_group()
 
 
+def _mid_warm(f: dict[str, float], pub: Any) -> bool:
+    """Whether the frame was published while the follower ran its last warm (it waited for it)."""
+    return pub is not None and f.get("_run_warm>", 1e30) <= pub <= f.get("_run_warm<", 0.0)
+
+
 def _p50(values: list[float]) -> float:
     return round(float(np.median(values)) * 1e6, 1) if values else float("nan")
 
@@ -189,6 +194,7 @@ def summarize(every: list[list[dict[str, float]]]) -> dict[str, Any]:
                                    if not q and "read_region<" in f]),
                   "publish -> last warm's end": _p50([f["_run_warm<"] - c for f, c in zip(fol, pub)
                                                       if "_run_warm<" in f and c is not None]),
+                  "frames published mid-warm": f"{sum(_mid_warm(f, c) for f, c in zip(fol, pub))}/{len(fol)}",
                   "to replay": _p50([f["apply_step>"] - f[b] for f, b in zip(fol, end) if b in f and "apply_step>" in f])}
         stages.update({k: _p50([s[b] - s[a] for s in fol if a in s and b in s]) for k, a, b in FOLLOWER})
         stages["frames read compiled"] = f"{sum(fast)}/{len(fast)}"
