@@ -444,7 +444,7 @@ short)  # ~9 min when the device time is short: the GPU tests, then compare's en
       --steps 40 --warmup 6 --budget 3 --no-cold --out "$OUT/h200_step.plain.$V.json"
   done
   ;;
-core)  # ~5 min: the host's core for a follower's decode step -- replay + build hot in ONE process
+core)  # ~6 min: the host's core for a follower's decode step -- replay + build hot in ONE process
   # (profile_phases.py replay --build), alone and beside 7 / 15 busy cores (the clock under load),
   # then after a 3 ms gap; a world-8 follower's split read (sync --split-read), idle 3 ms / none
   lscpu | grep -E "Model name|MHz|^CPU\(s\)|Thread" ; grep MHz /proc/cpuinfo | sort | uniq -c | head -4
@@ -455,6 +455,15 @@ core)  # ~5 min: the host's core for a follower's decode step -- replay + build 
     for W in decode-64 decode-256; do
       TAILN=1 step core_busy${B}_$W 90 python3 scripts/profile_phases.py replay --workload $W --build --gap-ms 0 --steps 400 --out ""
     done
+    [ "$B" -gt 0 ] && { kill $(jobs -p) 2>/dev/null; wait 2>/dev/null; }
+  done
+  # the same pinned to the last core, alone and beside every other core busy, each pinned (d1207i:
+  # beside 15 busy cores the unpinned process ran 1.8x faster at decode-64 -- migration, or the clock?)
+  CPUS=($(python3 -c "import os; print(*sorted(os.sched_getaffinity(0)))")); C=${CPUS[-1]}
+  for B in 0 $(( ${#CPUS[@]} - 1 )); do
+    for i in $(seq 0 $(( B - 1 ))); do (exec taskset -c "${CPUS[$i]}" yes > /dev/null) & done
+    sleep 1
+    TAILN=1 step core_pinned_busy$B 90 taskset -c "$C" python3 scripts/profile_phases.py replay --workload decode-64 --build --gap-ms 0 --steps 400 --out ""
     [ "$B" -gt 0 ] && { kill $(jobs -p) 2>/dev/null; wait 2>/dev/null; }
   done
   TAILN=1 step core_gap3 90 python3 scripts/profile_phases.py replay --workload decode-64 --build --gap-ms 3 --steps 400 --out ""
