@@ -41,7 +41,7 @@ from . import ops_njit
 from .ops_njit import log_add, log_extend, log_pair, log_ragged, log_slots, log_spec, pack_region
 
 __all__ = ["OpLog", "Columns", "ADD", "TOK", "BLK", "CMP", "SID", "SVS", "FIN", "SPEC", "COLUMNS",
-           "RUN_NAMES", "SPEC_WORDS", "WIDTHS", "flat_ints"]
+           "RUN_NAMES", "SPEC_WORDS", "WIDTHS", "NO_LIVE", "flat_ints"]
 
 ADD, TOK, BLK, CMP, SID, SVS, FIN, SPEC = range(8)
 RUN_NAMES = ("add_request", "append_tokens", "append_blocks", "append_compressed",
@@ -67,7 +67,8 @@ _WIDTH = [WIDE.get(c, 1) for c in COLUMNS]
 #: values per row of each column (1, or a wide column's second dim), frame order
 WIDTHS = np.array(_WIDTH, np.int64)
 _NOTHING = np.zeros(0, np.int64)  # OpLog.layout's output: the sizes alone
-_NO_LIVE = (np.zeros(0, np.bool_), _NOTHING, np.zeros(4, np.int64))  # ragged: no live-slot check
+#: a recording kernel's live-slot arguments when it checks none
+NO_LIVE = (np.zeros(0, np.bool_), _NOTHING, np.zeros(4, np.int64))
 assert (ops_njit.SPEC_CODE, ops_njit.RUNS, ops_njit.ADD_META, ops_njit.ADD_TOKENS, ops_njit.SPEC_SLOTS) == (
     SPEC, _RUNS, _ADD_META, _ADD_TOKENS, _SPEC_SLOTS), "ops_njit's constants = this module's"
 
@@ -208,10 +209,13 @@ class OpLog:
         or appears twice; a negative token id is a ``ValueError`` naming its slot."""
         if live is None:
             s, c, v = flat_ints(slots), flat_ints(counts), flat_ints(flat)
-            live = _NO_LIVE
+            live = NO_LIVE
         else:
             s, c, v = slots, counts, flat
-        got = self._call(log_ragged, self._seen, self._st, code, _RAGGED[code], s, c, v, code == TOK, *live)
+        got = log_ragged(self._flat, self._off, self._cap, self._n, self._seen, self._st, code, _RAGGED[code], s, c,
+                         v, code == TOK, *live)  # (one call: the step's first calls come after an idle)
+        if got > 0:  # a column full: grown, recorded again
+            got = self._call(log_ragged, self._seen, self._st, code, _RAGGED[code], s, c, v, code == TOK, *live)
         if got == -2:
             _negative_id("slot {}: tokens", v, c, s.tolist())
         return got
@@ -225,12 +229,19 @@ class OpLog:
         self._call(log_slots, self._seen, self._st, FIN, _FIN, slots)
 
     def batch_spec(self, is_prompt: bool, slots: np.ndarray, lens: np.ndarray, drafts: np.ndarray,
-                   num_placeholders: int, advance: bool, uniform: int) -> None:
+                   num_placeholders: int, advance: bool, uniform: int,
+                   live: tuple[np.ndarray, np.ndarray, np.ndarray] = NO_LIVE) -> int:
         """A batch spec; its values ``[is_prompt, num_placeholders, advance, uniform drafts,
-        #slots, #lens, #drafts]`` (:data:`SPEC_WORDS`) go to :attr:`specs`."""
-        self._call(log_spec, self._st, slots, lens, drafts)
-        self.specs += [int(is_prompt), int(num_placeholders), int(advance), int(uniform), len(slots),
-                       len(lens), len(drafts)]
+        #slots, #lens, #drafts]`` (:data:`SPEC_WORDS`) go to :attr:`specs`. Returns 0, or -3
+        (nothing recorded) when ``live`` is given (as for :meth:`ragged`) and a slot is not live
+        or appears twice."""
+        got = log_spec(self._flat, self._off, self._cap, self._n, self._st, slots, lens, drafts, *live)
+        if got > 0:
+            got = self._call(log_spec, self._st, slots, lens, drafts, *live)
+        if got == 0:
+            self.specs += [int(is_prompt), int(num_placeholders), int(advance), int(uniform), len(slots),
+                           len(lens), len(drafts)]
+        return got
 
     # ---- the frame ----------------------------------------------------------------------------
     def pack(self, batch_digest: np.ndarray) -> "Columns":

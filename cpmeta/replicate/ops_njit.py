@@ -192,9 +192,13 @@ def log_slots(flat: np.ndarray, off: np.ndarray, cap: np.ndarray, n: np.ndarray,
 
 @kernel
 def log_spec(flat: np.ndarray, off: np.ndarray, cap: np.ndarray, n: np.ndarray, st: np.ndarray,
-             slots: np.ndarray, lens: np.ndarray, drafts: np.ndarray) -> int:
+             slots: np.ndarray, lens: np.ndarray, drafts: np.ndarray, active: np.ndarray, mark: np.ndarray,
+             err: np.ndarray) -> int:
     """A batch spec: its own ``SPEC`` run of one, the slots / lens / drafts columns; the next
-    call opens a new run."""
+    call opens a new run. Nothing written and -3 when ``active`` is given and a slot is not live
+    or appears twice (as :func:`log_ragged`)."""
+    if len(active) and check_slots(slots, active, mark, err):
+        return -3
     lack = _lack(cap, n, ((RUNS, 2), (SPEC_SLOTS, len(slots)), (SPEC_SLOTS + 1, len(lens)),
                           (SPEC_SLOTS + 2, len(drafts))))
     if lack == OK:

@@ -17,17 +17,19 @@ from typing import Any, Callable, Hashable, NamedTuple, Optional, Sequence
 import numpy as np
 
 from ..state import BatchState, SequenceBatch
-from ..state.checks import as_int_array, check_bool, check_int_arg, check_placeholders, is_draft_count
+from ..state.checks import as_int_array, check_bool, check_int_arg, check_placeholders, int64_flat, is_draft_count
 from ..state.requests import add_arguments, check_new_ids, id_list, next_free
 from ..state.state_njit import check_slots
 from ..state.store import raise_slots
-from .ops import BLK, CMP, COLUMNS, SID, SPEC_WORDS, SVS, TOK, Columns, OpLog, flat_ints
+from .ops import BLK, CMP, COLUMNS, NO_LIVE, SID, SPEC_WORDS, SVS, TOK, Columns, OpLog, flat_ints
 
 __all__ = ["Recorder", "StepSpec", "specs_of"]
 
 _SPEC_SLOTS = COLUMNS.index("spec_slots")
 
 _EMPTY = np.zeros(0, np.int64)
+#: a batch spec's ``OpLog.batch_spec`` arguments (is_prompt, slots, lens, drafts, placeholders, advance, uniform)
+_Logged = tuple[bool, np.ndarray, np.ndarray, np.ndarray, int, bool, int]
 
 
 class StepSpec(NamedTuple):
@@ -64,7 +66,7 @@ class Recorder(ABC):
 
     state: BatchState
 
-    def _init_recorder(self, defer: bool = False) -> None:
+    def _init_recorder(self, defer: bool = False, fast: bool = False) -> None:
         n = self.state.max_seqs
         #: defer_apply: calls are only recorded; the driver applies the step after sending it
         #: (``_free_model`` predicts ``add_request``'s slots: the state's hand-out order)
@@ -77,10 +79,15 @@ class Recorder(ABC):
         self._live_model: dict[Hashable, int] = {r: s for s, r in enumerate(self._owner) if r is not None}
         self._active = np.array([r is not None for r in self._owner], bool)
         self._mark, self._err = np.zeros(n, np.int64), np.zeros(4, np.int64)  # check_slots' scratch
+        self._live = (self._active, self._mark, self._err)  # a deferred kernel's live-slot check
+        #: a defer_apply driver that may record (cleared at close): its batch appends and specs
+        #: of flat int64 arrays go to their kernel with no other Python on the way -- the step's
+        #: first calls follow the engine's idle, and each Python layer then costs microseconds
+        self._fast = defer and fast
         self._log = OpLog(n)  # this step's calls, up to and with its last batch spec
         self._next = OpLog(n)  # calls made after the last spec: the next step's first ops
         self._batches: list[Optional[SequenceBatch]] = []  # None: deferred (made at sync)
-        self._pending: list[StepSpec] = []
+        self._pending: list[Optional[StepSpec]] = []  # the default driver's (defer_apply: None, see _spec_recorded)
 
     def _on_state(self, call: Callable[..., Any], *args: Any) -> None:
         """The call on the driver's replica now (it validates: a refused call raises before it
@@ -169,8 +176,7 @@ class Recorder(ABC):
         self._append_one(TOK, self.state.append_tokens, slot, tokens, "tokens")
 
     def append_tokens_batch(self, slots: np.ndarray, tokens: np.ndarray, counts: np.ndarray) -> None:
-        self._driver("append_tokens_batch")
-        self._append_many(TOK, self.state.append_tokens_batch, slots, tokens, counts, "tokens")
+        self._append_many(TOK, "append_tokens_batch", slots, tokens, counts, "tokens")
 
     def append_blocks(self, slot: int, blocks: Sequence[int]) -> None:
         self._driver("append_blocks")
@@ -178,16 +184,14 @@ class Recorder(ABC):
 
     def append_blocks_batch(self, slots: np.ndarray, blocks: np.ndarray, counts: np.ndarray) -> None:
         """``BatchState.append_blocks_batch``: every request's new block ids in one call."""
-        self._driver("append_blocks_batch")
-        self._append_many(BLK, self.state.append_blocks_batch, slots, blocks, counts, "block ids")
+        self._append_many(BLK, "append_blocks_batch", slots, blocks, counts, "block ids")
 
     def append_compressed(self, slot: int, ids: Sequence[int]) -> None:
         self._driver("append_compressed")
         self._append_one(CMP, self.state.append_compressed, slot, ids, "compressed ids")
 
     def append_compressed_batch(self, slots: np.ndarray, ids: np.ndarray, counts: np.ndarray) -> None:
-        self._driver("append_compressed_batch")
-        self._append_many(CMP, self.state.append_compressed_batch, slots, ids, counts, "compressed ids")
+        self._append_many(CMP, "append_compressed_batch", slots, ids, counts, "compressed ids")
 
     def _append_one(self, code: int, call: Callable[..., Any], slot: Any, values: Any, what: str) -> None:
         """A one-slot append: made on the replica (it checks), or with ``defer_apply`` its
@@ -200,18 +204,21 @@ class Recorder(ABC):
             s, v = int(slot), flat_ints(values)
         self._rec.ragged(code, s, len(v), v)
 
-    def _append_many(self, code: int, call: Callable[..., Any], slots: Any, values: Any, counts: Any,
-                     what: str) -> None:
-        """A batch append, as :meth:`_append_one` (with ``defer_apply``: ints only, live distinct
-        slots, the counts ``>= 0`` summing to the values, checked as they are recorded)."""
+    def _append_many(self, code: int, name: str, slots: Any, values: Any, counts: Any, what: str) -> None:
+        """A batch append ``name``, as :meth:`_append_one` (with ``defer_apply``: ints only, live
+        distinct slots, the counts ``>= 0`` summing to the values, checked as they are recorded)."""
         live = None
-        if self._defer:
+        if self._fast and int64_flat(slots, counts, values):
+            live = self._live
+        elif self._defer:
+            self._driver(name)
             slots, counts, values = as_int_array("slots", slots), as_int_array("counts", counts), \
                 as_int_array(what, values)
-            live = self._active, self._mark, self._err
+            live = self._live
         else:
-            call(slots, values, counts)
-        got = self._rec.ragged(code, slots, counts, values, live)
+            self._driver(name)
+            getattr(self.state, name)(slots, values, counts)
+        got = (self._next if self._batches else self._log).ragged(code, slots, counts, values, live)
         if got == -3:
             raise_slots(slots, self._active, self._owner)
         if got:
@@ -291,62 +298,71 @@ class Recorder(ABC):
         self._driver("prompt_batch")
         check_placeholders(num_placeholders)
         check_bool("advance", advance)
-        slots_a, lens = _ints("slots", slots), _ints("chunk_lens", chunk_lens)
-        if self._defer:
-            self._live_slots(slots_a)
+        ints = as_int_array if self._defer else _ints  # (as decode_batch)
+        slots_a, lens = ints("slots", slots), ints("chunk_lens", chunk_lens)
         if self._defer and (len(lens) != len(slots_a) or len(lens) and int(lens.min()) < 1):
+            self._live_slots(slots_a)  # (its message first)
             raise ValueError(f"chunk_lens: expected {len(slots_a)} chunk lengths >= 1, got {lens.tolist()[:8]}")
         batch = None if self._defer else \
             self.state.prompt_batch(slots_a, lens, num_placeholders=num_placeholders, advance=advance)
-        self._spec_recorded(batch, StepSpec(True, slots_a, lens, None, None, int(num_placeholders),
-                                            bool(advance)))
-        self._log.batch_spec(True, slots_a, lens, _EMPTY, num_placeholders, advance, -2)
+        spec = None if self._defer else StepSpec(True, slots_a, lens, None, None, int(num_placeholders), bool(advance))
+        self._spec_recorded(batch, spec, (True, slots_a, lens, _EMPTY, num_placeholders, advance, -2))
 
     def decode_batch(self, slots: np.ndarray, draft_tokens: Optional[np.ndarray] = None,
                      num_drafts: Optional[np.ndarray | int] = None, *, num_placeholders: int = 0) -> None:
         """A batch spec of the step: ``BatchState.decode_batch`` (see :meth:`prompt_batch`)."""
-        self._driver("decode_batch")
+        if not self._fast:
+            self._driver("decode_batch")
         check_placeholders(num_placeholders)
         batch = None if self._defer else \
             self.state.decode_batch(slots, draft_tokens, num_drafts, num_placeholders=num_placeholders)
-        slots_a = _ints("slots", slots)
-        if self._defer:
-            self._live_slots(slots_a)
-        drafts = _EMPTY if draft_tokens is None else _ints("draft_tokens", draft_tokens)
+        ints = as_int_array if self._defer else _ints  # defer_apply: the kernel copies them (the spec: at sync)
+        slots_a = ints("slots", slots)
+        drafts = _EMPTY if draft_tokens is None else ints("draft_tokens", draft_tokens)
         nd = num_drafts
         uniform = -2 if nd is None else int(nd) if is_draft_count(nd) else -1
-        lens = _ints("num_drafts", nd) if uniform == -1 else _EMPTY
-        if self._defer:
-            _check_drafts(len(slots_a), nd, lens, len(drafts))
-        self._spec_recorded(batch, decode_spec(slots_a, lens, drafts, uniform, int(num_placeholders)))
-        self._log.batch_spec(False, slots_a, lens, drafts, num_placeholders, True, uniform)
+        lens = ints("num_drafts", nd) if uniform == -1 else _EMPTY
+        if self._defer and not _drafts_ok(len(slots_a), nd, lens, len(drafts)):
+            self._live_slots(slots_a)  # (its message first)
+            raise ValueError(f"num_drafts: expected {len(slots_a)} counts >= 0 (or one count for all) summing to "
+                             f"{len(drafts)} drafts")
+        self._spec_recorded(batch, None if self._defer else decode_spec(slots_a, lens, drafts, uniform, int(num_placeholders)),
+                            (False, slots_a, lens, drafts, num_placeholders, True, uniform))
 
-    def _spec_recorded(self, batch: Optional[SequenceBatch], spec: StepSpec) -> None:
-        """A spec was made: the calls since the previous spec of this step (if any) belong before
-        it; the batch and spec wait for sync()."""
+    def _spec_recorded(self, batch: Optional[SequenceBatch], spec: Optional[StepSpec], logged: _Logged) -> None:
+        """A spec was made (``logged``: :meth:`OpLog.batch_spec`'s arguments): the calls since the
+        previous spec of this step (if any) belong before it; the batch and spec wait for sync().
+        With ``defer_apply`` its slots are checked live and distinct first (the first spec of a
+        step in its recording kernel), nothing recorded if not, and ``spec`` is None: made, as
+        on a follower, from the step's columns when :attr:`specs` is read."""
+        live = NO_LIVE
+        if self._defer and self._batches:  # checked before the calls since the last spec join the log
+            self._live_slots(logged[1])
+        elif self._defer:
+            live = self._live
         if self._batches:
             self._log.extend(self._next)
             self._next.clear()
+        if self._log.batch_spec(*logged, live=live):
+            raise_slots(logged[1], self._active, self._owner)
         self._batches.append(batch)
         self._pending.append(spec)
-        self._at_spec()
+        if not self._defer:  # (a defer_apply driver digests nothing at the spec)
+            self._at_spec()
 
     @abstractmethod
     def _at_spec(self) -> None:
         """What the replicated state does once a spec is made (its check-step digest)."""
 
 
-def _check_drafts(n: int, nd: Any, lens: np.ndarray, n_drafts: int) -> None:
+def _drafts_ok(n: int, nd: Any, lens: np.ndarray, n_drafts: int) -> bool:
     """A deferred decode spec's draft counts as ``BatchState.decode_batch`` holds them: one count
     ``>= 0`` for all, or ``n`` counts ``>= 0``, summing to the drafts given (none: no drafts)."""
     if nd is None:
-        ok = n_drafts == 0
-    elif is_draft_count(nd):
-        ok = nd >= 0 and n * nd == n_drafts
-    else:
-        ok = len(lens) == n and (not n or int(lens.min()) >= 0) and int(lens.sum()) == n_drafts
-    if not ok:
-        raise ValueError(f"num_drafts: expected {n} counts >= 0 (or one count for all) summing to {n_drafts} drafts")
+        return n_drafts == 0
+    if is_draft_count(nd):
+        return nd >= 0 and n * nd == n_drafts
+    return len(lens) == n and (not n or int(lens.min()) >= 0) and int(lens.sum()) == n_drafts
 
 
 def _request_id(req_id: Any) -> Any:

@@ -134,7 +134,7 @@ class ReplicatedBatchState(Recorder):
                                 agree={"state setting": fp, "check_every setting": check_every,
                                        "defer_apply setting": bool(defer_apply)})
         self._key = step_key()
-        self._init_recorder(bool(defer_apply))
+        self._init_recorder(bool(defer_apply), self.is_src)
         # defer_apply: this rank's batch check of the last step; a follower's: the batches it is of, until made
         self._prev_check, self._check_due = _NO_CHECK, None  # type: np.ndarray, Any
         self._specs: Optional[tuple[StepSpec, ...]] = ()  # a follower's made when read (~20 us) from
@@ -246,7 +246,7 @@ class ReplicatedBatchState(Recorder):
     def close(self) -> None:
         """Release the shared-memory ring (idempotent), after the verdict of a check no sync took."""
         if not self._closed:
-            self._closed = True
+            self._closed, self._fast = True, False
             try:
                 if self._checking is not None and self._broken is None:
                     self._check_verdict(*self._checking)
@@ -295,10 +295,14 @@ class ReplicatedBatchState(Recorder):
         self._written += send_step(self._ch, self._key, log, digest, step, check, self._fixed)
         mds: list[Any] = [None] * len(batches)
         if self._defer:  # sent: now the driver's replica takes the step, as every follower's
-            batches, mds = self._apply_deferred(step, check, log.pack(digest), req_ids, specs, sink)
+            cols = log.pack(digest)  # (its specs made from it when read, as a follower's)
+            self._specs, self._specs_at = None, (cols, specs)
+            batches, mds = self._apply_deferred(step, check, cols, req_ids, specs, sink)
+        else:
+            self._specs = tuple(s for s in self._pending if s is not None)  # (all made at the calls)
         self._log, self._next = self._next, log  # calls after the last spec open the next step
         log.clear()
-        self._specs, self._pending, self._batches = tuple(self._pending), [], []
+        self._pending, self._batches = [], []
         return batches, mds
 
     def _apply_deferred(self, step: int, check: bool, cols: Columns, req_ids: list[Any],

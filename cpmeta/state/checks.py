@@ -21,7 +21,7 @@ from ..constants import INT32_MAX
 from .state_njit import MAX_PLACEHOLDERS
 
 __all__ = ["check_window_ids", "ids_in_int32", "check_int_arg", "as_int_array", "bad_id", "check_placeholders",
-           "is_draft_count", "check_bool", "MAX_PLACEHOLDERS"]
+           "is_draft_count", "check_bool", "int64_flat", "MAX_PLACEHOLDERS"]
 
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 _I64 = np.dtype(np.int64)  # (numpy's native int64 dtype is one object: an ``is`` test)
@@ -98,6 +98,18 @@ def check_int_arg(name: str, v: Any, req: Any = None, lo: Optional[int] = None) 
         raise ValueError(f"{_who(req)}{name}: expected an int within int64, got {v!r}")
     if lo is not None and v < lo:
         raise ValueError(f"{_who(req)}{name}: expected >= {lo}, got {v!r}")
+
+
+def int64_flat(*arrays: Any) -> bool:
+    """Each of ``arrays`` is already what :func:`as_int_array` returns unchanged: a flat,
+    contiguous, writable int64 numpy array (the kernels' one argument type)."""
+    for a in arrays:
+        if type(a) is not np.ndarray or a.dtype is not _I64 or a.ndim != 1:
+            return False
+        f = a.flags
+        if not (f.c_contiguous and f.writeable):
+            return False
+    return True
 
 
 def as_int_array(name: str, values: Any, req: Any = None) -> np.ndarray:
