@@ -763,6 +763,10 @@ def _deferred_refusal(rank: int, world: int) -> list[str]:
 
     cfg = _config("plain")
     seen = []
+
+    def i64(v: list[int]) -> np.ndarray:
+        return np.array(v, np.int64)
+
     with cpmeta.ReplicatedBatchState(cfg, 4, max_tokens=1024, timeout=30, defer_apply=True) as rep:
         if rank == 0:
             a = rep.add_request("a", [1, 2, 3], [5], 0, num_computed=3)
@@ -805,6 +809,10 @@ def _deferred_bad_arguments(rank: int, world: int) -> list[str]:
 
     cfg = _config("plain")
     seen = []
+
+    def i64(v: list[int]) -> np.ndarray:
+        return np.array(v, np.int64)
+
     with cpmeta.ReplicatedBatchState(cfg, 4, max_tokens=1024, timeout=30, defer_apply=True) as rep:
         if rank == 0:
             a = rep.add_request("a", [1, 2, 3], [5], 0, num_computed=3)
@@ -828,6 +836,11 @@ def _deferred_bad_arguments(rank: int, world: int) -> list[str]:
                          lambda: rep.set_state_id(1, 5),
                          lambda: rep.decode_batch([a, a]),
                          lambda: rep.prompt_batch([2], [1]),
+                         # flat int64 arrays: straight to the recording kernel, which checks the same
+                         lambda: rep.append_tokens_batch(i64([a, 3]), i64([7, 8]), i64([1, 1])),
+                         lambda: rep.append_blocks_batch(i64([a, a]), i64([7, 8]), i64([1, 1])),
+                         lambda: rep.append_blocks_batch(i64([a]), i64([7]), i64([2])),
+                         lambda: rep.decode_batch(i64([a, 2]), i64([7, 8]), 1),
                          lambda: rep.add_requests_batch("bc", [1, 2], [1, 1], [6, 7], [1, 1], [2, 3])):  # was: 'b', 'c'
                 try:
                     call()
@@ -845,7 +858,7 @@ def _deferred_bad_arguments(rank: int, world: int) -> list[str]:
 
 def test_deferred_calls_refuse_bad_arguments_at_the_call() -> None:
     drv, fol = run_ranks(_deferred_bad_arguments, 2, timeout=120)
-    assert drv[:21] == [
+    assert drv[:25] == [
         "TypeError: request 'b': block_table: expected ints, got <U1 values",
         "TypeError: request 'b': state_id: expected an int, got 1.5",
         "TypeError: slot: expected an int, got 1.5",
@@ -866,5 +879,9 @@ def test_deferred_calls_refuse_bad_arguments_at_the_call() -> None:
         "ValueError: slot 1: no live request there",
         "ValueError: slots: request 'a' (slot 0) appears twice in one step",
         "ValueError: slots: expected slots of live requests, got [2] without one",
+        "ValueError: slots: expected slots of live requests, got [3] without one",
+        "ValueError: slots: request 'a' (slot 0) appears twice in one step",
+        "ValueError: counts: expected 1 counts >= 0 summing to 1 block ids",
+        "ValueError: slots: expected slots of live requests, got [2] without one",
         "TypeError: req_ids: expected a sequence of request ids, got 'bc'"], drv
-    assert drv[21:] == ["slots 0 1", "c in slot 1"] and fol == ["c in slot 1"], (drv, fol)
+    assert drv[25:] == ["slots 0 1", "c in slot 1"] and fol == ["c in slot 1"], (drv, fol)
