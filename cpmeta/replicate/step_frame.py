@@ -197,7 +197,7 @@ class StepReader:
         ``refresh()``), what the same call applied (:meth:`FusedStep.took`; nothing for a step
         that adds requests). None when the compiled read does not take the frame (the parser
         decides, and names what is wrong: request ids the codec refuses, e.g.). ``dry``: the
-        warm's read, nothing applied."""
+        warm's read, nothing applied, None returned."""
         if self.lid < 0:
             return None
         frame = np.frombuffer(view, np.uint8)
@@ -215,16 +215,18 @@ class StepReader:
             if got[0] == ASK_PARSER:
                 return None
             fused = self.fused.took(got)
+        if dry:  # the warm's read: nothing to hand back (a frame landing mid-warm waits less)
+            return None
         data_at, k, ids = int(v[2]), int(v[3]), []
-        if v[6] and not dry:  # the added requests' ids: the codec decodes them (strictly)
+        if v[6]:  # the added requests' ids: the codec decodes them (strictly)
             try:
                 ids = decode_body(view[int(v[4]):int(v[5])])
             except CodecError:
                 return None
-        self._turn = turn if dry else turn ^ 1
+        self._turn = turn ^ 1
         cols = Columns(out[:int(starts[-1])], starts, tuple(self._shapes.tolist()))
         words = v[VALS_HEAD:VALS_HEAD + k]
-        if fuse is not None and fused is None and not dry and k == SPEC_WORDS and not v[6]:  # another shape: aimed, once more
+        if fuse is not None and fused is None and k == SPEC_WORDS and not v[6]:  # another shape: aimed, once more
             fused = self.fused.apply(cols, words, *fuse, again=True)
         return cols, out[:(len(frame) - data_at) // 8], data_at, [int(v[0]), bool(v[1]), ids, words.tolist()], fused
 
