@@ -291,13 +291,12 @@ class ReplicatedBatchState(Recorder):
         # default: the specs' batches, made at the calls; defer_apply: made by the apply below
         batches = [] if self._defer else [b for b in self._batches if b is not None]
         digest = self._prev_check if self._defer else batch_check(batches)
-        req_ids, specs = list(log.req_ids), list(log.specs)
         self._written += send_step(self._ch, self._key, log, digest, step, check, self._fixed)
         mds: list[Any] = [None] * len(batches)
         if self._defer:  # sent: now the driver's replica takes the step, as every follower's
-            cols = log.pack(digest)  # (its specs made from it when read, as a follower's)
+            cols, specs = log.pack(digest), list(log.specs)  # (its specs made from them when read, as a follower's)
             self._specs, self._specs_at = None, (cols, specs)
-            batches, mds = self._apply_deferred(step, check, cols, req_ids, specs, sink)
+            batches, mds = self._apply_deferred(step, check, cols, list(log.req_ids), specs, sink)
         else:
             self._specs = tuple(s for s in self._pending if s is not None)  # (all made at the calls)
         self._log, self._next = self._next, log  # calls after the last spec open the next step
