@@ -207,16 +207,14 @@ class StepReader:
             out = self._out[turn] = np.empty(len(frame) // 4, np.int64)
         head = (frame, self._fixed, self.lid, want, WIDTHS, v, self._shapes, out, starts)
         fused = None
-        if fuse is None:
-            if read_step_frame(*head) != OK:
+        if fuse is None:  # (dry: the warm's read, nothing to hand back -- a frame landing mid-warm waits less)
+            if read_step_frame(*head) != OK or dry:
                 return None
         else:
             got = follow_decode(*head, *self.fused.tail(*fuse, dry))
-            if got[0] == ASK_PARSER:
+            if got[0] == ASK_PARSER or dry:
                 return None
             fused = self.fused.took(got)
-        if dry:  # the warm's read: nothing to hand back (a frame landing mid-warm waits less)
-            return None
         data_at, k, ids = int(v[2]), int(v[3]), []
         if v[6]:  # the added requests' ids: the codec decodes them (strictly)
             try:
