@@ -66,7 +66,7 @@ class Recorder(ABC):
 
     state: BatchState
 
-    def _init_recorder(self, defer: bool = False, fast: bool = False) -> None:
+    def _init_recorder(self, defer: bool = False, driver: bool = False) -> None:
         n = self.state.max_seqs
         #: defer_apply: calls are only recorded; the driver applies the step after sending it
         #: (``_free_model`` predicts ``add_request``'s slots: the state's hand-out order)
@@ -83,11 +83,11 @@ class Recorder(ABC):
         #: a defer_apply driver that may record (cleared at close): its batch appends and specs
         #: of flat int64 arrays go to their kernel with no other Python on the way -- the step's
         #: first calls follow the engine's idle, and each Python layer then costs microseconds
-        self._fast = defer and fast
+        self._fast = defer and driver
         self._log = OpLog(n)  # this step's calls, up to and with its last batch spec
         self._next = OpLog(n)  # calls made after the last spec: the next step's first ops
         self._batches: list[Optional[SequenceBatch]] = []  # None: deferred (made at sync)
-        self._pending: list[Optional[StepSpec]] = []  # the default driver's (defer_apply: None, see _spec_recorded)
+        self._pending: list[StepSpec] = []  # the default driver's specs (defer_apply: made at sync, see _spec_recorded)
 
     def _on_state(self, call: Callable[..., Any], *args: Any) -> None:
         """The call on the driver's replica now (it validates: a refused call raises before it
@@ -346,7 +346,8 @@ class Recorder(ABC):
         if self._log.batch_spec(*logged, live=live):
             raise_slots(logged[1], self._active, self._owner)
         self._batches.append(batch)
-        self._pending.append(spec)
+        if spec is not None:
+            self._pending.append(spec)
         if not self._defer:  # (a defer_apply driver digests nothing at the spec)
             self._at_spec()
 

@@ -298,7 +298,7 @@ class ReplicatedBatchState(Recorder):
             self._specs, self._specs_at = None, (cols, specs)
             batches, mds = self._apply_deferred(step, check, cols, list(log.req_ids), specs, sink)
         else:
-            self._specs = tuple(s for s in self._pending if s is not None)  # (all made at the calls)
+            self._specs = tuple(self._pending)  # (made at the calls)
         self._log, self._next = self._next, log  # calls after the last spec open the next step
         log.clear()
         self._pending, self._batches = [], []
