@@ -193,10 +193,12 @@ def log_slots(flat: np.ndarray, off: np.ndarray, cap: np.ndarray, n: np.ndarray,
 @kernel
 def log_spec(flat: np.ndarray, off: np.ndarray, cap: np.ndarray, n: np.ndarray, st: np.ndarray,
              slots: np.ndarray, lens: np.ndarray, drafts: np.ndarray, active: np.ndarray, mark: np.ndarray,
-             err: np.ndarray) -> int:
+             err: np.ndarray, words: np.ndarray, is_prompt: int, n_ph: int, advance: int, uniform: int) -> int:
     """A batch spec: its own ``SPEC`` run of one, the slots / lens / drafts columns; the next
-    call opens a new run. Nothing written and -3 when ``active`` is given and a slot is not live
-    or appears twice (as :func:`log_ragged`)."""
+    call opens a new run; its words ``[is_prompt, n_ph, advance, uniform, #slots, #lens,
+    #drafts]`` at ``words[st[2]:]`` (the caller sized it; ``st[2]`` moves past them). Nothing
+    written and -3 when ``active`` is given and a slot is not live or appears twice (as
+    :func:`log_ragged`)."""
     if len(active) and check_slots(slots, active, mark, err):
         return -3
     lack = _lack(cap, n, ((RUNS, 2), (SPEC_SLOTS, len(slots)), (SPEC_SLOTS + 1, len(lens)),
@@ -207,6 +209,10 @@ def log_spec(flat: np.ndarray, off: np.ndarray, cap: np.ndarray, n: np.ndarray, 
         st[0] += 1
         st[1] = -1
         _put3(flat, off, n, SPEC_SLOTS, slots, lens, drafts)
+        w = words[st[2]:st[2] + 7]
+        w[0], w[1], w[2], w[3] = is_prompt, n_ph, advance, uniform
+        w[4], w[5], w[6] = len(slots), len(lens), len(drafts)
+        st[2] += 7
     return lack
 
 

@@ -56,6 +56,7 @@ from .digest import batch_check, digest_call, first_difference, slots_differ, wh
 from .ops import COLUMNS, Columns
 from .recorder import Recorder, StepSpec, specs_of
 from .step_frame import STEP_SCHEMA, StepReader, fixed_head, receive_step, send_step, state_fingerprint, step_key
+from .step_read_njit import F_DONE, OWN
 
 __all__ = ["ReplicatedBatchState", "StepSpec", "DEFAULT_CHECK_EVERY"]
 
@@ -325,7 +326,8 @@ class ReplicatedBatchState(Recorder):
         if sink is not None:  # aimed at the last shape: the compiled read builds a decode step of it
             sink.refresh()
             fuse = (self.state, sink)
-        cols, (got_step, _check, req_ids, spec), saved, fused = receive_step(self._ch, self._reader, self._warming, fuse)
+        cols, (got_step, _check, req_ids, spec), saved, fused = receive_step(
+            self._ch, self._reader, self._warming, fuse, self._prev_check if self._defer else OWN)
         if got_step != step:
             self._broken = f"step {got_step} arrived, step {step} expected"
             raise RuntimeError(f"rank {self.rank}: step frame {got_step} from src={self.src} where "
@@ -341,21 +343,25 @@ class ReplicatedBatchState(Recorder):
                    else "diverged")
             raise RuntimeError(f"rank {self.rank}: step {step}: this replica cannot apply the "
                                f"driver's step ({why}): {type(e).__name__}: {e}") from None
-        self._compare(mine, cols.col(_DIGEST), step)
+        checked = fused is not None and fused[0] == F_DONE and getattr(self._reader, "checked", False)
+        self._compare(mine, None if checked else cols.col(_DIGEST), step)  # (checked: the compiled read compared)
         self._check_due = list(batches) if self._defer else None  # defer_apply: checked when the next sync begins
         if saved:
             self._warm_from = (saved[0], step, saved[1], cols, sink, [])
         return batches, mds
 
-    def _compare(self, check: np.ndarray, theirs: np.ndarray, step: int) -> None:
+    def _compare(self, check: np.ndarray, theirs: Optional[np.ndarray], step: int) -> None:
         """Follower: this replica's batch check (``check``, as the replay wrote it; ``defer_apply``:
-        the last step's) against the frame's ``batch_digest`` (``theirs``); a difference breaks the
-        replica and raises, naming this rank, the step, the request and what differs."""
+        the last step's) against the frame's ``batch_digest`` (``theirs``; None: the compiled read
+        found them equal); a difference breaks the replica and raises, naming this rank, the
+        step, the request and what differs."""
         if self._defer:  # (this step's check: made when the next sync begins)
             mine, at, specs_at = self._prev_check, step - 1, self._prev_specs_at
             self._prev_specs_at = self._specs_at
         else:
             mine, at, specs_at = check, step, self._specs_at
+        if theirs is None:
+            return
         diff = first_difference(mine, theirs)
         if diff is None:
             return

@@ -38,7 +38,7 @@ from ..transport.codec import CodecError, decode_body, encode_body
 from .ops import COLUMNS, SPEC_WORDS, WIDE, WIDTHS, Columns, OpLog
 from .ops_njit import R_BYTES, unpack_region
 from .step_write_njit import S_CHANGED, send_step_frame, step_frame_size, write_step_frame
-from .step_read_njit import ASK_PARSER, F_READ, FIXED_HEAD, VALS_HEAD, follow_decode, read_step_frame, replay_step
+from .step_read_njit import ASK_PARSER, F_READ, FIXED_HEAD, OWN, VALS_HEAD, follow_decode, read_step_frame, replay_step
 
 __all__ = ["StepFrame", "STEP_SCHEMA", "step_key", "read_region", "state_fingerprint", "StepReader",
            "FusedStep", "receive_step", "send_step", "fixed_head"]
@@ -176,7 +176,7 @@ class StepReader:
 
     def __init__(self, fingerprint: bytes) -> None:
         self._fixed = fixed_head(fingerprint)
-        self.lid = -1  # the layout it reads (-1: off)
+        self.lid, self.checked = -1, False  # the layout it reads (-1: off); see read
         self.taken = 0  #: frames a follower's receive took this way (:func:`receive_step`; the parser read the others)
         self.fused = FusedStep()  #: the steps of those replayed (and built) in the same call
         self._vals = np.zeros(VALS_HEAD + SPEC_WORDS * _MAX_SPECS, np.int64)
@@ -190,14 +190,14 @@ class StepReader:
         self.lid = lid
 
     def read(self, view: memoryview, want: int, fuse: Optional[tuple[BatchState, DecodeSink]] = None,
-             dry: bool = False) -> Optional[tuple[Columns, np.ndarray, int, list[Any], Any]]:
+             dry: bool = False, mine: np.ndarray = OWN) -> Optional[tuple[Columns, np.ndarray, int, list[Any], Any]]:
         """Step ``want``'s frame in ``view``: its columns (as :func:`read_region` gives them), the
         whole region (a private copy), where the region starts, the values ``[step, check,
         request ids, spec words]`` and, with ``fuse`` = ``(state, sink)`` (the sink aimed by
         ``refresh()``), what the same call applied (:meth:`FusedStep.took`; nothing for a step
         that adds requests). None when the compiled read does not take the frame (the parser
-        decides, and names what is wrong: request ids the codec refuses, e.g.). ``dry``: the
-        warm's read, nothing applied, None returned."""
+        decides, and names what is wrong: request ids the codec refuses, e.g.). ``dry``: the warm's
+        read (None). ``checked``: the step it built had ``mine`` (:data:`OWN`: its own check) as digest."""
         if self.lid < 0:
             return None
         frame = np.frombuffer(view, np.uint8)
@@ -211,22 +211,22 @@ class StepReader:
             if read_step_frame(*head) != OK or dry:
                 return None
         else:
-            got = follow_decode(*head, *self.fused.tail(*fuse, dry))
+            got = follow_decode(*head, *self.fused.tail(*fuse, dry) + (mine,))
             if got[0] == ASK_PARSER or dry:
                 return None
             fused = self.fused.took(got)
-        data_at, k, ids = int(v[2]), int(v[3]), []
-        if v[6]:  # the added requests' ids: the codec decodes them (strictly)
+        (step, check, data_at, k, ids_at, ids_end, n_ids, checked), ids = v[:VALS_HEAD].tolist(), []
+        if n_ids:  # the added requests' ids: the codec decodes them (strictly)
             try:
-                ids = decode_body(view[int(v[4]):int(v[5])])
+                ids = decode_body(view[ids_at:ids_end])
             except CodecError:
                 return None
-        self._turn = turn ^ 1
-        cols = Columns(out[:int(starts[-1])], starts, tuple(self._shapes.tolist()))
+        self._turn, self.checked = turn ^ 1, checked == 1
+        cols = Columns(out[:starts[-1]], starts, tuple(self._shapes.tolist()))
         words = v[VALS_HEAD:VALS_HEAD + k]
-        if fuse is not None and fused is None and k == SPEC_WORDS and not v[6]:  # another shape: aimed, once more
+        if fuse is not None and fused is None and k == SPEC_WORDS and not n_ids:  # another shape: aimed, once more
             fused = self.fused.apply(cols, words, *fuse, again=True)
-        return cols, out[:(len(frame) - data_at) // 8], data_at, [int(v[0]), bool(v[1]), ids, words.tolist()], fused
+        return cols, out[:(len(frame) - data_at) // 8], data_at, [step, check == 1, ids, words.tolist()], fused
 
 
 def fixed_head(fingerprint: bytes) -> np.ndarray:
@@ -254,7 +254,7 @@ def send_step(ch: Any, key: tuple, log: OpLog, digest: np.ndarray, step: int, ch
     ids = _NO_IDS
     if common:
         try:
-            words = np.array(log.specs, np.int64)
+            words = log.words
             if log.req_ids:  # ints and strs (the recorder's rule); one the codec refuses it names below
                 ids = np.frombuffer(encode_body(log.req_ids, made=True), np.uint8)
         except (OverflowError, ValueError):  # a spec value past int64, an unencodable id: the codec
@@ -306,12 +306,12 @@ def _send_direct(ring: Any, fixed: np.ndarray, lid: int, frame_step: int, step: 
                                ids, words, flat, off, n, dims, starts, digest, WIDTHS, MAX_VALUES_BYTES))
 
 
-def receive_step(ch: Any, reader: Optional[StepReader], keep: bool,
-                 fuse: Optional[tuple[BatchState, DecodeSink]] = None) -> tuple[Columns, list[Any], list[Any], Any]:
+def receive_step(ch: Any, reader: Optional[StepReader], keep: bool, fuse: Optional[tuple[BatchState, DecodeSink]] = None,
+                 mine: np.ndarray = OWN) -> tuple[Columns, list[Any], list[Any], Any]:
     """A follower's next step frame from ``ch`` (its ``FrameChannel``): the columns, the values
     ``[step, check, request ids, spec words]``, the saved frame and what the compiled call
     applied -- by ``reader``'s compiled read when it takes the frame (with ``fuse``, a decode
-    step replayed and built in the same call: :meth:`StepReader.read`), else by the codec's
+    step replayed, built and checked against ``mine`` in the same call), else by the codec's
     parser and :func:`read_region` (after which ``reader`` reads that layout; nothing applied:
     None). ``keep``: also a private copy of the frame's head and whole region (the warm's),
     else ``[]``."""
@@ -331,7 +331,7 @@ def receive_step(ch: Any, reader: Optional[StepReader], keep: bool,
 
     def fast(view: memoryview, want: int) -> Optional[tuple[Columns, list[Any], Any]]:
         assert reader is not None  # (given to the channel only with one)
-        got = reader.read(view, want, fuse)
+        got = reader.read(view, want, fuse, False, mine)
         if got is None:
             return None
         reader.taken += 1
@@ -365,7 +365,7 @@ def _warm() -> None:
     log.ragged(TOK, np.array([slot]), np.array([1]), np.array([7]))
     log.batch_spec(False, np.array([slot]), _NO_FREE[0], _NO_FREE[0], 0, True, -2)
     flat, off, n, dims, starts = log.buffers
-    words, digest = np.array(log.specs, np.int64), np.zeros((0, 4), np.int64)
+    words, digest = log.words, np.zeros((0, 4), np.int64)
     total, vlen = step_frame_size(flat, off, n, digest, WIDTHS, dims, starts, 1, words, _NO_IDS)
     data_at = blocks_at(0, vlen, len(dims))[1]
     frame = bytearray(data_at + pack_up(8 * total))

@@ -18,9 +18,10 @@ after it, the region 16-aligned after them. The values block is msgpack: a 4-arr
 caller decodes those bytes with the codec) and an array of ints.
 
 Worked example: a decode step of 64 sequences, step 2 -> values bytes ``94 02 c2 90 97 00 00
-01 fe 40 00 00`` (``[2, False, [], [0, 0, 1, -2, 64, 0, 0]]``) -> ``vals[:14] = [2, 0, data_at,
-7, 67, 68, 0, 0, 0, 1, -2, 64, 0, 0]`` (the ids' array at bytes 67-68 of the frame: ``90``, none),
-the 26 dims in ``shapes``, the columns in ``out``, their starts in ``starts``.
+01 fe 40 00 00`` (``[2, False, [], [0, 0, 1, -2, 64, 0, 0]]``) -> ``vals[:15] = [2, 0, data_at,
+7, 67, 68, 0, 0, 0, 0, 1, -2, 64, 0, 0]`` (the ids' array at bytes 67-68 of the frame: ``90``,
+none; word 7: :func:`follow_decode`'s step check), the 26 dims in ``shapes``, the columns in
+``out``, their starts in ``starts``.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from .ops_njit import unpack_region
 from .replay_njit import S_SPEC, replay_decode
 
 __all__ = ["read_step_frame", "follow_decode", "replay_step", "ASK_PARSER", "FIXED_HEAD", "F_READ", "F_DONE", "F_PART",
-           "VALS_HEAD"]
+           "VALS_HEAD", "OWN"]
 
 #: the frame is not the common step frame, or not a well-formed one: the codec's parser decides
 ASK_PARSER = 1
@@ -49,8 +50,11 @@ _LAST = len(COLUMNS) - 1  # batch_digest: no run reads it (nor ``runs``, column 
 #: header bytes every accepted frame begins with (magic, version, flags, fingerprint)
 FIXED_HEAD = 24
 _HEAD = HEADER.size
-#: ``vals`` words before the spec words: step, bool, data_at, k, ids_at, ids_end, ids
-VALS_HEAD = 7
+#: ``vals`` words before the spec words: step, bool, data_at, k, ids_at, ids_end, ids, checked
+#: (:func:`follow_decode`: 1 when the frame's ``batch_digest`` equals the replica's check)
+VALS_HEAD = 8
+#: :func:`follow_decode`'s ``mine`` that asks for the check its replay writes (no columns)
+OWN = np.zeros((1, 0), np.int64)
 
 
 @kernel
@@ -161,7 +165,7 @@ def read_step_frame(frame: np.ndarray, fixed: np.ndarray, lid: int, want: int, w
     vals[6], at = _ids(frame, at + 1, end)  # the request ids
     if at < 0 or at >= end:
         return ASK_PARSER
-    vals[5] = at
+    vals[5], vals[7] = at, 0
     k, at = _len(frame, at, end, 0x90, 0x9F, -1, 0xDC, 0xDD)  # the spec words
     if at < 0 or VALS_HEAD + k > vals.shape[0]:
         return ASK_PARSER
@@ -246,15 +250,35 @@ def follow_decode(frame: np.ndarray, fixed: np.ndarray, lid: int, want: int, wid
                   block_table: np.ndarray, compressed: np.ndarray, p: np.ndarray, mark: np.ndarray,
                   err: np.ndarray, lookback: int, stack: np.ndarray, nfree: np.ndarray, scratch: np.ndarray,
                   k: np.ndarray, table: np.ndarray, raw: np.ndarray, fo: np.ndarray, shape: np.ndarray,
-                  ferr: np.ndarray, info: np.ndarray, code: np.ndarray, dry: bool
+                  ferr: np.ndarray, info: np.ndarray, code: np.ndarray, dry: bool, mine: np.ndarray
                   ) -> tuple[int, int, int, int, int, np.ndarray, np.ndarray, bool]:
     """A follower's whole decode step in ONE call: :func:`read_step_frame`, then
-    :func:`replay_step` on what it read (``at`` .. ``dry`` are its). Returns
-    :data:`ASK_PARSER` (not read: nothing else), :data:`F_READ` for a frame with request ids
-    (read only: Python's replay adds them), or what :func:`replay_step` returns."""
+    :func:`replay_step` on what it read (``at`` .. ``dry`` are its), then the step check: after
+    :data:`F_DONE`, ``vals[7]`` is 1 when the frame's ``batch_digest`` column holds exactly the
+    rows of ``mine`` (a ``defer_apply`` follower's check of the last step), or of the check rows
+    the replay wrote when ``mine`` has no columns (:data:`OWN`: the others); else 0 (Python compares and
+    names the difference). Returns :data:`ASK_PARSER` (not read: nothing else), :data:`F_READ`
+    for a frame with request ids (read only: Python's replay adds them), or what
+    :func:`replay_step` returns."""
     if read_step_frame(frame, fixed, lid, want, widths, vals, shapes, out, starts) != OK:
         return ASK_PARSER, 0, 0, 0, 0, np.zeros(0, np.int64), np.zeros(0, np.bool_), False
     if vals[6] != 0:
         return F_READ, 0, 0, 0, 0, np.zeros(0, np.int64), np.zeros(0, np.bool_), False
-    return replay_step(out, starts, vals[VALS_HEAD:VALS_HEAD + vals[3]], at, check, meta, active, token_ids, block_table, compressed,
-                       p, mark, err, lookback, stack, nfree, scratch, k, table, raw, fo, shape, ferr, info, code, dry)
+    got = replay_step(out, starts, vals[VALS_HEAD:VALS_HEAD + vals[3]], at, check, meta, active, token_ids,
+                      block_table, compressed, p, mark, err, lookback, stack, nfree, scratch, k, table, raw, fo,
+                      shape, ferr, info, code, dry)
+    if got[0] == F_DONE:
+        vals[7] = _same(out[starts[_LAST]:starts[_LAST + 1]], mine if mine.shape[1] else check[:got[4]])
+    return got
+
+
+@kernel
+def _same(col: np.ndarray, rows: np.ndarray) -> int:
+    """1 when ``col`` (a ``batch_digest`` column, 4 values a row) holds exactly ``rows``."""
+    if col.shape[0] != 4 * rows.shape[0] or rows.shape[1] != 4:
+        return 0
+    for i in range(rows.shape[0]):
+        for j in range(4):
+            if col[4 * i + j] != rows[i, j]:
+                return 0
+    return 1
