@@ -259,7 +259,7 @@ def prepare_decode(
 def _metadata(tg: _Target, n: int, T: int, info: np.ndarray) -> InputMetadata:
     """The metadata of an arena the kernel filled (``info``: its max seqlen_q / seqlen_k)."""
     v = tg.values.copy()
-    v[:5] = False, n, T, int(info[0]), int(info[1])  # _FIELDS' first five
+    v[:5] = False, n, T, *info.tolist()  # _FIELDS' first five
     for i, d in tg.row_at:
         v[i] = dict(d)  # the metadata's own dict (a caller may replace its entries)
     return InputMetadata(*v)

@@ -75,10 +75,12 @@ class DecodeSink:
 
     def result(self) -> Optional[InputMetadata]:
         """The metadata the caller's kernel filled this step, else ``None`` (call :meth:`build`)."""
-        if self._code[0] != 0 or self._tg is None:
+        tg = self._tg
+        if tg is None or self._code[0] != 0:
             return None
         self.filled += 1
-        return _metadata(self._tg, int(self._want[1]), int(self._want[0]), self._tg.info)
+        t, n, _ = self._want.tolist()
+        return _metadata(tg, n, t, tg.info)
 
     def build(self, batch: SequenceBatch) -> InputMetadata:
         """``prepare_decode(batch, cfg, out=arenas)``; later steps aim at this batch's shape."""
