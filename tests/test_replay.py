@@ -55,7 +55,7 @@ def flat_columns(cols: list[np.ndarray]) -> Columns:
     follower holds them after ``read_region``."""
     buf = np.concatenate([c.ravel() for c in cols])
     starts = np.array([0, *itertools.accumulate(c.size for c in cols)], np.int64)
-    return Columns(buf, starts, tuple(d for c in cols for d in c.shape))
+    return Columns(buf, starts)
 
 
 def _state(cfg_name: str) -> BatchState:

@@ -107,7 +107,7 @@ def apply_step(state: BatchState, cols: Columns, req_ids: list[Any], spec: list[
                  else state.gathered(gbuf, ph, vouched, False)], check[:crow], [md])
     if len(spec) % SPEC_WORDS:
         raise ReplicaError(f"step frame: {len(spec)} spec values, not a multiple of {SPEC_WORDS}")
-    buf, starts, _ = cols
+    buf, starts = cols
     runs = cols.col(0)
     at, end = starts[:-1].copy(), starts[1:]
     at[_RUNS], at[_DIGEST] = end[_RUNS], end[_DIGEST]  # no run reads them: read to their end
@@ -186,7 +186,7 @@ def warm_replay(state: BatchState, cols: Columns, sink: Optional[DecodeSink] = N
     call with the state's arrays from the end of the runs (nothing applied), the fused one with a
     ``sink`` (:class:`~cpmeta.builders.decode_sink.DecodeSink`) -- a spinning follower's warm after
     a frame too large to read again (``ReplicatedBatchState.warm``)."""
-    buf, starts, _ = cols
+    buf, starts = cols
     runs = cols.col(0)
     args = (len(runs), runs, buf, starts[:-1].copy(), starts[1:], _NO_WORDS, 0, *state.kernel_arrays(), _NO_CHECK, 0,
             state.lookback, False, *_NO_FREE)

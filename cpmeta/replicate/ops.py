@@ -75,12 +75,16 @@ assert (ops_njit.SPEC_CODE, ops_njit.RUNS, ops_njit.ADD_META, ops_njit.ADD_TOKEN
 
 class Columns(NamedTuple):
     """A step's columns as ONE int64 buffer: column ``i`` at ``buf[starts[i]:starts[i + 1]]``
-    (what the compiled replay walks), ``dims`` the frame's flat dims (``[k, w]`` for a wide
-    column). :meth:`col` is one column's view, :attr:`named` all of them by name."""
+    (what the compiled replay walks). :meth:`col` is one column's view, :attr:`named` all of
+    them by name, :attr:`dims` the frame's flat dims (``[k, w]`` for a wide column)."""
 
     buf: np.ndarray
     starts: np.ndarray
-    dims: tuple[int, ...]
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        sizes = np.diff(self.starts).tolist()
+        return tuple(d for k, w in zip(sizes, _WIDTH) for d in ((k,) if w == 1 else (k // w, w)))
 
     @property
     def nbytes(self) -> int:
@@ -268,7 +272,7 @@ class OpLog:
         if total < 0:  # the region grows (rarely: it doubles)
             self._region = np.zeros(max(-total, 2 * len(self._region), 256), np.int64)
             total = self.pack_into(batch_digest, self._region)
-        return Columns(self._region[:total], self._starts, tuple(self._dims.tolist()))
+        return Columns(self._region[:total], self._starts)
 
     def layout(self, batch_digest: np.ndarray) -> tuple[tuple[int, ...], int]:
         """The frame's dims and its region's int64 values for the log and ``batch_digest`` as they

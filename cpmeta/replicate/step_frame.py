@@ -107,7 +107,7 @@ def read_region(frame: Frame, shapes: np.ndarray, data: np.ndarray) -> tuple[Col
         frame.plan.check_tensors(frame.dims, True, tbytes, len(data))  # names the shapes it refuses
         raise WireError(f"step frame: {len(shapes)} shape words and {len(data)} region bytes refused "
                         f"for {tbytes} column bytes")
-    return Columns(out[:tbytes // 8], starts, frame.dims), out
+    return Columns(out[:tbytes // 8], starts), out
 
 
 _N_DIMS = int(sum(2 if w > 1 else 1 for w in WIDTHS.tolist()))  # a step frame's shape words
@@ -222,7 +222,7 @@ class StepReader:
             except CodecError:
                 return None
         self._turn, self.checked = turn ^ 1, checked == 1
-        cols = Columns(out[:starts[-1]], starts, tuple(self._shapes.tolist()))
+        cols = Columns(out[:starts[-1]], starts)
         words = v[VALS_HEAD:VALS_HEAD + k]
         if fuse is not None and fused is None and k == SPEC_WORDS and not n_ids:  # another shape: aimed, once more
             fused = self.fused.apply(cols, words, *fuse, again=True)
