@@ -25,7 +25,9 @@ first, checksummed ones) the parser's and ``read_region``'s ("parse", "columns":
 that took that path; "frames read compiled" counts the compiled ones among the last followers'),
 
 with ``sync_metadata`` (a decode step's build inside the replay's call: "build" is then what the
-replay left, a prompt step's build).
+replay left, a prompt step's build); "after the one call" is a follower's Python from that call's
+return to its metadata (the steps built in the read), "send -> compiled write" the driver's
+Python from ``send_step`` to its compiled write.
 
 The steps are ``bench_step.py``'s decode trace (``StepTrace``: accepted tokens, block growth,
 finishes and adds every step); before each, a barrier and the driver idles ``--park-ms``.
@@ -49,6 +51,7 @@ DRIVER = (("record", "t0", "record<"), ("announce", "begin_step>", "begin_step<"
           ("write + publish", "direct>", "direct<"),
           ("own apply", "_apply_deferred>", "_apply_deferred<"), ("of which fused", "fused>", "fused<"),
           ("then apply_step", "apply_step>", "apply_step<"), ("build", "_sync<", "end"),
+          ("send -> compiled write", "send_step>", "direct>"),
           ("check verdict", "_check_verdict>", "_check_verdict<"))
 FOLLOWER = (("replay + check", "apply_step>", "apply_step<"),
             ("of which replay + build (--split-read)", "replay_decode>", "replay_decode<"),
@@ -104,6 +107,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
 
     def followed(*a: Any) -> Any:  # the read's call: did it replay and build the step too?
         got = follow(*a)
+        stamps["follow<"] = pc()
         stamps["built in the read"] = float(got[0] == F_DONE)
         return got
 
@@ -111,7 +115,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
     _stamp(stamps, step_frame, "send_step_frame", "direct")  # claimed, written and published in one call
     _stamp(stamps, step_frame, "step_frame_size", "layout")  # the compiled writer's frames: its sizes,
     _stamp(stamps, channel.FrameChannel, "publish_written", "publish")  # then the frame written whole
-    for owner, name in ((replicated, "apply_step"), (step_frame, "read_region"),
+    for owner, name in ((replicated, "apply_step"), (replicated, "send_step"), (step_frame, "read_region"),
                         (channel.FrameChannel, "prepare"), (channel.FrameChannel, "publish"),
                         (wire.FrameReader, "parse"), (ops.OpLog, "layout"),
                         (replicated.ReplicatedBatchState, "_apply_deferred"),
@@ -197,6 +201,8 @@ def summarize(every: list[list[dict[str, float]]]) -> dict[str, Any]:
                   "frames published mid-warm": f"{sum(_mid_warm(f, c) for f, c in zip(fol, pub))}/{len(fol)}",
                   "to replay": _p50([f["apply_step>"] - f[b] for f, b in zip(fol, end) if b in f and "apply_step>" in f])}
         stages.update({k: _p50([s[b] - s[a] for s in fol if a in s and b in s]) for k, a, b in FOLLOWER})
+        stages["after the one call"] = _p50([f["end"] - f["follow<"] for f in fol  # its metadata from the call's return
+                                             if f.get("built in the read") and "follow<" in f])
         stages["frames read compiled"] = f"{sum(fast)}/{len(fast)}"
         stages["steps built in the read"] = f"{int(sum(f.get('built in the read', 0.0) for f in fol))}/{len(fol)}"
         out["last follower"] = stages
