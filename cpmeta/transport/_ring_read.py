@@ -115,7 +115,7 @@ class RingReader:
         size, n = self.handle.slot_size, self.handle.num_slots
         tail = self._w.tails[i].value
         while True:
-            self._wait_data(tail + 1, None)  # idle: bounded by the writer's life, not a clock
+            head = self._wait_data(tail + 1, None)  # idle: bounded by the writer's life, not a clock
             pos = self._data_at + (tail % n) * size
             length, kind, pad = MSG_HEADER.unpack_from(self._buf, pos)
             if kind == KIND_PAD and 1 <= pad <= n:
@@ -130,10 +130,10 @@ class RingReader:
             raise ValueError(f"ShmRing reader: message of {length} bytes exceeds "
                              f"CPMETA_MAX_MESSAGE_BYTES={limit}")
         k = cdiv(_HDR_LEN + length, size)
-        deadline = self._deadline(timeout)  # the message is in flight from here on
-        if k > n:
-            return consumer(self._stream_in(tail, length, k, deadline), True)
-        self._wait_data(tail + k, deadline)
+        if k > n:  # the message is in flight from here on: bounded by the timeout
+            return consumer(self._stream_in(tail, length, k, self._deadline(timeout)), True)
+        if head < tail + k:  # (a message of one slot is in whole already)
+            self._wait_data(tail + k, self._deadline(timeout))
         view = self._buf[pos + _HDR_LEN:pos + _HDR_LEN + length]
         try:
             return consumer(view, False)
