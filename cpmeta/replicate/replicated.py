@@ -343,8 +343,9 @@ class ReplicatedBatchState(Recorder):
                    else "diverged")
             raise RuntimeError(f"rank {self.rank}: step {step}: this replica cannot apply the "
                                f"driver's step ({why}): {type(e).__name__}: {e}") from None
-        checked = fused is not None and fused[0] == F_DONE and getattr(self._reader, "checked", False)
-        self._compare(mine, None if checked else cols.col(_DIGEST), step)  # (checked: the compiled read compared)
+        reader = self._reader  # (a step the compiled read built: it compared the checks)
+        checked = fused is not None and fused[0] == F_DONE and reader is not None and reader.checked
+        self._compare(mine, None if checked else cols.col(_DIGEST), step)
         self._check_due = list(batches) if self._defer else None  # defer_apply: checked when the next sync begins
         if saved:
             self._warm_from = (saved[0], step, saved[1], cols, sink, [])

@@ -139,8 +139,7 @@ class FusedStep:
         """None when nothing was applied, else ``(status, replay's return, cursors, check buffer)``."""
         if got[0] == F_READ or got[0] == ASK_PARSER:
             return None
-        check = self._checks[self.count & 1]
-        self.count += 1
+        check, self.count = self._checks[self.count & 1], self.count + 1
         return got[0], got[1:], self._at, check
 
     def apply(self, cols: Columns, words: Any, state: BatchState, sink: DecodeSink, again: bool = False) -> Any:
@@ -197,7 +196,7 @@ class StepReader:
         ``refresh()``), what the same call applied (:meth:`FusedStep.took`; nothing for a step
         that adds requests). None when the compiled read does not take the frame (the parser
         decides, and names what is wrong: request ids the codec refuses, e.g.). ``dry``: the warm's
-        read (None). ``checked``: the step it built had ``mine`` (:data:`OWN`: its own check) as digest."""
+        read (None). :attr:`checked`: the frame's ``batch_digest`` is ``mine`` (:data:`OWN`: its check)."""
         if self.lid < 0:
             return None
         frame = np.frombuffer(view, np.uint8)
@@ -306,7 +305,8 @@ def _send_direct(ring: Any, fixed: np.ndarray, lid: int, frame_step: int, step: 
                                ids, words, flat, off, n, dims, starts, digest, WIDTHS, MAX_VALUES_BYTES))
 
 
-def receive_step(ch: Any, reader: Optional[StepReader], keep: bool, fuse: Optional[tuple[BatchState, DecodeSink]] = None,
+def receive_step(ch: Any, reader: Optional[StepReader], keep: bool,
+                 fuse: Optional[tuple[BatchState, DecodeSink]] = None,
                  mine: np.ndarray = OWN) -> tuple[Columns, list[Any], list[Any], Any]:
     """A follower's next step frame from ``ch`` (its ``FrameChannel``): the columns, the values
     ``[step, check, request ids, spec words]``, the saved frame and what the compiled call
