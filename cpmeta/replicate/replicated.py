@@ -297,7 +297,7 @@ class ReplicatedBatchState(Recorder):
         if self._defer:  # sent: now the driver's replica takes the step, as every follower's
             cols, specs = log.pack(digest), list(log.specs)  # (its specs made from them when read, as a follower's)
             self._specs, self._specs_at = None, (cols, specs)
-            batches, mds = self._apply_deferred(step, check, cols, list(log.req_ids), specs, sink)
+            batches, mds = self._apply_deferred(step, check, cols, list(log.req_ids), specs, sink, log.words)
         else:
             self._specs = tuple(self._pending)  # (made at the calls)
         self._log, self._next = self._next, log  # calls after the last spec open the next step
@@ -305,12 +305,14 @@ class ReplicatedBatchState(Recorder):
         self._pending, self._batches = [], []
         return batches, mds
 
-    def _apply_deferred(self, step: int, check: bool, cols: Columns, req_ids: list[Any],
-                        spec: list[int], sink: Optional[DecodeSink]) -> tuple[list[Any], list[Any]]:
-        """``defer_apply`` driver, after sending: its own replica applies the step; a call the
-        state refuses is the driver's ``ValueError`` (every follower refuses it the same way)."""
+    def _apply_deferred(self, step: int, check: bool, cols: Columns, req_ids: list[Any], spec: list[int],
+                        sink: Optional[DecodeSink], words: np.ndarray) -> tuple[list[Any], list[Any]]:
+        """``defer_apply`` driver, after sending: its own replica applies the step (``words``:
+        ``spec`` as the log's int64); a call the state refuses is the driver's ``ValueError``
+        (every follower refuses it the same way)."""
         try:  # a decode step of the last shape: replayed and built in one call, as on a follower
-            fused = None if sink is None or self._reader is None else self._reader.fused.apply(cols, spec, self.state, sink)
+            fused = None if sink is None or self._reader is None else \
+                self._reader.fused.apply(cols, spec, self.state, sink, False, words)
             batches, self._prev_check, mds = apply_step(self.state, cols, req_ids, spec, sink, lazy=True, fused=fused)
         except (ReplicaError, ValueError, IndexError) as e:
             self._broken = f"step {step}: a call the state refused: {e}"
