@@ -53,6 +53,8 @@ def _log(n: int, seed: int, drafts: int = 0, specs: int = 1, ids: Sequence[Any] 
     for _i in range(specs):
         d = np.arange(n * drafts, dtype=np.int64)
         log.batch_spec(False, slots, np.zeros(0, np.int64), d, 1, True, drafts if drafts else -2)
+    # the words the spec kernel wrote, from the calls' arguments (what every frame carries)
+    assert log.specs == [0, 1, 1, drafts if drafts else -2, n, 0, n * drafts] * specs, log.specs
     return log
 
 

@@ -131,7 +131,7 @@ class OpLog:
     def __init__(self, max_seqs: int) -> None:
         # run id that last touched each slot: a slot already in the current run starts a new one
         self._seen = np.zeros(max_seqs, np.int64)
-        self._st = np.array([0, -1, 0], np.int64)  # [run id, open run's code (-1: none), spec words]
+        self._st = np.array([0, -1], np.int64)  # [run id, open run's code (-1: none)]
         per = 4 * max_seqs + 64
         self._cap = np.array([per * w for w in _WIDTH[:_DIGEST]], np.int64)  # int64 values per column
         self._off = np.zeros(_DIGEST, np.int64)
@@ -142,8 +142,7 @@ class OpLog:
         self._dims = np.zeros(sum(2 if w > 1 else 1 for w in _WIDTH), np.int64)
         self._starts = np.zeros(len(COLUMNS) + 1, np.int64)
         self.req_ids: list[Any] = []
-        self.specs: list[int] = []  # SPEC_WORDS values per batch spec, in call order
-        self._words = np.zeros(SPEC_WORDS * 8, np.int64)  # the same, as log_spec wrote them (:attr:`words`)
+        self._words, self._nw = np.zeros(SPEC_WORDS * 8, np.int64), 0  # the specs' words, as log_spec wrote them
         self.clear()
 
     def _layout(self, cap: np.ndarray) -> None:
@@ -169,27 +168,33 @@ class OpLog:
 
     def clear(self) -> None:
         self._n[:] = 0
-        self._st[:] = self._st[0] + 1, -1, 0
+        self._st[0] += 1
+        self._st[1] = -1
+        self._nw = 0
         self.req_ids.clear()
-        self.specs.clear()
 
     def extend(self, other: "OpLog") -> None:
         """Append ``other``'s runs and columns after this log's (calls made later)."""
         self._call(log_extend, self._st, other._flat, other._off, other._n)
         self.req_ids += other.req_ids
-        self.specs += other.specs
-        self._room(0)
-        self._words[:len(self.specs)] = self.specs
-        self._st[2] = len(self.specs)
+        self._room(other._nw)
+        self._words[self._nw:self._nw + other._nw] = other.words
+        self._nw += other._nw
 
     @property
     def words(self) -> np.ndarray:
-        """:attr:`specs` as int64 (a view, valid until the next spec or :meth:`clear`)."""
-        return self._words[:len(self.specs)]
+        """The batch specs' values, :data:`SPEC_WORDS` per spec in call order, as ``log_spec``
+        wrote them (int64; a view, valid until the next spec or :meth:`clear`)."""
+        return self._words[:self._nw]
+
+    @property
+    def specs(self) -> list[int]:
+        """:attr:`words` as a list of ints (a copy)."""
+        return self._words[:self._nw].tolist()
 
     def _room(self, more: int) -> None:
-        """:attr:`words` holds ``len(specs) + more`` values (doubled when it would not)."""
-        need = len(self.specs) + more
+        """:attr:`words` has room for ``more`` values after its own (doubled when it would not)."""
+        need = self._nw + more
         if need > len(self._words):
             self._words = np.concatenate([self._words, np.zeros(max(need, len(self._words)), np.int64)])
 
@@ -254,14 +259,13 @@ class OpLog:
         (nothing recorded) when ``live`` is given (as for :meth:`ragged`) and a slot is not live
         or appears twice."""
         self._room(SPEC_WORDS)
-        w, p, a = self._words, int(is_prompt), int(advance)
+        w, p, a = self._words[self._nw:], int(is_prompt), int(advance)
         got = log_spec(self._flat, self._off, self._cap, self._n, self._st, slots, lens, drafts, *live, w, p,
                        num_placeholders, a, uniform)
         if got > 0:
             got = self._call(log_spec, self._st, slots, lens, drafts, *live, w, p, num_placeholders, a, uniform)
         if got == 0:
-            self.specs += [int(is_prompt), int(num_placeholders), int(advance), int(uniform), len(slots),
-                           len(lens), len(drafts)]
+            self._nw += SPEC_WORDS
         return got
 
     # ---- the frame ----------------------------------------------------------------------------

@@ -196,8 +196,8 @@ def log_spec(flat: np.ndarray, off: np.ndarray, cap: np.ndarray, n: np.ndarray, 
              err: np.ndarray, words: np.ndarray, is_prompt: int, n_ph: int, advance: int, uniform: int) -> int:
     """A batch spec: its own ``SPEC`` run of one, the slots / lens / drafts columns; the next
     call opens a new run; its words ``[is_prompt, n_ph, advance, uniform, #slots, #lens,
-    #drafts]`` at ``words[st[2]:]`` (the caller sized it; ``st[2]`` moves past them). Nothing
-    written and -3 when ``active`` is given and a slot is not live or appears twice (as
+    #drafts]`` in ``words[:7]`` (the caller's view, past the words it holds). Nothing written
+    and -3 when ``active`` is given and a slot is not live or appears twice (as
     :func:`log_ragged`)."""
     if len(active) and check_slots(slots, active, mark, err):
         return -3
@@ -209,10 +209,8 @@ def log_spec(flat: np.ndarray, off: np.ndarray, cap: np.ndarray, n: np.ndarray, 
         st[0] += 1
         st[1] = -1
         _put3(flat, off, n, SPEC_SLOTS, slots, lens, drafts)
-        w = words[st[2]:st[2] + 7]
-        w[0], w[1], w[2], w[3] = is_prompt, n_ph, advance, uniform
-        w[4], w[5], w[6] = len(slots), len(lens), len(drafts)
-        st[2] += 7
+        words[0], words[1], words[2], words[3] = is_prompt, n_ph, advance, uniform
+        words[4], words[5], words[6] = len(slots), len(lens), len(drafts)
     return lack
 
 

@@ -295,7 +295,7 @@ class ReplicatedBatchState(Recorder):
         self._written += send_step(self._ch, self._key, log, digest, step, check, self._fixed)
         mds: list[Any] = [None] * len(batches)
         if self._defer:  # sent: now the driver's replica takes the step, as every follower's
-            cols, specs = log.pack(digest), list(log.specs)  # (its specs made from them when read, as a follower's)
+            cols, specs = log.pack(digest), log.specs  # (its specs made from them when read, as a follower's)
             self._specs, self._specs_at = None, (cols, specs)
             batches, mds = self._apply_deferred(step, check, cols, list(log.req_ids), specs, sink, log.words)
         else:

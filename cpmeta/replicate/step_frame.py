@@ -282,7 +282,7 @@ def send_step(ch: Any, key: tuple, log: OpLog, digest: np.ndarray, step: int, ch
             ch.publish_written(data_at + pack_up(8 * total), write_all)
             return True
     dims_t, total = log.layout(digest)  # the frame's region, packed below straight into its slot
-    prep = ch.prepare(key, [step, check, list(log.req_ids), list(log.specs)], dims_t, one_run=8 * total, made=True)
+    prep = ch.prepare(key, [step, check, list(log.req_ids), log.specs], dims_t, one_run=8 * total, made=True)
 
     def write(view: memoryview, addr: int, data_at: int) -> None:
         if log.pack_into(digest, np.frombuffer(view, np.int64, total, data_at)) != total:  # one compiled copy
