@@ -712,6 +712,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--spin-us", type=float, default=None, help="CPMETA_SHM_SPIN_US for the ranks")
     p.add_argument("--split-read", action="store_true",
                    help="followers' compiled read without the replay; apply_step's call replays and builds")
+    p.add_argument("--lean", action="store_true",
+                   help="stamp only the publish, the compiled calls and each rank's end (what the stages cost)")
     p.add_argument("--check-every", type=int, default=64, help="ReplicatedBatchState's check_every")
     p.add_argument("--max-model-len", type=int, default=8192, help="the config's (the replica's token rows)")
     p.add_argument("--steps", type=int, default=150)

@@ -29,6 +29,14 @@ replay left, a prompt step's build); "after the one call" is a follower's Python
 return to its metadata (the steps built in the read), "send -> compiled write" the driver's
 Python from ``send_step`` to its compiled write.
 
+``--lean``: only the publish (the end of the driver's one compiled write), each follower's
+compiled read and the driver's own fused replay + build are stamped, and each rank's end (every
+stamp above wraps a call that the step then pays: world 2 decode-64 on the 2-vCPU VM, 132-134
+µs end to end fully stamped against 126-127 lean, 2026-12-07). It prints the driver's record, its
+publish, its own apply after the publish (before / in / after the fused call) and the last
+follower's (the publish to its call, the call, the call to its end), with the share of steps
+the driver held its metadata last.
+
 The steps are ``bench_step.py``'s decode trace (``StepTrace``: accepted tokens, block growth,
 finishes and adds every step); before each, a barrier and the driver idles ``--park-ms``.
 """
@@ -44,6 +52,7 @@ from typing import Any
 import numpy as np
 
 pc = time.perf_counter
+_LEAN = [False]  # --lean: the few stamps of LEAN alone
 
 #: (driver stage, from stamp, to stamp); ``>`` = a wrapped call's start, ``<`` its end
 DRIVER = (("record", "t0", "record<"), ("announce", "begin_step>", "begin_step<"), ("layout", "layout>", "layout<"), ("prepare", "prepare>", "prepare<"),
@@ -64,6 +73,8 @@ def _stamp(stamps: dict[str, float], owner: Any, name: str, as_name: str = "") -
     """Wrap ``owner.name`` in this process: its last call's start / end go to ``stamps`` (under
     ``as_name`` when given: two calls that time one stage)."""
     f, key = getattr(owner, name), as_name or name
+    if _LEAN[0] and key not in ("direct", "fused"):
+        return
 
     def timed(*a: Any, **k: Any) -> Any:
         stamps[key + ">"] = pc()
@@ -93,6 +104,8 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
     stamps: dict[str, float] = {}
     import cpmeta.replicate.step_frame as step_frame
 
+    _LEAN[0] = args.lean
+
     if args.split_read:  # the compiled read alone: apply_step's own call then replays and builds
         read = step_frame.StepReader.read
 
@@ -106,6 +119,7 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
     follow = step_frame.follow_decode
 
     def followed(*a: Any) -> Any:  # the read's call: did it replay and build the step too?
+        stamps["follow>"] = pc()
         got = follow(*a)
         stamps["follow<"] = pc()
         stamps["built in the read"] = float(got[0] == F_DONE)
@@ -209,15 +223,38 @@ def summarize(every: list[list[dict[str, float]]]) -> dict[str, Any]:
     return out
 
 
+#: --lean's stages: (side, name, from stamp, to stamp); "pub" is the driver's publish (its "direct<")
+LEAN = (("driver", "record", "t0", "record<"), ("driver", "publish", "t0", "pub"),
+        ("driver", "publish -> own fused call", "pub", "fused>"), ("driver", "own fused call", "fused>", "fused<"),
+        ("driver", "fused call -> end", "fused<", "end"), ("driver", "publish -> end", "pub", "end"),
+        ("last follower", "publish -> its call", "pub", "follow>"), ("last follower", "its call", "follow>", "follow<"),
+        ("last follower", "call -> end", "follow<", "end"), ("last follower", "publish -> end", "pub", "end"))
+
+
+def summarize_lean(every: list[list[dict[str, float]]]) -> dict[str, Any]:
+    """p50 µs of :data:`LEAN`'s stages (the follower's: the one that held its metadata last)."""
+    drv, n = every[0], len(every[0])
+    last = [max(range(len(every)), key=lambda r: every[r][i]["end"]) for i in range(n)]
+    lastf = [max(range(1, len(every)), key=lambda r: every[r][i]["end"]) for i in range(n)] if len(every) > 1 else []
+    out: dict[str, Any] = {"end_to_end": _p50([every[r][i]["end"] - drv[i]["t0"] for i, r in enumerate(last)]),
+                           "driver": {}, "last follower": {}}
+    for side, name, a, b in LEAN:
+        rows = [dict(drv[i], pub=drv[i].get("direct<")) if side == "driver" else
+                dict(every[lastf[i]][i], pub=drv[i].get("direct<"), t0=drv[i]["t0"]) for i in range(len(lastf) or n)]
+        out[side][name] = _p50([s[b] - s[a] for s in rows if s.get(a) is not None and s.get(b) is not None])
+    out["driver"]["held its metadata last"] = f"{sum(r == 0 for r in last)}/{n}"
+    return out
+
+
 def sync_main(args: argparse.Namespace, argv: list[str]) -> int:
     from bench_broadcast import run_world_procs
     from _harness.bench_meta import write_result
 
     if args.spin_us is not None:  # the ranks inherit it (their readers' spin after a message)
         os.environ["CPMETA_SHM_SPIN_US"] = str(args.spin_us)
-    res = summarize(run_world_procs(args.world, args, rank_main))
+    res = (summarize_lean if args.lean else summarize)(run_world_procs(args.world, args, rank_main))
     print(f"world {args.world} {args.model} {args.workload} defer_apply={args.defer} park {args.park_ms} ms, "
-          f"p50 us over {args.steps} steps")
+          f"p50 us over {args.steps} steps" + (" (lean stamps)" if args.lean else ""))
     print(f"  end to end {res['end_to_end']}" + (f" (steps with a replica check {res['end_to_end_check_steps']}, "
                                                    f"the steps after them {res['end_to_end_after_check_steps']}, "
                                                    f"the first of those {res.get('end_to_end_after_first_check')}, "
