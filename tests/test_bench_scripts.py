@@ -59,6 +59,24 @@ def test_other_benchmarks_quick(tmp_path: Path, script: str, args: list[str]) ->
     _check_run(json.loads(out.read_text()), script)
 
 
+def test_sync_lean_times_every_stage(tmp_path: Path) -> None:
+    """``sync --lean``: with only the publish, the compiled calls and the ends stamped, every
+    stage of the driver and of the last follower still comes out as a time (a stamp renamed in
+    the library would leave a stage empty: nan)."""
+    out = tmp_path / "o.json"
+    res = _run("profile_phases.py", "sync", "--defer", "--lean", "--steps", "6", "--warmup", "2", "--out", str(out))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    data = json.loads(out.read_text())
+    _check_run(data, "profile_phases.py")
+    got = data["results"]
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from _harness.sync_timeline import LEAN
+
+    stages = [got[side][name] for side, name, _, _ in LEAN]
+    assert all(isinstance(v, float) and v == v and v >= 0 for v in stages), got
+    assert got["end_to_end"] >= got["driver"]["publish"] > 0 and "(lean stamps)" in res.stdout
+
+
 def test_overlap_and_replicate_profile_run(tmp_path: Path) -> None:
     """The two sub-commands without a smoke case above: the overlapped loop on 2 CPU ranks (every
     step's checksum right) and the cProfile of the replicated step (its report printed)."""
