@@ -50,6 +50,7 @@ def test_bench_broadcast_quick(tmp_path: Path) -> None:
     ("profile_phases.py", ["broadcast", "--steps", "5", "--warmup", "2"]),
     ("profile_phases.py", ["inplace", "--repeat", "3"]),
     ("profile_phases.py", ["sync", "--defer", "--steps", "5", "--warmup", "2"]),  # follows the replica's stages
+    ("profile_phases.py", ["sync", "--defer", "--split-read", "--steps", "5", "--warmup", "2"]),  # its patched read
     ("profile_phases.py", ["replay", "--workload", "mixed", "--steps", "3"]),  # follows the recorder and the replay
 ], ids=lambda a: a if isinstance(a, str) else " ".join(a[:1]))
 def test_other_benchmarks_quick(tmp_path: Path, script: str, args: list[str]) -> None:

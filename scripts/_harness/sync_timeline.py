@@ -44,6 +44,7 @@ finishes and adds every step); before each, a barrier and the driver idles ``--p
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -52,7 +53,6 @@ from typing import Any
 import numpy as np
 
 pc = time.perf_counter
-_LEAN = [False]  # --lean: the few stamps of LEAN alone
 
 #: (driver stage, from stamp, to stamp); ``>`` = a wrapped call's start, ``<`` its end
 DRIVER = (("record", "t0", "record<"), ("announce", "begin_step>", "begin_step<"), ("layout", "layout>", "layout<"), ("prepare", "prepare>", "prepare<"),
@@ -69,11 +69,12 @@ FOLLOWER = (("replay + check", "apply_step>", "apply_step<"),
             ("check verdict", "_check_verdict>", "_check_verdict<"))
 
 
-def _stamp(stamps: dict[str, float], owner: Any, name: str, as_name: str = "") -> None:
+def _stamp(stamps: dict[str, float], lean: bool, owner: Any, name: str, as_name: str = "") -> None:
     """Wrap ``owner.name`` in this process: its last call's start / end go to ``stamps`` (under
-    ``as_name`` when given: two calls that time one stage)."""
+    ``as_name`` when given: two calls that time one stage); ``lean``: only the calls :data:`LEAN`
+    reads (the compiled write + publish, the driver's own fused call), the others left as they are."""
     f, key = getattr(owner, name), as_name or name
-    if _LEAN[0] and key not in ("direct", "fused"):
+    if lean and key not in ("direct", "fused"):
         return
 
     def timed(*a: Any, **k: Any) -> Any:
@@ -104,18 +105,17 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
     stamps: dict[str, float] = {}
     import cpmeta.replicate.step_frame as step_frame
 
-    _LEAN[0] = args.lean
-
+    stamp = functools.partial(_stamp, stamps, args.lean)
     if args.split_read:  # the compiled read alone: apply_step's own call then replays and builds
         read = step_frame.StepReader.read
 
-        def read_only(self: Any, view: Any, want: int, fuse: Any = None, dry: bool = False) -> Any:
-            return read(self, view, want, fuse if dry else None, dry)
+        def read_only(self: Any, view: Any, want: int, fuse: Any = None, dry: bool = False, *rest: Any) -> Any:
+            return read(self, view, want, fuse if dry else None, dry, *rest)
         step_frame.StepReader.read = read_only
         import cpmeta.replicate.apply as apply_mod
-        _stamp(stamps, apply_mod, "replay_decode")
-    _stamp(stamps, step_frame.StepReader, "read")
-    _stamp(stamps, step_frame.FusedStep, "apply", "fused")  # a defer_apply driver's own replay + build
+        stamp(apply_mod, "replay_decode")
+    stamp(step_frame.StepReader, "read")
+    stamp(step_frame.FusedStep, "apply", "fused")  # a defer_apply driver's own replay + build
     follow = step_frame.follow_decode
 
     def followed(*a: Any) -> Any:  # the read's call: did it replay and build the step too?
@@ -126,24 +126,24 @@ def rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out: s
         return got
 
     step_frame.follow_decode = followed
-    _stamp(stamps, step_frame, "send_step_frame", "direct")  # claimed, written and published in one call
-    _stamp(stamps, step_frame, "step_frame_size", "layout")  # the compiled writer's frames: its sizes,
-    _stamp(stamps, channel.FrameChannel, "publish_written", "publish")  # then the frame written whole
+    stamp(step_frame, "send_step_frame", "direct")  # claimed, written and published in one call
+    stamp(step_frame, "step_frame_size", "layout")  # the compiled writer's frames: its sizes,
+    stamp(channel.FrameChannel, "publish_written", "publish")  # then the frame written whole
     for owner, name in ((replicated, "apply_step"), (replicated, "send_step"), (step_frame, "read_region"),
                         (channel.FrameChannel, "prepare"), (channel.FrameChannel, "publish"),
                         (wire.FrameReader, "parse"), (ops.OpLog, "layout"),
                         (replicated.ReplicatedBatchState, "_apply_deferred"),
                         (replicated.ReplicatedBatchState, "_sync"), (replicated.ReplicatedBatchState, "begin_step"),
                         (replicated.ReplicatedBatchState, "_check_verdict")):
-        _stamp(stamps, owner, name)
+        stamp(owner, name)
     mml = args.max_model_len
     cfg = plain_config(max_model_len=mml) if args.model == "plain" else default_config(max_model_len=mml)
     trace = StepTrace(cfg, args.workload, 0)
     rep = cpmeta.ReplicatedBatchState(cfg, trace.max_seqs, defer_apply=args.defer, timeout=args.timeout,
                                       check_every=args.check_every)
     if rep._ch.objects.ring is not None:  # noqa: SLF001 - the ring's commit is the frame's publish
-        _stamp(stamps, rep._ch.objects.ring, "commit")  # noqa: SLF001
-        _stamp(stamps, rep._ch.objects.ring, "_run_warm")  # noqa: SLF001 - a follower's warm while it spins
+        stamp(rep._ch.objects.ring, "commit")  # noqa: SLF001
+        stamp(rep._ch.objects.ring, "_run_warm")  # noqa: SLF001 - a follower's warm while it spins
     arenas = cpmeta.OutputArenas()
     rows = []
     for _ in range(args.warmup + args.steps):
