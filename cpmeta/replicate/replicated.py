@@ -312,7 +312,7 @@ class ReplicatedBatchState(Recorder):
         (every follower refuses it the same way)."""
         try:  # a decode step of the last shape: replayed and built in one call, as on a follower
             fused = None if sink is None or self._reader is None else \
-                self._reader.fused.apply(cols, spec, self.state, sink, False, words)
+                self._reader.fused.apply(cols, words, self.state, sink)
             batches, self._prev_check, mds = apply_step(self.state, cols, req_ids, spec, sink, lazy=True, fused=fused)
         except (ReplicaError, ValueError, IndexError) as e:
             self._broken = f"step {step}: a call the state refused: {e}"

@@ -142,19 +142,18 @@ class FusedStep:
         check, self.count = self._checks[self.count & 1], self.count + 1
         return got[0], got[1:], self._at, check
 
-    def apply(self, cols: Columns, words: Any, state: BatchState, sink: DecodeSink, again: bool = False,
-              w: Any = None) -> Any:
-        """The step of ``cols`` and spec words ``words`` (``w``: as int64, if held) on ``state``,
-        the sink aimed at the shape its words name (as ``apply_step`` aims it); None (nothing
-        applied) unless one decode spec. ``again``: the call with the sink's last aim took nothing
-        (None at once when the aim was already this shape: the step is not one the call takes)."""
+    def apply(self, cols: Columns, words: Any, state: BatchState, sink: DecodeSink, again: bool = False) -> Any:
+        """The step of ``cols`` and spec words ``words`` (ints; an int64 array is taken as it is) on
+        ``state``, the sink aimed at the shape its words name (as ``apply_step`` aims it); None
+        (nothing applied) unless one decode spec. ``again``: the call with the sink's last aim took
+        nothing (None at once when the aim was already this shape: the step is not one the call takes)."""
         if len(words) != SPEC_WORDS or words[0] != 0:
             return None
         n, t = int(words[4] + words[1]), int(words[4] + words[1] + words[6])
         if again and sink.aimed(t, n):
             return None
         sink.refresh(t, n)
-        w = np.asarray(words, np.int64) if w is None else w
+        w = np.asarray(words, np.int64)
         return self.took(replay_step(cols.buf, cols.starts, w, *self.tail(state, sink, False)))
 
 
